@@ -1,0 +1,139 @@
+//! Byte-exact page layouts. A page holds `tokens` tokens of one (sequence, kv head) in one
+//! tier: a 16-byte [`PageHeader`], then the tier's *segment*: structure-of-arrays payload,
+//! each array 16-byte aligned so the decode kernel stages it with 16-byte `cp.async`.
+//! The page is padded to the spec's alignment. `docs/LAYOUT.md` is checked against this code.
+
+use crate::scheme::{spherical_index_bytes, KeyScheme, ValueScheme, RADIUS_BITS};
+use crate::spec::Tier;
+
+/// Bytes of the fixed page header.
+pub const HEADER_BYTES: usize = 16;
+/// `"KVF1"` read as a little-endian u32.
+pub const PAGE_MAGIC: u32 = u32::from_le_bytes(*b"KVF1");
+
+/// The fixed page header: `magic u32 | tier u8 | flags u8 | reserved u16 | length u32 |
+/// checksum u32`, little endian. `checksum` is FNV-1a over bytes 0..12, so a torn or stale
+/// header (wrong tier, impossible length) is caught when the runtime maps the page.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PageHeader {
+    pub tier: u8,
+    pub flags: u8,
+    pub length: u32,
+}
+
+impl PageHeader {
+    pub fn to_bytes(self) -> [u8; HEADER_BYTES] {
+        let mut b = [0u8; HEADER_BYTES];
+        b[0..4].copy_from_slice(&PAGE_MAGIC.to_le_bytes());
+        b[4] = self.tier;
+        b[5] = self.flags;
+        b[8..12].copy_from_slice(&self.length.to_le_bytes());
+        let c = fnv1a(&b[0..12]);
+        b[12..16].copy_from_slice(&c.to_le_bytes());
+        b
+    }
+
+    /// Parses and verifies a header; `Err` says what is wrong.
+    pub fn from_bytes(b: &[u8]) -> Result<PageHeader, String> {
+        if b.len() < HEADER_BYTES {
+            return Err(format!("header is {} bytes, expected {HEADER_BYTES}", b.len()));
+        }
+        let magic = u32::from_le_bytes(b[0..4].try_into().unwrap());
+        if magic != PAGE_MAGIC {
+            return Err(format!("bad magic {magic:#010x}"));
+        }
+        let stored = u32::from_le_bytes(b[12..16].try_into().unwrap());
+        let actual = fnv1a(&b[0..12]);
+        if stored != actual {
+            return Err(format!("checksum {stored:#010x} does not match {actual:#010x}"));
+        }
+        Ok(PageHeader { tier: b[4], flags: b[5], length: u32::from_le_bytes(b[8..12].try_into().unwrap()) })
+    }
+}
+
+/// FNV-1a, 32 bit. The CUDA header `kvforge/page.cuh` implements the same function.
+pub fn fnv1a(bytes: &[u8]) -> u32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for &b in bytes {
+        h ^= b as u32;
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h
+}
+
+/// One array inside a segment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArrayLayout {
+    /// Name in the domain: `k`, `k_codes`, `k_scale`, `k_zero`, `k_radius`, `k_index`, `v`, ...
+    pub name: &'static str,
+    /// Offset from the start of the segment (the page offset adds [`HEADER_BYTES`]).
+    pub offset: usize,
+    pub bytes: usize,
+    /// Rows × row bytes, for documentation.
+    pub rows: usize,
+    pub row_bytes: usize,
+}
+
+/// Layout of one tier's segment for one head dim and page size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentLayout {
+    pub arrays: Vec<ArrayLayout>,
+    /// Segment bytes, 16-byte aligned.
+    pub bytes: usize,
+    /// Bytes of the tier's payload and metadata alone (the spec's cost × tokens).
+    pub payload_bytes: usize,
+    /// Whole page: header + segment, padded to the spec's alignment.
+    pub page_bytes: usize,
+}
+
+fn align(x: usize, a: usize) -> usize {
+    x.div_ceil(a) * a
+}
+
+impl SegmentLayout {
+    pub fn new(tier: &Tier, d: usize, tokens: usize, alignment: usize) -> SegmentLayout {
+        let mut arrays = Vec::new();
+        let mut at = 0usize;
+        let mut push = |name: &'static str, rows: usize, row_bytes: usize| {
+            at = align(at, 16);
+            arrays.push(ArrayLayout { name, offset: at, bytes: rows * row_bytes, rows, row_bytes });
+            at += rows * row_bytes;
+        };
+        match &tier.key {
+            KeyScheme::Dense(_) => push("k", tokens, 2 * d),
+            KeyScheme::Int { bits, block, scale } => {
+                push("k_codes", tokens, d * *bits as usize / 8);
+                push("k_scale", tokens / block, d * scale.bytes());
+                push("k_zero", tokens / block, d * scale.bytes());
+            }
+            KeyScheme::Spherical { group, angle_bits, .. } => {
+                let g = d / group;
+                push("k_radius", tokens, g * RADIUS_BITS as usize / 8);
+                push("k_index", tokens, spherical_index_bytes(g, *angle_bits));
+            }
+            KeyScheme::Drop => {}
+        }
+        match &tier.value {
+            ValueScheme::Dense(_) => push("v", tokens, 2 * d),
+            ValueScheme::Int { bits, group, scale } => {
+                push("v_codes", tokens, d * *bits as usize / 8);
+                push("v_scale", tokens, (d / group) * scale.bytes());
+                push("v_zero", tokens, (d / group) * scale.bytes());
+            }
+            ValueScheme::Drop => {}
+        }
+        let bytes = align(at, 16);
+        let payload_bytes = tier.key.page_bytes(d, tokens) + tier.value.page_bytes(d, tokens);
+        let page_bytes = if bytes == 0 { 0 } else { align(HEADER_BYTES + bytes, alignment) };
+        SegmentLayout { arrays, bytes, payload_bytes, page_bytes }
+    }
+
+    pub fn array(&self, name: &str) -> Option<&ArrayLayout> {
+        self.arrays.iter().find(|a| a.name == name)
+    }
+
+    /// Offset of `name` from the start of the segment, or 0 when the tier has no such array.
+    pub fn offset(&self, name: &str) -> usize {
+        self.array(name).map_or(0, |a| a.offset)
+    }
+}

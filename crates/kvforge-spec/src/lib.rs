@@ -1,0 +1,47 @@
+//! # kvforge-spec: tier specs → validated IR
+//!
+//! A spec is a TOML file that says how a KV cache may store each token: a ladder of named
+//! **tiers**, each a (key scheme, value scheme) pair, the page geometry, and which tier
+//! combinations one decode launch must serve.
+//!
+//! ```toml
+//! [spec]
+//! name = "certified"
+//!
+//! [geometry]
+//! head_dims = [128]
+//! gqa = [4]
+//! dtype = "fp16"
+//!
+//! [page]
+//! tokens = 64
+//!
+//! [[tier]]
+//! name = "q8k4v"
+//! key = { scheme = "int", bits = 8, block = 16, scale_dtype = "fp32" }
+//! value = { scheme = "int", bits = 4, group = 16, scale_dtype = "fp16" }
+//! ```
+//!
+//! [`Spec::parse`] turns text into a [`Spec`] (parse, don't validate: only a `Spec` reaches the
+//! generator and the runtime) or a [`SpecError`] that names file, line, column and field.
+//! [`Spec::variants`] enumerates every kernel the generator renders, each named by one
+//! [`VariantId`]; [`SegmentLayout`] documents every tier's bytes.
+
+mod codebook;
+mod error;
+mod layout;
+mod raw;
+mod scheme;
+mod spec;
+mod variant;
+
+pub use codebook::{Codebook, CodebookError};
+pub use error::{SpecError, SpecErrorKind};
+pub use layout::{ArrayLayout, PageHeader, SegmentLayout, HEADER_BYTES, PAGE_MAGIC};
+pub use scheme::{DType, KeyScheme, ScaleDType, ValueScheme};
+pub use spec::{Geometry, KernelOptions, PageOptions, Spec, Tier, TierId, TAIL_TIER};
+pub use variant::{Family, TierCode, VariantId};
+
+/// Version of the generator contract: part of every generated file header and of every
+/// disk-cache key, so that a change here invalidates compiled kernels.
+pub const GENERATOR_VERSION: &str = concat!("kvforge-", env!("CARGO_PKG_VERSION"), "+layout1");

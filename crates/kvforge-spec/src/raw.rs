@@ -1,0 +1,78 @@
+//! The TOML shape of a spec, exactly as written. Fields that are cross-checked keep their
+//! spans so errors can point at them. Only `validate` turns this into a [`crate::Spec`].
+
+use serde::Deserialize;
+use toml::Spanned;
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct RawSpec {
+    pub spec: RawMeta,
+    pub geometry: RawGeometry,
+    #[serde(default)]
+    pub page: RawPage,
+    #[serde(rename = "tier")]
+    pub tiers: Spanned<Vec<RawTier>>,
+    #[serde(default)]
+    pub kernels: RawKernels,
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct RawMeta {
+    pub name: Spanned<String>,
+    #[serde(default)]
+    pub description: String,
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct RawGeometry {
+    pub head_dims: Spanned<Vec<Spanned<i64>>>,
+    pub gqa: Spanned<Vec<Spanned<i64>>>,
+    #[serde(default = "fp16")]
+    pub dtype: Spanned<String>,
+}
+
+fn fp16() -> Spanned<String> {
+    Spanned::new(0..0, "fp16".to_string())
+}
+
+#[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+pub struct RawPage {
+    pub tokens: Option<Spanned<i64>>,
+    pub alignment: Option<Spanned<i64>>,
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct RawTier {
+    pub name: Spanned<String>,
+    pub key: Spanned<RawScheme>,
+    pub value: Spanned<RawScheme>,
+}
+
+/// One scheme table. Fields are a union over all schemes; `validate` rejects the ones a
+/// scheme does not take, naming the valid ones.
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct RawScheme {
+    pub scheme: Spanned<String>,
+    pub bits: Option<Spanned<i64>>,
+    pub block: Option<Spanned<i64>>,
+    pub group: Option<Spanned<i64>>,
+    pub scale_dtype: Option<Spanned<String>>,
+    pub granularity: Option<Spanned<String>>,
+    pub angle_bits: Option<Spanned<i64>>,
+    pub radius_bits: Option<Spanned<i64>>,
+    pub codebook: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+pub struct RawKernels {
+    pub combinations: Option<Spanned<Vec<Spanned<Vec<Spanned<String>>>>>>,
+    pub split_k: Option<bool>,
+    pub warps: Option<Spanned<i64>>,
+}

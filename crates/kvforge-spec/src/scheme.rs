@@ -1,0 +1,144 @@
+//! Coding schemes for keys and values and their exact byte costs.
+
+use std::fmt;
+
+/// Element type of queries, outputs and dense (identity-coded) K/V.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    Fp16,
+    Bf16,
+}
+
+impl DType {
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::Fp16 => "fp16",
+            DType::Bf16 => "bf16",
+        }
+    }
+    /// The CUDA type of one element.
+    pub fn cuda(self) -> &'static str {
+        match self {
+            DType::Fp16 => "__half",
+            DType::Bf16 => "__nv_bfloat16",
+        }
+    }
+}
+
+/// Storage type of quantisation scales and zeros.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ScaleDType {
+    Fp16,
+    Fp32,
+}
+
+impl ScaleDType {
+    pub fn bytes(self) -> usize {
+        match self {
+            ScaleDType::Fp16 => 2,
+            ScaleDType::Fp32 => 4,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            ScaleDType::Fp16 => "fp16",
+            ScaleDType::Fp32 => "fp32",
+        }
+    }
+}
+
+/// How a key vector is stored.
+#[derive(Clone, Debug, PartialEq)]
+pub enum KeyScheme {
+    /// Identity in the given element type.
+    Dense(DType),
+    /// Asymmetric integer codes with one scale and zero per channel per block of `block`
+    /// tokens (KIVI, seed 004 §2.3): x̂ = code · scale_c + zero_c. Per-channel scales fold
+    /// into the query, so decode costs one FMA per element.
+    Int { bits: u32, block: usize, scale: ScaleDType },
+    /// Seed 000 App. B: per group of `group` channels an 8-bit radius (scaled by a
+    /// per-(layer, head, group) scale held outside the pages) and the index of the nearest
+    /// unit codeword among `2^angle_bits`. Decode never rebuilds keys: logits come from a
+    /// per-query lookup table LUT[j][i] = ⟨q_j, c_i⟩ (unnormalised q_j).
+    Spherical { group: usize, angle_bits: u32, codebook: super::Codebook },
+    /// Evicted: no bytes, never attended.
+    Drop,
+}
+
+/// How a value vector is stored.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ValueScheme {
+    Dense(DType),
+    /// Asymmetric integer codes with one scale and zero per token per group of `group`
+    /// channels.
+    Int { bits: u32, group: usize, scale: ScaleDType },
+    Drop,
+}
+
+/// Radius bits of the spherical scheme (seed 000 App. B fixes b_r = 8).
+pub const RADIUS_BITS: u32 = 8;
+
+impl KeyScheme {
+    /// Bytes one page segment of `tokens` tokens needs for keys at head dim `d`.
+    pub fn page_bytes(&self, d: usize, tokens: usize) -> usize {
+        match self {
+            KeyScheme::Dense(_) => 2 * d * tokens,
+            KeyScheme::Int { bits, block, scale } => {
+                d * tokens * *bits as usize / 8 + 2 * d * scale.bytes() * (tokens / block)
+            }
+            KeyScheme::Spherical { group, angle_bits, .. } => {
+                let g = d / group;
+                tokens * (g * RADIUS_BITS as usize / 8 + spherical_index_bytes(g, *angle_bits))
+            }
+            KeyScheme::Drop => 0,
+        }
+    }
+    pub fn is_drop(&self) -> bool {
+        matches!(self, KeyScheme::Drop)
+    }
+}
+
+/// Bytes per token of the bit-packed angle indices of `groups` groups (seed 000 packs them
+/// with no per-token alignment beyond the byte).
+pub fn spherical_index_bytes(groups: usize, angle_bits: u32) -> usize {
+    (groups * angle_bits as usize).div_ceil(8)
+}
+
+impl ValueScheme {
+    pub fn page_bytes(&self, d: usize, tokens: usize) -> usize {
+        match self {
+            ValueScheme::Dense(_) => 2 * d * tokens,
+            ValueScheme::Int { bits, group, scale } => {
+                tokens * (d * *bits as usize / 8 + 2 * (d / group) * scale.bytes())
+            }
+            ValueScheme::Drop => 0,
+        }
+    }
+}
+
+impl fmt::Display for KeyScheme {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeyScheme::Dense(t) => write!(f, "{}", t.name()),
+            KeyScheme::Int { bits, block, scale } => {
+                write!(f, "int{bits} per-channel block {block} ({} scales)", scale.name())
+            }
+            KeyScheme::Spherical { group, angle_bits, .. } => {
+                write!(f, "spherical g{group} b{angle_bits}")
+            }
+            KeyScheme::Drop => write!(f, "drop"),
+        }
+    }
+}
+
+impl fmt::Display for ValueScheme {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ValueScheme::Dense(t) => write!(f, "{}", t.name()),
+            ValueScheme::Int { bits, group, scale } => {
+                write!(f, "int{bits} per-token group {group} ({} scales)", scale.name())
+            }
+            ValueScheme::Drop => write!(f, "drop"),
+        }
+    }
+}

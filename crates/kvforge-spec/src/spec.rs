@@ -1,0 +1,490 @@
+//! The validated IR and the validation that produces it.
+
+use std::path::Path;
+
+use toml::Spanned;
+
+use crate::codebook::Codebook;
+use crate::error::{Locator, SpecError, SpecErrorKind};
+use crate::layout::SegmentLayout;
+use crate::raw::{RawScheme, RawSpec};
+use crate::scheme::{DType, KeyScheme, ScaleDType, ValueScheme, RADIUS_BITS};
+use crate::variant::{TierCode, VariantId};
+
+/// Index of a tier in [`Spec::tiers`]; it is the `tier` byte of every page header.
+pub type TierId = u8;
+/// The implicit tail tier: dense K and V in the query dtype. New tokens land in a tail page;
+/// when it fills, the encode kernel writes it in its target tier (seed 004 P1). Every decode
+/// variant serves it.
+pub const TAIL_TIER: TierId = 0;
+
+/// Largest LUT (all spherical tiers of one decode combination, f32, largest GQA) the decode
+/// kernel keeps in shared memory.
+pub const LUT_BUDGET_BYTES: usize = 64 * 1024;
+/// Largest staged page segment (two stages are kept in shared memory).
+pub const STAGE_BUDGET_BYTES: usize = 96 * 1024;
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tier {
+    pub id: TierId,
+    pub name: String,
+    pub key: KeyScheme,
+    pub value: ValueScheme,
+}
+
+impl Tier {
+    pub fn is_drop(&self) -> bool {
+        self.key.is_drop()
+    }
+    /// Payload + metadata bytes per token per head at head dim `d` (page header excluded).
+    pub fn bytes_per_token(&self, d: usize, page_tokens: usize) -> f64 {
+        (self.key.page_bytes(d, page_tokens) + self.value.page_bytes(d, page_tokens)) as f64 / page_tokens as f64
+    }
+    pub fn code(&self, d: usize) -> TierCode {
+        TierCode::of(self, d)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Geometry {
+    pub head_dims: Vec<usize>,
+    pub gqa: Vec<usize>,
+    pub dtype: DType,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct PageOptions {
+    pub tokens: usize,
+    pub alignment: usize,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelOptions {
+    /// Tier sets one decode launch serves (the tail tier is always added).
+    pub combinations: Vec<Vec<TierId>>,
+    pub split_k: bool,
+    pub warps: usize,
+}
+
+/// A validated spec. Only this type reaches the generator and the runtime.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Spec {
+    pub name: String,
+    pub description: String,
+    /// Path as given (shown in generated headers; keep it relative).
+    pub path: String,
+    /// blake3 of the spec text and its codebooks.
+    pub hash: String,
+    pub geometry: Geometry,
+    pub page: PageOptions,
+    /// `tiers[0]` is the tail tier; then the ladder, most to least precise.
+    pub tiers: Vec<Tier>,
+    pub kernels: KernelOptions,
+}
+
+impl Spec {
+    /// Reads and validates a spec file. `shown` is the path used in messages and headers.
+    pub fn load(path: &Path) -> Result<Spec, SpecError> {
+        let shown = path.display().to_string();
+        let src = std::fs::read_to_string(path).map_err(|e| SpecError {
+            kind: SpecErrorKind::Io,
+            file: shown.clone(),
+            line: 0,
+            column: 0,
+            field: String::new(),
+            message: format!("cannot read spec: {e}"),
+            snippet: String::new(),
+        })?;
+        Spec::parse(&src, &shown, path.parent().unwrap_or(Path::new(".")))
+    }
+
+    /// Parses spec text. Codebook paths resolve against `dir`.
+    pub fn parse(src: &str, file: &str, dir: &Path) -> Result<Spec, SpecError> {
+        let loc = Locator { file, src };
+        let raw: RawSpec = toml::from_str(src).map_err(|e| {
+            let msg = e.message().to_string();
+            let field = msg.split('`').nth(1).filter(|_| msg.contains("unknown field")).unwrap_or("").to_string();
+            loc.error(SpecErrorKind::Syntax, e.span(), &field, msg)
+        })?;
+        Validator { loc: &loc, dir }.spec(raw, src)
+    }
+
+    pub fn tier(&self, name: &str) -> Option<&Tier> {
+        self.tiers.iter().find(|t| t.name == name)
+    }
+
+    /// Ladder tiers (without the tail), most to least precise.
+    pub fn ladder(&self) -> &[Tier] {
+        &self.tiers[1..]
+    }
+
+    pub fn segment(&self, tier: TierId, d: usize) -> SegmentLayout {
+        SegmentLayout::new(&self.tiers[tier as usize], d, self.page.tokens, self.page.alignment)
+    }
+
+    /// Every kernel the generator renders for this spec, in a stable order.
+    pub fn variants(&self) -> Vec<VariantId> {
+        let mut out = Vec::new();
+        for &d in &self.geometry.head_dims {
+            for combo in &self.kernels.combinations {
+                for &gqa in &self.geometry.gqa {
+                    out.push(VariantId::decode(self, combo, d, gqa));
+                }
+            }
+            let live: Vec<&Tier> = self.tiers.iter().filter(|t| !t.is_drop()).collect();
+            for src in &live {
+                for dst in live.iter().filter(|t| t.id > src.id) {
+                    out.push(VariantId::transcode(self, src.id, dst.id, d));
+                }
+            }
+            if self.kernels.split_k {
+                out.push(VariantId::combine(self, d));
+            }
+        }
+        out
+    }
+}
+
+struct Validator<'a> {
+    loc: &'a Locator<'a>,
+    dir: &'a Path,
+}
+
+type R<T> = Result<T, SpecError>;
+
+impl Validator<'_> {
+    fn err<T>(&self, span: std::ops::Range<usize>, field: &str, msg: impl Into<String>) -> R<T> {
+        Err(self.loc.error(SpecErrorKind::Invalid, Some(span), field, msg))
+    }
+
+    fn spec(&self, raw: RawSpec, src: &str) -> R<Spec> {
+        let name = raw.spec.name.get_ref();
+        if name.is_empty() || !name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_') || name.starts_with(|c: char| c.is_ascii_digit()) {
+            return self.err(raw.spec.name.span(), "spec.name", format!("spec name `{name}` must be lowercase letters, digits and `_`, starting with a letter (it names files and symbols)"));
+        }
+        let dtype = match raw.geometry.dtype.get_ref().as_str() {
+            "fp16" => DType::Fp16,
+            "bf16" => DType::Bf16,
+            other => return self.err(raw.geometry.dtype.span(), "geometry.dtype", format!("dtype `{other}` is not supported; valid: fp16, bf16")),
+        };
+        let head_dims = self.list(&raw.geometry.head_dims, "geometry.head_dims", &[64, 128, 256])?;
+        let gqa = self.list(&raw.geometry.gqa, "geometry.gqa", &[1, 2, 4, 8])?;
+
+        let tokens = match &raw.page.tokens {
+            Some(t) => {
+                let v = *t.get_ref();
+                if ![16, 32, 64, 128].contains(&v) {
+                    return self.err(t.span(), "page.tokens", format!("page tokens {v} is not supported; valid: 16, 32, 64, 128"));
+                }
+                v as usize
+            }
+            None => 64,
+        };
+        let alignment = match &raw.page.alignment {
+            Some(a) => {
+                let v = *a.get_ref();
+                if !(16..=4096).contains(&v) || (v & (v - 1)) != 0 {
+                    return self.err(a.span(), "page.alignment", format!("alignment {v} must be a power of two from 16 to 4096"));
+                }
+                v as usize
+            }
+            None => 128,
+        };
+        let page = PageOptions { tokens, alignment };
+
+        let mut tiers = vec![Tier { id: TAIL_TIER, name: "tail".into(), key: KeyScheme::Dense(dtype), value: ValueScheme::Dense(dtype) }];
+        if raw.tiers.get_ref().is_empty() {
+            return self.err(raw.tiers.span(), "tier", "a spec needs at least one [[tier]]");
+        }
+        if raw.tiers.get_ref().len() > 15 {
+            return self.err(raw.tiers.span(), "tier", "at most 15 tiers are supported");
+        }
+        for (i, rt) in raw.tiers.get_ref().iter().enumerate() {
+            let field = format!("tier[{i}]");
+            let tname = rt.name.get_ref().clone();
+            if tname.is_empty() || !tname.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                return self.err(rt.name.span(), &format!("{field}.name"), format!("tier name `{tname}` must be letters, digits and `_`"));
+            }
+            if let Some(prev) = tiers.iter().find(|t| t.name == tname) {
+                let what = if prev.id == TAIL_TIER { "is reserved for the implicit tail tier".to_string() } else { format!("is already used by tier[{}]", prev.id - 1) };
+                return self.err(rt.name.span(), &format!("{field}.name"), format!("tier name `{tname}` {what}; tier names must be unique"));
+            }
+            let key = self.key(&rt.key, &format!("{field}.key"), &head_dims, tokens, &gqa)?;
+            let value = self.value(&rt.value, &format!("{field}.value"), &head_dims)?;
+            if key.is_drop() != matches!(value, ValueScheme::Drop) {
+                return self.err(rt.key.span(), &field, "`drop` must be the scheme of both key and value (a token is evicted whole)");
+            }
+            let tier = Tier { id: (i + 1) as TierId, name: tname, key, value };
+            for &d in &head_dims {
+                if let Some(prev) = tiers.iter().skip(1).find(|t| t.code(d) == tier.code(d)) {
+                    return self.err(rt.name.span(), &field, format!("tier `{}` codes exactly like tier `{}` ({}); merge them", tier.name, prev.name, tier.code(d)));
+                }
+            }
+            if let Some(prev) = tiers.last().filter(|t| t.id != TAIL_TIER) {
+                if prev.is_drop() {
+                    return self.err(rt.name.span(), &field, format!("tier `{}` follows the drop tier `{}`; drop must be last in the ladder", tier.name, prev.name));
+                }
+                for &d in &head_dims {
+                    let (a, b) = (prev.bytes_per_token(d, tokens), tier.bytes_per_token(d, tokens));
+                    if b > a {
+                        return self.err(rt.name.span(), &field, format!(
+                            "tier ladder must be ordered from most to least bytes: `{}` costs {b} B/token/head at head_dim {d}, more than `{}` before it ({a} B)", tier.name, prev.name));
+                    }
+                }
+            }
+            for &d in &head_dims {
+                let seg = SegmentLayout::new(&tier, d, tokens, alignment);
+                if seg.bytes > STAGE_BUDGET_BYTES {
+                    return self.err(rt.name.span(), &field, format!(
+                        "tier `{}` needs a {} B page segment at head_dim {d} with {tokens} tokens; the decode kernel stages at most {STAGE_BUDGET_BYTES} B: use fewer page tokens", tier.name, seg.bytes));
+                }
+            }
+            tiers.push(tier);
+        }
+
+        let combinations = match &raw.kernels.combinations {
+            None => {
+                let live: Vec<TierId> = tiers.iter().skip(1).filter(|t| !t.is_drop()).map(|t| t.id).collect();
+                let mut c: Vec<Vec<TierId>> = live.iter().map(|&t| vec![TAIL_TIER, t]).collect();
+                if live.len() > 1 {
+                    c.push(std::iter::once(TAIL_TIER).chain(live.iter().copied()).collect());
+                }
+                c
+            }
+            Some(list) => {
+                if list.get_ref().is_empty() {
+                    return self.err(list.span(), "kernels.combinations", "list at least one tier combination");
+                }
+                let mut out: Vec<Vec<TierId>> = Vec::new();
+                for (ci, combo) in list.get_ref().iter().enumerate() {
+                    let mut ids = vec![TAIL_TIER];
+                    for n in combo.get_ref() {
+                        let field = format!("kernels.combinations[{ci}]");
+                        let Some(t) = tiers.iter().skip(1).find(|t| &t.name == n.get_ref()) else {
+                            let valid: Vec<&str> = tiers.iter().skip(1).filter(|t| !t.is_drop()).map(|t| t.name.as_str()).collect();
+                            return self.err(n.span(), &field, format!("unknown tier `{}`; valid: {}", n.get_ref(), valid.join(", ")));
+                        };
+                        if t.is_drop() {
+                            return self.err(n.span(), &field, format!("tier `{}` is the drop tier: dropped pages are never attended, so no kernel serves them", t.name));
+                        }
+                        if ids.contains(&t.id) {
+                            return self.err(n.span(), &field, format!("tier `{}` is listed twice", t.name));
+                        }
+                        ids.push(t.id);
+                    }
+                    ids.sort();
+                    if out.contains(&ids) {
+                        return self.err(combo.span(), &format!("kernels.combinations[{ci}]"), "this combination is listed twice");
+                    }
+                    out.push(ids);
+                }
+                out
+            }
+        };
+        let max_gqa = *gqa.iter().max().unwrap();
+        for combo in &combinations {
+            for &d in &head_dims {
+                let lut: usize = combo.iter().map(|&t| match &tiers[t as usize].key {
+                    KeyScheme::Spherical { group, angle_bits, .. } => max_gqa * (d / group) * (1usize << angle_bits) * 4,
+                    _ => 0,
+                }).sum();
+                if lut > LUT_BUDGET_BYTES {
+                    let span = raw.kernels.combinations.as_ref().map_or(raw.tiers.span(), |c| c.span());
+                    return self.err(span, "kernels.combinations", format!(
+                        "the lookup tables of one combination need {lut} B of shared memory at head_dim {d}, gqa {max_gqa}; the budget is {LUT_BUDGET_BYTES} B: use fewer angle bits or split the combination"));
+                }
+            }
+        }
+        let warps = match &raw.kernels.warps {
+            Some(w) => {
+                let v = *w.get_ref();
+                if ![4, 8].contains(&v) {
+                    return self.err(w.span(), "kernels.warps", format!("warps {v} is not supported; valid: 4, 8"));
+                }
+                v as usize
+            }
+            None => 4,
+        };
+        let kernels = KernelOptions { combinations, split_k: raw.kernels.split_k.unwrap_or(true), warps };
+
+        let mut h = blake3::Hasher::new();
+        h.update(src.as_bytes());
+        for t in &tiers {
+            if let KeyScheme::Spherical { codebook, .. } = &t.key {
+                h.update(codebook.hash.as_bytes());
+            }
+        }
+        Ok(Spec {
+            name: name.clone(),
+            description: raw.spec.description.clone(),
+            path: self.loc.file.to_string(),
+            hash: h.finalize().to_hex()[..16].to_string(),
+            geometry: Geometry { head_dims, gqa, dtype },
+            page,
+            tiers,
+            kernels,
+        })
+    }
+
+    fn list(&self, l: &Spanned<Vec<Spanned<i64>>>, field: &str, valid: &[i64]) -> R<Vec<usize>> {
+        if l.get_ref().is_empty() {
+            return self.err(l.span(), field, format!("list at least one value; valid: {valid:?}"));
+        }
+        let mut out = Vec::new();
+        for v in l.get_ref() {
+            if !valid.contains(v.get_ref()) {
+                return self.err(v.span(), field, format!("{} is not supported; valid: {valid:?}", v.get_ref()));
+            }
+            if out.contains(&(*v.get_ref() as usize)) {
+                return self.err(v.span(), field, format!("{} is listed twice", v.get_ref()));
+            }
+            out.push(*v.get_ref() as usize);
+        }
+        Ok(out)
+    }
+
+    /// Rejects fields the scheme does not take.
+    fn only(&self, s: &RawScheme, field: &str, allowed: &[&str]) -> R<()> {
+        let present: [(&str, Option<std::ops::Range<usize>>); 8] = [
+            ("bits", s.bits.as_ref().map(|x| x.span())),
+            ("block", s.block.as_ref().map(|x| x.span())),
+            ("group", s.group.as_ref().map(|x| x.span())),
+            ("scale_dtype", s.scale_dtype.as_ref().map(|x| x.span())),
+            ("granularity", s.granularity.as_ref().map(|x| x.span())),
+            ("angle_bits", s.angle_bits.as_ref().map(|x| x.span())),
+            ("radius_bits", s.radius_bits.as_ref().map(|x| x.span())),
+            ("codebook", s.codebook.as_ref().map(|x| x.span())),
+        ];
+        for (name, span) in present {
+            if let Some(span) = span {
+                if !allowed.contains(&name) {
+                    let valid = if allowed.is_empty() { "none".to_string() } else { allowed.join(", ") };
+                    return self.err(span, &format!("{field}.{name}"), format!("scheme `{}` takes no `{name}`; its fields: {valid}", s.scheme.get_ref()));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn need<'s, T>(&self, v: &'s Option<Spanned<T>>, s: &Spanned<RawScheme>, field: &str, name: &str, what: &str) -> R<&'s Spanned<T>> {
+        match v {
+            Some(v) => Ok(v),
+            None => self.err(s.span(), &format!("{field}.{name}"), format!("scheme `{}` needs `{name}` ({what})", s.get_ref().scheme.get_ref())),
+        }
+    }
+
+    fn scale(&self, s: &RawScheme, field: &str) -> R<ScaleDType> {
+        match &s.scale_dtype {
+            None => Ok(ScaleDType::Fp16),
+            Some(v) => match v.get_ref().as_str() {
+                "fp16" => Ok(ScaleDType::Fp16),
+                "fp32" => Ok(ScaleDType::Fp32),
+                o => self.err(v.span(), &format!("{field}.scale_dtype"), format!("scale_dtype `{o}` is not supported; valid: fp16, fp32")),
+            },
+        }
+    }
+
+    fn bits(&self, v: &Spanned<i64>, field: &str) -> R<u32> {
+        match *v.get_ref() {
+            b @ (2 | 4 | 8) => Ok(b as u32),
+            b => self.err(v.span(), &format!("{field}.bits"), format!("bits {b} is not supported for `int`; valid: 8, 4, 2 (use `fp16` for 16 and `drop` for 0)")),
+        }
+    }
+
+    fn dense(&self, s: &Spanned<RawScheme>, field: &str) -> R<Option<DType>> {
+        let r = s.get_ref();
+        let t = match r.scheme.get_ref().as_str() {
+            "fp16" => DType::Fp16,
+            "bf16" => DType::Bf16,
+            _ => return Ok(None),
+        };
+        self.only(r, field, &[])?;
+        Ok(Some(t))
+    }
+
+    fn key(&self, s: &Spanned<RawScheme>, field: &str, dims: &[usize], tokens: usize, _gqa: &[usize]) -> R<KeyScheme> {
+        if let Some(t) = self.dense(s, field)? {
+            return Ok(KeyScheme::Dense(t));
+        }
+        let r = s.get_ref();
+        match r.scheme.get_ref().as_str() {
+            "drop" => {
+                self.only(r, field, &[])?;
+                Ok(KeyScheme::Drop)
+            }
+            "int" => {
+                self.only(r, field, &["bits", "block", "scale_dtype", "granularity"])?;
+                if let Some(g) = &r.granularity {
+                    if g.get_ref() != "channel" {
+                        return self.err(g.span(), &format!("{field}.granularity"), format!("key granularity `{}` is not supported; valid: channel (per-channel scales fold into the query)", g.get_ref()));
+                    }
+                }
+                let bits = self.bits(self.need(&r.bits, s, field, "bits", "8, 4 or 2")?, field)?;
+                let b = self.need(&r.block, s, field, "block", "tokens per scale block, dividing the page")?;
+                let block = *b.get_ref();
+                if block <= 0 || tokens as i64 % block != 0 {
+                    return self.err(b.span(), &format!("{field}.block"), format!("block {block} must divide page tokens {tokens}"));
+                }
+                Ok(KeyScheme::Int { bits, block: block as usize, scale: self.scale(r, field)? })
+            }
+            "spherical" => {
+                self.only(r, field, &["group", "angle_bits", "radius_bits", "codebook"])?;
+                let g = self.need(&r.group, s, field, "group", "channels per group, dividing head_dim")?;
+                let group = *g.get_ref();
+                for &d in dims {
+                    if group <= 0 || d as i64 % group != 0 {
+                        return self.err(g.span(), &format!("{field}.group"), format!("group_size {group} does not divide head_dim {d}"));
+                    }
+                }
+                let a = self.need(&r.angle_bits, s, field, "angle_bits", "1 to 8")?;
+                let angle_bits = *a.get_ref();
+                if !(1..=8).contains(&angle_bits) {
+                    return self.err(a.span(), &format!("{field}.angle_bits"), format!("angle_bits {angle_bits} is not supported; valid: 1 to 8"));
+                }
+                if let Some(rb) = &r.radius_bits {
+                    if *rb.get_ref() != RADIUS_BITS as i64 {
+                        return self.err(rb.span(), &format!("{field}.radius_bits"), format!("radius_bits {} is not supported; valid: 8", rb.get_ref()));
+                    }
+                }
+                let c = self.need(&r.codebook, s, field, "codebook", "path of a safetensors codebook, relative to the spec")?;
+                let entries = 1usize << angle_bits;
+                let cb = Codebook::load(&self.dir.join(c.get_ref()), c.get_ref(), entries, group as usize)
+                    .map_err(|e| self.loc.error(SpecErrorKind::Codebook, Some(c.span()), &format!("{field}.codebook"), e.to_string()))?;
+                Ok(KeyScheme::Spherical { group: group as usize, angle_bits: angle_bits as u32, codebook: cb })
+            }
+            o => self.err(r.scheme.span(), &format!("{field}.scheme"), format!("unknown key scheme `{o}`; valid: fp16, bf16, int, spherical, drop")),
+        }
+    }
+
+    fn value(&self, s: &Spanned<RawScheme>, field: &str, dims: &[usize]) -> R<ValueScheme> {
+        if let Some(t) = self.dense(s, field)? {
+            return Ok(ValueScheme::Dense(t));
+        }
+        let r = s.get_ref();
+        match r.scheme.get_ref().as_str() {
+            "drop" => {
+                self.only(r, field, &[])?;
+                Ok(ValueScheme::Drop)
+            }
+            "int" => {
+                self.only(r, field, &["bits", "group", "scale_dtype", "granularity"])?;
+                if let Some(g) = &r.granularity {
+                    if g.get_ref() != "token" {
+                        return self.err(g.span(), &format!("{field}.granularity"), format!("value granularity `{}` is not supported; valid: token (per-token groups)", g.get_ref()));
+                    }
+                }
+                let bits = self.bits(self.need(&r.bits, s, field, "bits", "8, 4 or 2")?, field)?;
+                let g = self.need(&r.group, s, field, "group", "channels per scale group, dividing head_dim")?;
+                let group = *g.get_ref();
+                for &d in dims {
+                    if group < 8 || group % 8 != 0 || d as i64 % group != 0 {
+                        return self.err(g.span(), &format!("{field}.group"), format!("group_size {group} does not divide head_dim {d} (groups are multiples of 8 channels)"));
+                    }
+                }
+                Ok(ValueScheme::Int { bits, group: group as usize, scale: self.scale(r, field)? })
+            }
+            "spherical" => self.err(r.scheme.span(), &format!("{field}.scheme"), "spherical coding is for keys; valid value schemes: fp16, bf16, int, drop"),
+            o => self.err(r.scheme.span(), &format!("{field}.scheme"), format!("unknown value scheme `{o}`; valid: fp16, bf16, int, drop")),
+        }
+    }
+}

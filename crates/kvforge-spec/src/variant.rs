@@ -1,0 +1,145 @@
+//! One id names every kernel: its file, its `extern "C"` symbol, its Rust enum variant, its
+//! disk-cache key and its log fields. Nothing else assembles such names.
+
+use std::fmt;
+
+use crate::scheme::{KeyScheme, ValueScheme};
+use crate::spec::{Spec, Tier, TierId};
+
+/// Short code of a tier's coding at one head dim, e.g. `ksph16x8b6_vfp16`,
+/// `kint8c16f32_vint4g16f16`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TierCode(pub String);
+
+impl TierCode {
+    pub fn of(tier: &Tier, d: usize) -> TierCode {
+        let k = match &tier.key {
+            KeyScheme::Dense(t) => t.name().to_string(),
+            KeyScheme::Int { bits, block, scale } => format!("int{bits}c{block}f{}", scale.bytes() * 8),
+            KeyScheme::Spherical { group, angle_bits, .. } => format!("sph{group}x{}b{angle_bits}", d / group),
+            KeyScheme::Drop => "drop".into(),
+        };
+        let v = match &tier.value {
+            ValueScheme::Dense(t) => t.name().to_string(),
+            ValueScheme::Int { bits, group, scale } => format!("int{bits}g{group}f{}", scale.bytes() * 8),
+            ValueScheme::Drop => "drop".into(),
+        };
+        TierCode(format!("k{k}_v{v}"))
+    }
+}
+
+impl fmt::Display for TierCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Family {
+    /// Decode attention over pages of the given tiers (tail included).
+    Decode { tiers: Vec<TierId>, codes: Vec<TierCode>, gqa: usize },
+    /// Re-code one page from `src` to `dst` (encode when `src` is the tail tier).
+    Transcode { src: TierId, dst: TierId, src_code: TierCode, dst_code: TierCode },
+    /// Merge split-K partial outputs.
+    Combine,
+}
+
+/// A kernel variant.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct VariantId {
+    pub spec: String,
+    pub family: Family,
+    pub head_dim: usize,
+    pub page_tokens: usize,
+    /// `fp16` or `bf16`: queries, outputs and the tail tier.
+    pub dtype: &'static str,
+}
+
+impl VariantId {
+    pub fn decode(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> VariantId {
+        let codes = tiers.iter().filter(|&&t| t != crate::TAIL_TIER).map(|&t| spec.tiers[t as usize].code(d)).collect();
+        VariantId::new(spec, Family::Decode { tiers: tiers.to_vec(), codes, gqa }, d)
+    }
+    pub fn transcode(spec: &Spec, src: TierId, dst: TierId, d: usize) -> VariantId {
+        let src_code = if src == crate::TAIL_TIER { TierCode("tail".into()) } else { spec.tiers[src as usize].code(d) };
+        let dst_code = spec.tiers[dst as usize].code(d);
+        VariantId::new(spec, Family::Transcode { src, dst, src_code, dst_code }, d)
+    }
+    pub fn combine(spec: &Spec, d: usize) -> VariantId {
+        VariantId::new(spec, Family::Combine, d)
+    }
+    fn new(spec: &Spec, family: Family, d: usize) -> VariantId {
+        VariantId { spec: spec.name.clone(), family, head_dim: d, page_tokens: spec.page.tokens, dtype: spec.geometry.dtype.name() }
+    }
+
+    /// Stable name, e.g. `decode_ksph16x8b6_vfp16_d128_g4_p64`. Decode names list the spec
+    /// tiers they serve (the tail tier is always served and not named); a `bf16` suffix marks
+    /// bf16 queries.
+    pub fn name(&self) -> String {
+        let dt = if self.dtype == "fp16" { String::new() } else { format!("_{}", self.dtype) };
+        match &self.family {
+            Family::Decode { codes, gqa, .. } => {
+                let tiers: Vec<&str> = codes.iter().map(|c| c.0.as_str()).collect();
+                let tiers = if tiers.is_empty() { "tail".to_string() } else { tiers.join("__") };
+                format!("decode_{tiers}_d{}_g{gqa}_p{}{dt}", self.head_dim, self.page_tokens)
+            }
+            Family::Transcode { src_code, dst_code, .. } => {
+                format!("transcode_{src_code}_to_{dst_code}_d{}_p{}{dt}", self.head_dim, self.page_tokens)
+            }
+            Family::Combine => format!("combine_d{}{dt}", self.head_dim),
+        }
+    }
+
+    /// The `extern "C"` kernel symbol.
+    pub fn symbol(&self) -> String {
+        format!("kvf_{}_{}", self.spec, self.name())
+    }
+
+    /// Path under `kernels-generated/`.
+    pub fn file(&self) -> String {
+        format!("{}/{}.cu", self.spec, self.name())
+    }
+
+    /// UpperCamelCase, for the Rust variant table.
+    pub fn rust_ident(&self) -> String {
+        self.name()
+            .split('_')
+            .filter(|s| !s.is_empty())
+            .map(|s| {
+                let mut c = s.chars();
+                c.next().map(|f| f.to_ascii_uppercase().to_string() + c.as_str()).unwrap_or_default()
+            })
+            .collect()
+    }
+
+    pub fn kind(&self) -> &'static str {
+        match self.family {
+            Family::Decode { .. } => "decode",
+            Family::Transcode { .. } => "transcode",
+            Family::Combine => "combine",
+        }
+    }
+
+    pub fn gqa(&self) -> Option<usize> {
+        match self.family {
+            Family::Decode { gqa, .. } => Some(gqa),
+            _ => None,
+        }
+    }
+
+    /// Disk-cache key: everything that changes the compiled binary.
+    pub fn cache_key(&self, source: &str, arch: &str, compiler: &str) -> String {
+        let mut h = blake3::Hasher::new();
+        for part in [crate::GENERATOR_VERSION, &self.symbol(), source, arch, compiler] {
+            h.update(part.as_bytes());
+            h.update(&[0]);
+        }
+        format!("{}-{}", self.symbol(), &h.finalize().to_hex()[..16])
+    }
+}
+
+impl fmt::Display for VariantId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.spec, self.name())
+    }
+}
