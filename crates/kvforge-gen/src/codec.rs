@@ -1,0 +1,98 @@
+//! Maps IR tiers to the C++ codec types of `templates/include/kvforge/codecs.cuh`, and
+//! mirrors the kernels' shared-memory plans so launches and bindings agree with the device
+//! code (each generated kernel `static_assert`s the number).
+
+use kvforge_spec::{DType, KeyScheme, ScaleDType, SegmentLayout, Spec, Tier, TierId, ValueScheme};
+
+fn elem(t: DType) -> &'static str {
+    t.cuda()
+}
+fn scale(s: ScaleDType) -> &'static str {
+    match s {
+        ScaleDType::Fp16 => "__half",
+        ScaleDType::Fp32 => "float",
+    }
+}
+
+/// The `TierDef<...>` of one tier at head dim `d`.
+pub fn tier_def(spec: &Spec, tier: &Tier, d: usize) -> String {
+    let p = spec.page.tokens;
+    let seg = SegmentLayout::new(tier, d, p, spec.page.alignment);
+    let o = |n: &str| seg.offset(n);
+    let key = match &tier.key {
+        KeyScheme::Dense(t) => format!("DenseKey<{}, {d}, {p}, {}>", elem(*t), o("k")),
+        KeyScheme::Int { bits, block, scale: s } => {
+            format!("IntKey<{bits}, {block}, {}, {d}, {p}, {}, {}, {}>", scale(*s), o("k_codes"), o("k_scale"), o("k_zero"))
+        }
+        KeyScheme::Spherical { group, angle_bits, .. } => {
+            format!("SphericalKey<{group}, {angle_bits}, {d}, {p}, {}, {}>", o("k_radius"), o("k_index"))
+        }
+        KeyScheme::Drop => "DropKey".into(),
+    };
+    let value = match &tier.value {
+        ValueScheme::Dense(t) => format!("DenseValue<{}, {d}, {p}, {}>", elem(*t), o("v")),
+        ValueScheme::Int { bits, group, scale: s } => {
+            format!("IntValue<{bits}, {group}, {}, {d}, {p}, {}, {}, {}>", scale(*s), o("v_codes"), o("v_scale"), o("v_zero"))
+        }
+        ValueScheme::Drop => "DropValue".into(),
+    };
+    format!("TierDef<{}, {}, {key}, {value}>", tier.id, seg.bytes)
+}
+
+fn align16(x: usize) -> usize {
+    x.div_ceil(16) * 16
+}
+
+/// Floats of the per-query LUT one kv head's GQA group needs for `tier`.
+fn lut_floats_per_head(tier: &Tier, d: usize) -> usize {
+    match &tier.key {
+        KeyScheme::Spherical { group, angle_bits, .. } => (d / group) * (1 << angle_bits),
+        _ => 0,
+    }
+}
+
+fn prep_floats_per_head(tier: &Tier, d: usize, p: usize) -> usize {
+    match &tier.key {
+        KeyScheme::Int { block, .. } => (p / block) * d + p / block,
+        _ => 0,
+    }
+}
+
+/// Threads per CTA of the decode and transcode kernels.
+pub fn threads(spec: &Spec) -> usize {
+    32 * spec.kernels.warps
+}
+
+/// Mirror of `DecodeSmem<Cfg>::TOTAL`.
+pub fn decode_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
+    let p = spec.page.tokens;
+    let ts: Vec<&Tier> = tiers.iter().map(|&t| &spec.tiers[t as usize]).collect();
+    let lut: usize = ts.iter().map(|t| gqa * lut_floats_per_head(t, d)).sum();
+    let prep = ts.iter().map(|t| gqa * prep_floats_per_head(t, d, p)).max().unwrap_or(0);
+    let seg = ts.iter().map(|t| SegmentLayout::new(t, d, p, spec.page.alignment).bytes).max().unwrap_or(0);
+    let stage = align16(gqa * d * 4) + align16(lut * 4) + align16(prep * 4) + align16(gqa * p * 4) + align16(4 * gqa * 4) + align16(gqa * d * 4);
+    stage + 2 * align16(seg)
+}
+
+/// Scratch bytes the destination key codec needs when encoding.
+pub fn transcode_scratch(spec: &Spec, dst: &Tier, d: usize) -> usize {
+    let p = spec.page.tokens;
+    match &dst.key {
+        KeyScheme::Int { block, .. } => 2 * (p / block) * d * 4,
+        KeyScheme::Spherical { group, .. } => p * (d / group) * 4,
+        _ => 16,
+    }
+}
+
+/// Mirror of `TranscodeSmem<Cfg>::TOTAL`.
+pub fn transcode_smem(spec: &Spec, dst: &Tier, d: usize) -> usize {
+    align16(spec.page.tokens * d * 4) + align16(transcode_scratch(spec, dst, d))
+}
+
+/// (groups, entries) of a spherical tier's codebook, (1, 1) otherwise.
+pub fn codebook_shape(tier: &Tier, d: usize) -> (usize, usize) {
+    match &tier.key {
+        KeyScheme::Spherical { group, angle_bits, .. } => (d / group, 1 << angle_bits),
+        _ => (1, 1),
+    }
+}

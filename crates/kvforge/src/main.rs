@@ -1,0 +1,114 @@
+//! The kvforge CLI: thin glue over the library crates.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use kvforge_spec::{Spec, SpecError};
+
+#[derive(Parser)]
+#[command(name = "kvforge", version, about = "Compressed-KV-cache decode attention: specs → CUDA kernels → runtime")]
+struct Cli {
+    /// Repository root holding specs/ and kernels-generated/.
+    #[arg(long, global = true, default_value = ".")]
+    root: PathBuf,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Render every spec under specs/ into kernels-generated/.
+    Generate,
+    /// Fail (exit 1) if kernels-generated/ differs from what the specs render.
+    Check,
+    /// Print every variant with bytes per token per head of its tiers.
+    List {
+        /// Only these spec files (default: every spec under specs/).
+        specs: Vec<PathBuf>,
+    },
+}
+
+/// Exit code for bad specs and bad inputs.
+const EXIT_BAD_INPUT: u8 = 2;
+
+fn spec_files(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(root.join("specs"))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .collect();
+    v.sort();
+    Ok(v)
+}
+
+fn load_all(files: &[PathBuf]) -> Result<Vec<Spec>, SpecError> {
+    files.iter().map(|f| Spec::load(f)).collect()
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            if let Some(se) = e.downcast_ref::<SpecError>() {
+                eprintln!("error: {se}");
+                return ExitCode::from(EXIT_BAD_INPUT);
+            }
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let out_dir = cli.root.join("kernels-generated");
+    match cli.cmd {
+        Cmd::Generate => {
+            let specs = load_all(&spec_files(&cli.root)?)?;
+            let files = kvforge_gen::render_all(&specs)?;
+            let n = kvforge_gen::write(&files, &out_dir)?;
+            let lines: usize = files.iter().map(|f| f.contents.lines().count()).sum();
+            println!("{} specs, {} files ({} lines), {} written to {}", specs.len(), files.len(), lines, n, out_dir.display());
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Check => {
+            let specs = load_all(&spec_files(&cli.root)?)?;
+            let files = kvforge_gen::render_all(&specs)?;
+            let s = kvforge_gen::check(&files, &out_dir);
+            if s.is_fresh() {
+                println!("kernels-generated/ is up to date ({} files)", files.len());
+                return Ok(ExitCode::SUCCESS);
+            }
+            for (what, list) in [("missing", &s.missing), ("changed", &s.changed), ("orphaned", &s.orphaned)] {
+                for p in list.iter().take(20) {
+                    eprintln!("  {what}: kernels-generated/{p}");
+                }
+                if list.len() > 20 {
+                    eprintln!("  ... and {} more {what}", list.len() - 20);
+                }
+            }
+            eprintln!("kernels-generated/ is stale: run `kvforge generate` and commit");
+            Ok(ExitCode::FAILURE)
+        }
+        Cmd::List { specs } => {
+            let files = if specs.is_empty() { spec_files(&cli.root)? } else { specs };
+            for spec in load_all(&files)? {
+                println!("{} ({}): {}", spec.name, spec.path, spec.description);
+                for &d in &spec.geometry.head_dims {
+                    for t in &spec.tiers {
+                        let seg = spec.segment(t.id, d);
+                        println!(
+                            "  tier {:>2} {:<6} d{:<3} {:>8.2} B/token/head payload, {:>8.2} resident (page {} B)   K {}, V {}",
+                            t.id, t.name, d, t.bytes_per_token(d, spec.page.tokens), seg.page_bytes as f64 / spec.page.tokens as f64, seg.page_bytes, t.key, t.value
+                        );
+                    }
+                }
+                for v in spec.variants() {
+                    let sh = kvforge_gen::launch_shape(&spec, &v);
+                    println!("  {:<9} {:<64} {:>4} threads {:>7} B smem", v.kind(), v.name(), sh.threads, sh.smem_bytes);
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}

@@ -1,0 +1,117 @@
+// kvforge device library: element types, staging copies, page headers.
+// Hand-written; the generated kernels only instantiate it.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace kvforge {
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+constexpr int MAX_TIERS = 16;
+constexpr int HEADER_BYTES = 16;
+constexpr u32 PAGE_MAGIC = 0x3146564Bu;  // "KVF1" little endian
+
+// Error bits a kernel ORs into `error_flags`; the runtime turns them into typed errors.
+constexpr u32 ERR_UNKNOWN_TIER = 1u;   // a page's tier is not served by this variant
+constexpr u32 ERR_BAD_MAGIC = 2u;      // a page header is not a kvforge header
+constexpr u32 ERR_BAD_LENGTH = 4u;     // a page claims more tokens than a page holds
+constexpr u32 ERR_SOURCE_TIER = 8u;    // a transcode source page is not in the expected tier
+
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(float x) { return x; }
+
+template <class T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+
+__host__ __device__ constexpr int align16(int x) { return (x + 15) / 16 * 16; }
+__host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
+__host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+// The fixed 16-byte page header (layout documented in docs/LAYOUT.md).
+struct PageHeader {
+  u32 magic;
+  u8 tier;
+  u8 flags;
+  u16 reserved;
+  u32 length;
+  u32 checksum;
+};
+
+// FNV-1a over the first 12 header bytes; equals kvforge_spec::layout::fnv1a.
+__device__ __forceinline__ u32 header_checksum(const PageHeader& h) {
+  u8 b[12];
+  b[0] = h.magic & 0xff; b[1] = (h.magic >> 8) & 0xff; b[2] = (h.magic >> 16) & 0xff; b[3] = h.magic >> 24;
+  b[4] = h.tier; b[5] = h.flags; b[6] = h.reserved & 0xff; b[7] = h.reserved >> 8;
+  b[8] = h.length & 0xff; b[9] = (h.length >> 8) & 0xff; b[10] = (h.length >> 16) & 0xff; b[11] = h.length >> 24;
+  u32 c = 0x811c9dc5u;
+#pragma unroll
+  for (int i = 0; i < 12; ++i) { c ^= b[i]; c *= 0x01000193u; }
+  return c;
+}
+
+__device__ __forceinline__ PageHeader load_header(const u8* page) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(page);
+  PageHeader h;
+  h.magic = raw.x;
+  h.tier = raw.y & 0xff;
+  h.flags = (raw.y >> 8) & 0xff;
+  h.reserved = raw.y >> 16;
+  h.length = raw.z;
+  h.checksum = raw.w;
+  return h;
+}
+
+__device__ __forceinline__ void store_header(u8* page, u8 tier, u32 length) {
+  PageHeader h;
+  h.magic = PAGE_MAGIC; h.tier = tier; h.flags = 0; h.reserved = 0; h.length = length;
+  h.checksum = header_checksum(h);
+  uint4 raw;
+  raw.x = h.magic;
+  raw.y = u32(h.tier) | (u32(h.flags) << 8) | (u32(h.reserved) << 16);
+  raw.z = h.length;
+  raw.w = h.checksum;
+  *reinterpret_cast<uint4*>(page) = raw;
+}
+
+// 16-byte asynchronous global->shared copies (sm_80+): the decode kernel stages page i+1
+// while it computes on page i.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const u32 s = static_cast<u32>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Copies `bytes` (a multiple of 16) with all threads of the block.
+template <int NTHREADS>
+__device__ __forceinline__ void stage_async(u8* dst, const u8* src, int bytes) {
+  for (int i = threadIdx.x * 16; i < bytes; i += NTHREADS * 16) cp_async16(dst + i, src + i);
+}
+
+template <int WIDTH>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int o = WIDTH / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) { return group_sum<32>(x); }
+
+// Round half away from zero for non-negative inputs, as kvforge-ref does.
+__device__ __forceinline__ float round_half_up(float x) { return floorf(x + 0.5f); }
+
+}  // namespace kvforge
