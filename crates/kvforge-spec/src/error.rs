@@ -59,7 +59,10 @@ impl Locator<'_> {
     pub fn error(&self, kind: SpecErrorKind, span: Option<Range<usize>>, field: &str, message: impl Into<String>) -> SpecError {
         let (line, column, snippet) = match span {
             Some(span) => {
-                let start = span.start.min(self.src.len());
+                let mut start = span.start.min(self.src.len());
+                while !self.src.is_char_boundary(start) {
+                    start -= 1;
+                }
                 let before = &self.src[..start];
                 let line = before.matches('\n').count() + 1;
                 let line_start = before.rfind('\n').map_or(0, |i| i + 1);
@@ -71,4 +74,104 @@ impl Locator<'_> {
         };
         SpecError { kind, file: self.file.to_string(), line, column, field: field.to_string(), message: message.into(), snippet }
     }
+}
+
+impl Locator<'_> {
+    /// Turns an error of the TOML reader into a [`SpecError`] whose field is the dotted path of
+    /// the offending key (found from the error's span) and whose message uses TOML's words.
+    pub fn toml(&self, e: &toml::de::Error) -> SpecError {
+        let msg = e.message().trim().to_string();
+        let span = e.span();
+        let at = span.clone().map(|s| field_at(self.src, s)).unwrap_or_default();
+        let quoted = msg.split('`').nth(1).unwrap_or("");
+        let (field, message) = if msg.starts_with("unknown field") {
+            // The span is the key's own: `at` already ends in the unknown name.
+            let field = if at.rsplit('.').next() == Some(quoted) || at == quoted { at } else { join(&at, quoted) };
+            (field, msg.replacen("expected", "valid:", 1).replace("valid: one of", "valid:"))
+        } else if msg.starts_with("missing field") {
+            let field = join(&at, quoted);
+            let what = required_hint(quoted);
+            (field, format!("missing required field `{quoted}`{what}"))
+        } else if msg == "duplicate key" {
+            let key = span.clone().and_then(|s| self.src.get(s)).unwrap_or("").trim().to_string();
+            (at, format!("duplicate key `{key}`: a key may appear once per table"))
+        } else {
+            (at, toml_words(&msg))
+        };
+        self.error(SpecErrorKind::Syntax, span, &field, message)
+    }
+}
+
+fn join(parent: &str, name: &str) -> String {
+    if parent.is_empty() {
+        name.to_string()
+    } else {
+        format!("{parent}.{name}")
+    }
+}
+
+/// What a required field holds, for "missing field" messages.
+fn required_hint(name: &str) -> &'static str {
+    match name {
+        "spec" => " (a [spec] table with the spec's `name`)",
+        "geometry" => " (a [geometry] table with `head_dims` and `gqa`)",
+        "tier" => " (at least one [[tier]] with `name`, `key` and `value`)",
+        "name" => " (a name of letters, digits and `_`)",
+        "head_dims" => " (a list of head dims; valid: 64, 128, 256)",
+        "gqa" => " (a list of query heads per kv head; valid: 1, 2, 4, 8)",
+        "key" | "value" => " (a scheme table, e.g. { scheme = \"fp16\" })",
+        "scheme" => " (one of fp16, bf16, int, spherical, drop)",
+        _ => "",
+    }
+}
+
+/// Serde's Rust words to TOML's.
+fn toml_words(msg: &str) -> String {
+    msg.replace("expected i64", "expected an integer")
+        .replace("expected a sequence", "expected an array")
+        .replace("invalid type: map", "invalid type: table")
+        .replace("invalid type: sequence", "invalid type: array")
+}
+
+/// Dotted path (`tier[1].key.group`) of the deepest key or value whose span is `span`, else of
+/// the deepest value that contains its start; empty at the top level.
+fn field_at(src: &str, span: Range<usize>) -> String {
+    use toml::de::{DeTable, DeValue};
+    use toml::Spanned;
+
+    struct Best {
+        depth: usize,
+        exact: bool,
+        path: String,
+    }
+    fn visit(v: &Spanned<DeValue<'_>>, path: String, depth: usize, span: &Range<usize>, best: &mut Best) {
+        let s = v.span();
+        let exact = s == *span;
+        let contains = !span.is_empty() && s.start <= span.start && span.start < s.end;
+        if (exact && (!best.exact || depth >= best.depth)) || (contains && !best.exact && depth >= best.depth) {
+            *best = Best { depth, exact, path: path.clone() };
+        }
+        match v.get_ref() {
+            DeValue::Table(t) => table(t, &path, depth, span, best),
+            DeValue::Array(a) => {
+                for (i, x) in a.iter().enumerate() {
+                    visit(x, format!("{path}[{i}]"), depth + 1, span, best);
+                }
+            }
+            _ => {}
+        }
+    }
+    fn table(t: &DeTable<'_>, path: &str, depth: usize, span: &Range<usize>, best: &mut Best) {
+        for (k, v) in t.iter() {
+            let p = join(path, k.get_ref());
+            if k.span() == *span && (!best.exact || depth + 1 >= best.depth) {
+                *best = Best { depth: depth + 1, exact: true, path: p.clone() };
+            }
+            visit(v, p, depth + 1, span, best);
+        }
+    }
+    let (root, _) = DeTable::parse_recoverable(src);
+    let mut best = Best { depth: 0, exact: false, path: String::new() };
+    table(root.get_ref(), "", 0, &span, &mut best);
+    best.path
 }

@@ -101,11 +101,7 @@ impl Spec {
     /// Parses spec text. Codebook paths resolve against `dir`.
     pub fn parse(src: &str, file: &str, dir: &Path) -> Result<Spec, SpecError> {
         let loc = Locator { file, src };
-        let raw: RawSpec = toml::from_str(src).map_err(|e| {
-            let msg = e.message().to_string();
-            let field = msg.split('`').nth(1).filter(|_| msg.contains("unknown field")).unwrap_or("").to_string();
-            loc.error(SpecErrorKind::Syntax, e.span(), &field, msg)
-        })?;
+        let raw: RawSpec = toml::from_str(src).map_err(|e| loc.toml(&e))?;
         Validator { loc: &loc, dir }.spec(raw, src)
     }
 
@@ -167,8 +163,8 @@ impl Validator<'_> {
             "bf16" => DType::Bf16,
             other => return self.err(raw.geometry.dtype.span(), "geometry.dtype", format!("dtype `{other}` is not supported; valid: fp16, bf16")),
         };
-        let head_dims = self.list(&raw.geometry.head_dims, "geometry.head_dims", &[64, 128, 256])?;
-        let gqa = self.list(&raw.geometry.gqa, "geometry.gqa", &[1, 2, 4, 8])?;
+        let head_dims = self.list(&raw.geometry.head_dims, "geometry.head_dims", "head_dim", &[64, 128, 256])?;
+        let gqa = self.list(&raw.geometry.gqa, "geometry.gqa", "gqa", &[1, 2, 4, 8])?;
 
         let tokens = match &raw.page.tokens {
             Some(t) => {
@@ -212,7 +208,14 @@ impl Validator<'_> {
             let key = self.key(&rt.key, &format!("{field}.key"), &head_dims, tokens, &gqa)?;
             let value = self.value(&rt.value, &format!("{field}.value"), &head_dims)?;
             if key.is_drop() != matches!(value, ValueScheme::Drop) {
-                return self.err(rt.key.span(), &field, "`drop` must be the scheme of both key and value (a token is evicted whole)");
+                let (side, other, span) = if key.is_drop() {
+                    ("key", value.to_string(), rt.key.get_ref().scheme.span())
+                } else {
+                    ("value", key.to_string(), rt.value.get_ref().scheme.span())
+                };
+                let other_side = if side == "key" { "value" } else { "key" };
+                return self.err(span, &format!("{field}.{side}.scheme"), format!(
+                    "`drop` must be the scheme of both key and value (a token is evicted whole), but the {other_side} is {other}; make both `drop` or neither"));
             }
             let tier = Tier { id: (i + 1) as TierId, name: tname, key, value };
             for &d in &head_dims {
@@ -240,6 +243,10 @@ impl Validator<'_> {
                 }
             }
             tiers.push(tier);
+        }
+
+        if tiers.iter().skip(1).all(|t| t.is_drop()) {
+            return self.err(raw.tiers.span(), "tier", "the ladder has only the drop tier; add at least one tier that keeps keys and values");
         }
 
         let combinations = match &raw.kernels.combinations {
@@ -289,9 +296,18 @@ impl Validator<'_> {
                     _ => 0,
                 }).sum();
                 if lut > LUT_BUDGET_BYTES {
-                    let span = raw.kernels.combinations.as_ref().map_or(raw.tiers.span(), |c| c.span());
-                    return self.err(span, "kernels.combinations", format!(
-                        "the lookup tables of one combination need {lut} B of shared memory at head_dim {d}, gqa {max_gqa}; the budget is {LUT_BUDGET_BYTES} B: use fewer angle bits or split the combination"));
+                    let names: Vec<&str> = combo.iter().skip(1).map(|&t| tiers[t as usize].name.as_str()).collect();
+                    let names = names.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ");
+                    return match &raw.kernels.combinations {
+                        Some(list) => {
+                            let ci = combinations.iter().position(|c| c == combo).unwrap_or(0);
+                            let span = list.get_ref().get(ci).map_or(list.span(), |c| c.span());
+                            self.err(span, &format!("kernels.combinations[{ci}]"), format!(
+                                "the lookup tables of tiers {names} in one launch need {lut} B of shared memory at head_dim {d}, gqa {max_gqa}; the budget is {LUT_BUDGET_BYTES} B: use fewer angle bits or split the combination"))
+                        }
+                        None => self.err(raw.tiers.span(), "kernels.combinations", format!(
+                            "the default combinations serve all tiers ({names}) in one launch, whose lookup tables need {lut} B of shared memory at head_dim {d}, gqa {max_gqa}; the budget is {LUT_BUDGET_BYTES} B: list smaller [kernels] combinations or use fewer angle bits")),
+                    };
                 }
             }
         }
@@ -326,17 +342,18 @@ impl Validator<'_> {
         })
     }
 
-    fn list(&self, l: &Spanned<Vec<Spanned<i64>>>, field: &str, valid: &[i64]) -> R<Vec<usize>> {
+    fn list(&self, l: &Spanned<Vec<Spanned<i64>>>, field: &str, noun: &str, valid: &[i64]) -> R<Vec<usize>> {
+        let valid_list = valid.iter().map(|v| v.to_string()).collect::<Vec<_>>().join(", ");
         if l.get_ref().is_empty() {
-            return self.err(l.span(), field, format!("list at least one value; valid: {valid:?}"));
+            return self.err(l.span(), field, format!("list at least one {noun}; valid: {valid_list}"));
         }
         let mut out = Vec::new();
         for v in l.get_ref() {
             if !valid.contains(v.get_ref()) {
-                return self.err(v.span(), field, format!("{} is not supported; valid: {valid:?}", v.get_ref()));
+                return self.err(v.span(), field, format!("{noun} {} is not supported; valid: {valid_list}", v.get_ref()));
             }
             if out.contains(&(*v.get_ref() as usize)) {
-                return self.err(v.span(), field, format!("{} is listed twice", v.get_ref()));
+                return self.err(v.span(), field, format!("{noun} {} is listed twice", v.get_ref()));
             }
             out.push(*v.get_ref() as usize);
         }
@@ -402,7 +419,7 @@ impl Validator<'_> {
         Ok(Some(t))
     }
 
-    fn key(&self, s: &Spanned<RawScheme>, field: &str, dims: &[usize], tokens: usize, _gqa: &[usize]) -> R<KeyScheme> {
+    fn key(&self, s: &Spanned<RawScheme>, field: &str, dims: &[usize], tokens: usize, gqa: &[usize]) -> R<KeyScheme> {
         if let Some(t) = self.dense(s, field)? {
             return Ok(KeyScheme::Dense(t));
         }
@@ -423,7 +440,8 @@ impl Validator<'_> {
                 let b = self.need(&r.block, s, field, "block", "tokens per scale block, dividing the page")?;
                 let block = *b.get_ref();
                 if block <= 0 || tokens as i64 % block != 0 {
-                    return self.err(b.span(), &format!("{field}.block"), format!("block {block} must divide page tokens {tokens}"));
+                    let valid: Vec<String> = (1..=tokens).filter(|b| tokens % b == 0).map(|b| b.to_string()).collect();
+                    return self.err(b.span(), &format!("{field}.block"), format!("block {block} does not divide page tokens {tokens}; valid: {}", valid.join(", ")));
                 }
                 Ok(KeyScheme::Int { bits, block: block as usize, scale: self.scale(r, field)? })
             }
@@ -433,13 +451,27 @@ impl Validator<'_> {
                 let group = *g.get_ref();
                 for &d in dims {
                     if group <= 0 || d as i64 % group != 0 {
-                        return self.err(g.span(), &format!("{field}.group"), format!("group_size {group} does not divide head_dim {d}"));
+                        return self.err(g.span(), &format!("{field}.group"), format!("group_size {group} does not divide head_dim {d}; valid: {}", divisors(dims, 1)));
                     }
                 }
                 let a = self.need(&r.angle_bits, s, field, "angle_bits", "1 to 8")?;
                 let angle_bits = *a.get_ref();
                 if !(1..=8).contains(&angle_bits) {
                     return self.err(a.span(), &format!("{field}.angle_bits"), format!("angle_bits {angle_bits} is not supported; valid: 1 to 8"));
+                }
+                // One tier's lookup table alone must fit the shared-memory budget.
+                let max_gqa = gqa.iter().copied().max().unwrap_or(1);
+                for &d in dims {
+                    let lut = max_gqa * (d / group as usize) * (1usize << angle_bits) * 4;
+                    if lut > LUT_BUDGET_BYTES {
+                        let fit = (1..angle_bits).rev().find(|&b| dims.iter().all(|&d| max_gqa * (d / group as usize) * (1usize << b) * 4 <= LUT_BUDGET_BYTES));
+                        let hint = match fit {
+                            Some(b) => format!("use angle_bits {b} or less, or a larger group"),
+                            None => "use a larger group".to_string(),
+                        };
+                        return self.err(a.span(), &format!("{field}.angle_bits"), format!(
+                            "a codebook of 2^{angle_bits} entries needs a {lut} B lookup table at head_dim {d}, gqa {max_gqa} (gqa x head_dim/group x entries x 4 B), more than the {LUT_BUDGET_BYTES} B shared-memory budget: {hint}"));
+                    }
                 }
                 if let Some(rb) = &r.radius_bits {
                     if *rb.get_ref() != RADIUS_BITS as i64 {
@@ -476,9 +508,12 @@ impl Validator<'_> {
                 let bits = self.bits(self.need(&r.bits, s, field, "bits", "8, 4 or 2")?, field)?;
                 let g = self.need(&r.group, s, field, "group", "channels per scale group, dividing head_dim")?;
                 let group = *g.get_ref();
+                if group < 8 || group % 8 != 0 {
+                    return self.err(g.span(), &format!("{field}.group"), format!("group_size {group} is not a multiple of 8 channels; valid: {}", divisors(dims, 8)));
+                }
                 for &d in dims {
-                    if group < 8 || group % 8 != 0 || d as i64 % group != 0 {
-                        return self.err(g.span(), &format!("{field}.group"), format!("group_size {group} does not divide head_dim {d} (groups are multiples of 8 channels)"));
+                    if d as i64 % group != 0 {
+                        return self.err(g.span(), &format!("{field}.group"), format!("group_size {group} does not divide head_dim {d}; valid: {}", divisors(dims, 8)));
                     }
                 }
                 Ok(ValueScheme::Int { bits, group: group as usize, scale: self.scale(r, field)? })
@@ -487,4 +522,11 @@ impl Validator<'_> {
             o => self.err(r.scheme.span(), &format!("{field}.scheme"), format!("unknown value scheme `{o}`; valid: fp16, bf16, int, drop")),
         }
     }
+}
+
+/// Group sizes that divide every head dim and are multiples of `multiple`, for messages.
+fn divisors(dims: &[usize], multiple: usize) -> String {
+    let min = dims.iter().copied().min().unwrap_or(0);
+    let valid: Vec<String> = (multiple..=min).step_by(multiple).filter(|g| dims.iter().all(|d| d % g == 0)).map(|g| g.to_string()).collect();
+    valid.join(", ")
 }

@@ -1,0 +1,614 @@
+//! Every way a spec can be wrong yields a `SpecError` that points at the right line and
+//! column, names the field and says what would be valid. A representative set is also
+//! snapshotted as rendered (`file:line:col`, field, message, caret snippet) for review.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use kvforge_spec::{Codebook, Spec, SpecError, SpecErrorKind, LUT_BUDGET_BYTES};
+
+/// A valid spec; the cases below each break one thing. Line numbers matter: tests name them.
+const BASE: &str = r#"[spec]
+name = "t"
+
+[geometry]
+head_dims = [128]
+gqa = [1, 8]
+dtype = "fp16"
+
+[page]
+tokens = 64
+
+[[tier]]
+name = "hi"
+key = { scheme = "int", bits = 8, block = 16 }
+value = { scheme = "int", bits = 8, group = 32 }
+
+[[tier]]
+name = "lo"
+key = { scheme = "int", bits = 4, block = 64 }
+value = { scheme = "int", bits = 4, group = 32 }
+
+[[tier]]
+name = "gone"
+key = { scheme = "drop" }
+value = { scheme = "drop" }
+
+[kernels]
+combinations = [["hi"], ["lo"], ["hi", "lo"]]
+"#;
+
+/// Replaces exactly one occurrence of `from`.
+fn edit(src: &str, from: &str, to: &str) -> String {
+    assert_eq!(src.matches(from).count(), 1, "`{from}` must occur once in the spec");
+    src.replacen(from, to, 1)
+}
+
+fn parse_in(src: &str, dir: &Path) -> Result<Spec, SpecError> {
+    Spec::parse(src, "t.toml", dir)
+}
+
+fn fail_in(src: &str, dir: &Path) -> SpecError {
+    match parse_in(src, dir) {
+        Ok(_) => panic!("spec parsed but should not:\n{src}"),
+        Err(e) => e,
+    }
+}
+
+fn fail(src: &str) -> SpecError {
+    fail_in(src, Path::new("."))
+}
+
+/// Asserts the error's position, field and that its message contains every `says`.
+#[track_caller]
+fn check(e: &SpecError, kind: SpecErrorKind, line: usize, column: usize, field: &str, says: &[&str]) {
+    assert_eq!((e.line, e.column), (line, column), "position of: {e}");
+    assert_eq!(e.field, field, "field of: {e}");
+    assert_eq!(e.kind, kind, "kind of: {e}");
+    assert_eq!(e.file, "t.toml");
+    for s in says {
+        assert!(e.message.contains(s), "message should contain {s:?}: {e}");
+    }
+    // The snippet is the source line the error points at.
+    assert!(!e.snippet.is_empty(), "snippet of: {e}");
+}
+
+use SpecErrorKind::{Codebook as Cb, Invalid, Syntax};
+
+#[test]
+fn base_spec_is_valid() {
+    let s = parse_in(BASE, Path::new(".")).unwrap();
+    assert_eq!(s.ladder().len(), 3);
+}
+
+// ---- unknown keys -------------------------------------------------------------------------
+
+#[test]
+fn unknown_top_level_key() {
+    let e = fail(&format!("bogus = 1\n{BASE}"));
+    check(&e, Syntax, 1, 1, "bogus", &["unknown field `bogus`", "valid: `spec`, `geometry`, `page`, `tier`, `kernels`"]);
+    insta::assert_snapshot!("unknown_top_level_key", e.to_string());
+}
+
+#[test]
+fn unknown_key_in_section() {
+    let e = fail(&edit(BASE, "tokens = 64\n", "tokens = 64\ntoken = 64\n"));
+    check(&e, Syntax, 11, 1, "page.token", &["unknown field `token`", "valid: `tokens` or `alignment`"]);
+}
+
+#[test]
+fn unknown_key_in_tier() {
+    let e = fail(&edit(BASE, "name = \"lo\"\n", "name = \"lo\"\nbits = 4\n"));
+    check(&e, Syntax, 19, 1, "tier[1].bits", &["unknown field `bits`", "valid: `name`, `key`, `value`"]);
+    insta::assert_snapshot!("unknown_key_in_tier", e.to_string());
+}
+
+#[test]
+fn unknown_key_in_scheme_table() {
+    let e = fail(&edit(BASE, "bits = 4, block = 64 }", "bits = 4, block = 64, blocks = 2 }"));
+    check(&e, Syntax, 19, 47, "tier[1].key.blocks", &["unknown field `blocks`", "`scheme`, `bits`, `block`, `group`"]);
+    insta::assert_snapshot!("unknown_key_in_scheme_table", e.to_string());
+}
+
+#[test]
+fn unknown_key_in_dotted_scheme_table() {
+    let src = edit(BASE, "key = { scheme = \"int\", bits = 8, block = 16 }", "key.scheme = \"int\"\nkey.bits = 8\nkey.block = 16\nkey.size = 2");
+    let e = fail(&src);
+    check(&e, Syntax, 17, 5, "tier[0].key.size", &["unknown field `size`"]);
+}
+
+// ---- wrong types --------------------------------------------------------------------------
+
+#[test]
+fn wrong_type_string_for_integer() {
+    let e = fail(&edit(BASE, "bits = 8, block = 16", "bits = \"8\", block = 16"));
+    check(&e, Syntax, 14, 32, "tier[0].key.bits", &["invalid type: string \"8\", expected an integer"]);
+    insta::assert_snapshot!("wrong_type_string_for_integer", e.to_string());
+}
+
+#[test]
+fn wrong_type_scalar_for_list() {
+    let e = fail(&edit(BASE, "head_dims = [128]", "head_dims = 128"));
+    check(&e, Syntax, 5, 13, "geometry.head_dims", &["expected an array"]);
+}
+
+#[test]
+fn wrong_type_in_list() {
+    let e = fail(&edit(BASE, "gqa = [1, 8]", "gqa = [1, \"8\"]"));
+    check(&e, Syntax, 6, 11, "geometry.gqa[1]", &["expected an integer"]);
+}
+
+#[test]
+fn wrong_type_bool() {
+    let e = fail(&format!("{BASE}split_k = \"yes\"\n"));
+    check(&e, Syntax, 29, 11, "kernels.split_k", &["expected a boolean"]);
+}
+
+#[test]
+fn wrong_type_table_for_tier_array() {
+    let src = edit(BASE.split("\n[[tier]]\nname = \"lo\"").next().unwrap(), "[[tier]]", "[tier]");
+    let e = fail(&src);
+    check(&e, Syntax, 12, 1, "tier", &["invalid type: table, expected an array"]);
+}
+
+// ---- int scheme ---------------------------------------------------------------------------
+
+#[test]
+fn bits_not_supported() {
+    let e = fail(&edit(BASE, "bits = 8, block = 16", "bits = 3, block = 16"));
+    check(&e, Invalid, 14, 32, "tier[0].key.bits", &["bits 3 is not supported", "valid: 8, 4, 2"]);
+    insta::assert_snapshot!("bits_not_supported", e.to_string());
+}
+
+#[test]
+fn bits_16_points_to_fp16() {
+    let e = fail(&edit(BASE, "bits = 8, group = 32", "bits = 16, group = 32"));
+    check(&e, Invalid, 15, 34, "tier[0].value.bits", &["bits 16", "use `fp16` for 16"]);
+}
+
+#[test]
+fn int_value_group_does_not_divide_head_dim() {
+    let e = fail(&edit(BASE, "bits = 8, group = 32", "bits = 8, group = 24"));
+    check(&e, Invalid, 15, 45, "tier[0].value.group", &["group_size 24 does not divide head_dim 128", "valid: 8, 16, 32, 64, 128"]);
+    insta::assert_snapshot!("int_value_group_does_not_divide_head_dim", e.to_string());
+}
+
+#[test]
+fn int_value_group_not_multiple_of_8() {
+    let e = fail(&edit(BASE, "bits = 8, group = 32", "bits = 8, group = 4"));
+    check(&e, Invalid, 15, 45, "tier[0].value.group", &["group_size 4 is not a multiple of 8", "valid: 8, 16"]);
+    let e = fail(&edit(BASE, "bits = 8, group = 32", "bits = 8, group = 0"));
+    check(&e, Invalid, 15, 45, "tier[0].value.group", &["group_size 0 is not a multiple of 8"]);
+}
+
+#[test]
+fn int_value_group_checked_at_every_head_dim() {
+    let src = edit(BASE, "head_dims = [128]", "head_dims = [128, 64]");
+    let e = fail(&edit(&src, "bits = 8, group = 32", "bits = 8, group = 128"));
+    check(&e, Invalid, 15, 45, "tier[0].value.group", &["group_size 128 does not divide head_dim 64", "valid: 8, 16, 32, 64"]);
+}
+
+#[test]
+fn block_does_not_divide_page_tokens() {
+    let e = fail(&edit(BASE, "bits = 8, block = 16", "bits = 8, block = 48"));
+    check(&e, Invalid, 14, 43, "tier[0].key.block", &["block 48 does not divide page tokens 64", "valid: 1, 2, 4, 8, 16, 32, 64"]);
+    insta::assert_snapshot!("block_does_not_divide_page_tokens", e.to_string());
+    let e = fail(&edit(BASE, "bits = 8, block = 16", "bits = 8, block = -16"));
+    check(&e, Invalid, 14, 43, "tier[0].key.block", &["block -16 does not divide page tokens 64"]);
+}
+
+#[test]
+fn block_checked_against_page_tokens_given() {
+    let e = fail(&edit(BASE, "tokens = 64", "tokens = 32"));
+    check(&e, Invalid, 19, 43, "tier[1].key.block", &["block 64 does not divide page tokens 32"]);
+}
+
+#[test]
+fn key_granularity_must_be_channel() {
+    let e = fail(&edit(BASE, "bits = 8, block = 16", "bits = 8, block = 16, granularity = \"token\""));
+    check(&e, Invalid, 14, 61, "tier[0].key.granularity", &["key granularity `token`", "valid: channel"]);
+}
+
+#[test]
+fn value_granularity_must_be_token() {
+    let e = fail(&edit(BASE, "bits = 8, group = 32", "bits = 8, group = 32, granularity = \"channel\""));
+    check(&e, Invalid, 15, 63, "tier[0].value.granularity", &["value granularity `channel`", "valid: token"]);
+}
+
+#[test]
+fn scale_dtype_invalid() {
+    let e = fail(&edit(BASE, "bits = 8, block = 16", "bits = 8, block = 16, scale_dtype = \"fp8\""));
+    check(&e, Invalid, 14, 61, "tier[0].key.scale_dtype", &["scale_dtype `fp8`", "valid: fp16, fp32"]);
+}
+
+#[test]
+fn unknown_scheme() {
+    let e = fail(&edit(BASE, "{ scheme = \"int\", bits = 4, block = 64 }", "{ scheme = \"int4\", bits = 4, block = 64 }"));
+    check(&e, Invalid, 19, 18, "tier[1].key.scheme", &["unknown key scheme `int4`", "valid: fp16, bf16, int, spherical, drop"]);
+    let e = fail(&edit(BASE, "{ scheme = \"int\", bits = 4, group = 32 }", "{ scheme = \"fp8\" }"));
+    check(&e, Invalid, 20, 20, "tier[1].value.scheme", &["unknown value scheme `fp8`", "valid: fp16, bf16, int, drop"]);
+}
+
+#[test]
+fn spherical_values_rejected() {
+    let e = fail(&edit(BASE, "{ scheme = \"int\", bits = 4, group = 32 }", "{ scheme = \"spherical\", group = 16 }"));
+    check(&e, Invalid, 20, 20, "tier[1].value.scheme", &["spherical coding is for keys", "valid value schemes: fp16, bf16, int, drop"]);
+}
+
+// ---- fields a scheme does not take, missing fields ----------------------------------------
+
+#[test]
+fn field_the_scheme_does_not_take() {
+    let src = edit(BASE, "value = { scheme = \"int\", bits = 8, group = 32 }", "value = { scheme = \"fp16\", group = 32 }");
+    let e = fail(&src);
+    check(&e, Invalid, 15, 36, "tier[0].value.group", &["scheme `fp16` takes no `group`", "its fields: none"]);
+    insta::assert_snapshot!("field_the_scheme_does_not_take", e.to_string());
+}
+
+#[test]
+fn int_key_takes_no_group_and_drop_takes_nothing() {
+    let e = fail(&edit(BASE, "bits = 4, block = 64 }", "bits = 4, block = 64, group = 32 }"));
+    check(&e, Invalid, 19, 55, "tier[1].key.group", &["scheme `int` takes no `group`", "its fields: bits, block, scale_dtype, granularity"]);
+    let e = fail(&edit(BASE, "key = { scheme = \"drop\" }", "key = { scheme = \"drop\", bits = 0 }"));
+    check(&e, Invalid, 24, 33, "tier[2].key.bits", &["scheme `drop` takes no `bits`"]);
+    let e = fail(&edit(BASE, "bits = 8, group = 32 }", "bits = 8, group = 32, block = 16 }"));
+    check(&e, Invalid, 15, 57, "tier[0].value.block", &["scheme `int` takes no `block`", "its fields: bits, group, scale_dtype, granularity"]);
+}
+
+#[test]
+fn missing_required_scheme_field() {
+    let e = fail(&edit(BASE, "{ scheme = \"int\", bits = 8, block = 16 }", "{ scheme = \"int\", bits = 8 }"));
+    check(&e, Invalid, 14, 7, "tier[0].key.block", &["scheme `int` needs `block`", "dividing the page"]);
+    insta::assert_snapshot!("missing_required_scheme_field", e.to_string());
+    let e = fail(&edit(BASE, "{ scheme = \"int\", bits = 4, group = 32 }", "{ scheme = \"int\", group = 32 }"));
+    check(&e, Invalid, 20, 9, "tier[1].value.bits", &["scheme `int` needs `bits`", "8, 4 or 2"]);
+    let e = fail(&edit(BASE, "{ scheme = \"int\", bits = 4, group = 32 }", "{ scheme = \"int\", bits = 4 }"));
+    check(&e, Invalid, 20, 9, "tier[1].value.group", &["scheme `int` needs `group`"]);
+}
+
+#[test]
+fn missing_scheme() {
+    let e = fail(&edit(BASE, "{ scheme = \"int\", bits = 8, block = 16 }", "{ bits = 8, block = 16 }"));
+    check(&e, Syntax, 14, 7, "tier[0].key.scheme", &["missing required field `scheme`", "fp16, bf16, int, spherical, drop"]);
+}
+
+#[test]
+fn missing_tier_fields() {
+    let e = fail(&edit(BASE, "name = \"lo\"\n", ""));
+    check(&e, Syntax, 17, 1, "tier[1].name", &["missing required field `name`"]);
+    insta::assert_snapshot!("missing_tier_name", e.to_string());
+    let e = fail(&edit(BASE, "value = { scheme = \"drop\" }\n", ""));
+    check(&e, Syntax, 22, 1, "tier[2].value", &["missing required field `value`", "scheme table"]);
+}
+
+#[test]
+fn missing_sections() {
+    let e = fail(&edit(BASE, "[spec]\nname = \"t\"\n", "[spec]\n"));
+    check(&e, Syntax, 1, 1, "spec.name", &["missing required field `name`"]);
+    let e = fail(&edit(BASE, "gqa = [1, 8]\n", ""));
+    check(&e, Syntax, 4, 1, "geometry.gqa", &["missing required field `gqa`", "valid: 1, 2, 4, 8"]);
+    let e = fail(&edit(BASE, "[geometry]\nhead_dims = [128]\ngqa = [1, 8]\ndtype = \"fp16\"\n", ""));
+    check(&e, Syntax, 1, 1, "geometry", &["missing required field `geometry`", "head_dims"]);
+    let no_tiers = BASE.split("[[tier]]").next().unwrap().to_string();
+    let e = fail(&no_tiers);
+    check(&e, Syntax, 1, 1, "tier", &["missing required field `tier`", "at least one [[tier]]"]);
+}
+
+#[test]
+fn empty_file() {
+    let e = Spec::parse("", "t.toml", Path::new(".")).unwrap_err();
+    assert_eq!((e.line, e.column, e.field.as_str()), (1, 1, "spec"));
+    assert!(e.message.contains("missing required field `spec`"), "{e}");
+}
+
+// ---- geometry, page, kernels --------------------------------------------------------------
+
+#[test]
+fn dtype_invalid() {
+    let e = fail(&edit(BASE, "dtype = \"fp16\"", "dtype = \"fp8\""));
+    check(&e, Invalid, 7, 9, "geometry.dtype", &["dtype `fp8` is not supported", "valid: fp16, bf16"]);
+    insta::assert_snapshot!("dtype_invalid", e.to_string());
+}
+
+#[test]
+fn head_dims_invalid() {
+    let e = fail(&edit(BASE, "head_dims = [128]", "head_dims = [128, 96]"));
+    check(&e, Invalid, 5, 19, "geometry.head_dims", &["head_dim 96 is not supported", "valid: 64, 128, 256"]);
+    insta::assert_snapshot!("head_dims_invalid", e.to_string());
+    let e = fail(&edit(BASE, "head_dims = [128]", "head_dims = []"));
+    check(&e, Invalid, 5, 13, "geometry.head_dims", &["list at least one head_dim; valid: 64, 128, 256"]);
+    let e = fail(&edit(BASE, "head_dims = [128]", "head_dims = [128, 128]"));
+    check(&e, Invalid, 5, 19, "geometry.head_dims", &["head_dim 128 is listed twice"]);
+}
+
+#[test]
+fn gqa_invalid() {
+    let e = fail(&edit(BASE, "gqa = [1, 8]", "gqa = [1, 16]"));
+    check(&e, Invalid, 6, 11, "geometry.gqa", &["gqa 16 is not supported", "valid: 1, 2, 4, 8"]);
+}
+
+#[test]
+fn page_tokens_invalid() {
+    let e = fail(&edit(BASE, "tokens = 64", "tokens = 48"));
+    check(&e, Invalid, 10, 10, "page.tokens", &["page tokens 48 is not supported", "valid: 16, 32, 64, 128"]);
+    insta::assert_snapshot!("page_tokens_invalid", e.to_string());
+}
+
+#[test]
+fn page_alignment_invalid() {
+    let e = fail(&edit(BASE, "tokens = 64", "tokens = 64\nalignment = 100"));
+    check(&e, Invalid, 11, 13, "page.alignment", &["alignment 100 must be a power of two from 16 to 4096"]);
+}
+
+#[test]
+fn page_segment_over_stage_budget() {
+    let src = edit(BASE, "tokens = 64", "tokens = 128");
+    let src = edit(&src, "head_dims = [128]", "head_dims = [256]");
+    let src = edit(&src, "block = 64", "block = 128");
+    let src = edit(&src, "value = { scheme = \"int\", bits = 8, group = 32 }", "value = { scheme = \"fp16\" }");
+    let src = edit(&src, "key = { scheme = \"int\", bits = 8, block = 16 }", "key = { scheme = \"fp16\" }");
+    let e = fail(&src);
+    check(&e, Invalid, 13, 8, "tier[0]", &["needs a 131072 B page segment at head_dim 256 with 128 tokens", "at most 98304 B"]);
+}
+
+#[test]
+fn warps_invalid() {
+    let e = fail(&format!("{BASE}warps = 6\n"));
+    check(&e, Invalid, 29, 9, "kernels.warps", &["warps 6 is not supported", "valid: 4, 8"]);
+}
+
+#[test]
+fn unknown_tier_in_combinations() {
+    let e = fail(&edit(BASE, "[\"hi\", \"lo\"]]", "[\"hi\", \"low\"]]"));
+    check(&e, Invalid, 28, 40, "kernels.combinations[2]", &["unknown tier `low`", "valid: hi, lo"]);
+    insta::assert_snapshot!("unknown_tier_in_combinations", e.to_string());
+}
+
+#[test]
+fn bad_combinations() {
+    let e = fail(&edit(BASE, "[\"hi\", \"lo\"]]", "[\"hi\", \"gone\"]]"));
+    check(&e, Invalid, 28, 40, "kernels.combinations[2]", &["`gone` is the drop tier"]);
+    let e = fail(&edit(BASE, "[\"hi\", \"lo\"]]", "[\"hi\", \"hi\"]]"));
+    check(&e, Invalid, 28, 40, "kernels.combinations[2]", &["tier `hi` is listed twice"]);
+    let e = fail(&edit(BASE, "[\"hi\", \"lo\"]]", "[\"lo\", \"hi\"], [\"hi\", \"lo\"]]"));
+    check(&e, Invalid, 28, 47, "kernels.combinations[3]", &["this combination is listed twice"]);
+    let e = fail(&edit(BASE, "[[\"hi\"], [\"lo\"], [\"hi\", \"lo\"]]", "[]"));
+    check(&e, Invalid, 28, 16, "kernels.combinations", &["list at least one tier combination"]);
+}
+
+// ---- tier ladder --------------------------------------------------------------------------
+
+#[test]
+fn duplicate_tier_names() {
+    let e = fail(&edit(BASE, "name = \"lo\"", "name = \"hi\""));
+    check(&e, Invalid, 18, 8, "tier[1].name", &["tier name `hi` is already used by tier[0]", "must be unique"]);
+    insta::assert_snapshot!("duplicate_tier_names", e.to_string());
+}
+
+#[test]
+fn tier_named_tail_is_reserved() {
+    let e = fail(&edit(BASE, "name = \"lo\"", "name = \"tail\""));
+    check(&e, Invalid, 18, 8, "tier[1].name", &["`tail` is reserved for the implicit tail tier"]);
+}
+
+#[test]
+fn tier_and_spec_names_checked() {
+    let e = fail(&edit(BASE, "name = \"lo\"", "name = \"lo-4\""));
+    check(&e, Invalid, 18, 8, "tier[1].name", &["tier name `lo-4` must be letters, digits and `_`"]);
+    let e = fail(&edit(BASE, "name = \"t\"", "name = \"T\""));
+    check(&e, Invalid, 2, 8, "spec.name", &["spec name `T` must be lowercase"]);
+}
+
+#[test]
+fn tier_ladder_not_ordered_by_bytes() {
+    // `hi` (int4 keys, int8 values: 240 B) before `lo` (int8 keys, int8 values: 280 B).
+    let src = edit(BASE, "bits = 4, block = 64", "bits = 8, block = 64");
+    let src = edit(&src, "bits = 4, group = 32", "bits = 8, group = 32");
+    let src = edit(&src, "key = { scheme = \"int\", bits = 8, block = 16 }", "key = { scheme = \"int\", bits = 4, block = 16 }");
+    let e = fail(&src);
+    check(&e, Invalid, 18, 8, "tier[1]", &["ordered from most to least bytes", "`lo` costs", "more than `hi`", "head_dim 128"]);
+    insta::assert_snapshot!("tier_ladder_not_ordered_by_bytes", e.to_string());
+}
+
+#[test]
+fn tiers_that_code_alike() {
+    let src = edit(BASE, "name = \"hi\"\nkey = { scheme = \"int\", bits = 8, block = 16 }\nvalue = { scheme = \"int\", bits = 8, group = 32 }",
+        "name = \"hi\"\nkey = { scheme = \"int\", bits = 4, block = 64 }\nvalue = { scheme = \"int\", bits = 4, group = 32 }");
+    let e = fail(&src);
+    check(&e, Invalid, 18, 8, "tier[1]", &["codes exactly like tier `hi`", "merge them"]);
+}
+
+#[test]
+fn drop_not_last() {
+    let src = format!("{}\n[[tier]]\nname = \"after\"\nkey = {{ scheme = \"int\", bits = 2, block = 64 }}\nvalue = {{ scheme = \"int\", bits = 2, group = 32 }}\n",
+        BASE.split("\n[kernels]").next().unwrap());
+    let e = fail(&src);
+    check(&e, Invalid, 28, 8, "tier[3]", &["`after` follows the drop tier `gone`", "drop must be last"]);
+    insta::assert_snapshot!("drop_not_last", e.to_string());
+}
+
+#[test]
+fn drop_only_on_key_or_value() {
+    let e = fail(&edit(BASE, "value = { scheme = \"drop\" }", "value = { scheme = \"fp16\" }"));
+    check(&e, Invalid, 24, 18, "tier[2].key.scheme", &["`drop` must be the scheme of both key and value", "the value is fp16"]);
+    insta::assert_snapshot!("drop_only_on_key", e.to_string());
+    let e = fail(&edit(BASE, "key = { scheme = \"drop\" }", "key = { scheme = \"int\", bits = 2, block = 64 }"));
+    check(&e, Invalid, 25, 20, "tier[2].value.scheme", &["`drop` must be the scheme of both key and value", "the key is int2"]);
+}
+
+#[test]
+fn only_a_drop_tier() {
+    let src = format!("{}[[tier]]\nname = \"gone\"\nkey = {{ scheme = \"drop\" }}\nvalue = {{ scheme = \"drop\" }}\n", BASE.split("[[tier]]").next().unwrap());
+    let e = fail(&src);
+    check(&e, Invalid, 12, 1, "tier", &["only the drop tier", "at least one tier that keeps"]);
+}
+
+#[test]
+fn too_many_tiers() {
+    let mut src = BASE.split("[[tier]]").next().unwrap().to_string();
+    for i in 0..16 {
+        src += &format!("[[tier]]\nname = \"t{i}\"\nkey = {{ scheme = \"fp16\" }}\nvalue = {{ scheme = \"fp16\" }}\n");
+    }
+    let e = fail(&src);
+    check(&e, Invalid, 12, 1, "tier", &["at most 15 tiers"]);
+}
+
+// ---- spherical keys and codebooks ---------------------------------------------------------
+
+/// A fresh directory for one test's codebooks.
+fn tmp(name: &str) -> PathBuf {
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kvforge-spec-errors").join(name);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// `entries` unit vectors in R^group (or scaled by `norm`).
+fn codebook(entries: usize, group: usize, norm: f32) -> Codebook {
+    let mut data = Vec::new();
+    for i in 0..entries {
+        let row: Vec<f32> = (0..group).map(|j| ((i * 7 + j * 3) as f32 * 0.37).sin() + 0.1).collect();
+        let n = row.iter().map(|x| x * x).sum::<f32>().sqrt();
+        data.extend(row.iter().map(|x| x / n * norm));
+    }
+    Codebook::new("cb.safetensors".into(), entries, group, data, HashMap::new())
+}
+
+fn spherical(group: usize, angle_bits: u32, codebook: &str) -> String {
+    edit(BASE, "key = { scheme = \"int\", bits = 8, block = 16 }",
+        &format!("key = {{ scheme = \"spherical\", group = {group}, angle_bits = {angle_bits}, codebook = \"{codebook}\" }}"))
+}
+
+#[test]
+fn spherical_valid_with_codebook() {
+    let d = tmp("valid");
+    codebook(16, 16, 1.0).save(&d.join("cb.safetensors")).unwrap();
+    // The spherical tier (8 x (1 + 0.5) + 256 B) must still cost more than `lo` (int4): it does.
+    let s = parse_in(&spherical(16, 4, "cb.safetensors"), &d).unwrap();
+    assert_eq!(s.tier("hi").unwrap().code(128).0, "ksph16x8b4_vint8g32f16");
+}
+
+#[test]
+fn spherical_group_does_not_divide_head_dim() {
+    let e = fail(&spherical(24, 4, "cb.safetensors"));
+    check(&e, Invalid, 14, 39, "tier[0].key.group", &["group_size 24 does not divide head_dim 128", "valid: 1, 2, 4, 8, 16, 32, 64, 128"]);
+    insta::assert_snapshot!("spherical_group_does_not_divide_head_dim", e.to_string());
+}
+
+#[test]
+fn spherical_angle_bits_out_of_range() {
+    let e = fail(&spherical(16, 9, "cb.safetensors"));
+    check(&e, Invalid, 14, 56, "tier[0].key.angle_bits", &["angle_bits 9 is not supported", "valid: 1 to 8"]);
+}
+
+#[test]
+fn spherical_radius_bits_must_be_8() {
+    let src = edit(&spherical(16, 4, "cb.safetensors"), "angle_bits = 4,", "angle_bits = 4, radius_bits = 4,");
+    let e = fail(&src);
+    check(&e, Invalid, 14, 73, "tier[0].key.radius_bits", &["radius_bits 4 is not supported", "valid: 8"]);
+}
+
+#[test]
+fn codebook_larger_than_lut_budget() {
+    // 8 angle bits, group 16, gqa 8: 8 x 16 groups x 256 x 4 B = 128 KiB at head_dim 256.
+    let src = edit(&spherical(16, 8, "cb.safetensors"), "head_dims = [128]", "head_dims = [128, 256]");
+    let e = fail(&src);
+    check(&e, Invalid, 14, 56, "tier[0].key.angle_bits", &[
+        "2^8 entries needs a 131072 B lookup table at head_dim 256, gqa 8",
+        &format!("{LUT_BUDGET_BYTES} B shared-memory budget"),
+        "use angle_bits 7 or less",
+    ]);
+    insta::assert_snapshot!("codebook_larger_than_lut_budget", e.to_string());
+}
+
+#[test]
+fn combination_larger_than_lut_budget() {
+    // Each tier fits alone at head_dim 128, gqa 8 (8 x 8 x 256 x 4 = 64 KiB, 8 x 8 x 16 x 4);
+    // together they do not.
+    let d = tmp("lut_combo");
+    codebook(256, 16, 1.0).save(&d.join("cb8.safetensors")).unwrap();
+    codebook(16, 16, 1.0).save(&d.join("cb4.safetensors")).unwrap();
+    let src = edit(&spherical(16, 8, "cb8.safetensors"), "key = { scheme = \"int\", bits = 4, block = 64 }",
+        "key = { scheme = \"spherical\", group = 16, angle_bits = 4, codebook = \"cb4.safetensors\" }");
+    let e = fail_in(&src, &d);
+    check(&e, Invalid, 28, 33, "kernels.combinations[2]", &["tiers `hi`, `lo` in one launch need 69632 B", "split the combination"]);
+    // Without explicit combinations the default all-tier combination is the one that fails.
+    let e = fail_in(src.split("\n[kernels]").next().unwrap(), &d);
+    check(&e, Invalid, 12, 1, "kernels.combinations", &["the default combinations serve all tiers (`hi`, `lo`)", "list smaller [kernels] combinations"]);
+    // Split, it is fine.
+    parse_in(&edit(&src, ", [\"hi\", \"lo\"]]", "]"), &d).unwrap();
+}
+
+#[test]
+fn codebook_file_missing() {
+    let d = tmp("missing");
+    let e = fail_in(&spherical(16, 4, "nowhere.safetensors"), &d);
+    check(&e, Cb, 14, 70, "tier[0].key.codebook", &["cannot read codebook file nowhere.safetensors"]);
+}
+
+#[test]
+fn codebook_not_safetensors() {
+    let d = tmp("garbage");
+    std::fs::write(d.join("cb.safetensors"), b"not a safetensors file").unwrap();
+    let e = fail_in(&spherical(16, 4, "cb.safetensors"), &d);
+    check(&e, Cb, 14, 70, "tier[0].key.codebook", &["cb.safetensors is not a safetensors file"]);
+}
+
+#[test]
+fn codebook_wrong_shape() {
+    let d = tmp("shape");
+    codebook(16, 32, 1.0).save(&d.join("cb.safetensors")).unwrap();
+    let e = fail_in(&spherical(16, 4, "cb.safetensors"), &d);
+    check(&e, Cb, 14, 70, "tier[0].key.codebook", &["has shape [16, 32], expected [16, 16]", "2^angle_bits entries of group channels"]);
+    insta::assert_snapshot!("codebook_wrong_shape", e.to_string());
+    // Entries follow angle_bits.
+    codebook(8, 16, 1.0).save(&d.join("cb.safetensors")).unwrap();
+    let e = fail_in(&spherical(16, 4, "cb.safetensors"), &d);
+    check(&e, Cb, 14, 70, "tier[0].key.codebook", &["has shape [8, 16], expected [16, 16]"]);
+}
+
+#[test]
+fn codebook_not_unit_norm() {
+    let d = tmp("norm");
+    let mut cb = codebook(16, 16, 1.0);
+    for x in &mut cb.data[5 * 16..6 * 16] {
+        *x *= 1.5;
+    }
+    cb.save(&d.join("cb.safetensors")).unwrap();
+    let e = fail_in(&spherical(16, 4, "cb.safetensors"), &d);
+    check(&e, Cb, 14, 70, "tier[0].key.codebook", &["codeword 5 has norm 1.50000", "must be unit vectors"]);
+    insta::assert_snapshot!("codebook_not_unit_norm", e.to_string());
+    // NaN is not unit norm either.
+    let mut cb = codebook(16, 16, 1.0);
+    cb.data[3] = f32::NAN;
+    cb.save(&d.join("cb.safetensors")).unwrap();
+    let e = fail_in(&spherical(16, 4, "cb.safetensors"), &d);
+    check(&e, Cb, 14, 70, "tier[0].key.codebook", &["codeword 0 has norm NaN"]);
+}
+
+// ---- TOML syntax --------------------------------------------------------------------------
+
+#[test]
+fn toml_syntax_error() {
+    let e = fail(&edit(BASE, "[page]", "[page"));
+    assert_eq!((e.kind.clone(), e.line, e.column), (Syntax, 9, 6), "{e}");
+    let e = fail(&edit(BASE, "tokens = 64\n", "tokens = 64\ntokens = 32\n"));
+    check(&e, Syntax, 11, 1, "", &["duplicate key `tokens`"]);
+}
+
+#[test]
+fn errors_render_with_caret() {
+    let e = fail(&edit(BASE, "tokens = 64", "tokens = 48"));
+    let shown = e.to_string();
+    let lines: Vec<&str> = shown.lines().collect();
+    assert_eq!(lines[0], "t.toml:10:10: `page.tokens`: page tokens 48 is not supported; valid: 16, 32, 64, 128");
+    assert_eq!(lines[1], "    | tokens = 48");
+    assert_eq!(lines[2], "    |          ^");
+}
+
+#[test]
+fn unreadable_spec_file() {
+    let e = Spec::load(Path::new("/nonexistent/kvforge/spec.toml")).unwrap_err();
+    assert_eq!((e.kind.clone(), e.line, e.column), (SpecErrorKind::Io, 0, 0));
+    assert!(e.to_string().starts_with("/nonexistent/kvforge/spec.toml: cannot read spec"), "{e}");
+}
