@@ -82,7 +82,7 @@ impl Locator<'_> {
     pub fn toml(&self, e: &toml::de::Error) -> SpecError {
         let msg = e.message().trim().to_string();
         let span = e.span();
-        let at = span.clone().map(|s| field_at(self.src, s)).unwrap_or_default();
+        let (at, section) = span.clone().map(|s| field_at(self.src, s)).unwrap_or_default();
         let quoted = msg.split('`').nth(1).unwrap_or("");
         let (field, message) = if msg.starts_with("unknown field") {
             // The span is the key's own: `at` already ends in the unknown name.
@@ -94,7 +94,19 @@ impl Locator<'_> {
             (field, format!("missing required field `{quoted}`{what}"))
         } else if msg == "duplicate key" {
             let key = span.clone().and_then(|s| self.src.get(s)).unwrap_or("").trim().to_string();
-            (at, format!("duplicate key `{key}`: a key may appear once per table"))
+            let field = match span.clone() {
+                // A key of a `[section]` (possibly dotted, `key.scheme`): the section, then the
+                // key as written on its line.
+                Some(s) if at.is_empty() => {
+                    let line_start = self.src.get(..s.start).and_then(|b| b.rfind('\n')).map_or(0, |i| i + 1);
+                    let written = self.src.get(line_start..s.end).unwrap_or("").trim();
+                    join(&section, written)
+                }
+                // A table header (`at` is its path) or a key of an inline table (`at` is the table).
+                _ if at == key || at.ends_with(&format!(".{key}")) => at,
+                _ => join(&at, &key),
+            };
+            (field, format!("duplicate key `{key}`: a key may appear once per table"))
         } else {
             (at, toml_words(&msg))
         };
@@ -134,8 +146,9 @@ fn toml_words(msg: &str) -> String {
 }
 
 /// Dotted path (`tier[1].key.group`) of the deepest key or value whose span is `span`, else of
-/// the deepest value that contains its start; empty at the top level.
-fn field_at(src: &str, span: Range<usize>) -> String {
+/// the deepest value that contains its start; empty at the top level. Second: the path of the
+/// `[section]` or `[[section]]` whose header last precedes `span`.
+fn field_at(src: &str, span: Range<usize>) -> (String, String) {
     use toml::de::{DeTable, DeValue};
     use toml::Spanned;
 
@@ -143,35 +156,45 @@ fn field_at(src: &str, span: Range<usize>) -> String {
         depth: usize,
         exact: bool,
         path: String,
+        /// Start and path of the last header before `span`.
+        section: (usize, usize, String),
     }
-    fn visit(v: &Spanned<DeValue<'_>>, path: String, depth: usize, span: &Range<usize>, best: &mut Best) {
+    fn visit(v: &Spanned<DeValue<'_>>, path: String, depth: usize, span: &Range<usize>, best: &mut Best, src: &str) {
         let s = v.span();
+        let header = matches!(v.get_ref(), DeValue::Table(_)) && src.as_bytes().get(s.start) == Some(&b'[');
+        if header && s.end <= span.start && (s.start, depth) >= (best.section.0, best.section.1) {
+            best.section = (s.start, depth, path.clone());
+        }
         let exact = s == *span;
         let contains = !span.is_empty() && s.start <= span.start && span.start < s.end;
         if (exact && (!best.exact || depth >= best.depth)) || (contains && !best.exact && depth >= best.depth) {
-            *best = Best { depth, exact, path: path.clone() };
+            best.depth = depth;
+            best.exact = exact;
+            best.path = path.clone();
         }
         match v.get_ref() {
-            DeValue::Table(t) => table(t, &path, depth, span, best),
+            DeValue::Table(t) => table(t, &path, depth, span, best, src),
             DeValue::Array(a) => {
                 for (i, x) in a.iter().enumerate() {
-                    visit(x, format!("{path}[{i}]"), depth + 1, span, best);
+                    visit(x, format!("{path}[{i}]"), depth + 1, span, best, src);
                 }
             }
             _ => {}
         }
     }
-    fn table(t: &DeTable<'_>, path: &str, depth: usize, span: &Range<usize>, best: &mut Best) {
+    fn table(t: &DeTable<'_>, path: &str, depth: usize, span: &Range<usize>, best: &mut Best, src: &str) {
         for (k, v) in t.iter() {
             let p = join(path, k.get_ref());
             if k.span() == *span && (!best.exact || depth + 1 >= best.depth) {
-                *best = Best { depth: depth + 1, exact: true, path: p.clone() };
+                best.depth = depth + 1;
+                best.exact = true;
+                best.path = p.clone();
             }
-            visit(v, p, depth + 1, span, best);
+            visit(v, p, depth + 1, span, best, src);
         }
     }
     let (root, _) = DeTable::parse_recoverable(src);
-    let mut best = Best { depth: 0, exact: false, path: String::new() };
-    table(root.get_ref(), "", 0, &span, &mut best);
-    best.path
+    let mut best = Best { depth: 0, exact: false, path: String::new(), section: (0, 0, String::new()) };
+    table(root.get_ref(), "", 0, &span, &mut best, src);
+    (best.path, best.section.2)
 }

@@ -593,7 +593,15 @@ fn toml_syntax_error() {
     let e = fail(&edit(BASE, "[page]", "[page"));
     assert_eq!((e.kind.clone(), e.line, e.column), (Syntax, 9, 6), "{e}");
     let e = fail(&edit(BASE, "tokens = 64\n", "tokens = 64\ntokens = 32\n"));
-    check(&e, Syntax, 11, 1, "", &["duplicate key `tokens`"]);
+    check(&e, Syntax, 11, 1, "page.tokens", &["duplicate key `tokens`", "once per table"]);
+    let e = fail(&edit(BASE, "bits = 8, block = 16", "bits = 8, block = 16, bits = 4"));
+    check(&e, Syntax, 14, 47, "tier[0].key.bits", &["duplicate key `bits`"]);
+    let e = fail(&edit(BASE, "name = \"lo\"\n", "name = \"lo\"\nname = \"lo2\"\n"));
+    check(&e, Syntax, 19, 1, "tier[1].name", &["duplicate key `name`"]);
+    let e = fail(&edit(BASE, "key = { scheme = \"drop\" }", "key.scheme = \"drop\"\nkey.scheme = \"drop\""));
+    check(&e, Syntax, 25, 5, "tier[2].key.scheme", &["duplicate key `scheme`"]);
+    let e = fail(&format!("{BASE}[page]\n"));
+    check(&e, Syntax, 29, 2, "page", &["duplicate key `page`"]);
 }
 
 #[test]
