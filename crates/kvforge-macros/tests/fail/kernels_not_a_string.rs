@@ -1,0 +1,5 @@
+mod x {
+    kvforge_macros::kernels!(specs::spherical);
+}
+
+fn main() {}
