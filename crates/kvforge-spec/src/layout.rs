@@ -137,3 +137,106 @@ impl SegmentLayout {
         self.array(name).map_or(0, |a| a.offset)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn header() -> impl Strategy<Value = PageHeader> {
+        (any::<u8>(), any::<u8>(), any::<u32>()).prop_map(|(tier, flags, length)| PageHeader { tier, flags, length })
+    }
+
+    #[test]
+    fn fnv1a_known_vectors() {
+        // The published FNV-1a 32-bit test vectors.
+        assert_eq!(fnv1a(b""), 0x811c_9dc5);
+        assert_eq!(fnv1a(b"a"), 0xe40c_292c);
+        assert_eq!(fnv1a(b"foobar"), 0xbf9c_f968);
+    }
+
+    #[test]
+    fn header_bytes_are_as_documented() {
+        let b = PageHeader { tier: 3, flags: 0x81, length: 0x0102_0304 }.to_bytes();
+        assert_eq!(&b[0..4], b"KVF1");
+        assert_eq!(PAGE_MAGIC, 0x3146_564b);
+        assert_eq!((b[4], b[5]), (3, 0x81));
+        assert_eq!(&b[6..8], &[0, 0], "reserved is zero");
+        assert_eq!(&b[8..12], &[4, 3, 2, 1], "length is little endian");
+        assert_eq!(u32::from_le_bytes(b[12..16].try_into().unwrap()), fnv1a(&b[0..12]));
+    }
+
+    #[test]
+    fn short_and_empty_headers_are_errors() {
+        let b = PageHeader { tier: 1, flags: 0, length: 64 }.to_bytes();
+        for n in 0..HEADER_BYTES {
+            let e = PageHeader::from_bytes(&b[..n]).unwrap_err();
+            assert!(e.contains(&format!("header is {n} bytes, expected 16")), "{e}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn round_trip(h in header()) {
+            prop_assert_eq!(PageHeader::from_bytes(&h.to_bytes()), Ok(h));
+        }
+
+        /// A header is read from the front of a whole page: bytes after it are not its business.
+        #[test]
+        fn round_trip_at_the_front_of_a_page(h in header(), tail in prop::collection::vec(any::<u8>(), 0..64)) {
+            let mut page = h.to_bytes().to_vec();
+            page.extend(tail);
+            prop_assert_eq!(PageHeader::from_bytes(&page), Ok(h));
+        }
+
+        /// Any change to any one byte (magic, tier, flags, reserved, length or checksum) is
+        /// caught: FNV-1a's per-byte step is a bijection, so one changed byte always changes
+        /// the hash.
+        #[test]
+        fn one_corrupted_byte_is_detected(h in header(), at in 0..HEADER_BYTES, mask in 1u8..=255) {
+            let mut b = h.to_bytes();
+            b[at] ^= mask;
+            let e = PageHeader::from_bytes(&b);
+            prop_assert!(e.is_err(), "byte {at} ^ {mask:#04x} not detected: {e:?}");
+            let e = e.unwrap_err();
+            if at < 4 {
+                prop_assert!(e.contains("bad magic"), "{e}");
+            } else {
+                prop_assert!(e.contains("checksum"), "{e}");
+            }
+        }
+
+        /// A flipped bit anywhere (the common torn-write / bit-rot case) is caught.
+        #[test]
+        fn one_flipped_bit_is_detected(h in header(), bit in 0..HEADER_BYTES * 8) {
+            let mut b = h.to_bytes();
+            b[bit / 8] ^= 1 << (bit % 8);
+            prop_assert!(PageHeader::from_bytes(&b).is_err());
+        }
+
+        /// Several corrupted bytes are caught too (an FNV collision has probability 2^-32 per
+        /// case, so this holds with overwhelming probability, not by construction).
+        #[test]
+        fn multi_byte_corruption_is_detected(h in header(), edits in prop::collection::vec((0..12usize, 1u8..=255), 1..6)) {
+            let good = h.to_bytes();
+            let mut b = good;
+            for (at, mask) in edits {
+                b[at] ^= mask;
+            }
+            prop_assume!(b != good);
+            prop_assert!(PageHeader::from_bytes(&b).is_err());
+        }
+
+        /// A stale checksum (another header's) does not vouch for this header.
+        #[test]
+        fn checksum_of_other_header_is_rejected(a in header(), b in header()) {
+            prop_assume!(a != b);
+            let mut x = a.to_bytes();
+            x[12..16].copy_from_slice(&b.to_bytes()[12..16]);
+            // Equal checksums for different headers would be an FNV collision on 12 bytes.
+            if fnv1a(&a.to_bytes()[0..12]) != fnv1a(&b.to_bytes()[0..12]) {
+                prop_assert!(PageHeader::from_bytes(&x).is_err());
+            }
+        }
+    }
+}
