@@ -1,0 +1,44 @@
+//! Typed errors. Segment functions fail with [`RefError`] when their inputs cannot be coded
+//! (no tokens, wrong shapes, non-finite values); page functions add [`PageError`] for bytes
+//! that cannot be a page of the tier (torn header, wrong tier, impossible length).
+
+/// Why inputs cannot be encoded or a segment cannot be decoded.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RefError {
+    /// Zero tokens: there is nothing to code and no page to write.
+    #[error("no tokens: encoding needs at least one token")]
+    Empty,
+    /// A slice whose length does not match the geometry.
+    #[error("`{what}` has {found} elements, expected {expected} ({why})")]
+    Shape { what: &'static str, found: usize, expected: usize, why: String },
+    /// A geometry the scheme cannot code (e.g. a token count that is not whole blocks).
+    #[error("{0}")]
+    Geometry(String),
+    /// NaN or infinity: min/max and norms of such values are meaningless.
+    #[error("`{what}` element {index} is {value}, only finite values can be coded")]
+    NonFinite { what: &'static str, index: usize, value: f32 },
+}
+
+/// Why bytes are not a valid page of a tier, or a page cannot be written.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PageError {
+    #[error(transparent)]
+    Coding(#[from] RefError),
+    /// Magic or checksum mismatch (torn or stale header).
+    #[error("corrupt page header: {0}")]
+    Header(String),
+    #[error("page header names tier {found}, expected tier {expected} (`{name}`)")]
+    WrongTier { found: u8, expected: u8, name: String },
+    #[error("page header names tier {0}, which the spec does not have")]
+    UnknownTier(u8),
+    #[error("page holds {length} tokens, more than the {tokens} tokens of a page")]
+    TooLong { length: usize, tokens: usize },
+    /// Only the tail tier holds partly filled pages; every other tier codes full pages.
+    #[error("tier `{tier}` holds only full pages of {tokens} tokens, got {length}")]
+    Partial { tier: String, length: usize, tokens: usize },
+    #[error("page is {found} bytes, tier `{tier}` at head_dim {d} needs {expected}")]
+    Size { tier: String, d: usize, found: usize, expected: usize },
+    /// Dropped tokens have no bytes and are never attended, so they have no page.
+    #[error("tier `{0}` drops tokens: a dropped token has no page")]
+    DropTier(String),
+}
