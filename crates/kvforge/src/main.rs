@@ -6,6 +6,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use kvforge_spec::{Spec, SpecError};
 
+mod commands;
+
 #[derive(Parser)]
 #[command(name = "kvforge", version, about = "Compressed-KV-cache decode attention: specs → CUDA kernels → runtime")]
 struct Cli {
@@ -27,12 +29,23 @@ enum Cmd {
         /// Only these spec files (default: every spec under specs/).
         specs: Vec<PathBuf>,
     },
+    /// Compile every variant with NVRTC (no GPU needed) and fill the kernel cache.
+    Precompile(commands::precompile::Args),
+    /// Run every decode variant on the GPU against the CPU f64 reference.
+    Selftest(commands::selftest::Args),
+    /// Report the CUDA device and libraries.
+    Probe,
+    /// Spherical codebooks.
+    Codebook {
+        #[command(subcommand)]
+        cmd: commands::codebook::Cmd,
+    },
 }
 
 /// Exit code for bad specs and bad inputs.
 const EXIT_BAD_INPUT: u8 = 2;
 
-fn spec_files(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
+pub(crate) fn spec_files(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(root.join("specs"))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|e| e == "toml"))
@@ -41,17 +54,22 @@ fn spec_files(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
     Ok(v)
 }
 
-fn load_all(files: &[PathBuf]) -> Result<Vec<Spec>, SpecError> {
+pub(crate) fn load_all(files: &[PathBuf]) -> Result<Vec<Spec>, SpecError> {
     files.iter().map(|f| Spec::load(f)).collect()
 }
 
 fn main() -> ExitCode {
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_env("KVFORGE_LOG")).with_writer(std::io::stderr).init();
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
             if let Some(se) = e.downcast_ref::<SpecError>() {
                 eprintln!("error: {se}");
+                return ExitCode::from(EXIT_BAD_INPUT);
+            }
+            if let Some(kvforge_rt::RtError::BadInput(_)) = e.downcast_ref::<kvforge_rt::RtError>() {
+                eprintln!("error: {e:#}");
                 return ExitCode::from(EXIT_BAD_INPUT);
             }
             eprintln!("error: {e:#}");
@@ -110,5 +128,9 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
+        Cmd::Precompile(a) => commands::precompile::run(&cli.root, a),
+        Cmd::Selftest(a) => commands::selftest::run(&cli.root, a),
+        Cmd::Probe => commands::probe(),
+        Cmd::Codebook { cmd } => commands::codebook::run(cmd),
     }
 }

@@ -114,14 +114,14 @@ struct DecodeCta {
       for (int h = 0; h < GQA; ++h) s[h] = group_sum<TPT>(s[h]);
       if (part == 0 && t < P) {
 #pragma unroll
-        for (int h = 0; h < GQA; ++h) sc[h * P + t] = t < len ? s[h] : -INFINITY;
+        for (int h = 0; h < GQA; ++h) sc[h * P + t] = t < len ? s[h] : NEG_INF;
       }
     }
     __syncthreads();
     // Online softmax: one warp per head.
     const int warp = tid / 32, lane = tid % 32;
     for (int h = warp; h < GQA; h += NT / 32) {
-      float mx = -INFINITY;
+      float mx = NEG_INF;
       for (int t = lane; t < P; t += 32) mx = fmaxf(mx, sc[h * P + t]);
       mx = warp_max(mx);
       const float m_old = m_s()[h];
@@ -143,7 +143,7 @@ struct DecodeCta {
     }
     __syncthreads();
     if (mass != nullptr && tid == 0) {
-      float mx = -INFINITY;
+      float mx = NEG_INF;
       for (int h = 0; h < GQA; ++h) mx = fmaxf(mx, plse_s()[h]);
       float sum = 0.f;
       for (int h = 0; h < GQA; ++h) sum += exp2f(plse_s()[h] - mx);
@@ -178,7 +178,7 @@ struct DecodeCta {
     const float qscale = p.sm_scale * 1.4426950408889634f;
     const QT* q = reinterpret_cast<const QT*>(p.q) + (size_t(seq) * num_hq + hq0) * D;
     for (int i = tid; i < GQA * D; i += NT) q_s()[i] = to_float(q[i]) * qscale;
-    if (tid < GQA) { m_s()[tid] = -INFINITY; l_s()[tid] = 0.f; }
+    if (tid < GQA) { m_s()[tid] = NEG_INF; l_s()[tid] = 0.f; }
     __syncthreads();
     build_luts(typename Cfg::Tiers{});
 #pragma unroll
@@ -255,10 +255,10 @@ struct DecodeCta {
         reinterpret_cast<QT*>(p.out)[row * D + c] = from_float<QT>(o);
       } else {
         p.partial_out[(size_t(split) * p.batch * num_hq + row) * D + c] = o;
-        if (c == 0) {
-          const float m = m_s()[h];
-          p.partial_lse[size_t(split) * p.batch * num_hq + row] = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY;
-        }
+      }
+      if (c == 0 && p.partial_lse != nullptr) {
+        const float m = m_s()[h];
+        p.partial_lse[size_t(split) * p.batch * num_hq + row] = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : NEG_INF;
       }
     }
   }

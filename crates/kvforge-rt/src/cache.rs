@@ -1,0 +1,543 @@
+//! The paged, tiered KV cache of one layer on the GPU.
+//!
+//! Tokens of a (sequence, kv head) live in pages of `spec.page.tokens` tokens. New tokens go
+//! to a dense tail page (tier 0); when it fills, the generated encode kernel writes the page
+//! into the cache's target tier in one step (a page is never partially re-encoded: seed 004
+//! P1). Prefill appends many tokens at once and encodes all filled pages in few launches.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use half::{bf16, f16};
+use kvforge_spec::{DType, KeyScheme, PageHeader, SegmentLayout, Spec, TierId, VariantId, HEADER_BYTES, TAIL_TIER};
+
+use crate::device::Device;
+use crate::error::{drv, Result, RtError};
+use crate::kernels::KernelCache;
+use crate::params::TranscodeParams;
+use crate::pool::{PagePool, PageRef};
+
+/// Shape and capacity of a cache.
+#[derive(Clone, Debug)]
+pub struct CacheConfig {
+    pub head_dim: usize,
+    pub gqa: usize,
+    pub num_kv_heads: usize,
+    /// Pages per tier, indexed by tier id.
+    pub pages: Vec<usize>,
+    /// Tier that filled tail pages are encoded into.
+    pub target_tier: TierId,
+    /// Verify every page header (magic, checksum, tier) when a decode maps the pages.
+    /// On by default in debug builds.
+    pub verify_headers: bool,
+    /// Headroom of automatically chosen spherical radius scales over the largest radius seen.
+    pub radius_headroom: f32,
+}
+
+impl CacheConfig {
+    /// A cache for up to `tokens` tokens per (sequence, kv head) summed over `sequences`,
+    /// encoding into the first ladder tier.
+    pub fn new(spec: &Spec, head_dim: usize, gqa: usize, num_kv_heads: usize, sequences: usize, tokens: usize) -> CacheConfig {
+        let per_head_pages = tokens.div_ceil(spec.page.tokens) + sequences;
+        let mut pages = vec![per_head_pages * num_kv_heads; spec.tiers.len()];
+        pages[TAIL_TIER as usize] = (sequences + 64) * num_kv_heads;
+        CacheConfig { head_dim, gqa, num_kv_heads, pages, target_tier: 1, verify_headers: cfg!(debug_assertions), radius_headroom: 1.25 }
+    }
+
+    pub fn target(mut self, tier: TierId) -> Self {
+        self.target_tier = tier;
+        self
+    }
+}
+
+/// The tail page of one (sequence, kv head): its device page and a host mirror of its bytes.
+#[derive(Clone, Debug)]
+struct Tail {
+    page: PageRef,
+    bytes: Vec<u8>,
+    len: usize,
+}
+
+#[derive(Clone, Debug, Default)]
+struct HeadPages {
+    full: Vec<PageRef>,
+    tail: Option<Tail>,
+}
+
+#[derive(Clone, Debug)]
+struct Sequence {
+    heads: Vec<HeadPages>,
+    len: usize,
+}
+
+/// Resident bytes of one tier.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct TierUsage {
+    pub tier: String,
+    pub pages: usize,
+    pub tokens: usize,
+    /// Page bytes in use (header + segment + alignment padding).
+    pub resident_bytes: usize,
+    /// Spec cost: payload + metadata per token per head.
+    pub payload_bytes_per_token: f64,
+    /// resident_bytes / tokens.
+    pub resident_bytes_per_token: f64,
+}
+
+pub struct KvCache {
+    pub(crate) dev: Arc<Device>,
+    pub(crate) spec: Spec,
+    pub(crate) cfg: CacheConfig,
+    pub(crate) pool: PagePool,
+    pub(crate) arena: CudaSlice<u8>,
+    seqs: Vec<Option<Sequence>>,
+    pub(crate) codebooks: Vec<Option<CudaSlice<f32>>>,
+    pub(crate) radius_scales: Vec<Option<CudaSlice<f32>>>,
+    pub(crate) kernels: KernelCache,
+    pub(crate) flags: CudaSlice<u32>,
+}
+
+fn dense_bytes(dtype: DType, x: f32) -> [u8; 2] {
+    match dtype {
+        DType::Fp16 => f16::from_f32(x).to_le_bytes(),
+        DType::Bf16 => bf16::from_f32(x).to_le_bytes(),
+    }
+}
+
+fn dense_value(dtype: DType, b: [u8; 2]) -> f32 {
+    match dtype {
+        DType::Fp16 => f16::from_le_bytes(b).to_f32(),
+        DType::Bf16 => bf16::from_le_bytes(b).to_f32(),
+    }
+}
+
+impl KvCache {
+    pub fn new(dev: Arc<Device>, spec: Spec, cfg: CacheConfig) -> Result<KvCache> {
+        let d = cfg.head_dim;
+        if !spec.geometry.head_dims.contains(&d) {
+            return Err(RtError::BadInput(format!("head_dim {d} is not in spec `{}` (head_dims {:?})", spec.name, spec.geometry.head_dims)));
+        }
+        if !spec.geometry.gqa.contains(&cfg.gqa) {
+            return Err(RtError::BadInput(format!("gqa {} is not in spec `{}` (gqa {:?})", cfg.gqa, spec.name, spec.geometry.gqa)));
+        }
+        if cfg.num_kv_heads == 0 {
+            return Err(RtError::BadInput("num_kv_heads must be at least 1".into()));
+        }
+        let target = spec.tiers.get(cfg.target_tier as usize).ok_or_else(|| RtError::BadTier(cfg.target_tier, "no such tier".into()))?;
+        if target.is_drop() || target.id == TAIL_TIER {
+            return Err(RtError::BadTier(cfg.target_tier, format!("`{}` cannot hold encoded pages", target.name)));
+        }
+        let pool = PagePool::new(&spec, d, &cfg.pages)?;
+        let arena_bytes = pool.arena_bytes().max(16) as usize;
+        let arena = dev.stream.alloc_zeros::<u8>(arena_bytes).map_err(|e| match drv("page arena")(e) {
+            RtError::OutOfMemory { what, .. } => RtError::OutOfMemory { what, bytes: arena_bytes },
+            e => e,
+        })?;
+        let mut codebooks = Vec::new();
+        let mut radius_scales = Vec::new();
+        for t in &spec.tiers {
+            if let KeyScheme::Spherical { group, angle_bits, codebook } = &t.key {
+                let ng = d / group;
+                let entries = 1usize << angle_bits;
+                let mut all = Vec::with_capacity(cfg.num_kv_heads * ng * entries * group);
+                for _ in 0..cfg.num_kv_heads * ng {
+                    all.extend_from_slice(&codebook.data);
+                }
+                codebooks.push(Some(dev.stream.clone_htod(&all).map_err(drv("codebook upload"))?));
+            } else {
+                codebooks.push(None);
+            }
+            radius_scales.push(None);
+        }
+        let flags = dev.stream.alloc_zeros::<u32>(1).map_err(drv("error flags"))?;
+        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, kernels: KernelCache::default(), flags })
+    }
+
+    pub fn spec(&self) -> &Spec {
+        &self.spec
+    }
+    pub fn config(&self) -> &CacheConfig {
+        &self.cfg
+    }
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+    pub fn pool(&self) -> &PagePool {
+        &self.pool
+    }
+
+    /// Adds an empty sequence and returns its id.
+    pub fn add_sequence(&mut self) -> usize {
+        let s = Sequence { heads: vec![HeadPages::default(); self.cfg.num_kv_heads], len: 0 };
+        if let Some(i) = self.seqs.iter().position(|s| s.is_none()) {
+            self.seqs[i] = Some(s);
+            i
+        } else {
+            self.seqs.push(Some(s));
+            self.seqs.len() - 1
+        }
+    }
+
+    /// Frees every page of a sequence.
+    pub fn remove_sequence(&mut self, seq: usize) -> Result<()> {
+        let s = self.seqs.get_mut(seq).and_then(|s| s.take()).ok_or(RtError::NoSequence(seq))?;
+        for h in s.heads {
+            for p in h.full {
+                self.pool.free(p);
+            }
+            if let Some(t) = h.tail {
+                self.pool.free(t.page);
+            }
+        }
+        Ok(())
+    }
+
+    fn seq(&self, seq: usize) -> Result<&Sequence> {
+        self.seqs.get(seq).and_then(|s| s.as_ref()).ok_or(RtError::NoSequence(seq))
+    }
+
+    pub fn seq_len(&self, seq: usize) -> Result<usize> {
+        Ok(self.seq(seq)?.len)
+    }
+
+    /// Pages of one (sequence, kv head) in token order, the tail page last.
+    pub fn pages(&self, seq: usize, head: usize) -> Result<Vec<(PageRef, usize)>> {
+        let s = self.seq(seq)?;
+        let h = s.heads.get(head).ok_or_else(|| RtError::BadInput(format!("kv head {head} out of range ({} heads)", self.cfg.num_kv_heads)))?;
+        let p = self.spec.page.tokens;
+        let mut v: Vec<(PageRef, usize)> = h.full.iter().map(|&r| (r, p)).collect();
+        if let Some(t) = &h.tail {
+            v.push((t.page, t.len));
+        }
+        Ok(v)
+    }
+
+    /// Appends `n` tokens: `k`, `v` are row-major [n][num_kv_heads][head_dim], rounded to the
+    /// spec dtype. Either every token is appended or, on out-of-pages, nothing changes.
+    pub fn append(&mut self, seq: usize, k: &[f32], v: &[f32]) -> Result<()> {
+        let (hkv, d, p) = (self.cfg.num_kv_heads, self.cfg.head_dim, self.spec.page.tokens);
+        if k.len() != v.len() || k.len() % (hkv * d) != 0 {
+            return Err(RtError::BadInput(format!("append: k has {} and v {} values; both must be n × {hkv} kv heads × {d}", k.len(), v.len())));
+        }
+        if let Some(bad) = k.iter().chain(v.iter()).find(|x| !x.is_finite()) {
+            return Err(RtError::BadInput(format!("append: non-finite value {bad} in k/v")));
+        }
+        let n = k.len() / (hkv * d);
+        let target = self.cfg.target_tier;
+        let s = self.seq(seq)?.clone();
+        let tail_len = s.heads[0].tail.as_ref().map_or(0, |t| t.len);
+        let full_per_head = (tail_len + n) / p;
+        let rest = (tail_len + n) % p;
+        // All-or-nothing capacity check before touching anything.
+        let existing_tails = s.heads.iter().filter(|h| h.tail.is_some()).count();
+        let mut need = vec![0usize; self.spec.tiers.len()];
+        need[target as usize] = full_per_head * hkv;
+        let tails_needed = if rest > 0 { hkv } else { 0 } + usize::from(full_per_head > 0);
+        need[TAIL_TIER as usize] = tails_needed.saturating_sub(existing_tails);
+        self.pool.reserve(&need)?;
+
+        let seg = self.spec.segment(TAIL_TIER, d);
+        let (koff, voff) = (HEADER_BYTES + seg.offset("k"), HEADER_BYTES + seg.offset("v"));
+        let dtype = self.spec.geometry.dtype;
+        let mut full_pages: Vec<(usize, Vec<u8>)> = Vec::new();
+        let mut new_tails: Vec<Option<(Vec<u8>, usize)>> = Vec::new();
+        for h in 0..hkv {
+            let (mut bytes, mut len) = match &s.heads[h].tail {
+                Some(t) => (t.bytes.clone(), t.len),
+                None => (vec![0u8; seg.page_bytes], 0),
+            };
+            for i in 0..n {
+                let r = (i * hkv + h) * d..(i * hkv + h + 1) * d;
+                for (c, (&kx, &vx)) in k[r.clone()].iter().zip(&v[r]).enumerate() {
+                    bytes[koff + (len * d + c) * 2..][..2].copy_from_slice(&dense_bytes(dtype, kx));
+                    bytes[voff + (len * d + c) * 2..][..2].copy_from_slice(&dense_bytes(dtype, vx));
+                }
+                len += 1;
+                if len == p {
+                    bytes[..HEADER_BYTES].copy_from_slice(&PageHeader { tier: TAIL_TIER, flags: 0, length: p as u32 }.to_bytes());
+                    full_pages.push((h, std::mem::replace(&mut bytes, vec![0u8; seg.page_bytes])));
+                    len = 0;
+                }
+            }
+            if len > 0 {
+                bytes[..HEADER_BYTES].copy_from_slice(&PageHeader { tier: TAIL_TIER, flags: 0, length: len as u32 }.to_bytes());
+                new_tails.push(Some((bytes, len)));
+            } else {
+                new_tails.push(None);
+            }
+        }
+        // Old tail pages are superseded: free them, then allocate what is needed.
+        let s = self.seqs[seq].as_mut().unwrap();
+        for h in s.heads.iter_mut() {
+            if let Some(t) = h.tail.take() {
+                self.pool.free(t.page);
+            }
+        }
+        if !full_pages.is_empty() {
+            self.ensure_radius_scales(target, &full_pages, koff)?;
+            let encoded = self.encode_pages(&full_pages, target)?;
+            let s = self.seqs[seq].as_mut().unwrap();
+            for ((h, _), page) in full_pages.iter().zip(encoded) {
+                s.heads[*h].full.push(page);
+            }
+        }
+        for (h, t) in new_tails.into_iter().enumerate() {
+            if let Some((bytes, len)) = t {
+                let page = self.pool.alloc(TAIL_TIER)?;
+                self.upload(page, &bytes)?;
+                self.seqs[seq].as_mut().unwrap().heads[h].tail = Some(Tail { page, bytes, len });
+            }
+        }
+        self.seqs[seq].as_mut().unwrap().len += n;
+        Ok(())
+    }
+
+    fn upload(&mut self, page: PageRef, bytes: &[u8]) -> Result<()> {
+        let off = page.offset as usize;
+        let mut view = self.arena.slice_mut(off..off + bytes.len());
+        self.dev.stream.memcpy_htod(bytes, &mut view).map_err(drv("page upload"))
+    }
+
+    /// Overwrites bytes of a page (low level: tools and corruption tests).
+    pub fn write_page_bytes(&mut self, page: PageRef, at: usize, bytes: &[u8]) -> Result<()> {
+        if at + bytes.len() > self.pool.page_bytes(page.tier) {
+            return Err(RtError::BadInput(format!("write of {} bytes at {at} overruns a {} B page", bytes.len(), self.pool.page_bytes(page.tier))));
+        }
+        let off = page.offset as usize + at;
+        let mut view = self.arena.slice_mut(off..off + bytes.len());
+        self.dev.stream.memcpy_htod(bytes, &mut view).map_err(drv("page write"))
+    }
+
+    /// Turns host-side header verification on or off.
+    pub fn set_verify_headers(&mut self, on: bool) {
+        self.cfg.verify_headers = on;
+    }
+
+    /// Downloads one page's bytes (header + segment + padding).
+    pub fn download_page(&self, page: PageRef) -> Result<Vec<u8>> {
+        let off = page.offset as usize;
+        let n = self.pool.page_bytes(page.tier);
+        self.dev.stream.clone_dtoh(&self.arena.slice(off..off + n)).map_err(drv("page download"))
+    }
+
+    /// Spherical tiers need per-(kv head, group) radius scales before the first encode: unless
+    /// set with [`KvCache::set_radius_scales`], they are taken from the first pages encoded
+    /// (largest radius × headroom / 255; larger radii later clip to code 255).
+    fn ensure_radius_scales(&mut self, tier: TierId, pages: &[(usize, Vec<u8>)], koff: usize) -> Result<()> {
+        let KeyScheme::Spherical { group, .. } = self.spec.tiers[tier as usize].key else { return Ok(()) };
+        if self.radius_scales[tier as usize].is_some() {
+            return Ok(());
+        }
+        let (d, p, hkv) = (self.cfg.head_dim, self.spec.page.tokens, self.cfg.num_kv_heads);
+        let ng = d / group;
+        let mut max_r = vec![0f32; hkv * ng];
+        let dtype = self.spec.geometry.dtype;
+        for (h, bytes) in pages {
+            for t in 0..p {
+                for j in 0..ng {
+                    let r2: f32 = (0..group)
+                        .map(|c| {
+                            let at = koff + (t * d + j * group + c) * 2;
+                            let x = dense_value(dtype, [bytes[at], bytes[at + 1]]);
+                            x * x
+                        })
+                        .sum();
+                    max_r[h * ng + j] = max_r[h * ng + j].max(r2.sqrt());
+                }
+            }
+        }
+        let scales: Vec<f32> = max_r.iter().map(|&r| if r > 0.0 { r * self.cfg.radius_headroom / 255.0 } else { 1.0 }).collect();
+        self.set_radius_scales(tier, &scales)
+    }
+
+    /// Sets the radius scales [num_kv_heads][groups] of spherical tier `tier`.
+    pub fn set_radius_scales(&mut self, tier: TierId, scales: &[f32]) -> Result<()> {
+        let Some(KeyScheme::Spherical { group, .. }) = self.spec.tiers.get(tier as usize).map(|t| &t.key) else {
+            return Err(RtError::BadTier(tier, "radius scales belong to spherical tiers".into()));
+        };
+        let want = self.cfg.num_kv_heads * self.cfg.head_dim / group;
+        if scales.len() != want || scales.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
+            return Err(RtError::BadInput(format!("radius scales: need {want} positive finite values, got {}", scales.len())));
+        }
+        self.radius_scales[tier as usize] = Some(self.dev.stream.clone_htod(scales).map_err(drv("radius scale upload"))?);
+        Ok(())
+    }
+
+    /// Radius scales of a spherical tier, once set.
+    pub fn radius_scales(&self, tier: TierId) -> Result<Option<Vec<f32>>> {
+        match &self.radius_scales[tier as usize] {
+            Some(s) => Ok(Some(self.dev.stream.clone_dtoh(s).map_err(drv("radius scale download"))?)),
+            None => Ok(None),
+        }
+    }
+
+    pub(crate) fn tier_pointers(&self) -> ([u64; 16], [u64; 16]) {
+        let mut cb = [0u64; 16];
+        let mut rs = [0u64; 16];
+        let st = &self.dev.stream;
+        for (i, c) in self.codebooks.iter().enumerate() {
+            if let Some(c) = c {
+                cb[i] = c.device_ptr(st).0;
+            }
+        }
+        for (i, r) in self.radius_scales.iter().enumerate() {
+            if let Some(r) = r {
+                rs[i] = r.device_ptr(st).0;
+            }
+        }
+        (cb, rs)
+    }
+
+    /// Encodes full tail-format pages (host bytes) into `target`, in batches that fit the
+    /// free tail pages. Returns the new pages in order.
+    fn encode_pages(&mut self, pages: &[(usize, Vec<u8>)], target: TierId) -> Result<Vec<PageRef>> {
+        let mut out = Vec::with_capacity(pages.len());
+        let mut at = 0;
+        while at < pages.len() {
+            let batch = (pages.len() - at).min(self.pool.free_pages(TAIL_TIER).max(1));
+            let mut staged = Vec::with_capacity(batch);
+            for (_, bytes) in &pages[at..at + batch] {
+                let page = self.pool.alloc(TAIL_TIER)?;
+                self.upload(page, bytes)?;
+                staged.push(page);
+            }
+            let dst: Vec<PageRef> = (0..batch).map(|_| self.pool.alloc(target)).collect::<Result<_>>()?;
+            let heads: Vec<u32> = pages[at..at + batch].iter().map(|(h, _)| *h as u32).collect();
+            self.transcode(&staged, &dst, &heads, TAIL_TIER, target)?;
+            for p in staged {
+                self.pool.free(p);
+            }
+            out.extend(dst);
+            at += batch;
+        }
+        Ok(out)
+    }
+
+    /// Launches the `src → dst` transcode kernel over pages (same length lists).
+    pub(crate) fn transcode(&mut self, src: &[PageRef], dst: &[PageRef], heads: &[u32], from: TierId, to: TierId) -> Result<()> {
+        let v = VariantId::transcode(&self.spec, from, to, self.cfg.head_dim);
+        let k = self.kernels.get(&self.dev, &self.spec, &v)?;
+        let st = self.dev.stream.clone();
+        let so: Vec<u64> = src.iter().map(|p| p.offset).collect();
+        let dsto: Vec<u64> = dst.iter().map(|p| p.offset).collect();
+        let so = st.clone_htod(&so).map_err(drv("transcode offsets"))?;
+        let dsto = st.clone_htod(&dsto).map_err(drv("transcode offsets"))?;
+        let hd = st.clone_htod(heads).map_err(drv("transcode heads"))?;
+        let (codebooks, radius_scales) = self.tier_pointers();
+        let params = TranscodeParams {
+            arena: self.arena.device_ptr(&st).0,
+            src_offsets: so.device_ptr(&st).0,
+            dst_offsets: dsto.device_ptr(&st).0,
+            kv_heads: hd.device_ptr(&st).0,
+            codebooks,
+            radius_scales,
+            error_flags: self.flags.device_ptr(&st).0,
+            num_pages: src.len() as i32,
+        };
+        let cfg = LaunchConfig { grid_dim: (src.len() as u32, 1, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: k.smem_bytes };
+        // SAFETY: params mirror the kernel's struct (rendered from one field list); every
+        // pointer is a live allocation of this cache, offsets come from the page pool.
+        unsafe { st.launch_builder(&k.func).arg(&params).launch(cfg) }.map_err(drv(format!("launch {v}")))?;
+        self.check_flags(&v)
+    }
+
+    /// Reads and clears the kernels' error flags.
+    pub(crate) fn check_flags(&mut self, v: &VariantId) -> Result<()> {
+        let f = self.dev.stream.clone_dtoh(&self.flags).map_err(drv(format!("after {v}")))?;
+        if f[0] == 0 {
+            return Ok(());
+        }
+        self.dev.stream.memset_zeros(&mut self.flags).map_err(drv("clear flags"))?;
+        let mut what = Vec::new();
+        for (bit, name) in [(1, "a page in a tier it does not serve"), (2, "a page header with a bad magic"), (4, "a page longer than a page"), (8, "a source page not in the expected tier")] {
+            if f[0] & bit != 0 {
+                what.push(name);
+            }
+        }
+        Err(RtError::KernelFault { variant: v.to_string(), what: what.join(", ") })
+    }
+
+    /// Checks every mapped page's header against the bookkeeping; names the first bad page.
+    pub fn verify_pages(&self, seqs: &[usize]) -> Result<()> {
+        for &s in seqs {
+            for h in 0..self.cfg.num_kv_heads {
+                for (i, (page, len)) in self.pages(s, h)?.into_iter().enumerate() {
+                    let off = page.offset as usize;
+                    let raw = self.dev.stream.clone_dtoh(&self.arena.slice(off..off + HEADER_BYTES)).map_err(drv("header download"))?;
+                    let hd = PageHeader::from_bytes(&raw).map_err(|reason| RtError::CorruptPage { page: i, offset: page.offset, reason: format!("sequence {s} head {h}: {reason}") })?;
+                    if hd.tier != page.tier || hd.length as usize != len {
+                        return Err(RtError::CorruptPage { page: i, offset: page.offset, reason: format!("sequence {s} head {h}: header says tier {} length {}, expected tier {} length {len}", hd.tier, hd.length, page.tier) });
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Resident bytes per tier over all sequences.
+    pub fn memory_report(&self) -> Vec<TierUsage> {
+        let (d, p) = (self.cfg.head_dim, self.spec.page.tokens);
+        self.spec
+            .tiers
+            .iter()
+            .map(|t| {
+                let mut pages = 0;
+                let mut tokens = 0;
+                for s in self.seqs.iter().flatten() {
+                    for h in &s.heads {
+                        for r in h.full.iter().filter(|r| r.tier == t.id) {
+                            let _ = r;
+                            pages += 1;
+                            tokens += p;
+                        }
+                        if let Some(tl) = h.tail.as_ref().filter(|tl| tl.page.tier == t.id) {
+                            pages += 1;
+                            tokens += tl.len;
+                        }
+                    }
+                }
+                let seg: SegmentLayout = self.spec.segment(t.id, d);
+                let resident = pages * seg.page_bytes;
+                TierUsage {
+                    tier: t.name.clone(),
+                    pages,
+                    tokens,
+                    resident_bytes: resident,
+                    payload_bytes_per_token: t.bytes_per_token(d, p),
+                    resident_bytes_per_token: if tokens > 0 { resident as f64 / tokens as f64 } else { 0.0 },
+                }
+            })
+            .collect()
+    }
+
+    /// Re-codes page `index` of (seq, head) into tier `to` (drop frees it). Pages only move
+    /// down the ladder.
+    pub fn retier(&mut self, seq: usize, head: usize, index: usize, to: TierId) -> Result<()> {
+        let s = self.seq(seq)?;
+        let page = *s.heads.get(head).and_then(|h| h.full.get(index)).ok_or_else(|| RtError::BadInput(format!("no full page {index} in sequence {seq} head {head}")))?;
+        let dst_tier = self.spec.tiers.get(to as usize).ok_or_else(|| RtError::BadTier(to, "no such tier".into()))?;
+        if to <= page.tier {
+            return Err(RtError::BadTier(to, format!("pages move down the ladder only (page is in tier {})", page.tier)));
+        }
+        if dst_tier.is_drop() {
+            let s = self.seqs[seq].as_mut().unwrap();
+            s.heads[head].full.remove(index);
+            s.len -= self.spec.page.tokens.min(s.len);
+            self.pool.free(page);
+            return Ok(());
+        }
+        self.pool.reserve(&{
+            let mut n = vec![0; self.spec.tiers.len()];
+            n[to as usize] = 1;
+            n
+        })?;
+        if matches!(dst_tier.key, KeyScheme::Spherical { .. }) && self.radius_scales[to as usize].is_none() {
+            return Err(RtError::BadTier(to, "set radius scales before re-coding into a spherical tier".into()));
+        }
+        let dst = self.pool.alloc(to)?;
+        self.transcode(&[page], &[dst], &[head as u32], page.tier, to)?;
+        self.pool.free(page);
+        self.seqs[seq].as_mut().unwrap().heads[head].full[index] = dst;
+        Ok(())
+    }
+}

@@ -1,0 +1,276 @@
+//! Plan, then run: [`plan`] picks the variant, the split count (from live lengths) and the
+//! page table with no CUDA calls, so it is unit-tested on any machine; [`KvCache::run`] only
+//! uploads and launches.
+
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use half::{bf16, f16};
+use kvforge_spec::{DType, Spec, TierId, VariantId};
+
+use crate::cache::KvCache;
+use crate::error::{drv, Result, RtError};
+use crate::params::{CombineParams, DecodeParams};
+use crate::pool::PageRef;
+
+/// Everything a decode launch needs, computed on the host.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DecodePlan {
+    pub variant: VariantId,
+    pub combine: Option<VariantId>,
+    pub batch: usize,
+    pub num_kv_heads: usize,
+    pub gqa: usize,
+    pub head_dim: usize,
+    pub splits: usize,
+    /// Byte offsets of every page, grouped by (sequence, kv head).
+    pub page_offsets: Vec<u64>,
+    /// [batch * num_kv_heads + 1] into `page_offsets`.
+    pub page_indptr: Vec<u32>,
+    /// Tiers the batch's pages are in.
+    pub tiers: Vec<TierId>,
+    /// Bytes the kernels read: pages (headers, payload, metadata) + queries.
+    pub bytes_read: usize,
+}
+
+/// Split-K heuristic (flash-decoding): enough CTAs to fill the SMs twice over, but at least
+/// two pages per split so the staging pipeline has something to overlap.
+pub fn split_count(ctas: usize, max_pages: usize, sm_count: usize) -> usize {
+    if ctas == 0 || ctas >= sm_count || max_pages < 4 {
+        return 1;
+    }
+    let want = (2 * sm_count).div_ceil(ctas);
+    want.min(max_pages / 2).clamp(1, 64)
+}
+
+/// The smallest decode combination of `spec` that serves every tier in `present`.
+pub fn choose_combination(spec: &Spec, present: &[TierId]) -> Option<Vec<TierId>> {
+    spec.kernels.combinations.iter().filter(|c| present.iter().all(|t| c.contains(t))).min_by_key(|c| c.len()).cloned()
+}
+
+/// Plans decode over `pages[i][h]` = the (page, tokens) list of sequence i, kv head h.
+pub fn plan(spec: &Spec, head_dim: usize, gqa: usize, pages: &[Vec<Vec<(PageRef, usize)>>], page_bytes: &dyn Fn(TierId) -> usize, sm_count: usize) -> Result<DecodePlan> {
+    let batch = pages.len();
+    if batch == 0 {
+        return Err(RtError::BadInput("decode of an empty batch".into()));
+    }
+    let hkv = pages[0].len();
+    let mut page_offsets = Vec::new();
+    let mut page_indptr = vec![0u32];
+    let mut present: Vec<TierId> = Vec::new();
+    let mut max_pages = 0;
+    let mut bytes_read = 0;
+    for (i, seq) in pages.iter().enumerate() {
+        if seq.len() != hkv {
+            return Err(RtError::BadInput(format!("sequence {i} has {} kv heads, expected {hkv}", seq.len())));
+        }
+        for head in seq {
+            if head.iter().map(|(_, n)| n).sum::<usize>() == 0 {
+                return Err(RtError::EmptySequence(i));
+            }
+            max_pages = max_pages.max(head.len());
+            for (p, _) in head {
+                page_offsets.push(p.offset);
+                bytes_read += page_bytes(p.tier);
+                if !present.contains(&p.tier) {
+                    present.push(p.tier);
+                }
+            }
+            page_indptr.push(page_offsets.len() as u32);
+        }
+    }
+    present.sort();
+    let combo = choose_combination(spec, &present).ok_or_else(|| RtError::NoVariant {
+        spec: spec.name.clone(),
+        tiers: present.iter().map(|&t| spec.tiers[t as usize].name.clone()).collect(),
+        head_dim,
+        gqa,
+    })?;
+    let variant = VariantId::decode(spec, &combo, head_dim, gqa);
+    let splits = if spec.kernels.split_k { split_count(batch * hkv, max_pages, sm_count) } else { 1 };
+    bytes_read += batch * hkv * gqa * head_dim * 2;
+    Ok(DecodePlan {
+        combine: (splits > 1).then(|| VariantId::combine(spec, head_dim)),
+        variant,
+        batch,
+        num_kv_heads: hkv,
+        gqa,
+        head_dim,
+        splits,
+        page_offsets,
+        page_indptr,
+        tiers: present,
+        bytes_read,
+    })
+}
+
+/// Decode output in f32 with the natural-log log-sum-exp of every (sequence, query head).
+#[derive(Clone, Debug)]
+pub struct DecodeOutput {
+    /// [batch][num_q_heads][head_dim]
+    pub out: Vec<f32>,
+    /// [batch][num_q_heads]
+    pub lse: Vec<f32>,
+}
+
+/// Device buffers of one planned decode, reusable across runs of the same plan.
+pub struct DecodeWorkspace {
+    pub page_offsets: CudaSlice<u64>,
+    pub page_indptr: CudaSlice<u32>,
+    pub q: CudaSlice<u16>,
+    pub out: CudaSlice<u16>,
+    pub partial_out: CudaSlice<f32>,
+    pub partial_lse: CudaSlice<f32>,
+    pub lse: CudaSlice<f32>,
+}
+
+impl KvCache {
+    /// Plans decode of one query token for each of `seqs`.
+    pub fn plan(&self, seqs: &[usize]) -> Result<DecodePlan> {
+        let hkv = self.cfg.num_kv_heads;
+        let pages: Vec<Vec<Vec<(PageRef, usize)>>> = seqs.iter().map(|&s| (0..hkv).map(|h| self.pages(s, h)).collect::<Result<_>>()).collect::<Result<_>>()?;
+        if self.cfg.verify_headers {
+            self.verify_pages(seqs)?;
+        }
+        plan(&self.spec, self.cfg.head_dim, self.cfg.gqa, &pages, &|t| self.pool.page_bytes(t), self.dev.info.sm_count)
+    }
+
+    /// Allocates the buffers of `plan` and uploads its page table.
+    pub fn workspace(&self, plan: &DecodePlan) -> Result<DecodeWorkspace> {
+        let st = &self.dev.stream;
+        let rows = plan.batch * plan.num_kv_heads * plan.gqa;
+        let d = plan.head_dim;
+        Ok(DecodeWorkspace {
+            page_offsets: st.clone_htod(&plan.page_offsets).map_err(drv("page table"))?,
+            page_indptr: st.clone_htod(&plan.page_indptr).map_err(drv("page table"))?,
+            q: st.alloc_zeros(rows * d).map_err(drv("queries"))?,
+            out: st.alloc_zeros(rows * d).map_err(drv("output"))?,
+            partial_out: st.alloc_zeros(if plan.splits > 1 { plan.splits * rows * d } else { 1 }).map_err(drv("split partials"))?,
+            partial_lse: st.alloc_zeros(plan.splits * rows).map_err(drv("split lse"))?,
+            lse: st.alloc_zeros(rows).map_err(drv("lse"))?,
+        })
+    }
+
+    /// Launches the planned kernels on the workspace (queries already in `ws.q`).
+    pub fn launch(&mut self, plan: &DecodePlan, ws: &mut DecodeWorkspace) -> Result<()> {
+        let k = self.kernels.get(&self.dev, &self.spec, &plan.variant)?;
+        let st = self.dev.stream.clone();
+        let (codebooks, radius_scales) = self.tier_pointers();
+        let rows = plan.batch * plan.num_kv_heads * plan.gqa;
+        for (i, t) in plan.tiers.iter().enumerate() {
+            if self.codebooks[*t as usize].is_some() && self.radius_scales[*t as usize].is_none() {
+                return Err(RtError::BadTier(plan.tiers[i], "spherical tier without radius scales".into()));
+            }
+        }
+        let params = DecodeParams {
+            q: ws.q.device_ptr(&st).0,
+            out: ws.out.device_ptr(&st).0,
+            partial_out: ws.partial_out.device_ptr(&st).0,
+            partial_lse: if plan.splits > 1 { ws.partial_lse.device_ptr(&st).0 } else { ws.lse.device_ptr(&st).0 },
+            arena: self.arena.device_ptr(&st).0,
+            page_offsets: ws.page_offsets.device_ptr(&st).0,
+            page_indptr: ws.page_indptr.device_ptr(&st).0,
+            codebooks,
+            radius_scales,
+            page_lse: 0,
+            error_flags: self.flags.device_ptr(&st).0,
+            sm_scale: 1.0 / (plan.head_dim as f32).sqrt(),
+            batch: plan.batch as i32,
+            num_kv_heads: plan.num_kv_heads as i32,
+            num_splits: plan.splits as i32,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (plan.splits as u32, plan.num_kv_heads as u32, plan.batch as u32),
+            block_dim: (k.threads, 1, 1),
+            shared_mem_bytes: k.smem_bytes,
+        };
+        // SAFETY: params mirror the kernel struct; buffers are sized by `workspace` for this
+        // plan; page offsets come from the pool and lie inside the arena.
+        unsafe { st.launch_builder(&k.func).arg(&params).launch(cfg) }.map_err(drv(format!("launch {}", plan.variant)))?;
+        if let Some(cv) = &plan.combine {
+            let ck = self.kernels.get(&self.dev, &self.spec, cv)?;
+            let cp = CombineParams {
+                partial_out: ws.partial_out.device_ptr(&st).0,
+                partial_lse: ws.partial_lse.device_ptr(&st).0,
+                out: ws.out.device_ptr(&st).0,
+                lse: ws.lse.device_ptr(&st).0,
+                rows: rows as i32,
+                num_splits: plan.splits as i32,
+            };
+            let ccfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (ck.threads, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: as above; partial buffers hold `splits × rows` entries.
+            unsafe { st.launch_builder(&ck.func).arg(&cp).launch(ccfg) }.map_err(drv(format!("launch {cv}")))?;
+        }
+        Ok(())
+    }
+
+    /// Checks the kernels' error flags after launches (synchronises).
+    pub fn check(&mut self, plan: &DecodePlan) -> Result<()> {
+        self.check_flags(&plan.variant)
+    }
+
+    /// Decodes one query token per sequence: `q` is [len(seqs)][num_kv_heads × gqa][head_dim]
+    /// in f32 (rounded to the spec dtype on upload).
+    pub fn decode(&mut self, seqs: &[usize], q: &[f32]) -> Result<DecodeOutput> {
+        let plan = self.plan(seqs)?;
+        let rows = plan.batch * plan.num_kv_heads * plan.gqa;
+        if q.len() != rows * plan.head_dim {
+            return Err(RtError::BadInput(format!(
+                "query has {} values, expected {} sequences × {} q heads × {}",
+                q.len(),
+                plan.batch,
+                plan.num_kv_heads * plan.gqa,
+                plan.head_dim
+            )));
+        }
+        let mut ws = self.workspace(&plan)?;
+        let dtype = self.spec.geometry.dtype;
+        let qh: Vec<u16> = q.iter().map(|&x| to_bits(dtype, x)).collect();
+        self.dev.stream.memcpy_htod(&qh, &mut ws.q).map_err(drv("query upload"))?;
+        self.launch(&plan, &mut ws)?;
+        self.check(&plan)?;
+        let out = self.dev.stream.clone_dtoh(&ws.out).map_err(drv("output download"))?;
+        let lse = self.dev.stream.clone_dtoh(&ws.lse).map_err(drv("lse download"))?;
+        Ok(DecodeOutput { out: out.into_iter().map(|b| from_bits(dtype, b)).collect(), lse })
+    }
+}
+
+pub fn to_bits(dtype: DType, x: f32) -> u16 {
+    match dtype {
+        DType::Fp16 => f16::from_f32(x).to_bits(),
+        DType::Bf16 => bf16::from_f32(x).to_bits(),
+    }
+}
+
+pub fn from_bits(dtype: DType, b: u16) -> f32 {
+    match dtype {
+        DType::Fp16 => f16::from_bits(b).to_f32(),
+        DType::Bf16 => bf16::from_bits(b).to_f32(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_heuristic_fills_the_machine_only_when_needed() {
+        assert_eq!(split_count(8, 512, 132), 33);
+        assert_eq!(split_count(8 * 64, 512, 132), 1);
+        assert_eq!(split_count(8, 2, 132), 1);
+        assert_eq!(split_count(1, 10, 132), 5);
+    }
+
+    #[test]
+    fn plan_picks_smallest_covering_combination_and_rejects_empty() {
+        let spec = Spec::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../specs/spherical.toml")).unwrap();
+        let pr = |tier, offset| PageRef { tier, index: 0, offset };
+        let pages = vec![vec![vec![(pr(1, 0), 64), (pr(0, 4096), 3)]]];
+        let p = plan(&spec, 128, 4, &pages, &|_| 1000, 132).unwrap();
+        assert_eq!(p.variant.name(), "decode_ksph16x8b6_vfp16_d128_g4_p64");
+        assert_eq!(p.page_indptr, vec![0, 2]);
+        let mixed = vec![vec![vec![(pr(1, 0), 64), (pr(3, 8192), 64)]]];
+        assert!(plan(&spec, 128, 4, &mixed, &|_| 1000, 132).unwrap().variant.name().contains("__"));
+        let empty = vec![vec![vec![]]];
+        assert!(matches!(plan(&spec, 128, 4, &empty, &|_| 1000, 132), Err(RtError::EmptySequence(0))));
+        assert!(matches!(plan(&spec, 128, 4, &[], &|_| 1000, 132), Err(RtError::BadInput(_))));
+    }
+}

@@ -1,0 +1,234 @@
+//! NVRTC compilation with an on-disk cache keyed by everything that changes the binary
+//! (generator version, variant, source incl. headers, NVRTC version, arch, flags), as
+//! FlashInfer's JIT cache and Triton's cache do. Writes are atomic (temp file + rename), so
+//! concurrent processes at worst compile twice. `KVFORGE_JIT_OFFLINE=1` turns a miss into an
+//! error for production.
+
+use std::ffi::{c_char, CString};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use kvforge_spec::VariantId;
+
+use crate::device::nvrtc_present;
+use crate::error::{Result, RtError};
+
+/// Flags every kernel is compiled with.
+pub const NVRTC_FLAGS: &[&str] = &["-std=c++17", "-default-device", "-lineinfo"];
+
+/// Where compiled kernels live: `$KVFORGE_CACHE_DIR`, else `$XDG_CACHE_HOME/kvforge`, else
+/// `~/.cache/kvforge`.
+pub fn cache_dir() -> PathBuf {
+    if let Ok(d) = std::env::var("KVFORGE_CACHE_DIR") {
+        return PathBuf::from(d);
+    }
+    let base = std::env::var("XDG_CACHE_HOME").map(PathBuf::from).unwrap_or_else(|_| {
+        PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| "/tmp".into())).join(".cache")
+    });
+    base.join("kvforge")
+}
+
+/// Finds the directory holding `cuda_fp16.h`: `$KVFORGE_CUDA_INCLUDE`, `$CUDA_HOME/include`,
+/// `/usr/local/cuda/include`, or the `nvidia/cu13/include` of a pip-installed NVRTC next to a
+/// `lib` dir on `LD_LIBRARY_PATH`.
+pub fn cuda_include_dir() -> Result<PathBuf> {
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    if let Ok(d) = std::env::var("KVFORGE_CUDA_INCLUDE") {
+        candidates.push(d.into());
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Ok(d) = std::env::var(var) {
+            candidates.push(Path::new(&d).join("include"));
+        }
+    }
+    candidates.push("/usr/local/cuda/include".into());
+    if let Ok(ld) = std::env::var("LD_LIBRARY_PATH") {
+        for p in ld.split(':').filter(|p| !p.is_empty()) {
+            candidates.push(Path::new(p).join("../include"));
+            candidates.push(Path::new(p).join("../../include"));
+        }
+    }
+    for c in &candidates {
+        if c.join("cuda_fp16.h").is_file() {
+            return Ok(c.clone());
+        }
+    }
+    Err(RtError::NoCudaHeaders { searched: candidates.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(", ") })
+}
+
+/// NVRTC's version, e.g. `13.0`.
+pub fn nvrtc_version() -> Result<String> {
+    if !nvrtc_present() {
+        return Err(RtError::NoNvrtc);
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: library presence checked above; out-pointers are valid.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    Ok(format!("{major}.{minor}"))
+}
+
+/// Writes the kvforge device headers (hand-written + generated params) into a
+/// content-addressed dir under the cache and returns it.
+pub fn kvforge_include_dir() -> Result<PathBuf> {
+    let headers = kvforge_gen::all_headers();
+    let mut h = blake3::Hasher::new();
+    for (p, s) in &headers {
+        h.update(p.as_bytes());
+        h.update(s.as_bytes());
+    }
+    let dir = cache_dir().join(format!("include-{}", &h.finalize().to_hex()[..16]));
+    if !dir.join("kvforge/decode.cuh").is_file() {
+        let tmp = cache_dir().join(format!("include-tmp-{}", std::process::id()));
+        for (p, s) in &headers {
+            let f = tmp.join(p);
+            std::fs::create_dir_all(f.parent().unwrap()).map_err(|e| io(&f, e))?;
+            std::fs::write(&f, s).map_err(|e| io(&f, e))?;
+        }
+        if std::fs::rename(&tmp, &dir).is_err() {
+            // Another process won the race; use its copy.
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+    }
+    Ok(dir)
+}
+
+fn io(p: &Path, source: std::io::Error) -> RtError {
+    RtError::CacheIo { path: p.display().to_string(), source }
+}
+
+/// Result of compiling one variant.
+pub struct Compiled {
+    pub cubin: Vec<u8>,
+    pub from_cache: bool,
+    pub seconds: f64,
+    pub log: String,
+}
+
+/// How to compile.
+#[derive(Clone, Copy, Debug)]
+pub struct CompileMode {
+    /// Any NVRTC diagnostic other than ptxas info fails the compile.
+    pub strict: bool,
+    /// Ask ptxas for its register / spill report (returned in `Compiled::log`).
+    pub ptxas_report: bool,
+    /// Read and write the disk cache.
+    pub use_cache: bool,
+}
+
+impl Default for CompileMode {
+    fn default() -> Self {
+        CompileMode { strict: false, ptxas_report: false, use_cache: true }
+    }
+}
+
+/// ptxas' report of one kernel: registers and spill bytes.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct PtxasReport {
+    pub registers: u32,
+    pub spill_stores: u32,
+    pub spill_loads: u32,
+    pub stack_frame: u32,
+}
+
+impl PtxasReport {
+    /// Parses the `ptxas info` lines of an NVRTC log.
+    pub fn parse(log: &str) -> Option<PtxasReport> {
+        let num_before = |line: &str, word: &str| -> Option<u32> {
+            let i = line.find(word)?;
+            line[..i].split_whitespace().last()?.parse().ok()
+        };
+        let mut r = PtxasReport::default();
+        let mut seen = false;
+        for line in log.lines() {
+            if let Some(n) = num_before(line, "registers") {
+                r.registers = n;
+                seen = true;
+            }
+            if let Some(n) = num_before(line, "bytes spill stores") {
+                r.spill_stores = n;
+            }
+            if let Some(n) = num_before(line, "bytes spill loads") {
+                r.spill_loads = n;
+            }
+            if let Some(n) = num_before(line, "bytes stack frame") {
+                r.stack_frame = n;
+            }
+        }
+        seen.then_some(r)
+    }
+}
+
+/// Diagnostics of a log other than ptxas' info lines.
+fn diagnostics(log: &str) -> String {
+    log.lines()
+        .filter(|l| !l.trim().is_empty() && !l.contains("ptxas info") && !l.trim_start().starts_with("ptxas") && !l.contains("bytes stack frame"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Compiles `source` for `arch` (e.g. `sm_90`) with NVRTC to a cubin, through the disk cache.
+/// Needs no GPU: CI compiles every generated kernel with it.
+pub fn compile(variant: &VariantId, source: &str, arch: &str, mode: CompileMode) -> Result<Compiled> {
+    let version = nvrtc_version()?;
+    let headers: String = kvforge_gen::all_headers().into_iter().map(|(p, s)| p + &s).collect();
+    let key = variant.cache_key(&(source.to_string() + &headers), arch, &format!("nvrtc{version} {}", NVRTC_FLAGS.join(" ")));
+    let path = cache_dir().join("cubin").join(format!("{key}.cubin"));
+    if mode.use_cache {
+        if let Ok(cubin) = std::fs::read(&path) {
+            tracing::debug!(%variant, "kernel cache hit");
+            return Ok(Compiled { cubin, from_cache: true, seconds: 0.0, log: String::new() });
+        }
+    }
+    if std::env::var("KVFORGE_JIT_OFFLINE").is_ok_and(|v| v == "1") {
+        return Err(RtError::CacheMiss { variant: variant.to_string() });
+    }
+    let start = Instant::now();
+    let (cubin, log) = nvrtc_cubin(&variant.to_string(), source, arch, mode.ptxas_report)?;
+    let diag = diagnostics(&log);
+    if mode.strict && !diag.is_empty() {
+        return Err(RtError::CompileWarnings { variant: variant.to_string(), log: diag });
+    }
+    if !mode.use_cache {
+        return Ok(Compiled { cubin, from_cache: false, seconds: start.elapsed().as_secs_f64(), log });
+    }
+    std::fs::create_dir_all(path.parent().unwrap()).map_err(|e| io(&path, e))?;
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, &cubin).map_err(|e| io(&tmp, e))?;
+    std::fs::rename(&tmp, &path).map_err(|e| io(&path, e))?;
+    let seconds = start.elapsed().as_secs_f64();
+    tracing::info!(%variant, seconds, "compiled kernel");
+    Ok(Compiled { cubin, from_cache: false, seconds, log })
+}
+
+fn nvrtc_cubin(name: &str, source: &str, arch: &str, ptxas_report: bool) -> Result<(Vec<u8>, String)> {
+    use cudarc::nvrtc::{result, sys};
+    let cuda_inc = cuda_include_dir()?;
+    let kv_inc = kvforge_include_dir()?;
+    let mut opts: Vec<String> = NVRTC_FLAGS.iter().map(|s| s.to_string()).collect();
+    opts.push(format!("--gpu-architecture={arch}"));
+    opts.push(format!("-I{}", kv_inc.display()));
+    opts.push(format!("-I{}", cuda_inc.display()));
+    if ptxas_report {
+        opts.push("--ptxas-options=-v".into());
+    }
+    let fail = |log: String| RtError::Compile { variant: name.to_string(), log };
+    let src = CString::new(source).map_err(|_| fail("source contains a NUL byte".into()))?;
+    let cname = CString::new(format!("{}.cu", name.replace('/', "_"))).unwrap();
+    let prog = result::create_program(&src, Some(&cname)).map_err(|e| fail(format!("{e:?}")))?;
+    // SAFETY: `prog` was created above and is destroyed once at the end.
+    unsafe {
+        let compiled = result::compile_program(prog, &opts);
+        let log_raw = result::get_program_log(prog).unwrap_or_default();
+        let log = String::from_utf8_lossy(&log_raw.iter().map(|&c| c as u8).take_while(|&b| b != 0).collect::<Vec<u8>>()).into_owned();
+        if compiled.is_err() {
+            let _ = result::destroy_program(prog);
+            return Err(fail(log));
+        }
+        let mut size = 0usize;
+        sys::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| fail(format!("nvrtcGetCUBINSize: {e:?}")))?;
+        let mut cubin = vec![0u8; size];
+        sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut c_char).result().map_err(|e| fail(format!("nvrtcGetCUBIN: {e:?}")))?;
+        let _ = result::destroy_program(prog);
+        Ok((cubin, log))
+    }
+}

@@ -1,0 +1,42 @@
+//! Loaded kernels of one device: NVRTC (through the disk cache) on first use, then a
+//! function handle per variant. Dynamic shared memory above 48 KB is opted into here.
+
+use std::collections::HashMap;
+use cudarc::driver::{sys::CUfunction_attribute, CudaFunction};
+use kvforge_spec::{Spec, VariantId};
+
+use crate::device::Device;
+use crate::error::{drv, Result};
+
+/// A loaded variant and its launch shape.
+#[derive(Clone)]
+pub struct Kernel {
+    pub func: CudaFunction,
+    pub threads: u32,
+    pub smem_bytes: u32,
+}
+
+#[derive(Default)]
+pub struct KernelCache {
+    loaded: HashMap<VariantId, Kernel>,
+}
+
+impl KernelCache {
+    pub fn get(&mut self, dev: &Device, spec: &Spec, v: &VariantId) -> Result<Kernel> {
+        if let Some(k) = self.loaded.get(v) {
+            return Ok(k.clone());
+        }
+        let source = kvforge_gen::render(spec, v)?;
+        let compiled = crate::jit::compile(v, &source, &dev.info.arch(), crate::jit::CompileMode::default())?;
+        let module = dev.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin)).map_err(drv(format!("loading {v}")))?;
+        let func = module.load_function(&v.symbol()).map_err(drv(format!("symbol {}", v.symbol())))?;
+        let shape = kvforge_gen::launch_shape(spec, v);
+        if shape.smem_bytes > 48 * 1024 {
+            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shape.smem_bytes as i32)
+                .map_err(drv(format!("shared memory opt-in for {v}")))?;
+        }
+        let k = Kernel { func, threads: shape.threads as u32, smem_bytes: shape.smem_bytes as u32 };
+        self.loaded.insert(v.clone(), k.clone());
+        Ok(k)
+    }
+}

@@ -1,0 +1,33 @@
+//! # kvforge-rt: the paged, tiered KV cache on the GPU
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use kvforge_rt::{CacheConfig, Device, KvCache};
+//! let spec = kvforge_spec::Spec::load("specs/spherical.toml".as_ref())?;
+//! let dev = Arc::new(Device::open(0)?);
+//! // head_dim 128, 4 query heads per kv head, 8 kv heads, 1 sequence of up to 4096 tokens.
+//! let cfg = CacheConfig::new(&spec, 128, 4, 8, 1, 4096);
+//! let mut cache = KvCache::new(dev, spec, cfg)?;
+//! let seq = cache.add_sequence();
+//! let (k, v) = (vec![0.1f32; 1000 * 8 * 128], vec![0.2f32; 1000 * 8 * 128]);
+//! cache.append(seq, &k, &v)?; // prefill: 15 pages encoded into `high`, 40 tokens in the tail
+//! let q = vec![0.3f32; 32 * 128];
+//! let out = cache.decode(&[seq], &q)?; // [1][32][128] and the log-sum-exp per head
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod cache;
+mod decode;
+mod device;
+mod error;
+pub mod jit;
+mod kernels;
+pub mod params;
+pub mod selftest;
+mod pool;
+
+pub use cache::{CacheConfig, KvCache, TierUsage};
+pub use decode::{choose_combination, from_bits, plan, split_count, to_bits, DecodeOutput, DecodePlan, DecodeWorkspace};
+pub use device::{driver_present, nvrtc_present, Device, DeviceInfo};
+pub use error::{Result, RtError};
+pub use pool::{PagePool, PageRef};

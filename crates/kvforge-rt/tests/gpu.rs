@@ -1,0 +1,188 @@
+//! GPU tests: run on the device with `cargo test -- --ignored`. On a machine without a GPU
+//! they are ignored; forced with `--ignored` they print "skipped: no GPU" and return.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use kvforge_rt::{CacheConfig, Device, KvCache, RtError};
+use kvforge_spec::{Spec, VariantId, HEADER_BYTES, TAIL_TIER};
+
+fn root() -> PathBuf {
+    if let Ok(r) = std::env::var("KVFORGE_ROOT") {
+        return r.into();
+    }
+    let mut d = std::env::current_dir().unwrap();
+    loop {
+        if d.join("specs").is_dir() {
+            return d;
+        }
+        if !d.pop() {
+            return PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
+        }
+    }
+}
+
+fn spec(name: &str) -> Spec {
+    Spec::load(&root().join("specs").join(name)).unwrap()
+}
+
+fn device() -> Option<Arc<Device>> {
+    match Device::open(0) {
+        Ok(d) => Some(Arc::new(d)),
+        Err(e) => {
+            println!("skipped: no GPU ({e})");
+            None
+        }
+    }
+}
+
+fn data(n: usize, seed: u32) -> Vec<f32> {
+    (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed * 97)) % 2000) as f32 / 1000.0 - 1.0).collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn one_variant_per_spec_matches_reference() {
+    let Some(dev) = device() else { return };
+    for (file, variant) in [
+        ("baseline.toml", "decode_kfp16_vfp16_d128_g4_p64"),
+        ("spherical.toml", "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g4_p64"),
+        ("certified.toml", "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d128_g8_p64"),
+        ("rdkv.toml", "decode_kint2c64f16_vint2g32f16_d64_g1_p64"),
+    ] {
+        let s = spec(file);
+        let v = s.variants().into_iter().find(|v| v.name() == variant).unwrap_or_else(|| panic!("{variant} not in {file}"));
+        let r = kvforge_rt::selftest::run_variant(&dev, &s, &v, false).unwrap();
+        println!("{} {} max_abs {:.3e} tol {:.3e} {}", r.spec, r.variant, r.max_abs_err, r.tolerance, r.status);
+        assert_eq!(r.status, "pass", "{r:?}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn resident_bytes_equal_spec_cost_plus_headers() {
+    let Some(dev) = device() else { return };
+    for file in ["spherical.toml", "certified.toml", "rdkv.toml", "baseline.toml"] {
+        let s = spec(file);
+        let (d, p) = (128, s.page.tokens);
+        let cfg = CacheConfig::new(&s, d, 4, 2, 1, 10 * p);
+        let mut c = KvCache::new(dev.clone(), s.clone(), cfg).unwrap();
+        let q = c.add_sequence();
+        let n = 5 * p + 7;
+        c.append(q, &data(n * 2 * d, 1), &data(n * 2 * d, 2)).unwrap();
+        for u in c.memory_report() {
+            let t = s.tier(&u.tier).unwrap();
+            let seg = s.segment(t.id, d);
+            if u.pages == 0 {
+                continue;
+            }
+            let overhead = (seg.page_bytes - seg.payload_bytes) as f64 / p as f64;
+            if t.id == TAIL_TIER {
+                assert_eq!(u.tokens, 2 * 7);
+                assert_eq!(u.resident_bytes, 2 * seg.page_bytes);
+            } else {
+                assert_eq!(u.tokens, 2 * 5 * p, "{file} {}", u.tier);
+                assert!((u.resident_bytes_per_token - (u.payload_bytes_per_token + overhead)).abs() < 1e-9, "{file} {u:?}");
+                assert!(overhead * p as f64 >= HEADER_BYTES as f64);
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn bad_inputs_are_typed_errors_not_launches() {
+    let Some(dev) = device() else { return };
+    let s = spec("certified.toml");
+    let cfg = CacheConfig::new(&s, 128, 4, 2, 2, 256);
+    let mut c = KvCache::new(dev.clone(), s.clone(), cfg).unwrap();
+    let a = c.add_sequence();
+    assert!(matches!(c.decode(&[a], &vec![0.0; 8 * 128]), Err(RtError::EmptySequence(0))));
+    assert!(matches!(c.decode(&[], &[]), Err(RtError::BadInput(_))));
+    assert!(matches!(c.decode(&[7], &[]), Err(RtError::NoSequence(7))));
+    c.append(a, &data(10 * 2 * 128, 1), &data(10 * 2 * 128, 2)).unwrap();
+    assert!(matches!(c.decode(&[a], &vec![0.0; 3]), Err(RtError::BadInput(_))));
+    assert!(matches!(c.append(a, &[1.0; 5], &[1.0; 5]), Err(RtError::BadInput(_))));
+    assert!(matches!(c.append(a, &[f32::NAN; 256], &[0.0; 256]), Err(RtError::BadInput(_))));
+    assert!(KvCache::new(dev.clone(), s.clone(), CacheConfig::new(&s, 96, 4, 2, 1, 64)).is_err());
+    assert!(KvCache::new(dev, s.clone(), CacheConfig::new(&s, 128, 3, 2, 1, 64)).is_err());
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn out_of_pages_leaves_the_cache_unchanged() {
+    let Some(dev) = device() else { return };
+    let s = spec("certified.toml");
+    let mut cfg = CacheConfig::new(&s, 128, 4, 1, 1, 128);
+    cfg.pages = vec![4, 2, 2];
+    let mut c = KvCache::new(dev, s, cfg).unwrap();
+    let a = c.add_sequence();
+    c.append(a, &data(100 * 128, 1), &data(100 * 128, 2)).unwrap();
+    let before = c.memory_report();
+    let err = c.append(a, &data(200 * 128, 3), &data(200 * 128, 4)).unwrap_err();
+    assert!(matches!(err, RtError::OutOfPages { .. }), "{err}");
+    assert_eq!(c.seq_len(a).unwrap(), 100);
+    assert_eq!(c.memory_report(), before);
+    let q = data(4 * 128, 5);
+    c.decode(&[a], &q).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn corrupt_header_is_named() {
+    let Some(dev) = device() else { return };
+    let s = spec("baseline.toml");
+    let mut cfg = CacheConfig::new(&s, 64, 1, 1, 1, 256);
+    cfg.verify_headers = true;
+    let mut c = KvCache::new(dev, s, cfg).unwrap();
+    let a = c.add_sequence();
+    c.append(a, &data(150 * 64, 1), &data(150 * 64, 2)).unwrap();
+    let (page, _) = c.pages(a, 0).unwrap()[1];
+    c.write_page_bytes(page, 8, &[0xff]).unwrap();
+    match c.decode(&[a], &data(64, 3)) {
+        Err(RtError::CorruptPage { page: 1, .. }) => {}
+        other => panic!("expected CorruptPage for page 1, got {other:?}"),
+    }
+    // Without host verification the kernel's own header check reports it.
+    c.write_page_bytes(page, 0, &[0, 0, 0, 0]).unwrap();
+    let mut cfg2 = c.config().clone();
+    cfg2.verify_headers = false;
+    c.set_verify_headers(false);
+    assert!(matches!(c.decode(&[a], &data(64, 3)), Err(RtError::KernelFault { .. })));
+    let _ = cfg2;
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn encode_kernels_stay_within_quantisation_bounds() {
+    let Some(dev) = device() else { return };
+    for (file, tier) in [("certified.toml", "q8k4v"), ("rdkv.toml", "b4"), ("rdkv.toml", "b2"), ("spherical.toml", "high")] {
+        let s = spec(file);
+        let t = s.tier(tier).unwrap().clone();
+        let d = 128;
+        let p = s.page.tokens;
+        let cfg = CacheConfig::new(&s, d, 1, 1, 1, 2 * p).target(t.id);
+        let mut c = KvCache::new(dev.clone(), s.clone(), cfg).unwrap();
+        let a = c.add_sequence();
+        let (k, v) = (data(p * d, 11), data(p * d, 12));
+        c.append(a, &k, &v).unwrap();
+        let (page, _) = c.pages(a, 0).unwrap()[0];
+        assert_eq!(page.tier, t.id);
+        let bytes = c.download_page(page).unwrap();
+        let rs = c.radius_scales(t.id).unwrap().unwrap_or_default();
+        let (kh, vh) = kvforge_ref::decode_segment(&t, d, p, &bytes[HEADER_BYTES..], &rs);
+        // Re-encode on the CPU from the same fp16 inputs and compare reconstructions: the GPU's
+        // fp32 arithmetic may differ by one code at rounding boundaries, never more.
+        let kr: Vec<f32> = k.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
+        let vr: Vec<f32> = v.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect();
+        let seg = kvforge_ref::encode_segment(&t, d, p, &kr, &vr, &rs);
+        let (kc, vc) = kvforge_ref::decode_segment(&t, d, p, &seg, &rs);
+        let worst = |a: &[f64], b: &[f64], x: &[f32]| a.iter().zip(b).zip(x).fold((0f64, 0f64), |m, ((g, c), x)| (m.0.max((g - *x as f64).abs()), m.1.max((c - *x as f64).abs())));
+        let (kg, kc_err) = worst(&kh, &kc, &kr);
+        let (vg, vc_err) = worst(&vh, &vc, &vr);
+        println!("{file} {tier}: key error gpu {kg:.4} cpu {kc_err:.4}; value error gpu {vg:.4} cpu {vc_err:.4}");
+        assert!(kg <= kc_err * 1.5 + 1e-3, "{file} {tier} key error {kg} vs reference {kc_err}");
+        assert!(vg <= vc_err * 1.5 + 1e-3, "{file} {tier} value error {vg} vs reference {vc_err}");
+        let _ = VariantId::transcode(&s, TAIL_TIER, t.id, d);
+    }
+}

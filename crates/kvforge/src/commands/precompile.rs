@@ -1,0 +1,91 @@
+//! `kvforge precompile`: NVRTC over every variant, in parallel, with a progress bar.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use kvforge_rt::jit::{self, CompileMode, PtxasReport};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Spec files (default: every spec under specs/).
+    specs: Vec<PathBuf>,
+    /// Target architectures.
+    #[arg(long, value_delimiter = ',', default_value = "sm_90")]
+    arch: Vec<String>,
+    /// Fail on any NVRTC warning.
+    #[arg(long)]
+    strict: bool,
+    /// Compile even when the cache has the kernel, and do not write the cache.
+    #[arg(long)]
+    no_cache: bool,
+    /// Write ptxas register/spill counts of every kernel to this JSON file.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Worker threads (default: available cores).
+    #[arg(long)]
+    jobs: Option<usize>,
+}
+
+#[derive(serde::Serialize)]
+struct Row {
+    variant: String,
+    arch: String,
+    seconds: f64,
+    ptxas: Option<PtxasReport>,
+}
+
+pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
+    let files = if a.specs.is_empty() { crate::spec_files(root)? } else { a.specs.clone() };
+    let specs = crate::load_all(&files)?;
+    let mut work = Vec::new();
+    for s in &specs {
+        for v in s.variants() {
+            for arch in &a.arch {
+                work.push((s, v.clone(), arch.clone()));
+            }
+        }
+    }
+    jit::nvrtc_version()?;
+    jit::cuda_include_dir()?;
+    let mode = CompileMode { strict: a.strict, ptxas_report: a.report.is_some(), use_cache: !a.no_cache };
+    let bar = indicatif::ProgressBar::new(work.len() as u64);
+    bar.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {elapsed} {msg}").unwrap());
+    let queue = Mutex::new(work.into_iter());
+    let rows = Mutex::new(Vec::new());
+    let errors = Mutex::new(Vec::new());
+    let start = Instant::now();
+    let jobs = a.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
+    std::thread::scope(|sc| {
+        for _ in 0..jobs {
+            sc.spawn(|| loop {
+                let Some((spec, v, arch)) = queue.lock().unwrap().next() else { break };
+                bar.set_message(v.name());
+                let res = kvforge_gen::render(spec, &v).map_err(anyhow::Error::from).and_then(|src| jit::compile(&v, &src, &arch, mode).map_err(anyhow::Error::from));
+                match res {
+                    Ok(c) => rows.lock().unwrap().push(Row { variant: v.to_string(), arch, seconds: c.seconds, ptxas: PtxasReport::parse(&c.log) }),
+                    Err(e) => errors.lock().unwrap().push(format!("{v} ({arch}): {e}")),
+                }
+                bar.inc(1);
+            });
+        }
+    });
+    bar.finish_and_clear();
+    let rows = rows.into_inner().unwrap();
+    let errors = errors.into_inner().unwrap();
+    let compiled: f64 = rows.iter().map(|r| r.seconds).sum();
+    println!("{} kernels ok, {} failed, {:.1} s wall, {:.1} s of NVRTC time", rows.len(), errors.len(), start.elapsed().as_secs_f64(), compiled);
+    if let Some(path) = &a.report {
+        let mut sorted: Vec<&Row> = rows.iter().collect();
+        sorted.sort_by(|x, y| (&x.variant, &x.arch).cmp(&(&y.variant, &y.arch)));
+        std::fs::write(path, serde_json::to_string_pretty(&sorted)?)?;
+        let spills = rows.iter().filter(|r| r.ptxas.as_ref().is_some_and(|p| p.spill_stores > 0)).count();
+        let maxreg = rows.iter().filter_map(|r| r.ptxas.as_ref().map(|p| p.registers)).max().unwrap_or(0);
+        println!("ptxas: max {maxreg} registers, {spills} kernels spill; report in {}", path.display());
+    }
+    for e in &errors {
+        eprintln!("error: {e}");
+    }
+    Ok(if errors.is_empty() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}

@@ -1,0 +1,105 @@
+//! `kvforge selftest`: every decode variant on the GPU against the f64 reference.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use kvforge_rt::selftest::{run_variant, VariantResult};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Spec files (default: every spec under specs/).
+    specs: Vec<PathBuf>,
+    /// Only variants whose name contains this.
+    #[arg(long)]
+    filter: Option<String>,
+    /// Add 32K and 128K contexts to the gqa-4 variants.
+    #[arg(long)]
+    long: bool,
+    /// Write results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Date for the JSON (default: today, UTC, from the system clock).
+    #[arg(long)]
+    date: Option<String>,
+}
+
+#[derive(serde::Serialize)]
+struct Report<'a> {
+    device: String,
+    date: String,
+    results: &'a [VariantResult],
+}
+
+pub fn today() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()) as i64;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = secs.div_euclid(86400) + 719468;
+    let era = z.div_euclid(146097);
+    let doe = z - era * 146097;
+    let yoe = (doe - doe / 1460 + doe / 36524 - doe / 146096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
+    let files = if a.specs.is_empty() { crate::spec_files(root)? } else { a.specs.clone() };
+    let specs = crate::load_all(&files)?;
+    let dev = match kvforge_rt::Device::open(0) {
+        Ok(d) => Arc::new(d),
+        Err(e) => {
+            println!("skipped: no GPU ({e})");
+            return Ok(ExitCode::SUCCESS);
+        }
+    };
+    let mut work = Vec::new();
+    for s in &specs {
+        for v in s.variants().into_iter().filter(|v| v.kind() == "decode") {
+            if a.filter.as_ref().is_none_or(|f| v.name().contains(f.as_str())) {
+                work.push((s, v));
+            }
+        }
+    }
+    let bar = indicatif::ProgressBar::new(work.len() as u64);
+    bar.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {elapsed} {msg}").unwrap());
+    let mut results = Vec::new();
+    for (s, v) in work {
+        bar.set_message(v.name());
+        let long = a.long && v.gqa() == Some(4) && v.head_dim == 128;
+        let r = match run_variant(&dev, s, &v, long) {
+            Ok(r) => r,
+            Err(e) => VariantResult {
+                spec: s.name.clone(),
+                variant: v.name(),
+                cases: 0,
+                max_abs_err: f64::NAN,
+                max_rel_err: f64::NAN,
+                tolerance: 0.0,
+                status: "fail",
+                launched: vec![format!("error: {e}")],
+            },
+        };
+        bar.println(format!("{:<10} {:<72} {:>3} {:>10.3e} {:>10.3e} {:>10.3e} {}", r.spec, r.variant, r.cases, r.max_abs_err, r.max_rel_err, r.tolerance, r.status.to_uppercase()));
+        if r.status != "pass" {
+            bar.println(format!("           launched: {:?}", r.launched));
+        }
+        results.push(r);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let failed = results.iter().filter(|r| r.status != "pass").count();
+    println!("{:<10} {:<72} {:>3} {:>10} {:>10} {:>10} status", "spec", "variant", "n", "max_abs", "max_rel", "tol");
+    for r in &results {
+        println!("{:<10} {:<72} {:>3} {:>10.3e} {:>10.3e} {:>10.3e} {}", r.spec, r.variant, r.cases, r.max_abs_err, r.max_rel_err, r.tolerance, r.status.to_uppercase());
+    }
+    println!("{} variants, {} passed, {} failed on {}", results.len(), results.len() - failed, failed, dev.info.name);
+    if let Some(path) = &a.json {
+        let rep = Report { device: dev.info.name.clone(), date: a.date.clone().unwrap_or_else(today), results: &results };
+        std::fs::write(path, serde_json::to_string_pretty(&rep)?)?;
+    }
+    Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
