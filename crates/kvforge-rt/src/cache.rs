@@ -8,6 +8,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+
 use half::{bf16, f16};
 use kvforge_spec::{DType, KeyScheme, PageHeader, SegmentLayout, Spec, TierId, VariantId, HEADER_BYTES, TAIL_TIER};
 
@@ -296,6 +297,101 @@ impl KvCache {
         let off = page.offset as usize;
         let mut view = self.arena.slice_mut(off..off + bytes.len());
         self.dev.stream.memcpy_htod(bytes, &mut view).map_err(drv("page upload"))
+    }
+
+    /// Builds `batch` sequences of `len` tokens quickly for benchmarks: a template of up to 16
+    /// pages per head is appended (and encoded) for real, then its page bytes are replicated
+    /// on the device with a doubling copy. Page contents repeat; their bytes are real encoded
+    /// data, never zeros. Needs a fresh cache (pages are allocated in region order).
+    pub fn fill_for_bench(&mut self, batch: usize, len: usize, seed: u64) -> Result<Vec<usize>> {
+        use rand::{Rng, SeedableRng};
+        let (hkv, d, p) = (self.cfg.num_kv_heads, self.cfg.head_dim, self.spec.page.tokens);
+        if batch == 0 || len == 0 {
+            return Err(RtError::BadInput("bench fill needs batch > 0 and len > 0".into()));
+        }
+        if self.seqs.iter().any(|s| s.is_some()) || self.pool.used_pages(self.cfg.target_tier) > 0 {
+            return Err(RtError::BadInput("bench fill needs a fresh cache".into()));
+        }
+        let full = len / p;
+        // The template's page count divides `full`, so replication gives every head the same
+        // number of pages.
+        let tmpl_full = (1..=full.min(16)).rev().find(|t| full % t == 0).unwrap_or(0);
+        let tmpl_len = tmpl_full * p + len % p;
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let n = tmpl_len * hkv * d;
+        let k: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        let s0 = self.add_sequence();
+        self.append(s0, &k, &v)?;
+        let target = self.cfg.target_tier;
+        // Pages of the template are region indices [0, tmpl_full * hkv) of the target tier.
+        let tmpl_pages = tmpl_full * hkv;
+        let want = full * hkv * batch;
+        let mut need = vec![0usize; self.spec.tiers.len()];
+        need[target as usize] = want.saturating_sub(tmpl_pages);
+        need[TAIL_TIER as usize] = if len % p > 0 { hkv * (batch - 1) } else { 0 };
+        self.pool.reserve(&need)?;
+        let mut pages = Vec::with_capacity(want);
+        for h in 0..hkv {
+            pages.extend(self.seqs[s0].as_ref().unwrap().heads[h].full.iter().copied());
+        }
+        while pages.len() < want {
+            pages.push(self.pool.alloc(target)?);
+        }
+        if tmpl_pages > 0 {
+            let pb = self.pool.page_bytes(target) as u64;
+            let base = pages.iter().map(|p| p.offset).min().unwrap();
+            debug_assert!(pages.iter().all(|p| (p.offset - base) / pb < want as u64));
+            let (arena, _g) = self.arena.device_ptr(&self.dev.stream);
+            let mut copied = tmpl_pages;
+            while copied < want {
+                let n = copied.min(want - copied);
+                // SAFETY: source [0, n) and destination [copied, copied + n) pages lie inside
+                // the target region of the arena and do not overlap (n <= copied).
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(arena + base + copied as u64 * pb, arena + base, n * pb as usize, self.dev.stream.cu_stream())
+                }
+                .map_err(drv("bench page replication"))?;
+                copied += n;
+            }
+        }
+        // Page i of the replicated region holds template page (i mod tmpl_pages): template
+        // pages are ordered head-major, so give every (sequence, head) pages of its own head.
+        let mut by_head: Vec<Vec<PageRef>> = vec![Vec::new(); hkv];
+        let mut region: Vec<PageRef> = pages.clone();
+        region.sort_by_key(|p| p.offset);
+        for (i, pg) in region.iter().enumerate() {
+            by_head[(i % tmpl_pages.max(1)) / tmpl_full.max(1)].push(*pg);
+        }
+        let tail = self.seqs[s0].as_ref().unwrap().heads.iter().map(|h| h.tail.clone()).collect::<Vec<_>>();
+        let mut ids = vec![s0];
+        let s0_full: Vec<Vec<PageRef>> = (0..hkv).map(|h| by_head[h][..full].to_vec()).collect();
+        {
+            let s = self.seqs[s0].as_mut().unwrap();
+            for h in 0..hkv {
+                s.heads[h].full = s0_full[h].clone();
+            }
+            s.len = len;
+        }
+        for b in 1..batch {
+            let sid = self.add_sequence();
+            let mut heads = Vec::with_capacity(hkv);
+            for h in 0..hkv {
+                let full_pages = by_head[h][b * full..(b + 1) * full].to_vec();
+                let t = match &tail[h] {
+                    Some(t) => {
+                        let page = self.pool.alloc(TAIL_TIER)?;
+                        self.upload(page, &t.bytes)?;
+                        Some(Tail { page, bytes: t.bytes.clone(), len: t.len })
+                    }
+                    None => None,
+                };
+                heads.push(HeadPages { full: full_pages, tail: t });
+            }
+            self.seqs[sid] = Some(Sequence { heads, len });
+            ids.push(sid);
+        }
+        Ok(ids)
     }
 
     /// Overwrites bytes of a page (low level: tools and corruption tests).

@@ -29,6 +29,9 @@ pub struct DecodePlan {
     pub tiers: Vec<TierId>,
     /// Bytes the kernels read: pages (headers, payload, metadata) + queries.
     pub bytes_read: usize,
+    /// Of which page bytes: header + 16-aligned segment of every page (padding to the page
+    /// alignment is never read).
+    pub page_bytes_read: usize,
 }
 
 /// Split-K heuristic (flash-decoding): enough CTAs to fill the SMs twice over, but at least
@@ -48,6 +51,8 @@ pub fn choose_combination(spec: &Spec, present: &[TierId]) -> Option<Vec<TierId>
 
 /// Plans decode over `pages[i][h]` = the (page, tokens) list of sequence i, kv head h.
 pub fn plan(spec: &Spec, head_dim: usize, gqa: usize, pages: &[Vec<Vec<(PageRef, usize)>>], page_bytes: &dyn Fn(TierId) -> usize, sm_count: usize) -> Result<DecodePlan> {
+    let read_bytes = |t: TierId| kvforge_spec::HEADER_BYTES + spec.segment(t, head_dim).bytes;
+    let mut page_bytes_read = 0;
     let batch = pages.len();
     if batch == 0 {
         return Err(RtError::BadInput("decode of an empty batch".into()));
@@ -70,6 +75,7 @@ pub fn plan(spec: &Spec, head_dim: usize, gqa: usize, pages: &[Vec<Vec<(PageRef,
             for (p, _) in head {
                 page_offsets.push(p.offset);
                 bytes_read += page_bytes(p.tier);
+                page_bytes_read += read_bytes(p.tier);
                 if !present.contains(&p.tier) {
                     present.push(p.tier);
                 }
@@ -99,6 +105,7 @@ pub fn plan(spec: &Spec, head_dim: usize, gqa: usize, pages: &[Vec<Vec<(PageRef,
         page_indptr,
         tiers: present,
         bytes_read,
+        page_bytes_read,
     })
 }
 

@@ -33,6 +33,8 @@ enum Cmd {
     Precompile(commands::precompile::Args),
     /// Run every decode variant on the GPU against the CPU f64 reference.
     Selftest(commands::selftest::Args),
+    /// Time decode of every tier on the GPU (prints a table, writes JSON).
+    Bench(commands::bench::Args),
     /// Report the CUDA device and libraries.
     Probe,
     /// Spherical codebooks.
@@ -130,6 +132,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Cmd::Precompile(a) => commands::precompile::run(&cli.root, a),
         Cmd::Selftest(a) => commands::selftest::run(&cli.root, a),
+        Cmd::Bench(a) => commands::bench::run(&cli.root, a),
         Cmd::Probe => commands::probe(),
         Cmd::Codebook { cmd } => commands::codebook::run(cmd),
     }

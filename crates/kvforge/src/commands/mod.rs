@@ -1,5 +1,6 @@
 //! Subcommands that need the runtime.
 
+pub mod bench;
 pub mod codebook;
 pub mod precompile;
 pub mod selftest;

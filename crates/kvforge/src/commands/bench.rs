@@ -1,0 +1,87 @@
+//! `kvforge bench`: decode of every shipped single-tier configuration over contexts × batches,
+//! with the measured copy bandwidth as the ceiling. Prints a table and writes JSON.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use kvforge_rt::bench::{bench_tier, copy_gbps, BenchRow};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// `spec:tier` pairs (default: every non-tail, non-drop tier of every shipped spec).
+    #[arg(long, value_delimiter = ',')]
+    tiers: Vec<String>,
+    #[arg(long, value_delimiter = ',', default_value = "4096,16384,32768,131072")]
+    contexts: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
+    batches: Vec<usize>,
+    #[arg(long, default_value_t = 20)]
+    runs: usize,
+    #[arg(long, default_value_t = 128)]
+    head_dim: usize,
+    #[arg(long, default_value_t = 32)]
+    q_heads: usize,
+    #[arg(long, default_value_t = 8)]
+    kv_heads: usize,
+    /// Skip cases whose cache would need more device memory than this many GiB.
+    #[arg(long, default_value_t = 60)]
+    max_gib: usize,
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+#[derive(serde::Serialize)]
+struct Report<'a> {
+    device: String,
+    date: String,
+    copy_gbps: f64,
+    versions: serde_json::Value,
+    results: &'a [BenchRow],
+}
+
+pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
+    let specs = crate::load_all(&crate::spec_files(root)?)?;
+    let mut todo = Vec::new();
+    for s in &specs {
+        for t in s.ladder().iter().filter(|t| !t.is_drop()) {
+            let key = format!("{}:{}", s.name, t.name);
+            if a.tiers.is_empty() || a.tiers.contains(&key) {
+                todo.push((s, t.id));
+            }
+        }
+    }
+    if a.kv_heads == 0 || a.q_heads % a.kv_heads != 0 {
+        return Err(kvforge_rt::RtError::BadInput(format!("q_heads {} must be a multiple of kv_heads {}", a.q_heads, a.kv_heads)).into());
+    }
+    let gqa = a.q_heads / a.kv_heads;
+    let dev = Arc::new(kvforge_rt::Device::open(0)?);
+    let mut flush = dev.stream.alloc_zeros::<u8>(256 << 20)?;
+    let copy = copy_gbps(&dev, &mut flush)?;
+    println!("{}: device-to-device copy {:.0} GB/s", dev.info.name, copy);
+    let total = todo.len() * a.contexts.len() * a.batches.len();
+    let bar = indicatif::ProgressBar::new(total as u64);
+    bar.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {elapsed} {msg}").unwrap());
+    let mut rows = Vec::new();
+    println!("{:<22} {:>7} {:>5} {:>6} {:>10} {:>10} {:>8} {:>6}", "tier", "context", "batch", "splits", "time_us", "MB read", "GB/s", "of copy");
+    for (s, t) in todo {
+        let name = format!("{}:{}", s.name, s.tiers[t as usize].name);
+        bar.set_message(name.clone());
+        let r = bench_tier(&dev, s, t, a.head_dim, gqa, a.kv_heads, &a.contexts, &a.batches, a.runs, copy, a.max_gib << 30, |r| {
+            bar.inc(1);
+            bar.suspend(|| println!("{:<22} {:>7} {:>5} {:>6} {:>10.1} {:>10.2} {:>8.0} {:>6.2}", name, r.context, r.batch, r.splits, r.time_us, r.bytes_read as f64 / 1e6, r.gbps, r.bw_fraction));
+        })?;
+        rows.extend(r);
+    }
+    bar.finish_and_clear();
+    if let Some(path) = &a.json {
+        let versions = serde_json::json!({
+            "kvforge": env!("CARGO_PKG_VERSION"),
+            "generator": kvforge_spec::GENERATOR_VERSION,
+            "nvrtc": kvforge_rt::jit::nvrtc_version().unwrap_or_default(),
+        });
+        let rep = Report { device: dev.info.name.clone(), date: super::selftest::today(), copy_gbps: copy, versions, results: &rows };
+        std::fs::write(path, serde_json::to_string_pretty(&rep)?)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
