@@ -17,6 +17,8 @@ pub struct DecodeParams {
     pub page_offsets: u64,
     ///[batch * num_kv_heads + 1] page ranges of every (sequence, kv head)
     pub page_indptr: u64,
+    ///per page: tier | tokens << 8, from the runtime's page table; sizes the staging copy, checked against the staged header
+    pub page_info: u64,
     ///per tier: [num_kv_heads][groups][entries][group] (spherical tiers)
     pub codebooks: [u64; 16],
     ///per tier: [num_kv_heads][groups] (spherical tiers)

@@ -151,7 +151,7 @@ static INFOS: [VariantInfo; 15usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 33552usize,
+        smem_bytes: 49984usize,
         source: include_str!("decode_kfp16_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -162,7 +162,7 @@ static INFOS: [VariantInfo; 15usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 35904usize,
+        smem_bytes: 52336usize,
         source: include_str!("decode_kfp16_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -173,7 +173,7 @@ static INFOS: [VariantInfo; 15usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 39040usize,
+        smem_bytes: 55472usize,
         source: include_str!("decode_kfp16_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -206,7 +206,7 @@ static INFOS: [VariantInfo; 15usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 66832usize,
+        smem_bytes: 99648usize,
         source: include_str!("decode_kfp16_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -217,7 +217,7 @@ static INFOS: [VariantInfo; 15usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 70720usize,
+        smem_bytes: 103536usize,
         source: include_str!("decode_kfp16_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -228,7 +228,7 @@ static INFOS: [VariantInfo; 15usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 75904usize,
+        smem_bytes: 108720usize,
         source: include_str!("decode_kfp16_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -261,7 +261,7 @@ static INFOS: [VariantInfo; 15usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 133392usize,
+        smem_bytes: 133424usize,
         source: include_str!("decode_kfp16_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -272,7 +272,7 @@ static INFOS: [VariantInfo; 15usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 140352usize,
+        smem_bytes: 140384usize,
         source: include_str!("decode_kfp16_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -283,7 +283,7 @@ static INFOS: [VariantInfo; 15usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 149632usize,
+        smem_bytes: 149664usize,
         source: include_str!("decode_kfp16_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {

@@ -261,7 +261,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 33552usize,
+        smem_bytes: 49984usize,
         source: include_str!("decode_kfp16_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -272,7 +272,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 35904usize,
+        smem_bytes: 52336usize,
         source: include_str!("decode_kfp16_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -283,7 +283,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 39040usize,
+        smem_bytes: 55472usize,
         source: include_str!("decode_kfp16_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -294,7 +294,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 34592usize,
+        smem_bytes: 49984usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -305,7 +305,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 40064usize,
+        smem_bytes: 52336usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -316,7 +316,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 47360usize,
+        smem_bytes: 55472usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -327,7 +327,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8],
         threads: 128usize,
-        smem_bytes: 34592usize,
+        smem_bytes: 49984usize,
         source: include_str!("decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -338,7 +338,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8],
         threads: 128usize,
-        smem_bytes: 40064usize,
+        smem_bytes: 52336usize,
         source: include_str!("decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -349,7 +349,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8],
         threads: 128usize,
-        smem_bytes: 47360usize,
+        smem_bytes: 55472usize,
         source: include_str!("decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -406,7 +406,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 66832usize,
+        smem_bytes: 99648usize,
         source: include_str!("decode_kfp16_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -417,7 +417,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 70720usize,
+        smem_bytes: 103536usize,
         source: include_str!("decode_kfp16_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -428,7 +428,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 75904usize,
+        smem_bytes: 108720usize,
         source: include_str!("decode_kfp16_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -439,7 +439,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 68896usize,
+        smem_bytes: 99648usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -450,7 +450,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 78976usize,
+        smem_bytes: 103536usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -461,7 +461,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 92416usize,
+        smem_bytes: 108720usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -472,7 +472,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8],
         threads: 128usize,
-        smem_bytes: 68896usize,
+        smem_bytes: 99648usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d128_g1_p64.cu"
         ),
@@ -485,7 +485,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8],
         threads: 128usize,
-        smem_bytes: 78976usize,
+        smem_bytes: 103536usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d128_g4_p64.cu"
         ),
@@ -498,7 +498,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8],
         threads: 128usize,
-        smem_bytes: 92416usize,
+        smem_bytes: 108720usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d128_g8_p64.cu"
         ),
@@ -557,7 +557,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 133392usize,
+        smem_bytes: 133424usize,
         source: include_str!("decode_kfp16_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -568,7 +568,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 140352usize,
+        smem_bytes: 140384usize,
         source: include_str!("decode_kfp16_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -579,7 +579,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 149632usize,
+        smem_bytes: 149664usize,
         source: include_str!("decode_kfp16_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -590,7 +590,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 137504usize,
+        smem_bytes: 133424usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -601,7 +601,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 156800usize,
+        smem_bytes: 140384usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -612,7 +612,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 182528usize,
+        smem_bytes: 149664usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -623,7 +623,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8],
         threads: 128usize,
-        smem_bytes: 137504usize,
+        smem_bytes: 133424usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d256_g1_p64.cu"
         ),
@@ -636,7 +636,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8],
         threads: 128usize,
-        smem_bytes: 156800usize,
+        smem_bytes: 140384usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d256_g4_p64.cu"
         ),
@@ -649,7 +649,7 @@ static INFOS: [VariantInfo; 39usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8],
         threads: 128usize,
-        smem_bytes: 182528usize,
+        smem_bytes: 149664usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d256_g8_p64.cu"
         ),

@@ -489,7 +489,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 33552usize,
+        smem_bytes: 49984usize,
         source: include_str!("decode_kfp16_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -500,7 +500,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 35904usize,
+        smem_bytes: 52336usize,
         source: include_str!("decode_kfp16_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -511,7 +511,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 39040usize,
+        smem_bytes: 55472usize,
         source: include_str!("decode_kfp16_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -522,7 +522,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 33824usize,
+        smem_bytes: 49984usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -533,7 +533,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 36944usize,
+        smem_bytes: 52336usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -544,7 +544,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 41120usize,
+        smem_bytes: 55472usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -555,7 +555,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 33824usize,
+        smem_bytes: 49984usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -566,7 +566,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 36944usize,
+        smem_bytes: 52336usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -577,7 +577,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 41120usize,
+        smem_bytes: 55472usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -588,7 +588,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 1usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 33824usize,
+        smem_bytes: 49984usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -599,7 +599,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 4usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 36944usize,
+        smem_bytes: 52336usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -610,7 +610,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 8usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 41120usize,
+        smem_bytes: 55472usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -621,7 +621,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 33824usize,
+        smem_bytes: 49984usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g1_p64.cu"
         ),
@@ -634,7 +634,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 36944usize,
+        smem_bytes: 52336usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g4_p64.cu"
         ),
@@ -647,7 +647,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 41120usize,
+        smem_bytes: 55472usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g8_p64.cu"
         ),
@@ -793,7 +793,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 66832usize,
+        smem_bytes: 99648usize,
         source: include_str!("decode_kfp16_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -804,7 +804,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 70720usize,
+        smem_bytes: 103536usize,
         source: include_str!("decode_kfp16_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -815,7 +815,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 75904usize,
+        smem_bytes: 108720usize,
         source: include_str!("decode_kfp16_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -826,7 +826,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 67360usize,
+        smem_bytes: 99648usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -837,7 +837,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 72784usize,
+        smem_bytes: 103536usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -848,7 +848,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 80032usize,
+        smem_bytes: 108720usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -859,7 +859,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 67360usize,
+        smem_bytes: 99648usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -870,7 +870,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 72784usize,
+        smem_bytes: 103536usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -881,7 +881,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 80032usize,
+        smem_bytes: 108720usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -892,7 +892,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 1usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 67360usize,
+        smem_bytes: 99648usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -903,7 +903,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 4usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 72784usize,
+        smem_bytes: 103536usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -914,7 +914,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 8usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 80032usize,
+        smem_bytes: 108720usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -925,7 +925,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 67360usize,
+        smem_bytes: 99648usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g1_p64.cu"
         ),
@@ -938,7 +938,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 72784usize,
+        smem_bytes: 103536usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g4_p64.cu"
         ),
@@ -951,7 +951,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 80032usize,
+        smem_bytes: 108720usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g8_p64.cu"
         ),
@@ -1097,7 +1097,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 133392usize,
+        smem_bytes: 133424usize,
         source: include_str!("decode_kfp16_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1108,7 +1108,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 140352usize,
+        smem_bytes: 140384usize,
         source: include_str!("decode_kfp16_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1119,7 +1119,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 149632usize,
+        smem_bytes: 149664usize,
         source: include_str!("decode_kfp16_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1130,7 +1130,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 134432usize,
+        smem_bytes: 133424usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1141,7 +1141,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 144464usize,
+        smem_bytes: 140384usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1152,7 +1152,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 157856usize,
+        smem_bytes: 149664usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1163,7 +1163,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 134432usize,
+        smem_bytes: 133424usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1174,7 +1174,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 144464usize,
+        smem_bytes: 140384usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1185,7 +1185,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 157856usize,
+        smem_bytes: 149664usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1196,7 +1196,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 1usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 134432usize,
+        smem_bytes: 133424usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1207,7 +1207,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 4usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 144464usize,
+        smem_bytes: 140384usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1218,7 +1218,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 8usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 157856usize,
+        smem_bytes: 149664usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1229,7 +1229,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 134432usize,
+        smem_bytes: 133424usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g1_p64.cu"
         ),
@@ -1242,7 +1242,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 144464usize,
+        smem_bytes: 140384usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g4_p64.cu"
         ),
@@ -1255,7 +1255,7 @@ static INFOS: [VariantInfo; 78usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 157856usize,
+        smem_bytes: 149664usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g8_p64.cu"
         ),

@@ -51,13 +51,6 @@ fn lut_floats_per_head(tier: &Tier, d: usize) -> usize {
     }
 }
 
-fn prep_floats_per_head(tier: &Tier, d: usize, p: usize) -> usize {
-    match &tier.key {
-        KeyScheme::Int { block, .. } => (p / block) * d + p / block,
-        _ => 0,
-    }
-}
-
 /// Threads per CTA of the decode and transcode kernels.
 pub fn threads(spec: &Spec) -> usize {
     32 * spec.kernels.warps
@@ -68,10 +61,11 @@ pub fn decode_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize
     let p = spec.page.tokens;
     let ts: Vec<&Tier> = tiers.iter().map(|&t| &spec.tiers[t as usize]).collect();
     let lut: usize = ts.iter().map(|t| gqa * lut_floats_per_head(t, d)).sum();
-    let prep = ts.iter().map(|t| gqa * prep_floats_per_head(t, d, p)).max().unwrap_or(0);
     let seg = ts.iter().map(|t| SegmentLayout::new(t, d, p, spec.page.alignment).bytes).max().unwrap_or(0);
-    let stage = align16(gqa * d * 4) + align16(lut * 4) + align16(prep * 4) + align16(gqa * p * 4) + align16(4 * gqa * 4) + align16(gqa * d * 4);
-    stage + 2 * align16(seg)
+    let fixed = align16(gqa * d * 4) + align16(lut * 4) + align16(gqa * p * 4) + align16(4 * gqa * 4) + align16(gqa * d * 4);
+    let stage = kvforge_spec::HEADER_BYTES + align16(seg);
+    let nstage = if 3 * stage <= 112 * 1024 { 3 } else { 2 };
+    fixed + nstage * stage
 }
 
 /// Scratch bytes the destination key codec needs when encoding.

@@ -34,6 +34,7 @@ pub const PARAMS: &[ParamStruct] = &[
             f("arena", "const u8*", "u64", "page arena base"),
             f("page_offsets", "const u64*", "u64", "byte offset of every page in the arena"),
             f("page_indptr", "const u32*", "u64", "[batch * num_kv_heads + 1] page ranges of every (sequence, kv head)"),
+            f("page_info", "const u32*", "u64", "per page: tier | tokens << 8, from the runtime's page table; sizes the staging copy, checked against the staged header"),
             f("codebooks", "const float* codebooks[MAX_TIERS]", "[u64; 16]", "per tier: [num_kv_heads][groups][entries][group] (spherical tiers)"),
             f("radius_scales", "const float* radius_scales[MAX_TIERS]", "[u64; 16]", "per tier: [num_kv_heads][groups] (spherical tiers)"),
             f("page_lse", "float*", "u64", "optional per page: log2 Σ_heads Σ_tokens 2^logit, an importance signal for controllers"),

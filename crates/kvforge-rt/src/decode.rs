@@ -25,6 +25,8 @@ pub struct DecodePlan {
     pub page_offsets: Vec<u64>,
     /// [batch * num_kv_heads + 1] into `page_offsets`.
     pub page_indptr: Vec<u32>,
+    /// Per page: tier | tokens << 8 (the kernel checks it against the page header).
+    pub page_info: Vec<u32>,
     /// Tiers the batch's pages are in.
     pub tiers: Vec<TierId>,
     /// Bytes the kernels read: pages (headers, payload, metadata) + queries.
@@ -34,14 +36,15 @@ pub struct DecodePlan {
     pub page_bytes_read: usize,
 }
 
-/// Split-K heuristic (flash-decoding): enough CTAs to fill the SMs twice over, but at least
-/// two pages per split so the staging pipeline has something to overlap.
-pub fn split_count(ctas: usize, max_pages: usize, sm_count: usize) -> usize {
-    if ctas == 0 || ctas >= sm_count || max_pages < 4 {
+/// Split-K heuristic (flash-decoding): when the (sequence, kv head) CTAs fill fewer than one
+/// wave of resident CTA slots (`slots` = SMs × CTAs per SM), split each one so the grid is as
+/// close to one full wave as possible without a partial second wave; each split keeps at least
+/// two pages so the staging pipeline has something to overlap.
+pub fn split_count(ctas: usize, max_pages: usize, slots: usize) -> usize {
+    if ctas == 0 || ctas >= slots || max_pages < 4 {
         return 1;
     }
-    let want = (2 * sm_count).div_ceil(ctas);
-    want.min(max_pages / 2).clamp(1, 64)
+    (slots / ctas).min(max_pages / 2).clamp(1, 64)
 }
 
 /// The smallest decode combination of `spec` that serves every tier in `present`.
@@ -50,7 +53,8 @@ pub fn choose_combination(spec: &Spec, present: &[TierId]) -> Option<Vec<TierId>
 }
 
 /// Plans decode over `pages[i][h]` = the (page, tokens) list of sequence i, kv head h.
-pub fn plan(spec: &Spec, head_dim: usize, gqa: usize, pages: &[Vec<Vec<(PageRef, usize)>>], page_bytes: &dyn Fn(TierId) -> usize, sm_count: usize) -> Result<DecodePlan> {
+/// `slots(variant)` is the number of CTAs of that variant the GPU holds at once.
+pub fn plan(spec: &Spec, head_dim: usize, gqa: usize, pages: &[Vec<Vec<(PageRef, usize)>>], page_bytes: &dyn Fn(TierId) -> usize, slots: &dyn Fn(&VariantId) -> usize) -> Result<DecodePlan> {
     let read_bytes = |t: TierId| kvforge_spec::HEADER_BYTES + spec.segment(t, head_dim).bytes;
     let mut page_bytes_read = 0;
     let batch = pages.len();
@@ -59,6 +63,7 @@ pub fn plan(spec: &Spec, head_dim: usize, gqa: usize, pages: &[Vec<Vec<(PageRef,
     }
     let hkv = pages[0].len();
     let mut page_offsets = Vec::new();
+    let mut page_info = Vec::new();
     let mut page_indptr = vec![0u32];
     let mut present: Vec<TierId> = Vec::new();
     let mut max_pages = 0;
@@ -72,8 +77,9 @@ pub fn plan(spec: &Spec, head_dim: usize, gqa: usize, pages: &[Vec<Vec<(PageRef,
                 return Err(RtError::EmptySequence(i));
             }
             max_pages = max_pages.max(head.len());
-            for (p, _) in head {
+            for (p, n) in head {
                 page_offsets.push(p.offset);
+                page_info.push(p.tier as u32 | (*n as u32) << 8);
                 bytes_read += page_bytes(p.tier);
                 page_bytes_read += read_bytes(p.tier);
                 if !present.contains(&p.tier) {
@@ -91,7 +97,7 @@ pub fn plan(spec: &Spec, head_dim: usize, gqa: usize, pages: &[Vec<Vec<(PageRef,
         gqa,
     })?;
     let variant = VariantId::decode(spec, &combo, head_dim, gqa);
-    let splits = if spec.kernels.split_k { split_count(batch * hkv, max_pages, sm_count) } else { 1 };
+    let splits = if spec.kernels.split_k { split_count(batch * hkv, max_pages, slots(&variant)) } else { 1 };
     bytes_read += batch * hkv * gqa * head_dim * 2;
     Ok(DecodePlan {
         combine: (splits > 1).then(|| VariantId::combine(spec, head_dim)),
@@ -103,6 +109,7 @@ pub fn plan(spec: &Spec, head_dim: usize, gqa: usize, pages: &[Vec<Vec<(PageRef,
         splits,
         page_offsets,
         page_indptr,
+        page_info,
         tiers: present,
         bytes_read,
         page_bytes_read,
@@ -121,6 +128,7 @@ pub struct DecodeOutput {
 /// Device buffers of one planned decode, reusable across runs of the same plan.
 pub struct DecodeWorkspace {
     pub page_offsets: CudaSlice<u64>,
+    pub page_info: CudaSlice<u32>,
     pub page_indptr: CudaSlice<u32>,
     pub q: CudaSlice<u16>,
     pub out: CudaSlice<u16>,
@@ -137,7 +145,25 @@ impl KvCache {
         if self.cfg.verify_headers {
             self.verify_pages(seqs)?;
         }
-        plan(&self.spec, self.cfg.head_dim, self.cfg.gqa, &pages, &|t| self.pool.page_bytes(t), self.dev.info.sm_count)
+        let page_bytes: Vec<usize> = (0..self.spec.tiers.len()).map(|t| self.pool.page_bytes(t as TierId)).collect();
+        // Occupancy needs the kernel: load (or compile) it while planning.
+        let slots = std::cell::RefCell::new(Ok(0usize));
+        let p = plan(&self.spec, self.cfg.head_dim, self.cfg.gqa, &pages, &|t| page_bytes[t as usize], &|v| match self.slots(v) {
+            Ok(n) => n,
+            Err(e) => {
+                *slots.borrow_mut() = Err(e);
+                self.dev.info.sm_count
+            }
+        })?;
+        slots.into_inner()?;
+        Ok(p)
+    }
+
+    /// CTAs of `v` the device holds at once: occupancy × SMs.
+    fn slots(&self, v: &VariantId) -> Result<usize> {
+        let sms = self.dev.info.sm_count;
+        let k = self.kernels.get(&self.dev, &self.spec, v)?;
+        Ok(k.func.occupancy_max_active_blocks_per_multiprocessor(k.threads, k.smem_bytes as usize, None).map_or(sms, |n| n.max(1) as usize * sms))
     }
 
     /// Allocates the buffers of `plan` and uploads its page table.
@@ -148,6 +174,7 @@ impl KvCache {
         Ok(DecodeWorkspace {
             page_offsets: st.clone_htod(&plan.page_offsets).map_err(drv("page table"))?,
             page_indptr: st.clone_htod(&plan.page_indptr).map_err(drv("page table"))?,
+            page_info: st.clone_htod(&plan.page_info).map_err(drv("page table"))?,
             q: st.alloc_zeros(rows * d).map_err(drv("queries"))?,
             out: st.alloc_zeros(rows * d).map_err(drv("output"))?,
             partial_out: st.alloc_zeros(if plan.splits > 1 { plan.splits * rows * d } else { 1 }).map_err(drv("split partials"))?,
@@ -175,6 +202,7 @@ impl KvCache {
             arena: self.arena.device_ptr(&st).0,
             page_offsets: ws.page_offsets.device_ptr(&st).0,
             page_indptr: ws.page_indptr.device_ptr(&st).0,
+            page_info: ws.page_info.device_ptr(&st).0,
             codebooks,
             radius_scales,
             page_lse: 0,
@@ -260,10 +288,11 @@ mod tests {
 
     #[test]
     fn split_heuristic_fills_the_machine_only_when_needed() {
-        assert_eq!(split_count(8, 512, 132), 33);
-        assert_eq!(split_count(8 * 64, 512, 132), 1);
-        assert_eq!(split_count(8, 2, 132), 1);
-        assert_eq!(split_count(1, 10, 132), 5);
+        assert_eq!(split_count(8, 512, 264), 33);
+        assert_eq!(split_count(64, 512, 264), 4);
+        assert_eq!(split_count(8 * 64, 512, 264), 1);
+        assert_eq!(split_count(8, 2, 264), 1);
+        assert_eq!(split_count(1, 10, 264), 5);
     }
 
     #[test]
@@ -271,13 +300,13 @@ mod tests {
         let spec = Spec::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../specs/spherical.toml")).unwrap();
         let pr = |tier, offset| PageRef { tier, index: 0, offset };
         let pages = vec![vec![vec![(pr(1, 0), 64), (pr(0, 4096), 3)]]];
-        let p = plan(&spec, 128, 4, &pages, &|_| 1000, 132).unwrap();
+        let p = plan(&spec, 128, 4, &pages, &|_| 1000, &|_| 264).unwrap();
         assert_eq!(p.variant.name(), "decode_ksph16x8b6_vfp16_d128_g4_p64");
         assert_eq!(p.page_indptr, vec![0, 2]);
         let mixed = vec![vec![vec![(pr(1, 0), 64), (pr(3, 8192), 64)]]];
-        assert!(plan(&spec, 128, 4, &mixed, &|_| 1000, 132).unwrap().variant.name().contains("__"));
+        assert!(plan(&spec, 128, 4, &mixed, &|_| 1000, &|_| 264).unwrap().variant.name().contains("__"));
         let empty = vec![vec![vec![]]];
-        assert!(matches!(plan(&spec, 128, 4, &empty, &|_| 1000, 132), Err(RtError::EmptySequence(0))));
-        assert!(matches!(plan(&spec, 128, 4, &[], &|_| 1000, 132), Err(RtError::BadInput(_))));
+        assert!(matches!(plan(&spec, 128, 4, &empty, &|_| 1000, &|_| 264), Err(RtError::EmptySequence(0))));
+        assert!(matches!(plan(&spec, 128, 4, &[], &|_| 1000, &|_| 264), Err(RtError::BadInput(_))));
     }
 }

@@ -2,6 +2,7 @@
 //! function handle per variant. Dynamic shared memory above 48 KB is opted into here.
 
 use std::collections::HashMap;
+use std::sync::Mutex;
 use cudarc::driver::{sys::CUfunction_attribute, CudaFunction};
 use kvforge_spec::{Spec, VariantId};
 
@@ -16,14 +17,16 @@ pub struct Kernel {
     pub smem_bytes: u32,
 }
 
+/// Loaded kernels; interior mutability so planning (`&self`) can load what it plans.
 #[derive(Default)]
 pub struct KernelCache {
-    loaded: HashMap<VariantId, Kernel>,
+    loaded: Mutex<HashMap<VariantId, Kernel>>,
 }
 
 impl KernelCache {
-    pub fn get(&mut self, dev: &Device, spec: &Spec, v: &VariantId) -> Result<Kernel> {
-        if let Some(k) = self.loaded.get(v) {
+
+    pub fn get(&self, dev: &Device, spec: &Spec, v: &VariantId) -> Result<Kernel> {
+        if let Some(k) = self.loaded.lock().unwrap().get(v) {
             return Ok(k.clone());
         }
         let source = kvforge_gen::render(spec, v)?;
@@ -36,7 +39,7 @@ impl KernelCache {
                 .map_err(drv(format!("shared memory opt-in for {v}")))?;
         }
         let k = Kernel { func, threads: shape.threads as u32, smem_bytes: shape.smem_bytes as u32 };
-        self.loaded.insert(v.clone(), k.clone());
+        self.loaded.lock().unwrap().insert(v.clone(), k.clone());
         Ok(k)
     }
 }

@@ -1,7 +1,7 @@
 //! Kernel parameter structs, rendered by kvforge-gen from the same field list as the C++
 //! structs the kernels take.
 
-include!("../../../kernels-generated/params.rs");
+include!(concat!(env!("OUT_DIR"), "/params.rs"));
 
 // SAFETY: #[repr(C)] plain-old-data mirrors of the C++ parameter structs.
 unsafe impl cudarc::driver::DeviceRepr for DecodeParams {}

@@ -14,6 +14,7 @@ struct DecodeParams {
   const u8* arena;  // page arena base
   const u64* page_offsets;  // byte offset of every page in the arena
   const u32* page_indptr;  // [batch * num_kv_heads + 1] page ranges of every (sequence, kv head)
+  const u32* page_info;  // per page: tier | tokens << 8, from the runtime's page table; sizes the staging copy, checked against the staged header
   const float* codebooks[MAX_TIERS];  // per tier: [num_kv_heads][groups][entries][group] (spherical tiers)
   const float* radius_scales[MAX_TIERS];  // per tier: [num_kv_heads][groups] (spherical tiers)
   float* page_lse;  // optional per page: log2 Σ_heads Σ_tokens 2^logit, an importance signal for controllers

@@ -17,8 +17,14 @@ template <class S> __device__ __forceinline__ float round_scale(float x) { retur
 // Evicted tokens: no bytes, never scored. Only used in transcode bookkeeping.
 struct DropKey {
   static constexpr int LUT_FLOATS_PER_HEAD = 0;
-  static constexpr int PREP_FLOATS_PER_HEAD = 0;
   static constexpr bool SPHERICAL = false;
+  static constexpr bool CHANNEL_PARALLEL = true;
+  template <int GQA> struct Scorer {
+    __device__ Scorer(const float*, int) {}
+    __device__ void score(const u8*, int, float (&)[GQA]) {}
+  };
+  template <int GQA, int TPT>
+  __device__ static void score_lut(const u8*, int, int, const float*, float (&)[GQA]) {}
 };
 
 // Dense keys (fp16/bf16) [P][D]. Scored in 16-byte chunks (8 channels); consecutive threads
@@ -26,31 +32,38 @@ struct DropKey {
 template <class T, int D, int P, int OFF>
 struct DenseKey {
   static constexpr int LUT_FLOATS_PER_HEAD = 0;
-  static constexpr int PREP_FLOATS_PER_HEAD = 0;
   static constexpr bool SPHERICAL = false;
   static constexpr int NCH = D / 8;
 
-  template <int GQA, int NTHREADS>
-  __device__ static void prep_page(const u8*, const float*, float*) {}
-
-  template <int GQA, int TPT>
-  __device__ __forceinline__ static void score(const u8* seg, int t, int part, const float* q, const float*, const float*, float (&s)[GQA]) {
-    const T* row = reinterpret_cast<const T*>(seg + OFF) + t * D;
-    for (int c = part; c < NCH; c += TPT) {
-      const int ch = (c + t) % NCH;
-      const uint4 raw = reinterpret_cast<const uint4*>(row)[ch];
+  // Channel-parallel scoring: the thread owns channels [8·c8, 8·c8 + 8) of every token it
+  // visits and keeps that slice of every GQA query in registers; the caller sums the D/8
+  // lanes of a token with shuffles.
+  static constexpr bool CHANNEL_PARALLEL = true;
+  template <int GQA>
+  struct Scorer {
+    float q[GQA][8];
+    int c8;
+    __device__ Scorer(const float* q_s, int c8_) : c8(c8_) {
+#pragma unroll
+      for (int h = 0; h < GQA; ++h)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[h][i] = q_s[h * D + c8 * 8 + i];
+    }
+    __device__ __forceinline__ void score(const u8* seg, int t, float (&s)[GQA]) {
+      const uint4 raw = reinterpret_cast<const uint4*>(seg + OFF + t * D * 2)[c8];
       const T* e = reinterpret_cast<const T*>(&raw);
       float k[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) k[i] = to_float(e[i]);
 #pragma unroll
       for (int h = 0; h < GQA; ++h) {
-        const float4 q0 = reinterpret_cast<const float4*>(q + h * D + ch * 8)[0];
-        const float4 q1 = reinterpret_cast<const float4*>(q + h * D + ch * 8)[1];
-        s[h] += q0.x * k[0] + q0.y * k[1] + q0.z * k[2] + q0.w * k[3] + q1.x * k[4] + q1.y * k[5] + q1.z * k[6] + q1.w * k[7];
+        float a = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a = fmaf(q[h][i], k[i], a);
+        s[h] = a;
       }
     }
-  }
+  };
 
   __device__ __forceinline__ static float dequant(const u8* seg, int t, int c, const float*, const float*) {
     return to_float(reinterpret_cast<const T*>(seg + OFF)[t * D + c]);
@@ -91,59 +104,72 @@ __device__ __forceinline__ int quantize(float x, float scale, float zero) {
 }
 
 // Integer keys with a scale and zero per channel per block of BLOCK tokens (KIVI / seed 004).
-// The per-channel scale folds into the query once per page (prep = q_c · scale_{b,c}) and the
+// The per-channel scale folds into the query once per block (q_c · scale_{b,c}) and the
 // zero term Σ_c q_c zero_{b,c} is added once per token: one FMA per element in the hot loop.
 template <int BITS, int BLOCK, class S, int D, int P, int OFF_CODES, int OFF_SCALE, int OFF_ZERO>
 struct IntKey {
   static constexpr int LUT_FLOATS_PER_HEAD = 0;
   static constexpr int NBLK = P / BLOCK;
-  // prep[h][b][c] then zterm[h][b]
-  static constexpr int PREP_FLOATS_PER_HEAD = NBLK * D + NBLK;
   static constexpr bool SPHERICAL = false;
   static constexpr int ROW = D * BITS / 8;
   static constexpr int PER = 32 / BITS;  // codes per 32-bit word
   static constexpr int NCH = ROW / 4;
 
-  template <int GQA, int NTHREADS>
-  __device__ static void prep_page(const u8* seg, const float* q, float* prep) {
-    const u8* sc = seg + OFF_SCALE;
-    const u8* zr = seg + OFF_ZERO;
-    for (int i = threadIdx.x; i < GQA * NBLK * D; i += NTHREADS) {
-      const int c = i % D, b = (i / D) % NBLK, h = i / (D * NBLK);
-      prep[h * PREP_FLOATS_PER_HEAD + b * D + c] = q[h * D + c] * load_scale<S>(sc, b * D + c);
-    }
-    // zero terms: one warp per (head, block)
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int hb = warp; hb < GQA * NBLK; hb += NTHREADS / 32) {
-      const int h = hb / NBLK, b = hb % NBLK;
-      float z = 0.f;
-      for (int c = lane; c < D; c += 32) z += q[h * D + c] * load_scale<S>(zr, b * D + c);
-      z = warp_sum(z);
-      if (lane == 0) prep[h * PREP_FLOATS_PER_HEAD + NBLK * D + b] = z;
-    }
-  }
-
-  template <int GQA, int TPT>
-  __device__ __forceinline__ static void score(const u8* seg, int t, int part, const float*, const float* prep, const float*, float (&s)[GQA]) {
-    const u32* row = reinterpret_cast<const u32*>(seg + OFF_CODES + t * ROW);
-    const int b = t / BLOCK;
-    for (int c = part; c < NCH; c += TPT) {
-      const int ch = (c + t) % NCH;
-      const u32 w = row[ch];
+  // Channel-parallel scoring with the per-channel scale folded into the query slice once per
+  // block (qs = q · scale) and the zero term Σ q · zero added as a per-lane partial: one FMA
+  // per code per head in the hot loop, no shared-memory traffic but the codes.
+  static constexpr bool CHANNEL_PARALLEL = true;
+  template <int GQA>
+  struct Scorer {
+    const float* q_s;
+    int c8;
+    int blk = -1;
+    float qs[GQA][8];
+    float zq[GQA];
+    __device__ Scorer(const float* q_s_, int c8_) : q_s(q_s_), c8(c8_) {}
+    __device__ __forceinline__ void fold(const u8* seg, int b) {
+      float sc[8], zr[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        sc[i] = load_scale<S>(seg + OFF_SCALE, b * D + c8 * 8 + i);
+        zr[i] = load_scale<S>(seg + OFF_ZERO, b * D + c8 * 8 + i);
+      }
 #pragma unroll
       for (int h = 0; h < GQA; ++h) {
-        const float* pq = prep + h * PREP_FLOATS_PER_HEAD + b * D + ch * PER;
-        float acc = 0.f;
+        float z = 0.f;
 #pragma unroll
-        for (int i = 0; i < PER; ++i) acc += pq[i] * float((w >> (i * BITS)) & ((1u << BITS) - 1));
-        s[h] += acc;
+        for (int i = 0; i < 8; ++i) {
+          const float qv = q_s[h * D + c8 * 8 + i];
+          qs[h][i] = qv * sc[i];
+          z = fmaf(qv, zr[i], z);
+        }
+        zq[h] = z;
+      }
+      blk = b;
+    }
+    __device__ __forceinline__ void score(const u8* seg, int t, float (&s)[GQA]) {
+      const int b = t / BLOCK;
+      if (b != blk) fold(seg, b);
+      const u8* row = seg + OFF_CODES + t * ROW + c8 * BITS;  // 8 codes = BITS bytes
+      u32 lo, hi = 0;
+      if constexpr (BITS == 8) { const uint2 w = *reinterpret_cast<const uint2*>(row); lo = w.x; hi = w.y; }
+      else if constexpr (BITS == 4) lo = *reinterpret_cast<const u32*>(row);
+      else lo = *reinterpret_cast<const u16*>(row);
+      float k[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if constexpr (BITS == 8) k[i] = float(((i < 4 ? lo : hi) >> (8 * (i & 3))) & 0xff);
+        else k[i] = float((lo >> (BITS * i)) & ((1u << BITS) - 1));
+      }
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) {
+        float a = zq[h];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a = fmaf(qs[h][i], k[i], a);
+        s[h] = a;
       }
     }
-    if (part == 0) {
-#pragma unroll
-      for (int h = 0; h < GQA; ++h) s[h] += prep[h * PREP_FLOATS_PER_HEAD + NBLK * D + b];
-    }
-  }
+  };
 
   __device__ __forceinline__ static float dequant(const u8* seg, int t, int c, const float*, const float*) {
     const int b = t / BLOCK;
@@ -187,9 +213,14 @@ struct SphericalKey {
   static constexpr int NG = D / GROUP;
   static constexpr int E = 1 << ABITS;
   static constexpr int LUT_FLOATS_PER_HEAD = NG * E;
-  static constexpr int PREP_FLOATS_PER_HEAD = 0;
   static constexpr bool SPHERICAL = true;
   static constexpr int IB = (NG * ABITS + 7) / 8;
+  // Token-parallel scoring through the LUT (G lookups per token).
+  static constexpr bool CHANNEL_PARALLEL = false;
+  template <int GQA> struct Scorer {
+    __device__ Scorer(const float*, int) {}
+    __device__ void score(const u8*, int, float (&)[GQA]) {}
+  };
 
   // codebook: [NG][E][GROUP] for this kv head; rscale: [NG].
   template <int GQA, int NTHREADS>
@@ -205,9 +236,6 @@ struct SphericalKey {
     }
   }
 
-  template <int GQA, int NTHREADS>
-  __device__ static void prep_page(const u8*, const float*, float*) {}
-
   __device__ __forceinline__ static int index_at(const u8* row, int j) {
     const int bit = j * ABITS, byte = bit >> 3, shift = bit & 7;
     u32 w = row[byte];
@@ -216,7 +244,7 @@ struct SphericalKey {
   }
 
   template <int GQA, int TPT>
-  __device__ __forceinline__ static void score(const u8* seg, int t, int part, const float*, const float*, const float* lut, float (&s)[GQA]) {
+  __device__ __forceinline__ static void score_lut(const u8* seg, int t, int part, const float* lut, float (&s)[GQA]) {
     const u8* radius = seg + OFF_RADIUS + t * NG;
     const u8* index = seg + OFF_INDEX + t * IB;
     for (int j = part; j < NG; j += TPT) {

@@ -1,11 +1,13 @@
 // Paged decode attention over tier-homogeneous pages of one (sequence, kv head).
 //
 // One CTA serves one (split, kv head, sequence) and all GQA query heads of the kv head, so K
-// and V are read once per group. Per page: the header picks the tier (dispatch per page,
-// never per element); the page's segment is staged into shared memory with 16-byte cp.async
-// while the previous page is computed; scores use the tier's key codec, an fp32 online
-// softmax (log2 domain) updates the running max/sum, and the value codec's 8-channel loads
-// feed per-thread accumulators.
+// and V are read once per group. Pages stream through an NSTAGE-deep cp.async pipeline: the
+// runtime's page table gives each page's tier and length (so a copy never waits on a header
+// load), the staged header is checked against it, and the page is dispatched on the header's
+// tier (per page, never per element). Per page: scores by the tier's key codec
+// (channel-parallel with the query slice in registers, or token-parallel through the
+// spherical LUT), an fp32 online softmax in the log2 domain, and value accumulation with each
+// thread owning 8 channels of every GQA head.
 #pragma once
 #include "codecs.cuh"
 #include "kvforge/params.cuh"
@@ -18,33 +20,35 @@ template <class A, class B> struct same_type { static constexpr bool value = fal
 template <class A> struct same_type<A, A> { static constexpr bool value = true; };
 
 template <class... Ts> __host__ __device__ constexpr int max_seg(TierList<Ts...>) { int m = 0; ((m = cmax(m, Ts::SEG_BYTES)), ...); return m; }
-template <int GQA, class... Ts> __host__ __device__ constexpr int max_prep(TierList<Ts...>) { int m = 0; ((m = cmax(m, GQA * Ts::Key::PREP_FLOATS_PER_HEAD)), ...); return m; }
 template <int GQA, class... Ts> __host__ __device__ constexpr int sum_lut(TierList<Ts...>) { return (0 + ... + (GQA * Ts::Key::LUT_FLOATS_PER_HEAD)); }
 
 // Shared-memory plan of one decode variant (bytes). The generated Rust bindings carry the
-// same number, and the generated .cu static_asserts that they agree.
+// same numbers (kvforge-gen codec.rs), and the generated .cu static_asserts that they agree.
 template <class Cfg>
 struct DecodeSmem {
   static constexpr int Q = 0;
   static constexpr int LUT = Q + align16(Cfg::GQA * Cfg::D * 4);
-  static constexpr int PREP = LUT + align16(sum_lut<Cfg::GQA>(typename Cfg::Tiers{}) * 4);
-  static constexpr int SCORES = PREP + align16(max_prep<Cfg::GQA>(typename Cfg::Tiers{}) * 4);
+  static constexpr int SCORES = LUT + align16(sum_lut<Cfg::GQA>(typename Cfg::Tiers{}) * 4);
   static constexpr int STATS = SCORES + align16(Cfg::GQA * Cfg::P * 4);
   static constexpr int OUT = STATS + align16(4 * Cfg::GQA * 4);
   static constexpr int STAGE = OUT + align16(Cfg::GQA * Cfg::D * 4);
-  static constexpr int STAGE_BYTES = align16(max_seg(typename Cfg::Tiers{}));
-  static constexpr int TOTAL = STAGE + 2 * STAGE_BYTES;
+  // A stage holds the page header and its segment.
+  static constexpr int STAGE_BYTES = HEADER_BYTES + align16(max_seg(typename Cfg::Tiers{}));
+  // Three stages when they fit in 112 KB (two CTAs per SM), else two.
+  static constexpr int NSTAGE = 3 * STAGE_BYTES <= 112 * 1024 ? 3 : 2;
+  static constexpr int TOTAL = STAGE + NSTAGE * STAGE_BYTES;
 };
 
 template <class Cfg>
 struct DecodeCta {
   static constexpr int D = Cfg::D, GQA = Cfg::GQA, P = Cfg::P, NT = Cfg::NTHREADS;
-  static constexpr int TPT = NT / P > 0 ? (NT / P > 32 ? 32 : NT / P) : 1;  // threads per token (scores)
-  static constexpr int TSTRIDE = NT / TPT;                                 // tokens in flight (scores)
-  static constexpr int NC8 = D / 8;                                        // 8-channel chunks (values)
-  static constexpr int TG = NT / NC8;                                      // token groups (values)
+  static constexpr int TPT = NT / P > 0 ? (NT / P > 32 ? 32 : NT / P) : 1;  // threads per token (LUT scores)
+  static constexpr int TSTRIDE = NT / TPT;                                 // tokens in flight (LUT scores)
+  static constexpr int NC8 = D / 8;                                        // 8-channel slices
+  static constexpr int TG = NT / NC8;                                      // tokens in flight (channel-parallel)
   using QT = typename Cfg::QT;
   using Smem = DecodeSmem<Cfg>;
+  static constexpr int NSTAGE = Smem::NSTAGE;
 
   u8* smem;
   const DecodeParams& p;
@@ -53,7 +57,6 @@ struct DecodeCta {
 
   __device__ float* q_s() { return reinterpret_cast<float*>(smem + Smem::Q); }
   __device__ float* lut_s() { return reinterpret_cast<float*>(smem + Smem::LUT); }
-  __device__ float* prep_s() { return reinterpret_cast<float*>(smem + Smem::PREP); }
   __device__ float* scores_s() { return reinterpret_cast<float*>(smem + Smem::SCORES); }
   __device__ float* m_s() { return reinterpret_cast<float*>(smem + Smem::STATS); }
   __device__ float* l_s() { return m_s() + GQA; }
@@ -82,16 +85,20 @@ struct DecodeCta {
     }
   }
 
-  // Stages the segment of a page whose tier is `tier` into buffer `buf`. Returns false when
-  // the tier is not served by this variant.
+  // Issues the copy of page `i` (header + segment) into stage `buf`; its size comes from the
+  // page table's tier. Returns false (and stages nothing) for a tier this variant lacks.
+  // Packs a page-table entry (tier | tokens << 8) into a 16-bit stage entry.
+  __device__ static u32 stage_entry(u32 info) { return 0x8000u | ((info & 0x7f) << 8) | ((info >> 8) & 0xff); }
+
   template <class... Ts>
-  __device__ bool stage_page(TierList<Ts...>, int tier, const u8* page, int buf) {
-    return ((tier == Ts::id ? (stage_async<NT>(stage(buf), page + HEADER_BYTES, align16(Ts::SEG_BYTES)), true) : false) || ...);
+  __device__ bool stage_page(TierList<Ts...>, u32 info, const u8* page, int buf) {
+    const int tier = int(info & 0xff);
+    return ((tier == Ts::id ? (stage_async<NT>(stage(buf), page, HEADER_BYTES + align16(Ts::SEG_BYTES)), true) : false) || ...);
   }
 
   template <class... Ts>
-  __device__ void compute_page(TierList<Ts...>, int tier, int buf, int len, float* mass) {
-    ((tier == Ts::id ? (compute<Ts>(stage(buf), len, mass), true) : false) || ...);
+  __device__ void compute_page(TierList<Ts...>, int tier, const u8* seg, int len, float* mass) {
+    ((tier == Ts::id ? (compute<Ts>(seg, len, mass), true) : false) || ...);
   }
 
   template <class T>
@@ -99,22 +106,38 @@ struct DecodeCta {
     using K = typename T::Key;
     using V = typename T::Value;
     const int tid = threadIdx.x;
-    K::template prep_page<GQA, NT>(seg, q_s(), prep_s());
-    if (K::PREP_FLOATS_PER_HEAD > 0) __syncthreads();
     float* sc = scores_s();
-    const float* lut = lut_s() + lut_offset<T>(typename Cfg::Tiers{});
-    // Scores: TPT threads per token; tokens beyond `len` are masked.
-    for (int t0 = 0; t0 < P; t0 += TSTRIDE) {
-      const int t = t0 + tid / TPT, part = tid % TPT;
-      float s[GQA];
+    if constexpr (K::CHANNEL_PARALLEL) {
+      // The NC8 lanes of a token are consecutive: a shuffle tree sums their partial dots.
+      const int c8 = tid % NC8, tt = tid / NC8;
+      typename K::template Scorer<GQA> scorer(q_s(), c8);
+      for (int t0 = 0; t0 < P; t0 += TG) {
+        const int t = t0 + tt;
+        float s[GQA];
 #pragma unroll
-      for (int h = 0; h < GQA; ++h) s[h] = 0.f;
-      if (t < len) K::template score<GQA, TPT>(seg, t, part, q_s(), prep_s(), lut, s);
+        for (int h = 0; h < GQA; ++h) s[h] = 0.f;
+        if (t < len) scorer.score(seg, t, s);
 #pragma unroll
-      for (int h = 0; h < GQA; ++h) s[h] = group_sum<TPT>(s[h]);
-      if (part == 0 && t < P) {
+        for (int h = 0; h < GQA; ++h) s[h] = group_sum<NC8>(s[h]);
+        if (c8 == 0) {
 #pragma unroll
-        for (int h = 0; h < GQA; ++h) sc[h * P + t] = t < len ? s[h] : NEG_INF;
+          for (int h = 0; h < GQA; ++h) sc[h * P + t] = t < len ? s[h] : NEG_INF;
+        }
+      }
+    } else {
+      const float* lut = lut_s() + lut_offset<T>(typename Cfg::Tiers{});
+      for (int t0 = 0; t0 < P; t0 += TSTRIDE) {
+        const int t = t0 + tid / TPT, part = tid % TPT;
+        float s[GQA];
+#pragma unroll
+        for (int h = 0; h < GQA; ++h) s[h] = 0.f;
+        if (t < len) K::template score_lut<GQA, TPT>(seg, t, part, lut, s);
+#pragma unroll
+        for (int h = 0; h < GQA; ++h) s[h] = group_sum<TPT>(s[h]);
+        if (part == 0 && t < P) {
+#pragma unroll
+          for (int h = 0; h < GQA; ++h) sc[h * P + t] = t < len ? s[h] : NEG_INF;
+        }
       }
     }
     __syncthreads();
@@ -149,7 +172,7 @@ struct DecodeCta {
       for (int h = 0; h < GQA; ++h) sum += exp2f(plse_s()[h] - mx);
       *mass = mx + log2f(sum);
     }
-    // Values: thread owns channels [c8*8, c8*8+8) of token group tg.
+    // Values: thread owns channels [c8*8, c8*8+8) of tokens tg, tg + TG, ...
     const int c8 = tid % NC8, tg = tid / NC8;
 #pragma unroll
     for (int h = 0; h < GQA; ++h) {
@@ -174,6 +197,29 @@ struct DecodeCta {
     const int tid = threadIdx.x;
     const int hq0 = kvh * GQA;
     const int num_hq = p.num_kv_heads * GQA;
+    const u32 first = p.page_indptr[seq * p.num_kv_heads + kvh];
+    const u32 last = p.page_indptr[seq * p.num_kv_heads + kvh + 1];
+    const int n = int(last - first);
+    const int per = (n + p.num_splits - 1) / p.num_splits;
+    const int lo = min(n, split * per), hi = min(n, lo + per);
+
+    // Start streaming pages first: the copies overlap the query and LUT set-up.
+    // 16 bits per stage: 0 when empty, else 0x8000 | tier << 8 | tokens, as the page table said.
+    u64 staged = 0;
+#pragma unroll
+    for (int s = 0; s < NSTAGE - 1; ++s) {
+      if (lo + s < hi) {
+        const u32 info = p.page_info[first + lo + s];
+        if (stage_page(typename Cfg::Tiers{}, info, p.arena + p.page_offsets[first + lo + s], s)) staged |= u64(stage_entry(info)) << (16 * s);
+      }
+      cp_async_commit();
+    }
+    // Page-table entries are loaded one iteration before their copy is issued, so the copy
+    // never waits on a dependent global load.
+    const int pre = lo + NSTAGE - 1;
+    u64 next_off = pre < hi ? p.page_offsets[first + pre] : 0;
+    u32 next_info = pre < hi ? p.page_info[first + pre] : 0;
+
     // Queries, pre-scaled into the log2 domain.
     const float qscale = p.sm_scale * 1.4426950408889634f;
     const QT* q = reinterpret_cast<const QT*>(p.q) + (size_t(seq) * num_hq + hq0) * D;
@@ -185,54 +231,40 @@ struct DecodeCta {
     for (int h = 0; h < GQA; ++h)
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
-
-    const u32 first = p.page_indptr[seq * p.num_kv_heads + kvh];
-    const u32 last = p.page_indptr[seq * p.num_kv_heads + kvh + 1];
-    const int n = int(last - first);
-    const int per = (n + p.num_splits - 1) / p.num_splits;
-    const int lo = min(n, split * per), hi = min(n, lo + per);
-
-    // Prologue: stage the first page.
-    int cur_tier = -1, cur_len = 0;
-    if (lo < hi) {
-      const u8* page = p.arena + p.page_offsets[first + lo];
-      const PageHeader hd = load_header(page);
-      cur_tier = hd.tier;
-      cur_len = int(hd.length);
-      if (hd.magic != PAGE_MAGIC) { if (tid == 0) atomicOr(p.error_flags, ERR_BAD_MAGIC); cur_tier = -1; }
-      if (cur_len > P) { if (tid == 0) atomicOr(p.error_flags, ERR_BAD_LENGTH); cur_tier = -1; }
-      if (cur_tier >= 0 && !stage_page(typename Cfg::Tiers{}, cur_tier, page, 0)) {
-        if (tid == 0) atomicOr(p.error_flags, ERR_UNKNOWN_TIER);
-        cur_tier = -1;
-      }
-    }
-    cp_async_commit();
-    __syncthreads();  // build_luts done before any compute
+    __syncthreads();
 
     for (int i = lo; i < hi; ++i) {
-      const int buf = (i - lo) & 1;
-      int next_tier = -1, next_len = 0;
-      if (i + 1 < hi) {
-        const u8* page = p.arena + p.page_offsets[first + i + 1];
-        const PageHeader hd = load_header(page);
-        next_tier = hd.tier;
-        next_len = int(hd.length);
-        if (hd.magic != PAGE_MAGIC) { if (tid == 0) atomicOr(p.error_flags, ERR_BAD_MAGIC); next_tier = -1; }
-        if (next_len > P) { if (tid == 0) atomicOr(p.error_flags, ERR_BAD_LENGTH); next_tier = -1; }
-        if (next_tier >= 0 && !stage_page(typename Cfg::Tiers{}, next_tier, page, buf ^ 1)) {
-          if (tid == 0) atomicOr(p.error_flags, ERR_UNKNOWN_TIER);
-          next_tier = -1;
-        }
-      }
+      const int buf = (i - lo) % NSTAGE;
+      const int ahead = i + NSTAGE - 1;
+      const int abuf = (ahead - lo) % NSTAGE;
+      staged &= ~(u64(0xffff) << (16 * abuf));
+      if (ahead < hi && stage_page(typename Cfg::Tiers{}, next_info, p.arena + next_off, abuf)) staged |= u64(stage_entry(next_info)) << (16 * abuf);
       cp_async_commit();
-      cp_async_wait<1>();
-      __syncthreads();
-      if (cur_tier >= 0 && cur_len > 0) {
-        float* mass = p.page_lse ? p.page_lse + first + i : nullptr;
-        compute_page(typename Cfg::Tiers{}, cur_tier, buf, cur_len, mass);
+      if (ahead + 1 < hi) {
+        next_off = p.page_offsets[first + ahead + 1];
+        next_info = p.page_info[first + ahead + 1];
       }
-      cur_tier = next_tier;
-      cur_len = next_len;
+      cp_async_wait<NSTAGE - 1>();
+      __syncthreads();
+      const u32 entry = u32(staged >> (16 * buf)) & 0xffff;
+      const int tier = int((entry >> 8) & 0x7f), len = int(entry & 0xff);
+      u32 err = 0;
+      PageHeader hd{};
+      if (entry == 0) {
+        err = ERR_UNKNOWN_TIER;
+      } else {
+        hd = load_header(stage(buf));
+        if (hd.magic != PAGE_MAGIC) err = ERR_BAD_MAGIC;
+        else if (hd.tier != tier || int(hd.length) != len || len > P) err = ERR_BAD_LENGTH;
+      }
+      if (err == 0 && len > 0) {
+        float* mass = p.page_lse ? p.page_lse + first + i : nullptr;
+        compute_page(typename Cfg::Tiers{}, int(hd.tier), stage(buf) + HEADER_BYTES, len, mass);
+      } else {
+        // Skipped page: a bad page never contributes; the runtime turns the flag into an error.
+        if (err != 0 && tid == 0) atomicOr(p.error_flags, err);
+        __syncthreads();
+      }
     }
     cp_async_wait<0>();
 
