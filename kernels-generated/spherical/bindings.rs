@@ -355,7 +355,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 51008usize,
+        smem_bytes: 27776usize,
         source: include_str!("decode_ksph16x4b6_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -366,7 +366,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 56432usize,
+        smem_bytes: 33200usize,
         source: include_str!("decode_ksph16x4b6_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -377,7 +377,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 63664usize,
+        smem_bytes: 40432usize,
         source: include_str!("decode_ksph16x4b6_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -388,7 +388,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 50240usize,
+        smem_bytes: 26816usize,
         source: include_str!("decode_ksph16x4b4_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -399,7 +399,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 53360usize,
+        smem_bytes: 29936usize,
         source: include_str!("decode_ksph16x4b4_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -410,7 +410,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 57520usize,
+        smem_bytes: 34096usize,
         source: include_str!("decode_ksph16x4b4_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -421,7 +421,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 50048usize,
+        smem_bytes: 26048usize,
         source: include_str!("decode_ksph32x2b3_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -432,7 +432,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 52592usize,
+        smem_bytes: 28592usize,
         source: include_str!("decode_ksph32x2b3_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -443,7 +443,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 55984usize,
+        smem_bytes: 31984usize,
         source: include_str!("decode_ksph32x2b3_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -454,7 +454,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 51328usize,
+        smem_bytes: 28096usize,
         source: include_str!(
             "decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g1_p64.cu"
         ),
@@ -467,7 +467,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 57712usize,
+        smem_bytes: 34480usize,
         source: include_str!(
             "decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g4_p64.cu"
         ),
@@ -480,7 +480,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 66224usize,
+        smem_bytes: 42992usize,
         source: include_str!(
             "decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g8_p64.cu"
         ),
@@ -570,7 +570,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 101696usize,
+        smem_bytes: 55232usize,
         source: include_str!("decode_ksph16x8b6_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -581,7 +581,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 111728usize,
+        smem_bytes: 65264usize,
         source: include_str!("decode_ksph16x8b6_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -592,7 +592,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 125104usize,
+        smem_bytes: 78640usize,
         source: include_str!("decode_ksph16x8b6_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -603,7 +603,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 100160usize,
+        smem_bytes: 53312usize,
         source: include_str!("decode_ksph16x8b4_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -614,7 +614,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 105584usize,
+        smem_bytes: 58736usize,
         source: include_str!("decode_ksph16x8b4_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -625,7 +625,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 112816usize,
+        smem_bytes: 65968usize,
         source: include_str!("decode_ksph16x8b4_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -636,7 +636,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 99776usize,
+        smem_bytes: 51776usize,
         source: include_str!("decode_ksph32x4b3_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -647,7 +647,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 104048usize,
+        smem_bytes: 56048usize,
         source: include_str!("decode_ksph32x4b3_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -658,7 +658,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 109744usize,
+        smem_bytes: 61744usize,
         source: include_str!("decode_ksph32x4b3_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -669,7 +669,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 102336usize,
+        smem_bytes: 55872usize,
         source: include_str!(
             "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g1_p64.cu"
         ),
@@ -682,7 +682,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 114288usize,
+        smem_bytes: 67824usize,
         source: include_str!(
             "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g4_p64.cu"
         ),
@@ -695,7 +695,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 130224usize,
+        smem_bytes: 83760usize,
         source: include_str!(
             "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g8_p64.cu"
         ),
@@ -791,7 +791,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 137520usize,
+        smem_bytes: 110144usize,
         source: include_str!("decode_ksph16x16b6_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -802,7 +802,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 156768usize,
+        smem_bytes: 129392usize,
         source: include_str!("decode_ksph16x16b6_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -813,7 +813,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 182432usize,
+        smem_bytes: 155056usize,
         source: include_str!("decode_ksph16x16b6_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -824,7 +824,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 134448usize,
+        smem_bytes: 106304usize,
         source: include_str!("decode_ksph16x16b4_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -835,7 +835,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 144480usize,
+        smem_bytes: 116336usize,
         source: include_str!("decode_ksph16x16b4_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -846,7 +846,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 157856usize,
+        smem_bytes: 129712usize,
         source: include_str!("decode_ksph16x16b4_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -857,7 +857,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 133680usize,
+        smem_bytes: 103040usize,
         source: include_str!("decode_ksph32x8b3_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -868,7 +868,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 141408usize,
+        smem_bytes: 110768usize,
         source: include_str!("decode_ksph32x8b3_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -879,7 +879,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 151712usize,
+        smem_bytes: 121072usize,
         source: include_str!("decode_ksph32x8b3_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -890,7 +890,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 138800usize,
+        smem_bytes: 111424usize,
         source: include_str!(
             "decode_ksph16x16b6_vfp16__ksph16x16b4_vfp16__ksph32x8b3_vfp16_d256_g1_p64.cu"
         ),
@@ -903,7 +903,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 161888usize,
+        smem_bytes: 134512usize,
         source: include_str!(
             "decode_ksph16x16b6_vfp16__ksph16x16b4_vfp16__ksph32x8b3_vfp16_d256_g4_p64.cu"
         ),
@@ -916,7 +916,7 @@ static INFOS: [VariantInfo; 57usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 192672usize,
+        smem_bytes: 165296usize,
         source: include_str!(
             "decode_ksph16x16b6_vfp16__ksph16x16b4_vfp16__ksph32x8b3_vfp16_d256_g8_p64.cu"
         ),

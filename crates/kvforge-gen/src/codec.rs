@@ -56,12 +56,18 @@ pub fn threads(spec: &Spec) -> usize {
     32 * spec.kernels.warps
 }
 
+/// CTAs per SM the decode kernel asks the register allocator to fit (`__launch_bounds__`):
+/// 512 threads per SM, except at gqa 8 where the accumulators need the registers.
+pub fn min_blocks(spec: &Spec, gqa: usize) -> usize {
+    if gqa >= 8 { 1 } else { (512 / threads(spec)).max(1) }
+}
+
 /// Mirror of `DecodeSmem<Cfg>::TOTAL`.
 pub fn decode_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
     let p = spec.page.tokens;
     let ts: Vec<&Tier> = tiers.iter().map(|&t| &spec.tiers[t as usize]).collect();
     let lut: usize = ts.iter().map(|t| gqa * lut_floats_per_head(t, d)).sum();
-    let seg = ts.iter().map(|t| SegmentLayout::new(t, d, p, spec.page.alignment).bytes).max().unwrap_or(0);
+    let seg = ts.iter().filter(|t| t.id != kvforge_spec::TAIL_TIER).map(|t| SegmentLayout::new(t, d, p, spec.page.alignment).bytes).max().unwrap_or(0);
     let fixed = align16(gqa * d * 4) + align16(lut * 4) + align16(gqa * p * 4) + align16(4 * gqa * 4) + align16(gqa * d * 4);
     let stage = kvforge_spec::HEADER_BYTES + align16(seg);
     let nstage = if 3 * stage <= 112 * 1024 { 3 } else { 2 };

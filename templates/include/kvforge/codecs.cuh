@@ -6,6 +6,10 @@
 
 namespace kvforge {
 
+// Small unsigned integer (< 2^23) to float without the quarter-rate I2F unit: or it into the
+// mantissa of 2^23 and subtract 2^23 (exact).
+__device__ __forceinline__ float u2f(u32 x) { return __int_as_float(0x4B000000u | x) - 8388608.0f; }
+
 // Storage type of quantisation scales.
 template <class S> __device__ __forceinline__ float load_scale(const u8* p, int i) { return to_float(reinterpret_cast<const S*>(p)[i]); }
 template <class S> __device__ __forceinline__ float round_scale(float x) { return to_float(from_float<S>(x)); }
@@ -158,8 +162,8 @@ struct IntKey {
       float k[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        if constexpr (BITS == 8) k[i] = float(((i < 4 ? lo : hi) >> (8 * (i & 3))) & 0xff);
-        else k[i] = float((lo >> (BITS * i)) & ((1u << BITS) - 1));
+        if constexpr (BITS == 8) k[i] = u2f(((i < 4 ? lo : hi) >> (8 * (i & 3))) & 0xff);
+        else k[i] = u2f((lo >> (BITS * i)) & ((1u << BITS) - 1));
       }
 #pragma unroll
       for (int h = 0; h < GQA; ++h) {
@@ -335,15 +339,15 @@ struct IntValue {
     if constexpr (BITS == 8) {
       const uint2 w = reinterpret_cast<const uint2*>(row)[c8];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) { v[i] = float((w.x >> (8 * i)) & 0xff) * sc + zr; v[4 + i] = float((w.y >> (8 * i)) & 0xff) * sc + zr; }
+      for (int i = 0; i < 4; ++i) { v[i] = fmaf(u2f((w.x >> (8 * i)) & 0xff), sc, zr); v[4 + i] = fmaf(u2f((w.y >> (8 * i)) & 0xff), sc, zr); }
     } else if constexpr (BITS == 4) {
       const u32 w = reinterpret_cast<const u32*>(row)[c8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = float((w >> (4 * i)) & 0xf) * sc + zr;
+      for (int i = 0; i < 8; ++i) v[i] = fmaf(u2f((w >> (4 * i)) & 0xf), sc, zr);
     } else {
       const u32 w = reinterpret_cast<const u16*>(row)[c8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = float((w >> (2 * i)) & 0x3) * sc + zr;
+      for (int i = 0; i < 8; ++i) v[i] = fmaf(u2f((w >> (2 * i)) & 0x3), sc, zr);
     }
   }
 

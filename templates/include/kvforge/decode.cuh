@@ -19,7 +19,9 @@ template <class... Ts> struct TierList {};
 template <class A, class B> struct same_type { static constexpr bool value = false; };
 template <class A> struct same_type<A, A> { static constexpr bool value = true; };
 
-template <class... Ts> __host__ __device__ constexpr int max_seg(TierList<Ts...>) { int m = 0; ((m = cmax(m, Ts::SEG_BYTES)), ...); return m; }
+// Largest staged segment: tail pages (tier 0, at most one per sequence and kv head) are read
+// in place from global memory, so they do not size the stages.
+template <class... Ts> __host__ __device__ constexpr int max_seg(TierList<Ts...>) { int m = 0; ((m = cmax(m, Ts::id == 0 ? 0 : Ts::SEG_BYTES)), ...); return m; }
 template <int GQA, class... Ts> __host__ __device__ constexpr int sum_lut(TierList<Ts...>) { return (0 + ... + (GQA * Ts::Key::LUT_FLOATS_PER_HEAD)); }
 
 // Shared-memory plan of one decode variant (bytes). The generated Rust bindings carry the
@@ -90,9 +92,11 @@ struct DecodeCta {
   // Packs a page-table entry (tier | tokens << 8) into a 16-bit stage entry.
   __device__ static u32 stage_entry(u32 info) { return 0x8000u | ((info & 0x7f) << 8) | ((info >> 8) & 0xff); }
 
+  // Tail pages are not staged (the caller reads them in place).
   template <class... Ts>
   __device__ bool stage_page(TierList<Ts...>, u32 info, const u8* page, int buf) {
     const int tier = int(info & 0xff);
+    if (tier == 0) return true;
     return ((tier == Ts::id ? (stage_async<NT>(stage(buf), page, HEADER_BYTES + align16(Ts::SEG_BYTES)), true) : false) || ...);
   }
 
@@ -109,17 +113,20 @@ struct DecodeCta {
     float* sc = scores_s();
     if constexpr (K::CHANNEL_PARALLEL) {
       // The NC8 lanes of a token are consecutive: a shuffle tree sums their partial dots.
+      // A thread scores P/TG consecutive tokens, so per-block state (the int scale fold)
+      // changes at most once or twice per page.
       const int c8 = tid % NC8, tt = tid / NC8;
+      constexpr int RUN = P / TG > 0 ? P / TG : 1;
       typename K::template Scorer<GQA> scorer(q_s(), c8);
-      for (int t0 = 0; t0 < P; t0 += TG) {
-        const int t = t0 + tt;
+      for (int j = 0; j < RUN; ++j) {
+        const int t = tt * RUN + j;
         float s[GQA];
 #pragma unroll
         for (int h = 0; h < GQA; ++h) s[h] = 0.f;
         if (t < len) scorer.score(seg, t, s);
 #pragma unroll
         for (int h = 0; h < GQA; ++h) s[h] = group_sum<NC8>(s[h]);
-        if (c8 == 0) {
+        if (c8 == 0 && t < P) {
 #pragma unroll
           for (int h = 0; h < GQA; ++h) sc[h * P + t] = t < len ? s[h] : NEG_INF;
         }
@@ -250,16 +257,18 @@ struct DecodeCta {
       const int tier = int((entry >> 8) & 0x7f), len = int(entry & 0xff);
       u32 err = 0;
       PageHeader hd{};
+      // Tail pages are read in place from global memory, other pages from their stage.
+      const u8* page = tier == 0 ? p.arena + p.page_offsets[first + i] : stage(buf);
       if (entry == 0) {
         err = ERR_UNKNOWN_TIER;
       } else {
-        hd = load_header(stage(buf));
+        hd = load_header(page);
         if (hd.magic != PAGE_MAGIC) err = ERR_BAD_MAGIC;
         else if (hd.tier != tier || int(hd.length) != len || len > P) err = ERR_BAD_LENGTH;
       }
       if (err == 0 && len > 0) {
         float* mass = p.page_lse ? p.page_lse + first + i : nullptr;
-        compute_page(typename Cfg::Tiers{}, int(hd.tier), stage(buf) + HEADER_BYTES, len, mass);
+        compute_page(typename Cfg::Tiers{}, int(hd.tier), page + HEADER_BYTES, len, mass);
       } else {
         // Skipped page: a bad page never contributes; the runtime turns the flag into an error.
         if (err != 0 && tid == 0) atomicOr(p.error_flags, err);
