@@ -88,6 +88,12 @@ pub fn bench_tier(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, gqa: u
         for &batch in batches {
             let mut cfg = CacheConfig::new(spec, d, gqa, hkv, batch, ctx * batch).target(tier);
             cfg.verify_headers = false;
+            // Only the tail and the measured tier need pages.
+            for (t, n) in cfg.pages.iter_mut().enumerate() {
+                if t != 0 && t != tier as usize {
+                    *n = 0;
+                }
+            }
             cfg.pages[0] = hkv * (batch + 8);
             let bytes: usize = cfg.pages.iter().enumerate().map(|(t, n)| n * spec.segment(t as TierId, d).page_bytes).sum();
             if bytes > max_bytes {
@@ -107,7 +113,7 @@ pub fn bench_tier(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, gqa: u
             let row = BenchRow {
                 system: "kvforge".into(),
                 variant: plan.variant.name(),
-                tier: spec.tiers[tier as usize].name.clone(),
+                tier: format!("{}:{}", spec.name, spec.tiers[tier as usize].name),
                 context: ctx,
                 batch,
                 splits: plan.splits,
