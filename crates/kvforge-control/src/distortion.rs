@@ -1,0 +1,235 @@
+//! Per-tier distortion ε(tier): the "tier-induced error scale" of seed 000 C.2 and the
+//! calibrated table ε(b) of seed 002 §3.1 / App. J.
+//!
+//! The controllers score page `i` at tier `b` as `D_i(b) = weight_i × ε(b)` (weights:
+//! [`Proxy`]). ε is a
+//! **proxy**: a normalised mean squared error of the stored keys and values (NMSE, error
+//! energy over signal energy), averaged over K and V, with `ε(drop) = 1` (the whole
+//! contribution is lost, seed 002: "ε(0) = 1 (eviction)"). It is neither a bound nor a
+//! measurement of logit or output error; pass a calibrated table
+//! ([`DistortionTable::calibrated`]) measured as seed 000 C.2 prescribes (KL or squared
+//! logit error of tiering a bucket of entries, regressed per tier) to replace it.
+//!
+//! Default per scheme (derivation, so the numbers can be checked):
+//! * `int`, b bits, asymmetric min/max quantiser: step Δ = R/(2^b − 1), MSE Δ²/12. For
+//!   Gaussian data the per-block range is R ≈ 6σ, so NMSE ≈ 36σ²/(12σ²(2^b − 1)²)
+//!   = 3/(2^b − 1)²: 0.333, 0.0133, 4.6e-5 for b = 2, 4, 8 — within 10% of seed 002's
+//!   calibrated V-cache table (0.313, 0.0140, 4.9e-5 on LLaMA-3.1-8B).
+//! * dense fp16/bf16: relative rounding u = 2^−p (p = 11, 8 significand bits), NMSE u²/3.
+//! * spherical (group g, 2^a unit codewords, 8-bit radius): the direction error
+//!   E‖u − c(u)‖² = E[2 − 2 cos θ] of the nearest codeword, estimated deterministically on
+//!   4096 uniform unit directions against the tier's *own* codebook, plus the radius
+//!   quantiser's 3/255². Uniform directions are the worst case for a codebook trained on
+//!   real keys, so the proxy is pessimistic for spherical tiers.
+//! * drop: 1.
+//!
+//! The table is made non-decreasing down the ladder (running maximum): a cheaper tier is never
+//! assumed to be more accurate, which the monotone (down-only) tiering relies on.
+
+use kvforge_spec::{DType, KeyScheme, Spec, TierId, ValueScheme};
+
+/// ε per tier id (index 0 is the dense tail tier).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DistortionTable {
+    pub eps: Vec<f64>,
+    /// Id of the drop tier, if the ladder has one.
+    pub drop_tier: Option<TierId>,
+}
+
+/// How a page's attention signal weighs its distortion.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Proxy {
+    /// Seed 000 C.2 and seed 002: `D_i(b) = ω_i ε(b)` with ω_i the page's attention mass.
+    Linear,
+    /// Like `Linear` for dropping (evicting mass ω loses it coherently: the total-variation
+    /// distance of seed 002 Prop. 3.1 is ω), but re-coding is weighted by `Σ_t a_t² / ā`
+    /// with `ā = Σ a² / Σ a` over the whole sequence. Quantisation noise of different tokens
+    /// is independent, so the output error energy it causes is `Σ_t a_t² ‖δv_t‖²`: a head
+    /// that spreads its attention over thousands of tokens averages the noise away, one that
+    /// concentrates it on a few tokens does not. The normalisation by ā makes the two
+    /// proxies agree when every token has the same mass. Needs per-token masses; pages
+    /// without them (or a view without any) fall back to `Linear`.
+    #[default]
+    Concentration,
+}
+
+/// The two weights of one page (see [`Proxy`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Weights {
+    /// Weight of dropping (the page's attention mass).
+    pub drop: f64,
+    /// Weight of re-coding into a live tier.
+    pub recode: f64,
+}
+
+impl Proxy {
+    /// Weights of every page of a view, in view order.
+    pub fn weights(self, view: &crate::signal::PageTableView) -> Vec<Weights> {
+        let linear = |p: &crate::signal::PageInfo| {
+            let w = p.importance().max(0.0);
+            Weights { drop: w, recode: w }
+        };
+        if self == Proxy::Linear {
+            return view.iter().map(|(_, p)| linear(p)).collect();
+        }
+        let (mut s1, mut s2) = (0.0, 0.0);
+        for t in view.iter().filter_map(|(_, p)| p.token_mass.as_ref()).flatten() {
+            s1 += t.max(0.0);
+            s2 += t.max(0.0) * t.max(0.0);
+        }
+        let abar = if s1 > 0.0 { s2 / s1 } else { 0.0 };
+        view.iter()
+            .map(|(_, p)| match &p.token_mass {
+                Some(t) if abar > 0.0 => Weights { drop: p.importance().max(0.0), recode: t.iter().map(|x| x.max(0.0) * x.max(0.0)).sum::<f64>() / abar },
+                _ => linear(p),
+            })
+            .collect()
+    }
+}
+
+/// Why a calibrated table was refused.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum TableError {
+    #[error("the table has {found} entries, spec `{spec}` has {expected} tiers (tail included)")]
+    Length { spec: String, found: usize, expected: usize },
+    #[error("ε of tier `{tier}` is {value}; it must be finite and ≥ 0")]
+    Value { tier: String, value: f64 },
+    #[error("ε must not decrease down the ladder: tier `{tier}` has {value} < {prev} of the tier before it")]
+    NotMonotone { tier: String, value: f64, prev: f64 },
+}
+
+/// Normalised squared error `Σ (x − x̂)² / Σ x²` of a decoded array against its original.
+pub fn nmse(original: &[f32], decoded: &[f64]) -> f64 {
+    let (mut e, mut s) = (0.0, 0.0);
+    for (&x, &y) in original.iter().zip(decoded) {
+        let x = f64::from(x);
+        e += (x - y) * (x - y);
+        s += x * x;
+    }
+    if s > 0.0 {
+        e / s
+    } else {
+        0.0
+    }
+}
+
+/// NMSE of an asymmetric `bits`-bit quantiser on Gaussian data (range ≈ 6σ).
+pub fn int_nmse(bits: u32) -> f64 {
+    let levels = ((1u64 << bits) - 1) as f64;
+    3.0 / (levels * levels)
+}
+
+/// NMSE of rounding to a float type.
+pub fn dense_nmse(dtype: DType) -> f64 {
+    let p = match dtype {
+        DType::Fp16 => 11,
+        DType::Bf16 => 8,
+    };
+    let u = 2f64.powi(-p);
+    u * u / 3.0
+}
+
+/// E[2 − 2 cos θ] of the nearest codeword over 4096 deterministic uniform unit directions.
+pub fn spherical_direction_nmse(codebook: &kvforge_spec::Codebook) -> f64 {
+    let g = codebook.group;
+    let n = 4096;
+    let samples = kvforge_ref::uniform_unit_samples(n, g, 0x5eed_0000 + g as u64);
+    let mut sum = 0.0;
+    for u in samples.chunks_exact(g) {
+        let best = (0..codebook.entries)
+            .map(|i| u.iter().zip(codebook.word(i)).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum::<f64>())
+            .fold(f64::NEG_INFINITY, f64::max);
+        sum += 2.0 - 2.0 * best;
+    }
+    sum / n as f64
+}
+
+pub fn key_nmse(k: &KeyScheme) -> f64 {
+    match k {
+        KeyScheme::Dense(t) => dense_nmse(*t),
+        KeyScheme::Int { bits, .. } => int_nmse(*bits),
+        KeyScheme::Spherical { codebook, .. } => spherical_direction_nmse(codebook) + int_nmse(8),
+        KeyScheme::Drop => 1.0,
+    }
+}
+
+pub fn value_nmse(v: &ValueScheme) -> f64 {
+    match v {
+        ValueScheme::Dense(t) => dense_nmse(*t),
+        ValueScheme::Int { bits, .. } => int_nmse(*bits),
+        ValueScheme::Drop => 1.0,
+    }
+}
+
+impl DistortionTable {
+    /// The documented proxy: `ε = (ε_K + ε_V) / 2` per tier, made non-decreasing.
+    pub fn from_spec(spec: &Spec) -> DistortionTable {
+        let raw: Vec<f64> = spec.tiers.iter().map(|t| 0.5 * (key_nmse(&t.key) + value_nmse(&t.value))).collect();
+        DistortionTable { eps: monotone(raw), drop_tier: drop_tier(spec) }
+    }
+
+    /// A caller-measured table (one ε per tier id, tail first), validated: finite, ≥ 0 and
+    /// non-decreasing down the ladder.
+    pub fn calibrated(spec: &Spec, eps: Vec<f64>) -> Result<DistortionTable, TableError> {
+        if eps.len() != spec.tiers.len() {
+            return Err(TableError::Length { spec: spec.name.clone(), found: eps.len(), expected: spec.tiers.len() });
+        }
+        for (t, &e) in spec.tiers.iter().zip(&eps) {
+            if !(e.is_finite() && e >= 0.0) {
+                return Err(TableError::Value { tier: t.name.clone(), value: e });
+            }
+        }
+        for w in 2..eps.len() {
+            if eps[w] < eps[w - 1] {
+                return Err(TableError::NotMonotone { tier: spec.tiers[w].name.clone(), value: eps[w], prev: eps[w - 1] });
+            }
+        }
+        Ok(DistortionTable { eps, drop_tier: drop_tier(spec) })
+    }
+
+    /// A table from measured NMSE of keys and values per tier (seed 000 C.2's calibration:
+    /// code sample pages in every tier, compare with the originals; see [`nmse`]). The tail
+    /// tier's entries are used as given, the drop tier gets 1; the ladder is made
+    /// non-decreasing like the default.
+    pub fn from_nmse(spec: &Spec, k: &[f64], v: &[f64]) -> Result<DistortionTable, TableError> {
+        let n = spec.tiers.len();
+        if k.len() != n || v.len() != n {
+            return Err(TableError::Length { spec: spec.name.clone(), found: k.len().min(v.len()), expected: n });
+        }
+        let raw: Vec<f64> = spec.tiers.iter().map(|t| if t.is_drop() { 1.0 } else { 0.5 * (k[t.id as usize] + v[t.id as usize]) }).collect();
+        for (t, &e) in spec.tiers.iter().zip(&raw) {
+            if !(e.is_finite() && e >= 0.0) {
+                return Err(TableError::Value { tier: t.name.clone(), value: e });
+            }
+        }
+        Ok(DistortionTable { eps: monotone(raw), drop_tier: drop_tier(spec) })
+    }
+
+    pub fn get(&self, tier: TierId) -> f64 {
+        self.eps[tier as usize]
+    }
+
+    /// `D_i(b)` of a page with weights `w`: `recode · ε(b)` for live tiers and
+    /// `max(drop · ε(drop), recode · ε(last live tier))` for the drop tier, so a page's
+    /// distortion never decreases down the ladder (dropping loses at least what the cheapest
+    /// live tier loses).
+    pub fn page(&self, w: Weights, tier: TierId) -> f64 {
+        if Some(tier) != self.drop_tier {
+            return w.recode * self.get(tier);
+        }
+        let last_live = self.eps.len().saturating_sub(2);
+        (w.drop * self.get(tier)).max(w.recode * self.eps[last_live])
+    }
+}
+
+pub(crate) fn drop_tier(spec: &Spec) -> Option<TierId> {
+    spec.tiers.iter().find(|t| t.is_drop()).map(|t| t.id)
+}
+
+/// Running maximum over the ladder (the tail, tier 0, is left alone).
+fn monotone(mut eps: Vec<f64>) -> Vec<f64> {
+    for i in 2..eps.len() {
+        eps[i] = eps[i].max(eps[i - 1]);
+    }
+    eps
+}

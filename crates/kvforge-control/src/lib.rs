@@ -1,0 +1,67 @@
+//! # kvforge-control: which tier each KV page lives in
+//!
+//! The runtime stores every (sequence, kv head) as tier-homogeneous pages on a ladder of
+//! tiers (a spec). This crate decides, from per-page importance signals and a byte budget,
+//! which pages to re-code down the ladder or drop, and applies those decisions safely.
+//!
+//! * [`signal`]: the CUDA-free input, a [`PageTableView`] (pages per kv head with tier,
+//!   tokens, positions, attention mass, pinned flag), and importance smoothing.
+//! * [`budget`]: [`Budget`] and the rate model [`TierCosts`] (bytes per page per tier, from
+//!   the spec).
+//! * [`distortion`]: the per-tier distortion ε (a documented proxy per coding scheme, or a
+//!   calibrated table) and the page weights ([`distortion::Proxy`]).
+//! * [`protect`]: sinks, recent window and pinned pages, never dropped nor re-coded below a
+//!   floor tier.
+//! * [`knapsack`]: the multiple-choice knapsack solver shared by both controllers (Lagrangian
+//!   bisection, greedy value-per-byte path, weak-duality gap).
+//! * [`rdr`]: seed 000 App. C's rate-distortion retention controller, with hysteresis.
+//! * [`rdkv`]: seed 002's allocation (Alg. 1–2) and its page-level adaptation.
+//! * [`check`]: the invariant checker; [`runtime`]: applying plans to a `KvCache` (or its
+//!   CPU twin [`runtime::SimCache`]) in a safe order, verified afterwards.
+//!
+//! ```no_run
+//! # use kvforge_control::*;
+//! # fn demo(cache: &mut kvforge_rt::KvCache, seq: usize, masses: &ImportanceTracker) -> Result<(), Box<dyn std::error::Error>> {
+//! let spec = cache.spec().clone();
+//! let costs = TierCosts::from_spec(&spec, cache.config().head_dim, CostModel::Resident);
+//! let limits = Limits { budget: Budget::PerToken(160.0), protection: Protection::default() };
+//! let mut rdr = RdrController::new(&spec);
+//! let mut pos = runtime::PositionMap::new(seq, cache.config().num_kv_heads);
+//! // every decode step, after appending the new token:
+//! if rdr.step() {
+//!     pos.sync(cache)?;
+//!     let view = pos.view(cache, costs.clone(), |key, _| runtime::Signal { mass: masses.get(key), ..Default::default() })?;
+//!     let plan = rdr.decide(&view, &limits);
+//!     pos.apply(cache, &view, &plan, &limits)?;
+//! }
+//! # Ok(()) }
+//! ```
+
+pub mod budget;
+pub mod check;
+pub mod distortion;
+pub mod knapsack;
+mod plan;
+pub mod protect;
+pub mod rdkv;
+pub mod rdr;
+pub mod runtime;
+pub mod signal;
+
+pub use budget::{Budget, CostModel, TierCost, TierCosts};
+pub use check::{check_plan, simulate, Violation};
+pub use distortion::DistortionTable;
+pub use plan::{Decision, Limits, Plan};
+pub use protect::{Guard, Protection};
+pub use rdkv::{allocate, allocate_head, Allocation, RdkvController};
+pub use rdr::{DropPolicy, RdrController};
+pub use signal::{ImportanceTracker, PageId, PageInfo, PageKey, PageTableView};
+
+/// A tier policy: from a snapshot of one sequence's pages and its limits, the pages to move.
+///
+/// Implementations must return decisions that only move pages down the ladder, at most one
+/// per page, never below a protected page's floor, and must meet the budget whenever
+/// protection allows it; [`check_plan`] verifies exactly that.
+pub trait Controller {
+    fn decide(&mut self, view: &PageTableView, limits: &Limits) -> Plan;
+}

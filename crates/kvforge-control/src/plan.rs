@@ -1,0 +1,121 @@
+//! Decisions, plans, and the reduction of a page table view to a knapsack instance.
+
+use kvforge_spec::TierId;
+
+use crate::budget::Budget;
+use crate::knapsack::{self, Choice, Solution};
+use crate::protect::Protection;
+use crate::signal::{PageId, PageInfo, PageTableView};
+
+/// Re-code one page into a lower tier (`to_tier` may be the drop tier).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Decision {
+    pub page: PageId,
+    pub from_tier: TierId,
+    pub to_tier: TierId,
+}
+
+/// What a controller is given besides the view.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Limits {
+    pub budget: Budget,
+    pub protection: Protection,
+}
+
+/// A controller's answer for one sequence: the decisions and the numbers behind them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// At most one per page, sorted by (head, index); tiers only move down.
+    pub decisions: Vec<Decision>,
+    pub budget_bytes: f64,
+    pub cost_before: f64,
+    pub cost_after: f64,
+    /// Predicted distortion Σ_i D_i(tier_i) over all pages (drop penalties excluded).
+    pub distortion_before: f64,
+    pub distortion_after: f64,
+    /// Marginal price (distortion per byte) of the last move, the knapsack's λ.
+    pub lambda: f64,
+    /// Weak-duality gap of the knapsack objective (penalties included); ∞ when infeasible.
+    pub duality_gap: f64,
+    /// `cost_after ≤ budget_bytes`. When false, every page is at the cheapest tier its
+    /// protection allows: protected pages alone exceed the budget.
+    pub feasible: bool,
+    /// Pages moved while still in their hysteresis cooldown because the budget forced it.
+    pub forced: Vec<PageId>,
+}
+
+impl Plan {
+    /// The tier a page ends in under this plan.
+    pub fn tier_of(&self, id: PageId, view: &PageTableView) -> Option<TierId> {
+        match self.decisions.binary_search_by(|d| d.page.cmp(&id)) {
+            Ok(i) => Some(self.decisions[i].to_tier),
+            Err(_) => view.page(id).map(|p| p.tier),
+        }
+    }
+}
+
+/// Movable pages of a view as knapsack items.
+pub(crate) struct Problem {
+    pub ids: Vec<PageId>,
+    pub tiers: Vec<Vec<TierId>>,
+    pub items: Vec<Vec<Choice>>,
+    /// Cost of the pages that cannot move.
+    pub fixed: f64,
+}
+
+impl Problem {
+    /// `options(id, page)` lists the tiers a page may take (current first) with the
+    /// objective distortion of each; a page with one option is fixed.
+    pub fn build(view: &PageTableView, mut options: impl FnMut(PageId, &PageInfo) -> Vec<(TierId, f64)>) -> Problem {
+        let mut p = Problem { ids: Vec::new(), tiers: Vec::new(), items: Vec::new(), fixed: 0.0 };
+        for (id, page) in view.iter() {
+            let opts = options(id, page);
+            if opts.len() <= 1 {
+                p.fixed += view.costs.cost(page.tier, page.tokens);
+                continue;
+            }
+            p.ids.push(id);
+            p.items.push(opts.iter().map(|&(t, d)| Choice::new(view.costs.cost(t, page.tokens), d)).collect());
+            p.tiers.push(opts.into_iter().map(|(t, _)| t).collect());
+        }
+        p
+    }
+
+    /// Solves for `budget` bytes (fixed pages included) and lists the tier changes.
+    pub fn solve(&self, view: &PageTableView, budget: f64) -> (Solution, Vec<Decision>) {
+        let s = knapsack::solve(&self.items, budget - self.fixed);
+        let mut d: Vec<Decision> = Vec::new();
+        for ((&id, tiers), &pick) in self.ids.iter().zip(&self.tiers).zip(&s.pick) {
+            let from = view.page(id).unwrap().tier;
+            if tiers[pick] != from {
+                d.push(Decision { page: id, from_tier: from, to_tier: tiers[pick] });
+            }
+        }
+        d.sort_by_key(|x| x.page);
+        (s, d)
+    }
+}
+
+/// Assembles a plan: costs and predicted distortions before and after.
+pub(crate) fn assemble(view: &PageTableView, decisions: Vec<Decision>, budget_bytes: f64, s: &Solution, forced: Vec<PageId>, dist: impl Fn(PageId, TierId) -> f64) -> Plan {
+    let mut plan = Plan {
+        decisions,
+        budget_bytes,
+        cost_before: view.cost(),
+        cost_after: 0.0,
+        distortion_before: 0.0,
+        distortion_after: 0.0,
+        lambda: s.lambda,
+        duality_gap: s.gap,
+        feasible: false,
+        forced,
+    };
+    for (id, p) in view.iter() {
+        let t = plan.tier_of(id, view).unwrap();
+        plan.cost_after += view.costs.cost(t, p.tokens);
+        plan.distortion_before += dist(id, p.tier);
+        plan.distortion_after += dist(id, t);
+    }
+    plan.feasible = plan.cost_after <= budget_bytes;
+    plan
+}

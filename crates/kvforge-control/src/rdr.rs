@@ -1,0 +1,218 @@
+//! RDR, rate-distortion retention (seed 000 App. C), on kvforge pages.
+//!
+//! Every `every` decode steps the controller solves the multiple-choice knapsack of C.1 over
+//! the sequence's pages (all kv heads together, so heads with concentrated attention pay for
+//! heads that need breadth): each page takes one tier from its current one down the ladder,
+//! `D_i(b) = ω_i · ε(b)` (C.2, [`DistortionTable`]), and the byte budget holds. The solver
+//! ([`crate::knapsack`]) is the greedy value-per-byte downgrade path of C.3 located by
+//! Lagrangian bisection on λ.
+//!
+//! Deviations from the seed, and why:
+//! * **Monotone tiers.** `KvCache::retier` can only re-code a page down the ladder (the
+//!   original is not kept), so the seed's upgrade moves (C.3 "upgrade policy", ρ↑*) do not
+//!   exist: every move is irreversible and every move is paid for by the budget. A page thus
+//!   changes tier at most `ladder length − 1` times.
+//! * **Hysteresis (C.4)** therefore guards against *irreversible* moves made on noise:
+//!   - *cooldown*: a page moved at step `s` is frozen until step `s + cooldown`; the solver
+//!     first tries without touching frozen pages and only if the budget cannot be met that
+//!     way re-solves with them free (those moves are listed in [`Plan::forced`]);
+//!   - *score margin*: the importance a page is ranked by is sticky — it is replaced by the
+//!     newly observed importance only when they differ by more than `margin` (relative). Two
+//!     pages of nearly equal importance keep their order instead of trading places with every
+//!     fluctuation, so the one that was judged less important is the one that moves.
+//! * **Down-tier before drop** (§2.2 template, C.2's η): [`DropPolicy`]. `Penalty(η)` adds
+//!   `η × mean importance` to a drop, so cheap precision cuts are preferred to evictions
+//!   unless a page is clearly worthless; `LastResort` makes η large enough that no page is
+//!   dropped while any page can still be down-tiered; `Joint` is pure rate-distortion.
+//! * **Weights.** C.2's `ω_i · δ_i(b)` is used as is for dropping. For re-coding, when the
+//!   runtime supplies per-token masses, the weight is `Σ_t a_t² / ā` ([`Proxy::Concentration`]):
+//!   quantisation noise of different tokens adds incoherently, so a head that spreads its
+//!   attention thinly tolerates coarse tiers that a head with a few heavy hitters does not.
+//!   With the linear weight alone RDR only ties uniform quantisation on the synthetic
+//!   end-to-end test (a diffuse head next to a peaked one); with it, RDR has 2–2.5× lower
+//!   attention output error at equal bytes. Without token masses the proxy is C.2's.
+//! * The drop tier's distortion is `max(ω ε(drop), recode weight × ε(last live tier))`, so
+//!   a page's distortion never decreases down the ladder.
+//! * Structured per-layer/per-head caps (C.3 prices π) are not implemented: one controller
+//!   instance owns one (sequence, layer) budget.
+//! * Between invocations new pages arrive in the first ladder tier, so the cache can exceed
+//!   the budget by up to `every` tokens' worth of pages until the next decision.
+
+use std::collections::{HashMap, HashSet};
+
+use kvforge_spec::{Spec, TierId};
+
+use crate::distortion::{DistortionTable, Proxy, Weights};
+use crate::plan::{assemble, Decision, Limits, Plan, Problem};
+use crate::signal::{PageId, PageKey, PageTableView};
+use crate::Controller;
+
+/// How dropping is weighed against down-tiering.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum DropPolicy {
+    /// Drop is the last tier of the ladder like any other.
+    Joint,
+    /// A drop costs an extra `η × mean page importance` of distortion.
+    Penalty(f64),
+    /// No drop while a down-tier is possible anywhere (η → ∞).
+    LastResort,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct PageState {
+    /// Sticky weights (see the module docs).
+    score: Weights,
+    moved_at: Option<u64>,
+    moves: u32,
+}
+
+/// Counters for reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RdrStats {
+    pub invocations: u64,
+    pub moves: u64,
+    pub drops: u64,
+    pub forced: u64,
+}
+
+/// The RDR controller of one (sequence, layer).
+#[derive(Clone, Debug)]
+pub struct RdrController {
+    /// Decide every `every` decode steps (seed 000 C.3 N).
+    pub every: usize,
+    /// Decode steps a moved page stays frozen (seed 000 C.4 C, in steps, not invocations).
+    pub cooldown: usize,
+    /// Relative change of importance needed before a page is re-ranked (0.1 = 10%).
+    pub margin: f64,
+    pub drop_policy: DropPolicy,
+    pub table: DistortionTable,
+    /// How attention signals weigh distortion ([`Proxy::Concentration`] by default; it needs
+    /// per-token masses and falls back to the seed's linear proxy without them).
+    pub proxy: Proxy,
+    step: u64,
+    pages: HashMap<PageKey, PageState>,
+    pub stats: RdrStats,
+}
+
+impl RdrController {
+    /// Defaults: every 16 steps, cooldown 64 steps, 10% margin, drop penalty of one mean
+    /// importance, the spec's proxy ε table.
+    pub fn new(spec: &Spec) -> RdrController {
+        RdrController::with_table(DistortionTable::from_spec(spec))
+    }
+
+    pub fn with_table(table: DistortionTable) -> RdrController {
+        RdrController { every: 16, cooldown: 64, margin: 0.1, drop_policy: DropPolicy::Penalty(1.0), table, proxy: Proxy::default(), step: 0, pages: HashMap::new(), stats: RdrStats::default() }
+    }
+
+    /// Counts one decode step; true when the controller should run at this step.
+    pub fn step(&mut self) -> bool {
+        self.step += 1;
+        self.step % self.every.max(1) as u64 == 0
+    }
+
+    /// Decode steps counted so far.
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    /// Tier changes of a page so far.
+    pub fn moves(&self, key: PageKey) -> u32 {
+        self.pages.get(&key).map_or(0, |s| s.moves)
+    }
+
+    fn frozen(&self, key: PageKey) -> bool {
+        self.pages.get(&key).and_then(|s| s.moved_at).is_some_and(|at| self.step < at + self.cooldown as u64)
+    }
+
+    /// Sticky weights of the view's pages, in view order: a page keeps the weights it was
+    /// last ranked by until one of them changes by more than `margin` (relative).
+    fn scores(&mut self, view: &PageTableView) -> Vec<Weights> {
+        let margin = self.margin;
+        let fresh = self.proxy.weights(view);
+        view.iter()
+            .zip(fresh)
+            .map(|((id, p), w)| {
+                let st = self.pages.entry(p.key(id.head)).or_insert(PageState { score: w, moved_at: None, moves: 0 });
+                let moved = |a: f64, b: f64| (a - b).abs() > margin * b;
+                if moved(w.drop, st.score.drop) || moved(w.recode, st.score.recode) {
+                    st.score = w;
+                }
+                st.score
+            })
+            .collect()
+    }
+
+    /// The drop penalty η in distortion units.
+    fn eta(&self, view: &PageTableView, scores: &[Weights]) -> f64 {
+        let n = scores.len().max(1) as f64;
+        match self.drop_policy {
+            DropPolicy::Joint => 0.0,
+            DropPolicy::Penalty(x) => x.max(0.0) * scores.iter().map(|w| w.drop).sum::<f64>() / n,
+            DropPolicy::LastResort => {
+                // Every drop's ρ ≥ η / max page cost must exceed every live move's
+                // ρ ≤ max weight · max ε / min cost step.
+                let p = view.costs.page_tokens;
+                let live: Vec<f64> = view.costs.ladder().filter(|&t| !view.costs.tiers[t as usize].drop).map(|t| view.costs.cost(t, p)).collect();
+                let cmax = live.iter().copied().fold(0.0, f64::max);
+                let step = live.windows(2).map(|w| w[0] - w[1]).filter(|&d| d > 0.0).fold(f64::INFINITY, f64::min);
+                let smax = scores.iter().map(|w| w.recode.max(w.drop)).fold(0.0, f64::max);
+                if step.is_finite() {
+                    2.0 * smax * cmax / step + 1.0
+                } else {
+                    1.0
+                }
+            }
+        }
+    }
+}
+
+impl Controller for RdrController {
+    fn decide(&mut self, view: &PageTableView, limits: &Limits) -> Plan {
+        assert_eq!(self.table.eps.len(), view.costs.tiers.len(), "RDR: the distortion table and the view's spec have different tier counts");
+        self.stats.invocations += 1;
+        let budget = limits.budget.bytes(view.context_tokens, view.heads.len());
+        let scores = self.scores(view);
+        let eta = self.eta(view, &scores);
+        let costs = &view.costs;
+        let score_of: HashMap<PageId, Weights> = view.iter().map(|(id, _)| id).zip(scores.iter().copied()).collect();
+        let table = &self.table;
+        let options = |respect_cooldown: bool| {
+            Problem::build(view, |id, p| {
+                let s = score_of[&id];
+                let allowed = limits.protection.allowed(p, view.context_tokens, costs);
+                let frozen = respect_cooldown && self.frozen(p.key(id.head));
+                allowed
+                    .into_iter()
+                    .take(if frozen { 1 } else { usize::MAX })
+                    .map(|t| (t, table.page(s, t) + if costs.tiers[t as usize].drop { eta } else { 0.0 }))
+                    .collect()
+            })
+        };
+        let (mut sol, mut decisions) = options(true).solve(view, budget);
+        let mut forced = Vec::new();
+        if !sol.feasible && self.cooldown > 0 {
+            let (s2, d2) = options(false).solve(view, budget);
+            forced = d2.iter().filter(|d| self.frozen(view.page(d.page).unwrap().key(d.page.head))).map(|d| d.page).collect();
+            (sol, decisions) = (s2, d2);
+        }
+        // Commit: moved pages start their cooldown; pages that no longer exist are forgotten.
+        let step = self.step;
+        for d in &decisions {
+            let key = view.page(d.page).unwrap().key(d.page.head);
+            let st = self.pages.get_mut(&key).unwrap();
+            st.moved_at = Some(step);
+            st.moves += 1;
+            self.stats.moves += 1;
+            if costs.tiers[d.to_tier as usize].drop {
+                self.stats.drops += 1;
+            }
+        }
+        self.stats.forced += forced.len() as u64;
+        let dropped: HashSet<PageId> = decisions.iter().filter(|d: &&Decision| costs.tiers[d.to_tier as usize].drop).map(|d| d.page).collect();
+        let live: HashSet<PageKey> = view.iter().filter(|(id, _)| !dropped.contains(id)).map(|(id, p)| p.key(id.head)).collect();
+        self.pages.retain(|k, _| live.contains(k));
+        let table = &self.table;
+        assemble(view, decisions, budget, &sol, forced, |id, t: TierId| table.page(score_of[&id], t))
+    }
+}

@@ -1,0 +1,321 @@
+//! Applying plans to a cache: `KvCache` on the GPU, or [`SimCache`], its CPU twin.
+//!
+//! [`apply`] validates the plan ([`check_plan`]), checks that the cache still looks like the
+//! view, re-codes pages in a safe order and verifies the cache afterwards against
+//! [`simulate`]. The order matters because `KvCache::retier` removes a dropped page from the
+//! head's list (later indices shift down) and allocates the destination page before freeing
+//! the source:
+//! 1. drops, per head from the highest index down, so the indices still to visit stay valid
+//!    (and pages are freed before anything is allocated);
+//! 2. down-tiers with indices corrected for the drops, deepest source tier first, so a move
+//!    `mid → low` frees its `mid` slot before a `high → mid` needs one.
+//!
+//! [`PositionMap`] keeps the logical token positions of every page, which the cache does not
+//! (after a drop its page indices no longer say where a page sits in the context), and builds
+//! [`PageTableView`]s from a cache and an importance signal.
+
+use kvforge_rt::KvCache;
+use kvforge_spec::{Spec, TierId, TAIL_TIER};
+
+use crate::budget::TierCosts;
+use crate::check::{check_plan, simulate, Violation};
+use crate::plan::{Limits, Plan};
+use crate::signal::{PageInfo, PageKey, PageTableView};
+
+/// What [`apply`] needs from a cache.
+pub trait PagedCache {
+    type Error: std::error::Error + Send + Sync + 'static;
+    fn spec(&self) -> &Spec;
+    fn head_dim(&self) -> usize;
+    fn num_kv_heads(&self) -> usize;
+    /// `(tier, valid tokens)` of every page of (seq, head), in token order, tail page last.
+    fn page_tiers(&self, seq: usize, head: usize) -> Result<Vec<(TierId, usize)>, Self::Error>;
+    /// Re-codes full page `index` of (seq, head) into a lower tier; the drop tier frees it and
+    /// removes it from the list.
+    fn retier(&mut self, seq: usize, head: usize, index: usize, to: TierId) -> Result<(), Self::Error>;
+}
+
+impl PagedCache for KvCache {
+    type Error = kvforge_rt::RtError;
+    fn spec(&self) -> &Spec {
+        KvCache::spec(self)
+    }
+    fn head_dim(&self) -> usize {
+        self.config().head_dim
+    }
+    fn num_kv_heads(&self) -> usize {
+        self.config().num_kv_heads
+    }
+    fn page_tiers(&self, seq: usize, head: usize) -> Result<Vec<(TierId, usize)>, Self::Error> {
+        Ok(self.pages(seq, head)?.into_iter().map(|(r, n)| (r.tier, n)).collect())
+    }
+    fn retier(&mut self, seq: usize, head: usize, index: usize, to: TierId) -> Result<(), Self::Error> {
+        KvCache::retier(self, seq, head, index, to)
+    }
+}
+
+/// Why a plan was not (fully) applied.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error("plan rejected before touching the cache: {0}")]
+    Plan(Violation),
+    #[error("the view is stale: kv head {head} of sequence {seq} has pages {found:?} in the cache, the view has {expected:?} ((tier, tokens) each)")]
+    Stale { seq: usize, head: usize, expected: Vec<(TierId, usize)>, found: Vec<(TierId, usize)> },
+    #[error("the cache failed after {applied} of {total} decisions: {source}")]
+    Cache { applied: usize, total: usize, source: Box<dyn std::error::Error + Send + Sync> },
+    #[error("the cache does not match the plan afterwards: {0}")]
+    Verify(Violation),
+    #[error("position map out of sync: {0}")]
+    Positions(String),
+}
+
+/// What [`apply`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ApplyReport {
+    pub dropped: usize,
+    pub retiered: usize,
+    /// Bytes of the sequence before and after, in the view's cost model.
+    pub bytes_before: f64,
+    pub bytes_after: f64,
+}
+
+fn observed<C: PagedCache>(cache: &C, seq: usize, head: usize) -> Result<Vec<(TierId, usize)>, ControlError> {
+    cache.page_tiers(seq, head).map_err(|e| ControlError::Cache { applied: 0, total: 0, source: Box::new(e) })
+}
+
+/// Applies `plan` (made by a controller for `view` under `limits`) to sequence `seq`.
+pub fn apply<C: PagedCache>(cache: &mut C, seq: usize, view: &PageTableView, plan: &Plan, limits: &Limits) -> Result<ApplyReport, ControlError> {
+    check_plan(view, plan, limits).map_err(ControlError::Plan)?;
+    for (h, pages) in view.heads.iter().enumerate() {
+        let found = observed(cache, seq, h)?;
+        let expected: Vec<(TierId, usize)> = pages.iter().map(|p| (p.tier, p.tokens)).collect();
+        if found != expected || view.seq != seq {
+            return Err(ControlError::Stale { seq, head: h, expected, found });
+        }
+    }
+    let costs = &view.costs;
+    let is_drop = |t: TierId| costs.tiers[t as usize].drop;
+    let mut drops: Vec<_> = plan.decisions.iter().filter(|d| is_drop(d.to_tier)).collect();
+    drops.sort_by(|a, b| a.page.head.cmp(&b.page.head).then(b.page.index.cmp(&a.page.index)));
+    let mut moves: Vec<_> = plan.decisions.iter().filter(|d| !is_drop(d.to_tier)).collect();
+    moves.sort_by(|a, b| b.from_tier.cmp(&a.from_tier).then(a.page.cmp(&b.page)));
+    let total = plan.decisions.len();
+    let mut applied = 0;
+    let fail = |applied: usize, e: C::Error| ControlError::Cache { applied, total, source: Box::new(e) };
+    for d in &drops {
+        cache.retier(seq, d.page.head, d.page.index, d.to_tier).map_err(|e| fail(applied, e))?;
+        applied += 1;
+    }
+    for d in &moves {
+        let shift = drops.iter().filter(|x| x.page.head == d.page.head && x.page.index < d.page.index).count();
+        cache.retier(seq, d.page.head, d.page.index - shift, d.to_tier).map_err(|e| fail(applied, e))?;
+        applied += 1;
+    }
+    let after = simulate(view, plan);
+    for (h, pages) in after.heads.iter().enumerate() {
+        let found = observed(cache, seq, h)?;
+        let expected: Vec<TierId> = pages.iter().map(|p| p.tier).collect();
+        let found_tiers: Vec<TierId> = found.iter().map(|p| p.0).collect();
+        if let Some(&(t, _)) = found.iter().find(|(t, _)| !costs.contains(*t) || is_drop(*t)) {
+            return Err(ControlError::Verify(Violation::UnknownTier { page: crate::signal::PageId { head: h, index: 0 }, tier: t }));
+        }
+        if expected != found_tiers {
+            return Err(ControlError::Verify(Violation::Mismatch { head: h, expected, found: found_tiers }));
+        }
+    }
+    Ok(ApplyReport { dropped: drops.len(), retiered: moves.len(), bytes_before: view.cost(), bytes_after: after.cost() })
+}
+
+/// The importance signal of one page, as the runtime knows it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Signal {
+    pub mass: f64,
+    pub token_mass: Option<Vec<f64>>,
+    pub pinned: bool,
+}
+
+/// Logical token positions of one sequence's pages.
+///
+/// The cache appends full pages at the end of every head and removes dropped ones; it never
+/// reorders. So the first token of every live full page is known if we count the full pages
+/// ever created (`filled`) and forget the dropped ones ([`PositionMap::forget`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PositionMap {
+    pub seq: usize,
+    /// First token of every live full page, per kv head.
+    full_first: Vec<Vec<usize>>,
+    /// Full pages ever created, per kv head.
+    filled: Vec<usize>,
+    /// Tokens in the tail page, per kv head.
+    tail: Vec<usize>,
+}
+
+impl PositionMap {
+    pub fn new(seq: usize, heads: usize) -> PositionMap {
+        PositionMap { seq, full_first: vec![Vec::new(); heads], filled: vec![0; heads], tail: vec![0; heads] }
+    }
+
+    /// Learns the pages appended since the last call.
+    pub fn sync<C: PagedCache>(&mut self, cache: &C) -> Result<(), ControlError> {
+        let p = cache.spec().page.tokens;
+        for h in 0..self.full_first.len() {
+            let pages = observed(cache, self.seq, h)?;
+            let full = pages.iter().filter(|x| x.0 != TAIL_TIER).count();
+            let known = self.full_first[h].len();
+            if full < known {
+                return Err(ControlError::Positions(format!("kv head {h} has {full} full pages, {known} were known: a page was dropped behind the map's back (call forget)")));
+            }
+            for _ in known..full {
+                self.full_first[h].push(self.filled[h] * p);
+                self.filled[h] += 1;
+            }
+            self.tail[h] = pages.iter().find(|x| x.0 == TAIL_TIER).map_or(0, |x| x.1);
+        }
+        Ok(())
+    }
+
+    /// Logical length of the sequence (dropped positions included).
+    pub fn context_tokens(&self, page_tokens: usize) -> usize {
+        self.filled.first().map_or(0, |&f| f * page_tokens + self.tail[0])
+    }
+
+    /// A view of the sequence (call [`sync`](Self::sync) first). `signal` is asked once per
+    /// page with the page's stable key and token count; masses are normalised per sequence.
+    pub fn view<C: PagedCache>(&self, cache: &C, costs: TierCosts, mut signal: impl FnMut(PageKey, usize) -> Signal) -> Result<PageTableView, ControlError> {
+        let p = costs.page_tokens;
+        let context_tokens = self.context_tokens(p);
+        let mut heads = Vec::with_capacity(self.full_first.len());
+        for (h, firsts) in self.full_first.iter().enumerate() {
+            let pages = observed(cache, self.seq, h)?;
+            let mut out = Vec::with_capacity(pages.len());
+            let mut full = firsts.iter();
+            for (tier, tokens) in pages {
+                let first_token = if tier == TAIL_TIER {
+                    self.filled[h] * p
+                } else {
+                    *full.next().ok_or_else(|| ControlError::Positions(format!("kv head {h}: more full pages than known; call sync")))?
+                };
+                let s = signal(PageKey { head: h, first_token }, tokens);
+                out.push(PageInfo { tier, tokens, first_token, last_token: first_token + tokens.max(1) - 1, mass: s.mass, token_mass: s.token_mass, pinned: s.pinned });
+            }
+            heads.push(out);
+        }
+        let mut v = PageTableView { seq: self.seq, context_tokens, heads, costs };
+        v.normalise();
+        Ok(v)
+    }
+
+    /// Forgets the pages a plan drops (after it was applied).
+    pub fn forget(&mut self, view: &PageTableView, plan: &Plan) {
+        for h in 0..self.full_first.len() {
+            let gone: Vec<usize> = plan.decisions.iter().filter(|d| d.page.head == h && view.costs.tiers[d.to_tier as usize].drop).map(|d| view.heads[h][d.page.index].first_token).collect();
+            self.full_first[h].retain(|f| !gone.contains(f));
+        }
+    }
+
+    /// [`apply`] followed by [`forget`](Self::forget).
+    pub fn apply<C: PagedCache>(&mut self, cache: &mut C, view: &PageTableView, plan: &Plan, limits: &Limits) -> Result<ApplyReport, ControlError> {
+        let r = apply(cache, self.seq, view, plan, limits)?;
+        self.forget(view, plan);
+        Ok(r)
+    }
+}
+
+/// Error of [`SimCache`].
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("{0}")]
+pub struct SimError(pub String);
+
+/// A CPU model of `KvCache`'s page bookkeeping (no bytes): appends fill a tail page per head
+/// and turn full ones into `target` pages; `retier` has `KvCache::retier`'s rules (full pages
+/// only, down only, drop removes the page). Optional per-tier page capacity models the pool.
+/// Tests drive controllers and [`apply`] through it; a GPU test can compare both.
+#[derive(Clone, Debug)]
+pub struct SimCache {
+    spec: Spec,
+    head_dim: usize,
+    heads: usize,
+    target: TierId,
+    seqs: Vec<Vec<Vec<(TierId, usize)>>>,
+    /// Pages per tier the pool holds (None: unlimited).
+    pub capacity: Option<Vec<usize>>,
+    /// Every `retier` call, in order: (seq, head, index, to).
+    pub log: Vec<(usize, usize, usize, TierId)>,
+}
+
+impl SimCache {
+    pub fn new(spec: Spec, head_dim: usize, heads: usize, target: TierId) -> SimCache {
+        SimCache { spec, head_dim, heads, target, seqs: Vec::new(), capacity: None, log: Vec::new() }
+    }
+
+    pub fn add_sequence(&mut self) -> usize {
+        self.seqs.push(vec![Vec::new(); self.heads]);
+        self.seqs.len() - 1
+    }
+
+    /// Appends `n` tokens to every kv head of `seq`.
+    pub fn append(&mut self, seq: usize, n: usize) {
+        let p = self.spec.page.tokens;
+        for pages in self.seqs[seq].iter_mut() {
+            let mut tail = match pages.last() {
+                Some(&(TAIL_TIER, len)) => {
+                    pages.pop();
+                    len
+                }
+                _ => 0,
+            };
+            tail += n;
+            while tail >= p {
+                pages.push((self.target, p));
+                tail -= p;
+            }
+            if tail > 0 {
+                pages.push((TAIL_TIER, tail));
+            }
+        }
+    }
+
+    fn used(&self, tier: TierId) -> usize {
+        self.seqs.iter().flatten().flatten().filter(|x| x.0 == tier).count()
+    }
+}
+
+impl PagedCache for SimCache {
+    type Error = SimError;
+    fn spec(&self) -> &Spec {
+        &self.spec
+    }
+    fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    fn num_kv_heads(&self) -> usize {
+        self.heads
+    }
+    fn page_tiers(&self, seq: usize, head: usize) -> Result<Vec<(TierId, usize)>, SimError> {
+        self.seqs.get(seq).and_then(|s| s.get(head)).cloned().ok_or_else(|| SimError(format!("no sequence {seq} head {head}")))
+    }
+    fn retier(&mut self, seq: usize, head: usize, index: usize, to: TierId) -> Result<(), SimError> {
+        self.log.push((seq, head, index, to));
+        let p = self.spec.page.tokens;
+        let drop = self.spec.tiers.get(to as usize).ok_or_else(|| SimError(format!("no tier {to}")))?.is_drop();
+        let pages = self.seqs.get(seq).and_then(|s| s.get(head)).ok_or_else(|| SimError(format!("no sequence {seq} head {head}")))?;
+        let &(tier, len) = pages.get(index).filter(|x| x.0 != TAIL_TIER && x.1 == p).ok_or_else(|| SimError(format!("no full page {index} in sequence {seq} head {head}")))?;
+        if to <= tier {
+            return Err(SimError(format!("pages move down the ladder only (page is in tier {tier}, asked {to})")));
+        }
+        if !drop {
+            if let Some(cap) = &self.capacity {
+                if self.used(to) >= cap[to as usize] {
+                    return Err(SimError(format!("out of pages for tier {to}")));
+                }
+            }
+        }
+        let pages = &mut self.seqs[seq][head];
+        if drop {
+            pages.remove(index);
+        } else {
+            pages[index] = (to, len);
+        }
+        Ok(())
+    }
+}
