@@ -70,6 +70,18 @@ pub fn nvrtc_version() -> Result<String> {
 /// Writes the kvforge device headers (hand-written + generated params) into a
 /// content-addressed dir under the cache and returns it.
 pub fn kvforge_include_dir() -> Result<PathBuf> {
+    // Once per process: compile threads must not race on the temporary directory.
+    static DIR: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
+    let mut done = DIR.lock().unwrap();
+    if let Some(d) = done.as_ref() {
+        return Ok(d.clone());
+    }
+    let d = write_include_dir()?;
+    *done = Some(d.clone());
+    Ok(d)
+}
+
+fn write_include_dir() -> Result<PathBuf> {
     let headers = kvforge_gen::all_headers();
     let mut h = blake3::Hasher::new();
     for (p, s) in &headers {
