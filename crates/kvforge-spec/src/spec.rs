@@ -419,6 +419,18 @@ impl Validator<'_> {
         Ok(Some(t))
     }
 
+    /// The one granularity kvforge's kernels support for `side` (its first word), if given.
+    fn granularity(&self, r: &RawScheme, field: &str, side: &str, valid: &str) -> R<()> {
+        match &r.granularity {
+            Some(g) if valid.split_whitespace().next() != Some(g.get_ref().as_str()) => self.err(
+                g.span(),
+                &format!("{field}.granularity"),
+                format!("{side} granularity `{}` is not supported; valid: {valid}", g.get_ref()),
+            ),
+            _ => Ok(()),
+        }
+    }
+
     fn key(&self, s: &Spanned<RawScheme>, field: &str, dims: &[usize], tokens: usize, gqa: &[usize]) -> R<KeyScheme> {
         if let Some(t) = self.dense(s, field)? {
             return Ok(KeyScheme::Dense(t));
@@ -431,11 +443,7 @@ impl Validator<'_> {
             }
             "int" => {
                 self.only(r, field, &["bits", "block", "scale_dtype", "granularity"])?;
-                if let Some(g) = &r.granularity {
-                    if g.get_ref() != "channel" {
-                        return self.err(g.span(), &format!("{field}.granularity"), format!("key granularity `{}` is not supported; valid: channel (per-channel scales fold into the query)", g.get_ref()));
-                    }
-                }
+                self.granularity(r, field, "key", "channel (per-channel scales fold into the query)")?;
                 let bits = self.bits(self.need(&r.bits, s, field, "bits", "8, 4 or 2")?, field)?;
                 let b = self.need(&r.block, s, field, "block", "tokens per scale block, dividing the page")?;
                 let block = *b.get_ref();
@@ -500,11 +508,7 @@ impl Validator<'_> {
             }
             "int" => {
                 self.only(r, field, &["bits", "group", "scale_dtype", "granularity"])?;
-                if let Some(g) = &r.granularity {
-                    if g.get_ref() != "token" {
-                        return self.err(g.span(), &format!("{field}.granularity"), format!("value granularity `{}` is not supported; valid: token (per-token groups)", g.get_ref()));
-                    }
-                }
+                self.granularity(r, field, "value", "token (per-token groups)")?;
                 let bits = self.bits(self.need(&r.bits, s, field, "bits", "8, 4 or 2")?, field)?;
                 let g = self.need(&r.group, s, field, "group", "channels per scale group, dividing head_dim")?;
                 let group = *g.get_ref();
