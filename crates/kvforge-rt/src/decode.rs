@@ -135,6 +135,8 @@ pub struct DecodeWorkspace {
     pub partial_out: CudaSlice<f32>,
     pub partial_lse: CudaSlice<f32>,
     pub lse: CudaSlice<f32>,
+    /// Per page: log2 Σ_heads Σ_tokens 2^logit, written when `page_mass` is requested.
+    pub page_lse: Option<CudaSlice<f32>>,
 }
 
 impl KvCache {
@@ -180,6 +182,7 @@ impl KvCache {
             partial_out: st.alloc_zeros(if plan.splits > 1 { plan.splits * rows * d } else { 1 }).map_err(drv("split partials"))?,
             partial_lse: st.alloc_zeros(plan.splits * rows).map_err(drv("split lse"))?,
             lse: st.alloc_zeros(rows).map_err(drv("lse"))?,
+            page_lse: None,
         })
     }
 
@@ -205,7 +208,7 @@ impl KvCache {
             page_info: ws.page_info.device_ptr(&st).0,
             codebooks,
             radius_scales,
-            page_lse: 0,
+            page_lse: ws.page_lse.as_ref().map_or(0, |b| b.device_ptr(&st).0),
             error_flags: self.flags.device_ptr(&st).0,
             sm_scale: 1.0 / (plan.head_dim as f32).sqrt(),
             batch: plan.batch as i32,
@@ -265,6 +268,45 @@ impl KvCache {
         let out = self.dev.stream.clone_dtoh(&ws.out).map_err(drv("output download"))?;
         let lse = self.dev.stream.clone_dtoh(&ws.lse).map_err(drv("lse download"))?;
         Ok(DecodeOutput { out: out.into_iter().map(|b| from_bits(dtype, b)).collect(), lse })
+    }
+}
+
+impl KvCache {
+    /// Decodes like [`KvCache::decode`] and also returns the attention mass of every page, the
+    /// importance signal controllers use: `mass[i][h][p]` is page `p`'s share (pages in
+    /// [`KvCache::pages`] order) of Σ_{query heads of kv head h} Σ_tokens e^logit for sequence
+    /// `seqs[i]`; each (sequence, head) sums to 1. At gqa 1 it is exactly the page's softmax
+    /// mass; at gqa > 1 heads with larger logits weigh more. The kernel records it as a
+    /// by-product (one log-sum per page), so it costs one extra store per page.
+    pub fn decode_with_mass(&mut self, seqs: &[usize], q: &[f32]) -> Result<(DecodeOutput, Vec<Vec<Vec<f64>>>)> {
+        let plan = self.plan(seqs)?;
+        let rows = plan.batch * plan.num_kv_heads * plan.gqa;
+        if q.len() != rows * plan.head_dim {
+            return Err(RtError::BadInput(format!("query has {} values, expected {}", q.len(), rows * plan.head_dim)));
+        }
+        let mut ws = self.workspace(&plan)?;
+        ws.page_lse = Some(self.dev.stream.alloc_zeros::<f32>(plan.page_offsets.len().max(1)).map_err(drv("page masses"))?);
+        let dtype = self.spec.geometry.dtype;
+        let qh: Vec<u16> = q.iter().map(|&x| to_bits(dtype, x)).collect();
+        self.dev.stream.memcpy_htod(&qh, &mut ws.q).map_err(drv("query upload"))?;
+        self.launch(&plan, &mut ws)?;
+        self.check(&plan)?;
+        let out = self.dev.stream.clone_dtoh(&ws.out).map_err(drv("output download"))?;
+        let lse = self.dev.stream.clone_dtoh(&ws.lse).map_err(drv("lse download"))?;
+        let plse = self.dev.stream.clone_dtoh(ws.page_lse.as_ref().unwrap()).map_err(drv("page masses"))?;
+        let mut mass = Vec::with_capacity(plan.batch);
+        for i in 0..plan.batch {
+            let mut heads = Vec::with_capacity(plan.num_kv_heads);
+            for h in 0..plan.num_kv_heads {
+                let r = plan.page_indptr[i * plan.num_kv_heads + h] as usize..plan.page_indptr[i * plan.num_kv_heads + h + 1] as usize;
+                let ls: Vec<f64> = plse[r].iter().map(|&x| x as f64).collect();
+                let mx = ls.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let tot: f64 = ls.iter().map(|l| (l - mx).exp2()).sum();
+                heads.push(ls.iter().map(|l| (l - mx).exp2() / tot).collect());
+            }
+            mass.push(heads);
+        }
+        Ok((DecodeOutput { out: out.into_iter().map(|b| from_bits(dtype, b)).collect(), lse }, mass))
     }
 }
 

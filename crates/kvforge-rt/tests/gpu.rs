@@ -186,3 +186,33 @@ fn encode_kernels_stay_within_quantisation_bounds() {
         let _ = VariantId::transcode(&s, TAIL_TIER, t.id, d);
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn page_masses_match_the_reference_and_find_the_needle() {
+    let Some(dev) = device() else { return };
+    let s = spec("baseline.toml");
+    let (d, p, n) = (64, s.page.tokens, 1000);
+    let mut c = KvCache::new(dev, s.clone(), CacheConfig::new(&s, d, 1, 1, 1, n)).unwrap();
+    let a = c.add_sequence();
+    let q = data(d, 9);
+    let mut k: Vec<f32> = data(n * d, 1).iter().map(|x| x * 0.1).collect();
+    let needle = 700;
+    for i in 0..d {
+        k[needle * d + i] = 4.0 * q[i];
+    }
+    c.append(a, &k, &data(n * d, 2)).unwrap();
+    let (_, mass) = c.decode_with_mass(&[a], &q).unwrap();
+    let m = &mass[0][0];
+    assert_eq!(m.len(), n.div_ceil(p));
+    assert!((m.iter().sum::<f64>() - 1.0).abs() < 1e-9);
+    // Reference: softmax over fp16-rounded keys, summed per page.
+    let kr: Vec<f64> = k.iter().map(|&x| half::f16::from_f32(x).to_f64()).collect();
+    let qr: Vec<f64> = q.iter().map(|&x| half::f16::from_f32(x).to_f64()).collect();
+    let w = kvforge_ref::softmax_weights(&qr, &kr, 1.0 / (d as f64).sqrt());
+    for (pi, share) in m.iter().enumerate() {
+        let want: f64 = w[pi * p..((pi + 1) * p).min(n)].iter().sum();
+        assert!((share - want).abs() < 1e-3, "page {pi}: {share} vs {want}");
+    }
+    assert!(m[needle / p] > 0.9, "needle page holds {}", m[needle / p]);
+}
