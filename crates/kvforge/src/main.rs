@@ -48,7 +48,9 @@ enum Cmd {
 const EXIT_BAD_INPUT: u8 = 2;
 
 pub(crate) fn spec_files(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(root.join("specs"))?
+    let dir = root.join("specs");
+    let rd = std::fs::read_dir(&dir).map_err(|e| kvforge_rt::RtError::BadInput(format!("cannot read {}: {e}; run from the repository root or pass --root", dir.display())))?;
+    let mut v: Vec<PathBuf> = rd
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|e| e == "toml"))
         .collect();
