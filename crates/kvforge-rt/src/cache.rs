@@ -581,11 +581,9 @@ impl KvCache {
                 let mut tokens = 0;
                 for s in self.seqs.iter().flatten() {
                     for h in &s.heads {
-                        for r in h.full.iter().filter(|r| r.tier == t.id) {
-                            let _ = r;
-                            pages += 1;
-                            tokens += p;
-                        }
+                        let n = h.full.iter().filter(|r| r.tier == t.id).count();
+                        pages += n;
+                        tokens += n * p;
                         if let Some(tl) = h.tail.as_ref().filter(|tl| tl.page.tier == t.id) {
                             pages += 1;
                             tokens += tl.len;

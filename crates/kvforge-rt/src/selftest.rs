@@ -94,6 +94,17 @@ fn gen_kv(rng: &mut ChaCha8Rng, n: usize, hkv: usize, d: usize, data: Data) -> (
     (k, v)
 }
 
+/// A spherical tier reached only by re-tiering needs radius scales: take the largest scale of
+/// the tier the pages come from (twice, for headroom) or a small default.
+fn ensure_radius_scales(cache: &mut KvCache, spec: &Spec, to: TierId, from: TierId, hkv: usize, d: usize) -> Result<()> {
+    let kvforge_spec::KeyScheme::Spherical { group, .. } = spec.tiers[to as usize].key else { return Ok(()) };
+    if cache.radius_scales(to)?.is_some() {
+        return Ok(());
+    }
+    let base = cache.radius_scales(from)?.map_or(0.05, |r| r.iter().cloned().fold(0f32, f32::max));
+    cache.set_radius_scales(to, &vec![2.0 * base; hkv * d / group])
+}
+
 /// Runs every case for one decode variant; `mixed` re-tiers pages so the batch holds every
 /// tier of the variant's combination.
 pub fn run_variant(dev: &Arc<Device>, spec: &Spec, v: &VariantId, long: bool) -> Result<VariantResult> {
@@ -147,14 +158,7 @@ pub fn run_variant(dev: &Arc<Device>, spec: &Spec, v: &VariantId, long: bool) ->
                     for i in 0..full {
                         let to = ladder[i % ladder.len()];
                         if to != target {
-                            if let Some(kvforge_spec::KeyScheme::Spherical { .. }) = spec.tiers.get(to as usize).map(|t| &t.key) {
-                                if cache.radius_scales(to)?.is_none() {
-                                    let rs = cache.radius_scales(target)?.unwrap_or_else(|| vec![0.05; hkv * d / 16]);
-                                    let groups = match &spec.tiers[to as usize].key { kvforge_spec::KeyScheme::Spherical { group, .. } => d / group, _ => 1 };
-                                    let scale = rs.iter().cloned().fold(0f32, f32::max) * 2.0;
-                                    cache.set_radius_scales(to, &vec![scale; hkv * groups])?;
-                                }
-                            }
+                            ensure_radius_scales(&mut cache, spec, to, target, hkv, d)?;
                             cache.retier(s, h, i, to)?;
                         }
                     }
