@@ -310,6 +310,37 @@ impl KvCache {
     }
 }
 
+/// Query element types a caller may pass as they are (no conversion): fp16 and bf16.
+pub trait QueryElem: Copy {
+    const DTYPE: DType;
+    fn to_bits(self) -> u16;
+}
+impl QueryElem for f16 {
+    const DTYPE: DType = DType::Fp16;
+    fn to_bits(self) -> u16 {
+        f16::to_bits(self)
+    }
+}
+impl QueryElem for bf16 {
+    const DTYPE: DType = DType::Bf16;
+    fn to_bits(self) -> u16 {
+        bf16::to_bits(self)
+    }
+}
+
+impl KvCache {
+    /// Decodes queries already in a 16-bit type; a type that is not the spec's dtype is a typed
+    /// error before anything is launched.
+    pub fn decode_typed<Q: QueryElem>(&mut self, seqs: &[usize], q: &[Q]) -> Result<DecodeOutput> {
+        let want = self.spec.geometry.dtype;
+        if Q::DTYPE != want {
+            return Err(RtError::BadInput(format!("queries are {} but spec `{}` decodes {} queries", Q::DTYPE.name(), self.spec.name, want.name())));
+        }
+        let qf: Vec<f32> = q.iter().map(|x| from_bits(want, x.to_bits())).collect();
+        self.decode(seqs, &qf)
+    }
+}
+
 pub fn to_bits(dtype: DType, x: f32) -> u16 {
     match dtype {
         DType::Fp16 => f16::from_f32(x).to_bits(),

@@ -28,7 +28,7 @@ pub mod selftest;
 mod pool;
 
 pub use cache::{CacheConfig, KvCache, TierUsage};
-pub use decode::{choose_combination, from_bits, plan, split_count, to_bits, DecodeOutput, DecodePlan, DecodeWorkspace};
+pub use decode::{choose_combination, from_bits, plan, split_count, to_bits, DecodeOutput, DecodePlan, DecodeWorkspace, QueryElem};
 pub use device::{driver_present, nvrtc_present, Device, DeviceInfo};
 pub use error::{Result, RtError};
 pub use pool::{PagePool, PageRef};

@@ -104,6 +104,11 @@ fn bad_inputs_are_typed_errors_not_launches() {
     assert!(matches!(c.decode(&[a], &vec![0.0; 3]), Err(RtError::BadInput(_))));
     assert!(matches!(c.append(a, &[1.0; 5], &[1.0; 5]), Err(RtError::BadInput(_))));
     assert!(matches!(c.append(a, &[f32::NAN; 256], &[0.0; 256]), Err(RtError::BadInput(_))));
+    // Query dtype must match the spec (certified decodes fp16 queries).
+    assert!(matches!(c.decode_typed(&[a], &vec![half::bf16::ZERO; 8 * 128]), Err(RtError::BadInput(_))));
+    let exact = c.decode_typed(&[a], &vec![half::f16::from_f32(0.25); 8 * 128]).unwrap();
+    let conv = c.decode(&[a], &vec![0.25; 8 * 128]).unwrap();
+    assert_eq!(exact.out, conv.out);
     assert!(KvCache::new(dev.clone(), s.clone(), CacheConfig::new(&s, 96, 4, 2, 1, 64)).is_err());
     assert!(KvCache::new(dev, s.clone(), CacheConfig::new(&s, 128, 3, 2, 1, 64)).is_err());
 }
