@@ -130,7 +130,7 @@ fn required_hint(name: &str) -> &'static str {
         "tier" => " (at least one [[tier]] with `name`, `key` and `value`)",
         "name" => " (a name of letters, digits and `_`)",
         "head_dims" => " (a list of head dims; valid: 64, 128, 256)",
-        "gqa" => " (a list of query heads per kv head; valid: 1, 2, 4, 8)",
+        "gqa" => " (a list of query heads per kv head; valid: 1, 2, 3, 4, 6, 8)",
         "key" | "value" => " (a scheme table, e.g. { scheme = \"fp16\" })",
         "scheme" => " (one of fp16, bf16, int, spherical, drop)",
         _ => "",

@@ -164,7 +164,7 @@ impl Validator<'_> {
             other => return self.err(raw.geometry.dtype.span(), "geometry.dtype", format!("dtype `{other}` is not supported; valid: fp16, bf16")),
         };
         let head_dims = self.list(&raw.geometry.head_dims, "geometry.head_dims", "head_dim", &[64, 128, 256])?;
-        let gqa = self.list(&raw.geometry.gqa, "geometry.gqa", "gqa", &[1, 2, 4, 8])?;
+        let gqa = self.list(&raw.geometry.gqa, "geometry.gqa", "gqa", &[1, 2, 3, 4, 6, 8])?;
 
         let tokens = match &raw.page.tokens {
             Some(t) => {

@@ -286,7 +286,7 @@ fn missing_sections() {
     let e = fail(&edit(BASE, "[spec]\nname = \"t\"\n", "[spec]\n"));
     check(&e, Syntax, 1, 1, "spec.name", &["missing required field `name`"]);
     let e = fail(&edit(BASE, "gqa = [1, 8]\n", ""));
-    check(&e, Syntax, 4, 1, "geometry.gqa", &["missing required field `gqa`", "valid: 1, 2, 4, 8"]);
+    check(&e, Syntax, 4, 1, "geometry.gqa", &["missing required field `gqa`", "valid: 1, 2, 3, 4, 6, 8"]);
     let e = fail(&edit(BASE, "[geometry]\nhead_dims = [128]\ngqa = [1, 8]\ndtype = \"fp16\"\n", ""));
     check(&e, Syntax, 1, 1, "geometry", &["missing required field `geometry`", "head_dims"]);
     let no_tiers = BASE.split("[[tier]]").next().unwrap().to_string();
@@ -324,7 +324,7 @@ fn head_dims_invalid() {
 #[test]
 fn gqa_invalid() {
     let e = fail(&edit(BASE, "gqa = [1, 8]", "gqa = [1, 16]"));
-    check(&e, Invalid, 6, 11, "geometry.gqa", &["gqa 16 is not supported", "valid: 1, 2, 4, 8"]);
+    check(&e, Invalid, 6, 11, "geometry.gqa", &["gqa 16 is not supported", "valid: 1, 2, 3, 4, 6, 8"]);
 }
 
 #[test]
