@@ -125,6 +125,15 @@ pub struct DecodeOutput {
     pub lse: Vec<f32>,
 }
 
+/// Device addresses of a launch's queries `[rows][d]`, output `[rows][d]` (spec dtype) and
+/// log-sum-exp `[rows]` (f32).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct DecodeIo {
+    pub q: u64,
+    pub out: u64,
+    pub lse: u64,
+}
+
 /// Device buffers of one planned decode, reusable across runs of the same plan.
 pub struct DecodeWorkspace {
     pub page_offsets: CudaSlice<u64>,
@@ -147,10 +156,16 @@ impl KvCache {
         if self.cfg.verify_headers {
             self.verify_pages(seqs)?;
         }
+        self.plan_pages(&pages)
+    }
+
+    /// Plans decode over explicit page lists `pages[entry][kv head]` of this cache's pages
+    /// (e.g. prefixes of one sequence, see `external::prefix_pages`).
+    pub fn plan_pages(&self, pages: &[Vec<Vec<(PageRef, usize)>>]) -> Result<DecodePlan> {
         let page_bytes: Vec<usize> = (0..self.spec.tiers.len()).map(|t| self.pool.page_bytes(t as TierId)).collect();
         // Occupancy needs the kernel: load (or compile) it while planning.
         let slots = std::cell::RefCell::new(Ok(0usize));
-        let p = plan(&self.spec, self.cfg.head_dim, self.cfg.gqa, &pages, &|t| page_bytes[t as usize], &|v| match self.slots(v) {
+        let p = plan(&self.spec, self.cfg.head_dim, self.cfg.gqa, pages, &|t| page_bytes[t as usize], &|v| match self.slots(v) {
             Ok(n) => n,
             Err(e) => {
                 *slots.borrow_mut() = Err(e);
@@ -188,6 +203,15 @@ impl KvCache {
 
     /// Launches the planned kernels on the workspace (queries already in `ws.q`).
     pub fn launch(&mut self, plan: &DecodePlan, ws: &mut DecodeWorkspace) -> Result<()> {
+        let st = self.dev.stream.clone();
+        let io = DecodeIo { q: ws.q.device_ptr(&st).0, out: ws.out.device_ptr(&st).0, lse: ws.lse.device_ptr(&st).0 };
+        self.launch_io(plan, ws, io)
+    }
+
+    /// Launches the planned kernels reading queries from and writing outputs to `io`, which
+    /// may be memory the cache does not own (see `external`); the workspace supplies the page
+    /// table and the split-K partials only.
+    pub(crate) fn launch_io(&mut self, plan: &DecodePlan, ws: &DecodeWorkspace, io: DecodeIo) -> Result<()> {
         let k = self.kernels.get(&self.dev, &self.spec, &plan.variant)?;
         let st = self.dev.stream.clone();
         let (codebooks, radius_scales) = self.tier_pointers();
@@ -198,10 +222,10 @@ impl KvCache {
             }
         }
         let params = DecodeParams {
-            q: ws.q.device_ptr(&st).0,
-            out: ws.out.device_ptr(&st).0,
+            q: io.q,
+            out: io.out,
             partial_out: ws.partial_out.device_ptr(&st).0,
-            partial_lse: if plan.splits > 1 { ws.partial_lse.device_ptr(&st).0 } else { ws.lse.device_ptr(&st).0 },
+            partial_lse: if plan.splits > 1 { ws.partial_lse.device_ptr(&st).0 } else { io.lse },
             arena: self.arena.device_ptr(&st).0,
             page_offsets: ws.page_offsets.device_ptr(&st).0,
             page_indptr: ws.page_indptr.device_ptr(&st).0,
@@ -228,8 +252,8 @@ impl KvCache {
             let cp = CombineParams {
                 partial_out: ws.partial_out.device_ptr(&st).0,
                 partial_lse: ws.partial_lse.device_ptr(&st).0,
-                out: ws.out.device_ptr(&st).0,
-                lse: ws.lse.device_ptr(&st).0,
+                out: io.out,
+                lse: io.lse,
                 rows: rows as i32,
                 num_splits: plan.splits as i32,
             };
