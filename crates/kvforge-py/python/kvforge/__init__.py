@@ -1,0 +1,42 @@
+"""kvforge: compressed-KV-cache decode attention on NVIDIA GPUs, on PyTorch tensors.
+
+A spec TOML (``specs/*.toml`` of the kvforge repository) says how tokens may be stored
+(fp16, per-channel/per-token integer codes, Spherical-KV angle codes, dropped); kvforge
+compiles matching CUDA kernels with NVRTC on first use and keeps a paged, tiered cache on the
+GPU. Tensors are torch CUDA tensors in the spec dtype, used in place (no copies of queries or
+outputs)::
+
+    import torch, kvforge
+    cache = kvforge.Cache("specs/rdkv.toml", head_dim=64, num_kv_heads=3, gqa=3, max_tokens=8192, target="b4")
+    seq = cache.add_sequence()
+    cache.append(seq, k, v)                      # k, v: [T, 3, 64] fp16 on cuda
+    out, lse = cache.attend_prefix(seq, q)       # q: [T, 9, 64]: causal attention of the prompt
+    out, lse = cache.decode(q_next, seqs=[seq])  # q_next: [1, 9, 64]: one decode step
+
+Relative spec paths are also looked up under ``root=`` and ``$KVFORGE_ROOT``. Compiled
+kernels are cached under ``$KVFORGE_CACHE_DIR`` (default ``~/.cache/kvforge``); NVRTC
+(``libnvrtc.so``) and libcuda must be loadable (``LD_LIBRARY_PATH=/usr/local/cuda/lib64``).
+Every failure raises :class:`KvforgeError`.
+"""
+
+from ._errors import KvforgeError
+from ._native import (
+    Cache,
+    Plan,
+    __version__,
+    check_tensor,
+    device_info,
+    driver_present,
+    nvrtc_present,
+)
+
+__all__ = [
+    "Cache",
+    "KvforgeError",
+    "Plan",
+    "__version__",
+    "check_tensor",
+    "device_info",
+    "driver_present",
+    "nvrtc_present",
+]

@@ -1,0 +1,626 @@
+//! `kvforge._native`: the Python face of kvforge-rt.
+//!
+//! Tensors cross the boundary as what PyTorch says about them (`data_ptr()`, `shape`,
+//! `stride()`, `dtype`, `device`), read through ordinary attribute access, so the extension
+//! links neither libtorch nor libpython (abi3) and works with any torch build. The runtime
+//! validates every claim before a launch ([`kvforge_rt::external`]). Every error, including a
+//! Rust panic, reaches Python as `kvforge.KvforgeError` (a `ValueError` and a `RuntimeError`)
+//! whose `kind` names the runtime's error variant.
+//!
+//! Streams: the runtime submits to the context's legacy default stream. Each call makes that
+//! stream wait for PyTorch's current stream before touching the inputs and, after its
+//! launches, makes PyTorch's current stream wait for it, so the outputs are ordered for
+//! whatever PyTorch runs next. (cudarc can wrap a borrowed stream, but the cache's kernels,
+//! page uploads and error-flag reads are issued on one stream that it owns for its lifetime;
+//! event joins at the boundary keep that invariant and cost no host synchronisation.)
+//! PyTorch and kvforge share the device's primary context: cudarc's `CudaContext::new` retains
+//! it, as the CUDA runtime under PyTorch does.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use kvforge_rt::{CacheConfig, DecodePlan, DecodeWorkspace, Device, ElemType, ExternalTensor, KvCache, RtError, TensorDevice};
+use kvforge_spec::{Spec, TierId, TAIL_TIER};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+
+// ---------------------------------------------------------------------------------------------
+// Errors
+
+/// The runtime error variant's name, exposed as `KvforgeError.kind`.
+fn kind(e: &RtError) -> &'static str {
+    match e {
+        RtError::NoDriver(_) => "NoDriver",
+        RtError::NoNvrtc => "NoNvrtc",
+        RtError::NoDevice(_) => "NoDevice",
+        RtError::NoCudaHeaders { .. } => "NoCudaHeaders",
+        RtError::Driver { .. } => "Driver",
+        RtError::Compile { .. } => "Compile",
+        RtError::CompileWarnings { .. } => "CompileWarnings",
+        RtError::CacheMiss { .. } => "CacheMiss",
+        RtError::CacheIo { .. } => "CacheIo",
+        RtError::OutOfPages { .. } => "OutOfPages",
+        RtError::OutOfMemory { .. } => "OutOfMemory",
+        RtError::BadInput(_) => "BadInput",
+        RtError::NoSequence(_) => "NoSequence",
+        RtError::EmptySequence(_) => "EmptySequence",
+        RtError::NoVariant { .. } => "NoVariant",
+        RtError::CorruptPage { .. } => "CorruptPage",
+        RtError::KernelFault { .. } => "KernelFault",
+        RtError::BadTier(..) => "BadTier",
+        RtError::Render(_) => "Render",
+    }
+}
+
+/// `kvforge.KvforgeError(message, kind)`; defined in Python (`kvforge/_errors.py`) so it can
+/// derive from both `ValueError` and `RuntimeError`.
+fn py_error(py: Python<'_>, kind: &str, msg: String) -> PyErr {
+    let made = py.import("kvforge._errors").and_then(|m| m.getattr("KvforgeError")).and_then(|cls| cls.call1((msg.clone(), kind)));
+    match made {
+        Ok(inst) => PyErr::from_value(inst),
+        // Only when the extension is imported outside its package.
+        Err(_) => PyRuntimeError::new_err(format!("{kind}: {msg}")),
+    }
+}
+
+fn rt_err(py: Python<'_>, e: RtError) -> PyErr {
+    py_error(py, kind(&e), e.to_string())
+}
+
+fn bad(py: Python<'_>, msg: impl Into<String>) -> PyErr {
+    py_error(py, "BadInput", msg.into())
+}
+
+trait OrPy<T> {
+    fn or_py(self, py: Python<'_>) -> PyResult<T>;
+}
+impl<T> OrPy<T> for Result<T, RtError> {
+    fn or_py(self, py: Python<'_>) -> PyResult<T> {
+        self.map_err(|e| rt_err(py, e))
+    }
+}
+
+/// Runs `f`, turning a Rust panic into `KvforgeError(kind="Panic")` rather than letting it
+/// reach the interpreter (PyO3 would raise `PanicException`, a `BaseException` that ordinary
+/// `except Exception` does not catch).
+fn guarded<T>(py: Python<'_>, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => {
+            let what = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "unknown panic".into());
+            Err(py_error(py, "Panic", format!("internal error (please report): {what}")))
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensors
+
+/// Reads what a torch tensor (or anything with the same attributes) says about itself.
+fn tensor(py: Python<'_>, obj: &Bound<'_, PyAny>, name: &str) -> PyResult<ExternalTensor> {
+    let not_tensor = || bad(py, format!("`{name}` must be a torch tensor, got {}", obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())));
+    let (Ok(ptr), Ok(shape), Ok(stride), Ok(dtype), Ok(device)) = (obj.call_method0("data_ptr"), obj.getattr("shape"), obj.call_method0("stride"), obj.getattr("dtype"), obj.getattr("device")) else {
+        return Err(not_tensor());
+    };
+    let ptr: u64 = ptr.extract().map_err(|_| not_tensor())?;
+    let shape: Vec<usize> = shape.try_iter().and_then(|it| it.map(|d| d.and_then(|d| d.extract::<usize>())).collect::<PyResult<Vec<usize>>>()).map_err(|_| not_tensor())?;
+    let strides: Vec<i64> = stride.try_iter().and_then(|it| it.map(|d| d.and_then(|d| d.extract::<i64>())).collect::<PyResult<Vec<i64>>>()).map_err(|_| not_tensor())?;
+    let elem = ElemType::parse(&dtype.str()?.to_string());
+    let dev_type: String = device.getattr("type").and_then(|t| t.extract()).unwrap_or_else(|_| device.to_string());
+    let device = if dev_type == "cuda" {
+        let index: Option<usize> = device.getattr("index").ok().and_then(|i| i.extract().ok()).flatten();
+        TensorDevice::Cuda(index.unwrap_or(0))
+    } else {
+        TensorDevice::Other(dev_type)
+    };
+    Ok(ExternalTensor { ptr, elem, shape, strides, device })
+}
+
+/// Lengths as a list of ints, also from a tensor (through `tolist()`).
+fn lengths(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    let list = if obj.hasattr("tolist")? { obj.call_method0("tolist")? } else { obj.clone() };
+    let v: Vec<i64> = list.extract().map_err(|_| bad(py, "`lengths` must be a sequence of ints"))?;
+    v.iter().enumerate().map(|(i, &x)| usize::try_from(x).map_err(|_| bad(py, format!("lengths[{i}] = {x} is negative")))).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Devices
+
+/// One open device per ordinal for the process: every cache on a GPU shares its context
+/// handle (the primary context, which PyTorch uses too).
+fn device(py: Python<'_>, ordinal: usize) -> PyResult<Arc<Device>> {
+    static DEVICES: Mutex<Option<HashMap<usize, Arc<Device>>>> = Mutex::new(None);
+    let mut g = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
+    let map = g.get_or_insert_with(HashMap::new);
+    if let Some(d) = map.get(&ordinal) {
+        return Ok(d.clone());
+    }
+    let d = Arc::new(Device::open(ordinal).or_py(py)?);
+    map.insert(ordinal, d.clone());
+    Ok(d)
+}
+
+/// PyTorch's current stream on `cuda:ordinal` as a raw handle (0 = legacy default stream),
+/// or the legacy default stream when torch is not importable (Rust-allocated buffers only).
+fn torch_stream(py: Python<'_>, ordinal: usize) -> PyResult<u64> {
+    let Ok(torch) = py.import("torch") else { return Ok(0) };
+    let s = torch.getattr("cuda")?.call_method1("current_stream", (ordinal,))?;
+    s.getattr("cuda_stream")?.extract()
+}
+
+fn torch(py: Python<'_>) -> PyResult<Bound<'_, PyModule>> {
+    py.import("torch").map_err(|e| py_error(py, "NoTorch", format!("outputs are torch tensors, but torch could not be imported: {e}")))
+}
+
+/// `torch.empty(shape, dtype=like.dtype or float32, device=like.device)`.
+fn empty<'py>(py: Python<'py>, shape: &[usize], like: &Bound<'py, PyAny>, f32: bool) -> PyResult<Bound<'py, PyAny>> {
+    let torch = torch(py)?;
+    let kw = PyDict::new(py);
+    kw.set_item("dtype", if f32 { torch.getattr("float32")? } else { like.getattr("dtype")? })?;
+    kw.set_item("device", like.getattr("device")?)?;
+    torch.call_method("empty", (PyTuple::new(py, shape)?,), Some(&kw))
+}
+
+#[pyfunction]
+#[pyo3(signature = (device = 0))]
+/// Facts about GPU `device` as a dict (name, arch, compute_capability, sm_count, total_mem,
+/// l2_bytes, max_smem_per_block); raises KvforgeError (kind NoDriver / NoDevice) without one.
+fn device_info(py: Python<'_>, device: usize) -> PyResult<Py<PyDict>> {
+    guarded(py, || {
+        let d = self::device(py, device)?;
+        let i = &d.info;
+        let out = PyDict::new(py);
+        out.set_item("name", &i.name)?;
+        out.set_item("arch", i.arch())?;
+        out.set_item("compute_capability", i.compute_capability)?;
+        out.set_item("sm_count", i.sm_count)?;
+        out.set_item("total_mem", i.total_mem)?;
+        out.set_item("l2_bytes", i.l2_bytes)?;
+        out.set_item("max_smem_per_block", i.max_smem_per_block)?;
+        out.set_item("ordinal", device)?;
+        Ok(out.unbind())
+    })
+}
+
+#[pyfunction]
+/// True when libcuda can be loaded.
+fn driver_present() -> bool {
+    kvforge_rt::driver_present()
+}
+
+#[pyfunction]
+/// True when libnvrtc can be loaded (kernels are compiled with it at first use).
+fn nvrtc_present() -> bool {
+    kvforge_rt::nvrtc_present()
+}
+
+#[pyfunction]
+#[pyo3(signature = (tensor, name, shape, dtype = "float16", device = 0))]
+/// Checks that `tensor` is a contiguous CUDA tensor on `cuda:device` of `dtype` and `shape`
+/// (host-side, no driver call); raises KvforgeError saying what is wrong. The checks every
+/// Cache method applies to its tensor arguments.
+fn check_tensor(py: Python<'_>, tensor: &Bound<'_, PyAny>, name: &str, shape: Vec<usize>, dtype: &str, device: usize) -> PyResult<()> {
+    guarded(py, || {
+        let t = self::tensor(py, tensor, name)?;
+        let dims: Vec<(&str, usize)> = shape.iter().map(|&n| ("", n)).collect();
+        let want = ElemType::parse(dtype);
+        t.check(name, &want, &dims, device).map_err(|e| match e {
+            // Unnamed dims read better as a plain list.
+            RtError::BadInput(m) => bad(py, m.replace("=", "")),
+            e => rt_err(py, e),
+        })
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cache
+
+/// Finds a spec file: as given (absolute, or relative to the working directory), else
+/// relative to `root`, else to `$KVFORGE_ROOT` (the kvforge repository, which holds specs/
+/// and codebooks/).
+fn resolve_spec(spec: &str, root: Option<&str>) -> Result<PathBuf, String> {
+    let p = Path::new(spec);
+    let mut tried = Vec::new();
+    let mut candidates = Vec::new();
+    if p.is_absolute() {
+        candidates.push(p.to_path_buf());
+    } else {
+        if let Some(r) = root {
+            candidates.push(Path::new(r).join(p));
+        }
+        if let Ok(r) = std::env::var("KVFORGE_ROOT") {
+            candidates.push(Path::new(&r).join(p));
+        }
+        candidates.push(p.to_path_buf());
+    }
+    for c in candidates {
+        if c.is_file() {
+            return Ok(c);
+        }
+        tried.push(c.display().to_string());
+    }
+    Err(format!("spec file `{spec}` not found (looked at: {}); pass root= or set KVFORGE_ROOT to the kvforge repository", tried.join(", ")))
+}
+
+/// Tier by name or id.
+fn tier_id(py: Python<'_>, spec: &Spec, tier: &Bound<'_, PyAny>) -> PyResult<TierId> {
+    if let Ok(name) = tier.extract::<String>() {
+        return spec.tier(&name).map(|t| t.id).ok_or_else(|| {
+            let names: Vec<&str> = spec.tiers.iter().map(|t| t.name.as_str()).collect();
+            bad(py, format!("spec `{}` has no tier `{name}` (tiers: {})", spec.name, names.join(", ")))
+        });
+    }
+    let id: usize = tier.extract().map_err(|_| bad(py, "a tier is a name (str) or an id (int)"))?;
+    if id >= spec.tiers.len() {
+        return Err(bad(py, format!("tier id {id} out of range: spec `{}` has {} tiers", spec.name, spec.tiers.len())));
+    }
+    Ok(id as TierId)
+}
+
+/// A paged, tiered KV cache of one attention layer on the GPU.
+///
+/// Cache(spec, head_dim, num_kv_heads, gqa, max_tokens, sequences=1, target=None, root=None,
+///       device=0, verify_headers=False)
+///
+/// `spec` is a spec TOML path (relative paths are also looked up under `root` and
+/// `$KVFORGE_ROOT`); `max_tokens` is the capacity per kv head summed over `sequences`;
+/// `target` names the tier full pages are encoded into (default: the spec's most precise
+/// ladder tier). Tensors are torch CUDA tensors in the spec dtype, contiguous.
+#[pyclass(module = "kvforge", name = "Cache")]
+struct Cache {
+    inner: KvCache,
+    /// Bumped by every change of the pages (append, retier, remove); plans remember it.
+    generation: u64,
+    ordinal: usize,
+    spec_path: String,
+}
+
+/// A planned decode of a fixed batch of sequences (FlashInfer's plan/run): the page table is
+/// on the GPU, and `run(q)` only launches. Valid while the cache is unchanged since `plan()`
+/// (an append or retier makes it stale: `run` then raises).
+#[pyclass(module = "kvforge", name = "Plan")]
+struct Plan {
+    cache: Py<Cache>,
+    plan: DecodePlan,
+    ws: DecodeWorkspace,
+    generation: u64,
+    seqs: Vec<usize>,
+}
+
+impl Cache {
+    fn hq(&self) -> usize {
+        self.inner.config().num_kv_heads * self.inner.config().gqa
+    }
+
+    /// Runs `f` between the two stream joins of the module docs.
+    fn on_torch_stream<T>(&mut self, py: Python<'_>, f: impl FnOnce(&mut KvCache) -> Result<T, RtError>) -> PyResult<T> {
+        let s = torch_stream(py, self.ordinal)?;
+        // SAFETY: `s` is PyTorch's current stream of this device, alive during the call; it
+        // belongs to the primary context the cache uses.
+        unsafe { self.inner.wait_for_stream(s) }.or_py(py)?;
+        let r = f(&mut self.inner).or_py(py)?;
+        // SAFETY: as above.
+        unsafe { self.inner.signal_stream(s) }.or_py(py)?;
+        Ok(r)
+    }
+
+    /// Outputs: the caller's, or new torch tensors like `q`.
+    fn outputs<'py>(&self, py: Python<'py>, q: &Bound<'py, PyAny>, b: usize, out: Option<Bound<'py, PyAny>>, lse: Option<Bound<'py, PyAny>>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        let (hq, d) = (self.hq(), self.inner.config().head_dim);
+        let out = match out {
+            Some(o) => o,
+            None => empty(py, &[b, hq, d], q, false)?,
+        };
+        let lse = match lse {
+            Some(l) => l,
+            None => empty(py, &[b, hq], q, true)?,
+        };
+        Ok((out, lse))
+    }
+
+    fn check_q(&self, py: Python<'_>, q: &ExternalTensor, what: &str) -> PyResult<usize> {
+        q.check_rank("q", 3, what).or_py(py)?;
+        Ok(q.shape[0])
+    }
+}
+
+#[pymethods]
+impl Cache {
+    #[new]
+    #[pyo3(signature = (spec, head_dim, num_kv_heads, gqa, max_tokens, sequences = 1, target = None, root = None, device = 0, verify_headers = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(py: Python<'_>, spec: &str, head_dim: usize, num_kv_heads: usize, gqa: usize, max_tokens: usize, sequences: usize, target: Option<Bound<'_, PyAny>>, root: Option<&str>, device: usize, verify_headers: bool) -> PyResult<Cache> {
+        guarded(py, || {
+            let path = resolve_spec(spec, root).map_err(|m| py_error(py, "Spec", m))?;
+            let s = Spec::load(&path).map_err(|e| py_error(py, "Spec", e.to_string()))?;
+            // Everything checkable without a GPU is checked before the device is opened.
+            if !s.geometry.head_dims.contains(&head_dim) {
+                return Err(bad(py, format!("head_dim {head_dim} is not in spec `{}` (head_dims {:?})", s.name, s.geometry.head_dims)));
+            }
+            if !s.geometry.gqa.contains(&gqa) {
+                return Err(bad(py, format!("gqa {gqa} is not in spec `{}` (gqa {:?})", s.name, s.geometry.gqa)));
+            }
+            if num_kv_heads == 0 || max_tokens == 0 || sequences == 0 {
+                return Err(bad(py, format!("num_kv_heads ({num_kv_heads}), max_tokens ({max_tokens}) and sequences ({sequences}) must be at least 1")));
+            }
+            let tid = match &target {
+                Some(t) => tier_id(py, &s, t)?,
+                None => 1,
+            };
+            let tier = s.tiers.get(tid as usize).ok_or_else(|| bad(py, format!("spec `{}` has no ladder tier", s.name)))?;
+            if tid == TAIL_TIER || tier.is_drop() {
+                return Err(bad(py, format!("tier `{}` cannot be the target: full pages are encoded into a ladder tier that keeps bytes", tier.name)));
+            }
+            let mut cfg = CacheConfig::new(&s, head_dim, gqa, num_kv_heads, sequences, max_tokens).target(tid);
+            cfg.verify_headers = verify_headers;
+            let dev = self::device(py, device)?;
+            let inner = KvCache::new(dev, s, cfg).or_py(py)?;
+            Ok(Cache { inner, generation: 0, ordinal: device, spec_path: path.display().to_string() })
+        })
+    }
+
+    /// Adds an empty sequence; returns its id.
+    fn add_sequence(&mut self) -> usize {
+        self.generation += 1;
+        self.inner.add_sequence()
+    }
+
+    /// Frees every page of a sequence.
+    fn remove_sequence(&mut self, py: Python<'_>, seq: usize) -> PyResult<()> {
+        self.generation += 1;
+        self.inner.remove_sequence(seq).or_py(py)
+    }
+
+    /// Appends k, v ([T, num_kv_heads, head_dim], spec dtype, CUDA, contiguous) to `seq`.
+    /// Full pages are encoded into the target tier; all or nothing.
+    fn append(&mut self, py: Python<'_>, seq: usize, k: &Bound<'_, PyAny>, v: &Bound<'_, PyAny>) -> PyResult<()> {
+        guarded(py, || {
+            let (k, v) = (tensor(py, k, "k")?, tensor(py, v, "v")?);
+            let r = self.on_torch_stream(py, |c| c.append_external(seq, &k, &v));
+            self.generation += 1;
+            r
+        })
+    }
+
+    /// One decode step: q [B, num_q_heads, head_dim] for B = len(seqs) sequences.
+    /// Returns (out [B, num_q_heads, head_dim] spec dtype, lse [B, num_q_heads] float32,
+    /// natural log). `out` / `lse` may be passed preallocated.
+    #[pyo3(signature = (q, seqs, out = None, lse = None))]
+    fn decode<'py>(&mut self, py: Python<'py>, q: &Bound<'py, PyAny>, seqs: Vec<usize>, out: Option<Bound<'py, PyAny>>, lse: Option<Bound<'py, PyAny>>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        guarded(py, || {
+            let qt = tensor(py, q, "q")?;
+            self.check_q(py, &qt, "[B, num_q_heads, head_dim]")?;
+            if qt.shape[0] != seqs.len() {
+                return Err(bad(py, format!("`q` has {} rows but {} sequences were given", qt.shape[0], seqs.len())));
+            }
+            let (out, lse) = self.outputs(py, q, seqs.len(), out, lse)?;
+            let (ot, lt) = (tensor(py, &out, "out")?, tensor(py, &lse, "lse")?);
+            self.on_torch_stream(py, |c| c.decode_external(&seqs, &qt, &ot, &lt))?;
+            Ok((out, lse))
+        })
+    }
+
+    /// Query i of q [N, num_q_heads, head_dim] attends the first lengths[i] cached tokens of
+    /// `seq` (one launch). `lengths` defaults to causal over the sequence's last N tokens:
+    /// lengths[i] = seq_len - N + i + 1 (append a prompt's k, v, then attend_prefix(seq, q)
+    /// gives causal attention of the prompt against the cache as stored). Returns (out, lse)
+    /// as decode.
+    #[pyo3(signature = (seq, q, lengths = None, out = None, lse = None))]
+    fn attend_prefix<'py>(&mut self, py: Python<'py>, seq: usize, q: &Bound<'py, PyAny>, lengths: Option<Bound<'py, PyAny>>, out: Option<Bound<'py, PyAny>>, lse: Option<Bound<'py, PyAny>>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        guarded(py, || {
+            let qt = tensor(py, q, "q")?;
+            let n = self.check_q(py, &qt, "[N, num_q_heads, head_dim]")?;
+            let lens = match &lengths {
+                Some(l) => self::lengths(py, l)?,
+                None => {
+                    let len = self.inner.seq_len(seq).or_py(py)?;
+                    if n > len {
+                        return Err(bad(py, format!("causal attend_prefix: {n} queries but sequence {seq} holds {len} tokens")));
+                    }
+                    (len - n + 1..=len).collect()
+                }
+            };
+            if lens.len() != n {
+                return Err(bad(py, format!("`q` has {n} rows but `lengths` has {} entries", lens.len())));
+            }
+            let (out, lse) = self.outputs(py, q, n, out, lse)?;
+            let (ot, lt) = (tensor(py, &out, "out")?, tensor(py, &lse, "lse")?);
+            self.on_torch_stream(py, |c| c.attend_prefix_external(seq, &lens, &qt, &ot, &lt))?;
+            Ok((out, lse))
+        })
+    }
+
+    /// Plans decode of `seqs` (page table uploaded once); `plan.run(q)` launches.
+    fn plan(slf: Bound<'_, Self>, seqs: Vec<usize>) -> PyResult<Plan> {
+        let py = slf.py();
+        guarded(py, || {
+            let c = slf.borrow();
+            let plan = c.inner.plan(&seqs).or_py(py)?;
+            let ws = c.inner.table_workspace(&plan).or_py(py)?;
+            let generation = c.generation;
+            drop(c);
+            Ok(Plan { cache: slf.unbind(), plan, ws, generation, seqs })
+        })
+    }
+
+    /// Resident bytes per cached token per kv head over all tiers (headers and padding
+    /// included); 0.0 when empty.
+    fn bytes_per_token(&self) -> f64 {
+        let r = self.inner.memory_report();
+        let tokens: usize = r.iter().map(|u| u.tokens).sum();
+        let bytes: usize = r.iter().map(|u| u.resident_bytes).sum();
+        if tokens == 0 {
+            0.0
+        } else {
+            bytes as f64 / tokens as f64
+        }
+    }
+
+    /// Per tier: {tier, pages, tokens, resident_bytes, payload_bytes_per_token,
+    /// resident_bytes_per_token}.
+    fn memory_report<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for u in self.inner.memory_report() {
+            let d = PyDict::new(py);
+            d.set_item("tier", &u.tier)?;
+            d.set_item("pages", u.pages)?;
+            d.set_item("tokens", u.tokens)?;
+            d.set_item("resident_bytes", u.resident_bytes)?;
+            d.set_item("payload_bytes_per_token", u.payload_bytes_per_token)?;
+            d.set_item("resident_bytes_per_token", u.resident_bytes_per_token)?;
+            list.append(d)?;
+        }
+        Ok(list)
+    }
+
+    /// Re-codes full page `page` of (seq, kv head `head`) into `tier` (name or id; down the
+    /// ladder only; a drop tier frees it).
+    fn retier(&mut self, py: Python<'_>, seq: usize, head: usize, page: usize, tier: &Bound<'_, PyAny>) -> PyResult<()> {
+        guarded(py, || {
+            let to = tier_id(py, self.inner.spec(), tier)?;
+            let r = self.on_torch_stream(py, |c| c.retier(seq, head, page, to));
+            self.generation += 1;
+            r
+        })
+    }
+
+    /// Cached tokens of `seq`.
+    fn seq_len(&self, py: Python<'_>, seq: usize) -> PyResult<usize> {
+        self.inner.seq_len(seq).or_py(py)
+    }
+
+    /// Pages of (seq, kv head) in token order: [(tier name, tokens)], the tail page last.
+    fn pages(&self, py: Python<'_>, seq: usize, head: usize) -> PyResult<Vec<(String, usize)>> {
+        let spec = self.inner.spec();
+        Ok(self.inner.pages(seq, head).or_py(py)?.into_iter().map(|(p, n)| (spec.tiers[p.tier as usize].name.clone(), n)).collect())
+    }
+
+    #[getter]
+    fn spec_name(&self) -> String {
+        self.inner.spec().name.clone()
+    }
+    #[getter]
+    fn spec_path(&self) -> String {
+        self.spec_path.clone()
+    }
+    #[getter]
+    fn head_dim(&self) -> usize {
+        self.inner.config().head_dim
+    }
+    #[getter]
+    fn num_kv_heads(&self) -> usize {
+        self.inner.config().num_kv_heads
+    }
+    #[getter]
+    fn gqa(&self) -> usize {
+        self.inner.config().gqa
+    }
+    #[getter]
+    fn num_q_heads(&self) -> usize {
+        self.hq()
+    }
+    #[getter]
+    fn page_tokens(&self) -> usize {
+        self.inner.spec().page.tokens
+    }
+    /// The spec dtype as torch names it (`float16` / `bfloat16`).
+    #[getter]
+    fn dtype(&self) -> String {
+        ElemType::of(self.inner.spec().geometry.dtype).name().to_string()
+    }
+    /// Tier names by id (id 0 is the dense tail).
+    #[getter]
+    fn tiers(&self) -> Vec<String> {
+        self.inner.spec().tiers.iter().map(|t| t.name.clone()).collect()
+    }
+    #[getter]
+    fn target(&self) -> String {
+        self.inner.spec().tiers[self.inner.config().target_tier as usize].name.clone()
+    }
+    #[getter]
+    fn device(&self) -> usize {
+        self.ordinal
+    }
+
+    fn __repr__(&self) -> String {
+        let c = self.inner.config();
+        format!("kvforge.Cache(spec={:?}, head_dim={}, num_kv_heads={}, gqa={}, target={:?})", self.inner.spec().name, c.head_dim, c.num_kv_heads, c.gqa, self.target())
+    }
+}
+
+#[pymethods]
+impl Plan {
+    /// Launches the plan: q [B, num_q_heads, head_dim] → (out, lse) as Cache.decode.
+    /// `check=False` skips the synchronising read of the kernels' page-fault flags (faults are
+    /// then reported by the next checked call).
+    #[pyo3(signature = (q, out = None, lse = None, check = true))]
+    fn run<'py>(&mut self, py: Python<'py>, q: &Bound<'py, PyAny>, out: Option<Bound<'py, PyAny>>, lse: Option<Bound<'py, PyAny>>, check: bool) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        guarded(py, || {
+            let cache = self.cache.bind(py);
+            let mut c = cache.try_borrow_mut().map_err(|_| bad(py, "the cache is in use"))?;
+            if c.generation != self.generation {
+                return Err(bad(py, "stale plan: the cache changed (append, retier or sequence change) since plan(); call cache.plan(seqs) again"));
+            }
+            let qt = tensor(py, q, "q")?;
+            c.check_q(py, &qt, "[B, num_q_heads, head_dim]")?;
+            let (out, lse) = c.outputs(py, q, self.plan.batch, out, lse)?;
+            let (ot, lt) = (tensor(py, &out, "out")?, tensor(py, &lse, "lse")?);
+            let (plan, ws) = (&self.plan, &self.ws);
+            c.on_torch_stream(py, |k| {
+                k.run_external(plan, ws, &qt, &ot, &lt)?;
+                if check {
+                    k.check(plan)?;
+                }
+                Ok(())
+            })?;
+            Ok((out, lse))
+        })
+    }
+
+    #[getter]
+    fn batch(&self) -> usize {
+        self.plan.batch
+    }
+    #[getter]
+    fn seqs(&self) -> Vec<usize> {
+        self.seqs.clone()
+    }
+    /// The decode kernel's variant name.
+    #[getter]
+    fn variant(&self) -> String {
+        self.plan.variant.name()
+    }
+    #[getter]
+    fn splits(&self) -> usize {
+        self.plan.splits
+    }
+    /// Bytes the kernels read per run (pages and queries).
+    #[getter]
+    fn bytes_read(&self) -> usize {
+        self.plan.bytes_read
+    }
+    /// False once the cache has changed since the plan was made.
+    fn is_valid(&self, py: Python<'_>) -> bool {
+        self.cache.bind(py).try_borrow().map(|c| c.generation == self.generation).unwrap_or(false)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("kvforge.Plan(batch={}, variant={:?}, splits={})", self.plan.batch, self.plan.variant.name(), self.plan.splits)
+    }
+}
+
+#[pymodule]
+#[pyo3(name = "_native")]
+fn kvforge_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<Cache>()?;
+    m.add_class::<Plan>()?;
+    m.add_function(wrap_pyfunction!(device_info, m)?)?;
+    m.add_function(wrap_pyfunction!(driver_present, m)?)?;
+    m.add_function(wrap_pyfunction!(nvrtc_present, m)?)?;
+    m.add_function(wrap_pyfunction!(check_tensor, m)?)?;
+    Ok(())
+}
