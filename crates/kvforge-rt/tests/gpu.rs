@@ -108,9 +108,34 @@ fn bad_inputs_are_typed_errors_not_launches() {
     assert!(matches!(c.decode_typed(&[a], &vec![half::bf16::ZERO; 8 * 128]), Err(RtError::BadInput(_))));
     let exact = c.decode_typed(&[a], &vec![half::f16::from_f32(0.25); 8 * 128]).unwrap();
     let conv = c.decode(&[a], &vec![0.25; 8 * 128]).unwrap();
-    assert_eq!(exact.out, conv.out);
+    let diff: Vec<usize> = (0..exact.out.len()).filter(|&i| exact.out[i] != conv.out[i]).collect();
+    assert!(diff.is_empty(), "decode_typed and decode differ at {} of {} outputs: {:?}", diff.len(), exact.out.len(), &diff[..diff.len().min(16)]);
     assert!(KvCache::new(dev.clone(), s.clone(), CacheConfig::new(&s, 96, 4, 2, 1, 64)).is_err());
-    assert!(KvCache::new(dev, s.clone(), CacheConfig::new(&s, 128, 3, 2, 1, 64)).is_err());
+    assert!(KvCache::new(dev, s.clone(), CacheConfig::new(&s, 128, 5, 2, 1, 64)).is_err());
+}
+
+/// The same query on the same cache gives bit-identical outputs: no reads of uninitialised
+/// workspace, no order-dependent reductions (split-K, GQA heads, tail page in place).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn decode_is_deterministic() {
+    let Some(dev) = device() else { return };
+    for file in ["baseline.toml", "certified.toml", "spherical.toml"] {
+        let s = spec(file);
+        for len in [1usize, 10, 64, 65, 300, 4000] {
+            let cfg = CacheConfig::new(&s, 128, 4, 2, 2, 4096);
+            let mut c = KvCache::new(dev.clone(), s.clone(), cfg).unwrap();
+            let a = c.add_sequence();
+            c.append(a, &data(len * 2 * 128, 1), &data(len * 2 * 128, 2)).unwrap();
+            let q = data(8 * 128, 3);
+            let first = c.decode(&[a], &q).unwrap();
+            for rep in 0..4 {
+                let again = c.decode(&[a], &q).unwrap();
+                let diff = first.out.iter().zip(&again.out).filter(|(x, y)| x != y).count();
+                assert_eq!(diff, 0, "{file} len {len} repeat {rep}: {diff} of {} outputs differ", first.out.len());
+            }
+        }
+    }
 }
 
 #[test]

@@ -82,6 +82,9 @@ struct DecodeCta {
     if constexpr (T::Key::SPHERICAL) {
       constexpr int NG = T::Key::NG, E = T::Key::E, GROUP = D / NG;
       const float* cb = p.codebooks[T::id] + size_t(kvh) * NG * E * GROUP;
+      // A tier without radius scales has no pages yet (the first encode sets them): its
+      // table would never be read, and its null pointer must not be.
+      if (p.radius_scales[T::id] == nullptr) return;
       const float* rs = p.radius_scales[T::id] + size_t(kvh) * NG;
       T::Key::template build_lut<GQA, NT>(lut_s() + lut_offset<T>(typename Cfg::Tiers{}), q_s(), cb, rs);
     }
@@ -279,16 +282,30 @@ struct DecodeCta {
     }
     cp_async_wait<0>();
 
-    // Reduce the token groups' accumulators in shared memory.
+    // Reduce the token groups' accumulators in a fixed order, so that a decode is
+    // bit-reproducible (float atomics are not): the lanes of a warp that hold the same
+    // channels by a shuffle tree, then the warps one after another.
+    static_assert(NC8 <= 32 && 32 % NC8 == 0, "a warp holds whole 8-channel slices");
     float* out_s = reinterpret_cast<float*>(smem + Smem::OUT);
-    for (int i = tid; i < GQA * D; i += NT) out_s[i] = 0.f;
-    __syncthreads();
-    const int c8 = tid % NC8;
+    const int c8 = tid % NC8, warp = tid / 32, lane = tid % 32;
 #pragma unroll
     for (int h = 0; h < GQA; ++h)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) atomicAdd(&out_s[h * D + c8 * 8 + i], acc[h][i]);
-    __syncthreads();
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int off = NC8; off < 32; off <<= 1) acc[h][i] += __shfl_xor_sync(0xffffffffu, acc[h][i], off);
+    for (int w = 0; w < NT / 32; ++w) {
+      if (warp == w && lane < NC8) {
+#pragma unroll
+        for (int h = 0; h < GQA; ++h)
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            float* o = &out_s[h * D + c8 * 8 + i];
+            *o = w == 0 ? acc[h][i] : *o + acc[h][i];
+          }
+      }
+      __syncthreads();
+    }
     for (int i = tid; i < GQA * D; i += NT) {
       const int h = i / D, c = i % D;
       const float l = l_s()[h];
