@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# CPU tests of the Python package, no GPU and no maturin: the cdylib cargo builds is the
+# extension module; it is laid next to the Python sources in target/ and imported from there.
+#   usage: crates/kvforge-py/ci.sh [python]   (default: $ROOT/.venv/bin/python)
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+ROOT="$(cd "$HERE/../.." && pwd)"
+PY=${1:-$ROOT/.venv/bin/python}
+cd "$ROOT"
+"$PY" -m pip install -q --disable-pip-version-check pytest
+cargo build -q --release -p kvforge-py
+PKG="$ROOT/target/kvforge-py-ci"
+rm -rf "$PKG" && mkdir -p "$PKG/kvforge"
+cp "$HERE"/python/kvforge/*.py "$HERE"/python/kvforge/py.typed "$PKG/kvforge/"
+cp "$ROOT/target/release/libkvforge_native.so" "$PKG/kvforge/_native.abi3.so"
+PYTHONPATH="$PKG" "$PY" -m pytest -q "$HERE/tests/test_cpu.py"

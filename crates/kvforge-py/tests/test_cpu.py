@@ -1,0 +1,169 @@
+"""CPU-only tests of the kvforge Python package: argument validation, error mapping and
+configuration checks that need no GPU (CI has none). GPU tests: test_gpu.py, on the device."""
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+
+import kvforge
+
+REPO = Path(__file__).resolve().parents[3]
+RDKV = str(REPO / "specs" / "rdkv.toml")
+
+
+class Dtype:
+    def __init__(self, name):
+        self.name = name
+
+    def __str__(self):
+        return self.name
+
+
+class Dev:
+    def __init__(self, type, index=None):
+        self.type = type
+        self.index = index
+
+    def __str__(self):
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+
+class FakeTensor:
+    """What kvforge reads from a torch tensor, without torch."""
+
+    def __init__(self, shape, dtype="torch.float16", device=("cuda", 0), strides=None, ptr=0x7F00_0000_0000):
+        self.shape = tuple(shape)
+        self.dtype = Dtype(dtype)
+        self.device = Dev(*device)
+        if strides is None:
+            strides, acc = [], 1
+            for n in reversed(self.shape):
+                strides.insert(0, acc)
+                acc *= n
+        self._strides = tuple(strides)
+        self._ptr = ptr
+
+    def data_ptr(self):
+        return self._ptr
+
+    def stride(self):
+        return self._strides
+
+
+def err(fn, *a, **kw):
+    with pytest.raises(kvforge.KvforgeError) as e:
+        fn(*a, **kw)
+    return e.value
+
+
+def test_exports():
+    for name in kvforge.__all__:
+        assert hasattr(kvforge, name), name
+    assert kvforge.__version__
+    assert kvforge.Cache.__doc__ and "spec" in kvforge.Cache.__doc__
+
+
+def test_error_is_value_and_runtime_error_and_pickles():
+    e = kvforge.KvforgeError("boom", "BadInput")
+    assert isinstance(e, ValueError) and isinstance(e, RuntimeError)
+    assert e.kind == "BadInput" and str(e) == "boom"
+    e2 = pickle.loads(pickle.dumps(e))
+    assert (type(e2), str(e2), e2.kind) == (kvforge.KvforgeError, "boom", "BadInput")
+
+
+def test_check_tensor_accepts_a_contiguous_cuda_tensor():
+    kvforge.check_tensor(FakeTensor((5, 3, 64)), "k", [5, 3, 64])
+    kvforge.check_tensor(FakeTensor((5, 3, 64), dtype="torch.bfloat16"), "k", [5, 3, 64], dtype="bfloat16")
+    kvforge.check_tensor(FakeTensor((2, 9), dtype="torch.float32", device=("cuda", 1)), "lse", [2, 9], dtype="float32", device=1)
+    # Size-1 dims may carry any stride (torch does this for unsqueezed views).
+    kvforge.check_tensor(FakeTensor((1, 3, 64), strides=(999, 64, 1)), "q", [1, 3, 64])
+
+
+@pytest.mark.parametrize(
+    "tensor, shape, dtype, device, needle",
+    [
+        (FakeTensor((5, 3, 64), dtype="torch.float32"), [5, 3, 64], "float16", 0, "`k` is float32 but must be float16"),
+        (FakeTensor((5, 3, 64), dtype="torch.float64"), [5, 3, 64], "float16", 0, "torch.float64 but must be float16"),
+        (FakeTensor((5, 3, 64), device=("cpu", None)), [5, 3, 64], "float16", 0, "`k` is on cpu"),
+        (FakeTensor((5, 3, 64), device=("cuda", 1)), [5, 3, 64], "float16", 0, "cuda:1 but the cache is on cuda:0"),
+        (FakeTensor((5, 3, 32)), [5, 3, 64], "float16", 0, "has shape [5, 3, 32]; expected [5, 3, 64]"),
+        (FakeTensor((5, 64)), [5, 3, 64], "float16", 0, "has shape [5, 64]"),
+        (FakeTensor((5, 3, 64), strides=(64, 320, 1)), [5, 3, 64], "float16", 0, "not contiguous"),
+        (FakeTensor((5, 3, 64), strides=(384, 128, 2)), [5, 3, 64], "float16", 0, "not contiguous"),
+        (FakeTensor((5, 3, 64), ptr=0x7F00_0000_0001), [5, 3, 64], "float16", 0, "not aligned"),
+        (FakeTensor((5, 3, 64), ptr=0), [5, 3, 64], "float16", 0, "null data pointer"),
+    ],
+)
+def test_check_tensor_says_what_is_wrong(tensor, shape, dtype, device, needle):
+    e = err(kvforge.check_tensor, tensor, "k", shape, dtype=dtype, device=device)
+    assert e.kind == "BadInput"
+    assert needle in str(e), str(e)
+
+
+@pytest.mark.parametrize("obj", [[1, 2, 3], None, 3.0, "tensor", object()])
+def test_non_tensors_are_rejected_by_name(obj):
+    e = err(kvforge.check_tensor, obj, "q", [3])
+    assert "`q` must be a torch tensor" in str(e)
+
+
+def test_real_cpu_torch_tensor_is_rejected():
+    torch = pytest.importorskip("torch")
+    e = err(kvforge.check_tensor, torch.zeros(5, 3, 64, dtype=torch.float16), "k", [5, 3, 64])
+    assert "`k` is on cpu" in str(e)
+    t = torch.zeros(3, 5, 64, dtype=torch.float16).transpose(0, 1)
+    assert "not contiguous" in str(err(kvforge.check_tensor, t, "k", [5, 3, 64]))
+
+
+def cache(**kw):
+    args = dict(spec=RDKV, head_dim=64, num_kv_heads=3, gqa=3, max_tokens=1024)
+    args.update(kw)
+    return kvforge.Cache(**args)
+
+
+@pytest.mark.parametrize(
+    "kw, kind, needle",
+    [
+        (dict(head_dim=48), "BadInput", "head_dim 48 is not in spec `rdkv`"),
+        (dict(gqa=5), "BadInput", "gqa 5 is not in spec `rdkv`"),
+        (dict(num_kv_heads=0), "BadInput", "must be at least 1"),
+        (dict(max_tokens=0), "BadInput", "must be at least 1"),
+        (dict(target="b3"), "BadInput", "no tier `b3` (tiers: tail, b16, b8, b4, b2, b0)"),
+        (dict(target="b0"), "BadInput", "tier `b0` cannot be the target"),
+        (dict(target="tail"), "BadInput", "tier `tail` cannot be the target"),
+        (dict(target=17), "BadInput", "tier id 17 out of range"),
+        (dict(spec="specs/does-not-exist.toml"), "Spec", "spec file `specs/does-not-exist.toml` not found"),
+    ],
+)
+def test_cache_configuration_is_checked_before_the_device(kw, kind, needle):
+    e = err(cache, **kw)
+    assert e.kind == kind, (e.kind, str(e))
+    assert needle in str(e), str(e)
+
+
+def test_a_bad_spec_names_file_line_and_field(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text((REPO / "specs" / "rdkv.toml").read_text().replace("tokens = 64", "tokens = 65"))
+    e = err(cache, spec=str(bad))
+    assert e.kind == "Spec"
+    assert "bad.toml:" in str(e), str(e)
+
+
+@pytest.mark.skipif(kvforge.driver_present(), reason="a CUDA driver is present")
+def test_without_a_driver_errors_are_clear():
+    e = err(kvforge.device_info)
+    assert e.kind == "NoDriver" and "LD_LIBRARY_PATH" in str(e)
+    # A valid configuration gets as far as opening the device.
+    e = err(cache, target="b4")
+    assert e.kind == "NoDriver"
+
+
+@pytest.mark.skipif(kvforge.driver_present(), reason="a CUDA driver is present")
+def test_relative_spec_paths_resolve_under_root_and_env(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("KVFORGE_ROOT", raising=False)
+    assert err(cache, spec="specs/rdkv.toml").kind == "Spec"
+    assert err(cache, spec="specs/rdkv.toml", root=str(REPO)).kind == "NoDriver"
+    monkeypatch.setenv("KVFORGE_ROOT", str(REPO))
+    assert err(cache, spec="specs/rdkv.toml").kind == "NoDriver"
