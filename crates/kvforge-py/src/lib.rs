@@ -439,7 +439,7 @@ impl Cache {
         guarded(py, || {
             let c = slf.borrow();
             let plan = c.inner.plan(&seqs).or_py(py)?;
-            let ws = c.inner.table_workspace(&plan).or_py(py)?;
+            let ws = c.inner.workspace(&plan).or_py(py)?;
             let generation = c.generation;
             drop(c);
             Ok(Plan { cache: slf.unbind(), plan, ws, generation, seqs })

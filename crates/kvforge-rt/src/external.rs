@@ -209,10 +209,15 @@ impl KvCache {
         let ordinal = self.dev.ctx.ordinal();
         let get = |attr: CUpointer_attribute, out: *mut std::ffi::c_void| {
             self.dev.ctx.bind_to_thread().map_err(drv("bind context"))?;
-            // SAFETY: `out` points at a live local of the attribute's size (i32 for the
-            // ordinal, u64 for range start and size); the driver only reads `t.ptr` as a number.
+            // SAFETY: `out` points at a live local of the attribute's size (u32 memory type,
+            // i32 ordinal, u64 range start and size); the driver only reads `t.ptr` as a number.
             unsafe { cudarc::driver::sys::cuPointerGetAttribute(out, attr, t.ptr).result() }.map_err(|e| bad(format!("`{name}` (address {:#x}) is not CUDA device memory: {e}", t.ptr)))
         };
+        let mut mem_type: u32 = 0;
+        get(CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, &mut mem_type as *mut u32 as *mut _)?;
+        if mem_type != cudarc::driver::sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+            return Err(bad(format!("`{name}` (address {:#x}) is not CUDA device memory (memory type {mem_type})", t.ptr)));
+        }
         let mut dev_ordinal: i32 = -1;
         get(CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, &mut dev_ordinal as *mut i32 as *mut _)?;
         if dev_ordinal != ordinal as i32 {
@@ -293,25 +298,6 @@ impl KvCache {
         self.plan_pages(&pages)
     }
 
-    /// Device buffers of `plan` without query / output buffers: for launches on external
-    /// tensors (the page table and the split-K partials only).
-    pub fn table_workspace(&self, plan: &DecodePlan) -> Result<DecodeWorkspace> {
-        let st = &self.dev.stream;
-        let rows = plan.batch * plan.num_kv_heads * plan.gqa;
-        let d = plan.head_dim;
-        Ok(DecodeWorkspace {
-            page_offsets: st.clone_htod(&plan.page_offsets).map_err(drv("page table"))?,
-            page_indptr: st.clone_htod(&plan.page_indptr).map_err(drv("page table"))?,
-            page_info: st.clone_htod(&plan.page_info).map_err(drv("page table"))?,
-            q: st.alloc_zeros(1).map_err(drv("queries"))?,
-            out: st.alloc_zeros(1).map_err(drv("output"))?,
-            partial_out: st.alloc_zeros(if plan.splits > 1 { plan.splits * rows * d } else { 1 }).map_err(drv("split partials"))?,
-            partial_lse: st.alloc_zeros(plan.splits * rows).map_err(drv("split lse"))?,
-            lse: st.alloc_zeros(1).map_err(drv("lse"))?,
-            page_lse: None,
-        })
-    }
-
     /// Launches `plan` on external tensors: `q`, `out` `[batch][q heads][head_dim]` in the spec
     /// dtype, `lse` `[batch][q heads]` f32 (natural log). Does not synchronise; call
     /// [`KvCache::check`] to turn kernel-reported page faults into errors.
@@ -342,7 +328,7 @@ impl KvCache {
     /// Plans, launches and checks one decode step of `seqs` on external tensors.
     pub fn decode_external(&mut self, seqs: &[usize], q: &ExternalTensor, out: &ExternalTensor, lse: &ExternalTensor) -> Result<()> {
         let plan = self.plan(seqs)?;
-        let ws = self.table_workspace(&plan)?;
+        let ws = self.workspace(&plan)?;
         self.run_external(&plan, &ws, q, out, lse)?;
         self.check(&plan)
     }
@@ -353,7 +339,7 @@ impl KvCache {
     /// the prompt against the cache as stored (every full page in the target tier).
     pub fn attend_prefix_external(&mut self, seq: usize, lengths: &[usize], q: &ExternalTensor, out: &ExternalTensor, lse: &ExternalTensor) -> Result<()> {
         let plan = self.plan_prefix(seq, lengths)?;
-        let ws = self.table_workspace(&plan)?;
+        let ws = self.workspace(&plan)?;
         self.run_external(&plan, &ws, q, out, lse)?;
         self.check(&plan)
     }

@@ -1,0 +1,294 @@
+"""GPU tests of the kvforge Python package against PyTorch (run on the device).
+
+    export LD_LIBRARY_PATH=/usr/local/cuda/lib64 KVFORGE_CACHE_DIR=/tmp/kvc
+    pip install --no-deps --target /tmp/py .whl-kvforge/*.whl
+    PYTHONPATH=/tmp/py python3 crates/kvforge-py/tests/test_gpu.py      # or: python3 -m pytest
+
+Baseline (fp16) spec: decode and causal attend_prefix against torch SDPA / an fp32 softmax
+reference. Quantised specs: attend_prefix entry i against decode of the same cache (full
+length) and of a cache holding only the first i tokens (at page boundaries, where the two
+store the same pages), and error against the fp16 reference within what the tier allows.
+Plus plan/run, validation errors, streams, memory reports, retier.
+"""
+
+import math
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import kvforge
+
+ROOT = str(Path(__file__).resolve().parents[3])
+DEV = torch.device("cuda:0")
+D, HKV, GQA = 64, 3, 3  # SmolLM2-135M: 9 q heads, 3 kv heads, head_dim 64
+HQ = HKV * GQA
+P = 64  # page tokens of the shipped specs
+
+
+def mk(spec, target, max_tokens=4096, sequences=2, **kw):
+    return kvforge.Cache(f"specs/{spec}.toml", head_dim=D, num_kv_heads=HKV, gqa=GQA, max_tokens=max_tokens, sequences=sequences, target=target, root=ROOT, **kw)
+
+
+def rand(*shape, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(*shape, generator=g, device=DEV, dtype=torch.float32).to(torch.float16)
+
+
+def ref_attention(q, k, v, lengths):
+    """fp32 reference: q [N, HQ, D], k/v [T, HKV, D]; query i over the first lengths[i] tokens.
+    Returns out [N, HQ, D] fp32, lse [N, HQ] (natural log)."""
+    kq = k.float().repeat_interleave(GQA, dim=1)  # q head h reads kv head h // GQA
+    vq = v.float().repeat_interleave(GQA, dim=1)
+    s = torch.einsum("nhd,thd->nht", q.float(), kq) / math.sqrt(D)
+    t = torch.arange(k.shape[0], device=DEV)
+    mask = t[None, :] < torch.tensor(lengths, device=DEV)[:, None]  # [N, T]
+    s = s.masked_fill(~mask[:, None, :], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.einsum("nht,thd->nhd", torch.softmax(s, dim=-1), vq), lse
+
+
+def close(got, want, atol, rtol, what):
+    err = (got.float() - want.float()).abs()
+    bound = atol + rtol * want.float().abs()
+    bad = err > bound
+    assert not bad.any(), f"{what}: {int(bad.sum())} of {err.numel()} off, max err {err.max().item():.3e} (atol {atol}, rtol {rtol})"
+    return err.max().item()
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def test_device_info():
+    info = kvforge.device_info()
+    print("  ", info)
+    assert info["sm_count"] > 0 and info["arch"].startswith("sm_")
+
+
+def test_baseline_decode_matches_torch():
+    c = mk("baseline", "fp16")
+    T = 300
+    k, v = rand(T, HKV, D, seed=1), rand(T, HKV, D, seed=2)
+    s = c.add_sequence()
+    c.append(s, k[:200], v[:200])
+    c.append(s, k[200:], v[200:])
+    assert c.seq_len(s) == T
+    assert c.pages(s, 0) == [("fp16", 64)] * 4 + [("tail", 44)]
+    q = rand(1, HQ, D, seed=3)
+    out, lse = c.decode(q, seqs=[s])
+    assert out.dtype == torch.float16 and out.shape == (1, HQ, D) and out.device == DEV
+    assert lse.dtype == torch.float32 and lse.shape == (1, HQ)
+    ro, rl = ref_attention(q, k, v, [T])
+    e = close(out, ro, 2e-3, 1e-2, "decode vs fp32 reference")
+    close(lse, rl, 1e-3, 1e-3, "lse vs fp32 reference")
+    # torch SDPA (fp16, GQA) agrees too.
+    sd = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), enable_gqa=True)
+    close(out, sd[0].transpose(0, 1), 2e-3, 1e-2, "decode vs SDPA")
+    print(f"   max err vs fp32 reference {e:.2e}")
+
+
+def test_baseline_causal_prefix_matches_sdpa():
+    c = mk("baseline", "fp16")
+    T = 300
+    k, v, q = rand(T, HKV, D, seed=4), rand(T, HKV, D, seed=5), rand(T, HQ, D, seed=6)
+    s = c.add_sequence()
+    c.append(s, k, v)
+    out, lse = c.attend_prefix(s, q)  # causal: lengths[i] = i + 1
+    sd = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), is_causal=True, enable_gqa=True)
+    close(out, sd[0].transpose(0, 1), 2e-3, 1e-2, "causal attend_prefix vs SDPA")
+    ro, rl = ref_attention(q, k, v, list(range(1, T + 1)))
+    close(out, ro, 2e-3, 1e-2, "causal attend_prefix vs fp32 reference")
+    close(lse, rl, 1e-3, 1e-3, "prefix lse")
+    # Explicit lengths, any order, as a tensor.
+    lengths = torch.tensor([300, 1, 64, 65, 128, 17])
+    o2, _ = c.attend_prefix(s, q[:6], lengths)
+    ro2, _ = ref_attention(q[:6], k, v, lengths.tolist())
+    close(o2, ro2, 2e-3, 1e-2, "explicit lengths")
+
+
+# (spec, target tier, bound on the max per-row relative error vs the fp16 reference on
+# Gaussian K/V: generous multiples of the quantisation step; they catch broken decoding).
+QUANT = [("rdkv", "b8", 0.05), ("rdkv", "b4", 0.5), ("rdkv", "b2", 1.5), ("spherical", "high", 0.4), ("certified", "q8k4v", 0.4)]
+
+
+def test_quantised_prefix_is_consistent_with_decode():
+    T = 3 * P + 40
+    k, v = rand(T, HKV, D, seed=7), rand(T, HKV, D, seed=8)
+    lengths = [1, 5, 63, 64, 65, 100, 128, 129, 192, 200, T]
+    q = rand(len(lengths), HQ, D, seed=9)
+    for spec, target, rel in QUANT:
+        c = mk(spec, target)
+        s = c.add_sequence()
+        # Chunks [64, rest]: spherical radius scales come from the first page encoded, so a
+        # truncated cache built the same way holds the same pages.
+        c.append(s, k[:P], v[:P])
+        c.append(s, k[P:], v[P:])
+        out, lse = c.attend_prefix(s, q, lengths)
+        full, full_lse = c.decode(q[-1:], seqs=[s])
+        close(out[-1:], full, 1e-3, 1e-3, f"{spec}/{target}: prefix T vs decode")
+        for i, L in enumerate(lengths):
+            if L % P and L != T:
+                continue
+            t = mk(spec, target)
+            ts = t.add_sequence()
+            t.append(ts, k[:min(P, L)], v[:min(P, L)])
+            if L > P:
+                t.append(ts, k[P:L], v[P:L])
+            o, l = t.decode(q[i:i + 1], seqs=[ts])
+            close(out[i:i + 1], o, 1e-3, 1e-3, f"{spec}/{target}: prefix {L} vs truncated decode")
+        # Error against the fp16 reference is what the tier's precision allows.
+        ro, _ = ref_attention(q, k, v, lengths)
+        err = ((out.float() - ro).norm(dim=-1) / ro.norm(dim=-1).clamp_min(1e-3)).max().item()
+        print(f"   {spec}/{c.target}: max relative error vs fp16 {err:.3f}, {c.bytes_per_token():.1f} B/token/head")
+        assert err < rel, f"{spec}/{target}: relative error {err} >= {rel}"
+
+
+def test_plan_run_and_staleness():
+    c = mk("rdkv", "b4", sequences=3)
+    seqs = [c.add_sequence() for _ in range(3)]
+    for i, s in enumerate(seqs):
+        n = 70 + 50 * i
+        c.append(s, rand(n, HKV, D, seed=10 + i), rand(n, HKV, D, seed=20 + i))
+    q = rand(3, HQ, D, seed=30)
+    want, wl = c.decode(q, seqs=seqs)
+    plan = c.plan(seqs)
+    assert plan.batch == 3 and plan.is_valid() and plan.variant.startswith("decode_")
+    for _ in range(3):
+        out, lse = plan.run(q)
+        assert torch.equal(out, want) and torch.equal(lse, wl)
+    # Preallocated outputs.
+    o, l = torch.empty_like(want), torch.empty_like(wl)
+    r = plan.run(q, out=o, lse=l)
+    assert r[0] is o and torch.equal(o, want)
+    # Each row equals a batch-of-one decode.
+    for i, s in enumerate(seqs):
+        oi, _ = c.decode(q[i:i + 1], seqs=[s])
+        close(want[i:i + 1], oi, 1e-3, 1e-3, "batch row vs single decode")
+    c.append(seqs[0], rand(1, HKV, D), rand(1, HKV, D))
+    assert not plan.is_valid()
+    e = raises(plan.run, q)
+    assert "stale plan" in str(e)
+
+
+def raises(fn, *a, **kw):
+    try:
+        fn(*a, **kw)
+    except kvforge.KvforgeError as e:
+        return e
+    raise AssertionError(f"{fn.__name__} did not raise KvforgeError")
+
+
+def test_bad_arguments_raise_kvforge_error():
+    c = mk("rdkv", "b4", max_tokens=256, sequences=1)
+    s = c.add_sequence()
+    k = rand(10, HKV, D)
+    c.append(s, k, k)
+    q = rand(1, HQ, D)
+    cases = [
+        (lambda: c.append(s, k.float(), k.float()), "`k` is float32 but must be float16"),
+        (lambda: c.append(s, k.cpu(), k.cpu()), "`k` is on cpu"),
+        (lambda: c.append(s, k[:, :2], k[:, :2]), "expected [T=10, num_kv_heads=3, head_dim=64]"),
+        (lambda: c.append(s, k.transpose(0, 1).contiguous().transpose(0, 1), k), "not contiguous"),
+        (lambda: c.append(s, k, rand(11, HKV, D)), "`v` has shape [11, 3, 64]"),
+        (lambda: c.append(s, [1, 2], k), "must be a torch tensor"),
+        (lambda: c.decode(q.float(), seqs=[s]), "`q` is float32"),
+        (lambda: c.decode(rand(2, HQ, D), seqs=[s]), "2 rows but 1 sequences"),
+        (lambda: c.decode(rand(1, HKV, D), seqs=[s]), "expected [batch=1, num_q_heads=9, head_dim=64]"),
+        (lambda: c.decode(rand(1, D, HQ).transpose(1, 2), seqs=[s]), "not contiguous"),
+        (lambda: c.decode(q, seqs=[s], lse=torch.empty(1, HQ, device=DEV, dtype=torch.float16)), "`lse` is float16 but must be float32"),
+        (lambda: c.decode(q, seqs=[s], out=q), "overlap"),
+        (lambda: c.decode(q, seqs=[7]), "sequence 7 does not exist"),
+        (lambda: c.attend_prefix(s, rand(2, HQ, D), [1]), "2 rows but `lengths` has 1"),
+        (lambda: c.attend_prefix(s, rand(1, HQ, D), [11]), "lengths[0]"),
+        (lambda: c.attend_prefix(s, rand(1, HQ, D), [-1]), "negative"),
+        (lambda: c.attend_prefix(s, rand(11, HQ, D)), "11 queries but sequence"),
+        (lambda: c.retier(s, 0, 0, "b9"), "no tier `b9`"),
+        (lambda: c.append(s, rand(400, HKV, D), rand(400, HKV, D)), "out of pages"),
+    ]
+    for fn, needle in cases:
+        e = raises(fn)
+        assert needle in str(e), f"expected {needle!r} in {str(e)!r}"
+        assert isinstance(e, ValueError) and isinstance(e, RuntimeError)
+    # Nothing above changed the cache.
+    assert c.seq_len(s) == 10
+    out, _ = c.decode(q, seqs=[s])
+    assert torch.isfinite(out.float()).all()
+
+
+def test_non_finite_input_is_rejected():
+    c = mk("rdkv", "b4", max_tokens=256, sequences=1)
+    s = c.add_sequence()
+    k = rand(3, HKV, D)
+    k[1, 0, 5] = float("nan")
+    e = raises(c.append, s, k, k)
+    assert "non-finite" in str(e) and c.seq_len(s) == 0
+
+
+def test_torch_side_stream():
+    c = mk("rdkv", "b8")
+    s = c.add_sequence()
+    k, v = rand(150, HKV, D, seed=40), rand(150, HKV, D, seed=41)
+    c.append(s, k, v)
+    q = rand(1, HQ, D, seed=42)
+    want, _ = c.decode(q, seqs=[s])
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for _ in range(5):
+            q2 = (q.float() * 2 - q.float()).half()  # produced on the side stream
+            out, _ = c.decode(q2, seqs=[s])
+            y = out * 1  # consumed on the side stream
+    side.synchronize()
+    assert torch.equal(y, want)
+
+
+def test_memory_report_and_retier():
+    c = mk("rdkv", "b8", sequences=1)
+    s = c.add_sequence()
+    c.append(s, rand(4 * P, HKV, D, seed=50), rand(4 * P, HKV, D, seed=51))
+    rep = {r["tier"]: r for r in c.memory_report()}
+    assert rep["b8"]["pages"] == 4 * HKV and rep["b8"]["tokens"] == 4 * P * HKV
+    before = c.bytes_per_token()
+    q = rand(1, HQ, D, seed=52)
+    o8, _ = c.decode(q, seqs=[s])
+    for h in range(HKV):
+        c.retier(s, h, 0, "b2")
+    rep = {r["tier"]: r for r in c.memory_report()}
+    assert rep["b2"]["pages"] == HKV and c.bytes_per_token() < before
+    assert c.pages(s, 0)[0] == ("b2", P)
+    o2, _ = c.decode(q, seqs=[s])
+    assert not torch.equal(o2, o8)
+    print(f"   b8 {before:.1f} -> {c.bytes_per_token():.1f} B/token/head")
+
+
+def test_many_layers_share_the_device():
+    caches = [mk("rdkv", "b4", sequences=1) for _ in range(4)]
+    k = rand(100, HKV, D, seed=60)
+    outs = []
+    for c in caches:
+        s = c.add_sequence()
+        c.append(s, k, k)
+        outs.append(c.decode(rand(1, HQ, D, seed=61), seqs=[s])[0])
+    assert all(torch.equal(outs[0], o) for o in outs)
+
+
+def main():
+    tests = [(n, f) for n, f in sorted(globals().items()) if n.startswith("test_") and callable(f)]
+    passed = failed = 0
+    for name, fn in tests:
+        try:
+            fn()
+            print(f"PASS {name}")
+            passed += 1
+        except Exception:
+            print(f"FAIL {name}")
+            traceback.print_exc()
+            failed += 1
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

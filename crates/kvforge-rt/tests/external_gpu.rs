@@ -1,0 +1,271 @@
+//! GPU tests of the external-tensor entry points (`kvforge_rt::external`): device-pointer
+//! append equals host append byte for byte, decode into caller buffers equals the host decode,
+//! prefix attention matches the f64 reference on the dequantised pages and a decode of the
+//! truncated sequence, and bad pointers are typed errors. Run on the device with
+//! `cargo test -p kvforge-rt --test external_gpu -- --ignored`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, DevicePtr};
+use half::f16;
+use kvforge_rt::{CacheConfig, Device, ElemType, ExternalTensor, KvCache, RtError};
+use kvforge_spec::{KeyScheme, Spec, HEADER_BYTES};
+
+fn root() -> PathBuf {
+    if let Ok(r) = std::env::var("KVFORGE_ROOT") {
+        return r.into();
+    }
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn spec(name: &str) -> Spec {
+    Spec::load(&root().join("specs").join(name)).unwrap()
+}
+
+fn device() -> Option<Arc<Device>> {
+    match Device::open(0) {
+        Ok(d) => Some(Arc::new(d)),
+        Err(e) => {
+            println!("skipped: no GPU ({e})");
+            None
+        }
+    }
+}
+
+/// Values in [-1, 1) that are exact in fp16 (so host and device paths see the same numbers).
+fn data(n: usize, seed: u32) -> Vec<f32> {
+    (0..n).map(|i| f16::from_f32((((i as u32).wrapping_mul(2654435761).wrapping_add(seed * 97)) % 2000) as f32 / 1000.0 - 1.0).to_f32()).collect()
+}
+
+fn upload_f16(dev: &Device, x: &[f32]) -> CudaSlice<u16> {
+    let bits: Vec<u16> = x.iter().map(|&v| f16::from_f32(v).to_bits()).collect();
+    dev.stream.clone_htod(&bits).unwrap()
+}
+
+fn ptr<T>(dev: &Device, s: &CudaSlice<T>) -> u64 {
+    s.device_ptr(&dev.stream).0
+}
+
+fn ext<T>(dev: &Device, s: &CudaSlice<T>, elem: ElemType, shape: &[usize]) -> ExternalTensor {
+    ExternalTensor::contiguous(ptr(dev, s), elem, shape, dev.ctx.ordinal())
+}
+
+const D: usize = 64;
+const HKV: usize = 3;
+const GQA: usize = 3;
+const HQ: usize = HKV * GQA;
+
+/// (spec file, target tier name) pairs every test runs over: dense, integer, spherical.
+const CASES: &[(&str, &str)] = &[("baseline.toml", "fp16"), ("rdkv.toml", "b4"), ("rdkv.toml", "b2"), ("spherical.toml", "high")];
+
+fn cache(dev: &Arc<Device>, file: &str, target: &str, tokens: usize) -> KvCache {
+    let s = spec(file);
+    let t = s.tier(target).unwrap().id;
+    let mut cfg = CacheConfig::new(&s, D, GQA, HKV, 2, tokens).target(t);
+    cfg.verify_headers = true;
+    KvCache::new(dev.clone(), s, cfg).unwrap()
+}
+
+/// Decoded (out, lse) of one (external) launch, downloaded.
+fn download(dev: &Device, out: &CudaSlice<u16>, lse: &CudaSlice<f32>) -> (Vec<f32>, Vec<f32>) {
+    let o: Vec<u16> = dev.stream.clone_dtoh(out).unwrap();
+    (o.into_iter().map(|b| f16::from_bits(b).to_f32()).collect(), dev.stream.clone_dtoh(lse).unwrap())
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_append_equals_host_append_and_decode_into_caller_buffers_equals_host_decode() {
+    let Some(dev) = device() else { return };
+    for &(file, target) in CASES {
+        let n = 3 * 64 + 17;
+        let (k, v) = (data(n * HKV * D, 1), data(n * HKV * D, 2));
+        let mut host = cache(&dev, file, target, 1024);
+        let mut devc = cache(&dev, file, target, 1024);
+        let (a, b) = (host.add_sequence(), devc.add_sequence());
+        host.append(a, &k[..100 * HKV * D], &v[..100 * HKV * D]).unwrap();
+        host.append(a, &k[100 * HKV * D..], &v[100 * HKV * D..]).unwrap();
+        // Two device appends, the second crossing page boundaries from a partial tail.
+        let (kd, vd) = (upload_f16(&dev, &k), upload_f16(&dev, &v));
+        for (lo, hi) in [(0, 100), (100, n)] {
+            let kt = ExternalTensor { ptr: ptr(&dev, &kd) + (lo * HKV * D * 2) as u64, ..ext(&dev, &kd, ElemType::F16, &[hi - lo, HKV, D]) };
+            let vt = ExternalTensor { ptr: ptr(&dev, &vd) + (lo * HKV * D * 2) as u64, ..ext(&dev, &vd, ElemType::F16, &[hi - lo, HKV, D]) };
+            devc.append_external(b, &kt, &vt).unwrap();
+        }
+        assert_eq!(devc.seq_len(b).unwrap(), n);
+        for h in 0..HKV {
+            let (pa, pb) = (host.pages(a, h).unwrap(), devc.pages(b, h).unwrap());
+            assert_eq!(pa.len(), pb.len());
+            for ((x, lx), (y, ly)) in pa.iter().zip(&pb) {
+                assert_eq!((x.tier, lx), (y.tier, ly));
+                assert_eq!(host.download_page(*x).unwrap(), devc.download_page(*y).unwrap(), "{file}/{target}: page bytes differ (head {h})");
+            }
+        }
+        let q = data(HQ * D, 3);
+        let want = host.decode(&[a], &q).unwrap();
+        let qd = upload_f16(&dev, &q);
+        let out = dev.stream.alloc_zeros::<u16>(HQ * D).unwrap();
+        let lse = dev.stream.alloc_zeros::<f32>(HQ).unwrap();
+        devc.decode_external(&[b], &ext(&dev, &qd, ElemType::F16, &[1, HQ, D]), &ext(&dev, &out, ElemType::F16, &[1, HQ, D]), &ext(&dev, &lse, ElemType::F32, &[1, HQ])).unwrap();
+        let (o, l) = download(&dev, &out, &lse);
+        assert_eq!(o, want.out, "{file}/{target}: external decode differs from host decode");
+        assert_eq!(l, want.lse);
+        println!("{file}/{target}: device append == host append, external decode == host decode");
+    }
+}
+
+/// f64 reference of query `qrow` over the first `len` tokens of (seq, head), on the pages as
+/// stored (downloaded and dequantised by kvforge-ref).
+fn reference(c: &KvCache, seq: usize, head: usize, len: usize, q: &[f32]) -> (Vec<f64>, f64, f64) {
+    let s = c.spec();
+    let p = s.page.tokens;
+    let (mut kk, mut vv) = (Vec::new(), Vec::new());
+    for (pg, n) in c.pages(seq, head).unwrap() {
+        let bytes = c.download_page(pg).unwrap();
+        let tier = &s.tiers[pg.tier as usize];
+        let rs = if matches!(tier.key, KeyScheme::Spherical { .. }) {
+            c.radius_scales(pg.tier).unwrap().map(|r| {
+                let ng = r.len() / HKV;
+                r[head * ng..(head + 1) * ng].to_vec()
+            })
+        } else {
+            None
+        };
+        let (k, v) = kvforge_ref::decode_segment(tier, D, p, &bytes[HEADER_BYTES..], rs.as_deref().unwrap_or(&[]));
+        kk.extend_from_slice(&k[..n * D]);
+        vv.extend_from_slice(&v[..n * D]);
+    }
+    kk.truncate(len * D);
+    vv.truncate(len * D);
+    let vmax = vv.iter().fold(0f64, |m, x| m.max(x.abs()));
+    let qf: Vec<f64> = q.iter().map(|&x| x as f64).collect();
+    let (o, lse) = kvforge_ref::attention(&qf, &kk, &vv, 1.0 / (D as f64).sqrt());
+    (o, lse, vmax)
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn prefix_attention_matches_reference_and_truncated_decode() {
+    let Some(dev) = device() else { return };
+    for &(file, target) in CASES {
+        let n = 2 * 64 + 30;
+        let (k, v) = (data(n * HKV * D, 4), data(n * HKV * D, 5));
+        let mut c = cache(&dev, file, target, 1024);
+        let seq = c.add_sequence();
+        c.append(seq, &k, &v).unwrap();
+        let lengths: Vec<usize> = vec![1, 2, 33, 63, 64, 65, 100, 127, 128, 129, 150, n];
+        let nq = lengths.len();
+        let q = data(nq * HQ * D, 6);
+        let qd = upload_f16(&dev, &q);
+        let out = dev.stream.alloc_zeros::<u16>(nq * HQ * D).unwrap();
+        let lse = dev.stream.alloc_zeros::<f32>(nq * HQ).unwrap();
+        c.attend_prefix_external(seq, &lengths, &ext(&dev, &qd, ElemType::F16, &[nq, HQ, D]), &ext(&dev, &out, ElemType::F16, &[nq, HQ, D]), &ext(&dev, &lse, ElemType::F32, &[nq, HQ])).unwrap();
+        let (o, l) = download(&dev, &out, &lse);
+        let mut worst = 0f64;
+        for (i, &len) in lengths.iter().enumerate() {
+            for hq in 0..HQ {
+                let row = i * HQ + hq;
+                let (ro, rl, vmax) = reference(&c, seq, hq / GQA, len, &q[row * D..(row + 1) * D]);
+                // The selftest's bound: two fp16 ulps of the largest value (output rounding and f32
+                // accumulation).
+                let tol = 2.0 * 2f64.powi(-11) * vmax + 1e-6;
+                for d in 0..D {
+                    let e = (o[row * D + d] as f64 - ro[d]).abs();
+                    worst = worst.max(e - tol);
+                    assert!(e <= tol, "{file}/{target}: length {len} q head {hq} ch {d}: got {} want {} (tol {tol:.2e})", o[row * D + d], ro[d]);
+                }
+                assert!((l[row] as f64 - rl).abs() < 1e-3 * rl.abs().max(1.0), "{file}/{target}: lse of length {len}: {} vs {rl}", l[row]);
+            }
+        }
+        // Where the cut falls on a page boundary (or at the end), the prefix is exactly what a
+        // cache holding only those tokens decodes.
+        for (i, &len) in lengths.iter().enumerate().filter(|(_, &l)| l % 64 == 0 || l == n) {
+            let mut t = cache(&dev, file, target, 1024);
+            let s2 = t.add_sequence();
+            if let Some(r) = c.radius_scales(c.config().target_tier).unwrap() {
+                t.set_radius_scales(c.config().target_tier, &r).unwrap();
+            }
+            t.append(s2, &k[..len * HKV * D], &v[..len * HKV * D]).unwrap();
+            let want = t.decode(&[s2], &q[i * HQ * D..(i + 1) * HQ * D]).unwrap();
+            for (j, (&g, &w)) in o[i * HQ * D..(i + 1) * HQ * D].iter().zip(&want.out).enumerate() {
+                assert!((g - w).abs() <= 2e-3 * w.abs().max(0.5), "{file}/{target}: prefix {len} vs truncated decode at {j}: {g} vs {w}");
+            }
+        }
+        println!("{file}/{target}: attend_prefix over {nq} prefixes within tolerance (worst margin {worst:.2e})");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn bad_pointers_are_typed_errors() {
+    let Some(dev) = device() else { return };
+    let mut c = cache(&dev, "rdkv.toml", "b4", 512);
+    let seq = c.add_sequence();
+    c.append(seq, &data(70 * HKV * D, 1), &data(70 * HKV * D, 2)).unwrap();
+    let q = dev.stream.alloc_zeros::<u16>(HQ * D).unwrap();
+    let out = dev.stream.alloc_zeros::<u16>(HQ * D).unwrap();
+    let lse = dev.stream.alloc_zeros::<f32>(HQ).unwrap();
+    let (qt, ot, lt) = (ext(&dev, &q, ElemType::F16, &[1, HQ, D]), ext(&dev, &out, ElemType::F16, &[1, HQ, D]), ext(&dev, &lse, ElemType::F32, &[1, HQ]));
+    let msg = |r: kvforge_rt::Result<()>| match r {
+        Err(RtError::BadInput(m)) => m,
+        other => panic!("expected BadInput, got {other:?}"),
+    };
+    // Host memory claimed to be a CUDA tensor.
+    let host = vec![0u16; HQ * D];
+    let ht = ExternalTensor { ptr: host.as_ptr() as u64, ..qt.clone() };
+    let m = msg(c.decode_external(&[seq], &ht, &ot, &lt));
+    assert!(m.contains("not CUDA device memory"), "{m}");
+    // A shape larger than the allocation (a plain cuMemAlloc, whose range the driver reports).
+    // SAFETY: a fresh allocation of this context, freed below.
+    let small = unsafe { cudarc::driver::result::malloc_sync(HQ * D * 2) }.unwrap();
+    let big = ExternalTensor::contiguous(small, ElemType::F16, &[4, HQ, D], 0);
+    let (out4, lse4) = (dev.stream.alloc_zeros::<u16>(4 * HQ * D).unwrap(), dev.stream.alloc_zeros::<f32>(4 * HQ).unwrap());
+    let r = c.attend_prefix_external(seq, &[1, 2, 3, 4], &big, &ext(&dev, &out4, ElemType::F16, &[4, HQ, D]), &ext(&dev, &lse4, ElemType::F32, &[4, HQ]));
+    // SAFETY: nothing was launched on it.
+    unsafe { cudarc::driver::result::free_sync(small) }.unwrap();
+    let m = msg(r);
+    assert!(m.contains("allocation"), "{m}");
+    // Output aliasing the queries.
+    let m = msg(c.decode_external(&[seq], &qt, &ExternalTensor { ptr: qt.ptr, ..ot.clone() }, &lt));
+    assert!(m.contains("overlap"), "{m}");
+    // Wrong dtype for lse, batch mismatch.
+    let m = msg(c.decode_external(&[seq], &qt, &ot, &ExternalTensor { elem: ElemType::F16, ..lt.clone() }));
+    assert!(m.contains("`lse` is float16 but must be float32"), "{m}");
+    let m = msg(c.decode_external(&[seq, seq], &qt, &ot, &lt));
+    assert!(m.contains("expected [batch=2"), "{m}");
+    // Prefix lengths out of range.
+    let m = msg(c.attend_prefix_external(seq, &[71], &qt, &ot, &lt));
+    assert!(m.contains("lengths[0]"), "{m}");
+    // Nothing was launched by the failures: a good call still works.
+    c.decode_external(&[seq], &qt, &ot, &lt).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn work_is_ordered_with_a_foreign_stream() {
+    let Some(dev) = device() else { return };
+    let mut c = cache(&dev, "rdkv.toml", "b8", 512);
+    let seq = c.add_sequence();
+    c.append(seq, &data(130 * HKV * D, 1), &data(130 * HKV * D, 2)).unwrap();
+    let q = data(HQ * D, 9);
+    let want = c.decode(&[seq], &q).unwrap();
+    // Another library's non-blocking stream writes the queries; the cache waits for it.
+    let other = dev.ctx.new_stream().unwrap();
+    let bits: Vec<u16> = q.iter().map(|&x| f16::from_f32(x).to_bits()).collect();
+    let qd = other.clone_htod(&bits).unwrap();
+    let out = other.alloc_zeros::<u16>(HQ * D).unwrap();
+    let lse = other.alloc_zeros::<f32>(HQ).unwrap();
+    let h = other.cu_stream() as u64;
+    // SAFETY: `other` is a live stream of this context.
+    unsafe { c.wait_for_stream(h) }.unwrap();
+    let p = |s: &CudaSlice<u16>| s.device_ptr(&other).0;
+    let qt = ExternalTensor::contiguous(p(&qd), ElemType::F16, &[1, HQ, D], 0);
+    let ot = ExternalTensor::contiguous(p(&out), ElemType::F16, &[1, HQ, D], 0);
+    let lt = ExternalTensor::contiguous(lse.device_ptr(&other).0, ElemType::F32, &[1, HQ], 0);
+    c.decode_external(&[seq], &qt, &ot, &lt).unwrap();
+    // SAFETY: as above.
+    unsafe { c.signal_stream(h) }.unwrap();
+    let o: Vec<u16> = other.clone_dtoh(&out).unwrap();
+    let got: Vec<f32> = o.into_iter().map(|b| f16::from_bits(b).to_f32()).collect();
+    assert_eq!(got, want.out);
+}
