@@ -9,8 +9,9 @@ PY=${1:-$ROOT/.venv/bin/python}
 cd "$ROOT"
 "$PY" -m pip install -q --disable-pip-version-check pytest
 cargo build -q --release -p kvforge-py
-PKG="$ROOT/target/kvforge-py-ci"
+TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
+PKG="$TARGET/kvforge-py-ci"
 rm -rf "$PKG" && mkdir -p "$PKG/kvforge"
 cp "$HERE"/python/kvforge/*.py "$HERE"/python/kvforge/py.typed "$PKG/kvforge/"
-cp "$ROOT/target/release/libkvforge_native.so" "$PKG/kvforge/_native.abi3.so"
+cp "$TARGET/release/libkvforge_native.so" "$PKG/kvforge/_native.abi3.so"
 PYTHONPATH="$PKG" "$PY" -m pytest -q "$HERE/tests/test_cpu.py"
