@@ -89,7 +89,7 @@ def needle_prompt(tok, hay_ids: list[int], ctx: int, depth: float, code: int) ->
 
 
 @torch.no_grad()
-def needle_trial(model, tok, ids: list[int], device, max_new: int = 12) -> str:
+def needle_trial(model, tok, ids: list[int], device, max_new: int = 24) -> str:
     x = torch.tensor([ids], device=device)
     out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
                          pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else 2)
