@@ -25,6 +25,10 @@ pub struct DecodeParams {
     pub radius_scales: [u64; 16],
     ///optional per page: log2 Σ_heads Σ_tokens 2^logit, an importance signal for controllers
     pub page_lse: u64,
+    ///optional [page][gqa]: log2 Σ_tokens 2^logit per query head (certified decode: block masses)
+    pub page_head_lse: u64,
+    ///optional [page][gqa]: max over the page's key blocks of the logit error bound Δ_b = ½ Σ_c |q_c| σ_c / sqrt(d) (0 for exact keys, +inf where the scheme states no bound)
+    pub page_delta: u64,
     ///ERR_* bits set by the kernel
     pub error_flags: u64,
     ///softmax scale, usually 1/sqrt(head_dim)

@@ -38,6 +38,8 @@ pub const PARAMS: &[ParamStruct] = &[
             f("codebooks", "const float* codebooks[MAX_TIERS]", "[u64; 16]", "per tier: [num_kv_heads][groups][entries][group] (spherical tiers)"),
             f("radius_scales", "const float* radius_scales[MAX_TIERS]", "[u64; 16]", "per tier: [num_kv_heads][groups] (spherical tiers)"),
             f("page_lse", "float*", "u64", "optional per page: log2 Σ_heads Σ_tokens 2^logit, an importance signal for controllers"),
+            f("page_head_lse", "float*", "u64", "optional [page][gqa]: log2 Σ_tokens 2^logit per query head (certified decode: block masses)"),
+            f("page_delta", "float*", "u64", "optional [page][gqa]: max over the page's key blocks of the logit error bound Δ_b = ½ Σ_c |q_c| σ_c / sqrt(d) (0 for exact keys, +inf where the scheme states no bound)"),
             f("error_flags", "u32*", "u64", "ERR_* bits set by the kernel"),
             f("sm_scale", "float", "f32", "softmax scale, usually 1/sqrt(head_dim)"),
             f("batch", "int", "i32", "sequences"),

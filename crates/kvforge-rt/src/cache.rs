@@ -96,6 +96,8 @@ pub struct KvCache {
     pub(crate) radius_scales: Vec<Option<CudaSlice<f32>>>,
     pub(crate) kernels: KernelCache,
     pub(crate) flags: CudaSlice<u32>,
+    /// Tier 2 of certified decode, when kept ([`KvCache::keep_originals`]).
+    pub(crate) originals: Option<crate::certified::Originals>,
 }
 
 fn dense_bytes(dtype: DType, x: f32) -> [u8; 2] {
@@ -151,7 +153,7 @@ impl KvCache {
             radius_scales.push(None);
         }
         let flags = dev.stream.alloc_zeros::<u32>(1).map_err(drv("error flags"))?;
-        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, kernels: KernelCache::default(), flags })
+        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, kernels: KernelCache::default(), flags, originals: None })
     }
 
     pub fn spec(&self) -> &Spec {
@@ -277,6 +279,9 @@ impl KvCache {
         if !full_pages.is_empty() {
             self.ensure_radius_scales(target, &full_pages, koff)?;
             let encoded = self.encode_pages(&full_pages, target)?;
+            if self.originals.is_some() {
+                self.record_originals(&full_pages, &encoded)?;
+            }
             let s = self.seqs[seq].as_mut().unwrap();
             for ((h, _), page) in full_pages.iter().zip(encoded) {
                 s.heads[*h].full.push(page);
@@ -392,6 +397,13 @@ impl KvCache {
             ids.push(sid);
         }
         Ok(ids)
+    }
+
+    /// The tail page of (seq, head): its bytes (host mirror) and token count.
+    pub(crate) fn tail_bytes(&self, seq: usize, head: usize) -> Result<Option<(Vec<u8>, usize)>> {
+        let s = self.seq(seq)?;
+        let h = s.heads.get(head).ok_or_else(|| RtError::BadInput(format!("kv head {head} of {}", s.heads.len())))?;
+        Ok(h.tail.as_ref().map(|t| (t.bytes.clone(), t.len)))
     }
 
     /// Overwrites bytes of a page (low level: tools and corruption tests).

@@ -146,6 +146,10 @@ pub struct DecodeWorkspace {
     pub lse: CudaSlice<f32>,
     /// Per page: log2 Σ_heads Σ_tokens 2^logit, written when `page_mass` is requested.
     pub page_lse: Option<CudaSlice<f32>>,
+    /// Per page × gqa: log2 Σ_tokens 2^logit of each query head (certified decode).
+    pub page_head_lse: Option<CudaSlice<f32>>,
+    /// Per page × gqa: the page's key logit error bound Δ (certified decode).
+    pub page_delta: Option<CudaSlice<f32>>,
 }
 
 impl KvCache {
@@ -198,6 +202,8 @@ impl KvCache {
             partial_lse: st.alloc_zeros(plan.splits * rows).map_err(drv("split lse"))?,
             lse: st.alloc_zeros(rows).map_err(drv("lse"))?,
             page_lse: None,
+            page_head_lse: None,
+            page_delta: None,
         })
     }
 
@@ -233,6 +239,8 @@ impl KvCache {
             codebooks,
             radius_scales,
             page_lse: ws.page_lse.as_ref().map_or(0, |b| b.device_ptr(&st).0),
+            page_head_lse: ws.page_head_lse.as_ref().map_or(0, |b| b.device_ptr(&st).0),
+            page_delta: ws.page_delta.as_ref().map_or(0, |b| b.device_ptr(&st).0),
             error_flags: self.flags.device_ptr(&st).0,
             sm_scale: 1.0 / (plan.head_dim as f32).sqrt(),
             batch: plan.batch as i32,

@@ -26,6 +26,10 @@ pub enum RtError {
     OutOfPages { tier: String, capacity: usize, page_bytes: usize },
     #[error("out of device memory: asked for {bytes} B for {what}")]
     OutOfMemory { what: String, bytes: usize },
+    #[error("out of pinned host memory: {bytes} B for the fp16 originals (tier 2): {reason}")]
+    OutOfPinnedMemory { bytes: usize, reason: String },
+    #[error("the fp16 original (tier 2) of page {page} (offset {offset}) is missing: certified decode can neither bound nor recompute it")]
+    MissingOriginal { page: usize, offset: u64 },
     #[error("bad input: {0}")]
     BadInput(String),
     #[error("sequence {0} does not exist")]

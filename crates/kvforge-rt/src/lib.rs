@@ -18,6 +18,7 @@
 
 pub mod bench;
 mod cache;
+pub mod certified;
 mod decode;
 mod device;
 mod error;

@@ -18,6 +18,8 @@ struct DecodeParams {
   const float* codebooks[MAX_TIERS];  // per tier: [num_kv_heads][groups][entries][group] (spherical tiers)
   const float* radius_scales[MAX_TIERS];  // per tier: [num_kv_heads][groups] (spherical tiers)
   float* page_lse;  // optional per page: log2 Σ_heads Σ_tokens 2^logit, an importance signal for controllers
+  float* page_head_lse;  // optional [page][gqa]: log2 Σ_tokens 2^logit per query head (certified decode: block masses)
+  float* page_delta;  // optional [page][gqa]: max over the page's key blocks of the logit error bound Δ_b = ½ Σ_c |q_c| σ_c / sqrt(d) (0 for exact keys, +inf where the scheme states no bound)
   u32* error_flags;  // ERR_* bits set by the kernel
   float sm_scale;  // softmax scale, usually 1/sqrt(head_dim)
   int batch;  // sequences

@@ -18,10 +18,15 @@ template <class S> __device__ __forceinline__ float round_scale(float x) { retur
 // Keys
 // ---------------------------------------------------------------------------------------
 
+// What a key scheme can state about its logit error, for certified decode: exact keys, a
+// per-channel quantisation step per block (|q·(k − k̂)| ≤ ½ Σ_c |q_c| σ_c), or no bound.
+enum class KeyError { Exact, Step, Unbounded };
+
 // Evicted tokens: no bytes, never scored. Only used in transcode bookkeeping.
 struct DropKey {
   static constexpr int LUT_FLOATS_PER_HEAD = 0;
   static constexpr bool SPHERICAL = false;
+  static constexpr KeyError ERROR = KeyError::Exact;
   static constexpr bool CHANNEL_PARALLEL = true;
   template <int GQA> struct Scorer {
     __device__ Scorer(const float*, int) {}
@@ -37,6 +42,7 @@ template <class T, int D, int P, int OFF>
 struct DenseKey {
   static constexpr int LUT_FLOATS_PER_HEAD = 0;
   static constexpr bool SPHERICAL = false;
+  static constexpr KeyError ERROR = KeyError::Exact;
   static constexpr int NCH = D / 8;
 
   // Channel-parallel scoring: the thread owns channels [8·c8, 8·c8 + 8) of every token it
@@ -118,6 +124,11 @@ struct IntKey {
   static constexpr int ROW = D * BITS / 8;
   static constexpr int PER = 32 / BITS;  // codes per 32-bit word
   static constexpr int NCH = ROW / 4;
+  static constexpr int BLOCK_TOKENS = BLOCK;
+  static constexpr KeyError ERROR = KeyError::Step;
+  // Quantisation step σ of channel c in block b: a code is rounded to nearest, so a stored key
+  // is within σ/2 of its original (the certified decode's per-block logit bound).
+  __device__ __forceinline__ static float step(const u8* seg, int b, int c) { return load_scale<S>(seg + OFF_SCALE, b * D + c); }
 
   // Channel-parallel scoring with the per-channel scale folded into the query slice once per
   // block (qs = q · scale) and the zero term Σ q · zero added as a per-lane partial: one FMA
@@ -218,6 +229,8 @@ struct SphericalKey {
   static constexpr int E = 1 << ABITS;
   static constexpr int LUT_FLOATS_PER_HEAD = NG * E;
   static constexpr bool SPHERICAL = true;
+  // No per-token bound on ‖k − k̂‖ is stored (codebook angle error is data dependent).
+  static constexpr KeyError ERROR = KeyError::Unbounded;
   static constexpr int IB = (NG * ABITS + 7) / 8;
   // Token-parallel scoring through the LUT (G lookups per token).
   static constexpr bool CHANNEL_PARALLEL = false;

@@ -104,13 +104,14 @@ struct DecodeCta {
   }
 
   template <class... Ts>
-  __device__ void compute_page(TierList<Ts...>, int tier, const u8* seg, int len, float* mass) {
-    ((tier == Ts::id ? (compute<Ts>(seg, len, mass), true) : false) || ...);
+  __device__ void compute_page(TierList<Ts...>, int tier, const u8* seg, int len, u32 gpage) {
+    ((tier == Ts::id ? (compute<Ts>(seg, len, gpage), true) : false) || ...);
   }
 
   template <class T>
-  __device__ void compute(const u8* seg, int len, float* mass) {
+  __device__ void compute(const u8* seg, int len, u32 gpage) {
     using K = typename T::Key;
+    float* mass = p.page_lse ? p.page_lse + gpage : nullptr;
     using V = typename T::Value;
     const int tid = threadIdx.x;
     float* sc = scores_s();
@@ -170,6 +171,7 @@ struct DecodeCta {
         const float alpha = exp2f(m_old - m_new);  // m_old = -inf gives 0
         alpha_s()[h] = alpha;
         plse_s()[h] = m_new + log2f(sum);
+        if (p.page_head_lse) p.page_head_lse[size_t(gpage) * GQA + h] = m_new + log2f(sum);
         l_s()[h] = l_s()[h] * alpha + sum;
         m_s()[h] = m_new;
       }
@@ -200,7 +202,30 @@ struct DecodeCta {
         for (int i = 0; i < 8; ++i) acc[h][i] = fmaf(w, v[i], acc[h][i]);
       }
     }
+    if (p.page_delta) write_delta<K>(seg, len, gpage);
     __syncthreads();
+  }
+
+  // Certified decode: Δ = max over the page's key blocks (that hold any of its `len` tokens)
+  // of ½ Σ_c |q_c| σ_c / sqrt(d), the largest logit error of a quantised key, per query head,
+  // in natural-log units (q_s() is pre-scaled by sm_scale · log2 e). One warp per head.
+  template <class K>
+  __device__ void write_delta(const u8* seg, int len, u32 gpage) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int h = warp; h < GQA; h += NT / 32) {
+      float dmax = 0.f;
+      if constexpr (K::ERROR == KeyError::Step) {
+        for (int b = 0; b * K::BLOCK_TOKENS < len; ++b) {
+          float s = 0.f;
+          for (int c = lane; c < D; c += 32) s = fmaf(fabsf(q_s()[h * D + c]), K::step(seg, b, c), s);
+          dmax = fmaxf(dmax, warp_sum(s));
+        }
+        dmax *= 0.5f * 0.6931471805599453f;  // log2 domain → natural log
+      } else if constexpr (K::ERROR == KeyError::Unbounded) {
+        dmax = __int_as_float(0x7f800000);  // +inf: this scheme states no bound
+      }
+      if (lane == 0) p.page_delta[size_t(gpage) * GQA + h] = dmax;
+    }
   }
 
   __device__ void run(int seq, int split) {
@@ -272,8 +297,7 @@ struct DecodeCta {
         else if (hd.tier != tier || int(hd.length) < len || len > P) err = ERR_BAD_LENGTH;
       }
       if (err == 0 && len > 0) {
-        float* mass = p.page_lse ? p.page_lse + first + i : nullptr;
-        compute_page(typename Cfg::Tiers{}, int(hd.tier), page + HEADER_BYTES, len, mass);
+        compute_page(typename Cfg::Tiers{}, int(hd.tier), page + HEADER_BYTES, len, first + i);
       } else {
         // Skipped page: a bad page never contributes; the runtime turns the flag into an error.
         if (err != 0 && tid == 0) atomicOr(p.error_flags, err);

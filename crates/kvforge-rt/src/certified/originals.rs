@@ -1,0 +1,98 @@
+//! Tier 2 of certified decode (seed 004 §3.4, P4): the fp16 originals of every encoded page in
+//! pinned host memory, written when the page is encoded and kept for the life of the cache.
+//!
+//! A promoted page is served from here, either read by the decode kernel straight over UVA or
+//! copied into a device scratch page first ([`PageIn`]). The store also keeps, per encoded
+//! page, the two numbers the certificate needs and only the encoder can know cheaply:
+//! η = max_t ‖V_t − V̂_t‖₂ (value error of the page) and max_t ‖V_t‖₂.
+
+use std::collections::HashMap;
+
+use cudarc::driver::{sys, PinnedHostSlice};
+
+use crate::error::{drv, Result, RtError};
+use crate::pool::PageRef;
+
+/// How promoted pages reach the decode kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum PageIn {
+    /// The kernel reads the pinned original in place (zero-copy over PCIe / C2C).
+    Uva,
+    /// Host-to-device copies into a scratch buffer, then the kernel reads device memory.
+    Copy,
+}
+
+/// What the encoder measured of one page.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PageErrors {
+    /// max over the page's tokens of ‖V_t − V̂_t‖₂.
+    pub eta: f64,
+    /// max over the page's tokens of ‖V_t‖₂.
+    pub v_max: f64,
+}
+
+/// Pinned slab of fp16 original pages (tail-page format: header + K + V), one slot per page of
+/// the cache's target tier (slot = the page's index in its region).
+pub struct Originals {
+    slab: PinnedHostSlice<u8>,
+    page_bytes: usize,
+    /// Keyed by the encoded page: slot written, and its measured errors.
+    pages: HashMap<PageRef, PageErrors>,
+    capacity: usize,
+}
+
+impl Originals {
+    /// Allocates `capacity` slots of `page_bytes`. Running out of pinned memory is a typed
+    /// error here, before any certified output can depend on it.
+    pub fn new(ctx: &std::sync::Arc<cudarc::driver::CudaContext>, capacity: usize, page_bytes: usize) -> Result<Originals> {
+        let bytes = capacity.max(1) * page_bytes;
+        // SAFETY: the slab is plain bytes, written before any read (slots are only read once
+        // `record` filled them).
+        let slab = unsafe { ctx.alloc_pinned_with_flags::<u8>(bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE) }
+            .map_err(|e| RtError::OutOfPinnedMemory { bytes, reason: e.to_string() })?;
+        Ok(Originals { slab, page_bytes, pages: HashMap::new(), capacity })
+    }
+
+    pub fn page_bytes(&self) -> usize {
+        self.page_bytes
+    }
+
+    /// Stores the original of encoded page `page` and its measured errors.
+    pub fn record(&mut self, page: PageRef, original: &[u8], errors: PageErrors) -> Result<()> {
+        let slot = page.index as usize;
+        if slot >= self.capacity || original.len() > self.page_bytes {
+            return Err(RtError::BadInput(format!("tier-2 slot {slot} of {} ({} B page into {} B slots)", self.capacity, original.len(), self.page_bytes)));
+        }
+        let base = self.slab.as_mut_ptr().map_err(drv("tier-2 slab"))?;
+        // SAFETY: slot < capacity, so [slot * page_bytes, + original.len()) lies in the slab;
+        // `as_mut_ptr` synchronised the slab's last transfer.
+        unsafe { std::ptr::copy_nonoverlapping(original.as_ptr(), base.add(slot * self.page_bytes), original.len()) };
+        self.pages.insert(page, errors);
+        Ok(())
+    }
+
+    /// Forgets a page (freed or re-tiered: its slot may be reused; fault injection: a lost page).
+    pub fn forget(&mut self, page: &PageRef) {
+        self.pages.remove(page);
+    }
+
+    /// Errors of an encoded page, or the typed "missing original" error.
+    pub fn errors(&self, page: &PageRef) -> Result<PageErrors> {
+        self.pages.get(page).copied().ok_or(RtError::MissingOriginal { page: page.index as usize, offset: page.offset })
+    }
+
+    /// Host address of page's original (also its device address under UVA).
+    pub fn address(&self, page: &PageRef) -> Result<u64> {
+        self.errors(page)?;
+        let base = self.slab.as_ptr().map_err(drv("tier-2 slab"))?;
+        Ok(base as u64 + (page.index as usize * self.page_bytes) as u64)
+    }
+
+    /// The original's bytes (tests and the CPU check).
+    pub fn bytes(&self, page: &PageRef) -> Result<&[u8]> {
+        self.errors(page)?;
+        let s = self.slab.as_slice().map_err(drv("tier-2 slab"))?;
+        let at = page.index as usize * self.page_bytes;
+        Ok(&s[at..at + self.page_bytes])
+    }
+}

@@ -1,0 +1,430 @@
+//! Certified decode on the GPU (seed 004): bound validity against exact f64 attention over the
+//! fp16 originals, exact fallback rungs, fault injection. Run on the device with
+//! `--ignored`; `KVFORGE_CERT_JSON=path` writes the run's statistics.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use half::f16;
+use kvforge_rt::certified::{CertConfig, PageIn};
+use kvforge_rt::{CacheConfig, Device, KvCache, RtError};
+use kvforge_spec::{Spec, HEADER_BYTES, TAIL_TIER};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn root() -> PathBuf {
+    std::env::var("KVFORGE_ROOT").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.."))
+}
+
+fn device() -> Option<Arc<Device>> {
+    match Device::open(0) {
+        Ok(d) => Some(Arc::new(d)),
+        Err(e) => {
+            println!("skipped: no GPU ({e})");
+            None
+        }
+    }
+}
+
+fn spec() -> Spec {
+    Spec::load(&root().join("specs/certified.toml")).unwrap()
+}
+
+fn h(x: f32) -> f64 {
+    f16::from_f32(x).to_f32() as f64
+}
+
+/// Attention inputs of one trial: kind of adversarial structure planted.
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Random,
+    Outliers,
+    Needle,
+    Peaked,
+    Flat,
+    NearTies,
+}
+
+const KINDS: [Kind; 6] = [Kind::Random, Kind::Outliers, Kind::Needle, Kind::Peaked, Kind::Flat, Kind::NearTies];
+
+struct Trial {
+    k: Vec<f32>,
+    v: Vec<f32>,
+    len: usize,
+}
+
+fn make_kv(rng: &mut ChaCha8Rng, kind: Kind, len: usize, hkv: usize, d: usize) -> Trial {
+    let n = len * hkv * d;
+    let mut k: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+    let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+    match kind {
+        Kind::Outliers => {
+            for c in [3usize, 17] {
+                for t in 0..len * hkv {
+                    k[t * d + c % d] *= 50.0;
+                }
+            }
+        }
+        Kind::Needle => {
+            let t = rng.gen_range(0..len);
+            for hh in 0..hkv {
+                for c in 0..d {
+                    k[(t * hkv + hh) * d + c] = 4.0 * if c % 2 == 0 { 1.0 } else { -1.0 };
+                }
+            }
+        }
+        Kind::NearTies => {
+            // Pages that repeat one block of keys: their masses tie.
+            let period = 16 * hkv * d;
+            for i in period..n {
+                k[i] = k[i % period] + rng.gen_range(-1e-3f32..1e-3);
+            }
+        }
+        _ => {}
+    }
+    Trial { k, v, len }
+}
+
+fn make_q(rng: &mut ChaCha8Rng, kind: Kind, hq: usize, d: usize) -> Vec<f32> {
+    let scale = match kind {
+        Kind::Peaked => 6.0,
+        Kind::Flat => 0.05,
+        _ => 1.0,
+    };
+    let mut q: Vec<f32> = (0..hq * d).map(|_| rng.gen_range(-1.0f32..1.0) * scale).collect();
+    if let Kind::Needle = kind {
+        for hh in 0..hq {
+            for c in 0..d {
+                q[hh * d + c] = if c % 2 == 0 { 1.0 } else { -1.0 } * rng.gen_range(0.5f32..1.5);
+            }
+        }
+    }
+    q
+}
+
+/// Exact attention in f64 over the fp16 originals of one sequence, every q head.
+fn exact(t: &Trial, q: &[f32], hkv: usize, gqa: usize, d: usize) -> Vec<f64> {
+    let mut out = vec![0f64; hkv * gqa * d];
+    let sm = 1.0 / (d as f64).sqrt();
+    for kh in 0..hkv {
+        let k: Vec<f64> = (0..t.len).flat_map(|i| (0..d).map(move |c| (i, c))).map(|(i, c)| h(t.k[(i * hkv + kh) * d + c])).collect();
+        let v: Vec<f64> = (0..t.len).flat_map(|i| (0..d).map(move |c| (i, c))).map(|(i, c)| h(t.v[(i * hkv + kh) * d + c])).collect();
+        for g in 0..gqa {
+            let row = kh * gqa + g;
+            let qv: Vec<f64> = q[row * d..(row + 1) * d].iter().map(|&x| h(x)).collect();
+            let (o, _) = kvforge_ref::attention::attention(&qv, &k, &v, sm);
+            out[row * d..(row + 1) * d].copy_from_slice(&o);
+        }
+    }
+    out
+}
+
+fn norm(a: &[f64]) -> f64 {
+    a.iter().map(|x| x * x).sum::<f64>().sqrt()
+}
+
+#[derive(Default, serde::Serialize)]
+struct Stats {
+    trials: usize,
+    violations: usize,
+    tightness: Vec<f64>,
+    rungs: [usize; 5],
+    launches: usize,
+    steps: usize,
+    promoted_fraction: Vec<f64>,
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn certified_bound_holds_on_random_and_adversarial_steps() {
+    let Some(dev) = device() else { return };
+    let s = spec();
+    let q8 = s.tier("q8k4v").unwrap().id;
+    let mut rng = ChaCha8Rng::seed_from_u64(2026);
+    let target: usize = std::env::var("KVFORGE_CERT_TRIALS").ok().and_then(|x| x.parse().ok()).unwrap_or(100_000);
+    let mut st = Stats::default();
+    let mut per_kind: std::collections::BTreeMap<String, [usize; 5]> = Default::default();
+    let (hkv, d) = (8usize, 128usize);
+    let mut round = 0usize;
+    while st.trials < target {
+        let gqa = [1usize, 4, 8][round % 3];
+        let kind = KINDS[round % KINDS.len()];
+        round += 1;
+        let batch = 4;
+        let cfg = CacheConfig::new(&s, d, gqa, hkv, batch, 4 * 2100).target(q8);
+        let mut c = KvCache::new(dev.clone(), s.clone(), cfg).unwrap();
+        c.keep_originals().unwrap();
+        let mut trials = Vec::new();
+        let mut seqs = Vec::new();
+        for _ in 0..batch {
+            // Lengths that are not multiples of the page (64) or block (16), down to 1 token.
+            let len = match rng.gen_range(0..6) {
+                0 => rng.gen_range(1..64),
+                _ => rng.gen_range(64..2048),
+            };
+            let t = make_kv(&mut rng, kind, len, hkv, d);
+            let a = c.add_sequence();
+            c.append(a, &t.k, &t.v).unwrap();
+            seqs.push(a);
+            trials.push(t);
+        }
+        // Targets from loose to tight, so the ladder's rungs 1–3 are exercised too.
+        let max_error = [0.05, 0.01, 0.002, 0.0005][round % 4];
+        let mut cc = CertConfig { page_in: if round % 2 == 0 { PageIn::Uva } else { PageIn::Copy }, max_error, ..CertConfig::default() };
+        for _ in 0..6 {
+            let q: Vec<f32> = (0..batch).flat_map(|_| make_q(&mut rng, kind, hkv * gqa, d)).collect();
+            let r = c.decode_certified(&seqs, &q, &mut cc).unwrap();
+            st.steps += 1;
+            st.launches += r.launches;
+            let hq = hkv * gqa;
+            for (i, t) in trials.iter().enumerate() {
+                let ex = exact(t, &q[i * hq * d..(i + 1) * hq * d], hkv, gqa, d);
+                for row in 0..hq {
+                    let cert = &r.heads[i * hq + row];
+                    let o = &r.out[(i * hq + row) * d..(i * hq + row + 1) * d];
+                    let diff: Vec<f64> = o.iter().zip(&ex[row * d..(row + 1) * d]).map(|(&a, &b)| a as f64 - b).collect();
+                    let err = norm(&diff);
+                    st.trials += 1;
+                    st.rungs[cert.rung as usize] += 1;
+                    per_kind.entry(format!("{kind:?}")).or_default()[cert.rung as usize] += 1;
+                    if err > cert.bound {
+                        st.violations += 1;
+                        eprintln!("VIOLATION {kind:?} len {} gqa {gqa}: err {err:.3e} > bound {:.3e} ({cert:?})", t.len, cert.bound);
+                    }
+                    if err > 0.0 {
+                        st.tightness.push(cert.bound / err);
+                    }
+                    let pages = t.len / 64;
+                    if pages > 0 {
+                        st.promoted_fraction.push((cert.promoted + cert.explored) as f64 / pages as f64);
+                    }
+                }
+            }
+        }
+    }
+    st.tightness.sort_by(f64::total_cmp);
+    let q = |p: f64| st.tightness[((st.tightness.len() - 1) as f64 * p) as usize];
+    let mean_prom = st.promoted_fraction.iter().sum::<f64>() / st.promoted_fraction.len().max(1) as f64;
+    println!(
+        "{} head-steps in {} steps ({} launches): {} violations; tightness (bound / actual) min {:.2} p10 {:.2} p50 {:.2} p90 {:.2}; rungs {:?}; mean promoted fraction {:.3}",
+        st.trials,
+        st.steps,
+        st.launches,
+        st.violations,
+        q(0.0),
+        q(0.1),
+        q(0.5),
+        q(0.9),
+        st.rungs,
+        mean_prom
+    );
+    if let Ok(path) = std::env::var("KVFORGE_CERT_JSON") {
+        let j = serde_json::json!({
+            "device": dev.info.name, "trials": st.trials, "violations": st.violations, "steps": st.steps,
+            "phase2_launches": st.launches,
+            "tightness": {"min": q(0.0), "p01": q(0.01), "p10": q(0.1), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99)},
+            "rungs": st.rungs, "rungs_per_generator": per_kind, "mean_promoted_page_fraction": mean_prom,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&j).unwrap()).unwrap();
+    }
+    assert_eq!(st.violations, 0);
+}
+
+fn needle_cache(dev: &Arc<Device>, s: &Spec, len: usize, seed: u64) -> (KvCache, usize, Trial, Vec<f32>) {
+    let (hkv, gqa, d) = (2usize, 4usize, 128usize);
+    let q8 = s.tier("q8k4v").unwrap().id;
+    let cfg = CacheConfig::new(s, d, gqa, hkv, 1, len + 64).target(q8);
+    let mut c = KvCache::new(dev.clone(), s.clone(), cfg).unwrap();
+    c.keep_originals().unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let t = make_kv(&mut rng, Kind::Needle, len, hkv, d);
+    let a = c.add_sequence();
+    c.append(a, &t.k, &t.v).unwrap();
+    let q = make_q(&mut rng, Kind::Needle, hkv * gqa, d);
+    (c, a, t, q)
+}
+
+/// Asserts every head of `r` is exact (rung ≥ 3, no key or value error term) and equal to
+/// exact fp16 attention up to the output rounding.
+fn assert_exact(r: &kvforge_rt::certified::CertifiedOutput, ex: &[f64], d: usize) {
+    for (row, cert) in r.heads.iter().enumerate() {
+        assert!(cert.rung >= 3, "{cert:?}");
+        assert_eq!(cert.e_key, 0.0);
+        assert_eq!(cert.e_val, 0.0);
+        for (x, y) in r.out[row * d..(row + 1) * d].iter().zip(&ex[row * d..(row + 1) * d]) {
+            assert!((*x as f64 - y).abs() <= y.abs() / 2048.0 + 1e-6, "{x} vs {y}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn exact_rungs_equal_fp16_attention() {
+    let Some(dev) = device() else { return };
+    let s = spec();
+    // Rung 3: an unreachable target sends every kv head down the ladder to exact recompute.
+    let (mut c, a, t, q) = needle_cache(&dev, &s, 1000, 1);
+    let ex = exact(&t, &q, 2, 4, 128);
+    let r = c.decode_certified(&[a], &q, &mut CertConfig { max_error: 0.0, layer_fallback: 1.1, ..CertConfig::default() }).unwrap();
+    assert!(r.heads.iter().all(|h| h.rung == 3));
+    assert_exact(&r, &ex, 128);
+    // Rung 4: a fault detected in kv head 0 alone sends the whole layer to exact.
+    let (mut c, a, t, q) = needle_cache(&dev, &s, 1000, 2);
+    let ex = exact(&t, &q, 2, 4, 128);
+    let needle = (0..t.len).max_by(|&i, &j| t.k[i * 2 * 128].total_cmp(&t.k[j * 2 * 128])).unwrap();
+    let (page, _) = c.pages(a, 0).unwrap()[needle / 64];
+    let q8 = s.tier("q8k4v").unwrap().id;
+    let at = HEADER_BYTES + s.segment(q8, 128).offset("k_codes") + (needle % 64) * 128 + 5;
+    let b = c.download_page(page).unwrap();
+    c.write_page_bytes(page, at, &[b[at] ^ 0x80]).unwrap();
+    let r = c.decode_certified(&[a], &q, &mut CertConfig { max_error: 1e9, layer_fallback: 0.0, ..CertConfig::default() }).unwrap();
+    assert!(r.heads[..4].iter().any(|h| h.detections > 0), "{:?}", r.heads);
+    assert!(r.heads.iter().all(|h| h.rung == 4), "{:?}", r.heads);
+    assert_exact(&r, &ex, 128);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn injected_faults_are_detected() {
+    let Some(dev) = device() else { return };
+    let s = spec();
+    let q8 = s.tier("q8k4v").unwrap().id;
+    let seg = s.segment(q8, 128);
+    let (ks, kz, kc) = (HEADER_BYTES + seg.offset("k_scale"), HEADER_BYTES + seg.offset("k_zero"), HEADER_BYTES + seg.offset("k_codes"));
+    let mut injected = 0;
+    let mut detected = 0;
+    for (fault, seed) in [("scale", 11u64), ("zero", 12), ("bit", 13), ("scale", 14), ("zero", 15), ("bit", 16)] {
+        let (mut c, a, t, q) = needle_cache(&dev, &s, 1500, seed);
+        // Fault in the page holding the needle (the page every head attends to): the
+        // selector promotes it, so the score check sees it.
+        let needle = (0..t.len).max_by(|&i, &j| t.k[i * 2 * 128].total_cmp(&t.k[j * 2 * 128])).unwrap();
+        let pages = c.pages(a, 0).unwrap();
+        let Some(&(page, _)) = pages.get(needle / 64).filter(|(p, _)| p.tier != TAIL_TIER) else { continue };
+        let block = (needle % 64) / 16;
+        match fault {
+            "scale" => {
+                let mut b = c.download_page(page).unwrap();
+                for ch in 0..128 {
+                    let at = ks + (block * 128 + ch) * 4;
+                    let x = f32::from_le_bytes(b[at..at + 4].try_into().unwrap()) * 8.0;
+                    b[at..at + 4].copy_from_slice(&x.to_le_bytes());
+                }
+                c.write_page_bytes(page, ks, &b[ks..kz]).unwrap();
+            }
+            "zero" => {
+                // A stale zero: the previous block's zeros (or the next one's).
+                let b = c.download_page(page).unwrap();
+                let other = if block == 0 { 1 } else { block - 1 };
+                let stale = b[kz + other * 128 * 4..kz + (other + 1) * 128 * 4].to_vec();
+                c.write_page_bytes(page, kz + block * 128 * 4, &stale).unwrap();
+            }
+            _ => {
+                let b = c.download_page(page).unwrap();
+                let at = kc + (needle % 64) * 128 + 5;
+                c.write_page_bytes(page, at, &[b[at] ^ 0x80]).unwrap();
+            }
+        }
+        injected += 1;
+        let r = c.decode_certified(&[a], &q, &mut CertConfig::default()).unwrap();
+        let hit = r.heads[..4].iter().any(|h| h.detections > 0);
+        println!("fault {fault} (seed {seed}) in page {} block {block}: detected {hit}; rungs {:?}", needle / 64, r.heads.iter().map(|h| h.rung).collect::<Vec<_>>());
+        if hit {
+            detected += 1;
+            // Detected heads were recomputed exactly from tier 2.
+            assert!(r.heads[..4].iter().all(|h| h.rung >= 3));
+        }
+    }
+    // A missing tier-2 page is a typed error, not an output.
+    let (mut c, a, _, q) = needle_cache(&dev, &s, 500, 21);
+    let (page, _) = c.pages(a, 1).unwrap()[2];
+    c.forget_original(&page);
+    injected += 1;
+    match c.decode_certified(&[a], &q, &mut CertConfig::default()) {
+        Err(RtError::MissingOriginal { .. }) => detected += 1,
+        other => panic!("missing original gave {:?}", other.map(|r| r.heads.len())),
+    }
+    println!("faults injected {injected}, detected {detected}");
+    if let Ok(path) = std::env::var("KVFORGE_CERT_FAULTS_JSON") {
+        std::fs::write(path, serde_json::json!({"faults_injected": injected, "faults_detected": detected}).to_string()).unwrap();
+    }
+    assert_eq!(injected, detected);
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn certified_needs_originals_and_a_sane_query() {
+    let Some(dev) = device() else { return };
+    let s = spec();
+    let q8 = s.tier("q8k4v").unwrap().id;
+    let mut c = KvCache::new(dev.clone(), s.clone(), CacheConfig::new(&s, 128, 4, 2, 1, 256).target(q8)).unwrap();
+    let a = c.add_sequence();
+    c.append(a, &vec![0.1; 100 * 256], &vec![0.1; 100 * 256]).unwrap();
+    assert!(matches!(c.decode_certified(&[a], &vec![0.0; 8 * 128], &mut CertConfig::default()), Err(RtError::BadInput(_))));
+    assert!(matches!(c.keep_originals(), Err(RtError::BadInput(_))));
+}
+
+/// Step time of certified decode against plain quantised and plain fp16 decode through the
+/// same host API (upload, plan, launch, download), batch 1, 32 q / 8 kv heads, d 128. Prints a
+/// table; `KVFORGE_CERT_TIME_JSON=path` writes it. Tests never assert on time.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn certified_step_time() {
+    let Some(dev) = device() else { return };
+    let s = spec();
+    let q8 = s.tier("q8k4v").unwrap().id;
+    let fp16 = s.tier("fp16").unwrap().id;
+    let (hkv, gqa, d) = (8usize, 4usize, 128usize);
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let mut rows = Vec::new();
+    for ctx in [8192usize, 32768, 131072] {
+        for kind in [Kind::Needle, Kind::Random] {
+            let mut rng = ChaCha8Rng::seed_from_u64(ctx as u64);
+            let t = make_kv(&mut rng, kind, ctx, hkv, d);
+            let q = make_q(&mut rng, if let Kind::Needle = kind { Kind::Needle } else { Kind::Peaked }, hkv * gqa, d);
+            let time = |tier, certified: bool| -> (f64, Option<kvforge_rt::certified::CertifiedOutput>) {
+                let mut c = KvCache::new(dev.clone(), s.clone(), CacheConfig::new(&s, d, gqa, hkv, 1, ctx + 64).target(tier)).unwrap();
+                if certified {
+                    c.keep_originals().unwrap();
+                }
+                let a = c.add_sequence();
+                c.append(a, &t.k, &t.v).unwrap();
+                let mut cc = CertConfig::default();
+                let mut ts = Vec::new();
+                let mut last = None;
+                for i in 0..12 {
+                    let t0 = std::time::Instant::now();
+                    if certified {
+                        last = Some(c.decode_certified(&[a], &q, &mut cc).unwrap());
+                    } else {
+                        c.decode(&[a], &q).unwrap();
+                    }
+                    if i >= 2 {
+                        ts.push(t0.elapsed().as_secs_f64() * 1e6);
+                    }
+                }
+                (median(ts), last)
+            };
+            let (t_fp16, _) = time(fp16, false);
+            let (t_q, _) = time(q8, false);
+            let (t_c, r) = time(q8, true);
+            let r = r.unwrap();
+            let promoted: usize = r.heads.iter().step_by(gqa).map(|h| h.promoted + h.explored).sum();
+            let bound = r.heads.iter().map(|h| h.bound).fold(0.0, f64::max);
+            println!(
+                "ctx {ctx:6} {kind:?}: fp16 {t_fp16:8.0} us, q8k4v {t_q:8.0} us, certified {t_c:8.0} us ({:.2}x q8k4v), {} launches, {:.1}% pages promoted, paged in {:.1} MB, max bound {bound:.2e}",
+                t_c / t_q,
+                r.launches,
+                100.0 * promoted as f64 / (hkv * (ctx / 64)) as f64,
+                r.paged_in_bytes as f64 / 1e6
+            );
+            rows.push(serde_json::json!({"context": ctx, "attention": format!("{kind:?}"), "fp16_us": t_fp16, "q8k4v_us": t_q, "certified_us": t_c,
+                "launches": r.launches, "promoted_fraction": promoted as f64 / (hkv * (ctx / 64)) as f64, "paged_in_bytes": r.paged_in_bytes, "max_bound": bound}));
+        }
+    }
+    if let Ok(path) = std::env::var("KVFORGE_CERT_TIME_JSON") {
+        std::fs::write(path, serde_json::to_string_pretty(&serde_json::json!({"device": dev.info.name, "batch": 1, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "timing": "host API wall time per step (upload, plan, launches, download), median of 10", "rows": rows})).unwrap()).unwrap();
+    }
+}
