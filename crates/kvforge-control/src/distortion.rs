@@ -47,8 +47,16 @@ pub enum Proxy {
     /// is independent, so the output error energy it causes is `Σ_t a_t² ‖δv_t‖²`: a head
     /// that spreads its attention over thousands of tokens averages the noise away, one that
     /// concentrates it on a few tokens does not. The normalisation by ā makes the two
-    /// proxies agree when every token has the same mass. Needs per-token masses; pages
-    /// without them (or a view without any) fall back to `Linear`.
+    /// proxies agree when every token has the same mass.
+    ///
+    /// Pages without per-token masses (the GPU decode kernels report one mass per page) count
+    /// as one unit of mass `m_p`: their weight is `m_p² / ā`. Since `Σ_t a_t² ≤ m_p²` this
+    /// over-weights pages whose mass is spread over their tokens (by at most the page size), so
+    /// it errs towards keeping broad heads precise, but it keeps the property that matters:
+    /// quantisation noise on light pages costs quadratically little, so they are coarsened
+    /// rather than evicted. Falling back to `Linear` instead evicts the light pages of peaked
+    /// heads wholesale (the drop of their pooled background mass is what hurts), and loses to
+    /// uniform quantisation at equal bytes on the frontier (`kvforge frontier`).
     #[default]
     Concentration,
 }
@@ -72,17 +80,15 @@ impl Proxy {
         if self == Proxy::Linear {
             return view.iter().map(|(_, p)| linear(p)).collect();
         }
-        let (mut s1, mut s2) = (0.0, 0.0);
-        for t in view.iter().filter_map(|(_, p)| p.token_mass.as_ref()).flatten() {
-            s1 += t.max(0.0);
-            s2 += t.max(0.0) * t.max(0.0);
-        }
+        // Σ a² over a page's units: its tokens when known, else the page as one unit.
+        let sq = |p: &crate::signal::PageInfo| match &p.token_mass {
+            Some(t) => t.iter().map(|x| x.max(0.0) * x.max(0.0)).sum::<f64>(),
+            None => p.mass.max(0.0) * p.mass.max(0.0),
+        };
+        let (s1, s2) = view.iter().fold((0.0, 0.0), |(a, b), (_, p)| (a + p.importance().max(0.0), b + sq(p)));
         let abar = if s1 > 0.0 { s2 / s1 } else { 0.0 };
         view.iter()
-            .map(|(_, p)| match &p.token_mass {
-                Some(t) if abar > 0.0 => Weights { drop: p.importance().max(0.0), recode: t.iter().map(|x| x.max(0.0) * x.max(0.0)).sum::<f64>() / abar },
-                _ => linear(p),
-            })
+            .map(|(_, p)| if abar > 0.0 { Weights { drop: p.importance().max(0.0), recode: sq(p) / abar } } else { linear(p) })
             .collect()
     }
 }

@@ -30,7 +30,10 @@
 //!   attention thinly tolerates coarse tiers that a head with a few heavy hitters does not.
 //!   With the linear weight alone RDR only ties uniform quantisation on the synthetic
 //!   end-to-end test (a diffuse head next to a peaked one); with it, RDR has 2–2.5× lower
-//!   attention output error at equal bytes. Without token masses the proxy is C.2's.
+//!   attention output error at equal bytes. Without token masses (the GPU kernels report one
+//!   mass per page) each page counts as one unit, `m_p² / ā`: C.2's linear weight there
+//!   evicts the light pages of peaked heads wholesale and loses to uniform int2 at equal
+//!   bytes on the frontier (`kvforge frontier`), the page-level square does not.
 //! * The drop tier's distortion is `max(ω ε(drop), recode weight × ε(last live tier))`, so
 //!   a page's distortion never decreases down the ladder.
 //! * Structured per-layer/per-head caps (C.3 prices π) are not implemented: one controller
@@ -86,8 +89,8 @@ pub struct RdrController {
     pub margin: f64,
     pub drop_policy: DropPolicy,
     pub table: DistortionTable,
-    /// How attention signals weigh distortion ([`Proxy::Concentration`] by default; it needs
-    /// per-token masses and falls back to the seed's linear proxy without them).
+    /// How attention signals weigh distortion ([`Proxy::Concentration`] by default: per-token
+    /// masses when the view has them, page masses as single units otherwise).
     pub proxy: Proxy,
     step: u64,
     pages: HashMap<PageKey, PageState>,

@@ -35,6 +35,9 @@ enum Cmd {
     Selftest(commands::selftest::Args),
     /// Time decode of every tier on the GPU (prints a table, writes JSON).
     Bench(commands::bench::Args),
+    /// Quality-vs-bytes frontier of the tier controllers on synthetic attention, and their
+    /// cost per decode step (CPU; `--gpu` also on a GPU cache).
+    Frontier(commands::frontier::Args),
     /// Report the CUDA device and libraries.
     Probe,
     /// Spherical codebooks.
@@ -135,6 +138,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Precompile(a) => commands::precompile::run(&cli.root, a),
         Cmd::Selftest(a) => commands::selftest::run(&cli.root, a),
         Cmd::Bench(a) => commands::bench::run(&cli.root, a),
+        Cmd::Frontier(a) => commands::frontier::run(&cli.root, a),
         Cmd::Probe => commands::probe(),
         Cmd::Codebook { cmd } => commands::codebook::run(cmd),
     }

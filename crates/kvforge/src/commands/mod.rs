@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod codebook;
+pub mod frontier;
 pub mod precompile;
 pub mod selftest;
 

@@ -1,0 +1,216 @@
+//! The controller loop on a real `KvCache`: what RDR costs next to the decode it steers.
+//!
+//! One sequence of `context` synthetic tokens × `heads` kv heads is prefilled into the first
+//! ladder tier; then every decode step appends one token and decodes one query with
+//! `decode_with_mass` (the kernels' per-page mass is the importance signal), and every
+//! `every` steps RDR decides and the plan is applied with the generated transcode kernels
+//! (`KvCache::retier`). Timed with `Instant` around synchronous calls (the stream is
+//! synchronised after applying): decode with and without the mass output (wall time of the
+//! call: host planning, upload, kernels, download), the tracker bookkeeping per step, and
+//! view / decide / apply per invocation. After every plan the resident bytes the cache
+//! reports must equal the plan's and stay within the budget.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvforge_rt::{CacheConfig, Device, KvCache};
+use kvforge_spec::{KeyScheme, Spec, TAIL_TIER};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use super::timing::median;
+use crate::budget::{Budget, CostModel, TierCosts};
+use crate::distortion::DistortionTable;
+use crate::plan::Limits;
+use crate::protect::Protection;
+use crate::runtime::{self, PositionMap};
+use crate::signal::{ImportanceTracker, PageKey};
+use crate::synth::{HeadShape, SynthHead};
+use crate::{Controller, RdrController};
+
+/// The GPU loop's setup.
+#[derive(Clone, Debug)]
+pub struct GpuSetup {
+    pub context: usize,
+    pub heads: usize,
+    pub gqa: usize,
+    pub d: usize,
+    /// Decode steps after the prefill.
+    pub steps: usize,
+    /// Budget as a fraction of fp16 bytes.
+    pub budget_fraction: f64,
+    pub seed: u64,
+}
+
+impl Default for GpuSetup {
+    fn default() -> Self {
+        GpuSetup { context: 32768, heads: 8, gqa: 4, d: 128, steps: 256, budget_fraction: 0.25, seed: 1 }
+    }
+}
+
+/// Timings (µs, medians unless said otherwise).
+#[derive(Clone, Debug, Default)]
+pub struct GpuTime {
+    pub device: String,
+    pub spec: String,
+    pub context: usize,
+    pub heads: usize,
+    pub gqa: usize,
+    pub steps: usize,
+    pub every: usize,
+    pub budget_bytes_per_token: f64,
+    pub decode_us: f64,
+    pub decode_with_mass_us: f64,
+    /// Per step: page keys of the cache and every page's mass into the tracker.
+    pub observe_us: f64,
+    /// The first decision (after prefill, every page in the first tier).
+    pub first_decide_us: f64,
+    pub first_apply_us: f64,
+    pub first_moves: usize,
+    pub first_drops: usize,
+    /// Steady-state invocations (all but the first).
+    pub view_us: f64,
+    pub decide_us: f64,
+    pub apply_us: f64,
+    pub moves_per_invocation: f64,
+    /// observe + (view + decide + apply) / every.
+    pub controller_per_step_us: f64,
+    /// controller_per_step_us / decode_with_mass_us.
+    pub fraction_of_decode: f64,
+    pub resident_bytes_per_token: f64,
+}
+
+fn us(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e6
+}
+
+/// Runs the loop on `spec` with RDR (`table`: the spec's distortion table).
+pub fn gpu_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s: &GpuSetup) -> Result<GpuTime, Box<dyn std::error::Error + Send + Sync>> {
+    let (d, hkv, gqa) = (s.d, s.heads, s.gqa);
+    let p = spec.page.tokens;
+    let n = s.context + s.steps;
+    let mut rng = ChaCha8Rng::seed_from_u64(s.seed);
+    let shapes = HeadShape::mix(hkv);
+    let mut heads = Vec::new();
+    let mut q_rows = Vec::new();
+    for &sh in &shapes {
+        let h = SynthHead::generate(&mut rng, d, n, p, sh, None);
+        q_rows.push(h.queries(&mut rng, s.steps * gqa));
+        heads.push(h);
+    }
+    // [t][h][d] as KvCache::append takes them.
+    let row = |t: usize, which: usize| -> Vec<f32> { heads.iter().flat_map(|h| if which == 0 { &h.k[t * d..(t + 1) * d] } else { &h.v[t * d..(t + 1) * d] }.iter().copied()).collect() };
+    let rows = |a: usize, b: usize, which: usize| -> Vec<f32> { (a..b).flat_map(|t| row(t, which)).collect() };
+    let query = |step: usize| -> Vec<f32> { q_rows.iter().flat_map(|q| q[step * gqa * d..(step + 1) * gqa * d].iter().map(|&x| x as f32)).collect() };
+
+    let cfg = CacheConfig::new(spec, d, gqa, hkv, 1, n + 64).target(1);
+    let mut cache = KvCache::new(dev.clone(), spec.clone(), cfg)?;
+    let seq = cache.add_sequence();
+    let chunk = 4096;
+    let mut a = 0;
+    while a < s.context {
+        let b = (a + chunk).min(s.context);
+        cache.append(seq, &rows(a, b, 0), &rows(a, b, 1))?;
+        a = b;
+    }
+    for t in spec.tiers.iter().skip(2) {
+        if let KeyScheme::Spherical { group, .. } = &t.key {
+            let mut scales = Vec::with_capacity(hkv * d / group);
+            for h in &heads {
+                scales.extend(kvforge_ref::radius_scales(&h.k[..s.context * d], d, *group).into_iter().map(|x| x * cache.config().radius_headroom));
+            }
+            cache.set_radius_scales(t.id, &scales)?;
+        }
+    }
+    dev.stream.synchronize()?;
+
+    let costs = TierCosts::from_spec(spec, d, CostModel::Resident);
+    let fp16_per_token = costs.cost(TAIL_TIER, p) / p as f64;
+    let limits = Limits { budget: Budget::PerToken(s.budget_fraction * fp16_per_token), protection: Protection::default() };
+    let mut rdr = RdrController::with_table(table.clone());
+    let mut tracker = ImportanceTracker::new(0.5);
+    let mut pos = PositionMap::new(seq, hkv);
+    pos.sync(&cache)?;
+    let mut r = GpuTime { device: dev.info.name.clone(), spec: spec.name.clone(), context: s.context, heads: hkv, gqa, steps: s.steps, every: rdr.every, budget_bytes_per_token: s.budget_fraction * fp16_per_token, ..Default::default() };
+    let (mut dec, mut decm, mut obs, mut tv, mut td, mut ta) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut moves, mut invocations) = (0usize, 0usize);
+    // Warm the kernels (JIT, first launches) before timing.
+    let q0 = query(0);
+    cache.decode(&[seq], &q0)?;
+    cache.decode_with_mass(&[seq], &q0)?;
+    for step in 0..s.steps {
+        let t = s.context + step;
+        cache.append(seq, &row(t, 0), &row(t, 1))?;
+        let q = query(step);
+        let t0 = Instant::now();
+        cache.decode(&[seq], &q)?;
+        dec.push(us(t0));
+        let t0 = Instant::now();
+        let (_, mass) = cache.decode_with_mass(&[seq], &q)?;
+        decm.push(us(t0));
+        let t0 = Instant::now();
+        pos.sync(&cache)?;
+        let mut keys: Vec<PageKey> = Vec::new();
+        pos.view(&cache, costs.clone(), |k, _| {
+            keys.push(k);
+            runtime::Signal::default()
+        })?;
+        let mut it = keys.iter();
+        for (h, pm) in mass[0].iter().enumerate() {
+            for &m in pm {
+                let k = it.next().ok_or("more page masses than pages")?;
+                debug_assert_eq!(k.head, h);
+                tracker.observe(*k, m);
+            }
+        }
+        obs.push(us(t0));
+        if !rdr.step() {
+            continue;
+        }
+        tracker.roll();
+        let t0 = Instant::now();
+        pos.sync(&cache)?;
+        let view = pos.view(&cache, costs.clone(), |k, _| runtime::Signal { mass: tracker.get(k), ..Default::default() })?;
+        let view_us = us(t0);
+        let t0 = Instant::now();
+        let plan = rdr.decide(&view, &limits);
+        let decide_us = us(t0);
+        let t0 = Instant::now();
+        pos.apply(&mut cache, &view, &plan, &limits)?;
+        dev.stream.synchronize()?;
+        let apply_us = us(t0);
+        let resident = cache.memory_report().iter().map(|u| u.resident_bytes).sum::<usize>() as f64;
+        if resident != plan.cost_after {
+            return Err(format!("resident {resident} B differs from the plan's {} B", plan.cost_after).into());
+        }
+        if plan.feasible && resident > plan.budget_bytes {
+            return Err(format!("resident {resident} B over the {} B budget", plan.budget_bytes).into());
+        }
+        r.resident_bytes_per_token = resident / (view.context_tokens * hkv) as f64;
+        let live: std::collections::HashSet<PageKey> = crate::check::simulate(&view, &plan).iter().map(|(id, pg)| pg.key(id.head)).collect();
+        tracker.retain(|k| live.contains(&k));
+        if invocations == 0 {
+            let drop = costs.drop_tier();
+            r.first_decide_us = decide_us;
+            r.first_apply_us = apply_us;
+            r.first_drops = plan.decisions.iter().filter(|x| Some(x.to_tier) == drop).count();
+            r.first_moves = plan.decisions.len() - r.first_drops;
+        } else {
+            tv.push(view_us);
+            td.push(decide_us);
+            ta.push(apply_us);
+            moves += plan.decisions.len();
+        }
+        invocations += 1;
+    }
+    r.decode_us = median(&mut dec);
+    r.decode_with_mass_us = median(&mut decm);
+    r.observe_us = median(&mut obs);
+    r.view_us = median(&mut tv);
+    r.decide_us = median(&mut td);
+    r.apply_us = median(&mut ta);
+    r.moves_per_invocation = moves as f64 / invocations.saturating_sub(1).max(1) as f64;
+    r.controller_per_step_us = r.observe_us + (r.view_us + r.decide_us + r.apply_us) / r.every as f64;
+    r.fraction_of_decode = r.controller_per_step_us / r.decode_with_mass_us;
+    Ok(r)
+}

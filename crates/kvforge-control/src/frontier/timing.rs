@@ -1,0 +1,270 @@
+//! What the controllers cost on the CPU at long context: the issue's "< 2% of decode step
+//! time at 32K" (RDR, per step, decision amortised over its period) and "< 1% of prefill"
+//! (RDKV, once).
+//!
+//! A `SimCache` holds one sequence of `context` tokens × `heads` kv heads (first-tier pages).
+//! Masses are real: each page's share of a decode query's attention over the synthetic keys
+//! ([`crate::synth`]), 32 decode queries per head, windows of `every` consecutive queries
+//! (cycled) per RDR invocation, so scores fluctuate between invocations as they do in decode.
+//! Timed separately, medians over repetitions:
+//! * `observe`: one decode step's bookkeeping — every page's mass into the
+//!   [`ImportanceTracker`] (the runtime does this after every `decode_with_mass`);
+//! * `view`: the [`PositionMap`] view of the cache (page table walk + signal lookup);
+//! * `decide`: the controller;
+//! * `apply`: [`runtime::apply`] on the `SimCache` (checks and bookkeeping only; the GPU
+//!   transcode kernels are timed by [`super::gpu`]).
+//!
+//! Two regimes: the *first* decision after prefill (every page still in the first tier, the
+//! budget forces thousands of moves) and the *steady state* (one decision every `every`
+//! decode steps, `every` new tokens since the last one).
+
+use std::time::Instant;
+
+use kvforge_spec::Spec;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+
+use crate::budget::{Budget, CostModel, TierCosts};
+use crate::distortion::DistortionTable;
+use crate::plan::Limits;
+use crate::protect::Protection;
+use crate::runtime::{self, PositionMap, SimCache};
+use crate::signal::{ImportanceTracker, PageKey};
+use crate::synth::{HeadShape, SynthHead};
+use crate::{Controller, RdkvController, RdrController};
+
+/// The timing setup.
+#[derive(Clone, Debug)]
+pub struct TimingSetup {
+    pub context: usize,
+    pub heads: usize,
+    pub d: usize,
+    pub gqa: usize,
+    /// Budget as a fraction of fp16 bytes.
+    pub budget_fraction: f64,
+    /// Repetitions of the first decision.
+    pub reps: usize,
+    /// Steady-state RDR invocations.
+    pub invocations: usize,
+    pub seed: u64,
+}
+
+impl Default for TimingSetup {
+    fn default() -> Self {
+        TimingSetup { context: 32768, heads: 8, d: 128, gqa: 4, budget_fraction: 0.25, reps: 15, invocations: 64, seed: 1 }
+    }
+}
+
+/// Timings of one spec's controllers (µs, medians).
+#[derive(Clone, Debug, Default)]
+pub struct ControllerTime {
+    pub spec: String,
+    pub context: usize,
+    pub heads: usize,
+    pub pages: usize,
+    /// RDR's period (decode steps per decision).
+    pub every: usize,
+    pub budget_bytes_per_token: f64,
+    pub rdr_first_view_us: f64,
+    pub rdr_first_decide_us: f64,
+    pub rdr_first_moves: usize,
+    pub rdr_steady_view_us: f64,
+    pub rdr_steady_decide_us: f64,
+    pub rdr_steady_apply_us: f64,
+    /// Mean decisions per steady-state invocation.
+    pub rdr_steady_moves: f64,
+    /// One decode step's tracker bookkeeping (every page observed once).
+    pub observe_us: f64,
+    /// Per decode step: observe + (view + decide + apply) / every.
+    pub rdr_per_step_us: f64,
+    /// RDKV once after prefill (view with per-token masses, then decide); None for
+    /// spherical ladders.
+    pub rdkv_view_us: Option<f64>,
+    pub rdkv_decide_us: Option<f64>,
+}
+
+pub fn median(xs: &mut [f64]) -> f64 {
+    if xs.is_empty() {
+        return f64::NAN;
+    }
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        0.5 * (xs[n / 2 - 1] + xs[n / 2])
+    }
+}
+
+fn us(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e6
+}
+
+/// Per kv head, per decode query, every page's share of the query's attention (GQA rows
+/// together, as `decode_with_mass` reports it), over all `tokens` synthetic tokens; and the
+/// per-token masses of the same queries summed (RDKV's weights in the timing).
+fn masses(setup: &TimingSetup, tokens: usize, page: usize, queries: usize) -> (Vec<Vec<Vec<f64>>>, Vec<Vec<f64>>) {
+    let mut rng = ChaCha8Rng::seed_from_u64(setup.seed);
+    let shapes = HeadShape::mix(setup.heads);
+    let heads: Vec<(SynthHead, Vec<f64>)> = shapes
+        .iter()
+        .map(|&s| {
+            let h = SynthHead::generate(&mut rng, setup.d, tokens, page, s, None);
+            let q = h.queries(&mut rng, queries * setup.gqa);
+            (h, q)
+        })
+        .collect();
+    let d = setup.d;
+    let sm = 1.0 / (d as f64).sqrt();
+    let work = |(h, q): &(SynthHead, Vec<f64>)| -> (Vec<Vec<f64>>, Vec<f64>) {
+        let k: Vec<f64> = h.k.iter().map(|&x| f64::from(x)).collect();
+        let mut tok = vec![0.0; tokens];
+        let mut per_query = Vec::with_capacity(queries);
+        for rows in q.chunks_exact(setup.gqa * d) {
+            // e^logit per token summed over the GQA rows, against one shared maximum.
+            let s: Vec<Vec<f64>> = rows.chunks_exact(d).map(|r| k.chunks_exact(d).map(|kt| sm * r.iter().zip(kt).map(|(a, b)| a * b).sum::<f64>()).collect()).collect();
+            let m = s.iter().flatten().copied().fold(f64::NEG_INFINITY, f64::max);
+            let mut e = vec![0.0; tokens];
+            for row in &s {
+                let z: f64 = row.iter().map(|x| (x - m).exp()).sum();
+                for ((et, x), w) in e.iter_mut().zip(row).zip(tok.iter_mut()) {
+                    let a = (x - m).exp();
+                    *et += a;
+                    *w += a / z;
+                }
+            }
+            let tot: f64 = e.iter().sum();
+            per_query.push(e.chunks(page).map(|c| c.iter().sum::<f64>() / tot).collect());
+        }
+        (per_query, tok)
+    };
+    let out: Vec<(Vec<Vec<f64>>, Vec<f64>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = heads.iter().map(|h| s.spawn(move || work(h))).collect();
+        hs.into_iter().map(|h| h.join().expect("mass thread")).collect()
+    });
+    out.into_iter().unzip()
+}
+
+/// Times RDR (and RDKV for integer ladders) on `spec`. `table` is the spec's distortion table.
+pub fn time_controllers(spec: &Spec, table: &DistortionTable, setup: &TimingSetup) -> ControllerTime {
+    let p = spec.page.tokens;
+    let mut rdr0 = RdrController::with_table(table.clone());
+    let every = rdr0.every;
+    let total = setup.context + every * setup.invocations;
+    let queries = 32;
+    let (page_mass, tok_mass) = masses(setup, total, p, queries);
+    let costs = TierCosts::from_spec(spec, setup.d, CostModel::Resident);
+    let fp16_per_token = costs.cost(kvforge_spec::TAIL_TIER, p) / p as f64;
+    let limits = Limits { budget: Budget::PerToken(setup.budget_fraction * fp16_per_token), protection: Protection::default() };
+    let mut cache = SimCache::new(spec.clone(), setup.d, setup.heads, 1);
+    let seq = cache.add_sequence();
+    cache.append(seq, setup.context);
+    let mut pos = PositionMap::new(seq, setup.heads);
+    pos.sync(&cache).expect("sync");
+    let mut tracker = ImportanceTracker::new(0.5);
+    let observe = |tracker: &mut ImportanceTracker, q: usize, pages_now: usize| {
+        for (h, pm) in page_mass.iter().enumerate() {
+            for (i, &m) in pm[q % queries].iter().take(pages_now).enumerate() {
+                tracker.observe(PageKey { head: h, first_token: i * p }, m);
+            }
+        }
+    };
+    let pages_at = |n: usize| n.div_ceil(p);
+    let mut observe_t = Vec::new();
+    for q in 0..every {
+        let t = Instant::now();
+        observe(&mut tracker, q, pages_at(setup.context));
+        observe_t.push(us(t));
+    }
+    tracker.roll();
+    let mut r = ControllerTime { spec: spec.name.clone(), context: setup.context, heads: setup.heads, every, budget_bytes_per_token: setup.budget_fraction * fp16_per_token, ..Default::default() };
+
+    // The first decision after prefill.
+    let (mut tv, mut td) = (Vec::new(), Vec::new());
+    let mut first = None;
+    for _ in 0..setup.reps.max(1) {
+        let t = Instant::now();
+        let view = pos.view(&cache, costs.clone(), |k, _| runtime::Signal { mass: tracker.get(k), ..Default::default() }).expect("view");
+        tv.push(us(t));
+        let mut c = rdr0.clone();
+        let t = Instant::now();
+        let plan = c.decide(&view, &limits);
+        td.push(us(t));
+        first = Some((c, view, plan));
+    }
+    let (c, view, plan) = first.unwrap();
+    r.pages = view.num_pages();
+    r.rdr_first_view_us = median(&mut tv);
+    r.rdr_first_decide_us = median(&mut td);
+    r.rdr_first_moves = plan.decisions.len();
+    pos.apply(&mut cache, &view, &plan, &limits).expect("apply the first plan");
+    rdr0 = c;
+    for _ in 0..every {
+        rdr0.step();
+    }
+
+    // Steady state.
+    let (mut sv, mut sd, mut sa) = (Vec::new(), Vec::new(), Vec::new());
+    let mut moves = 0usize;
+    let mut n = setup.context;
+    for i in 0..setup.invocations {
+        cache.append(seq, every);
+        n += every;
+        let mut go = false;
+        for s in 0..every {
+            let t = Instant::now();
+            observe(&mut tracker, (i + 1) * every + s, pages_at(n));
+            observe_t.push(us(t));
+            go = rdr0.step();
+        }
+        assert!(go, "RDR runs every {every} steps");
+        tracker.roll();
+        pos.sync(&cache).expect("sync");
+        let t = Instant::now();
+        let view = pos.view(&cache, costs.clone(), |k, _| runtime::Signal { mass: tracker.get(k), ..Default::default() }).expect("view");
+        sv.push(us(t));
+        let t = Instant::now();
+        let plan = rdr0.decide(&view, &limits);
+        sd.push(us(t));
+        let t = Instant::now();
+        pos.apply(&mut cache, &view, &plan, &limits).expect("apply");
+        sa.push(us(t));
+        moves += plan.decisions.len();
+        let live: std::collections::HashSet<PageKey> = crate::check::simulate(&view, &plan).iter().map(|(id, pg)| pg.key(id.head)).collect();
+        tracker.retain(|k| live.contains(&k));
+    }
+    r.rdr_steady_view_us = median(&mut sv);
+    r.rdr_steady_decide_us = median(&mut sd);
+    r.rdr_steady_apply_us = median(&mut sa);
+    r.rdr_steady_moves = moves as f64 / setup.invocations.max(1) as f64;
+    r.observe_us = median(&mut observe_t);
+    r.rdr_per_step_us = r.observe_us + (r.rdr_steady_view_us + r.rdr_steady_decide_us + r.rdr_steady_apply_us) / every as f64;
+
+    // RDKV once after prefill, on a fresh cache, with per-token masses.
+    if let Ok(rdkv) = RdkvController::new(spec) {
+        let mut cache = SimCache::new(spec.clone(), setup.d, setup.heads, 1);
+        let seq = cache.add_sequence();
+        cache.append(seq, setup.context);
+        let mut pos = PositionMap::new(seq, setup.heads);
+        pos.sync(&cache).expect("sync");
+        let (mut tv, mut td) = (Vec::new(), Vec::new());
+        for _ in 0..setup.reps.max(1) {
+            let t = Instant::now();
+            let view = pos
+                .view(&cache, costs.clone(), |k, len| {
+                    let t = &tok_mass[k.head][k.first_token..k.first_token + len];
+                    runtime::Signal { mass: t.iter().sum(), token_mass: Some(t.to_vec()), pinned: false }
+                })
+                .expect("view");
+            tv.push(us(t));
+            let mut c = rdkv.clone();
+            let t = Instant::now();
+            let plan = c.decide(&view, &limits);
+            td.push(us(t));
+            assert!(!plan.feasible || plan.cost_after <= plan.budget_bytes);
+        }
+        r.rdkv_view_us = Some(median(&mut tv));
+        r.rdkv_decide_us = Some(median(&mut td));
+    }
+    r
+}

@@ -1,0 +1,247 @@
+//! `kvforge frontier`: the quality-vs-bytes frontier of the tier controllers and their cost
+//! per decode step (issue 7 "Bench"). The work is in `kvforge_control::frontier`; this file
+//! parses arguments, prints tables and writes JSON.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use kvforge_control::frontier::gpu::{gpu_loop, GpuSetup};
+use kvforge_control::frontier::timing::{time_controllers, ControllerTime, TimingSetup};
+use kvforge_control::frontier::{default_methods, summarise, sweep, Scenario, Setup, Summary, Tables, World};
+use kvforge_spec::{KeyScheme, Spec};
+use serde_json::{json, Value};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Tokens per kv head of the synthetic sequences.
+    #[arg(long, value_delimiter = ',', default_value = "4096,16384")]
+    contexts: Vec<usize>,
+    #[arg(long, default_value_t = 4)]
+    kv_heads: usize,
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
+    seeds: Vec<u64>,
+    /// Budgets as fractions of the fp16 bytes of the sequence.
+    #[arg(long, value_delimiter = ',', default_value = "0.02,0.03,0.05,0.075,0.1,0.15,0.2,0.25,0.3,0.4,0.5")]
+    budgets: Vec<f64>,
+    /// Background keys near the spherical `high` codebook's codewords (`codebook`, the keys a
+    /// trained codebook fits) or isotropic Gaussian (`isotropic`, the spherical tiers' worst case).
+    #[arg(long, default_value = "codebook")]
+    keys: String,
+    /// Skip the CPU controller timing.
+    #[arg(long)]
+    no_timing: bool,
+    #[arg(long, default_value_t = 32768)]
+    timing_context: usize,
+    #[arg(long, default_value_t = 8)]
+    timing_kv_heads: usize,
+    /// Bench JSON with kvforge decode times (batch 1 at the timing context) to compare against.
+    #[arg(long, default_value = "benches/results/h100-2026-11-23.json")]
+    decode_json: PathBuf,
+    /// Also run the controller loop on the GPU (`KvCache`, decode_with_mass, retier) and time it.
+    #[arg(long)]
+    gpu: bool,
+    /// Decode steps of the GPU loop.
+    #[arg(long, default_value_t = 256)]
+    gpu_steps: usize,
+    /// Skip the CPU frontier (with --gpu: only the GPU loop).
+    #[arg(long)]
+    no_frontier: bool,
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+fn load(root: &Path, name: &str) -> anyhow::Result<Spec> {
+    Ok(Spec::load(&root.join("specs").join(format!("{name}.toml")))?)
+}
+
+fn cpu_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|x| x.trim().to_string()))
+        .unwrap_or_else(|| "unknown CPU".into())
+}
+
+fn summary_json(s: &Summary) -> Value {
+    let feasible = s.seeds > s.infeasible_seeds;
+    json!({
+        "method": s.method.name(),
+        "spec": s.method.spec(),
+        "uniform": s.method.is_uniform(),
+        "context": s.context,
+        "kv_heads": s.heads,
+        "budget_fraction": s.budget_fraction,
+        "matched": s.matched,
+        "seeds": s.seeds,
+        "infeasible_seeds": s.infeasible_seeds,
+        "feasible": feasible,
+        "bytes_per_token": if feasible { json!(s.bytes_per_token) } else { Value::Null },
+        "max_budget_use": if feasible { json!(s.max_budget_use) } else { Value::Null },
+        "rel_error_mean": if feasible { json!(s.errors.mean()) } else { Value::Null },
+        "rel_error_p90": if feasible { json!(s.errors.p90()) } else { Value::Null },
+        "rel_error_pooled": if feasible { json!(s.errors.pooled()) } else { Value::Null },
+        "rows": s.errors.per_row.len(),
+        "drops_mean": s.drops,
+        "dropped_needle_pages": s.dropped_needle_pages,
+        "decide_us_mean": s.decide_us,
+    })
+}
+
+/// Decode time of `tier` (e.g. `rdkv:b16`) at batch 1 and `context` from a bench JSON.
+fn decode_time(path: &Path, tier: &str, context: usize) -> Option<(f64, String)> {
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(path).ok()?).ok()?;
+    let row = v["results"].as_array()?.iter().find(|r| r["system"] == "kvforge" && r["tier"] == tier && r["batch"] == 1 && r["context"] == context)?;
+    Some((row["time_us"].as_f64()?, v["device"].as_str().unwrap_or("?").to_string()))
+}
+
+fn timing_json(t: &ControllerTime, decode: Option<(f64, String)>, source: &Path) -> Value {
+    let cmp = decode.map(|(us, dev)| {
+        json!({
+            "decode_step_us": us,
+            "decode_device": dev,
+            "decode_source": source.display().to_string(),
+            "decode_what": format!("kvforge {}:{} decode kernel, batch 1 × {} tokens, {} kv heads (CUDA events, L2 flushed, median)", t.spec, if t.spec == "rdkv" { "b16" } else { "high" }, t.context, t.heads),
+            "rdr_per_step_fraction": t.rdr_per_step_us / us,
+            "rdr_decision_only_per_step_fraction": (t.rdr_steady_view_us + t.rdr_steady_decide_us) / t.every as f64 / us,
+        })
+    });
+    json!({
+        "spec": t.spec, "context": t.context, "kv_heads": t.heads, "pages": t.pages, "every": t.every,
+        "budget_bytes_per_token": t.budget_bytes_per_token,
+        "rdr_first_view_us": t.rdr_first_view_us, "rdr_first_decide_us": t.rdr_first_decide_us, "rdr_first_moves": t.rdr_first_moves,
+        "rdr_steady_view_us": t.rdr_steady_view_us, "rdr_steady_decide_us": t.rdr_steady_decide_us, "rdr_steady_apply_sim_us": t.rdr_steady_apply_us,
+        "rdr_steady_moves_per_invocation": t.rdr_steady_moves,
+        "observe_us_per_step": t.observe_us,
+        "rdr_per_step_us": t.rdr_per_step_us,
+        "rdkv_view_us": t.rdkv_view_us, "rdkv_decide_us": t.rdkv_decide_us,
+        "vs_decode": cmp,
+    })
+}
+
+pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
+    let rdkv = load(root, "rdkv")?;
+    let sph = load(root, "spherical")?;
+    let mut tables = Tables::default();
+    let mut out = json!({
+        "device": format!("cpu: {} ({} threads)", cpu_name(), std::thread::available_parallelism().map_or(1, |n| n.get())),
+        "date": super::selftest::today(),
+        "budgets": a.budgets,
+    });
+    if !a.no_frontier {
+        let codebook = match (&a.keys[..], &sph.tiers[1].key) {
+            ("codebook", KeyScheme::Spherical { codebook, .. }) => Some(codebook.clone()),
+            ("isotropic", _) => None,
+            (k, _) => return Err(kvforge_rt::RtError::BadInput(format!("--keys {k}: expected `codebook` or `isotropic`")).into()),
+        };
+        let setup = Setup::default();
+        let methods = default_methods();
+        let mut points = Vec::new();
+        let mut nmse = Vec::new();
+        for &ctx in &a.contexts {
+            for &seed in &a.seeds {
+                let mut sc = Scenario::new(ctx, a.kv_heads, seed);
+                sc.key_codebook = codebook.clone();
+                let t0 = std::time::Instant::now();
+                let wr = World::build(&rdkv, &sc);
+                let ws = World::build(&sph, &sc);
+                let built = t0.elapsed().as_secs_f64();
+                let t0 = std::time::Instant::now();
+                points.extend(sweep(&[&wr, &ws], &methods, &a.budgets, &setup, &mut tables));
+                eprintln!("context {ctx} seed {seed}: coded in {built:.1} s, swept in {:.1} s", t0.elapsed().as_secs_f64());
+                if seed == a.seeds[0] {
+                    for w in [&wr, &ws] {
+                        for (t, (k, v)) in w.spec.tiers.iter().zip(w.tier_nmse()) {
+                            if t.id > 0 && !t.is_drop() {
+                                nmse.push(json!({"spec": w.spec.name, "tier": t.name, "context": ctx, "k_nmse": k, "v_nmse": v}));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let sums = summarise(&points);
+        println!("{:<34} {:>6} {:>7} {:>9} {:>8} {:>10} {:>10} {:>6}  matched", "method", "ctx", "budget", "B/tok/hd", "use", "err mean", "err p90", "drops");
+        for s in &sums {
+            if s.seeds == s.infeasible_seeds {
+                println!("{:<34} {:>6} {:>6.1}% {:>9} {:>8} {:>10} {:>10} {:>6}  (protected pages alone exceed the budget)", s.method.name(), s.context, 100.0 * s.budget_fraction, "-", "-", "-", "-", "-");
+                continue;
+            }
+            println!(
+                "{:<34} {:>6} {:>6.1}% {:>9.1} {:>8.3} {:>10.3e} {:>10.3e} {:>6.1}  {}",
+                s.method.name(),
+                s.context,
+                100.0 * s.budget_fraction,
+                s.bytes_per_token,
+                s.max_budget_use,
+                s.errors.mean(),
+                s.errors.p90(),
+                s.drops,
+                s.matched.clone().unwrap_or_default()
+            );
+        }
+        out["setup"] = json!({
+            "kv_heads": a.kv_heads, "head_dim": 128, "gqa": 4, "page_tokens": rdkv.page.tokens, "seeds": a.seeds, "contexts": a.contexts,
+            "keys": a.keys,
+            "head_shapes": kvforge_control::synth::HeadShape::mix(a.kv_heads).iter().map(|h| json!({"gamma": h.gamma, "heavy": h.heavy, "kappa": h.kappa, "needles": h.needles})).collect::<Vec<_>>(),
+            "queries_per_head": {"prefill": 16, "decode": 32, "test": 4},
+            "protection": {"sink_tokens": setup.protection.sink_tokens, "recent_tokens": setup.protection.recent_tokens, "floor_tier": setup.protection.floor},
+            "rdr_signal": format!("decode page masses over first-tier pages, tracker window {} queries, EMA beta {}", setup.window, setup.beta),
+            "rdkv_signal": "prefill column sums per token (16 observation queries per kv head)",
+            "budget_reference": "fp16 page slots of the whole sequence (514 B per token per kv head at d 128)",
+            "error": "per test query row: ||o - o_hat|| / ||o|| vs exact f64 attention over the original keys and values; mean and p90 over rows of all seeds and heads",
+        });
+        out["tier_nmse"] = json!(nmse);
+        out["results"] = json!(sums.iter().map(summary_json).collect::<Vec<_>>());
+    }
+    if !a.no_timing {
+        let ts = TimingSetup { context: a.timing_context, heads: a.timing_kv_heads, ..Default::default() };
+        let mut tj = Vec::new();
+        for (spec, tier) in [(&rdkv, "rdkv:b16"), (&sph, "spherical:high")] {
+            let table = tables.get(spec);
+            let t = time_controllers(spec, &table, &ts);
+            let dec = decode_time(&root.join(&a.decode_json), tier, ts.context);
+            println!(
+                "[{}] {} tokens × {} kv heads ({} pages), budget {:.0} B/token/head: RDR first decision {:.0} us ({} moves; view {:.0} us); steady view {:.0} + decide {:.0} + apply {:.0} us every {} steps ({:.1} moves), observe {:.1} us/step → {:.2} us per decode step{}; RDKV after prefill: view {} decide {}",
+                t.spec, t.context, t.heads, t.pages, t.budget_bytes_per_token, t.rdr_first_decide_us, t.rdr_first_moves, t.rdr_first_view_us, t.rdr_steady_view_us, t.rdr_steady_decide_us, t.rdr_steady_apply_us, t.every, t.rdr_steady_moves, t.observe_us, t.rdr_per_step_us,
+                dec.as_ref().map_or(String::new(), |(us, dev)| format!(" = {:.1}% of the {us:.1} us {tier} decode step on {dev}", 100.0 * t.rdr_per_step_us / us)),
+                t.rdkv_view_us.map_or("-".into(), |x| format!("{x:.0} us")),
+                t.rdkv_decide_us.map_or("-".into(), |x| format!("{x:.0} us")),
+            );
+            tj.push(timing_json(&t, dec, &a.decode_json));
+        }
+        out["controller_time"] = json!({
+            "what": "CPU, std::time::Instant, medians; per decode step = tracker observe + (view + decide + SimCache apply) / every; GPU transcode time is not included (see --gpu)",
+            "timing_context": ts.context, "kv_heads": ts.heads, "budget_fraction": ts.budget_fraction, "invocations": ts.invocations, "reps": ts.reps,
+            "specs": tj,
+        });
+    }
+    if a.gpu {
+        let dev = std::sync::Arc::new(kvforge_rt::Device::open(0)?);
+        let mut gj = Vec::new();
+        for (spec, frac, tier) in [(&rdkv, 0.25, "rdkv:b16"), (&sph, 0.45, "spherical:high")] {
+            let table = tables.get(spec);
+            let gs = GpuSetup { context: a.timing_context, heads: a.timing_kv_heads, steps: a.gpu_steps, budget_fraction: frac, ..Default::default() };
+            let g = gpu_loop(&dev, spec, &table, &gs).map_err(|e| anyhow::anyhow!("GPU loop on `{}`: {e}", spec.name))?;
+            let bench = decode_time(&root.join(&a.decode_json), tier, gs.context);
+            println!(
+                "[gpu {}] {}: {} tokens × {} kv heads, {} steps: decode {:.1} us, decode_with_mass {:.1} us; observe {:.1} us/step; first decision {:.0} us + apply {:.0} us ({} re-codes, {} drops); steady view {:.0} + decide {:.0} + apply {:.0} us every {} steps ({:.1} moves) → controller {:.2} us per step = {:.2}% of decode_with_mass",
+                g.device, g.spec, g.context, g.heads, g.steps, g.decode_us, g.decode_with_mass_us, g.observe_us, g.first_decide_us, g.first_apply_us, g.first_moves, g.first_drops, g.view_us, g.decide_us, g.apply_us, g.every, g.moves_per_invocation, g.controller_per_step_us, 100.0 * g.fraction_of_decode
+            );
+            gj.push(json!({
+                "device": g.device, "spec": g.spec, "context": g.context, "kv_heads": g.heads, "gqa": g.gqa, "steps": g.steps, "every": g.every,
+                "budget_fraction": frac, "budget_bytes_per_token": g.budget_bytes_per_token, "resident_bytes_per_token": g.resident_bytes_per_token,
+                "decode_us": g.decode_us, "decode_with_mass_us": g.decode_with_mass_us, "observe_us_per_step": g.observe_us,
+                "first_decide_us": g.first_decide_us, "first_apply_us": g.first_apply_us, "first_moves": g.first_moves, "first_drops": g.first_drops,
+                "view_us": g.view_us, "decide_us": g.decide_us, "apply_us": g.apply_us, "moves_per_invocation": g.moves_per_invocation,
+                "controller_per_step_us": g.controller_per_step_us, "fraction_of_decode_with_mass": g.fraction_of_decode,
+                "bench_decode_kernel_us": bench.map(|b| b.0),
+                "what": "wall time (Instant) of synchronous calls; decode includes host planning and transfers; apply = retier with transcode kernels + stream sync",
+            }));
+        }
+        out["gpu_controller_time"] = json!(gj);
+    }
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&out)? + "\n")?;
+        println!("wrote {}", path.display());
+    }
+    Ok(ExitCode::SUCCESS)
+}
