@@ -136,6 +136,25 @@ def run_scheme(name, model, tok, args, tokens, hay_ids, device, d):
             log(f"  {name} layer error @ {ctx}: mean {le[str(ctx)]['rel_err_mean']:.4g} max {le[str(ctx)]['rel_err_max']:.4g}")
         res["layer_error"] = le
 
+    # kvforge kernels against the pure-torch simulation of the same tier, on identical inputs
+    if name.startswith("kvforge:") and args.layer_error_contexts and not args.no_cross_check:
+        spec, _, tier = name.partition(":")[2].rpartition(":")
+        try:
+            sim = kvq.SimBackend(spec, tier, f"sim:{spec}:{tier}")
+        except SystemExit as e:
+            sim = None
+            log(f"  {name}: no simulation to cross-check against ({e})")
+        if sim is not None:
+            ctx = args.layer_error_contexts[0]
+            ids = tokens[args.texts[0]][args.offset: args.offset + ctx]
+            cmp = kvq.CompareBackend(sim, kvq.make_backend(name, max_tokens=ctx + 64))
+            kvq.set_backend(cmp)
+            perplexity(model, ids, device)
+            res["vs_sim"] = {"context": ctx, "text": args.texts[0], "rel_err_per_layer": [cmp.err[i] for i in sorted(cmp.err)],
+                             "rel_err_max": max(cmp.err.values()),
+                             "what": "||o_kvforge - o_sim|| / ||o_sim|| per layer, same inputs (sim outputs fed forward)"}
+            log(f"  {name} vs sim @ {ctx}: max rel err {res['vs_sim']['rel_err_max']:.3g}")
+
     # Needle in a haystack
     if args.needle_contexts:
         nd = {}
@@ -181,6 +200,7 @@ def main():
     ap.add_argument("--needle-depths", default="0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9")
     ap.add_argument("--needle-text", default="northangerabbey")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-cross-check", action="store_true", help="skip kvforge-vs-simulation per-layer comparison")
     ap.add_argument("--baseline-check", action="store_true",
                     help="also measure fp16 perplexity on the start of Pride and Prejudice at 512/2048/8192")
     ap.add_argument("--out", type=Path, help="JSON path (default benches/results/quality-<device>-<date>.json)")
