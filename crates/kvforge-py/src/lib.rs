@@ -30,29 +30,11 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 // ---------------------------------------------------------------------------------------------
 // Errors
 
-/// The runtime error variant's name, exposed as `KvforgeError.kind`.
-fn kind(e: &RtError) -> &'static str {
-    match e {
-        RtError::NoDriver(_) => "NoDriver",
-        RtError::NoNvrtc => "NoNvrtc",
-        RtError::NoDevice(_) => "NoDevice",
-        RtError::NoCudaHeaders { .. } => "NoCudaHeaders",
-        RtError::Driver { .. } => "Driver",
-        RtError::Compile { .. } => "Compile",
-        RtError::CompileWarnings { .. } => "CompileWarnings",
-        RtError::CacheMiss { .. } => "CacheMiss",
-        RtError::CacheIo { .. } => "CacheIo",
-        RtError::OutOfPages { .. } => "OutOfPages",
-        RtError::OutOfMemory { .. } => "OutOfMemory",
-        RtError::BadInput(_) => "BadInput",
-        RtError::NoSequence(_) => "NoSequence",
-        RtError::EmptySequence(_) => "EmptySequence",
-        RtError::NoVariant { .. } => "NoVariant",
-        RtError::CorruptPage { .. } => "CorruptPage",
-        RtError::KernelFault { .. } => "KernelFault",
-        RtError::BadTier(..) => "BadTier",
-        RtError::Render(_) => "Render",
-    }
+/// The runtime error variant's name, exposed as `KvforgeError.kind`: the leading identifier
+/// of the derived `Debug` form, so a variant added to `RtError` needs no change here.
+fn kind(e: &RtError) -> String {
+    let dbg = format!("{e:?}");
+    dbg.split(|c: char| !c.is_alphanumeric() && c != '_').next().filter(|s| !s.is_empty()).unwrap_or("Error").to_string()
 }
 
 /// `kvforge.KvforgeError(message, kind)`; defined in Python (`kvforge/_errors.py`) so it can
@@ -67,7 +49,7 @@ fn py_error(py: Python<'_>, kind: &str, msg: String) -> PyErr {
 }
 
 fn rt_err(py: Python<'_>, e: RtError) -> PyErr {
-    py_error(py, kind(&e), e.to_string())
+    py_error(py, &kind(&e), e.to_string())
 }
 
 fn bad(py: Python<'_>, msg: impl Into<String>) -> PyErr {
