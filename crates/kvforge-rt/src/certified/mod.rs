@@ -292,9 +292,10 @@ impl KvCache {
     fn tail_v_max(&self, seq: usize, head: usize) -> Result<f64> {
         let Some((bytes, len)) = self.tail_bytes(seq, head)? else { return Ok(0.0) };
         let d = self.cfg.head_dim;
-        let tail = &self.spec.tiers[TAIL_TIER as usize];
-        let page = kvforge_ref::page::decode_page(tail, d, &self.spec.page, &bytes, &[]).map_err(|e| RtError::BadInput(format!("tail page: {e}")))?;
-        Ok((0..len).map(|t| page.v[t * d..(t + 1) * d].iter().map(|x| x * x).sum::<f64>().sqrt()).fold(0.0, f64::max))
+        let voff = kvforge_spec::HEADER_BYTES + self.spec.segment(TAIL_TIER, d).offset("v");
+        let dtype = self.spec.geometry.dtype;
+        let norm = |t: usize| (0..d).map(|c| from_bits(dtype, u16::from_le_bytes([bytes[voff + (t * d + c) * 2], bytes[voff + (t * d + c) * 2 + 1]])) as f64).map(|x| x * x).sum::<f64>().sqrt();
+        Ok((0..len).map(norm).fold(0.0, f64::max))
     }
 
     /// Launches decode over the groups' pages, promoted ones served from tier 2, recording
