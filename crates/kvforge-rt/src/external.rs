@@ -290,7 +290,17 @@ impl KvCache {
         let pages: Vec<Vec<Vec<(PageRef, usize)>>> = lengths
             .iter()
             .enumerate()
-            .map(|(i, &len)| heads.iter().map(|h| prefix_pages(h, len).map_err(|e| bad(format!("lengths[{i}]: {e}")))).collect::<Result<_>>())
+            .map(|(i, &len)| {
+                heads
+                    .iter()
+                    .map(|h| {
+                        prefix_pages(h, len).map_err(|e| match e {
+                            RtError::BadInput(m) => bad(format!("lengths[{i}]: {m}")),
+                            e => e,
+                        })
+                    })
+                    .collect::<Result<_>>()
+            })
             .collect::<Result<_>>()?;
         if self.cfg.verify_headers {
             self.verify_pages(&[seq])?;
