@@ -14,6 +14,7 @@
 //!    cheaper choice), i.e. applies all its moves with `ρ ≤ λ`. The total cost is
 //!    non-increasing in λ, so λ is found by bisection (seed 002 Alg. 2) — except that, unlike
 //!    Alg. 2, we never return the over-budget side: the bracket keeps `cost(λ_hi) ≤ B`.
+//!    Bisection stops once the bracket holds at most 64 moves (step 3 orders them exactly).
 //! 3. Inside the final bracket `(λ_lo, λ_hi]` the moves are ordered by `(ρ, item)` and
 //!    undone from the most expensive while the budget still holds, stopping at the first move
 //!    that does not fit. The result is exactly the greedy downgrade path of seed 000 C.3
@@ -152,18 +153,30 @@ pub fn solve(items: &[Vec<Choice>], budget: f64) -> Solution {
         return finish(hulls.iter().map(|h| h.idx.len() - 1).collect(), rho_max, false, 0);
     }
     // Invariant: cost(x(lo)) > budget ≥ cost(x(hi)); x(−1) is the start (every ρ ≥ 0).
+    // Bisection only has to narrow the bracket to a few moves: the moves inside it are
+    // ordered exactly below, so stopping at `BRACKET` moves gives the same solution as
+    // bisecting to float resolution, in ~log2(moves / BRACKET) passes instead of ~64.
+    const BRACKET: usize = 64;
+    let at = |lambda: f64| -> (f64, usize) {
+        items.iter().zip(&hulls).fold((0.0, 0), |(c, n), (ch, h)| {
+            let s = h.steps(lambda);
+            (c + ch[h.idx[s]].cost, n + s)
+        })
+    };
     let (mut lo, mut hi) = (-1.0f64, rho_max);
+    let (mut n_lo, mut n_hi) = (0usize, hulls.iter().map(|h| h.rho.len()).sum::<usize>());
     let mut iterations = 0;
-    while iterations < 64 {
+    while iterations < 64 && n_hi - n_lo > BRACKET {
         let mid = 0.5 * (lo + hi);
         if mid <= lo || mid >= hi {
             break;
         }
         iterations += 1;
-        if total(&|h| h.steps(mid)).0 <= budget {
-            hi = mid;
+        let (c, n) = at(mid);
+        if c <= budget {
+            (hi, n_hi) = (mid, n);
         } else {
-            lo = mid;
+            (lo, n_lo) = (mid, n);
         }
     }
     // Moves in (lo, hi], in path order (ρ, item, step); undo from the back while it fits.

@@ -41,13 +41,11 @@
 //! * Between invocations new pages arrive in the first ladder tier, so the cache can exceed
 //!   the budget by up to `every` tokens' worth of pages until the next decision.
 
-use std::collections::{HashMap, HashSet};
-
 use kvforge_spec::{Spec, TierId};
 
 use crate::distortion::{DistortionTable, Proxy, Weights};
 use crate::plan::{assemble, Decision, Limits, Plan, Problem};
-use crate::signal::{PageId, PageKey, PageTableView};
+use crate::signal::{PageId, PageKey, PageMap, PageSet, PageTableView};
 use crate::Controller;
 
 /// How dropping is weighed against down-tiering.
@@ -93,7 +91,7 @@ pub struct RdrController {
     /// masses when the view has them, page masses as single units otherwise).
     pub proxy: Proxy,
     step: u64,
-    pages: HashMap<PageKey, PageState>,
+    pages: PageMap<PageKey, PageState>,
     pub stats: RdrStats,
 }
 
@@ -105,7 +103,7 @@ impl RdrController {
     }
 
     pub fn with_table(table: DistortionTable) -> RdrController {
-        RdrController { every: 16, cooldown: 64, margin: 0.1, drop_policy: DropPolicy::Penalty(1.0), table, proxy: Proxy::default(), step: 0, pages: HashMap::new(), stats: RdrStats::default() }
+        RdrController { every: 16, cooldown: 64, margin: 0.1, drop_policy: DropPolicy::Penalty(1.0), table, proxy: Proxy::default(), step: 0, pages: PageMap::default(), stats: RdrStats::default() }
     }
 
     /// Counts one decode step; true when the controller should run at this step.
@@ -178,11 +176,26 @@ impl Controller for RdrController {
         let scores = self.scores(view);
         let eta = self.eta(view, &scores);
         let costs = &view.costs;
-        let score_of: HashMap<PageId, Weights> = view.iter().map(|(id, _)| id).zip(scores.iter().copied()).collect();
+        // Scores are in view order: page (h, i) is at offset[h] + i.
+        let offset: Vec<usize> = view.heads.iter().scan(0, |acc, h| {
+            let o = *acc;
+            *acc += h.len();
+            Some(o)
+        }).collect();
+        let score_of = |id: PageId| scores[offset[id.head] + id.index];
         let table = &self.table;
+        // Within budget, the knapsack keeps every page where it is (each page's least
+        // distortion is its current tier, the most expensive on ties): skip building it. In
+        // the steady state that is most invocations (the budget grows with every token, a new
+        // first-tier page arrives every `page_tokens` tokens).
+        if view.cost() <= budget {
+            let dist: f64 = view.iter().map(|(id, p)| table.page(score_of(id), p.tier)).sum();
+            let sol = crate::knapsack::Solution { pick: Vec::new(), cost: view.cost(), dist, lambda: 0.0, dual: dist, gap: 0.0, feasible: true, iterations: 0 };
+            return assemble(view, Vec::new(), budget, &sol, Vec::new(), |id, t: TierId| table.page(score_of(id), t));
+        }
         let options = |respect_cooldown: bool| {
             Problem::build(view, |id, p| {
-                let s = score_of[&id];
+                let s = score_of(id);
                 let allowed = limits.protection.allowed(p, view.context_tokens, costs);
                 let frozen = respect_cooldown && self.frozen(p.key(id.head));
                 allowed
@@ -212,10 +225,10 @@ impl Controller for RdrController {
             }
         }
         self.stats.forced += forced.len() as u64;
-        let dropped: HashSet<PageId> = decisions.iter().filter(|d: &&Decision| costs.tiers[d.to_tier as usize].drop).map(|d| d.page).collect();
-        let live: HashSet<PageKey> = view.iter().filter(|(id, _)| !dropped.contains(id)).map(|(id, p)| p.key(id.head)).collect();
+        let dropped: PageSet<PageId> = decisions.iter().filter(|d: &&Decision| costs.tiers[d.to_tier as usize].drop).map(|d| d.page).collect();
+        let live: PageSet<PageKey> = view.iter().filter(|(id, _)| !dropped.contains(id)).map(|(id, p)| p.key(id.head)).collect();
         self.pages.retain(|k, _| live.contains(k));
         let table = &self.table;
-        assemble(view, decisions, budget, &sol, forced, |id, t: TierId| table.page(score_of[&id], t))
+        assemble(view, decisions, budget, &sol, forced, |id, t: TierId| table.page(score_of(id), t))
     }
 }
