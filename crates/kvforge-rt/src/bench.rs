@@ -130,3 +130,119 @@ pub fn bench_tier(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, gqa: u
     }
     Ok(rows)
 }
+
+/// One certified-decode case: step times (host API wall time, so both include upload, plan
+/// and download) of plain quantised and certified decode, with the ladder's telemetry.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CertifiedRow {
+    pub context: usize,
+    pub batch: usize,
+    /// "concentrated" (a few heavy keys per head, as in real attention) or "flat" (random).
+    pub attention: String,
+    pub plain_us: f64,
+    pub certified_us: f64,
+    pub overhead: f64,
+    /// Head-steps per final rung 0..=4.
+    pub rungs: [usize; 5],
+    pub promoted_fraction: f64,
+    pub mean_bound: f64,
+    pub max_bound: f64,
+    pub detections: usize,
+    pub paged_in_bytes_per_step: f64,
+}
+
+/// Certified decode (seed 004) on `spec`'s quantised tier `tier` (the cache keeps fp16
+/// originals): `steps` decode steps per case with fresh queries, timed against plain decode.
+#[allow(clippy::too_many_arguments)]
+pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, gqa: usize, hkv: usize, contexts: &[usize], batches: &[usize], steps: usize, mut progress: impl FnMut(&CertifiedRow)) -> Result<Vec<CertifiedRow>> {
+    use rand::{Rng, SeedableRng};
+    let mut rows = Vec::new();
+    for &ctx in contexts {
+        for &batch in batches {
+            for concentrated in [true, false] {
+                let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(ctx as u64 * 31 + batch as u64);
+                let mut cfg = CacheConfig::new(spec, d, gqa, hkv, batch, ctx * batch).target(tier);
+                cfg.verify_headers = false;
+                let mut cache = KvCache::new(dev.clone(), spec.clone(), cfg.clone())?;
+                let mut plain = KvCache::new(dev.clone(), spec.clone(), cfg)?;
+                cache.keep_originals()?;
+                // Keys: noise plus, when concentrated, 8 heavy tokens per head that the queries
+                // point at (the attention of real heads is dominated by a few pages).
+                let n = ctx * hkv * d;
+                let heavy: Vec<usize> = (0..8).map(|_| rng.gen_range(0..ctx)).collect();
+                let dir: Vec<f32> = (0..hkv * d).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+                let mut seqs = Vec::new();
+                let mut plain_seqs = Vec::new();
+                for _ in 0..batch {
+                    let mut k: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+                    let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+                    if concentrated {
+                        for &t in &heavy {
+                            for i in 0..hkv * d {
+                                k[t * hkv * d + i] = 3.0 * dir[i];
+                            }
+                        }
+                    }
+                    let s = cache.add_sequence();
+                    cache.append(s, &k, &v)?;
+                    seqs.push(s);
+                    let p = plain.add_sequence();
+                    plain.append(p, &k, &v)?;
+                    plain_seqs.push(p);
+                }
+                let mut cc = crate::certified::CertConfig::default();
+                let (mut tp, mut tc) = (Vec::new(), Vec::new());
+                let mut rungs = [0usize; 5];
+                let (mut promoted, mut pages, mut bsum, mut bmax, mut det, mut paged) = (0usize, 0usize, 0f64, 0f64, 0usize, 0usize);
+                let mut heads = 0usize;
+                for step in 0..steps + 2 {
+                    let q: Vec<f32> = (0..batch)
+                        .flat_map(|_| (0..hkv * gqa * d).map(|i| if concentrated { dir[(i / (gqa * d)) * d + i % d] * 1.5 } else { 0.0 } + rng.gen_range(-1.0f32..1.0)).collect::<Vec<_>>())
+                        .collect();
+                    let t0 = std::time::Instant::now();
+                    plain.decode(&plain_seqs, &q)?;
+                    let t1 = std::time::Instant::now();
+                    let r = cache.decode_certified(&seqs, &q, &mut cc)?;
+                    let t2 = std::time::Instant::now();
+                    if step < 2 {
+                        continue;
+                    }
+                    tp.push((t1 - t0).as_secs_f64() * 1e6);
+                    tc.push((t2 - t1).as_secs_f64() * 1e6);
+                    paged += r.paged_in_bytes;
+                    for (i, h) in r.heads.iter().enumerate() {
+                        rungs[h.rung as usize] += 1;
+                        bsum += h.bound;
+                        bmax = bmax.max(h.bound);
+                        heads += 1;
+                        if i % gqa == 0 {
+                            promoted += h.promoted + h.explored;
+                            pages += ctx / spec.page.tokens;
+                            det += h.detections;
+                        }
+                    }
+                }
+                tp.sort_by(f64::total_cmp);
+                tc.sort_by(f64::total_cmp);
+                let (p, c) = (percentile(&tp, 0.5), percentile(&tc, 0.5));
+                let row = CertifiedRow {
+                    context: ctx,
+                    batch,
+                    attention: if concentrated { "concentrated" } else { "flat" }.into(),
+                    plain_us: p,
+                    certified_us: c,
+                    overhead: c / p - 1.0,
+                    rungs,
+                    promoted_fraction: promoted as f64 / pages.max(1) as f64,
+                    mean_bound: bsum / heads.max(1) as f64,
+                    max_bound: bmax,
+                    detections: det,
+                    paged_in_bytes_per_step: paged as f64 / steps.max(1) as f64,
+                };
+                progress(&row);
+                rows.push(row);
+            }
+        }
+    }
+    Ok(rows)
+}

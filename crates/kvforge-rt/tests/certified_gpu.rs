@@ -384,19 +384,19 @@ fn certified_step_time() {
             let mut rng = ChaCha8Rng::seed_from_u64(ctx as u64);
             let t = make_kv(&mut rng, kind, ctx, hkv, d);
             let q = make_q(&mut rng, if let Kind::Needle = kind { Kind::Needle } else { Kind::Peaked }, hkv * gqa, d);
-            let time = |tier, certified: bool| -> (f64, Option<kvforge_rt::certified::CertifiedOutput>) {
+            let time = |tier, certified: Option<PageIn>| -> (f64, Option<kvforge_rt::certified::CertifiedOutput>) {
                 let mut c = KvCache::new(dev.clone(), s.clone(), CacheConfig::new(&s, d, gqa, hkv, 1, ctx + 64).target(tier)).unwrap();
-                if certified {
+                if certified.is_some() {
                     c.keep_originals().unwrap();
                 }
                 let a = c.add_sequence();
                 c.append(a, &t.k, &t.v).unwrap();
-                let mut cc = CertConfig::default();
+                let mut cc = CertConfig { page_in: certified.unwrap_or(PageIn::Uva), ..CertConfig::default() };
                 let mut ts = Vec::new();
                 let mut last = None;
                 for i in 0..12 {
                     let t0 = std::time::Instant::now();
-                    if certified {
+                    if certified.is_some() {
                         last = Some(c.decode_certified(&[a], &q, &mut cc).unwrap());
                     } else {
                         c.decode(&[a], &q).unwrap();
@@ -407,20 +407,21 @@ fn certified_step_time() {
                 }
                 (median(ts), last)
             };
-            let (t_fp16, _) = time(fp16, false);
-            let (t_q, _) = time(q8, false);
-            let (t_c, r) = time(q8, true);
+            let (t_fp16, _) = time(fp16, None);
+            let (t_q, _) = time(q8, None);
+            let (t_copy, _) = time(q8, Some(PageIn::Copy));
+            let (t_c, r) = time(q8, Some(PageIn::Uva));
             let r = r.unwrap();
             let promoted: usize = r.heads.iter().step_by(gqa).map(|h| h.promoted + h.explored).sum();
             let bound = r.heads.iter().map(|h| h.bound).fold(0.0, f64::max);
             println!(
-                "ctx {ctx:6} {kind:?}: fp16 {t_fp16:8.0} us, q8k4v {t_q:8.0} us, certified {t_c:8.0} us ({:.2}x q8k4v), {} launches, {:.1}% pages promoted, paged in {:.1} MB, max bound {bound:.2e}",
+                "ctx {ctx:6} {kind:?}: fp16 {t_fp16:8.0} us, q8k4v {t_q:8.0} us, certified UVA {t_c:8.0} us ({:.2}x q8k4v), copy {t_copy:8.0} us, {} launches, {:.1}% pages promoted, paged in {:.1} MB, max bound {bound:.2e}",
                 t_c / t_q,
                 r.launches,
                 100.0 * promoted as f64 / (hkv * (ctx / 64)) as f64,
                 r.paged_in_bytes as f64 / 1e6
             );
-            rows.push(serde_json::json!({"context": ctx, "attention": format!("{kind:?}"), "fp16_us": t_fp16, "q8k4v_us": t_q, "certified_us": t_c,
+            rows.push(serde_json::json!({"context": ctx, "attention": format!("{kind:?}"), "fp16_us": t_fp16, "q8k4v_us": t_q, "certified_us": t_c, "certified_uva_us": t_c, "certified_copy_us": t_copy,
                 "launches": r.launches, "promoted_fraction": promoted as f64 / (hkv * (ctx / 64)) as f64, "paged_in_bytes": r.paged_in_bytes, "max_bound": bound}));
         }
     }
