@@ -35,13 +35,13 @@ def main() -> None:
     rows = [r for r in data["results"] if r["feasible"]]
     contexts = sorted({r["context"] for r in rows})
     metrics = [("rel_error_mean", "mean over query rows of ‖o − ô‖/‖o‖"), ("rel_error_pooled", "pooled ‖O − Ô‖ / ‖O‖")]
-    fig, axes = plt.subplots(len(contexts), len(metrics), figsize=(13, 4.6 * len(contexts)), squeeze=False)
+    fig, axes = plt.subplots(len(contexts), len(metrics), figsize=(13, 4.6 * len(contexts) + 1.2), squeeze=False)
     for i, ctx in enumerate(contexts):
         for j, (key, label) in enumerate(metrics):
             ax = axes[i][j]
             here = [r for r in rows if r["context"] == ctx]
             for name, style in CURVE_STYLE.items():
-                pts = sorted((r["bytes_per_token"], r[key]) for r in here if r["method"] == name and r["matched"] is None)
+                pts = sorted({(r["bytes_per_token"], r[key]) for r in here if r["method"] == name})
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, lw=1.6, ms=4, **style)
             for r in here:
@@ -64,15 +64,16 @@ def main() -> None:
             ax.set_ylabel(f"relative error ({label})")
             ax.set_title(f"{ctx} tokens × {here[0]['kv_heads']} kv heads, d 128")
             ax.grid(True, which="both", alpha=0.3)
-            if i == 0 and j == 1:
-                ax.legend(fontsize=7, loc="upper right", ncol=1)
+            if i == 0 and j == 0:
+                handles, labels = ax.get_legend_handles_labels()
     s = data.get("setup", {})
     fig.suptitle(
         f"Attention output error vs bytes on synthetic attention with sinks, heavy hitters and needles "
         f"({len(s.get('seeds', []))} seeds, {s.get('keys', '?')} keys) — {data['device']}, {data['date']}",
         fontsize=10,
     )
-    fig.tight_layout()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.09, 1, 0.97))
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")
 
