@@ -42,3 +42,24 @@ pub enum PageError {
     #[error("tier `{0}` drops tokens: a dropped token has no page")]
     DropTier(String),
 }
+
+/// Why a certified decode step (seed 004, [`crate::certified`]) cannot return an output. There is
+/// no third outcome: a step returns an output with a valid certificate (or the exact output), or
+/// one of these.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CertError {
+    #[error(transparent)]
+    Coding(#[from] RefError),
+    /// P4: the fp16 original of a block is not resident in tier 2, so neither promotion nor the
+    /// exact fallback (rungs 3 and 4) can run; the fast path alone would carry a certificate the
+    /// ladder could not back.
+    #[error("tier-2 original of block {block} is not resident: no exact fallback is possible (precondition P4)")]
+    MissingOriginal { block: usize },
+    /// A tier the certified path cannot bound (e.g. fp16 key zeros, whose rounding breaks the
+    /// per-channel error bound).
+    #[error("tier cannot be certified: {0}")]
+    Format(String),
+    /// A configuration outside its domain (e.g. τ_cov outside (0, 1]).
+    #[error("certified config: {0}")]
+    Config(String),
+}

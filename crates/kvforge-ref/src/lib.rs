@@ -12,12 +12,15 @@
 //!   the remainder in the tail tier).
 //! * [`attention()`]: exact softmax attention in f64, with GQA and split-K helpers.
 //! * [`train_codebook`]: spherical k-means for the spherical codebooks.
+//! * [`certified`]: certified attention (seed 004) — tiers, selector, fallback ladder and the
+//!   error certificate, the specification the GPU certified path is checked against.
 //!
 //! Numerics (the contract the CUDA kernels follow) are documented in each scheme's module.
 //! Inputs are f32 (the value of an fp16/bf16 activation, or any f32); outputs are f64.
 
 pub mod attention;
 pub mod bits;
+pub mod certified;
 pub mod codebook;
 pub mod dense;
 mod error;
@@ -28,7 +31,7 @@ pub mod spherical;
 
 pub use attention::{attention, attention_heads, batched_gqa_attention, combine_partials, softmax_weights, KvHead};
 pub use codebook::{train_codebook, uniform_unit_samples};
-pub use error::{PageError, RefError};
+pub use error::{CertError, PageError, RefError};
 pub use page::{decode_page, decode_sequence, encode_page, encode_sequence, page_tier, DecodedPage};
 pub use quant::{int_error_bound, int_step, IntStep};
 pub use segment::{decode_segment, encode_segment, spherical_logits, try_decode_segment, try_encode_segment};
