@@ -87,8 +87,9 @@ def plot(paths: list[Path], png: Path, data: dict | None = None) -> None:
         if ref and str(ctx) in ref.get("perplexity", {}):
             ax.axhline(ref["perplexity"][str(ctx)]["mean"], color="black", lw=0.8, ls="--")
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_xlabel("resident bytes / token / kv head (K+V)")
-        ax.set_ylabel("perplexity (mean over texts)")
+        ax.set_ylabel("perplexity (mean over texts, log)")
         ax.set_title(f"context {ctx}")
         ax.grid(alpha=0.3)
     for j in range(len(contexts), ncol):
