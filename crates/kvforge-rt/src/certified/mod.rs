@@ -322,11 +322,18 @@ impl KvCache {
             PageIn::Copy if !sources.is_empty() => {
                 let st = &self.dev.stream;
                 let mut buf = st.alloc_zeros::<u8>(sources.len() * pb).map_err(drv("tier-2 scratch"))?;
-                for (i, &src) in sources.iter().enumerate() {
-                    // SAFETY: `src` is the start of a filled pinned slot of `pb` bytes.
-                    let host = unsafe { std::slice::from_raw_parts(src as *const u8, pb) };
-                    let mut dst = buf.slice_mut(i * pb..(i + 1) * pb);
+                // One copy per run of consecutive slots.
+                let mut i = 0;
+                while i < sources.len() {
+                    let mut j = i + 1;
+                    while j < sources.len() && sources[j] == sources[j - 1] + pb as u64 {
+                        j += 1;
+                    }
+                    // SAFETY: slots i..j are consecutive filled pinned slots of `pb` bytes.
+                    let host = unsafe { std::slice::from_raw_parts(sources[i] as *const u8, (j - i) * pb) };
+                    let mut dst = buf.slice_mut(i * pb..j * pb);
                     st.memcpy_htod(host, &mut dst).map_err(drv("tier-2 page-in"))?;
+                    i = j;
                 }
                 Some(buf)
             }

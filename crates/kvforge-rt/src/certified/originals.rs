@@ -35,6 +35,8 @@ pub struct PageErrors {
 /// the cache's target tier (slot = the page's index in its region).
 pub struct Originals {
     slab: PinnedHostSlice<u8>,
+    /// Host (and, under UVA, device) address of the slab.
+    base: u64,
     page_bytes: usize,
     /// Keyed by the encoded page: slot written, and its measured errors.
     pages: HashMap<PageRef, PageErrors>,
@@ -50,7 +52,8 @@ impl Originals {
         // `record` filled them).
         let slab = unsafe { ctx.alloc_pinned_with_flags::<u8>(bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE) }
             .map_err(|e| RtError::OutOfPinnedMemory { bytes, reason: e.to_string() })?;
-        Ok(Originals { slab, page_bytes, pages: HashMap::new(), capacity })
+        let base = slab.as_ptr().map_err(drv("tier-2 slab"))? as u64;
+        Ok(Originals { slab, base, page_bytes, pages: HashMap::new(), capacity })
     }
 
     pub fn page_bytes(&self) -> usize {
@@ -84,8 +87,7 @@ impl Originals {
     /// Host address of page's original (also its device address under UVA).
     pub fn address(&self, page: &PageRef) -> Result<u64> {
         self.errors(page)?;
-        let base = self.slab.as_ptr().map_err(drv("tier-2 slab"))?;
-        Ok(base as u64 + (page.index as usize * self.page_bytes) as u64)
+        Ok(self.base + (page.index as usize * self.page_bytes) as u64)
     }
 
     /// The original's bytes (tests and the CPU check).
