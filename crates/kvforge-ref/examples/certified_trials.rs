@@ -39,7 +39,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let faults = campaign(50, SEED)?;
     let per: BTreeMap<String, serde_json::Value> = results
         .iter()
-        .map(|(w, s)| (serde_json::to_value(w).unwrap().as_str().unwrap().to_string(), json!({ "stats": s, "tightness": s.quantiles() })))
+        .map(|(w, s)| (serde_json::to_value(w).unwrap().as_str().unwrap().to_string(), json!({ "stats": s, "tightness": s.quantiles(), "tightness_paper_eq15": s.quantiles_paper() })))
         .collect();
     let report = json!({
         "device": "cpu f64 reference",
@@ -54,7 +54,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "violations_without_e_round": all.without_round_violations,
         "fast_path_exact": all.fast_exact,
         "tightness": all.quantiles(),
+        "tightness_paper_eq15": all.quantiles_paper(),
         "worst_actual_over_bound": all.worst_ratio,
+        "worst_share_of_e_round_used": all.worst_round_share,
         "rungs": all.rungs,
         "faults_injected": faults.injected,
         "faults_detected": faults.detected,

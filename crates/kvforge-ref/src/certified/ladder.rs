@@ -121,7 +121,7 @@ impl CertConfig {
             return bad("rank_depth (r) must be ≥ 1");
         }
         match self.values {
-            ValuePolicy::Threshold { v_tol: x } | ValuePolicy::Budget { eps_val: x } if !(x >= 0.0) => bad("v_tol / eps_val must be ≥ 0"),
+            ValuePolicy::Threshold { v_tol: x } | ValuePolicy::Budget { eps_val: x } if x.is_nan() || x < 0.0 => bad("v_tol / eps_val must be ≥ 0"),
             _ => Ok(()),
         }
     }

@@ -11,7 +11,8 @@
 //! gives |k − k̂| ≤ σ/2" (P2). That holds in exact arithmetic only: the encoder computes the
 //! code as `floor((x − z)/σ + 0.5)` in f32 (the CUDA encode kernel does the same), and the
 //! three roundings can land on the wrong side of a half-way point, so |k − k̂| can exceed σ/2
-//! by a few f32 ulps of the code (`tests::paper_half_step_is_exceeded` finds such a key).
+//! by a few f32 ulps of the code (`tests::paper_half_step_is_exceeded` finds keys with
+//! |k − k̂| = 0.5000074 σ).
 //! [`key_channel_error_bound`] is the rigorous version; it exceeds σ/2 by 6·10⁻⁵ relative.
 
 use crate::quant::{qmax, IntStep};

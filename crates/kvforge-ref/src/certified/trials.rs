@@ -42,7 +42,8 @@ pub enum Workload {
     Tiny,
     /// 2,048–6,144 tokens (128–384 blocks), temperature U(0.05, 1): K* reaches K_max, rung 1.
     Medium,
-    /// 32,000–32,768 tokens (d = 128), with a needle half the time.
+    /// 32,000–32,768 tokens (d = 128), temperature U(0.3, 10), a needle (logit 8–30 above
+    /// the rest) half the time.
     Long,
 }
 
@@ -141,6 +142,7 @@ pub fn generate(w: Workload, rng: &mut ChaCha8Rng) -> Case {
         Workload::Peaked => rng.gen_range(5.0..30.0),
         Workload::OutlierChannels => rng.gen_range(0.3..2.0),
         Workload::Medium => rng.gen_range(0.05..1.0),
+        Workload::Long => rng.gen_range(0.3..10.0),
         _ => rng.gen_range(0.3..3.0),
     };
     let mut kv = Vec::with_capacity(KV_HEADS);
@@ -190,7 +192,7 @@ pub fn generate(w: Workload, rng: &mut ChaCha8Rng) -> Case {
             Workload::Needle | Workload::Long if w == Workload::Needle || rng.gen_bool(0.5) => {
                 for _ in 0..rng.gen_range(1..=3) {
                     let t = rng.gen_range(0..n);
-                    let beta = rng.gen_range(5.0f32..25.0);
+                    let beta = if w == Workload::Long { rng.gen_range(8.0f32..30.0) } else { rng.gen_range(5.0f32..25.0) };
                     for c in 0..d {
                         k[t * d + c] = q0[c] * beta * sqrt_d / q_norm2;
                         v[t * d + c] *= 3.0;
@@ -290,8 +292,14 @@ pub struct TrialStats {
     /// bound ÷ actual of fast-path head-steps with actual > 0 (not serialised; see quantiles).
     #[serde(skip)]
     pub tightness: Vec<f64>,
+    /// The same ratio with eq. 15 in place of our E_key.
+    #[serde(skip)]
+    pub tightness_paper: Vec<f64>,
     /// Largest actual ÷ bound seen (fast path).
     pub worst_ratio: f64,
+    /// Largest (actual − E_key − E_val) ÷ E_round over fast-path head-steps: how much of the
+    /// rounding allowance the f64 arithmetic actually used.
+    pub worst_round_share: f64,
     pub max_tokens: usize,
 }
 
@@ -313,9 +321,11 @@ impl TrialStats {
             }
             if o.actual > t.e_key + t.e_val {
                 self.without_round_violations += 1;
+                self.worst_round_share = self.worst_round_share.max((o.actual - t.e_key - t.e_val) / t.e_round);
             }
             if o.actual > 0.0 {
                 self.tightness.push(t.bound / o.actual);
+                self.tightness_paper.push((t.e_key_paper + t.e_val + t.e_round) / o.actual);
                 self.worst_ratio = self.worst_ratio.max(o.actual / t.bound);
             } else {
                 self.fast_exact += 1;
@@ -334,17 +344,29 @@ impl TrialStats {
         self.boundary_triggers += o.boundary_triggers;
         self.faults += o.faults;
         self.tightness.extend_from_slice(&o.tightness);
+        self.tightness_paper.extend_from_slice(&o.tightness_paper);
         self.worst_ratio = self.worst_ratio.max(o.worst_ratio);
+        self.worst_round_share = self.worst_round_share.max(o.worst_round_share);
         self.max_tokens = self.max_tokens.max(o.max_tokens);
     }
 
     /// Tightness quantiles p1, p10, p50, p90, p99 and min (nearest rank).
     pub fn quantiles(&self) -> BTreeMap<&'static str, f64> {
-        let mut v = self.tightness.clone();
-        v.sort_by(f64::total_cmp);
-        let q = |p: f64| if v.is_empty() { f64::NAN } else { v[((p * (v.len() - 1) as f64).round()) as usize] };
-        [("min", q(0.0)), ("p1", q(0.01)), ("p10", q(0.1)), ("p50", q(0.5)), ("p90", q(0.9)), ("p99", q(0.99))].into_iter().collect()
+        quantiles(&self.tightness)
     }
+
+    /// The same quantiles for eq. 15.
+    pub fn quantiles_paper(&self) -> BTreeMap<&'static str, f64> {
+        quantiles(&self.tightness_paper)
+    }
+}
+
+/// min, p1, p10, p50, p90, p99 of `v` (nearest rank; NaN when empty).
+fn quantiles(v: &[f64]) -> BTreeMap<&'static str, f64> {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let q = |p: f64| if v.is_empty() { f64::NAN } else { v[((p * (v.len() - 1) as f64).round()) as usize] };
+    [("min", q(0.0)), ("p1", q(0.01)), ("p10", q(0.1)), ("p50", q(0.5)), ("p90", q(0.9)), ("p99", q(0.99))].into_iter().collect()
 }
 
 /// Runs at least `head_steps` head-steps of workload `w` (whole layer steps), seeded: layer
