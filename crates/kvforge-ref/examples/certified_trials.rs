@@ -34,6 +34,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         eprintln!("{w:?}: {} head-steps in {:.1} s, {} violations", st.trials, t.elapsed().as_secs_f64(), st.violations);
         results.insert(w, st);
     }
+    // The key term alone: every value promoted (v_tol = 0, so E_val = 0), so the measured
+    // error is Σ(a' − a)V_t and its ratio to E_key + E_round is the key term's tightness.
+    let key_cfg = CertConfig { values: kvforge_ref::certified::ValuePolicy::Threshold { v_tol: 0.0 }, ..cfg.clone() };
+    let mut key_only = BTreeMap::new();
+    for w in [Workload::Random, Workload::OutlierChannels, Workload::Peaked, Workload::Medium] {
+        let n = if w == Workload::Medium { 240 } else { 4_000 };
+        let st = run_workload(w, ((n as f64 * fraction).ceil() as u64).max(8), SEED ^ 0x6b65_79, &key_cfg)?;
+        eprintln!("{w:?} (key term only): {} head-steps, {} violations", st.trials, st.violations);
+        key_only.insert(serde_json::to_value(w)?.as_str().unwrap().to_string(), json!({ "trials": st.trials, "violations": st.violations, "paper_eq15_violations": st.paper_violations, "rungs": st.rungs, "tightness": st.quantiles(), "tightness_paper_eq15": st.quantiles_paper() }));
+    }
     let mut all = TrialStats::default();
     results.values().for_each(|s| all.merge(s));
     let faults = campaign(50, SEED)?;
@@ -62,6 +72,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "faults_detected": faults.detected,
         "faults": faults,
         "workloads": per,
+        "key_term_only": key_only,
         "wall_s": t0.elapsed().as_secs_f64(),
     });
     std::fs::write(&path, serde_json::to_string_pretty(&report)? + "\n")?;

@@ -109,6 +109,18 @@ fn bound_holds_32k_contexts() {
     validate(Workload::Long);
 }
 
+/// The key term alone (every value promoted, E_val = 0): the measured error is Σ(a' − a)V_t
+/// and must stay within E_key + E_round, ours and eq. 15.
+#[test]
+fn key_term_alone_holds() {
+    let cfg = CertConfig { values: ValuePolicy::Threshold { v_tol: 0.0 }, ..CertConfig::default() };
+    for w in [Workload::Random, Workload::OutlierChannels, Workload::Peaked] {
+        let s = run_workload(w, 1_000 / DEBUG_DIVISOR.min(10), SEED ^ 0x6b65_79, &cfg).unwrap();
+        report(w, &s);
+        assert_eq!((s.violations, s.paper_violations), (0, 0), "{w:?}");
+    }
+}
+
 /// The plan is what the docs and the committed JSON say it is.
 #[test]
 fn plan_has_100k_head_steps_of_every_workload() {

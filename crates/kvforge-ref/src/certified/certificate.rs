@@ -84,7 +84,13 @@ const U64: f64 = 1.0 / (1u64 << 53) as f64;
 pub fn tail_mass_bound(delta: f64, alpha_hat: f64) -> f64 {
     let g = (2.0 * delta).exp_m1();
     let a = alpha_hat.clamp(0.0, 1.0);
-    (a * (1.0 + g) / (1.0 + a * g)).min(1.0)
+    if a == 0.0 {
+        0.0
+    } else if !g.is_finite() {
+        1.0 // e^{2Δ} overflows: the estimate says nothing
+    } else {
+        (a * (1.0 + g) / (1.0 + a * g)).min(1.0)
+    }
 }
 
 /// E_key = 2 V_max · min{(e^Δ − 1)·ᾱ, tanh(Δ/2)} (steps 2–4).
@@ -97,6 +103,9 @@ pub fn e_key(delta: f64, alpha_hat: f64, v_max: f64) -> f64 {
 
 /// Paper eq. 15 as printed: 2 V_max e^{2Δ} α̂ (e^{2Δ} − 1). Telemetry and comparison only.
 pub fn e_key_paper(delta: f64, alpha_hat: f64, v_max: f64) -> f64 {
+    if alpha_hat <= 0.0 || delta <= 0.0 {
+        return 0.0; // no tail (avoids ∞·0 when e^{2Δ} overflows)
+    }
     2.0 * v_max * (2.0 * delta).exp() * alpha_hat * (2.0 * delta).exp_m1()
 }
 
@@ -140,6 +149,19 @@ mod tests {
         // Small Δ, small α̂: ours ≈ 2VΔα̂, paper ≈ 4VΔα̂.
         let r = e_key_paper(1e-3, 1e-3, 1.0) / e_key(1e-3, 1e-3, 1.0);
         assert!((r - 2.0).abs() < 0.01, "{r}");
+    }
+
+    /// Outlier channels give Δ in the thousands: e^{2Δ} overflows, the bounds must not
+    /// become NaN (a NaN compares false and would pass any check).
+    #[test]
+    fn huge_delta_is_finite_or_infinite_never_nan() {
+        for a in [0.0, 1e-300, 0.3, 1.0] {
+            let t = tail_mass_bound(2000.0, a);
+            assert!(!t.is_nan() && t <= 1.0);
+            assert!(!e_key(2000.0, a, 3.0).is_nan() && e_key(2000.0, a, 3.0) <= 6.0);
+            assert!(!e_key_paper(2000.0, a, 3.0).is_nan());
+        }
+        assert_eq!(e_key(f64::INFINITY, 0.5, 1.0), 2.0);
     }
 
     #[test]

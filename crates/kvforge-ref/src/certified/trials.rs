@@ -312,11 +312,13 @@ impl TrialStats {
         self.ranking_triggers += u64::from(t.detections.ranking);
         self.boundary_triggers += u64::from(t.detections.boundary > 0);
         self.faults += u64::from(t.detections.fault());
-        if o.actual > t.bound {
+        // A NaN bound certifies nothing: it counts as a violation.
+        let exceeds = |bound: f64| o.actual > bound || bound.is_nan() || o.actual.is_nan();
+        if exceeds(t.bound) {
             self.violations += 1;
         }
         if t.rung < Rung::HeadExact {
-            if o.actual > t.e_key_paper + t.e_val + t.e_round {
+            if exceeds(t.e_key_paper + t.e_val + t.e_round) {
                 self.paper_violations += 1;
             }
             if o.actual > t.e_key + t.e_val {
