@@ -79,7 +79,9 @@ pub struct CertConfig {
     /// Rung 4 when more than this fraction of a layer's heads fell to rung 3 (0.5; not in the
     /// paper, which takes rung 4 on score-check faults only — so do we, always).
     pub layer_dense_frac: f64,
-    /// Seed of the exploration draw.
+    /// Seed of the exploration draw of a layer step ([`certified_layer_step`] gives query head
+    /// h at step t the draw [`head_seed`]`(seed, t, h)`; [`certified_head_step`] takes its
+    /// draw seed as an argument).
     pub seed: u64,
 }
 
