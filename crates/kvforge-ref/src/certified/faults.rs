@@ -10,7 +10,7 @@
 //!   Δ_b + ε_guard and reseals the checksum. Only the score check can see it, and it does with
 //!   certainty when the block is promoted (the campaign promotes every block).
 //! * The same sealed fault in a **tail** block is seen only when exploration draws the block:
-//!   certain over enough steps, not in any one step ([`steps_to_exploration`]).
+//!   certain over enough steps, not in any one step ([`steps_to_detection`]).
 //! * A **missing tier-2 original** fails the step with [`CertError::MissingOriginal`] (P4).
 //!
 //! Not detectable here: sealed faults that move no logit beyond Δ_b + ε_guard (harmless to the
