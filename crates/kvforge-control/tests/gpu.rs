@@ -12,7 +12,6 @@
 //! Output error against attention on the original f32 keys and values is printed per budget
 //! and must fall as the budget grows.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -33,33 +32,8 @@ const OBS: usize = 8;
 /// Held-out test queries (each one full decode query `[HKV × GQA][D]`).
 const TEST: usize = 4;
 
-fn root() -> PathBuf {
-    if let Ok(r) = std::env::var("KVFORGE_ROOT") {
-        return r.into();
-    }
-    let mut d = std::env::current_dir().unwrap();
-    loop {
-        if d.join("specs").is_dir() {
-            return d;
-        }
-        if !d.pop() {
-            return PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-        }
-    }
-}
-
 fn spec(name: &str) -> Spec {
-    Spec::load(&root().join("specs").join(format!("{name}.toml"))).unwrap_or_else(|e| panic!("{name}: {e}"))
-}
-
-fn device() -> Option<Arc<Device>> {
-    match Device::open(0) {
-        Ok(d) => Some(Arc::new(d)),
-        Err(e) => {
-            println!("skipped: no GPU ({e})");
-            None
-        }
-    }
+    kvforge_rt::testing::shipped_spec(&format!("{name}.toml"))
 }
 
 fn sm() -> f64 {
@@ -380,7 +354,7 @@ fn counts(view: &PageTableView, plan: &Plan) -> (usize, usize) {
 /// falling as the budget grows. `fracs` are fractions of the prefill's cost (all full pages in
 /// tier 1), increasing.
 fn prefill_budgets(name: &str, label: &str, make: &dyn Fn(&Spec) -> Box<dyn Controller>, fracs: &[f64]) {
-    let Some(dev) = device() else { return };
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
     let spec = spec(name);
     let cb = match &spec.tiers[1].key {
         KeyScheme::Spherical { codebook, .. } => Some(codebook.clone()),
@@ -430,7 +404,7 @@ fn prefill_budgets(name: &str, label: &str, make: &dyn Fn(&Spec) -> Box<dyn Cont
 /// steps with RDR deciding whenever `rdr.step()` says so; invariants after every decision.
 /// The budget is `frac` of the prefill's bytes per token and kv head.
 fn decode_loop(name: &str, first: Option<(&str, Box<dyn Controller>)>, frac: f64) {
-    let Some(dev) = device() else { return };
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
     let spec = spec(name);
     let cb = match &spec.tiers[1].key {
         KeyScheme::Spherical { codebook, .. } => Some(codebook.clone()),

@@ -281,6 +281,12 @@ impl KvCache {
     /// in f32 (rounded to the spec dtype on upload).
     pub fn decode(&mut self, seqs: &[usize], q: &[f32]) -> Result<DecodeOutput> {
         let plan = self.plan(seqs)?;
+        Ok(self.decode_host(&plan, q, false)?.0)
+    }
+
+    /// Uploads host queries, launches `plan`, checks the error flags and downloads the output,
+    /// and, when `with_mass`, the per-page log2 masses the kernel records.
+    fn decode_host(&mut self, plan: &DecodePlan, q: &[f32], with_mass: bool) -> Result<(DecodeOutput, Vec<f32>)> {
         let rows = plan.batch * plan.num_kv_heads * plan.gqa;
         if q.len() != rows * plan.head_dim {
             return Err(RtError::BadInput(format!(
@@ -291,15 +297,22 @@ impl KvCache {
                 plan.head_dim
             )));
         }
-        let mut ws = self.workspace(&plan)?;
+        let mut ws = self.workspace(plan)?;
+        if with_mass {
+            ws.page_lse = Some(self.dev.stream.alloc_zeros::<f32>(plan.page_offsets.len().max(1)).map_err(drv("page masses"))?);
+        }
         let dtype = self.spec.geometry.dtype;
         let qh: Vec<u16> = q.iter().map(|&x| to_bits(dtype, x)).collect();
         self.dev.stream.memcpy_htod(&qh, &mut ws.q).map_err(drv("query upload"))?;
-        self.launch(&plan, &mut ws)?;
-        self.check(&plan)?;
+        self.launch(plan, &mut ws)?;
+        self.check(plan)?;
         let out = self.dev.stream.clone_dtoh(&ws.out).map_err(drv("output download"))?;
         let lse = self.dev.stream.clone_dtoh(&ws.lse).map_err(drv("lse download"))?;
-        Ok(DecodeOutput { out: out.into_iter().map(|b| from_bits(dtype, b)).collect(), lse })
+        let plse = match &ws.page_lse {
+            Some(b) => self.dev.stream.clone_dtoh(b).map_err(drv("page masses"))?,
+            None => Vec::new(),
+        };
+        Ok((DecodeOutput { out: out.into_iter().map(|b| from_bits(dtype, b)).collect(), lse }, plse))
     }
 }
 
@@ -312,20 +325,7 @@ impl KvCache {
     /// by-product (one log-sum per page), so it costs one extra store per page.
     pub fn decode_with_mass(&mut self, seqs: &[usize], q: &[f32]) -> Result<(DecodeOutput, Vec<Vec<Vec<f64>>>)> {
         let plan = self.plan(seqs)?;
-        let rows = plan.batch * plan.num_kv_heads * plan.gqa;
-        if q.len() != rows * plan.head_dim {
-            return Err(RtError::BadInput(format!("query has {} values, expected {}", q.len(), rows * plan.head_dim)));
-        }
-        let mut ws = self.workspace(&plan)?;
-        ws.page_lse = Some(self.dev.stream.alloc_zeros::<f32>(plan.page_offsets.len().max(1)).map_err(drv("page masses"))?);
-        let dtype = self.spec.geometry.dtype;
-        let qh: Vec<u16> = q.iter().map(|&x| to_bits(dtype, x)).collect();
-        self.dev.stream.memcpy_htod(&qh, &mut ws.q).map_err(drv("query upload"))?;
-        self.launch(&plan, &mut ws)?;
-        self.check(&plan)?;
-        let out = self.dev.stream.clone_dtoh(&ws.out).map_err(drv("output download"))?;
-        let lse = self.dev.stream.clone_dtoh(&ws.lse).map_err(drv("lse download"))?;
-        let plse = self.dev.stream.clone_dtoh(ws.page_lse.as_ref().unwrap()).map_err(drv("page masses"))?;
+        let (output, plse) = self.decode_host(&plan, q, true)?;
         let mut mass = Vec::with_capacity(plan.batch);
         for i in 0..plan.batch {
             let mut heads = Vec::with_capacity(plan.num_kv_heads);
@@ -338,7 +338,7 @@ impl KvCache {
             }
             mass.push(heads);
         }
-        Ok((DecodeOutput { out: out.into_iter().map(|b| from_bits(dtype, b)).collect(), lse }, mass))
+        Ok((output, mass))
     }
 }
 

@@ -27,6 +27,7 @@ pub mod jit;
 mod kernels;
 pub mod params;
 pub mod selftest;
+pub mod testing;
 mod pool;
 
 pub use cache::{CacheConfig, KvCache, TierUsage};

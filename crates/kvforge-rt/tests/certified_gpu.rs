@@ -2,7 +2,6 @@
 //! fp16 originals, exact fallback rungs, fault injection. Run on the device with
 //! `--ignored`; `KVFORGE_CERT_JSON=path` writes the run's statistics.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use half::f16;
@@ -12,22 +11,8 @@ use kvforge_spec::{Spec, HEADER_BYTES, TAIL_TIER};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-fn root() -> PathBuf {
-    std::env::var("KVFORGE_ROOT").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.."))
-}
-
-fn device() -> Option<Arc<Device>> {
-    match Device::open(0) {
-        Ok(d) => Some(Arc::new(d)),
-        Err(e) => {
-            println!("skipped: no GPU ({e})");
-            None
-        }
-    }
-}
-
 fn spec() -> Spec {
-    Spec::load(&root().join("specs/certified.toml")).unwrap()
+    kvforge_rt::testing::shipped_spec("certified.toml")
 }
 
 fn h(x: f32) -> f64 {
@@ -137,7 +122,7 @@ struct Stats {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn certified_bound_holds_on_random_and_adversarial_steps() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
     let s = spec();
     let q8 = s.tier("q8k4v").unwrap().id;
     let mut rng = ChaCha8Rng::seed_from_u64(2026);
@@ -260,7 +245,7 @@ fn assert_exact(r: &kvforge_rt::certified::CertifiedOutput, ex: &[f64], d: usize
 #[test]
 #[ignore = "needs a CUDA device"]
 fn exact_rungs_equal_fp16_attention() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
     let s = spec();
     // Rung 3: an unreachable target sends every kv head down the ladder to exact recompute.
     let (mut c, a, t, q) = needle_cache(&dev, &s, 1000, 1);
@@ -286,7 +271,7 @@ fn exact_rungs_equal_fp16_attention() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn injected_faults_are_detected() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
     let s = spec();
     let q8 = s.tier("q8k4v").unwrap().id;
     let seg = s.segment(q8, 128);
@@ -353,7 +338,7 @@ fn injected_faults_are_detected() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn certified_needs_originals_and_a_sane_query() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
     let s = spec();
     let q8 = s.tier("q8k4v").unwrap().id;
     let mut c = KvCache::new(dev.clone(), s.clone(), CacheConfig::new(&s, 128, 4, 2, 1, 256).target(q8)).unwrap();
@@ -369,7 +354,7 @@ fn certified_needs_originals_and_a_sane_query() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn certified_step_time() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
     let s = spec();
     let q8 = s.tier("q8k4v").unwrap().id;
     let fp16 = s.tier("fp16").unwrap().id;

@@ -4,7 +4,6 @@
 //! truncated sequence, and bad pointers are typed errors. Run on the device with
 //! `cargo test -p kvforge-rt --test external_gpu -- --ignored`.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, DevicePtr};
@@ -12,28 +11,11 @@ use half::f16;
 use kvforge_rt::{CacheConfig, Device, ElemType, ExternalTensor, KvCache, RtError};
 use kvforge_spec::{KeyScheme, Spec, HEADER_BYTES};
 
-fn root() -> PathBuf {
-    if let Ok(r) = std::env::var("KVFORGE_ROOT") {
-        return r.into();
-    }
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn spec(name: &str) -> Spec {
-    Spec::load(&root().join("specs").join(name)).unwrap()
-}
-
-fn device() -> Option<Arc<Device>> {
-    match Device::open(0) {
-        Ok(d) => Some(Arc::new(d)),
-        Err(e) => {
-            println!("skipped: no GPU ({e})");
-            None
-        }
-    }
-}
-
 /// Values in [-1, 1) that are exact in fp16 (so host and device paths see the same numbers).
+fn spec(name: &str) -> Spec {
+    kvforge_rt::testing::shipped_spec(name)
+}
+
 fn data(n: usize, seed: u32) -> Vec<f32> {
     (0..n).map(|i| f16::from_f32((((i as u32).wrapping_mul(2654435761).wrapping_add(seed * 97)) % 2000) as f32 / 1000.0 - 1.0).to_f32()).collect()
 }
@@ -76,7 +58,7 @@ fn download(dev: &Device, out: &CudaSlice<u16>, lse: &CudaSlice<f32>) -> (Vec<f3
 #[test]
 #[ignore = "needs a CUDA device"]
 fn device_append_equals_host_append_and_decode_into_caller_buffers_equals_host_decode() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
     for &(file, target) in CASES {
         let n = 3 * 64 + 17;
         let (k, v) = (data(n * HKV * D, 1), data(n * HKV * D, 2));
@@ -146,7 +128,7 @@ fn reference(c: &KvCache, seq: usize, head: usize, len: usize, q: &[f32]) -> (Ve
 #[test]
 #[ignore = "needs a CUDA device"]
 fn prefix_attention_matches_reference_and_truncated_decode() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
     for &(file, target) in CASES {
         let n = 2 * 64 + 30;
         let (k, v) = (data(n * HKV * D, 4), data(n * HKV * D, 5));
@@ -198,7 +180,7 @@ fn prefix_attention_matches_reference_and_truncated_decode() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn bad_pointers_are_typed_errors() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
     let mut c = cache(&dev, "rdkv.toml", "b4", 512);
     let seq = c.add_sequence();
     c.append(seq, &data(70 * HKV * D, 1), &data(70 * HKV * D, 2)).unwrap();
@@ -243,7 +225,7 @@ fn bad_pointers_are_typed_errors() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn work_is_ordered_with_a_foreign_stream() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
     let mut c = cache(&dev, "rdkv.toml", "b8", 512);
     let seq = c.add_sequence();
     c.append(seq, &data(130 * HKV * D, 1), &data(130 * HKV * D, 2)).unwrap();

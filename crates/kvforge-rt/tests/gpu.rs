@@ -1,39 +1,11 @@
 //! GPU tests: run on the device with `cargo test -- --ignored`. On a machine without a GPU
 //! they are ignored; forced with `--ignored` they print "skipped: no GPU" and return.
 
-use std::path::PathBuf;
-use std::sync::Arc;
-
-use kvforge_rt::{CacheConfig, Device, KvCache, RtError};
+use kvforge_rt::{CacheConfig, KvCache, RtError};
 use kvforge_spec::{Spec, VariantId, HEADER_BYTES, TAIL_TIER};
 
-fn root() -> PathBuf {
-    if let Ok(r) = std::env::var("KVFORGE_ROOT") {
-        return r.into();
-    }
-    let mut d = std::env::current_dir().unwrap();
-    loop {
-        if d.join("specs").is_dir() {
-            return d;
-        }
-        if !d.pop() {
-            return PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..");
-        }
-    }
-}
-
 fn spec(name: &str) -> Spec {
-    Spec::load(&root().join("specs").join(name)).unwrap()
-}
-
-fn device() -> Option<Arc<Device>> {
-    match Device::open(0) {
-        Ok(d) => Some(Arc::new(d)),
-        Err(e) => {
-            println!("skipped: no GPU ({e})");
-            None
-        }
-    }
+    kvforge_rt::testing::shipped_spec(name)
 }
 
 fn data(n: usize, seed: u32) -> Vec<f32> {
@@ -43,7 +15,7 @@ fn data(n: usize, seed: u32) -> Vec<f32> {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn one_variant_per_spec_matches_reference() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
     for (file, variant) in [
         ("baseline.toml", "decode_kfp16_vfp16_d128_g4_p64"),
         ("spherical.toml", "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g4_p64"),
@@ -61,7 +33,7 @@ fn one_variant_per_spec_matches_reference() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn resident_bytes_equal_spec_cost_plus_headers() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
     for file in ["spherical.toml", "certified.toml", "rdkv.toml", "baseline.toml"] {
         let s = spec(file);
         let (d, p) = (128, s.page.tokens);
@@ -92,7 +64,7 @@ fn resident_bytes_equal_spec_cost_plus_headers() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn bad_inputs_are_typed_errors_not_launches() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
     let s = spec("certified.toml");
     let cfg = CacheConfig::new(&s, 128, 4, 2, 2, 256);
     let mut c = KvCache::new(dev.clone(), s.clone(), cfg).unwrap();
@@ -119,7 +91,7 @@ fn bad_inputs_are_typed_errors_not_launches() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn decode_is_deterministic() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
     for file in ["baseline.toml", "certified.toml", "spherical.toml"] {
         let s = spec(file);
         for len in [1usize, 10, 64, 65, 300, 4000] {
@@ -141,7 +113,7 @@ fn decode_is_deterministic() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn out_of_pages_leaves_the_cache_unchanged() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
     let s = spec("certified.toml");
     let mut cfg = CacheConfig::new(&s, 128, 4, 1, 1, 128);
     cfg.pages = vec![4, 2, 2];
@@ -160,7 +132,7 @@ fn out_of_pages_leaves_the_cache_unchanged() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn corrupt_header_is_named() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
     let s = spec("baseline.toml");
     let mut cfg = CacheConfig::new(&s, 64, 1, 1, 1, 256);
     cfg.verify_headers = true;
@@ -185,7 +157,7 @@ fn corrupt_header_is_named() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn encode_kernels_stay_within_quantisation_bounds() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
     for (file, tier) in [("certified.toml", "q8k4v"), ("rdkv.toml", "b4"), ("rdkv.toml", "b2"), ("spherical.toml", "high")] {
         let s = spec(file);
         let t = s.tier(tier).unwrap().clone();
@@ -220,7 +192,7 @@ fn encode_kernels_stay_within_quantisation_bounds() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn page_masses_match_the_reference_and_find_the_needle() {
-    let Some(dev) = device() else { return };
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
     let s = spec("baseline.toml");
     let (d, p, n) = (64, s.page.tokens, 1000);
     let mut c = KvCache::new(dev, s.clone(), CacheConfig::new(&s, d, 1, 1, 1, n)).unwrap();
