@@ -11,6 +11,9 @@ Backends (``make_backend(name)``):
 * ``kvforge:<spec.toml>:<tier>`` the kvforge Python extension: one ``kvforge.Cache`` per layer,
                                 post-RoPE K/V appended (full pages encoded to ``tier``), queries
                                 answered by ``attend_prefix`` (prompt) / ``decode`` (one token).
+                                The logic is the package's transformers integration,
+                                ``kvforge.hf.KvforgeAttention``; the attention function and the
+                                no-op mask function registered here are ``kvforge.hf``'s too.
 
 Paging semantics shared by ``sim`` and ``kvforge``: tokens live in pages of ``page.tokens`` (64);
 every *full* page is stored in the target tier, the partly filled last page stays fp16 (the tail
@@ -22,6 +25,7 @@ pages encoded (max radius x 1.25 / 255), as kvforge-rt does.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import sys
@@ -32,6 +36,23 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
+HF_SOURCE = ROOT / "crates" / "kvforge-py" / "python" / "kvforge" / "hf.py"
+
+
+def _load_hf():
+    """``kvforge.hf`` of the installed wheel; without one (CPU here), the same file from the
+    source tree (it imports the ``kvforge`` extension only when a cache is made)."""
+    try:
+        from kvforge import hf
+        return hf
+    except ImportError:
+        spec = importlib.util.spec_from_file_location("kvforge_hf_source", HF_SOURCE)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+
+hf = _load_hf()
 DATA = ROOT / "data"
 BOOKS = ["emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility"]
 CALIBRATION_BOOK = "emma"  # used by capture_keys.py only; never evaluated
@@ -90,27 +111,15 @@ def set_backend(backend) -> None:
     backend.reset()
 
 
-def dispatch(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function: q [B,Hq,Tq,D], k/v [B,Hkv,S,D] (post-RoPE, all cached
-    tokens, queries are the last Tq positions); returns ([B,Tq,Hq,D], None)."""
-    if query.shape[0] != 1:
-        raise ValueError("the quality harness runs batch 1 (no padding masks)")
-    scaling = module.scaling if scaling is None else scaling
-    out = _BACKEND.attend(module.layer_idx, query[0], key[0], value[0], scaling)
-    return out.unsqueeze(0), None
-
-
-def _no_mask(*args, **kwargs):
-    """Mask function for our implementation: backends build the causal structure themselves."""
-    return None
+# transformers attention function: q [B,Hq,Tq,D], k/v [B,Hkv,S,D] (post-RoPE, all cached
+# tokens, queries are the last Tq positions) -> ([B,Tq,Hq,D], None); batch 1, sent to
+# _BACKEND.attend(layer, q[0], k[0], v[0], scaling) (kvforge.hf's function, our resolver).
+dispatch = hf.attention_function(lambda module: _BACKEND)
 
 
 def register_attention() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(ATTN_NAME, dispatch)
-    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+    """``dispatch`` and kvforge.hf's mask function (none built: backends apply causality)."""
+    hf.register(ATTN_NAME, dispatch)
 
 
 def eager_causal(q, k, v, scaling):
@@ -313,60 +322,24 @@ class SimBackend:
                 "bytes_source": "computed: payload + scales of full pages, no page headers or tail"}
 
 
-class KvforgeBackend:
-    """kvforge.Cache per layer (GPU only)."""
+class KvforgeBackend(hf.KvforgeAttention):
+    """kvforge.Cache per layer (GPU only): kvforge.hf.KvforgeAttention, specs under ROOT."""
 
     measured_bytes = True
 
     def __init__(self, spec: str, tier: str, name: str, max_tokens: int = 8192 + 256):
         try:
-            import kvforge  # noqa: F401
+            import kvforge
         except ImportError as e:  # the rest of the harness works without the extension
             raise SystemExit(f"backend {name}: cannot import kvforge ({e}); install the wheel (see README)") from e
-        self.kvforge = kvforge
+        super().__init__(spec, tier, root=str(ROOT), max_tokens=max_tokens, module=kvforge)
         self.name = name
-        self.spec, self.tier = spec, tier
-        self.max_tokens = max_tokens
-        self.layers = {}
-        self.last_bytes = {}
 
-    def reset(self):
-        self.layers = {}  # dropping the caches frees their GPU memory
-
-    def attend(self, layer, q, k, v, scaling):
-        hq, tq, d = q.shape
-        hkv, s, _ = k.shape
-        st = self.layers.get(layer)
-        if st is None or st["n"] > s:
-            cache = self.kvforge.Cache(self.spec, head_dim=d, num_kv_heads=hkv, gqa=hq // hkv,
-                                       max_tokens=max(self.max_tokens, s), target=self.tier, root=str(ROOT))
-            st = {"cache": cache, "seq": cache.add_sequence(), "n": 0}
-            self.layers[layer] = st
-        cache, seq = st["cache"], st["seq"]
-        if s > st["n"]:
-            kn = k[:, st["n"]:].transpose(0, 1).contiguous()
-            vn = v[:, st["n"]:].transpose(0, 1).contiguous()
-            cache.append(seq, kn, vn)
-            st["n"] = s
-        qq = q.transpose(0, 1)
-        if abs(scaling * math.sqrt(d) - 1.0) > 1e-6:  # kvforge uses 1/sqrt(d)
-            qq = qq * (scaling * math.sqrt(d))
-        qq = qq.contiguous()
-        if tq == 1:
-            out, _ = cache.decode(qq, seqs=[seq])
-        else:
-            lengths = list(range(s - tq + 1, s + 1))
-            out, _ = cache.attend_prefix(seq, qq, lengths)
-        self.last_bytes[layer] = cache.bytes_per_token()
-        return out
-
-    def bytes_per_token(self, d: int) -> float:
-        vals = list(self.last_bytes.values())
-        return sum(vals) / len(vals) if vals else float("nan")
+    def bytes_per_token(self, d: int | None = None) -> float:
+        return super().bytes_per_token()
 
     def describe(self):
-        return {"kind": "kvforge", "spec": self.spec, "tier": self.tier,
-                "kvforge_version": getattr(self.kvforge, "__version__", "?"),
+        return {**super().describe(),
                 "bytes_source": "measured: Cache.bytes_per_token() (resident, headers and tail page included), mean over layers"}
 
 

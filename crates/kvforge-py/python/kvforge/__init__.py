@@ -17,6 +17,9 @@ Relative spec paths are also looked up under ``root=`` and ``$KVFORGE_ROOT``. Co
 kernels are cached under ``$KVFORGE_CACHE_DIR`` (default ``~/.cache/kvforge``); NVRTC
 (``libnvrtc.so``) and libcuda must be loadable (``LD_LIBRARY_PATH=/usr/local/cuda/lib64``).
 Every failure raises :class:`KvforgeError`.
+
+:mod:`kvforge.hf` runs a transformers model's attention on these caches
+(``kvforge.hf.use_kvforge(model, spec, tier)``); it imports torch and transformers only when used.
 """
 
 from ._errors import KvforgeError
@@ -29,6 +32,7 @@ from ._native import (
     driver_present,
     nvrtc_present,
 )
+from . import hf
 
 __all__ = [
     "Cache",
@@ -37,6 +41,7 @@ __all__ = [
     "__version__",
     "check_tensor",
     "device_info",
+    "hf",
     "driver_present",
     "nvrtc_present",
 ]

@@ -1,0 +1,232 @@
+"""transformers integration: run a model's attention on kvforge's compressed KV cache.
+
+::
+
+    import torch, kvforge.hf
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float16).cuda().eval()
+    kv = kvforge.hf.use_kvforge(model, spec="specs/rdkv.toml", tier="b4")
+    loss = model(input_ids=ids, labels=ids).loss          # prompt: attend_prefix on the int4 cache
+    out = model.generate(input_ids=ids, max_new_tokens=32)  # new tokens: decode
+    kv.bytes_per_token()                                    # resident bytes / token / kv head
+
+``use_kvforge`` registers an attention function (and a mask function that builds no mask:
+kvforge applies the causal structure itself) with transformers' ``AttentionInterface`` under
+the name ``"kvforge"`` and points ``model.config._attn_implementation`` at it. Every attention
+layer then keeps one :class:`kvforge.Cache` (its kv heads, its GQA group): the layer's new
+post-RoPE K/V are appended (only tokens the cache has not seen: transformers' own cache passes
+all of them each step), full pages are encoded into ``tier``, and the queries are answered by
+``attend_prefix`` (several query tokens, causal) or ``decode`` (one token) on what is stored.
+A forward whose queries cover every key (a new prompt, ``use_cache=False`` or a fresh
+``generate``) starts a new sequence: the layer's cache is rebuilt, so per-cache state such as
+spherical radius scales never leaks from one text into the next.
+
+Limits: batch 1 without padding, inference only (no dropout, no gradients through the
+cache), no sliding window or logit soft-capping; tensors on CUDA in the spec's dtype (load
+the model with ``dtype=torch.float16`` for the shipped specs). transformers still keeps its
+own fp16 KV cache during ``generate``; kvforge's cache holds the compressed copy the
+attention reads.
+
+``import kvforge.hf`` needs neither torch nor transformers; they are imported when used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Any, Callable, Dict, Optional
+
+__all__ = [
+    "ATTN_NAME",
+    "KvforgeAttention",
+    "attention_function",
+    "bytes_per_token",
+    "no_mask",
+    "register",
+    "use_kvforge",
+]
+
+ATTN_NAME = "kvforge"
+_HANDLE_ATTR = "_kvforge_attention"
+
+
+class KvforgeAttention:
+    """Per-model state: one ``kvforge.Cache`` (one sequence) per attention layer.
+
+    ``attend(layer, q, k, v, scaling)`` takes one sequence's tensors as transformers' attention
+    layers hold them: ``q [Hq, Tq, D]`` (the last ``Tq`` positions), ``k, v [Hkv, S, D]``
+    (post-RoPE, every token so far), and returns ``[Tq, Hq, D]``.
+    """
+
+    def __init__(self, spec: str = "specs/rdkv.toml", tier: Optional[str] = "b4", root: Optional[str] = None,
+                 max_tokens: int = 8192 + 256, module: Any = None):
+        # The extension is looked up when a handle is made, not when this file is imported:
+        # ``import kvforge.hf`` works without a GPU, torch or transformers.
+        self.kvforge = module if module is not None else importlib.import_module("kvforge")
+        self.spec, self.tier = spec, tier
+        self.root = None if root is None else str(root)
+        self.max_tokens = int(max_tokens)
+        self.layers: Dict[int, Dict[str, Any]] = {}  # layer -> {"cache", "seq", "n"}
+        self.last_bytes: Dict[int, float] = {}
+
+    def reset(self) -> None:
+        """Forget every sequence (dropping the caches frees their GPU memory)."""
+        self.layers = {}
+
+    def _new_cache(self, layer: int, q, k) -> Dict[str, Any]:
+        hq, _, d = q.shape
+        hkv, s, _ = k.shape
+        kw = dict(head_dim=d, num_kv_heads=hkv, gqa=hq // hkv, max_tokens=max(self.max_tokens, s), target=self.tier,
+                  root=self.root)
+        index = getattr(getattr(q, "device", None), "index", None)
+        if index:  # device 0 is the Cache's default
+            kw["device"] = index
+        cache = self.kvforge.Cache(self.spec, **kw)
+        st = {"cache": cache, "seq": cache.add_sequence(), "n": 0}
+        self.layers[layer] = st
+        return st
+
+    def attend(self, layer: int, q, k, v, scaling: float):
+        check_shapes(q, k, v)
+        hq, tq, d = q.shape
+        hkv, s, _ = k.shape
+        st = self.layers.get(layer)
+        # a new sequence: transformers passed fewer tokens than we hold, or queries for all of them
+        if st is None or st["n"] > s or (tq == s and st["n"] > 0):
+            st = self._new_cache(layer, q, k)
+        cache, seq = st["cache"], st["seq"]
+        if s > st["n"]:  # append only the tokens not seen yet, [T, Hkv, D]
+            kn = k[:, st["n"]:].transpose(0, 1).contiguous()
+            vn = v[:, st["n"]:].transpose(0, 1).contiguous()
+            cache.append(seq, kn, vn)
+            st["n"] = s
+        qq = q.transpose(0, 1)  # [Tq, Hq, D]
+        if abs(scaling * math.sqrt(d) - 1.0) > 1e-6:  # kvforge scales scores by 1/sqrt(d)
+            qq = qq * (scaling * math.sqrt(d))
+        qq = qq.contiguous()
+        if tq == 1:
+            out, _ = cache.decode(qq, seqs=[seq])
+        else:  # query i sits at position s - tq + i and attends tokens 0..s - tq + i
+            lengths = list(range(s - tq + 1, s + 1))
+            out, _ = cache.attend_prefix(seq, qq, lengths)
+        self.last_bytes[layer] = cache.bytes_per_token()
+        return out
+
+    def bytes_per_token(self) -> float:
+        """Resident bytes per cached token per kv head (page headers and the fp16 tail page
+        included, ``Cache.bytes_per_token()``), mean over layers, as of each layer's last call;
+        NaN before the first forward."""
+        vals = list(self.last_bytes.values())
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    def memory_report(self) -> Dict[int, Any]:
+        """``Cache.memory_report()`` of every layer's cache."""
+        return {layer: st["cache"].memory_report() for layer, st in sorted(self.layers.items())}
+
+    def describe(self) -> Dict[str, Any]:
+        return {"kind": "kvforge", "spec": self.spec, "tier": self.tier,
+                "kvforge_version": getattr(self.kvforge, "__version__", "?")}
+
+
+def check_shapes(q, k, v) -> None:
+    """One sequence's q [Hq, Tq, D], k/v [Hkv, S, D]: same dtype and device, S >= Tq, Hq a
+    multiple of Hkv. kvforge itself refuses a dtype other than the spec's and host tensors."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"kvforge attention: q, k, v must be [heads, tokens, head_dim], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    hq, tq, d = q.shape
+    hkv, s, dk = k.shape
+    if tuple(v.shape) != (hkv, s, dk) or dk != d:
+        raise ValueError(f"kvforge attention: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not match")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"kvforge attention: {hq} query heads are not a multiple of {hkv} kv heads")
+    if tq > s:
+        raise ValueError(f"kvforge attention: {tq} queries but only {s} keys")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"kvforge attention: q {q.dtype}, k {k.dtype}, v {v.dtype} must share one dtype")
+
+
+def _handle_of(module):
+    h = getattr(module, _HANDLE_ATTR, None)
+    if h is None:
+        raise RuntimeError("kvforge attention called on a layer without a kvforge handle: use kvforge.hf.use_kvforge(model)")
+    return h
+
+
+def attention_function(resolve: Callable[[Any], Any] = _handle_of):
+    """A transformers attention function: ``(module, query [B, Hq, Tq, D], key, value
+    [B, Hkv, S, D], attention_mask, scaling, dropout, **kw) -> ([B, Tq, Hq, D], None)``, which
+    sends one sequence's tensors to ``resolve(module).attend(module.layer_idx, q, k, v,
+    scaling)``. By default the handle is the one ``use_kvforge`` put on the layer."""
+
+    def kvforge_attention_forward(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
+        if query.shape[0] != 1:
+            raise ValueError(f"kvforge attention runs batch 1 (no padding masks), got batch {query.shape[0]}")
+        if dropout:
+            raise ValueError("kvforge attention is inference only: put the model in eval() mode (dropout > 0)")
+        for name in ("sliding_window", "softcap"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"kvforge attention does not implement {name}={kwargs[name]!r}")
+        scaling = module.scaling if scaling is None else scaling
+        out = resolve(module).attend(module.layer_idx, query[0], key[0], value[0], scaling)
+        return out.unsqueeze(0), None
+
+    return kvforge_attention_forward
+
+
+def no_mask(*args, attention_mask=None, **kwargs):
+    """Mask function for kvforge attention: none is built (the cache applies causality).
+    A padding mask with a masked position is refused: batch 1 without padding only."""
+    if attention_mask is not None and getattr(attention_mask, "dim", lambda: 0)() == 2 and not bool(attention_mask.all()):
+        raise ValueError("kvforge attention does not support padding: attention_mask has masked positions")
+    return None
+
+
+def register(name: str = ATTN_NAME, fn: Optional[Callable] = None) -> str:
+    """Registers ``fn`` (default :func:`attention_function`) and :func:`no_mask` with
+    transformers under ``name``; returns ``name``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, fn if fn is not None else attention_function())
+    AttentionMaskInterface.register(name, no_mask)
+    return name
+
+
+def use_kvforge(model, spec: str = "specs/rdkv.toml", tier: Optional[str] = "b4", root: Optional[str] = None,
+                max_tokens: Optional[int] = None) -> KvforgeAttention:
+    """Runs every attention layer of ``model`` on kvforge: registers the ``"kvforge"``
+    attention, gives each layer (every submodule with a ``layer_idx``) the returned handle and
+    sets ``model.config._attn_implementation``. ``spec``/``tier``/``root`` as for
+    :class:`kvforge.Cache` (relative specs are found under ``root``, ``$KVFORGE_ROOT`` or the
+    working directory); ``max_tokens``: cache capacity per layer and kv head (default the
+    model's ``max_position_embeddings`` + 256, at least 1024). Undo with
+    ``handle.detach()``, which restores the previous attention implementation."""
+    if max_tokens is None:
+        max_tokens = max(1024, int(getattr(model.config, "max_position_embeddings", 8192) or 8192) + 256)
+    handle = KvforgeAttention(spec, tier, root=root, max_tokens=max_tokens)
+    register()
+    for m in model.modules():
+        if isinstance(getattr(m, "layer_idx", None), int):
+            object.__setattr__(m, _HANDLE_ATTR, handle)
+    previous = model.config._attn_implementation
+
+    def detach():
+        model.config._attn_implementation = previous
+        for m in model.modules():
+            if getattr(m, _HANDLE_ATTR, None) is handle:
+                object.__delattr__(m, _HANDLE_ATTR)
+        handle.reset()
+
+    handle.detach = detach
+    model.config._attn_implementation = ATTN_NAME
+    return handle
+
+
+def bytes_per_token(model) -> float:
+    """Resident bytes per token per kv head of ``model``'s kvforge caches (mean over layers)."""
+    for m in model.modules():
+        h = getattr(m, _HANDLE_ATTR, None)
+        if h is not None:
+            return h.bytes_per_token()
+    raise RuntimeError("model does not run on kvforge attention: call kvforge.hf.use_kvforge(model)")

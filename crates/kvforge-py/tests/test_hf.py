@@ -1,0 +1,280 @@
+"""CPU tests of kvforge.hf, the transformers integration, without a GPU: a fake ``kvforge``
+module whose ``Cache`` implements the API in torch (exact attention) stands in for the
+extension, and a tiny random Llama runs a forward with labels and ``generate`` on it, against
+transformers' eager attention. The tests that need torch/transformers skip where those are
+missing (CI); the import test runs everywhere.
+
+    .venv-torch/bin/python -m pytest -q crates/kvforge-py/tests/test_hf.py
+"""
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+HF_SOURCE = Path(__file__).resolve().parents[1] / "python" / "kvforge" / "hf.py"
+
+
+def _load_hf():
+    spec = importlib.util.spec_from_file_location("kvforge_hf_under_test", HF_SOURCE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(code, **env):
+    e = dict(os.environ, **env)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, check=False)
+
+
+def test_hf_imports_without_torch_or_transformers():
+    code = (
+        "import importlib.util, sys\n"
+        f"s = importlib.util.spec_from_file_location('h', {str(HF_SOURCE)!r})\n"
+        "m = importlib.util.module_from_spec(s); s.loader.exec_module(m)\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, sorted(sys.modules)\n"
+        "assert callable(m.use_kvforge) and m.ATTN_NAME == 'kvforge'\n"
+    )
+    r = _run(code)
+    assert r.returncode == 0, r.stderr
+
+
+def test_package_import_kvforge_hf_is_lazy():
+    try:
+        import kvforge  # noqa: F401  (the built package: ci.sh puts it on PYTHONPATH)
+    except ImportError:
+        pytest.skip("kvforge extension not importable here (ci.sh builds it)")
+    r = _run("import sys, kvforge, kvforge.hf\n"
+             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules\n"
+             "assert kvforge.hf.KvforgeAttention and kvforge.hf.use_kvforge\n")
+    assert r.returncode == 0, r.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# With torch: a fake extension
+
+class _FakeCache:
+    """kvforge.Cache's API over torch tensors: exact attention (as the fp16 tier stores)."""
+
+    made = []
+
+    def __init__(self, spec, head_dim, num_kv_heads, gqa, max_tokens, target=None, root=None, device=0, **kw):
+        import torch
+
+        self.torch = torch
+        self.args = dict(spec=spec, head_dim=head_dim, num_kv_heads=num_kv_heads, gqa=gqa, max_tokens=max_tokens,
+                         target=target, root=root, device=device)
+        self.k = self.v = None
+        self.calls = []
+        self.seqs = 0
+        _FakeCache.made.append(self)
+
+    def add_sequence(self):
+        self.seqs += 1
+        return self.seqs - 1
+
+    def append(self, seq, k, v):
+        a = self.args
+        assert k.is_contiguous() and v.is_contiguous()
+        assert k.dim() == 3 and k.shape[1:] == (a["num_kv_heads"], a["head_dim"]) and v.shape == k.shape
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+        self.k = k.clone() if self.k is None else self.torch.cat([self.k, k], 1)
+        self.v = v.clone() if self.v is None else self.torch.cat([self.v, v], 1)
+        assert self.k.shape[1] <= a["max_tokens"]
+        self.calls.append(("append", k.shape[1]))
+
+    def _attend(self, q, lengths):
+        torch = self.torch
+        a = self.args
+        assert q.is_contiguous() and q.shape[1:] == (a["num_kv_heads"] * a["gqa"], a["head_dim"])
+        g = a["gqa"]
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:2], dtype=torch.float32)
+        for i, n in enumerate(lengths):
+            ks = self.k[:, :n].repeat_interleave(g, 0)
+            vs = self.v[:, :n].repeat_interleave(g, 0)
+            w = torch.einsum("hd,htd->ht", q[i].float(), ks.float()) / math.sqrt(a["head_dim"])
+            lse[i] = torch.logsumexp(w, -1)
+            out[i] = torch.einsum("ht,htd->hd", w.softmax(-1), vs.float()).to(q.dtype)
+        return out, lse
+
+    def attend_prefix(self, seq, q, lengths=None):
+        self.calls.append(("prefix", q.shape[0]))
+        return self._attend(q, lengths)
+
+    def decode(self, q, seqs):
+        assert seqs == [0] and q.shape[0] == 1
+        self.calls.append(("decode", 1))
+        return self._attend(q, [self.k.shape[1]])
+
+    def bytes_per_token(self):
+        return 4.0 * self.args["head_dim"] + 1.0
+
+    def memory_report(self):
+        return [{"tier": "fp16", "tokens": self.k.shape[1]}]
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    pytest.importorskip("torch")
+    mod = types.ModuleType("kvforge")
+    mod.Cache = _FakeCache
+    mod.__version__ = "fake"
+    monkeypatch.setitem(sys.modules, "kvforge", mod)
+    _FakeCache.made = []
+    return mod
+
+
+@pytest.fixture
+def hf():
+    return _load_hf()
+
+
+def test_attend_prefix_then_decode_appends_only_new_tokens(fake, hf):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(6, 100, 16, generator=g)
+    k = torch.randn(2, 100, 16, generator=g)
+    v = torch.randn(2, 100, 16, generator=g)
+    att = hf.KvforgeAttention("specs/rdkv.toml", "b4", max_tokens=128)
+
+    def ref(tq, s, scaling):  # eager causal attention, queries at the last tq of s positions
+        ks, vs = k[:, :s].repeat_interleave(3, 0), v[:, :s].repeat_interleave(3, 0)
+        mask = torch.ones(tq, s, dtype=torch.bool).tril(diagonal=s - tq)
+        o = torch.nn.functional.scaled_dot_product_attention(q[:, s - tq:s], ks, vs, attn_mask=mask, scale=scaling)
+        return o.transpose(0, 1)
+
+    out = att.attend(0, q[:, :90], k[:, :90], v[:, :90], 0.25)  # prompt of 90 tokens
+    assert out.shape == (90, 6, 16)
+    assert torch.allclose(out, ref(90, 90, 0.25), atol=1e-5)
+    for s in (91, 92):  # two decode steps, transformers passing every K/V
+        out = att.attend(0, q[:, s - 1:s], k[:, :s], v[:, :s], 0.25)
+        assert torch.allclose(out, ref(1, s, 0.25), atol=1e-5)
+    out = att.attend(0, q[:, 92:100], k[:, :100], v[:, :100], 0.3)  # a chunk of 8 queries, other scaling
+    assert torch.allclose(out, ref(8, 100, 0.3), atol=1e-5)
+    cache = att.layers[0]["cache"]
+    assert cache.calls == [("append", 90), ("prefix", 90), ("append", 1), ("decode", 1), ("append", 1),
+                           ("decode", 1), ("append", 8), ("prefix", 8)]
+    assert cache.args == dict(spec="specs/rdkv.toml", head_dim=16, num_kv_heads=2, gqa=3, max_tokens=128,
+                              target="b4", root=None, device=0)
+    assert att.bytes_per_token() == 65.0
+    # a new sequence (queries cover every key, or fewer keys than held) gets a fresh cache
+    att.attend(0, q[:, :10], k[:, :10], v[:, :10], 0.25)
+    assert att.layers[0]["cache"] is not cache and att.layers[0]["n"] == 10
+    fresh = att.layers[0]["cache"]
+    att.attend(0, q[:, 4:5], k[:, :5], v[:, :5], 0.25)
+    assert att.layers[0]["cache"] is not fresh and att.layers[0]["n"] == 5
+    att.reset()
+    assert att.layers == {}
+
+
+def test_shape_and_dtype_checks(fake, hf):
+    import torch
+
+    att = hf.KvforgeAttention()
+    q, k = torch.zeros(6, 4, 16), torch.zeros(2, 4, 16)
+    with pytest.raises(ValueError, match="multiple"):
+        att.attend(0, torch.zeros(5, 4, 16), k, k, 0.25)
+    with pytest.raises(ValueError, match="share one dtype"):
+        att.attend(0, q.half(), k, k, 0.25)
+    with pytest.raises(ValueError, match="do not match"):
+        att.attend(0, q, k, torch.zeros(2, 3, 16), 0.25)
+    with pytest.raises(ValueError, match="queries but only"):
+        att.attend(0, torch.zeros(6, 5, 16), k, k, 0.25)
+    with pytest.raises(ValueError, match="heads, tokens, head_dim"):
+        att.attend(0, q[None], k, k, 0.25)
+    assert _FakeCache.made == []  # refused before any cache is made
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024,
+                                   attn_implementation="eager", pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    return model, torch
+
+
+def test_use_kvforge_forward_with_labels_and_generate(fake, hf):
+    model, torch = _tiny_llama()
+    ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(input_ids=ids, labels=ids)
+        ref_gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+
+        kv = hf.use_kvforge(model, spec="specs/rdkv.toml", tier="b4", root="/repo")
+        assert model.config._attn_implementation == "kvforge"
+        assert math.isnan(kv.bytes_per_token())
+        out = model(input_ids=ids, labels=ids)
+        assert torch.allclose(out.logits, ref.logits, atol=1e-4)
+        assert abs(out.loss.item() - ref.loss.item()) < 1e-5
+        assert len(_FakeCache.made) == 2  # one per layer
+        c = _FakeCache.made[0]
+        assert c.args["num_kv_heads"] == 2 and c.args["gqa"] == 3 and c.args["head_dim"] == 16
+        assert c.args["max_tokens"] == 1024 + 256 and c.args["root"] == "/repo" and c.args["target"] == "b4"
+        assert c.calls == [("append", 40), ("prefix", 40)]
+
+        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+        assert torch.equal(gen, ref_gen)
+        assert len(_FakeCache.made) == 4  # the new prompt started new caches
+        c = _FakeCache.made[2]
+        assert c.calls[:2] == [("append", 40), ("prefix", 40)]
+        assert c.calls[2:] == [("append", 1), ("decode", 1)] * 5  # 6 new tokens: the last is not attended
+        assert c.k.shape[1] == 45
+        assert hf.bytes_per_token(model) == kv.bytes_per_token() == c.bytes_per_token()
+        assert set(kv.memory_report()) == {0, 1}
+
+        with pytest.raises(ValueError, match="batch 1"):
+            model(input_ids=ids.repeat(2, 1))
+        mask = torch.ones_like(ids)
+        mask[0, 0] = 0
+        with pytest.raises(ValueError, match="padding"):
+            model(input_ids=ids, attention_mask=mask)
+
+        kv.detach()
+        assert model.config._attn_implementation == "eager"
+        assert torch.allclose(model(input_ids=ids).logits, ref.logits)
+        with pytest.raises(RuntimeError, match="use_kvforge"):
+            hf.bytes_per_token(model)
+
+
+def test_attention_function_needs_a_handle(fake, hf):
+    model, torch = _tiny_llama()
+    hf.register()
+    model.config._attn_implementation = "kvforge"  # registered, but use_kvforge not called
+    with pytest.raises(RuntimeError, match="use_kvforge"), torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+
+
+def test_smollm2_example_on_cpu(fake, hf, monkeypatch):
+    """examples/smollm2.py end to end on CPU (fp32) with the fake extension: the kvforge row
+    (exact attention) must match eager. Needs the GGUF and texts of benches/quality/prepare.py."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("gguf")
+    repo = Path(__file__).resolve().parents[3]
+    model_dir = repo / "data" / "model"
+    if not (model_dir / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file() or not (repo / "data/austen/prideprejudice.txt").is_file():
+        pytest.skip("data/model and data/austen not prepared (benches/quality/prepare.py)")
+    import torch
+
+    fake.hf = hf
+    monkeypatch.setitem(sys.modules, "kvforge.hf", hf)
+    spec = importlib.util.spec_from_file_location("smollm2_example", repo / "crates/kvforge-py/examples/smollm2.py")
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    rows = ex.main([str(model_dir), "--device", "cpu", "--dtype", "fp32", "--tokens", "96", "--new-tokens", "4"])
+    (_, ppl_ref, _, gen_ref, _), (name, ppl, bpt, gen, _) = rows
+    assert name == "kvforge specs/rdkv.toml:b4"
+    assert abs(ppl - ppl_ref) < 1e-3 * ppl_ref and bpt == 4.0 * 64 + 1
+    assert gen == gen_ref
+    assert len(_FakeCache.made) == 30 * 2  # per layer: one for the window, one for the generate prompt
