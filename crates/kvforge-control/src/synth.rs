@@ -50,6 +50,21 @@ impl HeadShape {
     }
 }
 
+/// A random key of `len` channels and norm ≈ √len: isotropic Gaussian, or, with a codebook,
+/// near a random codeword in every group (the keys a spherical codebook is trained on).
+pub fn draw_key(rng: &mut ChaCha8Rng, len: usize, codebook: Option<&Codebook>) -> Vec<f64> {
+    match codebook {
+        None => (0..len).map(|_| gauss(rng)).collect(),
+        Some(cb) => (0..len / cb.group)
+            .flat_map(|_| {
+                let word = cb.word(rng.gen_range(0..cb.entries)).to_vec();
+                let r = (cb.group as f64).sqrt() * (0.6 + 0.8 * rng.gen_range(0.0..1.0));
+                word.iter().map(|&c| r * (f64::from(c) + 0.02 * gauss(rng))).collect::<Vec<_>>()
+            })
+            .collect(),
+    }
+}
+
 /// A standard normal draw (Box–Muller; deterministic and dependency-free).
 pub fn gauss(rng: &mut ChaCha8Rng) -> f64 {
     let (u1, u2): (f64, f64) = (rng.gen_range(1e-12..1.0), rng.gen_range(0.0..1.0));
@@ -89,19 +104,7 @@ impl SynthHead {
         let p = page_tokens;
         let full = tokens / p;
         assert!(full >= 8, "synthetic heads need at least 8 full pages (got {tokens} tokens of {p}-token pages)");
-        // A random vector of norm ≈ √len: isotropic, or codeword directions per group.
-        let draw = |rng: &mut ChaCha8Rng, len: usize| -> Vec<f64> {
-            match codebook {
-                None => (0..len).map(|_| gauss(rng)).collect(),
-                Some(cb) => (0..len / cb.group)
-                    .flat_map(|_| {
-                        let word = cb.word(rng.gen_range(0..cb.entries)).to_vec();
-                        let r = (cb.group as f64).sqrt() * (0.6 + 0.8 * rng.gen_range(0.0..1.0));
-                        word.iter().map(|&c| r * (f64::from(c) + 0.02 * gauss(rng))).collect::<Vec<_>>()
-                    })
-                    .collect(),
-            }
-        };
+        let draw = |rng: &mut ChaCha8Rng, len: usize| draw_key(rng, len, codebook);
         let mut u = draw(rng, d);
         let nu = u.iter().map(|x| x * x).sum::<f64>().sqrt();
         u.iter_mut().for_each(|x| *x /= nu);

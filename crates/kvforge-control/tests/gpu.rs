@@ -16,10 +16,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvforge_control::runtime::{self, PagedCache, PositionMap, Signal, SimCache};
+use kvforge_control::synth::{self, gauss};
 use kvforge_control::*;
 use kvforge_rt::{CacheConfig, Device, KvCache};
 use kvforge_spec::{Codebook, KeyScheme, Spec, TierId, HEADER_BYTES, TAIL_TIER};
-use rand::{Rng, SeedableRng};
+use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 const D: usize = 128;
@@ -38,11 +39,6 @@ fn spec(name: &str) -> Spec {
 
 fn sm() -> f64 {
     1.0 / (D as f64).sqrt()
-}
-
-fn gauss(rng: &mut ChaCha8Rng) -> f64 {
-    let (u1, u2): (f64, f64) = (rng.gen_range(1e-12..1.0), rng.gen_range(0.0..1.0));
-    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
 }
 
 /// Keys, values and queries of one sequence (all `PREFILL + STEPS` tokens, generated up front).
@@ -70,18 +66,7 @@ impl Workload {
         let n = PREFILL + STEPS;
         let p = 64;
         let full = PREFILL / p;
-        let draw = |rng: &mut ChaCha8Rng, len: usize| -> Vec<f64> {
-            match codebook {
-                None => (0..len).map(|_| gauss(rng)).collect(),
-                Some(cb) => (0..len / cb.group)
-                    .flat_map(|_| {
-                        let word = cb.word(rng.gen_range(0..cb.entries)).to_vec();
-                        let r = (cb.group as f64).sqrt() * (0.6 + 0.8 * rng.gen_range(0.0..1.0));
-                        word.iter().map(|&c| r * (f64::from(c) + 0.02 * gauss(rng))).collect::<Vec<_>>()
-                    })
-                    .collect(),
-            }
-        };
+        let draw = |rng: &mut ChaCha8Rng, len: usize| synth::draw_key(rng, len, codebook);
         let (mut kh, mut vh, mut q_obs, mut q_rows) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (h, (gamma, heavy, kappa, needles)) in [(0.9, 24, 7.0, 2), (0.35, 4, 5.0, 0)].into_iter().enumerate() {
             let mut u = draw(&mut rng, D);

@@ -400,10 +400,10 @@ impl KvCache {
     }
 
     /// The tail page of (seq, head): its bytes (host mirror) and token count.
-    pub(crate) fn tail_bytes(&self, seq: usize, head: usize) -> Result<Option<(Vec<u8>, usize)>> {
+    pub(crate) fn tail_bytes(&self, seq: usize, head: usize) -> Result<Option<(&[u8], usize)>> {
         let s = self.seq(seq)?;
         let h = s.heads.get(head).ok_or_else(|| RtError::BadInput(format!("kv head {head} of {}", s.heads.len())))?;
-        Ok(h.tail.as_ref().map(|t| (t.bytes.clone(), t.len)))
+        Ok(h.tail.as_ref().map(|t| (t.bytes.as_slice(), t.len)))
     }
 
     /// Overwrites bytes of a page (low level: tools and corruption tests).

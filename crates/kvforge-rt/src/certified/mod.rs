@@ -246,10 +246,12 @@ impl KvCache {
                         }
                     }
                 }
+                // Achieved page masses ρ of every query head: the certificate and the ladder read them.
+                let rho: Vec<Vec<f64>> = (0..gqa).map(|hq| masses(&p2, gi, hq, gqa)).collect();
                 let mut worst = 0f64;
                 let mut head_certs = Vec::with_capacity(gqa);
                 for hq in 0..gqa {
-                    let c = head_certificate(g, &p1, &p2, gi, hq, gqa, d);
+                    let c = head_certificate(g, &p1, &p2, &rho[hq], gi, hq, gqa, d);
                     worst = worst.max(c.bound);
                     head_certs.push(c);
                 }
@@ -258,7 +260,7 @@ impl KvCache {
                     g.rung = 3;
                     escalate = true;
                 } else if worst > cfg.max_error && g.rung < 3 {
-                    escalate |= climb(g, &p2, gi, gqa, cfg);
+                    escalate |= climb(g, &rho, cfg);
                 }
                 certs.extend(head_certs);
             }
@@ -440,8 +442,7 @@ fn promote_all(g: &mut Group) {
 
 /// Rung 1: double the promoted pages (next by achieved mass); rung 2: promote pages whose
 /// value-error share ρ·η exceeds v_tol; rung 3: everything exact. Returns whether anything changed.
-fn climb(g: &mut Group, p2: &PhaseOut, gi: usize, gqa: usize, cfg: &CertConfig) -> bool {
-    let per_head: Vec<Vec<f64>> = (0..gqa).map(|h| masses(p2, gi, h, gqa)).collect();
+fn climb(g: &mut Group, per_head: &[Vec<f64>], cfg: &CertConfig) -> bool {
     let rho = |i: usize| per_head.iter().map(|m| m[i]).fold(0.0, f64::max);
     let left: Vec<usize> = (0..g.pages.len()).filter(|&i| g.pages[i].0.tier != TAIL_TIER && !g.promoted[i]).collect();
     if left.is_empty() {
@@ -473,8 +474,8 @@ fn climb(g: &mut Group, p2: &PhaseOut, gi: usize, gqa: usize, cfg: &CertConfig) 
     true
 }
 
-fn head_certificate(g: &Group, p1: &PhaseOut, p2: &PhaseOut, gi: usize, hq: usize, gqa: usize, d: usize) -> HeadCertificate {
-    let rho = masses(p2, gi, hq, gqa);
+#[allow(clippy::too_many_arguments)]
+fn head_certificate(g: &Group, p1: &PhaseOut, p2: &PhaseOut, rho: &[f64], gi: usize, hq: usize, gqa: usize, d: usize) -> HeadCertificate {
     let base = p1.indptr[gi] as usize;
     let (mut alpha, mut delta, mut e_val) = (0f64, 0f64, 0f64);
     let mut tokens = 0usize;

@@ -89,12 +89,4 @@ impl Originals {
         self.errors(page)?;
         Ok(self.base + (page.index as usize * self.page_bytes) as u64)
     }
-
-    /// The original's bytes (tests and the CPU check).
-    pub fn bytes(&self, page: &PageRef) -> Result<&[u8]> {
-        self.errors(page)?;
-        let s = self.slab.as_slice().map_err(drv("tier-2 slab"))?;
-        let at = page.index as usize * self.page_bytes;
-        Ok(&s[at..at + self.page_bytes])
-    }
 }
