@@ -327,12 +327,13 @@ class KvforgeBackend(hf.KvforgeAttention):
 
     measured_bytes = True
 
-    def __init__(self, spec: str, tier: str, name: str, max_tokens: int = 8192 + 256):
+    def __init__(self, spec: str, tier: str, name: str, max_tokens: int = 8192 + 256, **kw):
         try:
             import kvforge
         except ImportError as e:  # the rest of the harness works without the extension
             raise SystemExit(f"backend {name}: cannot import kvforge ({e}); install the wheel (see README)") from e
-        super().__init__(spec, tier, root=str(ROOT), max_tokens=max_tokens, module=kvforge)
+        # kw: control= / certify= / exact_prefill= of kvforge.hf.KvforgeAttention
+        super().__init__(spec, tier, root=str(ROOT), max_tokens=max_tokens, module=kvforge, **kw)
         self.name = name
 
     def bytes_per_token(self, d: int | None = None) -> float:

@@ -10,9 +10,11 @@
 //! 2. down-tiers with indices corrected for the drops, deepest source tier first, so a move
 //!    `mid → low` frees its `mid` slot before a `high → mid` needs one.
 //!
-//! [`PositionMap`] keeps the logical token positions of every page, which the cache does not
-//! (after a drop its page indices no longer say where a page sits in the context), and builds
-//! [`PageTableView`]s from a cache and an importance signal.
+//! [`PositionMap`] keeps the logical token positions of every page (after a drop a page's
+//! index no longer says where it sits in the context) for any [`PagedCache`], and builds
+//! [`PageTableView`]s from a cache and an importance signal. `KvCache` records positions
+//! itself; [`PositionMap::of_cache`] reads them, so a caller that holds no map between
+//! invocations (the Python bindings) still gets the right positions.
 
 use kvforge_rt::KvCache;
 use kvforge_spec::{Spec, TierId, TAIL_TIER};
@@ -153,6 +155,21 @@ pub struct PositionMap {
 impl PositionMap {
     pub fn new(seq: usize, heads: usize) -> PositionMap {
         PositionMap { seq, full_first: vec![Vec::new(); heads], filled: vec![0; heads], tail: vec![0; heads] }
+    }
+
+    /// The positions `cache` records for `seq` (no earlier [`sync`](Self::sync) needed).
+    pub fn of_cache(cache: &KvCache, seq: usize) -> Result<PositionMap, ControlError> {
+        let heads = cache.config().num_kv_heads;
+        let p = cache.spec().page.tokens;
+        let len = cache.seq_len(seq).map_err(|e| ControlError::Cache { applied: 0, total: 0, source: Box::new(e) })?;
+        let mut m = PositionMap::new(seq, heads);
+        for h in 0..heads {
+            let pages = cache.positioned_pages(seq, h).map_err(|e| ControlError::Cache { applied: 0, total: 0, source: Box::new(e) })?;
+            m.tail[h] = pages.iter().find(|x| x.0.tier == TAIL_TIER).map_or(0, |x| x.1);
+            m.full_first[h] = pages.iter().filter(|x| x.0.tier != TAIL_TIER).map(|x| x.2).collect();
+            m.filled[h] = (len - m.tail[h]) / p;
+        }
+        Ok(m)
     }
 
     /// Learns the pages appended since the last call.

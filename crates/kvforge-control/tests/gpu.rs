@@ -242,6 +242,8 @@ impl Run {
         let rs = runtime::apply(&mut self.sim, self.seq, view, plan, limits).unwrap_or_else(|e| panic!("SimCache apply: {e}"));
         assert_eq!(r, rs, "GPU and SimCache apply reports differ");
         self.cache.verify_pages(&[self.seq]).unwrap_or_else(|e| panic!("verify_pages after the plan: {e}"));
+        // The cache's own positions (kept through drops) equal the map's bookkeeping.
+        assert_eq!(PositionMap::of_cache(&self.cache, self.seq).unwrap(), self.pos, "positions recorded by the cache differ from the PositionMap");
         let after = simulate(view, plan);
         for h in 0..HKV {
             let want: Vec<(TierId, usize)> = after.heads[h].iter().map(|p| (p.tier, p.tokens)).collect();

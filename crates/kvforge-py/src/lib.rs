@@ -16,6 +16,9 @@
 //! PyTorch and kvforge share the device's primary context: cudarc's `CudaContext::new` retains
 //! it, as the CUDA runtime under PyTorch does.
 
+mod certified;
+mod control;
+
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
@@ -469,15 +472,23 @@ impl Cache {
         })
     }
 
-    /// Cached tokens of `seq`.
+    /// Keeps the fp16 original of every page encoded from now on in pinned host memory (tier 2
+    /// of certified decode, see :class:`Certifier`). Call before appending; raises
+    /// KvforgeError when the pinned memory cannot be allocated.
+    fn keep_originals(&mut self, py: Python<'_>) -> PyResult<()> {
+        guarded(py, || self.inner.keep_originals().or_py(py))
+    }
+
+    /// Logical length of `seq`: tokens appended so far (those of dropped pages included).
     fn seq_len(&self, py: Python<'_>, seq: usize) -> PyResult<usize> {
         self.inner.seq_len(seq).or_py(py)
     }
 
-    /// Pages of (seq, kv head) in token order: [(tier name, tokens)], the tail page last.
-    fn pages(&self, py: Python<'_>, seq: usize, head: usize) -> PyResult<Vec<(String, usize)>> {
+    /// Pages of (seq, kv head) in token order: [(tier name, tokens, first position)], the
+    /// tail page last. Positions are logical: a dropped page leaves a gap.
+    fn pages(&self, py: Python<'_>, seq: usize, head: usize) -> PyResult<Vec<(String, usize, usize)>> {
         let spec = self.inner.spec();
-        Ok(self.inner.pages(seq, head).or_py(py)?.into_iter().map(|(p, n)| (spec.tiers[p.tier as usize].name.clone(), n)).collect())
+        Ok(self.inner.positioned_pages(seq, head).or_py(py)?.into_iter().map(|(p, n, f)| (spec.tiers[p.tier as usize].name.clone(), n, f)).collect())
     }
 
     #[getter]
@@ -600,6 +611,10 @@ fn kvforge_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<Cache>()?;
     m.add_class::<Plan>()?;
+    m.add_class::<control::Controller>()?;
+    m.add_class::<control::ControlReport>()?;
+    m.add_class::<certified::Certifier>()?;
+    m.add_class::<certified::HeadCert>()?;
     m.add_function(wrap_pyfunction!(device_info, m)?)?;
     m.add_function(wrap_pyfunction!(driver_present, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_present, m)?)?;

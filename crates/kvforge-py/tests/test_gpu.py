@@ -76,7 +76,7 @@ def test_baseline_decode_matches_torch():
     c.append(s, k[:200], v[:200])
     c.append(s, k[200:], v[200:])
     assert c.seq_len(s) == T
-    assert c.pages(s, 0) == [("fp16", 64)] * 4 + [("tail", 44)]
+    assert c.pages(s, 0) == [("fp16", 64, 64 * i) for i in range(4)] + [("tail", 44, 256)]
     q = rand(1, HQ, D, seed=3)
     out, lse = c.decode(q, seqs=[s])
     assert out.dtype == torch.float16 and out.shape == (1, HQ, D) and out.device == DEV
@@ -261,7 +261,7 @@ def test_memory_report_and_retier():
         c.retier(s, h, 0, "b2")
     rep = {r["tier"]: r for r in c.memory_report()}
     assert rep["b2"]["pages"] == HKV and c.bytes_per_token() < before
-    assert c.pages(s, 0)[0] == ("b2", P)
+    assert c.pages(s, 0)[0] == ("b2", P, 0)
     o2, _ = c.decode(q, seqs=[s])
     assert not torch.equal(o2, o8)
     print(f"   b8 {before:.1f} -> {c.bytes_per_token():.1f} B/token/head")
@@ -276,6 +276,99 @@ def test_many_layers_share_the_device():
         c.append(s, k, k)
         outs.append(c.decode(rand(1, HQ, D, seed=61), seqs=[s])[0])
     assert all(torch.equal(outs[0], o) for o in outs)
+
+
+def test_controller_meets_the_budget_and_keeps_the_heavy_page():
+    T = 20 * P + 10
+    k, v = rand(T, HKV, D, seed=70), rand(T, HKV, D, seed=71)
+    mass = torch.full((HKV, T), 1e-3, device=DEV, dtype=torch.float64)
+    mass[:, 7 * P + 5] = 10.0  # a heavy hitter in page 7 of every head
+    for policy in ("rdr", "rdkv"):
+        c = mk("rdkv", "b8", sequences=1)
+        s = c.add_sequence()
+        c.append(s, k, v)
+        before = {r["tier"]: r["resident_bytes"] for r in c.memory_report()}
+        ctl = kvforge.Controller(c, policy=policy, budget=40.0, sinks=P, recent=P, floor="b2")
+        assert ctl.due()
+        rep = ctl.apply(c, s, token_mass=mass)
+        assert isinstance(rep, kvforge.ControlReport) and rep.policy == policy
+        assert rep.feasible and rep.bytes_after <= rep.budget_bytes + 1e-6, rep
+        assert rep.budget_bytes == 40.0 * T * HKV
+        assert rep.dropped + rep.retiered == len(rep.decisions) > 0
+        assert c.seq_len(s) == T  # drops keep logical positions
+        for h in range(HKV):
+            pages = c.pages(s, h)
+            firsts = [f for _, _, f in pages]
+            assert firsts == sorted(firsts) and firsts[0] == 0, pages  # the sink page stays
+            heavy = [t for t, _, f in pages if f == 7 * P]
+            assert heavy and heavy[0] != "b2", f"{policy}: heavy page {heavy} on head {h}: {pages}"
+        d = rep.as_dict()
+        assert d["bytes_after"] == rep.bytes_after and len(d["decisions"]) == len(rep.decisions)
+        # attention after the controller reads what it left: decode equals the full prefix
+        q = rand(1, HQ, D, seed=72)
+        o1, _ = c.decode(q, seqs=[s])
+        o2, _ = c.attend_prefix(s, q, lengths=[T])
+        assert torch.equal(o1, o2)
+        # a prefix inside a dropped range attends only what precedes it (still finite)
+        o3, l3 = c.attend_prefix(s, rand(3, HQ, D, seed=73), lengths=[P + 1, 10 * P, T])
+        assert torch.isfinite(o3).all() and torch.isfinite(l3).all()
+        print(f"   {policy}: {rep}")
+    # bad inputs are typed errors
+    c = mk("rdkv", "b8", sequences=1)
+    s = c.add_sequence()
+    c.append(s, k[:3 * P], v[:3 * P])
+    for bad, kw in ((dict(policy="xyz", budget=1.0), {}), (dict(policy="rdr"), {}), (dict(policy="rdr", budget=-1.0), {}),
+                    (dict(policy="rdr", budget=10.0, floor="nope"), {})):
+        try:
+            kvforge.Controller(c, **bad)
+            raise AssertionError(f"accepted {bad}")
+        except kvforge.KvforgeError as e:
+            assert e.kind in ("BadInput",), e.kind
+    ctl = kvforge.Controller(c, policy="rdr", budget=10.0)
+    for m in (torch.ones(HKV, 5), torch.full((HKV, 3 * P), float("nan"))):
+        try:
+            ctl.apply(c, s, token_mass=m)
+            raise AssertionError("bad token_mass accepted")
+        except kvforge.KvforgeError as e:
+            assert "token_mass" in str(e), e
+
+
+def test_certifier_bounds_hold_against_exact_attention():
+    T = 12 * P + 20
+    k, v = rand(T, HKV, D, seed=80), rand(T, HKV, D, seed=81)
+    c = mk("certified", "q8k4v", sequences=1)
+    c.keep_originals()
+    s = c.add_sequence()
+    c.append(s, k, v)
+    cert = kvforge.Certifier(max_error=10.0)  # no escalation: the bound itself is checked
+    worst = 0.0
+    for step in range(8):
+        q = rand(1, HQ, D, seed=90 + step) * 2
+        out, lse, heads = cert.decode(c, q, [s])
+        assert out.shape == (1, HQ, D) and out.dtype == torch.float16 and lse.shape == (1, HQ)
+        assert len(heads) == HQ and all(isinstance(h, kvforge.HeadCertificate) for h in heads)
+        ro, _ = ref_attention(q, k, v, [T])
+        for h, hc in enumerate(heads):
+            err = (out[0, h].double() - ro[0, h].double()).norm().item()
+            assert err <= hc.bound + 1e-6, f"step {step} head {h}: error {err:.3e} > bound {hc.bound:.3e} ({hc})"
+            assert math.isclose(hc.bound, hc.e_key + hc.e_val + hc.e_round, rel_tol=1e-9) or hc.rung >= 3, hc
+            worst = max(worst, err / max(hc.bound, 1e-12))
+    assert heads[0].as_dict()["rung"] == heads[0].rung
+    # exact rungs: a tiny target forces the ladder to exact fp16
+    out, _, heads = kvforge.Certifier(max_error=0.0).decode(c, q, [s])
+    assert all(h.rung >= 3 for h in heads)
+    ro, _ = ref_attention(q, k, v, [T])
+    close(out, ro, 2e-3, 1e-2, "rung 3/4 vs exact")
+    # without originals: a typed error
+    c2 = mk("certified", "q8k4v", sequences=1)
+    s2 = c2.add_sequence()
+    c2.append(s2, k[:P], v[:P])
+    try:
+        kvforge.Certifier().decode(c2, q, [s2])
+        raise AssertionError("certified decode without originals accepted")
+    except kvforge.KvforgeError as e:
+        assert "keep_originals" in str(e)
+    print(f"   worst error / bound {worst:.3f}")
 
 
 def main():

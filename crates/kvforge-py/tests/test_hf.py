@@ -115,8 +115,32 @@ class _FakeCache:
     def bytes_per_token(self):
         return 4.0 * self.args["head_dim"] + 1.0
 
+    def seq_len(self, seq):
+        return 0 if self.k is None else self.k.shape[1]
+
+    @property
+    def num_kv_heads(self):
+        return self.args["num_kv_heads"]
+
     def memory_report(self):
-        return [{"tier": "fp16", "tokens": self.k.shape[1]}]
+        n = self.seq_len(0) * self.num_kv_heads
+        return [{"tier": "fp16", "tokens": n, "resident_bytes": n * self.bytes_per_token()}]
+
+
+class _FakeController:
+    """kvforge.Controller's API: records what it was asked (the real one is tested on the GPU)."""
+
+    made = []
+
+    def __init__(self, cache, policy="rdr", budget=None, **kw):
+        self.cache, self.policy, self.budget, self.kw = cache, policy, budget, kw
+        self.applied = []
+        _FakeController.made.append(self)
+
+    def apply(self, cache, seq, token_mass=None):
+        assert cache is self.cache
+        self.applied.append((seq, token_mass.clone()))
+        return ("report", self.policy, self.budget)
 
 
 @pytest.fixture
@@ -124,9 +148,11 @@ def fake(monkeypatch):
     pytest.importorskip("torch")
     mod = types.ModuleType("kvforge")
     mod.Cache = _FakeCache
+    mod.Controller = _FakeController
     mod.__version__ = "fake"
     monkeypatch.setitem(sys.modules, "kvforge", mod)
     _FakeCache.made = []
+    _FakeController.made = []
     return mod
 
 
@@ -278,3 +304,53 @@ def test_smollm2_example_on_cpu(fake, hf, monkeypatch):
     assert abs(ppl - ppl_ref) < 1e-3 * ppl_ref and bpt == 4.0 * 64 + 1
     assert gen == gen_ref
     assert len(_FakeCache.made) == 30 * 2  # per layer: one for the window, one for the generate prompt
+
+
+def test_exact_attention_matches_eager_and_sums_columns(hf):
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, s, d = 6, 2, 37, 16
+    for tq in (37, 5, 1):
+        q = torch.randn(hq, tq, d, generator=g, dtype=torch.float64)
+        k = torch.randn(hkv, s, d, generator=g, dtype=torch.float64)
+        v = torch.randn(hkv, s, d, generator=g, dtype=torch.float64)
+        out, mass = hf.exact_attention(q, k, v, 0.25, chunk=4)
+        # f64 reference, query i at position s - tq + i
+        ref = torch.empty(tq, hq, d, dtype=torch.float64)
+        col = torch.zeros(hkv, s, dtype=torch.float64)
+        for h in range(hq):
+            for i in range(tq):
+                n = s - tq + i + 1
+                w = torch.softmax((k[h // 3, :n] @ q[h, i]) * 0.25, 0)
+                ref[i, h] = w @ v[h // 3, :n]
+                col[h // 3, :n] += w
+        assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+        assert torch.allclose(mass, col, atol=1e-9)
+        assert torch.allclose(mass.sum(1), torch.full((hkv,), 3.0 * tq, dtype=torch.float64))
+
+
+def test_control_attends_the_prompt_exactly_then_applies_per_layer(fake, hf):
+    torch = pytest.importorskip("torch")
+    att = hf.KvforgeAttention("specs/rdkv.toml", "b8", control=hf.Control("rdkv", budget=40.0, sinks=64))
+    assert att.exact_prefill
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(4, 10, 8, generator=g)
+    k = torch.randn(2, 10, 8, generator=g)
+    v = torch.randn(2, 10, 8, generator=g)
+    out = att.attend(0, q, k, v, 1 / math.sqrt(8))
+    ref, mass = hf.exact_attention(q, k, v, 1 / math.sqrt(8))
+    assert torch.equal(out, ref)
+    ctl, = _FakeController.made
+    assert ctl.policy == "rdkv" and ctl.budget == 40.0 and ctl.kw == {"sinks": 64}
+    assert len(ctl.applied) == 1 and torch.equal(ctl.applied[0][1], mass)
+    assert att.reports[0] == ("report", "rdkv", 40.0)
+    c, = _FakeCache.made
+    assert c.calls == [("append", 10)]  # the prompt is stored, not attended through the cache
+    # the next token attends the cache
+    q1 = torch.randn(4, 1, 8, generator=g)
+    k1 = torch.cat([k, torch.randn(2, 1, 8, generator=g)], 1)
+    v1 = torch.cat([v, torch.randn(2, 1, 8, generator=g)], 1)
+    att.attend(0, q1, k1, v1, 1 / math.sqrt(8))
+    assert c.calls[-2:] == [("append", 1), ("decode", 1)]
+    assert len(ctl.applied) == 1
+    assert att.bytes_per_token() == 4.0 * 8 + 1.0

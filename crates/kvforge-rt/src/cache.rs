@@ -62,12 +62,16 @@ struct Tail {
 #[derive(Clone, Debug, Default)]
 struct HeadPages {
     full: Vec<PageRef>,
+    /// Logical position of the first token of every page in `full`: dropped pages leave gaps,
+    /// so a page's index no longer says where it sits in the context.
+    first: Vec<usize>,
     tail: Option<Tail>,
 }
 
 #[derive(Clone, Debug)]
 struct Sequence {
     heads: Vec<HeadPages>,
+    /// Logical length: every token ever appended, dropped ones included.
     len: usize,
 }
 
@@ -199,8 +203,22 @@ impl KvCache {
         self.seqs.get(seq).and_then(|s| s.as_ref()).ok_or(RtError::NoSequence(seq))
     }
 
+    /// Logical length of `seq`: tokens appended so far, including those of dropped pages.
     pub fn seq_len(&self, seq: usize) -> Result<usize> {
         Ok(self.seq(seq)?.len)
+    }
+
+    /// Like [`pages`](Self::pages), with each page's logical first token:
+    /// `(page, valid tokens, first token)`. Positions skip the tokens of dropped pages.
+    pub fn positioned_pages(&self, seq: usize, head: usize) -> Result<Vec<(PageRef, usize, usize)>> {
+        let s = self.seq(seq)?;
+        let h = s.heads.get(head).ok_or_else(|| RtError::BadInput(format!("kv head {head} out of range ({} heads)", self.cfg.num_kv_heads)))?;
+        let p = self.spec.page.tokens;
+        let mut v: Vec<(PageRef, usize, usize)> = h.full.iter().zip(&h.first).map(|(&r, &f)| (r, p, f)).collect();
+        if let Some(t) = &h.tail {
+            v.push((t.page, t.len, s.len - t.len));
+        }
+        Ok(v)
     }
 
     /// Pages of one (sequence, kv head) in token order, the tail page last.
@@ -283,8 +301,11 @@ impl KvCache {
                 self.record_originals(&full_pages, &encoded)?;
             }
             let s = self.seqs[seq].as_mut().unwrap();
+            let mut next = vec![s.len / p; hkv]; // index of the next full page, in logical pages
             for ((h, _), page) in full_pages.iter().zip(encoded) {
                 s.heads[*h].full.push(page);
+                s.heads[*h].first.push(next[*h] * p);
+                next[*h] += 1;
             }
         }
         for (h, t) in new_tails.into_iter().enumerate() {
@@ -375,6 +396,7 @@ impl KvCache {
             let s = self.seqs[s0].as_mut().unwrap();
             for h in 0..hkv {
                 s.heads[h].full = s0_full[h].clone();
+                s.heads[h].first = (0..full).map(|i| i * p).collect();
             }
             s.len = len;
         }
@@ -391,7 +413,7 @@ impl KvCache {
                     }
                     None => None,
                 };
-                heads.push(HeadPages { full: full_pages, tail: t });
+                heads.push(HeadPages { full: full_pages, first: (0..full).map(|i| i * p).collect(), tail: t });
             }
             self.seqs[sid] = Some(Sequence { heads, len });
             ids.push(sid);
@@ -628,7 +650,7 @@ impl KvCache {
         if dst_tier.is_drop() {
             let s = self.seqs[seq].as_mut().unwrap();
             s.heads[head].full.remove(index);
-            s.len -= self.spec.page.tokens.min(s.len);
+            s.heads[head].first.remove(index);
             self.pool.free(page);
             return Ok(());
         }

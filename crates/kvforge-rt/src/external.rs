@@ -173,27 +173,17 @@ fn bad(msg: String) -> RtError {
     RtError::BadInput(msg)
 }
 
-/// The first `len` tokens of a page list: whole pages, then the page holding token `len - 1`
-/// with its length cut. Errors when `len` is 0 (a query must attend something) or exceeds
-/// the list's tokens.
-pub fn prefix_pages(pages: &[(PageRef, usize)], len: usize) -> Result<Vec<(PageRef, usize)>> {
-    let total: usize = pages.iter().map(|p| p.1).sum();
+/// The tokens of a page list at logical positions below `len`: `pages` are
+/// `(page, valid tokens, first position)` in order ([`KvCache::positioned_pages`]); pages
+/// starting at or after `len` are left out and the page holding position `len - 1` is cut.
+/// Dropped pages are simply absent, so a head may attend fewer than `len` tokens (or none,
+/// when every earlier page was dropped). Errors when `len` is 0 (a query must attend
+/// something) or exceeds the sequence's logical length `total`.
+pub fn prefix_pages(pages: &[(PageRef, usize, usize)], len: usize, total: usize) -> Result<Vec<(PageRef, usize)>> {
     if len == 0 || len > total {
         return Err(bad(format!("prefix length {len} must be in 1..={total} (the sequence's cached tokens)")));
     }
-    let mut out = Vec::new();
-    let mut left = len;
-    for &(p, n) in pages {
-        if left == 0 {
-            break;
-        }
-        let take = n.min(left);
-        if take > 0 {
-            out.push((p, take));
-        }
-        left -= take;
-    }
-    Ok(out)
+    Ok(pages.iter().filter(|&&(_, n, first)| n > 0 && first < len).map(|&(p, n, first)| (p, n.min(len - first))).collect())
 }
 
 /// The largest batch one decode launch takes: the batch is the grid's z dimension.
@@ -286,7 +276,8 @@ impl KvCache {
             return Err(bad(format!("attend_prefix takes 1..={MAX_BATCH} queries, got {}", lengths.len())));
         }
         let hkv = self.cfg.num_kv_heads;
-        let heads: Vec<Vec<(PageRef, usize)>> = (0..hkv).map(|h| self.pages(seq, h)).collect::<Result<_>>()?;
+        let heads: Vec<Vec<(PageRef, usize, usize)>> = (0..hkv).map(|h| self.positioned_pages(seq, h)).collect::<Result<_>>()?;
+        let total = self.seq_len(seq)?;
         let pages: Vec<Vec<Vec<(PageRef, usize)>>> = lengths
             .iter()
             .enumerate()
@@ -294,7 +285,7 @@ impl KvCache {
                 heads
                     .iter()
                     .map(|h| {
-                        prefix_pages(h, len).map_err(|e| match e {
+                        prefix_pages(h, len, total).map_err(|e| match e {
                             RtError::BadInput(m) => bad(format!("lengths[{i}]: {m}")),
                             e => e,
                         })
@@ -404,28 +395,43 @@ mod tests {
 
     #[test]
     fn prefix_cuts_the_last_page() {
-        let pages = vec![(pr(1, 0), 64), (pr(1, 100), 64), (pr(0, 200), 10)];
-        assert_eq!(prefix_pages(&pages, 1).unwrap(), vec![(pr(1, 0), 1)]);
-        assert_eq!(prefix_pages(&pages, 64).unwrap(), vec![(pr(1, 0), 64)]);
-        assert_eq!(prefix_pages(&pages, 65).unwrap(), vec![(pr(1, 0), 64), (pr(1, 100), 1)]);
-        assert_eq!(prefix_pages(&pages, 130).unwrap(), vec![(pr(1, 0), 64), (pr(1, 100), 64), (pr(0, 200), 2)]);
-        assert_eq!(prefix_pages(&pages, 138).unwrap(), pages);
-        assert!(matches!(prefix_pages(&pages, 0), Err(RtError::BadInput(_))));
-        assert!(matches!(prefix_pages(&pages, 139), Err(RtError::BadInput(_))));
+        let pages = vec![(pr(1, 0), 64, 0), (pr(1, 100), 64, 64), (pr(0, 200), 10, 128)];
+        let two = |v: &[(PageRef, usize, usize)]| v.iter().map(|&(p, n, _)| (p, n)).collect::<Vec<_>>();
+        assert_eq!(prefix_pages(&pages, 1, 138).unwrap(), vec![(pr(1, 0), 1)]);
+        assert_eq!(prefix_pages(&pages, 64, 138).unwrap(), vec![(pr(1, 0), 64)]);
+        assert_eq!(prefix_pages(&pages, 65, 138).unwrap(), vec![(pr(1, 0), 64), (pr(1, 100), 1)]);
+        assert_eq!(prefix_pages(&pages, 130, 138).unwrap(), vec![(pr(1, 0), 64), (pr(1, 100), 64), (pr(0, 200), 2)]);
+        assert_eq!(prefix_pages(&pages, 138, 138).unwrap(), two(&pages));
+        assert!(matches!(prefix_pages(&pages, 0, 138), Err(RtError::BadInput(_))));
+        assert!(matches!(prefix_pages(&pages, 139, 138), Err(RtError::BadInput(_))));
         for len in 1..=138 {
-            let p = prefix_pages(&pages, len).unwrap();
+            let p = prefix_pages(&pages, len, 138).unwrap();
             assert_eq!(p.iter().map(|x| x.1).sum::<usize>(), len);
             assert!(p.iter().all(|x| x.1 > 0));
-            assert_eq!(p[..p.len() - 1], pages[..p.len() - 1]);
+            assert_eq!(p[..p.len() - 1], two(&pages)[..p.len() - 1]);
         }
+    }
+
+    #[test]
+    fn prefix_skips_dropped_pages_by_position() {
+        // Page [64, 128) was dropped: positions keep counting past it.
+        let pages = vec![(pr(1, 0), 64, 0), (pr(2, 300), 64, 128), (pr(0, 200), 10, 192)];
+        assert_eq!(prefix_pages(&pages, 64, 202).unwrap(), vec![(pr(1, 0), 64)]);
+        // A query inside the dropped range sees only what precedes it.
+        assert_eq!(prefix_pages(&pages, 100, 202).unwrap(), vec![(pr(1, 0), 64)]);
+        assert_eq!(prefix_pages(&pages, 129, 202).unwrap(), vec![(pr(1, 0), 64), (pr(2, 300), 1)]);
+        assert_eq!(prefix_pages(&pages, 202, 202).unwrap().iter().map(|x| x.1).sum::<usize>(), 138);
+        // Every early page dropped: the head attends nothing (empty list, not an error).
+        let late = vec![(pr(2, 300), 64, 128)];
+        assert!(prefix_pages(&late, 100, 192).unwrap().is_empty());
     }
 
     #[test]
     fn prefix_plans_one_entry_per_length() {
         let spec = kvforge_spec::Spec::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../specs/rdkv.toml")).unwrap();
-        let head = vec![(pr(3, 0), 64), (pr(3, 8192), 64), (pr(0, 65536), 5)];
+        let head = vec![(pr(3, 0), 64, 0), (pr(3, 8192), 64, 64), (pr(0, 65536), 5, 128)];
         let lengths = [1usize, 64, 65, 133];
-        let pages: Vec<Vec<Vec<(PageRef, usize)>>> = lengths.iter().map(|&l| vec![prefix_pages(&head, l).unwrap(); 3]).collect();
+        let pages: Vec<Vec<Vec<(PageRef, usize)>>> = lengths.iter().map(|&l| vec![prefix_pages(&head, l, 133).unwrap(); 3]).collect();
         let p = crate::plan(&spec, 64, 3, &pages, &|_| 1000, &|_| 264).unwrap();
         assert_eq!(p.batch, 4);
         // Per (entry, head): 1, 1, 2, 3 pages.

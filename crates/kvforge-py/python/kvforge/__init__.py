@@ -18,6 +18,15 @@ kernels are cached under ``$KVFORGE_CACHE_DIR`` (default ``~/.cache/kvforge``); 
 (``libnvrtc.so``) and libcuda must be loadable (``LD_LIBRARY_PATH=/usr/local/cuda/lib64``).
 Every failure raises :class:`KvforgeError`.
 
+Tier controllers and certified decode::
+
+    ctl = kvforge.Controller(cache, policy="rdr", budget=48.0)  # bytes / token / kv head
+    report = ctl.apply(cache, seq, token_mass=mass)             # mass: [kv heads, seq_len]
+    report.dropped, report.bytes_after, report.duality_gap      # controller telemetry
+    cache.keep_originals()                                      # before appending: fp16 tier 2
+    out, lse, heads = kvforge.Certifier().decode(cache, q_next, [seq])
+    heads[0].bound, heads[0].rung                               # per-head certificate
+
 :mod:`kvforge.hf` runs a transformers model's attention on these caches
 (``kvforge.hf.use_kvforge(model, spec, tier)``); it imports torch and transformers only when used.
 """
@@ -25,6 +34,10 @@ Every failure raises :class:`KvforgeError`.
 from ._errors import KvforgeError
 from ._native import (
     Cache,
+    Certifier,
+    ControlReport,
+    Controller,
+    HeadCertificate,
     Plan,
     __version__,
     check_tensor,
@@ -36,6 +49,10 @@ from . import hf
 
 __all__ = [
     "Cache",
+    "Certifier",
+    "ControlReport",
+    "Controller",
+    "HeadCertificate",
     "KvforgeError",
     "Plan",
     "__version__",

@@ -21,6 +21,16 @@ A forward whose queries cover every key (a new prompt, ``use_cache=False`` or a 
 ``generate``) starts a new sequence: the layer's cache is rebuilt, so per-cache state such as
 spherical radius scales never leaks from one text into the next.
 
+Controllers and certificates (``use_kvforge(..., control=Control("rdr", budget=64.0))`` or
+``certify=kvforge.Certifier()``): with a controller, a prompt is attended exactly (as a
+serving system's prefill reads the fresh fp16 K/V), and each layer's controller then moves the
+cache's pages down the spec's ladder (re-code, drop) to the byte budget, weighing tokens by the
+prompt's attention column sums ``Σ_τ a_τt`` (seed 002's token weights, summed over the GQA
+group); later tokens attend what the controller left. With a certifier, decode steps (one query
+token) run certified decode (seed 004) and each layer's per-head certificates are kept in
+``handle.certificates``; the cache keeps its fp16 originals in pinned host memory for that.
+``handle.reports`` holds each layer's last :class:`kvforge.ControlReport`.
+
 Limits: batch 1 without padding, inference only (no dropout, no gradients through the
 cache), no sliding window or logit soft-capping; tensors on CUDA in the spec's dtype (load
 the model with ``dtype=torch.float16`` for the shipped specs). transformers still keeps its
@@ -38,6 +48,7 @@ from typing import Any, Callable, Dict, Optional
 
 __all__ = [
     "ATTN_NAME",
+    "Control",
     "KvforgeAttention",
     "attention_function",
     "bytes_per_token",
@@ -50,6 +61,48 @@ ATTN_NAME = "kvforge"
 _HANDLE_ATTR = "_kvforge_attention"
 
 
+class Control:
+    """A tier controller for every layer: ``kvforge.Controller(cache, policy, budget=..., **kw)``
+    is made per layer cache and applied once after each prompt. ``budget`` is bytes per token
+    per kv head (``per="token"``) unless ``kw`` says otherwise; see :class:`kvforge.Controller`."""
+
+    def __init__(self, policy: str = "rdr", budget: float = 64.0, **kw: Any):
+        self.policy, self.budget, self.kw = policy, float(budget), dict(kw)
+
+    def make(self, kvforge, cache):
+        return kvforge.Controller(cache, policy=self.policy, budget=self.budget, **self.kw)
+
+    def __repr__(self) -> str:
+        extra = "".join(f", {k}={v!r}" for k, v in self.kw.items())
+        return f"Control({self.policy!r}, budget={self.budget}{extra})"
+
+
+def exact_attention(q, k, v, scaling: float, chunk: int = 1024):
+    """Exact causal attention in fp32 with the queries at the last ``Tq`` of ``S`` positions,
+    and the attention column sums: q [Hq, Tq, D], k/v [Hkv, S, D] -> (out [Tq, Hq, D] in q's
+    dtype, mass [Hkv, S] float64 = Σ over queries and the kv head's GQA group of a_τt).
+    Queries are processed ``chunk`` at a time (memory Hq × chunk × S × 4 bytes)."""
+    import torch
+
+    hq, tq, d = q.shape
+    hkv, s, _ = k.shape
+    g = hq // hkv
+    kf, vf = k.float(), v.float()
+    qg = q.float().reshape(hkv, g, tq, d)
+    out = torch.empty(tq, hq, d, dtype=q.dtype, device=q.device)
+    mass = torch.zeros(hkv, s, dtype=torch.float64, device=q.device)
+    cols = torch.arange(s, device=q.device)
+    for i0 in range(0, tq, chunk):
+        i1 = min(tq, i0 + chunk)
+        sc = torch.einsum("hgtd,hsd->hgts", qg[:, :, i0:i1], kf) * scaling
+        pos = torch.arange(i0, i1, device=q.device) + (s - tq)
+        sc = sc.masked_fill(cols[None, :] > pos[:, None], float("-inf"))
+        p = torch.softmax(sc, dim=-1)
+        out[i0:i1] = torch.einsum("hgts,hsd->thgd", p, vf).reshape(i1 - i0, hq, d).to(q.dtype)
+        mass += p.sum(dim=(1, 2)).double()
+    return out, mass
+
+
 class KvforgeAttention:
     """Per-model state: one ``kvforge.Cache`` (one sequence) per attention layer.
 
@@ -59,7 +112,8 @@ class KvforgeAttention:
     """
 
     def __init__(self, spec: str = "specs/rdkv.toml", tier: Optional[str] = "b4", root: Optional[str] = None,
-                 max_tokens: int = 8192 + 256, module: Any = None):
+                 max_tokens: int = 8192 + 256, module: Any = None, control: Optional[Control] = None,
+                 certify: Any = None, exact_prefill: bool = False):
         # The extension is looked up when a handle is made, not when this file is imported:
         # ``import kvforge.hf`` works without a GPU, torch or transformers.
         self.kvforge = module if module is not None else importlib.import_module("kvforge")
@@ -68,10 +122,16 @@ class KvforgeAttention:
         self.max_tokens = int(max_tokens)
         self.layers: Dict[int, Dict[str, Any]] = {}  # layer -> {"cache", "seq", "n"}
         self.last_bytes: Dict[int, float] = {}
+        # A controller decides from an exact prefill's attention; so can a caller who asks.
+        self.control, self.certify = control, certify
+        self.exact_prefill = bool(exact_prefill or control is not None)
+        self.reports: Dict[int, Any] = {}       # layer -> last kvforge.ControlReport
+        self.certificates: Dict[int, Any] = {}  # layer -> [kvforge.HeadCertificate] of the last step
 
     def reset(self) -> None:
         """Forget every sequence (dropping the caches frees their GPU memory)."""
         self.layers = {}
+        self.reports, self.certificates = {}, {}
 
     def _new_cache(self, layer: int, q, k) -> Dict[str, Any]:
         hq, _, d = q.shape
@@ -82,6 +142,8 @@ class KvforgeAttention:
         if index:  # device 0 is the Cache's default
             kw["device"] = index
         cache = self.kvforge.Cache(self.spec, **kw)
+        if self.certify is not None:
+            cache.keep_originals()
         st = {"cache": cache, "seq": cache.add_sequence(), "n": 0}
         self.layers[layer] = st
         return st
@@ -92,7 +154,8 @@ class KvforgeAttention:
         hkv, s, _ = k.shape
         st = self.layers.get(layer)
         # a new sequence: transformers passed fewer tokens than we hold, or queries for all of them
-        if st is None or st["n"] > s or (tq == s and st["n"] > 0):
+        prompt = st is None or st["n"] > s or (tq == s and st["n"] > 0)
+        if prompt:
             st = self._new_cache(layer, q, k)
         cache, seq = st["cache"], st["seq"]
         if s > st["n"]:  # append only the tokens not seen yet, [T, Hkv, D]
@@ -100,22 +163,30 @@ class KvforgeAttention:
             vn = v[:, st["n"]:].transpose(0, 1).contiguous()
             cache.append(seq, kn, vn)
             st["n"] = s
+        if prompt and tq == s and self.exact_prefill:
+            out, mass = exact_attention(q, k, v, scaling)
+            if self.control is not None:
+                self.reports[layer] = self.control.make(self.kvforge, cache).apply(cache, seq, token_mass=mass)
+            self.last_bytes[layer] = context_bytes(cache, seq)
+            return out
         qq = q.transpose(0, 1)  # [Tq, Hq, D]
         if abs(scaling * math.sqrt(d) - 1.0) > 1e-6:  # kvforge scales scores by 1/sqrt(d)
             qq = qq * (scaling * math.sqrt(d))
         qq = qq.contiguous()
-        if tq == 1:
+        if tq == 1 and self.certify is not None:
+            out, _, self.certificates[layer] = self.certify.decode(cache, qq, [seq])
+        elif tq == 1:
             out, _ = cache.decode(qq, seqs=[seq])
         else:  # query i sits at position s - tq + i and attends tokens 0..s - tq + i
             lengths = list(range(s - tq + 1, s + 1))
             out, _ = cache.attend_prefix(seq, qq, lengths)
-        self.last_bytes[layer] = cache.bytes_per_token()
+        self.last_bytes[layer] = context_bytes(cache, seq)
         return out
 
     def bytes_per_token(self) -> float:
-        """Resident bytes per cached token per kv head (page headers and the fp16 tail page
-        included, ``Cache.bytes_per_token()``), mean over layers, as of each layer's last call;
-        NaN before the first forward."""
+        """Resident bytes per token of the context per kv head (page headers and the fp16 tail
+        page included, dropped positions counted: :func:`context_bytes`), mean over layers, as
+        of each layer's last call; NaN before the first forward."""
         vals = list(self.last_bytes.values())
         return sum(vals) / len(vals) if vals else float("nan")
 
@@ -126,6 +197,14 @@ class KvforgeAttention:
     def describe(self) -> Dict[str, Any]:
         return {"kind": "kvforge", "spec": self.spec, "tier": self.tier,
                 "kvforge_version": getattr(self.kvforge, "__version__", "?")}
+
+
+def context_bytes(cache, seq: int) -> float:
+    """Resident bytes of ``cache`` per logical token of ``seq`` per kv head (page headers, the
+    fp16 tail page and padding included; dropped positions count as tokens, so eviction
+    lowers it). For a cache without drops this equals ``cache.bytes_per_token()``."""
+    n = cache.seq_len(seq) * cache.num_kv_heads
+    return sum(u["resident_bytes"] for u in cache.memory_report()) / n if n else 0.0
 
 
 def check_shapes(q, k, v) -> None:
@@ -194,17 +273,22 @@ def register(name: str = ATTN_NAME, fn: Optional[Callable] = None) -> str:
 
 
 def use_kvforge(model, spec: str = "specs/rdkv.toml", tier: Optional[str] = "b4", root: Optional[str] = None,
-                max_tokens: Optional[int] = None) -> KvforgeAttention:
+                max_tokens: Optional[int] = None, control: Optional[Control] = None, certify: Any = None,
+                exact_prefill: bool = False) -> KvforgeAttention:
     """Runs every attention layer of ``model`` on kvforge: registers the ``"kvforge"``
     attention, gives each layer (every submodule with a ``layer_idx``) the returned handle and
     sets ``model.config._attn_implementation``. ``spec``/``tier``/``root`` as for
     :class:`kvforge.Cache` (relative specs are found under ``root``, ``$KVFORGE_ROOT`` or the
     working directory); ``max_tokens``: cache capacity per layer and kv head (default the
-    model's ``max_position_embeddings`` + 256, at least 1024). Undo with
+    model's ``max_position_embeddings`` + 256, at least 1024). ``control``: a :class:`Control`
+    applied after every prompt; ``certify``: a ``kvforge.Certifier`` for decode steps;
+    ``exact_prefill``: attend prompts exactly (fp32, on the model's K/V) and store them
+    compressed for the tokens that follow (implied by ``control``). Undo with
     ``handle.detach()``, which restores the previous attention implementation."""
     if max_tokens is None:
         max_tokens = max(1024, int(getattr(model.config, "max_position_embeddings", 8192) or 8192) + 256)
-    handle = KvforgeAttention(spec, tier, root=root, max_tokens=max_tokens)
+    handle = KvforgeAttention(spec, tier, root=root, max_tokens=max_tokens, control=control, certify=certify,
+                              exact_prefill=exact_prefill)
     register()
     for m in model.modules():
         if isinstance(getattr(m, "layer_idx", None), int):

@@ -1,0 +1,293 @@
+#!/usr/bin/env python3
+"""Tier controllers on a real model: perplexity and retrieval of SmolLM2-135M-Instruct when
+kvforge's RDR and RDKV controllers hold each layer's KV cache to a byte budget (5–50% of fp16),
+next to uniform int8/int4/int2, certified decode and exact fp16, all on the GPU cache.
+
+Protocol (what a serving system does): the first ``ctx - cont`` tokens of a text are the
+prompt, attended exactly (the prefill reads the fresh fp16 K/V) while they are stored in the
+kvforge cache (full pages in the spec's first ladder tier, b8); each layer's controller then
+re-codes and drops pages to the budget, weighing tokens by the prompt's attention column sums;
+the last ``cont`` tokens are scored against what the controller left (one forward of ``cont``
+queries through ``attend_prefix``; certified decode goes one token at a time). Uniform schemes
+store the prompt in their tier with the same exact prefill. Perplexity is over the ``cont``
+tokens only; bytes are measured (resident page bytes over logical tokens, headers and the fp16
+tail page included, after scoring: the continuation's own pages count).
+
+    python benches/quality/budget.py --contexts 2048,8192 --png     # on the GPU, see README
+
+The RDKV distortion tables ε(b) (seed 002 Table 14's role) are calibrated here on the
+calibration text (emma, never evaluated): NMSE of this model's post-RoPE keys (per channel over
+a 64-token page) and values (per token, groups of 32) at 8/4/2 bits, ε(16) = 0, ε(0) = 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import kvq  # noqa: E402
+from kvq import log  # noqa: E402
+
+SPEC = "specs/rdkv.toml"
+EVAL_TEXTS = ["persuasion", "northangerabbey", "mansfieldpark", "sensesensibility", "prideprejudice"]
+FRACTIONS = [0.05, 0.1, 0.2, 0.35, 0.5]
+
+
+class Capture(kvq.Fp16Backend):
+    """Exact attention that keeps every layer's K/V (for calibration)."""
+
+    def __init__(self):
+        self.kv = {}
+
+    def attend(self, layer, q, k, v, scaling):
+        self.kv[layer] = (k.detach().float(), v.detach().float())
+        return super().attend(layer, q, k, v, scaling)
+
+
+@torch.no_grad()
+def calibrate(model, ids, device) -> dict:
+    """RDKV ε tables from the calibration text's K/V (NMSE summed over layers and heads)."""
+    cap = Capture()
+    kvq.set_backend(cap)
+    model(input_ids=torch.tensor([ids], device=device), use_cache=False)
+    sim = kvq.TierSim(kvq.ROOT / SPEC, "b8")
+    eps_k, eps_v = {16: 0.0, 0: 1.0}, {16: 0.0, 0: 1.0}
+    for bits, tier in ((8, "b8"), (4, "b4"), (2, "b2")):
+        sim = kvq.TierSim(kvq.ROOT / SPEC, tier)
+        ek = ev = nk = nv = 0.0
+        for k, v in cap.kv.values():
+            t = (k.shape[1] // sim.page) * sim.page
+            k, v = k[:, :t], v[:, :t]
+            ek += (sim.keys(k) - k).pow(2).sum().item()
+            ev += (sim.values(v) - v).pow(2).sum().item()
+            nk += k.pow(2).sum().item()
+            nv += v.pow(2).sum().item()
+        eps_k[bits], eps_v[bits] = ek / nk, ev / nv
+    return {"eps_k": eps_k, "eps_v": eps_v, "tokens": len(ids), "text": kvq.CALIBRATION_BOOK}
+
+
+@torch.no_grad()
+def continuation(model, ids, cont: int, device, one_by_one: bool = False) -> float:
+    """Summed NLL of the last ``cont`` tokens of ``ids`` after a forward of the rest."""
+    prefix, tail = ids[:-cont], ids[-cont:]
+    out = model(input_ids=torch.tensor([prefix], device=device), use_cache=True)
+    past, last = out.past_key_values, out.logits[0, -1:]
+    y = torch.tensor([tail], device=device)
+    if one_by_one:
+        logits = [last]
+        for i in range(cont - 1):
+            o = model(input_ids=y[:, i:i + 1], past_key_values=past, use_cache=True)
+            past = o.past_key_values
+            logits.append(o.logits[0, -1:])
+        logits = torch.cat(logits, 0)
+    else:
+        o = model(input_ids=y, past_key_values=past, use_cache=True)
+        logits = torch.cat([last, o.logits[0, :-1]], 0)
+    return F.cross_entropy(logits.float(), y[0], reduction="sum").item()
+
+
+def make(scheme: str, d: int, calib: dict, max_tokens: int, args):
+    """fp16 | uniform:<tier> | rdr@<frac> | rdkv@<frac> | certified"""
+    import kvforge.hf as hf
+
+    if scheme == "fp16":
+        return kvq.Fp16Backend()
+    if scheme.startswith("uniform:"):
+        return kvq.KvforgeBackend(SPEC, scheme.split(":")[1], scheme, max_tokens, exact_prefill=True)
+    if scheme == "certified":
+        import kvforge
+
+        return kvq.KvforgeBackend("specs/certified.toml", "q8k4v", scheme, max_tokens, exact_prefill=True,
+                                  certify=kvforge.Certifier())
+    policy, _, frac = scheme.partition("@")
+    budget = float(frac) * 4.0 * d  # bytes per token per kv head; fp16 K + V = 4d
+    kw = dict(sinks=args.sinks, recent=args.recent, floor="b2")
+    if policy == "rdkv":
+        kw.update(eps_k=calib["eps_k"], eps_v=calib["eps_v"])
+    return kvq.KvforgeBackend(SPEC, "b8", scheme, max_tokens, control=hf.Control(policy, budget, **kw))
+
+
+def summarise_reports(backend) -> dict:
+    reps = list(getattr(backend, "reports", {}).values())
+    if not reps:
+        return {}
+    return {"dropped_pages": sum(r.dropped for r in reps), "retiered_pages": sum(r.retiered for r in reps),
+            "bytes_after_over_budget": max(r.bytes_after / r.budget_bytes for r in reps if r.budget_bytes > 0),
+            "feasible": all(r.feasible for r in reps), "decide_ms_mean": 1e3 * statistics.mean(r.decide_seconds for r in reps),
+            "apply_ms_mean": 1e3 * statistics.mean(r.apply_seconds for r in reps),
+            "duality_gap_max": max(r.duality_gap for r in reps)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model")
+    ap.add_argument("--data", type=Path, default=kvq.DATA)
+    ap.add_argument("--contexts", default="2048,4096,8192")
+    ap.add_argument("--texts", default=",".join(EVAL_TEXTS))
+    ap.add_argument("--cont", type=int, default=256, help="scored continuation tokens")
+    ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)), help="budgets, fraction of fp16 bytes")
+    ap.add_argument("--uniform", default="b8,b4,b2")
+    ap.add_argument("--certified-contexts", default="2048", help="contexts for certified decode ('' skips)")
+    ap.add_argument("--certified-texts", type=int, default=2, help="first N texts for certified decode")
+    ap.add_argument("--needle-context", type=int, default=4096, help="0 skips the needle test")
+    ap.add_argument("--needle-depths", default="0.2,0.5,0.8")
+    ap.add_argument("--sinks", type=int, default=64)
+    ap.add_argument("--recent", type=int, default=64)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--png", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("budget.py runs kvforge's GPU cache: it needs CUDA")
+    device = "cuda"
+    contexts = [int(x) for x in args.contexts.split(",") if x]
+    texts = [t for t in args.texts.split(",") if t]
+    if kvq.CALIBRATION_BOOK in texts:
+        raise SystemExit(f"{kvq.CALIBRATION_BOOK} calibrates; it is not evaluated")
+    fracs = [float(x) for x in args.fractions.split(",") if x]
+    schemes = ["fp16"] + [f"uniform:{t}" for t in args.uniform.split(",") if t]
+    schemes += [f"{p}@{f}" for p in ("rdr", "rdkv") for f in fracs]
+    cert_ctx = [int(x) for x in args.certified_contexts.split(",") if x]
+
+    gguf = kvq.find_gguf(args.model)
+    model, tok = kvq.load_model(gguf, device, torch.float16)
+    d = model.config.head_dim
+    hkv = model.config.num_key_value_heads
+    toks = {t: kvq.book_tokens(tok, t, args.data) for t in set(texts + [kvq.CALIBRATION_BOOK, "northangerabbey"])}
+    t0 = time.time()
+    calib = calibrate(model, toks[kvq.CALIBRATION_BOOK][:2048], device)
+    log(f"calibrated RDKV tables on {kvq.CALIBRATION_BOOK}: eps_k {calib['eps_k']} eps_v {calib['eps_v']}")
+    max_tokens = max(contexts + [args.needle_context]) + 256
+    import kvforge
+
+    rows = []
+    for scheme in schemes + (["certified"] if cert_ctx else []):
+        backend = make(scheme, d, calib, max_tokens, args)
+        for ctx in contexts:
+            if scheme == "certified" and ctx not in cert_ctx:
+                continue
+            for ti, text in enumerate(texts):
+                if scheme == "certified" and ti >= args.certified_texts:
+                    continue
+                ids = toks[text][:ctx]
+                kvq.set_backend(backend)
+                cert = []
+                if scheme == "certified":
+                    orig = backend.attend
+
+                    def attend(layer, q, k, v, scaling, orig=orig):  # collect every step's certificates
+                        out = orig(layer, q, k, v, scaling)
+                        if q.shape[1] == 1:
+                            cert.extend(backend.certificates[layer])
+                        return out
+                    backend.attend = attend
+                ts = time.time()
+                nll = continuation(model, ids, args.cont, device, one_by_one=scheme == "certified")
+                if scheme == "certified":
+                    backend.attend = orig
+                row = {"scheme": scheme, "context": ctx, "text": text, "cont": args.cont, "nll": nll,
+                       "ppl": math.exp(nll / args.cont), "seconds": time.time() - ts}
+                if scheme != "fp16":
+                    row["bytes_per_token"] = backend.bytes_per_token(d)
+                    row["bytes_fraction"] = row["bytes_per_token"] / (4.0 * d)
+                    row.update(summarise_reports(backend))
+                else:
+                    row["bytes_per_token"], row["bytes_fraction"] = 4.0 * d, 1.0
+                if cert:
+                    b = sorted(c.bound for c in cert)
+                    row["certificates"] = {"head_steps": len(cert), "bound_p50": b[len(b) // 2], "bound_max": b[-1],
+                                           "rungs": {str(r): sum(c.rung == r for c in cert) for r in range(5)},
+                                           "promoted_mean": statistics.mean(c.promoted for c in cert),
+                                           "detections": sum(c.detections for c in cert)}
+                rows.append(row)
+                log(f"{scheme:>12} ctx {ctx:5d} {text:>16}: ppl {row['ppl']:8.3f}  bytes {row['bytes_per_token']:6.1f}"
+                    f" ({row['bytes_fraction']:.3f})  {row['seconds']:.1f}s")
+
+    needle = {}
+    if args.needle_context:
+        import eval as ev  # the needle prompt and trial of the main harness
+
+        depths = [float(x) for x in args.needle_depths.split(",") if x]
+        for scheme in schemes:
+            backend = make(scheme, d, calib, max_tokens, args)
+            hits = []
+            for depth in depths:
+                code = 1000 + int(depth * 7919) % 9000
+                ids, pos = ev.needle_prompt(tok, toks["northangerabbey"], args.needle_context, depth, code)
+                kvq.set_backend(backend)
+                out = ev.needle_trial(model, tok, ids, device)
+                hits.append(str(code) in re.findall(r"\d+", out))
+            needle[scheme] = {"context": args.needle_context, "depths": depths, "hits": hits,
+                              "score": sum(hits) / len(hits)}
+            log(f"needle {scheme:>12}: {''.join('x' if h else '.' for h in hits)}")
+
+    agg = {}
+    for r in rows:
+        a = agg.setdefault(r["scheme"], {}).setdefault(str(r["context"]), {"ppl": [], "bytes_fraction": []})
+        a["ppl"].append(r["ppl"])
+        a["bytes_fraction"].append(r["bytes_fraction"])
+    summary = {s: {c: {"ppl_mean": statistics.mean(v["ppl"]), "bytes_fraction_mean": statistics.mean(v["bytes_fraction"]),
+                       "texts": len(v["ppl"])} for c, v in by.items()} for s, by in agg.items()}
+    dev_name = torch.cuda.get_device_name()
+    slug = re.sub(r"[^a-z0-9]+", "-", dev_name.lower().replace("nvidia", "")).strip("-").split("-")[0]
+    date = dt.date.today().isoformat()
+    out = args.out or (kvq.ROOT / "benches" / "results" / f"budget-{slug}-{date}.json")
+    import transformers
+
+    result = {"meta": {"what": "continuation perplexity (last `cont` tokens) and needle retrieval under kvforge tier controllers; all measured by this run",
+                       "device": dev_name, "date": date, "torch": torch.__version__, "transformers": transformers.__version__,
+                       "kvforge": kvforge.__version__, "model": gguf.name, "spec": SPEC, "head_dim": d, "kv_heads": hkv,
+                       "fp16_bytes_per_token": 4.0 * d, "protection": {"sinks": args.sinks, "recent": args.recent, "floor": "b2"},
+                       "protocol": __doc__.split("\n\n")[1], "argv": sys.argv[1:], "seconds": time.time() - t0},
+              "calibration": calib, "summary": summary, "needle": needle, "rows": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    log(f"wrote {out}")
+    if args.png:
+        plot(result, out.with_suffix(".png"))
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = result["summary"]
+    ctxs = sorted({int(c) for by in summary.values() for c in by})
+    fig, axes = plt.subplots(1, len(ctxs), figsize=(5 * len(ctxs), 4), squeeze=False)
+    for ax, ctx in zip(axes[0], ctxs):
+        c = str(ctx)
+        for label, pre, style in (("RDR", "rdr@", "o-"), ("RDKV", "rdkv@", "s-"), ("uniform int", "uniform:", "^--")):
+            pts = sorted((v[c]["bytes_fraction_mean"], v[c]["ppl_mean"]) for s, v in summary.items() if s.startswith(pre) and c in v)
+            if pts:
+                ax.plot(*zip(*pts), style, label=label)
+        for s, marker in (("certified", "*"),):
+            if c in summary.get(s, {}):
+                ax.plot(summary[s][c]["bytes_fraction_mean"], summary[s][c]["ppl_mean"], marker, ms=12, label="certified q8k4v")
+        if c in summary.get("fp16", {}):
+            ax.axhline(summary["fp16"][c]["ppl_mean"], color="k", lw=0.8, ls=":", label="fp16")
+        ax.set_yscale("log")
+        ax.set_xlabel("resident bytes / fp16 bytes (measured)")
+        ax.set_ylabel("continuation perplexity")
+        ax.set_title(f"SmolLM2-135M, context {ctx}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    m = result["meta"]
+    fig.suptitle(f"kvforge controllers on {m['device']}, {m['date']} (all points measured)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+//! `kvforge.Certifier`: certified decode (seed 004) on a Python-held cache.
+//!
+//! Each step returns the output and, per query head, a certificate: a bound on
+//! ‖O − O_exact‖₂ (or an exact output after the fallback ladder), with the telemetry the
+//! runtime keeps (Δ, achieved tail mass, E_key, E_val, promoted pages, rung, detections).
+//! The runtime path takes host queries and returns host outputs (its selector and ladder
+//! run on the host between launches), so queries and outputs cross the bus here; that is a
+//! few KB per step.
+
+use kvforge_rt::certified::{CertConfig, HeadCertificate, PageIn};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use crate::{bad, guarded, rt_err, Cache};
+
+/// Certified decode settings for a cache (defaults from seed 004).
+///
+/// Certifier(coverage=0.995, min_pages=1, max_pages=None, explore=0.02, guard=1e-3,
+///           max_error=0.05, v_tol=0.01, layer_fallback=0.5, page_in="uva", seed=0x5eed)
+///
+/// The cache must keep its fp16 originals: ``cache.keep_originals()`` before appending.
+/// ``decode(cache, q, seqs)`` returns ``(out, lse, heads)``: ``out`` like ``q``,
+/// ``lse`` float32 ``[batch, q heads]``, ``heads`` a list (batch-major, then q head) of
+/// :class:`HeadCertificate`.
+#[pyclass(module = "kvforge", name = "Certifier", unsendable)]
+pub struct Certifier {
+    cfg: CertConfig,
+    /// Telemetry of the last step: phase-2 launches and bytes of originals paged in.
+    #[pyo3(get)]
+    launches: usize,
+    #[pyo3(get)]
+    paged_in_bytes: usize,
+}
+
+#[pymethods]
+impl Certifier {
+    #[new]
+    #[pyo3(signature = (coverage = 0.995, min_pages = 1, max_pages = None, explore = 0.02, guard = 1e-3, max_error = 0.05, v_tol = 0.01, layer_fallback = 0.5, page_in = "uva", seed = 0x5eed))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(py: Python<'_>, coverage: f64, min_pages: usize, max_pages: Option<usize>, explore: f64, guard: f64, max_error: f64, v_tol: f64, layer_fallback: f64, page_in: &str, seed: u64) -> PyResult<Certifier> {
+        let frac = |name: &str, x: f64| if (0.0..=1.0).contains(&x) { Ok(()) } else { Err(bad(py, format!("Certifier: {name} = {x} must be in [0, 1]"))) };
+        frac("coverage", coverage)?;
+        frac("explore", explore)?;
+        frac("layer_fallback", layer_fallback)?;
+        for (name, x) in [("guard", guard), ("max_error", max_error), ("v_tol", v_tol)] {
+            if !(x.is_finite() && x >= 0.0) {
+                return Err(bad(py, format!("Certifier: {name} = {x} must be finite and >= 0")));
+            }
+        }
+        let page_in = match page_in {
+            "uva" => PageIn::Uva,
+            "copy" => PageIn::Copy,
+            _ => return Err(bad(py, format!("Certifier: page_in must be \"uva\" or \"copy\", got {page_in:?}"))),
+        };
+        let max_pages = max_pages.unwrap_or(usize::MAX);
+        if min_pages > max_pages {
+            return Err(bad(py, format!("Certifier: min_pages {min_pages} > max_pages {max_pages}")));
+        }
+        let cfg = CertConfig { coverage, min_pages, max_pages, explore, guard, max_error, v_tol, layer_fallback, page_in, seed };
+        Ok(Certifier { cfg, launches: 0, paged_in_bytes: 0 })
+    }
+
+    /// One certified decode step: `q` `[batch, q heads, head_dim]` (one token per sequence of
+    /// `seqs`), a CUDA tensor in the spec dtype.
+    fn decode<'py>(&mut self, py: Python<'py>, mut cache: PyRefMut<'py, Cache>, q: &Bound<'py, PyAny>, seqs: Vec<usize>) -> PyResult<Bound<'py, PyTuple>> {
+        guarded(py, || {
+            let t = crate::tensor(py, q, "q")?;
+            let (hq, d) = (cache.hq(), cache.inner.config().head_dim);
+            let want = kvforge_rt::ElemType::of(cache.inner.spec().geometry.dtype);
+            t.check("q", &want, &[("batch", seqs.len()), ("q_heads", hq), ("head_dim", d)], cache.ordinal).map_err(|e| rt_err(py, e))?;
+            let host: Vec<f32> = q.call_method0("detach")?.call_method0("float")?.call_method0("cpu")?.call_method1("reshape", (-1,))?.call_method0("tolist")?.extract()?;
+            let r = cache.inner.decode_certified(&seqs, &host, &mut self.cfg).map_err(|e| rt_err(py, e))?;
+            self.launches = r.launches;
+            self.paged_in_bytes = r.paged_in_bytes;
+            let torch = crate::torch(py)?;
+            let kw = PyDict::new(py);
+            kw.set_item("dtype", torch.getattr("float32")?)?;
+            let out = torch.call_method("tensor", (r.out,), Some(&kw))?.call_method1("reshape", (seqs.len(), hq, d))?;
+            let out = out.call_method1("to", (q.getattr("device")?, q.getattr("dtype")?))?;
+            let lse = torch.call_method("tensor", (r.lse,), Some(&kw))?.call_method1("reshape", (seqs.len(), hq))?.call_method1("to", (q.getattr("device")?,))?;
+            let heads: Vec<HeadCert> = r.heads.into_iter().map(HeadCert).collect();
+            PyTuple::new(py, [out, lse, heads.into_pyobject(py)?.into_any()])
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        format!("kvforge.Certifier({:?})", self.cfg)
+    }
+}
+
+/// The certificate and telemetry of one query head in one certified step.
+#[pyclass(module = "kvforge", name = "HeadCertificate", frozen)]
+#[derive(Clone)]
+pub struct HeadCert(HeadCertificate);
+
+#[pymethods]
+impl HeadCert {
+    /// Largest key logit error Δ over pages left quantised (natural log).
+    #[getter]
+    fn delta(&self) -> f64 {
+        self.0.delta
+    }
+    /// Achieved attention mass on pages left quantised.
+    #[getter]
+    fn alpha_tail(&self) -> f64 {
+        self.0.alpha_tail
+    }
+    #[getter]
+    fn v_max(&self) -> f64 {
+        self.0.v_max
+    }
+    #[getter]
+    fn e_key(&self) -> f64 {
+        self.0.e_key
+    }
+    #[getter]
+    fn e_val(&self) -> f64 {
+        self.0.e_val
+    }
+    /// fp16 output rounding and fp32 arithmetic.
+    #[getter]
+    fn e_round(&self) -> f64 {
+        self.0.e_round
+    }
+    /// e_key + e_val + e_round: the certified bound on ‖O − O_exact‖₂ (0 at rungs 3–4).
+    #[getter]
+    fn bound(&self) -> f64 {
+        self.0.bound
+    }
+    #[getter]
+    fn promoted(&self) -> usize {
+        self.0.promoted
+    }
+    #[getter]
+    fn explored(&self) -> usize {
+        self.0.explored
+    }
+    /// 0: none; 1: K* doubled; 2: values promoted; 3: exact kv head; 4: exact layer.
+    #[getter]
+    fn rung(&self) -> u8 {
+        self.0.rung
+    }
+    /// Failed score checks (faults detected) on this head's kv head.
+    #[getter]
+    fn detections(&self) -> usize {
+        self.0.detections
+    }
+
+    /// The certificate as a plain dict.
+    fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = &self.0;
+        let d = PyDict::new(py);
+        for (k, v) in [("delta", c.delta), ("alpha_tail", c.alpha_tail), ("v_max", c.v_max), ("e_key", c.e_key), ("e_val", c.e_val), ("e_round", c.e_round), ("bound", c.bound)] {
+            d.set_item(k, v)?;
+        }
+        d.set_item("promoted", c.promoted)?;
+        d.set_item("explored", c.explored)?;
+        d.set_item("rung", c.rung)?;
+        d.set_item("detections", c.detections)?;
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        let c = &self.0;
+        format!("kvforge.HeadCertificate(bound={:.3e}, e_key={:.3e}, e_val={:.3e}, delta={:.3e}, alpha_tail={:.3e}, promoted={}, rung={})", c.bound, c.e_key, c.e_val, c.delta, c.alpha_tail, c.promoted, c.rung)
+    }
+}
