@@ -129,6 +129,21 @@ def summarise_reports(backend) -> dict:
             "duality_gap_max": max(r.duality_gap for r in reps)}
 
 
+def save(out: Path, meta: dict, calib: dict, rows: list, needle: dict) -> dict:
+    """Writes the JSON (after every scheme: partial results survive a timeout)."""
+    agg = {}
+    for r in rows:
+        a = agg.setdefault(r["scheme"], {}).setdefault(str(r["context"]), {"ppl": [], "bytes_fraction": []})
+        a["ppl"].append(r["ppl"])
+        a["bytes_fraction"].append(r["bytes_fraction"])
+    summary = {s: {c: {"ppl_mean": statistics.mean(v["ppl"]), "bytes_fraction_mean": statistics.mean(v["bytes_fraction"]),
+                       "texts": len(v["ppl"])} for c, v in by.items()} for s, by in agg.items()}
+    result = {"meta": meta, "calibration": calib, "summary": summary, "needle": needle, "rows": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    return result
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model")
@@ -150,7 +165,7 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("budget.py runs kvforge's GPU cache: it needs CUDA")
     device = "cuda"
-    contexts = [int(x) for x in args.contexts.split(",") if x]
+    contexts = [int(x) for x in args.contexts.split(",") if x]  # '' runs only certified / needle
     texts = [t for t in args.texts.split(",") if t]
     if kvq.CALIBRATION_BOOK in texts:
         raise SystemExit(f"{kvq.CALIBRATION_BOOK} calibrates; it is not evaluated")
@@ -167,15 +182,24 @@ def main():
     t0 = time.time()
     calib = calibrate(model, toks[kvq.CALIBRATION_BOOK][:2048], device)
     log(f"calibrated RDKV tables on {kvq.CALIBRATION_BOOK}: eps_k {calib['eps_k']} eps_v {calib['eps_v']}")
-    max_tokens = max(contexts + [args.needle_context]) + 256
+    max_tokens = max(contexts + cert_ctx + [args.needle_context]) + 256
     import kvforge
 
-    rows = []
-    for scheme in schemes + (["certified"] if cert_ctx else []):
+    dev_name = torch.cuda.get_device_name()
+    slug = re.sub(r"[^a-z0-9]+", "-", dev_name.lower().replace("nvidia", "")).strip("-").split("-")[0]
+    date = dt.date.today().isoformat()
+    out = args.out or (kvq.ROOT / "benches" / "results" / f"budget-{slug}-{date}.json")
+    import transformers
+
+    meta = {"what": "continuation perplexity (last `cont` tokens) and needle retrieval under kvforge tier controllers; all measured by this run",
+            "device": dev_name, "date": date, "torch": torch.__version__, "transformers": transformers.__version__,
+            "kvforge": kvforge.__version__, "model": gguf.name, "spec": SPEC, "head_dim": d, "kv_heads": hkv,
+            "fp16_bytes_per_token": 4.0 * d, "protection": {"sinks": args.sinks, "recent": args.recent, "floor": "b2"},
+            "protocol": __doc__.split("\n\n")[1], "argv": sys.argv[1:]}
+    rows, needle = [], {}
+    for scheme in (schemes if contexts else []) + (["certified"] if cert_ctx else []):
         backend = make(scheme, d, calib, max_tokens, args)
-        for ctx in contexts:
-            if scheme == "certified" and ctx not in cert_ctx:
-                continue
+        for ctx in (cert_ctx if scheme == "certified" else contexts):
             for ti, text in enumerate(texts):
                 if scheme == "certified" and ti >= args.certified_texts:
                     continue
@@ -212,8 +236,9 @@ def main():
                 rows.append(row)
                 log(f"{scheme:>12} ctx {ctx:5d} {text:>16}: ppl {row['ppl']:8.3f}  bytes {row['bytes_per_token']:6.1f}"
                     f" ({row['bytes_fraction']:.3f})  {row['seconds']:.1f}s")
+        meta["seconds"] = time.time() - t0
+        save(out, meta, calib, rows, needle)
 
-    needle = {}
     if args.needle_context:
         import eval as ev  # the needle prompt and trial of the main harness
 
@@ -225,33 +250,15 @@ def main():
                 code = 1000 + int(depth * 7919) % 9000
                 ids, pos = ev.needle_prompt(tok, toks["northangerabbey"], args.needle_context, depth, code)
                 kvq.set_backend(backend)
-                out = ev.needle_trial(model, tok, ids, device)
-                hits.append(str(code) in re.findall(r"\d+", out))
+                answer = ev.needle_trial(model, tok, ids, device)
+                hits.append(str(code) in re.findall(r"\d+", answer))
             needle[scheme] = {"context": args.needle_context, "depths": depths, "hits": hits,
                               "score": sum(hits) / len(hits)}
             log(f"needle {scheme:>12}: {''.join('x' if h else '.' for h in hits)}")
+            save(out, meta, calib, rows, needle)
 
-    agg = {}
-    for r in rows:
-        a = agg.setdefault(r["scheme"], {}).setdefault(str(r["context"]), {"ppl": [], "bytes_fraction": []})
-        a["ppl"].append(r["ppl"])
-        a["bytes_fraction"].append(r["bytes_fraction"])
-    summary = {s: {c: {"ppl_mean": statistics.mean(v["ppl"]), "bytes_fraction_mean": statistics.mean(v["bytes_fraction"]),
-                       "texts": len(v["ppl"])} for c, v in by.items()} for s, by in agg.items()}
-    dev_name = torch.cuda.get_device_name()
-    slug = re.sub(r"[^a-z0-9]+", "-", dev_name.lower().replace("nvidia", "")).strip("-").split("-")[0]
-    date = dt.date.today().isoformat()
-    out = args.out or (kvq.ROOT / "benches" / "results" / f"budget-{slug}-{date}.json")
-    import transformers
-
-    result = {"meta": {"what": "continuation perplexity (last `cont` tokens) and needle retrieval under kvforge tier controllers; all measured by this run",
-                       "device": dev_name, "date": date, "torch": torch.__version__, "transformers": transformers.__version__,
-                       "kvforge": kvforge.__version__, "model": gguf.name, "spec": SPEC, "head_dim": d, "kv_heads": hkv,
-                       "fp16_bytes_per_token": 4.0 * d, "protection": {"sinks": args.sinks, "recent": args.recent, "floor": "b2"},
-                       "protocol": __doc__.split("\n\n")[1], "argv": sys.argv[1:], "seconds": time.time() - t0},
-              "calibration": calib, "summary": summary, "needle": needle, "rows": rows}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    meta["seconds"] = time.time() - t0
+    result = save(out, meta, calib, rows, needle)
     log(f"wrote {out}")
     if args.png:
         plot(result, out.with_suffix(".png"))

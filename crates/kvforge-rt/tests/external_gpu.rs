@@ -128,6 +128,33 @@ fn reference(c: &KvCache, seq: usize, head: usize, len: usize, q: &[f32]) -> (Ve
     (o, lse, vmax)
 }
 
+/// Runs `attend_prefix_external` for `lengths` with queries `q` and checks every (entry, q head)
+/// against [`reference`] within the selftest's bound (two fp16 ulps of the largest value: output
+/// rounding and f32 accumulation); returns the outputs and the worst margin.
+fn prefixes_match_reference(dev: &Device, c: &mut KvCache, seq: usize, lengths: &[usize], q: &[f32], what: &str) -> (Vec<f32>, f64) {
+    let nq = lengths.len();
+    let qd = upload_f16(dev, q);
+    let out = dev.stream.alloc_zeros::<u16>(nq * HQ * D).unwrap();
+    let lse = dev.stream.alloc_zeros::<f32>(nq * HQ).unwrap();
+    c.attend_prefix_external(seq, lengths, &ext(dev, &qd, ElemType::F16, &[nq, HQ, D]), &ext(dev, &out, ElemType::F16, &[nq, HQ, D]), &ext(dev, &lse, ElemType::F32, &[nq, HQ])).unwrap();
+    let (o, l) = download(dev, &out, &lse);
+    let mut worst = f64::NEG_INFINITY;
+    for (i, &len) in lengths.iter().enumerate() {
+        for hq in 0..HQ {
+            let row = i * HQ + hq;
+            let (ro, rl, vmax) = reference(c, seq, hq / GQA, len, &q[row * D..(row + 1) * D]);
+            let tol = 2.0 * 2f64.powi(-11) * vmax + 1e-6;
+            for d in 0..D {
+                let e = (o[row * D + d] as f64 - ro[d]).abs();
+                worst = worst.max(e - tol);
+                assert!(e <= tol, "{what}: length {len} q head {hq} ch {d}: got {} want {} (tol {tol:.2e})", o[row * D + d], ro[d]);
+            }
+            assert!((l[row] as f64 - rl).abs() < 1e-3 * rl.abs().max(1.0), "{what}: lse of length {len} q head {hq}: {} vs {rl}", l[row]);
+        }
+    }
+    (o, worst)
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn prefix_attention_matches_reference_and_truncated_decode() {
@@ -141,27 +168,7 @@ fn prefix_attention_matches_reference_and_truncated_decode() {
         let lengths: Vec<usize> = vec![1, 2, 33, 63, 64, 65, 100, 127, 128, 129, 150, n];
         let nq = lengths.len();
         let q = data(nq * HQ * D, 6);
-        let qd = upload_f16(&dev, &q);
-        let out = dev.stream.alloc_zeros::<u16>(nq * HQ * D).unwrap();
-        let lse = dev.stream.alloc_zeros::<f32>(nq * HQ).unwrap();
-        c.attend_prefix_external(seq, &lengths, &ext(&dev, &qd, ElemType::F16, &[nq, HQ, D]), &ext(&dev, &out, ElemType::F16, &[nq, HQ, D]), &ext(&dev, &lse, ElemType::F32, &[nq, HQ])).unwrap();
-        let (o, l) = download(&dev, &out, &lse);
-        let mut worst = 0f64;
-        for (i, &len) in lengths.iter().enumerate() {
-            for hq in 0..HQ {
-                let row = i * HQ + hq;
-                let (ro, rl, vmax) = reference(&c, seq, hq / GQA, len, &q[row * D..(row + 1) * D]);
-                // The selftest's bound: two fp16 ulps of the largest value (output rounding and f32
-                // accumulation).
-                let tol = 2.0 * 2f64.powi(-11) * vmax + 1e-6;
-                for d in 0..D {
-                    let e = (o[row * D + d] as f64 - ro[d]).abs();
-                    worst = worst.max(e - tol);
-                    assert!(e <= tol, "{file}/{target}: length {len} q head {hq} ch {d}: got {} want {} (tol {tol:.2e})", o[row * D + d], ro[d]);
-                }
-                assert!((l[row] as f64 - rl).abs() < 1e-3 * rl.abs().max(1.0), "{file}/{target}: lse of length {len}: {} vs {rl}", l[row]);
-            }
-        }
+        let (o, worst) = prefixes_match_reference(&dev, &mut c, seq, &lengths, &q, &format!("{file}/{target}"));
         // Where the cut falls on a page boundary (or at the end), the prefix is exactly what a
         // cache holding only those tokens decodes.
         for (i, &len) in lengths.iter().enumerate().filter(|(_, &l)| l % 64 == 0 || l == n) {
@@ -211,23 +218,7 @@ fn dropped_pages_keep_positions_and_prefixes_skip_them() {
     let lengths: Vec<usize> = vec![1, 64, 65, 100, 128, 129, 150, 192, 200, 256, 257, 300, 321, 384, 385, total];
     let nq = lengths.len();
     let q = data(nq * HQ * D, 11);
-    let qd = upload_f16(&dev, &q);
-    let out = dev.stream.alloc_zeros::<u16>(nq * HQ * D).unwrap();
-    let lse = dev.stream.alloc_zeros::<f32>(nq * HQ).unwrap();
-    c.attend_prefix_external(seq, &lengths, &ext(&dev, &qd, ElemType::F16, &[nq, HQ, D]), &ext(&dev, &out, ElemType::F16, &[nq, HQ, D]), &ext(&dev, &lse, ElemType::F32, &[nq, HQ])).unwrap();
-    let (o, l) = download(&dev, &out, &lse);
-    for (i, &len) in lengths.iter().enumerate() {
-        for hq in 0..HQ {
-            let row = i * HQ + hq;
-            let (ro, rl, vmax) = reference(&c, seq, hq / GQA, len, &q[row * D..(row + 1) * D]);
-            let tol = 2.0 * 2f64.powi(-11) * vmax + 1e-6;
-            for d in 0..D {
-                let e = (o[row * D + d] as f64 - ro[d]).abs();
-                assert!(e <= tol, "after drops: length {len} q head {hq} ch {d}: got {} want {} (tol {tol:.2e})", o[row * D + d], ro[d]);
-            }
-            assert!((l[row] as f64 - rl).abs() < 1e-3 * rl.abs().max(1.0), "after drops: lse of length {len} head {hq}: {} vs {rl}", l[row]);
-        }
-    }
+    let (o, _) = prefixes_match_reference(&dev, &mut c, seq, &lengths, &q, "after drops");
     // A full decode reads every stored page: equal to the prefix of the whole sequence.
     let want = c.decode(&[seq], &q[(nq - 1) * HQ * D..]).unwrap();
     for (j, (&g, &w)) in o[(nq - 1) * HQ * D..].iter().zip(&want.out).enumerate() {
