@@ -563,7 +563,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 27712usize,
+        smem_bytes: 27984usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -574,7 +574,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 29280usize,
+        smem_bytes: 30080usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -585,7 +585,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 30064usize,
+        smem_bytes: 31120usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -596,7 +596,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 33200usize,
+        smem_bytes: 35312usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -607,7 +607,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 15424usize,
+        smem_bytes: 15696usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -618,7 +618,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 3usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 16992usize,
+        smem_bytes: 17792usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -629,7 +629,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 17776usize,
+        smem_bytes: 18832usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -640,7 +640,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 20912usize,
+        smem_bytes: 23024usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -651,7 +651,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 1usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 9280usize,
+        smem_bytes: 9552usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -662,7 +662,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 3usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 10848usize,
+        smem_bytes: 11648usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -673,7 +673,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 4usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 11632usize,
+        smem_bytes: 12688usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -684,7 +684,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 8usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 14768usize,
+        smem_bytes: 16880usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -695,7 +695,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 49984usize,
+        smem_bytes: 50256usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g1_p64.cu"
         ),
@@ -708,7 +708,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 51552usize,
+        smem_bytes: 52352usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g3_p64.cu"
         ),
@@ -721,7 +721,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 52336usize,
+        smem_bytes: 53392usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g4_p64.cu"
         ),
@@ -734,7 +734,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 55472usize,
+        smem_bytes: 57584usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g8_p64.cu"
         ),
@@ -924,7 +924,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 55104usize,
+        smem_bytes: 55632usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -935,7 +935,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 57696usize,
+        smem_bytes: 59264usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -946,7 +946,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 58992usize,
+        smem_bytes: 61072usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -957,7 +957,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 64176usize,
+        smem_bytes: 68336usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -968,7 +968,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 30528usize,
+        smem_bytes: 31056usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -979,7 +979,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 3usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 33120usize,
+        smem_bytes: 34688usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -990,7 +990,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 34416usize,
+        smem_bytes: 36496usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -1001,7 +1001,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 39600usize,
+        smem_bytes: 43760usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -1012,7 +1012,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 1usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 18240usize,
+        smem_bytes: 18768usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -1023,7 +1023,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 3usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 20832usize,
+        smem_bytes: 22400usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -1034,7 +1034,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 4usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 22128usize,
+        smem_bytes: 24208usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -1045,7 +1045,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 8usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 27312usize,
+        smem_bytes: 31472usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -1056,7 +1056,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 99648usize,
+        smem_bytes: 100176usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g1_p64.cu"
         ),
@@ -1069,7 +1069,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 102240usize,
+        smem_bytes: 103808usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g3_p64.cu"
         ),
@@ -1082,7 +1082,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 103536usize,
+        smem_bytes: 105616usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g4_p64.cu"
         ),
@@ -1095,7 +1095,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 108720usize,
+        smem_bytes: 112880usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g8_p64.cu"
         ),
@@ -1285,7 +1285,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 109888usize,
+        smem_bytes: 110928usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1296,7 +1296,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 114528usize,
+        smem_bytes: 117632usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1307,7 +1307,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 116848usize,
+        smem_bytes: 120976usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1318,7 +1318,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 126128usize,
+        smem_bytes: 134384usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1329,7 +1329,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 60736usize,
+        smem_bytes: 61776usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1340,7 +1340,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 3usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 65376usize,
+        smem_bytes: 68480usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1351,7 +1351,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 67696usize,
+        smem_bytes: 71824usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1362,7 +1362,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 76976usize,
+        smem_bytes: 85232usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1373,7 +1373,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 1usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 36160usize,
+        smem_bytes: 37200usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1384,7 +1384,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 3usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 40800usize,
+        smem_bytes: 43904usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1395,7 +1395,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 4usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 43120usize,
+        smem_bytes: 47248usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1406,7 +1406,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 8usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 52400usize,
+        smem_bytes: 60656usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1417,7 +1417,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 133424usize,
+        smem_bytes: 134464usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g1_p64.cu"
         ),
@@ -1430,7 +1430,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 138064usize,
+        smem_bytes: 141168usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g3_p64.cu"
         ),
@@ -1443,7 +1443,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 140384usize,
+        smem_bytes: 144512usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g4_p64.cu"
         ),
@@ -1456,7 +1456,7 @@ static INFOS: [VariantInfo; 93usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 149664usize,
+        smem_bytes: 157920usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g8_p64.cu"
         ),

@@ -62,13 +62,28 @@ pub fn min_blocks(spec: &Spec, gqa: usize) -> usize {
     if gqa >= 8 { 1 } else { (512 / threads(spec)).max(1) }
 }
 
+/// Mirror of `IntKey::bfrag_bytes`: integer keys whose block spans several 16-token m-tiles
+/// fold the query with the block's scales once per page into shared memory (fp16 high and low
+/// parts of q · scale in mma fragment order, then the zero terms per block, channel part, head).
+fn bfrag_bytes(spec: &Spec, tier: &Tier, d: usize, gqa: usize) -> usize {
+    let p = spec.page.tokens;
+    match &tier.key {
+        KeyScheme::Int { block, .. } if *block >= 32 => {
+            let kp = if spec.kernels.warps >= 2 * (p / 16) { 2 } else { 1 };
+            4 * gqa * (p / block).max(1) * (d + kp)
+        }
+        _ => 0,
+    }
+}
+
 /// Mirror of `DecodeSmem<Cfg>::TOTAL`.
 pub fn decode_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
     let p = spec.page.tokens;
     let ts: Vec<&Tier> = tiers.iter().map(|&t| &spec.tiers[t as usize]).collect();
     let lut: usize = ts.iter().map(|t| gqa * lut_floats_per_head(t, d)).sum();
     let seg = ts.iter().filter(|t| t.id != kvforge_spec::TAIL_TIER).map(|t| SegmentLayout::new(t, d, p, spec.page.alignment).bytes).max().unwrap_or(0);
-    let fixed = align16(gqa * d * 4) + align16(lut * 4) + align16(gqa * p * 4) + align16(4 * gqa * 4) + align16(gqa * d * 4);
+    let bfrag = ts.iter().map(|t| bfrag_bytes(spec, t, d, gqa)).max().unwrap_or(0);
+    let fixed = align16(gqa * d * 4) + align16(lut * 4) + align16(gqa * p * 4) + align16(4 * gqa * 4) + align16(gqa * d * 4) + align16(bfrag);
     let stage = kvforge_spec::HEADER_BYTES + align16(seg);
     let nstage = if 3 * stage <= 112 * 1024 { 3 } else { 2 };
     fixed + nstage * stage

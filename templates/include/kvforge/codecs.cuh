@@ -25,6 +25,8 @@ enum class KeyError { Exact, Step, Unbounded };
 // Evicted tokens: no bytes, never scored. Only used in transcode bookkeeping.
 struct DropKey {
   static constexpr int LUT_FLOATS_PER_HEAD = 0;
+  static constexpr bool MMA = false;
+  template <int GQA, int NWARPS> __host__ __device__ static constexpr int bfrag_bytes() { return 0; }
   static constexpr bool SPHERICAL = false;
   static constexpr KeyError ERROR = KeyError::Exact;
   static constexpr bool CHANNEL_PARALLEL = true;
@@ -41,6 +43,8 @@ struct DropKey {
 template <class T, int D, int P, int OFF>
 struct DenseKey {
   static constexpr int LUT_FLOATS_PER_HEAD = 0;
+  static constexpr bool MMA = false;
+  template <int GQA, int NWARPS> __host__ __device__ static constexpr int bfrag_bytes() { return 0; }
   static constexpr bool SPHERICAL = false;
   static constexpr KeyError ERROR = KeyError::Exact;
   static constexpr int NCH = D / 8;
@@ -114,8 +118,9 @@ __device__ __forceinline__ int quantize(float x, float scale, float zero) {
 }
 
 // Integer keys with a scale and zero per channel per block of BLOCK tokens (KIVI / seed 004).
-// The per-channel scale folds into the query once per block (q_c · scale_{b,c}) and the
-// zero term Σ_c q_c zero_{b,c} is added once per token: one FMA per element in the hot loop.
+// Decode scores them on tensor cores (mma_scores): the per-channel scale folds into the query
+// once per block (q_c · scale_{b,c}) and the zero term Σ_c q_c zero_{b,c} is added once per
+// block and head.
 template <int BITS, int BLOCK, class S, int D, int P, int OFF_CODES, int OFF_SCALE, int OFF_ZERO>
 struct IntKey {
   static constexpr int LUT_FLOATS_PER_HEAD = 0;
@@ -130,61 +135,183 @@ struct IntKey {
   // is within σ/2 of its original (the certified decode's per-block logit bound).
   __device__ __forceinline__ static float step(const u8* seg, int b, int c) { return load_scale<S>(seg + OFF_SCALE, b * D + c); }
 
-  // Channel-parallel scoring with the per-channel scale folded into the query slice once per
-  // block (qs = q · scale) and the zero term Σ q · zero added as a per-lane partial: one FMA
-  // per code per head in the hot loop, no shared-memory traffic but the codes.
-  static constexpr bool CHANNEL_PARALLEL = true;
-  template <int GQA>
-  struct Scorer {
-    const float* q_s;
-    int c8;
-    int blk = -1;
-    float qs[GQA][8];
-    float zq[GQA];
-    __device__ Scorer(const float* q_s_, int c8_) : q_s(q_s_), c8(c8_) {}
-    __device__ __forceinline__ void fold(const u8* seg, int b) {
-      float sc[8], zr[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        sc[i] = load_scale<S>(seg + OFF_SCALE, b * D + c8 * 8 + i);
-        zr[i] = load_scale<S>(seg + OFF_ZERO, b * D + c8 * 8 + i);
-      }
-#pragma unroll
-      for (int h = 0; h < GQA; ++h) {
-        float z = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const float qv = q_s[h * D + c8 * 8 + i];
-          qs[h][i] = qv * sc[i];
-          z = fmaf(qv, zr[i], z);
-        }
-        zq[h] = z;
-      }
-      blk = b;
-    }
-    __device__ __forceinline__ void score(const u8* seg, int t, float (&s)[GQA]) {
-      const int b = t / BLOCK;
-      if (b != blk) fold(seg, b);
-      const u8* row = seg + OFF_CODES + t * ROW + c8 * BITS;  // 8 codes = BITS bytes
-      u32 lo, hi = 0;
-      if constexpr (BITS == 8) { const uint2 w = *reinterpret_cast<const uint2*>(row); lo = w.x; hi = w.y; }
-      else if constexpr (BITS == 4) lo = *reinterpret_cast<const u32*>(row);
-      else lo = *reinterpret_cast<const u16*>(row);
-      float k[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if constexpr (BITS == 8) k[i] = u2f(((i < 4 ? lo : hi) >> (8 * (i & 3))) & 0xff);
-        else k[i] = u2f((lo >> (BITS * i)) & ((1u << BITS) - 1));
-      }
-#pragma unroll
-      for (int h = 0; h < GQA; ++h) {
-        float a = zq[h];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) a = fmaf(qs[h][i], k[i], a);
-        s[h] = a;
-      }
-    }
+  // Tensor-core scoring (mma m16n8k16: 16 tokens × 8 query heads × 16 channels). The codes are
+  // the A operand, exact in fp16; the per-channel scale of the token block folds into the
+  // query (B = q · scale, split into an fp16 high part and an fp16 low part, two mmas, so the
+  // product keeps ~22 bits); the zero term Σ_c q_c zero_c (fp32) initialises the accumulator.
+  // Warp w scores tokens [16·mt, 16·mt + 16) of channel part kp (mt = w % MT, kp = w / MT);
+  // with KP = 2 parts the second part's partial scores go to `sc1` and the softmax adds them.
+  // The channel order inside a thread's slice is free (A and B use the same one): pair e of a
+  // thread's CPT codes holds the codes of channels pair_lo(e) and pair_lo(e) + CC, which is what
+  // one shift and one LOP3 pull out of a 32-bit word.
+  static constexpr bool CHANNEL_PARALLEL = false;
+  static constexpr bool MMA = true;
+  template <int NWARPS> struct Mma {
+    static constexpr int MT = P / 16;
+    static constexpr int KP = NWARPS >= 2 * MT ? 2 : 1;
+    static constexpr int CH = D / KP, CPT = CH / 4, KS = CH / 16, NPAIR = CPT / 2;
+    static constexpr int BYTES = CPT * BITS / 8;
+    static constexpr int CC = BYTES == 2 ? 4 : 16 / BITS;  // codes per half of a pair word
+    static constexpr int NWORD = BYTES >= 4 ? BYTES / 4 : 1;
+    __device__ static constexpr int pair_lo(int e) { return (e / CC) * 2 * CC + e % CC; }
+    static_assert(P % 16 == 0 && BLOCK % 16 == 0 && CH % 16 == 0, "mma tiles");
+    // When a key block spans several m-tiles (BLOCK ≥ 32) the warps that score it would fold
+    // the same B; all threads fold it once per page into shared memory instead (COOP).
+    static constexpr bool COOP = BLOCK >= 32;
+    static constexpr int NBLK = P / BLOCK > 0 ? P / BLOCK : 1;
+    static constexpr int CPP = CH / 32 > 2 ? CH / 32 : 2;  // channels per thread in the fold
+    static constexpr int LANES = CH / CPP;                 // fold lanes per channel part
   };
+  // Shared memory of the cooperative fold: per block and head D/2 u32 of B high parts, as
+  // many of low parts (fragment order), then per block, part and head the zero term.
+  template <int GQA, int NWARPS> __host__ __device__ static constexpr int bfrag_bytes() {
+    return Mma<NWARPS>::COOP ? 4 * GQA * Mma<NWARPS>::NBLK * (D + Mma<NWARPS>::KP) : 0;
+  }
+  // All threads: B = q · scale (high and low fp16 parts) and the zero terms of every block of
+  // the page, into `bf` (see bfrag_bytes). One barrier after it.
+  template <int GQA, int NWARPS, int NT>
+  __device__ static void fold_page(const u8* seg, const float* q_s, u8* bf) {
+    using M = Mma<NWARPS>;
+    constexpr int CPP = M::CPP, ITEMS = M::NBLK * GQA * D / CPP;
+    static_assert(ITEMS % 32 == 0 && M::LANES <= 32, "whole warps per fold pass");
+    u16* hi16 = reinterpret_cast<u16*>(bf);
+    u16* lo16 = hi16 + M::NBLK * GQA * D;
+    float* zs = reinterpret_cast<float*>(bf + 4 * M::NBLK * GQA * D);
+#pragma unroll 1
+    for (int i = threadIdx.x; i < ITEMS; i += NT) {
+      const int c = (i % (D / CPP)) * CPP, h = (i / (D / CPP)) % GQA, blk = i / (GQA * D / CPP);
+      float qv[CPP], sv[CPP], zv[CPP];
+#pragma unroll
+      for (int k = 0; k < CPP; k += 2) {
+        const float2 v = *reinterpret_cast<const float2*>(q_s + h * D + c + k);
+        qv[k] = v.x; qv[k + 1] = v.y;
+      }
+      const S* sp = reinterpret_cast<const S*>(seg + OFF_SCALE) + (blk * D + c);
+      const S* zp = reinterpret_cast<const S*>(seg + OFF_ZERO) + (blk * D + c);
+#pragma unroll
+      for (int k = 0; k < CPP; ++k) { sv[k] = to_float(sp[k]); zv[k] = to_float(zp[k]); }
+      float z = 0.f;
+      const int kp = c / M::CH, cq = c % M::CH, qd = cq / M::CPT;
+      const int base = ((blk * GQA + h) * M::KP + kp) * (4 * M::NPAIR) + qd * M::NPAIR;  // u32 index
+#pragma unroll
+      for (int k = 0; k < CPP; ++k) {
+        z = fmaf(qv[k], zv[k], z);
+        const float x = qv[k] * sv[k];
+        const __half xh = __float2half_rn(x);
+        const __half xl = __float2half_rn(x - __half2float(xh));
+        const int o = (cq + k) % M::CPT, r = o % (2 * M::CC);
+        const int e = (o / (2 * M::CC)) * M::CC + r % M::CC, half = r / M::CC;
+        hi16[2 * (base + e) + half] = __half_as_ushort(xh);
+        lo16[2 * (base + e) + half] = __half_as_ushort(xl);
+      }
+      z = group_sum<M::LANES>(z);
+      if (i % M::LANES == 0) zs[(blk * M::KP + kp) * GQA + h] = z;
+    }
+    __syncthreads();
+  }
+
+  template <int GQA, int NWARPS, int NT>
+  __device__ static void mma_scores(const u8* seg, int len, const float* q_s, float* sc0, float* sc1, u8* bf) {
+    using M = Mma<NWARPS>;
+    constexpr int CPT = M::CPT, NPAIR = M::NPAIR, CC = M::CC;
+    constexpr u32 MASK = ((1u << BITS) - 1) * 0x00010001u;
+    static_assert(GQA <= 8, "one mma column per query head");
+    if constexpr (M::COOP) fold_page<GQA, NWARPS, NT>(seg, q_s, bf);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, qd = lane & 3;
+#pragma unroll 1
+    for (int u = warp; u < M::MT * M::KP; u += NWARPS) {
+      const int mt = u % M::MT, kp = u / M::MT;
+      const int c0 = kp * M::CH + qd * CPT;  // the thread's channel slice [c0, c0 + CPT)
+      const int blk = mt * 16 / BLOCK;
+      u32 bhi[NPAIR], blo[NPAIR];
+      float z0, z1;
+      if constexpr (M::COOP) {
+        const u32* hi32 = reinterpret_cast<const u32*>(bf);
+        const u32* lo32 = hi32 + M::NBLK * GQA * D / 2;
+        const float* zs = reinterpret_cast<const float*>(bf + 4 * M::NBLK * GQA * D) + (blk * M::KP + kp) * GQA;
+        if (g < GQA) {
+          const int base = ((blk * GQA + g) * M::KP + kp) * (4 * NPAIR) + qd * NPAIR;
+#pragma unroll
+          for (int e = 0; e < NPAIR; e += 4) {
+            const uint4 h = *reinterpret_cast<const uint4*>(hi32 + base + e);
+            const uint4 l = *reinterpret_cast<const uint4*>(lo32 + base + e);
+            bhi[e] = h.x; bhi[e + 1] = h.y; bhi[e + 2] = h.z; bhi[e + 3] = h.w;
+            blo[e] = l.x; blo[e + 1] = l.y; blo[e + 2] = l.z; blo[e + 3] = l.w;
+          }
+        } else {
+#pragma unroll
+          for (int e = 0; e < NPAIR; ++e) { bhi[e] = 0; blo[e] = 0; }
+        }
+        z0 = 2 * qd < GQA ? zs[2 * qd] : 0.f;
+        z1 = 2 * qd + 1 < GQA ? zs[2 * qd + 1] : 0.f;
+      } else {
+      float z = 0.f;
+      if (g < GQA) {
+        float qv[CPT], sv[CPT], zv[CPT];
+        const float* qh = q_s + g * D + c0;
+#pragma unroll
+        for (int i = 0; i < CPT; i += 4) {
+          const float4 v = *reinterpret_cast<const float4*>(qh + i);
+          qv[i] = v.x; qv[i + 1] = v.y; qv[i + 2] = v.z; qv[i + 3] = v.w;
+        }
+        load_floats<S, CPT>(seg + OFF_SCALE + (blk * D + c0) * int(sizeof(S)), sv);
+        load_floats<S, CPT>(seg + OFF_ZERO + (blk * D + c0) * int(sizeof(S)), zv);
+#pragma unroll
+        for (int i = 0; i < CPT; ++i) z = fmaf(qv[i], zv[i], z);
+#pragma unroll
+        for (int e = 0; e < NPAIR; ++e) {
+          const int ca = M::pair_lo(e), cb = ca + CC;
+          const float x = qv[ca] * sv[ca], y = qv[cb] * sv[cb];
+          bhi[e] = pack2<false>(x, y);
+          const float2 h = unpack2h(bhi[e]);
+          blo[e] = pack2<false>(x - h.x, y - h.y);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < NPAIR; ++e) { bhi[e] = 0; blo[e] = 0; }
+      }
+      z += __shfl_xor_sync(0xffffffffu, z, 1);
+      z += __shfl_xor_sync(0xffffffffu, z, 2);
+      z0 = __shfl_sync(0xffffffffu, z, 8 * qd);
+      z1 = __shfl_sync(0xffffffffu, z, 8 * qd + 4);
+      }
+      float c[4] = {z0, z1, z0, z1};
+      const int t0 = mt * 16 + g;
+      u32 a0[NPAIR], a1[NPAIR];
+      row_pairs(seg + OFF_CODES + t0 * ROW + c0 * BITS / 8, a0, MASK);
+      row_pairs(seg + OFF_CODES + (t0 + 8) * ROW + c0 * BITS / 8, a1, MASK);
+#pragma unroll
+      for (int j = 0; j < M::KS; ++j) {
+        const u32 a[4] = {a0[2 * j], a1[2 * j], a0[2 * j + 1], a1[2 * j + 1]};
+        const u32 bh[2] = {bhi[2 * j], bhi[2 * j + 1]}, bl[2] = {blo[2 * j], blo[2 * j + 1]};
+        mma16816<false>(c, a, bh);
+        mma16816<false>(c, a, bl);
+      }
+      // Tokens past `len` score -inf (part 0) and add nothing (part 1).
+      float* dst = kp == 0 ? sc0 : sc1;
+      const float pad = kp == 0 ? NEG_INF : 0.f;
+      const int h0 = 2 * qd;
+      if (h0 < GQA) {
+        dst[h0 * P + t0] = t0 < len ? c[0] : pad;
+        dst[h0 * P + t0 + 8] = t0 + 8 < len ? c[2] : pad;
+      }
+      if (h0 + 1 < GQA) {
+        dst[(h0 + 1) * P + t0] = t0 < len ? c[1] : pad;
+        dst[(h0 + 1) * P + t0 + 8] = t0 + 8 < len ? c[3] : pad;
+      }
+    }
+  }
+  // The codes of one thread's row slice as exact fp16 pairs in pair_lo order.
+  template <int N>
+  __device__ __forceinline__ static void row_pairs(const u8* p, u32 (&out)[N], u32 mask) {
+    constexpr int BYTES = N * 2 * BITS / 8;
+    constexpr int CC = BYTES == 2 ? 4 : 16 / BITS;
+    u32 w[BYTES >= 4 ? BYTES / 4 : 1];
+    load_words<BYTES>(p, w);
+    if constexpr (BYTES == 2) w[0] = __byte_perm(w[0], 0u, 0x4140);  // codes 0-3 | codes 4-7 << 16
+#pragma unroll
+    for (int e = 0; e < N; ++e) out[e] = h2_codes(w[e / CC] >> ((e % CC) * BITS), mask);
+  }
 
   __device__ __forceinline__ static float dequant(const u8* seg, int t, int c, const float*, const float*) {
     const int b = t / BLOCK;
@@ -228,6 +355,8 @@ struct SphericalKey {
   static constexpr int NG = D / GROUP;
   static constexpr int E = 1 << ABITS;
   static constexpr int LUT_FLOATS_PER_HEAD = NG * E;
+  static constexpr bool MMA = false;
+  template <int GQA, int NWARPS> __host__ __device__ static constexpr int bfrag_bytes() { return 0; }
   static constexpr bool SPHERICAL = true;
   // No per-token bound on ‖k − k̂‖ is stored (codebook angle error is data dependent).
   static constexpr KeyError ERROR = KeyError::Unbounded;
@@ -322,6 +451,22 @@ struct DropValue {};
 
 template <class T, int D, int P, int OFF>
 struct DenseValue {
+  static constexpr bool BF16 = same_type<T, __nv_bfloat16>::value;
+  // Tensor-core value accumulation reads V transposed: lo[k] = (v[t][c0+k], v[t+1][c0+k]),
+  // hi[k] = (v[t+2][c0+k], v[t+3][c0+k]) as fp16 (bf16) pairs; one PRMT per pair.
+  template <int N>
+  __device__ __forceinline__ static void pairs(const u8* seg, int t, int c0, u32 (&lo)[N], u32 (&hi)[N]) {
+    u32 w[4][N / 2];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) load_words<N * 2>(seg + OFF + ((t + r) * D + c0) * 2, w[r]);
+#pragma unroll
+    for (int m = 0; m < N / 2; ++m) {
+      lo[2 * m] = __byte_perm(w[0][m], w[1][m], 0x5410);
+      lo[2 * m + 1] = __byte_perm(w[0][m], w[1][m], 0x7632);
+      hi[2 * m] = __byte_perm(w[2][m], w[3][m], 0x5410);
+      hi[2 * m + 1] = __byte_perm(w[2][m], w[3][m], 0x7632);
+    }
+  }
   __device__ __forceinline__ static void load8(const u8* seg, int t, int c8, float (&v)[8]) {
     const uint4 raw = reinterpret_cast<const uint4*>(seg + OFF + t * D * 2)[c8];
     const T* e = reinterpret_cast<const T*>(&raw);
@@ -343,6 +488,54 @@ template <int BITS, int GROUP, class S, int D, int P, int OFF_CODES, int OFF_SCA
 struct IntValue {
   static constexpr int ROW = D * BITS / 8;
   static constexpr int NGRP = D / GROUP;
+  static constexpr bool BF16 = false;
+
+  // Transposed fp16 pairs for tensor-core value accumulation (see DenseValue::pairs): the
+  // codes of two tokens are interleaved by one PRMT per 16-bit chunk, each pair is pulled out
+  // by one LOP3 as (1024 + c, 1024 + c'), and one HSUB2 + one HFMA2 with the two tokens'
+  // (scale, zero) pairs give code · scale + zero rounded once to fp16.
+  template <int N>
+  __device__ __forceinline__ static void pairs(const u8* seg, int t, int c0, u32 (&lo)[N], u32 (&hi)[N]) {
+    constexpr int TB = N * BITS / 8;              // code bytes per token
+    constexpr int CCV = 16 / BITS < N ? 16 / BITS : N;  // codes per 16-bit chunk
+    constexpr int NCHUNK = N / CCV;
+    constexpr u32 MASK = ((1u << BITS) - 1) * 0x00010001u;
+    static_assert(GROUP % N == 0, "a thread's channels share one value group");
+    const int grp = c0 / GROUP;
+    u32 w[4][TB >= 4 ? TB / 4 : 1];
+    u32 sr[4], zr[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      load_words<TB>(seg + OFF_CODES + (t + r) * ROW + c0 * BITS / 8, w[r]);
+      if constexpr (sizeof(S) == 2) {
+        sr[r] = reinterpret_cast<const u16*>(seg + OFF_SCALE)[(t + r) * NGRP + grp];
+        zr[r] = reinterpret_cast<const u16*>(seg + OFF_ZERO)[(t + r) * NGRP + grp];
+      }
+    }
+    u32 s01, z01, s23, z23;
+    if constexpr (sizeof(S) == 2) {
+      s01 = __byte_perm(sr[0], sr[1], 0x5410); z01 = __byte_perm(zr[0], zr[1], 0x5410);
+      s23 = __byte_perm(sr[2], sr[3], 0x5410); z23 = __byte_perm(zr[2], zr[3], 0x5410);
+    } else {
+      const S* sp = reinterpret_cast<const S*>(seg + OFF_SCALE);
+      const S* zp = reinterpret_cast<const S*>(seg + OFF_ZERO);
+      s01 = pack2<false>(to_float(sp[t * NGRP + grp]), to_float(sp[(t + 1) * NGRP + grp]));
+      z01 = pack2<false>(to_float(zp[t * NGRP + grp]), to_float(zp[(t + 1) * NGRP + grp]));
+      s23 = pack2<false>(to_float(sp[(t + 2) * NGRP + grp]), to_float(sp[(t + 3) * NGRP + grp]));
+      z23 = pack2<false>(to_float(zp[(t + 2) * NGRP + grp]), to_float(zp[(t + 3) * NGRP + grp]));
+    }
+#pragma unroll
+    for (int ci = 0; ci < NCHUNK; ++ci) {
+      const u32 sel = (ci & 1) ? 0x7632 : 0x5410;
+      const u32 x01 = __byte_perm(w[0][ci / 2], w[1][ci / 2], sel);
+      const u32 x23 = __byte_perm(w[2][ci / 2], w[3][ci / 2], sel);
+#pragma unroll
+      for (int k = 0; k < CCV; ++k) {
+        lo[ci * CCV + k] = h2_fma(h2_codes(x01 >> (k * BITS), MASK), s01, z01);
+        hi[ci * CCV + k] = h2_fma(h2_codes(x23 >> (k * BITS), MASK), s23, z23);
+      }
+    }
+  }
 
   __device__ __forceinline__ static void load8(const u8* seg, int t, int c8, float (&v)[8]) {
     const int grp = (c8 * 8) / GROUP;

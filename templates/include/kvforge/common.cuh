@@ -32,6 +32,9 @@ template <> __device__ __forceinline__ __half from_float<__half>(float x) { retu
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 
+template <class A, class B> struct same_type { static constexpr bool value = false; };
+template <class A> struct same_type<A, A> { static constexpr bool value = true; };
+
 __host__ __device__ constexpr int align16(int x) { return (x + 15) / 16 * 16; }
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
 __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
@@ -112,6 +115,90 @@ __device__ __forceinline__ float warp_max(float x) {
 }
 
 __device__ __forceinline__ float warp_sum(float x) { return group_sum<32>(x); }
+
+// Tensor-core helpers (mma.sync m16n8k16, sm_80+). With g = lane / 4 and q = lane % 4 a thread
+// holds A[g][2q..2q+1], A[g+8][2q..], A[g][2q+8..], A[g+8][2q+8..] (four 32-bit pairs, low half
+// first), B[2q..2q+1][g], B[2q+8..2q+9][g], and C[g][2q..2q+1], C[g+8][2q..2q+1].
+template <bool BF16>
+__device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+  if constexpr (BF16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+}
+
+// Two floats as one fp16 (or bf16) pair, `lo` in the low half.
+template <bool BF16>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  if constexpr (BF16) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const u32*>(&h);
+  } else {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const u32*>(&h);
+  }
+}
+__device__ __forceinline__ float2 unpack2h(u32 x) { return __half22float2(*reinterpret_cast<const __half2*>(&x)); }
+
+// Small codes as fp16 pairs: a pair word (x & mask) | 0x6400_6400 is (1024 + lo, 1024 + hi)
+// exactly; subtracting 1024 leaves the exact codes (no I2F, one LOP3 + one HSUB2 per pair).
+__device__ __forceinline__ u32 h2_codes(u32 x, u32 mask) {
+  const u32 biased = (x & mask) | 0x64006400u;
+  u32 r;
+  asm("sub.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(biased), "r"(0x64006400u));
+  return r;
+}
+// c * s + z on fp16 pairs, rounded once.
+__device__ __forceinline__ u32 h2_fma(u32 c, u32 s, u32 z) {
+  u32 r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(r) : "r"(c), "r"(s), "r"(z));
+  return r;
+}
+
+// `BYTES` bytes (1, 2, 4, 8, 16 or 32) of 16-byte aligned-enough memory as 32-bit words
+// (a 1- or 2-byte load fills the low bits of word 0).
+template <int BYTES>
+__device__ __forceinline__ void load_words(const u8* p, u32 (&w)[BYTES >= 4 ? BYTES / 4 : 1]) {
+  if constexpr (BYTES == 1) w[0] = *p;
+  else if constexpr (BYTES == 2) w[0] = *reinterpret_cast<const u16*>(p);
+  else if constexpr (BYTES == 4) w[0] = *reinterpret_cast<const u32*>(p);
+  else if constexpr (BYTES == 8) { const uint2 v = *reinterpret_cast<const uint2*>(p); w[0] = v.x; w[1] = v.y; }
+  else {
+#pragma unroll
+    for (int i = 0; i < BYTES / 16; ++i) {
+      const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+      w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+    }
+  }
+}
+
+// N scales (fp16 or fp32, 16-byte aligned, N·sizeof(S) a multiple of 16) as floats, with
+// 16-byte loads.
+template <class S, int N>
+__device__ __forceinline__ void load_floats(const u8* p, float (&out)[N]) {
+  static_assert(N * sizeof(S) % 16 == 0, "whole 16-byte vectors");
+#pragma unroll
+  for (int i = 0; i < N * int(sizeof(S)) / 16; ++i) {
+    const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+    if constexpr (sizeof(S) == 4) {
+      out[4 * i] = __uint_as_float(v.x); out[4 * i + 1] = __uint_as_float(v.y);
+      out[4 * i + 2] = __uint_as_float(v.z); out[4 * i + 3] = __uint_as_float(v.w);
+    } else {
+      const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const S* e = reinterpret_cast<const S*>(&w[j]);
+        out[8 * i + 2 * j] = to_float(e[0]);
+        out[8 * i + 2 * j + 1] = to_float(e[1]);
+      }
+    }
+  }
+}
 
 // Round half away from zero for non-negative inputs, as kvforge-ref does.
 __device__ __forceinline__ float round_half_up(float x) { return floorf(x + 0.5f); }

@@ -4,10 +4,11 @@
 // and V are read once per group. Pages stream through an NSTAGE-deep cp.async pipeline: the
 // runtime's page table gives each page's tier and length (so a copy never waits on a header
 // load), the staged header is checked against it, and the page is dispatched on the header's
-// tier (per page, never per element). Per page: scores by the tier's key codec
-// (channel-parallel with the query slice in registers, or token-parallel through the
-// spherical LUT), an fp32 online softmax in the log2 domain, and value accumulation with each
-// thread owning 8 channels of every GQA head.
+// tier (per page, never per element). Per page: scores by the tier's key codec (integer keys
+// on tensor cores, dense keys channel-parallel with the query slice in registers, spherical
+// keys token-parallel through the LUT), an fp32 online softmax in the log2 domain, and value
+// accumulation: on tensor cores in variants with integer-key tiers (fp16 V pairs, fp32
+// accumulators), else with each thread owning 8 channels of every GQA head.
 #pragma once
 #include "codecs.cuh"
 #include "kvforge/params.cuh"
@@ -16,13 +17,12 @@ namespace kvforge {
 
 template <class... Ts> struct TierList {};
 
-template <class A, class B> struct same_type { static constexpr bool value = false; };
-template <class A> struct same_type<A, A> { static constexpr bool value = true; };
 
 // Largest staged segment: tail pages (tier 0, at most one per sequence and kv head) are read
 // in place from global memory, so they do not size the stages.
 template <class... Ts> __host__ __device__ constexpr int max_seg(TierList<Ts...>) { int m = 0; ((m = cmax(m, Ts::id == 0 ? 0 : Ts::SEG_BYTES)), ...); return m; }
 template <int GQA, class... Ts> __host__ __device__ constexpr int sum_lut(TierList<Ts...>) { return (0 + ... + (GQA * Ts::Key::LUT_FLOATS_PER_HEAD)); }
+template <int GQA, int NW, class... Ts> __host__ __device__ constexpr int max_bfrag(TierList<Ts...>) { int m = 0; ((m = cmax(m, Ts::Key::template bfrag_bytes<GQA, NW>())), ...); return m; }
 
 // Shared-memory plan of one decode variant (bytes). The generated Rust bindings carry the
 // same numbers (kvforge-gen codec.rs), and the generated .cu static_asserts that they agree.
@@ -33,7 +33,9 @@ struct DecodeSmem {
   static constexpr int SCORES = LUT + align16(sum_lut<Cfg::GQA>(typename Cfg::Tiers{}) * 4);
   static constexpr int STATS = SCORES + align16(Cfg::GQA * Cfg::P * 4);
   static constexpr int OUT = STATS + align16(4 * Cfg::GQA * 4);
-  static constexpr int STAGE = OUT + align16(Cfg::GQA * Cfg::D * 4);
+  // B fragments of integer keys folded once per page (IntKey::fold_page), 0 without them.
+  static constexpr int BFRAG = OUT + align16(Cfg::GQA * Cfg::D * 4);
+  static constexpr int STAGE = BFRAG + align16(max_bfrag<Cfg::GQA, Cfg::NTHREADS / 32>(typename Cfg::Tiers{}));
   // A stage holds the page header and its segment.
   static constexpr int STAGE_BYTES = HEADER_BYTES + align16(max_seg(typename Cfg::Tiers{}));
   // Three stages when they fit in 112 KB (two CTAs per SM), else two.
@@ -51,11 +53,32 @@ struct DecodeCta {
   using QT = typename Cfg::QT;
   using Smem = DecodeSmem<Cfg>;
   static constexpr int NSTAGE = Smem::NSTAGE;
+  // Values on tensor cores: O^T[c][h] += V^T[c][t] · P^T[t][h] (mma m16n8k16: 16 channels × 8
+  // heads × 16 tokens). Warp w takes token blocks kb ≡ w (mod VW) of every page and channel
+  // part vp = w / VW; its lane (g, q) owns channels cbase + [0, CPTV) (A rows g ↔ cbase + 2i,
+  // g + 8 ↔ cbase + 2i + 1 of m-tile i) and tokens 4q..4q+3 of a block (A columns 2q, 2q+1 ↔
+  // 4q, 4q+1; 2q+8, 2q+9 ↔ 4q+2, 4q+3). The accumulators stay in registers across pages.
+  static constexpr int NW = NT / 32;
+  static constexpr int KB = P / 16;
+  static constexpr int VW = NW < KB ? NW : KB;
+  static constexpr int VPARTS = NW / VW;
+  static constexpr int CW = D / VPARTS, CPTV = CW / 8, MTV = CPTV / 2, VN = CPTV < 8 ? CPTV : 8;
+  static_assert(P % 16 == 0 && NW % VW == 0 && CPTV % 2 == 0, "tensor-core value tiles");
+  // Integer keys score on tensor cores in channel parts; part 1 lands in the OUT region, which
+  // is free until the final reduction.
+  static_assert(D >= P, "the OUT region holds a second score part");
+
+  // Variants with integer-key tiers accumulate values on tensor cores (every tier, the fp16
+  // tail too); dense and spherical variants keep the CUDA-core path: there each thread owns 8
+  // channels of every GQA head, which reads fp16 V from shared memory without bank conflicts.
+  template <class... Ts> __device__ static constexpr bool any_mma(TierList<Ts...>) { return (false || ... || Ts::Key::MMA); }
+  static constexpr bool MMA_V = any_mma(typename Cfg::Tiers{});
+  static constexpr int ACC_R = MMA_V ? MTV : GQA, ACC_C = MMA_V ? 4 : 8;
 
   u8* smem;
   const DecodeParams& p;
   int kvh;
-  float acc[GQA][8];
+  float acc[ACC_R][ACC_C];
 
   __device__ float* q_s() { return reinterpret_cast<float*>(smem + Smem::Q); }
   __device__ float* lut_s() { return reinterpret_cast<float*>(smem + Smem::LUT); }
@@ -104,8 +127,10 @@ struct DecodeCta {
   }
 
   template <class... Ts>
-  __device__ void compute_page(TierList<Ts...>, int tier, const u8* seg, int len, u32 gpage) {
-    ((tier == Ts::id ? (compute<Ts>(seg, len, gpage), true) : false) || ...);
+  __device__ void compute_page(TierList<Ts...>, int tier, const u8* seg, int buf, int len, u32 gpage) {
+    // A staged page's segment is addressed from the shared-memory array itself, so that its
+    // reads compile to LDS rather than generic loads; the tail page is read in place.
+    ((tier == Ts::id ? (compute<Ts>(Ts::id == 0 ? seg : stage(buf) + HEADER_BYTES, len, gpage), true) : false) || ...);
   }
 
   template <class T>
@@ -115,7 +140,11 @@ struct DecodeCta {
     using V = typename T::Value;
     const int tid = threadIdx.x;
     float* sc = scores_s();
-    if constexpr (K::CHANNEL_PARALLEL) {
+    float* sc1 = reinterpret_cast<float*>(smem + Smem::OUT);
+    constexpr int KPARTS = score_parts<K>();
+    if constexpr (K::MMA) {
+      K::template mma_scores<GQA, NW, NT>(seg, len, q_s(), sc, sc1, smem + Smem::BFRAG);
+    } else if constexpr (K::CHANNEL_PARALLEL) {
       // The NC8 lanes of a token are consecutive: a shuffle tree sums their partial dots.
       // A thread scores P/TG consecutive tokens, so per-block state (the int scale fold)
       // changes at most once or twice per page.
@@ -156,13 +185,23 @@ struct DecodeCta {
     const int warp = tid / 32, lane = tid % 32;
     for (int h = warp; h < GQA; h += NT / 32) {
       float mx = NEG_INF;
-      for (int t = lane; t < P; t += 32) mx = fmaxf(mx, sc[h * P + t]);
+      float x[cdiv(P, 32)];
+#pragma unroll
+      for (int i = 0; i < cdiv(P, 32); ++i) {
+        const int t = lane + 32 * i;
+        x[i] = NEG_INF;
+        if (t < P) x[i] = KPARTS == 2 ? sc[h * P + t] + sc1[h * P + t] : sc[h * P + t];
+        mx = fmaxf(mx, x[i]);
+      }
       mx = warp_max(mx);
       const float m_old = m_s()[h];
       const float m_new = fmaxf(m_old, mx);
       float sum = 0.f;
-      for (int t = lane; t < P; t += 32) {
-        const float e = exp2f(sc[h * P + t] - m_new);
+#pragma unroll
+      for (int i = 0; i < cdiv(P, 32); ++i) {
+        const int t = lane + 32 * i;
+        if (t >= P) break;
+        const float e = exp2f(x[i] - m_new);
         sc[h * P + t] = e;
         sum += e;
       }
@@ -184,26 +223,82 @@ struct DecodeCta {
       for (int h = 0; h < GQA; ++h) sum += exp2f(plse_s()[h] - mx);
       *mass = mx + log2f(sum);
     }
-    // Values: thread owns channels [c8*8, c8*8+8) of tokens tg, tg + TG, ...
-    const int c8 = tid % NC8, tg = tid / NC8;
-#pragma unroll
-    for (int h = 0; h < GQA; ++h) {
-      const float a = alpha_s()[h];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[h][i] *= a;
-    }
-    for (int t = tg; t < len; t += TG) {
-      float v[8];
-      V::load8(seg, t, c8, v);
+    if constexpr (MMA_V) {
+      accumulate_values<V>(seg, len);
+    } else {
+      // Values: thread owns channels [c8*8, c8*8+8) of tokens tg, tg + TG, ...
+      const int c8 = tid % NC8, tg = tid / NC8;
 #pragma unroll
       for (int h = 0; h < GQA; ++h) {
-        const float w = sc[h * P + t];
+        const float a = alpha_s()[h];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[h][i] = fmaf(w, v[i], acc[h][i]);
+        for (int i = 0; i < 8; ++i) acc[h][i] *= a;
+      }
+      for (int t = tg; t < len; t += TG) {
+        float v[8];
+        V::load8(seg, t, c8, v);
+#pragma unroll
+        for (int h = 0; h < GQA; ++h) {
+          const float w = sc[h * P + t];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[h][i] = fmaf(w, v[i], acc[h][i]);
+        }
       }
     }
     if (p.page_delta) write_delta<K>(seg, len, gpage);
     __syncthreads();
+  }
+
+  template <class K> __device__ static constexpr int score_parts() {
+    if constexpr (K::MMA) return K::template Mma<NW>::KP;
+    else return 1;
+  }
+
+  // P (probabilities in scores_s, 0 past `len`) times the page's values into acc; see the
+  // layout note at the top of the struct.
+  template <class V>
+  __device__ void accumulate_values(const u8* seg, int len) {
+    constexpr bool BF16 = V::BF16;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, qd = lane & 3;
+    const int kbw = warp % VW, cbase = (warp / VW) * CW + g * CPTV;
+    const float a0 = 2 * qd < GQA ? alpha_s()[2 * qd] : 0.f;
+    const float a1 = 2 * qd + 1 < GQA ? alpha_s()[2 * qd + 1] : 0.f;
+#pragma unroll
+    for (int i = 0; i < MTV; ++i) { acc[i][0] *= a0; acc[i][1] *= a1; acc[i][2] *= a0; acc[i][3] *= a1; }
+    const float* sc = scores_s();
+#pragma unroll 1
+    for (int kb = kbw; kb * 16 < len; kb += VW) {
+      const int t = kb * 16 + 4 * qd;
+      u32 b[2] = {0u, 0u};
+      if (g < GQA) {
+        const float4 pv = *reinterpret_cast<const float4*>(sc + g * P + t);
+        b[0] = pack2<BF16>(pv.x, pv.y);
+        b[1] = pack2<BF16>(pv.z, pv.w);
+      }
+      if (kb * 16 + 16 <= len) {
+        value_block<V, false>(seg, t, cbase, b, 0u, 0u);
+      } else {
+        // Tokens past `len` have p = 0, but their bytes may be anything (a tail page's
+        // unwritten rows): zero them so that no NaN reaches the accumulator.
+        const u32 mlo = (t < len ? 0xffffu : 0u) | (t + 1 < len ? 0xffff0000u : 0u);
+        const u32 mhi = (t + 2 < len ? 0xffffu : 0u) | (t + 3 < len ? 0xffff0000u : 0u);
+        value_block<V, true>(seg, t, cbase, b, mlo, mhi);
+      }
+    }
+  }
+  template <class V, bool MASK>
+  __device__ __forceinline__ void value_block(const u8* seg, int t, int cbase, const u32 (&b)[2], u32 mlo, u32 mhi) {
+#pragma unroll
+    for (int cc = 0; cc < CPTV / VN; ++cc) {
+      u32 lo[VN], hi[VN];
+      V::template pairs<VN>(seg, t, cbase + cc * VN, lo, hi);
+#pragma unroll
+      for (int m = 0; m < VN / 2; ++m) {
+        u32 a[4] = {lo[2 * m], lo[2 * m + 1], hi[2 * m], hi[2 * m + 1]};
+        if constexpr (MASK) { a[0] &= mlo; a[1] &= mlo; a[2] &= mhi; a[3] &= mhi; }
+        mma16816<V::BF16>(acc[cc * VN / 2 + m], a, b);
+      }
+    }
   }
 
   // Certified decode: Δ = max over the page's key blocks (that hold any of its `len` tokens)
@@ -263,9 +358,9 @@ struct DecodeCta {
     __syncthreads();
     build_luts(typename Cfg::Tiers{});
 #pragma unroll
-    for (int h = 0; h < GQA; ++h)
+    for (int i = 0; i < ACC_R; ++i)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[h][i] = 0.f;
+      for (int j = 0; j < ACC_C; ++j) acc[i][j] = 0.f;
     __syncthreads();
 
     for (int i = lo; i < hi; ++i) {
@@ -297,7 +392,7 @@ struct DecodeCta {
         else if (hd.tier != tier || int(hd.length) < len || len > P) err = ERR_BAD_LENGTH;
       }
       if (err == 0 && len > 0) {
-        compute_page(typename Cfg::Tiers{}, int(hd.tier), page + HEADER_BYTES, len, first + i);
+        compute_page(typename Cfg::Tiers{}, int(hd.tier), page + HEADER_BYTES, buf, len, first + i);
       } else {
         // Skipped page: a bad page never contributes; the runtime turns the flag into an error.
         if (err != 0 && tid == 0) atomicOr(p.error_flags, err);
@@ -306,29 +401,51 @@ struct DecodeCta {
     }
     cp_async_wait<0>();
 
-    // Reduce the token groups' accumulators in a fixed order, so that a decode is
-    // bit-reproducible (float atomics are not): the lanes of a warp that hold the same
-    // channels by a shuffle tree, then the warps one after another.
-    static_assert(NC8 <= 32 && 32 % NC8 == 0, "a warp holds whole 8-channel slices");
+    // Reduce the warps' accumulators in a fixed order, so that a decode is bit-reproducible
+    // (float atomics are not).
     float* out_s = reinterpret_cast<float*>(smem + Smem::OUT);
-    const int c8 = tid % NC8, warp = tid / 32, lane = tid % 32;
+    if constexpr (MMA_V) {
+      // The token-block warps of each channel part one after another.
+      const int warp = tid / 32, lane = tid % 32, g = lane >> 2, qd = lane & 3;
+      const int kbw = warp % VW, cbase = (warp / VW) * CW + g * CPTV;
+      for (int w = 0; w < VW; ++w) {
+        if (kbw == w) {
 #pragma unroll
-    for (int h = 0; h < GQA; ++h)
+          for (int i = 0; i < MTV; ++i)
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int off = NC8; off < 32; off <<= 1) acc[h][i] += __shfl_xor_sync(0xffffffffu, acc[h][i], off);
-    for (int w = 0; w < NT / 32; ++w) {
-      if (warp == w && lane < NC8) {
-#pragma unroll
-        for (int h = 0; h < GQA; ++h)
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            float* o = &out_s[h * D + c8 * 8 + i];
-            *o = w == 0 ? acc[h][i] : *o + acc[h][i];
-          }
+            for (int j = 0; j < 4; ++j) {
+              const int h = 2 * qd + (j & 1), c = cbase + 2 * i + (j >> 1);
+              if (h < GQA) {
+                float* o = &out_s[h * D + c];
+                *o = w == 0 ? acc[i][j] : *o + acc[i][j];
+              }
+            }
+        }
+        __syncthreads();
       }
-      __syncthreads();
+    } else {
+      // The lanes of a warp that hold the same channels by a shuffle tree, then the warps one
+      // after another.
+      static_assert(NC8 <= 32 && 32 % NC8 == 0, "a warp holds whole 8-channel slices");
+      const int c8 = tid % NC8, warp = tid / 32, lane = tid % 32;
+#pragma unroll
+      for (int h = 0; h < GQA; ++h)
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+          for (int off = NC8; off < 32; off <<= 1) acc[h][i] += __shfl_xor_sync(0xffffffffu, acc[h][i], off);
+      for (int w = 0; w < NT / 32; ++w) {
+        if (warp == w && lane < NC8) {
+#pragma unroll
+          for (int h = 0; h < GQA; ++h)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              float* o = &out_s[h * D + c8 * 8 + i];
+              *o = w == 0 ? acc[h][i] : *o + acc[h][i];
+            }
+        }
+        __syncthreads();
+      }
     }
     for (int i = tid; i < GQA * D; i += NT) {
       const int h = i / D, c = i % D;
