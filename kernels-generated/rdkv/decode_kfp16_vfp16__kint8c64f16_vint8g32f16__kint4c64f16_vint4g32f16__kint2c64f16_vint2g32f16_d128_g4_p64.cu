@@ -14,6 +14,7 @@ using Tier4 = TierDef<4, 5632, IntKey<2, 64, __half, 128, 64, 0, 2048, 2304>, In
 
 struct Cfg {
   static constexpr int D = 128, GQA = 4, P = 64, NTHREADS = 256;
+  static constexpr bool TC_VALUES = true;
   using QT = __half;
   using Tiers = TierList<Tier0, Tier1, Tier2, Tier3, Tier4>;
 };

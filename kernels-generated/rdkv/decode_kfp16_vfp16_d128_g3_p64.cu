@@ -11,6 +11,7 @@ using Tier1 = TierDef<1, 32768, DenseKey<__half, 128, 64, 0>, DenseValue<__half,
 
 struct Cfg {
   static constexpr int D = 128, GQA = 3, P = 64, NTHREADS = 256;
+  static constexpr bool TC_VALUES = true;
   using QT = __half;
   using Tiers = TierList<Tier0, Tier1>;
 };

@@ -11,6 +11,7 @@ using Tier4 = TierDef<4, 11264, IntKey<2, 64, __half, 256, 64, 0, 4096, 4608>, I
 
 struct Cfg {
   static constexpr int D = 256, GQA = 1, P = 64, NTHREADS = 256;
+  static constexpr bool TC_VALUES = true;
   using QT = __half;
   using Tiers = TierList<Tier0, Tier4>;
 };

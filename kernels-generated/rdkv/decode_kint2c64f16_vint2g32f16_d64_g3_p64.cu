@@ -11,6 +11,7 @@ using Tier4 = TierDef<4, 2816, IntKey<2, 64, __half, 64, 64, 0, 1024, 1152>, Int
 
 struct Cfg {
   static constexpr int D = 64, GQA = 3, P = 64, NTHREADS = 256;
+  static constexpr bool TC_VALUES = true;
   using QT = __half;
   using Tiers = TierList<Tier0, Tier4>;
 };

@@ -11,6 +11,7 @@ using Tier3 = TierDef<3, 9728, IntKey<4, 64, __half, 128, 64, 0, 4096, 4352>, In
 
 struct Cfg {
   static constexpr int D = 128, GQA = 8, P = 64, NTHREADS = 256;
+  static constexpr bool TC_VALUES = true;
   using QT = __half;
   using Tiers = TierList<Tier0, Tier3>;
 };

@@ -11,6 +11,7 @@ using Tier3 = TierDef<3, 19456, IntKey<4, 64, __half, 256, 64, 0, 8192, 8704>, I
 
 struct Cfg {
   static constexpr int D = 256, GQA = 4, P = 64, NTHREADS = 256;
+  static constexpr bool TC_VALUES = true;
   using QT = __half;
   using Tiers = TierList<Tier0, Tier3>;
 };

@@ -11,6 +11,7 @@ using Tier3 = TierDef<3, 4864, IntKey<4, 64, __half, 64, 64, 0, 2048, 2176>, Int
 
 struct Cfg {
   static constexpr int D = 64, GQA = 4, P = 64, NTHREADS = 256;
+  static constexpr bool TC_VALUES = true;
   using QT = __half;
   using Tiers = TierList<Tier0, Tier3>;
 };

@@ -11,6 +11,7 @@ using Tier2 = TierDef<2, 17920, IntKey<8, 64, __half, 128, 64, 0, 8192, 8448>, I
 
 struct Cfg {
   static constexpr int D = 128, GQA = 4, P = 64, NTHREADS = 256;
+  static constexpr bool TC_VALUES = true;
   using QT = __half;
   using Tiers = TierList<Tier0, Tier2>;
 };

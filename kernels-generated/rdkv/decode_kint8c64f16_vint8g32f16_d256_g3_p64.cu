@@ -11,6 +11,7 @@ using Tier2 = TierDef<2, 35840, IntKey<8, 64, __half, 256, 64, 0, 16384, 16896>,
 
 struct Cfg {
   static constexpr int D = 256, GQA = 3, P = 64, NTHREADS = 256;
+  static constexpr bool TC_VALUES = true;
   using QT = __half;
   using Tiers = TierList<Tier0, Tier2>;
 };

@@ -11,6 +11,7 @@ using Tier2 = TierDef<2, 8960, IntKey<8, 64, __half, 64, 64, 0, 4096, 4224>, Int
 
 struct Cfg {
   static constexpr int D = 64, GQA = 4, P = 64, NTHREADS = 256;
+  static constexpr bool TC_VALUES = true;
   using QT = __half;
   using Tiers = TierList<Tier0, Tier2>;
 };

@@ -11,6 +11,7 @@ using Tier3 = TierDef<3, 33472, SphericalKey<32, 3, 256, 64, 0, 512>, DenseValue
 
 struct Cfg {
   static constexpr int D = 256, GQA = 1, P = 64, NTHREADS = 128;
+  static constexpr bool TC_VALUES = true;
   using QT = __half;
   using Tiers = TierList<Tier0, Tier3>;
 };

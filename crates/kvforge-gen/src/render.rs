@@ -114,6 +114,7 @@ pub fn render(spec: &Spec, v: &VariantId) -> Result<String, RenderError> {
             ctx.insert("tiers", &ts);
             ctx.insert("gqa", gqa);
             ctx.insert("min_blocks", &codec::min_blocks(spec, *gqa));
+            ctx.insert("tc_values", &spec.kernels.tensor_core_values);
             "decode.cu.tera"
         }
         Family::Transcode { src, dst, .. } => {

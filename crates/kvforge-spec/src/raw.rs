@@ -75,4 +75,5 @@ pub struct RawKernels {
     pub combinations: Option<Spanned<Vec<Spanned<Vec<Spanned<String>>>>>>,
     pub split_k: Option<bool>,
     pub warps: Option<Spanned<i64>>,
+    pub tensor_core_values: Option<bool>,
 }

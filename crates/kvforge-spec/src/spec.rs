@@ -64,6 +64,11 @@ pub struct KernelOptions {
     pub combinations: Vec<Vec<TierId>>,
     pub split_k: bool,
     pub warps: usize,
+    /// Decode launches that serve integer-key tiers accumulate P·V on tensor cores, with the
+    /// probabilities and the dequantised values rounded to fp16 (default). `false` keeps fp32
+    /// CUDA-core accumulation: needed where an error bound assumes fp32 value arithmetic
+    /// (certified decode's E_round, seed 004).
+    pub tensor_core_values: bool,
 }
 
 /// A validated spec. Only this type reaches the generator and the runtime.
@@ -321,7 +326,7 @@ impl Validator<'_> {
             }
             None => 4,
         };
-        let kernels = KernelOptions { combinations, split_k: raw.kernels.split_k.unwrap_or(true), warps };
+        let kernels = KernelOptions { combinations, split_k: raw.kernels.split_k.unwrap_or(true), warps, tensor_core_values: raw.kernels.tensor_core_values.unwrap_or(true) };
 
         let mut h = blake3::Hasher::new();
         h.update(src.as_bytes());

@@ -69,10 +69,12 @@ struct DecodeCta {
   static_assert(D >= P, "the OUT region holds a second score part");
 
   // Variants with integer-key tiers accumulate values on tensor cores (every tier, the fp16
-  // tail too); dense and spherical variants keep the CUDA-core path: there each thread owns 8
-  // channels of every GQA head, which reads fp16 V from shared memory without bank conflicts.
+  // tail too), unless the spec asks for fp32 value arithmetic (Cfg::TC_VALUES false: the
+  // certified spec, whose bound assumes it); dense and spherical variants keep the CUDA-core
+  // path: there each thread owns 8 channels of every GQA head, which reads fp16 V from shared
+  // memory without bank conflicts.
   template <class... Ts> __device__ static constexpr bool any_mma(TierList<Ts...>) { return (false || ... || Ts::Key::MMA); }
-  static constexpr bool MMA_V = any_mma(typename Cfg::Tiers{});
+  static constexpr bool MMA_V = Cfg::TC_VALUES && any_mma(typename Cfg::Tiers{});
   static constexpr int ACC_R = MMA_V ? MTV : GQA, ACC_C = MMA_V ? 4 : 8;
 
   u8* smem;
