@@ -264,34 +264,44 @@ def main():
         plot(result, out.with_suffix(".png"))
 
 
+def relative(rows: list) -> dict:
+    """scheme -> context -> (mean bytes fraction, mean over texts of ppl / fp16 ppl of the same
+    text and context): schemes run on different text subsets stay comparable."""
+    ref = {(r["context"], r["text"]): r["ppl"] for r in rows if r["scheme"] == "fp16"}
+    out = {}
+    for r in rows:
+        key = (r["context"], r["text"])
+        if r["scheme"] != "fp16" and key in ref:
+            out.setdefault(r["scheme"], {}).setdefault(r["context"], []).append((r["bytes_fraction"], r["ppl"] / ref[key]))
+    return {s: {c: (statistics.mean(x[0] for x in v), statistics.mean(x[1] for x in v)) for c, v in by.items()} for s, by in out.items()}
+
+
 def plot(result: dict, path: Path) -> None:
+    """Perplexity relative to fp16 (same texts) vs measured bytes, one panel per context."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    summary = result["summary"]
-    ctxs = sorted({int(c) for by in summary.values() for c in by})
+    rel = relative(result["rows"])
+    ctxs = sorted({c for by in rel.values() for c in by})
     fig, axes = plt.subplots(1, len(ctxs), figsize=(5 * len(ctxs), 4), squeeze=False)
     for ax, ctx in zip(axes[0], ctxs):
-        c = str(ctx)
-        for label, pre, style in (("RDR", "rdr@", "o-"), ("RDKV", "rdkv@", "s-"), ("uniform int", "uniform:", "^--")):
-            pts = sorted((v[c]["bytes_fraction_mean"], v[c]["ppl_mean"]) for s, v in summary.items() if s.startswith(pre) and c in v)
+        for label, pre, style in (("RDR", "rdr@", "o-"), ("RDKV", "rdkv@", "s-"), ("uniform int8/4/2", "uniform:", "^--")):
+            pts = sorted(v[ctx] for s, v in rel.items() if s.startswith(pre) and ctx in v)
             if pts:
                 ax.plot(*zip(*pts), style, label=label)
-        for s, marker in (("certified", "*"),):
-            if c in summary.get(s, {}):
-                ax.plot(summary[s][c]["bytes_fraction_mean"], summary[s][c]["ppl_mean"], marker, ms=12, label="certified q8k4v")
-        if c in summary.get("fp16", {}):
-            ax.axhline(summary["fp16"][c]["ppl_mean"], color="k", lw=0.8, ls=":", label="fp16")
+        if ctx in rel.get("certified", {}):
+            ax.plot(*rel["certified"][ctx], "*", ms=12, label="certified q8k4v")
+        ax.axhline(1.0, color="k", lw=0.8, ls=":", label="fp16")
         ax.set_yscale("log")
         ax.set_xlabel("resident bytes / fp16 bytes (measured)")
-        ax.set_ylabel("continuation perplexity")
+        ax.set_ylabel("continuation perplexity / fp16")
         ax.set_title(f"SmolLM2-135M, context {ctx}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     m = result["meta"]
-    fig.suptitle(f"kvforge controllers on {m['device']}, {m['date']} (all points measured)", fontsize=9)
+    fig.suptitle(f"kvforge tier controllers on {m['device']}, {m['date']} (all points measured)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
