@@ -11,7 +11,9 @@ the last ``cont`` tokens are scored against what the controller left (one forwar
 queries through ``attend_prefix``; certified decode goes one token at a time). Uniform schemes
 store the prompt in their tier with the same exact prefill. Perplexity is over the ``cont``
 tokens only; bytes are measured (resident page bytes over logical tokens, headers and the fp16
-tail page included, after scoring: the continuation's own pages count).
+tail page included, after scoring: the continuation's own pages count). Per-layer attention
+error: ‖o − o_exact‖/‖o_exact‖ of the continuation's queries in every layer, o_exact the exact
+attention on the model's own K/V in that layer (same inputs).
 
     python benches/quality/budget.py --contexts 2048,8192 --png     # on the GPU, see README
 
@@ -205,7 +207,17 @@ def main():
                     continue
                 ids = toks[text][:ctx]
                 kvq.set_backend(backend)
-                cert = []
+                cert, layer_err = [], {}
+                if scheme not in ("fp16", "certified"):
+                    orig = backend.attend
+
+                    def attend(layer, q, k, v, scaling, orig=orig):  # attention error vs exact, same inputs
+                        out = orig(layer, q, k, v, scaling)
+                        if q.shape[1] < k.shape[1]:  # the scored continuation, not the prompt
+                            ref, _ = kvq.hf.exact_attention(q, k, v, scaling)
+                            layer_err[layer] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                        return out
+                    backend.attend = attend
                 if scheme == "certified":
                     orig = backend.attend
 
@@ -217,7 +229,7 @@ def main():
                     backend.attend = attend
                 ts = time.time()
                 nll = continuation(model, ids, args.cont, device, one_by_one=scheme == "certified")
-                if scheme == "certified":
+                if scheme != "fp16":
                     backend.attend = orig
                 row = {"scheme": scheme, "context": ctx, "text": text, "cont": args.cont, "nll": nll,
                        "ppl": math.exp(nll / args.cont), "seconds": time.time() - ts}
@@ -227,6 +239,9 @@ def main():
                     row.update(summarise_reports(backend))
                 else:
                     row["bytes_per_token"], row["bytes_fraction"] = 4.0 * d, 1.0
+                if layer_err:
+                    row["attn_rel_err_per_layer"] = [layer_err[i] for i in sorted(layer_err)]
+                    row["attn_rel_err_mean"] = statistics.mean(layer_err.values())
                 if cert:
                     b = sorted(c.bound for c in cert)
                     row["certificates"] = {"head_steps": len(cert), "bound_p50": b[len(b) // 2], "bound_max": b[-1],
@@ -235,7 +250,7 @@ def main():
                                            "detections": sum(c.detections for c in cert)}
                 rows.append(row)
                 log(f"{scheme:>12} ctx {ctx:5d} {text:>16}: ppl {row['ppl']:8.3f}  bytes {row['bytes_per_token']:6.1f}"
-                    f" ({row['bytes_fraction']:.3f})  {row['seconds']:.1f}s")
+                    f" ({row['bytes_fraction']:.3f})  attn err {row.get('attn_rel_err_mean', 0):.4f}  {row['seconds']:.1f}s")
         meta["seconds"] = time.time() - t0
         save(out, meta, calib, rows, needle)
 
