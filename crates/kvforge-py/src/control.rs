@@ -273,22 +273,25 @@ impl ControlReport {
     fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         d.set_item("policy", &self.policy)?;
-        d.set_item("seq", self.seq)?;
-        d.set_item("context_tokens", self.context_tokens)?;
         d.set_item("decisions", self.decisions.clone())?;
-        d.set_item("dropped", self.dropped)?;
-        d.set_item("retiered", self.retiered)?;
-        d.set_item("budget_bytes", self.budget_bytes)?;
-        d.set_item("bytes_before", self.bytes_before)?;
-        d.set_item("bytes_after", self.bytes_after)?;
         d.set_item("feasible", self.feasible)?;
-        d.set_item("lam", self.lam)?;
-        d.set_item("duality_gap", self.duality_gap)?;
-        d.set_item("distortion_before", self.distortion_before)?;
-        d.set_item("distortion_after", self.distortion_after)?;
-        d.set_item("forced", self.forced)?;
-        d.set_item("decide_seconds", self.decide_seconds)?;
-        d.set_item("apply_seconds", self.apply_seconds)?;
+        for (k, v) in [("seq", self.seq), ("context_tokens", self.context_tokens), ("dropped", self.dropped), ("retiered", self.retiered), ("forced", self.forced)] {
+            d.set_item(k, v)?;
+        }
+        let reals = [
+            ("budget_bytes", self.budget_bytes),
+            ("bytes_before", self.bytes_before),
+            ("bytes_after", self.bytes_after),
+            ("lam", self.lam),
+            ("duality_gap", self.duality_gap),
+            ("distortion_before", self.distortion_before),
+            ("distortion_after", self.distortion_after),
+            ("decide_seconds", self.decide_seconds),
+            ("apply_seconds", self.apply_seconds),
+        ];
+        for (k, v) in reals {
+            d.set_item(k, v)?;
+        }
         Ok(d)
     }
 

@@ -65,6 +65,25 @@ def test_exports():
     assert kvforge.Cache.__doc__ and "spec" in kvforge.Cache.__doc__
 
 
+@pytest.mark.parametrize("kw, needle", [
+    (dict(coverage=1.5), "coverage"),
+    (dict(explore=-0.1), "explore"),
+    (dict(max_error=float("nan")), "max_error"),
+    (dict(page_in="disk"), "page_in"),
+    (dict(min_pages=5, max_pages=2), "min_pages"),
+])
+def test_certifier_settings_are_checked(kw, needle):
+    with pytest.raises(kvforge.KvforgeError) as e:
+        kvforge.Certifier(**kw)
+    assert e.value.kind == "BadInput" and needle in str(e.value)
+    assert "Certifier" in repr(kvforge.Certifier())
+
+
+def test_controller_and_certificate_classes_are_documented():
+    for cls in (kvforge.Controller, kvforge.ControlReport, kvforge.Certifier, kvforge.HeadCertificate):
+        assert cls.__doc__, cls
+
+
 def test_error_is_value_and_runtime_error_and_pickles():
     e = kvforge.KvforgeError("boom", "BadInput")
     assert isinstance(e, ValueError) and isinstance(e, RuntimeError)

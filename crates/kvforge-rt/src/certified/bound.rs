@@ -14,7 +14,11 @@
 //!   x ∈ [L, U] = [1 − α̂(1 − e^{−Δ}), 1 + α̂(e^{Δ} − 1)]. On H, r_t = 1/x; on T,
 //!   r_t = e^{s_t − ŝ_t}/x ∈ [e^{−Δ}/U, e^{Δ}/L]. Hence
 //!   Σ|p̂ − p| ≤ (1 − α̂)·max(1 − 1/U, 1/L − 1) + α̂·max(1 − e^{−Δ}/U, e^{Δ}/L − 1),
-//!   and **E_key** = V_max times that. For small α̂, Δ it is ≈ 2 α̂ Δ V_max: half of seed
+//!   Independently of α̂, a logit perturbation of oscillation at most 2Δ moves a softmax by at
+//!   most 2·tanh(Δ/2) in ℓ1 (the cap kvforge-ref's certificate also uses), so the factor is the
+//!   smaller of the two: the first wins while α̂ is small, the cap on flat attention, where
+//!   α̂ → 1 gives e^{2Δ} − 1 ≈ 2Δ against the cap's ≈ Δ.
+//!   **E_key** = V_max times that. For small α̂, Δ it is ≈ 2 α̂ Δ V_max: half of seed
 //!   004's eq. 15 (2 V_max e^{2Δ} α̂ (e^{2Δ} − 1) ≈ 4 α̂ Δ V_max), which is therefore also
 //!   valid but looser. The bound uses the achieved α̂ (phase 2), not an estimate.
 //! * Arithmetic (**E_round**): the fp16 (or bf16) rounding of the output, ≤ u/(1 − u)·‖Ô‖₂,
@@ -34,7 +38,8 @@ pub struct Certificate {
 /// Unit roundoff of the fp16 output.
 const FP16_U: f64 = 1.0 / 2048.0;
 
-/// E_key's factor Σ_t |p̂_t − p_t| ≤ tv(Δ, α̂) (see the module doc). Δ = ∞ with α̂ > 0 gives ∞.
+/// E_key's factor Σ_t |p̂_t − p_t| ≤ tv(Δ, α̂) (see the module doc), capped by 2·tanh(Δ/2).
+/// Δ = ∞ with α̂ > 0 gives ∞ (an unbounded score error escalates rather than certify 2·V_max).
 pub fn total_variation(delta: f64, alpha: f64) -> f64 {
     if alpha <= 0.0 {
         return 0.0;
@@ -46,7 +51,7 @@ pub fn total_variation(delta: f64, alpha: f64) -> f64 {
     let hi = 1.0 + alpha * delta.exp_m1();
     let exact_part = (1.0 - 1.0 / hi).max(1.0 / lo - 1.0);
     let tail_part = (1.0 - (-delta).exp() / hi).max(delta.exp() / lo - 1.0);
-    (1.0 - alpha) * exact_part + alpha * tail_part
+    ((1.0 - alpha) * exact_part + alpha * tail_part).min(2.0 * (delta / 2.0).tanh())
 }
 
 /// The certificate of one head: Δ and α̂ over the pages left quantised, V_max over all tokens,
@@ -84,6 +89,30 @@ mod tests {
             let alpha: f64 = (0..n).filter(|&i| tail[i]).map(|i| ph[i]).sum();
             let tv: f64 = p.iter().zip(&ph).map(|(a, b)| (a - b).abs()).sum();
             assert!(tv <= total_variation(delta, alpha) * (1.0 + 1e-12) + 1e-15, "tv {tv} > bound {} (Δ {delta}, α̂ {alpha})", total_variation(delta, alpha));
+        }
+    }
+
+    /// Flat attention (every token quantised, α̂ = 1): the tanh cap is what binds, and it
+    /// still holds for the worst two-level perturbations.
+    #[test]
+    fn cap_binds_on_flat_attention_and_holds() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for delta in [0.01, 0.1, 0.5, 1.0, 3.0] {
+            assert!((total_variation(delta, 1.0) - 2.0 * (delta / 2.0).tanh()).abs() < 1e-15);
+            assert!(total_variation(delta, 1.0) < delta.exp_m1() * 2.0);
+            for _ in 0..5000 {
+                let n = rng.gen_range(2..16);
+                let s: Vec<f64> = (0..n).map(|_| rng.gen_range(-3.0..3.0)).collect();
+                let sh: Vec<f64> = s.iter().map(|x| x + if rng.gen_bool(0.5) { delta } else { -delta }).collect();
+                let soft = |x: &[f64]| {
+                    let m = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = x.iter().map(|v| (v - m).exp()).sum();
+                    x.iter().map(|v| (v - m).exp() / z).collect::<Vec<_>>()
+                };
+                let tv: f64 = soft(&s).iter().zip(&soft(&sh)).map(|(a, b)| (a - b).abs()).sum();
+                assert!(tv <= total_variation(delta, 1.0) * (1.0 + 1e-12) + 1e-15, "tv {tv} > cap (Δ {delta})");
+            }
         }
     }
 
