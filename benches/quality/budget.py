@@ -63,7 +63,6 @@ def calibrate(model, ids, device) -> dict:
     cap = Capture()
     kvq.set_backend(cap)
     model(input_ids=torch.tensor([ids], device=device), use_cache=False)
-    sim = kvq.TierSim(kvq.ROOT / SPEC, "b8")
     eps_k, eps_v = {16: 0.0, 0: 1.0}, {16: 0.0, 0: 1.0}
     for bits, tier in ((8, "b8"), (4, "b4"), (2, "b2")):
         sim = kvq.TierSim(kvq.ROOT / SPEC, tier)

@@ -11,7 +11,7 @@ use kvforge_rt::certified::{CertConfig, HeadCertificate, PageIn};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
-use crate::{bad, guarded, rt_err, Cache};
+use crate::{bad, guarded, Cache, OrPy};
 
 /// Certified decode settings for a cache (defaults from seed 004).
 ///
@@ -67,9 +67,9 @@ impl Certifier {
             let t = crate::tensor(py, q, "q")?;
             let (hq, d) = (cache.hq(), cache.inner.config().head_dim);
             let want = kvforge_rt::ElemType::of(cache.inner.spec().geometry.dtype);
-            t.check("q", &want, &[("batch", seqs.len()), ("q_heads", hq), ("head_dim", d)], cache.ordinal).map_err(|e| rt_err(py, e))?;
+            t.check("q", &want, &[("batch", seqs.len()), ("q_heads", hq), ("head_dim", d)], cache.ordinal).or_py(py)?;
             let host: Vec<f32> = q.call_method0("detach")?.call_method0("float")?.call_method0("cpu")?.call_method1("reshape", (-1,))?.call_method0("tolist")?.extract()?;
-            let r = cache.inner.decode_certified(&seqs, &host, &mut self.cfg).map_err(|e| rt_err(py, e))?;
+            let r = cache.inner.decode_certified(&seqs, &host, &mut self.cfg).or_py(py)?;
             self.launches = r.launches;
             self.paged_in_bytes = r.paged_in_bytes;
             let torch = crate::torch(py)?;

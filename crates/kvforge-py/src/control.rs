@@ -14,7 +14,7 @@ use kvforge_spec::{Spec, TierId};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::{bad, guarded, py_error, tier_id, Cache};
+use crate::{bad, guarded, py_error, tier_id, Cache, OrPy};
 
 enum Kind {
     Rdr(Box<RdrController>),
@@ -158,7 +158,7 @@ impl Controller {
                 return Err(bad(py, format!("Controller was made for spec `{}` at head_dim {}, the cache holds `{}` at {}", self.spec.name, self.head_dim, cache.inner.spec().name, cache.inner.config().head_dim)));
             }
             let hkv = cache.inner.config().num_kv_heads;
-            let len = cache.inner.seq_len(seq).map_err(|e| crate::rt_err(py, e))?;
+            let len = cache.inner.seq_len(seq).or_py(py)?;
             let mass: Option<Vec<Vec<f64>>> = match token_mass {
                 None => None,
                 Some(m) => {
@@ -190,14 +190,10 @@ impl Controller {
             let plan = self.kind.policy().decide(&view, &self.limits);
             let decide_s = t0.elapsed().as_secs_f64();
             let t1 = Instant::now();
-            let stream = crate::torch_stream(py, cache.ordinal)?;
-            // SAFETY: PyTorch's current stream of this device, alive during the call.
-            unsafe { cache.inner.wait_for_stream(stream) }.map_err(|e| crate::rt_err(py, e))?;
-            let r = pos.apply(&mut cache.inner, &view, &plan, &self.limits);
+            // The plan's result rides out of the stream joins; its error is mapped below.
+            let r = cache.on_torch_stream(py, |c| Ok(pos.apply(c, &view, &plan, &self.limits)));
             cache.generation += 1;
-            // SAFETY: as above.
-            unsafe { cache.inner.signal_stream(stream) }.map_err(|e| crate::rt_err(py, e))?;
-            let r = r.map_err(control_err)?;
+            let r = r?.map_err(control_err)?;
             self.applied += 1;
             let names = |t: TierId| self.spec.tiers[t as usize].name.clone();
             Ok(ControlReport {

@@ -223,14 +223,7 @@ impl KvCache {
 
     /// Pages of one (sequence, kv head) in token order, the tail page last.
     pub fn pages(&self, seq: usize, head: usize) -> Result<Vec<(PageRef, usize)>> {
-        let s = self.seq(seq)?;
-        let h = s.heads.get(head).ok_or_else(|| RtError::BadInput(format!("kv head {head} out of range ({} heads)", self.cfg.num_kv_heads)))?;
-        let p = self.spec.page.tokens;
-        let mut v: Vec<(PageRef, usize)> = h.full.iter().map(|&r| (r, p)).collect();
-        if let Some(t) = &h.tail {
-            v.push((t.page, t.len));
-        }
-        Ok(v)
+        Ok(self.positioned_pages(seq, head)?.into_iter().map(|(r, n, _)| (r, n)).collect())
     }
 
     /// Appends `n` tokens: `k`, `v` are row-major [n][num_kv_heads][head_dim], rounded to the

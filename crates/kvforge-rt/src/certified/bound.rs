@@ -66,6 +66,16 @@ pub fn certificate(delta: f64, alpha: f64, v_max: f64, e_val: f64, out_norm: f64
 mod tests {
     use super::*;
 
+    fn softmax(x: &[f64]) -> Vec<f64> {
+        let m = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let z: f64 = x.iter().map(|v| (v - m).exp()).sum();
+        x.iter().map(|v| (v - m).exp() / z).collect()
+    }
+
+    fn l1(a: &[f64], b: &[f64]) -> f64 {
+        a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum()
+    }
+
     /// Brute force over two-level logit perturbations: the TV bound holds for the worst
     /// admissible perturbation of small instances.
     #[test]
@@ -80,14 +90,9 @@ mod tests {
             // Extreme perturbations (±Δ) are where TV peaks.
             let e: Vec<f64> = (0..n).map(|i| if tail[i] { if rng.gen_bool(0.5) { delta } else { -delta } } else { 0.0 }).collect();
             let sh: Vec<f64> = s.iter().zip(&e).map(|(a, b)| a + b).collect();
-            let soft = |x: &[f64]| {
-                let m = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let z: f64 = x.iter().map(|v| (v - m).exp()).sum();
-                x.iter().map(|v| (v - m).exp() / z).collect::<Vec<_>>()
-            };
-            let (p, ph) = (soft(&s), soft(&sh));
+            let ph = softmax(&sh);
             let alpha: f64 = (0..n).filter(|&i| tail[i]).map(|i| ph[i]).sum();
-            let tv: f64 = p.iter().zip(&ph).map(|(a, b)| (a - b).abs()).sum();
+            let tv = l1(&softmax(&s), &ph);
             assert!(tv <= total_variation(delta, alpha) * (1.0 + 1e-12) + 1e-15, "tv {tv} > bound {} (Δ {delta}, α̂ {alpha})", total_variation(delta, alpha));
         }
     }
@@ -105,12 +110,7 @@ mod tests {
                 let n = rng.gen_range(2..16);
                 let s: Vec<f64> = (0..n).map(|_| rng.gen_range(-3.0..3.0)).collect();
                 let sh: Vec<f64> = s.iter().map(|x| x + if rng.gen_bool(0.5) { delta } else { -delta }).collect();
-                let soft = |x: &[f64]| {
-                    let m = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let z: f64 = x.iter().map(|v| (v - m).exp()).sum();
-                    x.iter().map(|v| (v - m).exp() / z).collect::<Vec<_>>()
-                };
-                let tv: f64 = soft(&s).iter().zip(&soft(&sh)).map(|(a, b)| (a - b).abs()).sum();
+                let tv = l1(&softmax(&s), &softmax(&sh));
                 assert!(tv <= total_variation(delta, 1.0) * (1.0 + 1e-12) + 1e-15, "tv {tv} > cap (Δ {delta})");
             }
         }
