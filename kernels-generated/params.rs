@@ -23,6 +23,8 @@ pub struct DecodeParams {
     pub codebooks: [u64; 16],
     ///per tier: [num_kv_heads][groups] (spherical tiers)
     pub radius_scales: [u64; 16],
+    ///per tier: [num_kv_heads][2][head_dim] stored→natural channel order, then its inverse (mixed-key tiers; null = identity)
+    pub channel_orders: [u64; 16],
     ///optional per page: log2 Σ_heads Σ_tokens 2^logit, an importance signal for controllers
     pub page_lse: u64,
     ///optional [page][gqa]: log2 Σ_tokens 2^logit per query head (certified decode: block masses)
@@ -56,6 +58,8 @@ pub struct TranscodeParams {
     pub codebooks: [u64; 16],
     ///as in DecodeParams
     pub radius_scales: [u64; 16],
+    ///as in DecodeParams
+    pub channel_orders: [u64; 16],
     ///ERR_* bits set by the kernel
     pub error_flags: u64,
     ///pages to transcode

@@ -21,6 +21,8 @@
 //!   4096 uniform unit directions against the tier's *own* codebook, plus the radius
 //!   quantiser's 3/255². Uniform directions are the worst case for a codebook trained on
 //!   real keys, so the proxy is pessimistic for spherical tiers.
+//! * mixed per-channel keys: each segment's share of head_dim times its width's NMSE, plus the
+//!   dropped share × 1 (uniform channel energy).
 //! * drop: 1.
 //!
 //! The table is made non-decreasing down the ladder (running maximum): a cheaper tier is never
@@ -155,6 +157,12 @@ pub fn key_nmse(k: &KeyScheme) -> f64 {
         KeyScheme::Dense(t) => dense_nmse(*t),
         KeyScheme::Int { bits, .. } => int_nmse(*bits),
         KeyScheme::Spherical { codebook, .. } => spherical_direction_nmse(codebook) + int_nmse(8),
+        // Each segment's share of the channels at its width, dropped channels lose everything
+        // (uniform channel energy: the proxy cannot see the channel order's weighting).
+        KeyScheme::Mixed { segments, .. } => {
+            let kept: u32 = segments.iter().map(|s| s.eighths).sum();
+            segments.iter().map(|s| s.eighths as f64 / 8.0 * if s.bits == 16 { dense_nmse(DType::Fp16) } else { int_nmse(s.bits) }).sum::<f64>() + (8 - kept) as f64 / 8.0
+        }
         KeyScheme::Drop => 1.0,
     }
 }

@@ -142,13 +142,44 @@ pub enum RdkvError {
     MissingBits(u32),
 }
 
-fn key_bits(k: &KeyScheme) -> Option<u32> {
+/// ε_K of a key scheme from the per-bit table; a mixed key averages its segments' ε over the
+/// channels (uniform channel weights; [`mixed_key_distortion`] weighs them).
+fn key_eps(k: &KeyScheme, name: &str, eps_k: &[(u32, f64)]) -> Result<f64, RdkvError> {
     match k {
-        KeyScheme::Dense(_) => Some(16),
-        KeyScheme::Int { bits, .. } => Some(*bits),
-        KeyScheme::Drop => Some(0),
-        KeyScheme::Spherical { .. } => None,
+        KeyScheme::Dense(_) => lookup(eps_k, 16),
+        KeyScheme::Int { bits, .. } => lookup(eps_k, *bits),
+        KeyScheme::Drop => lookup(eps_k, 0),
+        KeyScheme::Mixed { segments, .. } => {
+            let kept: u32 = segments.iter().map(|s| s.eighths).sum();
+            let mut e = f64::from(8 - kept) / 8.0 * if kept < 8 { lookup(eps_k, 0)? } else { 0.0 };
+            for s in segments {
+                e += f64::from(s.eighths) / 8.0 * lookup(eps_k, s.bits)?;
+            }
+            Ok(e)
+        }
+        KeyScheme::Spherical { .. } => Err(RdkvError::Spherical(name.to_string())),
     }
+}
+
+/// Seed 002 Alg. 1 stage 4 for a mixed-key tier: the channel order of one head, heaviest
+/// channel weight first (ties by channel index), so that the widest segments hold the
+/// heaviest channels. For a fixed segment histogram this order minimises `Σ_c w_c ε(b_c)`
+/// (rearrangement inequality: ε falls as bits rise), which is the per-channel stage of the
+/// paper's knapsack restricted to the spec's histogram.
+pub fn channel_order(channel_w: &[f64]) -> Vec<u16> {
+    let mut order: Vec<u16> = (0..channel_w.len() as u16).collect();
+    order.sort_by(|&a, &b| channel_w[b as usize].total_cmp(&channel_w[a as usize]).then(a.cmp(&b)));
+    order
+}
+
+/// `Σ_j w[order[j]] · ε(b_j)` of a mixed key whose stored position j has width b_j (dropped
+/// positions ε(0)): the K distortion of one head under a channel order.
+pub fn mixed_key_distortion(segments: &[kvforge_spec::ChannelSegment], d: usize, channel_w: &[f64], order: &[u16], eps_k: &[(u32, f64)]) -> Result<f64, RdkvError> {
+    let mut widths = vec![0u32; d];
+    for (bits, c0, n) in kvforge_spec::mixed_channels(segments, d) {
+        widths[c0..c0 + n].fill(bits);
+    }
+    order.iter().zip(&widths).map(|(&c, &b)| Ok(channel_w[c as usize] * lookup(eps_k, b)?)).sum()
 }
 
 fn value_bits(v: &ValueScheme) -> u32 {
@@ -187,8 +218,7 @@ impl RdkvController {
             .tiers
             .iter()
             .map(|t| {
-                let kb = key_bits(&t.key).ok_or_else(|| RdkvError::Spherical(t.name.clone()))?;
-                Ok(0.5 * (lookup(eps_k, kb)? + lookup(eps_v, value_bits(&t.value))?))
+                Ok(0.5 * (key_eps(&t.key, &t.name, eps_k)? + lookup(eps_v, value_bits(&t.value))?))
             })
             .collect::<Result<Vec<f64>, RdkvError>>()?;
         Ok(RdkvController { table: DistortionTable { eps, drop_tier: crate::distortion::drop_tier(spec) }, proxy: Proxy::Linear, per_head: true })

@@ -1,7 +1,7 @@
 //! The knapsack solver against brute force, and the RDKV allocation built on it.
 
 use kvforge_control::knapsack::{brute_force, solve, Choice};
-use kvforge_control::rdkv::{allocate, allocate_head, channel_weights, token_weights, EPS_K_LLAMA31_8B, EPS_V_LLAMA31_8B};
+use kvforge_control::rdkv::{allocate, allocate_head, channel_order, channel_weights, mixed_key_distortion, token_weights, RdkvController, EPS_K_LLAMA31_8B, EPS_V_LLAMA31_8B};
 use proptest::prelude::*;
 
 fn instance() -> impl Strategy<Value = (Vec<Vec<Choice>>, f64)> {
@@ -150,4 +150,56 @@ fn weights_match_the_paper() {
     let k = [3.0, 1.0, 4.0, 0.0];
     let w = channel_weights(&q, &k, 2);
     assert!((w[0] - 5f64.sqrt() * 5.0 / 2f64.sqrt()).abs() < 1e-12 && w[1] == 0.0);
+}
+
+/// Every permutation of 0..n (Heap's algorithm).
+fn permutations(n: usize) -> Vec<Vec<u16>> {
+    fn go(k: usize, a: &mut Vec<u16>, out: &mut Vec<Vec<u16>>) {
+        if k <= 1 {
+            out.push(a.clone());
+            return;
+        }
+        for i in 0..k {
+            go(k - 1, a, out);
+            let j = if k % 2 == 0 { i } else { 0 };
+            a.swap(j, k - 1);
+        }
+    }
+    let mut out = Vec::new();
+    go(n, &mut (0..n as u16).collect(), &mut out);
+    out
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// The channel order (heaviest first) is the best assignment of channels to a mixed key's
+    /// segments: brute force over all 8! orders of 8 channels (one channel per eighth).
+    #[test]
+    fn channel_order_minimises_mixed_key_distortion(w in prop::collection::vec(0.0f64..1.0, 8), e in prop::collection::vec(0u32..3, 4)) {
+        let segs: Vec<kvforge_spec::ChannelSegment> = [16, 8, 4, 2].iter().zip(&e).filter(|(_, &n)| n > 0).map(|(&bits, &eighths)| kvforge_spec::ChannelSegment { bits, eighths }).collect();
+        prop_assume!(segs.iter().map(|s| s.eighths).sum::<u32>() <= 8);
+        let best = mixed_key_distortion(&segs, 8, &w, &channel_order(&w), &EPS_K_LLAMA31_8B).unwrap();
+        for p in permutations(8) {
+            let d = mixed_key_distortion(&segs, 8, &w, &p, &EPS_K_LLAMA31_8B).unwrap();
+            prop_assert!(best <= d + 1e-12, "order {:?}: {} < {}", p, d, best);
+        }
+    }
+}
+
+#[test]
+fn channel_order_is_heaviest_first_and_stable() {
+    assert_eq!(channel_order(&[0.1, 0.5, 0.5, 0.0, 0.9]), vec![4, 1, 2, 0, 3]);
+}
+
+#[test]
+fn rdkv_drives_the_trizone_spec() {
+    let spec = kvforge_spec::Spec::load(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../specs/trizone.toml"))).unwrap();
+    let c = RdkvController::new(&spec).unwrap();
+    // ε_K of the shared histogram: 2/8·ε(8) + 3/8·ε(4) + 1/8·ε(2) + 1/8·ε(0) (ε(16) = 0).
+    let ek = 2.0 / 8.0 * 2.2e-5 + 3.0 / 8.0 * 0.0062 + 1.0 / 8.0 * 0.149 + 1.0 / 8.0;
+    for (name, ev) in [("zb", 0.0), ("za8", 4.9e-5), ("za4", 0.0140), ("za2", 0.313)] {
+        let id = spec.tier(name).unwrap().id as usize;
+        assert!((c.table.eps[id] - 0.5 * (ek + ev)).abs() < 1e-12, "{name}: {}", c.table.eps[id]);
+    }
 }

@@ -27,6 +27,23 @@ pub fn tier_def(spec: &Spec, tier: &Tier, d: usize) -> String {
         KeyScheme::Spherical { group, angle_bits, .. } => {
             format!("SphericalKey<{group}, {angle_bits}, {d}, {p}, {}, {}>", o("k_radius"), o("k_index"))
         }
+        KeyScheme::Mixed { segments, block, scale: s } => {
+            // Channels and array offsets of the 16/8/4/2-bit segments (absent ones: 0).
+            let mut n = [0usize; 4];
+            let mut offs = vec![0usize; 10];
+            for (bits, _, ch) in kvforge_spec::mixed_channels(segments, d) {
+                let i = [16, 8, 4, 2].iter().position(|&b| b == bits).expect("validated bits");
+                n[i] = ch;
+                let [c, sc, z] = kvforge_spec::mixed_arrays(bits);
+                if i == 0 {
+                    offs[0] = o(c);
+                } else {
+                    offs[3 * i - 2..3 * i + 1].copy_from_slice(&[o(c), o(sc), o(z)]);
+                }
+            }
+            let offs: Vec<String> = offs.iter().map(|x| x.to_string()).collect();
+            format!("MixedKey<{block}, {}, {d}, {p}, {}, {}, {}, {}, {}>", scale(*s), n[0], n[1], n[2], n[3], offs.join(", "))
+        }
         KeyScheme::Drop => "DropKey".into(),
     };
     let value = match &tier.value {
@@ -93,7 +110,7 @@ pub fn decode_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize
 pub fn transcode_scratch(spec: &Spec, dst: &Tier, d: usize) -> usize {
     let p = spec.page.tokens;
     match &dst.key {
-        KeyScheme::Int { block, .. } => 2 * (p / block) * d * 4,
+        KeyScheme::Int { block, .. } | KeyScheme::Mixed { block, .. } => 2 * (p / block) * d * 4,
         KeyScheme::Spherical { group, .. } => p * (d / group) * 4,
         _ => 16,
     }

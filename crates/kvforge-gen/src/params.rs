@@ -19,7 +19,7 @@ const fn f(name: &'static str, ctype: &'static str, rust: &'static str, doc: &'s
     Field { name, ctype, rust, doc }
 }
 
-/// Entries of the per-tier pointer tables (`codebooks`, `radius_scales`).
+/// Entries of the per-tier pointer tables (`codebooks`, `radius_scales`, `channel_orders`).
 pub const MAX_TIERS: usize = 16;
 
 pub const PARAMS: &[ParamStruct] = &[
@@ -37,6 +37,7 @@ pub const PARAMS: &[ParamStruct] = &[
             f("page_info", "const u32*", "u64", "per page: tier | tokens << 8, from the runtime's page table; sizes the staging copy, checked against the staged header"),
             f("codebooks", "const float* codebooks[MAX_TIERS]", "[u64; 16]", "per tier: [num_kv_heads][groups][entries][group] (spherical tiers)"),
             f("radius_scales", "const float* radius_scales[MAX_TIERS]", "[u64; 16]", "per tier: [num_kv_heads][groups] (spherical tiers)"),
+            f("channel_orders", "const u16* channel_orders[MAX_TIERS]", "[u64; 16]", "per tier: [num_kv_heads][2][head_dim] stored→natural channel order, then its inverse (mixed-key tiers; null = identity)"),
             f("page_lse", "float*", "u64", "optional per page: log2 Σ_heads Σ_tokens 2^logit, an importance signal for controllers"),
             f("page_head_lse", "float*", "u64", "optional [page][gqa]: log2 Σ_tokens 2^logit per query head (certified decode: block masses)"),
             f("page_delta", "float*", "u64", "optional [page][gqa]: max over the page's key blocks of the logit error bound Δ_b = ½ Σ_c |q_c| σ_c / sqrt(d) (0 for exact keys, +inf where the scheme states no bound)"),
@@ -57,6 +58,7 @@ pub const PARAMS: &[ParamStruct] = &[
             f("kv_heads", "const u32*", "u64", "[num_pages] kv head of each page (selects codebooks and radius scales)"),
             f("codebooks", "const float* codebooks[MAX_TIERS]", "[u64; 16]", "as in DecodeParams"),
             f("radius_scales", "const float* radius_scales[MAX_TIERS]", "[u64; 16]", "as in DecodeParams"),
+            f("channel_orders", "const u16* channel_orders[MAX_TIERS]", "[u64; 16]", "as in DecodeParams"),
             f("error_flags", "u32*", "u64", "ERR_* bits set by the kernel"),
             f("num_pages", "int", "i32", "pages to transcode"),
         ],

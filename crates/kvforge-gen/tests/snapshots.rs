@@ -32,6 +32,8 @@ fn representative_kernels_and_bindings() {
         "certified/decode_kint8c16f32_vint4g16f16_d128_g4_p64.cu",
         "certified/transcode_tail_to_kint8c16f32_vint4g16f16_d128_p64.cu",
         "spherical/transcode_ksph16x8b6_vfp16_to_ksph32x4b3_vfp16_d128_p64.cu",
+        "trizone/decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g4_p64.cu",
+        "trizone/transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_p64.cu",
         "baseline/combine_d128.cu",
         "baseline/bindings.rs",
         "include/kvforge/params.cuh",

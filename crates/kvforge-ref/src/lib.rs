@@ -5,7 +5,7 @@
 //!
 //! * [`encode_segment`] / [`decode_segment`]: one tier's segment (structure-of-arrays
 //!   payload of a page), for dense ([`dense`]), integer ([`quant`]) and spherical
-//!   ([`spherical`]) schemes; [`spherical_logits`] scores spherical keys through the lookup
+//!   ([`spherical`]) and per-channel mixed-bit ([`mixed`]) schemes; [`spherical_logits`] scores spherical keys through the lookup
 //!   table as the decode kernel does.
 //! * [`encode_page`] / [`decode_page`]: header + segment, with header verification;
 //!   [`encode_sequence`] / [`decode_sequence`] page whole sequences (full pages in a tier,
@@ -24,6 +24,7 @@ pub mod certified;
 pub mod codebook;
 pub mod dense;
 mod error;
+pub mod mixed;
 pub mod page;
 pub mod quant;
 pub mod segment;

@@ -7,7 +7,7 @@ use kvforge_spec::{KeyScheme, SegmentLayout, Tier, ValueScheme};
 use crate::error::RefError;
 use crate::quant::IntView;
 use crate::spherical::SphericalView;
-use crate::{dense, quant, spherical};
+use crate::{dense, mixed, quant, spherical};
 
 /// Alignment passed to [`SegmentLayout::new`] when only the segment (not the page) matters.
 const SEGMENT_ONLY: usize = 16;
@@ -52,6 +52,14 @@ fn check_geometry(tier: &Tier, d: usize, tokens: usize, rscale: &[f32]) -> Resul
             }
             shape("rscale", rscale.len(), d / group, format!("one radius scale per group of {group} channels of tier `{}`", tier.name))?;
         }
+        KeyScheme::Mixed { segments, block, .. } => {
+            if *block == 0 || tokens % block != 0 {
+                return bad(format!("mixed keys code whole blocks of {block} tokens; {tokens} tokens is not a multiple"));
+            }
+            if d % 64 != 0 || segments.iter().map(|s| s.eighths).sum::<u32>() > 8 || segments.iter().any(|s| !matches!(s.bits, 16 | 8 | 4 | 2)) {
+                return bad(format!("mixed keys need head_dim a multiple of 64 and segments of 16/8/4/2 bits within head_dim, not {d} and {segments:?}"));
+            }
+        }
         _ => {}
     }
     if let ValueScheme::Int { bits, group, .. } = &tier.value {
@@ -75,7 +83,8 @@ fn check_finite(what: &'static str, x: &[f32]) -> Result<(), RefError> {
 /// Encodes `tokens` keys and values (`k`, `v` row-major `[tokens][d]`, f32) into `tier`'s
 /// segment: a `layout(tier, d, tokens).bytes` vector with every array at its offset.
 /// `rscale` holds the spherical radius scales of this head (one per group), and is ignored by
-/// other key schemes.
+/// other key schemes. Mixed keys are coded in stored channel order: pass `k` through
+/// [`mixed::to_stored`] first (and decoded keys through [`mixed::to_natural`]).
 pub fn try_encode_segment(tier: &Tier, d: usize, tokens: usize, k: &[f32], v: &[f32], rscale: &[f32]) -> Result<Vec<u8>, RefError> {
     check_geometry(tier, d, tokens, rscale)?;
     shape("k", k.len(), tokens * d, format!("{tokens} tokens of head_dim {d}"))?;
@@ -106,6 +115,7 @@ pub fn try_encode_segment(tier: &Tier, d: usize, tokens: usize, k: &[f32], v: &[
             put("k_radius", &a.radius);
             put("k_index", &a.index);
         }
+        KeyScheme::Mixed { segments, block, scale } => mixed::encode_keys(segments, *block, *scale, d, tokens, k, &mut put),
         KeyScheme::Drop => {}
     }
     match &tier.value {
@@ -152,6 +162,7 @@ pub fn try_decode_segment(tier: &Tier, d: usize, tokens: usize, seg: &[u8], rsca
         KeyScheme::Spherical { group, angle_bits, codebook } => {
             spherical::decode_keys(*group, *angle_bits, codebook, d, tokens, spherical_view(&get), rscale)
         }
+        KeyScheme::Mixed { segments, block, scale } => mixed::decode_keys(segments, *block, *scale, d, tokens, get),
         KeyScheme::Drop => Vec::new(),
     };
     let v = match &tier.value {

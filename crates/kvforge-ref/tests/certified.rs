@@ -315,7 +315,11 @@ fn every_injected_fault_is_detected() {
     assert_eq!(sealed + st.score_not_constructible, 3 * per_kind);
     assert_eq!(st.missing_original.injected, per_kind);
     assert!(st.exploration.injected >= per_kind / 8);
-    assert!(st.exploration_mean_steps > 1.0, "exploration found every fault at once: the draw is not random");
+    // With a handful of tail faults (debug builds inject 4 per kind) finding each at its first
+    // step is plausible; with 50 per kind it would mean the draw is not random.
+    if st.exploration.injected >= 8 {
+        assert!(st.exploration_mean_steps > 1.0, "exploration found every fault at once: the draw is not random");
+    }
 }
 
 /// The score check itself: for a sealed fault, detection happens exactly when some token of

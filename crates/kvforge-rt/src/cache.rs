@@ -89,6 +89,13 @@ pub struct TierUsage {
     pub resident_bytes_per_token: f64,
 }
 
+/// The per-tier pointer tables of the kernel parameter structs.
+pub(crate) struct TierPointers {
+    pub codebooks: [u64; 16],
+    pub radius_scales: [u64; 16],
+    pub channel_orders: [u64; 16],
+}
+
 pub struct KvCache {
     pub(crate) dev: Arc<Device>,
     pub(crate) spec: Spec,
@@ -98,6 +105,8 @@ pub struct KvCache {
     seqs: Vec<Option<Sequence>>,
     pub(crate) codebooks: Vec<Option<CudaSlice<f32>>>,
     pub(crate) radius_scales: Vec<Option<CudaSlice<f32>>>,
+    /// Per mixed-key tier, once set: [num_kv_heads][2][head_dim] channel order and inverse.
+    pub(crate) channel_orders: Vec<Option<CudaSlice<u16>>>,
     pub(crate) kernels: KernelCache,
     pub(crate) flags: CudaSlice<u32>,
     /// Tier 2 of certified decode, when kept ([`KvCache::keep_originals`]).
@@ -157,7 +166,8 @@ impl KvCache {
             radius_scales.push(None);
         }
         let flags = dev.stream.alloc_zeros::<u32>(1).map_err(drv("error flags"))?;
-        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, kernels: KernelCache::default(), flags, originals: None })
+        let channel_orders = vec![None; spec.tiers.len()];
+        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, channel_orders, kernels: KernelCache::default(), flags, originals: None })
     }
 
     pub fn spec(&self) -> &Spec {
@@ -494,21 +504,19 @@ impl KvCache {
         }
     }
 
-    pub(crate) fn tier_pointers(&self) -> ([u64; 16], [u64; 16]) {
-        let mut cb = [0u64; 16];
-        let mut rs = [0u64; 16];
+    /// Device pointers of the per-tier tables the kernels index by tier (null where unset).
+    pub(crate) fn tier_pointers(&self) -> TierPointers {
         let st = &self.dev.stream;
-        for (i, c) in self.codebooks.iter().enumerate() {
-            if let Some(c) = c {
-                cb[i] = c.device_ptr(st).0;
+        fn table<T>(st: &Arc<cudarc::driver::CudaStream>, xs: &[Option<CudaSlice<T>>]) -> [u64; 16] {
+            let mut out = [0u64; 16];
+            for (i, x) in xs.iter().enumerate() {
+                if let Some(x) = x {
+                    out[i] = x.device_ptr(st).0;
+                }
             }
+            out
         }
-        for (i, r) in self.radius_scales.iter().enumerate() {
-            if let Some(r) = r {
-                rs[i] = r.device_ptr(st).0;
-            }
-        }
-        (cb, rs)
+        TierPointers { codebooks: table(st, &self.codebooks), radius_scales: table(st, &self.radius_scales), channel_orders: table(st, &self.channel_orders) }
     }
 
     /// Encodes full tail-format pages (host bytes) into `target`, in batches that fit the
@@ -546,14 +554,15 @@ impl KvCache {
         let so = st.clone_htod(&so).map_err(drv("transcode offsets"))?;
         let dsto = st.clone_htod(&dsto).map_err(drv("transcode offsets"))?;
         let hd = st.clone_htod(heads).map_err(drv("transcode heads"))?;
-        let (codebooks, radius_scales) = self.tier_pointers();
+        let tp = self.tier_pointers();
         let params = TranscodeParams {
             arena: self.arena.device_ptr(&st).0,
             src_offsets: so.device_ptr(&st).0,
             dst_offsets: dsto.device_ptr(&st).0,
             kv_heads: hd.device_ptr(&st).0,
-            codebooks,
-            radius_scales,
+            codebooks: tp.codebooks,
+            radius_scales: tp.radius_scales,
+            channel_orders: tp.channel_orders,
             error_flags: self.flags.device_ptr(&st).0,
             num_pages: src.len() as i32,
         };

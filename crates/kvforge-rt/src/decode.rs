@@ -220,7 +220,7 @@ impl KvCache {
     pub(crate) fn launch_io(&mut self, plan: &DecodePlan, ws: &DecodeWorkspace, io: DecodeIo) -> Result<()> {
         let k = self.kernels.get(&self.dev, &self.spec, &plan.variant)?;
         let st = self.dev.stream.clone();
-        let (codebooks, radius_scales) = self.tier_pointers();
+        let tp = self.tier_pointers();
         let rows = plan.batch * plan.num_kv_heads * plan.gqa;
         for (i, t) in plan.tiers.iter().enumerate() {
             if self.codebooks[*t as usize].is_some() && self.radius_scales[*t as usize].is_none() {
@@ -236,8 +236,9 @@ impl KvCache {
             page_offsets: ws.page_offsets.device_ptr(&st).0,
             page_indptr: ws.page_indptr.device_ptr(&st).0,
             page_info: ws.page_info.device_ptr(&st).0,
-            codebooks,
-            radius_scales,
+            codebooks: tp.codebooks,
+            radius_scales: tp.radius_scales,
+            channel_orders: tp.channel_orders,
             page_lse: ws.page_lse.as_ref().map_or(0, |b| b.device_ptr(&st).0),
             page_head_lse: ws.page_head_lse.as_ref().map_or(0, |b| b.device_ptr(&st).0),
             page_delta: ws.page_delta.as_ref().map_or(0, |b| b.device_ptr(&st).0),

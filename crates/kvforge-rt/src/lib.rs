@@ -18,6 +18,7 @@
 
 pub mod bench;
 mod cache;
+mod channel_order;
 pub mod certified;
 mod decode;
 mod device;

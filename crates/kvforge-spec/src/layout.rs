@@ -90,6 +90,17 @@ fn align(x: usize, a: usize) -> usize {
     x.div_ceil(a) * a
 }
 
+/// Array names of one segment of a mixed key: codes (fp16 keys at 16 bits), scale, zero.
+pub fn mixed_arrays(bits: u32) -> [&'static str; 3] {
+    match bits {
+        16 => ["k16", "", ""],
+        8 => ["k8_codes", "k8_scale", "k8_zero"],
+        4 => ["k4_codes", "k4_scale", "k4_zero"],
+        2 => ["k2_codes", "k2_scale", "k2_zero"],
+        b => unreachable!("mixed keys have no {b}-bit segment (the spec validates bits)"),
+    }
+}
+
 impl SegmentLayout {
     pub fn new(tier: &Tier, d: usize, tokens: usize, alignment: usize) -> SegmentLayout {
         let mut arrays = Vec::new();
@@ -110,6 +121,17 @@ impl SegmentLayout {
                 let g = d / group;
                 push("k_radius", tokens, g * RADIUS_BITS as usize / 8);
                 push("k_index", tokens, spherical_index_bytes(g, *angle_bits));
+            }
+            KeyScheme::Mixed { segments, block, scale } => {
+                for s in segments {
+                    let n = s.channels(d);
+                    let [codes, sc, zero] = mixed_arrays(s.bits);
+                    push(codes, tokens, n * s.bits as usize / 8);
+                    if s.bits != 16 {
+                        push(sc, tokens / block, n * scale.bytes());
+                        push(zero, tokens / block, n * scale.bytes());
+                    }
+                }
             }
             KeyScheme::Drop => {}
         }

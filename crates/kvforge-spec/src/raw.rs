@@ -67,6 +67,8 @@ pub struct RawScheme {
     pub angle_bits: Option<Spanned<i64>>,
     pub radius_bits: Option<Spanned<i64>>,
     pub codebook: Option<Spanned<String>>,
+    /// Mixed keys: share of head_dim per bit width, e.g. `{ 8 = 0.25, 4 = 0.5 }`.
+    pub channels: Option<Spanned<std::collections::BTreeMap<String, Spanned<f64>>>>,
 }
 
 #[derive(Deserialize, Debug, Default)]

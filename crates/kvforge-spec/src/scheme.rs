@@ -61,8 +61,45 @@ pub enum KeyScheme {
     /// unit codeword among `2^angle_bits`. Decode never rebuilds keys: logits come from a
     /// per-query lookup table LUT[j][i] = ⟨q_j, c_i⟩ (unnormalised q_j).
     Spherical { group: usize, angle_bits: u32, codebook: super::Codebook },
+    /// Seed 002's per-channel key bit widths (the K half of TriZone zone A): the channels of
+    /// a head, in a per-(tier, kv head) *channel order* the controller sets (heaviest first),
+    /// are stored as consecutive uniform-bit segments — fp16, then int8, int4, int2 codes, each
+    /// with per-channel scale and zero per block of `block` tokens — and the channels after the
+    /// last segment are dropped (b_c = 0: they contribute nothing to q·k). One dequantisation
+    /// path per segment, never per element. Segment sizes are shares of head_dim in eighths so
+    /// every segment is whole 8-channel chunks at every head dim ≥ 64.
+    Mixed { segments: Vec<ChannelSegment>, block: usize, scale: ScaleDType },
     /// Evicted: no bytes, never attended.
     Drop,
+}
+
+/// One uniform-bit run of channels of a [`KeyScheme::Mixed`] key: `eighths`/8 of head_dim
+/// stored at `bits` bits (16: fp16, 8/4/2: integer codes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ChannelSegment {
+    pub bits: u32,
+    pub eighths: u32,
+}
+
+impl ChannelSegment {
+    /// Channels of this segment at head dim `d`.
+    pub fn channels(self, d: usize) -> usize {
+        self.eighths as usize * d / 8
+    }
+}
+
+/// The segments of a mixed key at head dim `d`: (bits, first stored channel, channels), in
+/// storage order.
+pub fn mixed_channels(segments: &[ChannelSegment], d: usize) -> Vec<(u32, usize, usize)> {
+    let mut at = 0;
+    segments
+        .iter()
+        .map(|s| {
+            let n = s.channels(d);
+            at += n;
+            (s.bits, at - n, n)
+        })
+        .collect()
 }
 
 /// How a value vector is stored.
@@ -90,6 +127,14 @@ impl KeyScheme {
                 let g = d / group;
                 tokens * (g * RADIUS_BITS as usize / 8 + spherical_index_bytes(g, *angle_bits))
             }
+            KeyScheme::Mixed { segments, block, scale } => segments
+                .iter()
+                .map(|s| {
+                    let n = s.channels(d);
+                    let meta = if s.bits == 16 { 0 } else { 2 * n * scale.bytes() * (tokens / block) };
+                    tokens * n * s.bits as usize / 8 + meta
+                })
+                .sum(),
             KeyScheme::Drop => 0,
         }
     }
@@ -125,6 +170,11 @@ impl fmt::Display for KeyScheme {
             }
             KeyScheme::Spherical { group, angle_bits, .. } => {
                 write!(f, "spherical g{group} b{angle_bits}")
+            }
+            KeyScheme::Mixed { segments, block, scale } => {
+                let segs: Vec<String> = segments.iter().map(|s| format!("{}/8 at {} bits", s.eighths, s.bits)).collect();
+                let kept: u32 = segments.iter().map(|s| s.eighths).sum();
+                write!(f, "mixed per-channel [{}{}] block {block} ({} scales)", segs.join(", "), if kept < 8 { format!(", {}/8 dropped", 8 - kept) } else { String::new() }, scale.name())
             }
             KeyScheme::Drop => write!(f, "drop"),
         }

@@ -8,7 +8,7 @@ use crate::codebook::Codebook;
 use crate::error::{Locator, SpecError, SpecErrorKind};
 use crate::layout::SegmentLayout;
 use crate::raw::{RawScheme, RawSpec};
-use crate::scheme::{DType, KeyScheme, ScaleDType, ValueScheme, RADIUS_BITS};
+use crate::scheme::{ChannelSegment, DType, KeyScheme, ScaleDType, ValueScheme, RADIUS_BITS};
 use crate::variant::{TierCode, VariantId};
 
 /// Index of a tier in [`Spec::tiers`]; it is the `tier` byte of every page header.
@@ -367,7 +367,7 @@ impl Validator<'_> {
 
     /// Rejects fields the scheme does not take.
     fn only(&self, s: &RawScheme, field: &str, allowed: &[&str]) -> R<()> {
-        let present: [(&str, Option<std::ops::Range<usize>>); 8] = [
+        let present: [(&str, Option<std::ops::Range<usize>>); 9] = [
             ("bits", s.bits.as_ref().map(|x| x.span())),
             ("block", s.block.as_ref().map(|x| x.span())),
             ("group", s.group.as_ref().map(|x| x.span())),
@@ -376,6 +376,7 @@ impl Validator<'_> {
             ("angle_bits", s.angle_bits.as_ref().map(|x| x.span())),
             ("radius_bits", s.radius_bits.as_ref().map(|x| x.span())),
             ("codebook", s.codebook.as_ref().map(|x| x.span())),
+            ("channels", s.channels.as_ref().map(|x| x.span())),
         ];
         for (name, span) in present {
             if let Some(span) = span {
@@ -450,13 +451,8 @@ impl Validator<'_> {
                 self.only(r, field, &["bits", "block", "scale_dtype", "granularity"])?;
                 self.granularity(r, field, "key", "channel (per-channel scales fold into the query)")?;
                 let bits = self.bits(self.need(&r.bits, s, field, "bits", "8, 4 or 2")?, field)?;
-                let b = self.need(&r.block, s, field, "block", "tokens per scale block, dividing the page")?;
-                let block = *b.get_ref();
-                if block <= 0 || tokens as i64 % block != 0 {
-                    let valid: Vec<String> = (1..=tokens).filter(|b| tokens % b == 0).map(|b| b.to_string()).collect();
-                    return self.err(b.span(), &format!("{field}.block"), format!("block {block} does not divide page tokens {tokens}; valid: {}", valid.join(", ")));
-                }
-                Ok(KeyScheme::Int { bits, block: block as usize, scale: self.scale(r, field)? })
+                let block = self.block(s, field, tokens)?;
+                Ok(KeyScheme::Int { bits, block, scale: self.scale(r, field)? })
             }
             "spherical" => {
                 self.only(r, field, &["group", "angle_bits", "radius_bits", "codebook"])?;
@@ -497,8 +493,54 @@ impl Validator<'_> {
                     .map_err(|e| self.loc.error(SpecErrorKind::Codebook, Some(c.span()), &format!("{field}.codebook"), e.to_string()))?;
                 Ok(KeyScheme::Spherical { group: group as usize, angle_bits: angle_bits as u32, codebook: cb })
             }
-            o => self.err(r.scheme.span(), &format!("{field}.scheme"), format!("unknown key scheme `{o}`; valid: fp16, bf16, int, spherical, drop")),
+            "mixed" => self.mixed(s, field, dims, tokens),
+            o => self.err(r.scheme.span(), &format!("{field}.scheme"), format!("unknown key scheme `{o}`; valid: fp16, bf16, int, spherical, mixed, drop")),
         }
+    }
+
+    /// `block`, as a divisor of the page's tokens.
+    fn block(&self, s: &Spanned<RawScheme>, field: &str, tokens: usize) -> R<usize> {
+        let b = self.need(&s.get_ref().block, s, field, "block", "tokens per scale block, dividing the page")?;
+        let block = *b.get_ref();
+        if block <= 0 || tokens as i64 % block != 0 {
+            let valid: Vec<String> = (1..=tokens).filter(|b| tokens % b == 0).map(|b| b.to_string()).collect();
+            return self.err(b.span(), &format!("{field}.block"), format!("block {block} does not divide page tokens {tokens}; valid: {}", valid.join(", ")));
+        }
+        Ok(block as usize)
+    }
+
+    /// Seed 002's per-channel key widths: `channels = { 16 = 0.125, 8 = 0.25, 4 = 0.25 }`
+    /// (share of head_dim per width, in eighths; the rest of the channels is dropped).
+    fn mixed(&self, s: &Spanned<RawScheme>, field: &str, dims: &[usize], tokens: usize) -> R<KeyScheme> {
+        let r = s.get_ref();
+        self.only(r, field, &["channels", "block", "scale_dtype"])?;
+        let ch = self.need(&r.channels, s, field, "channels", "share of head_dim per bit width, e.g. { 8 = 0.25, 4 = 0.5 }")?;
+        let at = format!("{field}.channels");
+        let mut segments = Vec::new();
+        for (k, share) in ch.get_ref() {
+            let bits = match k.as_str() {
+                "16" => 16,
+                "8" => 8,
+                "4" => 4,
+                "2" => 2,
+                o => return self.err(share.span(), &at, format!("bit width `{o}` is not supported for mixed keys; valid: 16, 8, 4, 2 (channels not listed are dropped)")),
+            };
+            let x = *share.get_ref() * 8.0;
+            if !(x > 0.0 && x <= 8.0 && (x - x.round()).abs() < 1e-9) {
+                return self.err(share.span(), &at, format!("share {} of {bits}-bit channels must be a positive multiple of 1/8 of head_dim (0.125, 0.25, ..., 1), so that every segment is whole 8-channel chunks", share.get_ref()));
+            }
+            segments.push(ChannelSegment { bits, eighths: x.round() as u32 });
+        }
+        segments.sort_by(|a, b| b.bits.cmp(&a.bits));
+        let total: u32 = segments.iter().map(|s| s.eighths).sum();
+        if segments.is_empty() || total > 8 {
+            return self.err(ch.span(), &at, format!("channel shares add up to {}/8 of head_dim; they must be between 1/8 and 1 (the rest is dropped)", total));
+        }
+        // Eighths of head_dim are whole 8-channel chunks because every supported head_dim
+        // (64, 128, 256) is a multiple of 64.
+        debug_assert!(dims.iter().all(|d| d % 64 == 0), "head_dims {dims:?}");
+        let block = self.block(s, field, tokens)?;
+        Ok(KeyScheme::Mixed { segments, block, scale: self.scale(r, field)? })
     }
 
     fn value(&self, s: &Spanned<RawScheme>, field: &str, dims: &[usize]) -> R<ValueScheme> {

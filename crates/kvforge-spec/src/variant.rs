@@ -17,6 +17,10 @@ impl TierCode {
             KeyScheme::Dense(t) => t.name().to_string(),
             KeyScheme::Int { bits, block, scale } => format!("int{bits}c{block}f{}", scale.bytes() * 8),
             KeyScheme::Spherical { group, angle_bits, .. } => format!("sph{group}x{}b{angle_bits}", d / group),
+            KeyScheme::Mixed { segments, block, scale } => {
+                let segs: Vec<String> = segments.iter().map(|s| format!("{}x{}", s.bits, s.eighths)).collect();
+                format!("mix{}c{block}f{}", segs.join("_"), scale.bytes() * 8)
+            }
             KeyScheme::Drop => "drop".into(),
         };
         let v = match &tier.value {

@@ -224,7 +224,7 @@ fn scale_dtype_invalid() {
 #[test]
 fn unknown_scheme() {
     let e = fail(&edit(BASE, "{ scheme = \"int\", bits = 4, block = 64 }", "{ scheme = \"int4\", bits = 4, block = 64 }"));
-    check(&e, Invalid, 19, 18, "tier[1].key.scheme", &["unknown key scheme `int4`", "valid: fp16, bf16, int, spherical, drop"]);
+    check(&e, Invalid, 19, 18, "tier[1].key.scheme", &["unknown key scheme `int4`", "valid: fp16, bf16, int, spherical, mixed, drop"]);
     let e = fail(&edit(BASE, "{ scheme = \"int\", bits = 4, group = 32 }", "{ scheme = \"fp8\" }"));
     check(&e, Invalid, 20, 20, "tier[1].value.scheme", &["unknown value scheme `fp8`", "valid: fp16, bf16, int, drop"]);
 }
@@ -619,4 +619,39 @@ fn unreadable_spec_file() {
     let e = Spec::load(Path::new("/nonexistent/kvforge/spec.toml")).unwrap_err();
     assert_eq!((e.kind.clone(), e.line, e.column), (SpecErrorKind::Io, 0, 0));
     assert!(e.to_string().starts_with("/nonexistent/kvforge/spec.toml: cannot read spec"), "{e}");
+}
+
+/// The `lo` tier's key as a mixed per-channel key with `channels` (line 19).
+fn mixed(channels: &str) -> String {
+    edit(BASE, r#"key = { scheme = "int", bits = 4, block = 64 }"#, &format!(r#"key = {{ scheme = "mixed", channels = {channels}, block = 64 }}"#))
+}
+
+#[test]
+fn mixed_key_parses_sorted_by_width() {
+    let s = parse_in(&mixed("{ 4 = 0.5, 16 = 0.125, 2 = 0.25 }"), Path::new(".")).unwrap();
+    let kvforge_spec::KeyScheme::Mixed { segments, block, .. } = &s.tiers[2].key else { panic!("{:?}", s.tiers[2].key) };
+    assert_eq!(*block, 64);
+    let got: Vec<(u32, u32)> = segments.iter().map(|s| (s.bits, s.eighths)).collect();
+    assert_eq!(got, [(16, 1), (4, 4), (2, 2)]);
+    // 16 fp16 + 64 int4 + 32 int2 channels of 128 (16 dropped): 32 + 32 + 8 code bytes per
+    // token, fp16 scale and zero per channel per 64-token block.
+    assert_eq!(s.tiers[2].key.page_bytes(128, 64), 64 * 72 + 2 * 2 * (64 + 32));
+    assert_eq!(s.tiers[2].code(128).0, "kmix16x1_4x4_2x2c64f16_vint4g32f16");
+}
+
+#[test]
+fn mixed_key_errors() {
+    let e = fail(&mixed("{ 3 = 0.5 }"));
+    check(&e, Invalid, 19, 44, "tier[1].key.channels", &["bit width `3` is not supported", "valid: 16, 8, 4, 2"]);
+    let e = fail(&mixed("{ 8 = 0.3 }"));
+    check(&e, Invalid, 19, 44, "tier[1].key.channels", &["share 0.3", "multiple of 1/8"]);
+    let e = fail(&mixed("{ 8 = 0.75, 4 = 0.5 }"));
+    check(&e, Invalid, 19, 38, "tier[1].key.channels", &["add up to 10/8", "between 1/8 and 1"]);
+    let e = fail(&mixed("{}"));
+    check(&e, Invalid, 19, 38, "tier[1].key.channels", &["add up to 0/8"]);
+    let e = fail(&edit(BASE, r#"key = { scheme = "int", bits = 4, block = 64 }"#, r#"key = { scheme = "mixed", block = 64 }"#));
+    check(&e, Invalid, 19, 7, "tier[1].key.channels", &["needs `channels`"]);
+    let e = fail(&edit(BASE, r#"key = { scheme = "int", bits = 4, block = 64 }"#, r#"key = { scheme = "mixed", channels = { 8 = 1.0 }, bits = 4 }"#));
+    check(&e, Invalid, 19, 58, "tier[1].key.bits", &["takes no `bits`", "channels, block, scale_dtype"]);
+    insta::assert_snapshot!("mixed_key_share_not_eighths", fail(&mixed("{ 8 = 0.3 }")).to_string());
 }

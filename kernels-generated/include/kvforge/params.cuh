@@ -17,6 +17,7 @@ struct DecodeParams {
   const u32* page_info;  // per page: tier | tokens << 8, from the runtime's page table; sizes the staging copy, checked against the staged header
   const float* codebooks[MAX_TIERS];  // per tier: [num_kv_heads][groups][entries][group] (spherical tiers)
   const float* radius_scales[MAX_TIERS];  // per tier: [num_kv_heads][groups] (spherical tiers)
+  const u16* channel_orders[MAX_TIERS];  // per tier: [num_kv_heads][2][head_dim] stored→natural channel order, then its inverse (mixed-key tiers; null = identity)
   float* page_lse;  // optional per page: log2 Σ_heads Σ_tokens 2^logit, an importance signal for controllers
   float* page_head_lse;  // optional [page][gqa]: log2 Σ_tokens 2^logit per query head (certified decode: block masses)
   float* page_delta;  // optional [page][gqa]: max over the page's key blocks of the logit error bound Δ_b = ½ Σ_c |q_c| σ_c / sqrt(d) (0 for exact keys, +inf where the scheme states no bound)
@@ -35,6 +36,7 @@ struct TranscodeParams {
   const u32* kv_heads;  // [num_pages] kv head of each page (selects codebooks and radius scales)
   const float* codebooks[MAX_TIERS];  // as in DecodeParams
   const float* radius_scales[MAX_TIERS];  // as in DecodeParams
+  const u16* channel_orders[MAX_TIERS];  // as in DecodeParams
   u32* error_flags;  // ERR_* bits set by the kernel
   int num_pages;  // pages to transcode
 };

@@ -29,9 +29,9 @@ struct DropKey {
   template <int GQA, int NWARPS> __host__ __device__ static constexpr int bfrag_bytes() { return 0; }
   static constexpr bool SPHERICAL = false;
   static constexpr KeyError ERROR = KeyError::Exact;
-  static constexpr bool CHANNEL_PARALLEL = true;
+  static constexpr bool CHANNEL_PARALLEL = true, OUTLINE_SCORER = false;
   template <int GQA> struct Scorer {
-    __device__ Scorer(const float*, int) {}
+    __device__ Scorer(const float*, int, const u16*) {}
     __device__ void score(const u8*, int, float (&)[GQA]) {}
   };
   template <int GQA, int TPT>
@@ -52,12 +52,12 @@ struct DenseKey {
   // Channel-parallel scoring: the thread owns channels [8·c8, 8·c8 + 8) of every token it
   // visits and keeps that slice of every GQA query in registers; the caller sums the D/8
   // lanes of a token with shuffles.
-  static constexpr bool CHANNEL_PARALLEL = true;
+  static constexpr bool CHANNEL_PARALLEL = true, OUTLINE_SCORER = false;
   template <int GQA>
   struct Scorer {
     float q[GQA][8];
     int c8;
-    __device__ Scorer(const float* q_s, int c8_) : c8(c8_) {
+    __device__ Scorer(const float* q_s, int c8_, const u16*) : c8(c8_) {
 #pragma unroll
       for (int h = 0; h < GQA; ++h)
 #pragma unroll
@@ -79,12 +79,12 @@ struct DenseKey {
     }
   };
 
-  __device__ __forceinline__ static float dequant(const u8* seg, int t, int c, const float*, const float*) {
+  __device__ __forceinline__ static float dequant(const u8* seg, int t, int c, const float*, const float*, const u16*) {
     return to_float(reinterpret_cast<const T*>(seg + OFF)[t * D + c]);
   }
 
   template <int NTHREADS>
-  __device__ static void encode(u8* seg, const float* x, int*, const float*, const float*) {
+  __device__ static void encode(u8* seg, float* x, int*, const float*, const float*, const u16*) {
     T* out = reinterpret_cast<T*>(seg + OFF);
     for (int i = threadIdx.x; i < P * D; i += NTHREADS) out[i] = from_float<T>(x[i]);
   }
@@ -116,6 +116,88 @@ __device__ __forceinline__ int quantize(float x, float scale, float zero) {
   const float c = round_half_up((x - zero) / scale);
   return int(fminf(fmaxf(c, 0.f), float(QMAX)));
 }
+
+// N channels of integer codes with a scale and zero per channel per block of BLOCK tokens:
+// codes [P][N·BITS/8], scale and zero [P/BLOCK][N]. The storage of IntKey (N = D) and of each
+// integer segment of MixedKey.
+template <int BITS, int BLOCK, class S, int N, int P, int OFF_CODES, int OFF_SCALE, int OFF_ZERO>
+struct ChannelCodes {
+  static constexpr int NBLK = P / BLOCK, ROW = N * BITS / 8;
+  __device__ __forceinline__ static float dequant(const u8* seg, int t, int c) {
+    const int b = t / BLOCK;
+    return float(code_at<BITS>(seg + OFF_CODES + t * ROW, c)) * load_scale<S>(seg + OFF_SCALE, b * N + c) + load_scale<S>(seg + OFF_ZERO, b * N + c);
+  }
+  // Codes columns [c0, c0 + N) of x ([P][ldx] floats in shared memory); scratch: 2·NBLK·N floats.
+  template <int NTHREADS>
+  __device__ static void encode(u8* seg, const float* x, int ldx, int c0, float* scratch) {
+    float* sc = scratch;
+    float* zr = sc + NBLK * N;
+    for (int i = threadIdx.x; i < NBLK * N; i += NTHREADS) {
+      const int b = i / N, c = c0 + i % N;
+      float mn = x[b * BLOCK * ldx + c], mx = mn;
+      for (int t = 1; t < BLOCK; ++t) {
+        const float v = x[(b * BLOCK + t) * ldx + c];
+        mn = fminf(mn, v);
+        mx = fmaxf(mx, v);
+      }
+      const S s_st = from_float<S>((mx - mn) / float((1 << BITS) - 1));
+      const S z_st = from_float<S>(mn);
+      reinterpret_cast<S*>(seg + OFF_SCALE)[i] = s_st;
+      reinterpret_cast<S*>(seg + OFF_ZERO)[i] = z_st;
+      sc[i] = to_float(s_st);
+      zr[i] = to_float(z_st);
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < P * ROW; i += NTHREADS) {
+      const int t = i / ROW, byte = i % ROW, b = t / BLOCK;
+      seg[OFF_CODES + i] = pack_byte<BITS>(byte, [&](int c) { return quantize<BITS>(x[t * ldx + c0 + c], sc[b * N + c], zr[b * N + c]); });
+    }
+    __syncthreads();
+  }
+  // Channel-parallel scoring of the 8 channels [c, c + 8) of token t: the scale folds into the
+  // query slice once per block (qs = q · scale), the zero term Σ q · zero starts the sum.
+  template <int GQA>
+  __device__ __forceinline__ static void fold(const u8* seg, int b, int c, const float (&q)[GQA][8], float (&qs)[GQA][8], float (&zq)[GQA]) {
+    float sc[8], zr[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      sc[i] = load_scale<S>(seg + OFF_SCALE, b * N + c + i);
+      zr[i] = load_scale<S>(seg + OFF_ZERO, b * N + c + i);
+    }
+#pragma unroll
+    for (int h = 0; h < GQA; ++h) {
+      float z = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float qv = q[h][i];  // q may alias qs
+        z = fmaf(qv, zr[i], z);
+        qs[h][i] = qv * sc[i];
+      }
+      zq[h] = z;
+    }
+  }
+  template <int GQA>
+  __device__ __forceinline__ static void score8(const u8* seg, int t, int c, const float (&qs)[GQA][8], const float (&zq)[GQA], float (&s)[GQA]) {
+    const u8* row = seg + OFF_CODES + t * ROW + c * BITS / 8;  // 8 codes = BITS bytes
+    u32 lo, hi = 0;
+    if constexpr (BITS == 8) { const uint2 w = *reinterpret_cast<const uint2*>(row); lo = w.x; hi = w.y; }
+    else if constexpr (BITS == 4) lo = *reinterpret_cast<const u32*>(row);
+    else lo = *reinterpret_cast<const u16*>(row);
+    float k[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if constexpr (BITS == 8) k[i] = u2f(((i < 4 ? lo : hi) >> (8 * (i & 3))) & 0xff);
+      else k[i] = u2f((lo >> (BITS * i)) & ((1u << BITS) - 1));
+    }
+#pragma unroll
+    for (int h = 0; h < GQA; ++h) {
+      float a = zq[h];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) a = fmaf(qs[h][i], k[i], a);
+      s[h] = a;
+    }
+  }
+};
 
 // Integer keys with a scale and zero per channel per block of BLOCK tokens (KIVI / seed 004).
 // Decode scores them on tensor cores (mma_scores): the per-channel scale folds into the query
@@ -313,36 +395,14 @@ struct IntKey {
     for (int e = 0; e < N; ++e) out[e] = h2_codes(w[e / CC] >> ((e % CC) * BITS), mask);
   }
 
-  __device__ __forceinline__ static float dequant(const u8* seg, int t, int c, const float*, const float*) {
-    const int b = t / BLOCK;
-    return float(code_at<BITS>(seg + OFF_CODES + t * ROW, c)) * load_scale<S>(seg + OFF_SCALE, b * D + c) + load_scale<S>(seg + OFF_ZERO, b * D + c);
+  __device__ __forceinline__ static float dequant(const u8* seg, int t, int c, const float*, const float*, const u16*) {
+    return ChannelCodes<BITS, BLOCK, S, D, P, OFF_CODES, OFF_SCALE, OFF_ZERO>::dequant(seg, t, c);
   }
 
   // x: [P][D] floats in shared memory; scratch: 2 * NBLK * D floats.
   template <int NTHREADS>
-  __device__ static void encode(u8* seg, const float* x, int* scratch, const float*, const float*) {
-    float* sc = reinterpret_cast<float*>(scratch);
-    float* zr = sc + NBLK * D;
-    for (int i = threadIdx.x; i < NBLK * D; i += NTHREADS) {
-      const int b = i / D, c = i % D;
-      float mn = x[b * BLOCK * D + c], mx = mn;
-      for (int t = 1; t < BLOCK; ++t) {
-        const float v = x[(b * BLOCK + t) * D + c];
-        mn = fminf(mn, v);
-        mx = fmaxf(mx, v);
-      }
-      const S s_st = from_float<S>((mx - mn) / float((1 << BITS) - 1));
-      const S z_st = from_float<S>(mn);
-      reinterpret_cast<S*>(seg + OFF_SCALE)[i] = s_st;
-      reinterpret_cast<S*>(seg + OFF_ZERO)[i] = z_st;
-      sc[i] = to_float(s_st);
-      zr[i] = to_float(z_st);
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < P * ROW; i += NTHREADS) {
-      const int t = i / ROW, byte = i % ROW, b = t / BLOCK;
-      seg[OFF_CODES + i] = pack_byte<BITS>(byte, [&](int c) { return quantize<BITS>(x[t * D + c], sc[b * D + c], zr[b * D + c]); });
-    }
+  __device__ static void encode(u8* seg, float* x, int* scratch, const float*, const float*, const u16*) {
+    ChannelCodes<BITS, BLOCK, S, D, P, OFF_CODES, OFF_SCALE, OFF_ZERO>::template encode<NTHREADS>(seg, x, D, 0, reinterpret_cast<float*>(scratch));
   }
 };
 
@@ -364,7 +424,7 @@ struct SphericalKey {
   // Token-parallel scoring through the LUT (G lookups per token).
   static constexpr bool CHANNEL_PARALLEL = false;
   template <int GQA> struct Scorer {
-    __device__ Scorer(const float*, int) {}
+    __device__ Scorer(const float*, int, const u16*) {}
     __device__ void score(const u8*, int, float (&)[GQA]) {}
   };
 
@@ -401,7 +461,7 @@ struct SphericalKey {
     }
   }
 
-  __device__ __forceinline__ static float dequant(const u8* seg, int t, int c, const float* codebook, const float* rscale) {
+  __device__ __forceinline__ static float dequant(const u8* seg, int t, int c, const float* codebook, const float* rscale, const u16*) {
     const int j = c / GROUP;
     const int idx = index_at(seg + OFF_INDEX + t * IB, j);
     return float(seg[OFF_RADIUS + t * NG + j]) * rscale[j] * codebook[(j * E + idx) * GROUP + c % GROUP];
@@ -409,7 +469,7 @@ struct SphericalKey {
 
   // scratch: P * NG ints (chosen indices).
   template <int NTHREADS>
-  __device__ static void encode(u8* seg, const float* x, int* scratch, const float* codebook, const float* rscale) {
+  __device__ static void encode(u8* seg, float* x, int* scratch, const float* codebook, const float* rscale, const u16*) {
     for (int i = threadIdx.x; i < P * NG; i += NTHREADS) {
       const int t = i / NG, j = i % NG;
       const float* k = x + t * D + j * GROUP;
@@ -440,6 +500,129 @@ struct SphericalKey {
       }
       seg[OFF_INDEX + i] = u8(b);
     }
+  }
+};
+
+// Per-channel mixed-bit keys (seed 002 TriZone zone A, K side): in the stored channel order
+// (order[j] = natural channel of stored position j, set per tier and kv head by the
+// controller; null = identity) the first N16 channels are fp16, the next N8 int8, N4 int4 and
+// N2 int2 codes, each integer segment with a scale and zero per channel per block of BLOCK
+// tokens (ChannelCodes); channels past the last segment are dropped and score nothing.
+// Segments are whole 8-channel chunks, so a scoring lane (8 channels) sits in exactly one
+// segment and runs that segment's one dequantisation path; the query slice is gathered
+// through the order once per page. The order array of a kv head holds the order then its
+// inverse ([2][D]): decode gathers through the first, transcode scatters through the second.
+template <int BLOCK, class S, int D, int P, int N16, int N8, int N4, int N2, int O16, int O8C, int O8S, int O8Z,
+          int O4C, int O4S, int O4Z, int O2C, int O2S, int O2Z>
+struct MixedKey {
+  static constexpr int LUT_FLOATS_PER_HEAD = 0;
+  static constexpr bool MMA = false;
+  template <int GQA, int NWARPS> __host__ __device__ static constexpr int bfrag_bytes() { return 0; }
+  static constexpr bool SPHERICAL = false;
+  // Dropped channels have no stored bound on |q_c k_c|.
+  static constexpr KeyError ERROR = KeyError::Unbounded;
+  static constexpr bool CHANNEL_PARALLEL = true, OUTLINE_SCORER = true;
+  static constexpr int E16 = N16, E8 = E16 + N8, E4 = E8 + N4, E2 = E4 + N2;  // segment ends
+  static_assert(N16 % 8 == 0 && N8 % 8 == 0 && N4 % 8 == 0 && N2 % 8 == 0 && E2 <= D, "whole 8-channel chunks within head_dim");
+  using C8 = ChannelCodes<8, BLOCK, S, (N8 > 0 ? N8 : 8), P, O8C, O8S, O8Z>;
+  using C4 = ChannelCodes<4, BLOCK, S, (N4 > 0 ? N4 : 8), P, O4C, O4S, O4Z>;
+  using C2 = ChannelCodes<2, BLOCK, S, (N2 > 0 ? N2 : 8), P, O2C, O2S, O2Z>;
+
+  // A lane keeps only the folded slice (q · scale and Σ q · zero of the current block, or the
+  // plain gathered query in the fp16 segment) and re-gathers q through the order when the
+  // block changes (once or twice per page): registers as IntKey's scorer, none for the order.
+  template <int GQA>
+  struct Scorer {
+    float qs[GQA][8];
+    float zq[GQA];
+    const float* q_s;
+    const u16* order;
+    int c8, blk = -1;
+    __device__ Scorer(const float* q_s_, int c8_, const u16* order_) : q_s(q_s_), order(order_), c8(c8_) {
+      if (c8 * 8 < E16) {
+        gather(qs);
+#pragma unroll
+        for (int h = 0; h < GQA; ++h) zq[h] = 0.f;
+      }
+    }
+    __device__ __forceinline__ void gather(float (&q)[GQA][8]) const {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int nat = order ? int(order[c8 * 8 + i]) : c8 * 8 + i;
+#pragma unroll
+        for (int h = 0; h < GQA; ++h) q[h][i] = q_s[h * D + nat];
+      }
+    }
+    template <class C>
+    __device__ __forceinline__ void int_score(const u8* seg, int t, int c, float (&s)[GQA]) {
+      const int b = t / BLOCK;
+      if (b != blk) {
+        gather(qs);  // fold scales qs in place
+        C::template fold<GQA>(seg, b, c, qs, qs, zq);
+        blk = b;
+      }
+      C::template score8<GQA>(seg, t, c, qs, zq, s);
+    }
+    __device__ __forceinline__ void score(const u8* seg, int t, float (&s)[GQA]) {
+      const int c = c8 * 8;
+      if (c < E16) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(seg + O16 + (t * N16 + c) * 2);
+        const __half* e = reinterpret_cast<const __half*>(&raw);
+#pragma unroll
+        for (int h = 0; h < GQA; ++h) {
+          float a = 0.f;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) a = fmaf(qs[h][i], __half2float(e[i]), a);
+          s[h] = a;
+        }
+      } else if (c < E8) {
+        if constexpr (N8 > 0) int_score<C8>(seg, t, c - E16, s);
+      } else if (c < E4) {
+        if constexpr (N4 > 0) int_score<C4>(seg, t, c - E8, s);
+      } else if (c < E2) {
+        if constexpr (N2 > 0) int_score<C2>(seg, t, c - E4, s);
+      }
+      // Dropped chunks leave s at 0.
+    }
+  };
+
+  // Stored position j's value.
+  __device__ __forceinline__ static float stored(const u8* seg, int t, int j) {
+    if (j < E16) return __half2float(reinterpret_cast<const __half*>(seg + O16)[t * N16 + j]);
+    if (j < E8) return C8::dequant(seg, t, j - E16);
+    if (j < E4) return C4::dequant(seg, t, j - E8);
+    if (j < E2) return C2::dequant(seg, t, j - E4);
+    return 0.f;
+  }
+  // Natural channel c's value (0 when dropped).
+  __device__ __forceinline__ static float dequant(const u8* seg, int t, int c, const float*, const float*, const u16* order) {
+    return stored(seg, t, order ? int(order[D + c]) : c);
+  }
+
+  // x: [P][D] floats in natural order (permuted in place into stored order);
+  // scratch: 2 * NBLK * D floats.
+  template <int NTHREADS>
+  __device__ static void encode(u8* seg, float* x, int* scratch, const float*, const float*, const u16* order) {
+    static_assert(NTHREADS % D == 0, "the in-place permutation moves whole rows per pass");
+    if (order) {
+      constexpr int ROWS = NTHREADS / D;
+      const int r = threadIdx.x / D, j = threadIdx.x % D;
+      for (int t0 = 0; t0 < P; t0 += ROWS) {
+        const int t = t0 + r;
+        const float v = t < P ? x[t * D + order[j]] : 0.f;
+        __syncthreads();
+        if (t < P) x[t * D + j] = v;
+        __syncthreads();
+      }
+    }
+    if constexpr (N16 > 0) {
+      __half* out = reinterpret_cast<__half*>(seg + O16);
+      for (int i = threadIdx.x; i < P * N16; i += NTHREADS) out[i] = __float2half_rn(x[(i / N16) * D + i % N16]);
+    }
+    float* sc = reinterpret_cast<float*>(scratch);
+    if constexpr (N8 > 0) C8::template encode<NTHREADS>(seg, x, D, E16, sc);
+    if constexpr (N4 > 0) C4::template encode<NTHREADS>(seg, x, D, E8, sc);
+    if constexpr (N2 > 0) C2::template encode<NTHREADS>(seg, x, D, E4, sc);
   }
 };
 

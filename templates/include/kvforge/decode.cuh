@@ -147,25 +147,9 @@ struct DecodeCta {
     if constexpr (K::MMA) {
       K::template mma_scores<GQA, NW, NT>(seg, len, q_s(), sc, sc1, smem + Smem::BFRAG);
     } else if constexpr (K::CHANNEL_PARALLEL) {
-      // The NC8 lanes of a token are consecutive: a shuffle tree sums their partial dots.
-      // A thread scores P/TG consecutive tokens, so per-block state (the int scale fold)
-      // changes at most once or twice per page.
-      const int c8 = tid % NC8, tt = tid / NC8;
-      constexpr int RUN = P / TG > 0 ? P / TG : 1;
-      typename K::template Scorer<GQA> scorer(q_s(), c8);
-      for (int j = 0; j < RUN; ++j) {
-        const int t = tt * RUN + j;
-        float s[GQA];
-#pragma unroll
-        for (int h = 0; h < GQA; ++h) s[h] = 0.f;
-        if (t < len) scorer.score(seg, t, s);
-#pragma unroll
-        for (int h = 0; h < GQA; ++h) s[h] = group_sum<NC8>(s[h]);
-        if (c8 == 0 && t < P) {
-#pragma unroll
-          for (int h = 0; h < GQA; ++h) sc[h * P + t] = t < len ? s[h] : NEG_INF;
-        }
-      }
+      const u16* order = p.channel_orders[T::id] ? p.channel_orders[T::id] + size_t(kvh) * 2 * D : nullptr;
+      if constexpr (K::OUTLINE_SCORER) score_outlined<K>(seg, len, order, sc);
+      else score_channel_parallel<K>(seg, len, order, sc);
     } else {
       const float* lut = lut_s() + lut_offset<T>(typename Cfg::Tiers{});
       for (int t0 = 0; t0 < P; t0 += TSTRIDE) {
@@ -249,6 +233,38 @@ struct DecodeCta {
     }
     if (p.page_delta) write_delta<K>(seg, len, gpage);
     __syncthreads();
+  }
+
+  // Codecs with a large scorer (K::OUTLINE_SCORER: mixed keys, whose zone tiers share one
+  // codec) score through one out-of-line copy per codec: inlined into every tier's page step
+  // the 4-zone TriZone variant spilled 3 KB per thread at gqa 8; outlined it needs 193
+  // registers and no spills.
+  template <class K>
+  __device__ __noinline__ void score_outlined(const u8* seg, int len, const u16* order, float* sc) {
+    score_channel_parallel<K>(seg, len, order, sc);
+  }
+
+  // Channel-parallel scoring: the NC8 lanes of a token are consecutive and a shuffle tree sums
+  // their partial dots; a thread scores P/TG consecutive tokens, so per-block state (the int
+  // scale fold) changes at most once or twice per page.
+  template <class K>
+  __device__ __forceinline__ void score_channel_parallel(const u8* seg, int len, const u16* order, float* sc) {
+    const int tid = threadIdx.x, c8 = tid % NC8, tt = tid / NC8;
+    constexpr int RUN = P / TG > 0 ? P / TG : 1;
+    typename K::template Scorer<GQA> scorer(q_s(), c8, order);
+    for (int j = 0; j < RUN; ++j) {
+      const int t = tt * RUN + j;
+      float s[GQA];
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) s[h] = 0.f;
+      if (t < len) scorer.score(seg, t, s);
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) s[h] = group_sum<NC8>(s[h]);
+      if (c8 == 0 && t < P) {
+#pragma unroll
+        for (int h = 0; h < GQA; ++h) sc[h * P + t] = t < len ? s[h] : NEG_INF;
+      }
+    }
   }
 
   template <class K> __device__ static constexpr int score_parts() {

@@ -11,7 +11,7 @@ template <class Cfg>
 struct TranscodeSmem {
   static constexpr int X = 0;
   static constexpr int SCRATCH = X + align16(Cfg::P * Cfg::D * 4);
-  // Destination key codec's scratch: int keys 2 * NBLK * D floats, spherical P * NG ints.
+  // Destination key codec's scratch: int and mixed keys 2 * NBLK * D floats, spherical P * NG ints.
   static constexpr int TOTAL = SCRATCH + align16(Cfg::SCRATCH_BYTES);
 };
 
@@ -46,10 +46,14 @@ __device__ void transcode_kernel(const TranscodeParams& p) {
   const float* srs = rs(Src::id, SNG);
   const float* dcb = cb(Dst::id, DNG, DE, D / DNG);
   const float* drs = rs(Dst::id, DNG);
-  // Keys.
-  for (int i = threadIdx.x; i < P * D; i += NT) x[i] = Src::Key::dequant(sseg, i / D, i % D, scb, srs);
+  auto order = [&](int tier) -> const u16* {
+    return p.channel_orders[tier] ? p.channel_orders[tier] + size_t(kvh) * 2 * D : nullptr;
+  };
+  // Keys (natural channel order in x; mixed keys scatter and gather through their order).
+  const u16* sord = order(Src::id);
+  for (int i = threadIdx.x; i < P * D; i += NT) x[i] = Src::Key::dequant(sseg, i / D, i % D, scb, srs, sord);
   __syncthreads();
-  Dst::Key::template encode<NT>(dseg, x, scratch, dcb, drs);
+  Dst::Key::template encode<NT>(dseg, x, scratch, dcb, drs, order(Dst::id));
   __syncthreads();
   // Values.
   for (int i = threadIdx.x; i < P * D; i += NT) x[i] = Src::Value::dequant(sseg, i / D, i % D);

@@ -1,0 +1,53 @@
+//! Channel orders of mixed-key tiers (seed 002 TriZone, K side).
+//!
+//! A mixed-key tier stores each kv head's channels in a *channel order* (stored position j
+//! holds natural channel `order[j]`) so that its segments — fp16, int8, int4, int2, dropped —
+//! hold the channels the controller ranks heaviest first. The kernels gather the query
+//! through the order and transcode scatters through its inverse; both lie on the device as
+//! `[num_kv_heads][2][head_dim]` u16. An order is fixed before the tier's first page is
+//! coded: pages coded in one order cannot be read in another, so changing it later is an
+//! error rather than a silent re-interpretation. Until set, a tier uses the identity.
+
+use kvforge_spec::{KeyScheme, TierId};
+
+use crate::cache::KvCache;
+use crate::error::{drv, Result, RtError};
+
+impl KvCache {
+    /// Sets the channel order of mixed-key tier `tier`: `order` is `[num_kv_heads][head_dim]`,
+    /// each head's row a permutation of `0..head_dim` (stored position → natural channel).
+    pub fn set_channel_order(&mut self, tier: TierId, order: &[u16]) -> Result<()> {
+        let t = self.spec.tiers.get(tier as usize).ok_or_else(|| RtError::BadTier(tier, "no such tier".into()))?;
+        if !matches!(t.key, KeyScheme::Mixed { .. }) {
+            return Err(RtError::BadTier(tier, format!("`{}` does not store mixed-bit keys; channel orders belong to mixed-key tiers", t.name)));
+        }
+        let used = self.pool.used_pages(tier);
+        if used > 0 {
+            return Err(RtError::BadInput(format!("tier `{}` already holds {used} pages coded in its current channel order; set the order before the first page is coded", t.name)));
+        }
+        let (d, hkv) = (self.cfg.head_dim, self.cfg.num_kv_heads);
+        if order.len() != hkv * d {
+            return Err(RtError::BadInput(format!("channel order: need {hkv} kv heads × {d} channels = {} entries, got {}", hkv * d, order.len())));
+        }
+        let mut table = Vec::with_capacity(2 * hkv * d);
+        for (h, row) in order.chunks(d).enumerate() {
+            kvforge_ref::mixed::check_order(row, d).map_err(|e| RtError::BadInput(format!("channel order of kv head {h}: {e}")))?;
+            let mut inverse = vec![0u16; d];
+            for (j, &c) in row.iter().enumerate() {
+                inverse[c as usize] = j as u16;
+            }
+            table.extend_from_slice(row);
+            table.extend_from_slice(&inverse);
+        }
+        self.channel_orders[tier as usize] = Some(self.dev.stream.clone_htod(&table).map_err(drv("channel order upload"))?);
+        Ok(())
+    }
+
+    /// The channel order `[num_kv_heads][head_dim]` of tier `tier`, once set.
+    pub fn channel_order(&self, tier: TierId) -> Result<Option<Vec<u16>>> {
+        let Some(Some(table)) = self.channel_orders.get(tier as usize) else { return Ok(None) };
+        let all = self.dev.stream.clone_dtoh(table).map_err(drv("channel order download"))?;
+        let d = self.cfg.head_dim;
+        Ok(Some(all.chunks(2 * d).flat_map(|h| h[..d].iter().copied()).collect()))
+    }
+}
