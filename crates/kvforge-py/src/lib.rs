@@ -472,6 +472,30 @@ impl Cache {
         })
     }
 
+    /// Sets the channel order of mixed-key tier `tier` (seed 002 TriZone): `order` is a
+    /// sequence of `num_kv_heads * head_dim` ints (e.g. a list or a CPU tensor's ``tolist()``),
+    /// each head's row a permutation of ``range(head_dim)`` naming the natural channel held at
+    /// each stored position, heaviest first (see :func:`kvforge.hf.channel_order`). Call
+    /// before the tier's first page is coded; raises KvforgeError otherwise.
+    fn set_channel_order(&mut self, py: Python<'_>, tier: &Bound<'_, PyAny>, order: Vec<u16>) -> PyResult<()> {
+        guarded(py, || {
+            let t = tier_id(py, self.inner.spec(), tier)?;
+            self.inner.set_channel_order(t, &order).or_py(py)
+        })
+    }
+
+    /// The channel order of mixed-key tier `tier` as a flat list, or None while unset.
+    fn channel_order(&self, py: Python<'_>, tier: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u16>>> {
+        let t = tier_id(py, self.inner.spec(), tier)?;
+        self.inner.channel_order(t).or_py(py)
+    }
+
+    /// Names of the tiers that store mixed per-channel keys (they take a channel order).
+    #[getter]
+    fn mixed_key_tiers(&self) -> Vec<String> {
+        self.inner.spec().tiers.iter().filter(|t| matches!(t.key, kvforge_spec::KeyScheme::Mixed { .. })).map(|t| t.name.clone()).collect()
+    }
+
     /// Keeps the fp16 original of every page encoded from now on in pinned host memory (tier 2
     /// of certified decode, see :class:`Certifier`). Call before appending; raises
     /// KvforgeError when the pinned memory cannot be allocated.

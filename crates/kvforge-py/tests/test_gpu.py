@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import kvforge
+import kvforge.hf
 
 ROOT = str(Path(__file__).resolve().parents[3])
 DEV = torch.device("cuda:0")
@@ -265,6 +266,40 @@ def test_memory_report_and_retier():
     o2, _ = c.decode(q, seqs=[s])
     assert not torch.equal(o2, o8)
     print(f"   b8 {before:.1f} -> {c.bytes_per_token():.1f} B/token/head")
+
+
+def test_trizone_channel_order_from_the_prompt():
+    """Mixed-key (TriZone) tiers code through the prompt's channel order: keys whose lightest
+    1/8 of channels (the dropped segment) are zero attend like the fp32 reference within the
+    quantisation error of the other segments."""
+    c = mk("trizone", "zb", sequences=1)
+    assert c.mixed_key_tiers == ["zb", "za8", "za4", "za2"]
+    n = 3 * P + 5
+    k, v = rand(n, HKV, D, seed=80), rand(n, HKV, D, seed=81)
+    q = rand(1, HQ, D, seed=82)
+    k[:, :, D - D // 8:] = 0  # the lightest channels: the order puts them in the dropped segment
+    order = kvforge.hf.channel_order(q.transpose(0, 1).float(), k.transpose(0, 1).float())
+    assert all(sorted(order[h * D:(h + 1) * D]) == list(range(D)) for h in range(HKV))
+    e = raises(c.set_channel_order, "za4", order[:D])
+    assert "entries" in str(e)
+    raises(c.set_channel_order, "tail", order)  # not a mixed-key tier
+    for t in c.mixed_key_tiers:
+        c.set_channel_order(t, order)
+    assert c.channel_order("za2") == order
+    s = c.add_sequence()
+    c.append(s, k, v)
+    e = raises(c.set_channel_order, "zb", order)
+    assert "already holds" in str(e)
+    want, _ = ref_attention(q, k, v, [n])
+    got, _ = c.decode(q, seqs=[s])
+    err_zb = (got.float() - want).abs().max().item()
+    for h in range(HKV):
+        for i, t in enumerate(["za8", "za4", "za2"]):
+            c.retier(s, h, i, t)
+    got2, _ = c.decode(q, seqs=[s])
+    err_za = (got2.float() - want).abs().max().item()
+    assert torch.isfinite(got2).all() and err_zb < 0.1 and err_za < 0.5, (err_zb, err_za)
+    print(f"   trizone: max err zb {err_zb:.3e}, zone mix {err_za:.3e}, {c.bytes_per_token():.1f} B/token/head")
 
 
 def test_many_layers_share_the_device():

@@ -354,3 +354,43 @@ def test_control_attends_the_prompt_exactly_then_applies_per_layer(fake, hf):
     assert c.calls[-2:] == [("append", 1), ("decode", 1)]
     assert len(ctl.applied) == 1
     assert att.bytes_per_token() == 4.0 * 8 + 1.0
+
+
+def test_channel_order_is_seed_002_weights_heaviest_first(hf):
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(6, 20, 8, generator=g)  # 2 kv heads × gqa 3
+    k = torch.randn(2, 30, 8, generator=g)
+    q[0:3, :, 5] *= 10.0  # kv head 0: channel 5 dominates through its queries
+    k[1, :, 2] *= 10.0    # kv head 1: channel 2 through its keys
+    order = hf.channel_order(q, k)
+    assert len(order) == 16
+    for h in range(2):
+        row = order[h * 8:(h + 1) * 8]
+        assert sorted(row) == list(range(8))
+        w = [(q[3 * h:3 * h + 3, :, c].double().norm() * k[h, :, c].double().norm()).item() / math.sqrt(8) for c in range(8)]
+        assert all(w[row[i]] >= w[row[i + 1]] for i in range(7))
+    assert order[0] == 5 and order[8] == 2
+    # ties keep channel order
+    assert hf.channel_order(torch.ones(2, 4, 8), torch.ones(1, 4, 8)) == list(range(8))
+
+
+def test_mixed_key_tiers_get_the_prompt_channel_order(fake, hf):
+    import torch
+
+    class _Mixed(_FakeCache):
+        mixed_key_tiers = ["zb", "za4"]
+
+        def set_channel_order(self, tier, order):
+            assert self.k is None, "the order is set before the first append"
+            self.calls.append(("order", tier, list(order)))
+
+    fake.Cache = _Mixed
+    g = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(6, 12, 8, generator=g), torch.randn(2, 12, 8, generator=g), torch.randn(2, 12, 8, generator=g)
+    att = hf.KvforgeAttention("specs/trizone.toml", "zb", max_tokens=64)
+    att.attend(0, q, k, v, 1 / math.sqrt(8))
+    calls = att.layers[0]["cache"].calls
+    want = hf.channel_order(q, k)
+    assert calls[:2] == [("order", "zb", want), ("order", "za4", want)] and calls[2] == ("append", 12)

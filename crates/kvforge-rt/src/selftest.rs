@@ -105,6 +105,28 @@ fn ensure_radius_scales(cache: &mut KvCache, spec: &Spec, to: TierId, from: Tier
     cache.set_radius_scales(to, &vec![2.0 * base; hkv * d / group])
 }
 
+/// Gives every mixed-key tier a seeded random channel order per kv head (so the self-test
+/// checks the gather/scatter through the order, not just the identity). Per tier id: the
+/// order set, if any.
+fn set_channel_orders(cache: &mut KvCache, spec: &Spec, hkv: usize, d: usize, seed: u64) -> Result<Vec<Option<Vec<u16>>>> {
+    use rand::seq::SliceRandom;
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x0de5);
+    let mut out = vec![None; spec.tiers.len()];
+    for t in &spec.tiers {
+        if matches!(t.key, kvforge_spec::KeyScheme::Mixed { .. }) {
+            let mut order = Vec::with_capacity(hkv * d);
+            for _ in 0..hkv {
+                let mut o = kvforge_ref::mixed::identity_order(d);
+                o.shuffle(&mut rng);
+                order.extend(o);
+            }
+            cache.set_channel_order(t.id, &order)?;
+            out[t.id as usize] = Some(order);
+        }
+    }
+    Ok(out)
+}
+
 /// Runs every case for one decode variant; `mixed` re-tiers pages so the batch holds every
 /// tier of the variant's combination.
 pub fn run_variant(dev: &Arc<Device>, spec: &Spec, v: &VariantId, long: bool) -> Result<VariantResult> {
@@ -123,6 +145,7 @@ pub fn run_variant(dev: &Arc<Device>, spec: &Spec, v: &VariantId, long: bool) ->
         let mut cfg = CacheConfig::new(spec, d, *gqa, hkv, case.lens.len(), total).target(target);
         cfg.verify_headers = true;
         let mut cache = KvCache::new(dev.clone(), spec.clone(), cfg)?;
+        let orders = set_channel_orders(&mut cache, spec, hkv, d, case.seed)?;
         let mut seqs = Vec::new();
         let mut qs = Vec::new();
         for &len in &case.lens {
@@ -191,6 +214,11 @@ pub fn run_variant(dev: &Arc<Device>, spec: &Spec, v: &VariantId, long: bool) ->
                         None
                     };
                     let (k, v) = kvforge_ref::decode_segment(tier, d, p, &bytes[HEADER_BYTES..], rs.as_deref().unwrap_or(&[]));
+                    // Mixed keys decode in stored channel order.
+                    let k = match &orders[pg.tier as usize] {
+                        Some(o) => kvforge_ref::mixed::to_natural(&k, d, &o[h * d..(h + 1) * d]),
+                        None => k,
+                    };
                     kk.extend_from_slice(&k[..len * d]);
                     vv.extend_from_slice(&v[..len * d]);
                 }

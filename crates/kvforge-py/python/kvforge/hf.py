@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 __all__ = [
     "ATTN_NAME",
@@ -103,6 +103,23 @@ def exact_attention(q, k, v, scaling: float, chunk: int = 1024):
     return out, mass
 
 
+def channel_order(q, k) -> List[int]:
+    """Seed 002 Prop. 3.2 channel weights ``w_c = ‖Q[:,c]‖ ‖K[:,c]‖ / √d`` per kv head (the
+    queries of its GQA group against its keys) and each head's channels heaviest first (ties
+    by channel index) — the order a mixed-key (TriZone) tier stores them in, so that its widest
+    segments hold the heaviest channels. ``q [Hq, Tq, D]``, ``k [Hkv, S, D]``; returns
+    ``Hkv * D`` ints for ``Cache.set_channel_order``."""
+    hq, _, d = q.shape
+    hkv = k.shape[0]
+    qn = q.double().reshape(hkv, -1, d).norm(dim=1)  # [Hkv, D]: the group's queries stacked
+    kn = k.double().norm(dim=1)                       # [Hkv, D]
+    w = (qn * kn / math.sqrt(d)).tolist()
+    order: List[int] = []
+    for row in w:
+        order.extend(sorted(range(d), key=lambda c: (-row[c], c)))
+    return order
+
+
 class KvforgeAttention:
     """Per-model state: one ``kvforge.Cache`` (one sequence) per attention layer.
 
@@ -142,6 +159,11 @@ class KvforgeAttention:
         if index:  # device 0 is the Cache's default
             kw["device"] = index
         cache = self.kvforge.Cache(self.spec, **kw)
+        mixed = list(getattr(cache, "mixed_key_tiers", ()))
+        if mixed:  # TriZone: order each head's channels by the prompt's weights before coding
+            order = channel_order(q, k)
+            for t in mixed:
+                cache.set_channel_order(t, order)
         if self.certify is not None:
             cache.keep_originals()
         st = {"cache": cache, "seq": cache.add_sequence(), "n": 0}
