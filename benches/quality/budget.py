@@ -42,6 +42,7 @@ import kvq  # noqa: E402
 from kvq import log  # noqa: E402
 
 SPEC = "specs/rdkv.toml"
+TRIZONE = "specs/trizone.toml"
 EVAL_TEXTS = ["persuasion", "northangerabbey", "mansfieldpark", "sensesensibility", "prideprejudice"]
 FRACTIONS = [0.05, 0.1, 0.2, 0.35, 0.5]
 
@@ -99,7 +100,10 @@ def continuation(model, ids, cont: int, device, one_by_one: bool = False) -> flo
 
 
 def make(scheme: str, d: int, calib: dict, max_tokens: int, args):
-    """fp16 | uniform:<tier> | rdr@<frac> | rdkv@<frac> | certified"""
+    """fp16 | uniform:<tier> | rdr@<frac> | rdkv@<frac> | trizone@<frac> | certified
+
+    ``trizone@f``: RDKV on specs/trizone.toml (seed 002's TriZone: per-channel mixed-bit keys in
+    the prompt's channel order, per-page value widths), pages start in zone B (``zb``)."""
     import kvforge.hf as hf
 
     if scheme == "fp16":
@@ -113,10 +117,11 @@ def make(scheme: str, d: int, calib: dict, max_tokens: int, args):
                                   certify=kvforge.Certifier())
     policy, _, frac = scheme.partition("@")
     budget = float(frac) * 4.0 * d  # bytes per token per kv head; fp16 K + V = 4d
-    kw = dict(sinks=args.sinks, recent=args.recent, floor="b2")
-    if policy == "rdkv":
+    spec, start, floor = (TRIZONE, "zb", "za2") if policy == "trizone" else (SPEC, "b8", "b2")
+    kw = dict(sinks=args.sinks, recent=args.recent, floor=floor)
+    if policy in ("rdkv", "trizone"):
         kw.update(eps_k=calib["eps_k"], eps_v=calib["eps_v"])
-    return kvq.KvforgeBackend(SPEC, "b8", scheme, max_tokens, control=hf.Control(policy, budget, **kw))
+    return kvq.KvforgeBackend(spec, start, scheme, max_tokens, control=hf.Control("rdkv" if policy == "trizone" else policy, budget, **kw))
 
 
 def summarise_reports(backend) -> dict:
@@ -154,6 +159,7 @@ def main():
     ap.add_argument("--cont", type=int, default=256, help="scored continuation tokens")
     ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)), help="budgets, fraction of fp16 bytes")
     ap.add_argument("--uniform", default="b8,b4,b2")
+    ap.add_argument("--trizone", default="0.2,0.35,0.5", help="budgets of RDKV on the TriZone spec ('' skips)")
     ap.add_argument("--certified-contexts", default="2048", help="contexts for certified decode ('' skips)")
     ap.add_argument("--certified-texts", type=int, default=2, help="first N texts for certified decode")
     ap.add_argument("--needle-context", type=int, default=4096, help="0 skips the needle test")
@@ -173,6 +179,7 @@ def main():
     fracs = [float(x) for x in args.fractions.split(",") if x]
     schemes = ["fp16"] + [f"uniform:{t}" for t in args.uniform.split(",") if t]
     schemes += [f"{p}@{f}" for p in ("rdr", "rdkv") for f in fracs]
+    schemes += [f"trizone@{f}" for f in [float(x) for x in args.trizone.split(",") if x]]
     cert_ctx = [int(x) for x in args.certified_contexts.split(",") if x]
 
     gguf = kvq.find_gguf(args.model)
@@ -301,7 +308,7 @@ def plot(result: dict, path: Path) -> None:
     ctxs = sorted({c for by in rel.values() for c in by})
     fig, axes = plt.subplots(1, len(ctxs), figsize=(5 * len(ctxs), 4), squeeze=False)
     for ax, ctx in zip(axes[0], ctxs):
-        for label, pre, style in (("RDR", "rdr@", "o-"), ("RDKV", "rdkv@", "s-"), ("uniform int8/4/2", "uniform:", "^--")):
+        for label, pre, style in (("RDR", "rdr@", "o-"), ("RDKV", "rdkv@", "s-"), ("RDKV TriZone", "trizone@", "D-"), ("uniform int8/4/2", "uniform:", "^--")):
             pts = sorted(v[ctx] for s, v in rel.items() if s.startswith(pre) and ctx in v)
             if pts:
                 ax.plot(*zip(*pts), style, label=label)
