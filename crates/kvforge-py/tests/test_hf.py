@@ -327,6 +327,8 @@ def test_exact_attention_matches_eager_and_sums_columns(hf):
         assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
         assert torch.allclose(mass, col, atol=1e-9)
         assert torch.allclose(mass.sum(1), torch.full((hkv,), 3.0 * tq, dtype=torch.float64))
+        alone, none = hf.exact_attention(q, k, v, 0.25, chunk=4, column_sums=False)
+        assert none is None and torch.equal(alone, out)
 
 
 def test_control_attends_the_prompt_exactly_then_applies_per_layer(fake, hf):

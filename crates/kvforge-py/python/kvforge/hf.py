@@ -77,11 +77,12 @@ class Control:
         return f"Control({self.policy!r}, budget={self.budget}{extra})"
 
 
-def exact_attention(q, k, v, scaling: float, chunk: int = 1024):
+def exact_attention(q, k, v, scaling: float, chunk: int = 1024, column_sums: bool = True):
     """Exact causal attention in fp32 with the queries at the last ``Tq`` of ``S`` positions,
     and the attention column sums: q [Hq, Tq, D], k/v [Hkv, S, D] -> (out [Tq, Hq, D] in q's
-    dtype, mass [Hkv, S] float64 = Σ over queries and the kv head's GQA group of a_τt).
-    Queries are processed ``chunk`` at a time (memory Hq × chunk × S × 4 bytes)."""
+    dtype, mass [Hkv, S] float64 = Σ over queries and the kv head's GQA group of a_τt, or None
+    with ``column_sums=False``). Queries are processed ``chunk`` at a time (memory
+    Hq × chunk × S × 4 bytes)."""
     import torch
 
     hq, tq, d = q.shape
@@ -90,7 +91,7 @@ def exact_attention(q, k, v, scaling: float, chunk: int = 1024):
     kf, vf = k.float(), v.float()
     qg = q.float().reshape(hkv, g, tq, d)
     out = torch.empty(tq, hq, d, dtype=q.dtype, device=q.device)
-    mass = torch.zeros(hkv, s, dtype=torch.float64, device=q.device)
+    mass = torch.zeros(hkv, s, dtype=torch.float64, device=q.device) if column_sums else None
     cols = torch.arange(s, device=q.device)
     for i0 in range(0, tq, chunk):
         i1 = min(tq, i0 + chunk)
@@ -99,7 +100,8 @@ def exact_attention(q, k, v, scaling: float, chunk: int = 1024):
         sc = sc.masked_fill(cols[None, :] > pos[:, None], float("-inf"))
         p = torch.softmax(sc, dim=-1)
         out[i0:i1] = torch.einsum("hgts,hsd->thgd", p, vf).reshape(i1 - i0, hq, d).to(q.dtype)
-        mass += p.sum(dim=(1, 2)).double()
+        if mass is not None:
+            mass += p.sum(dim=(1, 2)).double()
     return out, mass
 
 
@@ -186,7 +188,7 @@ class KvforgeAttention:
             cache.append(seq, kn, vn)
             st["n"] = s
         if prompt and tq == s and self.exact_prefill:
-            out, mass = exact_attention(q, k, v, scaling)
+            out, mass = exact_attention(q, k, v, scaling, column_sums=self.control is not None)
             if self.control is not None:
                 self.reports[layer] = self.control.make(self.kvforge, cache).apply(cache, seq, token_mass=mass)
             self.last_bytes[layer] = context_bytes(cache, seq)
