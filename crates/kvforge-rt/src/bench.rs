@@ -64,16 +64,19 @@ pub fn copy_gbps(dev: &Device, flush: &mut CudaSlice<u8>) -> Result<f64> {
     Ok(2.0 * n as f64 / (percentile(&t, 0.5) * 1e-6) / 1e9)
 }
 
-/// Bytes one decode of `plan` reads: every page's header and segment, the queries, and the
-/// codebooks every CTA reads to build its lookup tables.
+/// Bytes one decode of `plan` reads: every page's header and segment, the queries, the
+/// codebooks every CTA reads to build its lookup tables and the channel orders of mixed keys.
 pub fn bytes_read(cache: &KvCache, plan: &crate::DecodePlan) -> usize {
     let spec = cache.spec();
     let d = plan.head_dim;
     let mut bytes = plan.batch * plan.num_kv_heads * plan.gqa * d * 2;
     let ctas = plan.batch * plan.num_kv_heads * plan.splits;
     for &t in &plan.tiers {
-        if let KeyScheme::Spherical { group, angle_bits, .. } = &spec.tiers[t as usize].key {
-            bytes += ctas * (d / group) * (1 << angle_bits) * group * 4;
+        match &spec.tiers[t as usize].key {
+            KeyScheme::Spherical { group, angle_bits, .. } => bytes += ctas * (d / group) * (1 << angle_bits) * group * 4,
+            // Mixed keys gather the query through the kv head's channel order (u16 per channel).
+            KeyScheme::Mixed { .. } => bytes += ctas * d * 2,
+            _ => {}
         }
     }
     bytes + plan.page_bytes_read
