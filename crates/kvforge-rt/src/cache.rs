@@ -16,6 +16,7 @@ use crate::device::Device;
 use crate::error::{drv, Result, RtError};
 use crate::kernels::KernelCache;
 use crate::params::TranscodeParams;
+use crate::moves::{MoveBatch, PageMove};
 use crate::pool::{PagePool, PageRef};
 
 /// Shape and capacity of a cache.
@@ -640,34 +641,76 @@ impl KvCache {
             .collect()
     }
 
-    /// Re-codes page `index` of (seq, head) into tier `to` (drop frees it). Pages only move
-    /// down the ladder.
+    /// Re-codes page `index` of (seq, head) into tier `to` (drop frees it): the one-move case of
+    /// [`retier_pages`](Self::retier_pages).
     pub fn retier(&mut self, seq: usize, head: usize, index: usize, to: TierId) -> Result<()> {
+        self.retier_pages(seq, &[(head, index, to)]).map(|_| ())
+    }
+
+    /// Applies page moves `(kv head, index, to)` to one sequence with one transcode launch per
+    /// (from tier, to tier) pair, not one per page (issue 7); returns the number of launches.
+    ///
+    /// `index` counts the head's full pages as they are *before* the call (what
+    /// [`pages`](Self::pages) lists, tail excluded): dropped pages leave the tables only at the
+    /// end, so callers never shift indices. Pages only move down the ladder; the drop tier frees
+    /// the page without a launch, and the other pages keep their logical positions.
+    ///
+    /// Everything is checked before anything changes ([`MoveBatch::plan`]): a missing page or
+    /// a page named twice (`BadInput`), an unknown tier, a move up, a spherical tier without
+    /// radius scales (`BadTier`), too few free pages (`OutOfPages`) leave the cache as it was.
+    /// Then drops free their pages and the launches run deepest source tier first, each freeing
+    /// its sources. A device error in a launch stops the batch: the drops and the launches
+    /// before it are applied, the failing launch's pages keep their tier (nothing leaks).
+    pub fn retier_pages(&mut self, seq: usize, moves: &[PageMove]) -> Result<usize> {
         let s = self.seq(seq)?;
-        let page = *s.heads.get(head).and_then(|h| h.full.get(index)).ok_or_else(|| RtError::BadInput(format!("no full page {index} in sequence {seq} head {head}")))?;
-        let dst_tier = self.spec.tiers.get(to as usize).ok_or_else(|| RtError::BadTier(to, "no such tier".into()))?;
-        if to <= page.tier {
-            return Err(RtError::BadTier(to, format!("pages move down the ladder only (page is in tier {})", page.tier)));
+        let tier_of = |head: usize, index: usize| {
+            s.heads.get(head).and_then(|h| h.full.get(index)).map(|p| p.tier).ok_or_else(|| RtError::BadInput(format!("no full page {index} in sequence {seq} head {head}")))
+        };
+        let free: Vec<usize> = (0..self.spec.tiers.len()).map(|t| self.pool.free_pages(t as TierId)).collect();
+        let batch = MoveBatch::plan(&self.spec, moves, tier_of, &free, |t| self.pool.out_of_pages(t))?;
+        for &(_, to, _) in &batch.launches {
+            if matches!(self.spec.tiers[to as usize].key, KeyScheme::Spherical { .. }) && self.radius_scales[to as usize].is_none() {
+                return Err(RtError::BadTier(to, "set radius scales before re-coding into a spherical tier".into()));
+            }
         }
-        if dst_tier.is_drop() {
+        let s = self.seqs[seq].as_mut().unwrap();
+        for &m in &batch.drops {
+            let (h, i, _) = moves[m];
+            self.pool.free(s.heads[h].full[i]);
+        }
+        let launched = self.launch_moves(seq, moves, &batch.launches);
+        if !batch.drops.is_empty() {
             let s = self.seqs[seq].as_mut().unwrap();
-            s.heads[head].full.remove(index);
-            s.heads[head].first.remove(index);
-            self.pool.free(page);
-            return Ok(());
+            let mut keep: Vec<Vec<bool>> = s.heads.iter().map(|h| vec![true; h.full.len()]).collect();
+            for &m in &batch.drops {
+                keep[moves[m].0][moves[m].1] = false;
+            }
+            for (h, keep) in s.heads.iter_mut().zip(keep) {
+                let (mut a, mut b) = (keep.iter(), keep.iter());
+                h.full.retain(|_| *a.next().unwrap());
+                h.first.retain(|_| *b.next().unwrap());
+            }
         }
-        self.pool.reserve(&{
-            let mut n = vec![0; self.spec.tiers.len()];
-            n[to as usize] = 1;
-            n
-        })?;
-        if matches!(dst_tier.key, KeyScheme::Spherical { .. }) && self.radius_scales[to as usize].is_none() {
-            return Err(RtError::BadTier(to, "set radius scales before re-coding into a spherical tier".into()));
+        launched
+    }
+
+    /// The launches of a [`MoveBatch`], in order; each swaps its new pages into the table.
+    fn launch_moves(&mut self, seq: usize, moves: &[PageMove], launches: &[(TierId, TierId, Vec<usize>)]) -> Result<usize> {
+        for (from, to, group) in launches {
+            let s = self.seqs[seq].as_ref().unwrap();
+            let src: Vec<PageRef> = group.iter().map(|&m| s.heads[moves[m].0].full[moves[m].1]).collect();
+            let heads: Vec<u32> = group.iter().map(|&m| moves[m].0 as u32).collect();
+            let dst: Vec<PageRef> = group.iter().map(|_| self.pool.alloc(*to)).collect::<Result<_>>()?;
+            if let Err(e) = self.transcode(&src, &dst, &heads, *from, *to) {
+                dst.into_iter().for_each(|p| self.pool.free(p));
+                return Err(e);
+            }
+            let s = self.seqs[seq].as_mut().unwrap();
+            for ((&m, old), new) in group.iter().zip(src).zip(dst) {
+                s.heads[moves[m].0].full[moves[m].1] = new;
+                self.pool.free(old);
+            }
         }
-        let dst = self.pool.alloc(to)?;
-        self.transcode(&[page], &[dst], &[head as u32], page.tier, to)?;
-        self.pool.free(page);
-        self.seqs[seq].as_mut().unwrap().heads[head].full[index] = dst;
-        Ok(())
+        Ok(launches.len())
     }
 }

@@ -26,6 +26,7 @@ mod error;
 pub mod external;
 pub mod jit;
 mod kernels;
+mod moves;
 pub mod params;
 pub mod selftest;
 pub mod testing;
@@ -36,4 +37,5 @@ pub use decode::{choose_combination, from_bits, plan, split_count, to_bits, Deco
 pub use device::{driver_present, nvrtc_present, Device, DeviceInfo};
 pub use error::{Result, RtError};
 pub use external::{prefix_pages, ElemType, ExternalTensor, TensorDevice};
+pub use moves::{MoveBatch, PageMove};
 pub use pool::{PagePool, PageRef};

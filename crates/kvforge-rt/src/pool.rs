@@ -72,17 +72,22 @@ impl PagePool {
     /// Fails without allocating anything unless `need[t]` pages of every tier are free.
     pub fn reserve(&self, need: &[usize]) -> Result<()> {
         for (t, &n) in need.iter().enumerate() {
-            let r = &self.regions[t];
-            if n > r.free.len() {
-                return Err(RtError::OutOfPages { tier: self.names[t].clone(), capacity: r.capacity, page_bytes: r.page_bytes });
+            if n > self.regions[t].free.len() {
+                return Err(self.out_of_pages(t as TierId));
             }
         }
         Ok(())
     }
 
+    /// The error for tier `tier` having too few free pages.
+    pub fn out_of_pages(&self, tier: TierId) -> RtError {
+        let r = &self.regions[tier as usize];
+        RtError::OutOfPages { tier: self.names[tier as usize].clone(), capacity: r.capacity, page_bytes: r.page_bytes }
+    }
+
     pub fn alloc(&mut self, tier: TierId) -> Result<PageRef> {
-        let r = &mut self.regions[tier as usize];
-        let index = r.free.pop().ok_or_else(|| RtError::OutOfPages { tier: self.names[tier as usize].clone(), capacity: r.capacity, page_bytes: r.page_bytes })?;
+        let index = self.regions[tier as usize].free.pop().ok_or_else(|| self.out_of_pages(tier))?;
+        let r = &self.regions[tier as usize];
         Ok(PageRef { tier, index, offset: r.first + index as u64 * r.page_bytes as u64 })
     }
 
