@@ -1,14 +1,12 @@
 //! Applying plans to a cache: `KvCache` on the GPU, or [`SimCache`], its CPU twin.
 //!
 //! [`apply`] validates the plan ([`check_plan`]), checks that the cache still looks like the
-//! view, re-codes pages in a safe order and verifies the cache afterwards against
-//! [`simulate`]. The order matters because `KvCache::retier` removes a dropped page from the
-//! head's list (later indices shift down) and allocates the destination page before freeing
-//! the source:
-//! 1. drops, per head from the highest index down, so the indices still to visit stay valid
-//!    (and pages are freed before anything is allocated);
-//! 2. down-tiers with indices corrected for the drops, deepest source tier first, so a move
-//!    `mid → low` frees its `mid` slot before a `high → mid` needs one.
+//! view, hands all its moves to the cache in one [`PagedCache::retier_pages`] call and verifies
+//! the cache afterwards against [`simulate`]. One call per sequence lets `KvCache` re-code with
+//! one transcode launch per (from tier, to tier) pair instead of one per page (issue 7: 5–19 ms
+//! per layer on an H100). The batch takes the indices of the view (before any move), so
+//! `apply` shifts nothing; the safe order (drops free pages first, deepest source tier first)
+//! is the cache's business (`kvforge_rt::MoveBatch`).
 //!
 //! [`PositionMap`] keeps the logical token positions of every page (after a drop a page's
 //! index no longer says where it sits in the context) for any [`PagedCache`], and builds
@@ -16,7 +14,9 @@
 //! itself; [`PositionMap::of_cache`] reads them, so a caller that holds no map between
 //! invocations (the Python bindings) still gets the right positions.
 
-use kvforge_rt::KvCache;
+use std::cmp::Reverse;
+
+use kvforge_rt::{KvCache, MoveBatch, PageMove, RtError};
 use kvforge_spec::{Spec, TierId, TAIL_TIER};
 
 use crate::budget::TierCosts;
@@ -35,6 +35,44 @@ pub trait PagedCache {
     /// Re-codes full page `index` of (seq, head) into a lower tier; the drop tier frees it and
     /// removes it from the list.
     fn retier(&mut self, seq: usize, head: usize, index: usize, to: TierId) -> Result<(), Self::Error>;
+
+    /// Applies moves `(kv head, index, to)` of one sequence, on distinct pages; `index` counts
+    /// the head's pages *before* the call (the call removes dropped pages itself). Returns the
+    /// kernel launches it took.
+    ///
+    /// The default calls [`retier`](Self::retier) once per move (one launch per re-code) in
+    /// an order that frees pages before allocating: drops per head from the highest index down
+    /// (the indices still to visit stay valid), then re-codes deepest source tier first (a
+    /// `mid → low` frees a `mid` slot for a `high → mid`), indices shifted past the drops. A
+    /// move naming no full page goes to `retier` first, as given, so the cache's own error
+    /// comes before anything changes (shifted, it could land on another page).
+    fn retier_pages(&mut self, seq: usize, moves: &[PageMove]) -> Result<usize, Self::Error> {
+        let mut tiers = std::collections::BTreeMap::new();
+        for &(h, _, _) in moves {
+            if let std::collections::btree_map::Entry::Vacant(e) = tiers.entry(h) {
+                e.insert(self.page_tiers(seq, h)?);
+            }
+        }
+        let is_drop = |t: TierId| self.spec().tiers.get(t as usize).is_some_and(|x| x.is_drop());
+        let (mut bad, mut drops, mut recodes) = (Vec::new(), Vec::new(), Vec::new());
+        for &(h, i, to) in moves {
+            match tiers[&h].get(i).map(|x: &(TierId, usize)| x.0).filter(|&t| t != TAIL_TIER) {
+                None => bad.push((h, i, to)),
+                Some(_) if is_drop(to) => drops.push((h, i, to)),
+                Some(from) => recodes.push((Reverse(from), h, i, to)),
+            }
+        }
+        drops.sort_by_key(|&(h, i, _)| (h, Reverse(i)));
+        recodes.sort_unstable();
+        for (h, i, to) in bad.into_iter().chain(drops.iter().copied()) {
+            self.retier(seq, h, i, to)?;
+        }
+        for &(_, h, i, to) in &recodes {
+            let shift = drops.iter().filter(|d| d.0 == h && d.1 < i).count();
+            self.retier(seq, h, i - shift, to)?;
+        }
+        Ok(recodes.len())
+    }
 }
 
 impl PagedCache for KvCache {
@@ -54,6 +92,9 @@ impl PagedCache for KvCache {
     fn retier(&mut self, seq: usize, head: usize, index: usize, to: TierId) -> Result<(), Self::Error> {
         KvCache::retier(self, seq, head, index, to)
     }
+    fn retier_pages(&mut self, seq: usize, moves: &[PageMove]) -> Result<usize, Self::Error> {
+        KvCache::retier_pages(self, seq, moves)
+    }
 }
 
 /// Why a plan was not (fully) applied.
@@ -63,8 +104,11 @@ pub enum ControlError {
     Plan(Violation),
     #[error("the view is stale: kv head {head} of sequence {seq} has pages {found:?} in the cache, the view has {expected:?} ((tier, tokens) each)")]
     Stale { seq: usize, head: usize, expected: Vec<(TierId, usize)>, found: Vec<(TierId, usize)> },
-    #[error("the cache failed after {applied} of {total} decisions: {source}")]
-    Cache { applied: usize, total: usize, source: Box<dyn std::error::Error + Send + Sync> },
+    /// The cache refused or failed the plan's `total` moves. `KvCache` and [`SimCache`] check
+    /// the whole batch first, so a refusal (bad move, out of pages) changed nothing; what a
+    /// device fault part-way leaves is in `KvCache::retier_pages`.
+    #[error("the cache failed the plan's {total} decisions: {source}")]
+    Cache { total: usize, source: Box<dyn std::error::Error + Send + Sync> },
     #[error("the cache does not match the plan afterwards: {0}")]
     Verify(Violation),
     #[error("position map out of sync: {0}")]
@@ -76,13 +120,15 @@ pub enum ControlError {
 pub struct ApplyReport {
     pub dropped: usize,
     pub retiered: usize,
+    /// Kernel launches the re-codes took (one per (from tier, to tier) pair on `KvCache`).
+    pub launches: usize,
     /// Bytes of the sequence before and after, in the view's cost model.
     pub bytes_before: f64,
     pub bytes_after: f64,
 }
 
 fn observed<C: PagedCache>(cache: &C, seq: usize, head: usize) -> Result<Vec<(TierId, usize)>, ControlError> {
-    cache.page_tiers(seq, head).map_err(|e| ControlError::Cache { applied: 0, total: 0, source: Box::new(e) })
+    cache.page_tiers(seq, head).map_err(|e| ControlError::Cache { total: 0, source: Box::new(e) })
 }
 
 /// Applies `plan` (made by a controller for `view` under `limits`) to sequence `seq`.
@@ -97,22 +143,9 @@ pub fn apply<C: PagedCache>(cache: &mut C, seq: usize, view: &PageTableView, pla
     }
     let costs = &view.costs;
     let is_drop = |t: TierId| costs.tiers[t as usize].drop;
-    let mut drops: Vec<_> = plan.decisions.iter().filter(|d| is_drop(d.to_tier)).collect();
-    drops.sort_by(|a, b| a.page.head.cmp(&b.page.head).then(b.page.index.cmp(&a.page.index)));
-    let mut moves: Vec<_> = plan.decisions.iter().filter(|d| !is_drop(d.to_tier)).collect();
-    moves.sort_by(|a, b| b.from_tier.cmp(&a.from_tier).then(a.page.cmp(&b.page)));
-    let total = plan.decisions.len();
-    let mut applied = 0;
-    let fail = |applied: usize, e: C::Error| ControlError::Cache { applied, total, source: Box::new(e) };
-    for d in &drops {
-        cache.retier(seq, d.page.head, d.page.index, d.to_tier).map_err(|e| fail(applied, e))?;
-        applied += 1;
-    }
-    for d in &moves {
-        let shift = drops.iter().filter(|x| x.page.head == d.page.head && x.page.index < d.page.index).count();
-        cache.retier(seq, d.page.head, d.page.index - shift, d.to_tier).map_err(|e| fail(applied, e))?;
-        applied += 1;
-    }
+    let moves: Vec<PageMove> = plan.decisions.iter().map(|d| (d.page.head, d.page.index, d.to_tier)).collect();
+    let total = moves.len();
+    let launches = cache.retier_pages(seq, &moves).map_err(|e| ControlError::Cache { total, source: Box::new(e) })?;
     let after = simulate(view, plan);
     for (h, pages) in after.heads.iter().enumerate() {
         let found = observed(cache, seq, h)?;
@@ -125,7 +158,8 @@ pub fn apply<C: PagedCache>(cache: &mut C, seq: usize, view: &PageTableView, pla
             return Err(ControlError::Verify(Violation::Mismatch { head: h, expected, found: found_tiers }));
         }
     }
-    Ok(ApplyReport { dropped: drops.len(), retiered: moves.len(), bytes_before: view.cost(), bytes_after: after.cost() })
+    let dropped = plan.decisions.iter().filter(|d| is_drop(d.to_tier)).count();
+    Ok(ApplyReport { dropped, retiered: total - dropped, launches, bytes_before: view.cost(), bytes_after: after.cost() })
 }
 
 /// The importance signal of one page, as the runtime knows it.
@@ -161,10 +195,10 @@ impl PositionMap {
     pub fn of_cache(cache: &KvCache, seq: usize) -> Result<PositionMap, ControlError> {
         let heads = cache.config().num_kv_heads;
         let p = cache.spec().page.tokens;
-        let len = cache.seq_len(seq).map_err(|e| ControlError::Cache { applied: 0, total: 0, source: Box::new(e) })?;
+        let len = cache.seq_len(seq).map_err(|e| ControlError::Cache { total: 0, source: Box::new(e) })?;
         let mut m = PositionMap::new(seq, heads);
         for h in 0..heads {
-            let pages = cache.positioned_pages(seq, h).map_err(|e| ControlError::Cache { applied: 0, total: 0, source: Box::new(e) })?;
+            let pages = cache.positioned_pages(seq, h).map_err(|e| ControlError::Cache { total: 0, source: Box::new(e) })?;
             m.tail[h] = pages.iter().find(|x| x.0.tier == TAIL_TIER).map_or(0, |x| x.1);
             m.full_first[h] = pages.iter().filter(|x| x.0.tier != TAIL_TIER).map(|x| x.2).collect();
             m.filled[h] = (len - m.tail[h]) / p;
@@ -244,9 +278,10 @@ impl PositionMap {
 pub struct SimError(pub String);
 
 /// A CPU model of `KvCache`'s page bookkeeping (no bytes): appends fill a tail page per head
-/// and turn full ones into `target` pages; `retier` has `KvCache::retier`'s rules (full pages
-/// only, down only, drop removes the page). Optional per-tier page capacity models the pool.
-/// Tests drive controllers and [`apply`] through it; a GPU test can compare both.
+/// and turn full ones into `target` pages; `retier_pages` checks and orders a batch with the
+/// very code `KvCache::retier_pages` uses ([`MoveBatch`]), and `retier` is its one-move case.
+/// Optional per-tier page capacity models the pool. Tests drive controllers and [`apply`]
+/// through it; a GPU test can compare both.
 #[derive(Clone, Debug)]
 pub struct SimCache {
     spec: Spec,
@@ -256,13 +291,16 @@ pub struct SimCache {
     seqs: Vec<Vec<Vec<(TierId, usize)>>>,
     /// Pages per tier the pool holds (None: unlimited).
     pub capacity: Option<Vec<usize>>,
-    /// Every `retier` call, in order: (seq, head, index, to).
+    /// Every page move, in the order the cache makes it: (seq, head, index, to), `index` in
+    /// the table before the call that moved it.
     pub log: Vec<(usize, usize, usize, TierId)>,
+    /// Transcode launches `KvCache` would have made, summed over calls.
+    pub launches: usize,
 }
 
 impl SimCache {
     pub fn new(spec: Spec, head_dim: usize, heads: usize, target: TierId) -> SimCache {
-        SimCache { spec, head_dim, heads, target, seqs: Vec::new(), capacity: None, log: Vec::new() }
+        SimCache { spec, head_dim, heads, target, seqs: Vec::new(), capacity: None, log: Vec::new(), launches: 0 }
     }
 
     pub fn add_sequence(&mut self) -> usize {
@@ -312,27 +350,36 @@ impl PagedCache for SimCache {
         self.seqs.get(seq).and_then(|s| s.get(head)).cloned().ok_or_else(|| SimError(format!("no sequence {seq} head {head}")))
     }
     fn retier(&mut self, seq: usize, head: usize, index: usize, to: TierId) -> Result<(), SimError> {
-        self.log.push((seq, head, index, to));
+        self.retier_pages(seq, &[(head, index, to)]).map(|_| ())
+    }
+    fn retier_pages(&mut self, seq: usize, moves: &[PageMove]) -> Result<usize, SimError> {
         let p = self.spec.page.tokens;
-        let drop = self.spec.tiers.get(to as usize).ok_or_else(|| SimError(format!("no tier {to}")))?.is_drop();
-        let pages = self.seqs.get(seq).and_then(|s| s.get(head)).ok_or_else(|| SimError(format!("no sequence {seq} head {head}")))?;
-        let &(tier, len) = pages.get(index).filter(|x| x.0 != TAIL_TIER && x.1 == p).ok_or_else(|| SimError(format!("no full page {index} in sequence {seq} head {head}")))?;
-        if to <= tier {
-            return Err(SimError(format!("pages move down the ladder only (page is in tier {tier}, asked {to})")));
-        }
-        if !drop {
-            if let Some(cap) = &self.capacity {
-                if self.used(to) >= cap[to as usize] {
-                    return Err(SimError(format!("out of pages for tier {to}")));
-                }
+        let pages = self.seqs.get(seq).ok_or_else(|| SimError(format!("sequence {seq} does not exist")))?;
+        let tier_of = |head: usize, index: usize| {
+            let full = pages.get(head).and_then(|h| h.get(index)).filter(|x| x.0 != TAIL_TIER && x.1 == p);
+            full.map(|x| x.0).ok_or_else(|| RtError::BadInput(format!("no full page {index} in sequence {seq} head {head}")))
+        };
+        let free: Vec<usize> = match &self.capacity {
+            Some(cap) => (0..cap.len()).map(|t| cap[t].saturating_sub(self.used(t as TierId))).collect(),
+            None => vec![usize::MAX; self.spec.tiers.len()],
+        };
+        let out = |t: TierId| RtError::OutOfPages { tier: self.spec.tiers[t as usize].name.clone(), capacity: self.capacity.as_ref().map_or(usize::MAX, |c| c[t as usize]), page_bytes: self.spec.segment(t, self.head_dim).page_bytes };
+        let batch = MoveBatch::plan(&self.spec, moves, tier_of, &free, out).map_err(|e| SimError(e.to_string()))?;
+        let order = batch.drops.iter().chain(batch.launches.iter().flat_map(|l| &l.2));
+        self.log.extend(order.map(|&m| (seq, moves[m].0, moves[m].1, moves[m].2)));
+        self.launches += batch.launches.len();
+        let heads = &mut self.seqs[seq];
+        for &(_, to, ref group) in &batch.launches {
+            for &m in group {
+                heads[moves[m].0][moves[m].1].0 = to;
             }
         }
-        let pages = &mut self.seqs[seq][head];
-        if drop {
-            pages.remove(index);
-        } else {
-            pages[index] = (to, len);
+        // Dropped pages leave last, so every index above is the one before the call.
+        let mut gone: Vec<(usize, usize)> = batch.drops.iter().map(|&m| (moves[m].0, moves[m].1)).collect();
+        gone.sort_unstable_by(|a, b| b.cmp(a));
+        for (h, i) in gone {
+            heads[h].remove(i);
         }
-        Ok(())
+        Ok(batch.launches.len())
     }
 }

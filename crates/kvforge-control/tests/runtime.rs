@@ -1,11 +1,13 @@
-//! Applying plans: safe order, stale views, positions after drops, tables, RDKV pages.
+//! Applying plans: one batch per sequence (launches per tier pair, batched equals page by page),
+//! safe order, stale views, positions after drops, tables, RDKV pages.
 
 mod common;
 
 use common::*;
-use kvforge_control::runtime::{apply, ControlError, PagedCache, PositionMap, Signal, SimCache};
+use kvforge_control::runtime::{apply, ApplyReport, ControlError, PagedCache, PositionMap, Signal, SimCache, SimError};
 use kvforge_control::*;
-use kvforge_spec::TAIL_TIER;
+use kvforge_spec::{Spec, TierId, TAIL_TIER};
+use proptest::prelude::*;
 
 #[allow(non_snake_case)]
 fn P() -> usize {
@@ -21,7 +23,7 @@ fn sim(name: &str, heads: usize, tokens: usize) -> (SimCache, PositionMap) {
     (c, pos)
 }
 
-fn flat(pos: &PositionMap, c: &SimCache, name: &str) -> PageTableView {
+fn flat<C: PagedCache>(pos: &PositionMap, c: &C, name: &str) -> PageTableView {
     pos.view(c, costs(&spec(name), CostModel::Resident), |k, _| Signal { mass: 1.0 + k.first_token as f64, ..Default::default() }).unwrap()
 }
 
@@ -40,16 +42,17 @@ fn free_limits(view: &PageTableView) -> Limits {
 }
 
 #[test]
-fn drops_go_highest_index_first_and_moves_use_shifted_indices() {
+fn one_batch_drops_first_then_one_launch_per_tier_pair() {
     let p = spec("rdkv").page.tokens;
     let (mut c, mut pos) = sim("rdkv", 2, 6 * p + 10);
     let v = flat(&pos, &c, "rdkv");
     let l = free_limits(&v);
     let plan = plan_of(&v, &[(0, 1, 5), (0, 3, 5), (0, 4, 2), (0, 2, 3), (1, 0, 4)]);
     let r = pos.apply(&mut c, &v, &plan, &l).unwrap();
-    assert_eq!((r.dropped, r.retiered), (2, 3));
-    // Drops from the top, then the deepest source tier first (all tier 1 here), by page.
-    assert_eq!(c.log, vec![(0, 0, 3, 5), (0, 0, 1, 5), (0, 0, 1, 3), (0, 0, 2, 2), (0, 1, 0, 4)]);
+    assert_eq!((r.dropped, r.retiered, r.launches, c.launches), (2, 3, 3, 3));
+    // Drops first, then launches deepest source tier first (all tier 1 here), by target tier;
+    // every index is the view's (before the batch).
+    assert_eq!(c.log, vec![(0, 0, 1, 5), (0, 0, 3, 5), (0, 0, 4, 2), (0, 0, 2, 3), (0, 1, 0, 4)]);
     assert_eq!(c.page_tiers(0, 0).unwrap(), vec![(1, p), (3, p), (2, p), (1, p), (TAIL_TIER, 10)]);
     // Positions survive the drops.
     pos.sync(&c).unwrap();
@@ -64,6 +67,23 @@ fn drops_go_highest_index_first_and_moves_use_shifted_indices() {
     let firsts: Vec<usize> = v3.heads[0].iter().map(|x| x.first_token).collect();
     assert_eq!(firsts, vec![0, 2 * p, 4 * p, 5 * p, 6 * p, 7 * p]);
     assert_eq!(v3.heads[0].last().unwrap().tokens, 6);
+}
+
+#[test]
+fn moves_of_two_kinds_cost_two_launches() {
+    let (mut c, pos) = sim("rdkv", 4, 10 * P() + 3);
+    let v = flat(&pos, &c, "rdkv");
+    // 9 re-codes b16 → b8 or b16 → b2 over four heads, and 3 drops (no launch).
+    let ds = [(0, 0, 2), (0, 3, 4), (0, 5, 5), (1, 1, 2), (1, 2, 2), (2, 9, 4), (2, 4, 5), (3, 0, 2), (3, 7, 4), (3, 8, 2), (3, 9, 5), (1, 6, 4)];
+    let r = apply(&mut c, 0, &v, &plan_of(&v, &ds), &free_limits(&v)).unwrap();
+    assert_eq!((r.dropped, r.retiered, r.launches, c.launches), (3, 9, 2, 2));
+    // Page by page, the same plan costs one launch per re-code.
+    let mut s = PageByPage(sim("rdkv", 4, 10 * P() + 3).0);
+    let r = apply(&mut s, 0, &v, &plan_of(&v, &ds), &free_limits(&v)).unwrap();
+    assert_eq!((r.launches, s.0.launches), (9, 9));
+    assert!((0..4).all(|h| s.page_tiers(0, h) == c.page_tiers(0, h)));
+    // An empty plan launches nothing.
+    assert_eq!(c.retier_pages(0, &[]), Ok(0));
 }
 
 #[test]
@@ -93,14 +113,109 @@ fn stale_views_and_bad_plans_touch_nothing() {
 }
 
 #[test]
-fn cache_failure_reports_progress() {
+fn out_of_pages_rejects_the_whole_batch() {
     let (mut c, pos) = sim("rdkv", 1, 4 * P());
     c.capacity = Some(vec![100, 100, 100, 0, 100, 0]);
     let v = flat(&pos, &c, "rdkv");
+    let before = c.page_tiers(0, 0).unwrap();
     let plan = plan_of(&v, &[(0, 0, 5), (0, 2, 3)]);
     match apply(&mut c, 0, &v, &plan, &free_limits(&v)) {
-        Err(ControlError::Cache { applied: 1, total: 2, .. }) => {}
+        Err(ControlError::Cache { total: 2, source }) => assert!(source.to_string().contains("out of pages for tier `b4`"), "{source}"),
         other => panic!("{other:?}"),
+    }
+    assert_eq!((c.page_tiers(0, 0).unwrap(), c.log.len(), c.launches), (before.clone(), 0, 0));
+    // Bad moves are refused before anything changes, as by `KvCache::retier_pages`.
+    for bad in [vec![(0, 1, 5), (0, 4, 2)], vec![(0, 1, 5), (0, 1, 3)], vec![(0, 0, 3), (0, 1, 1)], vec![(0, 1, 9)], vec![(1, 0, 2)]] {
+        assert!(c.retier_pages(0, &bad).is_err(), "{bad:?}");
+        assert_eq!((c.page_tiers(0, 0).unwrap(), c.log.len()), (before.clone(), 0));
+    }
+    assert!(c.retier_pages(1, &[]).is_err());
+}
+
+/// A `SimCache` behind the trait's default `retier_pages`: one `retier` per move.
+struct PageByPage(SimCache);
+
+impl PagedCache for PageByPage {
+    type Error = SimError;
+    fn spec(&self) -> &Spec {
+        self.0.spec()
+    }
+    fn head_dim(&self) -> usize {
+        self.0.head_dim()
+    }
+    fn num_kv_heads(&self) -> usize {
+        self.0.num_kv_heads()
+    }
+    fn page_tiers(&self, seq: usize, head: usize) -> Result<Vec<(TierId, usize)>, SimError> {
+        self.0.page_tiers(seq, head)
+    }
+    fn retier(&mut self, seq: usize, head: usize, index: usize, to: TierId) -> Result<(), SimError> {
+        self.0.retier(seq, head, index, to)
+    }
+}
+
+/// (kv heads, full pages per head, re-codes made before the view, per page `(moved?, to)`).
+type Case = (usize, usize, Vec<(usize, usize, u8)>, Vec<(bool, u8)>);
+
+/// Plans over a cache with some pages moved already (several source tiers): re-codes before
+/// the view, then per page `(moved?, to)` picks, mapped onto the tiers below it.
+fn arb_case() -> impl Strategy<Value = Case> {
+    (1usize..4, 1usize..9).prop_flat_map(|(heads, full)| {
+        let pages = heads * full;
+        (Just(heads), Just(full), prop::collection::vec((0..heads, 0..full, 2u8..5), 0..6), prop::collection::vec((any::<bool>(), 0u8..8), pages))
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// One batch (`SimCache::retier_pages`) equals page-by-page `retier` calls in the safe
+    /// order (the trait's default) and the view's [`simulate`]: same tiers, same positions,
+    /// drops mixed with re-codes, empty plans included; it takes one launch per tier pair.
+    #[test]
+    fn batched_equals_page_by_page(case in arb_case(), tail in 0usize..3) {
+        let (heads, full, pre, picks) = case;
+        let s = spec("rdkv");
+        let p = s.page.tokens;
+        let (mut c, mut pos) = sim("rdkv", heads, full * p + tail * 20);
+        for (h, i, to) in pre {
+            if c.page_tiers(0, h).unwrap()[i].0 < to {
+                c.retier(0, h, i, to).unwrap();
+            }
+        }
+        pos.sync(&c).unwrap();
+        let v = flat(&pos, &c, "rdkv");
+        let drop = s.tiers.len() as u8 - 1;
+        let mut ds = Vec::new();
+        for h in 0..heads {
+            for i in 0..full {
+                let (moved, k) = picks[h * full + i];
+                let from = v.heads[h][i].tier;
+                if moved {
+                    ds.push((h, i, from + 1 + k % (drop - from)));
+                }
+            }
+        }
+        let plan = plan_of(&v, &ds);
+        let mut seq = PageByPage(c.clone());
+        let mut seq_pos = pos.clone();
+        let l = free_limits(&v);
+        (c.log, c.launches) = (Vec::new(), 0);
+        let r: ApplyReport = pos.apply(&mut c, &v, &plan, &l).unwrap();
+        let rs = seq_pos.apply(&mut seq, &v, &plan, &l).unwrap();
+        let after = simulate(&v, &plan);
+        pos.sync(&c).unwrap();
+        seq_pos.sync(&seq).unwrap();
+        prop_assert_eq!(&flat(&pos, &c, "rdkv").heads, &flat(&seq_pos, &seq, "rdkv").heads);
+        for h in 0..heads {
+            let want: Vec<(TierId, usize, usize)> = after.heads[h].iter().map(|x| (x.tier, x.tokens, x.first_token)).collect();
+            let got: Vec<(TierId, usize, usize)> = flat(&pos, &c, "rdkv").heads[h].iter().map(|x| (x.tier, x.tokens, x.first_token)).collect();
+            prop_assert_eq!(got, want);
+        }
+        let pairs: std::collections::BTreeSet<(TierId, TierId)> = plan.decisions.iter().filter(|d| d.to_tier != drop).map(|d| (d.from_tier, d.to_tier)).collect();
+        prop_assert_eq!((r.launches, c.launches, r.dropped, r.retiered), (pairs.len(), pairs.len(), rs.dropped, rs.retiered));
+        prop_assert_eq!(rs.launches, rs.retiered);
+        prop_assert_eq!(c.log.len(), plan.decisions.len());
     }
 }
 
