@@ -231,6 +231,68 @@ fn dropped_pages_keep_positions_and_prefixes_skip_them() {
     println!("after drops: {nq} prefixes by logical position match the reference");
 }
 
+/// One `retier_pages` batch (drops and three tier pairs over three heads, indices before the
+/// batch) takes one launch per tier pair and leaves what page-by-page `retier` calls leave on a
+/// twin cache: same tiers, positions and page bytes, the same decode bit for bit, no page
+/// leaked; prefixes still match the f64 reference. A bad batch changes nothing.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn batched_retier_equals_page_by_page() {
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let s = spec("rdkv.toml");
+    let t = |name| s.tier(name).unwrap().id;
+    let (b8, b4, b2, b0) = (t("b8"), t("b4"), t("b2"), t("b0"));
+    let n = 8 * 64 + 21;
+    let (k, v) = (data(n * HKV * D, 12), data(n * HKV * D, 13));
+    let (mut batched, mut single) = (cache(&dev, "rdkv.toml", "b8", 1024), cache(&dev, "rdkv.toml", "b8", 1024));
+    let (a, b) = (batched.add_sequence(), single.add_sequence());
+    batched.append(a, &k, &v).unwrap();
+    single.append(b, &k, &v).unwrap();
+    // Two source tiers: page 7 of every head is in b4 already.
+    for h in 0..HKV {
+        batched.retier(a, h, 7, b4).unwrap();
+        single.retier(b, h, 7, b4).unwrap();
+    }
+    let moves = [(0, 1, b0), (0, 2, b4), (0, 3, b2), (0, 7, b2), (1, 0, b4), (1, 4, b0), (1, 5, b0), (1, 6, b2), (2, 2, b4), (2, 3, b2), (2, 7, b0)];
+    let before: Vec<_> = (0..HKV).map(|h| batched.positioned_pages(a, h).unwrap()).collect();
+    for bad in [vec![(0, 2, b4), (0, 8, b2)], vec![(0, 2, b4), (0, 2, b0)], vec![(0, 7, b8)], vec![(0, 2, 9)], vec![(3, 0, b2)]] {
+        assert!(batched.retier_pages(a, &bad).is_err(), "{bad:?}");
+        assert!((0..HKV).all(|h| batched.positioned_pages(a, h).unwrap() == before[h]), "{bad:?} changed the cache");
+    }
+    // b8 → b4, b8 → b2 and b4 → b2: three launches; drops take none.
+    assert_eq!(batched.retier_pages(a, &moves).unwrap(), 3);
+    // Page by page: re-codes first (no index has shifted yet), then drops from the top.
+    for &(h, i, to) in moves.iter().filter(|m| m.2 != b0) {
+        single.retier(b, h, i, to).unwrap();
+    }
+    let mut drops: Vec<_> = moves.iter().filter(|m| m.2 == b0).collect();
+    drops.sort_by(|x, y| (y.0, y.1).cmp(&(x.0, x.1)));
+    for &&(h, i, to) in &drops {
+        single.retier(b, h, i, to).unwrap();
+    }
+    let firsts = |c: &KvCache, seq, h| c.positioned_pages(seq, h).unwrap().iter().map(|x| (x.0.tier, x.1, x.2)).collect::<Vec<_>>();
+    assert_eq!(firsts(&batched, a, 1), [(b4, 64, 0), (b8, 64, 64), (b8, 64, 128), (b8, 64, 192), (b2, 64, 384), (b4, 64, 448), (0, 21, 512)]);
+    for h in 0..HKV {
+        assert_eq!(firsts(&batched, a, h), firsts(&single, b, h), "head {h}");
+        for (x, y) in batched.pages(a, h).unwrap().into_iter().zip(single.pages(b, h).unwrap()) {
+            assert_eq!(batched.download_page(x.0).unwrap(), single.download_page(y.0).unwrap(), "head {h}: page bytes differ");
+        }
+    }
+    for tier in 0..s.tiers.len() as u8 {
+        assert_eq!(batched.pool().used_pages(tier), single.pool().used_pages(tier), "tier {tier}: pages in use differ");
+    }
+    batched.verify_pages(&[a]).unwrap();
+    let lengths: Vec<usize> = vec![1, 64, 100, 128, 200, 256, 300, 384, 450, 512, n];
+    let nq = lengths.len();
+    let q = data(nq * HQ * D, 14);
+    let (o, worst) = prefixes_match_reference(&dev, &mut batched, a, &lengths, &q, "after a batch");
+    let last = &q[(nq - 1) * HQ * D..];
+    let (x, y) = (batched.decode(&[a], last).unwrap(), single.decode(&[b], last).unwrap());
+    assert_eq!(x.out, y.out, "decode after a batch differs from decode after page-by-page retier");
+    assert_close_to_decode(&o[(nq - 1) * HQ * D..], &x.out, "decode vs full prefix after a batch");
+    println!("batch of {} moves in 3 launches == page by page; {nq} prefixes match the reference (worst margin {worst:.2e})", moves.len());
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn bad_pointers_are_typed_errors() {
