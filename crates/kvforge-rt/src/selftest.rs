@@ -173,19 +173,21 @@ pub fn run_variant(dev: &Arc<Device>, spec: &Spec, v: &VariantId, long: bool) ->
             seqs.push(s);
             qs.extend(q);
         }
-        // Mixed tiers: move pages round-robin down to the other tiers of the combination.
+        // Mixed tiers: move pages round-robin down to the other tiers of the combination, one
+        // batch per sequence (the path controllers take: one transcode launch per tier pair).
         if ladder.len() > 1 {
             for &s in &seqs {
+                let mut moves = Vec::new();
                 for h in 0..hkv {
                     let full = cache.pages(s, h)?.iter().filter(|(pg, _)| pg.tier != TAIL_TIER).count();
-                    for i in 0..full {
-                        let to = ladder[i % ladder.len()];
-                        if to != target {
-                            ensure_radius_scales(&mut cache, spec, to, target, hkv, d)?;
-                            cache.retier(s, h, i, to)?;
-                        }
+                    moves.extend((0..full).map(|i| (h, i, ladder[i % ladder.len()])).filter(|m| m.2 != target));
+                }
+                for &to in &ladder[1..] {
+                    if moves.iter().any(|m| m.2 == to) {
+                        ensure_radius_scales(&mut cache, spec, to, target, hkv, d)?;
                     }
                 }
+                cache.retier_pages(s, &moves)?;
             }
         }
         let plan = cache.plan(&seqs)?;
