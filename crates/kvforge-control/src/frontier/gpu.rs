@@ -4,11 +4,11 @@
 //! ladder tier; then every decode step appends one token and decodes one query with
 //! `decode_with_mass` (the kernels' per-page mass is the importance signal), and every
 //! `every` steps RDR decides and the plan is applied with the generated transcode kernels
-//! (`KvCache::retier`). Timed with `Instant` around synchronous calls (the stream is
-//! synchronised after applying): decode with and without the mass output (wall time of the
-//! call: host planning, upload, kernels, download), the tracker bookkeeping per step, and
-//! view / decide / apply per invocation. After every plan the resident bytes the cache
-//! reports must equal the plan's and stay within the budget.
+//! (`KvCache::retier_pages`: one launch per tier pair). Timed with `Instant` around
+//! synchronous calls (the stream is synchronised after applying): decode with and without the
+//! mass output (wall time of the call: host planning, upload, kernels, download), the tracker
+//! bookkeeping per step, and view / decide / apply per invocation. After every plan the
+//! resident bytes the cache reports must equal the plan's and stay within the budget.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -68,6 +68,8 @@ pub struct GpuTime {
     pub first_apply_us: f64,
     pub first_moves: usize,
     pub first_drops: usize,
+    /// Transcode launches of the first plan (one per (from, to) tier pair).
+    pub first_launches: usize,
     /// Steady-state invocations (all but the first).
     pub view_us: f64,
     pub decide_us: f64,
@@ -176,7 +178,7 @@ pub fn gpu_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s: &Gpu
         let plan = rdr.decide(&view, &limits);
         let decide_us = us(t0);
         let t0 = Instant::now();
-        pos.apply(&mut cache, &view, &plan, &limits)?;
+        let applied = pos.apply(&mut cache, &view, &plan, &limits)?;
         dev.stream.synchronize()?;
         let apply_us = us(t0);
         let resident = cache.memory_report().iter().map(|u| u.resident_bytes).sum::<usize>() as f64;
@@ -195,6 +197,7 @@ pub fn gpu_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s: &Gpu
             r.first_apply_us = apply_us;
             r.first_drops = plan.decisions.iter().filter(|x| Some(x.to_tier) == drop).count();
             r.first_moves = plan.decisions.len() - r.first_drops;
+            r.first_launches = applied.launches;
         } else {
             tv.push(view_us);
             td.push(decide_us);

@@ -230,11 +230,11 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
                 "device": g.device, "spec": g.spec, "context": g.context, "kv_heads": g.heads, "gqa": g.gqa, "steps": g.steps, "every": g.every,
                 "budget_fraction": frac, "budget_bytes_per_token": g.budget_bytes_per_token, "resident_bytes_per_token": g.resident_bytes_per_token,
                 "decode_us": g.decode_us, "decode_with_mass_us": g.decode_with_mass_us, "observe_us_per_step": g.observe_us,
-                "first_decide_us": g.first_decide_us, "first_apply_us": g.first_apply_us, "first_moves": g.first_moves, "first_drops": g.first_drops,
+                "first_decide_us": g.first_decide_us, "first_apply_us": g.first_apply_us, "first_moves": g.first_moves, "first_drops": g.first_drops, "first_launches": g.first_launches,
                 "view_us": g.view_us, "decide_us": g.decide_us, "apply_us": g.apply_us, "moves_per_invocation": g.moves_per_invocation,
                 "controller_per_step_us": g.controller_per_step_us, "fraction_of_decode_with_mass": g.fraction_of_decode,
                 "bench_decode_kernel_us": bench.map(|b| b.0),
-                "what": "wall time (Instant) of synchronous calls; decode includes host planning and transfers; apply = retier with transcode kernels + stream sync",
+                "what": "wall time (Instant) of synchronous calls; decode includes host planning and transfers; apply = retier_pages (one transcode launch per tier pair) + stream sync",
             }));
         }
         out["gpu_controller_time"] = json!(gj);
