@@ -303,3 +303,57 @@ fn mixed_keys_follow_their_channel_order() {
     let r = kvforge_rt::selftest::run_variant(&dev, &s, &s.variants().into_iter().find(|v| v.name() == "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g4_p64").unwrap(), false).unwrap();
     assert_eq!(r.status, "pass", "{r:?}");
 }
+
+/// What applying a controller plan costs on one layer like SmolLM2's at 8K (3 kv heads × 128
+/// pages of d 64 in b8): three quarters of the pages re-coded to b4 or b2 or dropped, page by
+/// page (`retier`, one launch each) and in one `retier_pages` batch (two launches), kernels
+/// loaded. Prints the median of 5 of each (`--nocapture`); both leave the same tiers.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn retier_pages_cost() {
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let s = spec("rdkv.toml");
+    let t = |name| s.tier(name).unwrap().id;
+    let (b8, b4, b2, b0) = (t("b8"), t("b4"), t("b2"), t("b0"));
+    let (d, gqa, hkv, n) = (64, 3, 3, 8192);
+    let (k, v) = (data(n * hkv * d, 1), data(n * hkv * d, 2));
+    // Each cache loads its kernels on first use: warm both transcodes on pages outside `moves`.
+    let make = || {
+        let mut c = KvCache::new(dev.clone(), s.clone(), CacheConfig::new(&s, d, gqa, hkv, 1, n).target(b8)).unwrap();
+        let a = c.add_sequence();
+        c.append(a, &k, &v).unwrap();
+        c.retier(a, 0, 0, b4).unwrap();
+        c.retier(a, 0, 4, b2).unwrap();
+        (c, a)
+    };
+    let moves: Vec<(usize, usize, u8)> = (0..hkv).flat_map(|h| (0..n / 64).map(move |i| (h, i, [b8, b4, b2, b0][i % 4]))).filter(|m| m.2 != b8).collect();
+    let page_by_page = |c: &mut KvCache, a| {
+        for &(h, i, to) in moves.iter().filter(|m| m.2 != b0) {
+            c.retier(a, h, i, to).unwrap();
+        }
+        for &(h, i, to) in moves.iter().rev().filter(|m| m.2 == b0) {
+            c.retier(a, h, i, to).unwrap();
+        }
+    };
+    let (mut warm, a) = make();
+    assert_eq!(warm.retier_pages(a, &moves).unwrap(), 2);
+    let median = |mut x: Vec<f64>| {
+        x.sort_by(f64::total_cmp);
+        x[x.len() / 2]
+    };
+    let (mut tb, mut ts) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        let ((mut x, a), (mut y, b)) = (make(), make());
+        dev.stream.synchronize().unwrap();
+        let t0 = std::time::Instant::now();
+        x.retier_pages(a, &moves).unwrap();
+        dev.stream.synchronize().unwrap();
+        tb.push(t0.elapsed().as_secs_f64() * 1e3);
+        let t0 = std::time::Instant::now();
+        page_by_page(&mut y, b);
+        dev.stream.synchronize().unwrap();
+        ts.push(t0.elapsed().as_secs_f64() * 1e3);
+        assert!((0..hkv).all(|h| x.pages(a, h).unwrap().iter().map(|p| (p.0.tier, p.1)).eq(y.pages(b, h).unwrap().iter().map(|p| (p.0.tier, p.1)))));
+    }
+    println!("{} moves ({} pages): one batch {:.3} ms, page by page {:.3} ms (medians of 5)", moves.len(), hkv * n / 64, median(tb), median(ts));
+}
