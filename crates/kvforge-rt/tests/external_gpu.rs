@@ -266,7 +266,7 @@ fn batched_retier_equals_page_by_page() {
         single.retier(b, h, i, to).unwrap();
     }
     let mut drops: Vec<_> = moves.iter().filter(|m| m.2 == b0).collect();
-    drops.sort_by(|x, y| (y.0, y.1).cmp(&(x.0, x.1)));
+    drops.sort_by_key(|m| std::cmp::Reverse((m.0, m.1)));
     for &&(h, i, to) in &drops {
         single.retier(b, h, i, to).unwrap();
     }
