@@ -523,6 +523,8 @@ struct MixedKey {
   static constexpr KeyError ERROR = KeyError::Unbounded;
   static constexpr bool CHANNEL_PARALLEL = true, OUTLINE_SCORER = true;
   static constexpr int E16 = N16, E8 = E16 + N8, E4 = E8 + N4, E2 = E4 + N2;  // segment ends
+  // Whether 8-channel chunk c8 is stored (not in the dropped tail).
+  __device__ __forceinline__ static constexpr bool chunk_stored(int c8) { return c8 * 8 < E2; }
   static_assert(N16 % 8 == 0 && N8 % 8 == 0 && N4 % 8 == 0 && N2 % 8 == 0 && E2 <= D, "whole 8-channel chunks within head_dim");
   using C8 = ChannelCodes<8, BLOCK, S, (N8 > 0 ? N8 : 8), P, O8C, O8S, O8Z>;
   using C4 = ChannelCodes<4, BLOCK, S, (N4 > 0 ? N4 : 8), P, O4C, O4S, O4Z>;

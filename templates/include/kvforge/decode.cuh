@@ -148,7 +148,7 @@ struct DecodeCta {
       K::template mma_scores<GQA, NW, NT>(seg, len, q_s(), sc, sc1, smem + Smem::BFRAG);
     } else if constexpr (K::CHANNEL_PARALLEL) {
       const u16* order = p.channel_orders[T::id] ? p.channel_orders[T::id] + size_t(kvh) * 2 * D : nullptr;
-      if constexpr (K::OUTLINE_SCORER) score_outlined<K>(seg, len, order, sc);
+      if constexpr (K::OUTLINE_SCORER) score_outlined<K>(q_s(), seg, len, order, sc);
       else score_channel_parallel<K>(seg, len, order, sc);
     } else {
       const float* lut = lut_s() + lut_offset<T>(typename Cfg::Tiers{});
@@ -235,13 +235,37 @@ struct DecodeCta {
     __syncthreads();
   }
 
-  // Codecs with a large scorer (K::OUTLINE_SCORER: mixed keys, whose zone tiers share one
-  // codec) score through one out-of-line copy per codec: inlined into every tier's page step
-  // the 4-zone TriZone variant spilled 3 KB per thread at gqa 8; outlined it needs 193
-  // registers and no spills.
+  // Codecs with a large scorer (K::OUTLINE_SCORER: mixed keys) score through one
+  // out-of-line copy per codec (inlined into every zone tier's page step the 4-zone TriZone
+  // variant spilled 3 KB per thread at gqa 8; outlined no variant spills, and on the H100 it
+  // runs as fast as the inlined single-tier variant), with chunk-major lanes: thread i takes 8-channel
+  // chunk i / TG and tokens i % TG + j·TG, so the lanes of a warp share a chunk pair and hence
+  // a segment (segments are whole eighths of head_dim: 1, 2 or 4 chunks, a multiple of the
+  // chunks per warp) and run one dequantisation path instead of all of them. A token's
+  // partial dots, spread over warps, meet through shared-memory atomics.
+  // Static, so that `this` (whose accumulators must stay in registers) never escapes into
+  // the out-of-line call: as a member function the call put them in local memory (2.5x
+  // slower, L2-bound on local traffic; ncu).
   template <class K>
-  __device__ __noinline__ void score_outlined(const u8* seg, int len, const u16* order, float* sc) {
-    score_channel_parallel<K>(seg, len, order, sc);
+  __device__ static __noinline__ void score_outlined(const float* q, const u8* seg, int len, const u16* order, float* sc) {
+    const int tid = threadIdx.x, c8 = tid / TG, tt = tid % TG;
+    constexpr int RUN = P / TG > 0 ? P / TG : 1;
+    for (int i = tid; i < GQA * P; i += NT) sc[i] = 0.f;
+    __syncthreads();
+    typename K::template Scorer<GQA> scorer(q, c8, order);
+    if (K::chunk_stored(c8)) {
+      for (int j = 0; j < RUN; ++j) {
+        const int t = tt + j * TG;
+        if (t >= len) break;
+        float s[GQA];
+        scorer.score(seg, t, s);
+#pragma unroll
+        for (int h = 0; h < GQA; ++h) atomicAdd(sc + h * P + t, s[h]);
+      }
+    }
+    __syncthreads();
+    for (int i = tid; i < GQA * P; i += NT)
+      if (i % P >= len) sc[i] = NEG_INF;
   }
 
   // Channel-parallel scoring: the NC8 lanes of a token are consecutive and a shuffle tree sums
