@@ -359,7 +359,7 @@ def test_control_attends_the_prompt_exactly_then_applies_per_layer(fake, hf):
 
 
 def test_channel_order_is_seed_002_weights_heaviest_first(hf):
-    import torch
+    torch = pytest.importorskip("torch")
 
     g = torch.Generator().manual_seed(3)
     q = torch.randn(6, 20, 8, generator=g)  # 2 kv heads × gqa 3
