@@ -146,10 +146,11 @@ struct DecodeCta {
     constexpr int KPARTS = score_parts<K>();
     if constexpr (K::MMA) {
       K::template mma_scores<GQA, NW, NT>(seg, len, q_s(), sc, sc1, smem + Smem::BFRAG);
-    } else if constexpr (K::CHANNEL_PARALLEL) {
+    } else if constexpr (K::OUTLINE_SCORER) {
       const u16* order = p.channel_orders[T::id] ? p.channel_orders[T::id] + size_t(kvh) * 2 * D : nullptr;
-      if constexpr (K::OUTLINE_SCORER) score_outlined<K>(q_s(), seg, len, order, sc);
-      else score_channel_parallel<K>(seg, len, order, sc);
+      score_outlined<K>(q_s(), seg, len, order, sc);
+    } else if constexpr (K::CHANNEL_PARALLEL) {
+      score_channel_parallel<K>(seg, len, nullptr, sc);
     } else {
       const float* lut = lut_s() + lut_offset<T>(typename Cfg::Tiers{});
       for (int t0 = 0; t0 < P; t0 += TSTRIDE) {
