@@ -226,7 +226,7 @@ struct IntKey {
   // The channel order inside a thread's slice is free (A and B use the same one): pair e of a
   // thread's CPT codes holds the codes of channels pair_lo(e) and pair_lo(e) + CC, which is what
   // one shift and one LOP3 pull out of a 32-bit word.
-  static constexpr bool CHANNEL_PARALLEL = false;
+  static constexpr bool CHANNEL_PARALLEL = false, OUTLINE_SCORER = false;
   static constexpr bool MMA = true;
   template <int NWARPS> struct Mma {
     static constexpr int MT = P / 16;
@@ -422,7 +422,7 @@ struct SphericalKey {
   static constexpr KeyError ERROR = KeyError::Unbounded;
   static constexpr int IB = (NG * ABITS + 7) / 8;
   // Token-parallel scoring through the LUT (G lookups per token).
-  static constexpr bool CHANNEL_PARALLEL = false;
+  static constexpr bool CHANNEL_PARALLEL = false, OUTLINE_SCORER = false;
   template <int GQA> struct Scorer {
     __device__ Scorer(const float*, int, const u16*) {}
     __device__ void score(const u8*, int, float (&)[GQA]) {}
