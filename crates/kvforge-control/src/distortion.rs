@@ -159,10 +159,14 @@ pub fn key_nmse(k: &KeyScheme) -> f64 {
         KeyScheme::Spherical { codebook, .. } => spherical_direction_nmse(codebook) + int_nmse(8),
         // Each segment's share of the channels at its width, dropped channels lose everything
         // (uniform channel energy: the proxy cannot see the channel order's weighting).
-        KeyScheme::Mixed { segments, .. } => {
-            let kept: u32 = segments.iter().map(|s| s.eighths).sum();
-            segments.iter().map(|s| s.eighths as f64 / 8.0 * if s.bits == 16 { dense_nmse(DType::Fp16) } else { int_nmse(s.bits) }).sum::<f64>() + (8 - kept) as f64 / 8.0
-        }
+        KeyScheme::Mixed { segments, .. } => kvforge_spec::mixed_shares(segments)
+            .into_iter()
+            .map(|(bits, share)| share * match bits {
+                16 => dense_nmse(DType::Fp16),
+                0 => 1.0,
+                b => int_nmse(b),
+            })
+            .sum(),
         KeyScheme::Drop => 1.0,
     }
 }

@@ -149,14 +149,7 @@ fn key_eps(k: &KeyScheme, name: &str, eps_k: &[(u32, f64)]) -> Result<f64, RdkvE
         KeyScheme::Dense(_) => lookup(eps_k, 16),
         KeyScheme::Int { bits, .. } => lookup(eps_k, *bits),
         KeyScheme::Drop => lookup(eps_k, 0),
-        KeyScheme::Mixed { segments, .. } => {
-            let kept: u32 = segments.iter().map(|s| s.eighths).sum();
-            let mut e = f64::from(8 - kept) / 8.0 * if kept < 8 { lookup(eps_k, 0)? } else { 0.0 };
-            for s in segments {
-                e += f64::from(s.eighths) / 8.0 * lookup(eps_k, s.bits)?;
-            }
-            Ok(e)
-        }
+        KeyScheme::Mixed { segments, .. } => kvforge_spec::mixed_shares(segments).into_iter().map(|(bits, share)| Ok(share * lookup(eps_k, bits)?)).sum(),
         KeyScheme::Spherical { .. } => Err(RdkvError::Spherical(name.to_string())),
     }
 }
@@ -175,11 +168,7 @@ pub fn channel_order(channel_w: &[f64]) -> Vec<u16> {
 /// `Σ_j w[order[j]] · ε(b_j)` of a mixed key whose stored position j has width b_j (dropped
 /// positions ε(0)): the K distortion of one head under a channel order.
 pub fn mixed_key_distortion(segments: &[kvforge_spec::ChannelSegment], d: usize, channel_w: &[f64], order: &[u16], eps_k: &[(u32, f64)]) -> Result<f64, RdkvError> {
-    let mut widths = vec![0u32; d];
-    for (bits, c0, n) in kvforge_spec::mixed_channels(segments, d) {
-        widths[c0..c0 + n].fill(bits);
-    }
-    order.iter().zip(&widths).map(|(&c, &b)| Ok(channel_w[c as usize] * lookup(eps_k, b)?)).sum()
+    order.iter().zip(&kvforge_spec::mixed_widths(segments, d)).map(|(&c, &b)| Ok(channel_w[c as usize] * lookup(eps_k, b)?)).sum()
 }
 
 fn value_bits(v: &ValueScheme) -> u32 {

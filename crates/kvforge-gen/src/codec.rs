@@ -28,21 +28,19 @@ pub fn tier_def(spec: &Spec, tier: &Tier, d: usize) -> String {
             format!("SphericalKey<{group}, {angle_bits}, {d}, {p}, {}, {}>", o("k_radius"), o("k_index"))
         }
         KeyScheme::Mixed { segments, block, scale: s } => {
-            // Channels and array offsets of the 16/8/4/2-bit segments (absent ones: 0).
-            let mut n = [0usize; 4];
-            let mut offs = vec![0usize; 10];
-            for (bits, _, ch) in kvforge_spec::mixed_channels(segments, d) {
-                let i = [16, 8, 4, 2].iter().position(|&b| b == bits).expect("validated bits");
-                n[i] = ch;
-                let [c, sc, z] = kvforge_spec::mixed_arrays(bits);
-                if i == 0 {
-                    offs[0] = o(c);
-                } else {
-                    offs[3 * i - 2..3 * i + 1].copy_from_slice(&[o(c), o(sc), o(z)]);
+            // Channels, then array offsets, of the 16/8/4/2-bit segments; an absent segment
+            // has 0 channels and offsets 0.
+            let mut n = Vec::new();
+            let mut offs = Vec::new();
+            for bits in [16, 8, 4, 2] {
+                n.push(segments.iter().find(|g| g.bits == bits).map_or(0, |g| g.channels(d)).to_string());
+                let [codes, scale_arr, zero] = kvforge_spec::mixed_arrays(bits);
+                offs.push(o(codes).to_string());
+                if bits != 16 {
+                    offs.extend([o(scale_arr).to_string(), o(zero).to_string()]);
                 }
             }
-            let offs: Vec<String> = offs.iter().map(|x| x.to_string()).collect();
-            format!("MixedKey<{block}, {}, {d}, {p}, {}, {}, {}, {}, {}>", scale(*s), n[0], n[1], n[2], n[3], offs.join(", "))
+            format!("MixedKey<{block}, {}, {d}, {p}, {}, {}>", scale(*s), n.join(", "), offs.join(", "))
         }
         KeyScheme::Drop => "DropKey".into(),
     };

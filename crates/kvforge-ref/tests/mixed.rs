@@ -9,7 +9,7 @@ use half::f16;
 use kvforge_ref::mixed::{check_order, identity_order, to_natural, to_stored};
 use kvforge_ref::quant::{int_step, min_max};
 use kvforge_ref::{decode_segment, encode_segment, int_error_bound};
-use kvforge_spec::{mixed_channels, ChannelSegment, DType, KeyScheme, ScaleDType, Tier, ValueScheme};
+use kvforge_spec::{mixed_widths, ChannelSegment, DType, KeyScheme, ScaleDType, Tier, ValueScheme};
 use proptest::prelude::*;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
@@ -45,10 +45,8 @@ proptest! {
         let (stored, _) = decode_segment(&t, d, tokens, &seg, &[]);
         let kh = to_natural(&stored, d, &order);
         let mut width = vec![0u32; d];
-        for (bits, c0, n) in mixed_channels(&segs, d) {
-            for j in c0..c0 + n {
-                width[order[j] as usize] = bits;
-            }
+        for (&c, &bits) in order.iter().zip(&mixed_widths(&segs, d)) {
+            width[c as usize] = bits;
         }
         for c in 0..d {
             for b in 0..blocks {

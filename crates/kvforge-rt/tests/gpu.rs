@@ -2,7 +2,7 @@
 //! they are ignored; forced with `--ignored` they print "skipped: no GPU" and return.
 
 use kvforge_rt::{CacheConfig, KvCache, RtError};
-use kvforge_spec::{mixed_channels, KeyScheme, Spec, VariantId, HEADER_BYTES, TAIL_TIER};
+use kvforge_spec::{mixed_widths, KeyScheme, Spec, VariantId, HEADER_BYTES, TAIL_TIER};
 
 fn spec(name: &str) -> Spec {
     kvforge_rt::testing::shipped_spec(name)
@@ -273,10 +273,8 @@ fn mixed_keys_follow_their_channel_order() {
             let kc = kvforge_ref::mixed::to_natural(&kc, d, o);
             let KeyScheme::Mixed { segments, .. } = &t.key else { panic!("{} is not a mixed tier", t.name) };
             let mut width = vec![0u32; d];
-            for (bits, c0, n) in mixed_channels(segments, d) {
-                for j in c0..c0 + n {
-                    width[o[j] as usize] = bits;
-                }
+            for (&c, &bits) in o.iter().zip(&mixed_widths(segments, d)) {
+                width[c as usize] = bits;
             }
             for ch in 0..d {
                 let (mut gmax, mut rmax) = (0f64, 0f64);

@@ -88,6 +88,26 @@ impl ChannelSegment {
     }
 }
 
+/// Share of head_dim stored at each width of a mixed key, `(bits, share)`, with the dropped
+/// channels as `(0, share)` when there are any: what a per-width table averages over.
+pub fn mixed_shares(segments: &[ChannelSegment]) -> Vec<(u32, f64)> {
+    let kept: u32 = segments.iter().map(|s| s.eighths).sum();
+    let mut out: Vec<(u32, f64)> = segments.iter().map(|s| (s.bits, f64::from(s.eighths) / 8.0)).collect();
+    if kept < 8 {
+        out.push((0, f64::from(8 - kept) / 8.0));
+    }
+    out
+}
+
+/// The width of every stored position of a mixed key at head dim `d` (0: dropped).
+pub fn mixed_widths(segments: &[ChannelSegment], d: usize) -> Vec<u32> {
+    let mut widths = vec![0u32; d];
+    for (bits, c0, n) in mixed_channels(segments, d) {
+        widths[c0..c0 + n].fill(bits);
+    }
+    widths
+}
+
 /// The segments of a mixed key at head dim `d`: (bits, first stored channel, channels), in
 /// storage order.
 pub fn mixed_channels(segments: &[ChannelSegment], d: usize) -> Vec<(u32, usize, usize)> {

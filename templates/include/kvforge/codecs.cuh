@@ -31,7 +31,7 @@ struct DropKey {
   static constexpr KeyError ERROR = KeyError::Exact;
   static constexpr bool CHANNEL_PARALLEL = true, OUTLINE_SCORER = false;
   template <int GQA> struct Scorer {
-    __device__ Scorer(const float*, int, const u16*) {}
+    __device__ Scorer(const float*, int) {}
     __device__ void score(const u8*, int, float (&)[GQA]) {}
   };
   template <int GQA, int TPT>
@@ -57,7 +57,7 @@ struct DenseKey {
   struct Scorer {
     float q[GQA][8];
     int c8;
-    __device__ Scorer(const float* q_s, int c8_, const u16*) : c8(c8_) {
+    __device__ Scorer(const float* q_s, int c8_) : c8(c8_) {
 #pragma unroll
       for (int h = 0; h < GQA; ++h)
 #pragma unroll
@@ -424,7 +424,7 @@ struct SphericalKey {
   // Token-parallel scoring through the LUT (G lookups per token).
   static constexpr bool CHANNEL_PARALLEL = false, OUTLINE_SCORER = false;
   template <int GQA> struct Scorer {
-    __device__ Scorer(const float*, int, const u16*) {}
+    __device__ Scorer(const float*, int) {}
     __device__ void score(const u8*, int, float (&)[GQA]) {}
   };
 

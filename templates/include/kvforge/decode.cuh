@@ -150,7 +150,7 @@ struct DecodeCta {
       const u16* order = p.channel_orders[T::id] ? p.channel_orders[T::id] + size_t(kvh) * 2 * D : nullptr;
       score_outlined<K>(q_s(), seg, len, order, sc);
     } else if constexpr (K::CHANNEL_PARALLEL) {
-      score_channel_parallel<K>(seg, len, nullptr, sc);
+      score_channel_parallel<K>(seg, len, sc);
     } else {
       const float* lut = lut_s() + lut_offset<T>(typename Cfg::Tiers{});
       for (int t0 = 0; t0 < P; t0 += TSTRIDE) {
@@ -273,10 +273,10 @@ struct DecodeCta {
   // their partial dots; a thread scores P/TG consecutive tokens, so per-block state (the int
   // scale fold) changes at most once or twice per page.
   template <class K>
-  __device__ __forceinline__ void score_channel_parallel(const u8* seg, int len, const u16* order, float* sc) {
+  __device__ __forceinline__ void score_channel_parallel(const u8* seg, int len, float* sc) {
     const int tid = threadIdx.x, c8 = tid % NC8, tt = tid / NC8;
     constexpr int RUN = P / TG > 0 ? P / TG : 1;
-    typename K::template Scorer<GQA> scorer(q_s(), c8, order);
+    typename K::template Scorer<GQA> scorer(q_s(), c8);
     for (int j = 0; j < RUN; ++j) {
       const int t = tt * RUN + j;
       float s[GQA];
