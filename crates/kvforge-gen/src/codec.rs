@@ -72,9 +72,9 @@ pub fn threads(spec: &Spec) -> usize {
 }
 
 /// CTAs per SM the decode kernel asks the register allocator to fit (`__launch_bounds__`):
-/// 512 threads per SM, except at gqa 8 where the accumulators need the registers.
+/// the spec's `kernels.ctas_per_sm`, except at gqa 8 where the accumulators need the registers.
 pub fn min_blocks(spec: &Spec, gqa: usize) -> usize {
-    if gqa >= 8 { 1 } else { (512 / threads(spec)).max(1) }
+    if gqa >= 8 { 1 } else { spec.kernels.ctas_per_sm }
 }
 
 /// Mirror of `IntKey::bfrag_bytes`: integer keys whose block spans several 16-token m-tiles

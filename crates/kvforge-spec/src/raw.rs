@@ -78,4 +78,5 @@ pub struct RawKernels {
     pub split_k: Option<bool>,
     pub warps: Option<Spanned<i64>>,
     pub tensor_core_values: Option<bool>,
+    pub ctas_per_sm: Option<Spanned<i64>>,
 }

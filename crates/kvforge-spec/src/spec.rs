@@ -69,7 +69,16 @@ pub struct KernelOptions {
     /// CUDA-core accumulation: needed where an error bound assumes fp32 value arithmetic
     /// (certified decode's E_round, seed 004).
     pub tensor_core_values: bool,
+    /// CTAs per SM the decode kernels of gqa < 8 ask the register allocator to fit
+    /// (`__launch_bounds__`; gqa ≥ 8 always asks for one: its accumulators need the registers).
+    /// Default: 512 threads per SM. Three CTAs of 8 warps cap registers at 80: the low-bit
+    /// integer tiers, which shared memory does not limit, gain 5–15% from the extra CTA on the
+    /// H100 (benches/NOTES.md); wider tiers spill there.
+    pub ctas_per_sm: usize,
 }
+
+/// Resident threads per SM on sm_80 and sm_90.
+const MAX_THREADS_PER_SM: usize = 2048;
 
 /// A validated spec. Only this type reaches the generator and the runtime.
 #[derive(Clone, Debug, PartialEq)]
@@ -326,7 +335,19 @@ impl Validator<'_> {
             }
             None => 4,
         };
-        let kernels = KernelOptions { combinations, split_k: raw.kernels.split_k.unwrap_or(true), warps, tensor_core_values: raw.kernels.tensor_core_values.unwrap_or(true) };
+        let threads = 32 * warps;
+        let ctas_per_sm = match &raw.kernels.ctas_per_sm {
+            Some(c) => {
+                let v = *c.get_ref();
+                let max = (MAX_THREADS_PER_SM / threads) as i64;
+                if !(1..=max).contains(&v) {
+                    return self.err(c.span(), "kernels.ctas_per_sm", format!("{v} CTAs of {threads} threads per SM: valid 1 to {max} (an SM runs at most {MAX_THREADS_PER_SM} threads)"));
+                }
+                v as usize
+            }
+            None => (512 / threads).max(1),
+        };
+        let kernels = KernelOptions { combinations, split_k: raw.kernels.split_k.unwrap_or(true), warps, tensor_core_values: raw.kernels.tensor_core_values.unwrap_or(true), ctas_per_sm };
 
         let mut h = blake3::Hasher::new();
         h.update(src.as_bytes());

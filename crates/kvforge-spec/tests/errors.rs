@@ -352,6 +352,18 @@ fn page_segment_over_stage_budget() {
 }
 
 #[test]
+fn ctas_per_sm_out_of_range() {
+    // 4 warps (the default) are 128 threads: an SM runs at most 16 such CTAs.
+    let e = fail(&format!("{BASE}ctas_per_sm = 17\n"));
+    check(&e, Invalid, 29, 15, "kernels.ctas_per_sm", &["17 CTAs of 128 threads", "valid 1 to 16"]);
+    let e = fail(&format!("{BASE}warps = 8\nctas_per_sm = 0\n"));
+    check(&e, Invalid, 30, 15, "kernels.ctas_per_sm", &["0 CTAs of 256 threads", "valid 1 to 8"]);
+    let s = parse_in(&format!("{BASE}ctas_per_sm = 3\n"), Path::new(".")).unwrap();
+    assert_eq!(s.kernels.ctas_per_sm, 3);
+    assert_eq!(parse_in(BASE, Path::new(".")).unwrap().kernels.ctas_per_sm, 4, "default: 512 threads per SM");
+}
+
+#[test]
 fn warps_invalid() {
     let e = fail(&format!("{BASE}warps = 6\n"));
     check(&e, Invalid, 29, 9, "kernels.warps", &["warps 6 is not supported", "valid: 4, 8"]);

@@ -251,40 +251,45 @@ struct IntKey {
   }
   // All threads: B = q · scale (high and low fp16 parts) and the zero terms of every block of
   // the page, into `bf` (see bfrag_bytes). One barrier after it.
+  // Index math is unsigned with power-of-two divisors (shifts and masks): in signed ints the
+  // compiler rounds every division toward zero, and that made this fold 29% of the page's
+  // instructions (ncu, rdkv b4).
   template <int GQA, int NWARPS, int NT>
   __device__ static void fold_page(const u8* seg, const float* q_s, u8* bf) {
     using M = Mma<NWARPS>;
-    constexpr int CPP = M::CPP, ITEMS = M::NBLK * GQA * D / CPP;
+    constexpr unsigned CPP = M::CPP, DC = D / CPP, ITEMS = M::NBLK * GQA * DC;
+    constexpr unsigned CPT = M::CPT, CC = M::CC;
     static_assert(ITEMS % 32 == 0 && M::LANES <= 32, "whole warps per fold pass");
+    static_assert(M::CPT % M::CPP == 0, "a fold item stays inside one thread's channel slice");
     u16* hi16 = reinterpret_cast<u16*>(bf);
     u16* lo16 = hi16 + M::NBLK * GQA * D;
     float* zs = reinterpret_cast<float*>(bf + 4 * M::NBLK * GQA * D);
+    const S* scale = reinterpret_cast<const S*>(seg + OFF_SCALE);
+    const S* zero = reinterpret_cast<const S*>(seg + OFF_ZERO);
 #pragma unroll 1
-    for (int i = threadIdx.x; i < ITEMS; i += NT) {
-      const int c = (i % (D / CPP)) * CPP, h = (i / (D / CPP)) % GQA, blk = i / (GQA * D / CPP);
-      float qv[CPP], sv[CPP], zv[CPP];
-#pragma unroll
-      for (int k = 0; k < CPP; k += 2) {
-        const float2 v = *reinterpret_cast<const float2*>(q_s + h * D + c + k);
-        qv[k] = v.x; qv[k + 1] = v.y;
-      }
-      const S* sp = reinterpret_cast<const S*>(seg + OFF_SCALE) + (blk * D + c);
-      const S* zp = reinterpret_cast<const S*>(seg + OFF_ZERO) + (blk * D + c);
-#pragma unroll
-      for (int k = 0; k < CPP; ++k) { sv[k] = to_float(sp[k]); zv[k] = to_float(zp[k]); }
+    for (unsigned i = threadIdx.x; i < ITEMS; i += NT) {
+      const unsigned c = (i % DC) * CPP, hb = i / DC, h = hb % GQA, blk = hb / GQA;
+      const unsigned kp = c / M::CH, cq = c % M::CH, qd = cq / CPT, o0 = cq % CPT;
+      const unsigned base = 2 * ((((blk * GQA + h) * M::KP + kp) * (4 * M::NPAIR)) + qd * M::NPAIR);  // u16 index
       float z = 0.f;
-      const int kp = c / M::CH, cq = c % M::CH, qd = cq / M::CPT;
-      const int base = ((blk * GQA + h) * M::KP + kp) * (4 * M::NPAIR) + qd * M::NPAIR;  // u32 index
 #pragma unroll
-      for (int k = 0; k < CPP; ++k) {
-        z = fmaf(qv[k], zv[k], z);
-        const float x = qv[k] * sv[k];
-        const __half xh = __float2half_rn(x);
-        const __half xl = __float2half_rn(x - __half2float(xh));
-        const int o = (cq + k) % M::CPT, r = o % (2 * M::CC);
-        const int e = (o / (2 * M::CC)) * M::CC + r % M::CC, half = r / M::CC;
-        hi16[2 * (base + e) + half] = __half_as_ushort(xh);
-        lo16[2 * (base + e) + half] = __half_as_ushort(xl);
+      for (unsigned k = 0; k < CPP; k += 2) {
+        const float2 qv = *reinterpret_cast<const float2*>(q_s + h * D + c + k);
+        const float2 sv = make_float2(to_float(scale[blk * D + c + k]), to_float(scale[blk * D + c + k + 1]));
+        const float2 zv = make_float2(to_float(zero[blk * D + c + k]), to_float(zero[blk * D + c + k + 1]));
+        z = fmaf(qv.x, zv.x, z);
+        z = fmaf(qv.y, zv.y, z);
+        const float x[2] = {qv.x * sv.x, qv.y * sv.y};
+#pragma unroll
+        for (unsigned j = 0; j < 2; ++j) {
+          const __half xh = __float2half_rn(x[j]);
+          const __half xl = __float2half_rn(x[j] - __half2float(xh));
+          // Position of channel o in the thread's pair_lo order: pair e, half `half`.
+          const unsigned o = o0 + k + j, r = o % (2 * CC);
+          const unsigned e = (o / (2 * CC)) * CC + r % CC, half = r / CC;
+          hi16[base + 2 * e + half] = __half_as_ushort(xh);
+          lo16[base + 2 * e + half] = __half_as_ushort(xl);
+        }
       }
       z = group_sum<M::LANES>(z);
       if (i % M::LANES == 0) zs[(blk * M::KP + kp) * GQA + h] = z;

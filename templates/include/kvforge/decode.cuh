@@ -233,7 +233,6 @@ struct DecodeCta {
       }
     }
     if (p.page_delta) write_delta<K>(seg, len, gpage);
-    __syncthreads();
   }
 
   // Codecs with a large scorer (K::OUTLINE_SCORER: mixed keys) score through one
@@ -410,6 +409,12 @@ struct DecodeCta {
       const int buf = (i - lo) % NSTAGE;
       const int ahead = i + NSTAGE - 1;
       const int abuf = (ahead - lo) % NSTAGE;
+      // Page i has landed, and every warp is done with page i - 1: its stage (`abuf`, refilled
+      // below), the scores and the softmax statistics. This is the only barrier between two
+      // pages, so the copy of page i + NSTAGE - 1 is issued after it.
+      cp_async_wait<NSTAGE - 2>();
+      __syncthreads();
+      const u32 entry = u32(staged >> (16 * buf)) & 0xffff;
       staged &= ~(u64(0xffff) << (16 * abuf));
       if (ahead < hi && stage_page(typename Cfg::Tiers{}, next_info, p.arena + next_off, abuf)) staged |= u64(stage_entry(next_info)) << (16 * abuf);
       cp_async_commit();
@@ -417,9 +422,6 @@ struct DecodeCta {
         next_off = p.page_offsets[first + ahead + 1];
         next_info = p.page_info[first + ahead + 1];
       }
-      cp_async_wait<NSTAGE - 1>();
-      __syncthreads();
-      const u32 entry = u32(staged >> (16 * buf)) & 0xffff;
       const int tier = int((entry >> 8) & 0x7f), len = int(entry & 0xff);
       u32 err = 0;
       PageHeader hd{};
@@ -436,13 +438,13 @@ struct DecodeCta {
       }
       if (err == 0 && len > 0) {
         compute_page(typename Cfg::Tiers{}, int(hd.tier), page + HEADER_BYTES, buf, len, first + i);
-      } else {
+      } else if (err != 0 && tid == 0) {
         // Skipped page: a bad page never contributes; the runtime turns the flag into an error.
-        if (err != 0 && tid == 0) atomicOr(p.error_flags, err);
-        __syncthreads();
+        atomicOr(p.error_flags, err);
       }
     }
     cp_async_wait<0>();
+    __syncthreads();
 
     // Reduce the warps' accumulators in a fixed order, so that a decode is bit-reproducible
     // (float atomics are not).
