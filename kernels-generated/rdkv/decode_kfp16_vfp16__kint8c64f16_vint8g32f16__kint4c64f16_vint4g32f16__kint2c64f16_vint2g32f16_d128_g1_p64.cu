@@ -21,6 +21,6 @@ struct Cfg {
 static_assert(DecodeSmem<Cfg>::TOTAL == 100176, "shared-memory plan differs from the Rust bindings");
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(256, 3) kvf_rdkv_decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g1_p64(const kvforge::DecodeParams p) {
+extern "C" __global__ void __launch_bounds__(256, 2) kvf_rdkv_decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g1_p64(const kvforge::DecodeParams p) {
   kvforge::decode_kernel<Cfg>(p);
 }

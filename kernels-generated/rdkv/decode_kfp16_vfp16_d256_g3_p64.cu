@@ -18,6 +18,6 @@ struct Cfg {
 static_assert(DecodeSmem<Cfg>::TOTAL == 138064, "shared-memory plan differs from the Rust bindings");
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(256, 3) kvf_rdkv_decode_kfp16_vfp16_d256_g3_p64(const kvforge::DecodeParams p) {
+extern "C" __global__ void __launch_bounds__(256, 2) kvf_rdkv_decode_kfp16_vfp16_d256_g3_p64(const kvforge::DecodeParams p) {
   kvforge::decode_kernel<Cfg>(p);
 }

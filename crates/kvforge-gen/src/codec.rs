@@ -71,10 +71,25 @@ pub fn threads(spec: &Spec) -> usize {
     32 * spec.kernels.warps
 }
 
+/// Shared memory of one SM on sm_80/sm_90 (bytes), and what the driver reserves per CTA.
+const SMEM_PER_SM: usize = 228 * 1024;
+const SMEM_RESERVED_PER_CTA: usize = 1024;
+
 /// CTAs per SM the decode kernel asks the register allocator to fit (`__launch_bounds__`):
-/// the spec's `kernels.ctas_per_sm`, except at gqa 8 where the accumulators need the registers.
-pub fn min_blocks(spec: &Spec, gqa: usize) -> usize {
-    if gqa >= 8 { 1 } else { spec.kernels.ctas_per_sm }
+/// the spec's `kernels.ctas_per_sm`, but never more than the variant's shared memory lets
+/// reside (a register budget for CTAs that cannot run only costs spills), and the default
+/// 512 threads per SM where the accumulators need the registers (gqa 8: one CTA; head_dim
+/// above 128).
+pub fn min_blocks(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
+    let default = (512 / threads(spec)).max(1);
+    if gqa >= 8 {
+        return 1;
+    }
+    if d > 128 {
+        return default;
+    }
+    let fit = SMEM_PER_SM / (decode_smem(spec, tiers, d, gqa) + SMEM_RESERVED_PER_CTA);
+    spec.kernels.ctas_per_sm.min(fit.max(default)).max(1)
 }
 
 /// Mirror of `IntKey::bfrag_bytes`: integer keys whose block spans several 16-token m-tiles

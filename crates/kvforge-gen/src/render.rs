@@ -113,7 +113,7 @@ pub fn render(spec: &Spec, v: &VariantId) -> Result<String, RenderError> {
             ctx.insert("tier_list", &ts.iter().map(|t| format!("Tier{}", t.id)).collect::<Vec<_>>().join(", "));
             ctx.insert("tiers", &ts);
             ctx.insert("gqa", gqa);
-            ctx.insert("min_blocks", &codec::min_blocks(spec, *gqa));
+            ctx.insert("min_blocks", &codec::min_blocks(spec, tiers, d, *gqa));
             ctx.insert("tc_values", &spec.kernels.tensor_core_values);
             "decode.cu.tera"
         }

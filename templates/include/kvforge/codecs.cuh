@@ -43,7 +43,8 @@ struct DropKey {
 template <class T, int D, int P, int OFF>
 struct DenseKey {
   static constexpr int LUT_FLOATS_PER_HEAD = 0;
-  static constexpr bool MMA = false;
+  // fp16 keys score on tensor cores (mma_scores); bf16 keys channel-parallel on CUDA cores.
+  static constexpr bool MMA = same_type<T, __half>::value;
   template <int GQA, int NWARPS> __host__ __device__ static constexpr int bfrag_bytes() { return 0; }
   static constexpr bool SPHERICAL = false;
   static constexpr KeyError ERROR = KeyError::Exact;
@@ -78,6 +79,68 @@ struct DenseKey {
       }
     }
   };
+
+  // Tensor-core scoring (mma m16n8k16: 16 tokens × 8 query heads × 16 channels), laid out as
+  // IntKey's: warp w scores tokens [16·mt, 16·mt + 16) of channel part kp, lane (g, qd) owns
+  // channels [c0, c0 + CPT) of its part, pair e of them being channels c0 + 2e and c0 + 2e + 1.
+  // A = the stored fp16 keys as they are; B = q split into an fp16 high and low part (two mmas:
+  // ~22 bits, the fp32-grade logits the channel-parallel path gave). On CUDA cores the fp16
+  // path spent ~2000 of its ~7500 warp-instructions per page on the dot products and their
+  // 16-lane shuffle trees (ncu, baseline fp16, 64 × 32K).
+  template <int NWARPS> struct Mma {
+    static constexpr int MT = P / 16;
+    static constexpr int KP = NWARPS >= 2 * MT ? 2 : 1;
+    static constexpr int CH = D / KP, CPT = CH / 4, KS = CH / 16;
+    static constexpr bool COOP = false;
+    static_assert(P % 16 == 0 && CH % 16 == 0, "mma tiles");
+  };
+  template <int GQA, int NWARPS, int NT>
+  __device__ static void mma_scores(const u8* seg, int len, const float* q_s, float* sc0, float* sc1, u8*) {
+    using M = Mma<NWARPS>;
+    static_assert(GQA <= 8, "one mma column per query head");
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, qd = lane & 3;
+    const T* keys = reinterpret_cast<const T*>(seg + OFF);
+#pragma unroll 1
+    for (int u = warp; u < M::MT * M::KP; u += NWARPS) {
+      const int mt = u % M::MT, kp = u / M::MT;
+      const int c0 = kp * M::CH + qd * M::CPT;
+      const int t0 = mt * 16 + g;
+      const T* r0 = keys + t0 * D + c0;
+      const T* r1 = r0 + 8 * D;
+      const float* qh = q_s + (g < GQA ? g : 0) * D + c0;
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < M::KS; ++j) {
+        // Channels c0 + 4j .. c0 + 4j + 3: pairs 2j (k slots 2qd, 2qd + 1) and 2j + 1 (2qd + 8, 2qd + 9).
+        const uint2 k0 = *reinterpret_cast<const uint2*>(r0 + 4 * j);
+        const uint2 k1 = *reinterpret_cast<const uint2*>(r1 + 4 * j);
+        u32 bh[2] = {0u, 0u}, bl[2] = {0u, 0u};
+        if (g < GQA) {
+          const float4 qv = *reinterpret_cast<const float4*>(qh + 4 * j);
+          bh[0] = pack2<false>(qv.x, qv.y);
+          bh[1] = pack2<false>(qv.z, qv.w);
+          const float2 h0 = unpack2h(bh[0]), h1 = unpack2h(bh[1]);
+          bl[0] = pack2<false>(qv.x - h0.x, qv.y - h0.y);
+          bl[1] = pack2<false>(qv.z - h1.x, qv.w - h1.y);
+        }
+        const u32 a[4] = {k0.x, k1.x, k0.y, k1.y};
+        mma16816<false>(c, a, bh);
+        mma16816<false>(c, a, bl);
+      }
+      // Tokens past `len` score -inf (part 0) and add nothing (part 1).
+      float* dst = kp == 0 ? sc0 : sc1;
+      const float pad = kp == 0 ? NEG_INF : 0.f;
+      const int h0 = 2 * qd;
+      if (h0 < GQA) {
+        dst[h0 * P + t0] = t0 < len ? c[0] : pad;
+        dst[h0 * P + t0 + 8] = t0 + 8 < len ? c[2] : pad;
+      }
+      if (h0 + 1 < GQA) {
+        dst[(h0 + 1) * P + t0] = t0 < len ? c[1] : pad;
+        dst[(h0 + 1) * P + t0 + 8] = t0 + 8 < len ? c[3] : pad;
+      }
+    }
+  }
 
   __device__ __forceinline__ static float dequant(const u8* seg, int t, int c, const float*, const float*, const u16*) {
     return to_float(reinterpret_cast<const T*>(seg + OFF)[t * D + c]);

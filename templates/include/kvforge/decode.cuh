@@ -4,9 +4,9 @@
 // and V are read once per group. Pages stream through an NSTAGE-deep cp.async pipeline: the
 // runtime's page table gives each page's tier and length (so a copy never waits on a header
 // load), the staged header is checked against it, and the page is dispatched on the header's
-// tier (per page, never per element). Per page: scores by the tier's key codec (integer keys
-// on tensor cores, dense keys channel-parallel with the query slice in registers, spherical
-// keys token-parallel through the LUT), an fp32 online softmax in the log2 domain, and value
+// tier (per page, never per element). Per page: scores by the tier's key codec (integer and
+// fp16 keys on tensor cores, bf16 keys channel-parallel with the query slice in registers,
+// spherical keys token-parallel through the LUT), an fp32 online softmax in the log2 domain, and value
 // accumulation: on tensor cores in variants with integer-key tiers (fp16 V pairs, fp32
 // accumulators), else with each thread owning 8 channels of every GQA head.
 #pragma once
@@ -72,8 +72,10 @@ struct DecodeCta {
   // tail too), unless the spec asks for fp32 value arithmetic (Cfg::TC_VALUES false: the
   // certified spec, whose bound assumes it); dense and spherical variants keep the CUDA-core
   // path: there each thread owns 8 channels of every GQA head, which reads fp16 V from shared
-  // memory without bank conflicts.
-  template <class... Ts> __device__ static constexpr bool any_mma(TierList<Ts...>) { return (false || ... || Ts::Key::MMA); }
+  // memory without bank conflicts (dense keys still *score* on tensor cores).
+  template <class K> struct IntegerMma { static constexpr bool value = K::MMA; };
+  template <class T, int D_, int P_, int OFF> struct IntegerMma<DenseKey<T, D_, P_, OFF>> { static constexpr bool value = false; };
+  template <class... Ts> __device__ static constexpr bool any_mma(TierList<Ts...>) { return (false || ... || IntegerMma<typename Ts::Key>::value); }
   static constexpr bool MMA_V = Cfg::TC_VALUES && any_mma(typename Cfg::Tiers{});
   static constexpr int ACC_R = MMA_V ? MTV : GQA, ACC_C = MMA_V ? 4 : 8;
 
