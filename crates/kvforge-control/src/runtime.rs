@@ -113,6 +113,8 @@ pub enum ControlError {
     Verify(Violation),
     #[error("position map out of sync: {0}")]
     Positions(String),
+    #[error("importance window: {0}")]
+    Importance(#[from] crate::window::ImportanceError),
 }
 
 /// What [`apply`] did.
