@@ -27,6 +27,8 @@ pub enum ImportanceError {
     Beta(f64),
     #[error("pages must hold at least one token")]
     PageTokens,
+    #[error("the window has {window} kv heads, the page table {pages}")]
+    Heads { window: usize, pages: usize },
     #[error("kv head {head}: the window has {window} pages, the page table {pages}")]
     Shape { head: usize, window: usize, pages: usize },
     #[error("kv head {head}: a page starts at token {first_token}, not at a multiple of {page_tokens}")]
@@ -64,6 +66,9 @@ impl PagedImportance {
     /// (`None`: not observed). Pages in the EMA but not observed decay (their window value
     /// counts as 0); a page observed for the first time starts at its window value.
     pub fn roll(&mut self, first_tokens: &[Vec<usize>], window: &[Vec<Option<f64>>]) -> Result<(), ImportanceError> {
+        if first_tokens.len() != window.len() {
+            return Err(ImportanceError::Heads { window: window.len(), pages: first_tokens.len() });
+        }
         for (head, (firsts, win)) in first_tokens.iter().zip(window).enumerate() {
             if firsts.len() != win.len() {
                 return Err(ImportanceError::Shape { head, window: win.len(), pages: firsts.len() });
@@ -83,7 +88,12 @@ impl PagedImportance {
             self.ema.resize(first_tokens.len(), Vec::new());
         }
         let beta = self.beta;
-        for ((ema, firsts), win) in self.ema.iter_mut().zip(first_tokens).zip(window) {
+        // Heads the window does not list observed nothing: their pages decay.
+        for (h, ema) in self.ema.iter_mut().enumerate() {
+            let (firsts, win) = match (first_tokens.get(h), window.get(h)) {
+                (Some(f), Some(w)) => (f.as_slice(), w.as_slice()),
+                _ => (&[][..], &[][..]),
+            };
             let slots = firsts.last().map_or(0, |f| f / self.page_tokens + 1);
             if ema.len() < slots {
                 ema.resize(slots, f64::NAN);

@@ -59,7 +59,9 @@ impl KvCache {
     /// last [`take_mass_window`](Self::take_mass_window). Costs one small launch per 32
     /// sequences and no transfer. A sequence may appear once per call.
     pub fn decode_tracked(&mut self, seqs: &[usize], q: &[f32]) -> Result<DecodeOutput> {
+        // Plan first: it refuses unknown sequence ids, which size `distinct`'s table.
         let plan = self.plan(seqs)?;
+        distinct(seqs)?;
         Ok(self.decode_host(&plan, q, PageMass::Window(seqs))?.0)
     }
 
@@ -82,14 +84,12 @@ impl KvCache {
         let Some(page_lse) = &ws.page_lse else {
             return Err(RtError::BadInput("mass window: the workspace records no page masses (make it with `mass_workspace`)".into()));
         };
-        let mut seen = vec![false; seqs.iter().max().map_or(0, |&s| s + 1)];
         for &s in seqs {
-            if std::mem::replace(&mut seen[s], true) {
-                return Err(RtError::BadInput(format!("mass window: sequence {s} appears twice in one tracked decode (its rows would race)")));
-            }
+            self.seq_len(s)?;
         }
+        let slots = distinct(seqs)?;
         let most_pages = plan.page_indptr.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0);
-        self.grow_mass_window(seen.len(), most_pages)?;
+        self.grow_mass_window(slots, most_pages)?;
         let k = self.kernels.get(&self.dev, &self.spec, &VariantId::mass_window(&self.spec))?;
         let st = self.dev.stream.clone();
         let Some(w) = self.mass_window.as_mut() else { return Err(RtError::BadInput("mass window: not allocated".into())) };
@@ -204,6 +204,18 @@ impl KvCache {
         self.mass_window = Some(MassWindow { buf, slots: new_slots, capacity, open });
         Ok(())
     }
+}
+
+/// Checks that no sequence appears twice (two CTAs would race on its rows); returns the
+/// window slots the batch needs (largest id + 1).
+fn distinct(seqs: &[usize]) -> Result<usize> {
+    let mut seen = vec![false; seqs.iter().max().map_or(0, |&s| s + 1)];
+    for &s in seqs {
+        if std::mem::replace(&mut seen[s], true) {
+            return Err(RtError::BadInput(format!("mass window: sequence {s} appears twice in one tracked decode")));
+        }
+    }
+    Ok(seen.len())
 }
 
 /// Sets `len` floats of `buf` from `at` to [`UNOBSERVED`] (asynchronously).
