@@ -50,12 +50,14 @@ pub struct GpuSetup {
     pub steps: usize,
     /// Budget as a fraction of fp16 bytes.
     pub budget_fraction: f64,
+    /// RDR's period (cooldown: two periods); None: the controller's defaults.
+    pub every: Option<usize>,
     pub seed: u64,
 }
 
 impl Default for GpuSetup {
     fn default() -> Self {
-        GpuSetup { context: 32768, heads: 8, gqa: 4, d: 128, steps: 512, budget_fraction: 0.25, seed: 1 }
+        GpuSetup { context: 32768, heads: 8, gqa: 4, d: 128, steps: 1024, budget_fraction: 0.25, every: None, seed: 1 }
     }
 }
 
@@ -150,6 +152,10 @@ pub fn gpu_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s: &Gpu
     let fp16_per_token = costs.cost(TAIL_TIER, p) / p as f64;
     let limits = Limits { budget: Budget::PerToken(s.budget_fraction * fp16_per_token), protection: Protection::default() };
     let mut rdr = RdrController::with_table(table.clone());
+    if let Some(every) = s.every {
+        rdr.every = every.max(1);
+        rdr.cooldown = 2 * rdr.every;
+    }
     let mut importance = PagedImportance::new(0.5, p)?;
     let mut pos = PositionMap::new(seq, hkv);
     pos.sync(&cache)?;

@@ -43,6 +43,9 @@ pub struct Args {
     /// Decode steps of the GPU loop.
     #[arg(long, default_value_t = 1024)]
     gpu_steps: usize,
+    /// RDR periods (decode steps per decision) of the GPU loop; 0: the controller's default.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    gpu_every: Vec<usize>,
     /// Skip the CPU frontier (with --gpu: only the GPU loop).
     #[arg(long)]
     no_frontier: bool,
@@ -217,9 +220,9 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
     if a.gpu {
         let dev = std::sync::Arc::new(kvforge_rt::Device::open(0)?);
         let mut gj = Vec::new();
-        for (spec, frac, tier) in [(&rdkv, 0.25, "rdkv:b16"), (&sph, 0.45, "spherical:high")] {
+        for ((spec, frac, tier), &every) in [(&rdkv, 0.25, "rdkv:b16"), (&sph, 0.45, "spherical:high")].into_iter().flat_map(|x| a.gpu_every.iter().map(move |e| (x, e))) {
             let table = tables.get(spec);
-            let gs = GpuSetup { context: a.timing_context, heads: a.timing_kv_heads, steps: a.gpu_steps, budget_fraction: frac, ..Default::default() };
+            let gs = GpuSetup { context: a.timing_context, heads: a.timing_kv_heads, steps: a.gpu_steps, budget_fraction: frac, every: (every > 0).then_some(every), ..Default::default() };
             let g = gpu_loop(&dev, spec, &table, &gs).map_err(|e| anyhow::anyhow!("GPU loop on `{}`: {e}", spec.name))?;
             let bench = decode_time(&root.join(&a.decode_json), tier, gs.context);
             println!(
