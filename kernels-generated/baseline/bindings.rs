@@ -90,7 +90,7 @@ pub mod tiers {
 pub struct VariantInfo {
     pub name: &'static str,
     pub symbol: &'static str,
-    /// `decode`, `transcode` or `combine`.
+    /// `decode`, `transcode`, `combine` or `mass_window`.
     pub kind: &'static str,
     pub head_dim: usize,
     /// Query heads per kv head (decode only, else 0).
@@ -122,9 +122,10 @@ pub enum Variant {
     DecodeKfp16Vfp16D256G8P64,
     TranscodeTailToKfp16Vfp16D256P64,
     CombineD256,
+    MassWindow,
 }
 impl Variant {
-    pub const ALL: [Variant; 18usize] = [
+    pub const ALL: [Variant; 19usize] = [
         Variant::DecodeKfp16Vfp16D64G1P64,
         Variant::DecodeKfp16Vfp16D64G3P64,
         Variant::DecodeKfp16Vfp16D64G4P64,
@@ -143,12 +144,13 @@ impl Variant {
         Variant::DecodeKfp16Vfp16D256G8P64,
         Variant::TranscodeTailToKfp16Vfp16D256P64,
         Variant::CombineD256,
+        Variant::MassWindow,
     ];
     pub fn info(self) -> &'static VariantInfo {
         &INFOS[self as usize]
     }
 }
-static INFOS: [VariantInfo; 18usize] = [
+static INFOS: [VariantInfo; 19usize] = [
     VariantInfo {
         name: "decode_kfp16_vfp16_d64_g1_p64",
         symbol: "kvf_baseline_decode_kfp16_vfp16_d64_g1_p64",
@@ -346,5 +348,16 @@ static INFOS: [VariantInfo; 18usize] = [
         threads: 256usize,
         smem_bytes: 0usize,
         source: include_str!("combine_d256.cu"),
+    },
+    VariantInfo {
+        name: "mass_window",
+        symbol: "kvf_baseline_mass_window",
+        kind: "mass_window",
+        head_dim: 0usize,
+        gqa: 0usize,
+        tiers: &[],
+        threads: 256usize,
+        smem_bytes: 0usize,
+        source: include_str!("mass_window.cu"),
     },
 ];

@@ -152,7 +152,7 @@ pub mod tiers {
 pub struct VariantInfo {
     pub name: &'static str,
     pub symbol: &'static str,
-    /// `decode`, `transcode` or `combine`.
+    /// `decode`, `transcode`, `combine` or `mass_window`.
     pub kind: &'static str,
     pub head_dim: usize,
     /// Query heads per kv head (decode only, else 0).
@@ -214,9 +214,10 @@ pub enum Variant {
     TranscodeTailToKint8c16f32Vint4g16f16D256P64,
     TranscodeKfp16Vfp16ToKint8c16f32Vint4g16f16D256P64,
     CombineD256,
+    MassWindow,
 }
 impl Variant {
-    pub const ALL: [Variant; 48usize] = [
+    pub const ALL: [Variant; 49usize] = [
         Variant::DecodeKfp16Vfp16D64G1P64,
         Variant::DecodeKfp16Vfp16D64G3P64,
         Variant::DecodeKfp16Vfp16D64G4P64,
@@ -265,12 +266,13 @@ impl Variant {
         Variant::TranscodeTailToKint8c16f32Vint4g16f16D256P64,
         Variant::TranscodeKfp16Vfp16ToKint8c16f32Vint4g16f16D256P64,
         Variant::CombineD256,
+        Variant::MassWindow,
     ];
     pub fn info(self) -> &'static VariantInfo {
         &INFOS[self as usize]
     }
 }
-static INFOS: [VariantInfo; 48usize] = [
+static INFOS: [VariantInfo; 49usize] = [
     VariantInfo {
         name: "decode_kfp16_vfp16_d64_g1_p64",
         symbol: "kvf_certified_decode_kfp16_vfp16_d64_g1_p64",
@@ -820,5 +822,16 @@ static INFOS: [VariantInfo; 48usize] = [
         threads: 256usize,
         smem_bytes: 0usize,
         source: include_str!("combine_d256.cu"),
+    },
+    VariantInfo {
+        name: "mass_window",
+        symbol: "kvf_certified_mass_window",
+        kind: "mass_window",
+        head_dim: 0usize,
+        gqa: 0usize,
+        tiers: &[],
+        threads: 256usize,
+        smem_bytes: 0usize,
+        source: include_str!("mass_window.cu"),
     },
 ];

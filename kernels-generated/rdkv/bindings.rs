@@ -302,7 +302,7 @@ pub mod tiers {
 pub struct VariantInfo {
     pub name: &'static str,
     pub symbol: &'static str,
-    /// `decode`, `transcode` or `combine`.
+    /// `decode`, `transcode`, `combine` or `mass_window`.
     pub kind: &'static str,
     pub head_dim: usize,
     /// Query heads per kv head (decode only, else 0).
@@ -409,9 +409,10 @@ pub enum Variant {
     TranscodeKint8c64f16Vint8g32f16ToKint2c64f16Vint2g32f16D256P64,
     TranscodeKint4c64f16Vint4g32f16ToKint2c64f16Vint2g32f16D256P64,
     CombineD256,
+    MassWindow,
 }
 impl Variant {
-    pub const ALL: [Variant; 93usize] = [
+    pub const ALL: [Variant; 94usize] = [
         Variant::DecodeKfp16Vfp16D64G1P64,
         Variant::DecodeKfp16Vfp16D64G3P64,
         Variant::DecodeKfp16Vfp16D64G4P64,
@@ -505,12 +506,13 @@ impl Variant {
         Variant::TranscodeKint8c64f16Vint8g32f16ToKint2c64f16Vint2g32f16D256P64,
         Variant::TranscodeKint4c64f16Vint4g32f16ToKint2c64f16Vint2g32f16D256P64,
         Variant::CombineD256,
+        Variant::MassWindow,
     ];
     pub fn info(self) -> &'static VariantInfo {
         &INFOS[self as usize]
     }
 }
-static INFOS: [VariantInfo; 93usize] = [
+static INFOS: [VariantInfo; 94usize] = [
     VariantInfo {
         name: "decode_kfp16_vfp16_d64_g1_p64",
         symbol: "kvf_rdkv_decode_kfp16_vfp16_d64_g1_p64",
@@ -1593,5 +1595,16 @@ static INFOS: [VariantInfo; 93usize] = [
         threads: 256usize,
         smem_bytes: 0usize,
         source: include_str!("combine_d256.cu"),
+    },
+    VariantInfo {
+        name: "mass_window",
+        symbol: "kvf_rdkv_mass_window",
+        kind: "mass_window",
+        head_dim: 0usize,
+        gqa: 0usize,
+        tiers: &[],
+        threads: 256usize,
+        smem_bytes: 0usize,
+        source: include_str!("mass_window.cu"),
     },
 ];

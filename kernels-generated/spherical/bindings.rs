@@ -210,7 +210,7 @@ pub mod tiers {
 pub struct VariantInfo {
     pub name: &'static str,
     pub symbol: &'static str,
-    /// `decode`, `transcode` or `combine`.
+    /// `decode`, `transcode`, `combine` or `mass_window`.
     pub kind: &'static str,
     pub head_dim: usize,
     /// Query heads per kv head (decode only, else 0).
@@ -293,9 +293,10 @@ pub enum Variant {
     TranscodeKsph16x16b6Vfp16ToKsph32x8b3Vfp16D256P64,
     TranscodeKsph16x16b4Vfp16ToKsph32x8b3Vfp16D256P64,
     CombineD256,
+    MassWindow,
 }
 impl Variant {
-    pub const ALL: [Variant; 69usize] = [
+    pub const ALL: [Variant; 70usize] = [
         Variant::DecodeKsph16x4b6Vfp16D64G1P64,
         Variant::DecodeKsph16x4b6Vfp16D64G3P64,
         Variant::DecodeKsph16x4b6Vfp16D64G4P64,
@@ -365,12 +366,13 @@ impl Variant {
         Variant::TranscodeKsph16x16b6Vfp16ToKsph32x8b3Vfp16D256P64,
         Variant::TranscodeKsph16x16b4Vfp16ToKsph32x8b3Vfp16D256P64,
         Variant::CombineD256,
+        Variant::MassWindow,
     ];
     pub fn info(self) -> &'static VariantInfo {
         &INFOS[self as usize]
     }
 }
-static INFOS: [VariantInfo; 69usize] = [
+static INFOS: [VariantInfo; 70usize] = [
     VariantInfo {
         name: "decode_ksph16x4b6_vfp16_d64_g1_p64",
         symbol: "kvf_spherical_decode_ksph16x4b6_vfp16_d64_g1_p64",
@@ -1165,5 +1167,16 @@ static INFOS: [VariantInfo; 69usize] = [
         threads: 256usize,
         smem_bytes: 0usize,
         source: include_str!("combine_d256.cu"),
+    },
+    VariantInfo {
+        name: "mass_window",
+        symbol: "kvf_spherical_mass_window",
+        kind: "mass_window",
+        head_dim: 0usize,
+        gqa: 0usize,
+        tiers: &[],
+        threads: 256usize,
+        smem_bytes: 0usize,
+        source: include_str!("mass_window.cu"),
     },
 ];

@@ -336,7 +336,7 @@ pub mod tiers {
 pub struct VariantInfo {
     pub name: &'static str,
     pub symbol: &'static str,
-    /// `decode`, `transcode` or `combine`.
+    /// `decode`, `transcode`, `combine` or `mass_window`.
     pub kind: &'static str,
     pub head_dim: usize,
     /// Query heads per kv head (decode only, else 0).
@@ -396,9 +396,10 @@ pub enum Variant {
     TranscodeKmix16x18x24x32x1c64f16Vint8g32f16ToKmix16x18x24x32x1c64f16Vint2g32f16D128P64,
     TranscodeKmix16x18x24x32x1c64f16Vint4g32f16ToKmix16x18x24x32x1c64f16Vint2g32f16D128P64,
     CombineD128,
+    MassWindow,
 }
 impl Variant {
-    pub const ALL: [Variant; 46usize] = [
+    pub const ALL: [Variant; 47usize] = [
         Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D64G1P64,
         Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D64G3P64,
         Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D64G4P64,
@@ -445,12 +446,13 @@ impl Variant {
         Variant::TranscodeKmix16x18x24x32x1c64f16Vint8g32f16ToKmix16x18x24x32x1c64f16Vint2g32f16D128P64,
         Variant::TranscodeKmix16x18x24x32x1c64f16Vint4g32f16ToKmix16x18x24x32x1c64f16Vint2g32f16D128P64,
         Variant::CombineD128,
+        Variant::MassWindow,
     ];
     pub fn info(self) -> &'static VariantInfo {
         &INFOS[self as usize]
     }
 }
-static INFOS: [VariantInfo; 46usize] = [
+static INFOS: [VariantInfo; 47usize] = [
     VariantInfo {
         name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g1_p64",
         symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g1_p64",
@@ -1028,5 +1030,16 @@ static INFOS: [VariantInfo; 46usize] = [
         threads: 128usize,
         smem_bytes: 0usize,
         source: include_str!("combine_d128.cu"),
+    },
+    VariantInfo {
+        name: "mass_window",
+        symbol: "kvf_trizone_mass_window",
+        kind: "mass_window",
+        head_dim: 0usize,
+        gqa: 0usize,
+        tiers: &[],
+        threads: 256usize,
+        smem_bytes: 0usize,
+        source: include_str!("mass_window.cu"),
     },
 ];

@@ -69,6 +69,12 @@ pub fn simulate(view: &PageTableView, plan: &Plan) -> PageTableView {
 
 /// Checks a plan against the view it was made for.
 pub fn check_plan(view: &PageTableView, plan: &Plan, limits: &Limits) -> Result<(), Violation> {
+    checked(view, plan, limits).map(|_| ())
+}
+
+/// [`check_plan`], returning the view after the plan ([`simulate`]), which the check needs
+/// anyway: `runtime::apply` verifies the cache against it without simulating twice.
+pub(crate) fn checked(view: &PageTableView, plan: &Plan, limits: &Limits) -> Result<PageTableView, Violation> {
     let costs = &view.costs;
     let mut seen = std::collections::HashSet::new();
     for d in &plan.decisions {
@@ -116,5 +122,5 @@ pub fn check_plan(view: &PageTableView, plan: &Plan, limits: &Limits) -> Result<
             }
         }
     }
-    Ok(())
+    Ok(after)
 }

@@ -1,4 +1,4 @@
-//! Multiple-choice knapsack (MCKP) by Lagrangian bisection, with a weak-duality certificate.
+//! Multiple-choice knapsack (MCKP) along the greedy path (a weighted selection), with a weak-duality certificate.
 //!
 //! Every controller in this crate reduces to the same problem (seed 000 App. C.1, seed 002
 //! Eq. 6): each item `i` (a page, a token, a channel) takes exactly one of its choices
@@ -10,18 +10,16 @@
 //!    (ties: the *most* expensive, i.e. "do not move what need not move") towards the cheapest.
 //!    Each hull step is a move with price `ρ = Δdist / Δcost` (distortion per saved byte, the
 //!    seed's value-per-byte); along one item's hull the prices increase.
-//! 2. For a multiplier λ every item independently takes `argmin dist + λ·cost` (ties: the
-//!    cheaper choice), i.e. applies all its moves with `ρ ≤ λ`. The total cost is
-//!    non-increasing in λ, so λ is found by bisection (seed 002 Alg. 2) — except that, unlike
-//!    Alg. 2, we never return the over-budget side: the bracket keeps `cost(λ_hi) ≤ B`.
-//!    Bisection stops once the bracket holds at most 64 moves (step 3 orders them exactly).
-//! 3. Inside the final bracket `(λ_lo, λ_hi]` the moves are ordered by `(ρ, item)` and
-//!    undone from the most expensive while the budget still holds, stopping at the first move
-//!    that does not fit. The result is exactly the greedy downgrade path of seed 000 C.3
-//!    ("apply the move with smallest ρ until the budget is met") — a *prefix* of one
-//!    budget-independent order of moves. That is what makes the predicted distortion
-//!    monotone in the budget (a larger budget stops earlier on the same path), at the price
-//!    of not back-filling slack with out-of-order upgrades (the overshoot is at most one move).
+//! 2. All hull moves of all items, ordered by `(ρ, item, step)`, form the greedy downgrade path
+//!    of seed 000 C.3 ("apply the move with smallest ρ until the budget is met"); within an
+//!    item prices do not decrease, so any prefix of the path takes each item's first moves.
+//!    The solution is the *shortest prefix* that meets the budget, found by a weighted
+//!    quickselect on the moves (expected O(moves); only the last ≤ 32 are sorted). It is a
+//!    prefix of one budget-independent order of moves, which is what makes the predicted
+//!    distortion monotone in the budget (a larger budget stops earlier on the same path), at
+//!    the price of not back-filling slack with out-of-order upgrades (the overshoot is at most
+//!    one move). Equivalently (seed 002 Alg. 2) every item takes `argmin dist + λ·cost` at
+//!    the marginal price λ of the last move, ties resolved along the path.
 //!
 //! The Lagrangian dual `g(λ) = Σ_i min_c (dist + λ·cost) − λB` is a lower bound on the
 //! optimum for every λ ≥ 0 (seed 002 Prop. A.3); at the marginal price it equals the LP
@@ -57,63 +55,107 @@ pub struct Solution {
     /// False when even the cheapest choice of every item exceeds the budget; `pick` is then
     /// that cheapest assignment.
     pub feasible: bool,
-    /// Bisection iterations spent.
+    /// Selection rounds spent (each halves the moves that may end the prefix).
     pub iterations: usize,
 }
 
-/// The lower convex hull of one item, from least distortion to least cost.
-#[derive(Clone, Debug)]
-struct Hull {
-    /// Choice indices along the hull.
-    idx: Vec<usize>,
-    /// ρ of hull step k (from idx[k] to idx[k+1]); non-decreasing.
+/// The lower convex hulls of all items, stored flat (one allocation per solve, not three
+/// per item: at 4096 pages the per-item vectors were a third of RDR's decision time).
+///
+/// Item `i`'s hull is `idx[at[i]..at[i + 1]]` (choice indices, least distortion first) and
+/// its steps' prices are `rho[at[i] - i..at[i + 1] - i - 1]` (one fewer than points).
+struct Hulls {
+    idx: Vec<u32>,
     rho: Vec<f64>,
+    at: Vec<usize>,
 }
 
-impl Hull {
-    fn new(choices: &[Choice]) -> Hull {
+impl Hulls {
+    fn new(choices: &[Choice], start: &[usize]) -> Hulls {
+        let n = start.len().saturating_sub(1);
+        let mut h = Hulls { idx: Vec::with_capacity(choices.len()), rho: Vec::with_capacity(choices.len()), at: Vec::with_capacity(n + 1) };
+        h.at.push(0);
+        let mut rest: Vec<usize> = Vec::new();
+        for i in 0..n {
+            h.push_item(&choices[start[i]..start[i + 1]], &mut rest);
+        }
+        h
+    }
+
+    /// Appends the hull of one item.
+    fn push_item(&mut self, choices: &[Choice], rest: &mut Vec<usize>) {
         assert!(!choices.is_empty(), "knapsack: an item has no choices");
         for c in choices {
             assert!(c.cost.is_finite() && c.dist.is_finite() && c.cost >= 0.0, "knapsack: choice {c:?} must have finite cost ≥ 0 and finite distortion");
         }
+        // Controllers list a page's tiers down the ladder: strictly cheaper, no less distorted.
+        // Then the start is the first choice and the candidates are the rest in order, which
+        // is what the general path below computes, without its sort.
+        let ladder = choices.windows(2).all(|w| w[1].cost < w[0].cost) && choices[1..].iter().all(|c| c.dist >= choices[0].dist);
         // Start: least distortion, ties towards the higher cost (no gratuitous move), then index.
-        let start = (0..choices.len())
+        let start = if ladder { 0 } else { (0..choices.len())
             .min_by(|&a, &b| {
                 let (x, y) = (choices[a], choices[b]);
                 x.dist.total_cmp(&y.dist).then(y.cost.total_cmp(&x.cost)).then(a.cmp(&b))
             })
-            .unwrap();
+            .unwrap() };
         // Candidates strictly cheaper than the start, by cost descending; equal cost: least
         // distortion, then index.
-        let mut rest: Vec<usize> = (0..choices.len()).filter(|&i| choices[i].cost < choices[start].cost).collect();
-        rest.sort_by(|&a, &b| {
-            let (x, y) = (choices[a], choices[b]);
-            y.cost.total_cmp(&x.cost).then(x.dist.total_cmp(&y.dist)).then(a.cmp(&b))
-        });
-        rest.dedup_by(|b, a| choices[*a].cost == choices[*b].cost);
-        let slope = |a: usize, b: usize| (choices[b].dist - choices[a].dist) / (choices[a].cost - choices[b].cost);
-        let mut idx = vec![start];
-        for p in rest {
-            // Pop points above the chord (strictly): collinear points stay, they are finer steps.
-            while idx.len() >= 2 && slope(idx[idx.len() - 2], idx[idx.len() - 1]) > slope(idx[idx.len() - 1], p) {
-                idx.pop();
-            }
-            idx.push(p);
+        rest.clear();
+        if ladder {
+            rest.extend(1..choices.len());
+        } else {
+            rest.extend((0..choices.len()).filter(|&i| choices[i].cost < choices[start].cost));
+            rest.sort_by(|&a, &b| {
+                let (x, y) = (choices[a], choices[b]);
+                y.cost.total_cmp(&x.cost).then(x.dist.total_cmp(&y.dist)).then(a.cmp(&b))
+            });
+            rest.dedup_by(|b, a| choices[*a].cost == choices[*b].cost);
         }
-        let rho = idx.windows(2).map(|w| slope(w[0], w[1]).max(0.0)).collect();
-        Hull { idx, rho }
+        let slope = |a: usize, b: usize| (choices[b].dist - choices[a].dist) / (choices[a].cost - choices[b].cost);
+        let first = self.idx.len();
+        self.idx.push(start as u32);
+        for &p in rest.iter() {
+            // Pop points above the chord (strictly): collinear points stay, they are finer steps.
+            while self.idx.len() - first >= 2 {
+                let (a, b) = (self.idx[self.idx.len() - 2] as usize, self.idx[self.idx.len() - 1] as usize);
+                if slope(a, b) > slope(b, p) {
+                    self.idx.pop();
+                } else {
+                    break;
+                }
+            }
+            self.idx.push(p as u32);
+        }
+        for k in first..self.idx.len() - 1 {
+            self.rho.push(slope(self.idx[k] as usize, self.idx[k + 1] as usize).max(0.0));
+        }
+        self.at.push(self.idx.len());
     }
 
-    /// Number of moves applied at multiplier λ (moves with ρ ≤ λ).
-    fn steps(&self, lambda: f64) -> usize {
-        self.rho.partition_point(|&r| r <= lambda)
+    fn len(&self) -> usize {
+        self.at.len() - 1
     }
-}
 
-/// Lagrangian value of one item at λ: `min_c dist + λ cost` over its hull.
-fn item_dual(choices: &[Choice], h: &Hull, lambda: f64) -> f64 {
-    let c = choices[h.idx[h.steps(lambda)]];
-    c.dist + lambda * c.cost
+    /// Choice indices along item `i`'s hull.
+    fn idx(&self, i: usize) -> &[u32] {
+        &self.idx[self.at[i]..self.at[i + 1]]
+    }
+
+    /// Prices of item `i`'s hull steps; non-decreasing.
+    fn rho(&self, i: usize) -> &[f64] {
+        &self.rho[self.at[i] - i..self.at[i + 1] - i - 1]
+    }
+
+    /// Moves of item `i` applied at multiplier λ (those with ρ ≤ λ).
+    fn steps(&self, i: usize, lambda: f64) -> usize {
+        self.rho(i).partition_point(|&r| r <= lambda)
+    }
+
+    /// Choice index of item `i` after `s` moves.
+    fn pick(&self, i: usize, s: usize) -> usize {
+        self.idx(i)[s] as usize
+    }
 }
 
 /// Solves the MCKP `min Σ dist s.t. Σ cost ≤ budget`, one choice per item. See the module
@@ -122,19 +164,41 @@ fn item_dual(choices: &[Choice], h: &Hull, lambda: f64) -> f64 {
 /// # Panics
 /// If an item has no choice or a choice has a non-finite or negative cost.
 pub fn solve(items: &[Vec<Choice>], budget: f64) -> Solution {
-    let hulls: Vec<Hull> = items.iter().map(|c| Hull::new(c)).collect();
-    let total = |steps: &dyn Fn(&Hull) -> usize| -> (f64, f64) {
-        items.iter().zip(&hulls).fold((0.0, 0.0), |(c, d), (ch, h)| {
-            let x = ch[h.idx[steps(h)]];
+    let mut start = Vec::with_capacity(items.len() + 1);
+    start.push(0);
+    for it in items {
+        start.push(start.last().unwrap() + it.len());
+    }
+    let choices: Vec<Choice> = items.iter().flatten().copied().collect();
+    solve_flat(&choices, &start, budget)
+}
+
+/// [`solve`] on items stored flat: item `i`'s choices are `choices[start[i]..start[i + 1]]`
+/// (`start` has one entry more than there are items).
+pub fn solve_flat(choices: &[Choice], start: &[usize], budget: f64) -> Solution {
+    let hulls = Hulls::new(choices, start);
+    let n = hulls.len();
+    let item = |i: usize| &choices[start[i]..start[i + 1]];
+    let total = |steps: &dyn Fn(usize) -> usize| -> (f64, f64) {
+        (0..n).fold((0.0, 0.0), |(c, d), i| {
+            let x = item(i)[hulls.pick(i, steps(i))];
             (c + x.cost, d + x.dist)
         })
     };
     let finish = |steps: Vec<usize>, lambda: f64, feasible: bool, iterations: usize| -> Solution {
-        let pick: Vec<usize> = hulls.iter().zip(&steps).map(|(h, &s)| h.idx[s]).collect();
-        let (cost, dist) = items.iter().zip(&pick).fold((0.0, 0.0), |(c, d), (ch, &p)| (c + ch[p].cost, d + ch[p].dist));
+        let pick: Vec<usize> = steps.iter().enumerate().map(|(i, &s)| hulls.pick(i, s)).collect();
+        let (cost, dist) = pick.iter().enumerate().fold((0.0, 0.0), |(c, d), (i, &p)| (c + item(i)[p].cost, d + item(i)[p].dist));
         let (dual, gap) = if feasible {
             // g is concave; its maximum is at the marginal price λ*. g(0) = Σ min dist.
-            let g = |l: f64| items.iter().zip(&hulls).map(|(c, h)| item_dual(c, h, l)).sum::<f64>() - l * budget;
+            let g = |l: f64| {
+                (0..n)
+                    .map(|i| {
+                        let c = item(i)[hulls.pick(i, hulls.steps(i, l))];
+                        c.dist + l * c.cost
+                    })
+                    .sum::<f64>()
+                    - l * budget
+            };
             let dual = g(lambda).max(g(0.0)).min(dist);
             (dual, (dist - dual).max(0.0))
         } else {
@@ -145,62 +209,63 @@ pub fn solve(items: &[Vec<Choice>], budget: f64) -> Solution {
 
     let (start_cost, _) = total(&|_| 0);
     if start_cost <= budget {
-        return finish(vec![0; items.len()], 0.0, true, 0);
+        return finish(vec![0; n], 0.0, true, 0);
     }
-    let rho_max = hulls.iter().filter_map(|h| h.rho.last().copied()).fold(0.0f64, f64::max);
-    let (min_cost, _) = total(&|h| h.idx.len() - 1);
+    let rho_max = hulls.rho.iter().copied().fold(0.0f64, f64::max);
+    let (min_cost, _) = total(&|i| hulls.idx(i).len() - 1);
     if min_cost > budget {
-        return finish(hulls.iter().map(|h| h.idx.len() - 1).collect(), rho_max, false, 0);
+        return finish((0..n).map(|i| hulls.idx(i).len() - 1).collect(), rho_max, false, 0);
     }
-    // Invariant: cost(x(lo)) > budget ≥ cost(x(hi)); x(−1) is the start (every ρ ≥ 0).
-    // Bisection only has to narrow the bracket to a few moves: the moves inside it are
-    // ordered exactly below, so stopping at `BRACKET` moves gives the same solution as
-    // bisecting to float resolution, in ~log2(moves / BRACKET) passes instead of ~64.
-    const BRACKET: usize = 64;
-    let at = |lambda: f64| -> (f64, usize) {
-        items.iter().zip(&hulls).fold((0.0, 0), |(c, n), (ch, h)| {
-            let s = h.steps(lambda);
-            (c + ch[h.idx[s]].cost, n + s)
-        })
-    };
-    let (mut lo, mut hi) = (-1.0f64, rho_max);
-    let (mut n_lo, mut n_hi) = (0usize, hulls.iter().map(|h| h.rho.len()).sum::<usize>());
+    // The greedy path takes moves in (ρ, item, step) order, and the solution is its shortest
+    // prefix that saves `need` bytes. A weighted quickselect finds that prefix in expected
+    // O(moves): partition around the median key, keep the half holding the point where the
+    // savings reach `need`, sort only the last few. (Bisecting λ cost one O(items) pass per
+    // halving of the bracket, most of RDR's decision at 4096 pages.) Within an item prices
+    // do not decrease and ties go by step, so each item's moves in the prefix are its first
+    // ones.
+    let need = start_cost - budget;
+    let mut moves: Vec<(f64, u32, u32, f64)> = Vec::with_capacity(hulls.rho.len());
+    for i in 0..n {
+        let it = item(i);
+        for (s, &r) in hulls.rho(i).iter().enumerate() {
+            moves.push((r, i as u32, s as u32, it[hulls.pick(i, s)].cost - it[hulls.pick(i, s + 1)].cost));
+        }
+    }
+    let key = |a: &(f64, u32, u32, f64), b: &(f64, u32, u32, f64)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2));
+    // moves[..lo] are in the prefix (their keys precede every key of moves[lo..hi]) and save
+    // `acc`; the prefix ends inside moves[lo..hi].
+    let (mut lo, mut hi, mut acc) = (0usize, moves.len(), 0.0f64);
     let mut iterations = 0;
-    while iterations < 64 && n_hi - n_lo > BRACKET {
-        let mid = 0.5 * (lo + hi);
-        if mid <= lo || mid >= hi {
-            break;
+    let end = loop {
+        if hi - lo <= 32 {
+            moves[lo..hi].sort_unstable_by(key);
+            let mut end = hi;
+            for (k, m) in moves[lo..hi].iter().enumerate() {
+                acc += m.3;
+                if acc >= need {
+                    end = lo + k + 1;
+                    break;
+                }
+            }
+            break end;
         }
         iterations += 1;
-        let (c, n) = at(mid);
-        if c <= budget {
-            (hi, n_hi) = (mid, n);
+        let mid = lo + (hi - lo) / 2;
+        moves[lo..hi].select_nth_unstable_by(mid - lo, key);
+        let left: f64 = moves[lo..mid].iter().map(|m| m.3).sum();
+        if acc + left >= need {
+            hi = mid;
         } else {
-            (lo, n_lo) = (mid, n);
+            acc += left;
+            lo = mid;
         }
+    };
+    let mut steps = vec![0usize; n];
+    for m in &moves[..end] {
+        let (i, s) = (m.1 as usize, m.2 as usize + 1);
+        steps[i] = steps[i].max(s);
     }
-    // Moves in (lo, hi], in path order (ρ, item, step); undo from the back while it fits.
-    let mut steps: Vec<usize> = hulls.iter().map(|h| h.steps(hi)).collect();
-    let mut tied: Vec<(f64, usize, usize)> = Vec::new();
-    for (i, h) in hulls.iter().enumerate() {
-        for s in h.steps(lo)..steps[i] {
-            tied.push((h.rho[s], i, s));
-        }
-    }
-    tied.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-    let mut cost: f64 = items.iter().zip(&hulls).zip(&steps).map(|((c, h), &s)| c[h.idx[s]].cost).sum();
-    // cost(x(lo)) > budget, so undoing stops before `tied` runs out: its last move stays.
-    while let Some(&(_, i, s)) = tied.last() {
-        let h = &hulls[i];
-        let back = items[i][h.idx[s]].cost - items[i][h.idx[s + 1]].cost;
-        if cost + back > budget {
-            break;
-        }
-        cost += back;
-        steps[i] = s;
-        tied.pop();
-    }
-    let lambda = tied.last().map_or(hi, |t| t.0);
+    let lambda = moves[lo..end].last().map_or(0.0, |m| m.0);
     finish(steps, lambda, true, iterations)
 }
 
@@ -240,9 +305,11 @@ mod tests {
     fn hull_skips_dominated_and_concave_points() {
         // (cost, dist): 10/0, 8/5 (above the chord 10/0 → 4/3), 6/1... sorted: 10,8,6,4.
         let c = ch(&[(10.0, 0.0), (8.0, 5.0), (6.0, 1.0), (4.0, 3.0), (4.0, 9.0)]);
-        let h = Hull::new(&c);
-        assert_eq!(h.idx, vec![0, 2, 3]);
-        assert!(h.rho.windows(2).all(|w| w[0] <= w[1]));
+        let two = [c.clone(), ch(&[(3.0, 1.0), (5.0, 0.0)])].concat();
+        let h = Hulls::new(&two, &[0, 5, 7]);
+        assert_eq!(h.idx(0), [0, 2, 3]);
+        assert!(h.rho(0).windows(2).all(|w| w[0] <= w[1]));
+        assert_eq!((h.idx(1), h.rho(1)), (&[1u32, 0][..], &[0.5][..]));
     }
 
     #[test]

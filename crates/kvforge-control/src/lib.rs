@@ -6,6 +6,8 @@
 //!
 //! * [`signal`]: the CUDA-free input, a [`PageTableView`] (pages per kv head with tier,
 //!   tokens, positions, attention mass, pinned flag), and importance smoothing.
+//! * [`window`]: the same smoothing when the per-step window is kept on the GPU
+//!   (`KvCache::decode_tracked`): the host works only when the controller runs.
 //! * [`budget`]: [`Budget`] and the rate model [`TierCosts`] (bytes per page per tier, from
 //!   the spec).
 //! * [`distortion`]: the per-tier distortion ε (a documented proxy per coding scheme, or a
@@ -24,16 +26,20 @@
 //!
 //! ```no_run
 //! # use kvforge_control::*;
-//! # fn demo(cache: &mut kvforge_rt::KvCache, seq: usize, masses: &ImportanceTracker) -> Result<(), Box<dyn std::error::Error>> {
+//! # fn demo(cache: &mut kvforge_rt::KvCache, seq: usize, q: &[f32]) -> Result<(), Box<dyn std::error::Error>> {
 //! let spec = cache.spec().clone();
 //! let costs = TierCosts::from_spec(&spec, cache.config().head_dim, CostModel::Resident);
 //! let limits = Limits { budget: Budget::PerToken(160.0), protection: Protection::default() };
 //! let mut rdr = RdrController::new(&spec);
+//! let mut importance = PagedImportance::new(0.5, spec.page.tokens)?;
 //! let mut pos = runtime::PositionMap::new(seq, cache.config().num_kv_heads);
-//! // every decode step, after appending the new token:
+//! // every decode step, after appending the new token: the GPU keeps each page's largest
+//! // share of attention since the last invocation.
+//! let out = cache.decode_tracked(&[seq], q)?;
 //! if rdr.step() {
+//!     importance.roll_cache(cache, seq)?;
 //!     pos.sync(cache)?;
-//!     let view = pos.view(cache, costs.clone(), |key, _| runtime::Signal { mass: masses.get(key), ..Default::default() })?;
+//!     let view = pos.view(cache, costs.clone(), |key, _| runtime::Signal { mass: importance.get(key), ..Default::default() })?;
 //!     let plan = rdr.decide(&view, &limits);
 //!     pos.apply(cache, &view, &plan, &limits)?;
 //! }
@@ -52,6 +58,7 @@ pub mod rdr;
 pub mod runtime;
 pub mod signal;
 pub mod synth;
+pub mod window;
 
 pub use budget::{Budget, CostModel, TierCost, TierCosts};
 pub use check::{check_plan, simulate, Violation};
@@ -61,6 +68,7 @@ pub use protect::{Guard, Protection};
 pub use rdkv::{allocate, allocate_head, Allocation, RdkvController};
 pub use rdr::{DropPolicy, RdrController};
 pub use signal::{ImportanceTracker, PageId, PageInfo, PageKey, PageTableView};
+pub use window::{ImportanceError, PagedImportance};
 
 /// A tier policy: from a snapshot of one sequence's pages and its limits, the pages to move.
 ///

@@ -54,41 +54,51 @@ impl Plan {
     }
 }
 
-/// Movable pages of a view as knapsack items.
+/// Movable pages of a view as knapsack items, stored flat (see [`knapsack::solve_flat`]):
+/// page `ids[i]` may take `tiers[start[i]..start[i + 1]]` at `choices[..]` of the same range.
 pub(crate) struct Problem {
     pub ids: Vec<PageId>,
-    pub tiers: Vec<Vec<TierId>>,
-    pub items: Vec<Vec<Choice>>,
+    pub tiers: Vec<TierId>,
+    pub choices: Vec<Choice>,
+    pub start: Vec<usize>,
     /// Cost of the pages that cannot move.
     pub fixed: f64,
 }
 
 impl Problem {
-    /// `options(id, page)` lists the tiers a page may take (current first) with the
-    /// objective distortion of each; a page with one option is fixed.
-    pub fn build(view: &PageTableView, mut options: impl FnMut(PageId, &PageInfo) -> Vec<(TierId, f64)>) -> Problem {
-        let mut p = Problem { ids: Vec::new(), tiers: Vec::new(), items: Vec::new(), fixed: 0.0 };
+    /// `options(id, page, out)` pushes the tiers a page may take (current first) with the
+    /// objective distortion of each into the empty `out`; a page with one option is fixed.
+    pub fn build(view: &PageTableView, mut options: impl FnMut(PageId, &PageInfo, &mut Vec<(TierId, f64)>)) -> Problem {
+        let n = view.num_pages();
+        let mut p = Problem { ids: Vec::with_capacity(n), tiers: Vec::with_capacity(4 * n), choices: Vec::with_capacity(4 * n), start: Vec::with_capacity(n + 1), fixed: 0.0 };
+        p.start.push(0);
+        let mut opts = Vec::new();
         for (id, page) in view.iter() {
-            let opts = options(id, page);
+            opts.clear();
+            options(id, page, &mut opts);
             if opts.len() <= 1 {
                 p.fixed += view.costs.cost(page.tier, page.tokens);
                 continue;
             }
             p.ids.push(id);
-            p.items.push(opts.iter().map(|&(t, d)| Choice::new(view.costs.cost(t, page.tokens), d)).collect());
-            p.tiers.push(opts.into_iter().map(|(t, _)| t).collect());
+            for &(t, d) in &opts {
+                p.tiers.push(t);
+                p.choices.push(Choice::new(view.costs.cost(t, page.tokens), d));
+            }
+            p.start.push(p.choices.len());
         }
         p
     }
 
     /// Solves for `budget` bytes (fixed pages included) and lists the tier changes.
     pub fn solve(&self, view: &PageTableView, budget: f64) -> (Solution, Vec<Decision>) {
-        let s = knapsack::solve(&self.items, budget - self.fixed);
+        let s = knapsack::solve_flat(&self.choices, &self.start, budget - self.fixed);
         let mut d: Vec<Decision> = Vec::new();
-        for ((&id, tiers), &pick) in self.ids.iter().zip(&self.tiers).zip(&s.pick) {
+        for (i, (&id, &pick)) in self.ids.iter().zip(&s.pick).enumerate() {
             let from = view.page(id).unwrap().tier;
-            if tiers[pick] != from {
-                d.push(Decision { page: id, from_tier: from, to_tier: tiers[pick] });
+            let to = self.tiers[self.start[i] + pick];
+            if to != from {
+                d.push(Decision { page: id, from_tier: from, to_tier: to });
             }
         }
         d.sort_by_key(|x| x.page);

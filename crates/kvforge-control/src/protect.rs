@@ -66,11 +66,17 @@ impl Protection {
 
     /// Tiers the page may take, current tier first, then down the ladder.
     pub fn allowed(&self, page: &PageInfo, context_tokens: usize, costs: &TierCosts) -> Vec<TierId> {
+        self.allowed_tiers(page, context_tokens, costs).collect()
+    }
+
+    /// [`allowed`](Self::allowed) without the allocation (controllers ask for every page).
+    pub fn allowed_tiers<'a>(&self, page: &PageInfo, context_tokens: usize, costs: &'a TierCosts) -> impl Iterator<Item = TierId> + 'a {
         let last = costs.tiers.len() as TierId - 1;
-        match self.guard(page, context_tokens, costs) {
-            Guard::Fixed => vec![page.tier],
-            Guard::Free => (page.tier..=last).collect(),
-            Guard::Protected { floor } => (page.tier..=floor.max(page.tier)).filter(|&t| !costs.tiers[t as usize].drop).collect(),
-        }
+        let (lowest, no_drop) = match self.guard(page, context_tokens, costs) {
+            Guard::Fixed => (page.tier, false),
+            Guard::Free => (last, false),
+            Guard::Protected { floor } => (floor.max(page.tier), true),
+        };
+        (page.tier..=lowest).filter(move |&t| !(no_drop && costs.tiers[t as usize].drop))
     }
 }

@@ -253,11 +253,12 @@ impl Controller for RdkvController {
         let weights: HashMap<PageId, Weights> = view.iter().map(|(id, _)| id).zip(self.proxy.weights(view)).collect();
         let opts = |only: Option<usize>| {
             let weights = &weights;
-            move |id: PageId, p: &PageInfo| -> Vec<(TierId, f64)> {
+            move |id: PageId, p: &PageInfo, out: &mut Vec<(TierId, f64)>| {
                 if only.is_some_and(|h| h != id.head) {
-                    return vec![(p.tier, 0.0)];
+                    out.push((p.tier, 0.0));
+                    return;
                 }
-                limits.protection.allowed(p, view.context_tokens, &view.costs).into_iter().map(|t| (t, table.page(weights[&id], t))).collect()
+                out.extend(limits.protection.allowed_tiers(p, view.context_tokens, &view.costs).map(|t| (t, table.page(weights[&id], t))));
             }
         };
         let (sol, decisions) = if self.per_head {

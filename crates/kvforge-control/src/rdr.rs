@@ -45,7 +45,7 @@ use kvforge_spec::{Spec, TierId};
 
 use crate::distortion::{DistortionTable, Proxy, Weights};
 use crate::plan::{assemble, Decision, Limits, Plan, Problem};
-use crate::signal::{PageId, PageKey, PageMap, PageSet, PageTableView};
+use crate::signal::{PageId, PageKey, PageTableView};
 use crate::Controller;
 
 /// How dropping is weighed against down-tiering.
@@ -91,19 +91,31 @@ pub struct RdrController {
     /// masses when the view has them, page masses as single units otherwise).
     pub proxy: Proxy,
     step: u64,
-    pages: PageMap<PageKey, PageState>,
+    /// Per kv head, the state of every page of the last view, by first token (ascending).
+    /// Views list pages in token order, so a decision walks both lists together instead of
+    /// hashing 4096 keys (at 32K tokens × 8 kv heads that was a sixth of the decision).
+    pages: Vec<Vec<(usize, PageState)>>,
     pub stats: RdrStats,
 }
 
 impl RdrController {
-    /// Defaults: every 16 steps, cooldown 64 steps, 10% margin, drop penalty of one mean
+    /// Defaults: every 64 steps, cooldown 128 steps, 10% margin, drop penalty of one mean
     /// importance, the spec's proxy ε table.
+    ///
+    /// Why 64: the budget is overrun only when a page fills (new pages arrive in the first
+    /// ladder tier, one per kv head every `page_tokens` steps, while the budget grows every
+    /// token), so at 64-token pages a decision every 64 steps acts on every new page, as a
+    /// decision every 16 did, with a quarter of the invocations; the overrun between
+    /// decisions is one page per kv head either way. Each invocation is O(pages) on the host
+    /// (issue 7: a few hundred µs at 32K tokens × 8 kv heads), so the period sets the
+    /// controller's cost per step. The cooldown keeps a moved page in place at the next
+    /// decision.
     pub fn new(spec: &Spec) -> RdrController {
         RdrController::with_table(DistortionTable::from_spec(spec))
     }
 
     pub fn with_table(table: DistortionTable) -> RdrController {
-        RdrController { every: 16, cooldown: 64, margin: 0.1, drop_policy: DropPolicy::Penalty(1.0), table, proxy: Proxy::default(), step: 0, pages: PageMap::default(), stats: RdrStats::default() }
+        RdrController { every: 64, cooldown: 128, margin: 0.1, drop_policy: DropPolicy::Penalty(1.0), table, proxy: Proxy::default(), step: 0, pages: Vec::new(), stats: RdrStats::default() }
     }
 
     /// Counts one decode step; true when the controller should run at this step.
@@ -119,29 +131,66 @@ impl RdrController {
 
     /// Tier changes of a page so far.
     pub fn moves(&self, key: PageKey) -> u32 {
-        self.pages.get(&key).map_or(0, |s| s.moves)
+        self.state(key).map_or(0, |s| s.moves)
     }
 
-    fn frozen(&self, key: PageKey) -> bool {
-        self.pages.get(&key).and_then(|s| s.moved_at).is_some_and(|at| self.step < at + self.cooldown as u64)
+    fn state(&self, key: PageKey) -> Option<&PageState> {
+        let head = self.pages.get(key.head)?;
+        head.binary_search_by_key(&key.first_token, |x| x.0).ok().map(|i| &head[i].1)
     }
 
     /// Sticky weights of the view's pages, in view order: a page keeps the weights it was
-    /// last ranked by until one of them changes by more than `margin` (relative).
-    fn scores(&mut self, view: &PageTableView) -> Vec<Weights> {
-        let margin = self.margin;
+    /// last ranked by until one of them changes by more than `margin` (relative). Also
+    /// whether each page is in its cooldown, from the same lookup (one hash-map access per
+    /// page and invocation: at 4096 pages a second one was measurable).
+    ///
+    /// The states of pages not in `view` (dropped) are forgotten; the new states are in view
+    /// order, so `self.pages[h][i]` is page `(h, i)` of the view until [`Self::keep_sorted`].
+    fn scores(&mut self, view: &PageTableView) -> (Vec<Weights>, Vec<bool>) {
+        let (margin, step, cooldown) = (self.margin, self.step, self.cooldown as u64);
         let fresh = self.proxy.weights(view);
-        view.iter()
-            .zip(fresh)
-            .map(|((id, p), w)| {
-                let st = self.pages.entry(p.key(id.head)).or_insert(PageState { score: w, moved_at: None, moves: 0 });
+        let (mut scores, mut frozen) = (Vec::with_capacity(fresh.len()), Vec::with_capacity(fresh.len()));
+        let mut fresh = fresh.into_iter();
+        let old = std::mem::take(&mut self.pages);
+        for (h, pages) in view.heads.iter().enumerate() {
+            let prev = old.get(h).map_or(&[][..], Vec::as_slice);
+            let mut next = Vec::with_capacity(pages.len());
+            let mut j = 0;
+            for p in pages {
+                // `weights` gives one per page of the view, in view order.
+                let Some(w) = fresh.next() else { break };
+                // In token order the page is at the cursor; otherwise search.
+                while j < prev.len() && prev[j].0 < p.first_token {
+                    j += 1;
+                }
+                let found = if prev.get(j).is_some_and(|x| x.0 == p.first_token) { Some(j) } else { prev.binary_search_by_key(&p.first_token, |x| x.0).ok() };
+                let mut st = found.map_or(PageState { score: w, moved_at: None, moves: 0 }, |k| prev[k].1);
                 let moved = |a: f64, b: f64| (a - b).abs() > margin * b;
                 if moved(w.drop, st.score.drop) || moved(w.recode, st.score.recode) {
                     st.score = w;
                 }
-                st.score
-            })
-            .collect()
+                frozen.push(st.moved_at.is_some_and(|at| step < at + cooldown));
+                scores.push(st.score);
+                next.push((p.first_token, st));
+            }
+            self.pages.push(next);
+        }
+        (scores, frozen)
+    }
+
+    /// Restores the by-first-token order of the page states (a view not in token order
+    /// leaves them in view order) and removes pages a plan drops.
+    fn keep_sorted(&mut self, dropped: impl Fn(usize, usize) -> bool) {
+        for (h, states) in self.pages.iter_mut().enumerate() {
+            let mut i = 0;
+            states.retain(|_| {
+                i += 1;
+                !dropped(h, i - 1)
+            });
+            if !states.windows(2).all(|w| w[0].0 < w[1].0) {
+                states.sort_by_key(|x| x.0);
+            }
+        }
     }
 
     /// The drop penalty η in distortion units.
@@ -173,7 +222,7 @@ impl Controller for RdrController {
         assert_eq!(self.table.eps.len(), view.costs.tiers.len(), "RDR: the distortion table and the view's spec have different tier counts");
         self.stats.invocations += 1;
         let budget = limits.budget.bytes(view.context_tokens, view.heads.len());
-        let scores = self.scores(view);
+        let (scores, frozen) = self.scores(view);
         let eta = self.eta(view, &scores);
         let costs = &view.costs;
         // Scores are in view order: page (h, i) is at offset[h] + i.
@@ -183,6 +232,7 @@ impl Controller for RdrController {
             Some(o)
         }).collect();
         let score_of = |id: PageId| scores[offset[id.head] + id.index];
+        let frozen_now = |id: PageId| frozen[offset[id.head] + id.index];
         let table = &self.table;
         // Within budget, the knapsack keeps every page where it is (each page's least
         // distortion is its current tier, the most expensive on ties): skip building it. In
@@ -191,32 +241,29 @@ impl Controller for RdrController {
         if view.cost() <= budget {
             let dist: f64 = view.iter().map(|(id, p)| table.page(score_of(id), p.tier)).sum();
             let sol = crate::knapsack::Solution { pick: Vec::new(), cost: view.cost(), dist, lambda: 0.0, dual: dist, gap: 0.0, feasible: true, iterations: 0 };
-            return assemble(view, Vec::new(), budget, &sol, Vec::new(), |id, t: TierId| table.page(score_of(id), t));
+            let plan = assemble(view, Vec::new(), budget, &sol, Vec::new(), |id, t: TierId| table.page(score_of(id), t));
+            self.keep_sorted(|_, _| false);
+            return plan;
         }
         let options = |respect_cooldown: bool| {
-            Problem::build(view, |id, p| {
+            Problem::build(view, |id, p, out| {
                 let s = score_of(id);
-                let allowed = limits.protection.allowed(p, view.context_tokens, costs);
-                let frozen = respect_cooldown && self.frozen(p.key(id.head));
-                allowed
-                    .into_iter()
-                    .take(if frozen { 1 } else { usize::MAX })
-                    .map(|t| (t, table.page(s, t) + if costs.tiers[t as usize].drop { eta } else { 0.0 }))
-                    .collect()
+                let frozen = respect_cooldown && frozen_now(id);
+                let allowed = limits.protection.allowed_tiers(p, view.context_tokens, costs);
+                out.extend(allowed.take(if frozen { 1 } else { usize::MAX }).map(|t| (t, table.page(s, t) + if costs.tiers[t as usize].drop { eta } else { 0.0 })));
             })
         };
         let (mut sol, mut decisions) = options(true).solve(view, budget);
         let mut forced = Vec::new();
         if !sol.feasible && self.cooldown > 0 {
             let (s2, d2) = options(false).solve(view, budget);
-            forced = d2.iter().filter(|d| self.frozen(view.page(d.page).unwrap().key(d.page.head))).map(|d| d.page).collect();
+            forced = d2.iter().filter(|d| frozen_now(d.page)).map(|d| d.page).collect();
             (sol, decisions) = (s2, d2);
         }
-        // Commit: moved pages start their cooldown; pages that no longer exist are forgotten.
+        // Commit: moved pages start their cooldown; dropped pages are forgotten.
         let step = self.step;
         for d in &decisions {
-            let key = view.page(d.page).unwrap().key(d.page.head);
-            let st = self.pages.get_mut(&key).unwrap();
+            let st = &mut self.pages[d.page.head][d.page.index].1;
             st.moved_at = Some(step);
             st.moves += 1;
             self.stats.moves += 1;
@@ -225,9 +272,8 @@ impl Controller for RdrController {
             }
         }
         self.stats.forced += forced.len() as u64;
-        let dropped: PageSet<PageId> = decisions.iter().filter(|d: &&Decision| costs.tiers[d.to_tier as usize].drop).map(|d| d.page).collect();
-        let live: PageSet<PageKey> = view.iter().filter(|(id, _)| !dropped.contains(id)).map(|(id, p)| p.key(id.head)).collect();
-        self.pages.retain(|k, _| live.contains(k));
+        let dropped: Vec<PageId> = decisions.iter().filter(|d: &&Decision| costs.tiers[d.to_tier as usize].drop).map(|d| d.page).collect();
+        self.keep_sorted(|head, index| dropped.binary_search(&PageId { head, index }).is_ok());
         let table = &self.table;
         assemble(view, decisions, budget, &sol, forced, |id, t: TierId| table.page(score_of(id), t))
     }

@@ -1,8 +1,8 @@
 //! Applying plans to a cache: `KvCache` on the GPU, or [`SimCache`], its CPU twin.
 //!
-//! [`apply`] validates the plan ([`check_plan`]), checks that the cache still looks like the
+//! [`apply`] validates the plan ([`check_plan`](crate::check_plan)), checks that the cache still looks like the
 //! view, hands all its moves to the cache in one [`PagedCache::retier_pages`] call and verifies
-//! the cache afterwards against [`simulate`]. One call per sequence lets `KvCache` re-code with
+//! the cache afterwards against [`simulate`](crate::simulate). One call per sequence lets `KvCache` re-code with
 //! one transcode launch per (from tier, to tier) pair instead of one per page (issue 7: 5–19 ms
 //! per layer on an H100). The batch takes the indices of the view (before any move), so
 //! `apply` shifts nothing; the safe order (drops free pages first, deepest source tier first)
@@ -20,7 +20,7 @@ use kvforge_rt::{KvCache, MoveBatch, PageMove, RtError};
 use kvforge_spec::{Spec, TierId, TAIL_TIER};
 
 use crate::budget::TierCosts;
-use crate::check::{check_plan, simulate, Violation};
+use crate::check::{checked, Violation};
 use crate::plan::{Limits, Plan};
 use crate::signal::{PageInfo, PageKey, PageTableView};
 
@@ -113,6 +113,8 @@ pub enum ControlError {
     Verify(Violation),
     #[error("position map out of sync: {0}")]
     Positions(String),
+    #[error("importance window: {0}")]
+    Importance(#[from] crate::window::ImportanceError),
 }
 
 /// What [`apply`] did.
@@ -133,7 +135,7 @@ fn observed<C: PagedCache>(cache: &C, seq: usize, head: usize) -> Result<Vec<(Ti
 
 /// Applies `plan` (made by a controller for `view` under `limits`) to sequence `seq`.
 pub fn apply<C: PagedCache>(cache: &mut C, seq: usize, view: &PageTableView, plan: &Plan, limits: &Limits) -> Result<ApplyReport, ControlError> {
-    check_plan(view, plan, limits).map_err(ControlError::Plan)?;
+    let after = checked(view, plan, limits).map_err(ControlError::Plan)?;
     for (h, pages) in view.heads.iter().enumerate() {
         let found = observed(cache, seq, h)?;
         let expected: Vec<(TierId, usize)> = pages.iter().map(|p| (p.tier, p.tokens)).collect();
@@ -146,7 +148,6 @@ pub fn apply<C: PagedCache>(cache: &mut C, seq: usize, view: &PageTableView, pla
     let moves: Vec<PageMove> = plan.decisions.iter().map(|d| (d.page.head, d.page.index, d.to_tier)).collect();
     let total = moves.len();
     let launches = cache.retier_pages(seq, &moves).map_err(|e| ControlError::Cache { total, source: Box::new(e) })?;
-    let after = simulate(view, plan);
     for (h, pages) in after.heads.iter().enumerate() {
         let found = observed(cache, seq, h)?;
         let expected: Vec<TierId> = pages.iter().map(|p| p.tier).collect();
@@ -223,6 +224,26 @@ impl PositionMap {
             self.tail[h] = pages.iter().find(|x| x.0 == TAIL_TIER).map_or(0, |x| x.1);
         }
         Ok(())
+    }
+
+    /// First token of every page of every kv head, in page-table order (call
+    /// [`sync`](Self::sync) first): what a window kept by page index needs to name its pages.
+    pub fn first_tokens<C: PagedCache>(&self, cache: &C) -> Result<Vec<Vec<usize>>, ControlError> {
+        let p = cache.spec().page.tokens;
+        let mut out = Vec::with_capacity(self.full_first.len());
+        for (h, firsts) in self.full_first.iter().enumerate() {
+            let pages = observed(cache, self.seq, h)?;
+            let full = pages.iter().filter(|x| x.0 != TAIL_TIER).count();
+            if full != firsts.len() {
+                return Err(ControlError::Positions(format!("kv head {h} has {full} full pages, {} are known; call sync", firsts.len())));
+            }
+            let mut f = firsts.clone();
+            if pages.iter().any(|x| x.0 == TAIL_TIER) {
+                f.push(self.filled[h] * p);
+            }
+            out.push(f);
+        }
+        Ok(out)
     }
 
     /// Logical length of the sequence (dropped positions included).

@@ -60,6 +60,41 @@ proptest! {
         }
     }
 
+    /// Hundreds of items whose prices span orders of magnitude (page importances do): the
+    /// solution meets the budget, the dual bound holds and more budget never adds distortion
+    /// (one greedy path); the flat entry point gives the same answer.
+    #[test]
+    fn large_skewed_instances_stop_at_the_budget(
+        items in prop::collection::vec(prop::collection::vec((1u32..400, -12.0f64..12.0).prop_map(|(c, d)| Choice::new(c as f64, d.exp())), 1..=5), 50..400),
+        fracs in prop::collection::vec(0.0f64..1.0, 2..5),
+    ) {
+        let max: f64 = items.iter().map(|i| i.iter().map(|c| c.cost).fold(0.0, f64::max)).sum();
+        let min: f64 = items.iter().map(|i| i.iter().map(|c| c.cost).fold(f64::INFINITY, f64::min)).sum();
+        let mut fracs = fracs;
+        fracs.sort_by(f64::total_cmp);
+        let mut prev: Option<f64> = None;
+        for f in fracs {
+            let budget = (min + f * (max - min)).floor();
+            let s = solve(&items, budget);
+            prop_assert_eq!(s.feasible, min <= budget);
+            if !s.feasible {
+                continue;
+            }
+            prop_assert!(s.cost <= budget);
+            prop_assert!(s.dual <= s.dist + 1e-9 * s.dist.abs().max(1.0));
+            if let Some(p) = prev {
+                prop_assert!(s.dist <= p + 1e-9 * p.abs().max(1.0), "budget {budget}: {} after {p}", s.dist);
+            }
+            prev = Some(s.dist);
+            let mut start = vec![0];
+            for it in &items {
+                start.push(start.last().unwrap() + it.len());
+            }
+            let flat: Vec<Choice> = items.iter().flatten().copied().collect();
+            prop_assert_eq!(kvforge_control::knapsack::solve_flat(&flat, &start, budget), s);
+        }
+    }
+
     /// Seed 002 Alg. 2 on the paper's table: bits vs brute force, heavier units never get
     /// fewer bits.
     #[test]

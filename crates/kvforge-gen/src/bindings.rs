@@ -75,7 +75,7 @@ pub fn tokens(spec: &Spec, mode: SourceMode) -> Result<TokenStream, crate::Rende
         let tiers: Vec<u8> = match &v.family {
             Family::Decode { tiers, .. } => tiers.clone(),
             Family::Transcode { src, dst, .. } => vec![*src, *dst],
-            Family::Combine => vec![],
+            Family::Combine | Family::MassWindow => vec![],
         };
         let (threads, smem) = (shape.threads, shape.smem_bytes);
         let source = match mode {
@@ -109,7 +109,7 @@ pub fn tokens(spec: &Spec, mode: SourceMode) -> Result<TokenStream, crate::Rende
         pub struct VariantInfo {
             pub name: &'static str,
             pub symbol: &'static str,
-            /// `decode`, `transcode` or `combine`.
+            /// `decode`, `transcode`, `combine` or `mass_window`.
             pub kind: &'static str,
             pub head_dim: usize,
             /// Query heads per kv head (decode only, else 0).

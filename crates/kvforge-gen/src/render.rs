@@ -15,6 +15,7 @@ pub const TEMPLATES: &[(&str, &str)] = &[
     ("decode.cu.tera", include_str!("../../../templates/decode.cu.tera")),
     ("transcode.cu.tera", include_str!("../../../templates/transcode.cu.tera")),
     ("combine.cu.tera", include_str!("../../../templates/combine.cu.tera")),
+    ("mass_window.cu.tera", include_str!("../../../templates/mass_window.cu.tera")),
 ];
 
 /// Hand-written device headers (path under the include dir, contents).
@@ -24,6 +25,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("kvforge/decode.cuh", include_str!("../../../templates/include/kvforge/decode.cuh")),
     ("kvforge/transcode.cuh", include_str!("../../../templates/include/kvforge/transcode.cuh")),
     ("kvforge/combine.cuh", include_str!("../../../templates/include/kvforge/combine.cuh")),
+    ("kvforge/mass_window.cuh", include_str!("../../../templates/include/kvforge/mass_window.cuh")),
 ];
 
 fn tera() -> &'static tera::Tera {
@@ -85,6 +87,9 @@ pub fn launch_shape(spec: &Spec, v: &VariantId) -> LaunchShape {
             LaunchShape { threads: codec::threads(spec), smem_bytes: codec::transcode_smem(spec, &spec.tiers[*dst as usize], v.head_dim) }
         }
         Family::Combine => LaunchShape { threads: v.head_dim, smem_bytes: 0 },
+        // One CTA per (sequence, kv head): 256 threads hold up to 1024 pages in registers
+        // (64K tokens at 64-token pages) and loop beyond.
+        Family::MassWindow => LaunchShape { threads: 256, smem_bytes: 0 },
     }
 }
 
@@ -137,6 +142,7 @@ pub fn render(spec: &Spec, v: &VariantId) -> Result<String, RenderError> {
             "transcode.cu.tera"
         }
         Family::Combine => "combine.cu.tera",
+        Family::MassWindow => "mass_window.cu.tera",
     };
     tera().render(template, &ctx).map_err(|e| {
         let mut message = e.to_string();

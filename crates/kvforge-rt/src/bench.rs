@@ -249,3 +249,54 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
     }
     Ok(rows)
 }
+
+/// One tracked decode step split on the GPU: what the importance window adds to a decode.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct TrackedStep {
+    /// The decode kernels (decode + split-K combine), CUDA events, L2 flushed before.
+    pub decode_us: f64,
+    /// The `mass_window` fold right after them, CUDA events.
+    pub fold_us: f64,
+    /// Host time of the fold's launch call (no synchronisation).
+    pub fold_launch_us: f64,
+}
+
+/// Times tracked decode steps ([`KvCache::decode_tracked`]) by parts.
+pub struct TrackedStepTimer {
+    flush: CudaSlice<u8>,
+}
+
+impl TrackedStepTimer {
+    pub fn new(dev: &Device) -> Result<TrackedStepTimer> {
+        Ok(TrackedStepTimer { flush: dev.stream.alloc_zeros::<u8>(256 << 20).map_err(drv("L2 flush buffer"))? })
+    }
+
+    /// Decodes `q` for `seqs` as `decode_tracked` does, with events between the parts. The
+    /// fold is real: run after `decode_tracked` of the same query it folds the same masses
+    /// again and leaves the window as it was (a maximum is idempotent).
+    pub fn time(&mut self, cache: &mut KvCache, seqs: &[usize], q: &[f32]) -> Result<TrackedStep> {
+        let plan = cache.plan(seqs)?;
+        let mut ws = cache.mass_workspace(&plan)?;
+        if q.len() != ws.q.len() {
+            return Err(crate::RtError::BadInput(format!("query has {} values, the plan takes {}", q.len(), ws.q.len())));
+        }
+        let dtype = cache.spec().geometry.dtype;
+        let qh: Vec<u16> = q.iter().map(|&x| crate::to_bits(dtype, x)).collect();
+        let dev = cache.device().clone();
+        let st = &dev.stream;
+        st.memcpy_htod(&qh, &mut ws.q).map_err(drv("query upload"))?;
+        st.memset_zeros(&mut self.flush).map_err(drv("L2 flush"))?;
+        let event = || dev.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"));
+        let (a, b, c) = (event()?, event()?, event()?);
+        a.record(st).map_err(drv("event"))?;
+        cache.launch(&plan, &mut ws)?;
+        b.record(st).map_err(drv("event"))?;
+        let t = std::time::Instant::now();
+        cache.fold_mass_window(&plan, &ws, seqs)?;
+        let fold_launch_us = t.elapsed().as_secs_f64() * 1e6;
+        c.record(st).map_err(drv("event"))?;
+        cache.check(&plan)?;
+        let ms = |x: &cudarc::driver::CudaEvent, y: &cudarc::driver::CudaEvent| x.elapsed_ms(y).map(|t| f64::from(t) * 1e3).map_err(drv("event"));
+        Ok(TrackedStep { decode_us: ms(&a, &b)?, fold_us: ms(&b, &c)?, fold_launch_us })
+    }
+}

@@ -112,6 +112,8 @@ pub struct KvCache {
     pub(crate) flags: CudaSlice<u32>,
     /// Tier 2 of certified decode, when kept ([`KvCache::keep_originals`]).
     pub(crate) originals: Option<crate::certified::Originals>,
+    /// RDR's importance window, once a tracked decode ran ([`KvCache::decode_tracked`]).
+    pub(crate) mass_window: Option<crate::mass_window::MassWindow>,
 }
 
 fn dense_bytes(dtype: DType, x: f32) -> [u8; 2] {
@@ -168,7 +170,7 @@ impl KvCache {
         }
         let flags = dev.stream.alloc_zeros::<u32>(1).map_err(drv("error flags"))?;
         let channel_orders = vec![None; spec.tiers.len()];
-        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, channel_orders, kernels: KernelCache::default(), flags, originals: None })
+        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, channel_orders, kernels: KernelCache::default(), flags, originals: None, mass_window: None })
     }
 
     pub fn spec(&self) -> &Spec {
@@ -207,7 +209,8 @@ impl KvCache {
                 self.pool.free(t.page);
             }
         }
-        Ok(())
+        // The id is reused by the next `add_sequence`: its window must start unobserved.
+        self.reset_mass_window(seq)
     }
 
     fn seq(&self, seq: usize) -> Result<&Sequence> {
@@ -690,6 +693,8 @@ impl KvCache {
                 h.full.retain(|_| *a.next().unwrap());
                 h.first.retain(|_| *b.next().unwrap());
             }
+            let dropped: Vec<(usize, usize)> = batch.drops.iter().map(|&m| (moves[m].0, moves[m].1)).collect();
+            self.mass_window_dropped(seq, &dropped)?;
         }
         launched
     }

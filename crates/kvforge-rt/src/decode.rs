@@ -116,6 +116,18 @@ pub fn plan(spec: &Spec, head_dim: usize, gqa: usize, pages: &[Vec<Vec<(PageRef,
     })
 }
 
+/// What a host decode does with the per-page log2 masses the kernel can record.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum PageMass<'a> {
+    /// Not recorded.
+    Off,
+    /// Downloaded ([`KvCache::decode_with_mass`]).
+    Download,
+    /// Folded into the importance window of these sequences, the plan's, in order
+    /// ([`KvCache::decode_tracked`]); nothing is downloaded.
+    Window(&'a [usize]),
+}
+
 /// Decode output in f32 with the natural-log log-sum-exp of every (sequence, query head).
 #[derive(Clone, Debug)]
 pub struct DecodeOutput {
@@ -282,12 +294,12 @@ impl KvCache {
     /// in f32 (rounded to the spec dtype on upload).
     pub fn decode(&mut self, seqs: &[usize], q: &[f32]) -> Result<DecodeOutput> {
         let plan = self.plan(seqs)?;
-        Ok(self.decode_host(&plan, q, false)?.0)
+        Ok(self.decode_host(&plan, q, PageMass::Off)?.0)
     }
 
     /// Uploads host queries, launches `plan`, checks the error flags and downloads the output,
-    /// and, when `with_mass`, the per-page log2 masses the kernel records.
-    fn decode_host(&mut self, plan: &DecodePlan, q: &[f32], with_mass: bool) -> Result<(DecodeOutput, Vec<f32>)> {
+    /// and handles the per-page log2 masses the kernel records as `mass` says.
+    pub(crate) fn decode_host(&mut self, plan: &DecodePlan, q: &[f32], mass: PageMass<'_>) -> Result<(DecodeOutput, Vec<f32>)> {
         let rows = plan.batch * plan.num_kv_heads * plan.gqa;
         if q.len() != rows * plan.head_dim {
             return Err(RtError::BadInput(format!(
@@ -298,20 +310,23 @@ impl KvCache {
                 plan.head_dim
             )));
         }
-        let mut ws = self.workspace(plan)?;
-        if with_mass {
-            ws.page_lse = Some(self.dev.stream.alloc_zeros::<f32>(plan.page_offsets.len().max(1)).map_err(drv("page masses"))?);
-        }
+        let mut ws = match mass {
+            PageMass::Off => self.workspace(plan)?,
+            PageMass::Download | PageMass::Window(_) => self.mass_workspace(plan)?,
+        };
         let dtype = self.spec.geometry.dtype;
         let qh: Vec<u16> = q.iter().map(|&x| to_bits(dtype, x)).collect();
         self.dev.stream.memcpy_htod(&qh, &mut ws.q).map_err(drv("query upload"))?;
         self.launch(plan, &mut ws)?;
+        if let PageMass::Window(seqs) = mass {
+            self.fold_mass_window(plan, &ws, seqs)?;
+        }
         self.check(plan)?;
         let out = self.dev.stream.clone_dtoh(&ws.out).map_err(drv("output download"))?;
         let lse = self.dev.stream.clone_dtoh(&ws.lse).map_err(drv("lse download"))?;
-        let plse = match &ws.page_lse {
-            Some(b) => self.dev.stream.clone_dtoh(b).map_err(drv("page masses"))?,
-            None => Vec::new(),
+        let plse = match (&ws.page_lse, mass) {
+            (Some(b), PageMass::Download) => self.dev.stream.clone_dtoh(b).map_err(drv("page masses"))?,
+            _ => Vec::new(),
         };
         Ok((DecodeOutput { out: out.into_iter().map(|b| from_bits(dtype, b)).collect(), lse }, plse))
     }
@@ -326,7 +341,7 @@ impl KvCache {
     /// by-product (one log-sum per page), so it costs one extra store per page.
     pub fn decode_with_mass(&mut self, seqs: &[usize], q: &[f32]) -> Result<(DecodeOutput, Vec<Vec<Vec<f64>>>)> {
         let plan = self.plan(seqs)?;
-        let (output, plse) = self.decode_host(&plan, q, true)?;
+        let (output, plse) = self.decode_host(&plan, q, PageMass::Download)?;
         let mut mass = Vec::with_capacity(plan.batch);
         for i in 0..plan.batch {
             let mut heads = Vec::with_capacity(plan.num_kv_heads);

@@ -26,6 +26,7 @@ mod error;
 pub mod external;
 pub mod jit;
 mod kernels;
+mod mass_window;
 mod moves;
 pub mod params;
 pub mod selftest;

@@ -151,6 +151,7 @@ impl Spec {
                 out.push(VariantId::combine(self, d));
             }
         }
+        out.push(VariantId::mass_window(self));
         out
     }
 }

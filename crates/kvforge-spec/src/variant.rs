@@ -46,6 +46,9 @@ pub enum Family {
     Transcode { src: TierId, dst: TierId, src_code: TierCode, dst_code: TierCode },
     /// Merge split-K partial outputs.
     Combine,
+    /// Fold a decode's per-page masses into RDR's importance window on the device (the same
+    /// kernel for every head dim, GQA and dtype of a spec: it reads only `page_lse`).
+    MassWindow,
 }
 
 /// A kernel variant.
@@ -72,6 +75,10 @@ impl VariantId {
     pub fn combine(spec: &Spec, d: usize) -> VariantId {
         VariantId::new(spec, Family::Combine, d)
     }
+    /// The importance-window kernel of `spec`; its `head_dim` is 0 (it serves all).
+    pub fn mass_window(spec: &Spec) -> VariantId {
+        VariantId::new(spec, Family::MassWindow, 0)
+    }
     fn new(spec: &Spec, family: Family, d: usize) -> VariantId {
         VariantId { spec: spec.name.clone(), family, head_dim: d, page_tokens: spec.page.tokens, dtype: spec.geometry.dtype.name() }
     }
@@ -91,6 +98,7 @@ impl VariantId {
                 format!("transcode_{src_code}_to_{dst_code}_d{}_p{}{dt}", self.head_dim, self.page_tokens)
             }
             Family::Combine => format!("combine_d{}{dt}", self.head_dim),
+            Family::MassWindow => "mass_window".to_string(),
         }
     }
 
@@ -121,6 +129,7 @@ impl VariantId {
             Family::Decode { .. } => "decode",
             Family::Transcode { .. } => "transcode",
             Family::Combine => "combine",
+            Family::MassWindow => "mass_window",
         }
     }
 

@@ -41,8 +41,10 @@ fn spherical_names() {
     }
     // Nothing serves or transcodes into the drop tier.
     assert!(!n.iter().any(|x| x.contains("drop")), "{n:?}");
-    // 3 head dims x (4 combinations x 4 gqa + 6 transcodes among tail/high/mid/low + combine).
-    assert_eq!(n.len(), 3 * (4 * 4 + 6 + 1));
+    // 3 head dims x (4 combinations x 4 gqa + 6 transcodes among tail/high/mid/low + combine),
+    // and one importance-window kernel for all of them.
+    assert_eq!(n.len(), 3 * (4 * 4 + 6 + 1) + 1);
+    assert!(n.contains(&"mass_window".to_string()));
 }
 
 #[test]

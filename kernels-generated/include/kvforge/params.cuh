@@ -51,4 +51,15 @@ struct CombineParams {
   int num_splits;  // splits to merge
 };
 
+// Arguments of the importance-window fold: one CTA per (decode entry, kv head) of up to 32 entries.
+struct MassWindowParams {
+  const float* page_lse;  // per page of the decode: log2 Σ_heads Σ_tokens 2^logit (DecodeParams::page_lse)
+  const u32* page_indptr;  // [batch * num_kv_heads + 1] the decode's page ranges
+  float* window;  // [sequence slots][num_kv_heads][capacity] max log2 share of every page since the host last read it (NaN: not observed)
+  u32 slots[32];  // window slot (cache sequence id) of decode entries first_entry, first_entry + 1, …
+  int first_entry;  // first decode entry (sequence of the batch) of this launch
+  int num_kv_heads;  // kv heads
+  int capacity;  // pages per window row; the host grows the window before a decode has more
+};
+
 }  // namespace kvforge

@@ -2,17 +2,28 @@
 //!
 //! One sequence of `context` synthetic tokens × `heads` kv heads is prefilled into the first
 //! ladder tier; then every decode step appends one token and decodes one query with
-//! `decode_with_mass` (the kernels' per-page mass is the importance signal), and every
-//! `every` steps RDR decides and the plan is applied with the generated transcode kernels
-//! (`KvCache::retier_pages`: one launch per tier pair). Timed with `Instant` around
-//! synchronous calls (the stream is synchronised after applying): decode with and without the
-//! mass output (wall time of the call: host planning, upload, kernels, download), the tracker
-//! bookkeeping per step, and view / decide / apply per invocation. After every plan the
-//! resident bytes the cache reports must equal the plan's and stay within the budget.
+//! `decode_tracked` (the kernels' per-page mass is folded into the importance window on the
+//! device), and every `every` steps the window is rolled into the EMA, RDR decides and the
+//! plan is applied with the generated transcode kernels (`KvCache::retier_pages`: one launch
+//! per tier pair). Timed per step:
+//! * on the GPU, with CUDA events on the stream: the decode kernels (decode + split-K
+//!   combine) of one step and the `mass_window` fold after them — the controller's only
+//!   per-step work;
+//! * with `Instant` around synchronous calls: `decode` and `decode_tracked` through the host
+//!   API (planning, uploads, kernels, download) and the host side of the fold launch;
+//! * per invocation: roll (window download + reset + EMA), view, decide and apply (the
+//!   stream synchronised after it).
+//!
+//! The controller's cost per decode step is `fold + (roll + view + decide + apply) / every`,
+//! reported against the decode kernels' GPU time (`fraction_of_decode`) and, with the host
+//! API's fold overhead (`decode_tracked − decode`) in place of the kernel, against the
+//! host-API step (`fraction_of_host_decode`). After every plan the resident bytes the cache
+//! reports must equal the plan's and stay within the budget.
 
 use std::sync::Arc;
 use std::time::Instant;
 
+use kvforge_rt::bench::TrackedStepTimer;
 use kvforge_rt::{CacheConfig, Device, KvCache};
 use kvforge_spec::{KeyScheme, Spec, TAIL_TIER};
 use rand::SeedableRng;
@@ -24,8 +35,8 @@ use crate::distortion::DistortionTable;
 use crate::plan::Limits;
 use crate::protect::Protection;
 use crate::runtime::{self, PositionMap};
-use crate::signal::{ImportanceTracker, PageKey};
 use crate::synth::{HeadShape, SynthHead};
+use crate::window::PagedImportance;
 use crate::{Controller, RdrController};
 
 /// The GPU loop's setup.
@@ -39,12 +50,14 @@ pub struct GpuSetup {
     pub steps: usize,
     /// Budget as a fraction of fp16 bytes.
     pub budget_fraction: f64,
+    /// RDR's period (cooldown: two periods); None: the controller's defaults.
+    pub every: Option<usize>,
     pub seed: u64,
 }
 
 impl Default for GpuSetup {
     fn default() -> Self {
-        GpuSetup { context: 32768, heads: 8, gqa: 4, d: 128, steps: 256, budget_fraction: 0.25, seed: 1 }
+        GpuSetup { context: 32768, heads: 8, gqa: 4, d: 128, steps: 1024, budget_fraction: 0.25, every: None, seed: 1 }
     }
 }
 
@@ -59,10 +72,16 @@ pub struct GpuTime {
     pub steps: usize,
     pub every: usize,
     pub budget_bytes_per_token: f64,
+    /// `decode` through the host API (wall).
     pub decode_us: f64,
-    pub decode_with_mass_us: f64,
-    /// Per step: page keys of the cache and every page's mass into the tracker.
-    pub observe_us: f64,
+    /// `decode_tracked` through the host API (wall): decode + the fold launch.
+    pub decode_tracked_us: f64,
+    /// The decode kernels of one step on the GPU (CUDA events).
+    pub decode_gpu_us: f64,
+    /// The `mass_window` fold after them on the GPU (CUDA events).
+    pub fold_gpu_us: f64,
+    /// Host time of the fold's launch call (no synchronisation).
+    pub fold_launch_us: f64,
     /// The first decision (after prefill, every page in the first tier).
     pub first_decide_us: f64,
     pub first_apply_us: f64,
@@ -70,15 +89,18 @@ pub struct GpuTime {
     pub first_drops: usize,
     /// Transcode launches of the first plan (one per (from, to) tier pair).
     pub first_launches: usize,
-    /// Steady-state invocations (all but the first).
+    /// Steady-state invocations (all but the first): window download + reset + EMA.
+    pub roll_us: f64,
     pub view_us: f64,
     pub decide_us: f64,
     pub apply_us: f64,
     pub moves_per_invocation: f64,
-    /// observe + (view + decide + apply) / every.
+    /// fold_gpu + (roll + view + decide + apply) / every.
     pub controller_per_step_us: f64,
-    /// controller_per_step_us / decode_with_mass_us.
+    /// controller_per_step_us / decode_gpu_us.
     pub fraction_of_decode: f64,
+    /// ((decode_tracked − decode) + (roll + view + decide + apply) / every) / decode_tracked.
+    pub fraction_of_host_decode: f64,
     pub resident_bytes_per_token: f64,
 }
 
@@ -130,16 +152,23 @@ pub fn gpu_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s: &Gpu
     let fp16_per_token = costs.cost(TAIL_TIER, p) / p as f64;
     let limits = Limits { budget: Budget::PerToken(s.budget_fraction * fp16_per_token), protection: Protection::default() };
     let mut rdr = RdrController::with_table(table.clone());
-    let mut tracker = ImportanceTracker::new(0.5);
+    if let Some(every) = s.every {
+        rdr.every = every.max(1);
+        rdr.cooldown = 2 * rdr.every;
+    }
+    let mut importance = PagedImportance::new(0.5, p)?;
     let mut pos = PositionMap::new(seq, hkv);
     pos.sync(&cache)?;
     let mut r = GpuTime { device: dev.info.name.clone(), spec: spec.name.clone(), context: s.context, heads: hkv, gqa, steps: s.steps, every: rdr.every, budget_bytes_per_token: s.budget_fraction * fp16_per_token, ..Default::default() };
-    let (mut dec, mut decm, mut obs, mut tv, mut td, mut ta) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut dec, mut dect, mut dgpu, mut fgpu, mut fl) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut tr, mut tv, mut td, mut ta) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut moves, mut invocations) = (0usize, 0usize);
-    // Warm the kernels (JIT, first launches) before timing.
+    // Warm the kernels (JIT, first launches) before timing, then start the window afresh.
     let q0 = query(0);
     cache.decode(&[seq], &q0)?;
-    cache.decode_with_mass(&[seq], &q0)?;
+    cache.decode_tracked(&[seq], &q0)?;
+    cache.take_mass_window(seq)?;
+    let mut timer = TrackedStepTimer::new(dev)?;
     for step in 0..s.steps {
         let t = s.context + step;
         cache.append(seq, &row(t, 0), &row(t, 1))?;
@@ -148,31 +177,22 @@ pub fn gpu_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s: &Gpu
         cache.decode(&[seq], &q)?;
         dec.push(us(t0));
         let t0 = Instant::now();
-        let (_, mass) = cache.decode_with_mass(&[seq], &q)?;
-        decm.push(us(t0));
-        let t0 = Instant::now();
-        pos.sync(&cache)?;
-        let mut keys: Vec<PageKey> = Vec::new();
-        pos.view(&cache, costs.clone(), |k, _| {
-            keys.push(k);
-            runtime::Signal::default()
-        })?;
-        let mut it = keys.iter();
-        for (h, pm) in mass[0].iter().enumerate() {
-            for &m in pm {
-                let k = it.next().ok_or("more page masses than pages")?;
-                debug_assert_eq!(k.head, h);
-                tracker.observe(*k, m);
-            }
-        }
-        obs.push(us(t0));
+        cache.decode_tracked(&[seq], &q)?;
+        dect.push(us(t0));
+        // The same step once more, split by events (the fold leaves the window as it is).
+        let parts = timer.time(&mut cache, &[seq], &q)?;
+        dgpu.push(parts.decode_us);
+        fgpu.push(parts.fold_us);
+        fl.push(parts.fold_launch_us);
         if !rdr.step() {
             continue;
         }
-        tracker.roll();
+        let t0 = Instant::now();
+        importance.roll_cache(&mut cache, seq)?;
+        let roll_us = us(t0);
         let t0 = Instant::now();
         pos.sync(&cache)?;
-        let view = pos.view(&cache, costs.clone(), |k, _| runtime::Signal { mass: tracker.get(k), ..Default::default() })?;
+        let view = pos.view(&cache, costs.clone(), |k, _| runtime::Signal { mass: importance.get(k), ..Default::default() })?;
         let view_us = us(t0);
         let t0 = Instant::now();
         let plan = rdr.decide(&view, &limits);
@@ -189,8 +209,6 @@ pub fn gpu_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s: &Gpu
             return Err(format!("resident {resident} B over the {} B budget", plan.budget_bytes).into());
         }
         r.resident_bytes_per_token = resident / (view.context_tokens * hkv) as f64;
-        let live: std::collections::HashSet<PageKey> = crate::check::simulate(&view, &plan).iter().map(|(id, pg)| pg.key(id.head)).collect();
-        tracker.retain(|k| live.contains(&k));
         if invocations == 0 {
             let drop = costs.drop_tier();
             r.first_decide_us = decide_us;
@@ -199,6 +217,7 @@ pub fn gpu_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s: &Gpu
             r.first_moves = plan.decisions.len() - r.first_drops;
             r.first_launches = applied.launches;
         } else {
+            tr.push(roll_us);
             tv.push(view_us);
             td.push(decide_us);
             ta.push(apply_us);
@@ -207,13 +226,18 @@ pub fn gpu_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s: &Gpu
         invocations += 1;
     }
     r.decode_us = median(&mut dec);
-    r.decode_with_mass_us = median(&mut decm);
-    r.observe_us = median(&mut obs);
+    r.decode_tracked_us = median(&mut dect);
+    r.decode_gpu_us = median(&mut dgpu);
+    r.fold_gpu_us = median(&mut fgpu);
+    r.fold_launch_us = median(&mut fl);
+    r.roll_us = median(&mut tr);
     r.view_us = median(&mut tv);
     r.decide_us = median(&mut td);
     r.apply_us = median(&mut ta);
     r.moves_per_invocation = moves as f64 / invocations.saturating_sub(1).max(1) as f64;
-    r.controller_per_step_us = r.observe_us + (r.view_us + r.decide_us + r.apply_us) / r.every as f64;
-    r.fraction_of_decode = r.controller_per_step_us / r.decode_with_mass_us;
+    let invocation = (r.roll_us + r.view_us + r.decide_us + r.apply_us) / r.every as f64;
+    r.controller_per_step_us = r.fold_gpu_us + invocation;
+    r.fraction_of_decode = r.controller_per_step_us / r.decode_gpu_us;
+    r.fraction_of_host_decode = ((r.decode_tracked_us - r.decode_us).max(0.0) + invocation) / r.decode_tracked_us;
     Ok(r)
 }

@@ -6,9 +6,10 @@
 //! Masses are real: each page's share of a decode query's attention over the synthetic keys
 //! ([`crate::synth`]), 32 decode queries per head, windows of `every` consecutive queries
 //! (cycled) per RDR invocation, so scores fluctuate between invocations as they do in decode.
-//! Timed separately, medians over repetitions:
-//! * `observe`: one decode step's bookkeeping — every page's mass into the
-//!   [`ImportanceTracker`] (the runtime does this after every `decode_with_mass`);
+//! The window's per-page maximum is what the GPU keeps (`KvCache::decode_tracked`, timed by
+//! [`super::gpu`]); here it is computed untimed and the host's share is timed. Timed
+//! separately, medians over repetitions, all once per invocation (no host work per step):
+//! * `roll`: the window into the [`PagedImportance`] EMA;
 //! * `view`: the [`PositionMap`] view of the cache (page table walk + signal lookup);
 //! * `decide`: the controller;
 //! * `apply`: [`runtime::apply`] on the `SimCache` (checks and bookkeeping only; the GPU
@@ -29,8 +30,8 @@ use crate::distortion::DistortionTable;
 use crate::plan::Limits;
 use crate::protect::Protection;
 use crate::runtime::{self, PositionMap, SimCache};
-use crate::signal::{ImportanceTracker, PageKey};
 use crate::synth::{HeadShape, SynthHead};
+use crate::window::PagedImportance;
 use crate::{Controller, RdkvController, RdrController};
 
 /// The timing setup.
@@ -73,9 +74,9 @@ pub struct ControllerTime {
     pub rdr_steady_apply_us: f64,
     /// Mean decisions per steady-state invocation.
     pub rdr_steady_moves: f64,
-    /// One decode step's tracker bookkeeping (every page observed once).
-    pub observe_us: f64,
-    /// Per decode step: observe + (view + decide + apply) / every.
+    /// Rolling the window the GPU kept into the importance EMA, per invocation.
+    pub roll_us: f64,
+    /// Per decode step: (roll + view + decide + apply) / every.
     pub rdr_per_step_us: f64,
     /// RDKV once after prefill (view with per-token masses, then decide); None for
     /// spherical ladders.
@@ -161,22 +162,19 @@ pub fn time_controllers(spec: &Spec, table: &DistortionTable, setup: &TimingSetu
     cache.append(seq, setup.context);
     let mut pos = PositionMap::new(seq, setup.heads);
     pos.sync(&cache).expect("sync");
-    let mut tracker = ImportanceTracker::new(0.5);
-    let observe = |tracker: &mut ImportanceTracker, q: usize, pages_now: usize| {
-        for (h, pm) in page_mass.iter().enumerate() {
-            for (i, &m) in pm[q % queries].iter().take(pages_now).enumerate() {
-                tracker.observe(PageKey { head: h, first_token: i * p }, m);
-            }
-        }
+    let mut importance = PagedImportance::new(0.5, p).expect("β 0.5 and pages of at least one token");
+    // The window the GPU keeps over `n` decode queries from `q0`: each live page's largest
+    // share (pages named by their first token, so drops do not shuffle them).
+    let window = |firsts: &[Vec<usize>], q0: usize, n: usize| -> Vec<Vec<Option<f64>>> {
+        firsts
+            .iter()
+            .enumerate()
+            .map(|(h, fs)| fs.iter().map(|&f| Some((q0..q0 + n).map(|q| page_mass[h][q % queries][f / p]).fold(0.0, f64::max))).collect())
+            .collect()
     };
-    let pages_at = |n: usize| n.div_ceil(p);
-    let mut observe_t = Vec::new();
-    for q in 0..every {
-        let t = Instant::now();
-        observe(&mut tracker, q, pages_at(setup.context));
-        observe_t.push(us(t));
-    }
-    tracker.roll();
+    let mut roll_t = Vec::new();
+    let firsts = pos.first_tokens(&cache).expect("positions");
+    importance.roll(&firsts, &window(&firsts, 0, every)).expect("roll");
     let mut r = ControllerTime { spec: spec.name.clone(), context: setup.context, heads: setup.heads, every, budget_bytes_per_token: setup.budget_fraction * fp16_per_token, ..Default::default() };
 
     // The first decision after prefill.
@@ -184,7 +182,7 @@ pub fn time_controllers(spec: &Spec, table: &DistortionTable, setup: &TimingSetu
     let mut first = None;
     for _ in 0..setup.reps.max(1) {
         let t = Instant::now();
-        let view = pos.view(&cache, costs.clone(), |k, _| runtime::Signal { mass: tracker.get(k), ..Default::default() }).expect("view");
+        let view = pos.view(&cache, costs.clone(), |k, _| runtime::Signal { mass: importance.get(k), ..Default::default() }).expect("view");
         tv.push(us(t));
         let mut c = rdr0.clone();
         let t = Instant::now();
@@ -206,22 +204,21 @@ pub fn time_controllers(spec: &Spec, table: &DistortionTable, setup: &TimingSetu
     // Steady state.
     let (mut sv, mut sd, mut sa) = (Vec::new(), Vec::new(), Vec::new());
     let mut moves = 0usize;
-    let mut n = setup.context;
     for i in 0..setup.invocations {
         cache.append(seq, every);
-        n += every;
         let mut go = false;
-        for s in 0..every {
-            let t = Instant::now();
-            observe(&mut tracker, (i + 1) * every + s, pages_at(n));
-            observe_t.push(us(t));
+        for _ in 0..every {
             go = rdr0.step();
         }
         assert!(go, "RDR runs every {every} steps");
-        tracker.roll();
         pos.sync(&cache).expect("sync");
+        let firsts = pos.first_tokens(&cache).expect("positions");
+        let win = window(&firsts, (i + 1) * every, every);
         let t = Instant::now();
-        let view = pos.view(&cache, costs.clone(), |k, _| runtime::Signal { mass: tracker.get(k), ..Default::default() }).expect("view");
+        importance.roll(&firsts, &win).expect("roll");
+        roll_t.push(us(t));
+        let t = Instant::now();
+        let view = pos.view(&cache, costs.clone(), |k, _| runtime::Signal { mass: importance.get(k), ..Default::default() }).expect("view");
         sv.push(us(t));
         let t = Instant::now();
         let plan = rdr0.decide(&view, &limits);
@@ -230,15 +227,13 @@ pub fn time_controllers(spec: &Spec, table: &DistortionTable, setup: &TimingSetu
         pos.apply(&mut cache, &view, &plan, &limits).expect("apply");
         sa.push(us(t));
         moves += plan.decisions.len();
-        let live: std::collections::HashSet<PageKey> = crate::check::simulate(&view, &plan).iter().map(|(id, pg)| pg.key(id.head)).collect();
-        tracker.retain(|k| live.contains(&k));
     }
     r.rdr_steady_view_us = median(&mut sv);
     r.rdr_steady_decide_us = median(&mut sd);
     r.rdr_steady_apply_us = median(&mut sa);
     r.rdr_steady_moves = moves as f64 / setup.invocations.max(1) as f64;
-    r.observe_us = median(&mut observe_t);
-    r.rdr_per_step_us = r.observe_us + (r.rdr_steady_view_us + r.rdr_steady_decide_us + r.rdr_steady_apply_us) / every as f64;
+    r.roll_us = median(&mut roll_t);
+    r.rdr_per_step_us = (r.roll_us + r.rdr_steady_view_us + r.rdr_steady_decide_us + r.rdr_steady_apply_us) / every as f64;
 
     // RDKV once after prefill, on a fresh cache, with per-token masses.
     if let Ok(rdkv) = RdkvController::new(spec) {

@@ -37,12 +37,15 @@ pub struct Args {
     /// Bench JSON with kvforge decode times (batch 1 at the timing context) to compare against.
     #[arg(long, default_value = "benches/results/h100-2026-11-23.json")]
     decode_json: PathBuf,
-    /// Also run the controller loop on the GPU (`KvCache`, decode_with_mass, retier) and time it.
+    /// Also run the controller loop on the GPU (`KvCache`, decode_tracked, retier) and time it.
     #[arg(long)]
     gpu: bool,
     /// Decode steps of the GPU loop.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 1024)]
     gpu_steps: usize,
+    /// RDR periods (decode steps per decision) of the GPU loop; 0: the controller's default.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    gpu_every: Vec<usize>,
     /// Skip the CPU frontier (with --gpu: only the GPU loop).
     #[arg(long)]
     no_frontier: bool,
@@ -110,7 +113,7 @@ fn timing_json(t: &ControllerTime, decode: Option<(f64, String)>, source: &Path)
         "rdr_first_view_us": t.rdr_first_view_us, "rdr_first_decide_us": t.rdr_first_decide_us, "rdr_first_moves": t.rdr_first_moves,
         "rdr_steady_view_us": t.rdr_steady_view_us, "rdr_steady_decide_us": t.rdr_steady_decide_us, "rdr_steady_apply_sim_us": t.rdr_steady_apply_us,
         "rdr_steady_moves_per_invocation": t.rdr_steady_moves,
-        "observe_us_per_step": t.observe_us,
+        "roll_us_per_invocation": t.roll_us,
         "rdr_per_step_us": t.rdr_per_step_us,
         "rdkv_view_us": t.rdkv_view_us, "rdkv_decide_us": t.rdkv_decide_us,
         "vs_decode": cmp,
@@ -200,8 +203,8 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
             let t = time_controllers(spec, &table, &ts);
             let dec = decode_time(&root.join(&a.decode_json), tier, ts.context);
             println!(
-                "[{}] {} tokens × {} kv heads ({} pages), budget {:.0} B/token/head: RDR first decision {:.0} us ({} moves; view {:.0} us); steady view {:.0} + decide {:.0} + apply {:.0} us every {} steps ({:.1} moves), observe {:.1} us/step → {:.2} us per decode step{}; RDKV after prefill: view {} decide {}",
-                t.spec, t.context, t.heads, t.pages, t.budget_bytes_per_token, t.rdr_first_decide_us, t.rdr_first_moves, t.rdr_first_view_us, t.rdr_steady_view_us, t.rdr_steady_decide_us, t.rdr_steady_apply_us, t.every, t.rdr_steady_moves, t.observe_us, t.rdr_per_step_us,
+                "[{}] {} tokens × {} kv heads ({} pages), budget {:.0} B/token/head: RDR first decision {:.0} us ({} moves; view {:.0} us); steady roll {:.0} + view {:.0} + decide {:.0} + apply {:.0} us every {} steps ({:.1} moves) → {:.2} us per decode step (host){}; RDKV after prefill: view {} decide {}",
+                t.spec, t.context, t.heads, t.pages, t.budget_bytes_per_token, t.rdr_first_decide_us, t.rdr_first_moves, t.rdr_first_view_us, t.roll_us, t.rdr_steady_view_us, t.rdr_steady_decide_us, t.rdr_steady_apply_us, t.every, t.rdr_steady_moves, t.rdr_per_step_us,
                 dec.as_ref().map_or(String::new(), |(us, dev)| format!(" = {:.1}% of the {us:.1} us {tier} decode step on {dev}", 100.0 * t.rdr_per_step_us / us)),
                 t.rdkv_view_us.map_or("-".into(), |x| format!("{x:.0} us")),
                 t.rdkv_decide_us.map_or("-".into(), |x| format!("{x:.0} us")),
@@ -209,7 +212,7 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
             tj.push(timing_json(&t, dec, &a.decode_json));
         }
         out["controller_time"] = json!({
-            "what": "CPU, std::time::Instant, medians; per decode step = tracker observe + (view + decide + SimCache apply) / every; GPU transcode time is not included (see --gpu)",
+            "what": "CPU, std::time::Instant, medians; per decode step = (window roll + view + decide + SimCache apply) / every; the per-step window fold runs on the GPU and GPU transcode time is not included (see --gpu)",
             "timing_context": ts.context, "kv_heads": ts.heads, "budget_fraction": ts.budget_fraction, "invocations": ts.invocations, "reps": ts.reps,
             "specs": tj,
         });
@@ -217,24 +220,24 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
     if a.gpu {
         let dev = std::sync::Arc::new(kvforge_rt::Device::open(0)?);
         let mut gj = Vec::new();
-        for (spec, frac, tier) in [(&rdkv, 0.25, "rdkv:b16"), (&sph, 0.45, "spherical:high")] {
+        for ((spec, frac, tier), &every) in [(&rdkv, 0.25, "rdkv:b16"), (&sph, 0.45, "spherical:high")].into_iter().flat_map(|x| a.gpu_every.iter().map(move |e| (x, e))) {
             let table = tables.get(spec);
-            let gs = GpuSetup { context: a.timing_context, heads: a.timing_kv_heads, steps: a.gpu_steps, budget_fraction: frac, ..Default::default() };
+            let gs = GpuSetup { context: a.timing_context, heads: a.timing_kv_heads, steps: a.gpu_steps, budget_fraction: frac, every: (every > 0).then_some(every), ..Default::default() };
             let g = gpu_loop(&dev, spec, &table, &gs).map_err(|e| anyhow::anyhow!("GPU loop on `{}`: {e}", spec.name))?;
             let bench = decode_time(&root.join(&a.decode_json), tier, gs.context);
             println!(
-                "[gpu {}] {}: {} tokens × {} kv heads, {} steps: decode {:.1} us, decode_with_mass {:.1} us; observe {:.1} us/step; first decision {:.0} us + apply {:.0} us ({} re-codes, {} drops); steady view {:.0} + decide {:.0} + apply {:.0} us every {} steps ({:.1} moves) → controller {:.2} us per step = {:.2}% of decode_with_mass",
-                g.device, g.spec, g.context, g.heads, g.steps, g.decode_us, g.decode_with_mass_us, g.observe_us, g.first_decide_us, g.first_apply_us, g.first_moves, g.first_drops, g.view_us, g.decide_us, g.apply_us, g.every, g.moves_per_invocation, g.controller_per_step_us, 100.0 * g.fraction_of_decode
+                "[gpu {}] {}: {} tokens × {} kv heads, {} steps: decode kernels {:.1} us + window fold {:.2} us on the GPU (fold launch {:.1} us host); host API decode {:.1} us, decode_tracked {:.1} us; first decision {:.0} us + apply {:.0} us ({} re-codes, {} drops); steady roll {:.0} + view {:.0} + decide {:.0} + apply {:.0} us every {} steps ({:.1} moves) → controller {:.2} us per step = {:.2}% of the decode kernels ({:.2}% of the host-API step)",
+                g.device, g.spec, g.context, g.heads, g.steps, g.decode_gpu_us, g.fold_gpu_us, g.fold_launch_us, g.decode_us, g.decode_tracked_us, g.first_decide_us, g.first_apply_us, g.first_moves, g.first_drops, g.roll_us, g.view_us, g.decide_us, g.apply_us, g.every, g.moves_per_invocation, g.controller_per_step_us, 100.0 * g.fraction_of_decode, 100.0 * g.fraction_of_host_decode
             );
             gj.push(json!({
                 "device": g.device, "spec": g.spec, "context": g.context, "kv_heads": g.heads, "gqa": g.gqa, "steps": g.steps, "every": g.every,
                 "budget_fraction": frac, "budget_bytes_per_token": g.budget_bytes_per_token, "resident_bytes_per_token": g.resident_bytes_per_token,
-                "decode_us": g.decode_us, "decode_with_mass_us": g.decode_with_mass_us, "observe_us_per_step": g.observe_us,
+                "decode_us": g.decode_us, "decode_tracked_us": g.decode_tracked_us, "decode_gpu_us": g.decode_gpu_us, "fold_gpu_us": g.fold_gpu_us, "fold_launch_us": g.fold_launch_us,
                 "first_decide_us": g.first_decide_us, "first_apply_us": g.first_apply_us, "first_moves": g.first_moves, "first_drops": g.first_drops, "first_launches": g.first_launches,
-                "view_us": g.view_us, "decide_us": g.decide_us, "apply_us": g.apply_us, "moves_per_invocation": g.moves_per_invocation,
-                "controller_per_step_us": g.controller_per_step_us, "fraction_of_decode_with_mass": g.fraction_of_decode,
+                "roll_us": g.roll_us, "view_us": g.view_us, "decide_us": g.decide_us, "apply_us": g.apply_us, "moves_per_invocation": g.moves_per_invocation,
+                "controller_per_step_us": g.controller_per_step_us, "fraction_of_decode_gpu": g.fraction_of_decode, "fraction_of_host_decode": g.fraction_of_host_decode,
                 "bench_decode_kernel_us": bench.map(|b| b.0),
-                "what": "wall time (Instant) of synchronous calls; decode includes host planning and transfers; apply = retier_pages (one transcode launch per tier pair) + stream sync",
+                "what": "decode_gpu/fold_gpu: CUDA events (L2 flushed before the decode); the rest wall time (Instant) of synchronous calls: host-API decode includes planning and transfers, roll = window download + reset + EMA, apply = retier_pages (one transcode launch per tier pair) + stream sync; controller per step = fold_gpu + (roll + view + decide + apply) / every",
             }));
         }
         out["gpu_controller_time"] = json!(gj);

@@ -1,0 +1,227 @@
+//! RDR's importance window on the device.
+//!
+//! Seed 000 C.2 smooths a page's importance as `EMA_β(max_{s ∈ window} a_s(i))`: every decode
+//! step contributes each page's share `a_s(i)` of its (sequence, kv head)'s attention mass.
+//! Downloading every step's masses and folding them on the host cost ~150 µs per step at 32K
+//! tokens × 8 kv heads (issue 7). Here the window's maximum stays on the device:
+//! [`KvCache::decode_tracked`] decodes with the per-page log2 masses recorded
+//! (`DecodeParams::page_lse`) and launches the generated `mass_window` kernel, which
+//! normalises them by the step's total per (sequence, kv head) and folds them into a running
+//! per-page maximum; nothing is copied back. [`KvCache::take_mass_window`] downloads one
+//! sequence's maxima and resets them, once per controller invocation; the EMA over windows
+//! is the controller's (kvforge-control `PagedImportance`).
+//!
+//! The window is indexed by a page's position in [`KvCache::pages`]. Between two takes those
+//! positions are stable — appends add pages at the end, a filled tail page keeps its
+//! position, re-coding keeps it — except for drops: [`KvCache::retier_pages`] compacts the
+//! rows of a sequence with an open window so that each maximum stays with its page.
+//!
+//! Layout: one buffer `[sequence slot][kv head][capacity]` of f32 log2 shares (NaN: not
+//! observed), slots indexed by sequence id, grown (rows copied on the device) when a
+//! sequence id or a head's page count outgrows it.
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use kvforge_spec::VariantId;
+
+use crate::cache::KvCache;
+use crate::decode::{DecodeOutput, DecodePlan, DecodeWorkspace, PageMass};
+use crate::error::{drv, Result, RtError};
+use crate::params::MassWindowParams;
+
+/// f32 quiet NaN: "not observed since the last take" (the kernel's `fmaxf` skips it).
+const UNOBSERVED: u32 = 0x7fc0_0000;
+
+/// Smallest row capacity, in pages: a 4K-token sequence at 64-token pages.
+const MIN_CAPACITY: usize = 64;
+
+/// The device buffer and its shape.
+pub(crate) struct MassWindow {
+    buf: CudaSlice<f32>,
+    /// Sequence slots (sequence ids `0..slots`).
+    slots: usize,
+    /// Pages per (sequence, kv head) row.
+    capacity: usize,
+    /// Per slot: a fold wrote into its rows since they were last reset. Closed rows are all
+    /// NaN, so takes, drops and removals of closed sequences touch no device memory.
+    open: Vec<bool>,
+}
+
+impl MassWindow {
+    fn row(&self, slot: usize, head: usize, heads: usize) -> usize {
+        (slot * heads + head) * self.capacity
+    }
+}
+
+impl KvCache {
+    /// Decodes like [`KvCache::decode`] and folds every page's share of its (sequence, kv
+    /// head)'s attention mass (as [`KvCache::decode_with_mass`] defines it) into the
+    /// sequence's importance window on the device, keeping each page's maximum since the
+    /// last [`take_mass_window`](Self::take_mass_window). Costs one small launch per 32
+    /// sequences and no transfer. A sequence may appear once per call.
+    pub fn decode_tracked(&mut self, seqs: &[usize], q: &[f32]) -> Result<DecodeOutput> {
+        // Plan first: it refuses unknown sequence ids, which size `distinct`'s table.
+        let plan = self.plan(seqs)?;
+        distinct(seqs)?;
+        Ok(self.decode_host(&plan, q, PageMass::Window(seqs))?.0)
+    }
+
+    /// A workspace for `plan` whose launch also records the per-page log2 masses (what
+    /// [`fold_mass_window`](Self::fold_mass_window) reads).
+    pub fn mass_workspace(&self, plan: &DecodePlan) -> Result<DecodeWorkspace> {
+        let mut ws = self.workspace(plan)?;
+        ws.page_lse = Some(self.dev.stream.alloc_zeros::<f32>(plan.page_offsets.len().max(1)).map_err(drv("page masses"))?);
+        Ok(ws)
+    }
+
+    /// Folds the page masses a launch of `plan` recorded in `ws` into the windows of `seqs`
+    /// (the plan's sequences, in plan order). Launches only (no synchronisation); the
+    /// window grows first if a sequence id or a head's page count needs it.
+    pub fn fold_mass_window(&mut self, plan: &DecodePlan, ws: &DecodeWorkspace, seqs: &[usize]) -> Result<()> {
+        let hkv = self.cfg.num_kv_heads;
+        if seqs.len() != plan.batch || plan.num_kv_heads != hkv {
+            return Err(RtError::BadInput(format!("mass window: the plan decodes {} sequences × {} kv heads, given {} sequences of a cache with {hkv}", plan.batch, plan.num_kv_heads, seqs.len())));
+        }
+        let Some(page_lse) = &ws.page_lse else {
+            return Err(RtError::BadInput("mass window: the workspace records no page masses (make it with `mass_workspace`)".into()));
+        };
+        for &s in seqs {
+            self.seq_len(s)?;
+        }
+        let slots = distinct(seqs)?;
+        let most_pages = plan.page_indptr.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0);
+        self.grow_mass_window(slots, most_pages)?;
+        let k = self.kernels.get(&self.dev, &self.spec, &VariantId::mass_window(&self.spec))?;
+        let st = self.dev.stream.clone();
+        let Some(w) = self.mass_window.as_mut() else { return Err(RtError::BadInput("mass window: not allocated".into())) };
+        let indptr = ws.page_indptr.device_ptr(&st).0;
+        let lse = page_lse.device_ptr(&st).0;
+        let window = w.buf.device_ptr(&st).0;
+        let per_launch = MassWindowParams::default().slots.len();
+        for (chunk, entries) in seqs.chunks(per_launch).enumerate() {
+            let mut params = MassWindowParams {
+                page_lse: lse,
+                page_indptr: indptr,
+                window,
+                first_entry: (chunk * per_launch) as i32,
+                num_kv_heads: hkv as i32,
+                capacity: w.capacity as i32,
+                ..Default::default()
+            };
+            for (slot, &s) in params.slots.iter_mut().zip(entries) {
+                *slot = s as u32;
+                w.open[s] = true;
+            }
+            let cfg = LaunchConfig { grid_dim: (hkv as u32, entries.len() as u32, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: params mirror the kernel struct; `page_lse` and `page_indptr` are the
+            // plan's buffers (one entry per page, batch × heads + 1 ranges), every slot is
+            // below `slots` and every range at most `capacity` pages (grown above).
+            unsafe { st.launch_builder(&k.func).arg(&params).launch(cfg) }.map_err(drv("launch mass_window"))?;
+        }
+        Ok(())
+    }
+
+    /// Per kv head, per page of [`pages(seq, head)`](Self::pages): the largest share of the
+    /// head's attention mass the page had in a tracked decode since the last call, `None`
+    /// where no tracked decode saw the page. Resets the sequence's window (synchronises).
+    pub fn take_mass_window(&mut self, seq: usize) -> Result<Vec<Vec<Option<f64>>>> {
+        let hkv = self.cfg.num_kv_heads;
+        let counts: Vec<usize> = (0..hkv).map(|h| self.pages(seq, h).map(|p| p.len())).collect::<Result<_>>()?;
+        let unobserved = || counts.iter().map(|&n| vec![None; n]).collect();
+        let Some(w) = self.mass_window.as_ref().filter(|w| seq < w.slots && w.open[seq]) else { return Ok(unobserved()) };
+        let (base, cap) = (w.row(seq, 0, hkv), w.capacity);
+        let host = self.dev.stream.clone_dtoh(&w.buf.slice(base..base + hkv * cap)).map_err(drv("mass window download"))?;
+        self.reset_mass_window(seq)?;
+        Ok(counts
+            .iter()
+            .enumerate()
+            .map(|(h, &n)| (0..n).map(|i| if i < cap { Some(host[h * cap + i]).filter(|x| !x.is_nan()).map(|x| f64::from(x).exp2()) } else { None }).collect())
+            .collect())
+    }
+
+    /// Keeps the window of `seq` with its pages after `dropped` (kv head, index before the
+    /// drop) left the page table: every later page's maximum moves down with it.
+    pub(crate) fn mass_window_dropped(&mut self, seq: usize, dropped: &[(usize, usize)]) -> Result<()> {
+        let hkv = self.cfg.num_kv_heads;
+        let Some(w) = self.mass_window.as_mut().filter(|w| seq < w.slots && w.open[seq]) else { return Ok(()) };
+        if dropped.is_empty() {
+            return Ok(());
+        }
+        let (base, cap) = (w.row(seq, 0, hkv), w.capacity);
+        let st = self.dev.stream.clone();
+        let mut rows = st.clone_dtoh(&w.buf.slice(base..base + hkv * cap)).map_err(drv("mass window download"))?;
+        for (h, row) in rows.chunks_mut(cap).enumerate() {
+            let mut gone: Vec<usize> = dropped.iter().filter(|d| d.0 == h).map(|d| d.1).filter(|&i| i < cap).collect();
+            if gone.is_empty() {
+                continue;
+            }
+            gone.sort_unstable();
+            let mut kept: Vec<f32> = row.iter().enumerate().filter(|(i, _)| gone.binary_search(i).is_err()).map(|(_, &x)| x).collect();
+            kept.resize(cap, f32::from_bits(UNOBSERVED));
+            row.copy_from_slice(&kept);
+        }
+        st.memcpy_htod(&rows, &mut w.buf.slice_mut(base..base + hkv * cap)).map_err(drv("mass window upload"))
+    }
+
+    /// Resets the window rows of `seq` to "not observed" (a removed sequence's id is reused).
+    pub(crate) fn reset_mass_window(&mut self, seq: usize) -> Result<()> {
+        let hkv = self.cfg.num_kv_heads;
+        let st = self.dev.stream.clone();
+        let Some(w) = self.mass_window.as_mut().filter(|w| seq < w.slots && w.open[seq]) else { return Ok(()) };
+        let (base, cap) = (w.row(seq, 0, hkv), w.capacity);
+        fill_unobserved(&st, &mut w.buf, base, hkv * cap)?;
+        w.open[seq] = false;
+        Ok(())
+    }
+
+    /// Makes room for sequence ids below `slots` and `pages` pages per (sequence, kv head):
+    /// both dimensions at least double, open rows are copied on the device.
+    fn grow_mass_window(&mut self, slots: usize, pages: usize) -> Result<()> {
+        let hkv = self.cfg.num_kv_heads;
+        let (old_slots, old_cap) = self.mass_window.as_ref().map_or((0, 0), |w| (w.slots, w.capacity));
+        if slots <= old_slots && pages <= old_cap {
+            return Ok(());
+        }
+        let new_slots = if slots > old_slots { slots.max(2 * old_slots) } else { old_slots };
+        let capacity = if pages > old_cap { pages.max(2 * old_cap).max(MIN_CAPACITY).next_power_of_two() } else { old_cap };
+        let len = new_slots * hkv * capacity;
+        let st = self.dev.stream.clone();
+        // SAFETY: every element is written by `fill_unobserved` below before any read.
+        let mut buf = unsafe { st.alloc::<f32>(len) }.map_err(|e| match drv("mass window")(e) {
+            RtError::OutOfMemory { what, .. } => RtError::OutOfMemory { what, bytes: len * 4 },
+            e => e,
+        })?;
+        fill_unobserved(&st, &mut buf, 0, len)?;
+        let mut open = vec![false; new_slots];
+        if let Some(old) = self.mass_window.take() {
+            for s in (0..old.slots).filter(|&s| old.open[s]) {
+                for h in 0..hkv {
+                    let (from, to) = (old.row(s, h, hkv), (s * hkv + h) * capacity);
+                    st.memcpy_dtod(&old.buf.slice(from..from + old_cap), &mut buf.slice_mut(to..to + old_cap)).map_err(drv("mass window growth"))?;
+                }
+                open[s] = true;
+            }
+        }
+        self.mass_window = Some(MassWindow { buf, slots: new_slots, capacity, open });
+        Ok(())
+    }
+}
+
+/// Checks that no sequence appears twice (two CTAs would race on its rows); returns the
+/// window slots the batch needs (largest id + 1).
+fn distinct(seqs: &[usize]) -> Result<usize> {
+    let mut seen = vec![false; seqs.iter().max().map_or(0, |&s| s + 1)];
+    for &s in seqs {
+        if std::mem::replace(&mut seen[s], true) {
+            return Err(RtError::BadInput(format!("mass window: sequence {s} appears twice in one tracked decode")));
+        }
+    }
+    Ok(seen.len())
+}
+
+/// Sets `len` floats of `buf` from `at` to [`UNOBSERVED`] (asynchronously).
+fn fill_unobserved(st: &std::sync::Arc<cudarc::driver::CudaStream>, buf: &mut CudaSlice<f32>, at: usize, len: usize) -> Result<()> {
+    let (ptr, _sync) = buf.device_ptr_mut(st);
+    // SAFETY: `at..at + len` lies inside `buf` (callers pass whole rows of it); the memset
+    // is ordered on the stream that owns the buffer.
+    unsafe { cudarc::driver::sys::cuMemsetD32Async(ptr + (at * 4) as u64, UNOBSERVED, len, st.cu_stream()) }.result().map_err(drv("mass window reset"))
+}
