@@ -15,6 +15,7 @@ pub const TEMPLATES: &[(&str, &str)] = &[
     ("decode.cu.tera", include_str!("../../../templates/decode.cu.tera")),
     ("transcode.cu.tera", include_str!("../../../templates/transcode.cu.tera")),
     ("combine.cu.tera", include_str!("../../../templates/combine.cu.tera")),
+    ("certify.cu.tera", include_str!("../../../templates/certify.cu.tera")),
 ];
 
 /// Hand-written device headers (path under the include dir, contents).
@@ -24,6 +25,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("kvforge/decode.cuh", include_str!("../../../templates/include/kvforge/decode.cuh")),
     ("kvforge/transcode.cuh", include_str!("../../../templates/include/kvforge/transcode.cuh")),
     ("kvforge/combine.cuh", include_str!("../../../templates/include/kvforge/combine.cuh")),
+    ("kvforge/certify.cuh", include_str!("../../../templates/include/kvforge/certify.cuh")),
 ];
 
 fn tera() -> &'static tera::Tera {
@@ -85,8 +87,19 @@ pub fn launch_shape(spec: &Spec, v: &VariantId) -> LaunchShape {
             LaunchShape { threads: codec::threads(spec), smem_bytes: codec::transcode_smem(spec, &spec.tiers[*dst as usize], v.head_dim) }
         }
         Family::Combine => LaunchShape { threads: v.head_dim, smem_bytes: 0 },
+        // The selector sorts a group's pages in dynamic shared memory: 8 B per page, up to
+        // CERT_MAX_PAGES (the launch passes what the batch needs; this is the opt-in).
+        Family::CertSelect { .. } => LaunchShape { threads: CERT_SELECT_THREADS, smem_bytes: CERT_MAX_PAGES * 8 },
+        // One warp per query head.
+        Family::CertBound { gqa } => LaunchShape { threads: 32 * gqa, smem_bytes: 0 },
     }
 }
+
+/// Threads of the certified-decode selector (one CTA per (sequence, kv head)).
+pub const CERT_SELECT_THREADS: usize = 256;
+/// Most pages one (sequence, kv head) may have on the GPU selector: its sort buffer of 8 B per
+/// page must fit in shared memory (128 KiB; 1M tokens at 64-token pages).
+pub const CERT_MAX_PAGES: usize = 16384;
 
 /// Renders the CUDA source of `v`.
 pub fn render(spec: &Spec, v: &VariantId) -> Result<String, RenderError> {
@@ -137,6 +150,20 @@ pub fn render(spec: &Spec, v: &VariantId) -> Result<String, RenderError> {
             "transcode.cu.tera"
         }
         Family::Combine => "combine.cu.tera",
+        Family::CertSelect { gqa } => {
+            ctx.insert("gqa", gqa);
+            ctx.insert("what", "selector: the pages phase 2 reads from their fp16 originals, and its page table");
+            ctx.insert("params", "CertSelectParams");
+            ctx.insert("entry", &format!("cert_select<{gqa}, {}>", shape.threads));
+            "certify.cu.tera"
+        }
+        Family::CertBound { gqa } => {
+            ctx.insert("gqa", gqa);
+            ctx.insert("what", "certificate and checks of every query head");
+            ctx.insert("params", "CertBoundParams");
+            ctx.insert("entry", &format!("cert_bound<{gqa}, {}>", spec.geometry.dtype.cuda()));
+            "certify.cu.tera"
+        }
     };
     tera().render(template, &ctx).map_err(|e| {
         let mut message = e.to_string();

@@ -9,3 +9,7 @@ unsafe impl cudarc::driver::DeviceRepr for DecodeParams {}
 unsafe impl cudarc::driver::DeviceRepr for TranscodeParams {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for CombineParams {}
+// SAFETY: as above.
+unsafe impl cudarc::driver::DeviceRepr for CertSelectParams {}
+// SAFETY: as above.
+unsafe impl cudarc::driver::DeviceRepr for CertBoundParams {}

@@ -1,0 +1,437 @@
+//! The device path of a certified step: phase 1, the selector, phase 2 and the certificate run
+//! back to back on the stream, with no host round trip between them; the host uploads one page
+//! table and downloads the output and a few numbers per query head.
+//!
+//! 1. **Phase 1** decodes the quantised pages, recording per page and query head ℓ¹ and Δ.
+//! 2. **`cert_select`** (one CTA per (sequence, kv head)) chooses the pages phase 2 reads from
+//!    tier 2 — the reference rule of [`super::select`], bit for bit — and writes phase 2's page
+//!    table: a chosen page becomes a tail-format page at its pinned original (UVA).
+//! 3. **Phase 2** decodes that table, recording ℓ².
+//! 4. **`cert_bound`** (one warp per query head) computes the certificate and the score,
+//!    ranking and boundary checks of [`super::checks`] and [`super::bound`] in f64.
+//!
+//! The host then applies the ladder's [`verdict`] to the downloaded certificates. Rungs 3 and
+//! 4 stay on the device (the selector re-runs with those groups forced exact, then phase 2 and
+//! the certificate); rungs 1–2 order pages by achieved mass, so a step that needs them
+//! continues on the host path from the device's state ([`KvCache::host_ladder`]).
+//!
+//! [`plan_step`] computes everything a step launches with no CUDA calls (plan, then run).
+
+use cudarc::driver::{sys::CUevent_flags, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use kvforge_spec::{Spec, VariantId, TAIL_TIER};
+
+use super::ladder::{finish, layer_fallback, verdict, Action, Group, PhaseOut};
+use super::select::group_seed;
+use super::{CertConfig, CertifiedOutput, HeadCertificate, KernelTimes};
+use crate::cache::KvCache;
+use crate::decode::{choose_combination, from_bits, DecodeIo, DecodePlan, DecodeWorkspace};
+use crate::error::{drv, Result, RtError};
+use crate::params::{CertBoundParams, CertSelectParams};
+use crate::pool::PageRef;
+
+/// Columns of the certificate kernel's f64 output per query head (`CertF64` in certify.cuh).
+pub(super) const CF_DELTA: usize = 0;
+pub(super) const CF_ALPHA: usize = 1;
+pub(super) const CF_VMAX: usize = 2;
+pub(super) const CF_EKEY: usize = 3;
+pub(super) const CF_EVAL: usize = 4;
+pub(super) const CF_EROUND: usize = 5;
+pub(super) const CF_BOUND: usize = 6;
+pub(super) const CERT_F64: usize = 8;
+/// Columns of its u32 output (`CertU32`).
+pub(super) const CU_DETECT: usize = 0;
+pub(super) const CU_BOUNDARY: usize = 1;
+pub(super) const CU_RANKING: usize = 2;
+pub(super) const CU_PROMOTED: usize = 3;
+pub(super) const CU_EXPLORED: usize = 4;
+pub(super) const CERT_U32: usize = 5;
+
+/// Everything a device step launches, computed on the host.
+#[derive(Clone, Debug)]
+pub(super) struct StepPlan {
+    pub phase1: DecodePlan,
+    /// Same page ranges and splits; its variant also serves tail-format pages (the originals).
+    pub phase2: DecodePlan,
+    pub select: VariantId,
+    pub bound: VariantId,
+    /// Per page: its original's offset from the arena base (wrapping; 0 for tail-tier pages).
+    pub orig_offsets: Vec<u64>,
+    /// Per page: η (0 for tail-tier pages, which are exact).
+    pub eta: Vec<f64>,
+    pub v_max: Vec<f64>,
+    pub seeds: Vec<u64>,
+    /// Quantised pages per group.
+    pub quantised: Vec<usize>,
+    /// Sort buffer of the selector: the largest group's pages, rounded up to a power of two.
+    pub sort_pages: usize,
+}
+
+/// Phase 2's plan: phase 1's, with a variant that also serves the tail tier.
+pub(super) fn phase2_plan(spec: &Spec, p1: &DecodePlan) -> Result<DecodePlan> {
+    let mut tiers = p1.tiers.clone();
+    if !tiers.contains(&TAIL_TIER) {
+        tiers.push(TAIL_TIER);
+        tiers.sort();
+    }
+    let combo = choose_combination(spec, &tiers).ok_or_else(|| RtError::NoVariant {
+        spec: spec.name.clone(),
+        tiers: tiers.iter().map(|&t| spec.tiers[t as usize].name.clone()).collect(),
+        head_dim: p1.head_dim,
+        gqa: p1.gqa,
+    })?;
+    let mut p2 = p1.clone();
+    p2.variant = VariantId::decode(spec, &combo, p1.head_dim, p1.gqa);
+    p2.tiers = tiers;
+    Ok(p2)
+}
+
+/// Plans a device step over `groups` (their pages in `phase1`'s order). `address` gives a
+/// quantised page's tier-2 address; `arena` is the arena's device address.
+pub(super) fn plan_step(spec: &Spec, phase1: DecodePlan, groups: &[Group], address: &dyn Fn(&PageRef) -> Result<u64>, arena: u64, seed: u64) -> Result<StepPlan> {
+    let largest = groups.iter().map(|g| g.pages.len()).max().unwrap_or(0);
+    if largest > kvforge_gen::CERT_MAX_PAGES {
+        return Err(RtError::BadInput(format!(
+            "the device selector sorts at most {} pages per (sequence, kv head), this batch has {largest}: use CertPath::Host",
+            kvforge_gen::CERT_MAX_PAGES
+        )));
+    }
+    let (mut orig_offsets, mut eta) = (Vec::with_capacity(phase1.page_offsets.len()), Vec::with_capacity(phase1.page_offsets.len()));
+    for g in groups {
+        for (i, (p, _)) in g.pages.iter().enumerate() {
+            if g.quantised(i) {
+                orig_offsets.push(address(p)?.wrapping_sub(arena));
+                eta.push(g.errors[i].map_or(f64::INFINITY, |e| e.eta));
+            } else {
+                orig_offsets.push(0);
+                eta.push(0.0);
+            }
+        }
+    }
+    let phase2 = phase2_plan(spec, &phase1)?;
+    let gqa = phase1.gqa;
+    Ok(StepPlan {
+        select: VariantId::cert_select(spec, gqa),
+        bound: VariantId::cert_bound(spec, gqa),
+        phase1,
+        phase2,
+        orig_offsets,
+        eta,
+        v_max: groups.iter().map(|g| g.v_max).collect(),
+        seeds: (0..groups.len()).map(|g| group_seed(seed, g)).collect(),
+        quantised: groups.iter().map(|g| (0..g.pages.len()).filter(|&i| g.quantised(i)).count()).collect(),
+        sort_pages: largest.max(1).next_power_of_two(),
+    })
+}
+
+/// Device buffers of one step.
+pub(super) struct StepBuffers {
+    ws1: DecodeWorkspace,
+    ws2: DecodeWorkspace,
+    orig_offsets: CudaSlice<u64>,
+    eta: CudaSlice<f64>,
+    v_max: CudaSlice<f64>,
+    seeds: CudaSlice<u64>,
+    state: CudaSlice<u8>,
+    head_f64: CudaSlice<f64>,
+    head_u32: CudaSlice<u32>,
+    force: Option<CudaSlice<u8>>,
+}
+
+/// What the device's certificate kernel reported, on the host.
+pub(super) struct DeviceCerts {
+    pub f64s: Vec<f64>,
+    pub u32s: Vec<u32>,
+}
+
+impl DeviceCerts {
+    pub fn head(&self, row: usize) -> (HeadCertificate, usize) {
+        let f = &self.f64s[row * CERT_F64..(row + 1) * CERT_F64];
+        let u = &self.u32s[row * CERT_U32..(row + 1) * CERT_U32];
+        let c = HeadCertificate {
+            delta: f[CF_DELTA],
+            alpha_tail: f[CF_ALPHA],
+            v_max: f[CF_VMAX],
+            e_key: f[CF_EKEY],
+            e_val: f[CF_EVAL],
+            e_round: f[CF_EROUND],
+            bound: f[CF_BOUND],
+            promoted: u[CU_PROMOTED] as usize,
+            explored: u[CU_EXPLORED] as usize,
+            rung: 0,
+            detections: 0,
+            ranking: u[CU_RANKING] != 0,
+            boundary: u[CU_BOUNDARY] as usize,
+        };
+        (c, u[CU_DETECT] as usize)
+    }
+}
+
+impl KvCache {
+    /// Plans a device step over `groups`.
+    pub(super) fn plan_device_step(&self, groups: &[Group], seed: u64) -> Result<StepPlan> {
+        let hkv = self.cfg.num_kv_heads;
+        let lists: Vec<Vec<Vec<(PageRef, usize)>>> = groups.chunks(hkv).map(|seq| seq.iter().map(|g| g.pages.clone()).collect()).collect();
+        let phase1 = self.plan_pages(&lists)?;
+        let arena = self.arena.device_ptr(&self.dev.stream).0;
+        let orig = self.originals.as_ref().expect("checked by decode_certified");
+        plan_step(&self.spec, phase1, groups, &|p| orig.address(p), arena, seed)
+    }
+
+    /// Allocates a step's buffers and uploads its tables and queries.
+    fn step_buffers(&self, plan: &StepPlan, qh: &[u16]) -> Result<StepBuffers> {
+        let st = self.dev.stream.clone();
+        let (pages, rows) = (plan.phase1.page_offsets.len().max(1), plan.phase1.batch * plan.phase1.num_kv_heads * plan.phase1.gqa);
+        let mut ws1 = self.workspace(&plan.phase1)?;
+        let mut ws2 = self.workspace(&plan.phase2)?;
+        ws1.page_head_lse = Some(st.alloc_zeros::<f32>(pages * plan.phase1.gqa).map_err(drv("phase-1 page masses"))?);
+        ws1.page_delta = Some(st.alloc_zeros::<f32>(pages * plan.phase1.gqa).map_err(drv("phase-1 page bounds"))?);
+        ws2.page_head_lse = Some(st.alloc_zeros::<f32>(pages * plan.phase1.gqa).map_err(drv("phase-2 page masses"))?);
+        st.memcpy_htod(qh, &mut ws1.q).map_err(drv("query upload"))?;
+        Ok(StepBuffers {
+            ws1,
+            ws2,
+            orig_offsets: st.clone_htod(&plan.orig_offsets).map_err(drv("tier-2 offsets"))?,
+            eta: st.clone_htod(&plan.eta).map_err(drv("page value errors"))?,
+            v_max: st.clone_htod(&plan.v_max).map_err(drv("value norms"))?,
+            seeds: st.clone_htod(&plan.seeds).map_err(drv("exploration seeds"))?,
+            state: st.alloc_zeros::<u8>(pages).map_err(drv("page states"))?,
+            head_f64: st.alloc_zeros::<f64>(rows * CERT_F64).map_err(drv("certificates"))?,
+            head_u32: st.alloc_zeros::<u32>(rows * CERT_U32).map_err(drv("certificates"))?,
+            force: None,
+        })
+    }
+
+    fn launch_select(&mut self, plan: &StepPlan, b: &mut StepBuffers, cfg: &CertConfig) -> Result<()> {
+        let k = self.kernels.get(&self.dev, &self.spec, &plan.select)?;
+        let st = self.dev.stream.clone();
+        let groups = plan.phase1.batch * plan.phase1.num_kv_heads;
+        let p = CertSelectParams {
+            page_head_lse: b.ws1.page_head_lse.as_ref().map_or(0, |x| x.device_ptr(&st).0),
+            page_indptr: b.ws1.page_indptr.device_ptr(&st).0,
+            page_info: b.ws1.page_info.device_ptr(&st).0,
+            page_offsets: b.ws1.page_offsets.device_ptr(&st).0,
+            orig_offsets: b.orig_offsets.device_ptr(&st).0,
+            group_seeds: b.seeds.device_ptr(&st).0,
+            force_exact: b.force.as_ref().map_or(0, |x| x.device_ptr(&st).0),
+            out_page_offsets: b.ws2.page_offsets.device_ptr(&st).0,
+            out_page_info: b.ws2.page_info.device_ptr(&st).0,
+            page_state: b.state.device_ptr(&st).0,
+            coverage: cfg.coverage,
+            explore: cfg.explore,
+            min_pages: cfg.min_pages.min(u32::MAX as usize) as u32,
+            max_pages: cfg.max_pages.min(u32::MAX as usize) as u32,
+            groups: groups as i32,
+        };
+        let lc = LaunchConfig { grid_dim: (groups as u32, 1, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: (plan.sort_pages * 8) as u32 };
+        // SAFETY: the params mirror the kernel's struct (one field list); every array is sized
+        // by `step_buffers` for this plan's pages and groups; the sort buffer holds the largest
+        // group (`plan_step` bounds it by the opt-in of `launch_shape`).
+        unsafe { st.launch_builder(&k.func).arg(&p).launch(lc) }.map_err(drv(format!("launch {}", plan.select)))?;
+        Ok(())
+    }
+
+    fn launch_bound(&mut self, plan: &StepPlan, b: &mut StepBuffers, cfg: &CertConfig) -> Result<()> {
+        let k = self.kernels.get(&self.dev, &self.spec, &plan.bound)?;
+        let st = self.dev.stream.clone();
+        let groups = plan.phase1.batch * plan.phase1.num_kv_heads;
+        let p = CertBoundParams {
+            page_head_lse: b.ws1.page_head_lse.as_ref().map_or(0, |x| x.device_ptr(&st).0),
+            page_delta: b.ws1.page_delta.as_ref().map_or(0, |x| x.device_ptr(&st).0),
+            page_head_lse2: b.ws2.page_head_lse.as_ref().map_or(0, |x| x.device_ptr(&st).0),
+            page_indptr: b.ws1.page_indptr.device_ptr(&st).0,
+            page_info: b.ws1.page_info.device_ptr(&st).0,
+            page_state: b.state.device_ptr(&st).0,
+            page_eta: b.eta.device_ptr(&st).0,
+            group_v_max: b.v_max.device_ptr(&st).0,
+            out: b.ws2.out.device_ptr(&st).0,
+            head_f64: b.head_f64.device_ptr(&st).0,
+            head_u32: b.head_u32.device_ptr(&st).0,
+            guard: cfg.guard,
+            head_dim: plan.phase1.head_dim as i32,
+            rank_depth: cfg.rank_depth.min(i32::MAX as usize) as i32,
+            groups: groups as i32,
+        };
+        let lc = LaunchConfig { grid_dim: (groups as u32, 1, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: as in `launch_select`; the output arrays hold CERT_F64 / CERT_U32 entries per
+        // query head of the plan.
+        unsafe { st.launch_builder(&k.func).arg(&p).launch(lc) }.map_err(drv(format!("launch {}", plan.bound)))?;
+        Ok(())
+    }
+
+    /// Phase 2 from the selector's table, then the certificate.
+    fn phase2_and_bound(&mut self, plan: &StepPlan, b: &mut StepBuffers, cfg: &CertConfig) -> Result<()> {
+        let st = self.dev.stream.clone();
+        let io = DecodeIo { q: b.ws1.q.device_ptr(&st).0, out: b.ws2.out.device_ptr(&st).0, lse: b.ws2.lse.device_ptr(&st).0 };
+        self.launch_io(&plan.phase2, &b.ws2, io)?;
+        self.launch_bound(plan, b, cfg)
+    }
+
+    /// Runs the first round of a device step: phase 1, selector, phase 2, certificate.
+    /// With `profile`, returns each stage's device time.
+    fn device_round(&mut self, plan: &StepPlan, b: &mut StepBuffers, cfg: &CertConfig, profile: bool) -> Result<Option<KernelTimes>> {
+        let st = self.dev.stream.clone();
+        let events = if profile {
+            let mut e = Vec::with_capacity(5);
+            for _ in 0..5 {
+                e.push(self.dev.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"))?);
+            }
+            Some(e)
+        } else {
+            None
+        };
+        let mark = |i: usize| -> Result<()> { events.as_ref().map_or(Ok(()), |e| e[i].record(&st).map_err(drv("event"))) };
+        mark(0)?;
+        let io = DecodeIo { q: b.ws1.q.device_ptr(&st).0, out: b.ws1.out.device_ptr(&st).0, lse: b.ws1.lse.device_ptr(&st).0 };
+        self.launch_io(&plan.phase1, &b.ws1, io)?;
+        mark(1)?;
+        self.launch_select(plan, b, cfg)?;
+        mark(2)?;
+        let io = DecodeIo { q: b.ws1.q.device_ptr(&st).0, out: b.ws2.out.device_ptr(&st).0, lse: b.ws2.lse.device_ptr(&st).0 };
+        self.launch_io(&plan.phase2, &b.ws2, io)?;
+        mark(3)?;
+        self.launch_bound(plan, b, cfg)?;
+        mark(4)?;
+        let Some(e) = events else { return Ok(None) };
+        e[4].synchronize().map_err(drv("event"))?;
+        let ms = |a: usize, z: usize| -> Result<f64> { Ok(e[a].elapsed_ms(&e[z]).map_err(drv("event"))? as f64 * 1e3) };
+        Ok(Some(KernelTimes { phase1_us: ms(0, 1)?, select_us: ms(1, 2)?, phase2_us: ms(2, 3)?, bound_us: ms(3, 4)? }))
+    }
+
+    fn download_certs(&self, b: &StepBuffers) -> Result<DeviceCerts> {
+        let st = &self.dev.stream;
+        Ok(DeviceCerts { f64s: st.clone_dtoh(&b.head_f64).map_err(drv("certificates"))?, u32s: st.clone_dtoh(&b.head_u32).map_err(drv("certificates"))? })
+    }
+
+    /// The phase outputs a host continuation needs, and the device's page states.
+    fn download_phases(&self, plan: &StepPlan, b: &StepBuffers) -> Result<(PhaseOut, PhaseOut, Vec<u8>)> {
+        let st = &self.dev.stream;
+        let dtype = self.spec.geometry.dtype;
+        let get = |x: &Option<CudaSlice<f32>>, what: &str| -> Result<Vec<f32>> { st.clone_dtoh(x.as_ref().expect("allocated by step_buffers")).map_err(drv(what.to_string())) };
+        let p1 = PhaseOut { out: Vec::new(), lse: Vec::new(), head_lse: get(&b.ws1.page_head_lse, "phase-1 page masses")?, delta: get(&b.ws1.page_delta, "phase-1 page bounds")?, indptr: plan.phase1.page_indptr.clone() };
+        let out = st.clone_dtoh(&b.ws2.out).map_err(drv("output download"))?;
+        let p2 = PhaseOut {
+            out: out.into_iter().map(|x| from_bits(dtype, x)).collect(),
+            lse: st.clone_dtoh(&b.ws2.lse).map_err(drv("lse download"))?,
+            head_lse: get(&b.ws2.page_head_lse, "phase-2 page masses")?,
+            delta: Vec::new(),
+            indptr: plan.phase1.page_indptr.clone(),
+        };
+        let state = st.clone_dtoh(&b.state).map_err(drv("page states"))?;
+        Ok((p1, p2, state))
+    }
+
+    /// A certified step on the device path (see the module doc).
+    pub(super) fn device_step(&mut self, groups: &mut [Group], qh: &[u16], cfg: &CertConfig) -> Result<CertifiedOutput> {
+        let gqa = self.cfg.gqa;
+        let plan = self.plan_device_step(groups, cfg.seed)?;
+        let page_bytes = self.originals.as_ref().expect("checked by decode_certified").page_bytes();
+        let mut b = self.step_buffers(&plan, qh)?;
+        let kernel_us = self.device_round(&plan, &mut b, cfg, cfg.profile)?;
+        let (mut launches, mut paged) = (1usize, 0usize);
+        // Groups the selector serves wholly from tier 2 (rungs 3 and 4), kept across rounds.
+        let mut force = vec![0u8; groups.len()];
+        loop {
+            let dc = self.download_certs(&b)?;
+            self.check_flags(&plan.phase2.variant)?;
+            let mut certs = Vec::with_capacity(groups.len() * gqa);
+            let mut actions = Vec::with_capacity(groups.len());
+            let mut found = Vec::with_capacity(groups.len());
+            for (gi, g) in groups.iter_mut().enumerate() {
+                let heads: Vec<(HeadCertificate, usize)> = (0..gqa).map(|h| dc.head(gi * gqa + h)).collect();
+                let det: usize = heads.iter().map(|h| h.1).sum();
+                g.detections += det;
+                found.push(det);
+                let served = heads[0].0.promoted + heads[0].0.explored;
+                paged += served * page_bytes;
+                let mut heads: Vec<HeadCertificate> = heads.into_iter().map(|h| h.0).collect();
+                heads.iter_mut().for_each(|h| h.rung = g.rung);
+                actions.push(verdict(g, &heads, plan.quantised[gi] - served, cfg));
+                certs.extend(heads);
+            }
+            if actions.contains(&Action::Climb) {
+                // Rungs 1–2 order pages by achieved mass: the host path continues from this
+                // phase 2 (it re-checks it, so its detections are not counted twice).
+                let (p1, p2, state) = self.download_phases(&plan, &b)?;
+                for (gi, g) in groups.iter_mut().enumerate() {
+                    let r = plan.phase1.page_indptr[gi] as usize..plan.phase1.page_indptr[gi + 1] as usize;
+                    g.state.copy_from_slice(&state[r]);
+                    g.detections -= found[gi];
+                }
+                let (p2, heads) = self.host_ladder(groups, &p1, qh, cfg, Some(p2), &mut launches, &mut paged)?;
+                return Ok(CertifiedOutput { out: p2.out, lse: p2.lse, heads, launches, paged_in_bytes: paged, host_ladder: true, kernel_us });
+            }
+            let before = force.clone();
+            for (gi, g) in groups.iter_mut().enumerate() {
+                if actions[gi] == Action::Exact {
+                    g.rung = 3;
+                    force[gi] = 1;
+                }
+            }
+            if layer_fallback(groups, cfg) {
+                for (gi, g) in groups.iter_mut().enumerate() {
+                    g.rung = 4;
+                    force[gi] = 1;
+                }
+            }
+            if force == before {
+                let st = &self.dev.stream;
+                let dtype = self.spec.geometry.dtype;
+                let out = st.clone_dtoh(&b.ws2.out).map_err(drv("output download"))?;
+                let lse = st.clone_dtoh(&b.ws2.lse).map_err(drv("lse download"))?;
+                let out = out.into_iter().map(|x| from_bits(dtype, x)).collect();
+                return Ok(CertifiedOutput { out, lse, heads: finish(groups, certs, gqa), launches, paged_in_bytes: paged, host_ladder: false, kernel_us });
+            }
+            // Rungs 3–4 on the device: the selector serves the forced groups wholly from tier 2.
+            b.force = Some(self.dev.stream.clone_htod(&force).map_err(drv("forced groups"))?);
+            self.launch_select(&plan, &mut b, cfg)?;
+            self.phase2_and_bound(&plan, &mut b, cfg)?;
+            launches += 1;
+        }
+    }
+}
+
+/// The first round of a device step next to the host reference run on the same phase
+/// outputs: what the GPU tests compare (`KvCache::certified_crosscheck`).
+#[derive(Clone, Debug)]
+pub struct CrossCheck {
+    /// Per (sequence, kv head): page states the device selector wrote.
+    pub device_state: Vec<Vec<u8>>,
+    /// Per (sequence, kv head): page states of the host selector on the device's phase-1 masses.
+    pub host_state: Vec<Vec<u8>>,
+    /// Per query head: the device's certificate (rung 0, detections of this head).
+    pub device: Vec<HeadCertificate>,
+    /// Per query head: the f64 host reference on the device's selection and phase outputs.
+    pub host: Vec<HeadCertificate>,
+}
+
+impl KvCache {
+    /// Runs one device round (phase 1, selector, phase 2, certificate: no ladder) and the host
+    /// reference selector and certificate on its downloaded phase outputs. `cfg.seed` is used
+    /// as is (not advanced).
+    pub fn certified_crosscheck(&mut self, seqs: &[usize], q: &[f32], cfg: &CertConfig) -> Result<CrossCheck> {
+        let (gqa, d) = (self.cfg.gqa, self.cfg.head_dim);
+        let (mut groups, qh) = self.cert_groups(seqs, q)?;
+        let plan = self.plan_device_step(&groups, cfg.seed)?;
+        let mut b = self.step_buffers(&plan, &qh)?;
+        self.device_round(&plan, &mut b, cfg, false)?;
+        let dc = self.download_certs(&b)?;
+        self.check_flags(&plan.phase2.variant)?;
+        let (p1, p2, state) = self.download_phases(&plan, &b)?;
+        let (mut device_state, mut host_state, mut device, mut host) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (gi, g) in groups.iter_mut().enumerate() {
+            let r = plan.phase1.page_indptr[gi] as usize..plan.phase1.page_indptr[gi + 1] as usize;
+            let sp = super::select::SelectParams { coverage: cfg.coverage, min_pages: cfg.min_pages, max_pages: cfg.max_pages, explore: cfg.explore, seed: plan.seeds[gi] };
+            host_state.push(g.select(p1.rows(&p1.head_lse, gi, gqa), gqa, &sp).state);
+            device_state.push(state[r.clone()].to_vec());
+            g.state.copy_from_slice(&state[r]);
+            for (h, (mut c, det)) in super::ladder::head_certificates(g, &p1, &p2, gi, gqa, d, cfg).into_iter().enumerate() {
+                c.detections = det;
+                host.push(c);
+                let (mut c, det) = dc.head(gi * gqa + h);
+                c.detections = det;
+                device.push(c);
+            }
+        }
+        Ok(CrossCheck { device_state, host_state, device, host })
+    }
+}
