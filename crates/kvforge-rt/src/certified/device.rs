@@ -66,7 +66,8 @@ pub(super) struct StepPlan {
     pub sort_pages: usize,
 }
 
-/// Phase 2's plan: phase 1's, with a variant that also serves the tail tier.
+/// Phase 2's plan: phase 1's, with a variant that also serves the tail tier (every shipped
+/// combination does; a spec whose smallest covering combination lacked it would get another).
 pub(super) fn phase2_plan(spec: &Spec, p1: &DecodePlan) -> Result<DecodePlan> {
     let mut tiers = p1.tiers.clone();
     if !tiers.contains(&TAIL_TIER) {
@@ -433,5 +434,89 @@ impl KvCache {
             }
         }
         Ok(CrossCheck { device_state, host_state, device, host })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::certified::PageErrors;
+
+    fn spec() -> Spec {
+        crate::testing::shipped_spec("certified.toml")
+    }
+
+    fn group(tiers: &[u8], base: u32) -> Group {
+        let pages = tiers.iter().enumerate().map(|(i, &t)| (PageRef { tier: t, index: base + i as u32, offset: 4096 * (base + i as u32) as u64 }, if t == TAIL_TIER { 5 } else { 64 })).collect();
+        let errors = tiers.iter().enumerate().map(|(i, &t)| (t != TAIL_TIER).then_some(PageErrors { eta: 0.01 * i as f64, v_max: 1.0 })).collect();
+        Group::new(pages, errors, 2.0)
+    }
+
+    fn phase1(s: &Spec, groups: &[Group], hkv: usize) -> DecodePlan {
+        let lists: Vec<Vec<Vec<(PageRef, usize)>>> = groups.chunks(hkv).map(|c| c.iter().map(|g| g.pages.clone()).collect()).collect();
+        crate::decode::plan(s, 128, 4, &lists, &|_| 1000, &|_| 264).unwrap()
+    }
+
+    #[test]
+    fn plan_serves_originals_through_a_variant_with_the_tail_tier() {
+        let s = spec();
+        let q8 = s.tier("q8k4v").unwrap().id;
+        // Lengths that are multiples of the page: phase 1 has no tail page at all.
+        let groups = vec![group(&[q8, q8], 0), group(&[q8, q8, q8], 2)];
+        let p1 = phase1(&s, &groups, 2);
+        assert!(!p1.tiers.contains(&TAIL_TIER));
+        let arena = 1u64 << 40;
+        let plan = plan_step(&s, p1.clone(), &groups, &|p| Ok(0x7000_0000 + p.index as u64 * 100), arena, 9).unwrap();
+        assert!(plan.phase2.tiers.contains(&TAIL_TIER));
+        assert!(matches!(&plan.phase2.variant.family, kvforge_spec::Family::Decode { tiers, .. } if tiers.contains(&TAIL_TIER) && tiers.contains(&q8)));
+        assert_eq!((plan.phase2.page_offsets.clone(), plan.phase2.splits), (p1.page_offsets, p1.splits));
+        // Originals below the arena: wrapping offsets that the kernel's base + offset undoes.
+        assert_eq!(plan.orig_offsets[3], (0x7000_0000u64 + 300).wrapping_sub(arena));
+        assert_eq!(arena.wrapping_add(plan.orig_offsets[3]), 0x7000_0000 + 300);
+        assert_eq!(plan.eta[4], 0.02);
+        assert_eq!((plan.quantised.clone(), plan.sort_pages, plan.v_max.clone()), (vec![2, 3], 4, vec![2.0, 2.0]));
+        assert_eq!(plan.seeds, vec![group_seed(9, 0), group_seed(9, 1)]);
+        assert_eq!((plan.select.name(), plan.bound.name()), ("certselect_g4".to_string(), "certbound_g4".to_string()));
+    }
+
+    #[test]
+    fn tail_pages_have_no_original_and_missing_ones_are_errors() {
+        let s = spec();
+        let q8 = s.tier("q8k4v").unwrap().id;
+        let groups = vec![group(&[q8, TAIL_TIER], 0)];
+        let p1 = phase1(&s, &groups, 1);
+        let plan = plan_step(&s, p1.clone(), &groups, &|p| Ok(p.offset + 7), 0, 1).unwrap();
+        assert_eq!((plan.orig_offsets.clone(), plan.eta.clone(), plan.quantised.clone()), (vec![7, 0], vec![0.0, 0.0], vec![1]));
+        let missing = plan_step(&s, p1, &groups, &|p| Err(RtError::MissingOriginal { page: p.index as usize, offset: p.offset }), 0, 1);
+        assert!(matches!(missing, Err(RtError::MissingOriginal { page: 0, .. })));
+    }
+
+    #[test]
+    fn groups_beyond_the_sort_buffer_are_a_typed_error() {
+        let s = spec();
+        let q8 = s.tier("q8k4v").unwrap().id;
+        let groups = vec![group(&vec![q8; kvforge_gen::CERT_MAX_PAGES + 1], 0)];
+        let p1 = phase1(&s, &groups, 1);
+        assert!(matches!(plan_step(&s, p1, &groups, &|_| Ok(0), 0, 1), Err(RtError::BadInput(_))));
+    }
+
+    /// The host reads the certificate kernel's outputs by column: same numbering as certify.cuh.
+    #[test]
+    fn output_columns_match_the_device_header() {
+        let h = kvforge_gen::HEADERS.iter().find(|(p, _)| *p == "kvforge/certify.cuh").unwrap().1;
+        let names = |e: &str| -> Vec<String> {
+            let s = &h[h.find(e).unwrap() + e.len()..];
+            s[..s.find('}').unwrap()].split(',').map(|x| x.trim().to_string()).collect()
+        };
+        let f = names("enum CertF64 : int {");
+        for (name, col) in [("CF_DELTA", CF_DELTA), ("CF_ALPHA", CF_ALPHA), ("CF_VMAX", CF_VMAX), ("CF_EKEY", CF_EKEY), ("CF_EVAL", CF_EVAL), ("CF_EROUND", CF_EROUND), ("CF_BOUND", CF_BOUND), ("CERT_F64", CERT_F64)] {
+            assert_eq!(f.iter().position(|x| x == name), Some(col), "{name}");
+        }
+        let u = names("enum CertU32 : int {");
+        for (name, col) in [("CU_DETECT", CU_DETECT), ("CU_BOUNDARY", CU_BOUNDARY), ("CU_RANKING", CU_RANKING), ("CU_PROMOTED", CU_PROMOTED), ("CU_EXPLORED", CU_EXPLORED), ("CERT_U32", CERT_U32)] {
+            assert_eq!(u.iter().position(|x| x == name), Some(col), "{name}");
+        }
+        assert!(h.contains("PAGE_QUANTISED = 0, PAGE_PROMOTED = 1, PAGE_EXPLORED = 2"));
+        assert_eq!((super::super::select::QUANTISED, super::super::select::PROMOTED, super::super::select::EXPLORED), (0, 1, 2));
     }
 }

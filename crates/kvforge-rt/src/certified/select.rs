@@ -198,7 +198,7 @@ mod tests {
         assert_eq!(page_weight(-32.5, 0.0), 0);
         assert_eq!(page_weight(-31.0, 0.0), 2);
         let w = page_weight(-0.5, 0.0) as f64 / MAX_WEIGHT as f64;
-        assert!((w - 0.5f64.exp2()).abs() < 1e-9);
+        assert!((w - (-0.5f64).exp2()).abs() < 1e-9);
     }
 
     #[test]
