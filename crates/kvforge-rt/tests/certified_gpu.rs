@@ -538,3 +538,32 @@ fn device_path_equals_host_path() {
     println!("device path = host path; rungs {rungs:?}; {host_ladder} device-path steps continued on the host");
     assert!(rungs[1] + rungs[2] > 0 && rungs[3] > 0, "{rungs:?}");
 }
+
+/// A small step through every certify kernel path (selection, exploration, forced rungs 3–4):
+/// the case compute-sanitizer runs (`--kernel-name regex:cert`).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn certify_kernels_small_batch() {
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let s = spec();
+    let mut rng = ChaCha8Rng::seed_from_u64(406);
+    let (mut c, seqs, trials, q) = cache_of(&dev, &s, &mut rng, Kind::Needle, 4, &[1, 100, 700, 1024]);
+    let cfg = CertConfig { explore: 0.5, rank_depth: 2, ..CertConfig::default() };
+    let x = c.certified_crosscheck(&seqs, &q, &cfg).unwrap();
+    assert_eq!(x.device_state, x.host_state);
+    for (d, h) in x.device.iter().zip(&x.host) {
+        assert_same_certificate(d, h, "small");
+    }
+    // A flipped key bit in the needle's page (promoted: every head attends to it) is a
+    // detection: rung 3 on the device, and with a zero layer threshold rung 4 for all.
+    let t = &trials[3];
+    let needle = (0..t.len).max_by(|&i, &j| t.k[i * 8 * 128].total_cmp(&t.k[j * 8 * 128])).unwrap();
+    let (page, _) = c.pages(seqs[3], 0).unwrap()[needle / 64];
+    let q8 = s.tier("q8k4v").unwrap().id;
+    let at = HEADER_BYTES + s.segment(q8, 128).offset("k_codes") + (needle % 64) * 128 + 5;
+    let b = c.download_page(page).unwrap();
+    c.write_page_bytes(page, at, &[b[at] ^ 0x80]).unwrap();
+    let r = c.decode_certified(&seqs, &q, &mut CertConfig { max_error: 1e9, layer_fallback: 0.0, ..CertConfig::default() }).unwrap();
+    assert!(r.heads.iter().any(|h| h.detections > 0) && !r.host_ladder);
+    assert!(r.heads.iter().all(|h| h.rung == 4), "{:?}", r.heads.iter().map(|h| h.rung).collect::<Vec<_>>());
+}

@@ -247,7 +247,8 @@ impl KvCache {
     }
 
     /// Launches decode over the groups' pages, those phase 2 serves exactly read from tier 2,
-    /// recording per-page per-head log-masses and, when `with_delta`, Δ.
+    /// recording per-page per-head log-masses; `with_delta` marks phase 1 (records Δ too),
+    /// else phase 2 (the device path's phase-2 plan).
     pub(super) fn certified_launch(&mut self, groups: &[Group], qh: &[u16], page_in: PageIn, paged: &mut usize, with_delta: bool) -> Result<PhaseOut> {
         let hkv = self.cfg.num_kv_heads;
         let arena = {
@@ -288,34 +289,28 @@ impl KvCache {
             _ => None,
         };
         let scratch_ptr = scratch.as_ref().map(|b| b.device_ptr(&self.dev.stream).0);
-        let mut k = 0usize;
-        let mut lists: Vec<Vec<Vec<(PageRef, usize)>>> = Vec::new();
-        for (gi, g) in groups.iter().enumerate() {
-            if gi % hkv == 0 {
-                lists.push(Vec::with_capacity(hkv));
-            }
-            let list = g
-                .pages
-                .iter()
-                .enumerate()
-                .map(|(pi, &(p, len))| {
+        // Phase 1's plan over the quantised pages, and for phase 2 the same page ranges, splits
+        // and (tail-serving) variant as the device path, with every served page turned into a
+        // tail-format page outside the arena: the kernel adds the offset to the arena base, so
+        // the (wrapping) difference addresses it.
+        let lists: Vec<Vec<Vec<(PageRef, usize)>>> = groups.chunks(hkv).map(|seq| seq.iter().map(|g| g.pages.clone()).collect()).collect();
+        let mut plan = self.plan_pages(&lists)?;
+        if !with_delta {
+            plan = super::device::phase2_plan(&self.spec, &plan)?;
+            let mut at = 0usize;
+            let mut k = 0usize;
+            for g in groups {
+                for pi in 0..g.pages.len() {
                     if g.served(pi) {
-                        let addr = match scratch_ptr {
-                            Some(s) => s + (k * pb) as u64,
-                            None => sources[k],
-                        };
+                        let addr = scratch_ptr.map_or(sources[k], |s| s + (k * pb) as u64);
+                        plan.page_offsets[at] = addr.wrapping_sub(arena);
+                        plan.page_info[at] = (plan.page_info[at] & !0xff) | TAIL_TIER as u32;
                         k += 1;
-                        // A tail-format page outside the arena: the kernel adds the offset to
-                        // the arena base, so the (wrapping) difference addresses it.
-                        (PageRef { tier: TAIL_TIER, index: u32::MAX, offset: addr.wrapping_sub(arena) }, len)
-                    } else {
-                        (p, len)
                     }
-                })
-                .collect();
-            lists.last_mut().expect("pushed above").push(list);
+                    at += 1;
+                }
+            }
         }
-        let plan = self.plan_pages(&lists)?;
         let mut ws = self.workspace(&plan)?;
         let npages = plan.page_offsets.len().max(1);
         let st = self.dev.stream.clone();
