@@ -90,13 +90,14 @@ pub fn launch_shape(spec: &Spec, v: &VariantId) -> LaunchShape {
         // The selector sorts a group's pages in dynamic shared memory: 8 B per page, up to
         // CERT_MAX_PAGES (the launch passes what the batch needs; this is the opt-in).
         Family::CertSelect { .. } => LaunchShape { threads: CERT_SELECT_THREADS, smem_bytes: CERT_MAX_PAGES * 8 },
-        // One warp per query head.
-        Family::CertBound { gqa } => LaunchShape { threads: 32 * gqa, smem_bytes: 0 },
+        Family::CertBound { .. } => LaunchShape { threads: CERT_BOUND_THREADS, smem_bytes: 0 },
     }
 }
 
 /// Threads of the certified-decode selector (one CTA per (sequence, kv head)).
 pub const CERT_SELECT_THREADS: usize = 256;
+/// Threads of the certified-decode certificate (one CTA per (sequence, kv head)).
+pub const CERT_BOUND_THREADS: usize = 256;
 /// Most pages one (sequence, kv head) may have on the GPU selector: its sort buffer of 8 B per
 /// page must fit in shared memory (128 KiB; 1M tokens at 64-token pages).
 pub const CERT_MAX_PAGES: usize = 16384;
@@ -161,7 +162,7 @@ pub fn render(spec: &Spec, v: &VariantId) -> Result<String, RenderError> {
             ctx.insert("gqa", gqa);
             ctx.insert("what", "certificate and checks of every query head");
             ctx.insert("params", "CertBoundParams");
-            ctx.insert("entry", &format!("cert_bound<{gqa}, {}>", spec.geometry.dtype.cuda()));
+            ctx.insert("entry", &format!("cert_bound<{gqa}, {}, {}>", spec.geometry.dtype.cuda(), shape.threads));
             "certify.cu.tera"
         }
     };

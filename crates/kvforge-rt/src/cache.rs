@@ -112,6 +112,8 @@ pub struct KvCache {
     pub(crate) flags: CudaSlice<u32>,
     /// Tier 2 of certified decode, when kept ([`KvCache::keep_originals`]).
     pub(crate) originals: Option<crate::certified::Originals>,
+    /// Device buffers of certified steps on the device path, reused while steps fit.
+    pub(crate) cert_scratch: Option<crate::certified::CertScratch>,
 }
 
 fn dense_bytes(dtype: DType, x: f32) -> [u8; 2] {
@@ -168,7 +170,7 @@ impl KvCache {
         }
         let flags = dev.stream.alloc_zeros::<u32>(1).map_err(drv("error flags"))?;
         let channel_orders = vec![None; spec.tiers.len()];
-        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, channel_orders, kernels: KernelCache::default(), flags, originals: None })
+        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, channel_orders, kernels: KernelCache::default(), flags, originals: None, cert_scratch: None })
     }
 
     pub fn spec(&self) -> &Spec {

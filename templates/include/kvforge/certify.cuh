@@ -8,6 +8,7 @@
 //    the host's, so the two agree to rounding (the tests state the tolerance). The score,
 //    ranking and boundary checks compare products rounded once (__dmul_rn: no contraction),
 //    exactly as the host does.
+// One CTA per (sequence, kv head) each: a decode step launches batch × kv heads of them.
 #pragma once
 #include "common.cuh"
 #include "kvforge/params.cuh"
@@ -125,6 +126,7 @@ __device__ void cert_select(const CertSelectParams& p) {
   u8* state = p.page_state + first;
   u64* out_offsets = p.out_page_offsets + first;
   u32* out_info = p.out_page_info + first;
+  u64* wts = p.weights + size_t(first) * GQA;  // [page][GQA], written once in step 2
 
   if (p.force_exact != nullptr && p.force_exact[g] != 0) {
     // Rungs 3 and 4: every quantised page from tier 2.
@@ -143,7 +145,7 @@ __device__ void cert_select(const CertSelectParams& p) {
     }
     cert_block_reduce<GQA, NT>(mx, fscratch, [](float a, float b) { return fmaxf(a, b); });
 
-    // 2. Totals T_h and the exact (tail-tier) pages' share E_h, in u64: order-free.
+    // 2. Weights, totals T_h and the exact (tail-tier) pages' share E_h, in u64: order-free.
     u64 tot[GQA], exact[GQA];
 #pragma unroll
     for (int h = 0; h < GQA; ++h) tot[h] = exact[h] = 0;
@@ -154,6 +156,7 @@ __device__ void cert_select(const CertSelectParams& p) {
 #pragma unroll
       for (int h = 0; h < GQA; ++h) {
         const u64 w = cert_weight(lse[i * GQA + h], mx[h]);
+        wts[i * GQA + h] = w;
         tot[h] += w;
         if (!quant) exact[h] += w;
       }
@@ -173,7 +176,7 @@ __device__ void cert_select(const CertSelectParams& p) {
         u64 share = 0;
 #pragma unroll
         for (int h = 0; h < GQA; ++h) {
-          const u64 w = cert_weight(lse[i * GQA + h], mx[h]);
+          const u64 w = wts[i * GQA + h];
           const u64 s = tot[h] > 0 ? (w << 31) / tot[h] : 0;
           share = s > share ? s : share;
         }
@@ -212,7 +215,7 @@ __device__ void cert_select(const CertSelectParams& p) {
     for (int j = lo; j < hi; ++j) {
       const int i = int(keys[j] & 0xffffffffu);
 #pragma unroll
-      for (int h = 0; h < GQA; ++h) pre[h] += cert_weight(lse[i * GQA + h], mx[h]);
+      for (int h = 0; h < GQA; ++h) pre[h] += wts[i * GQA + h];
     }
     cert_block_exclusive_scan<GQA, NT>(pre, uscratch);
     u64 c[GQA];
@@ -221,7 +224,7 @@ __device__ void cert_select(const CertSelectParams& p) {
     for (int j = lo; j < hi; ++j) {
       const int i = int(keys[j] & 0xffffffffu);
 #pragma unroll
-      for (int h = 0; h < GQA; ++h) c[h] += cert_weight(lse[i * GQA + h], mx[h]);
+      for (int h = 0; h < GQA; ++h) c[h] += wts[i * GQA + h];
       if (covered(c)) { atomicMin(&kcov_s, u32(j + 1)); break; }
     }
     for (int i = tid; i < n; i += NT) state[i] = PAGE_QUANTISED;
@@ -261,37 +264,21 @@ __device__ void cert_select(const CertSelectParams& p) {
   }
 }
 
-// ---- the certificate: one warp per query head ----
-
-__device__ __forceinline__ double cert_warp_sum(double x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-__device__ __forceinline__ double cert_warp_max(double x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = fmax(x, __shfl_xor_sync(0xffffffffu, x, o));
-  return x;
-}
-__device__ __forceinline__ u32 cert_warp_usum(u32 x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-__device__ __forceinline__ u64 cert_warp_umax(u64 x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    const u64 y = __shfl_xor_sync(0xffffffffu, x, o);
-    x = y > x ? y : x;
-  }
-  return x;
-}
+// ---- the certificate: one CTA of NT threads per (sequence, kv head) group ----
+//
+// Every thread takes pages i = tid, tid + NT, ... with all GQA query heads of each (their
+// [page][GQA] entries are contiguous), and block reductions combine the heads' sums.
 
 // checks.rs' total_order_key: f32::total_cmp's order as an unsigned key.
 __device__ __forceinline__ u32 cert_order_key(float x) {
   const int s = __float_as_int(x);
   return u32(s ^ int(u32(s >> 31) >> 1)) ^ 0x80000000u;
 }
+
+// Packed ranking key of page i: total order of its log-mass, then the complement of its index,
+// so the largest key is the page a descending, index-ascending sort puts first.
+__device__ __forceinline__ u64 cert_rank_key(float l, int i) { return (u64(cert_order_key(l)) << 32) | (0xffffffffu - u32(i)); }
+__device__ __forceinline__ int cert_rank_page(u64 key) { return int(0xffffffffu - u32(key & 0xffffffffu)); }
 
 // bound.rs' total_variation.
 __device__ __forceinline__ double cert_total_variation(double delta, double alpha) {
@@ -304,120 +291,167 @@ __device__ __forceinline__ double cert_total_variation(double delta, double alph
   return fmin((1.0 - alpha) * exact_part + alpha * tail_part, 2.0 * tanh(delta / 2.0));
 }
 
-template <int GQA, class QT>
+template <int GQA, class QT, int NT>
 __device__ void cert_bound(const CertBoundParams& p) {
-  const int g = blockIdx.x, h = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (g >= p.groups || h >= GQA) return;
+  constexpr int NW = NT / 32;
+  const double NEG_INF64 = __longlong_as_double(0xfff0000000000000ll);
+  __shared__ double dscratch[NW][GQA];
+  __shared__ u64 uscratch[NW][GQA];
+  __shared__ u32 wscratch[NW][GQA];
+  __shared__ u32 cscratch[NW][4];
+  __shared__ double onorm_s[GQA];
+  const int g = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  if (g >= p.groups) return;
+  if (g == 0 && tid == 0 && p.flags_out != nullptr) *p.flags_out = *p.error_flags;
   const u32 first = p.page_indptr[g];
   const int n = int(p.page_indptr[g + 1] - first);
-  const float* l1 = p.page_head_lse + size_t(first) * GQA + h;
-  const float* d1 = p.page_delta + size_t(first) * GQA + h;
-  const float* l2 = p.page_head_lse2 + size_t(first) * GQA + h;
+  const float* l1 = p.page_head_lse + size_t(first) * GQA;
+  const float* d1 = p.page_delta + size_t(first) * GQA;
+  const float* l2 = p.page_head_lse2 + size_t(first) * GQA;
   const u32* info = p.page_info + first;
   const u8* state = p.page_state + first;
   const double* eta = p.page_eta + first;
+  auto fmax_op = [](double a, double b) { return fmax(a, b); };
+  auto dsum_op = [](double a, double b) { return a + b; };
 
-  // Phase-2 masses ρ_i = 2^(ℓ²_i − max) / Σ.
-  double mx = -__longlong_as_double(0x7ff0000000000000ll);
-  for (int i = lane; i < n; i += 32) mx = fmax(mx, double(l2[i * GQA]));
-  mx = cert_warp_max(mx);
-  double tot = 0.0;
-  for (int i = lane; i < n; i += 32) tot += exp2(double(l2[i * GQA]) - mx);
-  tot = cert_warp_sum(tot);
+  // Phase-2 masses ρ_i = 2^(ℓ²_i − max) / Σ per head.
+  double mx[GQA], tot[GQA];
+#pragma unroll
+  for (int h = 0; h < GQA; ++h) { mx[h] = NEG_INF64; tot[h] = 0.0; }
+  for (int i = tid; i < n; i += NT) {
+#pragma unroll
+    for (int h = 0; h < GQA; ++h) mx[h] = fmax(mx[h], double(l2[i * GQA + h]));
+  }
+  cert_block_reduce<GQA, NT>(mx, dscratch, fmax_op);
+  for (int i = tid; i < n; i += NT) {
+#pragma unroll
+    for (int h = 0; h < GQA; ++h) tot[h] += exp2(double(l2[i * GQA + h]) - mx[h]);
+  }
+  cert_block_reduce<GQA, NT>(tot, dscratch, dsum_op);
 
-  double alpha = 0.0, e_val = 0.0, delta = 0.0;
-  u32 tokens = 0, det = 0, promoted = 0, explored = 0;
-  for (int i = lane; i < n; i += 32) {
+  // Tail quantities and score checks; counts: tokens, promoted, explored, exact-set size.
+  double alpha[GQA], e_val[GQA], delta[GQA];
+  u32 det[GQA];
+  u32 cnt[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int h = 0; h < GQA; ++h) { alpha[h] = e_val[h] = delta[h] = 0.0; det[h] = 0; }
+  for (int i = tid; i < n; i += NT) {
     const u32 inf = info[i];
-    tokens += inf >> 8;
-    if ((inf & 0xff) == 0) continue;
-    const double d = double(d1[i * GQA]);
-    if (state[i] == PAGE_QUANTISED) {
-      const double rho = exp2(double(l2[i * GQA]) - mx) / tot;
-      alpha += rho;
-      e_val += rho * eta[i];
-      delta = fmax(delta, d);
-    } else {
-      promoted += state[i] == PAGE_PROMOTED;
-      explored += state[i] == PAGE_EXPLORED;
-      const double a = __dmul_rn(double(l1[i * GQA]), CERT_LN2), b = __dmul_rn(double(l2[i * GQA]), CERT_LN2);
-      if (!(fabs(__dsub_rn(a, b)) <= __dadd_rn(d, p.guard))) ++det;
-    }
-  }
-  alpha = cert_warp_sum(alpha);
-  e_val = cert_warp_sum(e_val);
-  delta = cert_warp_max(delta);
-  tokens = cert_warp_usum(tokens);
-  det = cert_warp_usum(det);
-  promoted = cert_warp_usum(promoted);
-  explored = cert_warp_usum(explored);
-
-  // Ranking consistency (eq. 17) and boundary (eq. 18) over the exact set F (served and
-  // tail-tier pages): round j finds the j-th page of each order as the largest packed key
-  // (order key, then the complement of the index) below the previous round's.
-  u32 ranking = 0, boundary = 0;
-  if (p.rank_depth > 0) {
-    u64 prev2 = 0, prev1 = 0;
-    double lr = -__longlong_as_double(0x7ff0000000000000ll);
-    bool full = true;
-    for (int j = 0; j < p.rank_depth && full; ++j) {
-      u64 b2 = 0, b1 = 0;
-      bool any = false;
-      for (int i = lane; i < n; i += 32) {
-        if ((info[i] & 0xff) != 0 && state[i] == PAGE_QUANTISED) continue;
-        const u64 k2 = (u64(cert_order_key(l2[i * GQA])) << 32) | (0xffffffffu - u32(i));
-        const u64 k1 = (u64(cert_order_key(l1[i * GQA])) << 32) | (0xffffffffu - u32(i));
-        if (j == 0 || k2 < prev2) { b2 = k2 > b2 ? k2 : b2; any = true; }
-        if (j == 0 || k1 < prev1) b1 = k1 > b1 ? k1 : b1;
+    cnt[0] += inf >> 8;
+    if ((inf & 0xff) == 0) { ++cnt[3]; continue; }
+    const u8 st = state[i];
+    if (st == PAGE_QUANTISED) {
+      const double e = eta[i];
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) {
+        const double rho = exp2(double(l2[i * GQA + h]) - mx[h]) / tot[h];
+        alpha[h] += rho;
+        e_val[h] += rho * e;
+        delta[h] = fmax(delta[h], double(d1[i * GQA + h]));
       }
-      full = __any_sync(0xffffffffu, any);
-      if (!full) break;
-      b2 = cert_warp_umax(b2);
-      b1 = cert_warp_umax(b1);
-      if ((b2 & 0xffffffffu) != (b1 & 0xffffffffu)) ranking = 1;
-      prev2 = b2;
-      prev1 = b1;
-      if (j == p.rank_depth - 1) lr = __dmul_rn(double(l2[(0xffffffffu - u32(b2 & 0xffffffffu)) * GQA]), CERT_LN2);
+    } else {
+      cnt[1] += st == PAGE_PROMOTED;
+      cnt[2] += st == PAGE_EXPLORED;
+      ++cnt[3];
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) {
+        const double a = __dmul_rn(double(l1[i * GQA + h]), CERT_LN2), b = __dmul_rn(double(l2[i * GQA + h]), CERT_LN2);
+        if (!(fabs(__dsub_rn(a, b)) <= __dadd_rn(double(d1[i * GQA + h]), p.guard))) ++det[h];
+      }
     }
-    u32 cnt = 0;
-    for (int i = lane; i < n; i += 32) {
+  }
+  cert_block_reduce<GQA, NT>(alpha, dscratch, dsum_op);
+  cert_block_reduce<GQA, NT>(e_val, dscratch, dsum_op);
+  cert_block_reduce<GQA, NT>(delta, dscratch, fmax_op);
+  cert_block_reduce<GQA, NT>(det, wscratch, [](u32 a, u32 b) { return a + b; });
+  cert_block_reduce<4, NT>(cnt, cscratch, [](u32 a, u32 b) { return a + b; });
+
+  // Ranking consistency (eq. 17, ties within ε_guard allowed) and boundary (eq. 18) over the
+  // exact set F (served and tail-tier pages): round j finds the j-th page of each order as the
+  // largest packed key below the previous round's.
+  u32 ranking[GQA], boundary[GQA];
+  double lr[GQA];
+#pragma unroll
+  for (int h = 0; h < GQA; ++h) { ranking[h] = boundary[h] = 0; lr[h] = NEG_INF64; }
+  if (p.rank_depth > 0) {
+    const int rounds = min(p.rank_depth, int(cnt[3]));
+    u64 prev2[GQA], prev1[GQA];
+    for (int j = 0; j < rounds; ++j) {
+      u64 b2[GQA], b1[GQA];
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) b2[h] = b1[h] = 0;
+      for (int i = tid; i < n; i += NT) {
+        if ((info[i] & 0xff) != 0 && state[i] == PAGE_QUANTISED) continue;
+#pragma unroll
+        for (int h = 0; h < GQA; ++h) {
+          const u64 k2 = cert_rank_key(l2[i * GQA + h], i), k1 = cert_rank_key(l1[i * GQA + h], i);
+          if ((j == 0 || k2 < prev2[h]) && k2 > b2[h]) b2[h] = k2;
+          if ((j == 0 || k1 < prev1[h]) && k1 > b1[h]) b1[h] = k1;
+        }
+      }
+      cert_block_reduce<GQA, NT>(b2, uscratch, [](u64 a, u64 b) { return a > b ? a : b; });
+      cert_block_reduce<GQA, NT>(b1, uscratch, [](u64 a, u64 b) { return a > b ? a : b; });
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) {
+        const double at_b = __dmul_rn(double(l2[cert_rank_page(b2[h]) * GQA + h]), CERT_LN2);
+        const double at_a = __dmul_rn(double(l2[cert_rank_page(b1[h]) * GQA + h]), CERT_LN2);
+        if (at_a < __dsub_rn(at_b, p.guard)) ranking[h] = 1;
+        if (j == p.rank_depth - 1) lr[h] = at_b;
+        prev2[h] = b2[h];
+        prev1[h] = b1[h];
+      }
+    }
+    for (int i = tid; i < n; i += NT) {
       if ((info[i] & 0xff) == 0 || state[i] != PAGE_QUANTISED) continue;
-      if (__dadd_rn(__dmul_rn(double(l1[i * GQA]), CERT_LN2), double(d1[i * GQA])) > lr) ++cnt;
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) {
+        if (__dadd_rn(__dmul_rn(double(l1[i * GQA + h]), CERT_LN2), double(d1[i * GQA + h])) > lr[h]) ++boundary[h];
+      }
     }
-    boundary = cert_warp_usum(cnt);
+    cert_block_reduce<GQA, NT>(boundary, wscratch, [](u32 a, u32 b) { return a + b; });
   }
 
-  // ‖Ô‖₂ of this head's phase-2 output row.
-  const size_t row = size_t(g) * GQA + h;
-  const QT* o = reinterpret_cast<const QT*>(p.out) + row * p.head_dim;
-  double sq = 0.0;
-  for (int c = lane; c < p.head_dim; c += 32) {
-    const double x = double(to_float(o[c]));
-    sq += x * x;
+  // ‖Ô‖₂ of every head's phase-2 output row: warp w takes heads w, w + NW, ...
+  for (int h = warp; h < GQA; h += NW) {
+    const QT* o = reinterpret_cast<const QT*>(p.out) + (size_t(g) * GQA + h) * p.head_dim;
+    double sq = 0.0;
+    for (int c = lane; c < p.head_dim; c += 32) {
+      const double x = double(to_float(o[c]));
+      sq += x * x;
+    }
+#pragma unroll
+    for (int o2 = 16; o2 > 0; o2 >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o2);
+    if (lane == 0) onorm_s[h] = sqrt(sq);
   }
-  const double onorm = sqrt(cert_warp_sum(sq));
+  __syncthreads();
 
-  if (lane == 0) {
-    // bound.rs' certificate().
+  if (tid < GQA) {
+    // bound.rs' certificate(); thread h writes head h (static indices through the unrolled
+    // loop keep the per-head arrays in registers).
     const double v_max = p.group_v_max[g];
     const double u = 1.0 / 2048.0;
-    const double e_key = v_max * cert_total_variation(delta, alpha);
-    const double e_round = u / (1.0 - u) * onorm + (double(tokens) / 8.0 + 128.0) * 5.9604644775390625e-08 * v_max;
-    double* f = p.head_f64 + row * CERT_F64;
-    f[CF_DELTA] = delta;
-    f[CF_ALPHA] = alpha;
-    f[CF_VMAX] = v_max;
-    f[CF_EKEY] = e_key;
-    f[CF_EVAL] = e_val;
-    f[CF_EROUND] = e_round;
-    f[CF_BOUND] = e_key + e_val + e_round;
-    f[CF_ONORM] = onorm;
-    u32* w = p.head_u32 + row * CERT_U32;
-    w[CU_DETECT] = det;
-    w[CU_BOUNDARY] = boundary;
-    w[CU_RANKING] = ranking;
-    w[CU_PROMOTED] = promoted;
-    w[CU_EXPLORED] = explored;
+#pragma unroll
+    for (int h = 0; h < GQA; ++h) {
+      if (h != tid) continue;
+      const double e_key = v_max * cert_total_variation(delta[h], alpha[h]);
+      const double e_round = u / (1.0 - u) * onorm_s[h] + (double(cnt[0]) / 8.0 + 128.0) * 5.9604644775390625e-08 * v_max;
+      const size_t row = size_t(g) * GQA + h;
+      double* f = p.head_f64 + row * CERT_F64;
+      f[CF_DELTA] = delta[h];
+      f[CF_ALPHA] = alpha[h];
+      f[CF_VMAX] = v_max;
+      f[CF_EKEY] = e_key;
+      f[CF_EVAL] = e_val[h];
+      f[CF_EROUND] = e_round;
+      f[CF_BOUND] = e_key + e_val[h] + e_round;
+      f[CF_ONORM] = onorm_s[h];
+      u32* w = p.head_u32 + row * CERT_U32;
+      w[CU_DETECT] = det[h];
+      w[CU_BOUNDARY] = boundary[h];
+      w[CU_RANKING] = ranking[h];
+      w[CU_PROMOTED] = cnt[1];
+      w[CU_EXPLORED] = cnt[2];
+    }
   }
 }
 

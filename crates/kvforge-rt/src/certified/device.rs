@@ -124,27 +124,115 @@ pub(super) fn plan_step(spec: &Spec, phase1: DecodePlan, groups: &[Group], addre
     })
 }
 
-/// Device buffers of one step.
-pub(super) struct StepBuffers {
-    ws1: DecodeWorkspace,
-    ws2: DecodeWorkspace,
-    orig_offsets: CudaSlice<u64>,
-    eta: CudaSlice<f64>,
-    v_max: CudaSlice<f64>,
-    seeds: CudaSlice<u64>,
-    state: CudaSlice<u8>,
-    head_f64: CudaSlice<f64>,
-    head_u32: CudaSlice<u32>,
-    force: Option<CudaSlice<u8>>,
+/// Sizes a step's device buffers need; a cache keeps its buffers while later steps fit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Capacity {
+    pages: usize,
+    groups: usize,
+    rows: usize,
+    /// Split-K partial outputs (floats) and log-sum-exps.
+    partial: usize,
+    partial_lse: usize,
+    head_dim: usize,
+    gqa: usize,
 }
 
-/// What the device's certificate kernel reported, on the host.
-pub(super) struct DeviceCerts {
+impl Capacity {
+    fn of(plan: &StepPlan) -> Capacity {
+        let p = &plan.phase1;
+        let rows = p.batch * p.num_kv_heads * p.gqa;
+        Capacity {
+            pages: p.page_offsets.len().max(1),
+            groups: p.batch * p.num_kv_heads,
+            rows,
+            partial: if p.splits > 1 { p.splits * rows * p.head_dim } else { 1 },
+            partial_lse: p.splits * rows,
+            head_dim: p.head_dim,
+            gqa: p.gqa,
+        }
+    }
+
+    fn holds(&self, need: &Capacity) -> bool {
+        self.head_dim == need.head_dim && self.gqa == need.gqa && self.pages >= need.pages && self.groups >= need.groups && self.rows >= need.rows && self.partial >= need.partial && self.partial_lse >= need.partial_lse
+    }
+
+    fn max(&self, o: &Capacity) -> Capacity {
+        if self.head_dim != o.head_dim || self.gqa != o.gqa {
+            return *o;
+        }
+        Capacity {
+            pages: self.pages.max(o.pages),
+            groups: self.groups.max(o.groups),
+            rows: self.rows.max(o.rows),
+            partial: self.partial.max(o.partial),
+            partial_lse: self.partial_lse.max(o.partial_lse),
+            head_dim: o.head_dim,
+            gqa: o.gqa,
+        }
+    }
+}
+
+/// Byte offsets of the per-step upload: tier-2 offsets and seeds (u64), η and V_max (f64).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct PackLayout {
+    orig: usize,
+    seeds: usize,
+    eta: usize,
+    v_max: usize,
+    bytes: usize,
+}
+
+impl PackLayout {
+    fn new(pages: usize, groups: usize) -> PackLayout {
+        PackLayout { orig: 0, seeds: 8 * pages, eta: 8 * (pages + groups), v_max: 8 * (2 * pages + groups), bytes: 16 * (pages + groups) }
+    }
+}
+
+/// Byte offsets of the step's single download: certificates (f64, u32 columns), the decode
+/// kernels' error bits, phase 2's log-sum-exp (f32) and output (spec dtype).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct ResultLayout {
+    f64s: usize,
+    u32s: usize,
+    flags: usize,
+    lse: usize,
+    out: usize,
+    bytes: usize,
+}
+
+impl ResultLayout {
+    fn new(rows: usize, d: usize) -> ResultLayout {
+        let u32s = rows * CERT_F64 * 8;
+        let flags = u32s + rows * CERT_U32 * 4;
+        let lse = flags + 4;
+        let out = lse + rows * 4;
+        ResultLayout { f64s: 0, u32s, flags, lse, out, bytes: out + rows * d * 2 }
+    }
+}
+
+/// Device buffers of certified steps, kept by the cache and reused while steps fit.
+pub(crate) struct CertScratch {
+    cap: Capacity,
+    /// Phase 1: page table uploaded every step; its masses, Δ and (unused) output.
+    ws1: DecodeWorkspace,
+    /// Phase 2: page table written by the selector; masses.
+    ws2: DecodeWorkspace,
+    pack: CudaSlice<u8>,
+    state: CudaSlice<u8>,
+    weights: CudaSlice<u64>,
+    result: CudaSlice<u8>,
+    force: CudaSlice<u8>,
+}
+
+/// What a step's download holds, parsed.
+pub(super) struct StepResult {
     pub f64s: Vec<f64>,
     pub u32s: Vec<u32>,
+    pub lse: Vec<f32>,
+    pub out: Vec<f32>,
 }
 
-impl DeviceCerts {
+impl StepResult {
     pub fn head(&self, row: usize) -> (HeadCertificate, usize) {
         let f = &self.f64s[row * CERT_F64..(row + 1) * CERT_F64];
         let u = &self.u32s[row * CERT_U32..(row + 1) * CERT_U32];
@@ -178,45 +266,90 @@ impl KvCache {
         plan_step(&self.spec, phase1, groups, &|p| orig.address(p), arena, seed)
     }
 
-    /// Allocates a step's buffers and uploads its tables and queries.
-    fn step_buffers(&self, plan: &StepPlan, qh: &[u16]) -> Result<StepBuffers> {
-        let st = self.dev.stream.clone();
-        let (pages, rows) = (plan.phase1.page_offsets.len().max(1), plan.phase1.batch * plan.phase1.num_kv_heads * plan.phase1.gqa);
-        let mut ws1 = self.workspace(&plan.phase1)?;
-        let mut ws2 = self.workspace(&plan.phase2)?;
-        ws1.page_head_lse = Some(st.alloc_zeros::<f32>(pages * plan.phase1.gqa).map_err(drv("phase-1 page masses"))?);
-        ws1.page_delta = Some(st.alloc_zeros::<f32>(pages * plan.phase1.gqa).map_err(drv("phase-1 page bounds"))?);
-        ws2.page_head_lse = Some(st.alloc_zeros::<f32>(pages * plan.phase1.gqa).map_err(drv("phase-2 page masses"))?);
-        st.memcpy_htod(qh, &mut ws1.q).map_err(drv("query upload"))?;
-        Ok(StepBuffers {
-            ws1,
-            ws2,
-            orig_offsets: st.clone_htod(&plan.orig_offsets).map_err(drv("tier-2 offsets"))?,
-            eta: st.clone_htod(&plan.eta).map_err(drv("page value errors"))?,
-            v_max: st.clone_htod(&plan.v_max).map_err(drv("value norms"))?,
-            seeds: st.clone_htod(&plan.seeds).map_err(drv("exploration seeds"))?,
-            state: st.alloc_zeros::<u8>(pages).map_err(drv("page states"))?,
-            head_f64: st.alloc_zeros::<f64>(rows * CERT_F64).map_err(drv("certificates"))?,
-            head_u32: st.alloc_zeros::<u32>(rows * CERT_U32).map_err(drv("certificates"))?,
-            force: None,
+    fn alloc_scratch(&self, cap: Capacity) -> Result<CertScratch> {
+        let st = &self.dev.stream;
+        let f32s = |n: usize, what: &str| st.alloc_zeros::<f32>(n).map_err(drv(what.to_string()));
+        let table = |what: &str| -> Result<(CudaSlice<u64>, CudaSlice<u32>, CudaSlice<u32>)> {
+            Ok((
+                st.alloc_zeros::<u64>(cap.pages).map_err(drv(what.to_string()))?,
+                st.alloc_zeros::<u32>(cap.pages).map_err(drv(what.to_string()))?,
+                st.alloc_zeros::<u32>(cap.groups + 1).map_err(drv(what.to_string()))?,
+            ))
+        };
+        let workspace = |phase1: bool| -> Result<DecodeWorkspace> {
+            let (page_offsets, page_info, page_indptr) = table("page table")?;
+            let io = if phase1 { cap.rows * cap.head_dim } else { 1 };
+            Ok(DecodeWorkspace {
+                page_offsets,
+                page_info,
+                page_indptr,
+                q: st.alloc_zeros::<u16>(io).map_err(drv("queries"))?,
+                out: st.alloc_zeros::<u16>(io).map_err(drv("output"))?,
+                partial_out: f32s(cap.partial, "split partials")?,
+                partial_lse: f32s(cap.partial_lse, "split lse")?,
+                lse: f32s(if phase1 { cap.rows } else { 1 }, "lse")?,
+                page_lse: None,
+                page_head_lse: Some(f32s(cap.pages * cap.gqa, "page masses")?),
+                page_delta: if phase1 { Some(f32s(cap.pages * cap.gqa, "page bounds")?) } else { None },
+            })
+        };
+        Ok(CertScratch {
+            cap,
+            ws1: workspace(true)?,
+            ws2: workspace(false)?,
+            pack: st.alloc_zeros::<u8>(PackLayout::new(cap.pages, cap.groups).bytes).map_err(drv("certificate inputs"))?,
+            state: st.alloc_zeros::<u8>(cap.pages).map_err(drv("page states"))?,
+            weights: st.alloc_zeros::<u64>(cap.pages * cap.gqa).map_err(drv("page weights"))?,
+            result: st.alloc_zeros::<u8>(ResultLayout::new(cap.rows, cap.head_dim).bytes).map_err(drv("certificates"))?,
+            force: st.alloc_zeros::<u8>(cap.groups).map_err(drv("forced groups"))?,
         })
     }
 
-    fn launch_select(&mut self, plan: &StepPlan, b: &mut StepBuffers, cfg: &CertConfig) -> Result<()> {
+    /// The cache's step buffers, grown to `plan` if needed, with the step's tables, inputs and
+    /// queries uploaded.
+    fn step_buffers(&mut self, plan: &StepPlan, qh: &[u16]) -> Result<CertScratch> {
+        let need = Capacity::of(plan);
+        let mut b = match self.cert_scratch.take() {
+            Some(s) if s.cap.holds(&need) => s,
+            old => self.alloc_scratch(old.map_or(need, |o| o.cap.max(&need)))?,
+        };
+        let st = self.dev.stream.clone();
+        let p1 = &plan.phase1;
+        st.memcpy_htod(&p1.page_offsets, &mut b.ws1.page_offsets).map_err(drv("page table"))?;
+        st.memcpy_htod(&p1.page_info, &mut b.ws1.page_info).map_err(drv("page table"))?;
+        st.memcpy_htod(&p1.page_indptr, &mut b.ws1.page_indptr).map_err(drv("page table"))?;
+        st.memcpy_dtod(&b.ws1.page_indptr, &mut b.ws2.page_indptr).map_err(drv("page table"))?;
+        st.memcpy_htod(qh, &mut b.ws1.q).map_err(drv("query upload"))?;
+        let (pages, groups) = (b.cap.pages, b.cap.groups);
+        let l = PackLayout::new(pages, groups);
+        let mut pack = vec![0u8; l.bytes];
+        let mut put = |at: usize, xs: &mut dyn Iterator<Item = [u8; 8]>| xs.enumerate().for_each(|(i, x)| pack[at + 8 * i..at + 8 * i + 8].copy_from_slice(&x));
+        put(l.orig, &mut plan.orig_offsets.iter().map(|x| x.to_le_bytes()));
+        put(l.seeds, &mut plan.seeds.iter().map(|x| x.to_le_bytes()));
+        put(l.eta, &mut plan.eta.iter().map(|x| x.to_le_bytes()));
+        put(l.v_max, &mut plan.v_max.iter().map(|x| x.to_le_bytes()));
+        st.memcpy_htod(&pack, &mut b.pack).map_err(drv("certificate inputs"))?;
+        Ok(b)
+    }
+
+    fn launch_select(&mut self, plan: &StepPlan, b: &mut CertScratch, cfg: &CertConfig, force: bool) -> Result<()> {
         let k = self.kernels.get(&self.dev, &self.spec, &plan.select)?;
         let st = self.dev.stream.clone();
         let groups = plan.phase1.batch * plan.phase1.num_kv_heads;
+        let l = PackLayout::new(b.cap.pages, b.cap.groups);
+        let pack = b.pack.device_ptr(&st).0;
         let p = CertSelectParams {
             page_head_lse: b.ws1.page_head_lse.as_ref().map_or(0, |x| x.device_ptr(&st).0),
             page_indptr: b.ws1.page_indptr.device_ptr(&st).0,
             page_info: b.ws1.page_info.device_ptr(&st).0,
             page_offsets: b.ws1.page_offsets.device_ptr(&st).0,
-            orig_offsets: b.orig_offsets.device_ptr(&st).0,
-            group_seeds: b.seeds.device_ptr(&st).0,
-            force_exact: b.force.as_ref().map_or(0, |x| x.device_ptr(&st).0),
+            orig_offsets: pack + l.orig as u64,
+            group_seeds: pack + l.seeds as u64,
+            force_exact: if force { b.force.device_ptr(&st).0 } else { 0 },
             out_page_offsets: b.ws2.page_offsets.device_ptr(&st).0,
             out_page_info: b.ws2.page_info.device_ptr(&st).0,
             page_state: b.state.device_ptr(&st).0,
+            weights: b.weights.device_ptr(&st).0,
             coverage: cfg.coverage,
             explore: cfg.explore,
             min_pages: cfg.min_pages.min(u32::MAX as usize) as u32,
@@ -224,17 +357,20 @@ impl KvCache {
             groups: groups as i32,
         };
         let lc = LaunchConfig { grid_dim: (groups as u32, 1, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: (plan.sort_pages * 8) as u32 };
-        // SAFETY: the params mirror the kernel's struct (one field list); every array is sized
-        // by `step_buffers` for this plan's pages and groups; the sort buffer holds the largest
+        // SAFETY: the params mirror the kernel's struct (one field list); every array holds the
+        // plan's pages and groups (`step_buffers` grows them); the sort buffer holds the largest
         // group (`plan_step` bounds it by the opt-in of `launch_shape`).
         unsafe { st.launch_builder(&k.func).arg(&p).launch(lc) }.map_err(drv(format!("launch {}", plan.select)))?;
         Ok(())
     }
 
-    fn launch_bound(&mut self, plan: &StepPlan, b: &mut StepBuffers, cfg: &CertConfig) -> Result<()> {
+    fn launch_bound(&mut self, plan: &StepPlan, b: &mut CertScratch, cfg: &CertConfig) -> Result<()> {
         let k = self.kernels.get(&self.dev, &self.spec, &plan.bound)?;
         let st = self.dev.stream.clone();
         let groups = plan.phase1.batch * plan.phase1.num_kv_heads;
+        let l = PackLayout::new(b.cap.pages, b.cap.groups);
+        let r = ResultLayout::new(b.cap.rows, b.cap.head_dim);
+        let (pack, result) = (b.pack.device_ptr(&st).0, b.result.device_ptr(&st).0);
         let p = CertBoundParams {
             page_head_lse: b.ws1.page_head_lse.as_ref().map_or(0, |x| x.device_ptr(&st).0),
             page_delta: b.ws1.page_delta.as_ref().map_or(0, |x| x.device_ptr(&st).0),
@@ -242,34 +378,37 @@ impl KvCache {
             page_indptr: b.ws1.page_indptr.device_ptr(&st).0,
             page_info: b.ws1.page_info.device_ptr(&st).0,
             page_state: b.state.device_ptr(&st).0,
-            page_eta: b.eta.device_ptr(&st).0,
-            group_v_max: b.v_max.device_ptr(&st).0,
-            out: b.ws2.out.device_ptr(&st).0,
-            head_f64: b.head_f64.device_ptr(&st).0,
-            head_u32: b.head_u32.device_ptr(&st).0,
+            page_eta: pack + l.eta as u64,
+            group_v_max: pack + l.v_max as u64,
+            out: result + r.out as u64,
+            head_f64: result + r.f64s as u64,
+            head_u32: result + r.u32s as u64,
+            error_flags: self.flags.device_ptr(&st).0,
+            flags_out: result + r.flags as u64,
             guard: cfg.guard,
             head_dim: plan.phase1.head_dim as i32,
             rank_depth: cfg.rank_depth.min(i32::MAX as usize) as i32,
             groups: groups as i32,
         };
         let lc = LaunchConfig { grid_dim: (groups as u32, 1, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: as in `launch_select`; the output arrays hold CERT_F64 / CERT_U32 entries per
-        // query head of the plan.
+        // SAFETY: as in `launch_select`; the result buffer holds CERT_F64 / CERT_U32 entries
+        // and an output row per query head of the plan.
         unsafe { st.launch_builder(&k.func).arg(&p).launch(lc) }.map_err(drv(format!("launch {}", plan.bound)))?;
         Ok(())
     }
 
-    /// Phase 2 from the selector's table, then the certificate.
-    fn phase2_and_bound(&mut self, plan: &StepPlan, b: &mut StepBuffers, cfg: &CertConfig) -> Result<()> {
+    /// Phase 2 from the selector's table into the result buffer.
+    fn launch_phase2(&mut self, plan: &StepPlan, b: &CertScratch) -> Result<()> {
         let st = self.dev.stream.clone();
-        let io = DecodeIo { q: b.ws1.q.device_ptr(&st).0, out: b.ws2.out.device_ptr(&st).0, lse: b.ws2.lse.device_ptr(&st).0 };
-        self.launch_io(&plan.phase2, &b.ws2, io)?;
-        self.launch_bound(plan, b, cfg)
+        let r = ResultLayout::new(b.cap.rows, b.cap.head_dim);
+        let result = b.result.device_ptr(&st).0;
+        let io = DecodeIo { q: b.ws1.q.device_ptr(&st).0, out: result + r.out as u64, lse: result + r.lse as u64 };
+        self.launch_io(&plan.phase2, &b.ws2, io)
     }
 
     /// Runs the first round of a device step: phase 1, selector, phase 2, certificate.
     /// With `profile`, returns each stage's device time.
-    fn device_round(&mut self, plan: &StepPlan, b: &mut StepBuffers, cfg: &CertConfig, profile: bool) -> Result<Option<KernelTimes>> {
+    fn device_round(&mut self, plan: &StepPlan, b: &mut CertScratch, cfg: &CertConfig, profile: bool) -> Result<Option<KernelTimes>> {
         let st = self.dev.stream.clone();
         let events = if profile {
             let mut e = Vec::with_capacity(5);
@@ -285,10 +424,9 @@ impl KvCache {
         let io = DecodeIo { q: b.ws1.q.device_ptr(&st).0, out: b.ws1.out.device_ptr(&st).0, lse: b.ws1.lse.device_ptr(&st).0 };
         self.launch_io(&plan.phase1, &b.ws1, io)?;
         mark(1)?;
-        self.launch_select(plan, b, cfg)?;
+        self.launch_select(plan, b, cfg, false)?;
         mark(2)?;
-        let io = DecodeIo { q: b.ws1.q.device_ptr(&st).0, out: b.ws2.out.device_ptr(&st).0, lse: b.ws2.lse.device_ptr(&st).0 };
-        self.launch_io(&plan.phase2, &b.ws2, io)?;
+        self.launch_phase2(plan, b)?;
         mark(3)?;
         self.launch_bound(plan, b, cfg)?;
         mark(4)?;
@@ -298,47 +436,61 @@ impl KvCache {
         Ok(Some(KernelTimes { phase1_us: ms(0, 1)?, select_us: ms(1, 2)?, phase2_us: ms(2, 3)?, bound_us: ms(3, 4)? }))
     }
 
-    fn download_certs(&self, b: &StepBuffers) -> Result<DeviceCerts> {
-        let st = &self.dev.stream;
-        Ok(DeviceCerts { f64s: st.clone_dtoh(&b.head_f64).map_err(drv("certificates"))?, u32s: st.clone_dtoh(&b.head_u32).map_err(drv("certificates"))? })
+    /// The step's single download; a kernel fault is its typed error.
+    fn download_result(&mut self, plan: &StepPlan, b: &CertScratch) -> Result<StepResult> {
+        let p = &plan.phase1;
+        let (rows, d) = (p.batch * p.num_kv_heads * p.gqa, p.head_dim);
+        let r = ResultLayout::new(b.cap.rows, b.cap.head_dim);
+        let bytes = self.dev.stream.clone_dtoh(&b.result.slice(0..r.bytes)).map_err(drv("step download"))?;
+        let word = |at: usize, i: usize, w: usize| &bytes[at + i * w..at + (i + 1) * w];
+        let flags = u32::from_le_bytes(word(r.flags, 0, 4).try_into().expect("4 bytes"));
+        if flags != 0 {
+            self.check_flags(&plan.phase2.variant)?;
+        }
+        let dtype = self.spec.geometry.dtype;
+        Ok(StepResult {
+            f64s: (0..rows * CERT_F64).map(|i| f64::from_le_bytes(word(r.f64s, i, 8).try_into().expect("8 bytes"))).collect(),
+            u32s: (0..rows * CERT_U32).map(|i| u32::from_le_bytes(word(r.u32s, i, 4).try_into().expect("4 bytes"))).collect(),
+            lse: (0..rows).map(|i| f32::from_le_bytes(word(r.lse, i, 4).try_into().expect("4 bytes"))).collect(),
+            out: (0..rows * d).map(|i| from_bits(dtype, u16::from_le_bytes(word(r.out, i, 2).try_into().expect("2 bytes")))).collect(),
+        })
     }
 
     /// The phase outputs a host continuation needs, and the device's page states.
-    fn download_phases(&self, plan: &StepPlan, b: &StepBuffers) -> Result<(PhaseOut, PhaseOut, Vec<u8>)> {
+    fn download_phases(&self, plan: &StepPlan, b: &CertScratch, res: &StepResult) -> Result<(PhaseOut, PhaseOut, Vec<u8>)> {
         let st = &self.dev.stream;
-        let dtype = self.spec.geometry.dtype;
-        let get = |x: &Option<CudaSlice<f32>>, what: &str| -> Result<Vec<f32>> { st.clone_dtoh(x.as_ref().expect("allocated by step_buffers")).map_err(drv(what.to_string())) };
+        let n = plan.phase1.page_offsets.len();
+        let m = n * plan.phase1.gqa;
+        let get = |x: &Option<CudaSlice<f32>>, what: &str| -> Result<Vec<f32>> { st.clone_dtoh(&x.as_ref().expect("allocated by alloc_scratch").slice(0..m)).map_err(drv(what.to_string())) };
         let p1 = PhaseOut { out: Vec::new(), lse: Vec::new(), head_lse: get(&b.ws1.page_head_lse, "phase-1 page masses")?, delta: get(&b.ws1.page_delta, "phase-1 page bounds")?, indptr: plan.phase1.page_indptr.clone() };
-        let out = st.clone_dtoh(&b.ws2.out).map_err(drv("output download"))?;
-        let p2 = PhaseOut {
-            out: out.into_iter().map(|x| from_bits(dtype, x)).collect(),
-            lse: st.clone_dtoh(&b.ws2.lse).map_err(drv("lse download"))?,
-            head_lse: get(&b.ws2.page_head_lse, "phase-2 page masses")?,
-            delta: Vec::new(),
-            indptr: plan.phase1.page_indptr.clone(),
-        };
-        let state = st.clone_dtoh(&b.state).map_err(drv("page states"))?;
+        let p2 = PhaseOut { out: res.out.clone(), lse: res.lse.clone(), head_lse: get(&b.ws2.page_head_lse, "phase-2 page masses")?, delta: Vec::new(), indptr: plan.phase1.page_indptr.clone() };
+        let state = st.clone_dtoh(&b.state.slice(0..n)).map_err(drv("page states"))?;
         Ok((p1, p2, state))
     }
 
     /// A certified step on the device path (see the module doc).
     pub(super) fn device_step(&mut self, groups: &mut [Group], qh: &[u16], cfg: &CertConfig) -> Result<CertifiedOutput> {
-        let gqa = self.cfg.gqa;
         let plan = self.plan_device_step(groups, cfg.seed)?;
-        let page_bytes = self.originals.as_ref().expect("checked by decode_certified").page_bytes();
         let mut b = self.step_buffers(&plan, qh)?;
-        let kernel_us = self.device_round(&plan, &mut b, cfg, cfg.profile)?;
+        let out = self.device_ladder(&plan, &mut b, groups, qh, cfg);
+        self.cert_scratch = Some(b);
+        out
+    }
+
+    fn device_ladder(&mut self, plan: &StepPlan, b: &mut CertScratch, groups: &mut [Group], qh: &[u16], cfg: &CertConfig) -> Result<CertifiedOutput> {
+        let gqa = self.cfg.gqa;
+        let page_bytes = self.originals.as_ref().expect("checked by decode_certified").page_bytes();
+        let kernel_us = self.device_round(plan, b, cfg, cfg.profile)?;
         let (mut launches, mut paged) = (1usize, 0usize);
         // Groups the selector serves wholly from tier 2 (rungs 3 and 4), kept across rounds.
         let mut force = vec![0u8; groups.len()];
         loop {
-            let dc = self.download_certs(&b)?;
-            self.check_flags(&plan.phase2.variant)?;
+            let res = self.download_result(plan, b)?;
             let mut certs = Vec::with_capacity(groups.len() * gqa);
             let mut actions = Vec::with_capacity(groups.len());
             let mut found = Vec::with_capacity(groups.len());
             for (gi, g) in groups.iter_mut().enumerate() {
-                let heads: Vec<(HeadCertificate, usize)> = (0..gqa).map(|h| dc.head(gi * gqa + h)).collect();
+                let heads: Vec<(HeadCertificate, usize)> = (0..gqa).map(|h| res.head(gi * gqa + h)).collect();
                 let det: usize = heads.iter().map(|h| h.1).sum();
                 g.detections += det;
                 found.push(det);
@@ -352,7 +504,7 @@ impl KvCache {
             if actions.contains(&Action::Climb) {
                 // Rungs 1–2 order pages by achieved mass: the host path continues from this
                 // phase 2 (it re-checks it, so its detections are not counted twice).
-                let (p1, p2, state) = self.download_phases(&plan, &b)?;
+                let (p1, p2, state) = self.download_phases(plan, b, &res)?;
                 for (gi, g) in groups.iter_mut().enumerate() {
                     let r = plan.phase1.page_indptr[gi] as usize..plan.phase1.page_indptr[gi + 1] as usize;
                     g.state.copy_from_slice(&state[r]);
@@ -375,17 +527,13 @@ impl KvCache {
                 }
             }
             if force == before {
-                let st = &self.dev.stream;
-                let dtype = self.spec.geometry.dtype;
-                let out = st.clone_dtoh(&b.ws2.out).map_err(drv("output download"))?;
-                let lse = st.clone_dtoh(&b.ws2.lse).map_err(drv("lse download"))?;
-                let out = out.into_iter().map(|x| from_bits(dtype, x)).collect();
-                return Ok(CertifiedOutput { out, lse, heads: finish(groups, certs, gqa), launches, paged_in_bytes: paged, host_ladder: false, kernel_us });
+                return Ok(CertifiedOutput { out: res.out, lse: res.lse, heads: finish(groups, certs, gqa), launches, paged_in_bytes: paged, host_ladder: false, kernel_us });
             }
             // Rungs 3–4 on the device: the selector serves the forced groups wholly from tier 2.
-            b.force = Some(self.dev.stream.clone_htod(&force).map_err(drv("forced groups"))?);
-            self.launch_select(&plan, &mut b, cfg)?;
-            self.phase2_and_bound(&plan, &mut b, cfg)?;
+            self.dev.stream.memcpy_htod(&force, &mut b.force).map_err(drv("forced groups"))?;
+            self.launch_select(plan, b, cfg, true)?;
+            self.launch_phase2(plan, b)?;
+            self.launch_bound(plan, b, cfg)?;
             launches += 1;
         }
     }
@@ -414,10 +562,9 @@ impl KvCache {
         let (mut groups, qh) = self.cert_groups(seqs, q)?;
         let plan = self.plan_device_step(&groups, cfg.seed)?;
         let mut b = self.step_buffers(&plan, &qh)?;
-        self.device_round(&plan, &mut b, cfg, false)?;
-        let dc = self.download_certs(&b)?;
-        self.check_flags(&plan.phase2.variant)?;
-        let (p1, p2, state) = self.download_phases(&plan, &b)?;
+        let round = self.device_round(&plan, &mut b, cfg, false).and_then(|_| self.download_result(&plan, &b)).and_then(|res| Ok((self.download_phases(&plan, &b, &res)?, res)));
+        self.cert_scratch = Some(b);
+        let ((p1, p2, state), dc) = round?;
         let (mut device_state, mut host_state, mut device, mut host) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (gi, g) in groups.iter_mut().enumerate() {
             let r = plan.phase1.page_indptr[gi] as usize..plan.phase1.page_indptr[gi + 1] as usize;
@@ -498,6 +645,36 @@ mod tests {
         let groups = vec![group(&vec![q8; kvforge_gen::CERT_MAX_PAGES + 1], 0)];
         let p1 = phase1(&s, &groups, 1);
         assert!(matches!(plan_step(&s, p1, &groups, &|_| Ok(0), 0, 1), Err(RtError::BadInput(_))));
+    }
+
+    #[test]
+    fn upload_and_download_layouts_are_aligned_and_disjoint() {
+        for (pages, groups) in [(1, 1), (3, 2), (129, 8), (16384, 64)] {
+            let l = PackLayout::new(pages, groups);
+            let parts = [(l.orig, 8 * pages), (l.seeds, 8 * groups), (l.eta, 8 * pages), (l.v_max, 8 * groups)];
+            assert!(parts.iter().all(|&(at, _)| at % 8 == 0));
+            assert!(parts.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0));
+            assert_eq!(l.v_max + 8 * groups, l.bytes);
+        }
+        for (rows, d) in [(1, 64), (32, 128), (8 * 64 * 8, 256)] {
+            let r = ResultLayout::new(rows, d);
+            let parts = [(r.f64s, 8 * CERT_F64 * rows), (r.u32s, 4 * CERT_U32 * rows), (r.flags, 4), (r.lse, 4 * rows), (r.out, 2 * rows * d)];
+            assert!(parts.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0));
+            assert!(r.f64s % 8 == 0 && r.u32s % 4 == 0 && r.flags % 4 == 0 && r.lse % 4 == 0 && r.out % 2 == 0);
+            assert_eq!(r.out + 2 * rows * d, r.bytes);
+        }
+    }
+
+    #[test]
+    fn scratch_grows_and_is_reused_while_steps_fit() {
+        let c = Capacity { pages: 100, groups: 8, rows: 32, partial: 1, partial_lse: 32, head_dim: 128, gqa: 4 };
+        assert!(c.holds(&Capacity { pages: 50, ..c }));
+        assert!(!c.holds(&Capacity { pages: 101, ..c }));
+        assert!(!c.holds(&Capacity { partial: 4096, ..c }));
+        assert!(!c.holds(&Capacity { gqa: 8, ..c }));
+        let g = c.max(&Capacity { pages: 10, partial: 4096, ..c });
+        assert_eq!((g.pages, g.partial, g.rows), (100, 4096, 32));
+        assert_eq!(c.max(&Capacity { head_dim: 64, pages: 10, ..c }).pages, 10);
     }
 
     /// The host reads the certificate kernel's outputs by column: same numbering as certify.cuh.

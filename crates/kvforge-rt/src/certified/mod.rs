@@ -36,6 +36,7 @@ pub mod select;
 
 pub use bound::{certificate, total_variation, Certificate};
 pub use device::CrossCheck;
+pub(crate) use device::CertScratch;
 pub use originals::{Originals, PageErrors, PageIn};
 
 use kvforge_spec::TAIL_TIER;
