@@ -76,7 +76,8 @@ pub struct CertConfig {
     pub max_error: f64,
     /// Rung 2: promote pages whose value-error share ρ·η exceeds this.
     pub v_tol: f64,
-    /// Rung 4: fall back to exact for the whole layer when this fraction of kv heads is at rung 3.
+    /// Rung 4: fall back to exact for the whole layer when this fraction of kv heads is at rung 3
+    /// (above 1: never).
     pub layer_fallback: f64,
     pub page_in: PageIn,
     /// r of the ranking-consistency and boundary checks (seed 004: 1); 0 skips both.
@@ -118,8 +119,11 @@ impl CertConfig {
     pub fn validate(&self) -> Result<()> {
         let unit = |x: f64| (0.0..=1.0).contains(&x);
         let bad = |m: &str| Err(RtError::BadInput(format!("certified decode: {m}")));
-        if !unit(self.coverage) || !unit(self.explore) || !unit(self.layer_fallback) {
-            return bad("coverage, explore and layer_fallback must be in [0, 1]");
+        if !unit(self.coverage) || !unit(self.explore) {
+            return bad("coverage and explore must be in [0, 1]");
+        }
+        if !(self.layer_fallback >= 0.0) {
+            return bad("layer_fallback must be >= 0 (above 1: never)");
         }
         if self.min_pages > self.max_pages {
             return bad("min_pages must not exceed max_pages");
@@ -324,4 +328,30 @@ impl KvCache {
         Ok((0..len).map(norm).fold(0.0, f64::max))
     }
 
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_validation_and_path() {
+        let ok = CertConfig::default();
+        assert!(ok.validate().is_ok());
+        // A layer threshold above 1 disables rung 4 (the GPU tests use 1.1).
+        assert!(CertConfig { layer_fallback: 1.1, ..CertConfig::default() }.validate().is_ok());
+        for bad in [
+            CertConfig { coverage: 1.5, ..CertConfig::default() },
+            CertConfig { explore: -0.1, ..CertConfig::default() },
+            CertConfig { layer_fallback: f64::NAN, ..CertConfig::default() },
+            CertConfig { min_pages: 3, max_pages: 2, ..CertConfig::default() },
+            CertConfig { guard: -1.0, ..CertConfig::default() },
+            CertConfig { max_error: f64::NAN, ..CertConfig::default() },
+        ] {
+            assert!(matches!(bad.validate(), Err(RtError::BadInput(_))), "{bad:?}");
+        }
+        assert_eq!(ok.effective_path(), CertPath::Gpu);
+        assert_eq!(CertConfig { page_in: PageIn::Copy, ..CertConfig::default() }.effective_path(), CertPath::Host);
+        assert_eq!(CertConfig { path: CertPath::Host, ..CertConfig::default() }.effective_path(), CertPath::Host);
+    }
 }
