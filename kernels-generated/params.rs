@@ -101,3 +101,79 @@ pub struct MassWindowParams {
     ///pages per window row; the host grows the window before a decode has more
     pub capacity: i32,
 }
+///Certified decode, selector: one CTA per (sequence, kv head) group of a phase-1 plan.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CertSelectParams {
+    ///[page][gqa] phase-1 log2 Σ_tokens 2^logit of every query head
+    pub page_head_lse: u64,
+    ///[groups + 1] page ranges of every (sequence, kv head)
+    pub page_indptr: u64,
+    ///phase-1 page table: tier | tokens << 8
+    pub page_info: u64,
+    ///phase-1 page table: byte offsets in the arena
+    pub page_offsets: u64,
+    ///per page: its fp16 original (tier 2, pinned, read over UVA) as an offset from the arena base, wrapping; read for quantised pages only
+    pub orig_offsets: u64,
+    ///[groups] hashed exploration seed of every group
+    pub group_seeds: u64,
+    ///optional [groups]: nonzero serves every quantised page of the group from tier 2 (rungs 3 and 4)
+    pub force_exact: u64,
+    ///phase-2 page table written here: offsets
+    pub out_page_offsets: u64,
+    ///phase-2 page table written here: tier | tokens << 8
+    pub out_page_info: u64,
+    ///per page written here: 0 quantised, 1 promoted, 2 explored (tail-tier pages 0)
+    pub page_state: u64,
+    ///[page][gqa] scratch: the pages' fixed-point weights, computed once per step
+    pub weights: u64,
+    ///τ_cov: exact share of every query head's estimated mass
+    pub coverage: f64,
+    ///fraction of quantised pages explored (⌈explore · pages⌉, at most the unpromoted ones)
+    pub explore: f64,
+    ///K_min
+    pub min_pages: u32,
+    ///K_max
+    pub max_pages: u32,
+    ///batch × kv heads
+    pub groups: i32,
+}
+///Certified decode, certificate: one CTA per (sequence, kv head), one warp per query head.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CertBoundParams {
+    ///[page][gqa] phase-1 log2 masses
+    pub page_head_lse: u64,
+    ///[page][gqa] phase-1 key logit bound Δ (natural log)
+    pub page_delta: u64,
+    ///[page][gqa] phase-2 log2 masses
+    pub page_head_lse2: u64,
+    ///[groups + 1] page ranges
+    pub page_indptr: u64,
+    ///phase-1 page table: tier | tokens << 8
+    pub page_info: u64,
+    ///per page: 0 quantised, 1 promoted, 2 explored
+    pub page_state: u64,
+    ///per page: η = max_t ‖V_t − V̂_t‖₂ (quantised pages)
+    pub page_eta: u64,
+    ///[groups] V_max = max_t ‖V_t‖₂
+    pub group_v_max: u64,
+    ///[rows][head_dim] phase-2 output, spec dtype
+    pub out: u64,
+    ///[rows][CERT_F64] written here: Δ, α̂, V_max, E_key, E_val, E_round, bound, ‖Ô‖₂
+    pub head_f64: u64,
+    ///[rows][CERT_U32] written here: score-check failures, boundary pages, ranking flag, promoted, explored
+    pub head_u32: u64,
+    ///the decode kernels' ERR_* bits of this step
+    pub error_flags: u64,
+    ///optional: a copy of *error_flags written here, so one download returns the step
+    pub flags_out: u64,
+    ///ε_guard of the score check (natural log)
+    pub guard: f64,
+    ///head dim of `out`
+    pub head_dim: i32,
+    ///r of the ranking-consistency and boundary checks; 0 skips them
+    pub rank_depth: i32,
+    ///batch × kv heads
+    pub groups: i32,
+}

@@ -75,7 +75,7 @@ pub fn tokens(spec: &Spec, mode: SourceMode) -> Result<TokenStream, crate::Rende
         let tiers: Vec<u8> = match &v.family {
             Family::Decode { tiers, .. } => tiers.clone(),
             Family::Transcode { src, dst, .. } => vec![*src, *dst],
-            Family::Combine | Family::MassWindow => vec![],
+            Family::Combine | Family::MassWindow | Family::CertSelect { .. } | Family::CertBound { .. } => vec![],
         };
         let (threads, smem) = (shape.threads, shape.smem_bytes);
         let source = match mode {

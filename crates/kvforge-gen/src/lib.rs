@@ -21,7 +21,7 @@ pub mod render;
 
 use std::path::{Path, PathBuf};
 
-pub use render::{launch_shape, render, LaunchShape, RenderError, HEADERS};
+pub use render::{launch_shape, render, LaunchShape, RenderError, CERT_MAX_PAGES, CERT_SELECT_THREADS, HEADERS};
 
 /// A file the generator owns, relative to `kernels-generated/`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -49,7 +49,7 @@ pub fn render_common() -> Vec<GeneratedFile> {
 /// Every file of one spec: kernels and bindings.
 pub fn render_spec(spec: &kvforge_spec::Spec) -> Result<Vec<GeneratedFile>, RenderError> {
     let mut out = Vec::new();
-    for v in spec.variants() {
+    for v in spec.variants().into_iter().chain(spec.certify_variants()) {
         out.push(GeneratedFile { path: v.file(), contents: render(spec, &v)? });
     }
     out.push(GeneratedFile { path: format!("{}/bindings.rs", spec.name), contents: bindings::render_file(spec)? });

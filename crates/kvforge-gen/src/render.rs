@@ -16,6 +16,7 @@ pub const TEMPLATES: &[(&str, &str)] = &[
     ("transcode.cu.tera", include_str!("../../../templates/transcode.cu.tera")),
     ("combine.cu.tera", include_str!("../../../templates/combine.cu.tera")),
     ("mass_window.cu.tera", include_str!("../../../templates/mass_window.cu.tera")),
+    ("certify.cu.tera", include_str!("../../../templates/certify.cu.tera")),
 ];
 
 /// Hand-written device headers (path under the include dir, contents).
@@ -26,6 +27,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("kvforge/transcode.cuh", include_str!("../../../templates/include/kvforge/transcode.cuh")),
     ("kvforge/combine.cuh", include_str!("../../../templates/include/kvforge/combine.cuh")),
     ("kvforge/mass_window.cuh", include_str!("../../../templates/include/kvforge/mass_window.cuh")),
+    ("kvforge/certify.cuh", include_str!("../../../templates/include/kvforge/certify.cuh")),
 ];
 
 fn tera() -> &'static tera::Tera {
@@ -90,8 +92,20 @@ pub fn launch_shape(spec: &Spec, v: &VariantId) -> LaunchShape {
         // One CTA per (sequence, kv head): 256 threads hold up to 1024 pages in registers
         // (64K tokens at 64-token pages) and loop beyond.
         Family::MassWindow => LaunchShape { threads: 256, smem_bytes: 0 },
+        // The selector sorts a group's pages in dynamic shared memory: 8 B per page, up to
+        // CERT_MAX_PAGES (the launch passes what the batch needs; this is the opt-in).
+        Family::CertSelect { .. } => LaunchShape { threads: CERT_SELECT_THREADS, smem_bytes: CERT_MAX_PAGES * 8 },
+        Family::CertBound { .. } => LaunchShape { threads: CERT_BOUND_THREADS, smem_bytes: 0 },
     }
 }
+
+/// Threads of the certified-decode selector (one CTA per (sequence, kv head)).
+pub const CERT_SELECT_THREADS: usize = 256;
+/// Threads of the certified-decode certificate (one CTA per (sequence, kv head)).
+pub const CERT_BOUND_THREADS: usize = 256;
+/// Most pages one (sequence, kv head) may have on the GPU selector: its sort buffer of 8 B per
+/// page must fit in shared memory (128 KiB; 1M tokens at 64-token pages).
+pub const CERT_MAX_PAGES: usize = 16384;
 
 /// Renders the CUDA source of `v`.
 pub fn render(spec: &Spec, v: &VariantId) -> Result<String, RenderError> {
@@ -143,6 +157,20 @@ pub fn render(spec: &Spec, v: &VariantId) -> Result<String, RenderError> {
         }
         Family::Combine => "combine.cu.tera",
         Family::MassWindow => "mass_window.cu.tera",
+        Family::CertSelect { gqa } => {
+            ctx.insert("gqa", gqa);
+            ctx.insert("what", "selector: the pages phase 2 reads from their fp16 originals, and its page table");
+            ctx.insert("params", "CertSelectParams");
+            ctx.insert("entry", &format!("cert_select<{gqa}, {}>", shape.threads));
+            "certify.cu.tera"
+        }
+        Family::CertBound { gqa } => {
+            ctx.insert("gqa", gqa);
+            ctx.insert("what", "certificate and checks of every query head");
+            ctx.insert("params", "CertBoundParams");
+            ctx.insert("entry", &format!("cert_bound<{gqa}, {}, {}>", spec.geometry.dtype.cuda(), shape.threads));
+            "certify.cu.tera"
+        }
     };
     tera().render(template, &ctx).map_err(|e| {
         let mut message = e.to_string();

@@ -3,9 +3,9 @@
 //! Each step returns the output and, per query head, a certificate: a bound on
 //! ‖O − O_exact‖₂ (or an exact output after the fallback ladder), with the telemetry the
 //! runtime keeps (Δ, achieved tail mass, E_key, E_val, promoted pages, rung, detections).
-//! The runtime path takes host queries and returns host outputs (its selector and ladder
-//! run on the host between launches), so queries and outputs cross the bus here; that is a
-//! few KB per step.
+//! The runtime takes host queries and returns host outputs (its selector and certificate run
+//! on the GPU between the two decodes; only rungs 1–2 of the ladder run on the host), so
+//! queries and outputs cross the bus here; that is a few KB per step.
 
 use kvforge_rt::certified::{CertConfig, HeadCertificate, PageIn};
 use pyo3::prelude::*;
@@ -56,7 +56,7 @@ impl Certifier {
         if min_pages > max_pages {
             return Err(bad(py, format!("Certifier: min_pages {min_pages} > max_pages {max_pages}")));
         }
-        let cfg = CertConfig { coverage, min_pages, max_pages, explore, guard, max_error, v_tol, layer_fallback, page_in, seed };
+        let cfg = CertConfig { coverage, min_pages, max_pages, explore, guard, max_error, v_tol, layer_fallback, page_in, seed, ..CertConfig::default() };
         Ok(Certifier { cfg, launches: 0, paged_in_bytes: 0 })
     }
 
@@ -145,6 +145,16 @@ impl HeadCert {
     fn detections(&self) -> usize {
         self.0.detections
     }
+    /// The exact and quantised top-r page rankings disagreed (seed 004 eq. 17).
+    #[getter]
+    fn ranking(&self) -> bool {
+        self.0.ranking
+    }
+    /// Quantised tail pages whose bounded exact mass could enter the top r (eq. 18).
+    #[getter]
+    fn boundary(&self) -> usize {
+        self.0.boundary
+    }
 
     /// The certificate as a plain dict.
     fn as_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -157,6 +167,8 @@ impl HeadCert {
         d.set_item("explored", c.explored)?;
         d.set_item("rung", c.rung)?;
         d.set_item("detections", c.detections)?;
+        d.set_item("ranking", c.ranking)?;
+        d.set_item("boundary", c.boundary)?;
         Ok(d)
     }
 

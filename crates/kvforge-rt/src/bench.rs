@@ -134,8 +134,9 @@ pub fn bench_tier(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, gqa: u
     Ok(rows)
 }
 
-/// One certified-decode case: step times (host API wall time, so both include upload, plan
-/// and download) of plain quantised and certified decode, with the ladder's telemetry.
+/// One certified-decode case: step times (host API wall time, so all include upload, plan
+/// and download) of plain quantised decode and of certified decode on the device path and the
+/// host path, with the ladder's telemetry (of the device path) and its device-time breakdown.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct CertifiedRow {
     pub context: usize,
@@ -143,10 +144,24 @@ pub struct CertifiedRow {
     /// "concentrated" (a few heavy keys per head, as in real attention) or "flat" (random).
     pub attention: String,
     pub plain_us: f64,
+    /// Device path (selector and certificate on the GPU).
     pub certified_us: f64,
+    /// certified_us / plain_us − 1.
     pub overhead: f64,
+    /// Host path (selector and certificate on the host between launches).
+    pub host_path_us: f64,
+    pub host_path_overhead: f64,
+    /// Median device time of the device path's stages (CUDA events, first round of a step).
+    pub kernel_us: crate::certified::KernelTimes,
+    /// Certificate kernel (E_key, E_val, E_round, score/ranking/boundary checks) over the
+    /// device time of the whole first round.
+    pub check_share: f64,
     /// Head-steps per final rung 0..=4.
     pub rungs: [usize; 5],
+    /// Head-steps whose ranking or boundary check failed.
+    pub rank_triggers: usize,
+    /// Steps that continued on the host path (rungs 1–2).
+    pub host_ladder_steps: usize,
     pub promoted_fraction: f64,
     pub mean_bound: f64,
     pub max_bound: f64,
@@ -155,9 +170,12 @@ pub struct CertifiedRow {
 }
 
 /// Certified decode (seed 004) on `spec`'s quantised tier `tier` (the cache keeps fp16
-/// originals): `steps` decode steps per case with fresh queries, timed against plain decode.
+/// originals): `steps` decode steps per case with fresh queries, timed against plain decode,
+/// device path and host path alternating on the same cache. `rank_escalate` as in
+/// [`crate::certified::CertConfig`].
 #[allow(clippy::too_many_arguments)]
-pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, gqa: usize, hkv: usize, contexts: &[usize], batches: &[usize], steps: usize, mut progress: impl FnMut(&CertifiedRow)) -> Result<Vec<CertifiedRow>> {
+pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, gqa: usize, hkv: usize, contexts: &[usize], batches: &[usize], steps: usize, rank_escalate: bool, mut progress: impl FnMut(&CertifiedRow)) -> Result<Vec<CertifiedRow>> {
+    use crate::certified::{CertConfig, CertPath, KernelTimes};
     use rand::{Rng, SeedableRng};
     let mut rows = Vec::new();
     for &ctx in contexts {
@@ -193,11 +211,13 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                     plain.append(p, &k, &v)?;
                     plain_seqs.push(p);
                 }
-                let mut cc = crate::certified::CertConfig::default();
-                let (mut tp, mut tc) = (Vec::new(), Vec::new());
+                let mut cg = CertConfig { rank_escalate, profile: true, ..CertConfig::default() };
+                let mut ch = CertConfig { rank_escalate, path: CertPath::Host, ..CertConfig::default() };
+                let (mut tp, mut tc, mut th) = (Vec::new(), Vec::new(), Vec::new());
+                let mut stages: [Vec<f64>; 4] = Default::default();
                 let mut rungs = [0usize; 5];
                 let (mut promoted, mut pages, mut bsum, mut bmax, mut det, mut paged) = (0usize, 0usize, 0f64, 0f64, 0usize, 0usize);
-                let mut heads = 0usize;
+                let (mut heads, mut rank_triggers, mut host_ladder_steps) = (0usize, 0usize, 0usize);
                 for step in 0..steps + 2 {
                     let q: Vec<f32> = (0..batch)
                         .flat_map(|_| (0..hkv * gqa * d).map(|i| if concentrated { dir[(i / (gqa * d)) * d + i % d] * 1.5 } else { 0.0 } + rng.gen_range(-1.0f32..1.0)).collect::<Vec<_>>())
@@ -205,16 +225,25 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                     let t0 = std::time::Instant::now();
                     plain.decode(&plain_seqs, &q)?;
                     let t1 = std::time::Instant::now();
-                    let r = cache.decode_certified(&seqs, &q, &mut cc)?;
+                    let r = cache.decode_certified(&seqs, &q, &mut cg)?;
                     let t2 = std::time::Instant::now();
+                    cache.decode_certified(&seqs, &q, &mut ch)?;
+                    let t3 = std::time::Instant::now();
                     if step < 2 {
                         continue;
                     }
                     tp.push((t1 - t0).as_secs_f64() * 1e6);
                     tc.push((t2 - t1).as_secs_f64() * 1e6);
+                    th.push((t3 - t2).as_secs_f64() * 1e6);
+                    let k = r.kernel_us.unwrap_or_default();
+                    for (v, x) in stages.iter_mut().zip([k.phase1_us, k.select_us, k.phase2_us, k.bound_us]) {
+                        v.push(x);
+                    }
                     paged += r.paged_in_bytes;
+                    host_ladder_steps += usize::from(r.host_ladder);
                     for (i, h) in r.heads.iter().enumerate() {
                         rungs[h.rung as usize] += 1;
+                        rank_triggers += usize::from(h.ranking || h.boundary > 0);
                         bsum += h.bound;
                         bmax = bmax.max(h.bound);
                         heads += 1;
@@ -225,9 +254,12 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                         }
                     }
                 }
-                tp.sort_by(f64::total_cmp);
-                tc.sort_by(f64::total_cmp);
-                let (p, c) = (percentile(&tp, 0.5), percentile(&tc, 0.5));
+                for v in [&mut tp, &mut tc, &mut th].into_iter().chain(stages.iter_mut()) {
+                    v.sort_by(f64::total_cmp);
+                }
+                let (p, c, h) = (percentile(&tp, 0.5), percentile(&tc, 0.5), percentile(&th, 0.5));
+                let kernel_us = KernelTimes { phase1_us: percentile(&stages[0], 0.5), select_us: percentile(&stages[1], 0.5), phase2_us: percentile(&stages[2], 0.5), bound_us: percentile(&stages[3], 0.5) };
+                let round = kernel_us.phase1_us + kernel_us.select_us + kernel_us.phase2_us + kernel_us.bound_us;
                 let row = CertifiedRow {
                     context: ctx,
                     batch,
@@ -235,7 +267,13 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                     plain_us: p,
                     certified_us: c,
                     overhead: c / p - 1.0,
+                    host_path_us: h,
+                    host_path_overhead: h / p - 1.0,
+                    kernel_us,
+                    check_share: kernel_us.bound_us / round,
                     rungs,
+                    rank_triggers,
+                    host_ladder_steps,
                     promoted_fraction: promoted as f64 / pages.max(1) as f64,
                     mean_bound: bsum / heads.max(1) as f64,
                     max_bound: bmax,

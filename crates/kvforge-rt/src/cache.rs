@@ -114,6 +114,8 @@ pub struct KvCache {
     pub(crate) originals: Option<crate::certified::Originals>,
     /// RDR's importance window, once a tracked decode ran ([`KvCache::decode_tracked`]).
     pub(crate) mass_window: Option<crate::mass_window::MassWindow>,
+    /// Device buffers of certified steps on the device path, reused while steps fit.
+    pub(crate) cert_scratch: Option<crate::certified::CertScratch>,
 }
 
 fn dense_bytes(dtype: DType, x: f32) -> [u8; 2] {
@@ -170,7 +172,7 @@ impl KvCache {
         }
         let flags = dev.stream.alloc_zeros::<u32>(1).map_err(drv("error flags"))?;
         let channel_orders = vec![None; spec.tiers.len()];
-        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, channel_orders, kernels: KernelCache::default(), flags, originals: None, mass_window: None })
+        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, channel_orders, kernels: KernelCache::default(), flags, originals: None, mass_window: None, cert_scratch: None })
     }
 
     pub fn spec(&self) -> &Spec {

@@ -11,3 +11,7 @@ unsafe impl cudarc::driver::DeviceRepr for TranscodeParams {}
 unsafe impl cudarc::driver::DeviceRepr for CombineParams {}
 // SAFETY: as above.
 unsafe impl cudarc::driver::DeviceRepr for MassWindowParams {}
+// SAFETY: as above.
+unsafe impl cudarc::driver::DeviceRepr for CertSelectParams {}
+// SAFETY: as above.
+unsafe impl cudarc::driver::DeviceRepr for CertBoundParams {}

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use half::f16;
-use kvforge_rt::certified::{CertConfig, PageIn};
+use kvforge_rt::certified::{CertConfig, CertPath, HeadCertificate, PageIn};
 use kvforge_rt::{CacheConfig, Device, KvCache, RtError};
 use kvforge_spec::{Spec, HEADER_BYTES, TAIL_TIER};
 use rand::{Rng, SeedableRng};
@@ -413,4 +413,157 @@ fn certified_step_time() {
     if let Ok(path) = std::env::var("KVFORGE_CERT_TIME_JSON") {
         std::fs::write(path, serde_json::to_string_pretty(&serde_json::json!({"device": dev.info.name, "batch": 1, "q_heads": 32, "kv_heads": 8, "head_dim": 128, "timing": "host API wall time per step (upload, plan, launches, download), median of 10", "rows": rows})).unwrap()).unwrap();
     }
+}
+
+/// A cache of `lens` sequences of `kind` keys (8 kv heads, d 128) keeping its originals, and
+/// one query per sequence.
+fn cache_of(dev: &Arc<Device>, s: &Spec, rng: &mut ChaCha8Rng, kind: Kind, gqa: usize, lens: &[usize]) -> (KvCache, Vec<usize>, Vec<Trial>, Vec<f32>) {
+    let (hkv, d) = (8usize, 128usize);
+    let q8 = s.tier("q8k4v").unwrap().id;
+    let total: usize = lens.iter().map(|l| l + 64).sum();
+    let mut c = KvCache::new(dev.clone(), s.clone(), CacheConfig::new(s, d, gqa, hkv, lens.len(), total).target(q8)).unwrap();
+    c.keep_originals().unwrap();
+    let (mut seqs, mut trials) = (Vec::new(), Vec::new());
+    for &len in lens {
+        let t = make_kv(rng, kind, len, hkv, d);
+        let a = c.add_sequence();
+        c.append(a, &t.k, &t.v).unwrap();
+        seqs.push(a);
+        trials.push(t);
+    }
+    let q: Vec<f32> = (0..lens.len()).flat_map(|_| make_q(rng, kind, hkv * gqa, d)).collect();
+    (c, seqs, trials, q)
+}
+
+/// Device and host certificate of one head: Δ, the counts and the checks exactly equal; the
+/// f64 sums (α̂, E_key, E_val, E_round, bound) within 1e-9 relative + 1e-12·V_max absolute
+/// (the device sums pages in another order and fuses multiply-adds; E_key's 1/L − 1 cancels
+/// for tiny α̂Δ, hence the absolute part). Returns the largest relative difference.
+fn assert_same_certificate(dev: &HeadCertificate, host: &HeadCertificate, what: &str) -> f64 {
+    assert_eq!((dev.delta, dev.v_max), (host.delta, host.v_max), "{what}: {dev:?} vs {host:?}");
+    assert_eq!((dev.promoted, dev.explored, dev.detections, dev.ranking, dev.boundary), (host.promoted, host.explored, host.detections, host.ranking, host.boundary), "{what}: {dev:?} vs {host:?}");
+    let mut worst = 0f64;
+    for (name, a, b) in [("alpha", dev.alpha_tail, host.alpha_tail), ("e_key", dev.e_key, host.e_key), ("e_val", dev.e_val, host.e_val), ("e_round", dev.e_round, host.e_round), ("bound", dev.bound, host.bound)] {
+        if a == b || (a.is_infinite() && a == b) {
+            continue;
+        }
+        let diff = (a - b).abs();
+        assert!(diff <= 1e-9 * b.abs() + 1e-12 * host.v_max, "{what}: {name} device {a:e} host {b:e} ({dev:?} vs {host:?})");
+        worst = worst.max(diff / b.abs().max(f64::MIN_POSITIVE));
+    }
+    worst
+}
+
+/// The device selector picks exactly the host reference's pages and the device certificate
+/// equals the f64 host reference (tolerance in `assert_same_certificate`), on needle, flat,
+/// random, near-tie and outlier caches, lengths not multiple of the page (64) or block (16),
+/// exact multiples and one-token caches, gqa 1/4/8, several seeds, exploration fractions and
+/// clamps.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_selector_and_certificate_match_the_host_reference() {
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let s = spec();
+    let mut rng = ChaCha8Rng::seed_from_u64(404);
+    let (mut groups, mut pages, mut heads, mut worst, mut explored, mut ranking, mut boundary) = (0usize, 0usize, 0usize, 0f64, 0usize, 0usize, 0usize);
+    for (round, kind) in [Kind::Needle, Kind::Flat, Kind::Random, Kind::NearTies, Kind::Outliers, Kind::Peaked].into_iter().enumerate() {
+        for gqa in [1usize, 4, 8] {
+            let lens = [1, 1000, 1024, rng.gen_range(2..64), rng.gen_range(64..3000), 8192 + 37];
+            let (mut c, seqs, _, q) = cache_of(&dev, &s, &mut rng, kind, gqa, &lens);
+            for (i, cfg) in [
+                CertConfig::default(),
+                CertConfig { explore: 0.3, seed: 77, ..CertConfig::default() },
+                CertConfig { coverage: 0.9, min_pages: 3, max_pages: 5, rank_depth: 3, seed: 78 + round as u64, ..CertConfig::default() },
+                CertConfig { coverage: 1.0, explore: 0.0, ..CertConfig::default() },
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let x = c.certified_crosscheck(&seqs, &q, &cfg).unwrap();
+                for (gi, (d, h)) in x.device_state.iter().zip(&x.host_state).enumerate() {
+                    assert_eq!(d, h, "{kind:?} gqa {gqa} config {i}: group {gi} (sequence {}, {} pages)", gi / 8, d.len());
+                    pages += d.len();
+                    explored += d.iter().filter(|&&s| s == 2).count();
+                }
+                groups += x.device_state.len();
+                for (row, (d, h)) in x.device.iter().zip(&x.host).enumerate() {
+                    worst = worst.max(assert_same_certificate(d, h, &format!("{kind:?} gqa {gqa} config {i} row {row}")));
+                    heads += 1;
+                    ranking += usize::from(d.ranking);
+                    boundary += usize::from(d.boundary > 0);
+                }
+            }
+        }
+    }
+    println!("{groups} groups, {pages} pages: device selection = host selection ({explored} explored); {heads} head certificates, largest relative difference {worst:.2e}; ranking triggers {ranking}, boundary triggers {boundary}");
+}
+
+/// Device path and host path give the same step: same output bits (same phase-2 page tables
+/// through the same kernel), same rungs, page counts and checks, certificates within the
+/// tolerance above; targets from loose to unreachable exercise rungs 1–4 (rungs 1–2 continue
+/// on the host from the device's state, rungs 3–4 stay on the device).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn device_path_equals_host_path() {
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let s = spec();
+    let mut rng = ChaCha8Rng::seed_from_u64(405);
+    let mut rungs = [0usize; 5];
+    let mut host_ladder = 0usize;
+    for (round, kind) in KINDS.into_iter().enumerate() {
+        for max_error in [0.05, 0.002, 0.0002, 0.0] {
+            let gqa = [1usize, 4, 8][round % 3];
+            let lens = [1, rng.gen_range(2..64), rng.gen_range(64..2500), 2048];
+            let (mut c, seqs, _, q) = cache_of(&dev, &s, &mut rng, kind, gqa, &lens);
+            let layer_fallback = if max_error == 0.0 { 1.1 } else { 0.5 };
+            let mut g = CertConfig { max_error, layer_fallback, seed: round as u64, ..CertConfig::default() };
+            let mut h = CertConfig { path: CertPath::Host, ..g.clone() };
+            for step in 0..2 {
+                let a = c.decode_certified(&seqs, &q, &mut g).unwrap();
+                let b = c.decode_certified(&seqs, &q, &mut h).unwrap();
+                let what = format!("{kind:?} gqa {gqa} max_error {max_error} step {step}");
+                assert!(!b.host_ladder || b.kernel_us.is_none());
+                assert_eq!(a.out, b.out, "{what}: outputs differ");
+                assert_eq!(a.lse, b.lse, "{what}");
+                assert_eq!((a.launches, a.paged_in_bytes), (b.launches, b.paged_in_bytes), "{what}");
+                for (row, (x, y)) in a.heads.iter().zip(&b.heads).enumerate() {
+                    assert_eq!(x.rung, y.rung, "{what} row {row}: {x:?} vs {y:?}");
+                    assert_same_certificate(x, y, &format!("{what} row {row}"));
+                    rungs[x.rung as usize] += 1;
+                }
+                host_ladder += usize::from(a.host_ladder);
+            }
+        }
+    }
+    println!("device path = host path; rungs {rungs:?}; {host_ladder} device-path steps continued on the host");
+    assert!(rungs[1] + rungs[2] > 0 && rungs[3] > 0, "{rungs:?}");
+}
+
+/// A small step through every certify kernel path (selection, exploration, forced rungs 3–4):
+/// the case compute-sanitizer runs (`--kernel-name regex:cert`).
+#[test]
+#[ignore = "needs a CUDA device"]
+fn certify_kernels_small_batch() {
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let s = spec();
+    let mut rng = ChaCha8Rng::seed_from_u64(406);
+    let (mut c, seqs, trials, q) = cache_of(&dev, &s, &mut rng, Kind::Needle, 4, &[1, 100, 700, 1024]);
+    let cfg = CertConfig { explore: 0.5, rank_depth: 2, ..CertConfig::default() };
+    let x = c.certified_crosscheck(&seqs, &q, &cfg).unwrap();
+    assert_eq!(x.device_state, x.host_state);
+    for (d, h) in x.device.iter().zip(&x.host) {
+        assert_same_certificate(d, h, "small");
+    }
+    // A flipped key bit in the needle's page (promoted: every head attends to it) is a
+    // detection: rung 3 on the device, and with a zero layer threshold rung 4 for all.
+    let t = &trials[3];
+    let needle = (0..t.len).max_by(|&i, &j| t.k[i * 8 * 128].total_cmp(&t.k[j * 8 * 128])).unwrap();
+    let (page, _) = c.pages(seqs[3], 0).unwrap()[needle / 64];
+    let q8 = s.tier("q8k4v").unwrap().id;
+    let at = HEADER_BYTES + s.segment(q8, 128).offset("k_codes") + (needle % 64) * 128 + 5;
+    let b = c.download_page(page).unwrap();
+    c.write_page_bytes(page, at, &[b[at] ^ 0x80]).unwrap();
+    let r = c.decode_certified(&seqs, &q, &mut CertConfig { max_error: 1e9, layer_fallback: 0.0, ..CertConfig::default() }).unwrap();
+    assert!(r.heads.iter().any(|h| h.detections > 0) && !r.host_ladder);
+    assert!(r.heads.iter().all(|h| h.rung == 4), "{:?}", r.heads.iter().map(|h| h.rung).collect::<Vec<_>>());
 }

@@ -154,6 +154,13 @@ impl Spec {
         out.push(VariantId::mass_window(self));
         out
     }
+
+    /// The certified-decode kernels (selector and certificate) of every gqa: not decode
+    /// variants of the spec's tiers, so [`Spec::variants`] leaves them out; rendered, checked
+    /// in and precompiled with it.
+    pub fn certify_variants(&self) -> Vec<VariantId> {
+        self.geometry.gqa.iter().flat_map(|&g| [VariantId::cert_select(self, g), VariantId::cert_bound(self, g)]).collect()
+    }
 }
 
 struct Validator<'a> {

@@ -49,6 +49,12 @@ pub enum Family {
     /// Fold a decode's per-page masses into RDR's importance window on the device (the same
     /// kernel for every head dim, GQA and dtype of a spec: it reads only `page_lse`).
     MassWindow,
+    /// Certified decode (seed 004): per (sequence, kv head), choose the pages phase 2 reads
+    /// from their fp16 originals and write phase 2's page table on the device.
+    CertSelect { gqa: usize },
+    /// Certified decode: per query head, the certificate and the score, ranking and boundary
+    /// checks from phase 2's outputs.
+    CertBound { gqa: usize },
 }
 
 /// A kernel variant.
@@ -79,6 +85,15 @@ impl VariantId {
     pub fn mass_window(spec: &Spec) -> VariantId {
         VariantId::new(spec, Family::MassWindow, 0)
     }
+    /// The certified-decode selector. Its kernels read per-page masses and page tables only,
+    /// so neither head_dim nor page size is part of the id (head_dim is 0).
+    pub fn cert_select(spec: &Spec, gqa: usize) -> VariantId {
+        VariantId::new(spec, Family::CertSelect { gqa }, 0)
+    }
+    /// The certified-decode certificate (head_dim is a launch argument; 0 in the id).
+    pub fn cert_bound(spec: &Spec, gqa: usize) -> VariantId {
+        VariantId::new(spec, Family::CertBound { gqa }, 0)
+    }
     fn new(spec: &Spec, family: Family, d: usize) -> VariantId {
         VariantId { spec: spec.name.clone(), family, head_dim: d, page_tokens: spec.page.tokens, dtype: spec.geometry.dtype.name() }
     }
@@ -99,6 +114,8 @@ impl VariantId {
             }
             Family::Combine => format!("combine_d{}{dt}", self.head_dim),
             Family::MassWindow => "mass_window".to_string(),
+            Family::CertSelect { gqa } => format!("certselect_g{gqa}{dt}"),
+            Family::CertBound { gqa } => format!("certbound_g{gqa}{dt}"),
         }
     }
 
@@ -130,12 +147,14 @@ impl VariantId {
             Family::Transcode { .. } => "transcode",
             Family::Combine => "combine",
             Family::MassWindow => "mass_window",
+            Family::CertSelect { .. } => "certselect",
+            Family::CertBound { .. } => "certbound",
         }
     }
 
     pub fn gqa(&self) -> Option<usize> {
         match self.family {
-            Family::Decode { gqa, .. } => Some(gqa),
+            Family::Decode { gqa, .. } | Family::CertSelect { gqa } | Family::CertBound { gqa } => Some(gqa),
             _ => None,
         }
     }

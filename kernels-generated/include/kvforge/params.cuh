@@ -62,4 +62,45 @@ struct MassWindowParams {
   int capacity;  // pages per window row; the host grows the window before a decode has more
 };
 
+// Certified decode, selector: one CTA per (sequence, kv head) group of a phase-1 plan.
+struct CertSelectParams {
+  const float* page_head_lse;  // [page][gqa] phase-1 log2 Σ_tokens 2^logit of every query head
+  const u32* page_indptr;  // [groups + 1] page ranges of every (sequence, kv head)
+  const u32* page_info;  // phase-1 page table: tier | tokens << 8
+  const u64* page_offsets;  // phase-1 page table: byte offsets in the arena
+  const u64* orig_offsets;  // per page: its fp16 original (tier 2, pinned, read over UVA) as an offset from the arena base, wrapping; read for quantised pages only
+  const u64* group_seeds;  // [groups] hashed exploration seed of every group
+  const u8* force_exact;  // optional [groups]: nonzero serves every quantised page of the group from tier 2 (rungs 3 and 4)
+  u64* out_page_offsets;  // phase-2 page table written here: offsets
+  u32* out_page_info;  // phase-2 page table written here: tier | tokens << 8
+  u8* page_state;  // per page written here: 0 quantised, 1 promoted, 2 explored (tail-tier pages 0)
+  u64* weights;  // [page][gqa] scratch: the pages' fixed-point weights, computed once per step
+  double coverage;  // τ_cov: exact share of every query head's estimated mass
+  double explore;  // fraction of quantised pages explored (⌈explore · pages⌉, at most the unpromoted ones)
+  u32 min_pages;  // K_min
+  u32 max_pages;  // K_max
+  int groups;  // batch × kv heads
+};
+
+// Certified decode, certificate: one CTA per (sequence, kv head), one warp per query head.
+struct CertBoundParams {
+  const float* page_head_lse;  // [page][gqa] phase-1 log2 masses
+  const float* page_delta;  // [page][gqa] phase-1 key logit bound Δ (natural log)
+  const float* page_head_lse2;  // [page][gqa] phase-2 log2 masses
+  const u32* page_indptr;  // [groups + 1] page ranges
+  const u32* page_info;  // phase-1 page table: tier | tokens << 8
+  const u8* page_state;  // per page: 0 quantised, 1 promoted, 2 explored
+  const double* page_eta;  // per page: η = max_t ‖V_t − V̂_t‖₂ (quantised pages)
+  const double* group_v_max;  // [groups] V_max = max_t ‖V_t‖₂
+  const void* out;  // [rows][head_dim] phase-2 output, spec dtype
+  double* head_f64;  // [rows][CERT_F64] written here: Δ, α̂, V_max, E_key, E_val, E_round, bound, ‖Ô‖₂
+  u32* head_u32;  // [rows][CERT_U32] written here: score-check failures, boundary pages, ranking flag, promoted, explored
+  const u32* error_flags;  // the decode kernels' ERR_* bits of this step
+  u32* flags_out;  // optional: a copy of *error_flags written here, so one download returns the step
+  double guard;  // ε_guard of the score check (natural log)
+  int head_dim;  // head dim of `out`
+  int rank_depth;  // r of the ranking-consistency and boundary checks; 0 skips them
+  int groups;  // batch × kv heads
+};
+
 }  // namespace kvforge

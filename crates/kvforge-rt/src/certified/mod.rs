@@ -3,35 +3,61 @@
 //!
 //! One step: **phase 1** decodes the quantised pages and records, per page and query head,
 //! the log-mass ℓ and the key logit bound Δ (the decode kernel writes both as by-products).
-//! The **selector** promotes, per kv head, the pages of largest mass until every query head's
-//! exact-key coverage reaches τ_cov, plus a small random **exploration** sample of the rest.
-//! **Phase 2** decodes again with promoted pages served from their fp16 originals (tier 2,
-//! pinned host memory: [`Originals`]), recording each page's achieved mass ρ. Every promoted
-//! or explored page is a **score check**: its exact log-mass must lie within Δ + ε_guard of its
-//! quantised one, or the (sequence, kv head) is escalated as faulty. The **certificate** is
-//! computed from what phase 2 achieved ([`bound`]); the **ladder** escalates heads whose bound
-//! exceeds the target: rung 1 doubles the promoted pages, rung 2 promotes pages whose value
-//! error ρ·η exceeds v_tol, rung 3 recomputes the kv head exactly from tier 2, rung 4 the whole
-//! layer when too many heads reached rung 3.
+//! The **selector** ([`select`]) promotes, per kv head, the pages of largest mass until every
+//! query head's exact-key coverage reaches τ_cov, plus a small random **exploration** sample of
+//! the rest. **Phase 2** decodes again with promoted pages served from their fp16 originals
+//! (tier 2, pinned host memory: [`Originals`]), recording each page's achieved mass ρ. Then,
+//! per query head ([`checks`]): every promoted or explored page is a **score check** (its exact
+//! log-mass must lie within Δ + ε_guard of its quantised one, or the kv head is escalated as
+//! faulty); the **ranking-consistency** and **boundary** checks (seed 004 eqs. 17–18) compare
+//! the exact and quantised page rankings; the **certificate** is computed from what phase 2
+//! achieved ([`bound`]). The **ladder** escalates: a fault or a failed ranking/boundary check
+//! sends the kv head to rung 3 (exact from tier 2); a bound above the target climbs rung 1
+//! (double the promoted pages), rung 2 (promote pages whose value error ρ·η exceeds v_tol),
+//! rung 3; rung 4 recomputes the whole layer when too many kv heads reached rung 3.
+//!
+//! Two paths run this procedure ([`CertPath`]): the **device path** (default) runs phase 1,
+//! the selector, phase 2 and the certificate back to back on the GPU and downloads only the
+//! output and the per-head certificates (`device.rs`); the **host path** runs the selector and
+//! the certificate on the host between launches (`ladder.rs`). The host functions are the
+//! reference: the device selector picks the same pages bit for bit, the device certificate
+//! agrees with the f64 host one to rounding ([`KvCache::certified_crosscheck`]).
 //!
 //! Promotion is per page (64 tokens = 4 key blocks of 16) rather than per block: the pages
 //! are the kernels' unit of dispatch, so a promoted page is just a tail-format page in the
 //! page table and the same generated kernel serves both precisions.
 
 mod bound;
+pub mod checks;
+mod device;
+mod ladder;
 mod originals;
+pub mod select;
 
-pub use bound::{certificate, Certificate};
+pub use bound::{certificate, total_variation, Certificate};
+pub use device::CrossCheck;
+pub(crate) use device::CertScratch;
 pub use originals::{Originals, PageErrors, PageIn};
 
-use cudarc::driver::{CudaSlice, DevicePtr};
 use kvforge_spec::TAIL_TIER;
-use rand::{Rng, SeedableRng};
 
 use crate::cache::KvCache;
 use crate::decode::{from_bits, to_bits};
-use crate::error::{drv, Result, RtError};
+use crate::error::{Result, RtError};
 use crate::pool::PageRef;
+use ladder::Group;
+use select::{group_seed, SelectParams};
+
+/// Where the selector and the certificate run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum CertPath {
+    /// On the GPU, fused between the two decodes: no host round trip until the certificates
+    /// are down. Needs [`PageIn::Uva`] (the device addresses the originals itself); with
+    /// [`PageIn::Copy`] the host path serves the step. Rungs 1–2 continue on the host.
+    Gpu,
+    /// On the host between launches (the reference, and the comparison point of the bench).
+    Host,
+}
 
 /// Thresholds of the selector and the ladder (defaults from seed 004 where it gives them).
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -41,7 +67,8 @@ pub struct CertConfig {
     /// K_min / K_max: promoted pages per (sequence, kv head) before the ladder.
     pub min_pages: usize,
     pub max_pages: usize,
-    /// Fraction of the non-promoted quantised pages also promoted at random and score-checked.
+    /// Fraction of the quantised pages also served exactly at random (at most the unpromoted
+    /// ones; at least one while any is left) and score-checked.
     pub explore: f64,
     /// ε_guard of the score check, natural-log units.
     pub guard: f64,
@@ -49,16 +76,70 @@ pub struct CertConfig {
     pub max_error: f64,
     /// Rung 2: promote pages whose value-error share ρ·η exceeds this.
     pub v_tol: f64,
-    /// Rung 4: fall back to exact for the whole layer when this fraction of kv heads is at rung 3.
+    /// Rung 4: fall back to exact for the whole layer when this fraction of kv heads is at rung 3
+    /// (above 1: never).
     pub layer_fallback: f64,
     pub page_in: PageIn,
+    /// r of the ranking-consistency and boundary checks (seed 004: 1); 0 skips both.
+    pub rank_depth: usize,
+    /// A failed ranking or boundary check sends the kv head to rung 3 (seed 004); `false`
+    /// only reports it in [`HeadCertificate`] (the bound does not depend on the ranking).
+    pub rank_escalate: bool,
+    pub path: CertPath,
+    /// Device path: time phase 1, selector, phase 2 and certificate with CUDA events
+    /// ([`CertifiedOutput::kernel_us`]).
+    pub profile: bool,
     /// Seed of the exploration sample (advanced every step).
     pub seed: u64,
 }
 
 impl Default for CertConfig {
     fn default() -> Self {
-        CertConfig { coverage: 0.995, min_pages: 1, max_pages: usize::MAX, explore: 0.02, guard: 1e-3, max_error: 0.05, v_tol: 0.01, layer_fallback: 0.5, page_in: PageIn::Uva, seed: 0x5eed }
+        CertConfig {
+            coverage: 0.995,
+            min_pages: 1,
+            max_pages: usize::MAX,
+            explore: 0.02,
+            guard: 1e-3,
+            max_error: 0.05,
+            v_tol: 0.01,
+            layer_fallback: 0.5,
+            page_in: PageIn::Uva,
+            rank_depth: 1,
+            rank_escalate: true,
+            path: CertPath::Gpu,
+            profile: false,
+            seed: 0x5eed,
+        }
+    }
+}
+
+impl CertConfig {
+    /// Rejects settings the selector or the ladder cannot honour.
+    pub fn validate(&self) -> Result<()> {
+        let unit = |x: f64| (0.0..=1.0).contains(&x);
+        let bad = |m: &str| Err(RtError::BadInput(format!("certified decode: {m}")));
+        if !unit(self.coverage) || !unit(self.explore) {
+            return bad("coverage and explore must be in [0, 1]");
+        }
+        if !(self.layer_fallback >= 0.0) {
+            return bad("layer_fallback must be >= 0 (above 1: never)");
+        }
+        if self.min_pages > self.max_pages {
+            return bad("min_pages must not exceed max_pages");
+        }
+        if !(self.guard >= 0.0 && self.v_tol >= 0.0) || self.max_error.is_nan() {
+            return bad("guard and v_tol must be >= 0 and max_error a number");
+        }
+        Ok(())
+    }
+
+    /// The path a step takes: the device path needs UVA page-in.
+    pub fn effective_path(&self) -> CertPath {
+        match (self.path, self.page_in) {
+            (CertPath::Gpu, PageIn::Uva) => CertPath::Gpu,
+            _ => CertPath::Host,
+        }
     }
 }
 
@@ -76,13 +157,29 @@ pub struct HeadCertificate {
     pub e_round: f64,
     /// e_key + e_val + e_round: the certified bound on ‖O − O_exact‖₂.
     pub bound: f64,
-    /// Pages served from fp16 originals (promoted + explored) of this head's kv head.
+    /// Pages of this head's kv head served from fp16 originals by the selector or the ladder
+    /// (explored ones excluded).
     pub promoted: usize,
+    /// Pages served from fp16 originals as the exploration sample.
     pub explored: usize,
     /// 0: none; 1: K* doubled; 2: values promoted; 3: exact kv head; 4: exact layer.
     pub rung: u8,
     /// Score checks that failed for this head's kv head (a fault was detected).
     pub detections: usize,
+    /// Top-r exact and quantised page rankings disagreed (eq. 17) in the last phase 2.
+    pub ranking: bool,
+    /// Quantised tail pages whose upper-bounded exact mass could enter the top r (eq. 18).
+    pub boundary: usize,
+}
+
+/// Device time of the stages of a device-path step's first round (CUDA events), µs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct KernelTimes {
+    pub phase1_us: f64,
+    pub select_us: f64,
+    pub phase2_us: f64,
+    /// The certificate kernel: E_key, E_val, E_round and the score, ranking and boundary checks.
+    pub bound_us: f64,
 }
 
 /// A certified decode step.
@@ -97,28 +194,10 @@ pub struct CertifiedOutput {
     pub launches: usize,
     /// Bytes of fp16 originals read over the bus or copied, summed over launches.
     pub paged_in_bytes: usize,
-}
-
-/// Per (sequence, kv head): the encoded pages in order, and the ladder state.
-struct Group {
-    pages: Vec<(PageRef, usize)>,
-    /// Indices into `pages` served from tier 2.
-    promoted: Vec<bool>,
-    explored: Vec<bool>,
-    rung: u8,
-    detections: usize,
-    v_max: f64,
-    errors: Vec<Option<PageErrors>>,
-}
-
-/// Per page × gqa results of one launch.
-struct PhaseOut {
-    out: Vec<f32>,
-    lse: Vec<f32>,
-    head_lse: Vec<f32>,
-    delta: Vec<f32>,
-    /// [batch * num_kv_heads + 1] into head_lse / delta (pages).
-    indptr: Vec<u32>,
+    /// Whether the host built page tables and certificates (host path, or rungs 1–2).
+    pub host_ladder: bool,
+    /// Device path with [`CertConfig::profile`]: stage times of the first round.
+    pub kernel_us: Option<KernelTimes>,
 }
 
 impl KvCache {
@@ -176,9 +255,23 @@ impl KvCache {
 
     /// One certified decode step for `seqs` (one query token each, `q` as in [`KvCache::decode`]).
     pub fn decode_certified(&mut self, seqs: &[usize], q: &[f32], cfg: &mut CertConfig) -> Result<CertifiedOutput> {
-        if self.originals.is_none() {
-            return Err(RtError::BadInput("certified decode needs tier 2: call keep_originals() before appending".into()));
+        cfg.validate()?;
+        let (mut groups, qh) = self.cert_groups(seqs, q)?;
+        let step_seed = cfg.seed;
+        cfg.seed = cfg.seed.wrapping_add(1);
+        let cfg = &CertConfig { seed: step_seed, ..cfg.clone() };
+        match cfg.effective_path() {
+            CertPath::Gpu => self.device_step(&mut groups, &qh, cfg),
+            CertPath::Host => self.host_step(&mut groups, &qh, cfg),
         }
+    }
+
+    /// The step's groups (sequence-major, then kv head) with their tier-2 annotations, and the
+    /// queries in the spec dtype. A missing original is a typed error before any launch.
+    fn cert_groups(&self, seqs: &[usize], q: &[f32]) -> Result<(Vec<Group>, Vec<u16>)> {
+        let Some(orig) = self.originals.as_ref() else {
+            return Err(RtError::BadInput("certified decode needs tier 2: call keep_originals() before appending".into()));
+        };
         let (hkv, gqa, d) = (self.cfg.num_kv_heads, self.cfg.gqa, self.cfg.head_dim);
         let rows = seqs.len() * hkv * gqa;
         if seqs.is_empty() || q.len() != rows * d {
@@ -191,102 +284,37 @@ impl KvCache {
                 if pages.is_empty() {
                     return Err(RtError::EmptySequence(s));
                 }
-                let orig = self.originals.as_ref().unwrap();
                 let mut errors = Vec::with_capacity(pages.len());
                 let mut v_max = 0f64;
                 for (p, _) in &pages {
                     if p.tier == TAIL_TIER {
                         errors.push(None);
                     } else {
-                        // A missing original is a typed error before any output exists.
                         let e = orig.errors(p)?;
                         v_max = v_max.max(e.v_max);
                         errors.push(Some(e));
                     }
                 }
                 v_max = v_max.max(self.tail_v_max(s, h)?);
-                let n = pages.len();
-                groups.push(Group { pages, promoted: vec![false; n], explored: vec![false; n], rung: 0, detections: 0, v_max, errors });
+                groups.push(Group::new(pages, errors, v_max));
             }
         }
         let dtype = self.spec.geometry.dtype;
-        let qh: Vec<u16> = q.iter().map(|&x| to_bits(dtype, x)).collect();
+        Ok((groups, q.iter().map(|&x| to_bits(dtype, x)).collect()))
+    }
 
-        // Phase 1: quantised pages, masses and Δ.
-        let p1 = self.certified_launch(&groups, &qh, cfg.page_in, &mut 0)?;
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(cfg.seed);
-        cfg.seed = cfg.seed.wrapping_add(1);
+    /// A certified step on the host path: every page table built and every certificate
+    /// computed on the host between launches.
+    fn host_step(&mut self, groups: &mut [Group], qh: &[u16], cfg: &CertConfig) -> Result<CertifiedOutput> {
+        let gqa = self.cfg.gqa;
+        let p1 = self.certified_launch(groups, qh, cfg.page_in, &mut 0, true)?;
         for (gi, g) in groups.iter_mut().enumerate() {
-            select(g, &p1, gi, gqa, cfg, &mut rng);
+            let sp = SelectParams { coverage: cfg.coverage, min_pages: cfg.min_pages, max_pages: cfg.max_pages, explore: cfg.explore, seed: group_seed(cfg.seed, gi) };
+            g.select(p1.rows(&p1.head_lse, gi, gqa), gqa, &sp);
         }
-        let mut paged = 0usize;
-        let mut launches = 0usize;
-        let mut certs;
-        let mut p2;
-        loop {
-            p2 = self.certified_launch(&groups, &qh, cfg.page_in, &mut paged)?;
-            launches += 1;
-            certs = Vec::with_capacity(rows);
-            let mut escalate = false;
-            for (gi, g) in groups.iter_mut().enumerate() {
-                // Score check of every page served exactly: exact and quantised log-masses of
-                // the same tokens differ by at most Δ (+ guard) unless the page is corrupt.
-                let base = p1.indptr[gi] as usize;
-                for (pi, _) in g.pages.iter().enumerate() {
-                    if !(g.promoted[pi] || g.explored[pi]) || g.pages[pi].0.tier == TAIL_TIER {
-                        continue;
-                    }
-                    for hq in 0..gqa {
-                        let at = (base + pi) * gqa + hq;
-                        let l1 = p1.head_lse[at] as f64 * std::f64::consts::LN_2;
-                        let l2 = p2.head_lse[at] as f64 * std::f64::consts::LN_2;
-                        let delta = p1.delta[at] as f64;
-                        if !((l1 - l2).abs() <= delta + cfg.guard) {
-                            g.detections += 1;
-                        }
-                    }
-                }
-                // Achieved page masses ρ of every query head: the certificate and the ladder read them.
-                let rho: Vec<Vec<f64>> = (0..gqa).map(|hq| masses(&p2, gi, hq, gqa)).collect();
-                let mut worst = 0f64;
-                let mut head_certs = Vec::with_capacity(gqa);
-                for hq in 0..gqa {
-                    let c = head_certificate(g, &p1, &p2, &rho[hq], gi, hq, gqa, d);
-                    worst = worst.max(c.bound);
-                    head_certs.push(c);
-                }
-                if g.detections > 0 && g.rung < 3 {
-                    promote_all(g);
-                    g.rung = 3;
-                    escalate = true;
-                } else if worst > cfg.max_error && g.rung < 3 {
-                    escalate |= climb(g, &rho, cfg);
-                }
-                certs.extend(head_certs);
-            }
-            let at3 = groups.iter().filter(|g| g.rung >= 3).count();
-            if at3 > 0 && (at3 as f64) >= cfg.layer_fallback * groups.len() as f64 && groups.iter().any(|g| g.rung < 3) {
-                for g in groups.iter_mut() {
-                    promote_all(g);
-                    g.rung = 4;
-                }
-                escalate = true;
-            }
-            if !escalate {
-                break;
-            }
-        }
-        let mut heads = Vec::with_capacity(rows);
-        for (gi, g) in groups.iter().enumerate() {
-            for hq in 0..gqa {
-                let mut c = certs[gi * gqa + hq].clone();
-                c.rung = g.rung;
-                c.detections = g.detections;
-                heads.push(c);
-            }
-        }
-        let out = p2.out.clone();
-        Ok(CertifiedOutput { out, lse: p2.lse.clone(), heads, launches, paged_in_bytes: paged })
+        let (mut launches, mut paged) = (0, 0);
+        let (p2, heads) = self.host_ladder(groups, &p1, qh, cfg, None, &mut launches, &mut paged)?;
+        Ok(CertifiedOutput { out: p2.out, lse: p2.lse, heads, launches, paged_in_bytes: paged, host_ladder: true, kernel_us: None })
     }
 
     /// Largest ‖V_t‖₂ of the tail page of (seq, head) (its tokens are exact; they still enter
@@ -300,210 +328,30 @@ impl KvCache {
         Ok((0..len).map(norm).fold(0.0, f64::max))
     }
 
-    /// Launches decode over the groups' pages, promoted ones served from tier 2, recording
-    /// per-page per-head log-masses and Δ.
-    fn certified_launch(&mut self, groups: &[Group], qh: &[u16], page_in: PageIn, paged: &mut usize) -> Result<PhaseOut> {
-        let hkv = self.cfg.num_kv_heads;
-        let arena = {
-            let st = &self.dev.stream;
-            self.arena.device_ptr(st).0
-        };
-        let orig = self.originals.as_ref().unwrap();
-        let pb = orig.page_bytes();
-        // Promoted pages: their tier-2 address (UVA) or a slot of the scratch buffer (copy).
-        let mut sources: Vec<u64> = Vec::new();
-        for g in groups {
-            for (pi, (p, _)) in g.pages.iter().enumerate() {
-                if (g.promoted[pi] || g.explored[pi]) && p.tier != TAIL_TIER {
-                    sources.push(orig.address(p)?);
-                }
-            }
-        }
-        *paged += sources.len() * pb;
-        let scratch: Option<CudaSlice<u8>> = match page_in {
-            PageIn::Copy if !sources.is_empty() => {
-                let st = &self.dev.stream;
-                let mut buf = st.alloc_zeros::<u8>(sources.len() * pb).map_err(drv("tier-2 scratch"))?;
-                // One copy per run of consecutive slots.
-                let mut i = 0;
-                while i < sources.len() {
-                    let mut j = i + 1;
-                    while j < sources.len() && sources[j] == sources[j - 1] + pb as u64 {
-                        j += 1;
-                    }
-                    // SAFETY: slots i..j are consecutive filled pinned slots of `pb` bytes.
-                    let host = unsafe { std::slice::from_raw_parts(sources[i] as *const u8, (j - i) * pb) };
-                    let mut dst = buf.slice_mut(i * pb..j * pb);
-                    st.memcpy_htod(host, &mut dst).map_err(drv("tier-2 page-in"))?;
-                    i = j;
-                }
-                Some(buf)
-            }
-            _ => None,
-        };
-        let scratch_ptr = scratch.as_ref().map(|b| b.device_ptr(&self.dev.stream).0);
-        let mut k = 0usize;
-        let mut lists: Vec<Vec<Vec<(PageRef, usize)>>> = Vec::new();
-        for (gi, g) in groups.iter().enumerate() {
-            if gi % hkv == 0 {
-                lists.push(Vec::with_capacity(hkv));
-            }
-            let list = g
-                .pages
-                .iter()
-                .enumerate()
-                .map(|(pi, &(p, len))| {
-                    if (g.promoted[pi] || g.explored[pi]) && p.tier != TAIL_TIER {
-                        let addr = match scratch_ptr {
-                            Some(s) => s + (k * pb) as u64,
-                            None => sources[k],
-                        };
-                        k += 1;
-                        // A tail-format page outside the arena: the kernel adds the offset to
-                        // the arena base, so the (wrapping) difference addresses it.
-                        (PageRef { tier: TAIL_TIER, index: u32::MAX, offset: addr.wrapping_sub(arena) }, len)
-                    } else {
-                        (p, len)
-                    }
-                })
-                .collect();
-            lists.last_mut().unwrap().push(list);
-        }
-        let plan = self.plan_pages(&lists)?;
-        let mut ws = self.workspace(&plan)?;
-        let npages = plan.page_offsets.len().max(1);
-        let st = self.dev.stream.clone();
-        ws.page_head_lse = Some(st.alloc_zeros::<f32>(npages * plan.gqa).map_err(drv("page masses"))?);
-        ws.page_delta = Some(st.alloc_zeros::<f32>(npages * plan.gqa).map_err(drv("page bounds"))?);
-        st.memcpy_htod(qh, &mut ws.q).map_err(drv("query upload"))?;
-        self.launch(&plan, &mut ws)?;
-        self.check(&plan)?;
-        let dtype = self.spec.geometry.dtype;
-        let out = st.clone_dtoh(&ws.out).map_err(drv("output download"))?;
-        let lse = st.clone_dtoh(&ws.lse).map_err(drv("lse download"))?;
-        let head_lse = st.clone_dtoh(ws.page_head_lse.as_ref().unwrap()).map_err(drv("page masses"))?;
-        let delta = st.clone_dtoh(ws.page_delta.as_ref().unwrap()).map_err(drv("page bounds"))?;
-        drop(scratch);
-        Ok(PhaseOut { out: out.into_iter().map(|b| from_bits(dtype, b)).collect(), lse, head_lse, delta, indptr: plan.page_indptr })
-    }
 }
 
-/// Per-head page masses (natural probabilities) of group `gi` from a launch.
-fn masses(p: &PhaseOut, gi: usize, hq: usize, gqa: usize) -> Vec<f64> {
-    let r = p.indptr[gi] as usize..p.indptr[gi + 1] as usize;
-    let ls: Vec<f64> = r.map(|i| p.head_lse[i * gqa + hq] as f64).collect();
-    let mx = ls.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-    let tot: f64 = ls.iter().map(|l| (l - mx).exp2()).sum();
-    ls.iter().map(|l| (l - mx).exp2() / tot).collect()
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-/// Selector: promote pages of largest estimated mass until every query head's exact share
-/// (fp16 tail pages + promoted) reaches τ_cov, clamped to [K_min, K_max]; then explore.
-fn select(g: &mut Group, p1: &PhaseOut, gi: usize, gqa: usize, cfg: &CertConfig, rng: &mut impl Rng) {
-    let quant: Vec<usize> = (0..g.pages.len()).filter(|&i| g.pages[i].0.tier != TAIL_TIER).collect();
-    if quant.is_empty() {
-        return;
-    }
-    let per_head: Vec<Vec<f64>> = (0..gqa).map(|h| masses(p1, gi, h, gqa)).collect();
-    // Pages by their largest share over the group's query heads.
-    let mut order = quant.clone();
-    let key = |i: usize| per_head.iter().map(|m| m[i]).fold(0.0, f64::max);
-    order.sort_by(|&a, &b| key(b).total_cmp(&key(a)));
-    let mut covered: Vec<f64> = per_head.iter().map(|m| (0..g.pages.len()).filter(|&i| g.pages[i].0.tier == TAIL_TIER).map(|i| m[i]).sum()).collect();
-    let mut taken = 0;
-    for &i in &order {
-        let need = covered.iter().any(|&c| c < cfg.coverage);
-        if (!need && taken >= cfg.min_pages) || taken >= cfg.max_pages {
-            break;
+    #[test]
+    fn config_validation_and_path() {
+        let ok = CertConfig::default();
+        assert!(ok.validate().is_ok());
+        // A layer threshold above 1 disables rung 4 (the GPU tests use 1.1).
+        assert!(CertConfig { layer_fallback: 1.1, ..CertConfig::default() }.validate().is_ok());
+        for bad in [
+            CertConfig { coverage: 1.5, ..CertConfig::default() },
+            CertConfig { explore: -0.1, ..CertConfig::default() },
+            CertConfig { layer_fallback: f64::NAN, ..CertConfig::default() },
+            CertConfig { min_pages: 3, max_pages: 2, ..CertConfig::default() },
+            CertConfig { guard: -1.0, ..CertConfig::default() },
+            CertConfig { max_error: f64::NAN, ..CertConfig::default() },
+        ] {
+            assert!(matches!(bad.validate(), Err(RtError::BadInput(_))), "{bad:?}");
         }
-        g.promoted[i] = true;
-        taken += 1;
-        for (h, m) in per_head.iter().enumerate() {
-            covered[h] += m[i];
-        }
-    }
-    let rest: Vec<usize> = quant.into_iter().filter(|&i| !g.promoted[i]).collect();
-    if !rest.is_empty() && cfg.explore > 0.0 {
-        let n = ((rest.len() as f64 * cfg.explore).ceil() as usize).min(rest.len());
-        for _ in 0..n {
-            let i = rest[rng.gen_range(0..rest.len())];
-            g.explored[i] = true;
-        }
-    }
-}
-
-fn promote_all(g: &mut Group) {
-    for (i, (p, _)) in g.pages.iter().enumerate() {
-        if p.tier != TAIL_TIER {
-            g.promoted[i] = true;
-        }
-    }
-}
-
-/// Rung 1: double the promoted pages (next by achieved mass); rung 2: promote pages whose
-/// value-error share ρ·η exceeds v_tol; rung 3: everything exact. Returns whether anything changed.
-fn climb(g: &mut Group, per_head: &[Vec<f64>], cfg: &CertConfig) -> bool {
-    let rho = |i: usize| per_head.iter().map(|m| m[i]).fold(0.0, f64::max);
-    let left: Vec<usize> = (0..g.pages.len()).filter(|&i| g.pages[i].0.tier != TAIL_TIER && !g.promoted[i]).collect();
-    if left.is_empty() {
-        return false;
-    }
-    match g.rung {
-        0 => {
-            let n = g.promoted.iter().filter(|&&p| p).count().max(1);
-            let mut order = left;
-            order.sort_by(|&a, &b| rho(b).total_cmp(&rho(a)));
-            for &i in order.iter().take(n) {
-                g.promoted[i] = true;
-            }
-            g.rung = 1;
-        }
-        1 => {
-            for &i in &left {
-                if rho(i) * g.errors[i].map_or(0.0, |e| e.eta) > cfg.v_tol {
-                    g.promoted[i] = true;
-                }
-            }
-            g.rung = 2;
-        }
-        _ => {
-            promote_all(g);
-            g.rung = 3;
-        }
-    }
-    true
-}
-
-#[allow(clippy::too_many_arguments)]
-fn head_certificate(g: &Group, p1: &PhaseOut, p2: &PhaseOut, rho: &[f64], gi: usize, hq: usize, gqa: usize, d: usize) -> HeadCertificate {
-    let base = p1.indptr[gi] as usize;
-    let (mut alpha, mut delta, mut e_val) = (0f64, 0f64, 0f64);
-    let mut tokens = 0usize;
-    for (pi, &(p, len)) in g.pages.iter().enumerate() {
-        tokens += len;
-        let exact = p.tier == TAIL_TIER || g.promoted[pi] || g.explored[pi];
-        if exact {
-            continue;
-        }
-        alpha += rho[pi];
-        delta = delta.max(p1.delta[(base + pi) * gqa + hq] as f64);
-        e_val += rho[pi] * g.errors[pi].map_or(f64::INFINITY, |e| e.eta);
-    }
-    let row = gi * gqa + hq;
-    let o = &p2.out[row * d..(row + 1) * d];
-    let out_norm = o.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>().sqrt();
-    let c = certificate(delta, alpha, g.v_max, e_val, out_norm, tokens);
-    HeadCertificate {
-        delta,
-        alpha_tail: alpha,
-        v_max: g.v_max,
-        e_key: c.e_key,
-        e_val: c.e_val,
-        e_round: c.e_round,
-        bound: c.bound,
-        promoted: g.promoted.iter().filter(|&&x| x).count(),
-        explored: g.explored.iter().zip(&g.promoted).filter(|(&e, &p)| e && !p).count(),
-        rung: g.rung,
-        detections: g.detections,
+        assert_eq!(ok.effective_path(), CertPath::Gpu);
+        assert_eq!(CertConfig { page_in: PageIn::Copy, ..CertConfig::default() }.effective_path(), CertPath::Host);
+        assert_eq!(CertConfig { path: CertPath::Host, ..CertConfig::default() }.effective_path(), CertPath::Host);
     }
 }

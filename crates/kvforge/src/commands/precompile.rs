@@ -41,7 +41,7 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
     let specs = crate::load_all(&files)?;
     let mut work = Vec::new();
     for s in &specs {
-        for v in s.variants() {
+        for v in s.variants().into_iter().chain(s.certify_variants()) {
             for arch in &a.arch {
                 work.push((s, v.clone(), arch.clone()));
             }

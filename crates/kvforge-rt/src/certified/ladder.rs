@@ -1,0 +1,414 @@
+//! The ladder and the host path of a certified step.
+//!
+//! A [`Group`] is one (sequence, kv head): its pages, which of them phase 2 serves from tier 2,
+//! and its rung. After every phase 2, [`verdict`] decides each group's next move from its
+//! heads' certificates — the same rule whether the certificates came from the host
+//! ([`head_certificates`]) or the device — and [`climb`] / [`Group::promote_all`] carry it out.
+//!
+//! The host path ([`KvCache::host_ladder`]) builds every page table on the host; the device path
+//! (`device.rs`) hands a step over to it when a group must climb rungs 1–2 (they order pages
+//! by achieved mass, which only the host does).
+
+use cudarc::driver::{CudaSlice, DevicePtr};
+use kvforge_spec::TAIL_TIER;
+
+use super::bound::certificate;
+use super::checks::{head_checks, HeadView};
+use super::select::{select_pages, Selection, SelectParams, PROMOTED, QUANTISED};
+use super::{CertConfig, HeadCertificate, PageErrors, PageIn};
+use crate::cache::KvCache;
+use crate::decode::from_bits;
+use crate::error::{drv, Result};
+use crate::pool::PageRef;
+
+/// Per (sequence, kv head): the pages in order and the ladder state.
+pub(super) struct Group {
+    pub pages: Vec<(PageRef, usize)>,
+    /// Per page: [`QUANTISED`] (phase 2 reads the quantised page), [`PROMOTED`] or
+    /// [`EXPLORED`] (it reads the fp16 original). Tail-tier pages stay [`QUANTISED`].
+    pub state: Vec<u8>,
+    pub rung: u8,
+    /// Score checks failed so far in this step.
+    pub detections: usize,
+    pub v_max: f64,
+    pub errors: Vec<Option<PageErrors>>,
+}
+
+impl Group {
+    pub fn new(pages: Vec<(PageRef, usize)>, errors: Vec<Option<PageErrors>>, v_max: f64) -> Group {
+        Group { state: vec![QUANTISED; pages.len()], pages, rung: 0, detections: 0, v_max, errors }
+    }
+
+    pub fn quantised(&self, i: usize) -> bool {
+        self.pages[i].0.tier != TAIL_TIER
+    }
+
+    /// Whether phase 2 reads page `i` from its fp16 original.
+    pub fn served(&self, i: usize) -> bool {
+        self.quantised(i) && self.state[i] != QUANTISED
+    }
+
+    /// Rungs 3 and 4: every quantised page from tier 2.
+    pub fn promote_all(&mut self) {
+        for i in 0..self.pages.len() {
+            if self.quantised(i) {
+                self.state[i] = PROMOTED;
+            }
+        }
+    }
+
+    /// Quantised pages phase 2 does not read exactly.
+    pub fn left(&self) -> usize {
+        (0..self.pages.len()).filter(|&i| self.quantised(i) && self.state[i] == QUANTISED).count()
+    }
+
+    /// The selector's choice from phase 1's log2 masses `lse` ([page][gqa] of this group).
+    pub fn select(&mut self, lse: &[f32], gqa: usize, p: &SelectParams) -> Selection {
+        let q: Vec<bool> = (0..self.pages.len()).map(|i| self.quantised(i)).collect();
+        let s = select_pages(&q, lse, gqa, p);
+        self.state.clone_from(&s.state);
+        s
+    }
+}
+
+/// Per page × gqa results of one launch, on the host.
+pub(super) struct PhaseOut {
+    pub out: Vec<f32>,
+    pub lse: Vec<f32>,
+    pub head_lse: Vec<f32>,
+    /// Empty for phase-2 launches (their Δ is not read).
+    pub delta: Vec<f32>,
+    /// [batch * num_kv_heads + 1] into head_lse / delta (pages).
+    pub indptr: Vec<u32>,
+}
+
+impl PhaseOut {
+    /// Column `hq` of group `gi`'s [page][gqa] array `a`.
+    pub fn column(&self, a: &[f32], gi: usize, hq: usize, gqa: usize) -> Vec<f32> {
+        (self.indptr[gi] as usize..self.indptr[gi + 1] as usize).map(|i| a[i * gqa + hq]).collect()
+    }
+
+    /// Group `gi`'s rows of `a` ([page][gqa]).
+    pub fn rows<'a>(&self, a: &'a [f32], gi: usize, gqa: usize) -> &'a [f32] {
+        &a[self.indptr[gi] as usize * gqa..self.indptr[gi + 1] as usize * gqa]
+    }
+}
+
+/// What a group does after a phase 2.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Action {
+    Keep,
+    /// Rung 3: recompute the kv head exactly from tier 2.
+    Exact,
+    /// Rungs 1–2 (or 3 from rung 2): [`climb`].
+    Climb,
+}
+
+/// The ladder's rule for one group from its heads' certificates of this phase 2 (`left`: its
+/// quantised pages phase 2 did not read exactly): a failed score check (a fault) or, with
+/// `rank_escalate`, a failed ranking or boundary check while pages are still quantised sends
+/// the group to rung 3; a bound that is not certainly within the target (NaN too) climbs.
+pub(super) fn verdict(g: &Group, heads: &[HeadCertificate], left: usize, cfg: &CertConfig) -> Action {
+    if g.rung >= 3 {
+        Action::Keep
+    } else if g.detections > 0 || cfg.rank_escalate && left > 0 && heads.iter().any(|h| h.ranking || h.boundary > 0) {
+        Action::Exact
+    } else if heads.iter().any(|h| !(h.bound <= cfg.max_error)) {
+        Action::Climb
+    } else {
+        Action::Keep
+    }
+}
+
+/// Rung 4: whether the layer falls back to exact, given the groups' rungs after this round.
+pub(super) fn layer_fallback(groups: &[Group], cfg: &CertConfig) -> bool {
+    let at3 = groups.iter().filter(|g| g.rung >= 3).count();
+    at3 > 0 && (at3 as f64) >= cfg.layer_fallback * groups.len() as f64 && groups.iter().any(|g| g.rung < 3)
+}
+
+/// Rung 1: double the promoted pages (next by achieved mass); rung 2: promote pages whose
+/// value-error share ρ·η exceeds v_tol; rung 3: everything exact. `rho[h][i]` are the achieved
+/// masses. Returns whether anything changed.
+pub(super) fn climb(g: &mut Group, rho: &[Vec<f64>], cfg: &CertConfig) -> bool {
+    let share = |i: usize| rho.iter().map(|m| m[i]).fold(0.0, f64::max);
+    let left: Vec<usize> = (0..g.pages.len()).filter(|&i| g.quantised(i) && g.state[i] != PROMOTED).collect();
+    if left.is_empty() {
+        return false;
+    }
+    match g.rung {
+        0 => {
+            let n = g.state.iter().filter(|&&s| s == PROMOTED).count().max(1);
+            let mut order = left;
+            order.sort_by(|&a, &b| share(b).total_cmp(&share(a)));
+            for &i in order.iter().take(n) {
+                g.state[i] = PROMOTED;
+            }
+            g.rung = 1;
+        }
+        1 => {
+            for &i in &left {
+                if share(i) * g.errors[i].map_or(0.0, |e| e.eta) > cfg.v_tol {
+                    g.state[i] = PROMOTED;
+                }
+            }
+            g.rung = 2;
+        }
+        _ => {
+            g.promote_all();
+            g.rung = 3;
+        }
+    }
+    true
+}
+
+/// The certificates of group `gi`'s heads from phase 1 (`p1`) and phase 2 (`p2`), computed
+/// on the host in f64 (the reference of the device's `cert_bound`). Rung and detections are
+/// left for the caller.
+pub(super) fn head_certificates(g: &Group, p1: &PhaseOut, p2: &PhaseOut, gi: usize, gqa: usize, d: usize, cfg: &CertConfig) -> Vec<(HeadCertificate, usize)> {
+    let quantised: Vec<bool> = (0..g.pages.len()).map(|i| g.quantised(i)).collect();
+    let tokens: Vec<usize> = g.pages.iter().map(|p| p.1).collect();
+    let eta: Vec<f64> = g.errors.iter().map(|e| e.map_or(f64::INFINITY, |e| e.eta)).collect();
+    (0..gqa)
+        .map(|hq| {
+            let (l1, d1, l2) = (p1.column(&p1.head_lse, gi, hq, gqa), p1.column(&p1.delta, gi, hq, gqa), p2.column(&p2.head_lse, gi, hq, gqa));
+            let v = HeadView { quantised: &quantised, state: &g.state, tokens: &tokens, eta: &eta, l1: &l1, d1: &d1, l2: &l2 };
+            let c = head_checks(&v, cfg.guard, cfg.rank_depth);
+            let row = gi * gqa + hq;
+            let out_norm = p2.out[row * d..(row + 1) * d].iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>().sqrt();
+            let b = certificate(c.delta, c.alpha, g.v_max, c.e_val, out_norm, c.tokens);
+            let cert = HeadCertificate {
+                delta: c.delta,
+                alpha_tail: c.alpha,
+                v_max: g.v_max,
+                e_key: b.e_key,
+                e_val: b.e_val,
+                e_round: b.e_round,
+                bound: b.bound,
+                promoted: c.promoted,
+                explored: c.explored,
+                rung: g.rung,
+                detections: 0,
+                ranking: c.ranking,
+                boundary: c.boundary,
+            };
+            (cert, c.detections)
+        })
+        .collect()
+}
+
+/// Achieved page masses ρ of every query head of group `gi` in phase 2.
+pub(super) fn achieved(p2: &PhaseOut, gi: usize, gqa: usize) -> Vec<Vec<f64>> {
+    (0..gqa).map(|hq| super::checks::masses(&p2.column(&p2.head_lse, gi, hq, gqa))).collect()
+}
+
+impl KvCache {
+    /// The host path from phase 2 on: certificates, verdicts and relaunches until no group
+    /// escalates. `pending` is a phase 2 already run (the device path's), else one is launched.
+    /// Returns the last phase 2 and the certificates (rungs and detections filled in).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn host_ladder(&mut self, groups: &mut [Group], p1: &PhaseOut, qh: &[u16], cfg: &CertConfig, mut pending: Option<PhaseOut>, launches: &mut usize, paged: &mut usize) -> Result<(PhaseOut, Vec<HeadCertificate>)> {
+        let (gqa, d) = (self.cfg.gqa, self.cfg.head_dim);
+        loop {
+            let p2 = match pending.take() {
+                Some(p) => p,
+                None => {
+                    *launches += 1;
+                    self.certified_launch(groups, qh, cfg.page_in, paged, false)?
+                }
+            };
+            let mut certs = Vec::with_capacity(groups.len() * gqa);
+            let mut escalate = false;
+            for (gi, g) in groups.iter_mut().enumerate() {
+                let heads = head_certificates(g, p1, &p2, gi, gqa, d, cfg);
+                g.detections += heads.iter().map(|h| h.1).sum::<usize>();
+                let heads: Vec<HeadCertificate> = heads.into_iter().map(|h| h.0).collect();
+                match verdict(g, &heads, g.left(), cfg) {
+                    Action::Keep => {}
+                    Action::Exact => {
+                        g.promote_all();
+                        g.rung = 3;
+                        escalate = true;
+                    }
+                    Action::Climb => escalate |= climb(g, &achieved(&p2, gi, gqa), cfg),
+                }
+                certs.extend(heads);
+            }
+            if layer_fallback(groups, cfg) {
+                for g in groups.iter_mut() {
+                    g.promote_all();
+                    g.rung = 4;
+                }
+                escalate = true;
+            }
+            if !escalate {
+                return Ok((p2, finish(groups, certs, gqa)));
+            }
+        }
+    }
+
+    /// Launches decode over the groups' pages, those phase 2 serves exactly read from tier 2,
+    /// recording per-page per-head log-masses; `with_delta` marks phase 1 (records Δ too),
+    /// else phase 2 (the device path's phase-2 plan).
+    pub(super) fn certified_launch(&mut self, groups: &[Group], qh: &[u16], page_in: PageIn, paged: &mut usize, with_delta: bool) -> Result<PhaseOut> {
+        let hkv = self.cfg.num_kv_heads;
+        let arena = {
+            let st = &self.dev.stream;
+            self.arena.device_ptr(st).0
+        };
+        let orig = self.originals.as_ref().expect("checked by decode_certified");
+        let pb = orig.page_bytes();
+        // Served pages: their tier-2 address (UVA) or a slot of the scratch buffer (copy).
+        let mut sources: Vec<u64> = Vec::new();
+        for g in groups {
+            for (pi, (p, _)) in g.pages.iter().enumerate() {
+                if g.served(pi) {
+                    sources.push(orig.address(p)?);
+                }
+            }
+        }
+        *paged += sources.len() * pb;
+        let scratch: Option<CudaSlice<u8>> = match page_in {
+            PageIn::Copy if !sources.is_empty() => {
+                let st = &self.dev.stream;
+                let mut buf = st.alloc_zeros::<u8>(sources.len() * pb).map_err(drv("tier-2 scratch"))?;
+                // One copy per run of consecutive slots.
+                let mut i = 0;
+                while i < sources.len() {
+                    let mut j = i + 1;
+                    while j < sources.len() && sources[j] == sources[j - 1] + pb as u64 {
+                        j += 1;
+                    }
+                    // SAFETY: slots i..j are consecutive filled pinned slots of `pb` bytes.
+                    let host = unsafe { std::slice::from_raw_parts(sources[i] as *const u8, (j - i) * pb) };
+                    let mut dst = buf.slice_mut(i * pb..j * pb);
+                    st.memcpy_htod(host, &mut dst).map_err(drv("tier-2 page-in"))?;
+                    i = j;
+                }
+                Some(buf)
+            }
+            _ => None,
+        };
+        let scratch_ptr = scratch.as_ref().map(|b| b.device_ptr(&self.dev.stream).0);
+        // Phase 1's plan over the quantised pages, and for phase 2 the same page ranges, splits
+        // and (tail-serving) variant as the device path, with every served page turned into a
+        // tail-format page outside the arena: the kernel adds the offset to the arena base, so
+        // the (wrapping) difference addresses it.
+        let lists: Vec<Vec<Vec<(PageRef, usize)>>> = groups.chunks(hkv).map(|seq| seq.iter().map(|g| g.pages.clone()).collect()).collect();
+        let mut plan = self.plan_pages(&lists)?;
+        if !with_delta {
+            plan = super::device::phase2_plan(&self.spec, &plan)?;
+            let mut at = 0usize;
+            let mut k = 0usize;
+            for g in groups {
+                for pi in 0..g.pages.len() {
+                    if g.served(pi) {
+                        let addr = scratch_ptr.map_or(sources[k], |s| s + (k * pb) as u64);
+                        plan.page_offsets[at] = addr.wrapping_sub(arena);
+                        plan.page_info[at] = (plan.page_info[at] & !0xff) | TAIL_TIER as u32;
+                        k += 1;
+                    }
+                    at += 1;
+                }
+            }
+        }
+        let mut ws = self.workspace(&plan)?;
+        let npages = plan.page_offsets.len().max(1);
+        let st = self.dev.stream.clone();
+        ws.page_head_lse = Some(st.alloc_zeros::<f32>(npages * plan.gqa).map_err(drv("page masses"))?);
+        if with_delta {
+            ws.page_delta = Some(st.alloc_zeros::<f32>(npages * plan.gqa).map_err(drv("page bounds"))?);
+        }
+        st.memcpy_htod(qh, &mut ws.q).map_err(drv("query upload"))?;
+        self.launch(&plan, &mut ws)?;
+        self.check(&plan)?;
+        let dtype = self.spec.geometry.dtype;
+        let out = st.clone_dtoh(&ws.out).map_err(drv("output download"))?;
+        let lse = st.clone_dtoh(&ws.lse).map_err(drv("lse download"))?;
+        let head_lse = st.clone_dtoh(ws.page_head_lse.as_ref().expect("allocated above")).map_err(drv("page masses"))?;
+        let delta = match &ws.page_delta {
+            Some(b) => st.clone_dtoh(b).map_err(drv("page bounds"))?,
+            None => Vec::new(),
+        };
+        drop(scratch);
+        Ok(PhaseOut { out: out.into_iter().map(|b| from_bits(dtype, b)).collect(), lse, head_lse, delta, indptr: plan.page_indptr })
+    }
+}
+
+/// Fills every certificate's rung and detections from its group.
+pub(super) fn finish(groups: &[Group], mut certs: Vec<HeadCertificate>, gqa: usize) -> Vec<HeadCertificate> {
+    for (gi, g) in groups.iter().enumerate() {
+        for c in &mut certs[gi * gqa..(gi + 1) * gqa] {
+            c.rung = g.rung;
+            c.detections = g.detections;
+        }
+    }
+    certs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::certified::select::EXPLORED;
+
+    fn group(tiers: &[u8]) -> Group {
+        let pages = tiers.iter().enumerate().map(|(i, &t)| (PageRef { tier: t, index: i as u32, offset: 0 }, 64)).collect();
+        let errors = tiers.iter().map(|&t| (t != TAIL_TIER).then_some(PageErrors { eta: 0.1, v_max: 1.0 })).collect();
+        Group::new(pages, errors, 1.0)
+    }
+
+    fn cert(bound: f64, ranking: bool, boundary: usize) -> HeadCertificate {
+        HeadCertificate { delta: 0.0, alpha_tail: 0.0, v_max: 1.0, e_key: 0.0, e_val: 0.0, e_round: 0.0, bound, promoted: 0, explored: 0, rung: 0, detections: 0, ranking, boundary }
+    }
+
+    #[test]
+    fn verdicts() {
+        let cfg = CertConfig::default();
+        let mut g = group(&[1, 1, TAIL_TIER]);
+        assert_eq!(verdict(&g, &[cert(0.01, false, 0)], g.left(), &cfg), Action::Keep);
+        assert_eq!(verdict(&g, &[cert(0.01, false, 0), cert(0.06, false, 0)], g.left(), &cfg), Action::Climb);
+        assert_eq!(verdict(&g, &[cert(f64::NAN, false, 0)], g.left(), &cfg), Action::Climb);
+        assert_eq!(verdict(&g, &[cert(0.01, true, 0)], g.left(), &cfg), Action::Exact);
+        assert_eq!(verdict(&g, &[cert(0.01, false, 2)], g.left(), &cfg), Action::Exact);
+        assert_eq!(verdict(&g, &[cert(0.01, true, 0)], g.left(), &CertConfig { rank_escalate: false, ..CertConfig::default() }), Action::Keep);
+        g.detections = 1;
+        assert_eq!(verdict(&g, &[cert(0.01, false, 0)], g.left(), &cfg), Action::Exact);
+        // Every quantised page already exact: a ranking disagreement changes nothing.
+        g.detections = 0;
+        g.promote_all();
+        assert_eq!(verdict(&g, &[cert(0.01, true, 0)], g.left(), &cfg), Action::Keep);
+        g.rung = 3;
+        assert_eq!(verdict(&g, &[cert(1.0, true, 0)], g.left(), &cfg), Action::Keep);
+    }
+
+    #[test]
+    fn climbing_promotes_by_achieved_mass_then_value_error_then_all() {
+        let cfg = CertConfig { v_tol: 0.05, ..CertConfig::default() };
+        let mut g = group(&[1, 1, 1, 1, TAIL_TIER]);
+        g.state[0] = PROMOTED;
+        g.state[3] = EXPLORED;
+        let rho = vec![vec![0.4, 0.1, 0.3, 0.15, 0.05]];
+        assert!(climb(&mut g, &rho, &cfg));
+        assert_eq!((g.rung, &g.state[..]), (1, &[PROMOTED, QUANTISED, PROMOTED, EXPLORED, QUANTISED][..]));
+        // ρ·η with page 3's η 0.5: page 1 0.01, page 3 0.075 > v_tol.
+        g.errors[3] = Some(PageErrors { eta: 0.5, v_max: 1.0 });
+        assert!(climb(&mut g, &rho, &cfg));
+        assert_eq!((g.rung, &g.state[..]), (2, &[PROMOTED, QUANTISED, PROMOTED, PROMOTED, QUANTISED][..]));
+        assert!(climb(&mut g, &rho, &cfg));
+        assert_eq!(g.rung, 3);
+        assert_eq!(g.left(), 0);
+        assert!(!climb(&mut g, &rho, &cfg));
+    }
+
+    #[test]
+    fn layer_falls_back_when_enough_heads_are_exact() {
+        let cfg = CertConfig { layer_fallback: 0.5, ..CertConfig::default() };
+        let mut gs = vec![group(&[1]), group(&[1]), group(&[1])];
+        assert!(!layer_fallback(&gs, &cfg));
+        gs[0].rung = 3;
+        assert!(!layer_fallback(&gs, &cfg));
+        gs[1].rung = 3;
+        assert!(layer_fallback(&gs, &cfg));
+        gs[2].rung = 3;
+        assert!(!layer_fallback(&gs, &cfg));
+    }
+}

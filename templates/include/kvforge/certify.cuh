@@ -1,0 +1,458 @@
+// Certified decode (seed 004) on the device: the selector and the certificate of one step,
+// launched between and after the two decodes so that no host round trip separates them.
+//
+// Both mirror host reference code of kvforge-rt, which the GPU tests compare them against:
+//  * cert_select  = certified/select.rs: integer arithmetic only (fixed-point page weights from
+//    a shared polynomial, u64 sums), so the device picks bit for bit the pages the host picks;
+//  * cert_bound   = certified/checks.rs + bound.rs: f64; its sums run in another order than
+//    the host's, so the two agree to rounding (the tests state the tolerance). The score,
+//    ranking and boundary checks compare products rounded once (__dmul_rn: no contraction),
+//    exactly as the host does.
+// One CTA per (sequence, kv head) each: a decode step launches batch × kv heads of them.
+#pragma once
+#include "common.cuh"
+#include "kvforge/params.cuh"
+
+namespace kvforge {
+
+// Columns of CertBoundParams::head_f64 / head_u32 (certified/device.rs has the same numbers).
+enum CertF64 : int { CF_DELTA, CF_ALPHA, CF_VMAX, CF_EKEY, CF_EVAL, CF_EROUND, CF_BOUND, CF_ONORM, CERT_F64 };
+enum CertU32 : int { CU_DETECT, CU_BOUNDARY, CU_RANKING, CU_PROMOTED, CU_EXPLORED, CERT_U32 };
+
+// Page states written by the selector (certified/select.rs: QUANTISED, PROMOTED, EXPLORED).
+constexpr u8 PAGE_QUANTISED = 0, PAGE_PROMOTED = 1, PAGE_EXPLORED = 2;
+// The heaviest page of a query head weighs 2^CERT_WEIGHT_BITS.
+constexpr int CERT_WEIGHT_BITS = 32;
+constexpr double CERT_LN2 = 0.6931471805599453;
+#define CERT_POS_INF (__int_as_float(0x7f800000u))
+
+// 2^f for f in [0, 1): Taylor polynomial of degree 12, Horner with fused multiply-adds. The
+// coefficient bits are select.rs' EXP2_COEFFS (a CPU test checks this text).
+__device__ __forceinline__ double cert_exp2_unit(double f) {
+  const u64 c[13] = {0x3ff0000000000000ull, 0x3fe62e42fefa39efull, 0x3fcebfbdff82c58full, 0x3fac6b08d704a0c0ull,
+                     0x3f83b2ab6fba4e77ull, 0x3f55d87fe78a6731ull, 0x3f2430912f86c787ull, 0x3eeffcbfc588b0c7ull,
+                     0x3eb62c0223a5c824ull, 0x3e7b5253d395e7c4ull, 0x3e3e4cf5158b8ecaull, 0x3dfe8cac7351bb25ull,
+                     0x3dbc3bd650fc2986ull};
+  double r = __longlong_as_double(c[12]);
+#pragma unroll
+  for (int k = 11; k >= 0; --k) r = fma(r, f, __longlong_as_double(c[k]));
+  return r;
+}
+
+// W = floor(2^(l - m) * 2^32): select.rs' page_weight.
+__device__ __forceinline__ u64 cert_weight(float l, float m) {
+  if (isnan(l) || l == CERT_POS_INF) return 1ull << CERT_WEIGHT_BITS;
+  if (l == NEG_INF) return 0;
+  const double x = __dsub_rn(double(l), double(m));
+  if (!(x >= -double(CERT_WEIGHT_BITS + 1))) return 0;
+  const double n = floor(x);
+  const double scale = __longlong_as_double((long long)(1023 + CERT_WEIGHT_BITS + int(n)) << 52);
+  return (u64)floor(__dmul_rn(cert_exp2_unit(__dsub_rn(x, n)), scale));
+}
+
+// ---- block reductions over GQA values at once (NT threads, NT / 32 warps) ----
+
+template <int GQA, int NT, class T, class Op>
+__device__ __forceinline__ void cert_block_reduce(T (&v)[GQA], T (*scratch)[GQA], Op op) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int h = 0; h < GQA; ++h) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v[h] = op(v[h], __shfl_xor_sync(0xffffffffu, v[h], o));
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int h = 0; h < GQA; ++h) scratch[warp][h] = v[h];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < GQA; ++h) {
+    v[h] = scratch[0][h];
+    for (int w = 1; w < NT / 32; ++w) v[h] = op(v[h], scratch[w][h]);
+  }
+  __syncthreads();
+}
+
+// Exclusive prefix sums over the threads of the block (thread order), GQA columns at once.
+template <int GQA, int NT>
+__device__ __forceinline__ void cert_block_exclusive_scan(u64 (&v)[GQA], u64 (*scratch)[GQA]) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  u64 inc[GQA];
+#pragma unroll
+  for (int h = 0; h < GQA; ++h) {
+    u64 x = v[h];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const u64 y = __shfl_up_sync(0xffffffffu, x, o);
+      if (lane >= o) x += y;
+    }
+    inc[h] = x;
+  }
+  if (lane == 31) {
+#pragma unroll
+    for (int h = 0; h < GQA; ++h) scratch[warp][h] = inc[h];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < GQA; ++h) {
+    u64 base = 0;
+    for (int w = 0; w < warp; ++w) base += scratch[w][h];
+    v[h] = base + inc[h] - v[h];
+  }
+  __syncthreads();
+}
+
+// ---- the selector: one CTA of NT threads per (sequence, kv head) group ----
+//
+// Dynamic shared memory: the sort buffer, 8 B per page of the largest group rounded up to a
+// power of two (the launch passes it).
+
+template <int GQA, int NT>
+__device__ void cert_select(const CertSelectParams& p) {
+  constexpr int NW = NT / 32;
+  extern __shared__ __align__(16) u8 cert_sort_smem[];
+  u64* keys = reinterpret_cast<u64*>(cert_sort_smem);
+  __shared__ float fscratch[NW][GQA];
+  __shared__ u64 uscratch[NW][GQA];
+  __shared__ u32 kcov_s;
+  const int g = blockIdx.x, tid = threadIdx.x;
+  if (g >= p.groups) return;
+  const u32 first = p.page_indptr[g];
+  const int n = int(p.page_indptr[g + 1] - first);
+  const float* lse = p.page_head_lse + size_t(first) * GQA;
+  const u32* info = p.page_info + first;
+  const u64* offsets = p.page_offsets + first;
+  const u64* orig = p.orig_offsets + first;
+  u8* state = p.page_state + first;
+  u64* out_offsets = p.out_page_offsets + first;
+  u32* out_info = p.out_page_info + first;
+  u64* wts = p.weights + size_t(first) * GQA;  // [page][GQA], written once in step 2
+
+  if (p.force_exact != nullptr && p.force_exact[g] != 0) {
+    // Rungs 3 and 4: every quantised page from tier 2.
+    for (int i = tid; i < n; i += NT) state[i] = (info[i] & 0xff) != 0 ? PAGE_PROMOTED : PAGE_QUANTISED;
+  } else {
+    // 1. Per head: the largest finite log2 mass M_h.
+    float mx[GQA];
+#pragma unroll
+    for (int h = 0; h < GQA; ++h) mx[h] = NEG_INF;
+    for (int i = tid; i < n; i += NT) {
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) {
+        const float l = lse[i * GQA + h];
+        if (isfinite(l)) mx[h] = fmaxf(mx[h], l);
+      }
+    }
+    cert_block_reduce<GQA, NT>(mx, fscratch, [](float a, float b) { return fmaxf(a, b); });
+
+    // 2. Weights, totals T_h and the exact (tail-tier) pages' share E_h, in u64: order-free.
+    u64 tot[GQA], exact[GQA];
+#pragma unroll
+    for (int h = 0; h < GQA; ++h) tot[h] = exact[h] = 0;
+    u32 nq_local = 0;
+    for (int i = tid; i < n; i += NT) {
+      const bool quant = (info[i] & 0xff) != 0;
+      nq_local += quant;
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) {
+        const u64 w = cert_weight(lse[i * GQA + h], mx[h]);
+        wts[i * GQA + h] = w;
+        tot[h] += w;
+        if (!quant) exact[h] += w;
+      }
+    }
+    cert_block_reduce<GQA, NT>(tot, uscratch, [](u64 a, u64 b) { return a + b; });
+    cert_block_reduce<GQA, NT>(exact, uscratch, [](u64 a, u64 b) { return a + b; });
+    u64 nqv[1] = {nq_local};
+    cert_block_reduce<1, NT>(nqv, reinterpret_cast<u64(*)[1]>(uscratch), [](u64 a, u64 b) { return a + b; });
+    const u32 nq = u32(nqv[0]);
+
+    // 3. Sort keys: largest normalised share descending, then page index (ascending key).
+    int np = 1;
+    while (np < n) np <<= 1;
+    for (int i = tid; i < np; i += NT) {
+      u64 key = ~0ull;
+      if (i < n && (info[i] & 0xff) != 0) {
+        u64 share = 0;
+#pragma unroll
+        for (int h = 0; h < GQA; ++h) {
+          const u64 w = wts[i * GQA + h];
+          const u64 s = tot[h] > 0 ? (w << 31) / tot[h] : 0;
+          share = s > share ? s : share;
+        }
+        key = (u64(0xffffffffu - u32(share)) << 32) | u32(i);
+      }
+      keys[i] = key;
+    }
+    __syncthreads();
+    // Bitonic sort, ascending.
+    for (int k = 2; k <= np; k <<= 1) {
+      for (int j = k >> 1; j > 0; j >>= 1) {
+        for (int i = tid; i < np; i += NT) {
+          const int ij = i ^ j;
+          if (ij > i) {
+            const u64 a = keys[i], b = keys[ij];
+            if ((a > b) == ((i & k) == 0)) { keys[i] = b; keys[ij] = a; }
+          }
+        }
+        __syncthreads();
+      }
+    }
+
+    // 4. K_cov: the least prefix of the order with every head covered (with E_h).
+    auto covered = [&](const u64 (&c)[GQA]) {
+      bool all = true;
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) all = all && double(c[h]) >= __dmul_rn(p.coverage, double(tot[h]));
+      return all;
+    };
+    if (tid == 0) kcov_s = covered(exact) ? 0u : nq;
+    const int chunk = (int(nq) + NT - 1) / NT;
+    const int lo = min(int(nq), tid * chunk), hi = min(int(nq), lo + chunk);
+    u64 pre[GQA];
+#pragma unroll
+    for (int h = 0; h < GQA; ++h) pre[h] = 0;
+    for (int j = lo; j < hi; ++j) {
+      const int i = int(keys[j] & 0xffffffffu);
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) pre[h] += wts[i * GQA + h];
+    }
+    cert_block_exclusive_scan<GQA, NT>(pre, uscratch);
+    u64 c[GQA];
+#pragma unroll
+    for (int h = 0; h < GQA; ++h) c[h] = exact[h] + pre[h];
+    for (int j = lo; j < hi; ++j) {
+      const int i = int(keys[j] & 0xffffffffu);
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) c[h] += wts[i * GQA + h];
+      if (covered(c)) { atomicMin(&kcov_s, u32(j + 1)); break; }
+    }
+    for (int i = tid; i < n; i += NT) state[i] = PAGE_QUANTISED;
+    __syncthreads();
+
+    // 5. Clamp to [K_min, K_max] and the quantised pages; promote the first k.
+    const u32 k = min(min(max(kcov_s, p.min_pages), p.max_pages), nq);
+    for (u32 j = tid; j < k; j += NT) state[keys[j] & 0xffffffffu] = PAGE_PROMOTED;
+    __syncthreads();
+
+    // 6. Exploration: systematic sample of the unpromoted quantised pages with a random start.
+    const u32 tail = nq - k;
+    const u32 want = u32(ceil(__dmul_rn(p.explore, double(nq))));
+    const u64 cnt = want < tail ? want : tail;
+    if (cnt > 0) {
+      const int ch = (n + NT - 1) / NT;
+      const int a = min(n, tid * ch), z = min(n, a + ch);
+      u64 rank[1] = {0};
+      for (int i = a; i < z; ++i) rank[0] += (info[i] & 0xff) != 0 && state[i] == PAGE_QUANTISED;
+      cert_block_exclusive_scan<1, NT>(rank, reinterpret_cast<u64(*)[1]>(uscratch));
+      const u64 t = tail, s = p.group_seeds[g] % t;
+      u64 r = rank[0];
+      for (int i = a; i < z; ++i) {
+        if ((info[i] & 0xff) == 0 || state[i] != PAGE_QUANTISED) continue;
+        if ((r * cnt + s) / t != ((r + 1) * cnt + s) / t) state[i] = PAGE_EXPLORED;
+        ++r;
+      }
+    }
+  }
+  __syncthreads();
+
+  // Phase 2's page table: a served page is a tail-format page at its original.
+  for (int i = tid; i < n; i += NT) {
+    const bool served = state[i] != PAGE_QUANTISED;
+    out_offsets[i] = served ? orig[i] : offsets[i];
+    out_info[i] = served ? (info[i] & ~0xffu) : info[i];
+  }
+}
+
+// ---- the certificate: one CTA of NT threads per (sequence, kv head) group ----
+//
+// Every thread takes pages i = tid, tid + NT, ... with all GQA query heads of each (their
+// [page][GQA] entries are contiguous), and block reductions combine the heads' sums.
+
+// checks.rs' total_order_key: f32::total_cmp's order as an unsigned key.
+__device__ __forceinline__ u32 cert_order_key(float x) {
+  const int s = __float_as_int(x);
+  return u32(s ^ int(u32(s >> 31) >> 1)) ^ 0x80000000u;
+}
+
+// Packed ranking key of page i: total order of its log-mass, then the complement of its index,
+// so the largest key is the page a descending, index-ascending sort puts first.
+__device__ __forceinline__ u64 cert_rank_key(float l, int i) { return (u64(cert_order_key(l)) << 32) | (0xffffffffu - u32(i)); }
+__device__ __forceinline__ int cert_rank_page(u64 key) { return int(0xffffffffu - u32(key & 0xffffffffu)); }
+
+// bound.rs' total_variation.
+__device__ __forceinline__ double cert_total_variation(double delta, double alpha) {
+  if (alpha <= 0.0) return 0.0;
+  if (!isfinite(delta)) return __longlong_as_double(0x7ff0000000000000ll);
+  const double lo = 1.0 - alpha * (1.0 - exp(-delta));
+  const double hi = 1.0 + alpha * expm1(delta);
+  const double exact_part = fmax(1.0 - 1.0 / hi, 1.0 / lo - 1.0);
+  const double tail_part = fmax(1.0 - exp(-delta) / hi, exp(delta) / lo - 1.0);
+  return fmin((1.0 - alpha) * exact_part + alpha * tail_part, 2.0 * tanh(delta / 2.0));
+}
+
+template <int GQA, class QT, int NT>
+__device__ void cert_bound(const CertBoundParams& p) {
+  constexpr int NW = NT / 32;
+  const double NEG_INF64 = __longlong_as_double(0xfff0000000000000ll);
+  __shared__ double dscratch[NW][GQA];
+  __shared__ u64 uscratch[NW][GQA];
+  __shared__ u32 wscratch[NW][GQA];
+  __shared__ u32 cscratch[NW][4];
+  __shared__ double onorm_s[GQA];
+  const int g = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  if (g >= p.groups) return;
+  if (g == 0 && tid == 0 && p.flags_out != nullptr) *p.flags_out = *p.error_flags;
+  const u32 first = p.page_indptr[g];
+  const int n = int(p.page_indptr[g + 1] - first);
+  const float* l1 = p.page_head_lse + size_t(first) * GQA;
+  const float* d1 = p.page_delta + size_t(first) * GQA;
+  const float* l2 = p.page_head_lse2 + size_t(first) * GQA;
+  const u32* info = p.page_info + first;
+  const u8* state = p.page_state + first;
+  const double* eta = p.page_eta + first;
+  auto fmax_op = [](double a, double b) { return fmax(a, b); };
+  auto dsum_op = [](double a, double b) { return a + b; };
+
+  // Phase-2 masses ρ_i = 2^(ℓ²_i − max) / Σ per head.
+  double mx[GQA], tot[GQA];
+#pragma unroll
+  for (int h = 0; h < GQA; ++h) { mx[h] = NEG_INF64; tot[h] = 0.0; }
+  for (int i = tid; i < n; i += NT) {
+#pragma unroll
+    for (int h = 0; h < GQA; ++h) mx[h] = fmax(mx[h], double(l2[i * GQA + h]));
+  }
+  cert_block_reduce<GQA, NT>(mx, dscratch, fmax_op);
+  for (int i = tid; i < n; i += NT) {
+#pragma unroll
+    for (int h = 0; h < GQA; ++h) tot[h] += exp2(double(l2[i * GQA + h]) - mx[h]);
+  }
+  cert_block_reduce<GQA, NT>(tot, dscratch, dsum_op);
+
+  // Tail quantities and score checks; counts: tokens, promoted, explored, exact-set size.
+  double alpha[GQA], e_val[GQA], delta[GQA];
+  u32 det[GQA];
+  u32 cnt[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int h = 0; h < GQA; ++h) { alpha[h] = e_val[h] = delta[h] = 0.0; det[h] = 0; }
+  for (int i = tid; i < n; i += NT) {
+    const u32 inf = info[i];
+    cnt[0] += inf >> 8;
+    if ((inf & 0xff) == 0) { ++cnt[3]; continue; }
+    const u8 st = state[i];
+    if (st == PAGE_QUANTISED) {
+      const double e = eta[i];
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) {
+        const double rho = exp2(double(l2[i * GQA + h]) - mx[h]) / tot[h];
+        alpha[h] += rho;
+        e_val[h] += rho * e;
+        delta[h] = fmax(delta[h], double(d1[i * GQA + h]));
+      }
+    } else {
+      cnt[1] += st == PAGE_PROMOTED;
+      cnt[2] += st == PAGE_EXPLORED;
+      ++cnt[3];
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) {
+        const double a = __dmul_rn(double(l1[i * GQA + h]), CERT_LN2), b = __dmul_rn(double(l2[i * GQA + h]), CERT_LN2);
+        if (!(fabs(__dsub_rn(a, b)) <= __dadd_rn(double(d1[i * GQA + h]), p.guard))) ++det[h];
+      }
+    }
+  }
+  cert_block_reduce<GQA, NT>(alpha, dscratch, dsum_op);
+  cert_block_reduce<GQA, NT>(e_val, dscratch, dsum_op);
+  cert_block_reduce<GQA, NT>(delta, dscratch, fmax_op);
+  cert_block_reduce<GQA, NT>(det, wscratch, [](u32 a, u32 b) { return a + b; });
+  cert_block_reduce<4, NT>(cnt, cscratch, [](u32 a, u32 b) { return a + b; });
+
+  // Ranking consistency (eq. 17, ties within ε_guard allowed) and boundary (eq. 18) over the
+  // exact set F (served and tail-tier pages): round j finds the j-th page of each order as the
+  // largest packed key below the previous round's.
+  u32 ranking[GQA], boundary[GQA];
+  double lr[GQA];
+#pragma unroll
+  for (int h = 0; h < GQA; ++h) { ranking[h] = boundary[h] = 0; lr[h] = NEG_INF64; }
+  if (p.rank_depth > 0) {
+    const int rounds = min(p.rank_depth, int(cnt[3]));
+    u64 prev2[GQA], prev1[GQA];
+    for (int j = 0; j < rounds; ++j) {
+      u64 b2[GQA], b1[GQA];
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) b2[h] = b1[h] = 0;
+      for (int i = tid; i < n; i += NT) {
+        if ((info[i] & 0xff) != 0 && state[i] == PAGE_QUANTISED) continue;
+#pragma unroll
+        for (int h = 0; h < GQA; ++h) {
+          const u64 k2 = cert_rank_key(l2[i * GQA + h], i), k1 = cert_rank_key(l1[i * GQA + h], i);
+          if ((j == 0 || k2 < prev2[h]) && k2 > b2[h]) b2[h] = k2;
+          if ((j == 0 || k1 < prev1[h]) && k1 > b1[h]) b1[h] = k1;
+        }
+      }
+      cert_block_reduce<GQA, NT>(b2, uscratch, [](u64 a, u64 b) { return a > b ? a : b; });
+      cert_block_reduce<GQA, NT>(b1, uscratch, [](u64 a, u64 b) { return a > b ? a : b; });
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) {
+        const double at_b = __dmul_rn(double(l2[cert_rank_page(b2[h]) * GQA + h]), CERT_LN2);
+        const double at_a = __dmul_rn(double(l2[cert_rank_page(b1[h]) * GQA + h]), CERT_LN2);
+        if (at_a < __dsub_rn(at_b, p.guard)) ranking[h] = 1;
+        if (j == p.rank_depth - 1) lr[h] = at_b;
+        prev2[h] = b2[h];
+        prev1[h] = b1[h];
+      }
+    }
+    for (int i = tid; i < n; i += NT) {
+      if ((info[i] & 0xff) == 0 || state[i] != PAGE_QUANTISED) continue;
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) {
+        if (__dadd_rn(__dmul_rn(double(l1[i * GQA + h]), CERT_LN2), double(d1[i * GQA + h])) > lr[h]) ++boundary[h];
+      }
+    }
+    cert_block_reduce<GQA, NT>(boundary, wscratch, [](u32 a, u32 b) { return a + b; });
+  }
+
+  // ‖Ô‖₂ of every head's phase-2 output row: warp w takes heads w, w + NW, ...
+  for (int h = warp; h < GQA; h += NW) {
+    const QT* o = reinterpret_cast<const QT*>(p.out) + (size_t(g) * GQA + h) * p.head_dim;
+    double sq = 0.0;
+    for (int c = lane; c < p.head_dim; c += 32) {
+      const double x = double(to_float(o[c]));
+      sq += x * x;
+    }
+#pragma unroll
+    for (int o2 = 16; o2 > 0; o2 >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o2);
+    if (lane == 0) onorm_s[h] = sqrt(sq);
+  }
+  __syncthreads();
+
+  if (tid < GQA) {
+    // bound.rs' certificate(); thread h writes head h (static indices through the unrolled
+    // loop keep the per-head arrays in registers).
+    const double v_max = p.group_v_max[g];
+    const double u = 1.0 / 2048.0;
+#pragma unroll
+    for (int h = 0; h < GQA; ++h) {
+      if (h != tid) continue;
+      const double e_key = v_max * cert_total_variation(delta[h], alpha[h]);
+      const double e_round = u / (1.0 - u) * onorm_s[h] + (double(cnt[0]) / 8.0 + 128.0) * 5.9604644775390625e-08 * v_max;
+      const size_t row = size_t(g) * GQA + h;
+      double* f = p.head_f64 + row * CERT_F64;
+      f[CF_DELTA] = delta[h];
+      f[CF_ALPHA] = alpha[h];
+      f[CF_VMAX] = v_max;
+      f[CF_EKEY] = e_key;
+      f[CF_EVAL] = e_val[h];
+      f[CF_EROUND] = e_round;
+      f[CF_BOUND] = e_key + e_val[h] + e_round;
+      f[CF_ONORM] = onorm_s[h];
+      u32* w = p.head_u32 + row * CERT_U32;
+      w[CU_DETECT] = det[h];
+      w[CU_BOUNDARY] = boundary[h];
+      w[CU_RANKING] = ranking[h];
+      w[CU_PROMOTED] = cnt[1];
+      w[CU_EXPLORED] = cnt[2];
+    }
+  }
+}
+
+}  // namespace kvforge
