@@ -536,7 +536,10 @@ fn device_path_equals_host_path() {
         }
     }
     println!("device path = host path; rungs {rungs:?}; {host_ladder} device-path steps continued on the host");
-    assert!(rungs[1] + rungs[2] > 0 && rungs[3] > 0, "{rungs:?}");
+    // Rungs 1–2 run on the host continuation of a device step (`host_ladder`); on these caches
+    // the heads they do not settle go on to rung 3, so they need not be any head's final rung
+    // (H100: final rungs [5376, 0, 0, 256, 1024], 36 steps continued on the host).
+    assert!(host_ladder > 0 && rungs[3] > 0 && rungs[4] > 0, "{rungs:?}, {host_ladder} host continuations");
 }
 
 /// A small step through every certify kernel path (selection, exploration, forced rungs 3–4):
