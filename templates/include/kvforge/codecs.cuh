@@ -38,6 +38,23 @@ struct DropKey {
   __device__ static void score_lut(const u8*, int, int, const float*, float (&)[GQA]) {}
 };
 
+// Tensor-core scores of one m16n8k16 tile (tokens t0 and t0 + 8 of the page × query heads
+// 2qd and 2qd + 1) into the [GQA][P] score array of channel part `first_part` (0) or the
+// second part: tokens past `len` score -inf in part 0 and add nothing in part 1.
+template <int GQA, int P>
+__device__ __forceinline__ void store_mma_scores(const float (&c)[4], int t0, int len, int qd, float* dst, bool first_part) {
+  const float pad = first_part ? NEG_INF : 0.f;
+  const int h0 = 2 * qd;
+  if (h0 < GQA) {
+    dst[h0 * P + t0] = t0 < len ? c[0] : pad;
+    dst[h0 * P + t0 + 8] = t0 + 8 < len ? c[2] : pad;
+  }
+  if (h0 + 1 < GQA) {
+    dst[(h0 + 1) * P + t0] = t0 < len ? c[1] : pad;
+    dst[(h0 + 1) * P + t0 + 8] = t0 + 8 < len ? c[3] : pad;
+  }
+}
+
 // Dense keys (fp16/bf16) [P][D]. Scored in 16-byte chunks (8 channels); consecutive threads
 // take consecutive chunks so shared-memory reads are conflict-free.
 template <class T, int D, int P, int OFF>
@@ -117,28 +134,14 @@ struct DenseKey {
         u32 bh[2] = {0u, 0u}, bl[2] = {0u, 0u};
         if (g < GQA) {
           const float4 qv = *reinterpret_cast<const float4*>(qh + 4 * j);
-          bh[0] = pack2<false>(qv.x, qv.y);
-          bh[1] = pack2<false>(qv.z, qv.w);
-          const float2 h0 = unpack2h(bh[0]), h1 = unpack2h(bh[1]);
-          bl[0] = pack2<false>(qv.x - h0.x, qv.y - h0.y);
-          bl[1] = pack2<false>(qv.z - h1.x, qv.w - h1.y);
+          split_h2(qv.x, qv.y, bh[0], bl[0]);
+          split_h2(qv.z, qv.w, bh[1], bl[1]);
         }
         const u32 a[4] = {k0.x, k1.x, k0.y, k1.y};
         mma16816<false>(c, a, bh);
         mma16816<false>(c, a, bl);
       }
-      // Tokens past `len` score -inf (part 0) and add nothing (part 1).
-      float* dst = kp == 0 ? sc0 : sc1;
-      const float pad = kp == 0 ? NEG_INF : 0.f;
-      const int h0 = 2 * qd;
-      if (h0 < GQA) {
-        dst[h0 * P + t0] = t0 < len ? c[0] : pad;
-        dst[h0 * P + t0 + 8] = t0 + 8 < len ? c[2] : pad;
-      }
-      if (h0 + 1 < GQA) {
-        dst[(h0 + 1) * P + t0] = t0 < len ? c[1] : pad;
-        dst[(h0 + 1) * P + t0 + 8] = t0 + 8 < len ? c[3] : pad;
-      }
+      store_mma_scores<GQA, P>(c, t0, len, qd, kp == 0 ? sc0 : sc1, kp == 0);
     }
   }
 
@@ -411,10 +414,7 @@ struct IntKey {
 #pragma unroll
         for (int e = 0; e < NPAIR; ++e) {
           const int ca = M::pair_lo(e), cb = ca + CC;
-          const float x = qv[ca] * sv[ca], y = qv[cb] * sv[cb];
-          bhi[e] = pack2<false>(x, y);
-          const float2 h = unpack2h(bhi[e]);
-          blo[e] = pack2<false>(x - h.x, y - h.y);
+          split_h2(qv[ca] * sv[ca], qv[cb] * sv[cb], bhi[e], blo[e]);
         }
       } else {
 #pragma unroll
@@ -437,18 +437,7 @@ struct IntKey {
         mma16816<false>(c, a, bh);
         mma16816<false>(c, a, bl);
       }
-      // Tokens past `len` score -inf (part 0) and add nothing (part 1).
-      float* dst = kp == 0 ? sc0 : sc1;
-      const float pad = kp == 0 ? NEG_INF : 0.f;
-      const int h0 = 2 * qd;
-      if (h0 < GQA) {
-        dst[h0 * P + t0] = t0 < len ? c[0] : pad;
-        dst[h0 * P + t0 + 8] = t0 + 8 < len ? c[2] : pad;
-      }
-      if (h0 + 1 < GQA) {
-        dst[(h0 + 1) * P + t0] = t0 < len ? c[1] : pad;
-        dst[(h0 + 1) * P + t0 + 8] = t0 + 8 < len ? c[3] : pad;
-      }
+      store_mma_scores<GQA, P>(c, t0, len, qd, kp == 0 ? sc0 : sc1, kp == 0);
     }
   }
   // The codes of one thread's row slice as exact fp16 pairs in pair_lo order.

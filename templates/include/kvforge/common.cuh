@@ -144,6 +144,13 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
   }
 }
 __device__ __forceinline__ float2 unpack2h(u32 x) { return __half22float2(*reinterpret_cast<const __half2*>(&x)); }
+// (x, y) as an fp16 pair `hi` plus the fp16 pair of what it rounded off, `lo`: two mmas with
+// hi and lo carry ~22 bits of each factor (the fp32-grade products scoring relies on).
+__device__ __forceinline__ void split_h2(float x, float y, u32& hi, u32& lo) {
+  hi = pack2<false>(x, y);
+  const float2 h = unpack2h(hi);
+  lo = pack2<false>(x - h.x, y - h.y);
+}
 
 // Small codes as fp16 pairs: a pair word (x & mask) | 0x6400_6400 is (1024 + lo, 1024 + hi)
 // exactly; subtracting 1024 leaves the exact codes (no I2F, one LOP3 + one HSUB2 per pair).
