@@ -157,7 +157,9 @@ pub fn decode_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize
     let bfrag = if per_warp(spec, tiers, d, gqa) { qfrag_bytes(spec, tiers, d, gqa) } else { ts.iter().map(|t| bfrag_bytes(spec, t, d, gqa)).max().unwrap_or(0) };
     let fixed = align16(gqa * d * 4) + align16(lut * 4) + align16(gqa * p * 4) + align16(4 * gqa * 4) + align16(gqa * d * 4) + align16(bfrag);
     let stage = kvforge_spec::HEADER_BYTES + align16(seg);
-    let nstage = (100 * 1024 / stage).clamp(2, 16);
+    // Mirror of `DecodeSmem::NSTAGE`: deep pipelines, but spherical variants (LUT-bound) keep
+    // CTAs per SM.
+    let nstage = if lut == 0 { (100 * 1024 / stage).clamp(2, 16) } else { (if 3 * stage <= 112 * 1024 { 3 } else { 2 }).max((48 * 1024 / stage).min(8)) };
     fixed + nstage * stage
 }
 

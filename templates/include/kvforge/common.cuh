@@ -96,10 +96,15 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// Copies `bytes` (a multiple of 16) with all threads of the block.
-template <int NTHREADS>
-__device__ __forceinline__ void stage_async(u8* dst, const u8* src, int bytes) {
-  for (int i = threadIdx.x * 16; i < bytes; i += NTHREADS * 16) cp_async16(dst + i, src + i);
+// Copies BYTES (a multiple of 16) with all threads of the block, unrolled (a runtime-length
+// loop cost ~90 instructions per warp per decode page in address and bound arithmetic).
+template <int NTHREADS, int BYTES>
+__device__ __forceinline__ void stage_async(u8* dst, const u8* src) {
+  const int t = threadIdx.x * 16;
+#pragma unroll
+  for (int k = 0; k < BYTES / (NTHREADS * 16); ++k) cp_async16(dst + t + k * NTHREADS * 16, src + t + k * NTHREADS * 16);
+  constexpr int REST = BYTES % (NTHREADS * 16), DONE = BYTES - REST;
+  if (REST > 0 && t < REST) cp_async16(dst + DONE + t, src + DONE + t);
 }
 
 template <int WIDTH>
@@ -164,7 +169,9 @@ __device__ __forceinline__ void split_h2(float x, float y, u32& hi, u32& lo) {
 // Small codes as fp16 pairs: a pair word (x & mask) | 0x6400_6400 is (1024 + lo, 1024 + hi)
 // exactly; subtracting 1024 leaves the exact codes (no I2F, one LOP3 + one HSUB2 per pair).
 __device__ __forceinline__ u32 h2_codes(u32 x, u32 mask) {
-  const u32 biased = (x & mask) | 0x64006400u;
+  // One LOP3 ((x & mask) | magic): written in C, ptxas splits it in two (one immediate each).
+  u32 biased;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(biased) : "r"(x), "r"(mask), "r"(0x64006400u));
   u32 r;
   asm("sub.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(biased), "r"(0x64006400u));
   return r;

@@ -74,11 +74,16 @@ struct DecodeSmem {
   static constexpr int STAGE = BFRAG + align16(WarpPlan<Cfg>::ON ? WarpPlan<Cfg>::QFRAG_BYTES : max_bfrag<Cfg::GQA, Cfg::NTHREADS / 32>(typename Cfg::Tiers{}));
   // A stage holds the page header and its segment.
   static constexpr int STAGE_BYTES = HEADER_BYTES + align16(max_seg(typename Cfg::Tiers{}));
-  // As many stages as fit in 100 KiB (two CTAs per SM), 2 to 16: decode streams at a
-  // bandwidth proportional to the bytes it has in flight (H100: b8 / b4 / b2 pages at 3
-  // stages ran at 0.62 / 0.39 / 0.22 of a copy, in the ratio of their page bytes), so small
-  // pages need deep pipelines; fp16 pages at head_dim 128 keep 3.
-  static constexpr int NSTAGE = STAGE_BYTES * 16 <= 100 * 1024 ? 16 : 100 * 1024 / STAGE_BYTES < 2 ? 2 : 100 * 1024 / STAGE_BYTES;
+  // Stage depth. Integer and dense pages stream at a bandwidth that grows with the bytes in
+  // flight, so they take as many stages as fit in 100 KiB (2 to 16; H100, per-warp rdkv b8/b4:
+  // 1.08-1.21x faster than with 4-5 stages). Variants with spherical tiers are bound by their
+  // lookup-table path and want CTAs per SM more than depth: 3 stages where they fit in
+  // 112 KiB (else 2), more only for small pages, up to 48 KiB (8 stages) (H100, spherical low
+  // at batch 64: 0.90x the time of the deep rule).
+  static constexpr int NSTAGE_DEEP = STAGE_BYTES * 16 <= 100 * 1024 ? 16 : 100 * 1024 / STAGE_BYTES < 2 ? 2 : 100 * 1024 / STAGE_BYTES;
+  static constexpr int NSTAGE_BASE = 3 * STAGE_BYTES <= 112 * 1024 ? 3 : 2;
+  static constexpr int NSTAGE_SMALL = 48 * 1024 / STAGE_BYTES > 8 ? 8 : 48 * 1024 / STAGE_BYTES;
+  static constexpr int NSTAGE = sum_lut<Cfg::GQA>(typename Cfg::Tiers{}) == 0 ? NSTAGE_DEEP : NSTAGE_SMALL > NSTAGE_BASE ? NSTAGE_SMALL : NSTAGE_BASE;
   static constexpr int TOTAL = STAGE + NSTAGE * STAGE_BYTES;
 };
 
@@ -176,7 +181,7 @@ struct DecodeCta {
   __device__ void stage_page(TierList<Ts...>, u32 info, const u8* page, int buf) {
     const int tier = int(info & 0xff);
     if (tier == 0) return;
-    ((tier == Ts::id ? (stage_async<NT>(stage(buf), page, HEADER_BYTES + align16(Ts::SEG_BYTES)), true) : false) || ...);
+    ((tier == Ts::id ? (stage_async<NT, HEADER_BYTES + align16(Ts::SEG_BYTES)>(stage(buf), page), true) : false) || ...);
   }
 
   template <class... Ts>
@@ -204,11 +209,12 @@ struct DecodeCta {
       if (WP::MASK & (1u << cc)) { if (n == o) return cc; ++n; }
     return 1;
   }
-  // Query fragments of every pair order, once per CTA: u32 index ((order·2 + part)·NPAIR/4 +
-  // e/4)·4·GQA·4 + (g·4 + qd)·4 + e%4 holds part (0 high, 1 low) of q[g] at pair e of quarter
-  // qd, so a lane reads 4 pairs as one uint4 and the lanes of a warp read consecutive ones.
+  // Query fragments of every pair order, once per CTA: the A operand of k-step j for lane
+  // (g, qd) is the uint4 at (order·KSW + j)·4·GQA + g·4 + qd, {hi(2j), lo(2j), hi(2j + 1),
+  // lo(2j + 1)} of q[g] at pairs 2j, 2j + 1 of quarter qd: the fp16 high part in A rows g (the
+  // heads), the low part in rows g + 8, which no head uses, so one mma takes both.
   __device__ void build_qfrag() {
-    constexpr int NCH4 = NPAIR / 4, L4 = 4 * GQA, CPT = D / 4;
+    constexpr int L4 = 4 * GQA, CPT = D / 4;
     u32* f = qfrag_s();
     for (int i = threadIdx.x; i < WP::NORD * L4 * NPAIR; i += NT) {
       const int e = i % NPAIR, l4 = (i / NPAIR) % L4, o = i / (NPAIR * L4);
@@ -216,9 +222,9 @@ struct DecodeCta {
       const int ca = qd * CPT + (e / cc) * 2 * cc + e % cc;
       u32 hi, lo;
       split_h2(q_s()[g * D + ca], q_s()[g * D + ca + cc], hi, lo);
-      const int at = ((o * 2) * NCH4 + e / 4) * L4 * 4 + l4 * 4 + e % 4;
+      const int at = ((o * KSW + e / 2) * L4 + l4) * 4 + 2 * (e % 2);
       f[at] = hi;
-      f[at + NCH4 * L4 * 4] = lo;
+      f[at + 1] = lo;
     }
   }
 
@@ -228,34 +234,31 @@ struct DecodeCta {
   __device__ void compute_warp(const u8* seg, int len) {
     using K = typename T::Key;
     using V = typename T::Value;
-    constexpr int NCH4 = NPAIR / 4, L4 = 4 * GQA;
+    constexpr int L4 = 4 * GQA;
     constexpr int ORD = WP::order(K::WARP_CC);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, qd = lane & 3;
     const bool head = g < GQA;
-    const uint4* qf = reinterpret_cast<const uint4*>(qfrag_s()) + ORD * 2 * NCH4 * L4 + (head ? lane : 0);
+    const uint4* qf = reinterpret_cast<const uint4*>(qfrag_s()) + ORD * KSW * L4 + (head ? lane : 0);
     float page_sum = 0.f;
     bool any = false;
 #pragma unroll 1
     for (int o = warp; o * 8 < len; o += NW) {
       const int t0 = o * 8, ta = t0 + 2 * qd, tb = ta + 1;
-      // Scores of head g, tokens ta and tb (C rows g + 8 are the zero heads 8..15).
+      // Scores of head g, tokens ta and tb: C rows g hold the high parts' products, rows
+      // g + 8 the low parts'; two accumulator chains (even and odd k-steps) halve the mma
+      // dependency chain.
       u32 kb[NPAIR];
       K::template warp_keys<NPAIR>(seg, t0 + g, qd, kb);
-      float c[4] = {0.f, 0.f, 0.f, 0.f};
+      float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-      for (int j4 = 0; j4 < NCH4; ++j4) {
-        uint4 h = make_uint4(0u, 0u, 0u, 0u), l = h;
-        if (head) { h = qf[j4 * L4]; l = qf[(NCH4 + j4) * L4]; }
-        const u32 b0[2] = {kb[4 * j4], kb[4 * j4 + 1]}, b1[2] = {kb[4 * j4 + 2], kb[4 * j4 + 3]};
-        const u32 ah0[4] = {h.x, 0u, h.y, 0u}, al0[4] = {l.x, 0u, l.y, 0u};
-        const u32 ah1[4] = {h.z, 0u, h.w, 0u}, al1[4] = {l.z, 0u, l.w, 0u};
-        mma16816<false>(c, ah0, b0);
-        mma16816<false>(c, al0, b0);
-        mma16816<false>(c, ah1, b1);
-        mma16816<false>(c, al1, b1);
+      for (int j = 0; j < KSW; ++j) {
+        const uint4 q4 = head ? qf[j * L4] : make_uint4(0u, 0u, 0u, 0u);
+        const u32 a[4] = {q4.x, q4.y, q4.z, q4.w}, b2[2] = {kb[2 * j], kb[2 * j + 1]};
+        mma16816<false>(c[j & 1], a, b2);
       }
       // Online softmax of head g over the octet (token t0 < len scores finitely, so m_new is).
-      const float s0 = ta < len ? c[0] : NEG_INF, s1 = tb < len ? c[1] : NEG_INF;
+      const float s0 = ta < len ? (c[0][0] + c[0][2]) + (c[1][0] + c[1][2]) : NEG_INF;
+      const float s1 = tb < len ? (c[0][1] + c[0][3]) + (c[1][1] + c[1][3]) : NEG_INF;
       float mx = fmaxf(s0, s1);
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
@@ -604,11 +607,22 @@ struct DecodeCta {
     const int per = (n + p.num_splits - 1) / p.num_splits;
     const int lo = min(n, split * per), hi = min(n, lo + per);
 
-    // Start streaming pages first: the copies overlap the query and LUT set-up.
+    // Start streaming pages first: the copies overlap the query and LUT set-up. The page-table
+    // entries are all loaded before the first copy is issued, so the prologue waits on one
+    // round trip rather than one per stage (batch 1 lost 8-12% to that with deep pipelines).
+    {
+      u32 info[NSTAGE - 1];
+      u64 off[NSTAGE - 1];
 #pragma unroll
-    for (int s = 0; s < NSTAGE - 1; ++s) {
-      if (lo + s < hi) stage_page(typename Cfg::Tiers{}, p.page_info[first + lo + s], p.arena + p.page_offsets[first + lo + s], s);
-      cp_async_commit();
+      for (int s = 0; s < NSTAGE - 1; ++s) {
+        info[s] = lo + s < hi ? p.page_info[first + lo + s] : 0u;
+        off[s] = lo + s < hi ? p.page_offsets[first + lo + s] : 0u;
+      }
+#pragma unroll
+      for (int s = 0; s < NSTAGE - 1; ++s) {
+        if (lo + s < hi) stage_page(typename Cfg::Tiers{}, info[s], p.arena + off[s], s);
+        cp_async_commit();
+      }
     }
     // The entry of the page computed next (tier | tokens << 8), loaded an iteration ahead.
     u32 cur_info = lo < hi ? p.page_info[first + lo] : 0;
@@ -636,10 +650,11 @@ struct DecodeCta {
     // the barrier that proves every warp wrote them.
     const bool track = PW && (p.page_lse != nullptr || p.page_head_lse != nullptr);
     bool prev_done = false;
-    for (int i = lo; i < hi; ++i) {
-      const int buf = (i - lo) % NSTAGE;
+    // Stage of page i and of page i + NSTAGE - 1, kept incrementally (a modulo by a stage
+    // count that is not a power of two costs a multiply-high chain per page).
+    int buf = 0, abuf = NSTAGE - 1;
+    for (int i = lo; i < hi; ++i, buf = buf + 1 == NSTAGE ? 0 : buf + 1, abuf = abuf + 1 == NSTAGE ? 0 : abuf + 1) {
       const int ahead = i + NSTAGE - 1;
-      const int abuf = (ahead - lo) % NSTAGE;
       // Page i has landed, and every warp is done with page i - 1: its stage (`abuf`, refilled
       // below), the scores and the softmax statistics. This is the only barrier between two
       // pages, so the copy of page i + NSTAGE - 1 is issued after it.
