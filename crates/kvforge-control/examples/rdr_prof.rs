@@ -38,6 +38,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     pos.apply(&mut cache, &view, &plan, &limits)?;
     let (mut tr, mut tv, mut td, mut ta) = (0.0, 0.0, 0.0, 0.0);
     let mut moves = 0;
+    // Every plan, hashed (f64s by their Debug form, which round-trips): optimisations of the
+    // decision must leave it unchanged.
+    let mut digest = std::collections::hash_map::DefaultHasher::new();
     for _ in 0..n {
         cache.append(seq, 64);
         for _ in 0..64 {
@@ -59,8 +62,18 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         pos.apply(&mut cache, &view, &plan, &limits)?;
         ta += t.elapsed().as_secs_f64();
         moves += plan.decisions.len();
+        std::hash::Hash::hash(&format!("{plan:?}"), &mut digest);
     }
     let us = |x: f64| x * 1e6 / n as f64;
-    println!("{}: mean per invocation roll {:.0} view {:.0} decide {:.0} apply {:.0} us, {:.1} moves", spec.name, us(tr), us(tv), us(td), us(ta), moves as f64 / n as f64);
+    println!(
+        "{}: mean per invocation roll {:.0} view {:.0} decide {:.0} apply {:.0} us, {:.1} moves; plans digest {:016x}",
+        spec.name,
+        us(tr),
+        us(tv),
+        us(td),
+        us(ta),
+        moves as f64 / n as f64,
+        std::hash::Hasher::finish(&digest)
+    );
     Ok(())
 }
