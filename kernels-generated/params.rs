@@ -65,7 +65,24 @@ pub struct TranscodeParams {
     ///pages to transcode
     pub num_pages: i32,
 }
-///Arguments of the split-K combine kernel: one CTA per (sequence, query head).
+///Arguments of the importance-window fold: one CTA per (decode entry, kv head).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct MassWindowParams {
+    ///per page of the decode: log2 Σ_heads Σ_tokens 2^logit (DecodeParams::page_lse); null in a combine that does not fold
+    pub page_lse: u64,
+    ///[batch * num_kv_heads + 1] the decode's page ranges
+    pub page_indptr: u64,
+    ///[sequence slots][num_kv_heads][capacity] max log2 share of every page since the host last read it (NaN: not observed)
+    pub window: u64,
+    ///[batch] window slot (cache sequence id) of every decode entry
+    pub slots: u64,
+    ///kv heads
+    pub num_kv_heads: i32,
+    ///pages per window row; the host grows the window before a decode has more
+    pub capacity: i32,
+}
+///Arguments of the split-K combine kernel: one CTA per (sequence, query head), then one per (sequence, kv head) folding the importance window.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CombineParams {
@@ -81,25 +98,10 @@ pub struct CombineParams {
     pub rows: i32,
     ///splits to merge
     pub num_splits: i32,
-}
-///Arguments of the importance-window fold: one CTA per (decode entry, kv head) of up to 32 entries.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct MassWindowParams {
-    ///per page of the decode: log2 Σ_heads Σ_tokens 2^logit (DecodeParams::page_lse)
-    pub page_lse: u64,
-    ///[batch * num_kv_heads + 1] the decode's page ranges
-    pub page_indptr: u64,
-    ///[sequence slots][num_kv_heads][capacity] max log2 share of every page since the host last read it (NaN: not observed)
-    pub window: u64,
-    ///window slot (cache sequence id) of decode entries first_entry, first_entry + 1, …
-    pub slots: [u32; 32],
-    ///first decode entry (sequence of the batch) of this launch
-    pub first_entry: i32,
-    ///kv heads
-    pub num_kv_heads: i32,
-    ///pages per window row; the host grows the window before a decode has more
-    pub capacity: i32,
+    ///batch * num_kv_heads CTAs after the rows that fold `fold` (0: no fold)
+    pub fold_groups: i32,
+    ///RDR's importance window fold of the same decode (fold.page_lse null: none)
+    pub fold: MassWindowParams,
 }
 ///Certified decode, selector: one CTA per (sequence, kv head) group of a phase-1 plan.
 #[repr(C)]

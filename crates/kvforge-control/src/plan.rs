@@ -120,12 +120,19 @@ pub(crate) fn assemble(view: &PageTableView, decisions: Vec<Decision>, budget_by
         feasible: false,
         forced,
     };
+    // Decisions are sorted by page, as `view.iter()` walks: merge instead of a binary search
+    // per page (same tiers as `Plan::tier_of`).
+    let mut next = plan.decisions.iter().peekable();
     for (id, p) in view.iter() {
-        let t = plan.tier_of(id, view).unwrap();
+        let t = match next.next_if(|d| d.page == id) {
+            Some(d) => d.to_tier,
+            None => p.tier,
+        };
         plan.cost_after += view.costs.cost(t, p.tokens);
         plan.distortion_before += dist(id, p.tier);
         plan.distortion_after += dist(id, t);
     }
+    debug_assert!(next.next().is_none(), "assemble: decisions must name pages of the view, sorted by page");
     plan.feasible = plan.cost_after <= budget_bytes;
     plan
 }

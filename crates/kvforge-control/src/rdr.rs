@@ -249,8 +249,14 @@ impl Controller for RdrController {
             Problem::build(view, |id, p, out| {
                 let s = score_of(id);
                 let frozen = respect_cooldown && frozen_now(id);
-                let allowed = limits.protection.allowed_tiers(p, view.context_tokens, costs);
-                out.extend(allowed.take(if frozen { 1 } else { usize::MAX }).map(|t| (t, table.page(s, t) + if costs.tiers[t as usize].drop { eta } else { 0.0 })));
+                // A plain loop: `extend` over the filtered, taken, mapped iterator was a tenth
+                // of a steady decision (no size hint, one capacity check per push).
+                for t in limits.protection.allowed_tiers(p, view.context_tokens, costs) {
+                    out.push((t, table.page(s, t) + if costs.tiers[t as usize].drop { eta } else { 0.0 }));
+                    if frozen {
+                        break;
+                    }
+                }
             })
         };
         let (mut sol, mut decisions) = options(true).solve(view, budget);

@@ -64,8 +64,20 @@ pub const PARAMS: &[ParamStruct] = &[
         ],
     },
     ParamStruct {
+        name: "MassWindowParams",
+        doc: "Arguments of the importance-window fold: one CTA per (decode entry, kv head).",
+        fields: &[
+            f("page_lse", "const float*", "u64", "per page of the decode: log2 Σ_heads Σ_tokens 2^logit (DecodeParams::page_lse); null in a combine that does not fold"),
+            f("page_indptr", "const u32*", "u64", "[batch * num_kv_heads + 1] the decode's page ranges"),
+            f("window", "float*", "u64", "[sequence slots][num_kv_heads][capacity] max log2 share of every page since the host last read it (NaN: not observed)"),
+            f("slots", "const u32*", "u64", "[batch] window slot (cache sequence id) of every decode entry"),
+            f("num_kv_heads", "int", "i32", "kv heads"),
+            f("capacity", "int", "i32", "pages per window row; the host grows the window before a decode has more"),
+        ],
+    },
+    ParamStruct {
         name: "CombineParams",
-        doc: "Arguments of the split-K combine kernel: one CTA per (sequence, query head).",
+        doc: "Arguments of the split-K combine kernel: one CTA per (sequence, query head), then one per (sequence, kv head) folding the importance window.",
         fields: &[
             f("partial_out", "const float*", "u64", "[num_splits][rows][head_dim]"),
             f("partial_lse", "const float*", "u64", "[num_splits][rows]"),
@@ -73,19 +85,8 @@ pub const PARAMS: &[ParamStruct] = &[
             f("lse", "float*", "u64", "optional [rows] log-sum-exp (natural log)"),
             f("rows", "int", "i32", "batch * num_q_heads"),
             f("num_splits", "int", "i32", "splits to merge"),
-        ],
-    },
-    ParamStruct {
-        name: "MassWindowParams",
-        doc: "Arguments of the importance-window fold: one CTA per (decode entry, kv head) of up to 32 entries.",
-        fields: &[
-            f("page_lse", "const float*", "u64", "per page of the decode: log2 Σ_heads Σ_tokens 2^logit (DecodeParams::page_lse)"),
-            f("page_indptr", "const u32*", "u64", "[batch * num_kv_heads + 1] the decode's page ranges"),
-            f("window", "float*", "u64", "[sequence slots][num_kv_heads][capacity] max log2 share of every page since the host last read it (NaN: not observed)"),
-            f("slots", "u32 slots[32]", "[u32; 32]", "window slot (cache sequence id) of decode entries first_entry, first_entry + 1, …"),
-            f("first_entry", "int", "i32", "first decode entry (sequence of the batch) of this launch"),
-            f("num_kv_heads", "int", "i32", "kv heads"),
-            f("capacity", "int", "i32", "pages per window row; the host grows the window before a decode has more"),
+            f("fold_groups", "int", "i32", "batch * num_kv_heads CTAs after the rows that fold `fold` (0: no fold)"),
+            f("fold", "MassWindowParams", "MassWindowParams", "RDR's importance window fold of the same decode (fold.page_lse null: none)"),
         ],
     },
     ParamStruct {

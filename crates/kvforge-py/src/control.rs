@@ -6,10 +6,11 @@
 //! the cache is touched and the cache verified after ([`kvforge_control::runtime::apply`]).
 //! Every call returns a [`ControlReport`], the controller telemetry as a Python object.
 
+use std::collections::HashMap;
 use std::time::Instant;
 
 use kvforge_control::runtime::{self, PositionMap, Signal};
-use kvforge_control::{Budget, Controller as Policy, CostModel, DistortionTable, DropPolicy, Limits, Protection, RdkvController, RdrController, TierCosts};
+use kvforge_control::{Budget, Controller as Policy, CostModel, DistortionTable, DropPolicy, Limits, PagedImportance, Protection, RdkvController, RdrController, TierCosts};
 use kvforge_spec::{Spec, TierId};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -34,7 +35,7 @@ impl Kind {
 ///
 /// Controller(cache, policy="rdr", budget=..., per="token", sinks=4, recent=128, floor=None,
 ///            cost="resident", every=16, cooldown=64, margin=0.1, drop="penalty",
-///            drop_penalty=1.0, eps_k=None, eps_v=None)
+///            drop_penalty=1.0, eps_k=None, eps_v=None, beta=0.5)
 ///
 /// `policy`: "rdr" (seed 000 App. C: knapsack over the ladder with hysteresis, meant to run
 /// every `every` decode steps) or "rdkv" (seed 002: Lagrangian allocation once after prefill,
@@ -45,6 +46,8 @@ impl Kind {
 /// positions are never dropped nor re-coded below `floor` (a tier name or id; default the
 /// spec's first ladder tier). RDKV's distortion tables `eps_k`, `eps_v` map bit widths to
 /// NMSE (default: seed 002's LLaMA-3.1-8B tables); RDR uses the spec's proxy table.
+/// `beta`: EMA coefficient of the importance RDR reads from the GPU window
+/// (`apply(..., window=True)`; seed 000 C.2 `EMA_β(max over the window)`).
 #[pyclass(module = "kvforge", name = "Controller", unsendable)]
 pub struct Controller {
     kind: Kind,
@@ -54,6 +57,9 @@ pub struct Controller {
     spec: Spec,
     head_dim: usize,
     applied: usize,
+    beta: f64,
+    /// Per sequence: the EMA of the device window's maxima (`apply(..., window=True)`).
+    importance: HashMap<usize, PagedImportance>,
 }
 
 fn parse_table(py: Python<'_>, what: &str, t: &Bound<'_, PyDict>) -> PyResult<Vec<(u32, f64)>> {
@@ -72,13 +78,15 @@ fn parse_table(py: Python<'_>, what: &str, t: &Bound<'_, PyDict>) -> PyResult<Ve
 #[pymethods]
 impl Controller {
     #[new]
-    #[pyo3(signature = (cache, policy = "rdr", budget = None, per = "token", sinks = 4, recent = 128, floor = None, cost = "resident", every = 16, cooldown = 64, margin = 0.1, drop = "penalty", drop_penalty = 1.0, eps_k = None, eps_v = None))]
+    #[pyo3(signature = (cache, policy = "rdr", budget = None, per = "token", sinks = 4, recent = 128, floor = None, cost = "resident", every = 16, cooldown = 64, margin = 0.1, drop = "penalty", drop_penalty = 1.0, eps_k = None, eps_v = None, beta = 0.5))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>, cache: PyRef<'_, Cache>, policy: &str, budget: Option<f64>, per: &str, sinks: usize, recent: usize, floor: Option<Bound<'_, PyAny>>, cost: &str, every: usize, cooldown: usize, margin: f64, drop: &str, drop_penalty: f64,
-        eps_k: Option<Bound<'_, PyDict>>, eps_v: Option<Bound<'_, PyDict>>,
+        eps_k: Option<Bound<'_, PyDict>>, eps_v: Option<Bound<'_, PyDict>>, beta: f64,
     ) -> PyResult<Controller> {
         guarded(py, || {
+            // Checked here, not at the first windowed apply: a bad β is a construction error.
+            PagedImportance::new(beta, cache.inner.spec().page.tokens).map_err(|e| bad(py, format!("Controller: beta: {e}")))?;
             let spec = cache.inner.spec().clone();
             let d = cache.inner.config().head_dim;
             let budget = budget.ok_or_else(|| bad(py, "Controller: budget= is required (bytes per token per kv head, or per=\"total\" bytes)"))?;
@@ -134,7 +142,7 @@ impl Controller {
                 }
                 _ => return Err(bad(py, format!("Controller: policy must be \"rdr\" or \"rdkv\", got {policy:?}"))),
             };
-            Ok(Controller { kind, name, limits, costs: TierCosts::from_spec(&spec, d, model), spec, head_dim: d, applied: 0 })
+            Ok(Controller { kind, name, limits, costs: TierCosts::from_spec(&spec, d, model), spec, head_dim: d, applied: 0, beta, importance: HashMap::new() })
         })
     }
 
@@ -150,12 +158,18 @@ impl Controller {
     /// Decides and applies tiers for sequence `seq` of `cache`. `token_mass`: attention mass
     /// per kv head and logical position, `[num_kv_heads][seq_len]` (a list of lists or a
     /// tensor; e.g. prefill column sums Σ_τ a_τt summed over the GQA group); None weighs every
-    /// token equally. Returns a ControlReport.
-    #[pyo3(signature = (cache, seq, token_mass = None))]
-    fn apply(&mut self, py: Python<'_>, mut cache: PyRefMut<'_, Cache>, seq: usize, token_mass: Option<Bound<'_, PyAny>>) -> PyResult<ControlReport> {
+    /// token equally. `window=True` instead takes the sequence's importance window that
+    /// tracked decodes kept on the GPU (`cache.decode(..., track=True)`; this resets it) and
+    /// rolls it into this controller's EMA of the sequence's page importance (β = `beta`),
+    /// which weighs the pages: RDR's signal at no per-step host cost. Returns a ControlReport.
+    #[pyo3(signature = (cache, seq, token_mass = None, window = false))]
+    fn apply(&mut self, py: Python<'_>, mut cache: PyRefMut<'_, Cache>, seq: usize, token_mass: Option<Bound<'_, PyAny>>, window: bool) -> PyResult<ControlReport> {
         guarded(py, || {
             if cache.inner.spec().name != self.spec.name || cache.inner.config().head_dim != self.head_dim {
                 return Err(bad(py, format!("Controller was made for spec `{}` at head_dim {}, the cache holds `{}` at {}", self.spec.name, self.head_dim, cache.inner.spec().name, cache.inner.config().head_dim)));
+            }
+            if window && token_mass.is_some() {
+                return Err(bad(py, "Controller.apply: pass token_mass or window=True, not both"));
             }
             let hkv = cache.inner.config().num_kv_heads;
             let len = cache.inner.seq_len(seq).or_py(py)?;
@@ -175,16 +189,29 @@ impl Controller {
                     Some(v)
                 }
             };
+            let importance = if window {
+                let page_tokens = self.spec.page.tokens;
+                let beta = self.beta;
+                let imp = match self.importance.entry(seq) {
+                    std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                    std::collections::hash_map::Entry::Vacant(e) => e.insert(PagedImportance::new(beta, page_tokens).map_err(|e| bad(py, format!("Controller: beta: {e}")))?),
+                };
+                cache.on_torch_stream(py, |c| Ok(imp.roll_cache(c, seq)))?.map_err(|e| py_error(py, "Control", e.to_string()))?;
+                Some(&*imp)
+            } else {
+                None
+            };
             let t0 = Instant::now();
             let control_err = |e: runtime::ControlError| py_error(py, "Control", e.to_string());
             let mut pos = PositionMap::of_cache(&cache.inner, seq).map_err(control_err)?;
             let view = pos
-                .view(&cache.inner, self.costs.clone(), |key, tokens| match &mass {
-                    Some(m) => {
+                .view(&cache.inner, self.costs.clone(), |key, tokens| match (&mass, importance) {
+                    (Some(m), _) => {
                         let t = m[key.head][key.first_token..(key.first_token + tokens).min(len)].to_vec();
                         Signal { mass: t.iter().sum(), token_mass: Some(t), pinned: false }
                     }
-                    None => Signal { mass: tokens as f64, token_mass: None, pinned: false },
+                    (None, Some(imp)) => Signal { mass: imp.get(key), token_mass: None, pinned: false },
+                    (None, None) => Signal { mass: tokens as f64, token_mass: None, pinned: false },
                 })
                 .map_err(control_err)?;
             let plan = self.kind.policy().decide(&view, &self.limits);
@@ -216,6 +243,22 @@ impl Controller {
                 apply_seconds: t1.elapsed().as_secs_f64(),
             })
         })
+    }
+
+    /// Forgets the importance EMA of `seq` (call when the sequence is removed: its id is
+    /// reused by the next `add_sequence`, which must not inherit the old pages' importance).
+    fn forget(&mut self, seq: usize) {
+        self.importance.remove(&seq);
+    }
+
+    /// The smoothed importance (EMA of the GPU window's maxima) of every page of `seq`
+    /// rolled in so far, per kv head in `cache.pages(seq, head)` order; 0.0 for pages never
+    /// observed. Empty before the first `apply(..., window=True)` of `seq`.
+    fn importance(&self, py: Python<'_>, cache: PyRef<'_, Cache>, seq: usize) -> PyResult<Vec<Vec<f64>>> {
+        let Some(imp) = self.importance.get(&seq) else { return Ok(Vec::new()) };
+        (0..cache.inner.config().num_kv_heads)
+            .map(|h| Ok(cache.inner.positioned_pages(seq, h).or_py(py)?.into_iter().map(|p| imp.get(kvforge_control::PageKey { head: h, first_token: p.2 })).collect()))
+            .collect()
     }
 
     /// "rdr" or "rdkv".

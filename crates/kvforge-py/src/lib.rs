@@ -372,9 +372,12 @@ impl Cache {
 
     /// One decode step: q [B, num_q_heads, head_dim] for B = len(seqs) sequences.
     /// Returns (out [B, num_q_heads, head_dim] spec dtype, lse [B, num_q_heads] float32,
-    /// natural log). `out` / `lse` may be passed preallocated.
-    #[pyo3(signature = (q, seqs, out = None, lse = None))]
-    fn decode<'py>(&mut self, py: Python<'py>, q: &Bound<'py, PyAny>, seqs: Vec<usize>, out: Option<Bound<'py, PyAny>>, lse: Option<Bound<'py, PyAny>>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    /// natural log). `out` / `lse` may be passed preallocated. `track=True` also folds every
+    /// page's share of the step's attention mass into the sequences' importance window on
+    /// the GPU (RDR's signal; no transfer): read it with `take_mass_window`, or let
+    /// `Controller.apply(..., window=True)` roll it in. A sequence may appear once then.
+    #[pyo3(signature = (q, seqs, out = None, lse = None, track = false))]
+    fn decode<'py>(&mut self, py: Python<'py>, q: &Bound<'py, PyAny>, seqs: Vec<usize>, out: Option<Bound<'py, PyAny>>, lse: Option<Bound<'py, PyAny>>, track: bool) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
         guarded(py, || {
             let qt = tensor(py, q, "q")?;
             self.check_q(py, &qt, "[B, num_q_heads, head_dim]")?;
@@ -383,9 +386,21 @@ impl Cache {
             }
             let (out, lse) = self.outputs(py, q, seqs.len(), out, lse)?;
             let (ot, lt) = (tensor(py, &out, "out")?, tensor(py, &lse, "lse")?);
-            self.on_torch_stream(py, |c| c.decode_external(&seqs, &qt, &ot, &lt))?;
+            if track {
+                self.on_torch_stream(py, |c| c.decode_tracked_external(&seqs, &qt, &ot, &lt))?;
+            } else {
+                self.on_torch_stream(py, |c| c.decode_external(&seqs, &qt, &ot, &lt))?;
+            }
             Ok((out, lse))
         })
+    }
+
+    /// The importance window of `seq` since the last call, and resets it: per kv head, per
+    /// page (in `pages(seq, head)` order), the largest share of the head's attention mass the
+    /// page had in a tracked decode (`decode(..., track=True)` or a tracked plan's `run`),
+    /// None where no tracked decode saw the page. Synchronises with the GPU.
+    fn take_mass_window(&mut self, py: Python<'_>, seq: usize) -> PyResult<Vec<Vec<Option<f64>>>> {
+        guarded(py, || self.on_torch_stream(py, |c| c.take_mass_window(seq)))
     }
 
     /// Query i of q [N, num_q_heads, head_dim] attends the first lengths[i] cached tokens of
@@ -419,12 +434,21 @@ impl Cache {
     }
 
     /// Plans decode of `seqs` (page table uploaded once); `plan.run(q)` launches.
-    fn plan(slf: Bound<'_, Self>, seqs: Vec<usize>) -> PyResult<Plan> {
+    /// `track=True`: every run also folds the page masses into the importance window (as
+    /// `decode(..., track=True)`), with nothing uploaded per run.
+    #[pyo3(signature = (seqs, track = false))]
+    fn plan(slf: Bound<'_, Self>, seqs: Vec<usize>, track: bool) -> PyResult<Plan> {
         let py = slf.py();
         guarded(py, || {
-            let c = slf.borrow();
+            let mut c = slf.borrow_mut();
             let plan = c.inner.plan(&seqs).or_py(py)?;
-            let ws = c.inner.workspace(&plan).or_py(py)?;
+            let ws = if track {
+                let mut ws = c.inner.mass_workspace(&plan).or_py(py)?;
+                c.inner.track_window(&plan, &mut ws, &seqs).or_py(py)?;
+                ws
+            } else {
+                c.inner.workspace(&plan).or_py(py)?
+            };
             let generation = c.generation;
             drop(c);
             Ok(Plan { cache: slf.unbind(), plan, ws, generation, seqs })
@@ -624,8 +648,14 @@ impl Plan {
         self.cache.bind(py).try_borrow().map(|c| c.generation == self.generation).unwrap_or(false)
     }
 
+    /// True when runs fold into the importance window (`plan(seqs, track=True)`).
+    #[getter]
+    fn tracked(&self) -> bool {
+        self.ws.window.is_some()
+    }
+
     fn __repr__(&self) -> String {
-        format!("kvforge.Plan(batch={}, variant={:?}, splits={})", self.plan.batch, self.plan.variant.name(), self.plan.splits)
+        format!("kvforge.Plan(batch={}, variant={:?}, splits={}, tracked={})", self.plan.batch, self.plan.variant.name(), self.plan.splits, self.ws.window.is_some())
     }
 }
 

@@ -84,6 +84,17 @@ def test_controller_and_certificate_classes_are_documented():
         assert cls.__doc__, cls
 
 
+def test_importance_window_api_is_documented():
+    # the GPU tests exercise them; here: they exist with their keywords documented
+    assert "track" in kvforge.Cache.decode.__doc__ and "take_mass_window" in kvforge.Cache.decode.__doc__
+    assert "track" in kvforge.Cache.plan.__doc__
+    assert "resets" in kvforge.Cache.take_mass_window.__doc__
+    assert "window=True" in kvforge.Controller.apply.__doc__
+    for name in ("importance", "forget"):
+        assert getattr(kvforge.Controller, name).__doc__, name
+    assert "tracked" in dir(kvforge.Plan)
+
+
 def test_error_is_value_and_runtime_error_and_pickles():
     e = kvforge.KvforgeError("boom", "BadInput")
     assert isinstance(e, ValueError) and isinstance(e, RuntimeError)

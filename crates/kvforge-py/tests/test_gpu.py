@@ -372,6 +372,102 @@ def test_controller_meets_the_budget_and_keeps_the_heavy_page():
             assert "token_mass" in str(e), e
 
 
+def page_shares(q, k):
+    """Reference of the device window for one decode query: per kv head, every page's share
+    of sum over the head's query rows and tokens of e^logit (what decode_with_mass reports).
+    q [HQ, D], k [T, HKV, D]; returns [HKV][pages] float64."""
+    s = torch.einsum("hd,thd->ht", q.double(), k.double().repeat_interleave(GQA, dim=1)) / math.sqrt(D)  # [HQ, T]
+    s = s.reshape(HKV, GQA, -1)
+    e = torch.exp(s - s.amax(dim=(1, 2), keepdim=True)).sum(dim=1)  # [HKV, T]
+    tot = e.sum(dim=1, keepdim=True)
+    T = k.shape[0]
+    return torch.stack([e[:, a:min(a + P, T)].sum(dim=1) for a in range(0, T, P)], dim=1) / tot
+
+
+def test_tracked_decode_keeps_the_importance_window():
+    T = 9 * P + 17
+    k, v = rand(T, HKV, D, seed=80), rand(T, HKV, D, seed=81)
+    c = mk("baseline", "fp16", sequences=2)
+    s = c.add_sequence()
+    c.append(s, k, v)
+    qs = [rand(1, HQ, D, seed=82 + i) for i in range(3)]
+    # untracked decodes leave the window empty; tracked ones keep each page's largest share
+    c.decode(qs[0], seqs=[s])
+    assert all(x is None for row in c.take_mass_window(s) for x in row)
+    outs = [c.decode(q, seqs=[s], track=True) for q in qs[:2]]
+    plain = c.decode(qs[0], seqs=[s])
+    # the same kernels (up to the order of shared-memory atomics: one fp16 ulp)
+    close(outs[0][0], plain[0], 1e-3, 4e-3, "tracked vs plain decode")
+    win = c.take_mass_window(s)
+    want = torch.maximum(page_shares(qs[0][0], k), page_shares(qs[1][0], k))
+    assert len(win) == HKV and all(len(row) == want.shape[1] == len(c.pages(s, h)) for h, row in enumerate(win))
+    got = torch.tensor(win, dtype=torch.float64, device=DEV)
+    close(got, want, 1e-7, 2e-3, "window vs f64 page shares")
+    assert all(x is None for row in c.take_mass_window(s) for x in row), "take resets the window"
+    # a tracked plan folds on every run, with the same result
+    pl = c.plan([s], track=True)
+    assert pl.tracked and not c.plan([s]).tracked
+    pl.run(qs[2])
+    close(torch.tensor(c.take_mass_window(s), dtype=torch.float64, device=DEV), page_shares(qs[2][0], k), 1e-7, 2e-3, "tracked plan run")
+    # a sequence twice in one tracked decode is refused (two folds would race)
+    try:
+        c.decode(torch.cat([qs[0], qs[0]]), seqs=[s, s], track=True)
+        raise AssertionError("duplicate sequence accepted")
+    except kvforge.KvforgeError as e:
+        assert e.kind == "BadInput" and "twice" in str(e), e
+
+
+def test_controller_reads_the_gpu_window():
+    T = 20 * P + 10
+    k, v = rand(T, HKV, D, seed=90), rand(T, HKV, D, seed=91)
+    q = rand(4, HQ, D, seed=92)
+    # page 7 of every head holds a key aligned with that head's queries: it takes most of
+    # the attention, so the window (and RDR) must keep it precise
+    for h in range(HKV):
+        k[7 * P + 5, h] = (q[:, h * GQA:(h + 1) * GQA].float().mean(dim=(0, 1)) * 40.0).to(torch.float16)
+    c = mk("rdkv", "b8", sequences=1)
+    s = c.add_sequence()
+    c.append(s, k, v)
+    ctl = kvforge.Controller(c, policy="rdr", budget=40.0, sinks=P, recent=P, floor="b2", every=4, beta=0.5)
+    assert ctl.importance(c, s) == []
+    for i in range(4):
+        c.decode(q[i:i + 1], seqs=[s], track=True)
+        due = ctl.due()
+    assert due
+    try:
+        ctl.apply(c, s, token_mass=torch.ones(HKV, T), window=True)
+        raise AssertionError("token_mass with window=True accepted")
+    except kvforge.KvforgeError as e:
+        assert "not both" in str(e), e
+    rep = ctl.apply(c, s, window=True)
+    assert rep.feasible and rep.bytes_after <= rep.budget_bytes + 1e-6, rep
+    assert rep.dropped + rep.retiered == len(rep.decisions) > 0
+    imp = ctl.importance(c, s)
+    assert len(imp) == HKV and all(len(row) == len(c.pages(s, h)) for h, row in enumerate(imp))
+    for h in range(HKV):
+        firsts = [f for _, _, f in c.pages(s, h)]
+        heavy = firsts.index(7 * P)
+        assert imp[h][heavy] == max(imp[h]) > 0.5, (h, imp[h])
+        tier = c.pages(s, h)[heavy][0]
+        assert tier != "b2", f"heavy page in {tier} on head {h}: {c.pages(s, h)}"
+    # the window was taken by apply; the next apply rolls an empty window: importance decays
+    def by_page():
+        return {(h, f): x for h in range(HKV) for (_, _, f), x in zip(c.pages(s, h), ctl.importance(c, s)[h])}
+    before = by_page()
+    ctl.apply(c, s, window=True)
+    after = by_page()
+    for key, x in after.items():
+        assert abs(x - 0.5 * before[key]) <= 1e-12 * before[key], (key, x, before[key])
+    ctl.forget(s)
+    assert ctl.importance(c, s) == []
+    try:
+        kvforge.Controller(c, policy="rdr", budget=10.0, beta=1.5)
+        raise AssertionError("beta 1.5 accepted")
+    except kvforge.KvforgeError as e:
+        assert "beta" in str(e), e
+    print(f"   window rdr: {rep}")
+
+
 def test_certifier_bounds_hold_against_exact_attention():
     T = 12 * P + 20
     k, v = rand(T, HKV, D, seed=80), rand(T, HKV, D, seed=81)

@@ -307,11 +307,19 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
 /// One tracked decode step split on the GPU: what the importance window adds to a decode.
 #[derive(Clone, Copy, Debug, Default, serde::Serialize)]
 pub struct TrackedStep {
-    /// The decode kernels (decode + split-K combine), CUDA events, L2 flushed before.
+    /// The decode kernels (decode + split-K combine) without the fold, CUDA events, L2
+    /// flushed before.
     pub decode_us: f64,
-    /// The `mass_window` fold right after them, CUDA events.
+    /// The same launch with the fold (`decode_tracked`'s kernels: the fold inside the
+    /// combine when the plan has one, else the separate `mass_window` launch), L2 flushed
+    /// before. `tracked_us − decode_us` is what the window costs the step.
+    pub tracked_us: f64,
+    /// The standalone `mass_window` kernel once more after them, CUDA events (what a plan
+    /// without a combine pays, and what the fold cost before it moved into the combine).
     pub fold_us: f64,
-    /// Host time of the fold's launch call (no synchronisation).
+    /// Whether the plan has a split-K combine (the fold ran inside it).
+    pub fused: bool,
+    /// Host time of the tracked launch call minus the plain one (no synchronisation).
     pub fold_launch_us: f64,
 }
 
@@ -325,12 +333,14 @@ impl TrackedStepTimer {
         Ok(TrackedStepTimer { flush: dev.stream.alloc_zeros::<u8>(256 << 20).map_err(drv("L2 flush buffer"))? })
     }
 
-    /// Decodes `q` for `seqs` as `decode_tracked` does, with events between the parts. The
-    /// fold is real: run after `decode_tracked` of the same query it folds the same masses
-    /// again and leaves the window as it was (a maximum is idempotent).
+    /// Decodes `q` for `seqs` without and with the window fold, with events around each
+    /// part. The folds are real: run after `decode_tracked` of the same query they fold the
+    /// same masses again and leave the window as it was (a maximum is idempotent).
     pub fn time(&mut self, cache: &mut KvCache, seqs: &[usize], q: &[f32]) -> Result<TrackedStep> {
         let plan = cache.plan(seqs)?;
+        let mut plain = cache.workspace(&plan)?;
         let mut ws = cache.mass_workspace(&plan)?;
+        cache.track_window(&plan, &mut ws, seqs)?;
         if q.len() != ws.q.len() {
             return Err(crate::RtError::BadInput(format!("query has {} values, the plan takes {}", q.len(), ws.q.len())));
         }
@@ -339,18 +349,25 @@ impl TrackedStepTimer {
         let dev = cache.device().clone();
         let st = &dev.stream;
         st.memcpy_htod(&qh, &mut ws.q).map_err(drv("query upload"))?;
-        st.memset_zeros(&mut self.flush).map_err(drv("L2 flush"))?;
+        st.memcpy_htod(&qh, &mut plain.q).map_err(drv("query upload"))?;
         let event = || dev.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"));
-        let (a, b, c) = (event()?, event()?, event()?);
+        let (a, b, c, d, e) = (event()?, event()?, event()?, event()?, event()?);
+        st.memset_zeros(&mut self.flush).map_err(drv("L2 flush"))?;
         a.record(st).map_err(drv("event"))?;
-        cache.launch(&plan, &mut ws)?;
-        b.record(st).map_err(drv("event"))?;
         let t = std::time::Instant::now();
-        cache.fold_mass_window(&plan, &ws, seqs)?;
-        let fold_launch_us = t.elapsed().as_secs_f64() * 1e6;
+        cache.launch(&plan, &mut plain)?;
+        let plain_launch = t.elapsed().as_secs_f64() * 1e6;
+        b.record(st).map_err(drv("event"))?;
+        st.memset_zeros(&mut self.flush).map_err(drv("L2 flush"))?;
         c.record(st).map_err(drv("event"))?;
+        let t = std::time::Instant::now();
+        cache.launch(&plan, &mut ws)?;
+        let tracked_launch = t.elapsed().as_secs_f64() * 1e6;
+        d.record(st).map_err(drv("event"))?;
+        cache.fold_mass_window(&plan, &ws)?;
+        e.record(st).map_err(drv("event"))?;
         cache.check(&plan)?;
         let ms = |x: &cudarc::driver::CudaEvent, y: &cudarc::driver::CudaEvent| x.elapsed_ms(y).map(|t| f64::from(t) * 1e3).map_err(drv("event"));
-        Ok(TrackedStep { decode_us: ms(&a, &b)?, fold_us: ms(&b, &c)?, fold_launch_us })
+        Ok(TrackedStep { decode_us: ms(&a, &b)?, tracked_us: ms(&c, &d)?, fold_us: ms(&d, &e)?, fused: plan.combine.is_some(), fold_launch_us: tracked_launch - plain_launch })
     }
 }

@@ -162,6 +162,9 @@ pub struct DecodeWorkspace {
     pub page_head_lse: Option<CudaSlice<f32>>,
     /// Per page × gqa: the page's key logit error bound Δ (certified decode).
     pub page_delta: Option<CudaSlice<f32>>,
+    /// Set by [`KvCache::track_window`]: launches also fold `page_lse` into RDR's
+    /// importance window.
+    pub window: Option<crate::mass_window::WindowFold>,
 }
 
 impl KvCache {
@@ -216,6 +219,7 @@ impl KvCache {
             page_lse: None,
             page_head_lse: None,
             page_delta: None,
+            window: None,
         })
     }
 
@@ -268,19 +272,28 @@ impl KvCache {
         // SAFETY: params mirror the kernel struct; buffers are sized by `workspace` for this
         // plan; page offsets come from the pool and lie inside the arena.
         unsafe { st.launch_builder(&k.func).arg(&params).launch(cfg) }.map_err(drv(format!("launch {}", plan.variant)))?;
-        if let Some(cv) = &plan.combine {
-            let ck = self.kernels.get(&self.dev, &self.spec, cv)?;
-            let cp = CombineParams {
-                partial_out: ws.partial_out.device_ptr(&st).0,
-                partial_lse: ws.partial_lse.device_ptr(&st).0,
-                out: io.out,
-                lse: io.lse,
-                rows: rows as i32,
-                num_splits: plan.splits as i32,
-            };
-            let ccfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (ck.threads, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: as above; partial buffers hold `splits × rows` entries.
-            unsafe { st.launch_builder(&ck.func).arg(&cp).launch(ccfg) }.map_err(drv(format!("launch {cv}")))?;
+        let fold = self.window_fold_params(plan, ws)?;
+        match (&plan.combine, fold) {
+            (Some(cv), fold) => {
+                let ck = self.kernels.get(&self.dev, &self.spec, cv)?;
+                let groups = if fold.is_some() { plan.batch * plan.num_kv_heads } else { 0 };
+                let cp = CombineParams {
+                    partial_out: ws.partial_out.device_ptr(&st).0,
+                    partial_lse: ws.partial_lse.device_ptr(&st).0,
+                    out: io.out,
+                    lse: io.lse,
+                    rows: rows as i32,
+                    num_splits: plan.splits as i32,
+                    fold_groups: groups as i32,
+                    fold: fold.unwrap_or_default(),
+                };
+                let ccfg = LaunchConfig { grid_dim: ((rows + groups) as u32, 1, 1), block_dim: (ck.threads, 1, 1), shared_mem_bytes: 0 };
+                // SAFETY: as above; partial buffers hold `splits × rows` entries; the fold's
+                // buffers are as `launch_fold` states, one CTA per (entry, kv head).
+                unsafe { st.launch_builder(&ck.func).arg(&cp).launch(ccfg) }.map_err(drv(format!("launch {cv}")))?;
+            }
+            (None, Some(fold)) => self.launch_fold(plan, &fold)?,
+            (None, None) => {}
         }
         Ok(())
     }
@@ -314,13 +327,13 @@ impl KvCache {
             PageMass::Off => self.workspace(plan)?,
             PageMass::Download | PageMass::Window(_) => self.mass_workspace(plan)?,
         };
+        if let PageMass::Window(seqs) = mass {
+            self.track_window(plan, &mut ws, seqs)?;
+        }
         let dtype = self.spec.geometry.dtype;
         let qh: Vec<u16> = q.iter().map(|&x| to_bits(dtype, x)).collect();
         self.dev.stream.memcpy_htod(&qh, &mut ws.q).map_err(drv("query upload"))?;
         self.launch(plan, &mut ws)?;
-        if let PageMass::Window(seqs) = mass {
-            self.fold_mass_window(plan, &ws, seqs)?;
-        }
         self.check(plan)?;
         let out = self.dev.stream.clone_dtoh(&ws.out).map_err(drv("output download"))?;
         let lse = self.dev.stream.clone_dtoh(&ws.lse).map_err(drv("lse download"))?;

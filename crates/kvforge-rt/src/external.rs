@@ -334,6 +334,17 @@ impl KvCache {
         self.check(&plan)
     }
 
+    /// [`decode_external`](Self::decode_external) that also folds every page's share of the
+    /// attention mass into RDR's importance window on the device, as
+    /// [`KvCache::decode_tracked`] does (read it with [`KvCache::take_mass_window`]).
+    pub fn decode_tracked_external(&mut self, seqs: &[usize], q: &ExternalTensor, out: &ExternalTensor, lse: &ExternalTensor) -> Result<()> {
+        let plan = self.plan(seqs)?;
+        let mut ws = self.mass_workspace(&plan)?;
+        self.track_window(&plan, &mut ws, seqs)?;
+        self.run_external(&plan, &ws, q, out, lse)?;
+        self.check(&plan)
+    }
+
     /// Query `i` of `q` (`[lengths.len()][q heads][head_dim]`) attends the first `lengths[i]`
     /// cached tokens of `seq`, in one launch; outputs as [`KvCache::run_external`]. With
     /// `lengths[i] = i + 1` over a freshly appended prompt this is causal self-attention of

@@ -5,9 +5,11 @@
 //! Downloading every step's masses and folding them on the host cost ~150 µs per step at 32K
 //! tokens × 8 kv heads (issue 7). Here the window's maximum stays on the device:
 //! [`KvCache::decode_tracked`] decodes with the per-page log2 masses recorded
-//! (`DecodeParams::page_lse`) and launches the generated `mass_window` kernel, which
-//! normalises them by the step's total per (sequence, kv head) and folds them into a running
-//! per-page maximum; nothing is copied back. [`KvCache::take_mass_window`] downloads one
+//! (`DecodeParams::page_lse`) and folds them — normalised by the step's total per (sequence,
+//! kv head) — into a running per-page maximum; nothing is copied back. The fold runs in
+//! extra CTAs of the split-K combine kernel when the decode has one (the usual case at long
+//! context and small batch, where a separate ~5 µs launch was 6–8% of the decode kernels on
+//! the H100), else as the generated `mass_window` kernel after the decode. [`KvCache::take_mass_window`] downloads one
 //! sequence's maxima and resets them, once per controller invocation; the EMA over windows
 //! is the controller's (kvforge-control `PagedImportance`).
 //!
@@ -52,12 +54,22 @@ impl MassWindow {
     }
 }
 
+/// A workspace armed to fold its page masses into the importance window
+/// ([`KvCache::track_window`]).
+pub struct WindowFold {
+    /// `[batch]` window slot (sequence id) of every decode entry, on the device.
+    slots: CudaSlice<u32>,
+    /// The same on the host: the slots a launch opens.
+    seqs: Vec<usize>,
+}
+
 impl KvCache {
     /// Decodes like [`KvCache::decode`] and folds every page's share of its (sequence, kv
     /// head)'s attention mass (as [`KvCache::decode_with_mass`] defines it) into the
     /// sequence's importance window on the device, keeping each page's maximum since the
-    /// last [`take_mass_window`](Self::take_mass_window). Costs one small launch per 32
-    /// sequences and no transfer. A sequence may appear once per call.
+    /// last [`take_mass_window`](Self::take_mass_window). No transfer; no launch of its own
+    /// when the decode has a split-K combine (extra CTAs of the combine fold), one small
+    /// launch otherwise. A sequence may appear once per call.
     pub fn decode_tracked(&mut self, seqs: &[usize], q: &[f32]) -> Result<DecodeOutput> {
         // Plan first: it refuses unknown sequence ids, which size `distinct`'s table.
         let plan = self.plan(seqs)?;
@@ -66,57 +78,87 @@ impl KvCache {
     }
 
     /// A workspace for `plan` whose launch also records the per-page log2 masses (what
-    /// [`fold_mass_window`](Self::fold_mass_window) reads).
+    /// [`track_window`](Self::track_window) folds).
     pub fn mass_workspace(&self, plan: &DecodePlan) -> Result<DecodeWorkspace> {
         let mut ws = self.workspace(plan)?;
         ws.page_lse = Some(self.dev.stream.alloc_zeros::<f32>(plan.page_offsets.len().max(1)).map_err(drv("page masses"))?);
         Ok(ws)
     }
 
-    /// Folds the page masses a launch of `plan` recorded in `ws` into the windows of `seqs`
-    /// (the plan's sequences, in plan order). Launches only (no synchronisation); the
-    /// window grows first if a sequence id or a head's page count needs it.
-    pub fn fold_mass_window(&mut self, plan: &DecodePlan, ws: &DecodeWorkspace, seqs: &[usize]) -> Result<()> {
+    /// Arms `ws` (a [`mass_workspace`](Self::mass_workspace) of `plan`) so that every
+    /// [`launch`](Self::launch) of it also folds its page masses into the windows of `seqs`
+    /// (the plan's sequences, in plan order): inside the split-K combine when the plan has
+    /// one, else as a separate `mass_window` launch. Uploads the slot list once, so a
+    /// workspace reused across steps costs nothing more per step.
+    pub fn track_window(&mut self, plan: &DecodePlan, ws: &mut DecodeWorkspace, seqs: &[usize]) -> Result<()> {
         let hkv = self.cfg.num_kv_heads;
         if seqs.len() != plan.batch || plan.num_kv_heads != hkv {
             return Err(RtError::BadInput(format!("mass window: the plan decodes {} sequences × {} kv heads, given {} sequences of a cache with {hkv}", plan.batch, plan.num_kv_heads, seqs.len())));
         }
-        let Some(page_lse) = &ws.page_lse else {
+        if ws.page_lse.is_none() {
             return Err(RtError::BadInput("mass window: the workspace records no page masses (make it with `mass_workspace`)".into()));
-        };
+        }
+        if ws.page_indptr.len() != plan.page_indptr.len() {
+            return Err(RtError::BadInput(format!("mass window: the workspace holds {} page ranges, the plan {}", ws.page_indptr.len(), plan.page_indptr.len())));
+        }
         for &s in seqs {
             self.seq_len(s)?;
         }
-        let slots = distinct(seqs)?;
+        distinct(seqs)?;
+        let ids: Vec<u32> = seqs.iter().map(|&s| s as u32).collect();
+        let slots = self.dev.stream.clone_htod(&ids).map_err(drv("mass window slots"))?;
+        ws.window = Some(WindowFold { slots, seqs: seqs.to_vec() });
+        Ok(())
+    }
+
+    /// The fold of an armed workspace as kernel arguments, the window grown first if a
+    /// sequence id or a head's page count of `plan` needs it; marks the slots open (a launch
+    /// follows). None when `ws` is not armed.
+    pub(crate) fn window_fold_params(&mut self, plan: &DecodePlan, ws: &DecodeWorkspace) -> Result<Option<MassWindowParams>> {
+        let (Some(fold), Some(page_lse)) = (&ws.window, &ws.page_lse) else { return Ok(None) };
+        let hkv = self.cfg.num_kv_heads;
+        if fold.seqs.len() != plan.batch || plan.num_kv_heads != hkv || ws.page_indptr.len() != plan.page_indptr.len() {
+            return Err(RtError::BadInput("mass window: the workspace was armed for another plan".into()));
+        }
+        let slots = fold.seqs.iter().max().map_or(0, |&s| s + 1);
         let most_pages = plan.page_indptr.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0);
         self.grow_mass_window(slots, most_pages)?;
-        let k = self.kernels.get(&self.dev, &self.spec, &VariantId::mass_window(&self.spec))?;
         let st = self.dev.stream.clone();
         let Some(w) = self.mass_window.as_mut() else { return Err(RtError::BadInput("mass window: not allocated".into())) };
-        let indptr = ws.page_indptr.device_ptr(&st).0;
-        let lse = page_lse.device_ptr(&st).0;
-        let window = w.buf.device_ptr(&st).0;
-        let per_launch = MassWindowParams::default().slots.len();
-        for (chunk, entries) in seqs.chunks(per_launch).enumerate() {
-            let mut params = MassWindowParams {
-                page_lse: lse,
-                page_indptr: indptr,
-                window,
-                first_entry: (chunk * per_launch) as i32,
-                num_kv_heads: hkv as i32,
-                capacity: w.capacity as i32,
-                ..Default::default()
-            };
-            for (slot, &s) in params.slots.iter_mut().zip(entries) {
-                *slot = s as u32;
-                w.open[s] = true;
-            }
-            let cfg = LaunchConfig { grid_dim: (hkv as u32, entries.len() as u32, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: params mirror the kernel struct; `page_lse` and `page_indptr` are the
-            // plan's buffers (one entry per page, batch × heads + 1 ranges), every slot is
-            // below `slots` and every range at most `capacity` pages (grown above).
-            unsafe { st.launch_builder(&k.func).arg(&params).launch(cfg) }.map_err(drv("launch mass_window"))?;
+        for &s in &fold.seqs {
+            w.open[s] = true;
         }
+        let params = MassWindowParams {
+            page_lse: page_lse.device_ptr(&st).0,
+            page_indptr: ws.page_indptr.device_ptr(&st).0,
+            window: w.buf.device_ptr(&st).0,
+            slots: fold.slots.device_ptr(&st).0,
+            num_kv_heads: hkv as i32,
+            capacity: w.capacity as i32,
+        };
+        Ok(Some(params))
+    }
+
+    /// Launches the standalone fold of an armed workspace after a launch of `plan` (what
+    /// [`launch`](Self::launch) does itself when the plan has no split-K combine). Launches
+    /// only (no synchronisation). Folding the same masses twice leaves the window as it was
+    /// (a maximum is idempotent), so timing it after a launch is harmless.
+    pub fn fold_mass_window(&mut self, plan: &DecodePlan, ws: &DecodeWorkspace) -> Result<()> {
+        let Some(params) = self.window_fold_params(plan, ws)? else {
+            return Err(RtError::BadInput("mass window: the workspace is not armed (call `track_window`)".into()));
+        };
+        self.launch_fold(plan, &params)
+    }
+
+    /// One `mass_window` launch over every (entry, kv head) of `plan`.
+    pub(crate) fn launch_fold(&mut self, plan: &DecodePlan, params: &MassWindowParams) -> Result<()> {
+        let k = self.kernels.get(&self.dev, &self.spec, &VariantId::mass_window(&self.spec))?;
+        let cfg = LaunchConfig { grid_dim: (plan.num_kv_heads as u32, plan.batch as u32, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: params mirror the kernel struct (`window_fold_params`): `page_lse` and
+        // `page_indptr` are the plan's buffers (one entry per page, batch × heads + 1
+        // ranges), `slots` holds `batch` ids below the window's slots and every range is at
+        // most `capacity` pages (grown there).
+        unsafe { self.dev.stream.launch_builder(&k.func).arg(params).launch(cfg) }.map_err(drv("launch mass_window"))?;
         Ok(())
     }
 

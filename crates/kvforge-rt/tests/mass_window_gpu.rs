@@ -1,6 +1,8 @@
 //! The device importance window against the host fold (f64) of `decode_with_mass`, over
 //! decode steps with random masses while pages are appended, re-coded and dropped, the
-//! window grows (sequence slots and pages per row) and sequences are removed and reused.
+//! window grows (sequence slots and pages per row) and sequences are removed and reused;
+//! both fold paths: inside the split-K combine (plans with splits) and the standalone
+//! `mass_window` kernel (a sequence of fewer than 4 pages decoded alone has no splits).
 //! Run on the device with `cargo test -- --ignored`.
 
 use std::collections::HashMap;
@@ -86,10 +88,19 @@ fn device_window_equals_the_host_fold() {
     c.remove_sequence(a).unwrap();
     append(&mut c, &mut rng, b, 3 * p + 60);
     append(&mut c, &mut rng, x, 2 * p + 5);
+    // x alone (3 pages per head) decodes without splits: the standalone fold. Batches with b
+    // (4 pages) split: the fold inside the combine.
+    assert!(c.plan(&[x]).unwrap().combine.is_none(), "a 3-page sequence must decode without a combine here");
+    assert!(c.plan(&[b]).unwrap().combine.is_some(), "a 4-page sequence must decode with a split-K combine here");
     let mut checked = 0;
     for t in 0..12 {
-        // Steps 0–1 track only b (one slot), then x joins (the window grows its slots).
-        let batch: Vec<usize> = if t < 2 { vec![b] } else { vec![x, b] };
+        // Steps 0–1 track only b (one slot), step 2 only x (no combine), then both (the
+        // window grows its slots).
+        let batch: Vec<usize> = match t {
+            0 | 1 => vec![b],
+            2 => vec![x],
+            _ => vec![x, b],
+        };
         for &q in &[b, x] {
             append(&mut c, &mut rng, q, 1);
         }

@@ -41,7 +41,17 @@ struct TranscodeParams {
   int num_pages;  // pages to transcode
 };
 
-// Arguments of the split-K combine kernel: one CTA per (sequence, query head).
+// Arguments of the importance-window fold: one CTA per (decode entry, kv head).
+struct MassWindowParams {
+  const float* page_lse;  // per page of the decode: log2 Σ_heads Σ_tokens 2^logit (DecodeParams::page_lse); null in a combine that does not fold
+  const u32* page_indptr;  // [batch * num_kv_heads + 1] the decode's page ranges
+  float* window;  // [sequence slots][num_kv_heads][capacity] max log2 share of every page since the host last read it (NaN: not observed)
+  const u32* slots;  // [batch] window slot (cache sequence id) of every decode entry
+  int num_kv_heads;  // kv heads
+  int capacity;  // pages per window row; the host grows the window before a decode has more
+};
+
+// Arguments of the split-K combine kernel: one CTA per (sequence, query head), then one per (sequence, kv head) folding the importance window.
 struct CombineParams {
   const float* partial_out;  // [num_splits][rows][head_dim]
   const float* partial_lse;  // [num_splits][rows]
@@ -49,17 +59,8 @@ struct CombineParams {
   float* lse;  // optional [rows] log-sum-exp (natural log)
   int rows;  // batch * num_q_heads
   int num_splits;  // splits to merge
-};
-
-// Arguments of the importance-window fold: one CTA per (decode entry, kv head) of up to 32 entries.
-struct MassWindowParams {
-  const float* page_lse;  // per page of the decode: log2 Σ_heads Σ_tokens 2^logit (DecodeParams::page_lse)
-  const u32* page_indptr;  // [batch * num_kv_heads + 1] the decode's page ranges
-  float* window;  // [sequence slots][num_kv_heads][capacity] max log2 share of every page since the host last read it (NaN: not observed)
-  u32 slots[32];  // window slot (cache sequence id) of decode entries first_entry, first_entry + 1, …
-  int first_entry;  // first decode entry (sequence of the batch) of this launch
-  int num_kv_heads;  // kv heads
-  int capacity;  // pages per window row; the host grows the window before a decode has more
+  int fold_groups;  // batch * num_kv_heads CTAs after the rows that fold `fold` (0: no fold)
+  MassWindowParams fold;  // RDR's importance window fold of the same decode (fold.page_lse null: none)
 };
 
 // Certified decode, selector: one CTA per (sequence, kv head) group of a phase-1 plan.

@@ -2,8 +2,9 @@
 // device. A decode that records per-page log2 masses (DecodeParams::page_lse) is followed by
 // this fold: every page's share of its (sequence, kv head)'s total for the step enters a
 // running per-page maximum. The host reads and resets the window only when the controller
-// runs, so a decode step costs one small launch and no transfer (issue 7: the host fold of
-// downloaded masses was ~150 us per step at 32K tokens).
+// runs, so a decode step costs no transfer (issue 7: the host fold of downloaded masses was
+// ~150 us per step at 32K tokens) and, when the decode has a split-K combine, no launch
+// either: extra CTAs of the combine fold (a separate fold launch was ~5 us on the H100).
 //
 // The window stores log2 shares, not shares: a max commutes with exp2, and far-away pages
 // whose share is below f32's smallest normal stay ordered instead of flushing to zero. NaN
@@ -35,16 +36,20 @@ __device__ __forceinline__ Log2Sum log2sum_warp(Log2Sum a) {
   return a;
 }
 
-// One CTA of NT threads per (decode entry, kv head). Each thread keeps its first R pages'
-// log-mass and window value in registers: both loads are issued before the reduction, so
-// a step costs one memory round trip for up to R × NT pages.
+// Folds one (decode entry, kv head) group's page masses into its window row, with the NT
+// threads of the calling CTA (all of them must call it). Each thread keeps its first R
+// pages' log-mass and window value in registers: both loads are issued before the
+// reduction, so a step costs one memory round trip for up to R × NT pages.
+//
+// Called by the standalone fold kernel below and by the split-K combine kernel's extra CTAs
+// (combine.cuh), which runs right after the decode anyway: there the fold costs no launch.
 template <int NT, int R = 4>
-__device__ void mass_window_kernel(const MassWindowParams& p) {
+__device__ __forceinline__ void mass_window_fold(const MassWindowParams& p, int entry, int head) {
   static_assert(NT % 32 == 0 && NT <= 1024, "whole warps");
   __shared__ Log2Sum warp_part[NT / 32];
   __shared__ float total_s;
-  const int head = blockIdx.x, entry = blockIdx.y, tid = threadIdx.x;
-  const int row = (p.first_entry + entry) * p.num_kv_heads + head;
+  const int tid = threadIdx.x;
+  const int row = entry * p.num_kv_heads + head;
   const u32 begin = p.page_indptr[row];
   // The host sizes the window before launching; the clamp only keeps a bad launch in bounds.
   const u32 n = min(p.page_indptr[row + 1] - begin, u32(p.capacity));
@@ -81,6 +86,13 @@ __device__ void mass_window_kernel(const MassWindowParams& p) {
     if (k < n) win[k] = fmaxf(w[i], x[i] - total);
   }
   for (u32 k = tid + R * NT; k < n; k += NT) win[k] = fmaxf(win[k], lse[k] - total);
+}
+
+// The standalone fold, for decodes without a split-K combine: one CTA of NT threads per
+// (decode entry, kv head), grid (kv heads, entries).
+template <int NT>
+__device__ void mass_window_kernel(const MassWindowParams& p) {
+  mass_window_fold<NT>(p, blockIdx.y, blockIdx.x);
 }
 
 }  // namespace kvforge

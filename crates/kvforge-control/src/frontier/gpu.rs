@@ -7,8 +7,10 @@
 //! plan is applied with the generated transcode kernels (`KvCache::retier_pages`: one launch
 //! per tier pair). Timed per step:
 //! * on the GPU, with CUDA events on the stream: the decode kernels (decode + split-K
-//!   combine) of one step and the `mass_window` fold after them — the controller's only
-//!   per-step work;
+//!   combine) of one step without and with the window fold (inside the combine when the
+//!   plan has one) — the fold is the controller's only per-step work, its cost the per-step
+//!   difference — and the standalone `mass_window` kernel (what the fold cost as a separate
+//!   launch, and still costs a plan without a combine);
 //! * with `Instant` around synchronous calls: `decode` and `decode_tracked` through the host
 //!   API (planning, uploads, kernels, download) and the host side of the fold launch;
 //! * per invocation: roll (window download + reset + EMA), view, decide and apply (the
@@ -76,11 +78,17 @@ pub struct GpuTime {
     pub decode_us: f64,
     /// `decode_tracked` through the host API (wall): decode + the fold launch.
     pub decode_tracked_us: f64,
-    /// The decode kernels of one step on the GPU (CUDA events).
+    /// The decode kernels of one step on the GPU (CUDA events), no fold.
     pub decode_gpu_us: f64,
-    /// The `mass_window` fold after them on the GPU (CUDA events).
+    /// The same with the window fold (`decode_tracked`'s kernels).
+    pub tracked_gpu_us: f64,
+    /// What the fold adds on the GPU: median over steps of tracked − plain.
     pub fold_gpu_us: f64,
-    /// Host time of the fold's launch call (no synchronisation).
+    /// The standalone `mass_window` kernel (CUDA events).
+    pub standalone_fold_gpu_us: f64,
+    /// Steps whose plan had a split-K combine (the fold ran inside it).
+    pub fused_steps: usize,
+    /// Host time of the tracked launch call minus the plain one (no synchronisation).
     pub fold_launch_us: f64,
     /// The first decision (after prefill, every page in the first tier).
     pub first_decide_us: f64,
@@ -95,7 +103,7 @@ pub struct GpuTime {
     pub decide_us: f64,
     pub apply_us: f64,
     pub moves_per_invocation: f64,
-    /// fold_gpu + (roll + view + decide + apply) / every.
+    /// max(fold_gpu, 0) + (roll + view + decide + apply) / every.
     pub controller_per_step_us: f64,
     /// controller_per_step_us / decode_gpu_us.
     pub fraction_of_decode: f64,
@@ -161,6 +169,7 @@ pub fn gpu_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s: &Gpu
     pos.sync(&cache)?;
     let mut r = GpuTime { device: dev.info.name.clone(), spec: spec.name.clone(), context: s.context, heads: hkv, gqa, steps: s.steps, every: rdr.every, budget_bytes_per_token: s.budget_fraction * fp16_per_token, ..Default::default() };
     let (mut dec, mut dect, mut dgpu, mut fgpu, mut fl) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut tgpu, mut sgpu) = (Vec::new(), Vec::new());
     let (mut tr, mut tv, mut td, mut ta) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut moves, mut invocations) = (0usize, 0usize);
     // Warm the kernels (JIT, first launches) before timing, then start the window afresh.
@@ -182,8 +191,11 @@ pub fn gpu_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s: &Gpu
         // The same step once more, split by events (the fold leaves the window as it is).
         let parts = timer.time(&mut cache, &[seq], &q)?;
         dgpu.push(parts.decode_us);
-        fgpu.push(parts.fold_us);
+        tgpu.push(parts.tracked_us);
+        fgpu.push(parts.tracked_us - parts.decode_us);
+        sgpu.push(parts.fold_us);
         fl.push(parts.fold_launch_us);
+        r.fused_steps += usize::from(parts.fused);
         if !rdr.step() {
             continue;
         }
@@ -228,7 +240,9 @@ pub fn gpu_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s: &Gpu
     r.decode_us = median(&mut dec);
     r.decode_tracked_us = median(&mut dect);
     r.decode_gpu_us = median(&mut dgpu);
+    r.tracked_gpu_us = median(&mut tgpu);
     r.fold_gpu_us = median(&mut fgpu);
+    r.standalone_fold_gpu_us = median(&mut sgpu);
     r.fold_launch_us = median(&mut fl);
     r.roll_us = median(&mut tr);
     r.view_us = median(&mut tv);
@@ -236,7 +250,7 @@ pub fn gpu_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s: &Gpu
     r.apply_us = median(&mut ta);
     r.moves_per_invocation = moves as f64 / invocations.saturating_sub(1).max(1) as f64;
     let invocation = (r.roll_us + r.view_us + r.decide_us + r.apply_us) / r.every as f64;
-    r.controller_per_step_us = r.fold_gpu_us + invocation;
+    r.controller_per_step_us = r.fold_gpu_us.max(0.0) + invocation;
     r.fraction_of_decode = r.controller_per_step_us / r.decode_gpu_us;
     r.fraction_of_host_decode = ((r.decode_tracked_us - r.decode_us).max(0.0) + invocation) / r.decode_tracked_us;
     Ok(r)

@@ -291,6 +291,7 @@ impl KvCache {
                 page_lse: None,
                 page_head_lse: Some(f32s(cap.pages * cap.gqa, "page masses")?),
                 page_delta: if phase1 { Some(f32s(cap.pages * cap.gqa, "page bounds")?) } else { None },
+                window: None,
             })
         };
         Ok(CertScratch {

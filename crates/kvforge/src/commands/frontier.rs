@@ -226,18 +226,18 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
             let g = gpu_loop(&dev, spec, &table, &gs).map_err(|e| anyhow::anyhow!("GPU loop on `{}`: {e}", spec.name))?;
             let bench = decode_time(&root.join(&a.decode_json), tier, gs.context);
             println!(
-                "[gpu {}] {}: {} tokens × {} kv heads, {} steps: decode kernels {:.1} us + window fold {:.2} us on the GPU (fold launch {:.1} us host); host API decode {:.1} us, decode_tracked {:.1} us; first decision {:.0} us + apply {:.0} us ({} re-codes, {} drops); steady roll {:.0} + view {:.0} + decide {:.0} + apply {:.0} us every {} steps ({:.1} moves) → controller {:.2} us per step = {:.2}% of the decode kernels ({:.2}% of the host-API step)",
-                g.device, g.spec, g.context, g.heads, g.steps, g.decode_gpu_us, g.fold_gpu_us, g.fold_launch_us, g.decode_us, g.decode_tracked_us, g.first_decide_us, g.first_apply_us, g.first_moves, g.first_drops, g.roll_us, g.view_us, g.decide_us, g.apply_us, g.every, g.moves_per_invocation, g.controller_per_step_us, 100.0 * g.fraction_of_decode, 100.0 * g.fraction_of_host_decode
+                "[gpu {}] {}: {} tokens × {} kv heads, {} steps: decode kernels {:.1} us, with the window fold {:.1} us: fold {:.2} us on the GPU ({} of {} steps fused into the combine; standalone fold kernel {:.2} us; launch +{:.1} us host); host API decode {:.1} us, decode_tracked {:.1} us; first decision {:.0} us + apply {:.0} us ({} re-codes, {} drops); steady roll {:.0} + view {:.0} + decide {:.0} + apply {:.0} us every {} steps ({:.1} moves) → controller {:.2} us per step = {:.2}% of the decode kernels ({:.2}% of the host-API step)",
+                g.device, g.spec, g.context, g.heads, g.steps, g.decode_gpu_us, g.tracked_gpu_us, g.fold_gpu_us, g.fused_steps, g.steps, g.standalone_fold_gpu_us, g.fold_launch_us, g.decode_us, g.decode_tracked_us, g.first_decide_us, g.first_apply_us, g.first_moves, g.first_drops, g.roll_us, g.view_us, g.decide_us, g.apply_us, g.every, g.moves_per_invocation, g.controller_per_step_us, 100.0 * g.fraction_of_decode, 100.0 * g.fraction_of_host_decode
             );
             gj.push(json!({
                 "device": g.device, "spec": g.spec, "context": g.context, "kv_heads": g.heads, "gqa": g.gqa, "steps": g.steps, "every": g.every,
                 "budget_fraction": frac, "budget_bytes_per_token": g.budget_bytes_per_token, "resident_bytes_per_token": g.resident_bytes_per_token,
-                "decode_us": g.decode_us, "decode_tracked_us": g.decode_tracked_us, "decode_gpu_us": g.decode_gpu_us, "fold_gpu_us": g.fold_gpu_us, "fold_launch_us": g.fold_launch_us,
+                "decode_us": g.decode_us, "decode_tracked_us": g.decode_tracked_us, "decode_gpu_us": g.decode_gpu_us, "tracked_gpu_us": g.tracked_gpu_us, "fold_gpu_us": g.fold_gpu_us, "standalone_fold_gpu_us": g.standalone_fold_gpu_us, "fused_steps": g.fused_steps, "fold_launch_us": g.fold_launch_us,
                 "first_decide_us": g.first_decide_us, "first_apply_us": g.first_apply_us, "first_moves": g.first_moves, "first_drops": g.first_drops, "first_launches": g.first_launches,
                 "roll_us": g.roll_us, "view_us": g.view_us, "decide_us": g.decide_us, "apply_us": g.apply_us, "moves_per_invocation": g.moves_per_invocation,
                 "controller_per_step_us": g.controller_per_step_us, "fraction_of_decode_gpu": g.fraction_of_decode, "fraction_of_host_decode": g.fraction_of_host_decode,
                 "bench_decode_kernel_us": bench.map(|b| b.0),
-                "what": "decode_gpu/fold_gpu: CUDA events (L2 flushed before the decode); the rest wall time (Instant) of synchronous calls: host-API decode includes planning and transfers, roll = window download + reset + EMA, apply = retier_pages (one transcode launch per tier pair) + stream sync; controller per step = fold_gpu + (roll + view + decide + apply) / every",
+                "what": "decode_gpu (no fold) / tracked_gpu (with the fold, inside the split-K combine on fused steps): CUDA events, L2 flushed before each; fold_gpu = median over steps of tracked − decode; standalone_fold_gpu: the separate mass_window kernel; the rest wall time (Instant) of synchronous calls: host-API decode includes planning and transfers, roll = window download + reset + EMA, apply = retier_pages (one transcode launch per tier pair) + stream sync; controller per step = max(fold_gpu, 0) + (roll + view + decide + apply) / every",
             }));
         }
         out["gpu_controller_time"] = json!(gj);
