@@ -159,7 +159,7 @@ static INFOS: [VariantInfo; 19usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 49984usize,
+        smem_bytes: 99184usize,
         source: include_str!("decode_kfp16_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -170,7 +170,7 @@ static INFOS: [VariantInfo; 19usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 51552usize,
+        smem_bytes: 100752usize,
         source: include_str!("decode_kfp16_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -181,7 +181,7 @@ static INFOS: [VariantInfo; 19usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 52336usize,
+        smem_bytes: 101536usize,
         source: include_str!("decode_kfp16_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -192,7 +192,7 @@ static INFOS: [VariantInfo; 19usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 55472usize,
+        smem_bytes: 104672usize,
         source: include_str!("decode_kfp16_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {

@@ -281,7 +281,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 49984usize,
+        smem_bytes: 99184usize,
         source: include_str!("decode_kfp16_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -292,7 +292,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 51552usize,
+        smem_bytes: 100752usize,
         source: include_str!("decode_kfp16_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -303,7 +303,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 52336usize,
+        smem_bytes: 101536usize,
         source: include_str!("decode_kfp16_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -314,7 +314,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 55472usize,
+        smem_bytes: 104672usize,
         source: include_str!("decode_kfp16_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -325,7 +325,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 28480usize,
+        smem_bytes: 102336usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -336,7 +336,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 30048usize,
+        smem_bytes: 103904usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -347,7 +347,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 30832usize,
+        smem_bytes: 104688usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -358,7 +358,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 33968usize,
+        smem_bytes: 107824usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -369,7 +369,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8],
         threads: 256usize,
-        smem_bytes: 49984usize,
+        smem_bytes: 99184usize,
         source: include_str!("decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -380,7 +380,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8, 2u8],
         threads: 256usize,
-        smem_bytes: 51552usize,
+        smem_bytes: 100752usize,
         source: include_str!("decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -391,7 +391,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8],
         threads: 256usize,
-        smem_bytes: 52336usize,
+        smem_bytes: 101536usize,
         source: include_str!("decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -402,7 +402,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8],
         threads: 256usize,
-        smem_bytes: 55472usize,
+        smem_bytes: 104672usize,
         source: include_str!("decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -503,7 +503,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 56640usize,
+        smem_bytes: 93536usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -514,7 +514,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 59232usize,
+        smem_bytes: 96128usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -525,7 +525,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 60528usize,
+        smem_bytes: 97424usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -536,7 +536,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 65712usize,
+        smem_bytes: 102608usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -689,7 +689,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 112960usize,
+        smem_bytes: 76080usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -700,7 +700,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 117600usize,
+        smem_bytes: 80720usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -711,7 +711,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 119920usize,
+        smem_bytes: 83040usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -722,7 +722,7 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 129200usize,
+        smem_bytes: 92320usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d256_g8_p64.cu"),
     },
     VariantInfo {

@@ -521,7 +521,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 49984usize,
+        smem_bytes: 99184usize,
         source: include_str!("decode_kfp16_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -532,7 +532,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 51552usize,
+        smem_bytes: 100752usize,
         source: include_str!("decode_kfp16_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -543,7 +543,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 52336usize,
+        smem_bytes: 101536usize,
         source: include_str!("decode_kfp16_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -554,7 +554,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 55472usize,
+        smem_bytes: 104672usize,
         source: include_str!("decode_kfp16_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -565,7 +565,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 27984usize,
+        smem_bytes: 100032usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -576,7 +576,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 30080usize,
+        smem_bytes: 102624usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -587,7 +587,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 31120usize,
+        smem_bytes: 103920usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -598,7 +598,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 35312usize,
+        smem_bytes: 109104usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -609,7 +609,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 15696usize,
+        smem_bytes: 79376usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -620,7 +620,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 3usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 17792usize,
+        smem_bytes: 81968usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -631,7 +631,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 18832usize,
+        smem_bytes: 83264usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -642,7 +642,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 23024usize,
+        smem_bytes: 88448usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -653,7 +653,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 1usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 9552usize,
+        smem_bytes: 46608usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -664,7 +664,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 3usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 11648usize,
+        smem_bytes: 49200usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -675,7 +675,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 4usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 12688usize,
+        smem_bytes: 50496usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -686,7 +686,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 8usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 16880usize,
+        smem_bytes: 55680usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -697,7 +697,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 50256usize,
+        smem_bytes: 100208usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g1_p64.cu"
         ),
@@ -710,7 +710,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 52352usize,
+        smem_bytes: 103824usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g3_p64.cu"
         ),
@@ -723,7 +723,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 53392usize,
+        smem_bytes: 105632usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g4_p64.cu"
         ),
@@ -736,7 +736,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 57584usize,
+        smem_bytes: 112864usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g8_p64.cu"
         ),
@@ -926,7 +926,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 55632usize,
+        smem_bytes: 92000usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -937,7 +937,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 59264usize,
+        smem_bytes: 96640usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -948,7 +948,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 61072usize,
+        smem_bytes: 98960usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -959,7 +959,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 68336usize,
+        smem_bytes: 108240usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -970,7 +970,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 31056usize,
+        smem_bytes: 99760usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -981,7 +981,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 3usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 34688usize,
+        smem_bytes: 104400usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -992,7 +992,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 36496usize,
+        smem_bytes: 106720usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -1003,7 +1003,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 43760usize,
+        smem_bytes: 116000usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -1014,7 +1014,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 1usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 18768usize,
+        smem_bytes: 92688usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -1025,7 +1025,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 3usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 22400usize,
+        smem_bytes: 97328usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -1036,7 +1036,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 4usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 24208usize,
+        smem_bytes: 99648usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -1047,7 +1047,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 8usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 31472usize,
+        smem_bytes: 108928usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -1058,7 +1058,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 100176usize,
+        smem_bytes: 101696usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g1_p64.cu"
         ),
@@ -1071,7 +1071,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 103808usize,
+        smem_bytes: 108384usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g3_p64.cu"
         ),
@@ -1084,7 +1084,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 105616usize,
+        smem_bytes: 111728usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g4_p64.cu"
         ),
@@ -1097,7 +1097,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 112880usize,
+        smem_bytes: 125104usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g8_p64.cu"
         ),
@@ -1287,7 +1287,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 110928usize,
+        smem_bytes: 76080usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1298,7 +1298,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 117632usize,
+        smem_bytes: 84816usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1309,7 +1309,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 120976usize,
+        smem_bytes: 89184usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1320,7 +1320,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 134384usize,
+        smem_bytes: 106656usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1331,7 +1331,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 61776usize,
+        smem_bytes: 101728usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1342,7 +1342,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 3usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 68480usize,
+        smem_bytes: 110464usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1353,7 +1353,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 71824usize,
+        smem_bytes: 114832usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1364,7 +1364,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 85232usize,
+        smem_bytes: 132304usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1375,7 +1375,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 1usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 37200usize,
+        smem_bytes: 105888usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1386,7 +1386,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 3usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 43904usize,
+        smem_bytes: 114624usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1397,7 +1397,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 4usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 47248usize,
+        smem_bytes: 118992usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1408,7 +1408,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 8usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 60656usize,
+        smem_bytes: 136464usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1419,7 +1419,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 134464usize,
+        smem_bytes: 137520usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g1_p64.cu"
         ),
@@ -1432,7 +1432,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 141168usize,
+        smem_bytes: 150352usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g3_p64.cu"
         ),
@@ -1445,7 +1445,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 144512usize,
+        smem_bytes: 156768usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g4_p64.cu"
         ),
@@ -1458,7 +1458,7 @@ static INFOS: [VariantInfo; 94usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 157920usize,
+        smem_bytes: 182432usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g8_p64.cu"
         ),

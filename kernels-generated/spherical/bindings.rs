@@ -381,7 +381,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 27776usize,
+        smem_bytes: 97024usize,
         source: include_str!("decode_ksph16x4b6_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -392,7 +392,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 31392usize,
+        smem_bytes: 100640usize,
         source: include_str!("decode_ksph16x4b6_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -403,7 +403,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 33200usize,
+        smem_bytes: 102448usize,
         source: include_str!("decode_ksph16x4b6_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -414,7 +414,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 40432usize,
+        smem_bytes: 109680usize,
         source: include_str!("decode_ksph16x4b6_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -425,7 +425,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 26816usize,
+        smem_bytes: 95552usize,
         source: include_str!("decode_ksph16x4b4_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -436,7 +436,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 28896usize,
+        smem_bytes: 97632usize,
         source: include_str!("decode_ksph16x4b4_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -447,7 +447,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 29936usize,
+        smem_bytes: 98672usize,
         source: include_str!("decode_ksph16x4b4_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -458,7 +458,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 34096usize,
+        smem_bytes: 102832usize,
         source: include_str!("decode_ksph16x4b4_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -469,7 +469,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 26048usize,
+        smem_bytes: 101648usize,
         source: include_str!("decode_ksph32x2b3_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -480,7 +480,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 3usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 27744usize,
+        smem_bytes: 103344usize,
         source: include_str!("decode_ksph32x2b3_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -491,7 +491,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 28592usize,
+        smem_bytes: 104192usize,
         source: include_str!("decode_ksph32x2b3_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -502,7 +502,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 31984usize,
+        smem_bytes: 107584usize,
         source: include_str!("decode_ksph32x2b3_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -513,7 +513,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 28096usize,
+        smem_bytes: 97344usize,
         source: include_str!(
             "decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g1_p64.cu"
         ),
@@ -526,7 +526,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 32352usize,
+        smem_bytes: 101600usize,
         source: include_str!(
             "decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g3_p64.cu"
         ),
@@ -539,7 +539,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 34480usize,
+        smem_bytes: 103728usize,
         source: include_str!(
             "decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g4_p64.cu"
         ),
@@ -552,7 +552,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 42992usize,
+        smem_bytes: 112240usize,
         source: include_str!(
             "decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g8_p64.cu"
         ),
@@ -642,7 +642,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 55232usize,
+        smem_bytes: 89824usize,
         source: include_str!("decode_ksph16x8b6_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -653,7 +653,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 61920usize,
+        smem_bytes: 96512usize,
         source: include_str!("decode_ksph16x8b6_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -664,7 +664,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 65264usize,
+        smem_bytes: 99856usize,
         source: include_str!("decode_ksph16x8b6_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -675,7 +675,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 78640usize,
+        smem_bytes: 113232usize,
         source: include_str!("decode_ksph16x8b6_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -686,7 +686,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 53312usize,
+        smem_bytes: 87648usize,
         source: include_str!("decode_ksph16x8b4_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -697,7 +697,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 56928usize,
+        smem_bytes: 91264usize,
         source: include_str!("decode_ksph16x8b4_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -708,7 +708,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 58736usize,
+        smem_bytes: 93072usize,
         source: include_str!("decode_ksph16x8b4_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -719,7 +719,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 65968usize,
+        smem_bytes: 100304usize,
         source: include_str!("decode_ksph16x8b4_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -730,7 +730,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 51776usize,
+        smem_bytes: 102128usize,
         source: include_str!("decode_ksph32x4b3_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -741,7 +741,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 3usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 54624usize,
+        smem_bytes: 104976usize,
         source: include_str!("decode_ksph32x4b3_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -752,7 +752,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 56048usize,
+        smem_bytes: 106400usize,
         source: include_str!("decode_ksph32x4b3_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -763,7 +763,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 61744usize,
+        smem_bytes: 112096usize,
         source: include_str!("decode_ksph32x4b3_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -774,7 +774,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 55872usize,
+        smem_bytes: 90464usize,
         source: include_str!(
             "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g1_p64.cu"
         ),
@@ -787,7 +787,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 63840usize,
+        smem_bytes: 98432usize,
         source: include_str!(
             "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g3_p64.cu"
         ),
@@ -800,7 +800,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 67824usize,
+        smem_bytes: 102416usize,
         source: include_str!(
             "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g4_p64.cu"
         ),
@@ -813,7 +813,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 83760usize,
+        smem_bytes: 118352usize,
         source: include_str!(
             "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g8_p64.cu"
         ),
@@ -909,7 +909,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 110144usize,
+        smem_bytes: 75568usize,
         source: include_str!("decode_ksph16x16b6_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -920,7 +920,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 122976usize,
+        smem_bytes: 88400usize,
         source: include_str!("decode_ksph16x16b6_vfp16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -931,7 +931,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 129392usize,
+        smem_bytes: 94816usize,
         source: include_str!("decode_ksph16x16b6_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -942,7 +942,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 155056usize,
+        smem_bytes: 120480usize,
         source: include_str!("decode_ksph16x16b6_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -953,7 +953,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 106304usize,
+        smem_bytes: 71984usize,
         source: include_str!("decode_ksph16x16b4_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -964,7 +964,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 112992usize,
+        smem_bytes: 78672usize,
         source: include_str!("decode_ksph16x16b4_vfp16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -975,7 +975,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 116336usize,
+        smem_bytes: 82016usize,
         source: include_str!("decode_ksph16x16b4_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -986,7 +986,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 129712usize,
+        smem_bytes: 95392usize,
         source: include_str!("decode_ksph16x16b4_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1041,7 +1041,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 111424usize,
+        smem_bytes: 76848usize,
         source: include_str!(
             "decode_ksph16x16b6_vfp16__ksph16x16b4_vfp16__ksph32x8b3_vfp16_d256_g1_p64.cu"
         ),
@@ -1054,7 +1054,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 126816usize,
+        smem_bytes: 92240usize,
         source: include_str!(
             "decode_ksph16x16b6_vfp16__ksph16x16b4_vfp16__ksph32x8b3_vfp16_d256_g3_p64.cu"
         ),
@@ -1067,7 +1067,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 134512usize,
+        smem_bytes: 99936usize,
         source: include_str!(
             "decode_ksph16x16b6_vfp16__ksph16x16b4_vfp16__ksph32x8b3_vfp16_d256_g4_p64.cu"
         ),
@@ -1080,7 +1080,7 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 165296usize,
+        smem_bytes: 130720usize,
         source: include_str!(
             "decode_ksph16x16b6_vfp16__ksph16x16b4_vfp16__ksph32x8b3_vfp16_d256_g8_p64.cu"
         ),

@@ -461,7 +461,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 34816usize,
+        smem_bytes: 102880usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -472,7 +472,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 36384usize,
+        smem_bytes: 104448usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -483,7 +483,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 37168usize,
+        smem_bytes: 105232usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -494,7 +494,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 40304usize,
+        smem_bytes: 108368usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -505,7 +505,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 17920usize,
+        smem_bytes: 92176usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g1_p64.cu"
         ),
@@ -518,7 +518,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 3usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 19488usize,
+        smem_bytes: 93744usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g3_p64.cu"
         ),
@@ -531,7 +531,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 20272usize,
+        smem_bytes: 94528usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g4_p64.cu"
         ),
@@ -544,7 +544,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 23408usize,
+        smem_bytes: 97664usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g8_p64.cu"
         ),
@@ -557,7 +557,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 34816usize,
+        smem_bytes: 102880usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g1_p64.cu"
         ),
@@ -570,7 +570,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 36384usize,
+        smem_bytes: 104448usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g3_p64.cu"
         ),
@@ -583,7 +583,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 37168usize,
+        smem_bytes: 105232usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g4_p64.cu"
         ),
@@ -596,7 +596,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 40304usize,
+        smem_bytes: 108368usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g8_p64.cu"
         ),
@@ -750,7 +750,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 69312usize,
+        smem_bytes: 91984usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -761,7 +761,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 71904usize,
+        smem_bytes: 94576usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -772,7 +772,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 73200usize,
+        smem_bytes: 95872usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -783,7 +783,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 78384usize,
+        smem_bytes: 101056usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -794,7 +794,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 35520usize,
+        smem_bytes: 92560usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g1_p64.cu"
         ),
@@ -807,7 +807,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 3usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 38112usize,
+        smem_bytes: 95152usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g3_p64.cu"
         ),
@@ -820,7 +820,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 39408usize,
+        smem_bytes: 96448usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g4_p64.cu"
         ),
@@ -833,7 +833,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 44592usize,
+        smem_bytes: 101632usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g8_p64.cu"
         ),
@@ -846,7 +846,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 69312usize,
+        smem_bytes: 91984usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g1_p64.cu"
         ),
@@ -859,7 +859,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 71904usize,
+        smem_bytes: 94576usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g3_p64.cu"
         ),
@@ -872,7 +872,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 73200usize,
+        smem_bytes: 95872usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g4_p64.cu"
         ),
@@ -885,7 +885,7 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 78384usize,
+        smem_bytes: 101056usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g8_p64.cu"
         ),

@@ -78,11 +78,13 @@ const SMEM_RESERVED_PER_CTA: usize = 1024;
 /// CTAs per SM the decode kernel asks the register allocator to fit (`__launch_bounds__`):
 /// the spec's `kernels.ctas_per_sm`, but never more than the variant's shared memory lets
 /// reside (a register budget for CTAs that cannot run only costs spills), and the default
-/// 512 threads per SM where the accumulators need the registers (gqa 8: one CTA; head_dim
-/// above 128).
+/// 512 threads per SM where the accumulators need the registers (gqa 8, and the per-warp
+/// layout above head_dim 128: one CTA; other variants above head_dim 128).
 pub fn min_blocks(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
     let default = (512 / threads(spec)).max(1);
-    if gqa >= 8 {
+    // The per-warp layout at head_dim > 128 holds 64 accumulators and 32-pair key and value
+    // fragments per thread: ~150 registers (at 128 it spilled 0.5 KB per thread).
+    if gqa >= 8 || (d > 128 && per_warp(spec, tiers, d, gqa)) {
         return 1;
     }
     if d > 128 {
@@ -106,16 +108,56 @@ fn bfrag_bytes(spec: &Spec, tier: &Tier, d: usize, gqa: usize) -> usize {
     }
 }
 
+/// Pair order of a tier's key fragments in the per-warp decode layout (`WARP_CC` of its key
+/// codec in codecs.cuh), or `None` when the tier cannot take that layout.
+fn warp_order(tier: &Tier, d: usize) -> Option<u32> {
+    let key = match &tier.key {
+        KeyScheme::Dense(DType::Fp16) => Some(1),
+        KeyScheme::Int { bits, block, .. } if block % 8 == 0 && d * *bits as usize >= 128 => Some(16 / bits),
+        _ => None,
+    }?;
+    let value = match &tier.value {
+        ValueScheme::Dense(DType::Fp16) => true,
+        ValueScheme::Int { group, .. } => group % (d / 8) == 0,
+        _ => false,
+    };
+    value.then_some(key)
+}
+
+/// Mirror of `WarpPlan<Cfg>::ON`: whether a decode variant runs the per-warp layout (each warp
+/// owns 8-token octets with its own online softmax; see decode.cuh). Variants with an integer
+/// key tier whose every tier has fp16 or integer keys and values.
+pub fn per_warp(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> bool {
+    let p = spec.page.tokens;
+    let ts: Vec<&Tier> = tiers.iter().map(|&t| &spec.tiers[t as usize]).collect();
+    spec.kernels.tensor_core_values
+        && gqa <= 8
+        && p % 8 == 0
+        && p >= 4 * spec.kernels.warps
+        && d % 64 == 0
+        && ts.iter().all(|t| warp_order(t, d).is_some())
+        && ts.iter().any(|t| matches!(t.key, KeyScheme::Int { .. }))
+}
+
+/// Mirror of `WarpPlan<Cfg>::QFRAG_BYTES`: the per-warp layout's query fragments, fp16 high and
+/// low parts of every query head in each distinct key pair order of the variant.
+fn qfrag_bytes(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
+    let mut orders: Vec<u32> = tiers.iter().filter_map(|&t| warp_order(&spec.tiers[t as usize], d)).collect();
+    orders.sort_unstable();
+    orders.dedup();
+    orders.len() * 4 * d * gqa
+}
+
 /// Mirror of `DecodeSmem<Cfg>::TOTAL`.
 pub fn decode_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
     let p = spec.page.tokens;
     let ts: Vec<&Tier> = tiers.iter().map(|&t| &spec.tiers[t as usize]).collect();
     let lut: usize = ts.iter().map(|t| gqa * lut_floats_per_head(t, d)).sum();
     let seg = ts.iter().filter(|t| t.id != kvforge_spec::TAIL_TIER).map(|t| SegmentLayout::new(t, d, p, spec.page.alignment).bytes).max().unwrap_or(0);
-    let bfrag = ts.iter().map(|t| bfrag_bytes(spec, t, d, gqa)).max().unwrap_or(0);
+    let bfrag = if per_warp(spec, tiers, d, gqa) { qfrag_bytes(spec, tiers, d, gqa) } else { ts.iter().map(|t| bfrag_bytes(spec, t, d, gqa)).max().unwrap_or(0) };
     let fixed = align16(gqa * d * 4) + align16(lut * 4) + align16(gqa * p * 4) + align16(4 * gqa * 4) + align16(gqa * d * 4) + align16(bfrag);
     let stage = kvforge_spec::HEADER_BYTES + align16(seg);
-    let nstage = if 3 * stage <= 112 * 1024 { 3 } else { 2 };
+    let nstage = (100 * 1024 / stage).clamp(2, 16);
     fixed + nstage * stage
 }
 

@@ -82,19 +82,28 @@ pub fn bytes_read(cache: &KvCache, plan: &crate::DecodePlan) -> usize {
     bytes + plan.page_bytes_read
 }
 
-/// Benchmarks decode of `spec`'s tier `tier` over `contexts` × `batches`.
+/// Benchmarks decode of `spec`'s tier `tiers[0]` over `contexts` × `batches`, or, given
+/// several tiers, of a *ladder*: every (sequence, head) holds its full pages in the tiers in
+/// turn (page i in `tiers[i % n]`, one launch serves the mix), to compare its bandwidth with
+/// single-tier sequences of the same bytes.
 #[allow(clippy::too_many_arguments)]
-pub fn bench_tier(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, gqa: usize, hkv: usize, contexts: &[usize], batches: &[usize], runs: usize, copy: f64, max_bytes: usize, mut progress: impl FnMut(&BenchRow)) -> Result<Vec<BenchRow>> {
+pub fn bench_tier(dev: &Arc<Device>, spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, hkv: usize, contexts: &[usize], batches: &[usize], runs: usize, copy: f64, max_bytes: usize, mut progress: impl FnMut(&BenchRow)) -> Result<Vec<BenchRow>> {
+    let Some(&first) = tiers.first() else {
+        return Err(crate::RtError::BadInput("bench needs at least one tier".into()));
+    };
+    let label = format!("{}:{}", spec.name, tiers.iter().map(|&t| spec.tiers[t as usize].name.as_str()).collect::<Vec<_>>().join("+"));
     let mut flush = dev.stream.alloc_zeros::<u8>(256 << 20).map_err(drv("L2 flush buffer"))?;
     let mut rows = Vec::new();
     for &ctx in contexts {
         for &batch in batches {
-            let mut cfg = CacheConfig::new(spec, d, gqa, hkv, batch, ctx * batch).target(tier);
+            let mut cfg = CacheConfig::new(spec, d, gqa, hkv, batch, ctx * batch).target(first);
             cfg.verify_headers = false;
-            // Only the tail and the measured tier need pages.
+            // Only the tail and the measured tiers need pages; the ladder's other tiers take
+            // their share of the pages the fill writes in the first.
+            let share = (ctx / spec.page.tokens) * hkv * batch / tiers.len() + hkv * batch;
             for (t, n) in cfg.pages.iter_mut().enumerate() {
-                if t != 0 && t != tier as usize {
-                    *n = 0;
+                if t != 0 && t != first as usize {
+                    *n = if tiers.contains(&(t as TierId)) { share } else { 0 };
                 }
             }
             cfg.pages[0] = hkv * (batch + 8);
@@ -104,6 +113,13 @@ pub fn bench_tier(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, gqa: u
             }
             let mut cache = KvCache::new(dev.clone(), spec.clone(), cfg)?;
             let seqs = cache.fill_for_bench(batch, ctx, 7)?;
+            if tiers.len() > 1 {
+                let full = ctx / spec.page.tokens;
+                for &s in &seqs {
+                    let moves: Vec<_> = (0..hkv).flat_map(|h| (0..full).map(move |i| (h, i, tiers[i % tiers.len()]))).filter(|m| m.2 != first).collect();
+                    cache.retier_pages(s, &moves)?;
+                }
+            }
             let plan = cache.plan(&seqs)?;
             let mut ws = cache.workspace(&plan)?;
             let q: Vec<u16> = (0..batch * hkv * gqa * d).map(|i| crate::to_bits(spec.geometry.dtype, ((i * 7919) % 2001) as f32 / 1000.0 - 1.0)).collect();
@@ -116,7 +132,7 @@ pub fn bench_tier(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, gqa: u
             let row = BenchRow {
                 system: "kvforge".into(),
                 variant: plan.variant.name(),
-                tier: format!("{}:{}", spec.name, spec.tiers[tier as usize].name),
+                tier: label.clone(),
                 context: ctx,
                 batch,
                 splits: plan.splits,

@@ -220,6 +220,67 @@ fn page_masses_match_the_reference_and_find_the_needle() {
     assert!(m[needle / p] > 0.9, "needle page holds {}", m[needle / p]);
 }
 
+/// Integer pages decode in the per-warp layout (every warp its own online softmax over its
+/// tokens of a page); their page masses meet across warps after the page barrier. Checked
+/// against the f64 reference on the pages the GPU holds (b8/b4/b2 pages, a partial tail), at
+/// gqa 4 with a needle aligned with head 0's query; the output too.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn page_masses_of_integer_pages_match_the_reference() {
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let s = spec("rdkv.toml");
+    let (d, gqa, n) = (128, 4, 1000);
+    let p = s.page.tokens;
+    let mut c = KvCache::new(dev, s.clone(), CacheConfig::new(&s, d, gqa, 1, 1, n)).unwrap();
+    let a = c.add_sequence();
+    let q = data(gqa * d, 9);
+    let mut k: Vec<f32> = data(n * d, 1).iter().map(|x| x * 0.3).collect();
+    let needle = 700;
+    for i in 0..d {
+        k[needle * d + i] = 3.0 * q[i];
+    }
+    c.append(a, &k, &data(n * d, 2)).unwrap();
+    let tier = |name: &str| s.tier(name).unwrap().id;
+    let ladder = [tier("b8"), tier("b4"), tier("b2")];
+    let moves: Vec<_> = (0..n / p).map(|i| (0, i, ladder[i % 3])).collect();
+    c.retier_pages(a, &moves).unwrap();
+    let (out, mass) = c.decode_with_mass(&[a], &q).unwrap();
+    let (mut kk, mut vv, mut lens) = (Vec::new(), Vec::new(), Vec::new());
+    for (pg, len) in c.pages(a, 0).unwrap() {
+        let bytes = c.download_page(pg).unwrap();
+        let (kp, vp) = kvforge_ref::decode_segment(&s.tiers[pg.tier as usize], d, p, &bytes[HEADER_BYTES..], &[]);
+        kk.extend_from_slice(&kp[..len * d]);
+        vv.extend_from_slice(&vp[..len * d]);
+        lens.push(len);
+    }
+    assert!(c.pages(a, 0).unwrap().iter().any(|(pg, _)| pg.tier == tier("b2")), "the ladder reached b2");
+    let sm = 1.0 / (d as f64).sqrt();
+    let qr: Vec<f64> = q.iter().map(|&x| half::f16::from_f32(x).to_f64()).collect();
+    let vmax = vv.iter().fold(0f64, |m: f64, x| m.max(x.abs()));
+    // Page shares of Σ_heads Σ_tokens e^logit, and each head's output.
+    let mut logits = Vec::new();
+    for h in 0..gqa {
+        let qh = &qr[h * d..(h + 1) * d];
+        logits.push((0..n).map(|t| sm * (0..d).map(|i| qh[i] * kk[t * d + i]).sum::<f64>()).collect::<Vec<f64>>());
+        let (o, _) = kvforge_ref::attention(qh, &kk, &vv, sm);
+        for i in 0..d {
+            let e = (out.out[h * d + i] as f64 - o[i]).abs();
+            assert!(e <= 2.0 * 2f64.powi(-11) * vmax + 1e-6, "head {h} channel {i}: {} vs {}", out.out[h * d + i], o[i]);
+        }
+    }
+    let mx = logits.iter().flatten().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let total: f64 = logits.iter().flatten().map(|l| (l - mx).exp()).sum();
+    let m = &mass[0][0];
+    assert_eq!(m.len(), lens.len());
+    let mut start = 0;
+    for (pi, &len) in lens.iter().enumerate() {
+        let want: f64 = logits.iter().map(|l| l[start..start + len].iter().map(|x| (x - mx).exp()).sum::<f64>()).sum::<f64>() / total;
+        assert!((m[pi] - want).abs() < 1e-3, "page {pi}: {} vs {want}", m[pi]);
+        start += len;
+    }
+    assert!(m[needle / p] > 0.9, "needle page holds {}", m[needle / p]);
+}
+
 /// TriZone (seed 002): mixed-key pages coded through a channel order hold, at each natural
 /// channel, the reference's reconstruction of that channel at its segment's width (within one
 /// code at fp32 rounding boundaries), across encode (tail → zb) and transcodes down the zone

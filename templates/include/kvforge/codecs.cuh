@@ -24,6 +24,7 @@ enum class KeyError { Exact, Step, Unbounded };
 
 // Evicted tokens: no bytes, never scored. Only used in transcode bookkeeping.
 struct DropKey {
+  static constexpr int WARP_CC = 0;  // not on the per-warp decode path
   static constexpr int LUT_FLOATS_PER_HEAD = 0;
   static constexpr bool MMA = false;
   template <int GQA, int NWARPS> __host__ __device__ static constexpr int bfrag_bytes() { return 0; }
@@ -143,6 +144,14 @@ struct DenseKey {
       }
       store_mma_scores<GQA, P>(c, t0, len, qd, kp == 0 ? sc0 : sc1, kp == 0);
     }
+  }
+
+  // Per-warp decode (DecodeCta::compute_warp): the B fragments of token t's keys, the
+  // thread's channel slice [qd·D/4, (qd + 1)·D/4) as stored, pair e = channels 2e, 2e + 1.
+  static constexpr int WARP_CC = MMA ? 1 : 0;
+  template <int NPAIR>
+  __device__ __forceinline__ static void warp_keys(const u8* seg, int t, int qd, u32 (&b)[NPAIR]) {
+    load_words<4 * NPAIR>(seg + OFF + (t * D + qd * 2 * NPAIR) * 2, b);
   }
 
   __device__ __forceinline__ static float dequant(const u8* seg, int t, int c, const float*, const float*, const u16*) {
@@ -440,6 +449,49 @@ struct IntKey {
       store_mma_scores<GQA, P>(c, t0, len, qd, kp == 0 ? sc0 : sc1, kp == 0);
     }
   }
+  // Per-warp decode (DecodeCta::compute_warp): the B fragments of token t's keys dequantised
+  // to fp16 (code · scale + zero, one rounding: far below the code step), the thread's channel
+  // slice [qd·D/4, (qd + 1)·D/4) in pair_lo order with CC = WARP_CC, which is what one shift
+  // and one LOP3 pull out of a code word; the query fragments use the same order. Dequantising
+  // the 8 tokens a warp scores costs fewer instructions than folding the block's scales into
+  // its query (the fold is per block, and every warp would repeat it).
+  static constexpr int WARP_CC = BLOCK % 8 == 0 && D * BITS >= 128 ? 16 / BITS : 0;
+  template <int NPAIR>
+  __device__ __forceinline__ static void warp_keys(const u8* seg, int t, int qd, u32 (&b)[NPAIR]) {
+    constexpr int CPT = 2 * NPAIR, CC = WARP_CC;
+    constexpr u32 MASK = ((1u << BITS) - 1) * 0x00010001u;
+    static_assert(CC > 0 && CPT * BITS / 8 >= 4, "whole code words per slice");
+    const int c0 = qd * CPT, blk = t / BLOCK;
+    row_pairs(seg + OFF_CODES + t * ROW + c0 * BITS / 8, b, MASK);
+    u32 s[NPAIR], z[NPAIR];
+    pair_scales<NPAIR, CC>(seg + OFF_SCALE + (blk * D + c0) * int(sizeof(S)), s);
+    pair_scales<NPAIR, CC>(seg + OFF_ZERO + (blk * D + c0) * int(sizeof(S)), z);
+#pragma unroll
+    for (int e = 0; e < NPAIR; ++e) b[e] = h2_fma(b[e], s[e], z[e]);
+  }
+  // 2·NPAIR per-channel scales as fp16 pairs in pair_lo order (CC): pair e = channels
+  // (e / CC)·2CC + e % CC and that + CC.
+  template <int NPAIR, int CC>
+  __device__ __forceinline__ static void pair_scales(const u8* p, u32 (&out)[NPAIR]) {
+    if constexpr (sizeof(S) == 2) {
+      u32 w[NPAIR];  // w[m] = channels 2m, 2m + 1
+      load_words<4 * NPAIR>(p, w);
+#pragma unroll
+      for (int e = 0; e < NPAIR; ++e) {
+        const int ca = (e / CC) * 2 * CC + e % CC, cb = ca + CC;
+        out[e] = __byte_perm(w[ca / 2], w[cb / 2], (ca & 1) ? 0x7632 : 0x5410);
+      }
+    } else {
+      float f[2 * NPAIR];
+      load_floats<S, 2 * NPAIR>(p, f);
+#pragma unroll
+      for (int e = 0; e < NPAIR; ++e) {
+        const int ca = (e / CC) * 2 * CC + e % CC;
+        out[e] = pack2<false>(f[ca], f[ca + CC]);
+      }
+    }
+  }
+
   // The codes of one thread's row slice as exact fp16 pairs in pair_lo order.
   template <int N>
   __device__ __forceinline__ static void row_pairs(const u8* p, u32 (&out)[N], u32 mask) {
@@ -469,6 +521,7 @@ struct IntKey {
 // q·k): G lookups and G radius multiplies per token, no dense key is ever rebuilt.
 template <int GROUP, int ABITS, int D, int P, int OFF_RADIUS, int OFF_INDEX>
 struct SphericalKey {
+  static constexpr int WARP_CC = 0;  // not on the per-warp decode path
   static constexpr int NG = D / GROUP;
   static constexpr int E = 1 << ABITS;
   static constexpr int LUT_FLOATS_PER_HEAD = NG * E;
@@ -572,6 +625,7 @@ struct SphericalKey {
 template <int BLOCK, class S, int D, int P, int N16, int N8, int N4, int N2, int O16, int O8C, int O8S, int O8Z,
           int O4C, int O4S, int O4Z, int O2C, int O2S, int O2Z>
 struct MixedKey {
+  static constexpr int WARP_CC = 0;  // not on the per-warp decode path
   static constexpr int LUT_FLOATS_PER_HEAD = 0;
   static constexpr bool MMA = false;
   template <int GQA, int NWARPS> __host__ __device__ static constexpr int bfrag_bytes() { return 0; }
@@ -689,7 +743,7 @@ struct MixedKey {
 // Values
 // ---------------------------------------------------------------------------------------
 
-struct DropValue {};
+struct DropValue { static constexpr bool WARP = false; };
 
 template <class T, int D, int P, int OFF>
 struct DenseValue {
@@ -707,6 +761,19 @@ struct DenseValue {
       lo[2 * m + 1] = __byte_perm(w[0][m], w[1][m], 0x7632);
       hi[2 * m] = __byte_perm(w[2][m], w[3][m], 0x5410);
       hi[2 * m + 1] = __byte_perm(w[2][m], w[3][m], 0x7632);
+    }
+  }
+  // Per-warp decode (DecodeCta::compute_warp): out[k] = (v[ta][c0 + k], v[tb][c0 + k]).
+  static constexpr bool WARP = !BF16;
+  template <int N>
+  __device__ __forceinline__ static void warp_pairs(const u8* seg, int ta, int tb, int c0, u32 (&out)[N]) {
+    u32 wa[N / 2], wb[N / 2];
+    load_words<2 * N>(seg + OFF + (ta * D + c0) * 2, wa);
+    load_words<2 * N>(seg + OFF + (tb * D + c0) * 2, wb);
+#pragma unroll
+    for (int m = 0; m < N / 2; ++m) {
+      out[2 * m] = __byte_perm(wa[m], wb[m], 0x5410);
+      out[2 * m + 1] = __byte_perm(wa[m], wb[m], 0x7632);
     }
   }
   __device__ __forceinline__ static void load8(const u8* seg, int t, int c8, float (&v)[8]) {
@@ -776,6 +843,39 @@ struct IntValue {
         lo[ci * CCV + k] = h2_fma(h2_codes(x01 >> (k * BITS), MASK), s01, z01);
         hi[ci * CCV + k] = h2_fma(h2_codes(x23 >> (k * BITS), MASK), s23, z23);
       }
+    }
+  }
+
+  // Per-warp decode (DecodeCta::compute_warp): out[k] = (v̂[ta][c0 + k], v̂[tb][c0 + k]) as
+  // fp16, the N channels inside one value group; as `pairs`, for two tokens.
+  static constexpr bool WARP = true;
+  template <int N>
+  __device__ __forceinline__ static void warp_pairs(const u8* seg, int ta, int tb, int c0, u32 (&out)[N]) {
+    constexpr int TB = N * BITS / 8;                       // code bytes per token
+    constexpr int CCV = 16 / BITS < N ? 16 / BITS : N;     // codes per 16-bit chunk
+    constexpr u32 MASK = ((1u << BITS) - 1) * 0x00010001u;
+    static_assert(GROUP % N == 0, "a thread's channels share one value group");
+    const int grp = c0 / GROUP;
+    u32 wa[TB >= 4 ? TB / 4 : 1], wb[TB >= 4 ? TB / 4 : 1];
+    load_words<TB>(seg + OFF_CODES + ta * ROW + c0 * BITS / 8, wa);
+    load_words<TB>(seg + OFF_CODES + tb * ROW + c0 * BITS / 8, wb);
+    u32 s2, z2;
+    if constexpr (sizeof(S) == 2) {
+      const u16* sp = reinterpret_cast<const u16*>(seg + OFF_SCALE);
+      const u16* zp = reinterpret_cast<const u16*>(seg + OFF_ZERO);
+      s2 = __byte_perm(sp[ta * NGRP + grp], sp[tb * NGRP + grp], 0x5410);
+      z2 = __byte_perm(zp[ta * NGRP + grp], zp[tb * NGRP + grp], 0x5410);
+    } else {
+      const S* sp = reinterpret_cast<const S*>(seg + OFF_SCALE);
+      const S* zp = reinterpret_cast<const S*>(seg + OFF_ZERO);
+      s2 = pack2<false>(to_float(sp[ta * NGRP + grp]), to_float(sp[tb * NGRP + grp]));
+      z2 = pack2<false>(to_float(zp[ta * NGRP + grp]), to_float(zp[tb * NGRP + grp]));
+    }
+#pragma unroll
+    for (int ci = 0; ci < N / CCV; ++ci) {
+      const u32 x = __byte_perm(wa[ci / 2], wb[ci / 2], (ci & 1) ? 0x7632 : 0x5410);
+#pragma unroll
+      for (int k = 0; k < CCV; ++k) out[ci * CCV + k] = h2_fma(h2_codes(x >> (k * BITS), MASK), s2, z2);
     }
   }
 

@@ -37,6 +37,7 @@ template <class A> struct same_type<A, A> { static constexpr bool value = true; 
 
 __host__ __device__ constexpr int align16(int x) { return (x + 15) / 16 * 16; }
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
+__host__ __device__ constexpr int popc(unsigned x) { return x == 0 ? 0 : int(x & 1u) + popc(x >> 1); }
 __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 
 // The fixed 16-byte page header (layout documented in docs/LAYOUT.md).
@@ -130,6 +131,14 @@ __device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], const
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
+}
+
+// mma.sync m16n8k8 (fp16 inputs, fp32 accumulators): a thread holds A[g][2q..2q+1] and
+// A[g+8][2q..2q+1], B[2q..2q+1][g], and C as in m16n8k16.
+__device__ __forceinline__ void mma1688(float (&c)[4], const u32 (&a)[2], u32 b) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(b));
 }
 
 // Two floats as one fp16 (or bf16) pair, `lo` in the low half.

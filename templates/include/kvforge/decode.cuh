@@ -24,6 +24,41 @@ template <class... Ts> __host__ __device__ constexpr int max_seg(TierList<Ts...>
 template <int GQA, class... Ts> __host__ __device__ constexpr int sum_lut(TierList<Ts...>) { return (0 + ... + (GQA * Ts::Key::LUT_FLOATS_PER_HEAD)); }
 template <int GQA, int NW, class... Ts> __host__ __device__ constexpr int max_bfrag(TierList<Ts...>) { int m = 0; ((m = cmax(m, Ts::Key::template bfrag_bytes<GQA, NW>())), ...); return m; }
 
+// The per-warp layout (DecodeCta::compute_warp): each warp owns 8-token octets of every page
+// and keeps its own online softmax, so a page costs one block barrier (stage reuse) and the
+// warps drift instead of meeting at the score, softmax and value phases. Scores are
+// S^T = Q K^T on m16n8k16 with the query heads as rows (A = q in fp16 high + low parts, B =
+// the octet's keys as fp16), and the score accumulators of a lane (head g, tokens 2q, 2q + 1)
+// are exactly its B fragment of P^T in O^T += V^T P^T on m16n8k8, so probabilities never leave
+// registers. Variants whose every tier has fp16 or integer keys and values take it when one of
+// them is an integer tier (all-fp16 variants keep the block layout, tuned to 0.95 of a copy).
+// Mirrored by kvforge-gen codec.rs (`per_warp`, `qfrag_bytes`).
+template <class V, int D> struct WarpValue { static constexpr bool value = V::WARP; };
+template <int BITS, int GROUP, class S, int D_, int P_, int OC, int OS, int OZ, int D>
+struct WarpValue<IntValue<BITS, GROUP, S, D_, P_, OC, OS, OZ>, D> { static constexpr bool value = GROUP % (D / 8) == 0; };
+template <class K> struct WarpInt { static constexpr bool value = false; };
+template <int BITS, int BLOCK, class S, int D_, int P_, int OC, int OS, int OZ>
+struct WarpInt<IntKey<BITS, BLOCK, S, D_, P_, OC, OS, OZ>> { static constexpr bool value = true; };
+
+template <class Cfg>
+struct WarpPlan {
+  static constexpr int D = Cfg::D, GQA = Cfg::GQA, NW = Cfg::NTHREADS / 32;
+  template <class... Ts> __host__ __device__ static constexpr bool all_tiers(TierList<Ts...>) {
+    return (true && ... && (Ts::Key::WARP_CC > 0 && WarpValue<typename Ts::Value, D>::value));
+  }
+  template <class... Ts> __host__ __device__ static constexpr bool any_int(TierList<Ts...>) { return (false || ... || WarpInt<typename Ts::Key>::value); }
+  // Bit CC set for every pair order of the variant's key fragments (1: fp16, 16 / bits: int).
+  template <class... Ts> __host__ __device__ static constexpr unsigned orders(TierList<Ts...>) { return (0u | ... | (1u << Ts::Key::WARP_CC)); }
+  static constexpr bool ON = Cfg::TC_VALUES && GQA <= 8 && Cfg::P % 8 == 0 && Cfg::P >= 4 * NW && D % 64 == 0 &&
+                             all_tiers(typename Cfg::Tiers{}) && any_int(typename Cfg::Tiers{});
+  static constexpr unsigned MASK = ON ? orders(typename Cfg::Tiers{}) : 0u;
+  static constexpr int NORD = popc(MASK);
+  // Index of pair order CC among the variant's orders.
+  __host__ __device__ static constexpr int order(int cc) { return popc(MASK & ((1u << cc) - 1u)); }
+  // Query fragments: per order, fp16 high and low parts of q, D/4 u32 per (head, quarter).
+  static constexpr int QFRAG_BYTES = NORD * 4 * D * GQA;
+};
+
 // Shared-memory plan of one decode variant (bytes). The generated Rust bindings carry the
 // same numbers (kvforge-gen codec.rs), and the generated .cu static_asserts that they agree.
 template <class Cfg>
@@ -33,13 +68,17 @@ struct DecodeSmem {
   static constexpr int SCORES = LUT + align16(sum_lut<Cfg::GQA>(typename Cfg::Tiers{}) * 4);
   static constexpr int STATS = SCORES + align16(Cfg::GQA * Cfg::P * 4);
   static constexpr int OUT = STATS + align16(4 * Cfg::GQA * 4);
-  // B fragments of integer keys folded once per page (IntKey::fold_page), 0 without them.
+  // B fragments of integer keys folded once per page (IntKey::fold_page), 0 without them; in
+  // the per-warp layout the query fragments instead (WarpPlan::QFRAG_BYTES).
   static constexpr int BFRAG = OUT + align16(Cfg::GQA * Cfg::D * 4);
-  static constexpr int STAGE = BFRAG + align16(max_bfrag<Cfg::GQA, Cfg::NTHREADS / 32>(typename Cfg::Tiers{}));
+  static constexpr int STAGE = BFRAG + align16(WarpPlan<Cfg>::ON ? WarpPlan<Cfg>::QFRAG_BYTES : max_bfrag<Cfg::GQA, Cfg::NTHREADS / 32>(typename Cfg::Tiers{}));
   // A stage holds the page header and its segment.
   static constexpr int STAGE_BYTES = HEADER_BYTES + align16(max_seg(typename Cfg::Tiers{}));
-  // Three stages when they fit in 112 KB (two CTAs per SM), else two.
-  static constexpr int NSTAGE = 3 * STAGE_BYTES <= 112 * 1024 ? 3 : 2;
+  // As many stages as fit in 100 KiB (two CTAs per SM), 2 to 16: decode streams at a
+  // bandwidth proportional to the bytes it has in flight (H100: b8 / b4 / b2 pages at 3
+  // stages ran at 0.62 / 0.39 / 0.22 of a copy, in the ratio of their page bytes), so small
+  // pages need deep pipelines; fp16 pages at head_dim 128 keep 3.
+  static constexpr int NSTAGE = STAGE_BYTES * 16 <= 100 * 1024 ? 16 : 100 * 1024 / STAGE_BYTES < 2 ? 2 : 100 * 1024 / STAGE_BYTES;
   static constexpr int TOTAL = STAGE + NSTAGE * STAGE_BYTES;
 };
 
@@ -77,12 +116,21 @@ struct DecodeCta {
   template <class T, int D_, int P_, int OFF> struct IntegerMma<DenseKey<T, D_, P_, OFF>> { static constexpr bool value = false; };
   template <class... Ts> __device__ static constexpr bool any_mma(TierList<Ts...>) { return (false || ... || IntegerMma<typename Ts::Key>::value); }
   static constexpr bool MMA_V = Cfg::TC_VALUES && any_mma(typename Cfg::Tiers{});
-  static constexpr int ACC_R = MMA_V ? MTV : GQA, ACC_C = MMA_V ? 4 : 8;
+  using WP = WarpPlan<Cfg>;
+  static constexpr bool PW = WP::ON;
+  // Per-warp layout: a lane (g, qd) holds key channels [qd·D/4, (qd + 1)·D/4) (NPAIR pairs)
+  // and value channels [g·CV, (g + 1)·CV); KSW k-steps of the score mma, m-tiles of the value mma.
+  static constexpr int NPAIR = D / 8, CV = D / 8, KSW = D / 16;
+  static_assert(!PW || (NPAIR % 4 == 0 && P >= 4 * NW), "per-warp layout: whole uint4 query chunks, stats fit the score region");
+  static constexpr int ACC_R = PW ? KSW : MMA_V ? MTV : GQA, ACC_C = PW || MMA_V ? 4 : 8;
 
   u8* smem;
   const DecodeParams& p;
   int kvh;
   float acc[ACC_R][ACC_C];
+  // Per-warp layout: head g's running max and (this lane's share of the) sum, and the log2
+  // mass of the current page for page tracking.
+  float pw_m = NEG_INF, pw_l = 0.f, pw_plse = NEG_INF;
 
   __device__ float* q_s() { return reinterpret_cast<float*>(smem + Smem::Q); }
   __device__ float* lut_s() { return reinterpret_cast<float*>(smem + Smem::LUT); }
@@ -117,17 +165,18 @@ struct DecodeCta {
     }
   }
 
-  // Issues the copy of page `i` (header + segment) into stage `buf`; its size comes from the
-  // page table's tier. Returns false (and stages nothing) for a tier this variant lacks.
-  // Packs a page-table entry (tier | tokens << 8) into a 16-bit stage entry.
-  __device__ static u32 stage_entry(u32 info) { return 0x8000u | ((info & 0x7f) << 8) | ((info >> 8) & 0xff); }
-
-  // Tail pages are not staged (the caller reads them in place).
+  // Whether this variant serves `tier` (the tail is always served).
   template <class... Ts>
-  __device__ bool stage_page(TierList<Ts...>, u32 info, const u8* page, int buf) {
+  __device__ static bool serves(TierList<Ts...>, int tier) { return tier == 0 || (false || ... || (tier == Ts::id)); }
+
+  // Issues the copy of a page (header + segment) with page-table entry `info` into stage
+  // `buf`; its size comes from the entry's tier. Tail pages are not staged (the caller reads
+  // them in place), nor pages of a tier this variant lacks.
+  template <class... Ts>
+  __device__ void stage_page(TierList<Ts...>, u32 info, const u8* page, int buf) {
     const int tier = int(info & 0xff);
-    if (tier == 0) return true;
-    return ((tier == Ts::id ? (stage_async<NT>(stage(buf), page, HEADER_BYTES + align16(Ts::SEG_BYTES)), true) : false) || ...);
+    if (tier == 0) return;
+    ((tier == Ts::id ? (stage_async<NT>(stage(buf), page, HEADER_BYTES + align16(Ts::SEG_BYTES)), true) : false) || ...);
   }
 
   template <class... Ts>
@@ -139,6 +188,184 @@ struct DecodeCta {
 
   template <class T>
   __device__ void compute(const u8* seg, int len, u32 gpage) {
+    if constexpr (PW) {
+      compute_warp<T>(seg, len);
+      if (p.page_delta) write_delta<typename T::Key>(seg, len, gpage);
+    } else {
+      compute_cta<T>(seg, len, gpage);
+    }
+  }
+
+  __device__ u32* qfrag_s() { return reinterpret_cast<u32*>(smem + Smem::BFRAG); }
+  // The o-th pair order of the variant (its CC).
+  __device__ static int order_cc(int o) {
+    int n = 0;
+    for (int cc = 1; cc <= 16; cc <<= 1)
+      if (WP::MASK & (1u << cc)) { if (n == o) return cc; ++n; }
+    return 1;
+  }
+  // Query fragments of every pair order, once per CTA: u32 index ((order·2 + part)·NPAIR/4 +
+  // e/4)·4·GQA·4 + (g·4 + qd)·4 + e%4 holds part (0 high, 1 low) of q[g] at pair e of quarter
+  // qd, so a lane reads 4 pairs as one uint4 and the lanes of a warp read consecutive ones.
+  __device__ void build_qfrag() {
+    constexpr int NCH4 = NPAIR / 4, L4 = 4 * GQA, CPT = D / 4;
+    u32* f = qfrag_s();
+    for (int i = threadIdx.x; i < WP::NORD * L4 * NPAIR; i += NT) {
+      const int e = i % NPAIR, l4 = (i / NPAIR) % L4, o = i / (NPAIR * L4);
+      const int cc = order_cc(o), g = l4 / 4, qd = l4 % 4;
+      const int ca = qd * CPT + (e / cc) * 2 * cc + e % cc;
+      u32 hi, lo;
+      split_h2(q_s()[g * D + ca], q_s()[g * D + ca + cc], hi, lo);
+      const int at = ((o * 2) * NCH4 + e / 4) * L4 * 4 + l4 * 4 + e % 4;
+      f[at] = hi;
+      f[at + NCH4 * L4 * 4] = lo;
+    }
+  }
+
+  // One page in the per-warp layout (see WarpPlan): warp w takes octets w, w + NW, ... of the
+  // page's `len` tokens. No block barrier.
+  template <class T>
+  __device__ void compute_warp(const u8* seg, int len) {
+    using K = typename T::Key;
+    using V = typename T::Value;
+    constexpr int NCH4 = NPAIR / 4, L4 = 4 * GQA;
+    constexpr int ORD = WP::order(K::WARP_CC);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, qd = lane & 3;
+    const bool head = g < GQA;
+    const uint4* qf = reinterpret_cast<const uint4*>(qfrag_s()) + ORD * 2 * NCH4 * L4 + (head ? lane : 0);
+    float page_sum = 0.f;
+    bool any = false;
+#pragma unroll 1
+    for (int o = warp; o * 8 < len; o += NW) {
+      const int t0 = o * 8, ta = t0 + 2 * qd, tb = ta + 1;
+      // Scores of head g, tokens ta and tb (C rows g + 8 are the zero heads 8..15).
+      u32 kb[NPAIR];
+      K::template warp_keys<NPAIR>(seg, t0 + g, qd, kb);
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int j4 = 0; j4 < NCH4; ++j4) {
+        uint4 h = make_uint4(0u, 0u, 0u, 0u), l = h;
+        if (head) { h = qf[j4 * L4]; l = qf[(NCH4 + j4) * L4]; }
+        const u32 b0[2] = {kb[4 * j4], kb[4 * j4 + 1]}, b1[2] = {kb[4 * j4 + 2], kb[4 * j4 + 3]};
+        const u32 ah0[4] = {h.x, 0u, h.y, 0u}, al0[4] = {l.x, 0u, l.y, 0u};
+        const u32 ah1[4] = {h.z, 0u, h.w, 0u}, al1[4] = {l.z, 0u, l.w, 0u};
+        mma16816<false>(c, ah0, b0);
+        mma16816<false>(c, al0, b0);
+        mma16816<false>(c, ah1, b1);
+        mma16816<false>(c, al1, b1);
+      }
+      // Online softmax of head g over the octet (token t0 < len scores finitely, so m_new is).
+      const float s0 = ta < len ? c[0] : NEG_INF, s1 = tb < len ? c[1] : NEG_INF;
+      float mx = fmaxf(s0, s1);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(pw_m, mx);
+      const float alpha = exp2f(pw_m - m_new);
+      const float p0 = exp2f(s0 - m_new), p1 = exp2f(s1 - m_new);
+      pw_l = pw_l * alpha + (p0 + p1);
+      page_sum = page_sum * alpha + (p0 + p1);
+      pw_m = m_new;
+      any = true;
+      // Accumulator columns are heads 2qd and 2qd + 1, whose statistics live in lanes 8qd and
+      // 8qd + 4; once a head's maximum settles, its pages skip the rescale.
+      if (__any_sync(0xffffffffu, alpha != 1.f)) {
+        const float a0 = __shfl_sync(0xffffffffu, alpha, 8 * qd), a1 = __shfl_sync(0xffffffffu, alpha, 8 * qd + 4);
+#pragma unroll
+        for (int i = 0; i < KSW; ++i) { acc[i][0] *= a0; acc[i][1] *= a1; acc[i][2] *= a0; acc[i][3] *= a1; }
+      }
+      // O^T += V^T P^T: the probabilities are this lane's B fragment as they stand.
+      const u32 b = head ? pack2<false>(p0, p1) : 0u;
+      u32 vp[CV];
+      V::template warp_pairs<CV>(seg, ta, tb, g * CV, vp);
+      if (t0 + 8 > len) {
+        // Rows past `len` may hold anything (a tail page's unwritten rows): p = 0 must not
+        // meet a NaN.
+        const u32 m = (ta < len ? 0xffffu : 0u) | (tb < len ? 0xffff0000u : 0u);
+#pragma unroll
+        for (int k = 0; k < CV; ++k) vp[k] &= m;
+      }
+#pragma unroll
+      for (int i = 0; i < KSW; ++i) {
+        const u32 a[2] = {vp[2 * i], vp[2 * i + 1]};
+        mma1688(acc[i], a, b);
+      }
+    }
+    if (p.page_lse != nullptr || p.page_head_lse != nullptr) {
+      page_sum += __shfl_xor_sync(0xffffffffu, page_sum, 1);
+      page_sum += __shfl_xor_sync(0xffffffffu, page_sum, 2);
+      pw_plse = any ? pw_m + log2f(page_sum) : NEG_INF;
+    }
+  }
+
+  // Per-warp layout, page tracking: warp 0 folds the warps' page masses of head h (slot
+  // `slot` of the score region, [2][NW][GQA]) into the page's per-head and per-page log2 mass.
+  __device__ void combine_page_lse(int slot, u32 gpage) {
+    const int lane = threadIdx.x % 32;
+    const float* pl = scores_s() + slot * NW * GQA;
+    float mx = NEG_INF;
+    if (lane < GQA)
+      for (int w = 0; w < NW; ++w) mx = fmaxf(mx, pl[w * GQA + lane]);
+    float sum = 0.f;
+    if (lane < GQA && mx != NEG_INF)
+      for (int w = 0; w < NW; ++w) sum += exp2f(pl[w * GQA + lane] - mx);
+    const float lse = mx == NEG_INF ? NEG_INF : mx + log2f(sum);
+    if (p.page_head_lse != nullptr && lane < GQA) p.page_head_lse[size_t(gpage) * GQA + lane] = lse;
+    if (p.page_lse != nullptr) {
+      const float m2 = warp_max(lane < GQA ? lse : NEG_INF);
+      const float s2 = warp_sum(lane < GQA && lse != NEG_INF ? exp2f(lse - m2) : 0.f);
+      if (lane == 0) p.page_lse[gpage] = m2 == NEG_INF ? NEG_INF : m2 + log2f(s2);
+    }
+  }
+
+  // Per-warp layout, end: every warp's accumulators rescaled to the heads' common maximum and
+  // summed in a fixed warp order into OUT; m_s / l_s get the heads' totals.
+  __device__ void merge_warps() {
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, qd = lane & 3;
+    float* wm = scores_s() + 2 * NW * GQA;
+    float* wl = wm + NW * GQA;
+    float l = pw_l;
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (qd == 0 && g < GQA) { wm[warp * GQA + g] = pw_m; wl[warp * GQA + g] = l; }
+    __syncthreads();
+    // f = 2^(m_warp − m_head): 0 for a warp that saw none of the head's tokens.
+    auto factor = [&](int h) {
+      if (h >= GQA) return 0.f;
+      float m = NEG_INF;
+      for (int w = 0; w < NW; ++w) m = fmaxf(m, wm[w * GQA + h]);
+      const float mw = wm[warp * GQA + h];
+      return mw == NEG_INF ? 0.f : exp2f(mw - m);
+    };
+    if (tid < GQA) {
+      float m = NEG_INF, sum = 0.f;
+      for (int w = 0; w < NW; ++w) m = fmaxf(m, wm[w * GQA + tid]);
+      for (int w = 0; w < NW; ++w)
+        if (wm[w * GQA + tid] != NEG_INF) sum += wl[w * GQA + tid] * exp2f(wm[w * GQA + tid] - m);
+      m_s()[tid] = m;
+      l_s()[tid] = sum;
+    }
+    const float f0 = factor(2 * qd), f1 = factor(2 * qd + 1);
+    float* out_s = reinterpret_cast<float*>(smem + Smem::OUT);
+    for (int w = 0; w < NW; ++w) {
+      if (warp == w) {
+#pragma unroll
+        for (int i = 0; i < KSW; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int h = 2 * qd + (j & 1), c = g * CV + 2 * i + (j >> 1);
+            if (h < GQA) {
+              const float v = acc[i][j] * ((j & 1) ? f1 : f0);
+              float* o = &out_s[h * D + c];
+              *o = w == 0 ? v : *o + v;
+            }
+          }
+      }
+      __syncthreads();
+    }
+  }
+
+  template <class T>
+  __device__ void compute_cta(const u8* seg, int len, u32 gpage) {
     using K = typename T::Key;
     float* mass = p.page_lse ? p.page_lse + gpage : nullptr;
     using V = typename T::Value;
@@ -378,16 +605,13 @@ struct DecodeCta {
     const int lo = min(n, split * per), hi = min(n, lo + per);
 
     // Start streaming pages first: the copies overlap the query and LUT set-up.
-    // 16 bits per stage: 0 when empty, else 0x8000 | tier << 8 | tokens, as the page table said.
-    u64 staged = 0;
 #pragma unroll
     for (int s = 0; s < NSTAGE - 1; ++s) {
-      if (lo + s < hi) {
-        const u32 info = p.page_info[first + lo + s];
-        if (stage_page(typename Cfg::Tiers{}, info, p.arena + p.page_offsets[first + lo + s], s)) staged |= u64(stage_entry(info)) << (16 * s);
-      }
+      if (lo + s < hi) stage_page(typename Cfg::Tiers{}, p.page_info[first + lo + s], p.arena + p.page_offsets[first + lo + s], s);
       cp_async_commit();
     }
+    // The entry of the page computed next (tier | tokens << 8), loaded an iteration ahead.
+    u32 cur_info = lo < hi ? p.page_info[first + lo] : 0;
     // Page-table entries are loaded one iteration before their copy is issued, so the copy
     // never waits on a dependent global load.
     const int pre = lo + NSTAGE - 1;
@@ -401,12 +625,17 @@ struct DecodeCta {
     if (tid < GQA) { m_s()[tid] = NEG_INF; l_s()[tid] = 0.f; }
     __syncthreads();
     build_luts(typename Cfg::Tiers{});
+    if constexpr (PW) build_qfrag();
 #pragma unroll
     for (int i = 0; i < ACC_R; ++i)
 #pragma unroll
       for (int j = 0; j < ACC_C; ++j) acc[i][j] = 0.f;
     __syncthreads();
 
+    // Per-warp layout with page tracking: the previous page's warp masses are folded after
+    // the barrier that proves every warp wrote them.
+    const bool track = PW && (p.page_lse != nullptr || p.page_head_lse != nullptr);
+    bool prev_done = false;
     for (int i = lo; i < hi; ++i) {
       const int buf = (i - lo) % NSTAGE;
       const int ahead = i + NSTAGE - 1;
@@ -416,20 +645,21 @@ struct DecodeCta {
       // pages, so the copy of page i + NSTAGE - 1 is issued after it.
       cp_async_wait<NSTAGE - 2>();
       __syncthreads();
-      const u32 entry = u32(staged >> (16 * buf)) & 0xffff;
-      staged &= ~(u64(0xffff) << (16 * abuf));
-      if (ahead < hi && stage_page(typename Cfg::Tiers{}, next_info, p.arena + next_off, abuf)) staged |= u64(stage_entry(next_info)) << (16 * abuf);
+      if (track && prev_done && tid < 32) combine_page_lse((i - 1 - lo) & 1, first + i - 1);
+      const u32 info = cur_info;
+      if (i + 1 < hi) cur_info = p.page_info[first + i + 1];
+      if (ahead < hi) stage_page(typename Cfg::Tiers{}, next_info, p.arena + next_off, abuf);
       cp_async_commit();
       if (ahead + 1 < hi) {
         next_off = p.page_offsets[first + ahead + 1];
         next_info = p.page_info[first + ahead + 1];
       }
-      const int tier = int((entry >> 8) & 0x7f), len = int(entry & 0xff);
+      const int tier = int(info & 0xff), len = int((info >> 8) & 0xff);
       u32 err = 0;
       PageHeader hd{};
       // Tail pages are read in place from global memory, other pages from their stage.
       const u8* page = tier == 0 ? p.arena + p.page_offsets[first + i] : stage(buf);
-      if (entry == 0) {
+      if (!serves(typename Cfg::Tiers{}, tier)) {
         err = ERR_UNKNOWN_TIER;
       } else {
         hd = load_header(page);
@@ -439,19 +669,25 @@ struct DecodeCta {
         else if (hd.tier != tier || int(hd.length) < len || len > P) err = ERR_BAD_LENGTH;
       }
       if (err == 0 && len > 0) {
+        pw_plse = NEG_INF;
         compute_page(typename Cfg::Tiers{}, int(hd.tier), page + HEADER_BYTES, buf, len, first + i);
+        if (track && (tid & 3) == 0 && (tid & 31) / 4 < GQA) scores_s()[((i - lo) & 1) * NW * GQA + (tid / 32) * GQA + (tid & 31) / 4] = pw_plse;
       } else if (err != 0 && tid == 0) {
         // Skipped page: a bad page never contributes; the runtime turns the flag into an error.
         atomicOr(p.error_flags, err);
       }
+      prev_done = err == 0 && len > 0;
     }
     cp_async_wait<0>();
     __syncthreads();
+    if (track && prev_done && tid < 32) combine_page_lse((hi - 1 - lo) & 1, first + hi - 1);
 
     // Reduce the warps' accumulators in a fixed order, so that a decode is bit-reproducible
     // (float atomics are not).
     float* out_s = reinterpret_cast<float*>(smem + Smem::OUT);
-    if constexpr (MMA_V) {
+    if constexpr (PW) {
+      merge_warps();
+    } else if constexpr (MMA_V) {
       // The token-block warps of each channel part one after another.
       const int warp = tid / 32, lane = tid % 32, g = lane >> 2, qd = lane & 3;
       const int kbw = warp % VW, cbase = (warp / VW) * CW + g * CPTV;

@@ -12,6 +12,10 @@ pub struct Args {
     /// `spec:tier` pairs (default: every non-tail, non-drop tier of every shipped spec).
     #[arg(long, value_delimiter = ',')]
     tiers: Vec<String>,
+    /// Ladders to time besides: `spec:tier+tier+...` (full pages cycle through the tiers, e.g.
+    /// `rdkv:b8+b4+b2`), for the mixed-tier bandwidth against single-tier sequences.
+    #[arg(long, value_delimiter = ',')]
+    ladders: Vec<String>,
     #[arg(long, value_delimiter = ',', default_value = "4096,16384,32768,131072")]
     contexts: Vec<usize>,
     #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
@@ -59,10 +63,19 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
     for s in &specs {
         for t in s.ladder().iter().filter(|t| !t.is_drop()) {
             let key = format!("{}:{}", s.name, t.name);
-            if a.tiers.is_empty() || a.tiers.contains(&key) {
-                todo.push((s, t.id));
+            if (a.tiers.is_empty() && a.ladders.is_empty()) || a.tiers.contains(&key) {
+                todo.push((s, vec![t.id]));
             }
         }
+    }
+    for l in &a.ladders {
+        let (spec_name, names) = l.split_once(':').ok_or_else(|| anyhow::anyhow!("--ladders takes spec:tier+tier+..., got `{l}`"))?;
+        let s = specs.iter().find(|s| s.name == spec_name).ok_or_else(|| anyhow::anyhow!("--ladders `{l}`: no spec named `{spec_name}`"))?;
+        let ids = names
+            .split('+')
+            .map(|n| s.tier(n).filter(|t| !t.is_drop() && t.id != kvforge_spec::TAIL_TIER).map(|t| t.id).ok_or_else(|| anyhow::anyhow!("--ladders `{l}`: spec `{spec_name}` has no servable tier `{n}`")))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        todo.push((s, ids));
     }
     if a.kv_heads == 0 || a.q_heads % a.kv_heads != 0 {
         return Err(kvforge_rt::RtError::BadInput(format!("q_heads {} must be a multiple of kv_heads {}", a.q_heads, a.kv_heads)).into());
@@ -77,10 +90,10 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
     bar.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {elapsed} {msg}").unwrap());
     let mut rows = Vec::new();
     println!("{:<22} {:>7} {:>5} {:>6} {:>10} {:>10} {:>8} {:>6}", "tier", "context", "batch", "splits", "time_us", "MB read", "GB/s", "of copy");
-    for (s, t) in todo {
-        let name = format!("{}:{}", s.name, s.tiers[t as usize].name);
+    for (s, ts) in todo {
+        let name = format!("{}:{}", s.name, ts.iter().map(|&t| s.tiers[t as usize].name.as_str()).collect::<Vec<_>>().join("+"));
         bar.set_message(name.clone());
-        let r = bench_tier(&dev, s, t, a.head_dim, gqa, a.kv_heads, &a.contexts, &a.batches, a.runs, copy, a.max_gib << 30, |r| {
+        let r = bench_tier(&dev, s, &ts, a.head_dim, gqa, a.kv_heads, &a.contexts, &a.batches, a.runs, copy, a.max_gib << 30, |r| {
             bar.inc(1);
             bar.suspend(|| println!("{:<22} {:>7} {:>5} {:>6} {:>10.1} {:>10.2} {:>8.0} {:>6.2}", name, r.context, r.batch, r.splits, r.time_us, r.bytes_read as f64 / 1e6, r.gbps, r.bw_fraction));
         })?;
