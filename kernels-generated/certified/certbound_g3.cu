@@ -3,6 +3,9 @@
 // Certified decode (seed 004), gqa 3: the certificate and checks of every query head.
 #include "kvforge/certify.cuh"
 
-extern "C" __global__ void __launch_bounds__(256) kvf_certified_certbound_g3(const kvforge::CertBoundParams p) {
+// Minimum 1 CTA per SM: a step launches only batch × kv heads of these CTAs, so occupancy buys
+// nothing, and without the bound ptxas capped the gqa 1 and 3 certificate kernels at 48-80
+// registers and spilled 24-28 B around the ranking rounds (sm_80 and sm_90).
+extern "C" __global__ void __launch_bounds__(256, 1) kvf_certified_certbound_g3(const kvforge::CertBoundParams p) {
   kvforge::cert_bound<3, __half, 256>(p);
 }

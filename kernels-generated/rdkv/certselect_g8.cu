@@ -3,6 +3,9 @@
 // Certified decode (seed 004), gqa 8: the selector: the pages phase 2 reads from their fp16 originals, and its page table.
 #include "kvforge/certify.cuh"
 
-extern "C" __global__ void __launch_bounds__(256) kvf_rdkv_certselect_g8(const kvforge::CertSelectParams p) {
+// Minimum 1 CTA per SM: a step launches only batch × kv heads of these CTAs, so occupancy buys
+// nothing, and without the bound ptxas capped the gqa 1 and 3 certificate kernels at 48-80
+// registers and spilled 24-28 B around the ranking rounds (sm_80 and sm_90).
+extern "C" __global__ void __launch_bounds__(256, 1) kvf_rdkv_certselect_g8(const kvforge::CertSelectParams p) {
   kvforge::cert_select<8, 256>(p);
 }

@@ -7,7 +7,7 @@
 //! on the GPU between the two decodes; only rungs 1–2 of the ladder run on the host), so
 //! queries and outputs cross the bus here; that is a few KB per step.
 
-use kvforge_rt::certified::{CertConfig, HeadCertificate, PageIn};
+use kvforge_rt::certified::{CertConfig, CertPath, HeadCertificate, KernelTimes, PageIn};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
@@ -16,7 +16,15 @@ use crate::{bad, guarded, Cache, OrPy};
 /// Certified decode settings for a cache (defaults from seed 004).
 ///
 /// Certifier(coverage=0.995, min_pages=1, max_pages=None, explore=0.02, guard=1e-3,
-///           max_error=0.05, v_tol=0.01, layer_fallback=0.5, page_in="uva", seed=0x5eed)
+///           max_error=0.05, v_tol=0.01, layer_fallback=0.5, page_in="uva", seed=0x5eed,
+///           path="gpu", rank_depth=1, rank_escalate=True, profile=False)
+///
+/// ``path``: where the selector and the certificate run, ``"gpu"`` (between the two decodes,
+/// no host round trip; needs ``page_in="uva"``, else the step takes the host path) or
+/// ``"host"`` (the reference). ``rank_depth``: r of the ranking-consistency and boundary
+/// checks (seed 004 eqs. 17-18; 0 skips them); ``rank_escalate``: a failed check sends the kv
+/// head to rung 3 (``False`` only reports it). ``profile``: time the device path's stages
+/// (``kernel_us`` after a step). ``layer_fallback`` above 1 disables rung 4.
 ///
 /// The cache must keep its fp16 originals: ``cache.keep_originals()`` before appending.
 /// ``decode(cache, q, seqs)`` returns ``(out, lse, heads)``: ``out`` like ``q``,
@@ -30,18 +38,43 @@ pub struct Certifier {
     launches: usize,
     #[pyo3(get)]
     paged_in_bytes: usize,
+    /// Whether the last step built page tables or certificates on the host (host path, or a
+    /// device step that needed rungs 1-2).
+    #[pyo3(get)]
+    host_ladder: bool,
+    /// Device-path stage times of the last step's first round (µs) when ``profile`` is on.
+    last_kernel_us: Option<KernelTimes>,
 }
 
 #[pymethods]
 impl Certifier {
     #[new]
-    #[pyo3(signature = (coverage = 0.995, min_pages = 1, max_pages = None, explore = 0.02, guard = 1e-3, max_error = 0.05, v_tol = 0.01, layer_fallback = 0.5, page_in = "uva", seed = 0x5eed))]
+    #[pyo3(signature = (coverage = 0.995, min_pages = 1, max_pages = None, explore = 0.02, guard = 1e-3, max_error = 0.05, v_tol = 0.01, layer_fallback = 0.5, page_in = "uva", seed = 0x5eed, path = "gpu", rank_depth = 1, rank_escalate = true, profile = false))]
     #[allow(clippy::too_many_arguments)]
-    fn new(py: Python<'_>, coverage: f64, min_pages: usize, max_pages: Option<usize>, explore: f64, guard: f64, max_error: f64, v_tol: f64, layer_fallback: f64, page_in: &str, seed: u64) -> PyResult<Certifier> {
+    fn new(
+        py: Python<'_>,
+        coverage: f64,
+        min_pages: usize,
+        max_pages: Option<usize>,
+        explore: f64,
+        guard: f64,
+        max_error: f64,
+        v_tol: f64,
+        layer_fallback: f64,
+        page_in: &str,
+        seed: u64,
+        path: &str,
+        rank_depth: usize,
+        rank_escalate: bool,
+        profile: bool,
+    ) -> PyResult<Certifier> {
         let frac = |name: &str, x: f64| if (0.0..=1.0).contains(&x) { Ok(()) } else { Err(bad(py, format!("Certifier: {name} = {x} must be in [0, 1]"))) };
         frac("coverage", coverage)?;
         frac("explore", explore)?;
-        frac("layer_fallback", layer_fallback)?;
+        // As CertConfig::validate: above 1 means rung 4 never fires.
+        if !(layer_fallback >= 0.0) {
+            return Err(bad(py, format!("Certifier: layer_fallback = {layer_fallback} must be >= 0 (above 1: never)")));
+        }
         for (name, x) in [("guard", guard), ("max_error", max_error), ("v_tol", v_tol)] {
             if !(x.is_finite() && x >= 0.0) {
                 return Err(bad(py, format!("Certifier: {name} = {x} must be finite and >= 0")));
@@ -52,12 +85,55 @@ impl Certifier {
             "copy" => PageIn::Copy,
             _ => return Err(bad(py, format!("Certifier: page_in must be \"uva\" or \"copy\", got {page_in:?}"))),
         };
+        let path = match path {
+            "gpu" => CertPath::Gpu,
+            "host" => CertPath::Host,
+            _ => return Err(bad(py, format!("Certifier: path must be \"gpu\" or \"host\", got {path:?}"))),
+        };
         let max_pages = max_pages.unwrap_or(usize::MAX);
         if min_pages > max_pages {
             return Err(bad(py, format!("Certifier: min_pages {min_pages} > max_pages {max_pages}")));
         }
-        let cfg = CertConfig { coverage, min_pages, max_pages, explore, guard, max_error, v_tol, layer_fallback, page_in, seed, ..CertConfig::default() };
-        Ok(Certifier { cfg, launches: 0, paged_in_bytes: 0 })
+        let cfg = CertConfig { coverage, min_pages, max_pages, explore, guard, max_error, v_tol, layer_fallback, page_in, seed, path, rank_depth, rank_escalate, profile };
+        cfg.validate().or_py(py)?;
+        Ok(Certifier { cfg, launches: 0, paged_in_bytes: 0, host_ladder: false, last_kernel_us: None })
+    }
+
+    /// The settings as a dict (``path`` and ``page_in`` as given; ``effective_path``: where a
+    /// step runs, ``"host"`` when the device path cannot serve ``page_in``; ``seed``: the next
+    /// step's, advanced every step).
+    #[getter]
+    fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = &self.cfg;
+        let d = PyDict::new(py);
+        for (k, v) in [("coverage", c.coverage), ("explore", c.explore), ("guard", c.guard), ("max_error", c.max_error), ("v_tol", c.v_tol), ("layer_fallback", c.layer_fallback)] {
+            d.set_item(k, v)?;
+        }
+        d.set_item("min_pages", c.min_pages)?;
+        d.set_item("max_pages", (c.max_pages != usize::MAX).then_some(c.max_pages))?;
+        d.set_item("page_in", match c.page_in {
+            PageIn::Uva => "uva",
+            PageIn::Copy => "copy",
+        })?;
+        d.set_item("path", path_name(c.path))?;
+        d.set_item("effective_path", path_name(c.effective_path()))?;
+        d.set_item("rank_depth", c.rank_depth)?;
+        d.set_item("rank_escalate", c.rank_escalate)?;
+        d.set_item("profile", c.profile)?;
+        d.set_item("seed", c.seed)?;
+        Ok(d)
+    }
+
+    /// Device time of the last step's stages (``phase1_us``, ``select_us``, ``phase2_us``,
+    /// ``bound_us``; CUDA events, first round), or ``None`` (``profile`` off or host path).
+    #[getter]
+    fn kernel_us<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(t) = self.last_kernel_us else { return Ok(None) };
+        let d = PyDict::new(py);
+        for (k, v) in [("phase1_us", t.phase1_us), ("select_us", t.select_us), ("phase2_us", t.phase2_us), ("bound_us", t.bound_us)] {
+            d.set_item(k, v)?;
+        }
+        Ok(Some(d))
     }
 
     /// One certified decode step: `q` `[batch, q heads, head_dim]` (one token per sequence of
@@ -72,6 +148,8 @@ impl Certifier {
             let r = cache.inner.decode_certified(&seqs, &host, &mut self.cfg).or_py(py)?;
             self.launches = r.launches;
             self.paged_in_bytes = r.paged_in_bytes;
+            self.host_ladder = r.host_ladder;
+            self.last_kernel_us = r.kernel_us;
             let torch = crate::torch(py)?;
             let kw = PyDict::new(py);
             kw.set_item("dtype", torch.getattr("float32")?)?;
@@ -85,6 +163,13 @@ impl Certifier {
 
     fn __repr__(&self) -> String {
         format!("kvforge.Certifier({:?})", self.cfg)
+    }
+}
+
+fn path_name(p: CertPath) -> &'static str {
+    match p {
+        CertPath::Gpu => "gpu",
+        CertPath::Host => "host",
     }
 }
 

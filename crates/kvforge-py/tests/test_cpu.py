@@ -71,12 +71,32 @@ def test_exports():
     (dict(max_error=float("nan")), "max_error"),
     (dict(page_in="disk"), "page_in"),
     (dict(min_pages=5, max_pages=2), "min_pages"),
+    (dict(path="cpu"), "path"),
+    (dict(layer_fallback=-0.5), "layer_fallback"),
 ])
 def test_certifier_settings_are_checked(kw, needle):
     with pytest.raises(kvforge.KvforgeError) as e:
         kvforge.Certifier(**kw)
     assert e.value.kind == "BadInput" and needle in str(e.value)
     assert "Certifier" in repr(kvforge.Certifier())
+
+
+def test_certifier_exposes_path_and_ranking_options():
+    c = kvforge.Certifier()
+    cfg = c.config
+    assert (cfg["path"], cfg["effective_path"], cfg["page_in"]) == ("gpu", "gpu", "uva")
+    assert (cfg["rank_depth"], cfg["rank_escalate"], cfg["profile"], cfg["max_pages"]) == (1, True, False, None)
+    assert c.kernel_us is None and c.host_ladder is False
+    c = kvforge.Certifier(path="host", rank_depth=3, rank_escalate=False, profile=True, max_pages=7, layer_fallback=1.1)
+    cfg = c.config
+    assert (cfg["path"], cfg["effective_path"]) == ("host", "host")
+    assert (cfg["rank_depth"], cfg["rank_escalate"], cfg["profile"], cfg["max_pages"], cfg["layer_fallback"]) == (3, False, True, 7, 1.1)
+    # The device path addresses the originals itself: with copied page-in the step runs on the host.
+    cfg = kvforge.Certifier(path="gpu", page_in="copy").config
+    assert (cfg["path"], cfg["effective_path"], cfg["page_in"]) == ("gpu", "host", "copy")
+    assert kvforge.Certifier(rank_depth=0).config["rank_depth"] == 0
+    with pytest.raises(OverflowError):
+        kvforge.Certifier(rank_depth=-1)
 
 
 def test_controller_and_certificate_classes_are_documented():

@@ -507,6 +507,36 @@ def test_certifier_bounds_hold_against_exact_attention():
     print(f"   worst error / bound {worst:.3f}")
 
 
+def test_certifier_gpu_and_host_paths_agree():
+    # The device selector picks the host's pages bit for bit and phase 2 runs the same plan, so
+    # with no ladder climbing both paths return the same output; certificates agree to rounding.
+    T = 10 * P + 9
+    k, v = rand(T, HKV, D, seed=120), rand(T, HKV, D, seed=121)
+    c = mk("certified", "q8k4v", sequences=1)
+    c.keep_originals()
+    s = c.add_sequence()
+    c.append(s, k, v)
+    kw = dict(max_error=10.0, layer_fallback=1.1, seed=77)
+    gpu = kvforge.Certifier(path="gpu", profile=True, **kw)
+    host = kvforge.Certifier(path="host", **kw)
+    for step in range(3):
+        q = rand(1, HQ, D, seed=130 + step) * 3
+        og, lg, hg = gpu.decode(c, q, [s])
+        oh, lh, hh = host.decode(c, q, [s])
+        assert (gpu.host_ladder, host.host_ladder) == (False, True)
+        t = gpu.kernel_us
+        assert t is not None and all(t[x] > 0 for x in ("phase1_us", "select_us", "phase2_us", "bound_us")), t
+        assert host.kernel_us is None
+        assert torch.equal(og, oh), (og - oh).abs().max()
+        for a, b in zip(hg, hh):
+            assert (a.promoted, a.explored, a.rung, a.ranking, a.boundary) == (b.promoted, b.explored, b.rung, b.ranking, b.boundary), (a, b)
+            assert math.isclose(a.bound, b.bound, rel_tol=1e-9, abs_tol=1e-15), (a, b)
+    assert gpu.config["seed"] == host.config["seed"] == 77 + 3
+    # r = 0 skips the ranking and boundary checks: nothing is reported.
+    _, _, h0 = kvforge.Certifier(path="gpu", rank_depth=0, **kw).decode(c, q, [s])
+    assert all(not h.ranking and h.boundary == 0 for h in h0)
+
+
 def main():
     tests = [(n, f) for n, f in sorted(globals().items()) if n.startswith("test_") and callable(f)]
     passed = failed = 0

@@ -167,6 +167,12 @@ pub struct CertifiedRow {
     /// Host path (selector and certificate on the host between launches).
     pub host_path_us: f64,
     pub host_path_overhead: f64,
+    /// Host path with [`crate::certified::PageIn::Copy`]: the same steps (same selection) with
+    /// the promoted originals copied into device memory (one async DMA per run of consecutive
+    /// pages) before phase 2,
+    /// instead of read by phase 2 over UVA (`host_path_us`): the page-in comparison.
+    pub host_copy_us: f64,
+    pub host_copy_overhead: f64,
     /// Median device time of the device path's stages (CUDA events, first round of a step).
     pub kernel_us: crate::certified::KernelTimes,
     /// Certificate kernel (E_key, E_val, E_round, score/ranking/boundary checks) over the
@@ -187,7 +193,7 @@ pub struct CertifiedRow {
 
 /// Certified decode (seed 004) on `spec`'s quantised tier `tier` (the cache keeps fp16
 /// originals): `steps` decode steps per case with fresh queries, timed against plain decode,
-/// device path and host path alternating on the same cache. `rank_escalate` as in
+/// device path, host path (UVA) and host path (copied page-in) alternating on the same cache. `rank_escalate` as in
 /// [`crate::certified::CertConfig`].
 #[allow(clippy::too_many_arguments)]
 pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, gqa: usize, hkv: usize, contexts: &[usize], batches: &[usize], steps: usize, rank_escalate: bool, mut progress: impl FnMut(&CertifiedRow)) -> Result<Vec<CertifiedRow>> {
@@ -229,7 +235,8 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                 }
                 let mut cg = CertConfig { rank_escalate, profile: true, ..CertConfig::default() };
                 let mut ch = CertConfig { rank_escalate, path: CertPath::Host, ..CertConfig::default() };
-                let (mut tp, mut tc, mut th) = (Vec::new(), Vec::new(), Vec::new());
+                let mut cc = CertConfig { page_in: crate::certified::PageIn::Copy, ..ch.clone() };
+                let (mut tp, mut tc, mut th, mut tx) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
                 let mut stages: [Vec<f64>; 4] = Default::default();
                 let mut rungs = [0usize; 5];
                 let (mut promoted, mut pages, mut bsum, mut bmax, mut det, mut paged) = (0usize, 0usize, 0f64, 0f64, 0usize, 0usize);
@@ -245,12 +252,15 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                     let t2 = std::time::Instant::now();
                     cache.decode_certified(&seqs, &q, &mut ch)?;
                     let t3 = std::time::Instant::now();
+                    cache.decode_certified(&seqs, &q, &mut cc)?;
+                    let t4 = std::time::Instant::now();
                     if step < 2 {
                         continue;
                     }
                     tp.push((t1 - t0).as_secs_f64() * 1e6);
                     tc.push((t2 - t1).as_secs_f64() * 1e6);
                     th.push((t3 - t2).as_secs_f64() * 1e6);
+                    tx.push((t4 - t3).as_secs_f64() * 1e6);
                     let k = r.kernel_us.unwrap_or_default();
                     for (v, x) in stages.iter_mut().zip([k.phase1_us, k.select_us, k.phase2_us, k.bound_us]) {
                         v.push(x);
@@ -270,10 +280,10 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                         }
                     }
                 }
-                for v in [&mut tp, &mut tc, &mut th].into_iter().chain(stages.iter_mut()) {
+                for v in [&mut tp, &mut tc, &mut th, &mut tx].into_iter().chain(stages.iter_mut()) {
                     v.sort_by(f64::total_cmp);
                 }
-                let (p, c, h) = (percentile(&tp, 0.5), percentile(&tc, 0.5), percentile(&th, 0.5));
+                let (p, c, h, x) = (percentile(&tp, 0.5), percentile(&tc, 0.5), percentile(&th, 0.5), percentile(&tx, 0.5));
                 let kernel_us = KernelTimes { phase1_us: percentile(&stages[0], 0.5), select_us: percentile(&stages[1], 0.5), phase2_us: percentile(&stages[2], 0.5), bound_us: percentile(&stages[3], 0.5) };
                 let round = kernel_us.phase1_us + kernel_us.select_us + kernel_us.phase2_us + kernel_us.bound_us;
                 let row = CertifiedRow {
@@ -285,6 +295,8 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                     overhead: c / p - 1.0,
                     host_path_us: h,
                     host_path_overhead: h / p - 1.0,
+                    host_copy_us: x,
+                    host_copy_overhead: x / p - 1.0,
                     kernel_us,
                     check_share: kernel_us.bound_us / round,
                     rungs,

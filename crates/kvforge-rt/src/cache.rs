@@ -116,6 +116,9 @@ pub struct KvCache {
     pub(crate) mass_window: Option<crate::mass_window::MassWindow>,
     /// Device buffers of certified steps on the device path, reused while steps fit.
     pub(crate) cert_scratch: Option<crate::certified::CertScratch>,
+    /// [`crate::certified::PageIn::Copy`]: device copies of the originals a launch serves,
+    /// kept and grown across steps.
+    pub(crate) cert_page_in: Option<CudaSlice<u8>>,
 }
 
 fn dense_bytes(dtype: DType, x: f32) -> [u8; 2] {
@@ -172,7 +175,7 @@ impl KvCache {
         }
         let flags = dev.stream.alloc_zeros::<u32>(1).map_err(drv("error flags"))?;
         let channel_orders = vec![None; spec.tiers.len()];
-        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, channel_orders, kernels: KernelCache::default(), flags, originals: None, mass_window: None, cert_scratch: None })
+        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, channel_orders, kernels: KernelCache::default(), flags, originals: None, mass_window: None, cert_scratch: None, cert_page_in: None })
     }
 
     pub fn spec(&self) -> &Spec {

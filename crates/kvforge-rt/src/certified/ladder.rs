@@ -9,7 +9,7 @@
 //! (`device.rs`) hands a step over to it when a group must climb rungs 1–2 (they order pages
 //! by achieved mass, which only the host does).
 
-use cudarc::driver::{CudaSlice, DevicePtr};
+use cudarc::driver::DevicePtr;
 use kvforge_spec::TAIL_TIER;
 
 use super::bound::certificate;
@@ -246,6 +246,38 @@ impl KvCache {
         }
     }
 
+    /// [`PageIn::Copy`]: copies the served originals (`sources`, pinned tier-2 addresses of
+    /// `pb` bytes each) into the cache's page-in buffer, slot k = k-th source, and returns the
+    /// buffer's device address. One asynchronous DMA copy per run of consecutive slots, on the
+    /// runtime's stream, so the decode launched next reads them; the buffer is kept and grown,
+    /// not allocated and zeroed per launch. (`cuMemcpyBatchAsync`, one call for all runs, is
+    /// refused on the legacy default stream the runtime uses: CUDA_ERROR_INVALID_VALUE on the
+    /// H100.)
+    fn page_in_copy(&mut self, sources: &[u64], pb: usize) -> Result<u64> {
+        use cudarc::driver::{sys, DevicePtrMut};
+        let need = sources.len() * pb;
+        let st = self.dev.stream.clone();
+        if self.cert_page_in.as_ref().is_none_or(|b| b.len() < need) {
+            // SAFETY: every byte a launch reads is written by the copies below first.
+            self.cert_page_in = Some(unsafe { st.alloc::<u8>(need) }.map_err(drv("tier-2 page-in buffer"))?);
+        }
+        let buf = self.cert_page_in.as_mut().expect("allocated above");
+        let (base, _guard) = buf.device_ptr_mut(&st);
+        let mut i = 0;
+        while i < sources.len() {
+            let mut j = i + 1;
+            while j < sources.len() && sources[j] == sources[j - 1] + pb as u64 {
+                j += 1;
+            }
+            // SAFETY: slots i..j lie in the page-in buffer (need bytes); sources i..j are
+            // consecutive filled pinned tier-2 slots of `pb` bytes, alive for the cache's life.
+            let r = unsafe { sys::cuMemcpyHtoDAsync_v2(base + (i * pb) as u64, sources[i] as *const std::ffi::c_void, (j - i) * pb, st.cu_stream()) };
+            r.result().map_err(drv("tier-2 page-in"))?;
+            i = j;
+        }
+        Ok(base)
+    }
+
     /// Launches decode over the groups' pages, those phase 2 serves exactly read from tier 2,
     /// recording per-page per-head log-masses; `with_delta` marks phase 1 (records Δ too),
     /// else phase 2 (the device path's phase-2 plan).
@@ -267,28 +299,10 @@ impl KvCache {
             }
         }
         *paged += sources.len() * pb;
-        let scratch: Option<CudaSlice<u8>> = match page_in {
-            PageIn::Copy if !sources.is_empty() => {
-                let st = &self.dev.stream;
-                let mut buf = st.alloc_zeros::<u8>(sources.len() * pb).map_err(drv("tier-2 scratch"))?;
-                // One copy per run of consecutive slots.
-                let mut i = 0;
-                while i < sources.len() {
-                    let mut j = i + 1;
-                    while j < sources.len() && sources[j] == sources[j - 1] + pb as u64 {
-                        j += 1;
-                    }
-                    // SAFETY: slots i..j are consecutive filled pinned slots of `pb` bytes.
-                    let host = unsafe { std::slice::from_raw_parts(sources[i] as *const u8, (j - i) * pb) };
-                    let mut dst = buf.slice_mut(i * pb..j * pb);
-                    st.memcpy_htod(host, &mut dst).map_err(drv("tier-2 page-in"))?;
-                    i = j;
-                }
-                Some(buf)
-            }
+        let scratch_ptr = match page_in {
+            PageIn::Copy if !sources.is_empty() => Some(self.page_in_copy(&sources, pb)?),
             _ => None,
         };
-        let scratch_ptr = scratch.as_ref().map(|b| b.device_ptr(&self.dev.stream).0);
         // Phase 1's plan over the quantised pages, and for phase 2 the same page ranges, splits
         // and (tail-serving) variant as the device path, with every served page turned into a
         // tail-format page outside the arena: the kernel adds the offset to the arena base, so
@@ -329,7 +343,6 @@ impl KvCache {
             Some(b) => st.clone_dtoh(b).map_err(drv("page bounds"))?,
             None => Vec::new(),
         };
-        drop(scratch);
         Ok(PhaseOut { out: out.into_iter().map(|b| from_bits(dtype, b)).collect(), lse, head_lse, delta, indptr: plan.page_indptr })
     }
 }
