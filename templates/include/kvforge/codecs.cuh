@@ -748,25 +748,12 @@ struct DropValue { static constexpr bool WARP = false; };
 template <class T, int D, int P, int OFF>
 struct DenseValue {
   static constexpr bool BF16 = same_type<T, __nv_bfloat16>::value;
-  // Tensor-core value accumulation reads V transposed: lo[k] = (v[t][c0+k], v[t+1][c0+k]),
-  // hi[k] = (v[t+2][c0+k], v[t+3][c0+k]) as fp16 (bf16) pairs; one PRMT per pair.
-  template <int N>
-  __device__ __forceinline__ static void pairs(const u8* seg, int t, int c0, u32 (&lo)[N], u32 (&hi)[N]) {
-    u32 w[4][N / 2];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) load_words<N * 2>(seg + OFF + ((t + r) * D + c0) * 2, w[r]);
-#pragma unroll
-    for (int m = 0; m < N / 2; ++m) {
-      lo[2 * m] = __byte_perm(w[0][m], w[1][m], 0x5410);
-      lo[2 * m + 1] = __byte_perm(w[0][m], w[1][m], 0x7632);
-      hi[2 * m] = __byte_perm(w[2][m], w[3][m], 0x5410);
-      hi[2 * m + 1] = __byte_perm(w[2][m], w[3][m], 0x7632);
-    }
-  }
-  // Per-warp decode (DecodeCta::compute_warp): out[k] = (v[ta][c0 + k], v[tb][c0 + k]).
+  // Tensor-core value accumulation reads V transposed: out[k] = (v[ta][c0 + k], v[tb][c0 + k])
+  // as an fp16 (bf16) pair, one PRMT per pair (the per-warp layout's A fragment, and half of
+  // the block layout's `pairs`).
   static constexpr bool WARP = !BF16;
   template <int N>
-  __device__ __forceinline__ static void warp_pairs(const u8* seg, int ta, int tb, int c0, u32 (&out)[N]) {
+  __device__ __forceinline__ static void token_pairs(const u8* seg, int ta, int tb, int c0, u32 (&out)[N]) {
     u32 wa[N / 2], wb[N / 2];
     load_words<2 * N>(seg + OFF + (ta * D + c0) * 2, wa);
     load_words<2 * N>(seg + OFF + (tb * D + c0) * 2, wb);
@@ -775,6 +762,12 @@ struct DenseValue {
       out[2 * m] = __byte_perm(wa[m], wb[m], 0x5410);
       out[2 * m + 1] = __byte_perm(wa[m], wb[m], 0x7632);
     }
+  }
+  // lo[k] = (v[t][c0+k], v[t+1][c0+k]), hi[k] = (v[t+2][c0+k], v[t+3][c0+k]).
+  template <int N>
+  __device__ __forceinline__ static void pairs(const u8* seg, int t, int c0, u32 (&lo)[N], u32 (&hi)[N]) {
+    token_pairs<N>(seg, t, t + 1, c0, lo);
+    token_pairs<N>(seg, t + 2, t + 3, c0, hi);
   }
   __device__ __forceinline__ static void load8(const u8* seg, int t, int c8, float (&v)[8]) {
     const uint4 raw = reinterpret_cast<const uint4*>(seg + OFF + t * D * 2)[c8];
@@ -799,58 +792,15 @@ struct IntValue {
   static constexpr int NGRP = D / GROUP;
   static constexpr bool BF16 = false;
 
-  // Transposed fp16 pairs for tensor-core value accumulation (see DenseValue::pairs): the
-  // codes of two tokens are interleaved by one PRMT per 16-bit chunk, each pair is pulled out
-  // by one LOP3 as (1024 + c, 1024 + c'), and one HSUB2 + one HFMA2 with the two tokens'
-  // (scale, zero) pairs give code · scale + zero rounded once to fp16.
+  // Transposed fp16 pairs for tensor-core value accumulation (see DenseValue::token_pairs):
+  // out[k] = (v̂[ta][c0 + k], v̂[tb][c0 + k]), the N channels inside one value group. The codes
+  // of the two tokens are interleaved by one PRMT per 16-bit chunk, each pair is pulled out by
+  // one LOP3 as (1024 + c, 1024 + c'), and one HSUB2 + one HFMA2 with the two tokens' (scale,
+  // zero) pairs give code · scale + zero rounded once to fp16. The per-warp layout needs the
+  // channels of a lane (head_dim / 8) inside one group.
+  static constexpr bool WARP = GROUP % (D / 8) == 0;
   template <int N>
-  __device__ __forceinline__ static void pairs(const u8* seg, int t, int c0, u32 (&lo)[N], u32 (&hi)[N]) {
-    constexpr int TB = N * BITS / 8;              // code bytes per token
-    constexpr int CCV = 16 / BITS < N ? 16 / BITS : N;  // codes per 16-bit chunk
-    constexpr int NCHUNK = N / CCV;
-    constexpr u32 MASK = ((1u << BITS) - 1) * 0x00010001u;
-    static_assert(GROUP % N == 0, "a thread's channels share one value group");
-    const int grp = c0 / GROUP;
-    u32 w[4][TB >= 4 ? TB / 4 : 1];
-    u32 sr[4], zr[4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      load_words<TB>(seg + OFF_CODES + (t + r) * ROW + c0 * BITS / 8, w[r]);
-      if constexpr (sizeof(S) == 2) {
-        sr[r] = reinterpret_cast<const u16*>(seg + OFF_SCALE)[(t + r) * NGRP + grp];
-        zr[r] = reinterpret_cast<const u16*>(seg + OFF_ZERO)[(t + r) * NGRP + grp];
-      }
-    }
-    u32 s01, z01, s23, z23;
-    if constexpr (sizeof(S) == 2) {
-      s01 = __byte_perm(sr[0], sr[1], 0x5410); z01 = __byte_perm(zr[0], zr[1], 0x5410);
-      s23 = __byte_perm(sr[2], sr[3], 0x5410); z23 = __byte_perm(zr[2], zr[3], 0x5410);
-    } else {
-      const S* sp = reinterpret_cast<const S*>(seg + OFF_SCALE);
-      const S* zp = reinterpret_cast<const S*>(seg + OFF_ZERO);
-      s01 = pack2<false>(to_float(sp[t * NGRP + grp]), to_float(sp[(t + 1) * NGRP + grp]));
-      z01 = pack2<false>(to_float(zp[t * NGRP + grp]), to_float(zp[(t + 1) * NGRP + grp]));
-      s23 = pack2<false>(to_float(sp[(t + 2) * NGRP + grp]), to_float(sp[(t + 3) * NGRP + grp]));
-      z23 = pack2<false>(to_float(zp[(t + 2) * NGRP + grp]), to_float(zp[(t + 3) * NGRP + grp]));
-    }
-#pragma unroll
-    for (int ci = 0; ci < NCHUNK; ++ci) {
-      const u32 sel = (ci & 1) ? 0x7632 : 0x5410;
-      const u32 x01 = __byte_perm(w[0][ci / 2], w[1][ci / 2], sel);
-      const u32 x23 = __byte_perm(w[2][ci / 2], w[3][ci / 2], sel);
-#pragma unroll
-      for (int k = 0; k < CCV; ++k) {
-        lo[ci * CCV + k] = h2_fma(h2_codes(x01 >> (k * BITS), MASK), s01, z01);
-        hi[ci * CCV + k] = h2_fma(h2_codes(x23 >> (k * BITS), MASK), s23, z23);
-      }
-    }
-  }
-
-  // Per-warp decode (DecodeCta::compute_warp): out[k] = (v̂[ta][c0 + k], v̂[tb][c0 + k]) as
-  // fp16, the N channels inside one value group; as `pairs`, for two tokens.
-  static constexpr bool WARP = true;
-  template <int N>
-  __device__ __forceinline__ static void warp_pairs(const u8* seg, int ta, int tb, int c0, u32 (&out)[N]) {
+  __device__ __forceinline__ static void token_pairs(const u8* seg, int ta, int tb, int c0, u32 (&out)[N]) {
     constexpr int TB = N * BITS / 8;                       // code bytes per token
     constexpr int CCV = 16 / BITS < N ? 16 / BITS : N;     // codes per 16-bit chunk
     constexpr u32 MASK = ((1u << BITS) - 1) * 0x00010001u;
@@ -877,6 +827,12 @@ struct IntValue {
 #pragma unroll
       for (int k = 0; k < CCV; ++k) out[ci * CCV + k] = h2_fma(h2_codes(x >> (k * BITS), MASK), s2, z2);
     }
+  }
+  // lo[k] = (v̂[t][c0+k], v̂[t+1][c0+k]), hi[k] = (v̂[t+2][c0+k], v̂[t+3][c0+k]).
+  template <int N>
+  __device__ __forceinline__ static void pairs(const u8* seg, int t, int c0, u32 (&lo)[N], u32 (&hi)[N]) {
+    token_pairs<N>(seg, t, t + 1, c0, lo);
+    token_pairs<N>(seg, t + 2, t + 3, c0, hi);
   }
 
   __device__ __forceinline__ static void load8(const u8* seg, int t, int c8, float (&v)[8]) {

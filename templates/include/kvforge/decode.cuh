@@ -33,24 +33,19 @@ template <int GQA, int NW, class... Ts> __host__ __device__ constexpr int max_bf
 // registers. Variants whose every tier has fp16 or integer keys and values take it when one of
 // them is an integer tier (all-fp16 variants keep the block layout, tuned to 0.95 of a copy).
 // Mirrored by kvforge-gen codec.rs (`per_warp`, `qfrag_bytes`).
-template <class V, int D> struct WarpValue { static constexpr bool value = V::WARP; };
-template <int BITS, int GROUP, class S, int D_, int P_, int OC, int OS, int OZ, int D>
-struct WarpValue<IntValue<BITS, GROUP, S, D_, P_, OC, OS, OZ>, D> { static constexpr bool value = GROUP % (D / 8) == 0; };
-template <class K> struct WarpInt { static constexpr bool value = false; };
-template <int BITS, int BLOCK, class S, int D_, int P_, int OC, int OS, int OZ>
-struct WarpInt<IntKey<BITS, BLOCK, S, D_, P_, OC, OS, OZ>> { static constexpr bool value = true; };
+// Integer keys: the tensor-core scorers other than fp16 keys.
+template <class K> struct IntegerMma { static constexpr bool value = K::MMA; };
+template <class T, int D_, int P_, int OFF> struct IntegerMma<DenseKey<T, D_, P_, OFF>> { static constexpr bool value = false; };
+template <class... Ts> __host__ __device__ constexpr bool any_integer_mma(TierList<Ts...>) { return (false || ... || IntegerMma<typename Ts::Key>::value); }
 
 template <class Cfg>
 struct WarpPlan {
   static constexpr int D = Cfg::D, GQA = Cfg::GQA, NW = Cfg::NTHREADS / 32;
-  template <class... Ts> __host__ __device__ static constexpr bool all_tiers(TierList<Ts...>) {
-    return (true && ... && (Ts::Key::WARP_CC > 0 && WarpValue<typename Ts::Value, D>::value));
-  }
-  template <class... Ts> __host__ __device__ static constexpr bool any_int(TierList<Ts...>) { return (false || ... || WarpInt<typename Ts::Key>::value); }
+  template <class... Ts> __host__ __device__ static constexpr bool all_tiers(TierList<Ts...>) { return (true && ... && (Ts::Key::WARP_CC > 0 && Ts::Value::WARP)); }
   // Bit CC set for every pair order of the variant's key fragments (1: fp16, 16 / bits: int).
   template <class... Ts> __host__ __device__ static constexpr unsigned orders(TierList<Ts...>) { return (0u | ... | (1u << Ts::Key::WARP_CC)); }
   static constexpr bool ON = Cfg::TC_VALUES && GQA <= 8 && Cfg::P % 8 == 0 && Cfg::P >= 4 * NW && D % 64 == 0 &&
-                             all_tiers(typename Cfg::Tiers{}) && any_int(typename Cfg::Tiers{});
+                             all_tiers(typename Cfg::Tiers{}) && any_integer_mma(typename Cfg::Tiers{});
   static constexpr unsigned MASK = ON ? orders(typename Cfg::Tiers{}) : 0u;
   static constexpr int NORD = popc(MASK);
   // Index of pair order CC among the variant's orders.
@@ -80,10 +75,9 @@ struct DecodeSmem {
   // lookup-table path and want CTAs per SM more than depth: 3 stages where they fit in
   // 112 KiB (else 2), more only for small pages, up to 48 KiB (8 stages) (H100, spherical low
   // at batch 64: 0.90x the time of the deep rule).
-  static constexpr int NSTAGE_DEEP = STAGE_BYTES * 16 <= 100 * 1024 ? 16 : 100 * 1024 / STAGE_BYTES < 2 ? 2 : 100 * 1024 / STAGE_BYTES;
-  static constexpr int NSTAGE_BASE = 3 * STAGE_BYTES <= 112 * 1024 ? 3 : 2;
-  static constexpr int NSTAGE_SMALL = 48 * 1024 / STAGE_BYTES > 8 ? 8 : 48 * 1024 / STAGE_BYTES;
-  static constexpr int NSTAGE = sum_lut<Cfg::GQA>(typename Cfg::Tiers{}) == 0 ? NSTAGE_DEEP : NSTAGE_SMALL > NSTAGE_BASE ? NSTAGE_SMALL : NSTAGE_BASE;
+  static constexpr int NSTAGE = sum_lut<Cfg::GQA>(typename Cfg::Tiers{}) == 0
+                                    ? cmax(2, cmin(16, 100 * 1024 / STAGE_BYTES))
+                                    : cmax(3 * STAGE_BYTES <= 112 * 1024 ? 3 : 2, cmin(8, 48 * 1024 / STAGE_BYTES));
   static constexpr int TOTAL = STAGE + NSTAGE * STAGE_BYTES;
 };
 
@@ -117,10 +111,7 @@ struct DecodeCta {
   // certified spec, whose bound assumes it); dense and spherical variants keep the CUDA-core
   // path: there each thread owns 8 channels of every GQA head, which reads fp16 V from shared
   // memory without bank conflicts (dense keys still *score* on tensor cores).
-  template <class K> struct IntegerMma { static constexpr bool value = K::MMA; };
-  template <class T, int D_, int P_, int OFF> struct IntegerMma<DenseKey<T, D_, P_, OFF>> { static constexpr bool value = false; };
-  template <class... Ts> __device__ static constexpr bool any_mma(TierList<Ts...>) { return (false || ... || IntegerMma<typename Ts::Key>::value); }
-  static constexpr bool MMA_V = Cfg::TC_VALUES && any_mma(typename Cfg::Tiers{});
+  static constexpr bool MMA_V = Cfg::TC_VALUES && any_integer_mma(typename Cfg::Tiers{});
   using WP = WarpPlan<Cfg>;
   static constexpr bool PW = WP::ON;
   // Per-warp layout: a lane (g, qd) holds key channels [qd·D/4, (qd + 1)·D/4) (NPAIR pairs)
@@ -193,12 +184,9 @@ struct DecodeCta {
 
   template <class T>
   __device__ void compute(const u8* seg, int len, u32 gpage) {
-    if constexpr (PW) {
-      compute_warp<T>(seg, len);
-      if (p.page_delta) write_delta<typename T::Key>(seg, len, gpage);
-    } else {
-      compute_cta<T>(seg, len, gpage);
-    }
+    if constexpr (PW) compute_warp<T>(seg, len);
+    else compute_cta<T>(seg, len, gpage);
+    if (p.page_delta) write_delta<typename T::Key>(seg, len, gpage);
   }
 
   __device__ u32* qfrag_s() { return reinterpret_cast<u32*>(smem + Smem::BFRAG); }
@@ -279,7 +267,7 @@ struct DecodeCta {
       // O^T += V^T P^T: the probabilities are this lane's B fragment as they stand.
       const u32 b = head ? pack2<false>(p0, p1) : 0u;
       u32 vp[CV];
-      V::template warp_pairs<CV>(seg, ta, tb, g * CV, vp);
+      V::template token_pairs<CV>(seg, ta, tb, g * CV, vp);
       if (t0 + 8 > len) {
         // Rows past `len` may hold anything (a tail page's unwritten rows): p = 0 must not
         // meet a NaN.
@@ -331,23 +319,22 @@ struct DecodeCta {
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     if (qd == 0 && g < GQA) { wm[warp * GQA + g] = pw_m; wl[warp * GQA + g] = l; }
     __syncthreads();
-    // f = 2^(m_warp − m_head): 0 for a warp that saw none of the head's tokens.
-    auto factor = [&](int h) {
-      if (h >= GQA) return 0.f;
+    auto head_max = [&](int h) {
       float m = NEG_INF;
       for (int w = 0; w < NW; ++w) m = fmaxf(m, wm[w * GQA + h]);
-      const float mw = wm[warp * GQA + h];
-      return mw == NEG_INF ? 0.f : exp2f(mw - m);
+      return m;
     };
+    // f = 2^(m_warp − m_head) for warp `w`: 0 for a warp that saw none of the head's tokens.
+    auto factor = [&](int h, int w, float m) { return wm[w * GQA + h] == NEG_INF ? 0.f : exp2f(wm[w * GQA + h] - m); };
     if (tid < GQA) {
-      float m = NEG_INF, sum = 0.f;
-      for (int w = 0; w < NW; ++w) m = fmaxf(m, wm[w * GQA + tid]);
-      for (int w = 0; w < NW; ++w)
-        if (wm[w * GQA + tid] != NEG_INF) sum += wl[w * GQA + tid] * exp2f(wm[w * GQA + tid] - m);
+      const float m = head_max(tid);
+      float sum = 0.f;
+      for (int w = 0; w < NW; ++w) sum += wl[w * GQA + tid] * factor(tid, w, m);
       m_s()[tid] = m;
       l_s()[tid] = sum;
     }
-    const float f0 = factor(2 * qd), f1 = factor(2 * qd + 1);
+    const float f0 = 2 * qd < GQA ? factor(2 * qd, warp, head_max(2 * qd)) : 0.f;
+    const float f1 = 2 * qd + 1 < GQA ? factor(2 * qd + 1, warp, head_max(2 * qd + 1)) : 0.f;
     float* out_s = reinterpret_cast<float*>(smem + Smem::OUT);
     for (int w = 0; w < NW; ++w) {
       if (warp == w) {
@@ -464,7 +451,6 @@ struct DecodeCta {
         }
       }
     }
-    if (p.page_delta) write_delta<K>(seg, len, gpage);
   }
 
   // Codecs with a large scorer (K::OUTLINE_SCORER: mixed keys) score through one
@@ -610,6 +596,8 @@ struct DecodeCta {
     // Start streaming pages first: the copies overlap the query and LUT set-up. The page-table
     // entries are all loaded before the first copy is issued, so the prologue waits on one
     // round trip rather than one per stage (batch 1 lost 8-12% to that with deep pipelines).
+    // The entry of the page computed next (tier | tokens << 8), loaded an iteration ahead.
+    u32 cur_info;
     {
       u32 info[NSTAGE - 1];
       u64 off[NSTAGE - 1];
@@ -623,9 +611,8 @@ struct DecodeCta {
         if (lo + s < hi) stage_page(typename Cfg::Tiers{}, info[s], p.arena + off[s], s);
         cp_async_commit();
       }
+      cur_info = info[0];
     }
-    // The entry of the page computed next (tier | tokens << 8), loaded an iteration ahead.
-    u32 cur_info = lo < hi ? p.page_info[first + lo] : 0;
     // Page-table entries are loaded one iteration before their copy is issued, so the copy
     // never waits on a dependent global load.
     const int pre = lo + NSTAGE - 1;
