@@ -12,6 +12,7 @@ using Tier1 = TierDef<1, 16384, DenseKey<__half, 64, 64, 0>, DenseValue<__half, 
 struct Cfg {
   static constexpr int D = 64, GQA = 1, P = 64, NTHREADS = 256;
   static constexpr bool TC_VALUES = true;
+  static constexpr int NSTAGE = 6;  // pages in flight (kvforge-gen codec.rs `nstage`)
   using QT = __half;
   using Tiers = TierList<Tier0, Tier1>;
 };

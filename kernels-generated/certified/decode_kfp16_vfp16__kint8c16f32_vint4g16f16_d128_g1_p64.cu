@@ -13,6 +13,7 @@ using Tier2 = TierDef<2, 18432, IntKey<8, 16, float, 128, 64, 0, 8192, 10240>, I
 struct Cfg {
   static constexpr int D = 128, GQA = 1, P = 64, NTHREADS = 256;
   static constexpr bool TC_VALUES = false;
+  static constexpr int NSTAGE = 3;  // pages in flight (kvforge-gen codec.rs `nstage`)
   using QT = __half;
   using Tiers = TierList<Tier0, Tier1, Tier2>;
 };

@@ -12,6 +12,7 @@ using Tier1 = TierDef<1, 65536, DenseKey<__half, 256, 64, 0>, DenseValue<__half,
 struct Cfg {
   static constexpr int D = 256, GQA = 8, P = 64, NTHREADS = 256;
   static constexpr bool TC_VALUES = false;
+  static constexpr int NSTAGE = 2;  // pages in flight (kvforge-gen codec.rs `nstage`)
   using QT = __half;
   using Tiers = TierList<Tier0, Tier1>;
 };

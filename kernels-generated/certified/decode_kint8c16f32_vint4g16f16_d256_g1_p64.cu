@@ -12,6 +12,7 @@ using Tier2 = TierDef<2, 36864, IntKey<8, 16, float, 256, 64, 0, 16384, 20480>, 
 struct Cfg {
   static constexpr int D = 256, GQA = 1, P = 64, NTHREADS = 256;
   static constexpr bool TC_VALUES = false;
+  static constexpr int NSTAGE = 2;  // pages in flight (kvforge-gen codec.rs `nstage`)
   using QT = __half;
   using Tiers = TierList<Tier0, Tier2>;
 };

@@ -12,6 +12,7 @@ using Tier2 = TierDef<2, 9216, IntKey<8, 16, float, 64, 64, 0, 4096, 5120>, IntV
 struct Cfg {
   static constexpr int D = 64, GQA = 4, P = 64, NTHREADS = 256;
   static constexpr bool TC_VALUES = false;
+  static constexpr int NSTAGE = 11;  // pages in flight (kvforge-gen codec.rs `nstage`)
   using QT = __half;
   using Tiers = TierList<Tier0, Tier2>;
 };

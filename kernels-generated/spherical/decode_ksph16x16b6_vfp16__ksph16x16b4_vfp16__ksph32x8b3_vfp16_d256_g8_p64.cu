@@ -14,6 +14,7 @@ using Tier3 = TierDef<3, 33472, SphericalKey<32, 3, 256, 64, 0, 512>, DenseValue
 struct Cfg {
   static constexpr int D = 256, GQA = 8, P = 64, NTHREADS = 128;
   static constexpr bool TC_VALUES = true;
+  static constexpr int NSTAGE = 3;  // pages in flight (kvforge-gen codec.rs `nstage`)
   using QT = __half;
   using Tiers = TierList<Tier0, Tier1, Tier2, Tier3>;
 };

@@ -12,6 +12,7 @@ using Tier1 = TierDef<1, 34560, SphericalKey<16, 6, 256, 64, 0, 1024>, DenseValu
 struct Cfg {
   static constexpr int D = 256, GQA = 4, P = 64, NTHREADS = 128;
   static constexpr bool TC_VALUES = true;
+  static constexpr int NSTAGE = 3;  // pages in flight (kvforge-gen codec.rs `nstage`)
   using QT = __half;
   using Tiers = TierList<Tier0, Tier1>;
 };

@@ -12,6 +12,7 @@ using Tier1 = TierDef<1, 8640, SphericalKey<16, 6, 64, 64, 0, 256>, DenseValue<_
 struct Cfg {
   static constexpr int D = 64, GQA = 4, P = 64, NTHREADS = 128;
   static constexpr bool TC_VALUES = true;
+  static constexpr int NSTAGE = 5;  // pages in flight (kvforge-gen codec.rs `nstage`)
   using QT = __half;
   using Tiers = TierList<Tier0, Tier1>;
 };

@@ -14,6 +14,7 @@ using Tier3 = TierDef<3, 16768, SphericalKey<32, 3, 128, 64, 0, 256>, DenseValue
 struct Cfg {
   static constexpr int D = 128, GQA = 8, P = 64, NTHREADS = 128;
   static constexpr bool TC_VALUES = true;
+  static constexpr int NSTAGE = 3;  // pages in flight (kvforge-gen codec.rs `nstage`)
   using QT = __half;
   using Tiers = TierList<Tier0, Tier1, Tier2, Tier3>;
 };

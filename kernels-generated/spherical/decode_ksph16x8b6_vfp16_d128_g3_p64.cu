@@ -12,6 +12,7 @@ using Tier1 = TierDef<1, 17280, SphericalKey<16, 6, 128, 64, 0, 512>, DenseValue
 struct Cfg {
   static constexpr int D = 128, GQA = 3, P = 64, NTHREADS = 128;
   static constexpr bool TC_VALUES = true;
+  static constexpr int NSTAGE = 3;  // pages in flight (kvforge-gen codec.rs `nstage`)
   using QT = __half;
   using Tiers = TierList<Tier0, Tier1>;
 };

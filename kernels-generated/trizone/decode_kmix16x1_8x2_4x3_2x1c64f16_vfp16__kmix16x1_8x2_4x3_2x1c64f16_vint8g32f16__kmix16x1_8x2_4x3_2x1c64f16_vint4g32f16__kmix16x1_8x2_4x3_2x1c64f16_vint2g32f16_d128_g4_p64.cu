@@ -15,6 +15,7 @@ using Tier4 = TierDef<4, 9344, MixedKey<64, __half, 128, 64, 16, 32, 48, 16, 0, 
 struct Cfg {
   static constexpr int D = 128, GQA = 4, P = 64, NTHREADS = 256;
   static constexpr bool TC_VALUES = true;
+  static constexpr int NSTAGE = 4;  // pages in flight (kvforge-gen codec.rs `nstage`)
   using QT = __half;
   using Tiers = TierList<Tier0, Tier1, Tier2, Tier3, Tier4>;
 };

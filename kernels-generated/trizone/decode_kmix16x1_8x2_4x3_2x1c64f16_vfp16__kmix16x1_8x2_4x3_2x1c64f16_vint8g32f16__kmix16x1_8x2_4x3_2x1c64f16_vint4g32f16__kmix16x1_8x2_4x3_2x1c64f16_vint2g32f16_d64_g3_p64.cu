@@ -15,6 +15,7 @@ using Tier4 = TierDef<4, 4672, MixedKey<64, __half, 64, 64, 8, 16, 24, 8, 0, 102
 struct Cfg {
   static constexpr int D = 64, GQA = 3, P = 64, NTHREADS = 256;
   static constexpr bool TC_VALUES = true;
+  static constexpr int NSTAGE = 9;  // pages in flight (kvforge-gen codec.rs `nstage`)
   using QT = __half;
   using Tiers = TierList<Tier0, Tier1, Tier2, Tier3, Tier4>;
 };

@@ -12,6 +12,7 @@ using Tier1 = TierDef<1, 22656, MixedKey<64, __half, 128, 64, 16, 32, 48, 16, 0,
 struct Cfg {
   static constexpr int D = 128, GQA = 4, P = 64, NTHREADS = 256;
   static constexpr bool TC_VALUES = true;
+  static constexpr int NSTAGE = 4;  // pages in flight (kvforge-gen codec.rs `nstage`)
   using QT = __half;
   using Tiers = TierList<Tier0, Tier1>;
 };

@@ -12,6 +12,7 @@ using Tier1 = TierDef<1, 11328, MixedKey<64, __half, 64, 64, 8, 16, 24, 8, 0, 10
 struct Cfg {
   static constexpr int D = 64, GQA = 8, P = 64, NTHREADS = 256;
   static constexpr bool TC_VALUES = true;
+  static constexpr int NSTAGE = 9;  // pages in flight (kvforge-gen codec.rs `nstage`)
   using QT = __half;
   using Tiers = TierList<Tier0, Tier1>;
 };

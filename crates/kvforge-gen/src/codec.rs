@@ -75,23 +75,35 @@ pub fn threads(spec: &Spec) -> usize {
 const SMEM_PER_SM: usize = 228 * 1024;
 const SMEM_RESERVED_PER_CTA: usize = 1024;
 
-/// CTAs per SM the decode kernel asks the register allocator to fit (`__launch_bounds__`):
-/// the spec's `kernels.ctas_per_sm`, but never more than the variant's shared memory lets
-/// reside (a register budget for CTAs that cannot run only costs spills), and the default
-/// 512 threads per SM where the accumulators need the registers (gqa 8, and the per-warp
-/// layout above head_dim 128: one CTA; other variants above head_dim 128).
-pub fn min_blocks(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
+/// CTAs per SM a decode variant is built for, before shared memory has its say: the spec's
+/// `kernels.ctas_per_sm`, and the default 512 threads per SM where the accumulators need the
+/// registers (gqa 8, and the per-warp layout above head_dim 128: one CTA; other variants above
+/// head_dim 128).
+fn target_ctas(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
     let default = (512 / threads(spec)).max(1);
     // The per-warp layout at head_dim > 128 holds 64 accumulators and 32-pair key and value
     // fragments per thread: ~150 registers (at 128 it spilled 0.5 KB per thread).
     if gqa >= 8 || (d > 128 && per_warp(spec, tiers, d, gqa)) {
-        return 1;
+        1
+    } else if d > 128 {
+        default
+    } else {
+        spec.kernels.ctas_per_sm.max(1)
     }
-    if d > 128 {
-        return default;
+}
+
+/// CTAs per SM the decode kernel asks the register allocator to fit (`__launch_bounds__`):
+/// [`target_ctas`]; the spec's `kernels.ctas_per_sm` only as far as the variant's shared
+/// memory lets them reside (a register budget for CTAs that cannot run only costs spills),
+/// never below the default 512 threads per SM.
+pub fn min_blocks(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
+    let target = target_ctas(spec, tiers, d, gqa);
+    if gqa >= 8 || d > 128 {
+        return target;
     }
+    let default = (512 / threads(spec)).max(1);
     let fit = SMEM_PER_SM / (decode_smem(spec, tiers, d, gqa) + SMEM_RESERVED_PER_CTA);
-    spec.kernels.ctas_per_sm.min(fit.max(default)).max(1)
+    target.min(fit.max(default)).max(1)
 }
 
 /// Mirror of `IntKey::bfrag_bytes`: integer keys whose block spans several 16-token m-tiles
@@ -150,17 +162,57 @@ fn qfrag_bytes(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
 
 /// Mirror of `DecodeSmem<Cfg>::TOTAL`.
 pub fn decode_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
+    decode_fixed_smem(spec, tiers, d, gqa) + nstage(spec, tiers, d, gqa) * stage_bytes(spec, tiers, d)
+}
+
+/// Shared memory of a decode CTA besides its page stages: queries, lookup tables, scores,
+/// softmax statistics, the output reduction and the key/query fragments.
+fn decode_fixed_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
     let p = spec.page.tokens;
     let ts: Vec<&Tier> = tiers.iter().map(|&t| &spec.tiers[t as usize]).collect();
     let lut: usize = ts.iter().map(|t| gqa * lut_floats_per_head(t, d)).sum();
-    let seg = ts.iter().filter(|t| t.id != kvforge_spec::TAIL_TIER).map(|t| SegmentLayout::new(t, d, p, spec.page.alignment).bytes).max().unwrap_or(0);
     let bfrag = if per_warp(spec, tiers, d, gqa) { qfrag_bytes(spec, tiers, d, gqa) } else { ts.iter().map(|t| bfrag_bytes(spec, t, d, gqa)).max().unwrap_or(0) };
-    let fixed = align16(gqa * d * 4) + align16(lut * 4) + align16(gqa * p * 4) + align16(4 * gqa * 4) + align16(gqa * d * 4) + align16(bfrag);
-    let stage = kvforge_spec::HEADER_BYTES + align16(seg);
-    // Mirror of `DecodeSmem::NSTAGE`: deep pipelines, but spherical variants (LUT-bound) keep
-    // CTAs per SM.
-    let nstage = if lut == 0 { (100 * 1024 / stage).clamp(2, 16) } else { (if 3 * stage <= 112 * 1024 { 3 } else { 2 }).max((48 * 1024 / stage).min(8)) };
-    fixed + nstage * stage
+    align16(gqa * d * 4) + align16(lut * 4) + align16(gqa * p * 4) + align16(4 * gqa * 4) + align16(gqa * d * 4) + align16(bfrag)
+}
+
+/// Bytes of one pipeline stage: the page header and the largest staged segment (tail pages,
+/// tier 0, are read in place from global memory, so they do not size the stages).
+fn stage_bytes(spec: &Spec, tiers: &[TierId], d: usize) -> usize {
+    let seg = tiers
+        .iter()
+        .map(|&t| &spec.tiers[t as usize])
+        .filter(|t| t.id != kvforge_spec::TAIL_TIER)
+        .map(|t| SegmentLayout::new(t, d, spec.page.tokens, spec.page.alignment).bytes)
+        .max()
+        .unwrap_or(0);
+    kvforge_spec::HEADER_BYTES + align16(seg)
+}
+
+/// Pages in flight per decode CTA (`Cfg::NSTAGE` of the generated kernel; the one place this
+/// is decided), 2 to 16:
+/// - the spec's `kernels.stage_kib` budget when it gives one;
+/// - integer and dense pages stream at a bandwidth that grows with the bytes in flight, so
+///   they take as many stages as fit in the CTA's share of the SM's shared memory
+///   ([`target_ctas`] CTAs per SM, at least 2), at most 100 KiB (H100, per-warp rdkv b8/b4: 1.08-1.21x
+///   faster than with 4-5 stages; rdkv at 4 warps × 4 CTAs: stages sized to the share let the
+///   fourth CTA reside);
+/// - variants with spherical tiers are bound by their lookup-table path and want CTAs per SM
+///   more than depth: 3 stages where they fit in 112 KiB (else 2), more only for small pages,
+///   up to 48 KiB (8 stages) (H100, spherical low at batch 64: 0.90x the time of the deep rule).
+pub fn nstage(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
+    let stage = stage_bytes(spec, tiers, d);
+    let lut: usize = tiers.iter().map(|&t| gqa * lut_floats_per_head(&spec.tiers[t as usize], d)).sum();
+    match spec.kernels.stage_kib {
+        Some(kib) => (kib * 1024 / stage).clamp(2, 16),
+        None if lut == 0 => {
+            // At least two CTAs share the SM's stages even where the registers ask for one
+            // (gqa 8, wide heads): two resident CTAs hide each other's barrier and prologue.
+            let ctas = target_ctas(spec, tiers, d, gqa).max(2);
+            let share = (SMEM_PER_SM / ctas).saturating_sub(SMEM_RESERVED_PER_CTA + decode_fixed_smem(spec, tiers, d, gqa));
+            (share.min(100 * 1024) / stage).clamp(2, 16)
+        }
+        None => (if 3 * stage <= 112 * 1024 { 3 } else { 2 }).max((48 * 1024 / stage).min(8)),
+    }
 }
 
 /// Scratch bytes the destination key codec needs when encoding.

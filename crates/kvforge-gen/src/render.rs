@@ -134,6 +134,7 @@ pub fn render(spec: &Spec, v: &VariantId) -> Result<String, RenderError> {
             ctx.insert("gqa", gqa);
             ctx.insert("min_blocks", &codec::min_blocks(spec, tiers, d, *gqa));
             ctx.insert("tc_values", &spec.kernels.tensor_core_values);
+            ctx.insert("nstage", &codec::nstage(spec, tiers, d, *gqa));
             "decode.cu.tera"
         }
         Family::Transcode { src, dst, .. } => {

@@ -79,4 +79,5 @@ pub struct RawKernels {
     pub warps: Option<Spanned<i64>>,
     pub tensor_core_values: Option<bool>,
     pub ctas_per_sm: Option<Spanned<i64>>,
+    pub stage_kib: Option<Spanned<i64>>,
 }

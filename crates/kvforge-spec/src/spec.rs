@@ -75,7 +75,17 @@ pub struct KernelOptions {
     /// integer tiers, which shared memory does not limit, gain 5–15% from the extra CTA on the
     /// H100 (benches/NOTES.md); wider tiers spill there.
     pub ctas_per_sm: usize,
+    /// Shared memory per decode CTA for its page pipeline (KiB): the stage count is as many
+    /// pages as fit (2 to 16). `None`: the generator's rule (codec.rs `nstage`: 100 KiB, less
+    /// for variants with lookup tables). Fewer warps per CTA with more CTAs per SM want a
+    /// smaller budget so that the CTAs fit beside each other.
+    pub stage_kib: Option<usize>,
 }
+
+/// Bounds of `kernels.stage_kib`: a stage pipeline needs two pages of the smallest tiers, and
+/// one CTA's shared memory is at most 227 KiB on sm_90 (the rest is fixed regions).
+const MIN_STAGE_KIB: i64 = 8;
+const MAX_STAGE_KIB: i64 = 200;
 
 /// Resident threads per SM on sm_80 and sm_90.
 const MAX_THREADS_PER_SM: usize = 2048;
@@ -355,7 +365,17 @@ impl Validator<'_> {
             }
             None => (512 / threads).max(1),
         };
-        let kernels = KernelOptions { combinations, split_k: raw.kernels.split_k.unwrap_or(true), warps, tensor_core_values: raw.kernels.tensor_core_values.unwrap_or(true), ctas_per_sm };
+        let stage_kib = match &raw.kernels.stage_kib {
+            Some(k) => {
+                let v = *k.get_ref();
+                if !(MIN_STAGE_KIB..=MAX_STAGE_KIB).contains(&v) {
+                    return self.err(k.span(), "kernels.stage_kib", format!("{v} KiB of page stages per CTA: valid {MIN_STAGE_KIB} to {MAX_STAGE_KIB} (an SM has 228 KiB of shared memory)"));
+                }
+                Some(v as usize)
+            }
+            None => None,
+        };
+        let kernels = KernelOptions { combinations, split_k: raw.kernels.split_k.unwrap_or(true), warps, tensor_core_values: raw.kernels.tensor_core_values.unwrap_or(true), ctas_per_sm, stage_kib };
 
         let mut h = blake3::Hasher::new();
         h.update(src.as_bytes());

@@ -364,6 +364,16 @@ fn ctas_per_sm_out_of_range() {
 }
 
 #[test]
+fn stage_kib_out_of_range() {
+    let e = fail(&format!("{BASE}stage_kib = 4\n"));
+    check(&e, Invalid, 29, 13, "kernels.stage_kib", &["4 KiB of page stages per CTA", "valid 8 to 200"]);
+    let e = fail(&format!("{BASE}stage_kib = 512\n"));
+    check(&e, Invalid, 29, 13, "kernels.stage_kib", &["512 KiB", "valid 8 to 200"]);
+    assert_eq!(parse_in(&format!("{BASE}stage_kib = 48\n"), Path::new(".")).unwrap().kernels.stage_kib, Some(48));
+    assert_eq!(parse_in(BASE, Path::new(".")).unwrap().kernels.stage_kib, None, "default: the generator's rule");
+}
+
+#[test]
 fn warps_invalid() {
     let e = fail(&format!("{BASE}warps = 6\n"));
     check(&e, Invalid, 29, 9, "kernels.warps", &["warps 6 is not supported", "valid: 4, 8"]);

@@ -27,16 +27,42 @@ __device__ void combine_kernel(const CombineParams& p) {
       mass_window_fold<D, fold_pages_per_thread<D>()>(p.fold, group / p.fold.num_kv_heads, group % p.fold.num_kv_heads);
     return;
   }
+  // Warp 0 turns the splits' log-sum-exps into weights in shared memory, CHUNK splits at a
+  // time; then every thread sums its channel over the splits with the loads unrolled. (A
+  // per-thread loop of dependent lse and partial loads cost 18 us at batch 1 x 32K with 33
+  // splits on the H100, a quarter of the decode.)
+  constexpr int CHUNK = 64;
+  __shared__ float w_s[CHUNK];
+  __shared__ float den_s;
+  const int lane = c % 32;
+  const float* lse = p.partial_lse + row;
   float mx = NEG_INF;
-  for (int s = 0; s < p.num_splits; ++s) mx = fmaxf(mx, p.partial_lse[size_t(s) * p.rows + row]);
-  float den = 0.f, num = 0.f;
-  for (int s = 0; s < p.num_splits; ++s) {
-    const float l = p.partial_lse[size_t(s) * p.rows + row];
-    if (l == NEG_INF) continue;
-    const float w = __expf(l - mx);
-    den += w;
-    num += w * p.partial_out[(size_t(s) * p.rows + row) * D + c];
+  if (c < 32) {
+    for (int s = lane; s < p.num_splits; s += 32) mx = fmaxf(mx, lse[size_t(s) * p.rows]);
+    mx = warp_max(mx);
   }
+  float num = 0.f, den = 0.f;
+  for (int base = 0; base < p.num_splits; base += CHUNK) {
+    const int n = min(CHUNK, p.num_splits - base);
+    if (c < 32) {
+      float part = 0.f;
+      for (int s = lane; s < n; s += 32) {
+        const float l = lse[size_t(base + s) * p.rows];
+        const float w = l == NEG_INF ? 0.f : __expf(l - mx);
+        w_s[s] = w;
+        part += w;
+      }
+      part = warp_sum(part);
+      if (lane == 0) den_s = part;
+    }
+    __syncthreads();
+    den += den_s;
+    const float* po = p.partial_out + (size_t(base) * p.rows + row) * D + c;
+#pragma unroll 8
+    for (int s = 0; s < n; ++s) num = fmaf(w_s[s], po[size_t(s) * p.rows * D], num);
+    __syncthreads();
+  }
+  // Thread 0 (warp 0) holds the maximum for the row's lse.
   reinterpret_cast<QT*>(p.out)[size_t(row) * D + c] = from_float<QT>(den > 0.f ? num / den : 0.f);
   if (p.lse != nullptr && c == 0) p.lse[row] = den > 0.f ? mx + logf(den) : NEG_INF;
 }

@@ -69,15 +69,10 @@ struct DecodeSmem {
   static constexpr int STAGE = BFRAG + align16(WarpPlan<Cfg>::ON ? WarpPlan<Cfg>::QFRAG_BYTES : max_bfrag<Cfg::GQA, Cfg::NTHREADS / 32>(typename Cfg::Tiers{}));
   // A stage holds the page header and its segment.
   static constexpr int STAGE_BYTES = HEADER_BYTES + align16(max_seg(typename Cfg::Tiers{}));
-  // Stage depth. Integer and dense pages stream at a bandwidth that grows with the bytes in
-  // flight, so they take as many stages as fit in 100 KiB (2 to 16; H100, per-warp rdkv b8/b4:
-  // 1.08-1.21x faster than with 4-5 stages). Variants with spherical tiers are bound by their
-  // lookup-table path and want CTAs per SM more than depth: 3 stages where they fit in
-  // 112 KiB (else 2), more only for small pages, up to 48 KiB (8 stages) (H100, spherical low
-  // at batch 64: 0.90x the time of the deep rule).
-  static constexpr int NSTAGE = sum_lut<Cfg::GQA>(typename Cfg::Tiers{}) == 0
-                                    ? cmax(2, cmin(16, 100 * 1024 / STAGE_BYTES))
-                                    : cmax(3 * STAGE_BYTES <= 112 * 1024 ? 3 : 2, cmin(8, 48 * 1024 / STAGE_BYTES));
+  // Stage depth: chosen by the generator (kvforge-gen codec.rs `nstage`: the spec's
+  // `kernels.stage_kib` budget, or its rule per tier kind).
+  static constexpr int NSTAGE = Cfg::NSTAGE;
+  static_assert(NSTAGE >= 2, "a pipeline overlaps at least one copy with compute");
   static constexpr int TOTAL = STAGE + NSTAGE * STAGE_BYTES;
 };
 
