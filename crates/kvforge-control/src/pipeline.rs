@@ -162,6 +162,14 @@ pub struct Boundary {
     pub critical_us: f64,
 }
 
+/// What plans are made under: the cost model, the limits and the headroom.
+#[derive(Clone, Debug)]
+pub struct Planning {
+    pub costs: TierCosts,
+    pub limits: Limits,
+    pub headroom: Headroom,
+}
+
 /// The planner thread's side: the controller, the importance EMA and the limits.
 struct Planner {
     rdr: RdrController,
@@ -210,7 +218,8 @@ pub struct RdrPipeline {
 impl RdrPipeline {
     /// Moves `rdr` and `importance` to a new planner thread for sequence `seq` of a cache with
     /// `heads` kv heads. Invocations every `rdr.every` steps.
-    pub fn new(rdr: RdrController, importance: PagedImportance, spec: &Spec, seq: usize, heads: usize, costs: TierCosts, limits: Limits, headroom: Headroom) -> Result<RdrPipeline, ControlError> {
+    pub fn new(rdr: RdrController, importance: PagedImportance, spec: &Spec, seq: usize, heads: usize, planning: Planning) -> Result<RdrPipeline, ControlError> {
+        let Planning { costs, limits, headroom } = planning;
         let every = rdr.every.max(1);
         let (jobs, inbox) = channel::<Job>();
         let (outbox, results) = channel();

@@ -31,6 +31,9 @@ fn tiers<C: PagedCache>(cache: &C, seq: usize) -> Vec<Vec<(kvforge_spec::TierId,
     (0..cache.num_kv_heads()).map(|h| cache.page_tiers(seq, h).unwrap()).collect()
 }
 
+/// The synchronous controller at one boundary: its view, the page table before its plan, the plan.
+type Boundary = (PageTableView, Vec<Vec<(kvforge_spec::TierId, usize)>>, Plan);
+
 #[derive(Clone, Debug)]
 struct Case {
     name: &'static str,
@@ -64,7 +67,7 @@ impl Case {
 
     /// The synchronous controller: per boundary, the view it decided on, the page table before
     /// its plan and the plan (made under the headroom's limits, applied at once).
-    fn synchronous(&self) -> Vec<(PageTableView, Vec<Vec<(kvforge_spec::TierId, usize)>>, Plan)> {
+    fn synchronous(&self) -> Vec<Boundary> {
         let spec = spec(self.name);
         let costs = costs(&spec, CostModel::Resident);
         let limits = self.limits();
@@ -123,7 +126,7 @@ fn run_and_compare(c: &Case) -> Result<Vec<(usize, f64, bool)>, TestCaseError> {
     let seq = cache.add_sequence();
     cache.append(seq, c.prefill);
     let imp = PagedImportance::new(0.5, spec.page.tokens).unwrap();
-    let mut pipe = RdrPipeline::new(c.controller(), imp, &spec, seq, c.heads, costs.clone(), c.limits(), c.headroom).unwrap();
+    let mut pipe = RdrPipeline::new(c.controller(), imp, &spec, seq, c.heads, pipeline::Planning { costs: costs.clone(), limits: c.limits(), headroom: c.headroom }).unwrap();
     let mut landed = Vec::new();
     let mut after = Vec::new();
     for step in 1..=c.steps {
@@ -224,7 +227,7 @@ fn a_plan_for_another_page_table_is_refused() {
     let seq = cache.add_sequence();
     cache.append(seq, 4096);
     let limits = Limits { budget: Budget::PerToken(40.0), protection: Protection::default() };
-    let mut pipe = RdrPipeline::new(rdr("rdkv"), PagedImportance::new(0.5, 64).unwrap(), &spec, seq, 2, costs, limits, Headroom::None).unwrap();
+    let mut pipe = RdrPipeline::new(rdr("rdkv"), PagedImportance::new(0.5, 64).unwrap(), &spec, seq, 2, pipeline::Planning { costs, limits, headroom: Headroom::None }).unwrap();
     let firsts = pipe.first_tokens(&cache).unwrap();
     pipe.invoke(&mut cache, window(1, &firsts, 1)).unwrap();
     // Someone else re-codes page 3 of head 0 while the plan is made.
