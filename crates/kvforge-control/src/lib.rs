@@ -16,7 +16,9 @@
 //!   floor tier.
 //! * [`knapsack`]: the multiple-choice knapsack solver shared by both controllers (Lagrangian
 //!   bisection, greedy value-per-byte path, weak-duality gap).
-//! * [`rdr`]: seed 000 App. C's rate-distortion retention controller, with hysteresis.
+//! * [`rdr`]: seed 000 App. C's rate-distortion retention controller, with hysteresis;
+//!   [`pipeline`]: the same decisions made on a planner thread while decoding goes on, each
+//!   applied at the next invocation (plan then run).
 //! * [`rdkv`]: seed 002's allocation (Alg. 1–2) and its page-level adaptation.
 //! * [`check`]: the invariant checker; [`runtime`]: applying plans to a `KvCache` (or its
 //!   CPU twin [`runtime::SimCache`]) in a safe order, verified afterwards.
@@ -52,6 +54,7 @@ pub mod distortion;
 pub mod frontier;
 pub mod knapsack;
 mod plan;
+pub mod pipeline;
 pub mod protect;
 pub mod rdkv;
 pub mod rdr;
@@ -66,6 +69,7 @@ pub use distortion::DistortionTable;
 pub use plan::{Decision, Limits, Plan};
 pub use protect::{Guard, Protection};
 pub use rdkv::{allocate, allocate_head, Allocation, RdkvController};
+pub use pipeline::{Headroom, RdrPipeline};
 pub use rdr::{DropPolicy, RdrController};
 pub use signal::{ImportanceTracker, PageId, PageInfo, PageKey, PageTableView};
 pub use window::{ImportanceError, PagedImportance};

@@ -90,6 +90,35 @@ impl Problem {
         p
     }
 
+    /// [`build`](Self::build) with only kv head `head`'s pages movable: every other page is
+    /// fixed at its cost, in view order (the same sums as `build` with `options` giving other
+    /// heads' pages one choice), without visiting other heads' options.
+    pub fn build_head(view: &PageTableView, head: usize, mut options: impl FnMut(PageId, &PageInfo, &mut Vec<(TierId, f64)>)) -> Problem {
+        let n = view.heads.get(head).map_or(0, Vec::len);
+        let mut p = Problem { ids: Vec::with_capacity(n), tiers: Vec::with_capacity(4 * n), choices: Vec::with_capacity(4 * n), start: Vec::with_capacity(n + 1), fixed: 0.0 };
+        p.start.push(0);
+        let mut opts = Vec::new();
+        for (id, page) in view.iter() {
+            if id.head != head {
+                p.fixed += view.costs.cost(page.tier, page.tokens);
+                continue;
+            }
+            opts.clear();
+            options(id, page, &mut opts);
+            if opts.len() <= 1 {
+                p.fixed += view.costs.cost(page.tier, page.tokens);
+                continue;
+            }
+            p.ids.push(id);
+            for &(t, d) in &opts {
+                p.tiers.push(t);
+                p.choices.push(Choice::new(view.costs.cost(t, page.tokens), d));
+            }
+            p.start.push(p.choices.len());
+        }
+        p
+    }
+
     /// Solves for `budget` bytes (fixed pages included) and lists the tier changes.
     pub fn solve(&self, view: &PageTableView, budget: f64) -> (Solution, Vec<Decision>) {
         let s = knapsack::solve_flat(&self.choices, &self.start, budget - self.fixed);

@@ -27,13 +27,11 @@
 //! Also unlike Alg. 2, which stops when the average width is within 1% of the target and may
 //! land on either side, [`allocate`] never exceeds the budget.
 
-use std::collections::HashMap;
-
 use kvforge_spec::{KeyScheme, Spec, TierId, ValueScheme};
 
-use crate::distortion::{DistortionTable, Proxy, Weights};
+use crate::distortion::{DistortionTable, Proxy};
 use crate::knapsack::{self, Choice};
-use crate::plan::{assemble, Limits, Plan, Problem};
+use crate::plan::{assemble, Decision, Limits, Plan, Problem};
 use crate::signal::{PageId, PageInfo, PageTableView};
 use crate::Controller;
 
@@ -62,8 +60,10 @@ pub struct Allocation {
 /// `Σ w_u ε(b_u)` with `Σ b_u · cost_per_bit ≤ budget`.
 pub fn allocate(weights: &[f64], eps: &[(u32, f64)], cost_per_bit: f64, budget: f64) -> Allocation {
     assert!(!eps.is_empty(), "allocate: the distortion table is empty");
-    let items: Vec<Vec<Choice>> = weights.iter().map(|&w| eps.iter().map(|&(b, e)| Choice::new(b as f64 * cost_per_bit, w * e)).collect()).collect();
-    let s = knapsack::solve(&items, budget);
+    // Flat (one allocation, not one per unit: 32K units per head after a 32K prefill).
+    let choices: Vec<Choice> = weights.iter().flat_map(|&w| eps.iter().map(move |&(b, e)| Choice::new(b as f64 * cost_per_bit, w * e))).collect();
+    let start: Vec<usize> = (0..=weights.len()).map(|i| i * eps.len()).collect();
+    let s = knapsack::solve_flat(&choices, &start, budget);
     Allocation {
         bits: s.pick.iter().map(|&i| eps[i].0).collect(),
         distortion: s.dist,
@@ -250,25 +250,38 @@ impl Controller for RdkvController {
         assert_eq!(self.table.eps.len(), view.costs.tiers.len(), "RDKV: the table and the view's spec have different tier counts");
         let budget = limits.budget.bytes(view.context_tokens, view.heads.len());
         let table = &self.table;
-        let weights: HashMap<PageId, Weights> = view.iter().map(|(id, _)| id).zip(self.proxy.weights(view)).collect();
-        let opts = |only: Option<usize>| {
-            let weights = &weights;
-            move |id: PageId, p: &PageInfo, out: &mut Vec<(TierId, f64)>| {
-                if only.is_some_and(|h| h != id.head) {
-                    out.push((p.tier, 0.0));
-                    return;
-                }
-                out.extend(limits.protection.allowed_tiers(p, view.context_tokens, &view.costs).map(|t| (t, table.page(weights[&id], t))));
-            }
-        };
+        // Weights in view order: page (h, i) is at offset[h] + i (a hash map of 4096 pages,
+        // looked up once per tier of every page, was a fifth of the decision at 32K tokens).
+        let weights = self.proxy.weights(view);
+        let offset: Vec<usize> = view.heads.iter().scan(0, |acc, h| {
+            let o = *acc;
+            *acc += h.len();
+            Some(o)
+        }).collect();
+        let weight = |id: PageId| weights[offset[id.head] + id.index];
+        let opts = |id: PageId, p: &PageInfo, out: &mut Vec<(TierId, f64)>| out.extend(limits.protection.allowed_tiers(p, view.context_tokens, &view.costs).map(|t| (t, table.page(weight(id), t))));
         let (sol, decisions) = if self.per_head {
             let shares = self.head_shares(view, limits, budget);
+            // Heads are independent knapsacks: one problem per head over its own pages (the
+            // other heads' pages enter only as fixed bytes), solved on one thread per head
+            // when the view is large enough to pay for the threads.
+            let solve_head = |h: usize| {
+                // Other heads' pages are fixed at their cost; add it so the head gets its share.
+                let others: f64 = view.iter().filter(|(id, _)| id.head != h).map(|(_, p)| view.costs.cost(p.tier, p.tokens)).sum();
+                Problem::build_head(view, h, opts).solve(view, shares[h] + others)
+            };
+            let heads = view.heads.len();
+            let solved: Vec<(knapsack::Solution, Vec<Decision>)> = if view.num_pages() >= PARALLEL_PAGES && heads > 1 {
+                std::thread::scope(|sc| {
+                    let hs: Vec<_> = (0..heads).map(|h| sc.spawn(move || solve_head(h))).collect();
+                    hs.into_iter().map(|j| j.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+                })
+            } else {
+                (0..heads).map(solve_head).collect()
+            };
             let mut all = Vec::new();
             let mut agg: Option<knapsack::Solution> = None;
-            for (h, share) in shares.into_iter().enumerate() {
-                // Other heads' pages are fixed at their cost; add it so the head gets `share`.
-                let others: f64 = view.iter().filter(|(id, _)| id.head != h).map(|(_, p)| view.costs.cost(p.tier, p.tokens)).sum();
-                let (s, d) = Problem::build(view, opts(Some(h))).solve(view, share + others);
+            for (s, d) in solved {
                 all.extend(d);
                 agg = Some(match agg {
                     None => s,
@@ -278,8 +291,12 @@ impl Controller for RdkvController {
             all.sort_by_key(|d| d.page);
             (agg.unwrap_or_else(|| knapsack::solve(&[], budget)), all)
         } else {
-            Problem::build(view, opts(None)).solve(view, budget)
+            Problem::build(view, opts).solve(view, budget)
         };
-        assemble(view, decisions, budget, &sol, Vec::new(), |id, t| table.page(weights[&id], t))
+        assemble(view, decisions, budget, &sol, Vec::new(), |id, t| table.page(weight(id), t))
     }
 }
+
+/// Views of at least this many pages solve their heads on threads (one head of 32K tokens is
+/// 512 pages; below ~1000 pages in all a thread start costs more than the head's solve).
+const PARALLEL_PAGES: usize = 1024;

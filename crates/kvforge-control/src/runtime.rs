@@ -115,6 +115,10 @@ pub enum ControlError {
     Positions(String),
     #[error("importance window: {0}")]
     Importance(#[from] crate::window::ImportanceError),
+    /// The planner thread of an [`RdrPipeline`](crate::pipeline::RdrPipeline) could not
+    /// start, ended or was shut down.
+    #[error("RDR planner: {0}")]
+    Planner(String),
 }
 
 /// What [`apply`] did.
@@ -136,10 +140,77 @@ fn observed<C: PagedCache>(cache: &C, seq: usize, head: usize) -> Result<Vec<(Ti
 /// Applies `plan` (made by a controller for `view` under `limits`) to sequence `seq`.
 pub fn apply<C: PagedCache>(cache: &mut C, seq: usize, view: &PageTableView, plan: &Plan, limits: &Limits) -> Result<ApplyReport, ControlError> {
     let after = checked(view, plan, limits).map_err(ControlError::Plan)?;
+    apply_unchecked(cache, seq, view, plan, &after, false)
+}
+
+/// A plan validated against its view ([`check_plan`](crate::check_plan)), with the view as it
+/// will be after it: what [`apply_grown`] needs, made where the plan is made (a planner
+/// thread), so that the decode thread only re-codes and verifies.
+#[derive(Clone, Debug)]
+pub struct CheckedPlan {
+    view: PageTableView,
+    plan: Plan,
+    after: PageTableView,
+}
+
+impl CheckedPlan {
+    pub fn new(view: PageTableView, plan: Plan, limits: &Limits) -> Result<CheckedPlan, Violation> {
+        let after = checked(&view, &plan, limits)?;
+        Ok(CheckedPlan { view, plan, after })
+    }
+
+    pub fn view(&self) -> &PageTableView {
+        &self.view
+    }
+
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// The view's pages with the plan applied.
+    pub fn after(&self) -> &PageTableView {
+        &self.after
+    }
+
+    pub fn into_parts(self) -> (PageTableView, Plan) {
+        (self.view, self.plan)
+    }
+}
+
+/// Applies a checked plan to a cache that may have *grown* since its view was taken: tokens
+/// appended to every head (the view's tail page filled and new pages behind it), nothing
+/// else. The pages a plan names keep their indices under appends (the cache only appends
+/// behind them and only plans remove pages), so the plan's moves are the same moves;
+/// `append(n) ∘ apply(plan) = apply(plan) ∘ append(n)` page for page. This is what lets a
+/// plan made from a snapshot be applied `every` decode steps later ([`crate::pipeline`]).
+///
+/// Checks the view's full pages against the cache (tier and tokens; the view's tail may
+/// have filled), re-codes, and verifies those pages' tiers afterwards.
+pub fn apply_grown<C: PagedCache>(cache: &mut C, seq: usize, checked: &CheckedPlan) -> Result<ApplyReport, ControlError> {
+    apply_unchecked(cache, seq, &checked.view, &checked.plan, &checked.after, true)
+}
+
+/// Whether the cache's pages of one head are the view's (`grown`: or the view's followed by
+/// appends).
+fn matches(view: &[crate::signal::PageInfo], found: &[(TierId, usize)], page_tokens: usize, grown: bool) -> bool {
+    if !grown {
+        return found.len() == view.len() && view.iter().zip(found).all(|(p, f)| (p.tier, p.tokens) == *f);
+    }
+    found.len() >= view.len()
+        && view.iter().zip(found).all(|(p, &(tier, tokens))| match (p.tier == TAIL_TIER, tier == TAIL_TIER) {
+            (false, _) => (p.tier, p.tokens) == (tier, tokens),
+            // The tail grew, or filled into a full page.
+            (true, true) => tokens >= p.tokens,
+            (true, false) => tokens == page_tokens,
+        })
+}
+
+fn apply_unchecked<C: PagedCache>(cache: &mut C, seq: usize, view: &PageTableView, plan: &Plan, after: &PageTableView, grown: bool) -> Result<ApplyReport, ControlError> {
+    let p = view.costs.page_tokens;
     for (h, pages) in view.heads.iter().enumerate() {
         let found = observed(cache, seq, h)?;
-        let expected: Vec<(TierId, usize)> = pages.iter().map(|p| (p.tier, p.tokens)).collect();
-        if found != expected || view.seq != seq {
+        if !matches(pages, &found, p, grown) || view.seq != seq {
+            let expected: Vec<(TierId, usize)> = pages.iter().map(|p| (p.tier, p.tokens)).collect();
             return Err(ControlError::Stale { seq, head: h, expected, found });
         }
     }
@@ -150,13 +221,15 @@ pub fn apply<C: PagedCache>(cache: &mut C, seq: usize, view: &PageTableView, pla
     let launches = cache.retier_pages(seq, &moves).map_err(|e| ControlError::Cache { total, source: Box::new(e) })?;
     for (h, pages) in after.heads.iter().enumerate() {
         let found = observed(cache, seq, h)?;
-        let expected: Vec<TierId> = pages.iter().map(|p| p.tier).collect();
-        let found_tiers: Vec<TierId> = found.iter().map(|p| p.0).collect();
         if let Some(&(t, _)) = found.iter().find(|(t, _)| !costs.contains(*t) || is_drop(*t)) {
             return Err(ControlError::Verify(Violation::UnknownTier { page: crate::signal::PageId { head: h, index: 0 }, tier: t }));
         }
-        if expected != found_tiers {
-            return Err(ControlError::Verify(Violation::Mismatch { head: h, expected, found: found_tiers }));
+        // Grown: the view's pages are a prefix; its tail may have filled since.
+        let n = if grown { pages.len().min(found.len()) } else { found.len() };
+        let same = (grown || found.len() == pages.len()) && pages.iter().zip(&found[..n]).all(|(p, f)| p.tier == f.0 || (grown && p.tier == TAIL_TIER));
+        if !same {
+            let expected: Vec<TierId> = pages.iter().map(|p| p.tier).collect();
+            return Err(ControlError::Verify(Violation::Mismatch { head: h, expected, found: found.iter().map(|p| p.0).collect() }));
         }
     }
     let dropped = plan.decisions.iter().filter(|d| is_drop(d.to_tier)).count();
@@ -283,6 +356,14 @@ impl PositionMap {
             let gone: Vec<usize> = plan.decisions.iter().filter(|d| d.page.head == h && view.costs.tiers[d.to_tier as usize].drop).map(|d| view.heads[h][d.page.index].first_token).collect();
             self.full_first[h].retain(|f| !gone.contains(f));
         }
+    }
+
+    /// [`apply_grown`] followed by [`forget`](Self::forget) (call [`sync`](Self::sync)
+    /// first: the pages appended since the view are learnt before the drops are forgotten).
+    pub fn apply_grown<C: PagedCache>(&mut self, cache: &mut C, checked: &CheckedPlan) -> Result<ApplyReport, ControlError> {
+        let r = apply_grown(cache, self.seq, checked)?;
+        self.forget(checked.view(), checked.plan());
+        Ok(r)
     }
 
     /// [`apply`] followed by [`forget`](Self::forget).

@@ -25,6 +25,7 @@
 //! plan is feasible (asserted).
 
 pub mod gpu;
+pub mod pipeline_gpu;
 pub mod timing;
 
 use std::collections::HashMap;

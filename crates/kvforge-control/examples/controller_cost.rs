@@ -1,0 +1,155 @@
+//! Issue 7's two cost targets, measured in one process, JSON lines on stdout:
+//!
+//! * `rdr <spec>... --batch 1,8 [--steps N]` (GPU): RDR through `RdrPipeline` on a `KvCache` at
+//!   32K tokens × 8 kv heads ([`pipeline_loop`]): the decode thread's work per step against
+//!   the decode kernels of a step.
+//! * `rdkv specs/rdkv.toml [--reps N]` (CPU): RDKV's allocation once after prefill at 32K tokens × 8 kv heads,
+//!   the page controller kvforge runs (view with per-token masses + decide), and seed 002's
+//!   per-token/per-channel `allocate_head` per kv head, sequential and over threads.
+//! * `precompile <spec>...` (NVRTC, no GPU launch): the kernels the loop needs (head dim 128,
+//!   gqa 4), compiled in parallel into the kernel cache, so the loop does not JIT them one by one.
+//!
+//!     cargo run --release -p kvforge-control --example controller_cost -- rdr specs/rdkv.toml --batch 1,8
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvforge_control::frontier::gpu::GpuSetup;
+use kvforge_control::frontier::pipeline_gpu::pipeline_loop;
+use kvforge_control::frontier::timing::median;
+use kvforge_control::rdkv::{allocate_head, channel_weights, EPS_K_LLAMA31_8B, EPS_V_LLAMA31_8B};
+use kvforge_control::runtime::{PositionMap, Signal, SimCache};
+use kvforge_control::*;
+use kvforge_spec::{Family, Spec};
+use rand::{Rng, SeedableRng};
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+fn arg<T: std::str::FromStr>(args: &[String], name: &str) -> Option<T> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok())
+}
+
+fn specs(args: &[String]) -> Result<Vec<Spec>, Error> {
+    args.iter().filter(|a| a.ends_with(".toml")).map(|p| Spec::load(p.as_ref()).map_err(|e| Error::from(e.to_string()))).collect()
+}
+
+fn main() -> Result<(), Error> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("precompile") => precompile(&specs(&args)?),
+        Some("rdr") => rdr(&args),
+        Some("rdkv") => rdkv(specs(&args)?.into_iter().next().ok_or("rdkv: give the rdkv spec's path")?, arg(&args, "--reps").unwrap_or(7)),
+        _ => Err("usage: controller_cost (precompile|rdr) <spec.toml>... [--batch 1,8] [--steps N] | rdkv <rdkv.toml> [--reps N]".into()),
+    }
+}
+
+fn precompile(specs: &[Spec]) -> Result<(), Error> {
+    let mut work = Vec::new();
+    for s in specs {
+        for v in s.variants() {
+            let wanted = matches!(v.head_dim, 0 | 128) && !matches!(&v.family, Family::Decode { gqa, .. } if *gqa != 4);
+            if wanted {
+                work.push((s, v));
+            }
+        }
+    }
+    let t = Instant::now();
+    let queue = std::sync::Mutex::new(work.into_iter());
+    let failed = std::sync::Mutex::new(Vec::new());
+    let jobs = std::thread::available_parallelism().map_or(2, |n| n.get());
+    std::thread::scope(|sc| {
+        for _ in 0..jobs {
+            sc.spawn(|| loop {
+                let Some((s, v)) = queue.lock().unwrap().next() else { break };
+                let r = kvforge_gen::render(s, &v).map_err(|e| e.to_string()).and_then(|src| kvforge_rt::jit::compile(&v, &src, "sm_90", kvforge_rt::jit::CompileMode::default()).map_err(|e| e.to_string()));
+                if let Err(e) = r {
+                    failed.lock().unwrap().push(format!("{v}: {e}"));
+                }
+            });
+        }
+    });
+    let failed = failed.into_inner().unwrap();
+    eprintln!("precompiled in {:.1} s, {} failures", t.elapsed().as_secs_f64(), failed.len());
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        Err(failed.join("\n").into())
+    }
+}
+
+fn rdr(args: &[String]) -> Result<(), Error> {
+    let batches: Vec<usize> = args.iter().position(|a| a == "--batch").and_then(|i| args.get(i + 1)).map_or(vec![1], |s| s.split(',').filter_map(|x| x.parse().ok()).collect());
+    let steps: usize = arg(args, "--steps").unwrap_or(1024);
+    let dev = Arc::new(kvforge_rt::Device::open(0)?);
+    for spec in specs(args)? {
+        let table = DistortionTable::from_spec(&spec);
+        for &batch in &batches {
+            let setup = GpuSetup { steps, ..GpuSetup::default() };
+            let t = Instant::now();
+            let r = pipeline_loop(&dev, &spec, &table, &setup, batch)?;
+            println!(
+                "{{\"kind\":\"rdr_pipeline\",\"device\":{:?},\"spec\":{:?},\"batch\":{},\"context\":{},\"kv_heads\":{},\"gqa\":{},\"steps\":{},\"every\":{},\"budget_bytes_per_token\":{},\"decode_gpu_us\":{:.3},\"tracked_gpu_us\":{:.3},\"fold_gpu_us\":{:.3},\"decode_tracked_host_us\":{:.1},\"boundaries\":{},\"boundary_us\":{:.1},\"boundary_max_us\":{:.1},\"waited_total_us\":{:.1},\"plan_us\":{:.1},\"decide_us\":{:.1},\"moves_per_plan\":{:.2},\"launches_per_plan\":{:.2},\"critical_per_step_us\":{:.3},\"fraction_of_decode_gpu\":{:.5},\"fraction_of_host_step\":{:.5},\"worst_budget_ratio\":{:.5},\"loop_seconds\":{:.1}}}",
+                r.device, r.spec, r.batch, r.context, r.heads, r.gqa, r.steps, r.every, r.budget_bytes_per_token, r.decode_gpu_us, r.tracked_gpu_us, r.fold_gpu_us, r.decode_tracked_host_us, r.boundaries, r.boundary_us, r.boundary_max_us, r.waited_total_us, r.plan_us, r.decide_us, r.moves_per_plan, r.launches_per_plan, r.critical_per_step_us, r.fraction_of_decode_gpu, r.fraction_of_host_step, r.worst_budget_ratio, t.elapsed().as_secs_f64()
+            );
+        }
+    }
+    Ok(())
+}
+
+fn rdkv(spec: Spec, reps: usize) -> Result<(), Error> {
+    let (d, heads, ctx, gqa) = (128usize, 8usize, 32768usize, 4usize);
+    let p = spec.page.tokens;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+    // Per-token column sums of one layer's prefill attention, heavy tailed (a few heavy
+    // hitters, most tokens light), and Q/K rows for the channel weights.
+    let tok: Vec<Vec<f64>> = (0..heads).map(|_| (0..ctx).map(|_| rng.gen::<f64>().powf(6.0) * gqa as f64).collect()).collect();
+    let q: Vec<f64> = (0..64 * d).map(|_| rng.gen::<f64>() - 0.5).collect();
+    let k: Vec<f64> = (0..2048 * d).map(|_| rng.gen::<f64>() - 0.5).collect();
+    let cw = channel_weights(&q, &k, d);
+    let costs = TierCosts::from_spec(&spec, d, CostModel::Resident);
+    let fp16 = costs.cost(kvforge_spec::TAIL_TIER, p) / p as f64;
+    let limits = Limits { budget: Budget::PerToken(0.25 * fp16), protection: Protection::default() };
+    let mut cache = SimCache::new(spec.clone(), d, heads, 1);
+    let seq = cache.add_sequence();
+    cache.append(seq, ctx);
+    let mut pos = PositionMap::new(seq, heads);
+    pos.sync(&cache)?;
+    let rdkv = RdkvController::new(&spec)?;
+    let (mut tv, mut td, mut ts, mut tp) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut digest = 0u64;
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        let view = pos.view(&cache, costs.clone(), |key, len| {
+            let m = &tok[key.head][key.first_token..key.first_token + len];
+            Signal { mass: m.iter().sum(), token_mass: Some(m.to_vec()), pinned: false }
+        })?;
+        tv.push(t.elapsed().as_secs_f64() * 1e6);
+        let mut c = rdkv.clone();
+        let t = Instant::now();
+        let plan = c.decide(&view, &limits);
+        td.push(t.elapsed().as_secs_f64() * 1e6);
+        digest = plan.decisions.iter().fold(digest.wrapping_mul(31), |h, x| h.wrapping_mul(1_000_003) ^ ((x.page.head * 100_000 + x.page.index) as u64 * 16 + x.to_tier as u64));
+        // Seed 002's own allocation per kv head: 2 bits per element on average.
+        let budget_bits = 2.0 * (ctx * d * 2) as f64;
+        let t = Instant::now();
+        let seq_alloc: Vec<_> = tok.iter().map(|w| allocate_head(w, &cw, &EPS_V_LLAMA31_8B, &EPS_K_LLAMA31_8B, budget_bits, d)).collect();
+        ts.push(t.elapsed().as_secs_f64() * 1e6);
+        let t = Instant::now();
+        let par_alloc: Vec<_> = std::thread::scope(|sc| {
+            let hs: Vec<_> = tok.iter().map(|w| sc.spawn(|| allocate_head(w, &cw, &EPS_V_LLAMA31_8B, &EPS_K_LLAMA31_8B, budget_bits, d))).collect();
+            hs.into_iter().map(|h| h.join().expect("allocation thread")).collect()
+        });
+        tp.push(t.elapsed().as_secs_f64() * 1e6);
+        assert_eq!(seq_alloc, par_alloc);
+    }
+    println!(
+        "{{\"kind\":\"rdkv_alloc\",\"context\":{ctx},\"kv_heads\":{heads},\"head_dim\":{d},\"pages\":{},\"reps\":{reps},\"cpu_threads\":{},\"page_view_us\":{:.1},\"page_decide_us\":{:.1},\"page_total_us\":{:.1},\"plan_digest\":\"{digest:016x}\",\"paper_allocate_heads_sequential_us\":{:.1},\"paper_allocate_heads_threads_us\":{:.1}}}",
+        heads * ctx / p,
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        median(&mut tv.clone()),
+        median(&mut td.clone()),
+        median(&mut tv) + median(&mut td),
+        median(&mut ts),
+        median(&mut tp)
+    );
+    Ok(())
+}

@@ -1,0 +1,333 @@
+//! RDR off the decode critical path: plan on a host thread, apply at the next invocation.
+//!
+//! An RDR decision is O(pages) on the host (0.6–1.1 ms at 32K tokens × 8 kv heads: the drop
+//! penalty η couples every page, so no page's move can be priced alone), while a decode step
+//! at that context is ~65 µs of GPU time. Made synchronously every 64 steps it is ~15 µs per
+//! step, a quarter of the step (issue 7 asks for < 2%). It does not need to be synchronous:
+//! the decision only reads a snapshot (the page table and the importance window), and its
+//! moves stay valid while tokens are appended behind them ([`runtime::apply_grown`]). So
+//! [`RdrPipeline`] does, at each invocation boundary, on the decode thread:
+//!
+//! 1. learn the pages appended since the last boundary and key the importance window (taken
+//!    from the GPU just before, `KvCache::take_mass_window`) by their first tokens;
+//! 2. apply the plan the planner thread made at the *previous* boundary (transcode launches,
+//!    page-table updates; it waits only if that plan is not ready, [`Boundary::waited_us`]);
+//! 3. copy the page table's `(tier, tokens)` rows and hand them, the window and the position
+//!    map to the planner thread, which rolls the EMA, builds the view, decides and checks the
+//!    plan ([`CheckedPlan`]) while decoding goes on.
+//!
+//! **Same plans.** Appending and re-coding commute page for page, so the page table the
+//! planner sees at boundary k+1 (plan k applied at k+1, after the appends) is the one the
+//! synchronous controller sees at k+1 (plan k applied at k, then the appends); the planner
+//! owns the same `RdrController` state (step counter, sticky scores, cooldowns) and rolls the
+//! same windows. With [`Headroom::None`] every plan is bit-for-bit the synchronous plan of the
+//! same boundary, applied `every` steps later (`tests/pipeline.rs` checks it on random
+//! instances). What differs on a GPU is only what the decode kernels observe in between: for
+//! `every` more steps they read the pages at their old tiers, so the window's shares differ by
+//! the quantisation noise of the moved pages (the score margin of the hysteresis absorbs
+//! changes below 10%).
+//!
+//! **Budget.** A plan lands `every` steps after its snapshot, when `every` more tokens per kv
+//! head have arrived in the first ladder tier. Planned against the snapshot's budget, the cache
+//! would exceed the budget at the boundary by those arrivals (the synchronous controller
+//! exceeds it by them just *before* its boundary). [`Headroom::Arrivals`] (the default) instead
+//! plans for the budget in force when the plan lands, less what the arrivals will cost, which
+//! are known exactly (each head's tail fills and becomes `tier` pages): right after every
+//! boundary the cache is within the budget of that step, as with the synchronous controller.
+//! Its plans are the synchronous controller's decision for that budget
+//! ([`Headroom::limits`]; also checked against it).
+//!
+//! Pins: a page pinned after the snapshot is not protected from the plan made before it (its
+//! pin takes effect at the next plan).
+
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use kvforge_rt::KvCache;
+use kvforge_spec::{Spec, TierId, TAIL_TIER};
+
+use crate::budget::{Budget, TierCosts};
+use crate::plan::Limits;
+use crate::rdr::RdrController;
+use crate::runtime::{self, ApplyReport, CheckedPlan, ControlError, PagedCache, PositionMap, SimError};
+use crate::signal::PageTableView;
+use crate::window::PagedImportance;
+use crate::Controller;
+
+/// What a plan made from a snapshot reserves for the tokens that arrive before it lands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Headroom {
+    /// Nothing: every plan is the synchronous controller's plan for the snapshot.
+    None,
+    /// The bytes of the `every` tokens per kv head that arrive before the plan lands, new full
+    /// pages in `tier` (the cache's target tier, the first ladder tier by default).
+    Arrivals { tier: TierId },
+}
+
+impl Headroom {
+    /// The limits a plan for `view` is made under when it lands `every` decode steps later.
+    pub fn limits(&self, view: &PageTableView, limits: &Limits, every: usize) -> Limits {
+        let Headroom::Arrivals { tier } = *self else { return *limits };
+        let costs = &view.costs;
+        let p = costs.page_tokens.max(1);
+        let tail_cost = |n: usize| if n > 0 { costs.cost(TAIL_TIER, n) } else { 0.0 };
+        let growth: f64 = view
+            .heads
+            .iter()
+            .map(|pages| {
+                let tail = pages.last().filter(|x| x.tier == TAIL_TIER).map_or(0, |x| x.tokens);
+                let t = tail + every;
+                (t / p) as f64 * costs.cost(tier, p) + tail_cost(t % p) - tail_cost(tail)
+            })
+            .sum();
+        let budget = limits.budget.bytes(view.context_tokens + every, view.heads.len()) - growth;
+        Limits { budget: Budget::Total(budget), protection: limits.protection }
+    }
+}
+
+/// The `(tier, tokens)` rows of one sequence's page table, copied at a boundary: what the
+/// planner builds its view from (read-only: it re-codes nothing).
+#[derive(Clone, Debug)]
+pub struct PageSnapshot {
+    spec: Arc<Spec>,
+    head_dim: usize,
+    seq: usize,
+    pages: Vec<Vec<(TierId, usize)>>,
+}
+
+impl PageSnapshot {
+    pub fn of<C: PagedCache>(cache: &C, spec: Arc<Spec>, seq: usize) -> Result<PageSnapshot, ControlError> {
+        let pages = (0..cache.num_kv_heads()).map(|h| cache.page_tiers(seq, h)).collect::<Result<_, _>>().map_err(|e| ControlError::Cache { total: 0, source: Box::new(e) })?;
+        Ok(PageSnapshot { spec, head_dim: cache.head_dim(), seq, pages })
+    }
+}
+
+impl PagedCache for PageSnapshot {
+    type Error = SimError;
+    fn spec(&self) -> &Spec {
+        &self.spec
+    }
+    fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+    fn num_kv_heads(&self) -> usize {
+        self.pages.len()
+    }
+    fn page_tiers(&self, seq: usize, head: usize) -> Result<Vec<(TierId, usize)>, SimError> {
+        if seq != self.seq {
+            return Err(SimError(format!("the snapshot holds sequence {}, not {seq}", self.seq)));
+        }
+        self.pages.get(head).cloned().ok_or_else(|| SimError(format!("the snapshot has no kv head {head}")))
+    }
+    fn retier(&mut self, _seq: usize, _head: usize, _index: usize, _to: TierId) -> Result<(), SimError> {
+        Err(SimError("a page snapshot is read-only".into()))
+    }
+}
+
+/// One boundary's work for the planner thread.
+struct Job {
+    /// Controller steps counted at the boundary.
+    step: u64,
+    /// First token of every page the window lists, and the window.
+    firsts: Vec<Vec<usize>>,
+    window: Vec<Vec<Option<f64>>>,
+    /// Positions and page table after the previous plan was applied.
+    pos: PositionMap,
+    snapshot: PageSnapshot,
+    /// The plan lands at this boundary ([`RdrPipeline::prime`]): no headroom.
+    now: bool,
+}
+
+/// A plan made by the planner thread.
+#[derive(Clone, Debug)]
+pub struct Planned {
+    pub checked: CheckedPlan,
+    /// Controller steps counted at the snapshot the plan was made from.
+    pub step: u64,
+    /// Wall time of the planner's whole job (roll, view, decide, check), and of the decision.
+    pub plan_us: f64,
+    pub decide_us: f64,
+}
+
+/// What a boundary did on the decode thread.
+#[derive(Debug, Default)]
+pub struct Boundary {
+    /// The plan applied at this boundary (made at the previous one) and what applying it did.
+    pub applied: Option<(Planned, ApplyReport)>,
+    /// Time spent waiting for that plan (0 when it was ready).
+    pub waited_us: f64,
+    /// Wall time of the whole boundary on the decode thread, waiting included.
+    pub critical_us: f64,
+}
+
+/// What plans are made under: the cost model, the limits and the headroom.
+#[derive(Clone, Debug)]
+pub struct Planning {
+    pub costs: TierCosts,
+    pub limits: Limits,
+    pub headroom: Headroom,
+}
+
+/// The planner thread's side: the controller, the importance EMA and the limits.
+struct Planner {
+    rdr: RdrController,
+    importance: PagedImportance,
+    costs: TierCosts,
+    limits: Limits,
+    headroom: Headroom,
+}
+
+impl Planner {
+    fn plan(&mut self, job: Job) -> Result<Planned, ControlError> {
+        let t0 = Instant::now();
+        while self.rdr.steps() < job.step {
+            self.rdr.step();
+        }
+        self.importance.roll(&job.firsts, &job.window)?;
+        let importance = &self.importance;
+        let view = job.pos.view(&job.snapshot, self.costs.clone(), |k, _| runtime::Signal { mass: importance.get(k), ..Default::default() })?;
+        let limits = if job.now { self.limits } else { self.headroom.limits(&view, &self.limits, self.rdr.every) };
+        let t1 = Instant::now();
+        let plan = self.rdr.decide(&view, &limits);
+        let decide_us = t1.elapsed().as_secs_f64() * 1e6;
+        let checked = CheckedPlan::new(view, plan, &limits).map_err(ControlError::Plan)?;
+        Ok(Planned { checked, step: job.step, plan_us: t0.elapsed().as_secs_f64() * 1e6, decide_us })
+    }
+}
+
+/// RDR for one sequence with its decisions made on a planner thread (see the module docs).
+///
+/// Per decode step call [`step`](Self::step); when it returns true, call
+/// [`invoke_cache`](Self::invoke_cache) (or [`invoke`](Self::invoke) with a window taken
+/// elsewhere). After prefill, [`prime`](Self::prime) makes the first decision synchronously
+/// (it moves thousands of pages; nothing to overlap it with).
+pub struct RdrPipeline {
+    seq: usize,
+    spec: Arc<Spec>,
+    every: usize,
+    step: u64,
+    pos: PositionMap,
+    jobs: Option<Sender<Job>>,
+    results: Receiver<Result<Planned, ControlError>>,
+    worker: Option<JoinHandle<()>>,
+    in_flight: bool,
+}
+
+impl RdrPipeline {
+    /// Moves `rdr` and `importance` to a new planner thread for sequence `seq` of a cache with
+    /// `heads` kv heads. Invocations every `rdr.every` steps.
+    pub fn new(rdr: RdrController, importance: PagedImportance, spec: &Spec, seq: usize, heads: usize, planning: Planning) -> Result<RdrPipeline, ControlError> {
+        let Planning { costs, limits, headroom } = planning;
+        let every = rdr.every.max(1);
+        let (jobs, inbox) = channel::<Job>();
+        let (outbox, results) = channel();
+        let mut planner = Planner { rdr, importance, costs, limits, headroom };
+        let worker = std::thread::Builder::new()
+            .name(format!("rdr-planner-{seq}"))
+            .spawn(move || {
+                for job in inbox {
+                    if outbox.send(planner.plan(job)).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| ControlError::Planner(format!("cannot start the planner thread: {e}")))?;
+        Ok(RdrPipeline { seq, spec: Arc::new(spec.clone()), every, step: 0, pos: PositionMap::new(seq, heads), jobs: Some(jobs), results, worker: Some(worker), in_flight: false })
+    }
+
+    /// Counts one decode step; true when this step is an invocation boundary.
+    pub fn step(&mut self) -> bool {
+        self.step += 1;
+        self.step % self.every as u64 == 0
+    }
+
+    pub fn every(&self) -> usize {
+        self.every
+    }
+
+    /// Whether a plan is being made (or waits to be applied).
+    pub fn in_flight(&self) -> bool {
+        self.in_flight
+    }
+
+    /// First token of every page of the cache as it is now, per kv head (what names the rows
+    /// of a window kept outside `KvCache`).
+    pub fn first_tokens<C: PagedCache>(&mut self, cache: &C) -> Result<Vec<Vec<usize>>, ControlError> {
+        self.pos.sync(cache)?;
+        self.pos.first_tokens(cache)
+    }
+
+    /// Takes the sequence's importance window from the GPU and runs the boundary.
+    pub fn invoke_cache(&mut self, cache: &mut KvCache) -> Result<Boundary, ControlError> {
+        let window = cache.take_mass_window(self.seq).map_err(|e| ControlError::Cache { total: 0, source: Box::new(e) })?;
+        self.invoke(cache, window)
+    }
+
+    /// The boundary (module docs, steps 1–3). `window[h][i]` is page `i` of kv head `h` of the
+    /// cache as it is now (before this boundary's plan).
+    pub fn invoke<C: PagedCache>(&mut self, cache: &mut C, window: Vec<Vec<Option<f64>>>) -> Result<Boundary, ControlError> {
+        self.boundary(cache, window, false)
+    }
+
+    fn boundary<C: PagedCache>(&mut self, cache: &mut C, window: Vec<Vec<Option<f64>>>, now: bool) -> Result<Boundary, ControlError> {
+        let t0 = Instant::now();
+        self.pos.sync(cache)?;
+        let firsts = self.pos.first_tokens(cache)?;
+        let mut b = Boundary::default();
+        if self.in_flight {
+            let t = Instant::now();
+            let planned = self.receive()?;
+            b.waited_us = t.elapsed().as_secs_f64() * 1e6;
+            let report = self.pos.apply_grown(cache, &planned.checked)?;
+            b.applied = Some((planned, report));
+        }
+        let snapshot = PageSnapshot::of(cache, self.spec.clone(), self.seq)?;
+        let job = Job { step: self.step, firsts, window, pos: self.pos.clone(), snapshot, now };
+        self.jobs.as_ref().ok_or_else(|| ControlError::Planner("the planner was shut down".into()))?.send(job).map_err(|_| ControlError::Planner("the planner thread ended".into()))?;
+        self.in_flight = true;
+        b.critical_us = t0.elapsed().as_secs_f64() * 1e6;
+        Ok(b)
+    }
+
+    /// Waits for the plan in flight, if any, and applies it now.
+    pub fn flush<C: PagedCache>(&mut self, cache: &mut C) -> Result<Option<(Planned, ApplyReport)>, ControlError> {
+        if !self.in_flight {
+            return Ok(None);
+        }
+        let planned = self.receive()?;
+        self.pos.sync(cache)?;
+        let report = self.pos.apply_grown(cache, &planned.checked)?;
+        Ok(Some((planned, report)))
+    }
+
+    /// A synchronous boundary: [`invoke`](Self::invoke) then [`flush`](Self::flush), so its
+    /// plan lands at once (the first decision after prefill), made under the plain limits (no
+    /// headroom: nothing arrives before it lands).
+    pub fn prime<C: PagedCache>(&mut self, cache: &mut C, window: Vec<Vec<Option<f64>>>) -> Result<Boundary, ControlError> {
+        let mut b = self.boundary(cache, window, true)?;
+        let t0 = Instant::now();
+        b.applied = self.flush(cache)?;
+        b.critical_us += t0.elapsed().as_secs_f64() * 1e6;
+        Ok(b)
+    }
+
+    fn receive(&mut self) -> Result<Planned, ControlError> {
+        self.in_flight = false;
+        match self.results.recv() {
+            Ok(r) => r,
+            Err(_) => Err(ControlError::Planner("the planner thread ended without a plan (it panicked)".into())),
+        }
+    }
+}
+
+impl Drop for RdrPipeline {
+    fn drop(&mut self) {
+        // Closing the job channel ends the planner's loop.
+        self.jobs.take();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
