@@ -68,43 +68,28 @@ pub(crate) struct Problem {
 impl Problem {
     /// `options(id, page, out)` pushes the tiers a page may take (current first) with the
     /// objective distortion of each into the empty `out`; a page with one option is fixed.
-    pub fn build(view: &PageTableView, mut options: impl FnMut(PageId, &PageInfo, &mut Vec<(TierId, f64)>)) -> Problem {
-        let n = view.num_pages();
-        let mut p = Problem { ids: Vec::with_capacity(n), tiers: Vec::with_capacity(4 * n), choices: Vec::with_capacity(4 * n), start: Vec::with_capacity(n + 1), fixed: 0.0 };
-        p.start.push(0);
-        let mut opts = Vec::new();
-        for (id, page) in view.iter() {
-            opts.clear();
-            options(id, page, &mut opts);
-            if opts.len() <= 1 {
-                p.fixed += view.costs.cost(page.tier, page.tokens);
-                continue;
-            }
-            p.ids.push(id);
-            for &(t, d) in &opts {
-                p.tiers.push(t);
-                p.choices.push(Choice::new(view.costs.cost(t, page.tokens), d));
-            }
-            p.start.push(p.choices.len());
-        }
-        p
+    pub fn build(view: &PageTableView, options: impl FnMut(PageId, &PageInfo, &mut Vec<(TierId, f64)>)) -> Problem {
+        Self::build_where(view, view.num_pages(), |_| true, options)
     }
 
     /// [`build`](Self::build) with only kv head `head`'s pages movable: every other page is
     /// fixed at its cost, in view order (the same sums as `build` with `options` giving other
     /// heads' pages one choice), without visiting other heads' options.
-    pub fn build_head(view: &PageTableView, head: usize, mut options: impl FnMut(PageId, &PageInfo, &mut Vec<(TierId, f64)>)) -> Problem {
-        let n = view.heads.get(head).map_or(0, Vec::len);
+    pub fn build_head(view: &PageTableView, head: usize, options: impl FnMut(PageId, &PageInfo, &mut Vec<(TierId, f64)>)) -> Problem {
+        Self::build_where(view, view.heads.get(head).map_or(0, Vec::len), |id| id.head == head, options)
+    }
+
+    /// Pages for which `movable` holds get their options (`n` of them expected); the others,
+    /// and pages with one option, are fixed at their cost.
+    fn build_where(view: &PageTableView, n: usize, movable: impl Fn(PageId) -> bool, mut options: impl FnMut(PageId, &PageInfo, &mut Vec<(TierId, f64)>)) -> Problem {
         let mut p = Problem { ids: Vec::with_capacity(n), tiers: Vec::with_capacity(4 * n), choices: Vec::with_capacity(4 * n), start: Vec::with_capacity(n + 1), fixed: 0.0 };
         p.start.push(0);
         let mut opts = Vec::new();
         for (id, page) in view.iter() {
-            if id.head != head {
-                p.fixed += view.costs.cost(page.tier, page.tokens);
-                continue;
-            }
             opts.clear();
-            options(id, page, &mut opts);
+            if movable(id) {
+                options(id, page, &mut opts);
+            }
             if opts.len() <= 1 {
                 p.fixed += view.costs.cost(page.tier, page.tokens);
                 continue;

@@ -112,6 +112,22 @@ pub struct GpuTime {
     pub resident_bytes_per_token: f64,
 }
 
+/// Radius scales of every spherical tier from the first `context` keys of each kv head (the
+/// spherical tiers' encode needs them before any page is down-tiered).
+pub(super) fn set_radius_scales(cache: &mut KvCache, spec: &Spec, heads: &[SynthHead], context: usize) -> Result<(), kvforge_rt::RtError> {
+    let d = cache.config().head_dim;
+    for t in spec.tiers.iter().skip(2) {
+        if let KeyScheme::Spherical { group, .. } = &t.key {
+            let mut scales = Vec::with_capacity(heads.len() * d / group);
+            for h in heads {
+                scales.extend(kvforge_ref::radius_scales(&h.k[..context * d], d, *group).into_iter().map(|x| x * cache.config().radius_headroom));
+            }
+            cache.set_radius_scales(t.id, &scales)?;
+        }
+    }
+    Ok(())
+}
+
 fn us(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e6
 }
@@ -145,15 +161,7 @@ pub fn gpu_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s: &Gpu
         cache.append(seq, &rows(a, b, 0), &rows(a, b, 1))?;
         a = b;
     }
-    for t in spec.tiers.iter().skip(2) {
-        if let KeyScheme::Spherical { group, .. } = &t.key {
-            let mut scales = Vec::with_capacity(hkv * d / group);
-            for h in &heads {
-                scales.extend(kvforge_ref::radius_scales(&h.k[..s.context * d], d, *group).into_iter().map(|x| x * cache.config().radius_headroom));
-            }
-            cache.set_radius_scales(t.id, &scales)?;
-        }
-    }
+    set_radius_scales(&mut cache, spec, &heads, s.context)?;
     dev.stream.synchronize()?;
 
     let costs = TierCosts::from_spec(spec, d, CostModel::Resident);

@@ -25,11 +25,11 @@ use std::time::Instant;
 
 use kvforge_rt::bench::TrackedStepTimer;
 use kvforge_rt::{CacheConfig, Device, KvCache};
-use kvforge_spec::{KeyScheme, Spec, TAIL_TIER};
+use kvforge_spec::{Spec, TAIL_TIER};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use super::gpu::GpuSetup;
+use super::gpu::{set_radius_scales, GpuSetup};
 use super::timing::median;
 use crate::budget::{Budget, CostModel, TierCosts};
 use crate::distortion::DistortionTable;
@@ -119,15 +119,7 @@ pub fn pipeline_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s:
         }
         a = b;
     }
-    for t in spec.tiers.iter().skip(2) {
-        if let KeyScheme::Spherical { group, .. } = &t.key {
-            let mut scales = Vec::with_capacity(hkv * d / group);
-            for h in &heads {
-                scales.extend(kvforge_ref::radius_scales(&h.k[..s.context * d], d, *group).into_iter().map(|x| x * cache.config().radius_headroom));
-            }
-            cache.set_radius_scales(t.id, &scales)?;
-        }
-    }
+    set_radius_scales(&mut cache, spec, &heads, s.context)?;
     dev.stream.synchronize()?;
 
     let costs = TierCosts::from_spec(spec, d, CostModel::Resident);
