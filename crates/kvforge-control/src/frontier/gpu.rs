@@ -112,23 +112,70 @@ pub struct GpuTime {
     pub resident_bytes_per_token: f64,
 }
 
-/// Radius scales of every spherical tier from the first `context` keys of each kv head (the
-/// spherical tiers' encode needs them before any page is down-tiered).
-pub(super) fn set_radius_scales(cache: &mut KvCache, spec: &Spec, heads: &[SynthHead], context: usize) -> Result<(), kvforge_rt::RtError> {
-    let d = cache.config().head_dim;
-    for t in spec.tiers.iter().skip(2) {
-        if let KeyScheme::Spherical { group, .. } = &t.key {
-            let mut scales = Vec::with_capacity(heads.len() * d / group);
-            for h in heads {
-                scales.extend(kvforge_ref::radius_scales(&h.k[..context * d], d, *group).into_iter().map(|x| x * cache.config().radius_headroom));
-            }
-            cache.set_radius_scales(t.id, &scales)?;
-        }
-    }
-    Ok(())
+/// The synthetic kv heads (`HeadShape::mix`) and decode queries both GPU loops run, seeded by
+/// the setup, and the rows `KvCache::append` and `decode` take.
+pub(super) struct Workload {
+    d: usize,
+    gqa: usize,
+    pub heads: Vec<SynthHead>,
+    q_rows: Vec<Vec<f64>>,
 }
 
-fn us(t: Instant) -> f64 {
+impl Workload {
+    pub fn generate(spec: &Spec, s: &GpuSetup) -> Workload {
+        let n = s.context + s.steps;
+        let mut rng = ChaCha8Rng::seed_from_u64(s.seed);
+        let mut heads = Vec::new();
+        let mut q_rows = Vec::new();
+        for &sh in &HeadShape::mix(s.heads) {
+            let h = SynthHead::generate(&mut rng, s.d, n, spec.page.tokens, sh, None);
+            q_rows.push(h.queries(&mut rng, s.steps * s.gqa));
+            heads.push(h);
+        }
+        Workload { d: s.d, gqa: s.gqa, heads, q_rows }
+    }
+
+    /// Keys (`which` 0) or values (1) of tokens [a, b), as [t][h][d].
+    pub fn rows(&self, a: usize, b: usize, which: usize) -> Vec<f32> {
+        let d = self.d;
+        (a..b).flat_map(|t| self.heads.iter().flat_map(move |h| if which == 0 { &h.k[t * d..(t + 1) * d] } else { &h.v[t * d..(t + 1) * d] }.iter().copied())).collect()
+    }
+
+    /// Decode step `step`'s query of one sequence, [q head][d].
+    pub fn query(&self, step: usize) -> Vec<f32> {
+        let w = self.gqa * self.d;
+        self.q_rows.iter().flat_map(|q| q[step * w..(step + 1) * w].iter().map(|&x| x as f32)).collect()
+    }
+
+    /// Appends the first `context` tokens to every sequence in `seqs` (4096 at a time) and sets
+    /// the radius scales of every spherical tier from them (the spherical tiers' encode needs
+    /// them before any page is down-tiered).
+    pub fn prefill(&self, cache: &mut KvCache, spec: &Spec, seqs: &[usize], context: usize) -> Result<(), kvforge_rt::RtError> {
+        let d = self.d;
+        let mut a = 0;
+        while a < context {
+            let b = (a + 4096).min(context);
+            let (k, v) = (self.rows(a, b, 0), self.rows(a, b, 1));
+            for &q in seqs {
+                cache.append(q, &k, &v)?;
+            }
+            a = b;
+        }
+        for t in spec.tiers.iter().skip(2) {
+            if let KeyScheme::Spherical { group, .. } = &t.key {
+                let mut scales = Vec::with_capacity(self.heads.len() * d / group);
+                for h in &self.heads {
+                    scales.extend(kvforge_ref::radius_scales(&h.k[..context * d], d, *group).into_iter().map(|x| x * cache.config().radius_headroom));
+                }
+                cache.set_radius_scales(t.id, &scales)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Microseconds since `t`.
+pub(super) fn us(t: Instant) -> f64 {
     t.elapsed().as_secs_f64() * 1e6
 }
 
@@ -137,31 +184,12 @@ pub fn gpu_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s: &Gpu
     let (d, hkv, gqa) = (s.d, s.heads, s.gqa);
     let p = spec.page.tokens;
     let n = s.context + s.steps;
-    let mut rng = ChaCha8Rng::seed_from_u64(s.seed);
-    let shapes = HeadShape::mix(hkv);
-    let mut heads = Vec::new();
-    let mut q_rows = Vec::new();
-    for &sh in &shapes {
-        let h = SynthHead::generate(&mut rng, d, n, p, sh, None);
-        q_rows.push(h.queries(&mut rng, s.steps * gqa));
-        heads.push(h);
-    }
-    // [t][h][d] as KvCache::append takes them.
-    let row = |t: usize, which: usize| -> Vec<f32> { heads.iter().flat_map(|h| if which == 0 { &h.k[t * d..(t + 1) * d] } else { &h.v[t * d..(t + 1) * d] }.iter().copied()).collect() };
-    let rows = |a: usize, b: usize, which: usize| -> Vec<f32> { (a..b).flat_map(|t| row(t, which)).collect() };
-    let query = |step: usize| -> Vec<f32> { q_rows.iter().flat_map(|q| q[step * gqa * d..(step + 1) * gqa * d].iter().map(|&x| x as f32)).collect() };
+    let work = Workload::generate(spec, s);
 
     let cfg = CacheConfig::new(spec, d, gqa, hkv, 1, n + 64).target(1);
     let mut cache = KvCache::new(dev.clone(), spec.clone(), cfg)?;
     let seq = cache.add_sequence();
-    let chunk = 4096;
-    let mut a = 0;
-    while a < s.context {
-        let b = (a + chunk).min(s.context);
-        cache.append(seq, &rows(a, b, 0), &rows(a, b, 1))?;
-        a = b;
-    }
-    set_radius_scales(&mut cache, spec, &heads, s.context)?;
+    work.prefill(&mut cache, spec, &[seq], s.context)?;
     dev.stream.synchronize()?;
 
     let costs = TierCosts::from_spec(spec, d, CostModel::Resident);
@@ -181,15 +209,15 @@ pub fn gpu_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s: &Gpu
     let (mut tr, mut tv, mut td, mut ta) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut moves, mut invocations) = (0usize, 0usize);
     // Warm the kernels (JIT, first launches) before timing, then start the window afresh.
-    let q0 = query(0);
+    let q0 = work.query(0);
     cache.decode(&[seq], &q0)?;
     cache.decode_tracked(&[seq], &q0)?;
     cache.take_mass_window(seq)?;
     let mut timer = TrackedStepTimer::new(dev)?;
     for step in 0..s.steps {
         let t = s.context + step;
-        cache.append(seq, &row(t, 0), &row(t, 1))?;
-        let q = query(step);
+        cache.append(seq, &work.rows(t, t + 1, 0), &work.rows(t, t + 1, 1))?;
+        let q = work.query(step);
         let t0 = Instant::now();
         cache.decode(&[seq], &q)?;
         dec.push(us(t0));

@@ -26,17 +26,14 @@ use std::time::Instant;
 use kvforge_rt::bench::TrackedStepTimer;
 use kvforge_rt::{CacheConfig, Device, KvCache};
 use kvforge_spec::{Spec, TAIL_TIER};
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 
-use super::gpu::{set_radius_scales, GpuSetup};
+use super::gpu::{us, GpuSetup, Workload};
 use super::timing::median;
 use crate::budget::{Budget, CostModel, TierCosts};
 use crate::distortion::DistortionTable;
 use crate::pipeline::{Headroom, Planning, RdrPipeline};
 use crate::plan::Limits;
 use crate::protect::Protection;
-use crate::synth::{HeadShape, SynthHead};
 use crate::window::PagedImportance;
 use crate::RdrController;
 
@@ -81,28 +78,15 @@ pub struct PipelineTime {
     pub worst_budget_ratio: f64,
 }
 
-fn us(t: Instant) -> f64 {
-    t.elapsed().as_secs_f64() * 1e6
-}
-
 /// Runs the pipelined loop on `spec` with `batch` sequences.
 pub fn pipeline_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s: &GpuSetup, batch: usize) -> Result<PipelineTime, Box<dyn std::error::Error + Send + Sync>> {
     let (d, hkv, gqa) = (s.d, s.heads, s.gqa);
     let p = spec.page.tokens;
     let n = s.context + s.steps;
-    let mut rng = ChaCha8Rng::seed_from_u64(s.seed);
-    let mut heads = Vec::new();
-    let mut q_rows = Vec::new();
-    for &sh in &HeadShape::mix(hkv) {
-        let h = SynthHead::generate(&mut rng, d, n, p, sh, None);
-        q_rows.push(h.queries(&mut rng, s.steps * gqa));
-        heads.push(h);
-    }
-    let row = |t: usize, which: usize| -> Vec<f32> { heads.iter().flat_map(|h| if which == 0 { &h.k[t * d..(t + 1) * d] } else { &h.v[t * d..(t + 1) * d] }.iter().copied()).collect() };
-    let rows = |a: usize, b: usize, which: usize| -> Vec<f32> { (a..b).flat_map(|t| row(t, which)).collect() };
+    let work = Workload::generate(spec, s);
     // One query per sequence, the same for all: [seq][q head][d].
     let query = |step: usize| -> Vec<f32> {
-        let one: Vec<f32> = q_rows.iter().flat_map(|q| q[step * gqa * d..(step + 1) * gqa * d].iter().map(|&x| x as f32)).collect();
+        let one = work.query(step);
         (0..batch).flat_map(|_| one.iter().copied()).collect()
     };
 
@@ -110,16 +94,7 @@ pub fn pipeline_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s:
     let cfg = CacheConfig::new(spec, d, gqa, hkv, batch, batch * (n + 64)).target(1);
     let mut cache = KvCache::new(dev.clone(), spec.clone(), cfg)?;
     let seqs: Vec<usize> = (0..batch).map(|_| cache.add_sequence()).collect();
-    let mut a = 0;
-    while a < s.context {
-        let b = (a + 4096).min(s.context);
-        let (k, v) = (rows(a, b, 0), rows(a, b, 1));
-        for &q in &seqs {
-            cache.append(q, &k, &v)?;
-        }
-        a = b;
-    }
-    set_radius_scales(&mut cache, spec, &heads, s.context)?;
+    work.prefill(&mut cache, spec, &seqs, s.context)?;
     dev.stream.synchronize()?;
 
     let costs = TierCosts::from_spec(spec, d, CostModel::Resident);
@@ -151,7 +126,7 @@ pub fn pipeline_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s:
     let mut primed = false;
     for step in 0..s.steps {
         let t = s.context + step;
-        let (k, v) = (row(t, 0), row(t, 1));
+        let (k, v) = (work.rows(t, t + 1, 0), work.rows(t, t + 1, 1));
         for &q in &seqs {
             cache.append(q, &k, &v)?;
         }
