@@ -66,6 +66,11 @@ fn lut_floats_per_head(tier: &Tier, d: usize) -> usize {
     }
 }
 
+/// Floats of the lookup tables of a decode variant's tiers (its GQA group's, all tiers).
+fn lut_floats(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
+    tiers.iter().map(|&t| gqa * lut_floats_per_head(&spec.tiers[t as usize], d)).sum()
+}
+
 /// Threads per CTA of the decode and transcode kernels.
 pub fn threads(spec: &Spec) -> usize {
     32 * spec.kernels.warps
@@ -93,17 +98,13 @@ fn target_ctas(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
 }
 
 /// CTAs per SM the decode kernel asks the register allocator to fit (`__launch_bounds__`):
-/// [`target_ctas`]; the spec's `kernels.ctas_per_sm` only as far as the variant's shared
-/// memory lets them reside (a register budget for CTAs that cannot run only costs spills),
-/// never below the default 512 threads per SM.
+/// [`target_ctas`], where it exceeds the default 512 threads per SM only as far as the
+/// variant's shared memory lets the CTAs reside (a register budget for CTAs that cannot run
+/// only costs spills).
 pub fn min_blocks(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
-    let target = target_ctas(spec, tiers, d, gqa);
-    if gqa >= 8 || d > 128 {
-        return target;
-    }
     let default = (512 / threads(spec)).max(1);
     let fit = SMEM_PER_SM / (decode_smem(spec, tiers, d, gqa) + SMEM_RESERVED_PER_CTA);
-    target.min(fit.max(default)).max(1)
+    target_ctas(spec, tiers, d, gqa).min(fit.max(default)).max(1)
 }
 
 /// Mirror of `IntKey::bfrag_bytes`: integer keys whose block spans several 16-token m-tiles
@@ -170,7 +171,7 @@ pub fn decode_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize
 fn decode_fixed_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
     let p = spec.page.tokens;
     let ts: Vec<&Tier> = tiers.iter().map(|&t| &spec.tiers[t as usize]).collect();
-    let lut: usize = ts.iter().map(|t| gqa * lut_floats_per_head(t, d)).sum();
+    let lut = lut_floats(spec, tiers, d, gqa);
     let bfrag = if per_warp(spec, tiers, d, gqa) { qfrag_bytes(spec, tiers, d, gqa) } else { ts.iter().map(|t| bfrag_bytes(spec, t, d, gqa)).max().unwrap_or(0) };
     align16(gqa * d * 4) + align16(lut * 4) + align16(gqa * p * 4) + align16(4 * gqa * 4) + align16(gqa * d * 4) + align16(bfrag)
 }
@@ -201,7 +202,7 @@ fn stage_bytes(spec: &Spec, tiers: &[TierId], d: usize) -> usize {
 ///   up to 48 KiB (8 stages) (H100, spherical low at batch 64: 0.90x the time of the deep rule).
 pub fn nstage(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
     let stage = stage_bytes(spec, tiers, d);
-    let lut: usize = tiers.iter().map(|&t| gqa * lut_floats_per_head(&spec.tiers[t as usize], d)).sum();
+    let lut = lut_floats(spec, tiers, d, gqa);
     match spec.kernels.stage_kib {
         Some(kib) => (kib * 1024 / stage).clamp(2, 16),
         None if lut == 0 => {

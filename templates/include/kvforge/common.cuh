@@ -115,11 +115,14 @@ __device__ __forceinline__ float group_sum(float x) {
   return x;
 }
 
-__device__ __forceinline__ float warp_max(float x) {
+template <int WIDTH>
+__device__ __forceinline__ float group_max(float x) {
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  for (int o = WIDTH / 2; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
   return x;
 }
+
+__device__ __forceinline__ float warp_max(float x) { return group_max<32>(x); }
 
 __device__ __forceinline__ float warp_sum(float x) { return group_sum<32>(x); }
 

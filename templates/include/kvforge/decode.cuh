@@ -242,9 +242,7 @@ struct DecodeCta {
       // Online softmax of head g over the octet (token t0 < len scores finitely, so m_new is).
       const float s0 = ta < len ? (c[0][0] + c[0][2]) + (c[1][0] + c[1][2]) : NEG_INF;
       const float s1 = tb < len ? (c[0][1] + c[0][3]) + (c[1][1] + c[1][3]) : NEG_INF;
-      float mx = fmaxf(s0, s1);
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mx = group_max<4>(fmaxf(s0, s1));
       const float m_new = fmaxf(pw_m, mx);
       const float alpha = exp2f(pw_m - m_new);
       const float p0 = exp2f(s0 - m_new), p1 = exp2f(s1 - m_new);
@@ -298,12 +296,8 @@ struct DecodeCta {
     for (int h0 = 0; h0 < GQA; h0 += HPL) {
       const int h = h0 + lane / NW;
       const float v = h < GQA ? pl[w * GQA + h] : NEG_INF;
-      float m = v;
-#pragma unroll
-      for (int off = 1; off < NW; off <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-      float e = m == NEG_INF ? 0.f : exp2f(v - m);
-#pragma unroll
-      for (int off = 1; off < NW; off <<= 1) e += __shfl_xor_sync(0xffffffffu, e, off);
+      const float m = group_max<NW>(v);
+      const float e = group_sum<NW>(m == NEG_INF ? 0.f : exp2f(v - m));
       const float lse = m == NEG_INF ? NEG_INF : m + log2f(e);
       if (p.page_head_lse != nullptr && w == 0 && h < GQA) p.page_head_lse[size_t(gpage) * GQA + h] = lse;
       if (p.page_lse != nullptr && w == 0 && lse != NEG_INF) {
