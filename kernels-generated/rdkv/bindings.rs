@@ -589,7 +589,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 55152usize,
+        smem_bytes: 54896usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -600,7 +600,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 48768usize,
+        smem_bytes: 56976usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -611,7 +611,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 50064usize,
+        smem_bytes: 49040usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -622,7 +622,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 109104usize,
+        smem_bytes: 107056usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -633,7 +633,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 54976usize,
+        smem_bytes: 54720usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -644,7 +644,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 3usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 52688usize,
+        smem_bytes: 56800usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -655,7 +655,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 53984usize,
+        smem_bytes: 52960usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -666,7 +666,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 88448usize,
+        smem_bytes: 86400usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -677,7 +677,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 1usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 46608usize,
+        smem_bytes: 46352usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -688,7 +688,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 3usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 49200usize,
+        smem_bytes: 48432usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -699,7 +699,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 4usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 50496usize,
+        smem_bytes: 49472usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -710,7 +710,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 8usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 55680usize,
+        smem_bytes: 53632usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -721,7 +721,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 55664usize,
+        smem_bytes: 54896usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g1_p64.cu"
         ),
@@ -734,7 +734,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 50304usize,
+        smem_bytes: 56976usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g3_p64.cu"
         ),
@@ -747,7 +747,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 52112usize,
+        smem_bytes: 49040usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g4_p64.cu"
         ),
@@ -760,7 +760,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 113200usize,
+        smem_bytes: 107056usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g8_p64.cu"
         ),
@@ -773,7 +773,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 51008usize,
+        smem_bytes: 50240usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g1_p64.cu"
         ),
@@ -786,7 +786,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 54624usize,
+        smem_bytes: 52320usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g3_p64.cu"
         ),
@@ -799,7 +799,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 56432usize,
+        smem_bytes: 53360usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g4_p64.cu"
         ),
@@ -812,7 +812,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 112864usize,
+        smem_bytes: 106720usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g8_p64.cu"
         ),
@@ -1002,7 +1002,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 56128usize,
+        smem_bytes: 55616usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -1013,7 +1013,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 42832usize,
+        smem_bytes: 41296usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -1024,7 +1024,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 45152usize,
+        smem_bytes: 43104usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -1035,7 +1035,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 108240usize,
+        smem_bytes: 104144usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -1046,7 +1046,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 51040usize,
+        smem_bytes: 50528usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -1057,7 +1057,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 3usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 55680usize,
+        smem_bytes: 54144usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -1068,7 +1068,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 48256usize,
+        smem_bytes: 55952usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -1079,7 +1079,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 106256usize,
+        smem_bytes: 111904usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -1090,7 +1090,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 1usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 53152usize,
+        smem_bytes: 52640usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -1101,7 +1101,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 3usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 52144usize,
+        smem_bytes: 56256usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -1112,7 +1112,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 4usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 54464usize,
+        smem_bytes: 52416usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -1123,7 +1123,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 8usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 108928usize,
+        smem_bytes: 104832usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -1134,7 +1134,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 57152usize,
+        smem_bytes: 55616usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g1_p64.cu"
         ),
@@ -1147,7 +1147,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 45904usize,
+        smem_bytes: 41296usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g3_p64.cu"
         ),
@@ -1160,7 +1160,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 49248usize,
+        smem_bytes: 43104usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g4_p64.cu"
         ),
@@ -1173,7 +1173,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 98496usize,
+        smem_bytes: 104144usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g8_p64.cu"
         ),
@@ -1186,7 +1186,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 68912usize,
+        smem_bytes: 67376usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g1_p64.cu"
         ),
@@ -1199,7 +1199,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 75600usize,
+        smem_bytes: 70992usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g3_p64.cu"
         ),
@@ -1212,7 +1212,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 78944usize,
+        smem_bytes: 72800usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g4_p64.cu"
         ),
@@ -1225,7 +1225,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 92320usize,
+        smem_bytes: 112816usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g8_p64.cu"
         ),
@@ -1415,7 +1415,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 76080usize,
+        smem_bytes: 75056usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1426,7 +1426,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 84816usize,
+        smem_bytes: 81744usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1437,7 +1437,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 89184usize,
+        smem_bytes: 85088usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1448,7 +1448,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 106656usize,
+        smem_bytes: 98464usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1459,7 +1459,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 101728usize,
+        smem_bytes: 100704usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1470,7 +1470,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 3usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 110464usize,
+        smem_bytes: 107392usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1481,7 +1481,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 114832usize,
+        smem_bytes: 110736usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1492,7 +1492,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 112832usize,
+        smem_bytes: 104640usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1503,7 +1503,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 1usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 105888usize,
+        smem_bytes: 104864usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1514,7 +1514,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 3usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 114624usize,
+        smem_bytes: 111552usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1525,7 +1525,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 4usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 107712usize,
+        smem_bytes: 114896usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1536,7 +1536,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 8usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 113904usize,
+        smem_bytes: 105712usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1547,7 +1547,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 78128usize,
+        smem_bytes: 75056usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g1_p64.cu"
         ),
@@ -1560,7 +1560,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 90960usize,
+        smem_bytes: 81744usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g3_p64.cu"
         ),
@@ -1573,7 +1573,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 97376usize,
+        smem_bytes: 85088usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g4_p64.cu"
         ),
@@ -1586,7 +1586,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 123040usize,
+        smem_bytes: 98464usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g8_p64.cu"
         ),
@@ -1599,7 +1599,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 137520usize,
+        smem_bytes: 134448usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g1_p64.cu"
         ),
@@ -1612,7 +1612,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 150352usize,
+        smem_bytes: 141136usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g3_p64.cu"
         ),
@@ -1625,7 +1625,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 156768usize,
+        smem_bytes: 144480usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g4_p64.cu"
         ),
@@ -1638,7 +1638,7 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 182432usize,
+        smem_bytes: 157856usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g8_p64.cu"
         ),

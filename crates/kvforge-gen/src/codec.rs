@@ -121,20 +121,21 @@ fn bfrag_bytes(spec: &Spec, tier: &Tier, d: usize, gqa: usize) -> usize {
     }
 }
 
-/// Pair order of a tier's key fragments in the per-warp decode layout (`WARP_CC` of its key
-/// codec in codecs.cuh), or `None` when the tier cannot take that layout.
-fn warp_order(tier: &Tier, d: usize) -> Option<u32> {
+/// Whether a tier can take the per-warp decode layout (`Key::WARP && Value::WARP` of its
+/// codecs in codecs.cuh): fp16 or integer keys (channel pairs 2e, 2e + 1 per fragment) and
+/// values whose groups hold a lane's head_dim / 8 channels.
+fn warp_tier(tier: &Tier, d: usize) -> bool {
     let key = match &tier.key {
-        KeyScheme::Dense(DType::Fp16) => Some(1),
-        KeyScheme::Int { bits, block, .. } if block % 8 == 0 && d * *bits as usize >= 128 => Some(16 / bits),
-        _ => None,
-    }?;
+        KeyScheme::Dense(DType::Fp16) => true,
+        KeyScheme::Int { bits, block, .. } => block % 8 == 0 && d * *bits as usize >= 128,
+        _ => false,
+    };
     let value = match &tier.value {
         ValueScheme::Dense(DType::Fp16) => true,
         ValueScheme::Int { group, .. } => group % (d / 8) == 0,
         _ => false,
     };
-    value.then_some(key)
+    key && value
 }
 
 /// Mirror of `WarpPlan<Cfg>::ON`: whether a decode variant runs the per-warp layout (each warp
@@ -148,17 +149,14 @@ pub fn per_warp(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> bool {
         && p % 8 == 0
         && p >= 4 * spec.kernels.warps
         && d % 64 == 0
-        && ts.iter().all(|t| warp_order(t, d).is_some())
+        && ts.iter().all(|t| warp_tier(t, d))
         && ts.iter().any(|t| matches!(t.key, KeyScheme::Int { .. }))
 }
 
-/// Mirror of `WarpPlan<Cfg>::QFRAG_BYTES`: the per-warp layout's query fragments, fp16 high and
-/// low parts of every query head in each distinct key pair order of the variant.
-fn qfrag_bytes(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
-    let mut orders: Vec<u32> = tiers.iter().filter_map(|&t| warp_order(&spec.tiers[t as usize], d)).collect();
-    orders.sort_unstable();
-    orders.dedup();
-    orders.len() * 4 * d * gqa
+/// Mirror of `WarpPlan<Cfg>::QFRAG_BYTES`: the per-warp layout's query fragments, fp16 high
+/// and low parts of head_dim / 4 channels for each lane of the heads (4 per head).
+fn qfrag_bytes(d: usize, gqa: usize) -> usize {
+    4 * gqa * d
 }
 
 /// Mirror of `DecodeSmem<Cfg>::TOTAL`.
@@ -172,7 +170,7 @@ fn decode_fixed_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usi
     let p = spec.page.tokens;
     let ts: Vec<&Tier> = tiers.iter().map(|&t| &spec.tiers[t as usize]).collect();
     let lut = lut_floats(spec, tiers, d, gqa);
-    let bfrag = if per_warp(spec, tiers, d, gqa) { qfrag_bytes(spec, tiers, d, gqa) } else { ts.iter().map(|t| bfrag_bytes(spec, t, d, gqa)).max().unwrap_or(0) };
+    let bfrag = if per_warp(spec, tiers, d, gqa) { qfrag_bytes(d, gqa) } else { ts.iter().map(|t| bfrag_bytes(spec, t, d, gqa)).max().unwrap_or(0) };
     align16(gqa * d * 4) + align16(lut * 4) + align16(gqa * p * 4) + align16(4 * gqa * 4) + align16(gqa * d * 4) + align16(bfrag)
 }
 

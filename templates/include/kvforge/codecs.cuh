@@ -24,7 +24,7 @@ enum class KeyError { Exact, Step, Unbounded };
 
 // Evicted tokens: no bytes, never scored. Only used in transcode bookkeeping.
 struct DropKey {
-  static constexpr int WARP_CC = 0;  // not on the per-warp decode path
+  static constexpr bool WARP = false;  // not on the per-warp decode path
   static constexpr int LUT_FLOATS_PER_HEAD = 0;
   static constexpr bool MMA = false;
   template <int GQA, int NWARPS> __host__ __device__ static constexpr int bfrag_bytes() { return 0; }
@@ -148,11 +148,13 @@ struct DenseKey {
 
   // Per-warp decode (DecodeCta::compute_warp): the B fragments of token t's keys, the
   // thread's channel slice [qd·D/4, (qd + 1)·D/4) as stored, pair e = channels 2e, 2e + 1.
-  static constexpr int WARP_CC = MMA ? 1 : 0;
-  template <int NPAIR>
-  __device__ __forceinline__ static void warp_keys(const u8* seg, int t, int qd, u32 (&b)[NPAIR]) {
-    load_words<4 * NPAIR>(seg + OFF + (t * D + qd * 2 * NPAIR) * 2, b);
-  }
+  static constexpr bool WARP = MMA;
+  template <int NPAIR> struct WarpKeys {
+    __device__ __forceinline__ WarpKeys(const u8*, int) {}
+    __device__ __forceinline__ void operator()(const u8* seg, int t, int qd, u32 (&b)[NPAIR]) const {
+      load_words<4 * NPAIR>(seg + OFF + (t * D + qd * 2 * NPAIR) * 2, b);
+    }
+  };
 
   __device__ __forceinline__ static float dequant(const u8* seg, int t, int c, const float*, const float*, const u16*) {
     return to_float(reinterpret_cast<const T*>(seg + OFF)[t * D + c]);
@@ -451,44 +453,71 @@ struct IntKey {
   }
   // Per-warp decode (DecodeCta::compute_warp): the B fragments of token t's keys dequantised
   // to fp16 (code · scale + zero, one rounding: far below the code step), the thread's channel
-  // slice [qd·D/4, (qd + 1)·D/4) in pair_lo order with CC = WARP_CC, which is what one shift
-  // and one LOP3 pull out of a code word; the query fragments use the same order. Dequantising
-  // the 8 tokens a warp scores costs fewer instructions than folding the block's scales into
-  // its query (the fold is per block, and every warp would repeat it).
-  static constexpr int WARP_CC = BLOCK % 8 == 0 && D * BITS >= 128 ? 16 / BITS : 0;
-  template <int NPAIR>
-  __device__ __forceinline__ static void warp_keys(const u8* seg, int t, int qd, u32 (&b)[NPAIR]) {
-    constexpr int CPT = 2 * NPAIR, CC = WARP_CC;
-    constexpr u32 MASK = ((1u << BITS) - 1) * 0x00010001u;
-    static_assert(CC > 0 && CPT * BITS / 8 >= 4, "whole code words per slice");
-    const int c0 = qd * CPT, blk = t / BLOCK;
-    row_pairs(seg + OFF_CODES + t * ROW + c0 * BITS / 8, b, MASK);
+  // slice [qd·D/4, (qd + 1)·D/4) with pair e = channels 2e, 2e + 1 (the fp16 keys' order, so
+  // every tier of a variant shares one set of query fragments). A pair's codes lie in one code
+  // byte (two for 8 bits): one PRMT puts them into the two halves' mantissas (adjacent_pairs),
+  // and the pair's (scale, zero) are the u32s as they lie in memory. The order with codes 4
+  // (16 / bits) channels apart took a shift per pair and a PRMT per scale pair and per zero
+  // pair: 92 → 64 instructions per octet and lane for int4 keys. Dequantising the 8 tokens a
+  // warp scores costs fewer instructions than folding the block's scales into its query (the
+  // fold is per block, and every warp would repeat it).
+  static constexpr bool WARP = BLOCK % 8 == 0 && D * BITS >= 128;
+  // A warp's key reader for one page (constructed per page, called per octet). With one key
+  // block per page (BLOCK ≥ P) the thread's scale and zero pairs are loaded once per page
+  // rather than once per octet: they were 8 of the octet's 10 key LDS.128, each 4 shared-memory
+  // wavefronts, and shared memory is as busy as the issue slots in this layout.
+  template <int NPAIR> struct WarpKeys {
+    static constexpr bool PAGE = BLOCK >= P;
     u32 s[NPAIR], z[NPAIR];
-    pair_scales<NPAIR, CC>(seg + OFF_SCALE + (blk * D + c0) * int(sizeof(S)), s);
-    pair_scales<NPAIR, CC>(seg + OFF_ZERO + (blk * D + c0) * int(sizeof(S)), z);
+    __device__ __forceinline__ WarpKeys(const u8* seg, int qd) {
+      if constexpr (PAGE) load(seg, 0, qd);
+    }
+    __device__ __forceinline__ void load(const u8* seg, int blk, int qd) {
+      const int c0 = qd * 2 * NPAIR;
+      scale_pairs<NPAIR>(seg + OFF_SCALE + (blk * D + c0) * int(sizeof(S)), s);
+      scale_pairs<NPAIR>(seg + OFF_ZERO + (blk * D + c0) * int(sizeof(S)), z);
+    }
+    __device__ __forceinline__ void operator()(const u8* seg, int t, int qd, u32 (&b)[NPAIR]) {
+      static_assert(WARP && 2 * NPAIR * BITS / 8 >= 4, "whole code words per slice");
+      if constexpr (!PAGE) load(seg, t / BLOCK, qd);
+      adjacent_pairs<NPAIR>(seg + OFF_CODES + t * ROW + qd * 2 * NPAIR * BITS / 8, b);
 #pragma unroll
-    for (int e = 0; e < NPAIR; ++e) b[e] = h2_fma(b[e], s[e], z[e]);
-  }
-  // 2·NPAIR per-channel scales as fp16 pairs in pair_lo order (CC): pair e = channels
-  // (e / CC)·2CC + e % CC and that + CC.
-  template <int NPAIR, int CC>
-  __device__ __forceinline__ static void pair_scales(const u8* p, u32 (&out)[NPAIR]) {
-    if constexpr (sizeof(S) == 2) {
-      u32 w[NPAIR];  // w[m] = channels 2m, 2m + 1
-      load_words<4 * NPAIR>(p, w);
+      for (int e = 0; e < NPAIR; ++e) b[e] = h2_fma(b[e], s[e], z[e]);
+    }
+  };
+  // The codes of channels 2e, 2e + 1 of a row slice as exact fp16 pairs. 8 bits: the two code
+  // bytes beside the exponent byte 0x64 (1024 + c). 4 bits: the code byte in both halves, the
+  // low code at mantissa bits 0-3 (1024 + c), the high one at 4-7 of the upper half (64 + c).
+  // 2 bits: one byte holds two pairs; its four codes sit at bits 8-9 (4 + c) and 2-3 (256 + c)
+  // for pair 2j, at 4-5 (64 + c) and 6-7 (16 + c) for pair 2j + 1. HSUB2 of the magic leaves
+  // the codes.
+  template <int N>
+  __device__ __forceinline__ static void adjacent_pairs(const u8* p, u32 (&out)[N]) {
+    constexpr int BYTES = N * 2 * BITS / 8;
+    u32 w[BYTES / 4];
+    load_words<BYTES>(p, w);
 #pragma unroll
-      for (int e = 0; e < NPAIR; ++e) {
-        const int ca = (e / CC) * 2 * CC + e % CC, cb = ca + CC;
-        out[e] = __byte_perm(w[ca / 2], w[cb / 2], (ca & 1) ? 0x7632 : 0x5410);
+    for (int e = 0; e < N; ++e) {
+      if constexpr (BITS == 8) {
+        out[e] = h2_unbias(__byte_perm(w[e / 2], 0x64646464u, (e & 1) ? 0x4342 : 0x4140), 0x64006400u);
+      } else if constexpr (BITS == 4) {
+        out[e] = h2_codes(__byte_perm(w[e / 4], 0u, (e % 4) * 0x1111), 0x00f0000fu, 0x54006400u);
+      } else {
+        const u32 x = __byte_perm(w[e / 8], 0u, ((e / 2) % 4) * 0x1111);
+        out[e] = (e & 1) ? h2_codes(x, 0x00c00030u, 0x4c005400u) : h2_codes(x, 0x000c0300u, 0x5c004400u);
       }
+    }
+  }
+  // NPAIR (scale or zero) pairs of adjacent channels.
+  template <int NPAIR>
+  __device__ __forceinline__ static void scale_pairs(const u8* p, u32 (&out)[NPAIR]) {
+    if constexpr (sizeof(S) == 2) {
+      load_words<4 * NPAIR>(p, out);
     } else {
       float f[2 * NPAIR];
       load_floats<S, 2 * NPAIR>(p, f);
 #pragma unroll
-      for (int e = 0; e < NPAIR; ++e) {
-        const int ca = (e / CC) * 2 * CC + e % CC;
-        out[e] = pack2<false>(f[ca], f[ca + CC]);
-      }
+      for (int e = 0; e < NPAIR; ++e) out[e] = pack2<false>(f[2 * e], f[2 * e + 1]);
     }
   }
 
@@ -521,7 +550,7 @@ struct IntKey {
 // q·k): G lookups and G radius multiplies per token, no dense key is ever rebuilt.
 template <int GROUP, int ABITS, int D, int P, int OFF_RADIUS, int OFF_INDEX>
 struct SphericalKey {
-  static constexpr int WARP_CC = 0;  // not on the per-warp decode path
+  static constexpr bool WARP = false;  // not on the per-warp decode path
   static constexpr int NG = D / GROUP;
   static constexpr int E = 1 << ABITS;
   static constexpr int LUT_FLOATS_PER_HEAD = NG * E;
@@ -625,7 +654,7 @@ struct SphericalKey {
 template <int BLOCK, class S, int D, int P, int N16, int N8, int N4, int N2, int O16, int O8C, int O8S, int O8Z,
           int O4C, int O4S, int O4Z, int O2C, int O2S, int O2Z>
 struct MixedKey {
-  static constexpr int WARP_CC = 0;  // not on the per-warp decode path
+  static constexpr bool WARP = false;  // not on the per-warp decode path
   static constexpr int LUT_FLOATS_PER_HEAD = 0;
   static constexpr bool MMA = false;
   template <int GQA, int NWARPS> __host__ __device__ static constexpr int bfrag_bytes() { return 0; }
@@ -796,7 +825,9 @@ struct IntValue {
   // out[k] = (v̂[ta][c0 + k], v̂[tb][c0 + k]), the N channels inside one value group. The codes
   // of the two tokens are interleaved by one PRMT per 16-bit chunk, each pair is pulled out by
   // one LOP3 as (1024 + c, 1024 + c'), and one HSUB2 + one HFMA2 with the two tokens' (scale,
-  // zero) pairs give code · scale + zero rounded once to fp16. The per-warp layout needs the
+  // zero) pairs give code · scale + zero rounded once to fp16. (Folding the code's bias into
+  // the zero, zero − bias · scale in fp16, saves the HSUB2 but rounds that term: rdkv int2 then
+  // missed the 2^-10 reference tolerance, 1.07e-3, on the H100.) The per-warp layout needs the
   // channels of a lane (head_dim / 8) inside one group.
   static constexpr bool WARP = GROUP % (D / 8) == 0;
   template <int N>

@@ -170,16 +170,24 @@ __device__ __forceinline__ void split_h2(float x, float y, u32& hi, u32& lo) {
   lo = pack2<false>(x - h.x, y - h.y);
 }
 
-// Small codes as fp16 pairs: a pair word (x & mask) | 0x6400_6400 is (1024 + lo, 1024 + hi)
-// exactly; subtracting 1024 leaves the exact codes (no I2F, one LOP3 + one HSUB2 per pair).
-__device__ __forceinline__ u32 h2_codes(u32 x, u32 mask) {
-  // One LOP3 ((x & mask) | magic): written in C, ptxas splits it in two (one immediate each).
+// Codes placed in the mantissas of an fp16 pair: (x & mask) | magic, where magic's halves are
+// powers of two 2^E (mantissa 0) chosen so that a code's lowest bit is worth 1: the pair is
+// (2^E_lo + lo, 2^E_hi + hi) exactly. One LOP3: written in C, ptxas splits it in two (one
+// immediate each).
+__device__ __forceinline__ u32 h2_biased(u32 x, u32 mask, u32 magic) {
   u32 biased;
-  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(biased) : "r"(x), "r"(mask), "r"(0x64006400u));
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(biased) : "r"(x), "r"(mask), "r"(magic));
+  return biased;
+}
+// Small codes as fp16 pairs: a pair word (x & mask) | 0x6400_6400 is (1024 + lo, 1024 + hi)
+// exactly (codes in mantissa bits 0..); subtracting the magic leaves the exact codes (no I2F,
+// one LOP3 + one HSUB2 per pair). Codes elsewhere in the mantissas take another magic.
+__device__ __forceinline__ u32 h2_unbias(u32 biased, u32 magic) {
   u32 r;
-  asm("sub.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(biased), "r"(0x64006400u));
+  asm("sub.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(biased), "r"(magic));
   return r;
 }
+__device__ __forceinline__ u32 h2_codes(u32 x, u32 mask, u32 magic = 0x64006400u) { return h2_unbias(h2_biased(x, mask, magic), magic); }
 // c * s + z on fp16 pairs, rounded once.
 __device__ __forceinline__ u32 h2_fma(u32 c, u32 s, u32 z) {
   u32 r;

@@ -41,17 +41,14 @@ template <class... Ts> __host__ __device__ constexpr bool any_integer_mma(TierLi
 template <class Cfg>
 struct WarpPlan {
   static constexpr int D = Cfg::D, GQA = Cfg::GQA, NW = Cfg::NTHREADS / 32;
-  template <class... Ts> __host__ __device__ static constexpr bool all_tiers(TierList<Ts...>) { return (true && ... && (Ts::Key::WARP_CC > 0 && Ts::Value::WARP)); }
-  // Bit CC set for every pair order of the variant's key fragments (1: fp16, 16 / bits: int).
-  template <class... Ts> __host__ __device__ static constexpr unsigned orders(TierList<Ts...>) { return (0u | ... | (1u << Ts::Key::WARP_CC)); }
+  template <class... Ts> __host__ __device__ static constexpr bool all_tiers(TierList<Ts...>) { return (true && ... && (Ts::Key::WARP && Ts::Value::WARP)); }
   static constexpr bool ON = Cfg::TC_VALUES && GQA <= 8 && Cfg::P % 8 == 0 && Cfg::P >= 4 * NW && D % 64 == 0 &&
                              all_tiers(typename Cfg::Tiers{}) && any_integer_mma(typename Cfg::Tiers{});
-  static constexpr unsigned MASK = ON ? orders(typename Cfg::Tiers{}) : 0u;
-  static constexpr int NORD = popc(MASK);
-  // Index of pair order CC among the variant's orders.
-  __host__ __device__ static constexpr int order(int cc) { return popc(MASK & ((1u << cc) - 1u)); }
-  // Query fragments: per order, fp16 high and low parts of q, D/4 u32 per (head, quarter).
-  static constexpr int QFRAG_BYTES = NORD * 4 * D * GQA;
+  // Query fragments: fp16 high and low parts of q, D/4 u32 per lane of the heads (head g =
+  // lane / 4, quarter qd = lane % 4). Every key codec of the layout (Key::WARP) pairs channels
+  // 2e, 2e + 1. The lanes past the heads take zeros by a select: loading stored zeros instead
+  // doubles the fragments' shared-memory wavefronts.
+  static constexpr int QFRAG_BYTES = 4 * GQA * D;
 };
 
 // Shared-memory plan of one decode variant (bytes). The generated Rust bindings carry the
@@ -185,27 +182,19 @@ struct DecodeCta {
   }
 
   __device__ u32* qfrag_s() { return reinterpret_cast<u32*>(smem + Smem::BFRAG); }
-  // The o-th pair order of the variant (its CC).
-  __device__ static int order_cc(int o) {
-    int n = 0;
-    for (int cc = 1; cc <= 16; cc <<= 1)
-      if (WP::MASK & (1u << cc)) { if (n == o) return cc; ++n; }
-    return 1;
-  }
-  // Query fragments of every pair order, once per CTA: the A operand of k-step j for lane
-  // (g, qd) is the uint4 at (order·KSW + j)·4·GQA + g·4 + qd, {hi(2j), lo(2j), hi(2j + 1),
-  // lo(2j + 1)} of q[g] at pairs 2j, 2j + 1 of quarter qd: the fp16 high part in A rows g (the
+  // Query fragments, once per CTA: the A operand of k-step j for lane (g, qd), g < GQA, is the
+  // uint4 at j·4·GQA + lane, {hi(2j), lo(2j), hi(2j + 1), lo(2j + 1)} of q[g] at pairs 2j,
+  // 2j + 1 (channels qd·D/4 + 2e, + 1) of quarter qd: the fp16 high part in A rows g (the
   // heads), the low part in rows g + 8, which no head uses, so one mma takes both.
   __device__ void build_qfrag() {
-    constexpr int L4 = 4 * GQA, CPT = D / 4;
+    constexpr int CPT = D / 4, L4 = 4 * GQA;
     u32* f = qfrag_s();
-    for (int i = threadIdx.x; i < WP::NORD * L4 * NPAIR; i += NT) {
-      const int e = i % NPAIR, l4 = (i / NPAIR) % L4, o = i / (NPAIR * L4);
-      const int cc = order_cc(o), g = l4 / 4, qd = l4 % 4;
-      const int ca = qd * CPT + (e / cc) * 2 * cc + e % cc;
+    for (int i = threadIdx.x; i < L4 * NPAIR; i += NT) {
+      const int e = i % NPAIR, lane = i / NPAIR, g = lane / 4, qd = lane % 4;
+      const int ca = qd * CPT + 2 * e;
       u32 hi, lo;
-      split_h2(q_s()[g * D + ca], q_s()[g * D + ca + cc], hi, lo);
-      const int at = ((o * KSW + e / 2) * L4 + l4) * 4 + 2 * (e % 2);
+      split_h2(q_s()[g * D + ca], q_s()[g * D + ca + 1], hi, lo);
+      const int at = ((e / 2) * L4 + lane) * 4 + 2 * (e % 2);
       f[at] = hi;
       f[at + 1] = lo;
     }
@@ -217,13 +206,13 @@ struct DecodeCta {
   __device__ void compute_warp(const u8* seg, int len) {
     using K = typename T::Key;
     using V = typename T::Value;
-    constexpr int L4 = 4 * GQA;
-    constexpr int ORD = WP::order(K::WARP_CC);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, qd = lane & 3;
     const bool head = g < GQA;
-    const uint4* qf = reinterpret_cast<const uint4*>(qfrag_s()) + ORD * KSW * L4 + (head ? lane : 0);
+    constexpr int L4 = 4 * GQA;
+    const uint4* qf = reinterpret_cast<const uint4*>(qfrag_s()) + (head ? lane : 0);
     float page_sum = 0.f;
     bool any = false;
+    typename K::template WarpKeys<NPAIR> keys(seg, qd);
 #pragma unroll 1
     for (int o = warp; o * 8 < len; o += NW) {
       const int t0 = o * 8, ta = t0 + 2 * qd, tb = ta + 1;
@@ -231,7 +220,7 @@ struct DecodeCta {
       // g + 8 the low parts'; two accumulator chains (even and odd k-steps) halve the mma
       // dependency chain.
       u32 kb[NPAIR];
-      K::template warp_keys<NPAIR>(seg, t0 + g, qd, kb);
+      keys(seg, t0 + g, qd, kb);
       float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
       for (int j = 0; j < KSW; ++j) {
@@ -251,7 +240,9 @@ struct DecodeCta {
       pw_m = m_new;
       any = true;
       // Accumulator columns are heads 2qd and 2qd + 1, whose statistics live in lanes 8qd and
-      // 8qd + 4; once a head's maximum settles, its pages skip the rescale.
+      // 8qd + 4; once a head's maximum settles, its pages skip the rescale. (A lazy rescale,
+      // keeping the maximum until a score passes it by 2^8, was no faster on the H100: rdkv
+      // 128K × 64 within 1%, 1 × 128K int8 11% slower.)
       if (__any_sync(0xffffffffu, alpha != 1.f)) {
         const float a0 = __shfl_sync(0xffffffffu, alpha, 8 * qd), a1 = __shfl_sync(0xffffffffu, alpha, 8 * qd + 4);
 #pragma unroll
