@@ -2,7 +2,7 @@
 //! mirrors the kernels' shared-memory plans so launches and bindings agree with the device
 //! code (each generated kernel `static_assert`s the number).
 
-use kvforge_spec::{DType, KeyScheme, ScaleDType, SegmentLayout, Spec, Tier, TierId, ValueScheme};
+use kvforge_spec::{DType, KernelShape, KeyScheme, ScaleDType, SegmentLayout, Spec, Tier, TierId, ValueScheme};
 
 fn elem(t: DType) -> &'static str {
     t.cuda()
@@ -71,9 +71,26 @@ fn lut_floats(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
     tiers.iter().map(|&t| gqa * lut_floats_per_head(&spec.tiers[t as usize], d)).sum()
 }
 
-/// Threads per CTA of the decode and transcode kernels.
+/// Threads per CTA of the transcode kernels (and of decode variants without a shape of their
+/// own, see [`decode_shape`]).
 pub fn threads(spec: &Spec) -> usize {
     32 * spec.kernels.warps
+}
+
+/// Launch shape of a decode variant: the spec's `kernels.dense` for variants whose tiers (the
+/// tail aside) are all dense, else `kernels.warps` / `ctas_per_sm`.
+pub fn decode_shape(spec: &Spec, tiers: &[TierId]) -> KernelShape {
+    let dense = |t: &Tier| matches!(t.key, KeyScheme::Dense(_)) && matches!(t.value, ValueScheme::Dense(_));
+    let mut own = tiers.iter().map(|&t| &spec.tiers[t as usize]).filter(|t| t.id != kvforge_spec::TAIL_TIER).peekable();
+    match spec.kernels.dense {
+        Some(shape) if own.peek().is_some() && own.all(dense) => shape,
+        _ => KernelShape { warps: spec.kernels.warps, ctas_per_sm: spec.kernels.ctas_per_sm },
+    }
+}
+
+/// Threads per CTA of a decode variant.
+pub fn decode_threads(spec: &Spec, tiers: &[TierId]) -> usize {
+    32 * decode_shape(spec, tiers).warps
 }
 
 /// Shared memory of one SM on sm_80/sm_90 (bytes), and what the driver reserves per CTA.
@@ -85,7 +102,7 @@ const SMEM_RESERVED_PER_CTA: usize = 1024;
 /// registers (gqa 8, and the per-warp layout above head_dim 128: one CTA; other variants above
 /// head_dim 128).
 fn target_ctas(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
-    let default = (512 / threads(spec)).max(1);
+    let default = (512 / decode_threads(spec, tiers)).max(1);
     // The per-warp layout at head_dim > 128 holds 64 accumulators and 32-pair key and value
     // fragments per thread: ~150 registers (at 128 it spilled 0.5 KB per thread).
     if gqa >= 8 || (d > 128 && per_warp(spec, tiers, d, gqa)) {
@@ -93,7 +110,7 @@ fn target_ctas(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
     } else if d > 128 {
         default
     } else {
-        spec.kernels.ctas_per_sm.max(1)
+        decode_shape(spec, tiers).ctas_per_sm.max(1)
     }
 }
 
@@ -102,7 +119,7 @@ fn target_ctas(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
 /// variant's shared memory lets the CTAs reside (a register budget for CTAs that cannot run
 /// only costs spills).
 pub fn min_blocks(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
-    let default = (512 / threads(spec)).max(1);
+    let default = (512 / decode_threads(spec, tiers)).max(1);
     let fit = SMEM_PER_SM / (decode_smem(spec, tiers, d, gqa) + SMEM_RESERVED_PER_CTA);
     target_ctas(spec, tiers, d, gqa).min(fit.max(default)).max(1)
 }

@@ -84,7 +84,7 @@ pub struct LaunchShape {
 
 pub fn launch_shape(spec: &Spec, v: &VariantId) -> LaunchShape {
     match &v.family {
-        Family::Decode { tiers, gqa, .. } => LaunchShape { threads: codec::threads(spec), smem_bytes: codec::decode_smem(spec, tiers, v.head_dim, *gqa) },
+        Family::Decode { tiers, gqa, .. } => LaunchShape { threads: codec::decode_threads(spec, tiers), smem_bytes: codec::decode_smem(spec, tiers, v.head_dim, *gqa) },
         Family::Transcode { dst, .. } => {
             LaunchShape { threads: codec::threads(spec), smem_bytes: codec::transcode_smem(spec, &spec.tiers[*dst as usize], v.head_dim) }
         }

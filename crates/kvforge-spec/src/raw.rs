@@ -80,4 +80,13 @@ pub struct RawKernels {
     pub tensor_core_values: Option<bool>,
     pub ctas_per_sm: Option<Spanned<i64>>,
     pub stage_kib: Option<Spanned<i64>>,
+    pub dense: Option<Spanned<RawShape>>,
+}
+
+/// `kernels.dense`: the launch shape of decode variants whose tiers are all dense.
+#[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+pub struct RawShape {
+    pub warps: Option<Spanned<i64>>,
+    pub ctas_per_sm: Option<Spanned<i64>>,
 }

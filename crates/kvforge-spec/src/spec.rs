@@ -80,6 +80,19 @@ pub struct KernelOptions {
     /// for variants with lookup tables). Fewer warps per CTA with more CTAs per SM want a
     /// smaller budget so that the CTAs fit beside each other.
     pub stage_kib: Option<usize>,
+    /// Shape of the decode launches whose tiers are all dense (fp16/bf16 keys and values):
+    /// `None` keeps `warps` / `ctas_per_sm`. A spec tuned for few warps and many CTAs per SM
+    /// (the per-warp layout of integer tiers) can give its dense launches the block layout's
+    /// shape back: they read whole pages and want deep stages (rdkv's fp16 launch at 4 warps ×
+    /// 4 CTAs read at 0.66 of a copy, its 32 KiB pages two stages deep; 0.94 at 8 × 2).
+    pub dense: Option<KernelShape>,
+}
+
+/// Warps per CTA and CTAs per SM of a decode launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelShape {
+    pub warps: usize,
+    pub ctas_per_sm: usize,
 }
 
 /// Bounds of `kernels.stage_kib`: a stage pipeline needs two pages of the smallest tiers, and
@@ -183,6 +196,34 @@ type R<T> = Result<T, SpecError>;
 impl Validator<'_> {
     fn err<T>(&self, span: std::ops::Range<usize>, field: &str, msg: impl Into<String>) -> R<T> {
         Err(self.loc.error(SpecErrorKind::Invalid, Some(span), field, msg))
+    }
+
+    /// Warps (4 or 8; default 4) and CTAs per SM (1 to what 2048 threads allow; default 512
+    /// threads per SM) of `[kernels]` or `[kernels.dense]` (`at`).
+    fn shape(&self, at: &str, warps: Option<&Spanned<i64>>, ctas: Option<&Spanned<i64>>) -> R<KernelShape> {
+        let warps = match warps {
+            Some(w) => {
+                let v = *w.get_ref();
+                if ![4, 8].contains(&v) {
+                    return self.err(w.span(), &format!("{at}.warps"), format!("warps {v} is not supported; valid: 4, 8"));
+                }
+                v as usize
+            }
+            None => 4,
+        };
+        let threads = 32 * warps;
+        let ctas_per_sm = match ctas {
+            Some(c) => {
+                let v = *c.get_ref();
+                let max = (MAX_THREADS_PER_SM / threads) as i64;
+                if !(1..=max).contains(&v) {
+                    return self.err(c.span(), &format!("{at}.ctas_per_sm"), format!("{v} CTAs of {threads} threads per SM: valid 1 to {max} (an SM runs at most {MAX_THREADS_PER_SM} threads)"));
+                }
+                v as usize
+            }
+            None => (512 / threads).max(1),
+        };
+        Ok(KernelShape { warps, ctas_per_sm })
     }
 
     fn spec(&self, raw: RawSpec, src: &str) -> R<Spec> {
@@ -343,27 +384,10 @@ impl Validator<'_> {
                 }
             }
         }
-        let warps = match &raw.kernels.warps {
-            Some(w) => {
-                let v = *w.get_ref();
-                if ![4, 8].contains(&v) {
-                    return self.err(w.span(), "kernels.warps", format!("warps {v} is not supported; valid: 4, 8"));
-                }
-                v as usize
-            }
-            None => 4,
-        };
-        let threads = 32 * warps;
-        let ctas_per_sm = match &raw.kernels.ctas_per_sm {
-            Some(c) => {
-                let v = *c.get_ref();
-                let max = (MAX_THREADS_PER_SM / threads) as i64;
-                if !(1..=max).contains(&v) {
-                    return self.err(c.span(), "kernels.ctas_per_sm", format!("{v} CTAs of {threads} threads per SM: valid 1 to {max} (an SM runs at most {MAX_THREADS_PER_SM} threads)"));
-                }
-                v as usize
-            }
-            None => (512 / threads).max(1),
+        let KernelShape { warps, ctas_per_sm } = self.shape("kernels", raw.kernels.warps.as_ref(), raw.kernels.ctas_per_sm.as_ref())?;
+        let dense = match &raw.kernels.dense {
+            Some(d) => Some(self.shape("kernels.dense", d.get_ref().warps.as_ref(), d.get_ref().ctas_per_sm.as_ref())?),
+            None => None,
         };
         let stage_kib = match &raw.kernels.stage_kib {
             Some(k) => {
@@ -375,7 +399,7 @@ impl Validator<'_> {
             }
             None => None,
         };
-        let kernels = KernelOptions { combinations, split_k: raw.kernels.split_k.unwrap_or(true), warps, tensor_core_values: raw.kernels.tensor_core_values.unwrap_or(true), ctas_per_sm, stage_kib };
+        let kernels = KernelOptions { combinations, split_k: raw.kernels.split_k.unwrap_or(true), warps, tensor_core_values: raw.kernels.tensor_core_values.unwrap_or(true), ctas_per_sm, stage_kib, dense };
 
         let mut h = blake3::Hasher::new();
         h.update(src.as_bytes());

@@ -364,6 +364,19 @@ fn ctas_per_sm_out_of_range() {
 }
 
 #[test]
+fn dense_shape_is_checked_like_the_kernels_shape() {
+    let e = fail(&format!("{BASE}dense = {{ warps = 6 }}\n"));
+    check(&e, Invalid, 29, 19, "kernels.dense.warps", &["warps 6 is not supported", "valid: 4, 8"]);
+    let e = fail(&format!("{BASE}dense = {{ warps = 8, ctas_per_sm = 9 }}\n"));
+    check(&e, Invalid, 29, 36, "kernels.dense.ctas_per_sm", &["9 CTAs of 256 threads", "valid 1 to 8"]);
+    let e = fail(&format!("{BASE}dense = {{ warp = 8 }}\n"));
+    assert!(e.to_string().contains("warp"), "unknown key named: {e}");
+    let s = parse_in(&format!("{BASE}dense = {{ warps = 8, ctas_per_sm = 2 }}\n"), Path::new(".")).unwrap();
+    assert_eq!(s.kernels.dense, Some(kvforge_spec::KernelShape { warps: 8, ctas_per_sm: 2 }));
+    assert_eq!(parse_in(BASE, Path::new(".")).unwrap().kernels.dense, None, "default: the kernels' own shape");
+}
+
+#[test]
 fn stage_kib_out_of_range() {
     let e = fail(&format!("{BASE}stage_kib = 4\n"));
     check(&e, Invalid, 29, 13, "kernels.stage_kib", &["4 KiB of page stages per CTA", "valid 8 to 200"]);
