@@ -127,33 +127,38 @@ impl ExternalTensor {
 
     /// Checks the owner's claims against what an argument must be: on `cuda:ordinal`, of
     /// element type `elem`, of shape `dims` (named, for the message), contiguous and aligned.
-    /// Host-only: no driver call.
+    /// Every problem is named in one error (device first), so that a caller fixes them in one
+    /// go rather than one per attempt. Host-only: no driver call.
     pub fn check(&self, name: &str, elem: &ElemType, dims: &[(&str, usize)], ordinal: usize) -> Result<()> {
+        let mut problems = Vec::new();
         match &self.device {
             TensorDevice::Cuda(i) if *i == ordinal => {}
-            TensorDevice::Cuda(i) => return Err(bad(format!("`{name}` is on cuda:{i} but the cache is on cuda:{ordinal}"))),
-            TensorDevice::Other(d) => return Err(bad(format!("`{name}` is on {d}; kvforge needs a CUDA tensor on cuda:{ordinal} (use .to('cuda:{ordinal}'))"))),
+            TensorDevice::Cuda(i) => problems.push(format!("`{name}` is on cuda:{i} but the cache is on cuda:{ordinal}")),
+            TensorDevice::Other(d) => problems.push(format!("`{name}` is on {d}; kvforge needs a CUDA tensor on cuda:{ordinal} (use .to('cuda:{ordinal}'))")),
         }
         if &self.elem != elem {
-            return Err(bad(format!("`{name}` is {} but must be {}", self.elem.name(), elem.name())));
+            problems.push(format!("`{name}` is {} but must be {}", self.elem.name(), elem.name()));
         }
         let want: Vec<usize> = dims.iter().map(|d| d.1).collect();
         if self.shape != want || self.strides.len() != self.shape.len() {
             let named: Vec<String> = dims.iter().map(|(n, v)| format!("{n}={v}")).collect();
-            return Err(bad(format!("`{name}` has shape {:?}; expected [{}]", self.shape, named.join(", "))));
+            problems.push(format!("`{name}` has shape {:?}; expected [{}]", self.shape, named.join(", ")));
         }
         if !self.is_contiguous() {
-            return Err(bad(format!("`{name}` is not contiguous (shape {:?}, strides {:?}); pass `{name}.contiguous()`", self.shape, self.strides)));
+            problems.push(format!("`{name}` is not contiguous (shape {:?}, strides {:?}); pass `{name}.contiguous()`", self.shape, self.strides));
         }
         if self.numel() > 0 {
             if self.ptr == 0 {
-                return Err(bad(format!("`{name}` has a null data pointer")));
-            }
-            if self.ptr % self.elem.size() as u64 != 0 {
-                return Err(bad(format!("`{name}` data pointer {:#x} is not aligned to its {}-byte elements", self.ptr, self.elem.size())));
+                problems.push(format!("`{name}` has a null data pointer"));
+            } else if self.elem.size() > 0 && self.ptr % self.elem.size() as u64 != 0 {
+                problems.push(format!("`{name}` data pointer {:#x} is not aligned to its {}-byte elements", self.ptr, self.elem.size()));
             }
         }
-        Ok(())
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(bad(problems.join("; ")))
+        }
     }
 
     /// Checks the rank before the dims are known (so a later message can name them).
@@ -473,6 +478,11 @@ mod tests {
         let mut tr = t(&[5, 3, 64]);
         tr.strides = vec![64, 320, 1];
         assert!(msg(tr.check("k", &ElemType::F16, &dims, 0)).contains("not contiguous"));
+        // Several problems are named together, the device first.
+        tr.device = TensorDevice::Other("cpu".into());
+        let both = msg(tr.check("k", &ElemType::Bf16, &dims, 0));
+        assert!(both.contains("`k` is on cpu") && both.contains("is float16 but must be bfloat16") && both.contains("not contiguous"), "{both}");
+        assert!(both.find("is on cpu") < both.find("not contiguous"), "{both}");
         // Size-1 dims may have any stride.
         let mut one = t(&[1, 3, 64]);
         one.strides[0] = 12345;
