@@ -28,7 +28,7 @@ template <int GQA, int NW, class... Ts> __host__ __device__ constexpr int max_bf
 // and keeps its own online softmax, so a page costs one block barrier (stage reuse) and the
 // warps drift instead of meeting at the score, softmax and value phases. Scores are
 // S^T = Q K^T on m16n8k16 with the query heads as rows (A = q in fp16 high + low parts, B =
-// the octet's keys as fp16), and the score accumulators of a lane (head g, tokens 2q, 2q + 1)
+// the octet's keys as fp16), and the score accumulators of a lane (head g, score columns 2q, 2q + 1)
 // are exactly its B fragment of P^T in O^T += V^T P^T on m16n8k8, so probabilities never leave
 // registers. Variants whose every tier has fp16 or integer keys and values take it when one of
 // them is an integer tier (all-fp16 variants keep the block layout, tuned to 0.95 of a copy).
@@ -109,6 +109,8 @@ struct DecodeCta {
   // Per-warp layout: a lane (g, qd) holds key channels [qd·D/4, (qd + 1)·D/4) (NPAIR pairs)
   // and value channels [g·CV, (g + 1)·CV); KSW k-steps of the score mma, m-tiles of the value mma.
   static constexpr int NPAIR = D / 8, CV = D / 8, KSW = D / 16;
+  // Per-warp layout, end: the warps' accumulator slices (merge_warps).
+  static constexpr int MERGE_SLICE_BYTES = NW * 32 * (KSW + 1) * 16;
   static_assert(!PW || (NPAIR % 4 == 0 && P >= 4 * NW), "per-warp layout: whole uint4 query chunks, stats fit the score region");
   static constexpr int ACC_R = PW ? KSW : MMA_V ? MTV : GQA, ACC_C = PW || MMA_V ? 4 : 8;
 
@@ -215,12 +217,17 @@ struct DecodeCta {
     typename K::template WarpKeys<NPAIR> keys(seg, qd);
 #pragma unroll 1
     for (int o = warp; o * 8 < len; o += NW) {
-      const int t0 = o * 8, ta = t0 + 2 * qd, tb = ta + 1;
+      // Score column n of the octet is token t0 + (n even ? n / 2 : 4 + (n / 2 ^ 1)), so that a
+      // lane's value tokens ta, tb (columns 2qd, 2qd + 1) lie one row apart across qd rather
+      // than two: int4 value rows are 64 bytes, and rows 2qd hit the same banks four ways
+      // (two ways now); key rows of lanes g, g + 1 stay an odd number of rows apart.
+      const int t0 = o * 8, ta = t0 + qd, tb = t0 + 4 + (qd ^ 1);
+      const int tk = t0 + ((g & 1) ? 4 + ((g >> 1) ^ 1) : g >> 1);
       // Scores of head g, tokens ta and tb: C rows g hold the high parts' products, rows
       // g + 8 the low parts'; two accumulator chains (even and odd k-steps) halve the mma
       // dependency chain.
       u32 kb[NPAIR];
-      keys(seg, t0 + g, qd, kb);
+      keys(seg, tk, qd, kb);
       float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
       for (int j = 0; j < KSW; ++j) {
@@ -329,24 +336,46 @@ struct DecodeCta {
       m_s()[tid] = m;
       l_s()[tid] = sum;
     }
-    const float f0 = 2 * qd < GQA ? factor(2 * qd, warp, head_max(2 * qd)) : 0.f;
-    const float f1 = 2 * qd + 1 < GQA ? factor(2 * qd + 1, warp, head_max(2 * qd + 1)) : 0.f;
     float* out_s = reinterpret_cast<float*>(smem + Smem::OUT);
-    for (int w = 0; w < NW; ++w) {
-      if (warp == w) {
+    if constexpr (MERGE_SLICE_BYTES <= NSTAGE * Smem::STAGE_BYTES) {
+      // Every warp's accumulators go as they lie in registers into its own slice of the idle
+      // stages (lane rows of KSW float4, padded by one: no bank conflicts either way); then each
+      // thread sums its outputs over the warps in warp order. The warps used to add into OUT
+      // one after another, NW barriers, with 16-way bank conflicts (heads 128 floats apart,
+      // lanes 16): a fixed cost every CTA pays, most visible at batch 1.
+      float4* slice = reinterpret_cast<float4*>(stage(0));
 #pragma unroll
-        for (int i = 0; i < KSW; ++i)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const int h = 2 * qd + (j & 1), c = g * CV + 2 * i + (j >> 1);
-            if (h < GQA) {
-              const float v = acc[i][j] * ((j & 1) ? f1 : f0);
-              float* o = &out_s[h * D + c];
-              *o = w == 0 ? v : *o + v;
-            }
-          }
+      for (int i = 0; i < KSW; ++i) slice[(warp * 32 + lane) * (KSW + 1) + i] = make_float4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+      __syncthreads();
+      const float* sl = reinterpret_cast<const float*>(slice);
+      for (int o = threadIdx.x; o < GQA * D; o += NT) {
+        const int h = o / D, c = o % D, r = c % CV;
+        const int at = ((c / CV) * 4 + h / 2) * (KSW + 1) * 4 + (r / 2) * 4 + ((r & 1) << 1) + (h & 1);
+        const float m = head_max(h);
+        float v = 0.f;
+        for (int w = 0; w < NW; ++w) v += sl[w * 32 * (KSW + 1) * 4 + at] * factor(h, w, m);
+        out_s[o] = v;
       }
       __syncthreads();
+    } else {
+      const float f0 = 2 * qd < GQA ? factor(2 * qd, warp, head_max(2 * qd)) : 0.f;
+      const float f1 = 2 * qd + 1 < GQA ? factor(2 * qd + 1, warp, head_max(2 * qd + 1)) : 0.f;
+      for (int w = 0; w < NW; ++w) {
+        if (warp == w) {
+#pragma unroll
+          for (int i = 0; i < KSW; ++i)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const int h = 2 * qd + (j & 1), c = g * CV + 2 * i + (j >> 1);
+              if (h < GQA) {
+                const float v = acc[i][j] * ((j & 1) ? f1 : f0);
+                float* o = &out_s[h * D + c];
+                *o = w == 0 ? v : *o + v;
+              }
+            }
+        }
+        __syncthreads();
+      }
     }
   }
 
