@@ -28,9 +28,10 @@ __device__ void combine_kernel(const CombineParams& p) {
     return;
   }
   // Warp 0 turns the splits' log-sum-exps into weights in shared memory, CHUNK splits at a
-  // time; then every thread sums its channel over the splits with the loads unrolled. (A
-  // per-thread loop of dependent lse and partial loads cost 18 us at batch 1 x 32K with 33
-  // splits on the H100, a quarter of the decode.)
+  // time; then every thread loads its channel of all the chunk's partials at once (one memory
+  // round trip, not one per 8 splits) and sums them. (A per-thread loop of dependent lse and
+  // partial loads cost 18 us at batch 1 x 32K with 33 splits on the H100, a quarter of the
+  // decode; loads unrolled by 8 still waited 8 round trips at 64 splits.)
   constexpr int CHUNK = 64;
   __shared__ float w_s[CHUNK];
   __shared__ float den_s;
@@ -44,22 +45,26 @@ __device__ void combine_kernel(const CombineParams& p) {
   float num = 0.f, den = 0.f;
   for (int base = 0; base < p.num_splits; base += CHUNK) {
     const int n = min(CHUNK, p.num_splits - base);
+    const float* po = p.partial_out + (size_t(base) * p.rows + row) * D + c;
+    float part[CHUNK];
+#pragma unroll
+    for (int s = 0; s < CHUNK; ++s) part[s] = s < n ? po[size_t(s) * p.rows * D] : 0.f;
     if (c < 32) {
-      float part = 0.f;
-      for (int s = lane; s < n; s += 32) {
-        const float l = lse[size_t(base + s) * p.rows];
+      float sum = 0.f;
+#pragma unroll
+      for (int s = lane; s < CHUNK; s += 32) {
+        const float l = s < n ? lse[size_t(base + s) * p.rows] : NEG_INF;
         const float w = l == NEG_INF ? 0.f : __expf(l - mx);
-        w_s[s] = w;
-        part += w;
+        w_s[s] = w;  // 0 past the chunk's splits: their partials are loaded as 0 too
+        sum += w;
       }
-      part = warp_sum(part);
-      if (lane == 0) den_s = part;
+      sum = warp_sum(sum);
+      if (lane == 0) den_s = sum;
     }
     __syncthreads();
     den += den_s;
-    const float* po = p.partial_out + (size_t(base) * p.rows + row) * D + c;
-#pragma unroll 8
-    for (int s = 0; s < n; ++s) num = fmaf(w_s[s], po[size_t(s) * p.rows * D], num);
+#pragma unroll
+    for (int s = 0; s < CHUNK; ++s) num = fmaf(w_s[s], part[s], num);
     __syncthreads();
   }
   // Thread 0 (warp 0) holds the maximum for the row's lse.
