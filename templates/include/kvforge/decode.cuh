@@ -20,6 +20,7 @@ template <class... Ts> struct TierList {};
 
 // Largest staged segment: tail pages (tier 0, at most one per sequence and kv head) are read
 // in place from global memory, so they do not size the stages.
+template <class... Ts> __host__ __device__ constexpr int tail_seg(TierList<Ts...>) { int m = 0; ((m = Ts::id == 0 ? Ts::SEG_BYTES : m), ...); return m; }
 template <class... Ts> __host__ __device__ constexpr int max_seg(TierList<Ts...>) { int m = 0; ((m = cmax(m, Ts::id == 0 ? 0 : Ts::SEG_BYTES)), ...); return m; }
 template <int GQA, class... Ts> __host__ __device__ constexpr int sum_lut(TierList<Ts...>) { return (0 + ... + (GQA * Ts::Key::LUT_FLOATS_PER_HEAD)); }
 template <int GQA, int NW, class... Ts> __host__ __device__ constexpr int max_bfrag(TierList<Ts...>) { int m = 0; ((m = cmax(m, Ts::Key::template bfrag_bytes<GQA, NW>())), ...); return m; }
@@ -111,6 +112,7 @@ struct DecodeCta {
   static constexpr int NPAIR = D / 8, CV = D / 8, KSW = D / 16;
   // Per-warp layout, end: the warps' accumulator slices (merge_warps).
   static constexpr int MERGE_SLICE_BYTES = NW * 32 * (KSW + 1) * 16;
+  static constexpr int TAIL_PAGE_BYTES = HEADER_BYTES + tail_seg(typename Cfg::Tiers{});
   static_assert(!PW || (NPAIR % 4 == 0 && P >= 4 * NW), "per-warp layout: whole uint4 query chunks, stats fit the score region");
   static constexpr int ACC_R = PW ? KSW : MMA_V ? MTV : GQA, ACC_C = PW || MMA_V ? 4 : 8;
 
@@ -637,6 +639,13 @@ struct DecodeCta {
         cp_async_commit();
       }
       cur_info = info[0];
+    }
+    // The head's tail page (tier 0, the last of its pages) is read in place from global memory:
+    // a DRAM round trip per octet for its keys and another for its values, so the split that
+    // ends with it would finish last. Its bytes are prefetched into L2 now (a hint: no wait).
+    if (hi == n && n > 0 && (p.page_info[first + n - 1] & 0xffu) == 0u) {
+      const u8* tail = p.arena + p.page_offsets[first + n - 1];
+      for (int off = tid * 128; off < TAIL_PAGE_BYTES; off += NT * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(tail + off));
     }
     // Page-table entries are loaded one iteration before their copy is issued, so the copy
     // never waits on a dependent global load.
