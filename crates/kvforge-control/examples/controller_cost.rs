@@ -37,7 +37,7 @@ fn main() -> Result<(), Error> {
     match args.first().map(String::as_str) {
         Some("precompile") => precompile(&specs(&args)?),
         Some("rdr") => rdr(&args),
-        Some("rdkv") => rdkv(specs(&args)?.into_iter().next().ok_or("rdkv: give the rdkv spec's path")?, arg(&args, "--reps").unwrap_or(7)),
+        Some("rdkv") => rdkv(specs(&args)?.into_iter().next().ok_or("rdkv: give the rdkv spec's path")?, arg(&args, "--reps").unwrap_or(7), !args.iter().any(|a| a == "--pages-only")),
         _ => Err("usage: controller_cost (precompile|rdr) <spec.toml>... [--batch 1,8] [--steps N] | rdkv <rdkv.toml> [--reps N]".into()),
     }
 }
@@ -95,7 +95,16 @@ fn rdr(args: &[String]) -> Result<(), Error> {
     Ok(())
 }
 
-fn rdkv(spec: Spec, reps: usize) -> Result<(), Error> {
+/// Microseconds with one decimal, `null` when not measured.
+fn json_us(x: f64) -> String {
+    if x.is_finite() {
+        format!("{x:.1}")
+    } else {
+        "null".into()
+    }
+}
+
+fn rdkv(spec: Spec, reps: usize, paper: bool) -> Result<(), Error> {
     let (d, heads, ctx, gqa) = (128usize, 8usize, 32768usize, 4usize);
     let p = spec.page.tokens;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
@@ -120,7 +129,7 @@ fn rdkv(spec: Spec, reps: usize) -> Result<(), Error> {
         let t = Instant::now();
         let view = pos.view(&cache, costs.clone(), |key, len| {
             let m = &tok[key.head][key.first_token..key.first_token + len];
-            Signal { mass: m.iter().sum(), token_mass: Some(m.to_vec()), pinned: false }
+            Signal { mass: m.iter().sum(), token_mass: rdkv.proxy.uses_token_mass().then(|| m.to_vec()), pinned: false }
         })?;
         tv.push(t.elapsed().as_secs_f64() * 1e6);
         let mut c = rdkv.clone();
@@ -128,6 +137,9 @@ fn rdkv(spec: Spec, reps: usize) -> Result<(), Error> {
         let plan = c.decide(&view, &limits);
         td.push(t.elapsed().as_secs_f64() * 1e6);
         digest = plan.decisions.iter().fold(digest.wrapping_mul(31), |h, x| h.wrapping_mul(1_000_003) ^ ((x.page.head * 100_000 + x.page.index) as u64 * 16 + x.to_tier as u64));
+        if !paper {
+            continue;
+        }
         // Seed 002's own allocation per kv head: 2 bits per element on average.
         let budget_bits = 2.0 * (ctx * d * 2) as f64;
         let t = Instant::now();
@@ -142,14 +154,14 @@ fn rdkv(spec: Spec, reps: usize) -> Result<(), Error> {
         assert_eq!(seq_alloc, par_alloc);
     }
     println!(
-        "{{\"kind\":\"rdkv_alloc\",\"context\":{ctx},\"kv_heads\":{heads},\"head_dim\":{d},\"pages\":{},\"reps\":{reps},\"cpu_threads\":{},\"page_view_us\":{:.1},\"page_decide_us\":{:.1},\"page_total_us\":{:.1},\"plan_digest\":\"{digest:016x}\",\"paper_allocate_heads_sequential_us\":{:.1},\"paper_allocate_heads_threads_us\":{:.1}}}",
+        "{{\"kind\":\"rdkv_alloc\",\"context\":{ctx},\"kv_heads\":{heads},\"head_dim\":{d},\"pages\":{},\"reps\":{reps},\"cpu_threads\":{},\"page_view_us\":{:.1},\"page_decide_us\":{:.1},\"page_total_us\":{:.1},\"plan_digest\":\"{digest:016x}\",\"paper_allocate_heads_sequential_us\":{},\"paper_allocate_heads_threads_us\":{}}}",
         heads * ctx / p,
         std::thread::available_parallelism().map_or(0, |n| n.get()),
         median(&mut tv.clone()),
         median(&mut td.clone()),
         median(&mut tv) + median(&mut td),
-        median(&mut ts),
-        median(&mut tp)
+        json_us(median(&mut ts)),
+        json_us(median(&mut tp))
     );
     Ok(())
 }

@@ -73,6 +73,14 @@ pub struct Weights {
 }
 
 impl Proxy {
+    /// Whether the weights read per-token masses ([`PageInfo::token_mass`]); when not, a view
+    /// need not carry them (at 32K tokens × 8 heads the vectors were half of RDKV's view).
+    ///
+    /// [`PageInfo::token_mass`]: crate::signal::PageInfo::token_mass
+    pub fn uses_token_mass(self) -> bool {
+        self == Proxy::Concentration
+    }
+
     /// Weights of every page of a view, in view order.
     pub fn weights(self, view: &crate::signal::PageTableView) -> Vec<Weights> {
         let linear = |p: &crate::signal::PageInfo| {

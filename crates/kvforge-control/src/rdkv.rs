@@ -265,11 +265,7 @@ impl Controller for RdkvController {
             // Heads are independent knapsacks: one problem per head over its own pages (the
             // other heads' pages enter only as fixed bytes), solved on one thread per head
             // when the view is large enough to pay for the threads.
-            let solve_head = |h: usize| {
-                // Other heads' pages are fixed at their cost; add it so the head gets its share.
-                let others: f64 = view.iter().filter(|(id, _)| id.head != h).map(|(_, p)| view.costs.cost(p.tier, p.tokens)).sum();
-                Problem::build_head(view, h, opts).solve(view, shares[h] + others)
-            };
+            let solve_head = |h: usize| Problem::build_head(view, h, opts).solve(view, shares[h]);
             let heads = view.heads.len();
             let solved: Vec<(knapsack::Solution, Vec<Decision>)> = if view.num_pages() >= PARALLEL_PAGES && heads > 1 {
                 std::thread::scope(|sc| {
