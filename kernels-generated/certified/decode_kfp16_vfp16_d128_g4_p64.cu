@@ -20,5 +20,10 @@ static_assert(DecodeSmem<Cfg>::TOTAL == 103536, "shared-memory plan differs from
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256, 2) kvf_certified_decode_kfp16_vfp16_d128_g4_p64(const kvforge::DecodeParams p) {
-  kvforge::decode_kernel<Cfg>(p);
+  kvforge::decode_kernel<Cfg, false>(p);
+}
+
+// The same decode recording per-page masses (DecodeParams::page_lse / page_head_lse).
+extern "C" __global__ void __launch_bounds__(256, 2) kvf_certified_decode_kfp16_vfp16_d128_g4_p64_tracked(const kvforge::DecodeParams p) {
+  kvforge::decode_kernel<Cfg, true>(p);
 }

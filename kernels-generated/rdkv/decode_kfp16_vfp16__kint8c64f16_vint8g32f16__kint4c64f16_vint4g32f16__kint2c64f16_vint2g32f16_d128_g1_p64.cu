@@ -23,5 +23,10 @@ static_assert(DecodeSmem<Cfg>::TOTAL == 67376, "shared-memory plan differs from 
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(128, 4) kvf_rdkv_decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g1_p64(const kvforge::DecodeParams p) {
-  kvforge::decode_kernel<Cfg>(p);
+  kvforge::decode_kernel<Cfg, false>(p);
+}
+
+// The same decode recording per-page masses (DecodeParams::page_lse / page_head_lse).
+extern "C" __global__ void __launch_bounds__(128, 4) kvf_rdkv_decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g1_p64_tracked(const kvforge::DecodeParams p) {
+  kvforge::decode_kernel<Cfg, true>(p);
 }

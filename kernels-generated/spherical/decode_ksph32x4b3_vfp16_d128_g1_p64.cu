@@ -20,5 +20,10 @@ static_assert(DecodeSmem<Cfg>::TOTAL == 51776, "shared-memory plan differs from 
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(128, 4) kvf_spherical_decode_ksph32x4b3_vfp16_d128_g1_p64(const kvforge::DecodeParams p) {
-  kvforge::decode_kernel<Cfg>(p);
+  kvforge::decode_kernel<Cfg, false>(p);
+}
+
+// The same decode recording per-page masses (DecodeParams::page_lse / page_head_lse).
+extern "C" __global__ void __launch_bounds__(128, 4) kvf_spherical_decode_ksph32x4b3_vfp16_d128_g1_p64_tracked(const kvforge::DecodeParams p) {
+  kvforge::decode_kernel<Cfg, true>(p);
 }

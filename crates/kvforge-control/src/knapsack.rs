@@ -119,24 +119,28 @@ impl Hulls {
             rest.dedup_by(|b, a| choices[*a].cost == choices[*b].cost);
         }
         let slope = |a: usize, b: usize| (choices[b].dist - choices[a].dist) / (choices[a].cost - choices[b].cost);
+        // The hull's step slopes ride along its points (`self.rho` past `first_rho`): each
+        // candidate costs one division, and popped points drop their slope with them. The
+        // comparisons and the stored prices are the same divisions as computing each pair's
+        // slope afresh (the pair's operands do not change), so the hull is bit for bit the
+        // same as dividing twice per comparison, as it did before.
         let first = self.idx.len();
+        let first_rho = self.rho.len();
         self.idx.push(start as u32);
         for &p in rest.iter() {
+            let mut s = slope(*self.idx.last().expect("a hull holds its start") as usize, p);
             // Pop points above the chord (strictly): collinear points stay, they are finer steps.
-            while self.idx.len() - first >= 2 {
-                let (a, b) = (self.idx[self.idx.len() - 2] as usize, self.idx[self.idx.len() - 1] as usize);
-                if slope(a, b) > slope(b, p) {
-                    self.idx.pop();
-                } else {
-                    break;
-                }
+            while self.idx.len() - first >= 2 && self.rho[self.rho.len() - 1] > s {
+                self.idx.pop();
+                self.rho.pop();
+                s = slope(*self.idx.last().expect("two points remain") as usize, p);
             }
             self.idx.push(p as u32);
+            self.rho.push(s);
         }
-        for k in first..self.idx.len() - 1 {
-            let r = slope(self.idx[k] as usize, self.idx[k + 1] as usize).max(0.0);
-            self.rho_max = self.rho_max.max(r);
-            self.rho.push(r);
+        for r in &mut self.rho[first_rho..] {
+            *r = r.max(0.0);
+            self.rho_max = self.rho_max.max(*r);
         }
         self.start_cost += choices[start].cost;
         self.end_cost += choices[*self.idx.last().expect("a hull holds its start") as usize].cost;
@@ -265,6 +269,12 @@ pub fn solve_flat(choices: &[Choice], start: &[usize], budget: f64) -> Solution 
             lo = SHORT;
         }
     }
+    // Most moves taken (RDKV after prefill moves most pages): bucket the rest by binade of ρ
+    // first, so the halving runs inside one bucket instead of over all of them.
+    if hi - lo > RADIX_MIN {
+        iterations += 1;
+        (lo, hi, acc) = radix_narrow(&mut moves, lo, hi, acc, need);
+    }
     let end = loop {
         if hi - lo <= 32 {
             moves[lo..hi].sort_unstable_by(key);
@@ -296,6 +306,67 @@ pub fn solve_flat(choices: &[Choice], start: &[usize], budget: f64) -> Solution 
     }
     let lambda = moves[lo..end].last().map_or(0.0, |m| m.0);
     finish(steps, lambda, true, iterations)
+}
+
+/// Ranges at least this long are narrowed by [`radix_narrow`] before the halving (below it,
+/// zeroing the histogram costs more than the passes it saves).
+const RADIX_MIN: usize = 512;
+
+/// Buckets of [`radix_narrow`]: the top 12 bits of ρ's total-order key, one per binade.
+const RADIX_BITS: u32 = 12;
+
+/// A u64 that orders like `f64::total_cmp` (the sign flips the rest; non-negative values get
+/// the top bit), so its high bits bucket prices in key order.
+fn order_key(x: f64) -> u64 {
+    let b = x.to_bits();
+    if b >> 63 == 1 {
+        !b
+    } else {
+        b | 1 << 63
+    }
+}
+
+/// One step of the weighted selection over `moves[lo..hi]`, which saves `need - acc` more
+/// somewhere inside: histograms the savings per ρ bucket, finds the bucket where the running
+/// savings reach `need`, and partitions the range into the buckets below it (all in the
+/// prefix), that bucket, and the ones above (none in it). Returns the bucket's range and the
+/// savings before it. Buckets are intervals of the (ρ, item, step) key, so the selection's
+/// invariant holds and the prefix is the one the halving alone would find.
+fn radix_narrow(moves: &mut [(f64, u32, u32, f64)], lo: usize, hi: usize, acc: f64, need: f64) -> (usize, usize, f64) {
+    let bucket = |m: &(f64, u32, u32, f64)| (order_key(m.0) >> (64 - RADIX_BITS)) as usize;
+    let mut saved = vec![0.0f64; 1 << RADIX_BITS];
+    for m in &moves[lo..hi] {
+        saved[bucket(m)] += m.3;
+    }
+    let mut below = acc;
+    let Some(b) = saved.iter().position(|&x| {
+        if below + x >= need {
+            return true;
+        }
+        below += x;
+        false
+    }) else {
+        // Rounding left the range's sum short of `need` (it ends at the range's last move):
+        // leave it to the halving.
+        return (lo, hi, acc);
+    };
+    // Three-way partition: [< b][== b][> b].
+    let (mut lt, mut i, mut gt) = (lo, lo, hi);
+    while i < gt {
+        match bucket(&moves[i]).cmp(&b) {
+            std::cmp::Ordering::Less => {
+                moves.swap(lt, i);
+                lt += 1;
+                i += 1;
+            }
+            std::cmp::Ordering::Greater => {
+                gt -= 1;
+                moves.swap(i, gt);
+            }
+            std::cmp::Ordering::Equal => i += 1,
+        }
+    }
+    (lt, gt, below)
 }
 
 /// Exhaustive optimum of a small instance (tests and audits): `(pick, dist)` of the

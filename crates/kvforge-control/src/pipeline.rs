@@ -160,6 +160,11 @@ pub struct Boundary {
     pub waited_us: f64,
     /// Wall time of the whole boundary on the decode thread, waiting included.
     pub critical_us: f64,
+    /// Of which: taking the importance window from the device ([`RdrPipeline::invoke_cache`];
+    /// 0 when the window came from elsewhere), and applying the plan (page-table checks and
+    /// the transcode launches).
+    pub window_us: f64,
+    pub apply_us: f64,
 }
 
 /// What plans are made under: the cost model, the limits and the headroom.
@@ -261,8 +266,13 @@ impl RdrPipeline {
 
     /// Takes the sequence's importance window from the GPU and runs the boundary.
     pub fn invoke_cache(&mut self, cache: &mut KvCache) -> Result<Boundary, ControlError> {
+        let t0 = Instant::now();
         let window = cache.take_mass_window(self.seq).map_err(|e| ControlError::Cache { total: 0, source: Box::new(e) })?;
-        self.invoke(cache, window)
+        let window_us = t0.elapsed().as_secs_f64() * 1e6;
+        let mut b = self.invoke(cache, window)?;
+        b.window_us = window_us;
+        b.critical_us += window_us;
+        Ok(b)
     }
 
     /// The boundary (module docs, steps 1–3). `window[h][i]` is page `i` of kv head `h` of the
@@ -280,7 +290,9 @@ impl RdrPipeline {
             let t = Instant::now();
             let planned = self.receive()?;
             b.waited_us = t.elapsed().as_secs_f64() * 1e6;
+            let t = Instant::now();
             let report = self.pos.apply_grown(cache, &planned.checked)?;
+            b.apply_us = t.elapsed().as_secs_f64() * 1e6;
             b.applied = Some((planned, report));
         }
         let snapshot = PageSnapshot::of(cache, self.spec.clone(), self.seq)?;

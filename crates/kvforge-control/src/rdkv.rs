@@ -221,7 +221,7 @@ impl RdkvController {
             .map(|pages| {
                 pages
                     .iter()
-                    .map(|p| limits.protection.allowed(p, view.context_tokens, &view.costs).iter().map(|&t| view.costs.cost(t, p.tokens)).fold(f64::INFINITY, f64::min))
+                    .map(|p| limits.protection.allowed_tiers(p, view.context_tokens, &view.costs).map(|t| view.costs.cost(t, p.tokens)).fold(f64::INFINITY, f64::min))
                     .sum()
             })
             .collect();
@@ -268,10 +268,8 @@ impl Controller for RdkvController {
             let solve_head = |h: usize| Problem::build_head(view, h, opts).solve(view, shares[h]);
             let heads = view.heads.len();
             let solved: Vec<(knapsack::Solution, Vec<Decision>)> = if view.num_pages() >= PARALLEL_PAGES && heads > 1 {
-                std::thread::scope(|sc| {
-                    let hs: Vec<_> = (0..heads).map(|h| sc.spawn(move || solve_head(h))).collect();
-                    hs.into_iter().map(|j| j.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
-                })
+                use rayon::prelude::*;
+                (0..heads).into_par_iter().map(solve_head).collect()
             } else {
                 (0..heads).map(solve_head).collect()
             };
@@ -293,6 +291,6 @@ impl Controller for RdkvController {
     }
 }
 
-/// Views of at least this many pages solve their heads on threads (one head of 32K tokens is
-/// 512 pages; below ~1000 pages in all a thread start costs more than the head's solve).
+/// Views of at least this many pages solve their heads on rayon's pool (one head of 32K tokens
+/// is 512 pages; below ~1000 pages in all handing heads out costs more than their solves).
 const PARALLEL_PAGES: usize = 1024;

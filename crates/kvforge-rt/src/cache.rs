@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr};
 
 use half::{bf16, f16};
 use kvforge_spec::{DType, KeyScheme, PageHeader, SegmentLayout, Spec, TierId, VariantId, HEADER_BYTES, TAIL_TIER};
@@ -15,7 +15,6 @@ use kvforge_spec::{DType, KeyScheme, PageHeader, SegmentLayout, Spec, TierId, Va
 use crate::device::Device;
 use crate::error::{drv, Result, RtError};
 use crate::kernels::KernelCache;
-use crate::params::TranscodeParams;
 use crate::moves::{MoveBatch, PageMove};
 use crate::pool::{PagePool, PageRef};
 
@@ -61,8 +60,8 @@ struct Tail {
 }
 
 #[derive(Clone, Debug, Default)]
-struct HeadPages {
-    full: Vec<PageRef>,
+pub(crate) struct HeadPages {
+    pub(crate) full: Vec<PageRef>,
     /// Logical position of the first token of every page in `full`: dropped pages leave gaps,
     /// so a page's index no longer says where it sits in the context.
     first: Vec<usize>,
@@ -70,8 +69,8 @@ struct HeadPages {
 }
 
 #[derive(Clone, Debug)]
-struct Sequence {
-    heads: Vec<HeadPages>,
+pub(crate) struct Sequence {
+    pub(crate) heads: Vec<HeadPages>,
     /// Logical length: every token ever appended, dropped ones included.
     len: usize,
 }
@@ -103,13 +102,16 @@ pub struct KvCache {
     pub(crate) cfg: CacheConfig,
     pub(crate) pool: PagePool,
     pub(crate) arena: CudaSlice<u8>,
-    seqs: Vec<Option<Sequence>>,
+    pub(crate) seqs: Vec<Option<Sequence>>,
     pub(crate) codebooks: Vec<Option<CudaSlice<f32>>>,
     pub(crate) radius_scales: Vec<Option<CudaSlice<f32>>>,
     /// Per mixed-key tier, once set: [num_kv_heads][2][head_dim] channel order and inverse.
     pub(crate) channel_orders: Vec<Option<CudaSlice<u16>>>,
     pub(crate) kernels: KernelCache,
     pub(crate) flags: CudaSlice<u32>,
+    /// Resident device buffers of page moves (offsets, heads, per-launch flags), grown when
+    /// a batch outgrows them ([`crate::transcode`]).
+    pub(crate) move_bufs: crate::transcode::MoveBuffers,
     /// Tier 2 of certified decode, when kept ([`KvCache::keep_originals`]).
     pub(crate) originals: Option<crate::certified::Originals>,
     /// RDR's importance window, once a tracked decode ran ([`KvCache::decode_tracked`]).
@@ -175,7 +177,7 @@ impl KvCache {
         }
         let flags = dev.stream.alloc_zeros::<u32>(1).map_err(drv("error flags"))?;
         let channel_orders = vec![None; spec.tiers.len()];
-        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, channel_orders, kernels: KernelCache::default(), flags, originals: None, mass_window: None, cert_scratch: None, cert_page_in: None })
+        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, channel_orders, kernels: KernelCache::default(), flags, move_bufs: Default::default(), originals: None, mass_window: None, cert_scratch: None, cert_page_in: None })
     }
 
     pub fn spec(&self) -> &Spec {
@@ -553,35 +555,6 @@ impl KvCache {
         Ok(out)
     }
 
-    /// Launches the `src → dst` transcode kernel over pages (same length lists).
-    pub(crate) fn transcode(&mut self, src: &[PageRef], dst: &[PageRef], heads: &[u32], from: TierId, to: TierId) -> Result<()> {
-        let v = VariantId::transcode(&self.spec, from, to, self.cfg.head_dim);
-        let k = self.kernels.get(&self.dev, &self.spec, &v)?;
-        let st = self.dev.stream.clone();
-        let so: Vec<u64> = src.iter().map(|p| p.offset).collect();
-        let dsto: Vec<u64> = dst.iter().map(|p| p.offset).collect();
-        let so = st.clone_htod(&so).map_err(drv("transcode offsets"))?;
-        let dsto = st.clone_htod(&dsto).map_err(drv("transcode offsets"))?;
-        let hd = st.clone_htod(heads).map_err(drv("transcode heads"))?;
-        let tp = self.tier_pointers();
-        let params = TranscodeParams {
-            arena: self.arena.device_ptr(&st).0,
-            src_offsets: so.device_ptr(&st).0,
-            dst_offsets: dsto.device_ptr(&st).0,
-            kv_heads: hd.device_ptr(&st).0,
-            codebooks: tp.codebooks,
-            radius_scales: tp.radius_scales,
-            channel_orders: tp.channel_orders,
-            error_flags: self.flags.device_ptr(&st).0,
-            num_pages: src.len() as i32,
-        };
-        let cfg = LaunchConfig { grid_dim: (src.len() as u32, 1, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: k.smem_bytes };
-        // SAFETY: params mirror the kernel's struct (rendered from one field list); every
-        // pointer is a live allocation of this cache, offsets come from the page pool.
-        unsafe { st.launch_builder(&k.func).arg(&params).launch(cfg) }.map_err(drv(format!("launch {v}")))?;
-        self.check_flags(&v)
-    }
-
     /// Reads and clears the kernels' error flags.
     pub(crate) fn check_flags(&mut self, v: &VariantId) -> Result<()> {
         let f = self.dev.stream.clone_dtoh(&self.flags).map_err(drv(format!("after {v}")))?;
@@ -589,13 +562,7 @@ impl KvCache {
             return Ok(());
         }
         self.dev.stream.memset_zeros(&mut self.flags).map_err(drv("clear flags"))?;
-        let mut what = Vec::new();
-        for (bit, name) in [(1, "a page in a tier it does not serve"), (2, "a page header with a bad magic"), (4, "a page longer than a page"), (8, "a source page not in the expected tier")] {
-            if f[0] & bit != 0 {
-                what.push(name);
-            }
-        }
-        Err(RtError::KernelFault { variant: v.to_string(), what: what.join(", ") })
+        Err(RtError::KernelFault { variant: v.to_string(), what: fault_names(f[0]) })
     }
 
     /// Checks every mapped page's header against the bookkeeping; names the first bad page.
@@ -703,24 +670,15 @@ impl KvCache {
         }
         launched
     }
+}
 
-    /// The launches of a [`MoveBatch`], in order; each swaps its new pages into the table.
-    fn launch_moves(&mut self, seq: usize, moves: &[PageMove], launches: &[(TierId, TierId, Vec<usize>)]) -> Result<usize> {
-        for (from, to, group) in launches {
-            let s = self.seqs[seq].as_ref().unwrap();
-            let src: Vec<PageRef> = group.iter().map(|&m| s.heads[moves[m].0].full[moves[m].1]).collect();
-            let heads: Vec<u32> = group.iter().map(|&m| moves[m].0 as u32).collect();
-            let dst: Vec<PageRef> = group.iter().map(|_| self.pool.alloc(*to)).collect::<Result<_>>()?;
-            if let Err(e) = self.transcode(&src, &dst, &heads, *from, *to) {
-                dst.into_iter().for_each(|p| self.pool.free(p));
-                return Err(e);
-            }
-            let s = self.seqs[seq].as_mut().unwrap();
-            for ((&m, old), new) in group.iter().zip(src).zip(dst) {
-                s.heads[moves[m].0].full[moves[m].1] = new;
-                self.pool.free(old);
-            }
+/// The faults a kernel's error-flag word names (the `ERR_*` bits of `common.cuh`).
+pub(crate) fn fault_names(flags: u32) -> String {
+    let mut what = Vec::new();
+    for (bit, name) in [(1, "a page in a tier it does not serve"), (2, "a page header with a bad magic"), (4, "a page longer than a page"), (8, "a source page not in the expected tier")] {
+        if flags & bit != 0 {
+            what.push(name);
         }
-        Ok(launches.len())
     }
+    what.join(", ")
 }

@@ -269,9 +269,15 @@ impl KvCache {
             block_dim: (k.threads, 1, 1),
             shared_mem_bytes: k.smem_bytes,
         };
+        // Page masses come from the module's tracked entry point (the plain one compiles them out).
+        let func = if params.page_lse != 0 || params.page_head_lse != 0 {
+            k.tracked.as_ref().ok_or_else(|| RtError::BadInput(format!("{} has no entry point that records page masses", plan.variant)))?
+        } else {
+            &k.func
+        };
         // SAFETY: params mirror the kernel struct; buffers are sized by `workspace` for this
         // plan; page offsets come from the pool and lie inside the arena.
-        unsafe { st.launch_builder(&k.func).arg(&params).launch(cfg) }.map_err(drv(format!("launch {}", plan.variant)))?;
+        unsafe { st.launch_builder(func).arg(&params).launch(cfg) }.map_err(drv(format!("launch {}", plan.variant)))?;
         let fold = self.window_fold_params(plan, ws)?;
         match (&plan.combine, fold) {
             (Some(cv), fold) => {

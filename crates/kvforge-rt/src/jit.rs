@@ -188,6 +188,9 @@ pub fn compile(variant: &VariantId, source: &str, arch: &str, mode: CompileMode)
     if mode.use_cache {
         if let Ok(cubin) = std::fs::read(&path) {
             tracing::debug!(%variant, "kernel cache hit");
+            // A hit marks the cubin used (best effort): stale entries of older headers are the
+            // ones not touched since, so a cache can be pruned by age.
+            let _ = std::fs::File::options().write(true).open(&path).and_then(|f| f.set_modified(std::time::SystemTime::now()));
             return Ok(Compiled { cubin, from_cache: true, seconds: 0.0, log: String::new() });
         }
     }

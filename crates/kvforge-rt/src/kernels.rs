@@ -13,6 +13,9 @@ use crate::error::{drv, Result};
 #[derive(Clone)]
 pub struct Kernel {
     pub func: CudaFunction,
+    /// Decode variants: the entry point that records per-page masses
+    /// ([`VariantId::tracked_symbol`]).
+    pub tracked: Option<CudaFunction>,
     pub threads: u32,
     pub smem_bytes: u32,
 }
@@ -32,13 +35,18 @@ impl KernelCache {
         let source = kvforge_gen::render(spec, v)?;
         let compiled = crate::jit::compile(v, &source, &dev.info.arch(), crate::jit::CompileMode::default())?;
         let module = dev.ctx.load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin)).map_err(drv(format!("loading {v}")))?;
-        let func = module.load_function(&v.symbol()).map_err(drv(format!("symbol {}", v.symbol())))?;
         let shape = kvforge_gen::launch_shape(spec, v);
-        if shape.smem_bytes > 48 * 1024 {
-            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shape.smem_bytes as i32)
-                .map_err(drv(format!("shared memory opt-in for {v}")))?;
-        }
-        let k = Kernel { func, threads: shape.threads as u32, smem_bytes: shape.smem_bytes as u32 };
+        let load = |symbol: &str| -> Result<CudaFunction> {
+            let func = module.load_function(symbol).map_err(drv(format!("symbol {symbol}")))?;
+            if shape.smem_bytes > 48 * 1024 {
+                func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shape.smem_bytes as i32)
+                    .map_err(drv(format!("shared memory opt-in for {v}")))?;
+            }
+            Ok(func)
+        };
+        let func = load(&v.symbol())?;
+        let tracked = v.tracked_symbol().map(|s| load(&s)).transpose()?;
+        let k = Kernel { func, tracked, threads: shape.threads as u32, smem_bytes: shape.smem_bytes as u32 };
         self.loaded.lock().unwrap().insert(v.clone(), k.clone());
         Ok(k)
     }

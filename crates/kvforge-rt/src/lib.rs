@@ -32,6 +32,7 @@ pub mod params;
 pub mod selftest;
 pub mod testing;
 mod pool;
+mod transcode;
 
 pub use cache::{CacheConfig, KvCache, TierUsage};
 pub use decode::{choose_combination, from_bits, plan, split_count, to_bits, DecodeOutput, DecodePlan, DecodeWorkspace, QueryElem};

@@ -413,3 +413,35 @@ fn retier_pages_cost() {
     }
     println!("{} moves ({} pages): one batch {:.3} ms, page by page {:.3} ms (medians of 5)", moves.len(), hkv * n / 64, median(tb), median(ts));
 }
+
+/// A batch checks its launches once, after the last (kvforge-rt `transcode`), with the outcome
+/// of checking each: the launches before a faulting one land, it and the ones after keep their
+/// pages' tiers, no page leaks, and the flags are clear for the next batch.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn retier_pages_fault_lands_the_launches_before_it() {
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let s = spec("rdkv.toml");
+    let t = |name| s.tier(name).unwrap().id;
+    let (b8, b4, b2) = (t("b8"), t("b4"), t("b2"));
+    let (d, gqa, n) = (64, 3, 8 * 64);
+    let mut c = KvCache::new(dev, s.clone(), CacheConfig::new(&s, d, gqa, 1, 1, n + 64).target(b8)).unwrap();
+    let a = c.add_sequence();
+    c.append(a, &data(n * d, 1), &data(n * d, 2)).unwrap();
+    let tiers = |c: &KvCache| c.pages(a, 0).unwrap().iter().take(8).map(|p| p.0.tier).collect::<Vec<_>>();
+    let free = |c: &KvCache| [b8, b4, b2].map(|t| c.pool().free_pages(t));
+    let before = free(&c);
+    // Launches run deepest source first, then by destination: b8 → b4 (pages 0, 1), then
+    // b8 → b2 (page 5, whose header is broken).
+    let (bad, _) = c.pages(a, 0).unwrap()[5];
+    c.write_page_bytes(bad, 0, &[0, 0, 0, 0]).unwrap();
+    match c.retier_pages(a, &[(0, 5, b2), (0, 0, b4), (0, 1, b4)]) {
+        Err(RtError::KernelFault { variant, .. }) => assert!(variant.contains("kint2"), "the b2 launch faulted, not {variant}"),
+        other => panic!("expected a kernel fault, got {other:?}"),
+    }
+    assert_eq!(tiers(&c), vec![b4, b4, b8, b8, b8, b8, b8, b8]);
+    assert_eq!(free(&c), [before[0] + 2, before[1] - 2, before[2]], "pages leaked or lost");
+    // The flags were cleared: a clean batch of two launches lands whole.
+    assert_eq!(c.retier_pages(a, &[(0, 2, b4), (0, 3, b2)]).unwrap(), 2);
+    assert_eq!(tiers(&c), vec![b4, b4, b4, b2, b8, b8, b8, b8]);
+}

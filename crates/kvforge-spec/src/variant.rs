@@ -124,6 +124,12 @@ impl VariantId {
         format!("kvf_{}_{}", self.spec, self.name())
     }
 
+    /// A decode module's second entry point, the same decode recording per-page masses; `None`
+    /// for other families.
+    pub fn tracked_symbol(&self) -> Option<String> {
+        matches!(self.family, Family::Decode { .. }).then(|| format!("{}_tracked", self.symbol()))
+    }
+
     /// Path under `kernels-generated/`.
     pub fn file(&self) -> String {
         format!("{}/{}.cu", self.spec, self.name())

@@ -74,7 +74,10 @@ struct DecodeSmem {
   static constexpr int TOTAL = STAGE + NSTAGE * STAGE_BYTES;
 };
 
-template <class Cfg>
+// TRACK: the kernel records per-page masses when DecodeParams asks (page_lse, page_head_lse).
+// Decode modules hold both instantiations (symbol and symbol_tracked): the tracking code
+// holds registers in the page loop, and the ladder variants sit at their 128-register cap.
+template <class Cfg, bool TRACK>
 struct DecodeCta {
   static constexpr int D = Cfg::D, GQA = Cfg::GQA, P = Cfg::P, NT = Cfg::NTHREADS;
   static constexpr int TPT = NT / P > 0 ? (NT / P > 32 ? 32 : NT / P) : 1;  // threads per token (LUT scores)
@@ -125,6 +128,9 @@ struct DecodeCta {
   float pw_m = NEG_INF, pw_l = 0.f, pw_plse = NEG_INF;
 
   __device__ float* q_s() { return reinterpret_cast<float*>(smem + Smem::Q); }
+  // Page-mass outputs; null in the untracked instantiation, so its tracking code folds away.
+  __device__ float* page_lse() const { return TRACK ? p.page_lse : nullptr; }
+  __device__ float* page_head_lse() const { return TRACK ? p.page_head_lse : nullptr; }
   __device__ float* lut_s() { return reinterpret_cast<float*>(smem + Smem::LUT); }
   __device__ float* scores_s() { return reinterpret_cast<float*>(smem + Smem::SCORES); }
   __device__ float* m_s() { return reinterpret_cast<float*>(smem + Smem::STATS); }
@@ -274,42 +280,52 @@ struct DecodeCta {
         mma1688(acc[i], a, b);
       }
     }
-    if (p.page_lse != nullptr || p.page_head_lse != nullptr) {
+    if (page_lse() != nullptr || page_head_lse() != nullptr) {
       page_sum += __shfl_xor_sync(0xffffffffu, page_sum, 1);
       page_sum += __shfl_xor_sync(0xffffffffu, page_sum, 2);
       pw_plse = any ? pw_m + log2f(page_sum) : NEG_INF;
     }
   }
 
-  // Per-warp layout, page tracking: warp 0 folds the warps' page masses of head h (slot
-  // `slot` of the score region, [2][NW][GQA]) into the page's per-head and per-page log2 mass.
-  // Lane h·NW + w holds warp w's mass of head h, so both folds are shuffle trees (a loop over
-  // the warps per head was a serial chain of ~100 dependent instructions per page: tracked
-  // rdkv decode ran 14-19% slower than untracked on the H100).
-  __device__ void combine_page_lse(int slot, u32 gpage) {
-    static_assert((NW & (NW - 1)) == 0 && NW <= 32, "warps per CTA: a power of two");
-    constexpr int HPL = 32 / NW;  // heads per pass
-    const int lane = threadIdx.x % 32, w = lane % NW;
-    const float* pl = scores_s() + slot * NW * GQA;
-    float pm = NEG_INF, ps = 0.f;  // the page's running max and sum over heads (lanes w = 0)
-#pragma unroll
-    for (int h0 = 0; h0 < GQA; h0 += HPL) {
-      const int h = h0 + lane / NW;
-      const float v = h < GQA ? pl[w * GQA + h] : NEG_INF;
-      const float m = group_max<NW>(v);
-      const float e = group_sum<NW>(m == NEG_INF ? 0.f : exp2f(v - m));
-      const float lse = m == NEG_INF ? NEG_INF : m + log2f(e);
-      if (p.page_head_lse != nullptr && w == 0 && h < GQA) p.page_head_lse[size_t(gpage) * GQA + h] = lse;
-      if (p.page_lse != nullptr && w == 0 && lse != NEG_INF) {
-        const float m_new = fmaxf(pm, lse);
-        ps = ps * exp2f(pm - m_new) + exp2f(lse - m_new);
-        pm = m_new;
+  // Per-warp layout, page tracking: every warp leaves its log2 mass of each head for a page in
+  // a ring of TRACK_RING slots of the score region ([slot][NW][GQA]); warp 0 folds the pages
+  // pending in it, TRACK_RING − 1 at a time, into their per-head and per-page log2 masses.
+  // Folding one page per page cost warp 0 ~600 cycles of shuffle and MUFU latency between two
+  // barriers (+9% on rdkv decode at 1 × 32K on the H100); a batch puts its pages' heads on
+  // separate lanes, so it costs about one page's latency. The merge's statistics
+  // (merge_warps) lie behind the ring.
+  // A power of two, so a page's slot is its index masked (no slot register in the page loop).
+  static constexpr int TRACK_RING = pow2_floor(P / NW - 2);
+  // Lanes per page in a fold: the heads, padded to a power of two (shuffle groups).
+  static constexpr int TRACK_LANES = GQA <= 1 ? 1 : GQA <= 2 ? 2 : GQA <= 4 ? 4 : GQA <= 8 ? 8 : GQA <= 16 ? 16 : 32;
+  static_assert(!PW || (TRACK_RING >= 2 && GQA <= 32), "page tracking: a ring of two slots at least, a page's heads in one warp");
+
+  // Folds `count` pending pages, the first in ring slot `slot` and global page `gpage`
+  // (warp 0; the pages are consecutive, their slots wrap). Lane j of a pass takes page
+  // j / TRACK_LANES, head j % TRACK_LANES: the warps' masses of the head reduce serially in
+  // the lane (independent loads and exponentials), the page's heads across its lane group.
+  __device__ void fold_page_masses(int slot, int count, u32 gpage) {
+    const int lane = threadIdx.x % 32;
+    for (int j0 = 0; j0 < count * TRACK_LANES; j0 += 32) {
+      const int j = j0 + lane, r = j / TRACK_LANES, h = j % TRACK_LANES;
+      const bool on = r < count && h < GQA;
+      const int s = (slot + r) & (TRACK_RING - 1);
+      const float* pl = scores_s() + (on ? s * NW * GQA + h : 0);
+      // Partly unrolled: the fold is inlined into the page loop, where every register of the
+      // page state is live (fully unrolled, the ladder variants spilled at 128 registers).
+      float m = NEG_INF;
+#pragma unroll 2
+      for (int w = 0; w < NW; ++w) m = fmaxf(m, pl[w * GQA]);
+      float e = 0.f;
+#pragma unroll 2
+      for (int w = 0; w < NW; ++w) e += m == NEG_INF ? 0.f : exp2f(pl[w * GQA] - m);
+      const float lse = on && m != NEG_INF ? m + log2f(e) : NEG_INF;
+      if (page_head_lse() != nullptr && on) page_head_lse()[size_t(gpage + r) * GQA + h] = lse;
+      if (page_lse() != nullptr) {
+        const float pm = group_max<TRACK_LANES>(lse);
+        const float ps = group_sum<TRACK_LANES>(pm == NEG_INF ? 0.f : exp2f(lse - pm));
+        if (on && h == 0) page_lse()[gpage + r] = pm == NEG_INF ? NEG_INF : pm + log2f(ps);
       }
-    }
-    if (p.page_lse != nullptr) {
-      const float m2 = warp_max(pm);
-      const float s2 = warp_sum(pm == NEG_INF ? 0.f : ps * exp2f(pm - m2));
-      if (lane == 0) p.page_lse[gpage] = m2 == NEG_INF ? NEG_INF : m2 + log2f(s2);
     }
   }
 
@@ -317,7 +333,7 @@ struct DecodeCta {
   // summed in a fixed warp order into OUT; m_s / l_s get the heads' totals.
   __device__ void merge_warps() {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, qd = lane & 3;
-    float* wm = scores_s() + 2 * NW * GQA;
+    float* wm = scores_s() + TRACK_RING * NW * GQA;
     float* wl = wm + NW * GQA;
     float l = pw_l;
     l += __shfl_xor_sync(0xffffffffu, l, 1);
@@ -384,7 +400,7 @@ struct DecodeCta {
   template <class T>
   __device__ void compute_cta(const u8* seg, int len, u32 gpage) {
     using K = typename T::Key;
-    float* mass = p.page_lse ? p.page_lse + gpage : nullptr;
+    float* mass = page_lse() ? page_lse() + gpage : nullptr;
     using V = typename T::Value;
     const int tid = threadIdx.x;
     float* sc = scores_s();
@@ -443,7 +459,7 @@ struct DecodeCta {
         const float alpha = exp2f(m_old - m_new);  // m_old = -inf gives 0
         alpha_s()[h] = alpha;
         plse_s()[h] = m_new + log2f(sum);
-        if (p.page_head_lse) p.page_head_lse[size_t(gpage) * GQA + h] = m_new + log2f(sum);
+        if (page_head_lse()) page_head_lse()[size_t(gpage) * GQA + h] = m_new + log2f(sum);
         l_s()[h] = l_s()[h] * alpha + sum;
         m_s()[h] = m_new;
       }
@@ -667,10 +683,12 @@ struct DecodeCta {
       for (int j = 0; j < ACC_C; ++j) acc[i][j] = 0.f;
     __syncthreads();
 
-    // Per-warp layout with page tracking: the previous page's warp masses are folded after
-    // the barrier that proves every warp wrote them.
-    const bool track = PW && (p.page_lse != nullptr || p.page_head_lse != nullptr);
-    bool prev_done = false;
+    // Per-warp layout with page tracking: pages fold in batches (fold_page_masses) after the
+    // barrier that proves every warp wrote them; `fpage` is the first page not folded, page i
+    // goes to slot (i − lo) mod TRACK_RING. A batch is due when page i's slot would be the
+    // first pending one's next.
+    const bool track = PW && (page_lse() != nullptr || page_head_lse() != nullptr);
+    int fpage = lo;
     // Stage of page i and of page i + NSTAGE - 1, kept incrementally (a modulo by a stage
     // count that is not a power of two costs a multiply-high chain per page).
     int buf = 0, abuf = NSTAGE - 1;
@@ -681,7 +699,10 @@ struct DecodeCta {
       // pages, so the copy of page i + NSTAGE - 1 is issued after it.
       cp_async_wait<NSTAGE - 2>();
       __syncthreads();
-      if (track && prev_done && tid < 32) combine_page_lse((i - 1 - lo) & 1, first + i - 1);
+      if (track && i - fpage == TRACK_RING - 1) {
+        if (tid < 32) fold_page_masses((fpage - lo) & (TRACK_RING - 1), i - fpage, first + fpage);
+        fpage = i;
+      }
       const u32 info = cur_info;
       if (i + 1 < hi) cur_info = p.page_info[first + i + 1];
       if (ahead < hi) stage_page(typename Cfg::Tiers{}, next_info, p.arena + next_off, abuf);
@@ -707,16 +728,16 @@ struct DecodeCta {
       if (err == 0 && len > 0) {
         pw_plse = NEG_INF;
         compute_page(typename Cfg::Tiers{}, int(hd.tier), page + HEADER_BYTES, buf, len, first + i);
-        if (track && (tid & 3) == 0 && (tid & 31) / 4 < GQA) scores_s()[((i - lo) & 1) * NW * GQA + (tid / 32) * GQA + (tid & 31) / 4] = pw_plse;
       } else if (err != 0 && tid == 0) {
         // Skipped page: a bad page never contributes; the runtime turns the flag into an error.
         atomicOr(p.error_flags, err);
       }
-      prev_done = err == 0 && len > 0;
+      // A skipped or empty page has no mass (its slot must not keep an older page's).
+      if (track && (tid & 3) == 0 && (tid & 31) / 4 < GQA) scores_s()[((i - lo) & (TRACK_RING - 1)) * NW * GQA + (tid / 32) * GQA + (tid & 31) / 4] = err == 0 && len > 0 ? pw_plse : NEG_INF;
     }
     cp_async_wait<0>();
     __syncthreads();
-    if (track && prev_done && tid < 32) combine_page_lse((hi - 1 - lo) & 1, first + hi - 1);
+    if (track && hi > fpage && tid < 32) fold_page_masses((fpage - lo) & (TRACK_RING - 1), hi - fpage, first + fpage);
 
     // Reduce the warps' accumulators in a fixed order, so that a decode is bit-reproducible
     // (float atomics are not).
@@ -784,10 +805,10 @@ struct DecodeCta {
   }
 };
 
-template <class Cfg>
+template <class Cfg, bool TRACK>
 __device__ void decode_kernel(const DecodeParams& p) {
   extern __shared__ __align__(16) u8 smem[];
-  DecodeCta<Cfg> cta{smem, p, int(blockIdx.y)};
+  DecodeCta<Cfg, TRACK> cta{smem, p, int(blockIdx.y)};
   cta.run(int(blockIdx.z), int(blockIdx.x));
 }
 

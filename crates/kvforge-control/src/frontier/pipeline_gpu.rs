@@ -61,6 +61,9 @@ pub struct PipelineTime {
     /// Decode-thread wall time of a boundary (all sequences + stream sync): median and max.
     pub boundary_us: f64,
     pub boundary_max_us: f64,
+    /// Parts of a boundary (medians, all sequences): taking the windows, applying the plans.
+    pub boundary_window_us: f64,
+    pub boundary_apply_us: f64,
     /// Time the decode thread waited for a plan, summed over boundaries and sequences.
     pub waited_total_us: f64,
     /// Planner-thread time per plan (off the critical path): whole job and decision.
@@ -122,6 +125,7 @@ pub fn pipeline_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s:
     let mut timer = TrackedStepTimer::new(dev)?;
     let (mut host, mut dgpu, mut tgpu, mut fgpu) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut bound, mut plan_t, mut decide_t) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut window_t, mut apply_t) = (Vec::new(), Vec::new());
     let (mut moves, mut launches, mut plans) = (0usize, 0usize, 0usize);
     let mut primed = false;
     for step in 0..s.steps {
@@ -151,6 +155,7 @@ pub fn pipeline_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s:
         let counted = primed;
         let t0 = Instant::now();
         let mut landed = Vec::new();
+        let (mut window_us, mut apply_us) = (0.0, 0.0);
         for pipe in pipes.iter_mut() {
             let b = if primed {
                 pipe.invoke_cache(&mut cache)?
@@ -159,12 +164,16 @@ pub fn pipeline_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s:
                 pipe.prime(&mut cache, w)?
             };
             r.waited_total_us += b.waited_us;
+            window_us += b.window_us;
+            apply_us += b.apply_us;
             landed.push(b.applied);
         }
         dev.stream.synchronize()?;
         let wall = us(t0);
         if primed {
             bound.push(wall);
+            window_t.push(window_us);
+            apply_t.push(apply_us);
         }
         primed = true;
         for (i, a) in landed.into_iter().enumerate() {
@@ -195,6 +204,8 @@ pub fn pipeline_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s:
     r.boundaries = bound.len();
     r.boundary_max_us = bound.iter().copied().fold(0.0, f64::max);
     r.boundary_us = median(&mut bound);
+    r.boundary_window_us = median(&mut window_t);
+    r.boundary_apply_us = median(&mut apply_t);
     r.plan_us = median(&mut plan_t);
     r.decide_us = median(&mut decide_t);
     r.moves_per_plan = moves as f64 / plans.max(1) as f64;
