@@ -335,15 +335,20 @@ fn order_key(x: f64) -> u64 {
 fn radix_narrow(moves: &mut [(f64, u32, u32, f64)], lo: usize, hi: usize, acc: f64, need: f64) -> (usize, usize, f64) {
     let bucket = |m: &(f64, u32, u32, f64)| (order_key(m.0) >> (64 - RADIX_BITS)) as usize;
     let mut saved = vec![0.0f64; 1 << RADIX_BITS];
+    let (mut first, mut last) = (usize::MAX, 0);
     for m in &moves[lo..hi] {
-        saved[bucket(m)] += m.3;
+        let b = bucket(m);
+        saved[b] += m.3;
+        first = first.min(b);
+        last = last.max(b);
     }
+    // Only the buckets the range touches are scanned (prices span tens of binades, not 4096).
     let mut below = acc;
-    let Some(b) = saved.iter().position(|&x| {
-        if below + x >= need {
+    let Some(b) = (first..=last).find(|&b| {
+        if below + saved[b] >= need {
             return true;
         }
-        below += x;
+        below += saved[b];
         false
     }) else {
         // Rounding left the range's sum short of `need` (it ends at the range's last move):
