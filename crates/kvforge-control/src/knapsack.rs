@@ -63,10 +63,14 @@ pub struct Solution {
 /// per item: at 4096 pages the per-item vectors were a third of RDR's decision time).
 ///
 /// Item `i`'s hull is `idx[at[i]..at[i + 1]]` (choice indices, least distortion first) and
-/// its steps' prices are `rho[at[i] - i..at[i + 1] - i - 1]` (one fewer than points).
+/// its steps' prices are `rho[at[i] - i..at[i + 1] - i - 1]` (one fewer than points). The
+/// flat step index `j` of step `s` of item `i` is `at[i] - i + s`, so `(ρ, j)` orders the
+/// steps as `(ρ, item, step)` does.
 struct Hulls {
     idx: Vec<u32>,
     rho: Vec<f64>,
+    /// Bytes saved by each step (indexed like `rho`).
+    save: Vec<f64>,
     at: Vec<usize>,
     /// Σ over items, in item order, of the cost at the start of the hull and at its end (the
     /// cheapest choice), and the largest step price: the solver's first checks, summed here
@@ -79,7 +83,7 @@ struct Hulls {
 impl Hulls {
     fn new(choices: &[Choice], start: &[usize]) -> Hulls {
         let n = start.len().saturating_sub(1);
-        let mut h = Hulls { idx: Vec::with_capacity(choices.len()), rho: Vec::with_capacity(choices.len()), at: Vec::with_capacity(n + 1), start_cost: 0.0, end_cost: 0.0, rho_max: 0.0 };
+        let mut h = Hulls { idx: Vec::with_capacity(choices.len()), rho: Vec::with_capacity(choices.len()), save: Vec::with_capacity(choices.len()), at: Vec::with_capacity(n + 1), start_cost: 0.0, end_cost: 0.0, rho_max: 0.0 };
         h.at.push(0);
         let mut rest: Vec<usize> = Vec::new();
         for i in 0..n {
@@ -119,24 +123,29 @@ impl Hulls {
             rest.dedup_by(|b, a| choices[*a].cost == choices[*b].cost);
         }
         let slope = |a: usize, b: usize| (choices[b].dist - choices[a].dist) / (choices[a].cost - choices[b].cost);
+        // `rho` holds the slope of every step on the stack as it was computed when the step
+        // was pushed (the same division of the same numbers the chord test would redo), so
+        // each candidate costs one division, plus one per point it pops.
         let first = self.idx.len();
+        let first_step = self.rho.len();
         self.idx.push(start as u32);
         for &p in rest.iter() {
             // Pop points above the chord (strictly): collinear points stay, they are finer steps.
-            while self.idx.len() - first >= 2 {
-                let (a, b) = (self.idx[self.idx.len() - 2] as usize, self.idx[self.idx.len() - 1] as usize);
-                if slope(a, b) > slope(b, p) {
-                    self.idx.pop();
-                } else {
-                    break;
-                }
+            let mut s = slope(self.top(), p);
+            while self.idx.len() - first >= 2 && *self.rho.last().expect("a step per point past the start") > s {
+                self.idx.pop();
+                self.rho.pop();
+                s = slope(self.top(), p);
             }
+            self.rho.push(s);
             self.idx.push(p as u32);
         }
+        for r in &mut self.rho[first_step..] {
+            *r = r.max(0.0);
+            self.rho_max = self.rho_max.max(*r);
+        }
         for k in first..self.idx.len() - 1 {
-            let r = slope(self.idx[k] as usize, self.idx[k + 1] as usize).max(0.0);
-            self.rho_max = self.rho_max.max(r);
-            self.rho.push(r);
+            self.save.push(choices[self.idx[k] as usize].cost - choices[self.idx[k + 1] as usize].cost);
         }
         self.start_cost += choices[start].cost;
         self.end_cost += choices[*self.idx.last().expect("a hull holds its start") as usize].cost;
@@ -145,6 +154,16 @@ impl Hulls {
 
     fn len(&self) -> usize {
         self.at.len() - 1
+    }
+
+    /// The last point pushed.
+    fn top(&self) -> usize {
+        *self.idx.last().expect("a hull holds its start") as usize
+    }
+
+    /// Bytes each of item `i`'s hull steps saves; positive.
+    fn save(&self, i: usize) -> &[f64] {
+        &self.save[self.at[i] - i..self.at[i + 1] - i - 1]
     }
 
     /// Choice indices along item `i`'s hull.
@@ -229,24 +248,102 @@ pub fn solve_flat(choices: &[Choice], start: &[usize], budget: f64) -> Solution 
         return finish((0..n).map(|i| hulls.idx(i).len() - 1).collect(), rho_max, false, 0);
     }
     // The greedy path takes moves in (ρ, item, step) order, and the solution is its shortest
-    // prefix that saves `need` bytes. A weighted quickselect finds that prefix in expected
-    // O(moves): partition around the median key, keep the half holding the point where the
-    // savings reach `need`, sort only the last few. (Bisecting λ cost one O(items) pass per
-    // halving of the bracket, most of RDR's decision at 4096 pages.) Within an item prices
-    // do not decrease and ties go by step, so each item's moves in the prefix are its first
-    // ones.
-    let need = start_cost - budget;
-    let mut moves: Vec<(f64, u32, u32, f64)> = Vec::with_capacity(hulls.rho.len());
-    for i in 0..n {
-        let it = item(i);
-        for (s, &r) in hulls.rho(i).iter().enumerate() {
-            moves.push((r, i as u32, s as u32, it[hulls.pick(i, s)].cost - it[hulls.pick(i, s + 1)].cost));
+    // prefix that saves `need` bytes (see [`prefix`]).
+    let (steps, lambda, iterations) = prefix(&hulls, start_cost - budget);
+    finish(steps, lambda, true, iterations)
+}
+
+/// One hull step on the greedy path: `(ρ, item, step, bytes saved)`.
+type Move = (f64, u32, u32, f64);
+
+/// The path order of moves: `(ρ, item, step)`.
+fn path_order(a: &Move, b: &Move) -> std::cmp::Ordering {
+    a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2))
+}
+
+/// `ρ` as an integer in the order of `f64::total_cmp` (the path's order of prices), so that
+/// the high bits of the difference to the smallest key bucket prices monotonically.
+fn price_key(rho: f64) -> u64 {
+    let b = rho.to_bits();
+    if b >> 63 == 1 {
+        !b
+    } else {
+        b | 1 << 63
+    }
+}
+
+/// Price buckets of [`prefix`]'s first pass: 2¹¹ (16 KiB of sums, L1-resident).
+const BUCKET_BITS: u32 = 11;
+
+/// The shortest prefix of the greedy path (all hull moves in `(ρ, item, step)` order) whose
+/// moves save at least `need > 0` bytes: the moves each item takes, the price of the last
+/// move, and the selection rounds spent.
+///
+/// One radix pass first: moves are bucketed by the high bits of their price key (monotone in
+/// ρ), the bytes saved are summed per bucket, and the bucket where the running sum reaches
+/// `need` holds the end of the prefix; every move of an earlier bucket precedes all of that
+/// bucket's moves on the path, so it is in the prefix. Only that bucket's moves (a few, with
+/// prices spread over orders of magnitude as page importances are) are gathered and handed to
+/// the quickselect of [`select_end`], starting from the bytes the earlier buckets saved; the
+/// rest is never materialised. (A quickselect over all moves, partitioning 32-byte tuples
+/// around medians, was ~40% of a 512-page solve.) The prefix is the one [`select_end`] finds
+/// on all moves whenever the sums of bytes saved are exact (integer byte costs), because
+/// both find the same shortest prefix of the same order.
+fn prefix(hulls: &Hulls, need: f64) -> (Vec<usize>, f64, usize) {
+    let n = hulls.len();
+    if hulls.rho.is_empty() {
+        return (vec![0; n], 0.0, 0);
+    }
+    let (lo_key, hi_key) = hulls.rho.iter().fold((u64::MAX, 0), |(lo, hi), &r| (lo.min(price_key(r)), hi.max(price_key(r))));
+    let shift = (u64::BITS - (hi_key - lo_key).leading_zeros()).saturating_sub(BUCKET_BITS);
+    let bucket = |r: f64| ((price_key(r) - lo_key) >> shift) as usize;
+    let last = ((hi_key - lo_key) >> shift) as usize;
+    let mut saved = vec![0.0f64; last + 1];
+    for (&r, &s) in hulls.rho.iter().zip(&hulls.save) {
+        saved[bucket(r)] += s;
+    }
+    // The bucket where the prefix ends (the last one if rounding keeps the sum short of
+    // `need`: then the whole path is the prefix, as in `select_end`), and what the buckets
+    // before it save.
+    let (mut acc, mut end_bucket) = (0.0f64, last);
+    for (k, &s) in saved[..last].iter().enumerate() {
+        if acc + s >= need {
+            end_bucket = k;
+            break;
+        }
+        acc += s;
+    }
+    let mut steps = vec![0usize; n];
+    let mut moves: Vec<Move> = Vec::new();
+    for (i, taken) in steps.iter_mut().enumerate() {
+        for (s, (&r, &b)) in hulls.rho(i).iter().zip(hulls.save(i)).enumerate() {
+            match bucket(r).cmp(&end_bucket) {
+                std::cmp::Ordering::Less => *taken = s + 1,
+                std::cmp::Ordering::Equal => moves.push((r, i as u32, s as u32, b)),
+                std::cmp::Ordering::Greater => {}
+            }
         }
     }
-    let key = |a: &(f64, u32, u32, f64), b: &(f64, u32, u32, f64)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2));
+    let (end, rounds) = select_end(&mut moves, acc, need);
+    for m in &moves[..end] {
+        let (i, s) = (m.1 as usize, m.2 as usize + 1);
+        steps[i] = steps[i].max(s);
+    }
+    let lambda = moves[..end].last().map_or(0.0, |m| m.0);
+    (steps, lambda, 1 + rounds)
+}
+
+/// The weighted quickselect: reorders `moves` so that `moves[..end]` are the first `end` in
+/// path order, where `end` is the shortest count with `acc` plus their savings `≥ need` (all
+/// of them if none is), and returns `end` with the selection rounds spent. Expected
+/// O(moves): partition around the median key, keep the half holding the point where the
+/// savings reach `need`, sort only the last few. (Bisecting λ cost one O(items) pass per
+/// halving of the bracket, most of RDR's decision at 4096 pages.) Within an item prices do
+/// not decrease and ties go by step, so each item's moves in the prefix are its first ones.
+fn select_end(moves: &mut [Move], mut acc: f64, need: f64) -> (usize, usize) {
     // moves[..lo] are in the prefix (their keys precede every key of moves[lo..hi]) and save
     // `acc`; the prefix ends inside moves[lo..hi].
-    let (mut lo, mut hi, mut acc) = (0usize, moves.len(), 0.0f64);
+    let (mut lo, mut hi) = (0usize, moves.len());
     let mut iterations = 0;
     // A controller invoked every few decode steps is short by a few pages, so the prefix is
     // a few moves: first select the SHORT smallest keys (one partial pass, where halving
@@ -256,18 +353,18 @@ pub fn solve_flat(choices: &[Choice], start: &[usize], budget: f64) -> Solution 
     const SHORT: usize = 64;
     if hi > 4 * SHORT {
         iterations += 1;
-        moves.select_nth_unstable_by(SHORT, key);
+        moves.select_nth_unstable_by(SHORT, path_order);
         let saved: f64 = moves[..SHORT].iter().map(|m| m.3).sum();
-        if saved >= need {
+        if acc + saved >= need {
             hi = SHORT;
         } else {
-            acc = saved;
+            acc += saved;
             lo = SHORT;
         }
     }
     let end = loop {
         if hi - lo <= 32 {
-            moves[lo..hi].sort_unstable_by(key);
+            moves[lo..hi].sort_unstable_by(path_order);
             let mut end = hi;
             for (k, m) in moves[lo..hi].iter().enumerate() {
                 acc += m.3;
@@ -280,7 +377,7 @@ pub fn solve_flat(choices: &[Choice], start: &[usize], budget: f64) -> Solution 
         }
         iterations += 1;
         let mid = lo + (hi - lo) / 2;
-        moves[lo..hi].select_nth_unstable_by(mid - lo, key);
+        moves[lo..hi].select_nth_unstable_by(mid - lo, path_order);
         let left: f64 = moves[lo..mid].iter().map(|m| m.3).sum();
         if acc + left >= need {
             hi = mid;
@@ -289,13 +386,7 @@ pub fn solve_flat(choices: &[Choice], start: &[usize], budget: f64) -> Solution 
             lo = mid;
         }
     };
-    let mut steps = vec![0usize; n];
-    for m in &moves[..end] {
-        let (i, s) = (m.1 as usize, m.2 as usize + 1);
-        steps[i] = steps[i].max(s);
-    }
-    let lambda = moves[lo..end].last().map_or(0.0, |m| m.0);
-    finish(steps, lambda, true, iterations)
+    (end, iterations)
 }
 
 /// Exhaustive optimum of a small instance (tests and audits): `(pick, dist)` of the
@@ -403,6 +494,82 @@ mod tests {
                 assert_eq!(got.pick, want, "trial {trial}, need {need}");
                 assert_eq!(got.lambda, lambda, "trial {trial}, need {need}");
             }
+        }
+    }
+
+    /// The path's prefix by the quickselect alone over every move (the selection before the
+    /// radix pass): the reference [`prefix`] must reproduce.
+    fn prefix_by_quickselect(h: &Hulls, need: f64) -> (Vec<usize>, f64) {
+        let mut moves: Vec<Move> = Vec::new();
+        for i in 0..h.len() {
+            for (s, (&r, &b)) in h.rho(i).iter().zip(h.save(i)).enumerate() {
+                moves.push((r, i as u32, s as u32, b));
+            }
+        }
+        let (end, _) = select_end(&mut moves, 0.0, need);
+        let mut steps = vec![0usize; h.len()];
+        for m in &moves[..end] {
+            steps[m.1 as usize] = steps[m.1 as usize].max(m.2 as usize + 1);
+        }
+        (steps, moves[..end].last().map_or(0.0, |m| m.0))
+    }
+
+    fn flat(items: &[Vec<Choice>]) -> (Vec<Choice>, Vec<usize>) {
+        let mut start = vec![0];
+        for it in items {
+            start.push(start.last().unwrap() + it.len());
+        }
+        (items.iter().flatten().copied().collect(), start)
+    }
+
+    /// Items as controllers pose them and worse: page ladders truncated from above (pages
+    /// already down-tiered) and below (protected pages, no drop), weights with exact ties
+    /// (equal prices across items) and zeros (free moves), plus arbitrary choice lists (not
+    /// ladders: the general hull), all with integer byte costs.
+    fn mixed_items() -> impl proptest::strategy::Strategy<Value = Vec<Vec<Choice>>> {
+        use proptest::prelude::*;
+        const COSTS: [f64; 5] = [1000.0, 600.0, 350.0, 200.0, 0.0];
+        const EPS: [f64; 5] = [0.0, 2.2e-5, 0.0062, 0.149, 1.0];
+        let weight = prop_oneof![Just(0.0), Just(1.0), Just(0.25), (-30.0f64..2.0).prop_map(f64::exp)];
+        let ladder = (weight, 0usize..4, 2usize..=5).prop_map(|(w, from, to)| {
+            let to = to.max(from + 2);
+            (from..to).map(|t| Choice::new(COSTS[t], w * EPS[t])).collect::<Vec<_>>()
+        });
+        let general = prop::collection::vec((0u32..30, prop_oneof![Just(0.0), 0.0f64..5.0]).prop_map(|(c, d)| Choice::new(c as f64, d)), 1..=6);
+        prop::collection::vec(prop_oneof![4 => ladder, 1 => general], 1..700)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 300, ..Default::default() })]
+
+        /// The radix pass then quickselect inside one bucket equals the quickselect over all
+        /// moves: same moves per item, same marginal price, for budgets from "short by one
+        /// byte" to "everything moves".
+        #[test]
+        fn radix_prefix_equals_quickselect(items in mixed_items(), fracs in proptest::collection::vec(0.0f64..=1.0, 1..6)) {
+            let (choices, start) = flat(&items);
+            let h = Hulls::new(&choices, &start);
+            let total: f64 = h.save.iter().sum();
+            for f in fracs {
+                let need = (f * total).round().max(1.0);
+                let (steps, lambda, _) = prefix(&h, need);
+                let want = prefix_by_quickselect(&h, need);
+                proptest::prop_assert_eq!(&steps, &want.0, "need {}", need);
+                proptest::prop_assert_eq!(lambda.to_bits(), want.1.to_bits(), "need {}", need);
+            }
+        }
+    }
+
+    /// Thousands of moves at a handful of prices (equal weights): the end bucket holds far
+    /// more than the quickselect's short pass, and ties are broken by (item, step).
+    #[test]
+    fn radix_prefix_with_one_crowded_bucket() {
+        let items: Vec<Vec<Choice>> = (0..2000).map(|i| ch(&[(1000.0, 0.0), (600.0, 0.5), (350.0, 1.0 + (i % 2) as f64 * 1e-12), (0.0, 9.0)])).collect();
+        let (choices, start) = flat(&items);
+        let h = Hulls::new(&choices, &start);
+        for need in [1.0, 399.0, 400.0, 401.0, 1e5, 7e5, 1.2e6, 2e6] {
+            let (steps, lambda, _) = prefix(&h, need);
+            assert_eq!((steps, lambda), prefix_by_quickselect(&h, need), "need {need}");
         }
     }
 
