@@ -7,6 +7,8 @@
 //! * `solve_head`: `knapsack::solve_flat` on kv head 0's pages alone (512 items of 5 tiers);
 //! * `allocate_head` (with `--paper`): seed 002's per-token/per-channel allocation of one head.
 //!
+//! `--solve-only` repeats only the solve (view and decide once).
+//!
 //!     taskset -c 1 cargo run --release -p kvforge-control --example rdkv_prof -- specs/rdkv.toml --reps 300 --paper
 use std::time::Instant;
 
@@ -41,6 +43,9 @@ fn main() -> Result<(), Error> {
     let spec_path = args.iter().find(|a| a.ends_with(".toml")).cloned().unwrap_or("specs/rdkv.toml".into());
     let reps: usize = args.iter().position(|a| a == "--reps").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(200);
     let paper = args.iter().any(|a| a == "--paper");
+    // Only the head's solve repeated (for `perf record` of the knapsack alone).
+    let solve_only = args.iter().any(|a| a == "--solve-only");
+    let whole = if solve_only { 1 } else { reps };
     let spec = kvforge_spec::Spec::load(spec_path.as_ref()).map_err(|e| e.to_string())?;
     let (d, heads, ctx, gqa) = (128usize, 8usize, 32768usize, 4usize);
     let p = spec.page.tokens;
@@ -65,9 +70,9 @@ fn main() -> Result<(), Error> {
             Signal { mass: m.iter().sum(), token_mass: rdkv.proxy.uses_token_mass().then(|| m.to_vec()), pinned: false }
         })
     };
-    let (view_med, view_min, view) = time(reps, view_once);
+    let (view_med, view_min, view) = time(whole, view_once);
     let view = view?;
-    let (dec_med, dec_min, plan) = time(reps, || rdkv.clone().decide(&view, &limits));
+    let (dec_med, dec_min, plan) = time(whole, || rdkv.clone().decide(&view, &limits));
     let digest = plan.decisions.iter().fold(0u64, |h, x| h.wrapping_mul(1_000_003) ^ ((x.page.head * 100_000 + x.page.index) as u64 * 16 + x.to_tier as u64));
     // Head 0 as the controller poses it (every page but the protected ones has the ladder
     // from its tier down; protected pages are fixed at b16 by the default floor).

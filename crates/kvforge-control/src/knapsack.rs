@@ -95,13 +95,20 @@ impl Hulls {
     /// Appends the hull of one item.
     fn push_item(&mut self, choices: &[Choice], rest: &mut Vec<usize>) {
         assert!(!choices.is_empty(), "knapsack: an item has no choices");
-        for c in choices {
-            assert!(c.cost.is_finite() && c.dist.is_finite() && c.cost >= 0.0, "knapsack: choice {c:?} must have finite cost ≥ 0 and finite distortion");
+        // One pass for the checks and the shape. Controllers list a page's tiers down the
+        // ladder: strictly cheaper, no less distorted. Then the start is the first choice and
+        // the candidates are the rest in order, which is what the general path below
+        // computes, without its sort.
+        let valid = |c: &Choice| c.cost.is_finite() && c.dist.is_finite() && c.cost >= 0.0;
+        let (mut ok, mut ladder) = (valid(&choices[0]), true);
+        for w in choices.windows(2) {
+            ok &= valid(&w[1]);
+            ladder &= w[1].cost < w[0].cost && w[1].dist >= choices[0].dist;
         }
-        // Controllers list a page's tiers down the ladder: strictly cheaper, no less distorted.
-        // Then the start is the first choice and the candidates are the rest in order, which
-        // is what the general path below computes, without its sort.
-        let ladder = choices.windows(2).all(|w| w[1].cost < w[0].cost) && choices[1..].iter().all(|c| c.dist >= choices[0].dist);
+        if !ok {
+            let c = choices.iter().find(|c| !valid(c)).expect("an invalid choice");
+            panic!("knapsack: choice {c:?} must have finite cost ≥ 0 and finite distortion");
+        }
         // Start: least distortion, ties towards the higher cost (no gratuitous move), then index.
         let start = if ladder { 0 } else { (0..choices.len())
             .min_by(|&a, &b| {
@@ -123,42 +130,44 @@ impl Hulls {
             rest.dedup_by(|b, a| choices[*a].cost == choices[*b].cost);
         }
         let slope = |a: usize, b: usize| (choices[b].dist - choices[a].dist) / (choices[a].cost - choices[b].cost);
-        // `rho` holds the slope of every step on the stack as it was computed when the step
-        // was pushed (the same division of the same numbers the chord test would redo), so
-        // each candidate costs one division, plus one per point it pops.
-        let first = self.idx.len();
-        let first_step = self.rho.len();
-        self.idx.push(start as u32);
+        // The stack lives in the item's room at the end of `idx` and `rho` (at most every
+        // candidate stays), trimmed afterwards: no push or pop per point. `rho[k]` is the
+        // slope from point k to k + 1 as computed when k + 1 was pushed (the same division of
+        // the same numbers the chord test would redo), so a candidate costs one division plus
+        // one per point it pops.
+        let (first, first_step) = (self.idx.len(), self.rho.len());
+        self.idx.resize(first + rest.len() + 1, 0);
+        self.rho.resize(first_step + rest.len(), 0.0);
+        let (idx, rho) = (&mut self.idx[first..], &mut self.rho[first_step..]);
+        idx[0] = start as u32;
+        let mut top = 0;
         for &p in rest.iter() {
             // Pop points above the chord (strictly): collinear points stay, they are finer steps.
-            let mut s = slope(self.top(), p);
-            while self.idx.len() - first >= 2 && *self.rho.last().expect("a step per point past the start") > s {
-                self.idx.pop();
-                self.rho.pop();
-                s = slope(self.top(), p);
+            let mut s = slope(idx[top] as usize, p);
+            while top > 0 && rho[top - 1] > s {
+                top -= 1;
+                s = slope(idx[top] as usize, p);
             }
-            self.rho.push(s);
-            self.idx.push(p as u32);
+            rho[top] = s;
+            top += 1;
+            idx[top] = p as u32;
         }
-        for r in &mut self.rho[first_step..] {
+        for r in &mut rho[..top] {
             *r = r.max(0.0);
             self.rho_max = self.rho_max.max(*r);
         }
-        for k in first..self.idx.len() - 1 {
-            self.save.push(choices[self.idx[k] as usize].cost - choices[self.idx[k + 1] as usize].cost);
+        for k in 0..top {
+            self.save.push(choices[idx[k] as usize].cost - choices[idx[k + 1] as usize].cost);
         }
         self.start_cost += choices[start].cost;
-        self.end_cost += choices[*self.idx.last().expect("a hull holds its start") as usize].cost;
+        self.end_cost += choices[idx[top] as usize].cost;
+        self.idx.truncate(first + top + 1);
+        self.rho.truncate(first_step + top);
         self.at.push(self.idx.len());
     }
 
     fn len(&self) -> usize {
         self.at.len() - 1
-    }
-
-    /// The last point pushed.
-    fn top(&self) -> usize {
-        *self.idx.last().expect("a hull holds its start") as usize
     }
 
     /// Bytes each of item `i`'s hull steps saves; positive.
@@ -497,6 +506,33 @@ mod tests {
         }
     }
 
+    /// Item hulls as the chord test computes them, every slope recomputed (the hull before
+    /// the slopes were kept on the stack): `(choice indices, prices)`.
+    fn hull_by_chords(choices: &[Choice]) -> (Vec<u32>, Vec<f64>) {
+        let start = (0..choices.len())
+            .min_by(|&a, &b| {
+                let (x, y) = (choices[a], choices[b]);
+                x.dist.total_cmp(&y.dist).then(y.cost.total_cmp(&x.cost)).then(a.cmp(&b))
+            })
+            .unwrap();
+        let mut rest: Vec<usize> = (0..choices.len()).filter(|&i| choices[i].cost < choices[start].cost).collect();
+        rest.sort_by(|&a, &b| {
+            let (x, y) = (choices[a], choices[b]);
+            y.cost.total_cmp(&x.cost).then(x.dist.total_cmp(&y.dist)).then(a.cmp(&b))
+        });
+        rest.dedup_by(|b, a| choices[*a].cost == choices[*b].cost);
+        let slope = |a: usize, b: usize| (choices[b].dist - choices[a].dist) / (choices[a].cost - choices[b].cost);
+        let mut idx = vec![start];
+        for p in rest {
+            while idx.len() >= 2 && slope(idx[idx.len() - 2], idx[idx.len() - 1]) > slope(idx[idx.len() - 1], p) {
+                idx.pop();
+            }
+            idx.push(p);
+        }
+        let rho = idx.windows(2).map(|w| slope(w[0], w[1]).max(0.0)).collect();
+        (idx.into_iter().map(|i| i as u32).collect(), rho)
+    }
+
     /// The path's prefix by the quickselect alone over every move (the selection before the
     /// radix pass): the reference [`prefix`] must reproduce.
     fn prefix_by_quickselect(h: &Hulls, need: f64) -> (Vec<usize>, f64) {
@@ -556,6 +592,30 @@ mod tests {
                 let want = prefix_by_quickselect(&h, need);
                 proptest::prop_assert_eq!(&steps, &want.0, "need {}", need);
                 proptest::prop_assert_eq!(lambda.to_bits(), want.1.to_bits(), "need {}", need);
+            }
+        }
+    }
+
+    /// One item of up to 40 arbitrary choices on a coarse grid (many equal costs, ties and
+    /// collinear points).
+    fn long_item() -> impl proptest::strategy::Strategy<Value = Vec<Choice>> {
+        use proptest::prelude::*;
+        prop::collection::vec((0u32..40, 0u32..8).prop_map(|(c, d)| Choice::new(c as f64, d as f64 * 0.5)), 1..40)
+    }
+
+    proptest::proptest! {
+        /// The stacked slopes give the hull and prices of the chord test, bit for bit, on
+        /// ladders, general lists (ties, equal costs, collinear points) and long items.
+        #[test]
+        fn hull_equals_the_chord_test(items in mixed_items(), long in long_item()) {
+            let mut items = items;
+            items.push(long);
+            let (choices, start) = flat(&items);
+            let h = Hulls::new(&choices, &start);
+            for (i, it) in items.iter().enumerate() {
+                let (idx, rho) = hull_by_chords(it);
+                proptest::prop_assert_eq!(h.idx(i), &idx[..]);
+                proptest::prop_assert_eq!(h.rho(i).iter().map(|r| r.to_bits()).collect::<Vec<_>>(), rho.iter().map(|r| r.to_bits()).collect::<Vec<_>>());
             }
         }
     }

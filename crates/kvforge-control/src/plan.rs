@@ -69,7 +69,7 @@ impl Problem {
     /// `options(id, page, out)` pushes the tiers a page may take (current first) with the
     /// objective distortion of each into the empty `out`; a page with one option is fixed.
     pub fn build(view: &PageTableView, mut options: impl FnMut(PageId, &PageInfo, &mut Vec<(TierId, f64)>)) -> Problem {
-        let mut p = Problem::with_capacity(view.num_pages());
+        let mut p = Problem::with_capacity(view.num_pages(), view.costs.tiers.len());
         let mut opts = Vec::new();
         for (id, page) in view.iter() {
             opts.clear();
@@ -85,7 +85,7 @@ impl Problem {
     /// quarter of RDKV's decision).
     pub fn build_head(view: &PageTableView, head: usize, mut options: impl FnMut(PageId, &PageInfo, &mut Vec<(TierId, f64)>)) -> Problem {
         let pages = view.heads.get(head).map_or(&[][..], Vec::as_slice);
-        let mut p = Problem::with_capacity(pages.len());
+        let mut p = Problem::with_capacity(pages.len(), view.costs.tiers.len());
         let mut opts = Vec::new();
         for (index, page) in pages.iter().enumerate() {
             opts.clear();
@@ -95,8 +95,10 @@ impl Problem {
         p
     }
 
-    fn with_capacity(n: usize) -> Problem {
-        let mut p = Problem { ids: Vec::with_capacity(n), tiers: Vec::with_capacity(4 * n), choices: Vec::with_capacity(4 * n), start: Vec::with_capacity(n + 1), fixed: 0.0 };
+    /// Room for `n` pages of up to `tiers` options each (no reallocation while building: a
+    /// page may take every tier of a ladder, five in RDKV's spec).
+    fn with_capacity(n: usize, tiers: usize) -> Problem {
+        let mut p = Problem { ids: Vec::with_capacity(n), tiers: Vec::with_capacity(tiers * n), choices: Vec::with_capacity(tiers * n), start: Vec::with_capacity(n + 1), fixed: 0.0 };
         p.start.push(0);
         p
     }
