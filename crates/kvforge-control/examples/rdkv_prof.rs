@@ -7,7 +7,7 @@
 //! * `solve_head`: `knapsack::solve_flat` on kv head 0's pages alone (512 items of 5 tiers);
 //! * `allocate_head` (with `--paper`): seed 002's per-token/per-channel allocation of one head.
 //!
-//! `--solve-only` repeats only the solve (view and decide once).
+//! `--only view|decide|solve` repeats that part alone (the others once).
 //!
 //!     taskset -c 1 cargo run --release -p kvforge-control --example rdkv_prof -- specs/rdkv.toml --reps 300 --paper
 use std::time::Instant;
@@ -43,9 +43,9 @@ fn main() -> Result<(), Error> {
     let spec_path = args.iter().find(|a| a.ends_with(".toml")).cloned().unwrap_or("specs/rdkv.toml".into());
     let reps: usize = args.iter().position(|a| a == "--reps").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(200);
     let paper = args.iter().any(|a| a == "--paper");
-    // Only the head's solve repeated (for `perf record` of the knapsack alone).
-    let solve_only = args.iter().any(|a| a == "--solve-only");
-    let whole = if solve_only { 1 } else { reps };
+    // `--only view|decide|solve`: repeat that part alone (the others run once), for `perf record`.
+    let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)).cloned();
+    let reps_of = |part: &str| if only.as_deref().is_none_or(|o| o == part) { reps } else { 1 };
     let spec = kvforge_spec::Spec::load(spec_path.as_ref()).map_err(|e| e.to_string())?;
     let (d, heads, ctx, gqa) = (128usize, 8usize, 32768usize, 4usize);
     let p = spec.page.tokens;
@@ -70,9 +70,9 @@ fn main() -> Result<(), Error> {
             Signal { mass: m.iter().sum(), token_mass: rdkv.proxy.uses_token_mass().then(|| m.to_vec()), pinned: false }
         })
     };
-    let (view_med, view_min, view) = time(whole, view_once);
+    let (view_med, view_min, view) = time(reps_of("view"), view_once);
     let view = view?;
-    let (dec_med, dec_min, plan) = time(whole, || rdkv.clone().decide(&view, &limits));
+    let (dec_med, dec_min, plan) = time(reps_of("decide"), || rdkv.clone().decide(&view, &limits));
     let digest = plan.decisions.iter().fold(0u64, |h, x| h.wrapping_mul(1_000_003) ^ ((x.page.head * 100_000 + x.page.index) as u64 * 16 + x.to_tier as u64));
     // Head 0 as the controller poses it (every page but the protected ones has the ladder
     // from its tier down; protected pages are fixed at b16 by the default floor).
@@ -88,7 +88,7 @@ fn main() -> Result<(), Error> {
         start.push(choices.len());
     }
     let share = limits.budget.bytes(view.context_tokens, heads) / heads as f64 - fixed;
-    let (solve_med, solve_min, sol) = time(reps, || knapsack::solve_flat(&choices, &start, share));
+    let (solve_med, solve_min, sol) = time(reps_of("solve"), || knapsack::solve_flat(&choices, &start, share));
     print!(
         "{{\"view_us\":[{view_med:.1},{view_min:.1}],\"decide_us\":[{dec_med:.1},{dec_min:.1}],\"solve_head_us\":[{solve_med:.1},{solve_min:.1}],\"head_items\":{},\"head_lambda\":{:e},\"plan_digest\":\"{digest:016x}\"",
         start.len() - 1,

@@ -266,7 +266,7 @@ impl Controller for RdkvController {
             // other heads' pages enter only as fixed bytes), solved on up to one thread per
             // head (no more than the CPUs this process may use) when the view is large enough
             // to pay for the threads.
-            let solve_head = |h: usize| Problem::build_head(view, h, opts).solve(view, shares[h]);
+            let solve_head = |h: usize| Problem::build_head_allowed(view, h, &limits.protection, |i, t| table.page(weights[offset[h] + i], t)).solve(view, shares[h]);
             let heads = view.heads.len();
             let workers = if view.num_pages() >= PARALLEL_PAGES { heads.min(cpu_threads()) } else { 1 };
             let solved: Vec<(knapsack::Solution, Vec<Decision>)> = if workers > 1 {
