@@ -127,7 +127,7 @@ fn rdkv(spec: Spec, reps: usize, paper: bool) -> Result<(), Error> {
     let mut digest = 0u64;
     for _ in 0..reps.max(1) {
         let t = Instant::now();
-        let view = pos.view(&cache, costs.clone(), |key, len| {
+        let view = pos.view_par(&cache, costs.clone(), |key, len| {
             let m = &tok[key.head][key.first_token..key.first_token + len];
             Signal { mass: m.iter().sum(), token_mass: rdkv.proxy.uses_token_mass().then(|| m.to_vec()), pinned: false }
         })?;

@@ -65,7 +65,7 @@ fn main() -> Result<(), Error> {
     pos.sync(&cache)?;
     let rdkv = RdkvController::new(&spec)?;
     let view_once = || {
-        pos.view(&cache, costs.clone(), |key, len| {
+        pos.view_par(&cache, costs.clone(), |key, len| {
             let m = &tok[key.head][key.first_token..key.first_token + len];
             Signal { mass: m.iter().sum(), token_mass: rdkv.proxy.uses_token_mass().then(|| m.to_vec()), pinned: false }
         })
@@ -89,8 +89,11 @@ fn main() -> Result<(), Error> {
     }
     let share = limits.budget.bytes(view.context_tokens, heads) / heads as f64 - fixed;
     let (solve_med, solve_min, sol) = time(reps_of("solve"), || knapsack::solve_flat(&choices, &start, share));
+    // What a decision pays to start threads for 8 heads (scoped, each doing nothing).
+    let (spawn_med, spawn_min, _) = time(reps_of("spawn"), || std::thread::scope(|sc| (0..8).map(|h| sc.spawn(move || h)).collect::<Vec<_>>().into_iter().map(|j| j.join().unwrap_or(0)).sum::<usize>()));
+    print!("{{\"spawn8_us\":[{spawn_med:.1},{spawn_min:.1}],");
     print!(
-        "{{\"view_us\":[{view_med:.1},{view_min:.1}],\"decide_us\":[{dec_med:.1},{dec_min:.1}],\"solve_head_us\":[{solve_med:.1},{solve_min:.1}],\"head_items\":{},\"head_lambda\":{:e},\"plan_digest\":\"{digest:016x}\"",
+        "\"view_us\":[{view_med:.1},{view_min:.1}],\"decide_us\":[{dec_med:.1},{dec_min:.1}],\"solve_head_us\":[{solve_med:.1},{solve_min:.1}],\"head_items\":{},\"head_lambda\":{:e},\"plan_digest\":\"{digest:016x}\"",
         start.len() - 1,
         sol.lambda
     );

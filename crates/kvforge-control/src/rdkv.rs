@@ -263,19 +263,14 @@ impl Controller for RdkvController {
         let (sol, decisions) = if self.per_head {
             let shares = self.head_shares(view, limits, budget);
             // Heads are independent knapsacks: one problem per head over its own pages (the
-            // other heads' pages enter only as fixed bytes), solved on up to one thread per
-            // head (no more than the CPUs this process may use) when the view is large enough
-            // to pay for the threads.
+            // other heads' pages enter only as fixed bytes), solved on the rayon pool (its
+            // threads persist: starting a thread per head cost more than the heads' solves)
+            // when the view is large enough; results in head order either way.
             let solve_head = |h: usize| Problem::build_head_allowed(view, h, &limits.protection, |i, t| table.page(weights[offset[h] + i], t)).solve(view, shares[h]);
             let heads = view.heads.len();
-            let workers = if view.num_pages() >= PARALLEL_PAGES { heads.min(cpu_threads()) } else { 1 };
-            let solved: Vec<(knapsack::Solution, Vec<Decision>)> = if workers > 1 {
-                // Contiguous runs of heads per thread, joined in head order.
-                let per = heads.div_ceil(workers);
-                std::thread::scope(|sc| {
-                    let hs: Vec<_> = (0..heads).step_by(per).map(|h0| sc.spawn(move || (h0..(h0 + per).min(heads)).map(solve_head).collect::<Vec<_>>())).collect();
-                    hs.into_iter().flat_map(|j| j.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
-                })
+            let solved: Vec<(knapsack::Solution, Vec<Decision>)> = if view.num_pages() >= PARALLEL_PAGES && rayon::current_num_threads() > 1 {
+                use rayon::prelude::*;
+                (0..heads).into_par_iter().map(solve_head).collect()
             } else {
                 (0..heads).map(solve_head).collect()
             };
@@ -297,13 +292,6 @@ impl Controller for RdkvController {
     }
 }
 
-/// Views of at least this many pages solve their heads on threads (one head of 32K tokens is
-/// 512 pages; below ~1000 pages in all a thread start costs more than the head's solve).
+/// Views of at least this many pages solve their heads on the pool (one head of 32K tokens is
+/// 512 pages; below ~1000 pages in all a hand-off costs more than the head's solve).
 const PARALLEL_PAGES: usize = 1024;
-
-/// Threads this process may run at once (its CPU affinity and quota), asked once: threads
-/// beyond it only queue behind each other, each start costing more than a head's solve.
-fn cpu_threads() -> usize {
-    static THREADS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
-}
