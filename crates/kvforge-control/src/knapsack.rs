@@ -109,6 +109,10 @@ impl Hulls {
             let c = choices.iter().find(|c| !valid(c)).expect("an invalid choice");
             panic!("knapsack: choice {c:?} must have finite cost ≥ 0 and finite distortion");
         }
+        if ladder && choices.len() <= LADDER_MAX {
+            self.push_ladder(choices);
+            return;
+        }
         // Start: least distortion, ties towards the higher cost (no gratuitous move), then index.
         let start = if ladder { 0 } else { (0..choices.len())
             .min_by(|&a, &b| {
@@ -163,6 +167,38 @@ impl Hulls {
         self.end_cost += choices[idx[top] as usize].cost;
         self.idx.truncate(first + top + 1);
         self.rho.truncate(first_step + top);
+        self.at.push(self.idx.len());
+    }
+
+    /// [`push_item`](Self::push_item) for a short ladder (start 0, candidates 1.. in order):
+    /// the same stack and slopes, kept in registers-sized arrays rather than the shared
+    /// vectors (the vector bookkeeping per point was most of a page's hull).
+    fn push_ladder(&mut self, choices: &[Choice]) {
+        let slope = |a: usize, b: usize| (choices[b].dist - choices[a].dist) / (choices[a].cost - choices[b].cost);
+        let (mut idx, mut rho) = ([0u32; LADDER_MAX], [0.0f64; LADDER_MAX]);
+        let mut top = 0;
+        for p in 1..choices.len() {
+            // Pop points above the chord (strictly): collinear points stay, they are finer steps.
+            let mut s = slope(idx[top] as usize, p);
+            while top > 0 && rho[top - 1] > s {
+                top -= 1;
+                s = slope(idx[top] as usize, p);
+            }
+            rho[top] = s;
+            top += 1;
+            idx[top] = p as u32;
+        }
+        for r in &mut rho[..top] {
+            *r = r.max(0.0);
+            self.rho_max = self.rho_max.max(*r);
+        }
+        for k in 0..top {
+            self.save.push(choices[idx[k] as usize].cost - choices[idx[k + 1] as usize].cost);
+        }
+        self.idx.extend_from_slice(&idx[..=top]);
+        self.rho.extend_from_slice(&rho[..top]);
+        self.start_cost += choices[0].cost;
+        self.end_cost += choices[idx[top] as usize].cost;
         self.at.push(self.idx.len());
     }
 
@@ -261,6 +297,10 @@ pub fn solve_flat(choices: &[Choice], start: &[usize], budget: f64) -> Solution 
     let (steps, lambda, iterations) = prefix(&hulls, start_cost - budget);
     finish(steps, lambda, true, iterations)
 }
+
+/// Ladders of at most this many choices take [`Hulls::push_ladder`] (a kvforge ladder has 5
+/// tiers below the tail).
+const LADDER_MAX: usize = 8;
 
 /// One hull step on the greedy path: `(ρ, item, step, bytes saved)`.
 type Move = (f64, u32, u32, f64);
