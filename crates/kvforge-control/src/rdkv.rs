@@ -215,16 +215,12 @@ impl RdkvController {
 
     fn head_shares(&self, view: &PageTableView, limits: &Limits, budget: f64) -> Vec<f64> {
         let n = view.heads.len();
-        let min: Vec<f64> = view
-            .heads
-            .iter()
-            .map(|pages| {
-                pages
-                    .iter()
-                    .map(|p| limits.protection.allowed_tiers(p, view.context_tokens, &view.costs).map(|t| view.costs.cost(t, p.tokens)).fold(f64::INFINITY, f64::min))
-                    .sum()
-            })
-            .collect();
+        let min: Vec<f64> = per_head(view, |h| {
+            view.heads[h]
+                .iter()
+                .map(|p| limits.protection.allowed_tiers(p, view.context_tokens, &view.costs).map(|t| view.costs.cost(t, p.tokens)).fold(f64::INFINITY, f64::min))
+                .sum()
+        });
         // Water-fill: heads that cannot live on an equal share get their minimum.
         let mut pinned = vec![false; n];
         loop {
@@ -263,17 +259,9 @@ impl Controller for RdkvController {
         let (sol, decisions) = if self.per_head {
             let shares = self.head_shares(view, limits, budget);
             // Heads are independent knapsacks: one problem per head over its own pages (the
-            // other heads' pages enter only as fixed bytes), solved on the rayon pool (its
-            // threads persist: starting a thread per head cost more than the heads' solves)
-            // when the view is large enough; results in head order either way.
+            // other heads' pages enter only as fixed bytes), solved side by side ([`per_head`]).
             let solve_head = |h: usize| Problem::build_head_allowed(view, h, &limits.protection, |i, t| table.page(weights[offset[h] + i], t)).solve(view, shares[h]);
-            let heads = view.heads.len();
-            let solved: Vec<(knapsack::Solution, Vec<Decision>)> = if view.num_pages() >= PARALLEL_PAGES && rayon::current_num_threads() > 1 {
-                use rayon::prelude::*;
-                (0..heads).into_par_iter().map(solve_head).collect()
-            } else {
-                (0..heads).map(solve_head).collect()
-            };
+            let solved: Vec<(knapsack::Solution, Vec<Decision>)> = per_head(view, solve_head);
             let mut all = Vec::new();
             let mut agg: Option<knapsack::Solution> = None;
             for (s, d) in solved {
@@ -289,6 +277,18 @@ impl Controller for RdkvController {
             Problem::build(view, opts).solve(view, budget)
         };
         assemble(view, decisions, budget, &sol, Vec::new(), |id, t| table.page(weight(id), t))
+    }
+}
+
+/// `f(h)` for every kv head of the view, in head order: on the rayon pool (its threads
+/// persist: starting a thread per head cost more than the heads' solves) when the view has
+/// [`PARALLEL_PAGES`] and the pool more than one thread, else in turn on this thread.
+fn per_head<T: Send>(view: &PageTableView, f: impl Fn(usize) -> T + Sync + Send) -> Vec<T> {
+    use rayon::prelude::*;
+    if view.num_pages() >= PARALLEL_PAGES && rayon::current_num_threads() > 1 {
+        (0..view.heads.len()).into_par_iter().map(f).collect()
+    } else {
+        (0..view.heads.len()).map(f).collect()
     }
 }
 
