@@ -61,7 +61,10 @@ pub struct Allocation {
 pub fn allocate(weights: &[f64], eps: &[(u32, f64)], cost_per_bit: f64, budget: f64) -> Allocation {
     assert!(!eps.is_empty(), "allocate: the distortion table is empty");
     // Flat (one allocation, not one per unit: 32K units per head after a 32K prefill).
-    let choices: Vec<Choice> = weights.iter().flat_map(|&w| eps.iter().map(move |&(b, e)| Choice::new(b as f64 * cost_per_bit, w * e))).collect();
+    // Sized up front: collected from `flat_map` (no size hint) it grew by doubling, copying
+    // megabytes at 32K units.
+    let mut choices: Vec<Choice> = Vec::with_capacity(weights.len() * eps.len());
+    choices.extend(weights.iter().flat_map(|&w| eps.iter().map(move |&(b, e)| Choice::new(b as f64 * cost_per_bit, w * e))));
     let start: Vec<usize> = (0..=weights.len()).map(|i| i * eps.len()).collect();
     let s = knapsack::solve_flat(&choices, &start, budget);
     Allocation {
