@@ -13,8 +13,9 @@
 //! 2. All hull moves of all items, ordered by `(ρ, item, step)`, form the greedy downgrade path
 //!    of seed 000 C.3 ("apply the move with smallest ρ until the budget is met"); within an
 //!    item prices do not decrease, so any prefix of the path takes each item's first moves.
-//!    The solution is the *shortest prefix* that meets the budget, found by a weighted
-//!    quickselect on the moves (expected O(moves); only the last ≤ 32 are sorted). It is a
+//!    The solution is the *shortest prefix* that meets the budget, found in O(moves): a radix
+//!    pass over price buckets finds the bucket where it ends, then a weighted quickselect on
+//!    that bucket's moves only (only the last ≤ 32 are sorted). It is a
 //!    prefix of one budget-independent order of moves, which is what makes the predicted
 //!    distortion monotone in the budget (a larger budget stops earlier on the same path), at
 //!    the price of not back-filling slack with out-of-order upgrades (the overshoot is at most
