@@ -142,24 +142,11 @@ fn rdkv(spec: Spec, reps: usize, paper: bool) -> Result<(), Error> {
     let mut digest = 0u64;
     for _ in 0..reps.max(1) {
         let t = Instant::now();
-        // Page weights w_p = Σ_{t∈p} w_t, kv heads on rayon's pool (reading the 32K × 8 token
-        // weights is most of the view), unless the proxy needs the token weights themselves.
+        // Kv heads on rayon's pool (`view_par`): a page's weight is the sum of its tokens'.
         let per_token = rdkv.proxy.uses_token_mass();
-        let page_w: Vec<Vec<f64>> = if per_token {
-            Vec::new()
-        } else {
-            use rayon::prelude::*;
-            tok.par_iter().map(|w| w.chunks(p).map(page_mass).collect()).collect()
-        };
-        let view = pos.view(&cache, costs.clone(), |key, len| {
+        let view = pos.view_par(&cache, costs.clone(), |key, len| {
             let m = &tok[key.head][key.first_token..key.first_token + len];
-            if per_token {
-                Signal { mass: page_mass(m), token_mass: Some(m.to_vec()), pinned: false }
-            } else {
-                // Full pages start at multiples of the page size; the tail's weights are summed here.
-                let mass = if len == p && key.first_token % p == 0 { page_w[key.head][key.first_token / p] } else { page_mass(m) };
-                Signal { mass, token_mass: None, pinned: false }
-            }
+            Signal { mass: page_mass(m), token_mass: per_token.then(|| m.to_vec()), pinned: false }
         })?;
         tv.push(t.elapsed().as_secs_f64() * 1e6);
         let mut c = rdkv.clone();

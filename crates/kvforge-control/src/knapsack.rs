@@ -13,8 +13,9 @@
 //! 2. All hull moves of all items, ordered by `(ρ, item, step)`, form the greedy downgrade path
 //!    of seed 000 C.3 ("apply the move with smallest ρ until the budget is met"); within an
 //!    item prices do not decrease, so any prefix of the path takes each item's first moves.
-//!    The solution is the *shortest prefix* that meets the budget, found by a weighted
-//!    quickselect on the moves (expected O(moves); only the last ≤ 32 are sorted). It is a
+//!    The solution is the *shortest prefix* that meets the budget, found in O(moves): a radix
+//!    pass over price buckets finds the bucket where it ends, then a weighted quickselect on
+//!    that bucket's moves only (only the last ≤ 32 are sorted). It is a
 //!    prefix of one budget-independent order of moves, which is what makes the predicted
 //!    distortion monotone in the budget (a larger budget stops earlier on the same path), at
 //!    the price of not back-filling slack with out-of-order upgrades (the overshoot is at most
@@ -63,10 +64,14 @@ pub struct Solution {
 /// per item: at 4096 pages the per-item vectors were a third of RDR's decision time).
 ///
 /// Item `i`'s hull is `idx[at[i]..at[i + 1]]` (choice indices, least distortion first) and
-/// its steps' prices are `rho[at[i] - i..at[i + 1] - i - 1]` (one fewer than points).
+/// its steps' prices are `rho[at[i] - i..at[i + 1] - i - 1]` (one fewer than points). The
+/// flat step index `j` of step `s` of item `i` is `at[i] - i + s`, so `(ρ, j)` orders the
+/// steps as `(ρ, item, step)` does.
 struct Hulls {
     idx: Vec<u32>,
     rho: Vec<f64>,
+    /// Bytes saved by each step (indexed like `rho`).
+    save: Vec<f64>,
     at: Vec<usize>,
     /// Σ over items, in item order, of the cost at the start of the hull and at its end (the
     /// cheapest choice), and the largest step price: the solver's first checks, summed here
@@ -79,7 +84,23 @@ struct Hulls {
 impl Hulls {
     fn new(choices: &[Choice], start: &[usize]) -> Hulls {
         let n = start.len().saturating_sub(1);
-        let mut h = Hulls { idx: Vec::with_capacity(choices.len()), rho: Vec::with_capacity(choices.len()), at: Vec::with_capacity(n + 1), start_cost: 0.0, end_cost: 0.0, rho_max: 0.0 };
+        // The storage of this thread's previous solve, if any (see `SPARE_HULLS`).
+        let spare = SPARE_HULLS.with(|s| s.take());
+        let mut h = match spare {
+            Some(mut h) => {
+                h.idx.clear();
+                h.rho.clear();
+                h.save.clear();
+                h.at.clear();
+                (h.start_cost, h.end_cost, h.rho_max) = (0.0, 0.0, 0.0);
+                h
+            }
+            None => Hulls { idx: Vec::new(), rho: Vec::new(), save: Vec::new(), at: Vec::new(), start_cost: 0.0, end_cost: 0.0, rho_max: 0.0 },
+        };
+        h.idx.reserve(choices.len());
+        h.rho.reserve(choices.len());
+        h.save.reserve(choices.len());
+        h.at.reserve(n + 1);
         h.at.push(0);
         let mut rest: Vec<usize> = Vec::new();
         for i in 0..n {
@@ -91,13 +112,24 @@ impl Hulls {
     /// Appends the hull of one item.
     fn push_item(&mut self, choices: &[Choice], rest: &mut Vec<usize>) {
         assert!(!choices.is_empty(), "knapsack: an item has no choices");
-        for c in choices {
-            assert!(c.cost.is_finite() && c.dist.is_finite() && c.cost >= 0.0, "knapsack: choice {c:?} must have finite cost ≥ 0 and finite distortion");
+        // One pass for the checks and the shape. Controllers list a page's tiers down the
+        // ladder: strictly cheaper, no less distorted. Then the start is the first choice and
+        // the candidates are the rest in order, which is what the general path below
+        // computes, without its sort.
+        let valid = |c: &Choice| c.cost.is_finite() && c.dist.is_finite() && c.cost >= 0.0;
+        let (mut ok, mut ladder) = (valid(&choices[0]), true);
+        for w in choices.windows(2) {
+            ok &= valid(&w[1]);
+            ladder &= w[1].cost < w[0].cost && w[1].dist >= choices[0].dist;
         }
-        // Controllers list a page's tiers down the ladder: strictly cheaper, no less distorted.
-        // Then the start is the first choice and the candidates are the rest in order, which
-        // is what the general path below computes, without its sort.
-        let ladder = choices.windows(2).all(|w| w[1].cost < w[0].cost) && choices[1..].iter().all(|c| c.dist >= choices[0].dist);
+        if !ok {
+            let c = choices.iter().find(|c| !valid(c)).expect("an invalid choice");
+            panic!("knapsack: choice {c:?} must have finite cost ≥ 0 and finite distortion");
+        }
+        if ladder && choices.len() <= LADDER_MAX {
+            self.push_ladder(choices);
+            return;
+        }
         // Start: least distortion, ties towards the higher cost (no gratuitous move), then index.
         let start = if ladder { 0 } else { (0..choices.len())
             .min_by(|&a, &b| {
@@ -119,36 +151,86 @@ impl Hulls {
             rest.dedup_by(|b, a| choices[*a].cost == choices[*b].cost);
         }
         let slope = |a: usize, b: usize| (choices[b].dist - choices[a].dist) / (choices[a].cost - choices[b].cost);
-        // The hull's step slopes ride along its points (`self.rho` past `first_rho`): each
-        // candidate costs one division, and popped points drop their slope with them. The
-        // comparisons and the stored prices are the same divisions as computing each pair's
-        // slope afresh (the pair's operands do not change), so the hull is bit for bit the
-        // same as dividing twice per comparison, as it did before.
-        let first = self.idx.len();
-        let first_rho = self.rho.len();
-        self.idx.push(start as u32);
+        // The stack lives in the item's room at the end of `idx` and `rho` (at most every
+        // candidate stays), trimmed afterwards: no push or pop per point. `rho[k]` is the
+        // slope from point k to k + 1 as computed when k + 1 was pushed (the same division of
+        // the same numbers the chord test would redo), so a candidate costs one division plus
+        // one per point it pops.
+        let (first, first_step) = (self.idx.len(), self.rho.len());
+        self.idx.resize(first + rest.len() + 1, 0);
+        self.rho.resize(first_step + rest.len(), 0.0);
+        let (idx, rho) = (&mut self.idx[first..], &mut self.rho[first_step..]);
+        idx[0] = start as u32;
+        let mut top = 0;
         for &p in rest.iter() {
-            let mut s = slope(*self.idx.last().expect("a hull holds its start") as usize, p);
             // Pop points above the chord (strictly): collinear points stay, they are finer steps.
-            while self.idx.len() - first >= 2 && self.rho[self.rho.len() - 1] > s {
-                self.idx.pop();
-                self.rho.pop();
-                s = slope(*self.idx.last().expect("two points remain") as usize, p);
+            let mut s = slope(idx[top] as usize, p);
+            while top > 0 && rho[top - 1] > s {
+                top -= 1;
+                s = slope(idx[top] as usize, p);
             }
-            self.idx.push(p as u32);
-            self.rho.push(s);
+            rho[top] = s;
+            top += 1;
+            idx[top] = p as u32;
         }
-        for r in &mut self.rho[first_rho..] {
+        for r in &mut rho[..top] {
             *r = r.max(0.0);
             self.rho_max = self.rho_max.max(*r);
         }
+        for k in 0..top {
+            self.save.push(choices[idx[k] as usize].cost - choices[idx[k + 1] as usize].cost);
+        }
         self.start_cost += choices[start].cost;
-        self.end_cost += choices[*self.idx.last().expect("a hull holds its start") as usize].cost;
+        self.end_cost += choices[idx[top] as usize].cost;
+        self.idx.truncate(first + top + 1);
+        self.rho.truncate(first_step + top);
         self.at.push(self.idx.len());
+    }
+
+    /// [`push_item`](Self::push_item) for a short ladder (start 0, candidates 1.. in order):
+    /// the same stack and slopes, kept in registers-sized arrays rather than the shared
+    /// vectors (the vector bookkeeping per point was most of a page's hull).
+    fn push_ladder(&mut self, choices: &[Choice]) {
+        let slope = |a: usize, b: usize| (choices[b].dist - choices[a].dist) / (choices[a].cost - choices[b].cost);
+        let (mut idx, mut rho) = ([0u32; LADDER_MAX], [0.0f64; LADDER_MAX]);
+        let mut top = 0;
+        for p in 1..choices.len() {
+            // Pop points above the chord (strictly): collinear points stay, they are finer steps.
+            let mut s = slope(idx[top] as usize, p);
+            while top > 0 && rho[top - 1] > s {
+                top -= 1;
+                s = slope(idx[top] as usize, p);
+            }
+            rho[top] = s;
+            top += 1;
+            idx[top] = p as u32;
+        }
+        for r in &mut rho[..top] {
+            *r = r.max(0.0);
+            self.rho_max = self.rho_max.max(*r);
+        }
+        for k in 0..top {
+            self.save.push(choices[idx[k] as usize].cost - choices[idx[k + 1] as usize].cost);
+        }
+        self.idx.extend_from_slice(&idx[..=top]);
+        self.rho.extend_from_slice(&rho[..top]);
+        self.start_cost += choices[0].cost;
+        self.end_cost += choices[idx[top] as usize].cost;
+        self.at.push(self.idx.len());
+    }
+
+    /// Keeps the storage for this thread's next solve.
+    fn recycle(self) {
+        SPARE_HULLS.with(|s| s.set(Some(self)));
     }
 
     fn len(&self) -> usize {
         self.at.len() - 1
+    }
+
+    /// Bytes each of item `i`'s hull steps saves; positive.
+    fn save(&self, i: usize) -> &[f64] {
+        &self.save[self.at[i] - i..self.at[i + 1] - i - 1]
     }
 
     /// Choice indices along item `i`'s hull.
@@ -224,33 +306,123 @@ pub fn solve_flat(choices: &[Choice], start: &[usize], budget: f64) -> Solution 
     };
 
     let start_cost = hulls.start_cost;
-    if start_cost <= budget {
-        return finish(vec![0; n], 0.0, true, 0);
+    let solution = if start_cost <= budget {
+        finish(vec![0; n], 0.0, true, 0)
+    } else if hulls.end_cost > budget {
+        finish((0..n).map(|i| hulls.idx(i).len() - 1).collect(), hulls.rho_max, false, 0)
+    } else {
+        // The greedy path takes moves in (ρ, item, step) order, and the solution is its
+        // shortest prefix that saves `need` bytes (see [`prefix`]).
+        let (steps, lambda, iterations) = prefix(&hulls, start_cost - budget);
+        finish(steps, lambda, true, iterations)
+    };
+    hulls.recycle();
+    solution
+}
+
+std::thread_local! {
+    /// The hull vectors of the last solve on this thread, reused by the next: RDKV's paper
+    /// allocation solves 32K units per head, and fresh megabytes each time cost a page fault
+    /// per 4 KiB touched (half the median time of a solve, against the warm minimum). A
+    /// thread keeps at most the storage of its largest solve.
+    static SPARE_HULLS: std::cell::Cell<Option<Hulls>> = const { std::cell::Cell::new(None) };
+}
+
+/// Ladders of at most this many choices take [`Hulls::push_ladder`] (a kvforge ladder has 5
+/// tiers below the tail).
+const LADDER_MAX: usize = 8;
+
+/// One hull step on the greedy path: `(ρ, item, step, bytes saved)`.
+type Move = (f64, u32, u32, f64);
+
+/// The path order of moves: `(ρ, item, step)`.
+fn path_order(a: &Move, b: &Move) -> std::cmp::Ordering {
+    a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2))
+}
+
+/// `ρ` as an integer in the order of `f64::total_cmp` (the path's order of prices), so that
+/// the high bits of the difference to the smallest key bucket prices monotonically.
+fn price_key(rho: f64) -> u64 {
+    let b = rho.to_bits();
+    if b >> 63 == 1 {
+        !b
+    } else {
+        b | 1 << 63
     }
-    let rho_max = hulls.rho_max;
-    let min_cost = hulls.end_cost;
-    if min_cost > budget {
-        return finish((0..n).map(|i| hulls.idx(i).len() - 1).collect(), rho_max, false, 0);
+}
+
+/// Price buckets of [`prefix`]'s first pass: 2¹¹ (16 KiB of sums, L1-resident).
+const BUCKET_BITS: u32 = 11;
+
+/// The shortest prefix of the greedy path (all hull moves in `(ρ, item, step)` order) whose
+/// moves save at least `need > 0` bytes: the moves each item takes, the price of the last
+/// move, and the selection rounds spent.
+///
+/// One radix pass first: moves are bucketed by the high bits of their price key (monotone in
+/// ρ), the bytes saved are summed per bucket, and the bucket where the running sum reaches
+/// `need` holds the end of the prefix; every move of an earlier bucket precedes all of that
+/// bucket's moves on the path, so it is in the prefix. Only that bucket's moves (a few, with
+/// prices spread over orders of magnitude as page importances are) are gathered and handed to
+/// the quickselect of [`select_end`], starting from the bytes the earlier buckets saved; the
+/// rest is never materialised. (A quickselect over all moves, partitioning 32-byte tuples
+/// around medians, was ~40% of a 512-page solve.) The prefix is the one [`select_end`] finds
+/// on all moves whenever the sums of bytes saved are exact (integer byte costs), because
+/// both find the same shortest prefix of the same order.
+fn prefix(hulls: &Hulls, need: f64) -> (Vec<usize>, f64, usize) {
+    let n = hulls.len();
+    if hulls.rho.is_empty() {
+        return (vec![0; n], 0.0, 0);
     }
-    // The greedy path takes moves in (ρ, item, step) order, and the solution is its shortest
-    // prefix that saves `need` bytes. A weighted quickselect finds that prefix in expected
-    // O(moves): partition around the median key, keep the half holding the point where the
-    // savings reach `need`, sort only the last few. (Bisecting λ cost one O(items) pass per
-    // halving of the bracket, most of RDR's decision at 4096 pages.) Within an item prices
-    // do not decrease and ties go by step, so each item's moves in the prefix are its first
-    // ones.
-    let need = start_cost - budget;
-    let mut moves: Vec<(f64, u32, u32, f64)> = Vec::with_capacity(hulls.rho.len());
-    for i in 0..n {
-        let it = item(i);
-        for (s, &r) in hulls.rho(i).iter().enumerate() {
-            moves.push((r, i as u32, s as u32, it[hulls.pick(i, s)].cost - it[hulls.pick(i, s + 1)].cost));
+    let (lo_key, hi_key) = hulls.rho.iter().fold((u64::MAX, 0), |(lo, hi), &r| (lo.min(price_key(r)), hi.max(price_key(r))));
+    let shift = (u64::BITS - (hi_key - lo_key).leading_zeros()).saturating_sub(BUCKET_BITS);
+    let bucket = |r: f64| ((price_key(r) - lo_key) >> shift) as usize;
+    let last = ((hi_key - lo_key) >> shift) as usize;
+    let mut saved = vec![0.0f64; last + 1];
+    for (&r, &s) in hulls.rho.iter().zip(&hulls.save) {
+        saved[bucket(r)] += s;
+    }
+    // The bucket where the prefix ends (the last one if rounding keeps the sum short of
+    // `need`: then the whole path is the prefix, as in `select_end`), and what the buckets
+    // before it save.
+    let (mut acc, mut end_bucket) = (0.0f64, last);
+    for (k, &s) in saved[..last].iter().enumerate() {
+        if acc + s >= need {
+            end_bucket = k;
+            break;
+        }
+        acc += s;
+    }
+    let mut steps = vec![0usize; n];
+    let mut moves: Vec<Move> = Vec::new();
+    for (i, taken) in steps.iter_mut().enumerate() {
+        for (s, (&r, &b)) in hulls.rho(i).iter().zip(hulls.save(i)).enumerate() {
+            match bucket(r).cmp(&end_bucket) {
+                std::cmp::Ordering::Less => *taken = s + 1,
+                std::cmp::Ordering::Equal => moves.push((r, i as u32, s as u32, b)),
+                std::cmp::Ordering::Greater => {}
+            }
         }
     }
-    let key = |a: &(f64, u32, u32, f64), b: &(f64, u32, u32, f64)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2));
+    let (end, rounds) = select_end(&mut moves, acc, need);
+    for m in &moves[..end] {
+        let (i, s) = (m.1 as usize, m.2 as usize + 1);
+        steps[i] = steps[i].max(s);
+    }
+    let lambda = moves[..end].last().map_or(0.0, |m| m.0);
+    (steps, lambda, 1 + rounds)
+}
+
+/// The weighted quickselect: reorders `moves` so that `moves[..end]` are the first `end` in
+/// path order, where `end` is the shortest count with `acc` plus their savings `≥ need` (all
+/// of them if none is), and returns `end` with the selection rounds spent. Expected
+/// O(moves): partition around the median key, keep the half holding the point where the
+/// savings reach `need`, sort only the last few. (Bisecting λ cost one O(items) pass per
+/// halving of the bracket, most of RDR's decision at 4096 pages.) Within an item prices do
+/// not decrease and ties go by step, so each item's moves in the prefix are its first ones.
+fn select_end(moves: &mut [Move], mut acc: f64, need: f64) -> (usize, usize) {
     // moves[..lo] are in the prefix (their keys precede every key of moves[lo..hi]) and save
     // `acc`; the prefix ends inside moves[lo..hi].
-    let (mut lo, mut hi, mut acc) = (0usize, moves.len(), 0.0f64);
+    let (mut lo, mut hi) = (0usize, moves.len());
     let mut iterations = 0;
     // A controller invoked every few decode steps is short by a few pages, so the prefix is
     // a few moves: first select the SHORT smallest keys (one partial pass, where halving
@@ -260,24 +432,18 @@ pub fn solve_flat(choices: &[Choice], start: &[usize], budget: f64) -> Solution 
     const SHORT: usize = 64;
     if hi > 4 * SHORT {
         iterations += 1;
-        moves.select_nth_unstable_by(SHORT, key);
+        moves.select_nth_unstable_by(SHORT, path_order);
         let saved: f64 = moves[..SHORT].iter().map(|m| m.3).sum();
-        if saved >= need {
+        if acc + saved >= need {
             hi = SHORT;
         } else {
-            acc = saved;
+            acc += saved;
             lo = SHORT;
         }
     }
-    // Most moves taken (RDKV after prefill moves most pages): bucket the rest by binade of ρ
-    // first, so the halving runs inside one bucket instead of over all of them.
-    if hi - lo > RADIX_MIN {
-        iterations += 1;
-        (lo, hi, acc) = radix_narrow(&mut moves, lo, hi, acc, need);
-    }
     let end = loop {
         if hi - lo <= 32 {
-            moves[lo..hi].sort_unstable_by(key);
+            moves[lo..hi].sort_unstable_by(path_order);
             let mut end = hi;
             for (k, m) in moves[lo..hi].iter().enumerate() {
                 acc += m.3;
@@ -290,7 +456,7 @@ pub fn solve_flat(choices: &[Choice], start: &[usize], budget: f64) -> Solution 
         }
         iterations += 1;
         let mid = lo + (hi - lo) / 2;
-        moves[lo..hi].select_nth_unstable_by(mid - lo, key);
+        moves[lo..hi].select_nth_unstable_by(mid - lo, path_order);
         let left: f64 = moves[lo..mid].iter().map(|m| m.3).sum();
         if acc + left >= need {
             hi = mid;
@@ -299,79 +465,7 @@ pub fn solve_flat(choices: &[Choice], start: &[usize], budget: f64) -> Solution 
             lo = mid;
         }
     };
-    let mut steps = vec![0usize; n];
-    for m in &moves[..end] {
-        let (i, s) = (m.1 as usize, m.2 as usize + 1);
-        steps[i] = steps[i].max(s);
-    }
-    let lambda = moves[lo..end].last().map_or(0.0, |m| m.0);
-    finish(steps, lambda, true, iterations)
-}
-
-/// Ranges at least this long are narrowed by [`radix_narrow`] before the halving (below it,
-/// zeroing the histogram costs more than the passes it saves).
-const RADIX_MIN: usize = 512;
-
-/// Buckets of [`radix_narrow`]: the top 12 bits of ρ's total-order key, one per binade.
-const RADIX_BITS: u32 = 12;
-
-/// A u64 that orders like `f64::total_cmp` (the sign flips the rest; non-negative values get
-/// the top bit), so its high bits bucket prices in key order.
-fn order_key(x: f64) -> u64 {
-    let b = x.to_bits();
-    if b >> 63 == 1 {
-        !b
-    } else {
-        b | 1 << 63
-    }
-}
-
-/// One step of the weighted selection over `moves[lo..hi]`, which saves `need - acc` more
-/// somewhere inside: histograms the savings per ρ bucket, finds the bucket where the running
-/// savings reach `need`, and partitions the range into the buckets below it (all in the
-/// prefix), that bucket, and the ones above (none in it). Returns the bucket's range and the
-/// savings before it. Buckets are intervals of the (ρ, item, step) key, so the selection's
-/// invariant holds and the prefix is the one the halving alone would find.
-fn radix_narrow(moves: &mut [(f64, u32, u32, f64)], lo: usize, hi: usize, acc: f64, need: f64) -> (usize, usize, f64) {
-    let bucket = |m: &(f64, u32, u32, f64)| (order_key(m.0) >> (64 - RADIX_BITS)) as usize;
-    let mut saved = vec![0.0f64; 1 << RADIX_BITS];
-    let (mut first, mut last) = (usize::MAX, 0);
-    for m in &moves[lo..hi] {
-        let b = bucket(m);
-        saved[b] += m.3;
-        first = first.min(b);
-        last = last.max(b);
-    }
-    // Only the buckets the range touches are scanned (prices span tens of binades, not 4096).
-    let mut below = acc;
-    let Some(b) = (first..=last).find(|&b| {
-        if below + saved[b] >= need {
-            return true;
-        }
-        below += saved[b];
-        false
-    }) else {
-        // Rounding left the range's sum short of `need` (it ends at the range's last move):
-        // leave it to the halving.
-        return (lo, hi, acc);
-    };
-    // Three-way partition: [< b][== b][> b].
-    let (mut lt, mut i, mut gt) = (lo, lo, hi);
-    while i < gt {
-        match bucket(&moves[i]).cmp(&b) {
-            std::cmp::Ordering::Less => {
-                moves.swap(lt, i);
-                lt += 1;
-                i += 1;
-            }
-            std::cmp::Ordering::Greater => {
-                gt -= 1;
-                moves.swap(i, gt);
-            }
-            std::cmp::Ordering::Equal => i += 1,
-        }
-    }
-    (lt, gt, below)
+    (end, iterations)
 }
 
 /// Exhaustive optimum of a small instance (tests and audits): `(pick, dist)` of the
@@ -479,6 +573,133 @@ mod tests {
                 assert_eq!(got.pick, want, "trial {trial}, need {need}");
                 assert_eq!(got.lambda, lambda, "trial {trial}, need {need}");
             }
+        }
+    }
+
+    /// Item hulls as the chord test computes them, every slope recomputed (the hull before
+    /// the slopes were kept on the stack): `(choice indices, prices)`.
+    fn hull_by_chords(choices: &[Choice]) -> (Vec<u32>, Vec<f64>) {
+        let start = (0..choices.len())
+            .min_by(|&a, &b| {
+                let (x, y) = (choices[a], choices[b]);
+                x.dist.total_cmp(&y.dist).then(y.cost.total_cmp(&x.cost)).then(a.cmp(&b))
+            })
+            .unwrap();
+        let mut rest: Vec<usize> = (0..choices.len()).filter(|&i| choices[i].cost < choices[start].cost).collect();
+        rest.sort_by(|&a, &b| {
+            let (x, y) = (choices[a], choices[b]);
+            y.cost.total_cmp(&x.cost).then(x.dist.total_cmp(&y.dist)).then(a.cmp(&b))
+        });
+        rest.dedup_by(|b, a| choices[*a].cost == choices[*b].cost);
+        let slope = |a: usize, b: usize| (choices[b].dist - choices[a].dist) / (choices[a].cost - choices[b].cost);
+        let mut idx = vec![start];
+        for p in rest {
+            while idx.len() >= 2 && slope(idx[idx.len() - 2], idx[idx.len() - 1]) > slope(idx[idx.len() - 1], p) {
+                idx.pop();
+            }
+            idx.push(p);
+        }
+        let rho = idx.windows(2).map(|w| slope(w[0], w[1]).max(0.0)).collect();
+        (idx.into_iter().map(|i| i as u32).collect(), rho)
+    }
+
+    /// The path's prefix by the quickselect alone over every move (the selection before the
+    /// radix pass): the reference [`prefix`] must reproduce.
+    fn prefix_by_quickselect(h: &Hulls, need: f64) -> (Vec<usize>, f64) {
+        let mut moves: Vec<Move> = Vec::new();
+        for i in 0..h.len() {
+            for (s, (&r, &b)) in h.rho(i).iter().zip(h.save(i)).enumerate() {
+                moves.push((r, i as u32, s as u32, b));
+            }
+        }
+        let (end, _) = select_end(&mut moves, 0.0, need);
+        let mut steps = vec![0usize; h.len()];
+        for m in &moves[..end] {
+            steps[m.1 as usize] = steps[m.1 as usize].max(m.2 as usize + 1);
+        }
+        (steps, moves[..end].last().map_or(0.0, |m| m.0))
+    }
+
+    fn flat(items: &[Vec<Choice>]) -> (Vec<Choice>, Vec<usize>) {
+        let mut start = vec![0];
+        for it in items {
+            start.push(start.last().unwrap() + it.len());
+        }
+        (items.iter().flatten().copied().collect(), start)
+    }
+
+    /// Items as controllers pose them and worse: page ladders truncated from above (pages
+    /// already down-tiered) and below (protected pages, no drop), weights with exact ties
+    /// (equal prices across items) and zeros (free moves), plus arbitrary choice lists (not
+    /// ladders: the general hull), all with integer byte costs.
+    fn mixed_items() -> impl proptest::strategy::Strategy<Value = Vec<Vec<Choice>>> {
+        use proptest::prelude::*;
+        const COSTS: [f64; 5] = [1000.0, 600.0, 350.0, 200.0, 0.0];
+        const EPS: [f64; 5] = [0.0, 2.2e-5, 0.0062, 0.149, 1.0];
+        let weight = prop_oneof![Just(0.0), Just(1.0), Just(0.25), (-30.0f64..2.0).prop_map(f64::exp)];
+        let ladder = (weight, 0usize..4, 2usize..=5).prop_map(|(w, from, to)| {
+            let to = to.max(from + 2);
+            (from..to).map(|t| Choice::new(COSTS[t], w * EPS[t])).collect::<Vec<_>>()
+        });
+        let general = prop::collection::vec((0u32..30, prop_oneof![Just(0.0), 0.0f64..5.0]).prop_map(|(c, d)| Choice::new(c as f64, d)), 1..=6);
+        prop::collection::vec(prop_oneof![4 => ladder, 1 => general], 1..700)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 300, ..Default::default() })]
+
+        /// The radix pass then quickselect inside one bucket equals the quickselect over all
+        /// moves: same moves per item, same marginal price, for budgets from "short by one
+        /// byte" to "everything moves".
+        #[test]
+        fn radix_prefix_equals_quickselect(items in mixed_items(), fracs in proptest::collection::vec(0.0f64..=1.0, 1..6)) {
+            let (choices, start) = flat(&items);
+            let h = Hulls::new(&choices, &start);
+            let total: f64 = h.save.iter().sum();
+            for f in fracs {
+                let need = (f * total).round().max(1.0);
+                let (steps, lambda, _) = prefix(&h, need);
+                let want = prefix_by_quickselect(&h, need);
+                proptest::prop_assert_eq!(&steps, &want.0, "need {}", need);
+                proptest::prop_assert_eq!(lambda.to_bits(), want.1.to_bits(), "need {}", need);
+            }
+        }
+    }
+
+    /// One item of up to 40 arbitrary choices on a coarse grid (many equal costs, ties and
+    /// collinear points).
+    fn long_item() -> impl proptest::strategy::Strategy<Value = Vec<Choice>> {
+        use proptest::prelude::*;
+        prop::collection::vec((0u32..40, 0u32..8).prop_map(|(c, d)| Choice::new(c as f64, d as f64 * 0.5)), 1..40)
+    }
+
+    proptest::proptest! {
+        /// The stacked slopes give the hull and prices of the chord test, bit for bit, on
+        /// ladders, general lists (ties, equal costs, collinear points) and long items.
+        #[test]
+        fn hull_equals_the_chord_test(items in mixed_items(), long in long_item()) {
+            let mut items = items;
+            items.push(long);
+            let (choices, start) = flat(&items);
+            let h = Hulls::new(&choices, &start);
+            for (i, it) in items.iter().enumerate() {
+                let (idx, rho) = hull_by_chords(it);
+                proptest::prop_assert_eq!(h.idx(i), &idx[..]);
+                proptest::prop_assert_eq!(h.rho(i).iter().map(|r| r.to_bits()).collect::<Vec<_>>(), rho.iter().map(|r| r.to_bits()).collect::<Vec<_>>());
+            }
+        }
+    }
+
+    /// Thousands of moves at a handful of prices (equal weights): the end bucket holds far
+    /// more than the quickselect's short pass, and ties are broken by (item, step).
+    #[test]
+    fn radix_prefix_with_one_crowded_bucket() {
+        let items: Vec<Vec<Choice>> = (0..2000).map(|i| ch(&[(1000.0, 0.0), (600.0, 0.5), (350.0, 1.0 + (i % 2) as f64 * 1e-12), (0.0, 9.0)])).collect();
+        let (choices, start) = flat(&items);
+        let h = Hulls::new(&choices, &start);
+        for need in [1.0, 399.0, 400.0, 401.0, 1e5, 7e5, 1.2e6, 2e6] {
+            let (steps, lambda, _) = prefix(&h, need);
+            assert_eq!((steps, lambda), prefix_by_quickselect(&h, need), "need {need}");
         }
     }
 

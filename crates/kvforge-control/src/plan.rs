@@ -69,7 +69,7 @@ impl Problem {
     /// `options(id, page, out)` pushes the tiers a page may take (current first) with the
     /// objective distortion of each into the empty `out`; a page with one option is fixed.
     pub fn build(view: &PageTableView, mut options: impl FnMut(PageId, &PageInfo, &mut Vec<(TierId, f64)>)) -> Problem {
-        let mut p = Problem::with_capacity(view.num_pages());
+        let mut p = Problem::with_capacity(view.num_pages(), view.costs.tiers.len());
         let mut opts = Vec::new();
         for (id, page) in view.iter() {
             opts.clear();
@@ -83,9 +83,10 @@ impl Problem {
     /// head's share (the other heads' pages enter neither `fixed` nor the items, so a head
     /// costs O(its pages), not O(all pages): at 8 heads the walks over the whole view were a
     /// quarter of RDKV's decision).
+    #[cfg(test)]
     pub fn build_head(view: &PageTableView, head: usize, mut options: impl FnMut(PageId, &PageInfo, &mut Vec<(TierId, f64)>)) -> Problem {
         let pages = view.heads.get(head).map_or(&[][..], Vec::as_slice);
-        let mut p = Problem::with_capacity(pages.len());
+        let mut p = Problem::with_capacity(pages.len(), view.costs.tiers.len());
         let mut opts = Vec::new();
         for (index, page) in pages.iter().enumerate() {
             opts.clear();
@@ -95,8 +96,41 @@ impl Problem {
         p
     }
 
-    fn with_capacity(n: usize) -> Problem {
-        let mut p = Problem { ids: Vec::with_capacity(n), tiers: Vec::with_capacity(4 * n), choices: Vec::with_capacity(4 * n), start: Vec::with_capacity(n + 1), fixed: 0.0 };
+    /// [`build_head`](Self::build_head) for a controller whose options are the tiers
+    /// `protection` allows ([`Protection::allowed_tiers`], current first), tier `t` of page
+    /// `index` at distortion `dist(index, t)`: the same problem, written in place in one loop
+    /// (building each page's options in a vector and copying them cost RDKV more than its
+    /// knapsack at 32K tokens).
+    pub fn build_head_allowed(view: &PageTableView, head: usize, protection: &Protection, dist: impl Fn(usize, TierId) -> f64) -> Problem {
+        let pages = view.heads.get(head).map_or(&[][..], Vec::as_slice);
+        let costs = &view.costs;
+        let mut p = Problem::with_capacity(pages.len(), costs.tiers.len());
+        for (index, page) in pages.iter().enumerate() {
+            let (lowest, no_drop) = protection.allowed_span(page, view.context_tokens, costs);
+            let begin = p.choices.len();
+            for t in page.tier..=lowest {
+                if !(no_drop && costs.tiers[t as usize].drop) {
+                    p.tiers.push(t);
+                    p.choices.push(Choice::new(costs.cost(t, page.tokens), dist(index, t)));
+                }
+            }
+            if p.choices.len() - begin <= 1 {
+                // One option or none: fixed, as `push` keeps it.
+                p.tiers.truncate(begin);
+                p.choices.truncate(begin);
+                p.fixed += costs.cost(page.tier, page.tokens);
+            } else {
+                p.ids.push(PageId { head, index });
+                p.start.push(p.choices.len());
+            }
+        }
+        p
+    }
+
+    /// Room for `n` pages of up to `tiers` options each (no reallocation while building: a
+    /// page may take every tier of a ladder, five in RDKV's spec).
+    fn with_capacity(n: usize, tiers: usize) -> Problem {
+        let mut p = Problem { ids: Vec::with_capacity(n), tiers: Vec::with_capacity(tiers * n), choices: Vec::with_capacity(tiers * n), start: Vec::with_capacity(n + 1), fixed: 0.0 };
         p.start.push(0);
         p
     }
@@ -160,4 +194,34 @@ pub(crate) fn assemble(view: &PageTableView, decisions: Vec<Decision>, budget_by
     debug_assert!(next.next().is_none(), "assemble: decisions must name pages of the view, sorted by page");
     plan.feasible = plan.cost_after <= budget_bytes;
     plan
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::{CostModel, TierCosts};
+
+    /// The in-place builder poses the problem the generic one does with the same options:
+    /// free, protected (sinks, recent, pinned; floors above and below the page's tier) and
+    /// fixed pages (tail, partial), on both cost models.
+    #[test]
+    fn build_head_allowed_equals_build_head() {
+        let spec = kvforge_spec::Spec::load(concat!(env!("CARGO_MANIFEST_DIR"), "/../../specs/rdkv.toml").as_ref()).expect("rdkv spec");
+        for model in [CostModel::Resident, CostModel::Payload] {
+            let costs = TierCosts::from_spec(&spec, 128, model);
+            let p = costs.page_tokens;
+            let page = |i: usize, tier: TierId, tokens: usize| PageInfo { tier, tokens, first_token: i * p, last_token: i * p + tokens - 1, mass: 1.0 / (i + 1) as f64, token_mass: None, pinned: i % 7 == 3 };
+            let mut pages: Vec<PageInfo> = (0..40).map(|i| page(i, 1 + (i % 5) as TierId, p)).collect();
+            pages.push(page(40, kvforge_spec::TAIL_TIER, p / 2));
+            let view = PageTableView { seq: 0, context_tokens: 40 * p + p / 2, heads: vec![Vec::new(), pages], costs };
+            for floor in [1, 2, 3, 4, 5] {
+                let protection = Protection { sink_tokens: 4, recent_tokens: 3 * p, floor };
+                let dist = |i: usize, t: TierId| (i * 10 + t as usize) as f64 * 0.1;
+                let want = Problem::build_head(&view, 1, |id, pg, out| out.extend(protection.allowed_tiers(pg, view.context_tokens, &view.costs).map(|t| (t, dist(id.index, t)))));
+                let got = Problem::build_head_allowed(&view, 1, &protection, dist);
+                assert_eq!((&got.ids, &got.tiers, &got.choices, &got.start, got.fixed), (&want.ids, &want.tiers, &want.choices, &want.start, want.fixed), "floor {floor}, {model:?}");
+                assert!(got.ids.len() > 10 && got.fixed > 0.0);
+            }
+        }
+    }
 }

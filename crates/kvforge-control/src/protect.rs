@@ -71,12 +71,19 @@ impl Protection {
 
     /// [`allowed`](Self::allowed) without the allocation (controllers ask for every page).
     pub fn allowed_tiers<'a>(&self, page: &PageInfo, context_tokens: usize, costs: &'a TierCosts) -> impl Iterator<Item = TierId> + 'a {
+        let (lowest, no_drop) = self.allowed_span(page, context_tokens, costs);
+        (page.tier..=lowest).filter(move |&t| !(no_drop && costs.tiers[t as usize].drop))
+    }
+
+    /// The tiers [`allowed_tiers`](Self::allowed_tiers) lists as a span: `page.tier..=lowest`,
+    /// drop tiers left out when the flag is set (for loops that build a page's options in
+    /// place).
+    pub fn allowed_span(&self, page: &PageInfo, context_tokens: usize, costs: &TierCosts) -> (TierId, bool) {
         let last = costs.tiers.len() as TierId - 1;
-        let (lowest, no_drop) = match self.guard(page, context_tokens, costs) {
+        match self.guard(page, context_tokens, costs) {
             Guard::Fixed => (page.tier, false),
             Guard::Free => (last, false),
             Guard::Protected { floor } => (floor.max(page.tier), true),
-        };
-        (page.tier..=lowest).filter(move |&t| !(no_drop && costs.tiers[t as usize].drop))
+        }
     }
 }

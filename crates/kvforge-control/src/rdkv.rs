@@ -61,7 +61,10 @@ pub struct Allocation {
 pub fn allocate(weights: &[f64], eps: &[(u32, f64)], cost_per_bit: f64, budget: f64) -> Allocation {
     assert!(!eps.is_empty(), "allocate: the distortion table is empty");
     // Flat (one allocation, not one per unit: 32K units per head after a 32K prefill).
-    let choices: Vec<Choice> = weights.iter().flat_map(|&w| eps.iter().map(move |&(b, e)| Choice::new(b as f64 * cost_per_bit, w * e))).collect();
+    // Sized up front: collected from `flat_map` (no size hint) it grew by doubling, copying
+    // megabytes at 32K units.
+    let mut choices: Vec<Choice> = Vec::with_capacity(weights.len() * eps.len());
+    choices.extend(weights.iter().flat_map(|&w| eps.iter().map(move |&(b, e)| Choice::new(b as f64 * cost_per_bit, w * e))));
     let start: Vec<usize> = (0..=weights.len()).map(|i| i * eps.len()).collect();
     let s = knapsack::solve_flat(&choices, &start, budget);
     Allocation {
@@ -215,16 +218,12 @@ impl RdkvController {
 
     fn head_shares(&self, view: &PageTableView, limits: &Limits, budget: f64) -> Vec<f64> {
         let n = view.heads.len();
-        let min: Vec<f64> = view
-            .heads
-            .iter()
-            .map(|pages| {
-                pages
-                    .iter()
-                    .map(|p| limits.protection.allowed_tiers(p, view.context_tokens, &view.costs).map(|t| view.costs.cost(t, p.tokens)).fold(f64::INFINITY, f64::min))
-                    .sum()
-            })
-            .collect();
+        let min: Vec<f64> = per_head(view, |h| {
+            view.heads[h]
+                .iter()
+                .map(|p| limits.protection.allowed_tiers(p, view.context_tokens, &view.costs).map(|t| view.costs.cost(t, p.tokens)).fold(f64::INFINITY, f64::min))
+                .sum()
+        });
         // Water-fill: heads that cannot live on an equal share get their minimum.
         let mut pinned = vec![false; n];
         loop {
@@ -263,16 +262,9 @@ impl Controller for RdkvController {
         let (sol, decisions) = if self.per_head {
             let shares = self.head_shares(view, limits, budget);
             // Heads are independent knapsacks: one problem per head over its own pages (the
-            // other heads' pages enter only as fixed bytes), solved on one thread per head
-            // when the view is large enough to pay for the threads.
-            let solve_head = |h: usize| Problem::build_head(view, h, opts).solve(view, shares[h]);
-            let heads = view.heads.len();
-            let solved: Vec<(knapsack::Solution, Vec<Decision>)> = if view.num_pages() >= PARALLEL_PAGES && heads > 1 {
-                use rayon::prelude::*;
-                (0..heads).into_par_iter().map(solve_head).collect()
-            } else {
-                (0..heads).map(solve_head).collect()
-            };
+            // other heads' pages enter only as fixed bytes), solved side by side ([`per_head`]).
+            let solve_head = |h: usize| Problem::build_head_allowed(view, h, &limits.protection, |i, t| table.page(weights[offset[h] + i], t)).solve(view, shares[h]);
+            let solved: Vec<(knapsack::Solution, Vec<Decision>)> = per_head(view, solve_head);
             let mut all = Vec::new();
             let mut agg: Option<knapsack::Solution> = None;
             for (s, d) in solved {
@@ -291,6 +283,18 @@ impl Controller for RdkvController {
     }
 }
 
-/// Views of at least this many pages solve their heads on rayon's pool (one head of 32K tokens
-/// is 512 pages; below ~1000 pages in all handing heads out costs more than their solves).
+/// `f(h)` for every kv head of the view, in head order: on the rayon pool (its threads
+/// persist: starting a thread per head cost more than the heads' solves) when the view has
+/// [`PARALLEL_PAGES`] and the pool more than one thread, else in turn on this thread.
+fn per_head<T: Send>(view: &PageTableView, f: impl Fn(usize) -> T + Sync + Send) -> Vec<T> {
+    use rayon::prelude::*;
+    if view.num_pages() >= PARALLEL_PAGES && rayon::current_num_threads() > 1 {
+        (0..view.heads.len()).into_par_iter().map(f).collect()
+    } else {
+        (0..view.heads.len()).map(f).collect()
+    }
+}
+
+/// Views of at least this many pages solve their heads on the pool (one head of 32K tokens is
+/// 512 pages; below ~1000 pages in all a hand-off costs more than the head's solve).
 const PARALLEL_PAGES: usize = 1024;

@@ -328,26 +328,47 @@ impl PositionMap {
     /// page with the page's stable key and token count; masses are normalised per sequence.
     pub fn view<C: PagedCache>(&self, cache: &C, costs: TierCosts, mut signal: impl FnMut(PageKey, usize) -> Signal) -> Result<PageTableView, ControlError> {
         let p = costs.page_tokens;
-        let context_tokens = self.context_tokens(p);
-        let mut heads = Vec::with_capacity(self.full_first.len());
-        for (h, firsts) in self.full_first.iter().enumerate() {
-            let pages = observed(cache, self.seq, h)?;
-            let mut out = Vec::with_capacity(pages.len());
-            let mut full = firsts.iter();
-            for (tier, tokens) in pages {
-                let first_token = if tier == TAIL_TIER {
-                    self.filled[h] * p
-                } else {
-                    *full.next().ok_or_else(|| ControlError::Positions(format!("kv head {h}: more full pages than known; call sync")))?
-                };
-                let s = signal(PageKey { head: h, first_token }, tokens);
-                out.push(PageInfo { tier, tokens, first_token, last_token: first_token + tokens.max(1) - 1, mass: s.mass, token_mass: s.token_mass, pinned: s.pinned });
-            }
-            heads.push(out);
+        let heads = (0..self.full_first.len()).map(|h| self.head_view(cache, h, p, &mut signal)).collect::<Result<Vec<_>, _>>()?;
+        Ok(self.finish_view(heads, costs))
+    }
+
+    /// [`view`](Self::view) with the kv heads read on the rayon pool (the same view: each
+    /// head's pages are built as `view` builds them, then normalised over the sequence in
+    /// order). For a signal that reads per-token weights this is what RDKV's allocation after
+    /// a long prefill waits on: at 32K tokens × 8 kv heads, summing 2 MB of token weights
+    /// on one thread cost as much as the decision.
+    pub fn view_par<C: PagedCache + Sync>(&self, cache: &C, costs: TierCosts, signal: impl Fn(PageKey, usize) -> Signal + Sync) -> Result<PageTableView, ControlError> {
+        use rayon::prelude::*;
+        if rayon::current_num_threads() <= 1 {
+            // One CPU: the pool's worker would only take turns with this thread (and spin).
+            return self.view(cache, costs, signal);
         }
-        let mut v = PageTableView { seq: self.seq, context_tokens, heads, costs };
+        let p = costs.page_tokens;
+        let heads = (0..self.full_first.len()).into_par_iter().map(|h| self.head_view(cache, h, p, &mut &signal)).collect::<Result<Vec<_>, _>>()?;
+        Ok(self.finish_view(heads, costs))
+    }
+
+    /// The pages of kv head `h` with their signals, unnormalised.
+    fn head_view<C: PagedCache>(&self, cache: &C, h: usize, p: usize, signal: &mut impl FnMut(PageKey, usize) -> Signal) -> Result<Vec<PageInfo>, ControlError> {
+        let pages = observed(cache, self.seq, h)?;
+        let mut out = Vec::with_capacity(pages.len());
+        let mut full = self.full_first[h].iter();
+        for (tier, tokens) in pages {
+            let first_token = if tier == TAIL_TIER {
+                self.filled[h] * p
+            } else {
+                *full.next().ok_or_else(|| ControlError::Positions(format!("kv head {h}: more full pages than known; call sync")))?
+            };
+            let s = signal(PageKey { head: h, first_token }, tokens);
+            out.push(PageInfo { tier, tokens, first_token, last_token: first_token + tokens.max(1) - 1, mass: s.mass, token_mass: s.token_mass, pinned: s.pinned });
+        }
+        Ok(out)
+    }
+
+    fn finish_view(&self, heads: Vec<Vec<PageInfo>>, costs: TierCosts) -> PageTableView {
+        let mut v = PageTableView { seq: self.seq, context_tokens: self.context_tokens(costs.page_tokens), heads, costs };
         v.normalise();
-        Ok(v)
+        v
     }
 
     /// Forgets the pages a plan drops (after it was applied).

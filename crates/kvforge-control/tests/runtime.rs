@@ -294,3 +294,23 @@ fn rdkv_pages_per_head_budget_and_checker() {
     let split = c.decide(&v, &l);
     assert!(joint.distortion_after <= split.distortion_after + 1e-12);
 }
+
+/// The view read head by head on the pool is the sequential view: pages, signals (token
+/// masses included), pins and the normalisation over the sequence; and a stale map fails
+/// both ways.
+#[test]
+fn parallel_view_equals_view() {
+    let (mut c, mut pos) = sim("rdkv", 8, 40 * P() + 17);
+    let seq = 0;
+    c.retier(seq, 3, 2, 3).unwrap();
+    let signal = |k: PageKey, len: usize| Signal { mass: (k.first_token as f64 * 0.37 + k.head as f64).sin().abs(), token_mass: (k.head % 2 == 0).then(|| (0..len).map(|t| 1.0 / (k.first_token + t + 1) as f64).collect()), pinned: k.first_token % (7 * P()) == 0 };
+    let costs = costs(&spec("rdkv"), CostModel::Resident);
+    let a = pos.view(&c, costs.clone(), signal).unwrap();
+    let b = pos.view_par(&c, costs.clone(), signal).unwrap();
+    assert_eq!(a, b);
+    assert!(a.heads.iter().all(|h| h.len() == 41));
+    c.append(seq, 3 * P());
+    assert!(pos.view_par(&c, costs.clone(), signal).is_err() && pos.view(&c, costs.clone(), signal).is_err());
+    pos.sync(&c).unwrap();
+    assert_eq!(pos.view_par(&c, costs.clone(), signal).unwrap(), pos.view(&c, costs, signal).unwrap());
+}
