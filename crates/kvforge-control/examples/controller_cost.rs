@@ -10,17 +10,20 @@
 //!   gqa 4), compiled in parallel into the kernel cache, so the loop does not JIT them one by one.
 //!
 //!     cargo run --release -p kvforge-control --example controller_cost -- rdr specs/rdkv.toml --batch 1,8
+#[path = "common/rdkv_case.rs"]
+mod rdkv_case;
+
 use std::sync::Arc;
 use std::time::Instant;
 
 use kvforge_control::frontier::gpu::GpuSetup;
 use kvforge_control::frontier::pipeline_gpu::pipeline_loop;
 use kvforge_control::frontier::timing::median;
-use kvforge_control::rdkv::{allocate_head, channel_weights, EPS_K_LLAMA31_8B, EPS_V_LLAMA31_8B};
-use kvforge_control::runtime::{PositionMap, Signal, SimCache};
+use kvforge_control::rdkv::{allocate_head, EPS_K_LLAMA31_8B, EPS_V_LLAMA31_8B};
+use kvforge_control::runtime::Signal;
 use kvforge_control::*;
+use rdkv_case::RdkvCase;
 use kvforge_spec::{Family, Spec};
-use rand::{Rng, SeedableRng};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -120,24 +123,8 @@ fn json_us(x: f64) -> String {
 }
 
 fn rdkv(spec: Spec, reps: usize, paper: bool) -> Result<(), Error> {
-    let (d, heads, ctx, gqa) = (128usize, 8usize, 32768usize, 4usize);
+    let RdkvCase { d, heads, ctx, tok, cw, costs, limits, cache, pos, rdkv } = RdkvCase::new(&spec)?;
     let p = spec.page.tokens;
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-    // Per-token column sums of one layer's prefill attention, heavy tailed (a few heavy
-    // hitters, most tokens light), and Q/K rows for the channel weights.
-    let tok: Vec<Vec<f64>> = (0..heads).map(|_| (0..ctx).map(|_| rng.gen::<f64>().powf(6.0) * gqa as f64).collect()).collect();
-    let q: Vec<f64> = (0..64 * d).map(|_| rng.gen::<f64>() - 0.5).collect();
-    let k: Vec<f64> = (0..2048 * d).map(|_| rng.gen::<f64>() - 0.5).collect();
-    let cw = channel_weights(&q, &k, d);
-    let costs = TierCosts::from_spec(&spec, d, CostModel::Resident);
-    let fp16 = costs.cost(kvforge_spec::TAIL_TIER, p) / p as f64;
-    let limits = Limits { budget: Budget::PerToken(0.25 * fp16), protection: Protection::default() };
-    let mut cache = SimCache::new(spec.clone(), d, heads, 1);
-    let seq = cache.add_sequence();
-    cache.append(seq, ctx);
-    let mut pos = PositionMap::new(seq, heads);
-    pos.sync(&cache)?;
-    let rdkv = RdkvController::new(&spec)?;
     let (mut tv, mut td, mut ts, mut tp) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut digest = 0u64;
     for _ in 0..reps.max(1) {

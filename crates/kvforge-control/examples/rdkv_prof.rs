@@ -10,12 +10,15 @@
 //! `--only view|decide|solve` repeats that part alone (the others once).
 //!
 //!     taskset -c 1 cargo run --release -p kvforge-control --example rdkv_prof -- specs/rdkv.toml --reps 300 --paper
+#[path = "common/rdkv_case.rs"]
+mod rdkv_case;
+
 use std::time::Instant;
 
-use kvforge_control::rdkv::{allocate_head, channel_weights, EPS_K_LLAMA31_8B, EPS_V_LLAMA31_8B};
-use kvforge_control::runtime::{PositionMap, Signal, SimCache};
+use kvforge_control::rdkv::{allocate_head, EPS_K_LLAMA31_8B, EPS_V_LLAMA31_8B};
+use kvforge_control::runtime::Signal;
 use kvforge_control::*;
-use rand::{Rng, SeedableRng};
+use rdkv_case::RdkvCase;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -47,23 +50,7 @@ fn main() -> Result<(), Error> {
     let only = args.iter().position(|a| a == "--only").and_then(|i| args.get(i + 1)).cloned();
     let reps_of = |part: &str| if only.as_deref().is_none_or(|o| o == part) { reps } else { 1 };
     let spec = kvforge_spec::Spec::load(spec_path.as_ref()).map_err(|e| e.to_string())?;
-    let (d, heads, ctx, gqa) = (128usize, 8usize, 32768usize, 4usize);
-    let p = spec.page.tokens;
-    // The inputs of `controller_cost rdkv`, drawn in the same order.
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-    let tok: Vec<Vec<f64>> = (0..heads).map(|_| (0..ctx).map(|_| rng.gen::<f64>().powf(6.0) * gqa as f64).collect()).collect();
-    let q: Vec<f64> = (0..64 * d).map(|_| rng.gen::<f64>() - 0.5).collect();
-    let k: Vec<f64> = (0..2048 * d).map(|_| rng.gen::<f64>() - 0.5).collect();
-    let cw = channel_weights(&q, &k, d);
-    let costs = TierCosts::from_spec(&spec, d, CostModel::Resident);
-    let fp16 = costs.cost(kvforge_spec::TAIL_TIER, p) / p as f64;
-    let limits = Limits { budget: Budget::PerToken(0.25 * fp16), protection: Protection::default() };
-    let mut cache = SimCache::new(spec.clone(), d, heads, 1);
-    let seq = cache.add_sequence();
-    cache.append(seq, ctx);
-    let mut pos = PositionMap::new(seq, heads);
-    pos.sync(&cache)?;
-    let rdkv = RdkvController::new(&spec)?;
+    let RdkvCase { d, heads, ctx, tok, cw, limits, cache, pos, rdkv, costs } = RdkvCase::new(&spec)?;
     let view_once = || {
         pos.view_par(&cache, costs.clone(), |key, len| {
             let m = &tok[key.head][key.first_token..key.first_token + len];

@@ -151,35 +151,15 @@ impl Hulls {
             rest.dedup_by(|b, a| choices[*a].cost == choices[*b].cost);
         }
         let slope = |a: usize, b: usize| (choices[b].dist - choices[a].dist) / (choices[a].cost - choices[b].cost);
-        // The stack lives in the item's room at the end of `idx` and `rho` (at most every
-        // candidate stays), trimmed afterwards: no push or pop per point. `rho[k]` is the
-        // slope from point k to k + 1 as computed when k + 1 was pushed (the same division of
-        // the same numbers the chord test would redo), so a candidate costs one division plus
-        // one per point it pops.
+        // The stack ([`hull_stack`]) lives in the item's room at the end of `idx` and `rho` (at
+        // most every candidate stays), trimmed afterwards: no push or pop per point.
         let (first, first_step) = (self.idx.len(), self.rho.len());
         self.idx.resize(first + rest.len() + 1, 0);
         self.rho.resize(first_step + rest.len(), 0.0);
         let (idx, rho) = (&mut self.idx[first..], &mut self.rho[first_step..]);
         idx[0] = start as u32;
-        let mut top = 0;
-        for &p in rest.iter() {
-            // Pop points above the chord (strictly): collinear points stay, they are finer steps.
-            let mut s = slope(idx[top] as usize, p);
-            while top > 0 && rho[top - 1] > s {
-                top -= 1;
-                s = slope(idx[top] as usize, p);
-            }
-            rho[top] = s;
-            top += 1;
-            idx[top] = p as u32;
-        }
-        for r in &mut rho[..top] {
-            *r = r.max(0.0);
-            self.rho_max = self.rho_max.max(*r);
-        }
-        for k in 0..top {
-            self.save.push(choices[idx[k] as usize].cost - choices[idx[k + 1] as usize].cost);
-        }
+        let top = hull_stack(idx, rho, rest.iter().copied(), slope);
+        self.rho_max = self.rho_max.max(close_steps(choices, &idx[..=top], &mut rho[..top], &mut self.save));
         self.start_cost += choices[start].cost;
         self.end_cost += choices[idx[top] as usize].cost;
         self.idx.truncate(first + top + 1);
@@ -193,25 +173,8 @@ impl Hulls {
     fn push_ladder(&mut self, choices: &[Choice]) {
         let slope = |a: usize, b: usize| (choices[b].dist - choices[a].dist) / (choices[a].cost - choices[b].cost);
         let (mut idx, mut rho) = ([0u32; LADDER_MAX], [0.0f64; LADDER_MAX]);
-        let mut top = 0;
-        for p in 1..choices.len() {
-            // Pop points above the chord (strictly): collinear points stay, they are finer steps.
-            let mut s = slope(idx[top] as usize, p);
-            while top > 0 && rho[top - 1] > s {
-                top -= 1;
-                s = slope(idx[top] as usize, p);
-            }
-            rho[top] = s;
-            top += 1;
-            idx[top] = p as u32;
-        }
-        for r in &mut rho[..top] {
-            *r = r.max(0.0);
-            self.rho_max = self.rho_max.max(*r);
-        }
-        for k in 0..top {
-            self.save.push(choices[idx[k] as usize].cost - choices[idx[k + 1] as usize].cost);
-        }
+        let top = hull_stack(&mut idx, &mut rho, 1..choices.len(), slope);
+        self.rho_max = self.rho_max.max(close_steps(choices, &idx[..=top], &mut rho[..top], &mut self.save));
         self.idx.extend_from_slice(&idx[..=top]);
         self.rho.extend_from_slice(&rho[..top]);
         self.start_cost += choices[0].cost;
@@ -252,6 +215,37 @@ impl Hulls {
     fn pick(&self, i: usize, s: usize) -> usize {
         self.idx(i)[s] as usize
     }
+}
+
+/// The lower-hull stack of one item: from the start `idx[0]`, each candidate (cost descending)
+/// pops the points above its chord (strictly: collinear points stay, they are finer steps) and
+/// goes on top. `rho[k]` is the slope from point k to k + 1 as computed when k + 1 was pushed
+/// (the same division of the same numbers the chord test would redo), so a candidate costs one
+/// division plus one per point it pops. Returns the top's position.
+fn hull_stack(idx: &mut [u32], rho: &mut [f64], candidates: impl Iterator<Item = usize>, slope: impl Fn(usize, usize) -> f64) -> usize {
+    let mut top = 0;
+    for p in candidates {
+        let mut s = slope(idx[top] as usize, p);
+        while top > 0 && rho[top - 1] > s {
+            top -= 1;
+            s = slope(idx[top] as usize, p);
+        }
+        rho[top] = s;
+        top += 1;
+        idx[top] = p as u32;
+    }
+    top
+}
+
+/// Clamps a hull's step prices at 0 and pushes each step's bytes saved; returns the largest price.
+fn close_steps(choices: &[Choice], idx: &[u32], rho: &mut [f64], save: &mut Vec<f64>) -> f64 {
+    let mut most = 0.0f64;
+    for r in rho.iter_mut() {
+        *r = r.max(0.0);
+        most = most.max(*r);
+    }
+    save.extend(idx.windows(2).map(|w| choices[w[0] as usize].cost - choices[w[1] as usize].cost));
+    most
 }
 
 /// Solves the MCKP `min Σ dist s.t. Σ cost ≤ budget`, one choice per item. See the module
