@@ -1,6 +1,6 @@
 //! Issue 7's two cost targets, measured in one process, JSON lines on stdout:
 //!
-//! * `rdr <spec>... --batch 1,8 [--steps N] [--every 64,256]` (GPU): RDR through `RdrPipeline` on a `KvCache` at
+//! * `rdr <spec>... --batch 1,8 [--steps N] [--every 64,256] [--sample 1,8]` (GPU): RDR through `RdrPipeline` on a `KvCache` at
 //!   32K tokens × 8 kv heads ([`pipeline_loop`]): the decode thread's work per step against
 //!   the decode kernels of a step.
 //! * `rdkv specs/rdkv.toml [--reps N]` (CPU): RDKV's allocation once after prefill at 32K tokens × 8 kv heads,
@@ -41,7 +41,7 @@ fn main() -> Result<(), Error> {
         Some("precompile") => precompile(&specs(&args)?),
         Some("rdr") => rdr(&args),
         Some("rdkv") => rdkv(specs(&args)?.into_iter().next().ok_or("rdkv: give the rdkv spec's path")?, arg(&args, "--reps").unwrap_or(7), !args.iter().any(|a| a == "--pages-only")),
-        _ => Err("usage: controller_cost (precompile|rdr) <spec.toml>... [--batch 1,8] [--steps N] [--every 64,256] | rdkv <rdkv.toml> [--reps N]".into()),
+        _ => Err("usage: controller_cost (precompile|rdr) <spec.toml>... [--batch 1,8] [--steps N] [--every 64,256] [--sample 1,8] | rdkv <rdkv.toml> [--reps N]".into()),
     }
 }
 
@@ -82,17 +82,24 @@ fn precompile(specs: &[Spec]) -> Result<(), Error> {
 fn rdr(args: &[String]) -> Result<(), Error> {
     let batches: Vec<usize> = args.iter().position(|a| a == "--batch").and_then(|i| args.get(i + 1)).map_or(vec![1], |s| s.split(',').filter_map(|x| x.parse().ok()).collect());
     let steps: usize = arg(args, "--steps").unwrap_or(1024);
-    let everies: Vec<Option<usize>> = args.iter().position(|a| a == "--every").and_then(|i| args.get(i + 1)).map_or(vec![None], |s| s.split(',').filter_map(|x| x.parse().ok()).map(Some).collect());
+    let list = |name: &str| -> Vec<Option<usize>> { args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map_or(vec![None], |s| s.split(',').filter_map(|x| x.parse().ok()).map(Some).collect()) };
+    let (everies, samples) = (list("--every"), list("--sample"));
     let dev = Arc::new(kvforge_rt::Device::open(0)?);
     for spec in specs(args)? {
         let table = DistortionTable::from_spec(&spec);
-        for (&batch, &every) in batches.iter().flat_map(|b| everies.iter().map(move |e| (b, e))) {
-            let setup = GpuSetup { steps, every, ..GpuSetup::default() };
+        let mut cases = Vec::new();
+        for &b in &batches {
+            for &e in &everies {
+                cases.extend(samples.iter().map(|&s| (b, e, s)));
+            }
+        }
+        for (batch, every, sample) in cases {
+            let setup = GpuSetup { steps, every, sample, ..GpuSetup::default() };
             let t = Instant::now();
             let r = pipeline_loop(&dev, &spec, &table, &setup, batch)?;
             println!(
-                "{{\"kind\":\"rdr_pipeline\",\"device\":{:?},\"spec\":{:?},\"batch\":{},\"context\":{},\"kv_heads\":{},\"gqa\":{},\"steps\":{},\"every\":{},\"budget_bytes_per_token\":{},\"decode_gpu_us\":{:.3},\"tracked_gpu_us\":{:.3},\"fold_gpu_us\":{:.3},\"decode_tracked_host_us\":{:.1},\"boundaries\":{},\"boundary_us\":{:.1},\"boundary_max_us\":{:.1},\"boundary_window_us\":{:.1},\"boundary_apply_us\":{:.1},\"waited_total_us\":{:.1},\"plan_us\":{:.1},\"decide_us\":{:.1},\"moves_per_plan\":{:.2},\"launches_per_plan\":{:.2},\"critical_per_step_us\":{:.3},\"fraction_of_decode_gpu\":{:.5},\"fraction_of_host_step\":{:.5},\"worst_budget_ratio\":{:.5},\"loop_seconds\":{:.1}}}",
-                r.device, r.spec, r.batch, r.context, r.heads, r.gqa, r.steps, r.every, r.budget_bytes_per_token, r.decode_gpu_us, r.tracked_gpu_us, r.fold_gpu_us, r.decode_tracked_host_us, r.boundaries, r.boundary_us, r.boundary_max_us, r.boundary_window_us, r.boundary_apply_us, r.waited_total_us, r.plan_us, r.decide_us, r.moves_per_plan, r.launches_per_plan, r.critical_per_step_us, r.fraction_of_decode_gpu, r.fraction_of_host_step, r.worst_budget_ratio, t.elapsed().as_secs_f64()
+                "{{\"kind\":\"rdr_pipeline\",\"device\":{:?},\"spec\":{:?},\"batch\":{},\"context\":{},\"kv_heads\":{},\"gqa\":{},\"steps\":{},\"every\":{},\"sample\":{},\"budget_bytes_per_token\":{},\"decode_gpu_us\":{:.3},\"tracked_gpu_us\":{:.3},\"fold_gpu_us\":{:.3},\"decode_tracked_host_us\":{:.1},\"boundaries\":{},\"boundary_us\":{:.1},\"boundary_max_us\":{:.1},\"boundary_window_us\":{:.1},\"boundary_apply_us\":{:.1},\"waited_total_us\":{:.1},\"plan_us\":{:.1},\"decide_us\":{:.1},\"moves_per_plan\":{:.2},\"launches_per_plan\":{:.2},\"critical_per_step_us\":{:.3},\"fraction_of_decode_gpu\":{:.5},\"fraction_of_host_step\":{:.5},\"worst_budget_ratio\":{:.5},\"loop_seconds\":{:.1}}}",
+                r.device, r.spec, r.batch, r.context, r.heads, r.gqa, r.steps, r.every, r.sample, r.budget_bytes_per_token, r.decode_gpu_us, r.tracked_gpu_us, r.fold_gpu_us, r.decode_tracked_host_us, r.boundaries, r.boundary_us, r.boundary_max_us, r.boundary_window_us, r.boundary_apply_us, r.waited_total_us, r.plan_us, r.decide_us, r.moves_per_plan, r.launches_per_plan, r.critical_per_step_us, r.fraction_of_decode_gpu, r.fraction_of_host_step, r.worst_budget_ratio, t.elapsed().as_secs_f64()
             );
         }
     }

@@ -35,9 +35,10 @@
 //! let mut rdr = RdrController::new(&spec);
 //! let mut importance = PagedImportance::new(0.5, spec.page.tokens)?;
 //! let mut pos = runtime::PositionMap::new(seq, cache.config().num_kv_heads);
-//! // every decode step, after appending the new token: the GPU keeps each page's largest
-//! // share of attention since the last invocation.
-//! let out = cache.decode_tracked(&[seq], q)?;
+//! // every decode step, after appending the new token: on the steps RDR samples (one in
+//! // `rdr.sample`) the GPU keeps each page's largest share of attention since the last
+//! // invocation; the other steps run the plain decode.
+//! let out = if rdr.tracks() { cache.decode_tracked(&[seq], q)? } else { cache.decode(&[seq], q)? };
 //! if rdr.step() {
 //!     importance.roll_cache(cache, seq)?;
 //!     pos.sync(cache)?;

@@ -204,7 +204,8 @@ impl Planner {
 
 /// RDR for one sequence with its decisions made on a planner thread (see the module docs).
 ///
-/// Per decode step call [`step`](Self::step); when it returns true, call
+/// Per decode step decode (tracked when [`tracks`](Self::tracks) says so), then call
+/// [`step`](Self::step); when it returns true, call
 /// [`invoke_cache`](Self::invoke_cache) (or [`invoke`](Self::invoke) with a window taken
 /// elsewhere). After prefill, [`prime`](Self::prime) makes the first decision synchronously
 /// (it moves thousands of pages; nothing to overlap it with).
@@ -212,6 +213,8 @@ pub struct RdrPipeline {
     seq: usize,
     spec: Arc<Spec>,
     every: usize,
+    /// One tracked decode step in `sample` (`RdrController::sample`).
+    sample: usize,
     step: u64,
     pos: PositionMap,
     jobs: Option<Sender<Job>>,
@@ -226,6 +229,7 @@ impl RdrPipeline {
     pub fn new(rdr: RdrController, importance: PagedImportance, spec: &Spec, seq: usize, heads: usize, planning: Planning) -> Result<RdrPipeline, ControlError> {
         let Planning { costs, limits, headroom } = planning;
         let every = rdr.every.max(1);
+        let sample = rdr.sample.max(1);
         let (jobs, inbox) = channel::<Job>();
         let (outbox, results) = channel();
         let mut planner = Planner { rdr, importance, costs, limits, headroom };
@@ -239,7 +243,14 @@ impl RdrPipeline {
                 }
             })
             .map_err(|e| ControlError::Planner(format!("cannot start the planner thread: {e}")))?;
-        Ok(RdrPipeline { seq, spec: Arc::new(spec.clone()), every, step: 0, pos: PositionMap::new(seq, heads), jobs: Some(jobs), results, worker: Some(worker), in_flight: false })
+        Ok(RdrPipeline { seq, spec: Arc::new(spec.clone()), every, sample, step: 0, pos: PositionMap::new(seq, heads), jobs: Some(jobs), results, worker: Some(worker), in_flight: false })
+    }
+
+    /// Whether the next decode step should record page masses (`KvCache::decode_tracked`
+    /// instead of `decode`): one in `sample`, counted back from each boundary's step
+    /// ([`RdrController::tracks`]).
+    pub fn tracks(&self) -> bool {
+        crate::rdr::sampled(self.step, self.every, self.sample)
     }
 
     /// Counts one decode step; true when this step is an invocation boundary.
@@ -250,6 +261,10 @@ impl RdrPipeline {
 
     pub fn every(&self) -> usize {
         self.every
+    }
+
+    pub fn sample(&self) -> usize {
+        self.sample
     }
 
     /// Whether a plan is being made (or waits to be applied).

@@ -88,7 +88,7 @@ fn budget_never_exceeded_and_protected_pages_kept() {
         // Protected pages stay where they were at every feasible budget, even the tightest.
         let l = Limits { budget: Budget::Total(floor_bytes * 1.01), protection: setup.protection };
         let o = match &m {
-            Method::Rdr { .. } => w.run(&mut RdrController::new(&w.spec), &Signal::DecodeMass { window: 16, beta: 0.5 }, &l),
+            Method::Rdr { .. } => w.run(&mut RdrController::new(&w.spec), &Signal::DecodeMass { window: 16, beta: 0.5, sample: 1 }, &l),
             _ => w.run(&mut RdkvController::new(&w.spec).unwrap(), &Signal::ColumnSums { per_token: true }, &l),
         }
         .unwrap();

@@ -289,3 +289,25 @@ fn one_decision_on_512_pages_by_8_heads() {
         );
     }
 }
+
+/// One decode step in `sample` is tracked, the step of every decision among them, also when
+/// `sample` does not divide the period or exceeds it.
+#[test]
+fn tracked_steps_are_one_in_sample_and_include_every_decision() {
+    for (every, sample, per_period) in [(64, 8, 8), (64, 1, 64), (16, 5, 4), (4, 64, 1)] {
+        let mut rdr = RdrController::new(&spec("rdkv"));
+        rdr.every = every;
+        rdr.sample = sample;
+        let mut tracked = 0;
+        for period in 0..3 {
+            for _ in 0..every {
+                let tracks = rdr.tracks();
+                tracked += usize::from(tracks);
+                if rdr.step() {
+                    assert!(tracks, "every {every} sample {sample}: the decision at step {} is not tracked", rdr.steps());
+                }
+            }
+            assert_eq!(tracked, (period + 1) * per_period, "every {every} sample {sample}");
+        }
+    }
+}

@@ -35,7 +35,7 @@ impl Kind {
 ///
 /// Controller(cache, policy="rdr", budget=..., per="token", sinks=4, recent=128, floor=None,
 ///            cost="resident", every=16, cooldown=64, margin=0.1, drop="penalty",
-///            drop_penalty=1.0, eps_k=None, eps_v=None, beta=0.5)
+///            drop_penalty=1.0, eps_k=None, eps_v=None, beta=0.5, sample=8)
 ///
 /// `policy`: "rdr" (seed 000 App. C: knapsack over the ladder with hysteresis, meant to run
 /// every `every` decode steps) or "rdkv" (seed 002: Lagrangian allocation once after prefill,
@@ -47,7 +47,8 @@ impl Kind {
 /// spec's first ladder tier). RDKV's distortion tables `eps_k`, `eps_v` map bit widths to
 /// NMSE (default: seed 002's LLaMA-3.1-8B tables); RDR uses the spec's proxy table.
 /// `beta`: EMA coefficient of the importance RDR reads from the GPU window
-/// (`apply(..., window=True)`; seed 000 C.2 `EMA_β(max over the window)`).
+/// (`apply(..., window=True)`; seed 000 C.2 `EMA_β(max over the window)`), fed by the decode
+/// steps `tracks()` names (one in `sample`).
 #[pyclass(module = "kvforge", name = "Controller", unsendable)]
 pub struct Controller {
     kind: Kind,
@@ -78,11 +79,11 @@ fn parse_table(py: Python<'_>, what: &str, t: &Bound<'_, PyDict>) -> PyResult<Ve
 #[pymethods]
 impl Controller {
     #[new]
-    #[pyo3(signature = (cache, policy = "rdr", budget = None, per = "token", sinks = 4, recent = 128, floor = None, cost = "resident", every = 16, cooldown = 64, margin = 0.1, drop = "penalty", drop_penalty = 1.0, eps_k = None, eps_v = None, beta = 0.5))]
+    #[pyo3(signature = (cache, policy = "rdr", budget = None, per = "token", sinks = 4, recent = 128, floor = None, cost = "resident", every = 16, cooldown = 64, margin = 0.1, drop = "penalty", drop_penalty = 1.0, eps_k = None, eps_v = None, beta = 0.5, sample = 8))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>, cache: PyRef<'_, Cache>, policy: &str, budget: Option<f64>, per: &str, sinks: usize, recent: usize, floor: Option<Bound<'_, PyAny>>, cost: &str, every: usize, cooldown: usize, margin: f64, drop: &str, drop_penalty: f64,
-        eps_k: Option<Bound<'_, PyDict>>, eps_v: Option<Bound<'_, PyDict>>, beta: f64,
+        eps_k: Option<Bound<'_, PyDict>>, eps_v: Option<Bound<'_, PyDict>>, beta: f64, sample: usize,
     ) -> PyResult<Controller> {
         guarded(py, || {
             // Checked here, not at the first windowed apply: a bad β is a construction error.
@@ -110,14 +111,15 @@ impl Controller {
             let limits = Limits { budget, protection: Protection { sink_tokens: sinks, recent_tokens: recent, floor } };
             let (kind, name) = match policy {
                 "rdr" => {
-                    if every == 0 {
-                        return Err(bad(py, "Controller: every must be at least 1"));
+                    if every == 0 || sample == 0 {
+                        return Err(bad(py, "Controller: every and sample must be at least 1"));
                     }
                     if !(margin.is_finite() && margin >= 0.0) || !(drop_penalty.is_finite() && drop_penalty >= 0.0) {
                         return Err(bad(py, "Controller: margin and drop_penalty must be finite and >= 0"));
                     }
                     let mut c = RdrController::with_table(DistortionTable::from_spec(&spec));
                     c.every = every;
+                    c.sample = sample;
                     c.cooldown = cooldown;
                     c.margin = margin;
                     c.drop_policy = match drop {
@@ -144,6 +146,16 @@ impl Controller {
             };
             Ok(Controller { kind, name, limits, costs: TierCosts::from_spec(&spec, d, model), spec, head_dim: d, applied: 0, beta, importance: HashMap::new() })
         })
+    }
+
+    /// Whether the next decode step should record page masses (`decode(..., track=True)`):
+    /// RDR samples one step in `sample` (at most `every`), the last before each `due()` among
+    /// them; the other steps decode without tracking, which is cheaper. RDKV: never.
+    fn tracks(&self) -> bool {
+        match &self.kind {
+            Kind::Rdr(c) => c.tracks(),
+            Kind::Rdkv(_) => false,
+        }
     }
 
     /// Counts one decode step; True when the controller should run now (RDR: every `every`

@@ -428,12 +428,14 @@ def test_controller_reads_the_gpu_window():
     c = mk("rdkv", "b8", sequences=1)
     s = c.add_sequence()
     c.append(s, k, v)
-    ctl = kvforge.Controller(c, policy="rdr", budget=40.0, sinks=P, recent=P, floor="b2", every=4, beta=0.5)
+    ctl = kvforge.Controller(c, policy="rdr", budget=40.0, sinks=P, recent=P, floor="b2", every=4, beta=0.5, sample=2)
     assert ctl.importance(c, s) == []
+    tracked = []
     for i in range(4):
-        c.decode(q[i:i + 1], seqs=[s], track=True)
+        tracked.append(ctl.tracks())
+        c.decode(q[i:i + 1], seqs=[s], track=tracked[-1])
         due = ctl.due()
-    assert due
+    assert due and tracked == [False, True, False, True], tracked
     try:
         ctl.apply(c, s, token_mass=torch.ones(HKV, T), window=True)
         raise AssertionError("token_mass with window=True accepted")

@@ -54,12 +54,14 @@ pub struct GpuSetup {
     pub budget_fraction: f64,
     /// RDR's period (cooldown: two periods); None: the controller's defaults.
     pub every: Option<usize>,
+    /// RDR's tracked-step sample (decode steps per tracked one); None: the default.
+    pub sample: Option<usize>,
     pub seed: u64,
 }
 
 impl Default for GpuSetup {
     fn default() -> Self {
-        GpuSetup { context: 32768, heads: 8, gqa: 4, d: 128, steps: 1024, budget_fraction: 0.25, every: None, seed: 1 }
+        GpuSetup { context: 32768, heads: 8, gqa: 4, d: 128, steps: 1024, budget_fraction: 0.25, every: None, sample: None, seed: 1 }
     }
 }
 

@@ -284,8 +284,10 @@ pub fn quantile(xs: &[f64], q: f64) -> f64 {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Signal {
     /// Page masses of the decode queries (GPU `decode_with_mass`), `window` queries per
-    /// tracker window (RDR's invocation period), EMA coefficient `beta`.
-    DecodeMass { window: usize, beta: f64 },
+    /// tracker window (RDR's invocation period), EMA coefficient `beta`; only one query in
+    /// `sample` is observed (the runtime tracks one decode step in `sample`,
+    /// [`RdrController::tracks`](crate::RdrController::tracks)).
+    DecodeMass { window: usize, beta: f64, sample: usize },
     /// Prefill column sums; `per_token` also hands the controller the token masses (RDKV's
     /// token weights), else only their page sums.
     ColumnSums { per_token: bool },
@@ -423,13 +425,18 @@ impl World {
     }
 
     /// RDR's importance: decode page masses folded into an [`ImportanceTracker`] window by
-    /// window, as the runtime does between invocations.
-    pub fn tracker(&self, window: usize, beta: f64) -> ImportanceTracker {
+    /// window, as the runtime does between invocations: of each window's queries only those
+    /// the runtime would track (one in `sample`, counted back from the window's last) are
+    /// observed.
+    pub fn tracker(&self, window: usize, beta: f64, sample: usize) -> ImportanceTracker {
         let p = self.spec.page.tokens;
         let mut tr = ImportanceTracker::new(beta);
         let nq = self.coded.first().map_or(0, |c| c.decode_mass.len());
         for w in (0..nq).collect::<Vec<_>>().chunks(window.max(1)) {
-            for &q in w {
+            for (j, &q) in w.iter().enumerate() {
+                if !crate::rdr::sampled(j as u64, w.len(), sample) {
+                    continue;
+                }
                 for (h, c) in self.coded.iter().enumerate() {
                     for (i, &m) in c.decode_mass[q].iter().enumerate() {
                         tr.observe(PageKey { head: h, first_token: i * p }, m);
@@ -451,7 +458,7 @@ impl World {
         let mut pos = PositionMap::new(seq, heads);
         pos.sync(&cache).expect("sync a fresh cache");
         let tracker = match *signal {
-            Signal::DecodeMass { window, beta } => Some(self.tracker(window, beta)),
+            Signal::DecodeMass { window, beta, sample } => Some(self.tracker(window, beta, sample)),
             Signal::ColumnSums { .. } => None,
         };
         let view = pos
@@ -575,14 +582,16 @@ pub struct Point {
 #[derive(Clone, Debug)]
 pub struct Setup {
     pub protection: Protection,
-    /// RDR's decode signal: window (= invocation period) and EMA β.
+    /// RDR's decode signal: window (= invocation period), EMA β, and one tracked query in
+    /// `sample`.
     pub window: usize,
     pub beta: f64,
+    pub sample: usize,
 }
 
 impl Default for Setup {
     fn default() -> Self {
-        Setup { protection: Protection::default(), window: 16, beta: 0.5 }
+        Setup { protection: Protection::default(), window: 16, beta: 0.5, sample: 1 }
     }
 }
 
@@ -626,7 +635,7 @@ pub fn evaluate(world: &World, method: &Method, budget_bytes: f64, setup: &Setup
         }
         Method::Rdr { .. } => {
             let mut c = crate::RdrController::with_table(tables.get(&world.spec));
-            world.run(&mut c, &Signal::DecodeMass { window: setup.window, beta: setup.beta }, &limits)
+            world.run(&mut c, &Signal::DecodeMass { window: setup.window, beta: setup.beta, sample: setup.sample }, &limits)
         }
         Method::Rdkv { concentration, .. } => {
             let mut c = crate::RdkvController::new(&world.spec).expect("RDKV needs an integer ladder");

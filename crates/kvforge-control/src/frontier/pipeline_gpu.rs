@@ -3,21 +3,22 @@
 //!
 //! `batch` sequences of `context` synthetic tokens × `heads` kv heads (the same keys and values
 //! in each: the page tables and controllers are independent) are prefilled into the first
-//! ladder tier; then every decode step appends one token per sequence and decodes the batch
-//! with `decode_tracked` (the window fold runs inside the split-K combine). Every `every`
+//! ladder tier; then every decode step appends one token per sequence and decodes the batch,
+//! with `decode_tracked` on the steps RDR samples (one in `sample`; the window fold runs inside
+//! the split-K combine) and the plain decode on the others. Every `every`
 //! steps each sequence's pipeline runs its boundary: take the window (one download), apply
 //! the plan made at the previous boundary (transcode launches), hand a snapshot to its
 //! planner thread. The first boundary is primed (its plan, thousands of moves after prefill,
 //! lands at once) and not counted. Timed:
 //! * per step, on the GPU (CUDA events, L2 flushed; [`TrackedStepTimer`]), on every second
 //!   step: the decode kernels without and with the fold; the fold's cost is the difference;
-//! * per step, wall: `decode_tracked` through the host API;
+//! * per step, wall: the loop's decode through the host API;
 //! * per boundary, wall on the decode thread: every sequence's boundary and then a stream
 //!   synchronisation, so the transcode kernels' GPU time is inside;
 //! * per plan, on its planner thread (off the critical path): the whole job and the decision.
 //!
-//! Per step on the critical path: `fold + boundary / every`, against the decode kernels of a
-//! step. After every boundary each sequence's resident bytes must be within its budget
+//! Per step on the critical path: `fold / sample + boundary / every`, against the plain decode
+//! kernels of a step. After every boundary each sequence's resident bytes must be within its budget
 //! (feasible plans, arrival headroom) or the loop fails.
 
 use std::sync::Arc;
@@ -48,13 +49,15 @@ pub struct PipelineTime {
     pub gqa: usize,
     pub steps: usize,
     pub every: usize,
+    /// One tracked decode step in `sample` (`RdrController::sample`).
+    pub sample: usize,
     pub budget_bytes_per_token: f64,
     /// Decode kernels of one step, no fold / with the fold (CUDA events).
     pub decode_gpu_us: f64,
     pub tracked_gpu_us: f64,
     /// Median over steps of tracked − plain.
     pub fold_gpu_us: f64,
-    /// `decode_tracked` through the host API (wall).
+    /// The loop's decode (tracked on sampled steps) through the host API (wall).
     pub decode_tracked_host_us: f64,
     /// Boundaries timed (the primed first one excluded).
     pub boundaries: usize,
@@ -71,9 +74,9 @@ pub struct PipelineTime {
     pub decide_us: f64,
     pub moves_per_plan: f64,
     pub launches_per_plan: f64,
-    /// max(fold, 0) + boundary / every.
+    /// max(fold, 0) / sample + boundary / every.
     pub critical_per_step_us: f64,
-    /// critical_per_step / tracked_gpu (the decode kernels of a step, fold included).
+    /// critical_per_step / decode_gpu (the plain decode kernels of a step).
     pub fraction_of_decode_gpu: f64,
     /// critical_per_step / decode_tracked_host.
     pub fraction_of_host_step: f64,
@@ -111,10 +114,14 @@ pub fn pipeline_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s:
             rdr.every = every.max(1);
             rdr.cooldown = 2 * rdr.every;
         }
+        if let Some(sample) = s.sample {
+            rdr.sample = sample.max(1);
+        }
         pipes.push(RdrPipeline::new(rdr, PagedImportance::new(0.5, p)?, spec, q, hkv, Planning { costs: costs.clone(), limits, headroom: Headroom::Arrivals { tier: 1 } })?);
     }
     let every = pipes[0].every();
-    let mut r = PipelineTime { device: dev.info.name.clone(), spec: spec.name.clone(), batch, context: s.context, heads: hkv, gqa, steps: s.steps, every, budget_bytes_per_token: s.budget_fraction * fp16_per_token, ..Default::default() };
+    let sample = pipes[0].sample();
+    let mut r = PipelineTime { device: dev.info.name.clone(), spec: spec.name.clone(), batch, context: s.context, heads: hkv, gqa, steps: s.steps, every, sample, budget_bytes_per_token: s.budget_fraction * fp16_per_token, ..Default::default() };
 
     let q0 = query(0);
     cache.decode(&seqs, &q0)?;
@@ -135,8 +142,13 @@ pub fn pipeline_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s:
             cache.append(q, &k, &v)?;
         }
         let q = query(step);
+        // All sequences' pipelines count the same steps: one decides for the batch.
         let t0 = Instant::now();
-        cache.decode_tracked(&seqs, &q)?;
+        if pipes[0].tracks() {
+            cache.decode_tracked(&seqs, &q)?;
+        } else {
+            cache.decode(&seqs, &q)?;
+        }
         host.push(us(t0));
         if step % 2 == 0 {
             let parts = timer.time(&mut cache, &seqs, &q)?;
@@ -210,8 +222,8 @@ pub fn pipeline_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s:
     r.decide_us = median(&mut decide_t);
     r.moves_per_plan = moves as f64 / plans.max(1) as f64;
     r.launches_per_plan = launches as f64 / plans.max(1) as f64;
-    r.critical_per_step_us = r.fold_gpu_us.max(0.0) + r.boundary_us / every as f64;
-    r.fraction_of_decode_gpu = r.critical_per_step_us / r.tracked_gpu_us;
+    r.critical_per_step_us = r.fold_gpu_us.max(0.0) / sample as f64 + r.boundary_us / every as f64;
+    r.fraction_of_decode_gpu = r.critical_per_step_us / r.decode_gpu_us;
     r.fraction_of_host_step = r.critical_per_step_us / r.decode_tracked_host_us;
     Ok(r)
 }

@@ -23,7 +23,7 @@ Tier controllers and certified decode::
     ctl = kvforge.Controller(cache, policy="rdr", budget=48.0)  # bytes / token / kv head
     report = ctl.apply(cache, seq, token_mass=mass)             # mass: [kv heads, seq_len]
     report.dropped, report.bytes_after, report.duality_gap      # controller telemetry
-    out, lse = cache.decode(q_next, seqs=[seq], track=True)     # RDR's page importance kept on the GPU
+    out, lse = cache.decode(q_next, seqs=[seq], track=ctl.tracks())  # RDR's page importance on the GPU (1 step in 8)
     if ctl.due():                                               # every `every` decode steps
         ctl.apply(cache, seq, window=True)                      # rolls the GPU window into the EMA
     cache.keep_originals()                                      # before appending: fp16 tier 2

@@ -49,6 +49,16 @@ pub struct Args {
     /// Skip the CPU frontier (with --gpu: only the GPU loop).
     #[arg(long)]
     no_frontier: bool,
+    /// RDR's tracker window on the CPU frontier: decode queries per invocation.
+    #[arg(long, default_value_t = 16)]
+    rdr_window: usize,
+    /// RDR's signal sampling on the CPU frontier: one decode query in N is observed (the
+    /// runtime tracks one decode step in `RdrController::sample`).
+    #[arg(long, default_value_t = 1)]
+    rdr_sample: usize,
+    /// Decode queries per kv head whose page masses feed RDR (CPU frontier).
+    #[arg(long, default_value_t = 32)]
+    decode_queries: usize,
     #[arg(long)]
     json: Option<PathBuf>,
 }
@@ -135,13 +145,17 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
             ("isotropic", _) => None,
             (k, _) => return Err(kvforge_rt::RtError::BadInput(format!("--keys {k}: expected `codebook` or `isotropic`")).into()),
         };
-        let setup = Setup::default();
+        if a.rdr_window == 0 || a.rdr_sample == 0 || a.decode_queries == 0 {
+            return Err(kvforge_rt::RtError::BadInput("--rdr-window, --rdr-sample and --decode-queries must be at least 1".into()).into());
+        }
+        let setup = Setup { window: a.rdr_window, sample: a.rdr_sample, ..Setup::default() };
         let methods = default_methods();
         let mut points = Vec::new();
         let mut nmse = Vec::new();
         for &ctx in &a.contexts {
             for &seed in &a.seeds {
                 let mut sc = Scenario::new(ctx, a.kv_heads, seed);
+                sc.decode_queries = a.decode_queries;
                 sc.key_codebook = codebook.clone();
                 let t0 = std::time::Instant::now();
                 let wr = World::build(&rdkv, &sc);
@@ -185,9 +199,9 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
             "kv_heads": a.kv_heads, "head_dim": 128, "gqa": 4, "page_tokens": rdkv.page.tokens, "seeds": a.seeds, "contexts": a.contexts,
             "keys": a.keys,
             "head_shapes": kvforge_control::synth::HeadShape::mix(a.kv_heads).iter().map(|h| json!({"gamma": h.gamma, "heavy": h.heavy, "kappa": h.kappa, "needles": h.needles})).collect::<Vec<_>>(),
-            "queries_per_head": {"prefill": 16, "decode": 32, "test": 4},
+            "queries_per_head": {"prefill": 16, "decode": a.decode_queries, "test": 4},
             "protection": {"sink_tokens": setup.protection.sink_tokens, "recent_tokens": setup.protection.recent_tokens, "floor_tier": setup.protection.floor},
-            "rdr_signal": format!("decode page masses over first-tier pages, tracker window {} queries, EMA beta {}", setup.window, setup.beta),
+            "rdr_signal": format!("decode page masses over first-tier pages, tracker window {} queries (one in {} observed), EMA beta {}", setup.window, setup.sample, setup.beta),
             "rdkv_signal": "prefill column sums per token (16 observation queries per kv head)",
             "budget_reference": "fp16 page slots of the whole sequence (514 B per token per kv head at d 128)",
             "error": "per test query row: ||o - o_hat|| / ||o|| vs exact f64 attention over the original keys and values; mean and p90 over rows of all seeds and heads",
