@@ -349,6 +349,28 @@ impl RdrPipeline {
     }
 }
 
+/// The boundaries of several sequences' pipelines that fall on the same step (a batch
+/// decoding together): every window comes down in one download
+/// ([`KvCache::take_mass_windows`]), then each pipeline runs its boundary
+/// ([`RdrPipeline::invoke`]). The download's time is split evenly over the boundaries'
+/// `window_us`.
+pub fn invoke_all(pipes: &mut [RdrPipeline], cache: &mut KvCache) -> Result<Vec<Boundary>, ControlError> {
+    let t0 = Instant::now();
+    let seqs: Vec<usize> = pipes.iter().map(|p| p.seq).collect();
+    let windows = cache.take_mass_windows(&seqs).map_err(|e| ControlError::Cache { total: 0, source: Box::new(e) })?;
+    let window_us = t0.elapsed().as_secs_f64() * 1e6 / pipes.len().max(1) as f64;
+    pipes
+        .iter_mut()
+        .zip(windows)
+        .map(|(pipe, window)| {
+            let mut b = pipe.invoke(cache, window)?;
+            b.window_us = window_us;
+            b.critical_us += window_us;
+            Ok(b)
+        })
+        .collect()
+}
+
 impl Drop for RdrPipeline {
     fn drop(&mut self) {
         // Closing the job channel ends the planner's loop.

@@ -52,6 +52,11 @@ fn step(c: &mut KvCache, rng: &mut ChaCha8Rng, seqs: &[usize], host: &mut HostWi
 /// start over.
 fn compare(c: &mut KvCache, seq: usize, host: &mut HostWindow, when: &str) -> usize {
     let got = c.take_mass_window(seq).unwrap();
+    check(c, seq, got, host, when)
+}
+
+/// Compares a window taken from the device (`got`) with the host's, page by page.
+fn check(c: &mut KvCache, seq: usize, got: Vec<Vec<Option<f64>>>, host: &mut HostWindow, when: &str) -> usize {
     let mut checked = 0;
     for (h, win) in got.iter().enumerate() {
         let firsts: Vec<usize> = c.positioned_pages(seq, h).unwrap().iter().map(|p| p.2).collect();
@@ -121,8 +126,11 @@ fn device_window_equals_the_host_fold() {
         }
         step(&mut c, &mut rng, &batch, &mut host);
     }
-    checked += compare(&mut c, x, &mut host, "at the end");
-    checked += compare(&mut c, b, &mut host, "at the end");
+    // Both windows in one download (x's slot above b's, asked for in that order).
+    let both = c.take_mass_windows(&[x, b]).unwrap();
+    for (s, got) in [x, b].into_iter().zip(both) {
+        checked += check(&mut c, s, got, &mut host, "at the end (taken together)");
+    }
     // x alone ends with 65 pages per head (64 full, one tail).
     assert!(checked >= 65 * HKV, "only {checked} pages compared");
     // A sequence decoded twice in one tracked call is refused before anything runs.

@@ -6,7 +6,7 @@
 //! ladder tier; then every decode step appends one token per sequence and decodes the batch,
 //! with `decode_tracked` on the steps RDR samples (one in `sample`; the window fold runs inside
 //! the split-K combine) and the plain decode on the others. Every `every`
-//! steps each sequence's pipeline runs its boundary: take the window (one download), apply
+//! steps every sequence's pipeline runs its boundary: take the window (all sequences' in one download), apply
 //! the plan made at the previous boundary (transcode launches), hand a snapshot to its
 //! planner thread. The first boundary is primed (its plan, thousands of moves after prefill,
 //! lands at once) and not counted. Timed:
@@ -32,7 +32,7 @@ use super::gpu::{us, GpuSetup, Workload};
 use super::timing::median;
 use crate::budget::{Budget, CostModel, TierCosts};
 use crate::distortion::DistortionTable;
-use crate::pipeline::{Headroom, Planning, RdrPipeline};
+use crate::pipeline::{invoke_all, Headroom, Planning, RdrPipeline};
 use crate::plan::Limits;
 use crate::protect::Protection;
 use crate::window::PagedImportance;
@@ -168,13 +168,17 @@ pub fn pipeline_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s:
         let t0 = Instant::now();
         let mut landed = Vec::new();
         let (mut window_us, mut apply_us) = (0.0, 0.0);
-        for pipe in pipes.iter_mut() {
-            let b = if primed {
-                pipe.invoke_cache(&mut cache)?
-            } else {
-                let w = cache.take_mass_window(seqs[landed.len()])?;
-                pipe.prime(&mut cache, w)?
-            };
+        let boundaries = if primed {
+            invoke_all(&mut pipes, &mut cache)?
+        } else {
+            let mut bs = Vec::with_capacity(batch);
+            for (pipe, &q) in pipes.iter_mut().zip(&seqs) {
+                let w = cache.take_mass_window(q)?;
+                bs.push(pipe.prime(&mut cache, w)?);
+            }
+            bs
+        };
+        for b in boundaries {
             r.waited_total_us += b.waited_us;
             window_us += b.window_us;
             apply_us += b.apply_us;
