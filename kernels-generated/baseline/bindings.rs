@@ -99,6 +99,8 @@ pub struct VariantInfo {
     pub tiers: &'static [u8],
     pub threads: usize,
     pub smem_bytes: usize,
+    /// CTAs per page of a transcode launch (grid = pages × this); 1 for other kinds.
+    pub ctas_per_page: usize,
     pub source: &'static str,
 }
 /// Every kernel of the spec.
@@ -160,6 +162,7 @@ static INFOS: [VariantInfo; 19usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 99184usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -171,6 +174,7 @@ static INFOS: [VariantInfo; 19usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 100752usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -182,6 +186,7 @@ static INFOS: [VariantInfo; 19usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 101536usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -193,6 +198,7 @@ static INFOS: [VariantInfo; 19usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 104672usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -203,7 +209,8 @@ static INFOS: [VariantInfo; 19usize] = [
         gqa: 0usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 16400usize,
+        smem_bytes: 8208usize,
+        ctas_per_page: 2usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -215,6 +222,7 @@ static INFOS: [VariantInfo; 19usize] = [
         tiers: &[],
         threads: 64usize,
         smem_bytes: 0usize,
+        ctas_per_page: 1usize,
         source: include_str!("combine_d64.cu"),
     },
     VariantInfo {
@@ -226,6 +234,7 @@ static INFOS: [VariantInfo; 19usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 99648usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -237,6 +246,7 @@ static INFOS: [VariantInfo; 19usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 102240usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -248,6 +258,7 @@ static INFOS: [VariantInfo; 19usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 103536usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -259,6 +270,7 @@ static INFOS: [VariantInfo; 19usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 108720usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -269,7 +281,8 @@ static INFOS: [VariantInfo; 19usize] = [
         gqa: 0usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 32784usize,
+        smem_bytes: 8208usize,
+        ctas_per_page: 4usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d128_p64.cu"),
     },
     VariantInfo {
@@ -281,6 +294,7 @@ static INFOS: [VariantInfo; 19usize] = [
         tiers: &[],
         threads: 128usize,
         smem_bytes: 0usize,
+        ctas_per_page: 1usize,
         source: include_str!("combine_d128.cu"),
     },
     VariantInfo {
@@ -292,6 +306,7 @@ static INFOS: [VariantInfo; 19usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 133424usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -303,6 +318,7 @@ static INFOS: [VariantInfo; 19usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 138064usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -314,6 +330,7 @@ static INFOS: [VariantInfo; 19usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 140384usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -325,6 +342,7 @@ static INFOS: [VariantInfo; 19usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 149664usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -335,7 +353,8 @@ static INFOS: [VariantInfo; 19usize] = [
         gqa: 0usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 65552usize,
+        smem_bytes: 8208usize,
+        ctas_per_page: 8usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d256_p64.cu"),
     },
     VariantInfo {
@@ -347,6 +366,7 @@ static INFOS: [VariantInfo; 19usize] = [
         tiers: &[],
         threads: 256usize,
         smem_bytes: 0usize,
+        ctas_per_page: 1usize,
         source: include_str!("combine_d256.cu"),
     },
     VariantInfo {
@@ -358,6 +378,7 @@ static INFOS: [VariantInfo; 19usize] = [
         tiers: &[],
         threads: 256usize,
         smem_bytes: 0usize,
+        ctas_per_page: 1usize,
         source: include_str!("mass_window.cu"),
     },
 ];

@@ -161,6 +161,8 @@ pub struct VariantInfo {
     pub tiers: &'static [u8],
     pub threads: usize,
     pub smem_bytes: usize,
+    /// CTAs per page of a transcode launch (grid = pages × this); 1 for other kinds.
+    pub ctas_per_page: usize,
     pub source: &'static str,
 }
 /// Every kernel of the spec.
@@ -282,6 +284,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 99184usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -293,6 +296,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 100752usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -304,6 +308,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 101536usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -315,6 +320,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 104672usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -326,6 +332,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 2u8],
         threads: 256usize,
         smem_bytes: 102336usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -337,6 +344,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 2u8],
         threads: 256usize,
         smem_bytes: 103904usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -348,6 +356,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 2u8],
         threads: 256usize,
         smem_bytes: 104688usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -359,6 +368,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 2u8],
         threads: 256usize,
         smem_bytes: 107824usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -370,6 +380,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8, 2u8],
         threads: 256usize,
         smem_bytes: 99184usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -381,6 +392,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8, 2u8],
         threads: 256usize,
         smem_bytes: 100752usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -392,6 +404,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8, 2u8],
         threads: 256usize,
         smem_bytes: 101536usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -403,6 +416,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8, 2u8],
         threads: 256usize,
         smem_bytes: 104672usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -413,7 +427,8 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 0usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 16400usize,
+        smem_bytes: 8208usize,
+        ctas_per_page: 2usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -424,7 +439,8 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 0usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 18432usize,
+        smem_bytes: 9216usize,
+        ctas_per_page: 2usize,
         source: include_str!("transcode_tail_to_kint8c16f32_vint4g16f16_d64_p64.cu"),
     },
     VariantInfo {
@@ -435,7 +451,8 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 0usize,
         tiers: &[1u8, 2u8],
         threads: 256usize,
-        smem_bytes: 18432usize,
+        smem_bytes: 9216usize,
+        ctas_per_page: 2usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint8c16f32_vint4g16f16_d64_p64.cu"
         ),
@@ -449,6 +466,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[],
         threads: 64usize,
         smem_bytes: 0usize,
+        ctas_per_page: 1usize,
         source: include_str!("combine_d64.cu"),
     },
     VariantInfo {
@@ -460,6 +478,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 99648usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -471,6 +490,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 102240usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -482,6 +502,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 103536usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -493,6 +514,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 108720usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -504,6 +526,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 2u8],
         threads: 256usize,
         smem_bytes: 93536usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -515,6 +538,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 2u8],
         threads: 256usize,
         smem_bytes: 96128usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -526,6 +550,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 2u8],
         threads: 256usize,
         smem_bytes: 97424usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -537,6 +562,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 2u8],
         threads: 256usize,
         smem_bytes: 102608usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -548,6 +574,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8, 2u8],
         threads: 256usize,
         smem_bytes: 99648usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d128_g1_p64.cu"
         ),
@@ -561,6 +588,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8, 2u8],
         threads: 256usize,
         smem_bytes: 102240usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d128_g3_p64.cu"
         ),
@@ -574,6 +602,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8, 2u8],
         threads: 256usize,
         smem_bytes: 103536usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d128_g4_p64.cu"
         ),
@@ -587,6 +616,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8, 2u8],
         threads: 256usize,
         smem_bytes: 108720usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d128_g8_p64.cu"
         ),
@@ -599,7 +629,8 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 0usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 32784usize,
+        smem_bytes: 8208usize,
+        ctas_per_page: 4usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d128_p64.cu"),
     },
     VariantInfo {
@@ -610,7 +641,8 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 0usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 36864usize,
+        smem_bytes: 9216usize,
+        ctas_per_page: 4usize,
         source: include_str!("transcode_tail_to_kint8c16f32_vint4g16f16_d128_p64.cu"),
     },
     VariantInfo {
@@ -621,7 +653,8 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 0usize,
         tiers: &[1u8, 2u8],
         threads: 256usize,
-        smem_bytes: 36864usize,
+        smem_bytes: 9216usize,
+        ctas_per_page: 4usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint8c16f32_vint4g16f16_d128_p64.cu"
         ),
@@ -635,6 +668,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[],
         threads: 128usize,
         smem_bytes: 0usize,
+        ctas_per_page: 1usize,
         source: include_str!("combine_d128.cu"),
     },
     VariantInfo {
@@ -646,6 +680,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 133424usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -657,6 +692,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 138064usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -668,6 +704,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 140384usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -679,6 +716,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 149664usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -690,6 +728,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 2u8],
         threads: 256usize,
         smem_bytes: 76080usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -701,6 +740,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 2u8],
         threads: 256usize,
         smem_bytes: 80720usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -712,6 +752,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 2u8],
         threads: 256usize,
         smem_bytes: 83040usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -723,6 +764,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 2u8],
         threads: 256usize,
         smem_bytes: 92320usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -734,6 +776,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8, 2u8],
         threads: 256usize,
         smem_bytes: 133424usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d256_g1_p64.cu"
         ),
@@ -747,6 +790,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8, 2u8],
         threads: 256usize,
         smem_bytes: 138064usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d256_g3_p64.cu"
         ),
@@ -760,6 +804,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8, 2u8],
         threads: 256usize,
         smem_bytes: 140384usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d256_g4_p64.cu"
         ),
@@ -773,6 +818,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[0u8, 1u8, 2u8],
         threads: 256usize,
         smem_bytes: 149664usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d256_g8_p64.cu"
         ),
@@ -785,7 +831,8 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 0usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 65552usize,
+        smem_bytes: 8208usize,
+        ctas_per_page: 8usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d256_p64.cu"),
     },
     VariantInfo {
@@ -796,7 +843,8 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 0usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 73728usize,
+        smem_bytes: 9216usize,
+        ctas_per_page: 8usize,
         source: include_str!("transcode_tail_to_kint8c16f32_vint4g16f16_d256_p64.cu"),
     },
     VariantInfo {
@@ -807,7 +855,8 @@ static INFOS: [VariantInfo; 49usize] = [
         gqa: 0usize,
         tiers: &[1u8, 2u8],
         threads: 256usize,
-        smem_bytes: 73728usize,
+        smem_bytes: 9216usize,
+        ctas_per_page: 8usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint8c16f32_vint4g16f16_d256_p64.cu"
         ),
@@ -821,6 +870,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[],
         threads: 256usize,
         smem_bytes: 0usize,
+        ctas_per_page: 1usize,
         source: include_str!("combine_d256.cu"),
     },
     VariantInfo {
@@ -832,6 +882,7 @@ static INFOS: [VariantInfo; 49usize] = [
         tiers: &[],
         threads: 256usize,
         smem_bytes: 0usize,
+        ctas_per_page: 1usize,
         source: include_str!("mass_window.cu"),
     },
 ];

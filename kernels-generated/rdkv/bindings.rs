@@ -311,6 +311,8 @@ pub struct VariantInfo {
     pub tiers: &'static [u8],
     pub threads: usize,
     pub smem_bytes: usize,
+    /// CTAs per page of a transcode launch (grid = pages × this); 1 for other kinds.
+    pub ctas_per_page: usize,
     pub source: &'static str,
 }
 /// Every kernel of the spec.
@@ -546,6 +548,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 99184usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -557,6 +560,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 100752usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -568,6 +572,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 101536usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -579,6 +584,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 104672usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -590,6 +596,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 54896usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -601,6 +608,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 56976usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -612,6 +620,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 49040usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -623,6 +632,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 107056usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -634,6 +644,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 54720usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -645,6 +656,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 56800usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -656,6 +668,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 52960usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -667,6 +680,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 86400usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -678,6 +692,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 4u8],
         threads: 128usize,
         smem_bytes: 46352usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -689,6 +704,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 4u8],
         threads: 128usize,
         smem_bytes: 48432usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -700,6 +716,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 4u8],
         threads: 128usize,
         smem_bytes: 49472usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -711,6 +728,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 4u8],
         threads: 128usize,
         smem_bytes: 53632usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -722,6 +740,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 54896usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g1_p64.cu"
         ),
@@ -735,6 +754,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 56976usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g3_p64.cu"
         ),
@@ -748,6 +768,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 49040usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g4_p64.cu"
         ),
@@ -761,6 +782,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 107056usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g8_p64.cu"
         ),
@@ -774,6 +796,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 50240usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g1_p64.cu"
         ),
@@ -787,6 +810,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 52320usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g3_p64.cu"
         ),
@@ -800,6 +824,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 53360usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g4_p64.cu"
         ),
@@ -813,6 +838,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 106720usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g8_p64.cu"
         ),
@@ -825,7 +851,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 16400usize,
+        smem_bytes: 4112usize,
+        ctas_per_page: 4usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -836,7 +863,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 4usize,
         source: include_str!("transcode_tail_to_kint8c64f16_vint8g32f16_d64_p64.cu"),
     },
     VariantInfo {
@@ -847,7 +875,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 4usize,
         source: include_str!("transcode_tail_to_kint4c64f16_vint4g32f16_d64_p64.cu"),
     },
     VariantInfo {
@@ -858,7 +887,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 4usize,
         source: include_str!("transcode_tail_to_kint2c64f16_vint2g32f16_d64_p64.cu"),
     },
     VariantInfo {
@@ -869,7 +899,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[1u8, 2u8],
         threads: 128usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 4usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint8c64f16_vint8g32f16_d64_p64.cu"
         ),
@@ -882,7 +913,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[1u8, 3u8],
         threads: 128usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 4usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint4c64f16_vint4g32f16_d64_p64.cu"
         ),
@@ -895,7 +927,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[1u8, 4u8],
         threads: 128usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 4usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint2c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -908,7 +941,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 4usize,
         source: include_str!(
             "transcode_kint8c64f16_vint8g32f16_to_kint4c64f16_vint4g32f16_d64_p64.cu"
         ),
@@ -921,7 +955,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[2u8, 4u8],
         threads: 128usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 4usize,
         source: include_str!(
             "transcode_kint8c64f16_vint8g32f16_to_kint2c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -934,7 +969,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 4usize,
         source: include_str!(
             "transcode_kint4c64f16_vint4g32f16_to_kint2c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -948,6 +984,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[],
         threads: 64usize,
         smem_bytes: 0usize,
+        ctas_per_page: 1usize,
         source: include_str!("combine_d64.cu"),
     },
     VariantInfo {
@@ -959,6 +996,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 99648usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -970,6 +1008,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 102240usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -981,6 +1020,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 103536usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -992,6 +1032,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 108720usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -1003,6 +1044,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 55616usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -1014,6 +1056,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 41296usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -1025,6 +1068,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 43104usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -1036,6 +1080,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 104144usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -1047,6 +1092,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 50528usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -1058,6 +1104,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 54144usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -1069,6 +1116,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 55952usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -1080,6 +1128,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 111904usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -1091,6 +1140,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 4u8],
         threads: 128usize,
         smem_bytes: 52640usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -1102,6 +1152,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 4u8],
         threads: 128usize,
         smem_bytes: 56256usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -1113,6 +1164,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 4u8],
         threads: 128usize,
         smem_bytes: 52416usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -1124,6 +1176,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 4u8],
         threads: 128usize,
         smem_bytes: 104832usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -1135,6 +1188,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 55616usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g1_p64.cu"
         ),
@@ -1148,6 +1202,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 41296usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g3_p64.cu"
         ),
@@ -1161,6 +1216,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 43104usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g4_p64.cu"
         ),
@@ -1174,6 +1230,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 104144usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g8_p64.cu"
         ),
@@ -1187,6 +1244,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 67376usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g1_p64.cu"
         ),
@@ -1200,6 +1258,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 70992usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g3_p64.cu"
         ),
@@ -1213,6 +1272,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 72800usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g4_p64.cu"
         ),
@@ -1226,6 +1286,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 112816usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g8_p64.cu"
         ),
@@ -1238,7 +1299,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 32784usize,
+        smem_bytes: 4112usize,
+        ctas_per_page: 8usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d128_p64.cu"),
     },
     VariantInfo {
@@ -1249,7 +1311,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 8usize,
         source: include_str!("transcode_tail_to_kint8c64f16_vint8g32f16_d128_p64.cu"),
     },
     VariantInfo {
@@ -1260,7 +1323,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 8usize,
         source: include_str!("transcode_tail_to_kint4c64f16_vint4g32f16_d128_p64.cu"),
     },
     VariantInfo {
@@ -1271,7 +1335,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 8usize,
         source: include_str!("transcode_tail_to_kint2c64f16_vint2g32f16_d128_p64.cu"),
     },
     VariantInfo {
@@ -1282,7 +1347,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[1u8, 2u8],
         threads: 128usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 8usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint8c64f16_vint8g32f16_d128_p64.cu"
         ),
@@ -1295,7 +1361,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[1u8, 3u8],
         threads: 128usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 8usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint4c64f16_vint4g32f16_d128_p64.cu"
         ),
@@ -1308,7 +1375,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[1u8, 4u8],
         threads: 128usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 8usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint2c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -1321,7 +1389,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 8usize,
         source: include_str!(
             "transcode_kint8c64f16_vint8g32f16_to_kint4c64f16_vint4g32f16_d128_p64.cu"
         ),
@@ -1334,7 +1403,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[2u8, 4u8],
         threads: 128usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 8usize,
         source: include_str!(
             "transcode_kint8c64f16_vint8g32f16_to_kint2c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -1347,7 +1417,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 8usize,
         source: include_str!(
             "transcode_kint4c64f16_vint4g32f16_to_kint2c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -1361,6 +1432,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[],
         threads: 128usize,
         smem_bytes: 0usize,
+        ctas_per_page: 1usize,
         source: include_str!("combine_d128.cu"),
     },
     VariantInfo {
@@ -1372,6 +1444,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 133424usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1383,6 +1456,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 138064usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1394,6 +1468,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 140384usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1405,6 +1480,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 149664usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kfp16_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1416,6 +1492,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 75056usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1427,6 +1504,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 81744usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1438,6 +1516,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 85088usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1449,6 +1528,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 98464usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1460,6 +1540,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 100704usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1471,6 +1552,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 107392usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1482,6 +1564,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 110736usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1493,6 +1576,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 104640usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1504,6 +1588,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 4u8],
         threads: 128usize,
         smem_bytes: 104864usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1515,6 +1600,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 4u8],
         threads: 128usize,
         smem_bytes: 111552usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1526,6 +1612,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 4u8],
         threads: 128usize,
         smem_bytes: 114896usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1537,6 +1624,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 4u8],
         threads: 128usize,
         smem_bytes: 105712usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1548,6 +1636,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 75056usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g1_p64.cu"
         ),
@@ -1561,6 +1650,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 81744usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g3_p64.cu"
         ),
@@ -1574,6 +1664,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 85088usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g4_p64.cu"
         ),
@@ -1587,6 +1678,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 98464usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g8_p64.cu"
         ),
@@ -1600,6 +1692,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 134448usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g1_p64.cu"
         ),
@@ -1613,6 +1706,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 141136usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g3_p64.cu"
         ),
@@ -1626,6 +1720,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 144480usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g4_p64.cu"
         ),
@@ -1639,6 +1734,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 128usize,
         smem_bytes: 157856usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g8_p64.cu"
         ),
@@ -1651,7 +1747,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 65552usize,
+        smem_bytes: 4112usize,
+        ctas_per_page: 16usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1662,7 +1759,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 67584usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 16usize,
         source: include_str!("transcode_tail_to_kint8c64f16_vint8g32f16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1673,7 +1771,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 67584usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 16usize,
         source: include_str!("transcode_tail_to_kint4c64f16_vint4g32f16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1684,7 +1783,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[0u8, 4u8],
         threads: 128usize,
-        smem_bytes: 67584usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 16usize,
         source: include_str!("transcode_tail_to_kint2c64f16_vint2g32f16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1695,7 +1795,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[1u8, 2u8],
         threads: 128usize,
-        smem_bytes: 67584usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 16usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint8c64f16_vint8g32f16_d256_p64.cu"
         ),
@@ -1708,7 +1809,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[1u8, 3u8],
         threads: 128usize,
-        smem_bytes: 67584usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 16usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint4c64f16_vint4g32f16_d256_p64.cu"
         ),
@@ -1721,7 +1823,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[1u8, 4u8],
         threads: 128usize,
-        smem_bytes: 67584usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 16usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint2c64f16_vint2g32f16_d256_p64.cu"
         ),
@@ -1734,7 +1837,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 67584usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 16usize,
         source: include_str!(
             "transcode_kint8c64f16_vint8g32f16_to_kint4c64f16_vint4g32f16_d256_p64.cu"
         ),
@@ -1747,7 +1851,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[2u8, 4u8],
         threads: 128usize,
-        smem_bytes: 67584usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 16usize,
         source: include_str!(
             "transcode_kint8c64f16_vint8g32f16_to_kint2c64f16_vint2g32f16_d256_p64.cu"
         ),
@@ -1760,7 +1865,8 @@ static INFOS: [VariantInfo; 106usize] = [
         gqa: 0usize,
         tiers: &[3u8, 4u8],
         threads: 128usize,
-        smem_bytes: 67584usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 16usize,
         source: include_str!(
             "transcode_kint4c64f16_vint4g32f16_to_kint2c64f16_vint2g32f16_d256_p64.cu"
         ),
@@ -1774,6 +1880,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[],
         threads: 256usize,
         smem_bytes: 0usize,
+        ctas_per_page: 1usize,
         source: include_str!("combine_d256.cu"),
     },
     VariantInfo {
@@ -1785,6 +1892,7 @@ static INFOS: [VariantInfo; 106usize] = [
         tiers: &[],
         threads: 256usize,
         smem_bytes: 0usize,
+        ctas_per_page: 1usize,
         source: include_str!("mass_window.cu"),
     },
 ];

@@ -219,6 +219,8 @@ pub struct VariantInfo {
     pub tiers: &'static [u8],
     pub threads: usize,
     pub smem_bytes: usize,
+    /// CTAs per page of a transcode launch (grid = pages × this); 1 for other kinds.
+    pub ctas_per_page: usize,
     pub source: &'static str,
 }
 /// Every kernel of the spec.
@@ -382,6 +384,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8],
         threads: 128usize,
         smem_bytes: 45088usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x4b6_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -393,6 +396,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8],
         threads: 128usize,
         smem_bytes: 48704usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x4b6_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -404,6 +408,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8],
         threads: 128usize,
         smem_bytes: 50512usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x4b6_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -415,6 +420,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8],
         threads: 128usize,
         smem_bytes: 57744usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x4b6_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -426,6 +432,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 44000usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x4b4_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -437,6 +444,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 46080usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x4b4_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -448,6 +456,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 47120usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x4b4_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -459,6 +468,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 51280usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x4b4_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -470,6 +480,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 42848usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph32x2b3_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -481,6 +492,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 44544usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph32x2b3_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -492,6 +504,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 45392usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph32x2b3_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -503,6 +516,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 48784usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph32x2b3_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -514,6 +528,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
         smem_bytes: 45408usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g1_p64.cu"
         ),
@@ -527,6 +542,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
         smem_bytes: 49664usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g3_p64.cu"
         ),
@@ -540,6 +556,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
         smem_bytes: 51792usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g4_p64.cu"
         ),
@@ -553,6 +570,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
         smem_bytes: 60304usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g8_p64.cu"
         ),
@@ -565,7 +583,8 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 0usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 17408usize,
+        smem_bytes: 4352usize,
+        ctas_per_page: 4usize,
         source: include_str!("transcode_tail_to_ksph16x4b6_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -576,7 +595,8 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 0usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 17408usize,
+        smem_bytes: 4352usize,
+        ctas_per_page: 4usize,
         source: include_str!("transcode_tail_to_ksph16x4b4_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -587,7 +607,8 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 0usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 4usize,
         source: include_str!("transcode_tail_to_ksph32x2b3_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -598,7 +619,8 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 0usize,
         tiers: &[1u8, 2u8],
         threads: 128usize,
-        smem_bytes: 17408usize,
+        smem_bytes: 4352usize,
+        ctas_per_page: 4usize,
         source: include_str!("transcode_ksph16x4b6_vfp16_to_ksph16x4b4_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -609,7 +631,8 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 0usize,
         tiers: &[1u8, 3u8],
         threads: 128usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 4usize,
         source: include_str!("transcode_ksph16x4b6_vfp16_to_ksph32x2b3_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -620,7 +643,8 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 0usize,
         tiers: &[2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 4usize,
         source: include_str!("transcode_ksph16x4b4_vfp16_to_ksph32x2b3_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -632,6 +656,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[],
         threads: 64usize,
         smem_bytes: 0usize,
+        ctas_per_page: 1usize,
         source: include_str!("combine_d64.cu"),
     },
     VariantInfo {
@@ -643,6 +668,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8],
         threads: 128usize,
         smem_bytes: 55232usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x8b6_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -654,6 +680,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8],
         threads: 128usize,
         smem_bytes: 61920usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x8b6_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -665,6 +692,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8],
         threads: 128usize,
         smem_bytes: 65264usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x8b6_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -676,6 +704,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8],
         threads: 128usize,
         smem_bytes: 78640usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x8b6_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -687,6 +716,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 53312usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x8b4_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -698,6 +728,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 56928usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x8b4_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -709,6 +740,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 58736usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x8b4_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -720,6 +752,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 65968usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x8b4_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -731,6 +764,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 51776usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph32x4b3_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -742,6 +776,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 54624usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph32x4b3_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -753,6 +788,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 56048usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph32x4b3_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -764,6 +800,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 61744usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph32x4b3_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -775,6 +812,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
         smem_bytes: 55872usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g1_p64.cu"
         ),
@@ -788,6 +826,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
         smem_bytes: 63840usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g3_p64.cu"
         ),
@@ -801,6 +840,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
         smem_bytes: 67824usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g4_p64.cu"
         ),
@@ -814,6 +854,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
         smem_bytes: 83760usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g8_p64.cu"
         ),
@@ -826,7 +867,8 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 0usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 34816usize,
+        smem_bytes: 4352usize,
+        ctas_per_page: 8usize,
         source: include_str!("transcode_tail_to_ksph16x8b6_vfp16_d128_p64.cu"),
     },
     VariantInfo {
@@ -837,7 +879,8 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 0usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 34816usize,
+        smem_bytes: 4352usize,
+        ctas_per_page: 8usize,
         source: include_str!("transcode_tail_to_ksph16x8b4_vfp16_d128_p64.cu"),
     },
     VariantInfo {
@@ -848,7 +891,8 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 0usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 8usize,
         source: include_str!("transcode_tail_to_ksph32x4b3_vfp16_d128_p64.cu"),
     },
     VariantInfo {
@@ -859,7 +903,8 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 0usize,
         tiers: &[1u8, 2u8],
         threads: 128usize,
-        smem_bytes: 34816usize,
+        smem_bytes: 4352usize,
+        ctas_per_page: 8usize,
         source: include_str!(
             "transcode_ksph16x8b6_vfp16_to_ksph16x8b4_vfp16_d128_p64.cu"
         ),
@@ -872,7 +917,8 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 0usize,
         tiers: &[1u8, 3u8],
         threads: 128usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 8usize,
         source: include_str!(
             "transcode_ksph16x8b6_vfp16_to_ksph32x4b3_vfp16_d128_p64.cu"
         ),
@@ -885,7 +931,8 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 0usize,
         tiers: &[2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 8usize,
         source: include_str!(
             "transcode_ksph16x8b4_vfp16_to_ksph32x4b3_vfp16_d128_p64.cu"
         ),
@@ -899,6 +946,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[],
         threads: 128usize,
         smem_bytes: 0usize,
+        ctas_per_page: 1usize,
         source: include_str!("combine_d128.cu"),
     },
     VariantInfo {
@@ -910,6 +958,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8],
         threads: 128usize,
         smem_bytes: 110144usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x16b6_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -921,6 +970,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8],
         threads: 128usize,
         smem_bytes: 122976usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x16b6_vfp16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -932,6 +982,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8],
         threads: 128usize,
         smem_bytes: 129392usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x16b6_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -943,6 +994,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8],
         threads: 128usize,
         smem_bytes: 155056usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x16b6_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -954,6 +1006,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 106304usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x16b4_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -965,6 +1018,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 112992usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x16b4_vfp16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -976,6 +1030,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 116336usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x16b4_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -987,6 +1042,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 2u8],
         threads: 128usize,
         smem_bytes: 129712usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph16x16b4_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -998,6 +1054,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 103040usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph32x8b3_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1009,6 +1066,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 108192usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph32x8b3_vfp16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1020,6 +1078,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 110768usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph32x8b3_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1031,6 +1090,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 3u8],
         threads: 128usize,
         smem_bytes: 121072usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_ksph32x8b3_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1042,6 +1102,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
         smem_bytes: 111424usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_ksph16x16b6_vfp16__ksph16x16b4_vfp16__ksph32x8b3_vfp16_d256_g1_p64.cu"
         ),
@@ -1055,6 +1116,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
         smem_bytes: 126816usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_ksph16x16b6_vfp16__ksph16x16b4_vfp16__ksph32x8b3_vfp16_d256_g3_p64.cu"
         ),
@@ -1068,6 +1130,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
         smem_bytes: 134512usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_ksph16x16b6_vfp16__ksph16x16b4_vfp16__ksph32x8b3_vfp16_d256_g4_p64.cu"
         ),
@@ -1081,6 +1144,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
         smem_bytes: 165296usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_ksph16x16b6_vfp16__ksph16x16b4_vfp16__ksph32x8b3_vfp16_d256_g8_p64.cu"
         ),
@@ -1093,7 +1157,8 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 0usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 69632usize,
+        smem_bytes: 4352usize,
+        ctas_per_page: 16usize,
         source: include_str!("transcode_tail_to_ksph16x16b6_vfp16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1104,7 +1169,8 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 0usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 69632usize,
+        smem_bytes: 4352usize,
+        ctas_per_page: 16usize,
         source: include_str!("transcode_tail_to_ksph16x16b4_vfp16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1115,7 +1181,8 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 0usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 67584usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 16usize,
         source: include_str!("transcode_tail_to_ksph32x8b3_vfp16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1126,7 +1193,8 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 0usize,
         tiers: &[1u8, 2u8],
         threads: 128usize,
-        smem_bytes: 69632usize,
+        smem_bytes: 4352usize,
+        ctas_per_page: 16usize,
         source: include_str!(
             "transcode_ksph16x16b6_vfp16_to_ksph16x16b4_vfp16_d256_p64.cu"
         ),
@@ -1139,7 +1207,8 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 0usize,
         tiers: &[1u8, 3u8],
         threads: 128usize,
-        smem_bytes: 67584usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 16usize,
         source: include_str!(
             "transcode_ksph16x16b6_vfp16_to_ksph32x8b3_vfp16_d256_p64.cu"
         ),
@@ -1152,7 +1221,8 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 0usize,
         tiers: &[2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 67584usize,
+        smem_bytes: 4224usize,
+        ctas_per_page: 16usize,
         source: include_str!(
             "transcode_ksph16x16b4_vfp16_to_ksph32x8b3_vfp16_d256_p64.cu"
         ),
@@ -1166,6 +1236,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[],
         threads: 256usize,
         smem_bytes: 0usize,
+        ctas_per_page: 1usize,
         source: include_str!("combine_d256.cu"),
     },
     VariantInfo {
@@ -1177,6 +1248,7 @@ static INFOS: [VariantInfo; 70usize] = [
         tiers: &[],
         threads: 256usize,
         smem_bytes: 0usize,
+        ctas_per_page: 1usize,
         source: include_str!("mass_window.cu"),
     },
 ];

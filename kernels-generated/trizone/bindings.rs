@@ -345,6 +345,8 @@ pub struct VariantInfo {
     pub tiers: &'static [u8],
     pub threads: usize,
     pub smem_bytes: usize,
+    /// CTAs per page of a transcode launch (grid = pages × this); 1 for other kinds.
+    pub ctas_per_page: usize,
     pub source: &'static str,
 }
 /// Every kernel of the spec.
@@ -462,6 +464,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 102880usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -473,6 +476,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 104448usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -484,6 +488,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 105232usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -495,6 +500,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 108368usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -506,6 +512,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 3u8],
         threads: 256usize,
         smem_bytes: 92176usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g1_p64.cu"
         ),
@@ -519,6 +526,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 3u8],
         threads: 256usize,
         smem_bytes: 93744usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g3_p64.cu"
         ),
@@ -532,6 +540,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 3u8],
         threads: 256usize,
         smem_bytes: 94528usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g4_p64.cu"
         ),
@@ -545,6 +554,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 3u8],
         threads: 256usize,
         smem_bytes: 97664usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g8_p64.cu"
         ),
@@ -558,6 +568,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
         smem_bytes: 102880usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g1_p64.cu"
         ),
@@ -571,6 +582,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
         smem_bytes: 104448usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g3_p64.cu"
         ),
@@ -584,6 +596,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
         smem_bytes: 105232usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g4_p64.cu"
         ),
@@ -597,6 +610,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
         smem_bytes: 108368usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g8_p64.cu"
         ),
@@ -609,7 +623,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 2usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_p64.cu"
         ),
@@ -622,7 +637,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 2usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_d64_p64.cu"
         ),
@@ -635,7 +651,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 2usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_p64.cu"
         ),
@@ -648,7 +665,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 2usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -661,7 +679,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[1u8, 2u8],
         threads: 256usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 2usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_to_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_d64_p64.cu"
         ),
@@ -674,7 +693,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[1u8, 3u8],
         threads: 256usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 2usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_p64.cu"
         ),
@@ -687,7 +707,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[1u8, 4u8],
         threads: 256usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 2usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -700,7 +721,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[2u8, 3u8],
         threads: 256usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 2usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_p64.cu"
         ),
@@ -713,7 +735,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[2u8, 4u8],
         threads: 256usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 2usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -726,7 +749,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 16896usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 2usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -740,6 +764,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[],
         threads: 64usize,
         smem_bytes: 0usize,
+        ctas_per_page: 1usize,
         source: include_str!("combine_d64.cu"),
     },
     VariantInfo {
@@ -751,6 +776,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 91984usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -762,6 +788,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 94576usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -773,6 +800,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 95872usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -784,6 +812,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 1u8],
         threads: 256usize,
         smem_bytes: 101056usize,
+        ctas_per_page: 1usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -795,6 +824,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 3u8],
         threads: 256usize,
         smem_bytes: 92560usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g1_p64.cu"
         ),
@@ -808,6 +838,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 3u8],
         threads: 256usize,
         smem_bytes: 95152usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g3_p64.cu"
         ),
@@ -821,6 +852,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 3u8],
         threads: 256usize,
         smem_bytes: 96448usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g4_p64.cu"
         ),
@@ -834,6 +866,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 3u8],
         threads: 256usize,
         smem_bytes: 101632usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g8_p64.cu"
         ),
@@ -847,6 +880,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
         smem_bytes: 91984usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g1_p64.cu"
         ),
@@ -860,6 +894,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
         smem_bytes: 94576usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g3_p64.cu"
         ),
@@ -873,6 +908,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
         smem_bytes: 95872usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g4_p64.cu"
         ),
@@ -886,6 +922,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[0u8, 1u8, 2u8, 3u8, 4u8],
         threads: 256usize,
         smem_bytes: 101056usize,
+        ctas_per_page: 1usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g8_p64.cu"
         ),
@@ -898,7 +935,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[0u8, 1u8],
         threads: 256usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 4usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_p64.cu"
         ),
@@ -911,7 +949,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[0u8, 2u8],
         threads: 256usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 4usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_d128_p64.cu"
         ),
@@ -924,7 +963,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[0u8, 3u8],
         threads: 256usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 4usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_p64.cu"
         ),
@@ -937,7 +977,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[0u8, 4u8],
         threads: 256usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 4usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -950,7 +991,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[1u8, 2u8],
         threads: 256usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 4usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_to_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_d128_p64.cu"
         ),
@@ -963,7 +1005,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[1u8, 3u8],
         threads: 256usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 4usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_p64.cu"
         ),
@@ -976,7 +1019,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[1u8, 4u8],
         threads: 256usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 4usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -989,7 +1033,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[2u8, 3u8],
         threads: 256usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 4usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_p64.cu"
         ),
@@ -1002,7 +1047,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[2u8, 4u8],
         threads: 256usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 4usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -1015,7 +1061,8 @@ static INFOS: [VariantInfo; 47usize] = [
         gqa: 0usize,
         tiers: &[3u8, 4u8],
         threads: 256usize,
-        smem_bytes: 33792usize,
+        smem_bytes: 8448usize,
+        ctas_per_page: 4usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -1029,6 +1076,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[],
         threads: 128usize,
         smem_bytes: 0usize,
+        ctas_per_page: 1usize,
         source: include_str!("combine_d128.cu"),
     },
     VariantInfo {
@@ -1040,6 +1088,7 @@ static INFOS: [VariantInfo; 47usize] = [
         tiers: &[],
         threads: 256usize,
         smem_bytes: 0usize,
+        ctas_per_page: 1usize,
         source: include_str!("mass_window.cu"),
     },
 ];

@@ -6,6 +6,9 @@
 //! * `rdkv specs/rdkv.toml [--reps N]` (CPU): RDKV's allocation once after prefill at 32K tokens × 8 kv heads,
 //!   the page controller kvforge runs (view with per-token masses + decide), and seed 002's
 //!   per-token/per-channel `allocate_head` per kv head, sequential and over threads.
+//! * `transcode <spec>... [--pages 1,4,16,256] [--reps 60] [--d 128]` (GPU): one transcode
+//!   launch of N pages ([`transcode_cost`]) between CUDA events, per spec the first two ladder
+//!   tiers with quantised keys (rdkv b8 → b4, spherical high → mid).
 //! * `precompile <spec>...` (NVRTC, no GPU launch): the kernels the loop needs (head dim 128,
 //!   gqa 4), compiled in parallel into the kernel cache, so the loop does not JIT them one by one.
 //!
@@ -40,8 +43,9 @@ fn main() -> Result<(), Error> {
     match args.first().map(String::as_str) {
         Some("precompile") => precompile(&specs(&args)?),
         Some("rdr") => rdr(&args),
+        Some("transcode") => transcode_cost(&args),
         Some("rdkv") => rdkv(specs(&args)?.into_iter().next().ok_or("rdkv: give the rdkv spec's path")?, arg(&args, "--reps").unwrap_or(7), !args.iter().any(|a| a == "--pages-only")),
-        _ => Err("usage: controller_cost (precompile|rdr) <spec.toml>... [--batch 1,8] [--steps N] [--every 64,256] [--sample 1,8] | rdkv <rdkv.toml> [--reps N]".into()),
+        _ => Err("usage: controller_cost (precompile|rdr) <spec.toml>... [--batch 1,8] [--steps N] [--every 64,256] [--sample 1,8] | rdkv <rdkv.toml> [--reps N] | transcode <spec.toml>... [--pages 1,4,16,256] [--reps 60] [--d 128]".into()),
     }
 }
 
@@ -174,5 +178,79 @@ fn rdkv(spec: Spec, reps: usize, paper: bool) -> Result<(), Error> {
         json_us(median(&mut ts)),
         json_us(median(&mut tp))
     );
+    Ok(())
+}
+
+/// One page move launch as the RDR controller issues it: a `retier_pages` of N full pages of
+/// one kv head from tier `from` into tier `to` (one transcode launch), timed between CUDA
+/// events on the cache's stream — the argument upload, the kernel, and the error-flag
+/// download that ends the call. Each repetition codes fresh pages (a new sequence appended in
+/// `from`, outside the timed span); 3 warm-up launches load the kernels. Only `KvCache`'s
+/// public page moves are used, so the same file times main's one-CTA-per-page kernels too.
+/// Kernel time alone: run it under `ncu --kernel-name regex:transcode`.
+fn transcode_cost(args: &[String]) -> Result<(), Error> {
+    use cudarc::driver::sys::CUevent_flags;
+    use kvforge_rt::{CacheConfig, KvCache};
+    use kvforge_spec::KeyScheme;
+    let list = |name: &str, default: &[usize]| -> Vec<usize> {
+        args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map_or_else(|| default.to_vec(), |s| s.split(',').filter_map(|x| x.parse().ok()).collect())
+    };
+    let pages = list("--pages", &[1, 4, 16, 256]);
+    let reps: usize = arg(args, "--reps").unwrap_or(60);
+    let d: usize = arg(args, "--d").unwrap_or(128);
+    let dev = Arc::new(kvforge_rt::Device::open(0)?);
+    let data = |n: usize, seed: u32| -> Vec<f32> { (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed * 97)) % 2000) as f32 / 1000.0 - 1.0).collect() };
+    for s in specs(args)? {
+        let quantised: Vec<_> = s.tiers.iter().filter(|t| matches!(t.key, KeyScheme::Int { .. } | KeyScheme::Spherical { .. } | KeyScheme::Mixed { .. })).collect();
+        let [from, to] = [quantised.first(), quantised.get(1)].map(|t| t.map(|t| t.id));
+        let (Some(from), Some(to)) = (from, to) else { return Err(format!("{}: fewer than two tiers with quantised keys", s.name).into()) };
+        let p = s.page.tokens;
+        for &n in &pages {
+            let cfg = CacheConfig::new(&s, d, s.geometry.gqa[0], 1, 1, (n + 1) * p).target(from);
+            let mut c = KvCache::new(dev.clone(), s.clone(), cfg)?;
+            if let KeyScheme::Spherical { group, .. } = s.tiers[to as usize].key {
+                // Keys in [-1, 1): group radii up to sqrt(group) stay below code 255.
+                c.set_radius_scales(to, &vec![(group as f32).sqrt() / 250.0; d / group])?;
+            }
+            // n full pages and one token in the tail.
+            let (k, v) = (data((n * p + 1) * d, 1), data((n * p + 1) * d, 2));
+            let moves: Vec<(usize, usize, u8)> = (0..n).map(|i| (0, i, to)).collect();
+            let (mut gpu, mut host) = (Vec::with_capacity(reps), Vec::with_capacity(reps));
+            for rep in 0..reps + 3 {
+                let a = c.add_sequence();
+                c.append(a, &k, &v)?;
+                dev.stream.synchronize()?;
+                let e0 = dev.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+                let e1 = dev.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+                let t0 = Instant::now();
+                e0.record(&dev.stream)?;
+                let launches = c.retier_pages(a, &moves)?;
+                e1.record(&dev.stream)?;
+                e1.synchronize()?;
+                let wall = t0.elapsed().as_secs_f64() * 1e6;
+                if launches != 1 {
+                    return Err(format!("{}: {n} moves took {launches} launches", s.name).into());
+                }
+                if rep >= 3 {
+                    gpu.push(f64::from(e0.elapsed_ms(&e1)?) * 1e3);
+                    host.push(wall);
+                }
+                c.remove_sequence(a)?;
+            }
+            gpu.sort_by(f64::total_cmp);
+            let pct = |q: f64| gpu[((gpu.len() - 1) as f64 * q).round() as usize];
+            println!(
+                "{{\"kind\":\"transcode_launch\",\"device\":{:?},\"spec\":{:?},\"from\":{:?},\"to\":{:?},\"head_dim\":{d},\"pages\":{n},\"reps\":{reps},\"event_us_median\":{:.2},\"event_us_p10\":{:.2},\"event_us_p90\":{:.2},\"host_us_median\":{:.2}}}",
+                dev.info.name,
+                s.name,
+                s.tiers[from as usize].name,
+                s.tiers[to as usize].name,
+                median(&mut gpu.clone()),
+                pct(0.1),
+                pct(0.9),
+                median(&mut host)
+            );
+        }
+    }
     Ok(())
 }

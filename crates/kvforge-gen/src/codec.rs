@@ -231,19 +231,50 @@ pub fn nstage(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
     }
 }
 
-/// Scratch bytes the destination key codec needs when encoding.
+/// Floats each thread of a transcode CTA dequantises per slice: the slice a CTA codes is 8 ×
+/// its threads (1024 floats at 4 warps), so a page splits over a few CTAs at head_dim 64 and
+/// more at 128 and 256.
+const TRANSCODE_FLOATS_PER_THREAD: usize = 8;
+
+/// Whether the destination key codec codes a transcode slice as whole channels
+/// (`Key::SLICE_CHANNELS`: a scale and zero per channel per block of tokens) rather than
+/// whole tokens.
+pub fn slices_channels(dst: &Tier) -> bool {
+    matches!(dst.key, KeyScheme::Int { .. } | KeyScheme::Mixed { .. })
+}
+
+/// CTAs per page of a transcode launch (`Cfg::SPLIT` of the generated kernel; the one place
+/// this is decided). A controller launch moves a few pages: one CTA per page left the GPU idle
+/// and each page one long latency chain (46-52 µs per launch, H100). The largest power of two
+/// whose slices (P·D / split floats) still give every thread [`TRANSCODE_FLOATS_PER_THREAD`]
+/// floats, and cut whole tokens (P % split) and, for per-channel destination keys, whole
+/// 8-channel chunks (D % 8·split).
+pub fn transcode_split(spec: &Spec, dst: &Tier, d: usize) -> usize {
+    let p = spec.page.tokens;
+    let slice = TRANSCODE_FLOATS_PER_THREAD * threads(spec);
+    let fits = |s: usize| p % s == 0 && (!slices_channels(dst) || d % (8 * s) == 0);
+    let mut split = 1;
+    while 2 * split * slice <= p * d && fits(2 * split) {
+        split *= 2;
+    }
+    split
+}
+
+/// Scratch bytes the destination key codec needs when encoding one key slice: integer and
+/// mixed keys 2 · NBLK · (D / split) floats, spherical keys (P / split) · NG ints.
 pub fn transcode_scratch(spec: &Spec, dst: &Tier, d: usize) -> usize {
     let p = spec.page.tokens;
+    let split = transcode_split(spec, dst, d);
     match &dst.key {
-        KeyScheme::Int { block, .. } | KeyScheme::Mixed { block, .. } => 2 * (p / block) * d * 4,
-        KeyScheme::Spherical { group, .. } => p * (d / group) * 4,
+        KeyScheme::Int { block, .. } | KeyScheme::Mixed { block, .. } => 2 * (p / block) * (d / split) * 4,
+        KeyScheme::Spherical { group, .. } => (p / split) * (d / group) * 4,
         _ => 16,
     }
 }
 
-/// Mirror of `TranscodeSmem<Cfg>::TOTAL`.
+/// Mirror of `TranscodeSmem<Cfg>::TOTAL`: one slice of P·D / split floats and the scratch.
 pub fn transcode_smem(spec: &Spec, dst: &Tier, d: usize) -> usize {
-    align16(spec.page.tokens * d * 4) + align16(transcode_scratch(spec, dst, d))
+    align16(spec.page.tokens * d / transcode_split(spec, dst, d) * 4) + align16(transcode_scratch(spec, dst, d))
 }
 
 /// (groups, entries) of a spherical tier's codebook, (1, 1) otherwise.

@@ -80,22 +80,31 @@ pub fn banner(spec: &Spec, v: &VariantId) -> String {
 pub struct LaunchShape {
     pub threads: usize,
     pub smem_bytes: usize,
+    /// CTAs per page of a transcode launch (its grid is pages × this); 1 for other families.
+    pub ctas_per_page: usize,
 }
 
 pub fn launch_shape(spec: &Spec, v: &VariantId) -> LaunchShape {
     match &v.family {
-        Family::Decode { tiers, gqa, .. } => LaunchShape { threads: codec::decode_threads(spec, tiers), smem_bytes: codec::decode_smem(spec, tiers, v.head_dim, *gqa) },
-        Family::Transcode { dst, .. } => {
-            LaunchShape { threads: codec::threads(spec), smem_bytes: codec::transcode_smem(spec, &spec.tiers[*dst as usize], v.head_dim) }
+        Family::Decode { tiers, gqa, .. } => {
+            LaunchShape { threads: codec::decode_threads(spec, tiers), smem_bytes: codec::decode_smem(spec, tiers, v.head_dim, *gqa), ctas_per_page: 1 }
         }
-        Family::Combine => LaunchShape { threads: v.head_dim, smem_bytes: 0 },
+        Family::Transcode { dst, .. } => {
+            let dst = &spec.tiers[*dst as usize];
+            LaunchShape {
+                threads: codec::threads(spec),
+                smem_bytes: codec::transcode_smem(spec, dst, v.head_dim),
+                ctas_per_page: codec::transcode_split(spec, dst, v.head_dim),
+            }
+        }
+        Family::Combine => LaunchShape { threads: v.head_dim, smem_bytes: 0, ctas_per_page: 1 },
         // One CTA per (sequence, kv head): 256 threads hold up to 1024 pages in registers
         // (64K tokens at 64-token pages) and loop beyond.
-        Family::MassWindow => LaunchShape { threads: 256, smem_bytes: 0 },
+        Family::MassWindow => LaunchShape { threads: 256, smem_bytes: 0, ctas_per_page: 1 },
         // The selector sorts a group's pages in dynamic shared memory: 8 B per page, up to
         // CERT_MAX_PAGES (the launch passes what the batch needs; this is the opt-in).
-        Family::CertSelect { .. } => LaunchShape { threads: CERT_SELECT_THREADS, smem_bytes: CERT_MAX_PAGES * 8 },
-        Family::CertBound { .. } => LaunchShape { threads: CERT_BOUND_THREADS, smem_bytes: 0 },
+        Family::CertSelect { .. } => LaunchShape { threads: CERT_SELECT_THREADS, smem_bytes: CERT_MAX_PAGES * 8, ctas_per_page: 1 },
+        Family::CertBound { .. } => LaunchShape { threads: CERT_BOUND_THREADS, smem_bytes: 0, ctas_per_page: 1 },
     }
 }
 
@@ -154,6 +163,8 @@ pub fn render(spec: &Spec, v: &VariantId) -> Result<String, RenderError> {
             ctx.insert("dst_ng", &dng);
             ctx.insert("dst_e", &de);
             ctx.insert("scratch", &codec::transcode_scratch(spec, t, d));
+            ctx.insert("split", &shape.ctas_per_page);
+            ctx.insert("key_channels", &codec::slices_channels(t));
             "transcode.cu.tera"
         }
         Family::Combine => "combine.cu.tera",

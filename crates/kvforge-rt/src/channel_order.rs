@@ -2,8 +2,9 @@
 //!
 //! A mixed-key tier stores each kv head's channels in a *channel order* (stored position j
 //! holds natural channel `order[j]`) so that its segments — fp16, int8, int4, int2, dropped —
-//! hold the channels the controller ranks heaviest first. The kernels gather the query
-//! through the order and transcode scatters through its inverse; both lie on the device as
+//! hold the channels the controller ranks heaviest first. Decode gathers the query and encode
+//! gathers each stored position's channel through the order, a mixed source page is read
+//! back through its inverse; both lie on the device as
 //! `[num_kv_heads][2][head_dim]` u16. An order is fixed before the tier's first page is
 //! coded: pages coded in one order cannot be read in another, so changing it later is an
 //! error rather than a silent re-interpretation. Until set, a tier uses the identity.

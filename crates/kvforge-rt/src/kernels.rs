@@ -18,6 +18,8 @@ pub struct Kernel {
     pub tracked: Option<CudaFunction>,
     pub threads: u32,
     pub smem_bytes: u32,
+    /// CTAs per page of a transcode launch (grid = pages × this); 1 for other families.
+    pub ctas_per_page: u32,
 }
 
 /// Loaded kernels; interior mutability so planning (`&self`) can load what it plans.
@@ -46,7 +48,7 @@ impl KernelCache {
         };
         let func = load(&v.symbol())?;
         let tracked = v.tracked_symbol().map(|s| load(&s)).transpose()?;
-        let k = Kernel { func, tracked, threads: shape.threads as u32, smem_bytes: shape.smem_bytes as u32 };
+        let k = Kernel { func, tracked, threads: shape.threads as u32, smem_bytes: shape.smem_bytes as u32, ctas_per_page: shape.ctas_per_page as u32 };
         self.loaded.lock().unwrap().insert(v.clone(), k.clone());
         Ok(k)
     }

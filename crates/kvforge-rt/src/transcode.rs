@@ -73,6 +73,41 @@ impl KvCache {
         }
     }
 
+    /// Runs one transcode launch over caller-chosen pages outside any sequence (tests and
+    /// timing of the transcode kernels): `src[i]` (a page of tier `from`) re-coded into
+    /// `dst[i]` (tier `to`) for kv head `heads[i]`, pages from [`alloc_page`](Self::alloc_page).
+    /// A source whose header does not say `from` is the kernel's fault to report
+    /// (`KernelFault`, its destination unwritten); the other pages of the launch are coded.
+    pub fn transcode_pages(&mut self, from: TierId, to: TierId, src: &[PageRef], dst: &[PageRef], heads: &[u32]) -> Result<()> {
+        if src.is_empty() || src.len() != dst.len() || src.len() != heads.len() {
+            return Err(RtError::BadInput(format!("transcode_pages: {} sources, {} destinations, {} heads (need equal, non-zero)", src.len(), dst.len(), heads.len())));
+        }
+        if let Some(p) = src.iter().find(|p| p.tier != from).or_else(|| dst.iter().find(|p| p.tier != to)) {
+            return Err(RtError::BadInput(format!("transcode_pages: page at {} is in tier {}, not {from} → {to}", p.offset, p.tier)));
+        }
+        if let Some(h) = heads.iter().find(|&&h| h as usize >= self.cfg.num_kv_heads) {
+            return Err(RtError::BadInput(format!("transcode_pages: kv head {h} of {}", self.cfg.num_kv_heads)));
+        }
+        for t in [from, to] {
+            if matches!(self.spec.tiers.get(t as usize).map(|t| &t.key), Some(kvforge_spec::KeyScheme::Spherical { .. })) && self.radius_scales[t as usize].is_none() {
+                return Err(RtError::BadTier(t, "set radius scales before coding spherical pages".into()));
+            }
+        }
+        self.transcode(src, dst, heads, from, to)
+    }
+
+    /// A page of `tier` outside any sequence, for [`transcode_pages`](Self::transcode_pages);
+    /// its bytes are whatever the pool left there.
+    pub fn alloc_page(&mut self, tier: TierId) -> Result<PageRef> {
+        self.pool.alloc(tier)
+    }
+
+    /// Returns a page from [`alloc_page`](Self::alloc_page) to the pool (never a sequence's
+    /// page: the sequence would keep reading it).
+    pub fn free_page(&mut self, page: PageRef) {
+        self.pool.free(page)
+    }
+
     /// Uploads every launch's lists in one copy, launches them in order (launch `i` raises
     /// flag word `i`), then downloads the flags once (the only synchronisation).
     fn run_transcodes(&mut self, launches: &[Transcode<'_>]) -> Outcome {
@@ -122,7 +157,8 @@ impl KvCache {
                 error_flags: flags + 4 * i as u64,
                 num_pages: n as i32,
             };
-            let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: k.smem_bytes };
+            // Each page's work is split over `ctas_per_page` CTAs (transcode.cuh).
+            let cfg = LaunchConfig { grid_dim: (n as u32 * k.ctas_per_page, 1, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: k.smem_bytes };
             // SAFETY: params mirror the kernel's struct (rendered from one field list); the
             // arena and tier tables are live allocations of this cache, the argument words
             // were copied above on this stream (n offsets each, then n u32 heads), page

@@ -445,3 +445,116 @@ fn retier_pages_fault_lands_the_launches_before_it() {
     assert_eq!(c.retier_pages(a, &[(0, 2, b4), (0, 3, b2)]).unwrap(), 2);
     assert_eq!(tiers(&c), vec![b4, b4, b4, b2, b8, b8, b8, b8]);
 }
+
+/// Transcode launches split each page over several CTAs (kvforge-gen `transcode_split`: key
+/// slices of whole channels or whole tokens, value slices of whole tokens; 4 CTAs per page at
+/// head_dim 64, 8 at 128). Every transcode pair rdkv and spherical generate, on a launch of 6
+/// pages of two kv heads whose sources are reference-coded pages: each destination is the
+/// reference's coding of its source's reconstruction (header exact; each array's bytes equal
+/// but for ≤ 2% at fp32 rounding boundaries, where a misplaced or missing slice is ≥ 1/8),
+/// and no worse than it against the source (as `encode_kernels_stay_within_quantisation_bounds`).
+/// A page whose source header is broken raises the fault, its destination keeps every byte,
+/// and the launch's other pages are still coded; fixed, the same launch lands whole.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn split_transcodes_match_the_reference() {
+    use kvforge_spec::{Family, PageHeader, Tier};
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    for file in ["rdkv.toml", "spherical.toml"] {
+        let s = spec(file);
+        let p = s.page.tokens;
+        for d in [64, 128] {
+            let (hkv, n, bad) = (2usize, 6usize, 3usize);
+            let mut c = KvCache::new(dev.clone(), s.clone(), CacheConfig::new(&s, d, 1, hkv, 1, 2 * n * p)).unwrap();
+            // Radius scales of every spherical tier, fixed so that kernels and reference share
+            // them (keys in [-1, 1): group radii up to sqrt(32) < 0.025 · 255).
+            let mut radius: Vec<Vec<f32>> = vec![Vec::new(); s.tiers.len()];
+            for t in &s.tiers {
+                if let KeyScheme::Spherical { group, .. } = t.key {
+                    radius[t.id as usize] = (0..hkv * d / group).map(|i| 0.025 + 0.0005 * i as f32).collect();
+                    c.set_radius_scales(t.id, &radius[t.id as usize]).unwrap();
+                }
+            }
+            let rs = |t: &Tier, h: u32| -> Vec<f32> {
+                match t.key {
+                    KeyScheme::Spherical { group, .. } => radius[t.id as usize][h as usize * d / group..(h as usize + 1) * d / group].to_vec(),
+                    _ => Vec::new(),
+                }
+            };
+            let heads: Vec<u32> = (0..n).map(|i| (i % hkv) as u32).collect();
+            let mut pairs = 0;
+            for v in s.variants() {
+                let Family::Transcode { src, dst, .. } = v.family else { continue };
+                if v.head_dim != d {
+                    continue;
+                }
+                pairs += 1;
+                let (ts, tt) = (s.tiers[src as usize].clone(), s.tiers[dst as usize].clone());
+                let page_bytes = c.pool().page_bytes(dst);
+                let layout = kvforge_spec::SegmentLayout::new(&tt, d, p, s.page.alignment);
+                // Sources: reference-coded pages of distinct data.
+                let mut srcs = Vec::new();
+                let mut src_bytes = Vec::new();
+                for (i, &h) in heads.iter().enumerate() {
+                    let (k, vv) = (data(p * d, 100 + i as u32), data(p * d, 200 + i as u32));
+                    let bytes = kvforge_ref::encode_page(&ts, d, &s.page, &k, &vv, &rs(&ts, h)).unwrap();
+                    let pg = c.alloc_page(src).unwrap();
+                    c.write_page_bytes(pg, 0, &bytes).unwrap();
+                    srcs.push(pg);
+                    src_bytes.push(bytes);
+                }
+                let dsts: Vec<_> = (0..n).map(|_| c.alloc_page(dst).unwrap()).collect();
+                let zeros = vec![0u8; page_bytes];
+                let sentinel = vec![0xa5u8; page_bytes];
+                for (i, &pg) in dsts.iter().enumerate() {
+                    c.write_page_bytes(pg, 0, if i == bad { &sentinel } else { &zeros }).unwrap();
+                }
+                // What the reference codes page i into, and how far that is from the source.
+                let check = |c: &KvCache, i: usize| {
+                    let h = heads[i];
+                    let (ks, vs) = kvforge_ref::decode_segment(&ts, d, p, &src_bytes[i][HEADER_BYTES..], &rs(&ts, h));
+                    let (k32, v32): (Vec<f32>, Vec<f32>) = (ks.iter().map(|&x| x as f32).collect(), vs.iter().map(|&x| x as f32).collect());
+                    let want = kvforge_ref::encode_segment(&tt, d, p, &k32, &v32, &rs(&tt, h));
+                    let got = c.download_page(dsts[i]).unwrap();
+                    assert_eq!(got[..HEADER_BYTES], PageHeader { tier: dst, flags: 0, length: p as u32 }.to_bytes()[..], "{v} page {i}: header");
+                    let seg = &got[HEADER_BYTES..HEADER_BYTES + want.len()];
+                    for a in &layout.arrays {
+                        let r = a.offset..a.offset + a.bytes;
+                        let differ = seg[r.clone()].iter().zip(&want[r]).filter(|(x, y)| x != y).count();
+                        assert!(differ * 50 <= a.bytes.max(100), "{v} page {i} (kv head {h}): {differ} of {} bytes of {} differ from the reference", a.bytes, a.name);
+                    }
+                    let (kg, vg) = kvforge_ref::decode_segment(&tt, d, p, seg, &rs(&tt, h));
+                    let (kc, vc) = kvforge_ref::decode_segment(&tt, d, p, &want, &rs(&tt, h));
+                    let worst = |a: &[f64], x: &[f64]| a.iter().zip(x).fold(0f64, |m, (g, x)| m.max((g - x).abs()));
+                    let (ek, eks) = (worst(&kg, &ks), worst(&kc, &ks));
+                    let (ev, evs) = (worst(&vg, &vs), worst(&vc, &vs));
+                    assert!(ek <= eks * 1.5 + 1e-3, "{v} page {i}: key error {ek} vs reference {eks}");
+                    assert!(ev <= evs * 1.5 + 1e-3, "{v} page {i}: value error {ev} vs reference {evs}");
+                };
+                // Page `bad`'s source header is broken: the launch faults, that destination
+                // keeps its bytes, the others are coded.
+                c.write_page_bytes(srcs[bad], 0, &[0, 0, 0, 0]).unwrap();
+                match c.transcode_pages(src, dst, &srcs, &dsts, &heads) {
+                    Err(RtError::KernelFault { what, .. }) => assert!(what.contains("expected tier"), "{v}: {what}"),
+                    other => panic!("{v}: expected a kernel fault for page {bad}, got {other:?}"),
+                }
+                assert!(c.download_page(dsts[bad]).unwrap() == sentinel, "{v}: the destination of the bad source was written");
+                for i in (0..n).filter(|&i| i != bad) {
+                    check(&c, i);
+                }
+                // Fixed, the same launch lands whole.
+                c.write_page_bytes(srcs[bad], 0, &src_bytes[bad][..4]).unwrap();
+                c.write_page_bytes(dsts[bad], 0, &zeros).unwrap();
+                c.transcode_pages(src, dst, &srcs, &dsts, &heads).unwrap();
+                for i in 0..n {
+                    check(&c, i);
+                }
+                for pg in srcs.into_iter().chain(dsts) {
+                    c.free_page(pg);
+                }
+            }
+            println!("{file} d {d}: {pairs} transcode pairs match the reference");
+            assert!(pairs >= 3, "{file} generates transcodes at head_dim {d}");
+        }
+    }
+}

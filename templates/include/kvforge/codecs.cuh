@@ -10,6 +10,40 @@ namespace kvforge {
 // mantissa of 2^23 and subtract 2^23 (exact).
 __device__ __forceinline__ float u2f(u32 x) { return __int_as_float(0x4B000000u | x) - 8388608.0f; }
 
+// The part of a page one transcode CTA codes: rows [t0, t0 + ROWS) × columns [c0, c0 + COLS)
+// of the page's [P][D] keys or values, held in shared memory as x[ROWS][COLS]. A page's work is
+// split over several CTAs (transcode.cuh), so each codec codes a slice along an axis its
+// numbers are independent on: whole tokens for per-token codes (values, dense and spherical
+// keys), whole channels for per-channel ones (integer and mixed keys, `SLICE_CHANNELS`; mixed
+// keys' columns are stored positions).
+template <int ROWS_, int COLS_>
+struct PageSlice {
+  static constexpr int ROWS = ROWS_, COLS = COLS_;
+  int t0, c0;
+};
+
+// Lanes that share each of `items` independent reductions (a min/max over a block's tokens, an
+// argmax over a codebook) so that a CTA of `nt` threads is busy: a slice has too few items to
+// give every thread one, and each item is a serial chain otherwise. The largest power of two
+// ≤ min(32, cap, nt / items), at least 1; lanes of one item are consecutive threads of a warp.
+__host__ __device__ constexpr int lanes_for(int nt, int items, int cap) {
+  int l = 1;
+  while (2 * l <= 32 && 2 * l <= cap && 2 * l * items <= nt) l *= 2;
+  return l;
+}
+
+// Min and max over the L lanes of an item (xor shuffles inside an aligned group of L lanes;
+// every lane of the warp must call it). fminf/fmaxf ignore NaN, so the result does not depend
+// on which lane saw which value: the serial scan's.
+template <int L>
+__device__ __forceinline__ void lanes_minmax(float& mn, float& mx) {
+#pragma unroll
+  for (int o = L / 2; o > 0; o /= 2) {
+    mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, o));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  }
+}
+
 // Storage type of quantisation scales.
 template <class S> __device__ __forceinline__ float load_scale(const u8* p, int i) { return to_float(reinterpret_cast<const S*>(p)[i]); }
 template <class S> __device__ __forceinline__ float round_scale(float x) { return to_float(from_float<S>(x)); }
@@ -31,6 +65,7 @@ struct DropKey {
   static constexpr bool SPHERICAL = false;
   static constexpr KeyError ERROR = KeyError::Exact;
   static constexpr bool CHANNEL_PARALLEL = true, OUTLINE_SCORER = false;
+  static constexpr bool SLICE_CHANNELS = false;
   template <int GQA> struct Scorer {
     __device__ Scorer(const float*, int) {}
     __device__ void score(const u8*, int, float (&)[GQA]) {}
@@ -160,10 +195,13 @@ struct DenseKey {
     return to_float(reinterpret_cast<const T*>(seg + OFF)[t * D + c]);
   }
 
-  template <int NTHREADS>
-  __device__ static void encode(u8* seg, float* x, int*, const float*, const float*, const u16*) {
-    T* out = reinterpret_cast<T*>(seg + OFF);
-    for (int i = threadIdx.x; i < P * D; i += NTHREADS) out[i] = from_float<T>(x[i]);
+  // Transcode slices are whole tokens (any split of a page's rows is independent).
+  static constexpr bool SLICE_CHANNELS = false;
+  template <int NTHREADS, class Slice>
+  __device__ static void encode(u8* seg, const float* x, int*, Slice s, const float*, const float*, const u16*) {
+    static_assert(Slice::COLS == D, "dense key slices are whole tokens");
+    T* out = reinterpret_cast<T*>(seg + OFF) + s.t0 * D;
+    for (int i = threadIdx.x; i < Slice::ROWS * D; i += NTHREADS) out[i] = from_float<T>(x[i]);
   }
 };
 
@@ -204,30 +242,43 @@ struct ChannelCodes {
     const int b = t / BLOCK;
     return float(code_at<BITS>(seg + OFF_CODES + t * ROW, c)) * load_scale<S>(seg + OFF_SCALE, b * N + c) + load_scale<S>(seg + OFF_ZERO, b * N + c);
   }
-  // Codes columns [c0, c0 + N) of x ([P][ldx] floats in shared memory); scratch: 2·NBLK·N floats.
-  template <int NTHREADS>
-  __device__ static void encode(u8* seg, const float* x, int ldx, int c0, float* scratch) {
+  // Codes channels [n0, n0 + nc) of the N (whole bytes of codes: n0 and nc multiples of 8)
+  // from columns [xc0, xc0 + nc) of x ([P][ldx] floats in shared memory), all P tokens;
+  // scratch: 2·NBLK·nc floats. L lanes share each (block, channel) min/max (see lanes_for).
+  template <int NTHREADS, int L>
+  __device__ static void encode(u8* seg, const float* x, int ldx, int xc0, int n0, int nc, float* scratch) {
+    static_assert(L <= BLOCK && 32 % L == 0, "every lane of an item reads at least one token");
     float* sc = scratch;
-    float* zr = sc + NBLK * N;
-    for (int i = threadIdx.x; i < NBLK * N; i += NTHREADS) {
-      const int b = i / N, c = c0 + i % N;
-      float mn = x[b * BLOCK * ldx + c], mx = mn;
-      for (int t = 1; t < BLOCK; ++t) {
-        const float v = x[(b * BLOCK + t) * ldx + c];
+    float* zr = sc + NBLK * nc;
+    const int items = NBLK * nc, lane = threadIdx.x % L;
+    // Uniform trip count: every lane reaches the shuffles; lanes past the last item idle.
+    for (int base = 0; base < items; base += NTHREADS / L) {
+      const int i = base + int(threadIdx.x) / L;
+      const bool on = i < items;
+      const int b = on ? i / nc : 0, c = on ? i % nc : 0;
+      const float* col = x + b * BLOCK * ldx + xc0 + c;
+      float mn = col[lane * ldx], mx = mn;
+      for (int t = lane + L; t < BLOCK; t += L) {
+        const float v = col[t * ldx];
         mn = fminf(mn, v);
         mx = fmaxf(mx, v);
       }
-      const S s_st = from_float<S>((mx - mn) / float((1 << BITS) - 1));
-      const S z_st = from_float<S>(mn);
-      reinterpret_cast<S*>(seg + OFF_SCALE)[i] = s_st;
-      reinterpret_cast<S*>(seg + OFF_ZERO)[i] = z_st;
-      sc[i] = to_float(s_st);
-      zr[i] = to_float(z_st);
+      lanes_minmax<L>(mn, mx);
+      if (on && lane == 0) {
+        const S s_st = from_float<S>((mx - mn) / float((1 << BITS) - 1));
+        const S z_st = from_float<S>(mn);
+        reinterpret_cast<S*>(seg + OFF_SCALE)[b * N + n0 + c] = s_st;
+        reinterpret_cast<S*>(seg + OFF_ZERO)[b * N + n0 + c] = z_st;
+        sc[i] = to_float(s_st);
+        zr[i] = to_float(z_st);
+      }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < P * ROW; i += NTHREADS) {
-      const int t = i / ROW, byte = i % ROW, b = t / BLOCK;
-      seg[OFF_CODES + i] = pack_byte<BITS>(byte, [&](int c) { return quantize<BITS>(x[t * ldx + c0 + c], sc[b * N + c], zr[b * N + c]); });
+    const int bytes = nc * BITS / 8;
+    u8* codes = seg + OFF_CODES + n0 * BITS / 8;
+    for (int i = threadIdx.x; i < P * bytes; i += NTHREADS) {
+      const int t = i / bytes, byte = i % bytes, b = t / BLOCK;
+      codes[t * ROW + byte] = pack_byte<BITS>(byte, [&](int c) { return quantize<BITS>(x[t * ldx + xc0 + c], sc[b * nc + c], zr[b * nc + c]); });
     }
     __syncthreads();
   }
@@ -537,10 +588,15 @@ struct IntKey {
     return ChannelCodes<BITS, BLOCK, S, D, P, OFF_CODES, OFF_SCALE, OFF_ZERO>::dequant(seg, t, c);
   }
 
-  // x: [P][D] floats in shared memory; scratch: 2 * NBLK * D floats.
-  template <int NTHREADS>
-  __device__ static void encode(u8* seg, float* x, int* scratch, const float*, const float*, const u16*) {
-    ChannelCodes<BITS, BLOCK, S, D, P, OFF_CODES, OFF_SCALE, OFF_ZERO>::template encode<NTHREADS>(seg, x, D, 0, reinterpret_cast<float*>(scratch));
+  // Transcode slices are whole channels (a scale and zero per channel per block of tokens):
+  // x [P][COLS] holds channels [c0, c0 + COLS); scratch: 2 * NBLK * COLS floats.
+  static constexpr bool SLICE_CHANNELS = true;
+  template <int NTHREADS, class Slice>
+  __device__ static void encode(u8* seg, const float* x, int* scratch, Slice s, const float*, const float*, const u16*) {
+    static_assert(Slice::ROWS == P && Slice::COLS % 8 == 0, "integer key slices are whole 8-channel chunks of every token");
+    constexpr int L = lanes_for(NTHREADS, NBLK * Slice::COLS, BLOCK);
+    ChannelCodes<BITS, BLOCK, S, D, P, OFF_CODES, OFF_SCALE, OFF_ZERO>::template encode<NTHREADS, L>(seg, x, Slice::COLS, 0, s.c0, Slice::COLS,
+                                                                                                     reinterpret_cast<float*>(scratch));
   }
 };
 
@@ -606,38 +662,58 @@ struct SphericalKey {
     return float(seg[OFF_RADIUS + t * NG + j]) * rscale[j] * codebook[(j * E + idx) * GROUP + c % GROUP];
   }
 
-  // scratch: P * NG ints (chosen indices).
-  template <int NTHREADS>
-  __device__ static void encode(u8* seg, float* x, int* scratch, const float* codebook, const float* rscale, const u16*) {
-    for (int i = threadIdx.x; i < P * NG; i += NTHREADS) {
-      const int t = i / NG, j = i % NG;
-      const float* k = x + t * D + j * GROUP;
+  // Transcode slices are whole tokens (a radius and codeword per token per group): x
+  // [ROWS][D] holds tokens [t0, t0 + ROWS); scratch: ROWS * NG ints (chosen indices). L lanes
+  // share each (token, group) argmax over the codebook, lane l scoring codewords l, l + L, ...;
+  // the lanes' winners meet by (larger dot, then smaller index): the serial scan's first
+  // strict maximum.
+  static constexpr bool SLICE_CHANNELS = false;
+  template <int NTHREADS, class Slice>
+  __device__ static void encode(u8* seg, const float* x, int* scratch, Slice s, const float* codebook, const float* rscale, const u16*) {
+    static_assert(Slice::COLS == D, "spherical key slices are whole tokens");
+    constexpr int ITEMS = Slice::ROWS * NG;
+    constexpr int L = lanes_for(NTHREADS, ITEMS, E);
+    const int lane = threadIdx.x % L;
+    // Uniform trip count: every lane reaches the shuffles; lanes past the last item idle.
+    for (int base = 0; base < ITEMS; base += NTHREADS / L) {
+      const int i = base + int(threadIdx.x) / L;
+      const bool on = i < ITEMS;
+      const int tt = on ? i / NG : 0, j = on ? i % NG : 0;
+      const float* k = x + tt * D + j * GROUP;
       float r2 = 0.f;
       for (int c = 0; c < GROUP; ++c) r2 += k[c] * k[c];
       const float r = sqrtf(r2);
       const float inv = 1.f / (r + 1e-6f);
       int best = 0;
       float best_dot = -3.402823466e38f;
-      for (int e = 0; e < E; ++e) {
+      for (int e = lane; e < E; e += L) {
         const float* cw = codebook + (j * E + e) * GROUP;
         float dot = 0.f;
         for (int c = 0; c < GROUP; ++c) dot += k[c] * inv * cw[c];
         if (dot > best_dot) { best_dot = dot; best = e; }
       }
-      scratch[i] = best;
-      const float rs = rscale[j];
-      const float code = rs > 0.f ? fminf(fmaxf(round_half_up(r / rs), 0.f), 255.f) : 0.f;
-      seg[OFF_RADIUS + i] = u8(code);
+#pragma unroll
+      for (int o = L / 2; o > 0; o /= 2) {
+        const float od = __shfl_xor_sync(0xffffffffu, best_dot, o);
+        const int oe = __shfl_xor_sync(0xffffffffu, best, o);
+        if (od > best_dot || (od == best_dot && oe < best)) { best_dot = od; best = oe; }
+      }
+      if (on && lane == 0) {
+        scratch[i] = best;
+        const float rs = rscale[j];
+        const float code = rs > 0.f ? fminf(fmaxf(round_half_up(r / rs), 0.f), 255.f) : 0.f;
+        seg[OFF_RADIUS + (s.t0 + tt) * NG + j] = u8(code);
+      }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < P * IB; i += NTHREADS) {
-      const int t = i / IB, byte = i % IB;
+    for (int i = threadIdx.x; i < Slice::ROWS * IB; i += NTHREADS) {
+      const int tt = i / IB, byte = i % IB;
       u32 b = 0;
       for (int bit = 0; bit < 8; ++bit) {
         const int gbit = byte * 8 + bit, j = gbit / ABITS;
-        if (j < NG) b |= u32((scratch[t * NG + j] >> (gbit % ABITS)) & 1) << bit;
+        if (j < NG) b |= u32((scratch[tt * NG + j] >> (gbit % ABITS)) & 1) << bit;
       }
-      seg[OFF_INDEX + i] = u8(b);
+      seg[OFF_INDEX + (s.t0 + tt) * IB + byte] = u8(b);
     }
   }
 };
@@ -650,7 +726,8 @@ struct SphericalKey {
 // Segments are whole 8-channel chunks, so a scoring lane (8 channels) sits in exactly one
 // segment and runs that segment's one dequantisation path; the query slice is gathered
 // through the order once per page. The order array of a kv head holds the order then its
-// inverse ([2][D]): decode gathers through the first, transcode scatters through the second.
+// inverse ([2][D]): decode and encode gather through the first (a transcode slice of stored
+// positions reads its natural channels), a mixed source's dequantisation through the second.
 template <int BLOCK, class S, int D, int P, int N16, int N8, int N4, int N2, int O16, int O8C, int O8S, int O8Z,
           int O4C, int O4S, int O4Z, int O2C, int O2S, int O2Z>
 struct MixedKey {
@@ -741,30 +818,33 @@ struct MixedKey {
     return stored(seg, t, order ? int(order[D + c]) : c);
   }
 
-  // x: [P][D] floats in natural order (permuted in place into stored order);
-  // scratch: 2 * NBLK * D floats.
-  template <int NTHREADS>
-  __device__ static void encode(u8* seg, float* x, int* scratch, const float*, const float*, const u16* order) {
-    static_assert(NTHREADS % D == 0, "the in-place permutation moves whole rows per pass");
-    if (order) {
-      constexpr int ROWS = NTHREADS / D;
-      const int r = threadIdx.x / D, j = threadIdx.x % D;
-      for (int t0 = 0; t0 < P; t0 += ROWS) {
-        const int t = t0 + r;
-        const float v = t < P ? x[t * D + order[j]] : 0.f;
-        __syncthreads();
-        if (t < P) x[t * D + j] = v;
-        __syncthreads();
-      }
-    }
+  // Transcode slices are whole stored positions: x [P][COLS] holds stored positions
+  // [c0, c0 + COLS) (natural channels order[c0..], gathered by the caller), whole 8-channel
+  // chunks, so a slice meets each segment in whole chunks; scratch: 2 * NBLK * COLS floats.
+  static constexpr bool SLICE_CHANNELS = true;
+  template <int NTHREADS, class Slice>
+  __device__ static void encode(u8* seg, const float* x, int* scratch, Slice s, const float*, const float*, const u16*) {
+    static_assert(Slice::ROWS == P && Slice::COLS % 8 == 0, "mixed key slices are whole 8-channel chunks of every token");
+    constexpr int W = Slice::COLS;
     if constexpr (N16 > 0) {
+      const int a = s.c0, b = min(s.c0 + W, E16), n = b - a;
       __half* out = reinterpret_cast<__half*>(seg + O16);
-      for (int i = threadIdx.x; i < P * N16; i += NTHREADS) out[i] = __float2half_rn(x[(i / N16) * D + i % N16]);
+      if (n > 0)
+        for (int i = threadIdx.x; i < P * n; i += NTHREADS) {
+          const int t = i / n, j = i % n;
+          out[t * N16 + a + j] = __float2half_rn(x[t * W + j]);
+        }
     }
     float* sc = reinterpret_cast<float*>(scratch);
-    if constexpr (N8 > 0) C8::template encode<NTHREADS>(seg, x, D, E16, sc);
-    if constexpr (N4 > 0) C4::template encode<NTHREADS>(seg, x, D, E8, sc);
-    if constexpr (N2 > 0) C2::template encode<NTHREADS>(seg, x, D, E4, sc);
+    if constexpr (N8 > 0) encode_segment<C8, NTHREADS, W>(seg, x, s.c0, E16, E8, sc);
+    if constexpr (N4 > 0) encode_segment<C4, NTHREADS, W>(seg, x, s.c0, E8, E4, sc);
+    if constexpr (N2 > 0) encode_segment<C2, NTHREADS, W>(seg, x, s.c0, E4, E2, sc);
+  }
+  // Codes the stored positions of segment [lo, hi) (codec C) among the slice's [j0, j0 + W).
+  template <class C, int NTHREADS, int W>
+  __device__ static void encode_segment(u8* seg, const float* x, int j0, int lo, int hi, float* scratch) {
+    const int a = max(j0, lo), b = min(j0 + W, hi);
+    if (a < b) C::template encode<NTHREADS, lanes_for(NTHREADS, C::NBLK * W, BLOCK)>(seg, x, W, a - j0, a - lo, b - a, scratch);
   }
 };
 
@@ -807,10 +887,12 @@ struct DenseValue {
   __device__ __forceinline__ static float dequant(const u8* seg, int t, int c) {
     return to_float(reinterpret_cast<const T*>(seg + OFF)[t * D + c]);
   }
-  template <int NTHREADS>
-  __device__ static void encode(u8* seg, const float* x) {
-    T* out = reinterpret_cast<T*>(seg + OFF);
-    for (int i = threadIdx.x; i < P * D; i += NTHREADS) out[i] = from_float<T>(x[i]);
+  // Codes tokens [t0, t0 + ROWS) of a transcode slice from x [ROWS][D].
+  template <int NTHREADS, class Slice>
+  __device__ static void encode(u8* seg, const float* x, Slice s) {
+    static_assert(Slice::COLS == D, "value slices are whole tokens");
+    T* out = reinterpret_cast<T*>(seg + OFF) + s.t0 * D;
+    for (int i = threadIdx.x; i < Slice::ROWS * D; i += NTHREADS) out[i] = from_float<T>(x[i]);
   }
 };
 
@@ -891,21 +973,34 @@ struct IntValue {
     return float(code_at<BITS>(seg + OFF_CODES + t * ROW, c)) * load_scale<S>(seg + OFF_SCALE, t * NGRP + grp) + load_scale<S>(seg + OFF_ZERO, t * NGRP + grp);
   }
 
-  template <int NTHREADS>
-  __device__ static void encode(u8* seg, const float* x) {
-    constexpr int GBYTES = GROUP * BITS / 8;
-    for (int i = threadIdx.x; i < P * NGRP; i += NTHREADS) {
-      const int t = i / NGRP, grp = i % NGRP;
-      const float* xs = x + t * D + grp * GROUP;
-      float mn = xs[0], mx = xs[0];
-      for (int c = 1; c < GROUP; ++c) { mn = fminf(mn, xs[c]); mx = fmaxf(mx, xs[c]); }
+  // Codes tokens [t0, t0 + ROWS) of a transcode slice from x [ROWS][D]. L lanes share each
+  // (token, group): its min/max, then its code bytes (see lanes_for).
+  template <int NTHREADS, class Slice>
+  __device__ static void encode(u8* seg, const float* x, Slice s) {
+    static_assert(Slice::COLS == D, "value slices are whole tokens");
+    constexpr int GBYTES = GROUP * BITS / 8, ITEMS = Slice::ROWS * NGRP;
+    constexpr int L = lanes_for(NTHREADS, ITEMS, GROUP);
+    const int lane = threadIdx.x % L;
+    // Uniform trip count: every lane reaches the shuffles; lanes past the last item idle.
+    for (int base = 0; base < ITEMS; base += NTHREADS / L) {
+      const int i = base + int(threadIdx.x) / L;
+      const bool on = i < ITEMS;
+      const int tt = on ? i / NGRP : 0, grp = on ? i % NGRP : 0;
+      const float* xs = x + tt * D + grp * GROUP;
+      float mn = xs[lane], mx = mn;
+      for (int c = lane + L; c < GROUP; c += L) { mn = fminf(mn, xs[c]); mx = fmaxf(mx, xs[c]); }
+      lanes_minmax<L>(mn, mx);
+      if (!on) continue;
       const S s_st = from_float<S>((mx - mn) / float((1 << BITS) - 1));
       const S z_st = from_float<S>(mn);
-      reinterpret_cast<S*>(seg + OFF_SCALE)[i] = s_st;
-      reinterpret_cast<S*>(seg + OFF_ZERO)[i] = z_st;
+      const int t = s.t0 + tt;
+      if (lane == 0) {
+        reinterpret_cast<S*>(seg + OFF_SCALE)[t * NGRP + grp] = s_st;
+        reinterpret_cast<S*>(seg + OFF_ZERO)[t * NGRP + grp] = z_st;
+      }
       const float sc = to_float(s_st), zr = to_float(z_st);
       u8* out = seg + OFF_CODES + t * ROW + grp * GBYTES;
-      for (int byte = 0; byte < GBYTES; ++byte)
+      for (int byte = lane; byte < GBYTES; byte += L)
         out[byte] = pack_byte<BITS>(byte, [&](int c) { return quantize<BITS>(xs[c], sc, zr); });
     }
   }

@@ -26,6 +26,9 @@ pub struct Args {
     /// Worker threads (default: available cores).
     #[arg(long)]
     jobs: Option<usize>,
+    /// Only the variants whose name contains this (e.g. `transcode`).
+    #[arg(long)]
+    only: Option<String>,
 }
 
 #[derive(serde::Serialize)]
@@ -41,7 +44,7 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
     let specs = crate::load_all(&files)?;
     let mut work = Vec::new();
     for s in &specs {
-        for v in s.variants().into_iter().chain(s.certify_variants()) {
+        for v in s.variants().into_iter().chain(s.certify_variants()).filter(|v| a.only.as_ref().is_none_or(|o| v.name().contains(o.as_str()))) {
             for arch in &a.arch {
                 work.push((s, v.clone(), arch.clone()));
             }
