@@ -234,16 +234,19 @@ impl Hulls {
     }
 
     /// Prices of item `i`'s hull steps; non-decreasing.
+    #[cfg(test)]
     fn rho(&self, i: usize) -> &[f64] {
         &self.rho[self.at[i] - i..self.at[i + 1] - i - 1]
     }
 
     /// Moves of item `i` applied at multiplier λ (those with ρ ≤ λ).
+    #[cfg(test)]
     fn steps(&self, i: usize, lambda: f64) -> usize {
         self.rho(i).partition_point(|&r| r <= lambda)
     }
 
     /// Choice index of item `i` after `s` moves.
+    #[cfg(test)]
     fn pick(&self, i: usize, s: usize) -> usize {
         self.idx(i)[s] as usize
     }
@@ -309,16 +312,21 @@ pub fn solve_flat(choices: &[Choice], start: &[usize], budget: f64) -> Solution 
         let mut pick = Vec::with_capacity(n);
         let (mut cost, mut dist) = (0.0, 0.0);
         let (mut g_lambda, mut g_zero) = (-0.0f64, -0.0f64);
-        for (i, &s) in steps.iter().enumerate() {
+        // Item i's hull and prices are sliced once from `at` (`Hulls::idx`, `Hulls::rho`).
+        for (i, (&s, at)) in steps.iter().zip(hulls.at.windows(2)).enumerate() {
             let it = item(i);
-            let p = hulls.pick(i, s);
+            let idx = &hulls.idx[at[0]..at[1]];
+            let p = idx[s] as usize;
             pick.push(p);
             cost += it[p].cost;
             dist += it[p].dist;
             if feasible {
-                let c = it[hulls.pick(i, hulls.steps(i, lambda))];
+                // Prices do not decrease along a hull, so the moves priced at most λ are its
+                // first ones: counting them is `Hulls::steps` without the binary search.
+                let rho = &hulls.rho[at[0] - i..at[1] - i - 1];
+                let c = it[idx[rho.iter().filter(|&&r| r <= lambda).count()] as usize];
                 g_lambda += c.dist + lambda * c.cost;
-                let c = it[hulls.pick(i, hulls.steps(i, 0.0))];
+                let c = it[idx[rho.iter().filter(|&&r| r <= 0.0).count()] as usize];
                 g_zero += c.dist + 0.0 * c.cost;
             }
         }
