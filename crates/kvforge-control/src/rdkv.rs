@@ -197,6 +197,9 @@ pub struct RdkvController {
     /// allocates per head (heads whose protected pages exceed their share get their minimum
     /// and the rest is re-split). False: one knapsack over all heads.
     pub per_head: bool,
+    /// Views of at least this many pages solve their heads on the rayon pool (default
+    /// [`PARALLEL_PAGES`]); a field so that a host can be measured both ways.
+    pub parallel_pages: usize,
 }
 
 impl RdkvController {
@@ -213,7 +216,7 @@ impl RdkvController {
                 Ok(0.5 * (key_eps(&t.key, &t.name, eps_k)? + lookup(eps_v, value_bits(&t.value))?))
             })
             .collect::<Result<Vec<f64>, RdkvError>>()?;
-        Ok(RdkvController { table: DistortionTable { eps, drop_tier: crate::distortion::drop_tier(spec) }, proxy: Proxy::Linear, per_head: true })
+        Ok(RdkvController { table: DistortionTable { eps, drop_tier: crate::distortion::drop_tier(spec) }, proxy: Proxy::Linear, per_head: true, parallel_pages: PARALLEL_PAGES })
     }
 }
 
@@ -260,7 +263,7 @@ impl Controller for RdkvController {
             // other heads' pages enter only as fixed bytes), posed for all heads in one pass.
             let problems = HeadProblems::build_allowed(view, &limits.protection, |h, i, t| table.page(weights[offset[h] + i], t));
             let shares = head_shares(&problems.min_cost, budget);
-            let (solved, decisions) = solve_heads(view, &problems, &shares);
+            let (solved, decisions) = solve_heads(view, &problems, &shares, self.parallel_pages);
             let agg = solved.into_iter().reduce(|a, s| knapsack::Solution { lambda: a.lambda.max(s.lambda), gap: a.gap + s.gap, feasible: a.feasible && s.feasible, ..a });
             (agg.unwrap_or_else(|| knapsack::solve(&[], budget)), decisions)
         } else {
@@ -271,13 +274,13 @@ impl Controller for RdkvController {
 }
 
 /// Every head's solution and all decisions, in page order (heads in turn, each head's in
-/// page order). Heads go to the rayon pool only for views of [`PARALLEL_PAGES`] and a pool of
-/// more than one thread: waking a pool costs tens of microseconds per hand-off (more on a
+/// page order). Heads go to the rayon pool only for views of `parallel_pages` pages and a pool
+/// of more than one thread: waking a pool costs tens of microseconds per hand-off (more on a
 /// 16-thread pool), more than a 512-page head's solve.
-fn solve_heads(view: &PageTableView, problems: &HeadProblems, shares: &[f64]) -> (Vec<knapsack::Solution>, Vec<Decision>) {
+fn solve_heads(view: &PageTableView, problems: &HeadProblems, shares: &[f64], parallel_pages: usize) -> (Vec<knapsack::Solution>, Vec<Decision>) {
     use rayon::prelude::*;
     let heads = view.heads.len();
-    if view.num_pages() >= PARALLEL_PAGES && rayon::current_num_threads() > 1 {
+    if view.num_pages() >= parallel_pages && rayon::current_num_threads() > 1 {
         let per_head: Vec<(knapsack::Solution, Vec<Decision>)> = (0..heads)
             .into_par_iter()
             .map(|h| {
@@ -296,9 +299,9 @@ fn solve_heads(view: &PageTableView, problems: &HeadProblems, shares: &[f64]) ->
 }
 
 /// Views of at least this many pages (128K tokens × 8 kv heads) solve their heads on the
-/// pool. At 32K tokens × 8 kv heads (4096 pages) the pool made RDKV's decision slower, not
+/// pool by default ([`RdkvController::parallel_pages`]). At 32K tokens × 8 kv heads (4096 pages) the pool made RDKV's decision slower, not
 /// faster: 290-780 us on 2 threads of the 2-core VM against ~330 us on one.
-const PARALLEL_PAGES: usize = 16384;
+pub const PARALLEL_PAGES: usize = 16384;
 
 #[cfg(test)]
 mod tests {
