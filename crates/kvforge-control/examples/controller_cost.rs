@@ -3,7 +3,7 @@
 //! * `rdr <spec>... --batch 1,8 [--steps N] [--every 64,256] [--sample 1,8]` (GPU): RDR through `RdrPipeline` on a `KvCache` at
 //!   32K tokens × 8 kv heads ([`pipeline_loop`]): the decode thread's work per step against
 //!   the decode kernels of a step.
-//! * `rdkv specs/rdkv.toml [--reps N]` (CPU): RDKV's allocation once after prefill at 32K tokens × 8 kv heads,
+//! * `rdkv specs/rdkv.toml [--reps N] [--pages-only] [--parallel-pages N]` (CPU): RDKV's allocation once after prefill at 32K tokens × 8 kv heads,
 //!   the page controller kvforge runs (view with per-token masses + decide), and seed 002's
 //!   per-token/per-channel `allocate_head` per kv head, sequential and over threads.
 //! * `transcode <spec>... [--pages 1,4,16,256] [--reps 60] [--d 128]` (GPU): one transcode
@@ -44,8 +44,8 @@ fn main() -> Result<(), Error> {
         Some("precompile") => precompile(&specs(&args)?),
         Some("rdr") => rdr(&args),
         Some("transcode") => transcode_cost(&args),
-        Some("rdkv") => rdkv(specs(&args)?.into_iter().next().ok_or("rdkv: give the rdkv spec's path")?, arg(&args, "--reps").unwrap_or(7), !args.iter().any(|a| a == "--pages-only")),
-        _ => Err("usage: controller_cost (precompile|rdr) <spec.toml>... [--batch 1,8] [--steps N] [--every 64,256] [--sample 1,8] | rdkv <rdkv.toml> [--reps N] | transcode <spec.toml>... [--pages 1,4,16,256] [--reps 60] [--d 128]".into()),
+        Some("rdkv") => rdkv(specs(&args)?.into_iter().next().ok_or("rdkv: give the rdkv spec's path")?, arg(&args, "--reps").unwrap_or(7), !args.iter().any(|a| a == "--pages-only"), arg(&args, "--parallel-pages")),
+        _ => Err("usage: controller_cost (precompile|rdr) <spec.toml>... [--batch 1,8] [--steps N] [--every 64,256] [--sample 1,8] | rdkv <rdkv.toml> [--reps N] [--pages-only] [--parallel-pages N] | transcode <spec.toml>... [--pages 1,4,16,256] [--reps 60] [--d 128]".into()),
     }
 }
 
@@ -133,8 +133,13 @@ fn json_us(x: f64) -> String {
     }
 }
 
-fn rdkv(spec: Spec, reps: usize, paper: bool) -> Result<(), Error> {
-    let RdkvCase { d, heads, ctx, tok, cw, costs, limits, cache, pos, rdkv } = RdkvCase::new(&spec)?;
+/// `parallel_pages`: the view's and the decision's heads go to the rayon pool from this many
+/// pages on (default: the library's thresholds, `PARALLEL_VIEW_PAGES` and
+/// `rdkv::PARALLEL_PAGES`); `--parallel-pages 0` measures the pool at 32K.
+fn rdkv(spec: Spec, reps: usize, paper: bool, parallel_pages: Option<usize>) -> Result<(), Error> {
+    let RdkvCase { d, heads, ctx, tok, cw, costs, limits, cache, pos, mut rdkv } = RdkvCase::new(&spec)?;
+    let view_from = parallel_pages.unwrap_or(kvforge_control::runtime::PARALLEL_VIEW_PAGES);
+    rdkv.parallel_pages = parallel_pages.unwrap_or(kvforge_control::rdkv::PARALLEL_PAGES);
     let p = spec.page.tokens;
     let (mut tv, mut td, mut ts, mut tp) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut digest = 0u64;
@@ -142,7 +147,7 @@ fn rdkv(spec: Spec, reps: usize, paper: bool) -> Result<(), Error> {
         let t = Instant::now();
         // Kv heads on rayon's pool (`view_par`): a page's weight is the sum of its tokens'.
         let per_token = rdkv.proxy.uses_token_mass();
-        let view = pos.view_par(&cache, costs.clone(), |key, len| {
+        let view = pos.view_par_from(&cache, costs.clone(), view_from, |key, len| {
             let m = &tok[key.head][key.first_token..key.first_token + len];
             Signal { mass: page_mass(m), token_mass: per_token.then(|| m.to_vec()), pinned: false }
         })?;

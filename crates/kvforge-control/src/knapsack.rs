@@ -97,9 +97,11 @@ impl Hulls {
             }
             None => Hulls { idx: Vec::new(), rho: Vec::new(), save: Vec::new(), at: Vec::new(), start_cost: 0.0, end_cost: 0.0, rho_max: 0.0 },
         };
-        h.idx.reserve(choices.len());
-        h.rho.reserve(choices.len());
-        h.save.reserve(choices.len());
+        // `LADDER_MAX` more than the hulls can hold: [`push_ladder`](Self::push_ladder) copies
+        // whole fixed-size arrays and trims them.
+        h.idx.reserve(choices.len() + LADDER_MAX);
+        h.rho.reserve(choices.len() + LADDER_MAX);
+        h.save.reserve(choices.len() + LADDER_MAX);
         h.at.reserve(n + 1);
         h.at.push(0);
         let mut rest: Vec<usize> = Vec::new();
@@ -169,14 +171,43 @@ impl Hulls {
 
     /// [`push_item`](Self::push_item) for a short ladder (start 0, candidates 1.. in order):
     /// the same stack and slopes, kept in registers-sized arrays rather than the shared
-    /// vectors (the vector bookkeeping per point was most of a page's hull).
+    /// vectors (the vector bookkeeping per point was most of a page's hull). Each candidate's
+    /// first slope is to the point just below it on the ladder (the stack's top is always the
+    /// last point pushed), so those slopes are taken up front, side by side, and the stack
+    /// divides again only when it pops. The arrays go into the vectors whole (a copy of
+    /// constant size, no `memcpy` call per item) and the vectors are trimmed to the hull.
     fn push_ladder(&mut self, choices: &[Choice]) {
         let slope = |a: usize, b: usize| (choices[b].dist - choices[a].dist) / (choices[a].cost - choices[b].cost);
-        let (mut idx, mut rho) = ([0u32; LADDER_MAX], [0.0f64; LADDER_MAX]);
-        let top = hull_stack(&mut idx, &mut rho, 1..choices.len(), slope);
-        self.rho_max = self.rho_max.max(close_steps(choices, &idx[..=top], &mut rho[..top], &mut self.save));
-        self.idx.extend_from_slice(&idx[..=top]);
-        self.rho.extend_from_slice(&rho[..top]);
+        let mut next = [0.0f64; LADDER_MAX];
+        for (k, w) in choices.windows(2).enumerate() {
+            next[k] = (w[1].dist - w[0].dist) / (w[0].cost - w[1].cost);
+        }
+        let (mut idx, mut rho, mut save) = ([0u32; LADDER_MAX], [0.0f64; LADDER_MAX], [0.0f64; LADDER_MAX]);
+        let mut top = 0;
+        for p in 1..choices.len() {
+            let mut s = next[p - 1];
+            while top > 0 && rho[top - 1] > s {
+                top -= 1;
+                s = slope(idx[top] as usize, p);
+            }
+            rho[top] = s;
+            top += 1;
+            idx[top] = p as u32;
+        }
+        let mut most = 0.0f64;
+        for k in 0..top {
+            rho[k] = rho[k].max(0.0);
+            most = most.max(rho[k]);
+            save[k] = choices[idx[k] as usize].cost - choices[idx[k + 1] as usize].cost;
+        }
+        self.rho_max = self.rho_max.max(most);
+        let (i, r) = (self.idx.len(), self.rho.len());
+        self.idx.extend_from_slice(&idx);
+        self.idx.truncate(i + top + 1);
+        self.rho.extend_from_slice(&rho);
+        self.rho.truncate(r + top);
+        self.save.extend_from_slice(&save);
+        self.save.truncate(r + top);
         self.start_cost += choices[0].cost;
         self.end_cost += choices[idx[top] as usize].cost;
         self.at.push(self.idx.len());
@@ -192,6 +223,7 @@ impl Hulls {
     }
 
     /// Bytes each of item `i`'s hull steps saves; positive.
+    #[cfg(test)]
     fn save(&self, i: usize) -> &[f64] {
         &self.save[self.at[i] - i..self.at[i + 1] - i - 1]
     }
@@ -202,16 +234,19 @@ impl Hulls {
     }
 
     /// Prices of item `i`'s hull steps; non-decreasing.
+    #[cfg(test)]
     fn rho(&self, i: usize) -> &[f64] {
         &self.rho[self.at[i] - i..self.at[i + 1] - i - 1]
     }
 
     /// Moves of item `i` applied at multiplier λ (those with ρ ≤ λ).
+    #[cfg(test)]
     fn steps(&self, i: usize, lambda: f64) -> usize {
         self.rho(i).partition_point(|&r| r <= lambda)
     }
 
     /// Choice index of item `i` after `s` moves.
+    #[cfg(test)]
     fn pick(&self, i: usize, s: usize) -> usize {
         self.idx(i)[s] as usize
     }
@@ -277,16 +312,21 @@ pub fn solve_flat(choices: &[Choice], start: &[usize], budget: f64) -> Solution 
         let mut pick = Vec::with_capacity(n);
         let (mut cost, mut dist) = (0.0, 0.0);
         let (mut g_lambda, mut g_zero) = (-0.0f64, -0.0f64);
-        for (i, &s) in steps.iter().enumerate() {
+        // Item i's hull and prices are sliced once from `at` (`Hulls::idx`, `Hulls::rho`).
+        for (i, (&s, at)) in steps.iter().zip(hulls.at.windows(2)).enumerate() {
             let it = item(i);
-            let p = hulls.pick(i, s);
+            let idx = &hulls.idx[at[0]..at[1]];
+            let p = idx[s] as usize;
             pick.push(p);
             cost += it[p].cost;
             dist += it[p].dist;
             if feasible {
-                let c = it[hulls.pick(i, hulls.steps(i, lambda))];
+                // Prices do not decrease along a hull, so the moves priced at most λ are its
+                // first ones: counting them is `Hulls::steps` without the binary search.
+                let rho = &hulls.rho[at[0] - i..at[1] - i - 1];
+                let c = it[idx[rho.iter().filter(|&&r| r <= lambda).count()] as usize];
                 g_lambda += c.dist + lambda * c.cost;
-                let c = it[hulls.pick(i, hulls.steps(i, 0.0))];
+                let c = it[idx[rho.iter().filter(|&&r| r <= 0.0).count()] as usize];
                 g_zero += c.dist + 0.0 * c.cost;
             }
         }
@@ -367,13 +407,16 @@ fn prefix(hulls: &Hulls, need: f64) -> (Vec<usize>, f64, usize) {
     if hulls.rho.is_empty() {
         return (vec![0; n], 0.0, 0);
     }
-    let (lo_key, hi_key) = hulls.rho.iter().fold((u64::MAX, 0), |(lo, hi), &r| (lo.min(price_key(r)), hi.max(price_key(r))));
+    // Each move's price key once, then its bucket once (the passes below read them rather
+    // than redo the conversion per pass).
+    let keys: Vec<u64> = hulls.rho.iter().map(|&r| price_key(r)).collect();
+    let (lo_key, hi_key) = keys.iter().fold((u64::MAX, 0), |(lo, hi), &k| (lo.min(k), hi.max(k)));
     let shift = (u64::BITS - (hi_key - lo_key).leading_zeros()).saturating_sub(BUCKET_BITS);
-    let bucket = |r: f64| ((price_key(r) - lo_key) >> shift) as usize;
     let last = ((hi_key - lo_key) >> shift) as usize;
+    let buckets: Vec<u16> = keys.iter().map(|&k| ((k - lo_key) >> shift) as u16).collect();
     let mut saved = vec![0.0f64; last + 1];
-    for (&r, &s) in hulls.rho.iter().zip(&hulls.save) {
-        saved[bucket(r)] += s;
+    for (&b, &s) in buckets.iter().zip(&hulls.save) {
+        saved[b as usize] += s;
     }
     // The bucket where the prefix ends (the last one if rounding keeps the sum short of
     // `need`: then the whole path is the prefix, as in `select_end`), and what the buckets
@@ -386,16 +429,21 @@ fn prefix(hulls: &Hulls, need: f64) -> (Vec<usize>, f64, usize) {
         }
         acc += s;
     }
+    let end_bucket = end_bucket as u16;
     let mut steps = vec![0usize; n];
     let mut moves: Vec<Move> = Vec::new();
-    for (i, taken) in steps.iter_mut().enumerate() {
-        for (s, (&r, &b)) in hulls.rho(i).iter().zip(hulls.save(i)).enumerate() {
-            match bucket(r).cmp(&end_bucket) {
-                std::cmp::Ordering::Less => *taken = s + 1,
-                std::cmp::Ordering::Equal => moves.push((r, i as u32, s as u32, b)),
-                std::cmp::Ordering::Greater => {}
+    // Item i's moves are the flat moves `at[i] - i..at[i + 1] - i - 1`, walked in turn.
+    let mut j = 0;
+    for (i, (taken, w)) in steps.iter_mut().zip(hulls.at.windows(2)).enumerate() {
+        let len = w[1] - w[0] - 1;
+        for (s, &b) in buckets[j..j + len].iter().enumerate() {
+            if b < end_bucket {
+                *taken = s + 1;
+            } else if b == end_bucket {
+                moves.push((hulls.rho[j + s], i as u32, s as u32, hulls.save[j + s]));
             }
         }
+        j += len;
     }
     let (end, rounds) = select_end(&mut moves, acc, need);
     for m in &moves[..end] {

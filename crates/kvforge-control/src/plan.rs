@@ -100,7 +100,9 @@ impl Problem {
     /// `protection` allows ([`Protection::allowed_tiers`], current first), tier `t` of page
     /// `index` at distortion `dist(index, t)`: the same problem, written in place in one loop
     /// (building each page's options in a vector and copying them cost RDKV more than its
-    /// knapsack at 32K tokens).
+    /// knapsack at 32K tokens). RDKV poses all heads at once ([`HeadProblems`]); this is the
+    /// one-head form the tests hold it to.
+    #[cfg(test)]
     pub fn build_head_allowed(view: &PageTableView, head: usize, protection: &Protection, dist: impl Fn(usize, TierId) -> f64) -> Problem {
         let pages = view.heads.get(head).map_or(&[][..], Vec::as_slice);
         let costs = &view.costs;
@@ -162,6 +164,84 @@ impl Problem {
         }
         d.sort_by_key(|x| x.page);
         (s, d)
+    }
+}
+
+/// Every kv head's [`Problem`] of a view in one flat problem (one set of vectors for all
+/// heads, not one per head: at 32K tokens × 8 kv heads the per-head vectors and the walks
+/// that built them cost more than the knapsacks), with what a per-head budget split needs.
+///
+/// Head `h`'s items are `problem.ids[items[h]..items[h + 1]]` (their choices as in
+/// [`Problem`]); its pages that cannot move cost `fixed[h]`, and the cheapest tier every
+/// page of it may take costs `min_cost[h]` in all.
+pub(crate) struct HeadProblems {
+    pub problem: Problem,
+    pub items: Vec<usize>,
+    pub fixed: Vec<f64>,
+    pub min_cost: Vec<f64>,
+}
+
+impl HeadProblems {
+    /// [`Problem::build_head_allowed`] for every head in one pass: page `index` of head `head`
+    /// at tier `t` has distortion `dist(head, index, t)`. Each head's items, choices and fixed
+    /// cost are those `build_head_allowed` poses, and `min_cost[h]` sums, page by page in
+    /// order, the least cost over the tiers `protection` allows (what a budget split must
+    /// leave a head), so no second walk over the view is needed.
+    pub fn build_allowed(view: &PageTableView, protection: &Protection, dist: impl Fn(usize, usize, TierId) -> f64) -> HeadProblems {
+        let costs = &view.costs;
+        let heads = view.heads.len();
+        let mut p = Problem::with_capacity(view.num_pages(), costs.tiers.len());
+        let mut out = HeadProblems { problem: Problem::with_capacity(0, 0), items: Vec::with_capacity(heads + 1), fixed: Vec::with_capacity(heads), min_cost: Vec::with_capacity(heads) };
+        out.items.push(0);
+        for (head, pages) in view.heads.iter().enumerate() {
+            // The fixed cost starts at 0 as `build_head_allowed`'s does; the least costs are
+            // summed as `Iterator::sum` sums them (from −0.0).
+            let (mut fixed, mut min_cost) = (0.0f64, -0.0f64);
+            for (index, page) in pages.iter().enumerate() {
+                let (lowest, no_drop) = protection.allowed_span(page, view.context_tokens, costs);
+                let begin = p.choices.len();
+                let mut least = f64::INFINITY;
+                for t in page.tier..=lowest {
+                    if !(no_drop && costs.tiers[t as usize].drop) {
+                        let c = costs.cost(t, page.tokens);
+                        least = least.min(c);
+                        p.tiers.push(t);
+                        p.choices.push(Choice::new(c, dist(head, index, t)));
+                    }
+                }
+                min_cost += least;
+                if p.choices.len() - begin <= 1 {
+                    p.tiers.truncate(begin);
+                    p.choices.truncate(begin);
+                    fixed += costs.cost(page.tier, page.tokens);
+                } else {
+                    p.ids.push(PageId { head, index });
+                    p.start.push(p.choices.len());
+                }
+            }
+            out.fixed.push(fixed);
+            out.min_cost.push(min_cost);
+            out.items.push(p.ids.len());
+        }
+        out.problem = p;
+        out
+    }
+
+    /// Solves head `h` for `budget` bytes (its fixed pages included) and appends its tier
+    /// changes to `decisions`, in page order (what [`Problem::solve`] lists for the head).
+    pub fn solve_head(&self, view: &PageTableView, h: usize, budget: f64, decisions: &mut Vec<Decision>) -> Solution {
+        let p = &self.problem;
+        let (a, b) = (self.items[h], self.items[h + 1]);
+        let start = &p.start[a..=b];
+        let s = knapsack::solve_flat(&p.choices, start, budget - self.fixed[h]);
+        let pages = &view.heads[h];
+        for ((&id, &pick), &first) in p.ids[a..b].iter().zip(&s.pick).zip(start) {
+            let (from, to) = (pages[id.index].tier, p.tiers[first + pick]);
+            if to != from {
+                decisions.push(Decision { page: id, from_tier: from, to_tier: to });
+            }
+        }
+        s
     }
 }
 

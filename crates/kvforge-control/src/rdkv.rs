@@ -31,7 +31,7 @@ use kvforge_spec::{KeyScheme, Spec, TierId, ValueScheme};
 
 use crate::distortion::{DistortionTable, Proxy};
 use crate::knapsack::{self, Choice};
-use crate::plan::{assemble, Decision, Limits, Plan, Problem};
+use crate::plan::{assemble, Decision, HeadProblems, Limits, Plan, Problem};
 use crate::signal::{PageId, PageInfo, PageTableView};
 use crate::Controller;
 
@@ -197,6 +197,9 @@ pub struct RdkvController {
     /// allocates per head (heads whose protected pages exceed their share get their minimum
     /// and the rest is re-split). False: one knapsack over all heads.
     pub per_head: bool,
+    /// Views of at least this many pages solve their heads on the rayon pool (default
+    /// [`PARALLEL_PAGES`]); a field so that a host can be measured both ways.
+    pub parallel_pages: usize,
 }
 
 impl RdkvController {
@@ -213,33 +216,29 @@ impl RdkvController {
                 Ok(0.5 * (key_eps(&t.key, &t.name, eps_k)? + lookup(eps_v, value_bits(&t.value))?))
             })
             .collect::<Result<Vec<f64>, RdkvError>>()?;
-        Ok(RdkvController { table: DistortionTable { eps, drop_tier: crate::distortion::drop_tier(spec) }, proxy: Proxy::Linear, per_head: true })
+        Ok(RdkvController { table: DistortionTable { eps, drop_tier: crate::distortion::drop_tier(spec) }, proxy: Proxy::Linear, per_head: true, parallel_pages: PARALLEL_PAGES })
     }
+}
 
-    fn head_shares(&self, view: &PageTableView, limits: &Limits, budget: f64) -> Vec<f64> {
-        let n = view.heads.len();
-        let min: Vec<f64> = per_head(view, |h| {
-            view.heads[h]
-                .iter()
-                .map(|p| limits.protection.allowed_tiers(p, view.context_tokens, &view.costs).map(|t| view.costs.cost(t, p.tokens)).fold(f64::INFINITY, f64::min))
-                .sum()
-        });
-        // Water-fill: heads that cannot live on an equal share get their minimum.
-        let mut pinned = vec![false; n];
-        loop {
-            let free = pinned.iter().filter(|&&p| !p).count();
-            let left = budget - (0..n).filter(|&h| pinned[h]).map(|h| min[h]).sum::<f64>();
-            let share = if free > 0 { left / free as f64 } else { 0.0 };
-            let mut changed = false;
-            for h in 0..n {
-                if !pinned[h] && min[h] > share {
-                    pinned[h] = true;
-                    changed = true;
-                }
+/// Each kv head's share of `budget` given the least bytes each head can live on: equal
+/// shares, except that heads which cannot live on an equal share get their minimum and the
+/// rest is re-split (water-filling), as the paper allocates per head.
+fn head_shares(min_cost: &[f64], budget: f64) -> Vec<f64> {
+    let n = min_cost.len();
+    let mut pinned = vec![false; n];
+    loop {
+        let free = pinned.iter().filter(|&&p| !p).count();
+        let left = budget - (0..n).filter(|&h| pinned[h]).map(|h| min_cost[h]).sum::<f64>();
+        let share = if free > 0 { left / free as f64 } else { 0.0 };
+        let mut changed = false;
+        for h in 0..n {
+            if !pinned[h] && min_cost[h] > share {
+                pinned[h] = true;
+                changed = true;
             }
-            if !changed {
-                return (0..n).map(|h| if pinned[h] { min[h] } else { share }).collect();
-            }
+        }
+        if !changed {
+            return (0..n).map(|h| if pinned[h] { min_cost[h] } else { share }).collect();
         }
     }
 }
@@ -260,22 +259,13 @@ impl Controller for RdkvController {
         let weight = |id: PageId| weights[offset[id.head] + id.index];
         let opts = |id: PageId, p: &PageInfo, out: &mut Vec<(TierId, f64)>| out.extend(limits.protection.allowed_tiers(p, view.context_tokens, &view.costs).map(|t| (t, table.page(weight(id), t))));
         let (sol, decisions) = if self.per_head {
-            let shares = self.head_shares(view, limits, budget);
             // Heads are independent knapsacks: one problem per head over its own pages (the
-            // other heads' pages enter only as fixed bytes), solved side by side ([`per_head`]).
-            let solve_head = |h: usize| Problem::build_head_allowed(view, h, &limits.protection, |i, t| table.page(weights[offset[h] + i], t)).solve(view, shares[h]);
-            let solved: Vec<(knapsack::Solution, Vec<Decision>)> = per_head(view, solve_head);
-            let mut all = Vec::new();
-            let mut agg: Option<knapsack::Solution> = None;
-            for (s, d) in solved {
-                all.extend(d);
-                agg = Some(match agg {
-                    None => s,
-                    Some(a) => knapsack::Solution { lambda: a.lambda.max(s.lambda), gap: a.gap + s.gap, feasible: a.feasible && s.feasible, ..a },
-                });
-            }
-            all.sort_by_key(|d| d.page);
-            (agg.unwrap_or_else(|| knapsack::solve(&[], budget)), all)
+            // other heads' pages enter only as fixed bytes), posed for all heads in one pass.
+            let problems = HeadProblems::build_allowed(view, &limits.protection, |h, i, t| table.page(weights[offset[h] + i], t));
+            let shares = head_shares(&problems.min_cost, budget);
+            let (solved, decisions) = solve_heads(view, &problems, &shares, self.parallel_pages);
+            let agg = solved.into_iter().reduce(|a, s| knapsack::Solution { lambda: a.lambda.max(s.lambda), gap: a.gap + s.gap, feasible: a.feasible && s.feasible, ..a });
+            (agg.unwrap_or_else(|| knapsack::solve(&[], budget)), decisions)
         } else {
             Problem::build(view, opts).solve(view, budget)
         };
@@ -283,18 +273,126 @@ impl Controller for RdkvController {
     }
 }
 
-/// `f(h)` for every kv head of the view, in head order: on the rayon pool (its threads
-/// persist: starting a thread per head cost more than the heads' solves) when the view has
-/// [`PARALLEL_PAGES`] and the pool more than one thread, else in turn on this thread.
-fn per_head<T: Send>(view: &PageTableView, f: impl Fn(usize) -> T + Sync + Send) -> Vec<T> {
+/// Every head's solution and all decisions, in page order (heads in turn, each head's in
+/// page order). Heads go to the rayon pool only for views of `parallel_pages` pages and a pool
+/// of more than one thread: waking a pool costs tens of microseconds per hand-off (more on a
+/// 16-thread pool), more than a 512-page head's solve.
+fn solve_heads(view: &PageTableView, problems: &HeadProblems, shares: &[f64], parallel_pages: usize) -> (Vec<knapsack::Solution>, Vec<Decision>) {
     use rayon::prelude::*;
-    if view.num_pages() >= PARALLEL_PAGES && rayon::current_num_threads() > 1 {
-        (0..view.heads.len()).into_par_iter().map(f).collect()
+    let heads = view.heads.len();
+    if view.num_pages() >= parallel_pages && rayon::current_num_threads() > 1 {
+        let per_head: Vec<(knapsack::Solution, Vec<Decision>)> = (0..heads)
+            .into_par_iter()
+            .map(|h| {
+                let mut d = Vec::new();
+                (problems.solve_head(view, h, shares[h], &mut d), d)
+            })
+            .collect();
+        let mut decisions = Vec::with_capacity(per_head.iter().map(|x| x.1.len()).sum());
+        let solved = per_head.into_iter().map(|(s, d)| { decisions.extend(d); s }).collect();
+        (solved, decisions)
     } else {
-        (0..view.heads.len()).map(f).collect()
+        let mut decisions = Vec::new();
+        let solved = (0..heads).map(|h| problems.solve_head(view, h, shares[h], &mut decisions)).collect();
+        (solved, decisions)
     }
 }
 
-/// Views of at least this many pages solve their heads on the pool (one head of 32K tokens is
-/// 512 pages; below ~1000 pages in all a hand-off costs more than the head's solve).
-const PARALLEL_PAGES: usize = 1024;
+/// Views of at least this many pages (128K tokens × 8 kv heads) solve their heads on the
+/// pool by default ([`RdkvController::parallel_pages`]). At 32K tokens × 8 kv heads (4096 pages) the pool made RDKV's decision slower, not
+/// faster: 290-780 us on 2 threads of the 2-core VM against ~330 us on one.
+pub const PARALLEL_PAGES: usize = 16384;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::{Budget, CostModel, TierCosts};
+    use crate::protect::Protection;
+
+    /// RDKV's per-head decision as it was posed before [`HeadProblems`]: each head's least
+    /// bytes from its own walk over the allowed tiers, then one [`Problem`] per head, solved
+    /// and sorted on its own. The fast path must give the very same plan.
+    fn decide_head_by_head(c: &RdkvController, view: &PageTableView, limits: &Limits) -> Plan {
+        let budget = limits.budget.bytes(view.context_tokens, view.heads.len());
+        let weights = c.proxy.weights(view);
+        let offset: Vec<usize> = view.heads.iter().scan(0, |acc, h| {
+            let o = *acc;
+            *acc += h.len();
+            Some(o)
+        }).collect();
+        let min: Vec<f64> = (0..view.heads.len())
+            .map(|h| view.heads[h].iter().map(|p| limits.protection.allowed_tiers(p, view.context_tokens, &view.costs).map(|t| view.costs.cost(t, p.tokens)).fold(f64::INFINITY, f64::min)).sum())
+            .collect();
+        let shares = head_shares(&min, budget);
+        let mut all = Vec::new();
+        let mut agg: Option<knapsack::Solution> = None;
+        for h in 0..view.heads.len() {
+            let (s, d) = Problem::build_head_allowed(view, h, &limits.protection, |i, t| c.table.page(weights[offset[h] + i], t)).solve(view, shares[h]);
+            all.extend(d);
+            agg = Some(match agg {
+                None => s,
+                Some(a) => knapsack::Solution { lambda: a.lambda.max(s.lambda), gap: a.gap + s.gap, feasible: a.feasible && s.feasible, ..a },
+            });
+        }
+        all.sort_by_key(|d| d.page);
+        let sol = agg.unwrap_or_else(|| knapsack::solve(&[], budget));
+        assemble(view, all, budget, &sol, Vec::new(), |id, t| c.table.page(weights[offset[id.head] + id.index], t))
+    }
+
+    /// A view of `heads` kv heads whose pages sit in random ladder tiers with random masses
+    /// (exact ties and zeros included), some pinned, each head ending in a partial tail page.
+    fn view(spec: &Spec, heads: usize, pages: &[(u8, u8, bool)], tail: usize) -> PageTableView {
+        let costs = TierCosts::from_spec(spec, 128, CostModel::Resident);
+        let p = costs.page_tokens;
+        let mass = |m: u8| match m % 4 {
+            0 => 0.0,
+            1 => 0.5,
+            _ => f64::from(m) * 1e-3,
+        };
+        let per_head = pages.len().div_ceil(heads).max(1);
+        let hs: Vec<Vec<PageInfo>> = pages
+            .chunks(per_head)
+            .map(|ps| {
+                let mut v: Vec<PageInfo> = ps.iter().enumerate().map(|(i, &(t, m, pin))| PageInfo { tier: 1 + t % 5, tokens: p, first_token: i * p, last_token: i * p + p - 1, mass: mass(m), token_mass: None, pinned: pin }).collect();
+                let n = v.len();
+                v.push(PageInfo { tier: kvforge_spec::TAIL_TIER, tokens: tail, first_token: n * p, last_token: n * p + tail - 1, mass: 0.01, token_mass: None, pinned: false });
+                v
+            })
+            .collect();
+        let context_tokens = per_head * p + tail;
+        PageTableView { seq: 0, context_tokens, heads: hs, costs }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 200, ..Default::default() })]
+
+        /// All heads posed in one pass ([`HeadProblems`]) give the plan the head-by-head
+        /// problems gave, field for field: budgets from "nothing moves" to "infeasible",
+        /// protection on and off, both proxies.
+        #[test]
+        fn head_problems_decide_as_head_by_head(
+            pages in proptest::collection::vec((0u8..5, 0u8..40, proptest::prelude::any::<bool>()), 1..200),
+            heads in 1usize..6,
+            tail in 1usize..64,
+            frac in 0.0f64..1.1,
+            protect in proptest::prelude::any::<bool>(),
+            concentration in proptest::prelude::any::<bool>(),
+        ) {
+            let spec = Spec::load(concat!(env!("CARGO_MANIFEST_DIR"), "/../../specs/rdkv.toml").as_ref()).expect("rdkv spec");
+            let v = view(&spec, heads, &pages, tail);
+            let fp16 = v.costs.cost(1, v.costs.page_tokens) / v.costs.page_tokens as f64;
+            let protection = if protect { Protection { sink_tokens: 4, recent_tokens: 128, floor: 2 } } else { Protection::none() };
+            let limits = Limits { budget: Budget::PerToken(frac * fp16), protection };
+            let mut c = RdkvController::new(&spec).unwrap();
+            if concentration {
+                c.proxy = Proxy::Concentration;
+            }
+            let want = decide_head_by_head(&c, &v, &limits);
+            let got = c.decide(&v, &limits);
+            proptest::prop_assert_eq!(&got.decisions, &want.decisions);
+            let bits = |p: &Plan| [p.budget_bytes, p.cost_before, p.cost_after, p.distortion_before, p.distortion_after, p.lambda, p.duality_gap].map(f64::to_bits);
+            proptest::prop_assert_eq!(bits(&got), bits(&want));
+            proptest::prop_assert_eq!(got.feasible, want.feasible);
+        }
+    }
+}

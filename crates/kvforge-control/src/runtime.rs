@@ -338,9 +338,17 @@ impl PositionMap {
     /// a long prefill waits on: at 32K tokens × 8 kv heads, summing 2 MB of token weights
     /// on one thread cost as much as the decision.
     pub fn view_par<C: PagedCache + Sync>(&self, cache: &C, costs: TierCosts, signal: impl Fn(PageKey, usize) -> Signal + Sync) -> Result<PageTableView, ControlError> {
+        self.view_par_from(cache, costs, PARALLEL_VIEW_PAGES, signal)
+    }
+
+    /// [`view_par`](Self::view_par) with the heads on the pool from `parallel_pages` full
+    /// pages on (its default is [`PARALLEL_VIEW_PAGES`]), for measuring a host both ways.
+    pub fn view_par_from<C: PagedCache + Sync>(&self, cache: &C, costs: TierCosts, parallel_pages: usize, signal: impl Fn(PageKey, usize) -> Signal + Sync) -> Result<PageTableView, ControlError> {
         use rayon::prelude::*;
-        if rayon::current_num_threads() <= 1 {
+        let pages: usize = self.full_first.iter().map(Vec::len).sum();
+        if rayon::current_num_threads() <= 1 || pages < parallel_pages {
             // One CPU: the pool's worker would only take turns with this thread (and spin).
+            // A small view: waking the pool costs more than the pages (below).
             return self.view(cache, costs, signal);
         }
         let p = costs.page_tokens;
@@ -394,6 +402,13 @@ impl PositionMap {
         Ok(r)
     }
 }
+
+/// Views of fewer full pages than this are built on the calling thread by
+/// [`PositionMap::view_par`]: at 32K tokens × 8 kv heads (4096 pages, 2 MB of token weights)
+/// one thread builds the view in ~70 us on the 2-core VM, while handing the heads to the
+/// pool took 85-600 us there and 135-295 us on the 16-thread host of the H100 machine (the
+/// workers' wake-up, not the sums, is what it waits on).
+pub const PARALLEL_VIEW_PAGES: usize = 16384;
 
 /// Error of [`SimCache`].
 #[derive(Debug, thiserror::Error, PartialEq)]
