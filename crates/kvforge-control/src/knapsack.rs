@@ -84,7 +84,17 @@ struct Hulls {
 impl Hulls {
     fn new(choices: &[Choice], start: &[usize]) -> Hulls {
         let n = start.len().saturating_sub(1);
-        // The storage of this thread's previous solve, if any (see `SPARE_HULLS`).
+        let mut h = Hulls::empty(n, choices.len());
+        let mut rest: Vec<usize> = Vec::new();
+        for i in 0..n {
+            h.push_item(&choices[start[i]..start[i + 1]], &mut rest);
+        }
+        h
+    }
+
+    /// No items yet, with room for `items` items of `choices` choices in all: the storage of
+    /// this thread's previous solve if any (see `SPARE_HULLS`).
+    fn empty(items: usize, choices: usize) -> Hulls {
         let spare = SPARE_HULLS.with(|s| s.take());
         let mut h = match spare {
             Some(mut h) => {
@@ -92,23 +102,29 @@ impl Hulls {
                 h.rho.clear();
                 h.save.clear();
                 h.at.clear();
-                (h.start_cost, h.end_cost, h.rho_max) = (0.0, 0.0, 0.0);
+                h.reset_totals();
                 h
             }
             None => Hulls { idx: Vec::new(), rho: Vec::new(), save: Vec::new(), at: Vec::new(), start_cost: 0.0, end_cost: 0.0, rho_max: 0.0 },
         };
         // `LADDER_MAX` more than the hulls can hold: [`push_ladder`](Self::push_ladder) copies
         // whole fixed-size arrays and trims them.
-        h.idx.reserve(choices.len() + LADDER_MAX);
-        h.rho.reserve(choices.len() + LADDER_MAX);
-        h.save.reserve(choices.len() + LADDER_MAX);
-        h.at.reserve(n + 1);
+        h.idx.reserve(choices + LADDER_MAX);
+        h.rho.reserve(choices + LADDER_MAX);
+        h.save.reserve(choices + LADDER_MAX);
+        h.at.reserve(items + 1);
         h.at.push(0);
-        let mut rest: Vec<usize> = Vec::new();
-        for i in 0..n {
-            h.push_item(&choices[start[i]..start[i + 1]], &mut rest);
-        }
         h
+    }
+
+    /// Starts the sums of [`Hulls::start_cost`], [`Hulls::end_cost`] and the largest price over.
+    fn reset_totals(&mut self) {
+        (self.start_cost, self.end_cost, self.rho_max) = (0.0, 0.0, 0.0);
+    }
+
+    /// All items as one problem.
+    fn span(&self) -> HullSpan<'_> {
+        HullSpan { idx: &self.idx, rho: &self.rho, save: &self.save, at: &self.at, start_cost: self.start_cost, end_cost: self.end_cost, rho_max: self.rho_max }
     }
 
     /// Appends the hull of one item.
@@ -229,6 +245,7 @@ impl Hulls {
     }
 
     /// Choice indices along item `i`'s hull.
+    #[cfg(test)]
     fn idx(&self, i: usize) -> &[u32] {
         &self.idx[self.at[i]..self.at[i + 1]]
     }
@@ -302,8 +319,37 @@ pub fn solve(items: &[Vec<Choice>], budget: f64) -> Solution {
 /// (`start` has one entry more than there are items).
 pub fn solve_flat(choices: &[Choice], start: &[usize], budget: f64) -> Solution {
     let hulls = Hulls::new(choices, start);
+    let solution = solve_span(&hulls.span(), budget, |i, k| choices[start[i] + k]);
+    hulls.recycle();
+    solution
+}
+
+/// The hulls of consecutive items (one problem) inside a [`Hulls`], with their sums.
+/// `at` holds the items' positions in the whole `Hulls` (its first entry is where `idx`
+/// starts), so item `i`'s hull is `idx[at[i] - at[0]..at[i + 1] - at[0]]` and its steps are
+/// `rho[at[i] - at[0] - i..]` (as in [`Hulls`], shifted by the span's start).
+struct HullSpan<'a> {
+    idx: &'a [u32],
+    rho: &'a [f64],
+    save: &'a [f64],
+    at: &'a [usize],
+    start_cost: f64,
+    end_cost: f64,
+    rho_max: f64,
+}
+
+impl HullSpan<'_> {
+    fn len(&self) -> usize {
+        self.at.len() - 1
+    }
+}
+
+/// Solves the items of `hulls` for `budget`; `choice(i, k)` is choice `k` of item `i` (the
+/// choices the hulls were built from: the solution's sums read them again rather than the
+/// hulls storing them).
+fn solve_span(hulls: &HullSpan, budget: f64, choice: impl Fn(usize, usize) -> Choice) -> Solution {
     let n = hulls.len();
-    let item = |i: usize| &choices[start[i]..start[i + 1]];
+    let at0 = hulls.at[0];
     let finish = |steps: Vec<usize>, lambda: f64, feasible: bool, iterations: usize| -> Solution {
         // One pass: the picks with their cost and distortion and, when feasible, the
         // Lagrangian at λ* and at 0 (g is concave; its maximum is at the marginal price λ*;
@@ -312,21 +358,21 @@ pub fn solve_flat(choices: &[Choice], start: &[usize], budget: f64) -> Solution 
         let mut pick = Vec::with_capacity(n);
         let (mut cost, mut dist) = (0.0, 0.0);
         let (mut g_lambda, mut g_zero) = (-0.0f64, -0.0f64);
-        // Item i's hull and prices are sliced once from `at` (`Hulls::idx`, `Hulls::rho`).
+        // Item i's hull and prices are sliced once from `at`.
         for (i, (&s, at)) in steps.iter().zip(hulls.at.windows(2)).enumerate() {
-            let it = item(i);
-            let idx = &hulls.idx[at[0]..at[1]];
+            let idx = &hulls.idx[at[0] - at0..at[1] - at0];
             let p = idx[s] as usize;
             pick.push(p);
-            cost += it[p].cost;
-            dist += it[p].dist;
+            let c = choice(i, p);
+            cost += c.cost;
+            dist += c.dist;
             if feasible {
                 // Prices do not decrease along a hull, so the moves priced at most λ are its
                 // first ones: counting them is `Hulls::steps` without the binary search.
-                let rho = &hulls.rho[at[0] - i..at[1] - i - 1];
-                let c = it[idx[rho.iter().filter(|&&r| r <= lambda).count()] as usize];
+                let rho = &hulls.rho[at[0] - at0 - i..at[1] - at0 - i - 1];
+                let c = choice(i, idx[rho.iter().filter(|&&r| r <= lambda).count()] as usize);
                 g_lambda += c.dist + lambda * c.cost;
-                let c = it[idx[rho.iter().filter(|&&r| r <= 0.0).count()] as usize];
+                let c = choice(i, idx[rho.iter().filter(|&&r| r <= 0.0).count()] as usize);
                 g_zero += c.dist + 0.0 * c.cost;
             }
         }
@@ -340,18 +386,74 @@ pub fn solve_flat(choices: &[Choice], start: &[usize], budget: f64) -> Solution 
     };
 
     let start_cost = hulls.start_cost;
-    let solution = if start_cost <= budget {
+    if start_cost <= budget {
         finish(vec![0; n], 0.0, true, 0)
     } else if hulls.end_cost > budget {
-        finish((0..n).map(|i| hulls.idx(i).len() - 1).collect(), hulls.rho_max, false, 0)
+        finish(hulls.at.windows(2).map(|w| w[1] - w[0] - 1).collect(), hulls.rho_max, false, 0)
     } else {
         // The greedy path takes moves in (ρ, item, step) order, and the solution is its
         // shortest prefix that saves `need` bytes (see [`prefix`]).
-        let (steps, lambda, iterations) = prefix(&hulls, start_cost - budget);
+        let (steps, lambda, iterations) = prefix(hulls, start_cost - budget);
         finish(steps, lambda, true, iterations)
-    };
-    hulls.recycle();
-    solution
+    }
+}
+
+/// Independent problems (groups of consecutive items, e.g. one per kv head) whose hulls are
+/// built item by item from choices the caller computes on the fly, and solved group by group.
+/// A controller that can recompute an item's choices need not store them: at 32K tokens × 8
+/// kv heads, writing every page's choices to flat vectors and reading them back for the hulls
+/// cost RDKV as much as the hulls themselves.
+pub(crate) struct GroupHulls {
+    hulls: Hulls,
+    /// Hull candidates of the general (non-ladder) path.
+    rest: Vec<usize>,
+    /// Per closed group: items end (exclusive), then its start cost, end cost and largest price.
+    groups: Vec<(usize, f64, f64, f64)>,
+}
+
+impl GroupHulls {
+    /// Room for `items` items of `choices` choices in all.
+    pub fn with_capacity(items: usize, choices: usize) -> GroupHulls {
+        GroupHulls { hulls: Hulls::empty(items, choices), rest: Vec::new(), groups: Vec::new() }
+    }
+
+    /// Appends an item (to the open group) with its choices.
+    ///
+    /// # Panics
+    /// As [`solve`] does, on an item without choices or a non-finite or negative choice.
+    pub fn push_item(&mut self, choices: &[Choice]) {
+        self.hulls.push_item(choices, &mut self.rest);
+    }
+
+    /// Closes the open group: the items pushed since the last close form one problem.
+    pub fn close_group(&mut self) {
+        let h = &mut self.hulls;
+        self.groups.push((h.len(), h.start_cost, h.end_cost, h.rho_max));
+        h.reset_totals();
+    }
+
+    /// Items of group `g` (their indices among all items pushed).
+    pub fn items(&self, g: usize) -> std::ops::Range<usize> {
+        let first = if g == 0 { 0 } else { self.groups[g - 1].0 };
+        first..self.groups[g].0
+    }
+
+    /// Solves group `g` for `budget`, as [`solve_flat`] solves its items alone; `choice(i, k)`
+    /// is choice `k` of the group's item `i` (counted from the group's first), as pushed.
+    pub fn solve_group(&self, g: usize, budget: f64, choice: impl Fn(usize, usize) -> Choice) -> Solution {
+        let r = self.items(g);
+        let h = &self.hulls;
+        let at = &h.at[r.start..=r.end];
+        let steps = at[0] - r.start..at[at.len() - 1] - r.end;
+        let (_, start_cost, end_cost, rho_max) = self.groups[g];
+        let span = HullSpan { idx: &h.idx[at[0]..at[at.len() - 1]], rho: &h.rho[steps.clone()], save: &h.save[steps], at, start_cost, end_cost, rho_max };
+        solve_span(&span, budget, choice)
+    }
+
+    /// Keeps the storage for this thread's next solve.
+    pub fn recycle(self) {
+        self.hulls.recycle();
+    }
 }
 
 std::thread_local! {
@@ -402,7 +504,7 @@ const BUCKET_BITS: u32 = 11;
 /// around medians, was ~40% of a 512-page solve.) The prefix is the one [`select_end`] finds
 /// on all moves whenever the sums of bytes saved are exact (integer byte costs), because
 /// both find the same shortest prefix of the same order.
-fn prefix(hulls: &Hulls, need: f64) -> (Vec<usize>, f64, usize) {
+fn prefix(hulls: &HullSpan, need: f64) -> (Vec<usize>, f64, usize) {
     let n = hulls.len();
     if hulls.rho.is_empty() {
         return (vec![0; n], 0.0, 0);
@@ -415,7 +517,7 @@ fn prefix(hulls: &Hulls, need: f64) -> (Vec<usize>, f64, usize) {
     let last = ((hi_key - lo_key) >> shift) as usize;
     let buckets: Vec<u16> = keys.iter().map(|&k| ((k - lo_key) >> shift) as u16).collect();
     let mut saved = vec![0.0f64; last + 1];
-    for (&b, &s) in buckets.iter().zip(&hulls.save) {
+    for (&b, &s) in buckets.iter().zip(hulls.save) {
         saved[b as usize] += s;
     }
     // The bucket where the prefix ends (the last one if rounding keeps the sum short of
@@ -700,7 +802,7 @@ mod tests {
             let total: f64 = h.save.iter().sum();
             for f in fracs {
                 let need = (f * total).round().max(1.0);
-                let (steps, lambda, _) = prefix(&h, need);
+                let (steps, lambda, _) = prefix(&h.span(), need);
                 let want = prefix_by_quickselect(&h, need);
                 proptest::prop_assert_eq!(&steps, &want.0, "need {}", need);
                 proptest::prop_assert_eq!(lambda.to_bits(), want.1.to_bits(), "need {}", need);
@@ -740,7 +842,7 @@ mod tests {
         let (choices, start) = flat(&items);
         let h = Hulls::new(&choices, &start);
         for need in [1.0, 399.0, 400.0, 401.0, 1e5, 7e5, 1.2e6, 2e6] {
-            let (steps, lambda, _) = prefix(&h, need);
+            let (steps, lambda, _) = prefix(&h.span(), need);
             assert_eq!((steps, lambda), prefix_by_quickselect(&h, need), "need {need}");
         }
     }

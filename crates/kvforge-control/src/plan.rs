@@ -2,8 +2,8 @@
 
 use kvforge_spec::TierId;
 
-use crate::budget::Budget;
-use crate::knapsack::{self, Choice, Solution};
+use crate::budget::{Budget, TierCosts};
+use crate::knapsack::{self, Choice, GroupHulls, Solution};
 use crate::protect::Protection;
 use crate::signal::{PageId, PageInfo, PageTableView};
 
@@ -100,7 +100,7 @@ impl Problem {
     /// `protection` allows ([`Protection::allowed_tiers`], current first), tier `t` of page
     /// `index` at distortion `dist(index, t)`: the same problem, written in place in one loop
     /// (building each page's options in a vector and copying them cost RDKV more than its
-    /// knapsack at 32K tokens). RDKV poses all heads at once ([`HeadProblems`]); this is the
+    /// knapsack at 32K tokens). RDKV poses all heads at once ([`HeadHulls`]); this is the
     /// one-head form the tests hold it to.
     #[cfg(test)]
     pub fn build_head_allowed(view: &PageTableView, head: usize, protection: &Protection, dist: impl Fn(usize, TierId) -> f64) -> Problem {
@@ -167,82 +167,108 @@ impl Problem {
     }
 }
 
-/// Every kv head's [`Problem`] of a view in one flat problem (one set of vectors for all
-/// heads, not one per head: at 32K tokens × 8 kv heads the per-head vectors and the walks
-/// that built them cost more than the knapsacks), with what a per-head budget split needs.
+/// Every kv head's [`Problem`] of a view as hulls, built in one pass without storing the
+/// problems (one set of vectors for all heads, not one per head; and no choices or tier
+/// lists: at 32K tokens × 8 kv heads, writing every page's options out and reading them back
+/// for the hulls cost as much as the hulls). A page's options are recomputed from its tier
+/// and distortion when the solution is summed, giving the same numbers.
 ///
-/// Head `h`'s items are `problem.ids[items[h]..items[h + 1]]` (their choices as in
-/// [`Problem`]); its pages that cannot move cost `fixed[h]`, and the cheapest tier every
-/// page of it may take costs `min_cost[h]` in all.
-pub(crate) struct HeadProblems {
-    pub problem: Problem,
-    pub items: Vec<usize>,
+/// Head `h`'s pages that cannot move cost `fixed[h]`, and the cheapest tier every page of it
+/// may take costs `min_cost[h]` in all (what a budget split must leave a head).
+pub(crate) struct HeadHulls {
+    hulls: GroupHulls,
+    /// Index within its head of every movable page, heads in turn (the hulls' items).
+    pages: Vec<u32>,
+    /// Bytes of a full page in each tier (a page that can move is full).
+    full_cost: Vec<f64>,
     pub fixed: Vec<f64>,
     pub min_cost: Vec<f64>,
 }
 
-impl HeadProblems {
-    /// [`Problem::build_head_allowed`] for every head in one pass: page `index` of head `head`
-    /// at tier `t` has distortion `dist(head, index, t)`. Each head's items, choices and fixed
-    /// cost are those `build_head_allowed` poses, and `min_cost[h]` sums, page by page in
-    /// order, the least cost over the tiers `protection` allows (what a budget split must
-    /// leave a head), so no second walk over the view is needed.
-    pub fn build_allowed(view: &PageTableView, protection: &Protection, dist: impl Fn(usize, usize, TierId) -> f64) -> HeadProblems {
+impl HeadHulls {
+    /// [`Problem::build_head_allowed`] for every head in one pass, straight into hulls: page
+    /// `index` of head `head` at tier `t` has distortion `dist(head, index, t)`. Each head's
+    /// items, choices and fixed cost are those `build_head_allowed` poses, and `min_cost[h]`
+    /// sums, page by page in order, the least cost over the tiers `protection` allows.
+    pub fn build_allowed(view: &PageTableView, protection: &Protection, dist: impl Fn(usize, usize, TierId) -> f64) -> HeadHulls {
         let costs = &view.costs;
         let heads = view.heads.len();
-        let mut p = Problem::with_capacity(view.num_pages(), costs.tiers.len());
-        let mut out = HeadProblems { problem: Problem::with_capacity(0, 0), items: Vec::with_capacity(heads + 1), fixed: Vec::with_capacity(heads), min_cost: Vec::with_capacity(heads) };
-        out.items.push(0);
+        let full_cost = (0..costs.tiers.len()).map(|t| costs.cost(t as TierId, costs.page_tokens)).collect();
+        let mut out = HeadHulls {
+            hulls: GroupHulls::with_capacity(view.num_pages(), view.num_pages() * costs.tiers.len()),
+            pages: Vec::with_capacity(view.num_pages()),
+            full_cost,
+            fixed: Vec::with_capacity(heads),
+            min_cost: Vec::with_capacity(heads),
+        };
+        let mut options: Vec<Choice> = Vec::with_capacity(costs.tiers.len());
         for (head, pages) in view.heads.iter().enumerate() {
             // The fixed cost starts at 0 as `build_head_allowed`'s does; the least costs are
             // summed as `Iterator::sum` sums them (from −0.0).
             let (mut fixed, mut min_cost) = (0.0f64, -0.0f64);
             for (index, page) in pages.iter().enumerate() {
-                let (lowest, no_drop) = protection.allowed_span(page, view.context_tokens, costs);
-                let begin = p.choices.len();
-                let mut least = f64::INFINITY;
-                for t in page.tier..=lowest {
-                    if !(no_drop && costs.tiers[t as usize].drop) {
-                        let c = costs.cost(t, page.tokens);
-                        least = least.min(c);
-                        p.tiers.push(t);
-                        p.choices.push(Choice::new(c, dist(head, index, t)));
-                    }
-                }
+                let least = page_options(page, view.context_tokens, protection, costs, |t| dist(head, index, t), &mut options);
                 min_cost += least;
-                if p.choices.len() - begin <= 1 {
-                    p.tiers.truncate(begin);
-                    p.choices.truncate(begin);
+                if options.len() <= 1 {
                     fixed += costs.cost(page.tier, page.tokens);
                 } else {
-                    p.ids.push(PageId { head, index });
-                    p.start.push(p.choices.len());
+                    out.hulls.push_item(&options);
+                    out.pages.push(index as u32);
                 }
             }
+            out.hulls.close_group();
             out.fixed.push(fixed);
             out.min_cost.push(min_cost);
-            out.items.push(p.ids.len());
         }
-        out.problem = p;
         out
     }
 
     /// Solves head `h` for `budget` bytes (its fixed pages included) and appends its tier
-    /// changes to `decisions`, in page order (what [`Problem::solve`] lists for the head).
-    pub fn solve_head(&self, view: &PageTableView, h: usize, budget: f64, decisions: &mut Vec<Decision>) -> Solution {
-        let p = &self.problem;
-        let (a, b) = (self.items[h], self.items[h + 1]);
-        let start = &p.start[a..=b];
-        let s = knapsack::solve_flat(&p.choices, start, budget - self.fixed[h]);
+    /// changes to `decisions`, in page order (what [`Problem::solve`] lists for the head);
+    /// `dist` is the one the hulls were built with.
+    pub fn solve_head(&self, view: &PageTableView, h: usize, budget: f64, dist: impl Fn(usize, usize, TierId) -> f64, decisions: &mut Vec<Decision>) -> Solution {
         let pages = &view.heads[h];
-        for ((&id, &pick), &first) in p.ids[a..b].iter().zip(&s.pick).zip(start) {
-            let (from, to) = (pages[id.index].tier, p.tiers[first + pick]);
-            if to != from {
-                decisions.push(Decision { page: id, from_tier: from, to_tier: to });
+        let items = &self.pages[self.hulls.items(h)];
+        // Option k of a page is k tiers below its own (see `page_options`).
+        let choice = |i: usize, k: usize| {
+            let index = items[i] as usize;
+            let t = pages[index].tier + k as TierId;
+            Choice::new(self.full_cost[t as usize], dist(h, index, t))
+        };
+        let s = self.hulls.solve_group(h, budget - self.fixed[h], choice);
+        for (&index, &pick) in items.iter().zip(&s.pick) {
+            if pick != 0 {
+                let from = pages[index as usize].tier;
+                decisions.push(Decision { page: PageId { head: h, index: index as usize }, from_tier: from, to_tier: from + pick as TierId });
             }
         }
         s
     }
+
+    /// Keeps the hulls' storage for this thread's next decision.
+    pub fn recycle(self) {
+        self.hulls.recycle();
+    }
+}
+
+/// Writes the options of one page into `out` (the tiers `protection` allows, current first,
+/// at their cost and `dist(tier)`) and returns the least of their costs (∞ when none). The
+/// tiers are consecutive from the page's own (a protected page skips only the drop tier,
+/// which the spec puts last), so option k is tier `page.tier + k`.
+fn page_options(page: &PageInfo, context_tokens: usize, protection: &Protection, costs: &TierCosts, dist: impl Fn(TierId) -> f64, out: &mut Vec<Choice>) -> f64 {
+    let (lowest, no_drop) = protection.allowed_span(page, context_tokens, costs);
+    out.clear();
+    let mut least = f64::INFINITY;
+    for t in page.tier..=lowest {
+        if no_drop && costs.tiers[t as usize].drop {
+            assert_eq!(t, lowest, "the drop tier must be the last of the ladder");
+            continue;
+        }
+        let c = costs.cost(t, page.tokens);
+        least = least.min(c);
+        out.push(Choice::new(c, dist(t)));
+    }
+    least
 }
 
 /// Assembles a plan: costs and predicted distortions before and after.

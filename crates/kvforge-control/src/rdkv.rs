@@ -31,7 +31,7 @@ use kvforge_spec::{KeyScheme, Spec, TierId, ValueScheme};
 
 use crate::distortion::{DistortionTable, Proxy};
 use crate::knapsack::{self, Choice};
-use crate::plan::{assemble, Decision, HeadProblems, Limits, Plan, Problem};
+use crate::plan::{assemble, Decision, HeadHulls, Limits, Plan, Problem};
 use crate::signal::{PageId, PageInfo, PageTableView};
 use crate::Controller;
 
@@ -261,9 +261,11 @@ impl Controller for RdkvController {
         let (sol, decisions) = if self.per_head {
             // Heads are independent knapsacks: one problem per head over its own pages (the
             // other heads' pages enter only as fixed bytes), posed for all heads in one pass.
-            let problems = HeadProblems::build_allowed(view, &limits.protection, |h, i, t| table.page(weights[offset[h] + i], t));
+            let dist = |h: usize, i: usize, t: TierId| table.page(weights[offset[h] + i], t);
+            let problems = HeadHulls::build_allowed(view, &limits.protection, dist);
             let shares = head_shares(&problems.min_cost, budget);
-            let (solved, decisions) = solve_heads(view, &problems, &shares, self.parallel_pages);
+            let (solved, decisions) = solve_heads(view, &problems, &shares, dist, self.parallel_pages);
+            problems.recycle();
             let agg = solved.into_iter().reduce(|a, s| knapsack::Solution { lambda: a.lambda.max(s.lambda), gap: a.gap + s.gap, feasible: a.feasible && s.feasible, ..a });
             (agg.unwrap_or_else(|| knapsack::solve(&[], budget)), decisions)
         } else {
@@ -277,7 +279,7 @@ impl Controller for RdkvController {
 /// page order). Heads go to the rayon pool only for views of `parallel_pages` pages and a pool
 /// of more than one thread: waking a pool costs tens of microseconds per hand-off (more on a
 /// 16-thread pool), more than a 512-page head's solve.
-fn solve_heads(view: &PageTableView, problems: &HeadProblems, shares: &[f64], parallel_pages: usize) -> (Vec<knapsack::Solution>, Vec<Decision>) {
+fn solve_heads(view: &PageTableView, problems: &HeadHulls, shares: &[f64], dist: impl Fn(usize, usize, TierId) -> f64 + Sync, parallel_pages: usize) -> (Vec<knapsack::Solution>, Vec<Decision>) {
     use rayon::prelude::*;
     let heads = view.heads.len();
     if view.num_pages() >= parallel_pages && rayon::current_num_threads() > 1 {
@@ -285,7 +287,7 @@ fn solve_heads(view: &PageTableView, problems: &HeadProblems, shares: &[f64], pa
             .into_par_iter()
             .map(|h| {
                 let mut d = Vec::new();
-                (problems.solve_head(view, h, shares[h], &mut d), d)
+                (problems.solve_head(view, h, shares[h], &dist, &mut d), d)
             })
             .collect();
         let mut decisions = Vec::with_capacity(per_head.iter().map(|x| x.1.len()).sum());
@@ -293,7 +295,7 @@ fn solve_heads(view: &PageTableView, problems: &HeadProblems, shares: &[f64], pa
         (solved, decisions)
     } else {
         let mut decisions = Vec::new();
-        let solved = (0..heads).map(|h| problems.solve_head(view, h, shares[h], &mut decisions)).collect();
+        let solved = (0..heads).map(|h| problems.solve_head(view, h, shares[h], &dist, &mut decisions)).collect();
         (solved, decisions)
     }
 }
@@ -309,7 +311,7 @@ mod tests {
     use crate::budget::{Budget, CostModel, TierCosts};
     use crate::protect::Protection;
 
-    /// RDKV's per-head decision as it was posed before [`HeadProblems`]: each head's least
+    /// RDKV's per-head decision as it was posed before [`HeadHulls`]: each head's least
     /// bytes from its own walk over the allowed tiers, then one [`Problem`] per head, solved
     /// and sorted on its own. The fast path must give the very same plan.
     fn decide_head_by_head(c: &RdkvController, view: &PageTableView, limits: &Limits) -> Plan {
@@ -366,7 +368,7 @@ mod tests {
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig { cases: 200, ..Default::default() })]
 
-        /// All heads posed in one pass ([`HeadProblems`]) give the plan the head-by-head
+        /// All heads posed in one pass ([`HeadHulls`]) give the plan the head-by-head
         /// problems gave, field for field: budgets from "nothing moves" to "infeasible",
         /// protection on and off, both proxies.
         #[test]
