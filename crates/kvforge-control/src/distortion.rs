@@ -240,11 +240,35 @@ impl DistortionTable {
     /// distortion never decreases down the ladder (dropping loses at least what the cheapest
     /// live tier loses).
     pub fn page(&self, w: Weights, tier: TierId) -> f64 {
-        if Some(tier) != self.drop_tier {
-            return w.recode * self.get(tier);
-        }
+        self.pages().page(w, tier)
+    }
+
+    /// [`page`](Self::page) with the table's fields copied out, for loops over every page.
+    pub fn pages(&self) -> PageDistortion<'_> {
         let last_live = self.eps.len().saturating_sub(2);
-        (w.drop * self.get(tier)).max(w.recode * self.eps[last_live])
+        PageDistortion { eps: &self.eps, drop_tier: self.drop_tier, last_live_eps: self.eps.get(last_live).copied().unwrap_or(f64::NAN) }
+    }
+}
+
+/// [`DistortionTable::page`] by value: a loop that also writes vectors (the hulls) would read
+/// the table's fields again through the reference on every call, as far as the compiler knows
+/// the writes may change them; copied into the loop they stay in registers.
+#[derive(Clone, Copy, Debug)]
+pub struct PageDistortion<'a> {
+    eps: &'a [f64],
+    drop_tier: Option<TierId>,
+    /// ε of the last live tier (what dropping loses at least).
+    last_live_eps: f64,
+}
+
+impl PageDistortion<'_> {
+    /// `D_i(b)` of a page with weights `w` (see [`DistortionTable::page`]).
+    #[inline]
+    pub fn page(self, w: Weights, tier: TierId) -> f64 {
+        if Some(tier) != self.drop_tier {
+            return w.recode * self.eps[tier as usize];
+        }
+        (w.drop * self.eps[tier as usize]).max(w.recode * self.last_live_eps)
     }
 }
 

@@ -363,16 +363,20 @@ fn solve_span(hulls: &HullSpan, budget: f64, choice: impl Fn(usize, usize) -> Ch
             let idx = &hulls.idx[at[0] - at0..at[1] - at0];
             let p = idx[s] as usize;
             pick.push(p);
-            let c = choice(i, p);
-            cost += c.cost;
-            dist += c.dist;
+            let picked = choice(i, p);
+            cost += picked.cost;
+            dist += picked.dist;
             if feasible {
                 // Prices do not decrease along a hull, so the moves priced at most λ are its
-                // first ones: counting them is `Hulls::steps` without the binary search.
+                // first ones: counting them is `Hulls::steps` without the binary search. The
+                // choice is asked for again only when it is another one (most items sit at
+                // the same hull point for λ* as in the solution).
                 let rho = &hulls.rho[at[0] - at0 - i..at[1] - at0 - i - 1];
-                let c = choice(i, idx[rho.iter().filter(|&&r| r <= lambda).count()] as usize);
+                let at_lambda = idx[rho.iter().filter(|&&r| r <= lambda).count()] as usize;
+                let c = if at_lambda == p { picked } else { choice(i, at_lambda) };
                 g_lambda += c.dist + lambda * c.cost;
-                let c = choice(i, idx[rho.iter().filter(|&&r| r <= 0.0).count()] as usize);
+                let at_zero = idx[rho.iter().filter(|&&r| r <= 0.0).count()] as usize;
+                let c = if at_zero == p { picked } else if at_zero == at_lambda { c } else { choice(i, at_zero) };
                 g_zero += c.dist + 0.0 * c.cost;
             }
         }

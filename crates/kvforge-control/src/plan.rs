@@ -227,13 +227,14 @@ impl HeadHulls {
     /// changes to `decisions`, in page order (what [`Problem::solve`] lists for the head);
     /// `dist` is the one the hulls were built with.
     pub fn solve_head(&self, view: &PageTableView, h: usize, budget: f64, dist: impl Fn(usize, usize, TierId) -> f64, decisions: &mut Vec<Decision>) -> Solution {
-        let pages = &view.heads[h];
+        let pages = &view.heads[h][..];
         let items = &self.pages[self.hulls.items(h)];
+        let full_cost = &self.full_cost[..];
         // Option k of a page is k tiers below its own (see `page_options`).
-        let choice = |i: usize, k: usize| {
+        let choice = move |i: usize, k: usize| {
             let index = items[i] as usize;
             let t = pages[index].tier + k as TierId;
-            Choice::new(self.full_cost[t as usize], dist(h, index, t))
+            Choice::new(full_cost[t as usize], dist(h, index, t))
         };
         let s = self.hulls.solve_group(h, budget - self.fixed[h], choice);
         for (&index, &pick) in items.iter().zip(&s.pick) {

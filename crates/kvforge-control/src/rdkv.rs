@@ -261,7 +261,9 @@ impl Controller for RdkvController {
         let (sol, decisions) = if self.per_head {
             // Heads are independent knapsacks: one problem per head over its own pages (the
             // other heads' pages enter only as fixed bytes), posed for all heads in one pass.
-            let dist = |h: usize, i: usize, t: TierId| table.page(weights[offset[h] + i], t);
+            // Copied into the closure (not read through references on every call).
+            let (pages, weights, offset) = (table.pages(), &weights[..], &offset[..]);
+            let dist = move |h: usize, i: usize, t: TierId| pages.page(weights[offset[h] + i], t);
             let problems = HeadHulls::build_allowed(view, &limits.protection, dist);
             let shares = head_shares(&problems.min_cost, budget);
             let (solved, decisions) = solve_heads(view, &problems, &shares, dist, self.parallel_pages);
