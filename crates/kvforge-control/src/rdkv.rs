@@ -273,7 +273,8 @@ impl Controller for RdkvController {
         } else {
             Problem::build(view, opts).solve(view, budget)
         };
-        assemble(view, decisions, budget, &sol, Vec::new(), |id, t| table.page(weight(id), t))
+        let (pages, weights, offset) = (table.pages(), &weights[..], &offset[..]);
+        assemble(view, decisions, budget, &sol, Vec::new(), move |id, t| pages.page(weights[offset[id.head] + id.index], t))
     }
 }
 
