@@ -814,6 +814,39 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 200, ..Default::default() })]
+
+        /// Groups built in one [`GroupHulls`] and solved one by one, with their choices
+        /// recomputed through the closure, give each group the solution [`solve_flat`] gives
+        /// its items alone, bit for bit (picks, sums, λ, dual, gap, feasibility).
+        #[test]
+        fn groups_solve_as_alone(items in mixed_items(), cuts in proptest::collection::vec(0.0f64..1.0, 0..4), fracs in proptest::collection::vec(0.0f64..=1.2, 4)) {
+            let mut bounds: Vec<usize> = cuts.iter().map(|c| (c * items.len() as f64) as usize).collect();
+            bounds.extend([0, items.len()]);
+            bounds.sort_unstable();
+            let groups: Vec<&[Vec<Choice>]> = bounds.windows(2).map(|w| &items[w[0]..w[1]]).collect();
+            let mut g = GroupHulls::with_capacity(items.len(), 0);
+            for group in &groups {
+                for it in group.iter() {
+                    g.push_item(it);
+                }
+                g.close_group();
+            }
+            for (k, group) in groups.iter().enumerate() {
+                let (choices, start) = flat(group);
+                let top: f64 = group.iter().map(|c| c[0].cost).sum();
+                let budget = (fracs[k % fracs.len()] * top).round();
+                let want = solve_flat(&choices, &start, budget);
+                let got = g.solve_group(k, budget, |i, c| group[i][c]);
+                let bits = |s: &Solution| [s.cost, s.dist, s.lambda, s.dual, s.gap].map(f64::to_bits);
+                proptest::prop_assert_eq!(&got.pick, &want.pick);
+                proptest::prop_assert_eq!(bits(&got), bits(&want));
+                proptest::prop_assert_eq!(got.feasible, want.feasible);
+            }
+        }
+    }
+
     /// One item of up to 40 arbitrary choices on a coarse grid (many equal costs, ties and
     /// collinear points).
     fn long_item() -> impl proptest::strategy::Strategy<Value = Vec<Choice>> {

@@ -375,7 +375,7 @@ mod tests {
         /// problems gave, field for field: budgets from "nothing moves" to "infeasible",
         /// protection on and off, both proxies.
         #[test]
-        fn head_problems_decide_as_head_by_head(
+        fn head_hulls_decide_as_head_by_head(
             pages in proptest::collection::vec((0u8..5, 0u8..40, proptest::prelude::any::<bool>()), 1..200),
             heads in 1usize..6,
             tail in 1usize..64,
