@@ -134,12 +134,12 @@ fn json_us(x: f64) -> String {
 }
 
 /// `parallel_pages`: the view's and the decision's heads go to the rayon pool from this many
-/// pages on (default: the library's thresholds, `PARALLEL_VIEW_PAGES` and
-/// `rdkv::PARALLEL_PAGES`); `--parallel-pages 0` measures the pool at 32K.
+/// pages on (default: the library's threshold for this host, `runtime::pool_pages`);
+/// `--parallel-pages 0` always uses the pool, `--parallel-pages 1000000` never.
 fn rdkv(spec: Spec, reps: usize, paper: bool, parallel_pages: Option<usize>) -> Result<(), Error> {
     let RdkvCase { d, heads, ctx, tok, cw, costs, limits, cache, pos, mut rdkv } = RdkvCase::new(&spec)?;
-    let view_from = parallel_pages.unwrap_or(kvforge_control::runtime::PARALLEL_VIEW_PAGES);
-    rdkv.parallel_pages = parallel_pages.unwrap_or(kvforge_control::rdkv::PARALLEL_PAGES);
+    let view_from = parallel_pages.unwrap_or_else(kvforge_control::runtime::pool_pages);
+    rdkv.parallel_pages = view_from;
     let p = spec.page.tokens;
     let (mut tv, mut td, mut ts, mut tp) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut digest = 0u64;

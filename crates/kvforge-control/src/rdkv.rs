@@ -198,7 +198,8 @@ pub struct RdkvController {
     /// and the rest is re-split). False: one knapsack over all heads.
     pub per_head: bool,
     /// Views of at least this many pages solve their heads on the rayon pool (default
-    /// [`PARALLEL_PAGES`]); a field so that a host can be measured both ways.
+    /// [`runtime::pool_pages`](crate::runtime::pool_pages)); a field so that a host can be
+    /// measured both ways.
     pub parallel_pages: usize,
 }
 
@@ -216,7 +217,7 @@ impl RdkvController {
                 Ok(0.5 * (key_eps(&t.key, &t.name, eps_k)? + lookup(eps_v, value_bits(&t.value))?))
             })
             .collect::<Result<Vec<f64>, RdkvError>>()?;
-        Ok(RdkvController { table: DistortionTable { eps, drop_tier: crate::distortion::drop_tier(spec) }, proxy: Proxy::Linear, per_head: true, parallel_pages: PARALLEL_PAGES })
+        Ok(RdkvController { table: DistortionTable { eps, drop_tier: crate::distortion::drop_tier(spec) }, proxy: Proxy::Linear, per_head: true, parallel_pages: crate::runtime::pool_pages() })
     }
 }
 
@@ -303,10 +304,6 @@ fn solve_heads(view: &PageTableView, problems: &HeadHulls, shares: &[f64], dist:
     }
 }
 
-/// Views of at least this many pages (128K tokens × 8 kv heads) solve their heads on the
-/// pool by default ([`RdkvController::parallel_pages`]). At 32K tokens × 8 kv heads (4096 pages) the pool made RDKV's decision slower, not
-/// faster: 290-780 us on 2 threads of the 2-core VM against ~330 us on one.
-pub const PARALLEL_PAGES: usize = 16384;
 
 #[cfg(test)]
 mod tests {

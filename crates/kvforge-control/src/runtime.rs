@@ -87,7 +87,7 @@ impl PagedCache for KvCache {
         self.config().num_kv_heads
     }
     fn page_tiers(&self, seq: usize, head: usize) -> Result<Vec<(TierId, usize)>, Self::Error> {
-        Ok(self.pages(seq, head)?.into_iter().map(|(r, n)| (r.tier, n)).collect())
+        KvCache::page_tiers(self, seq, head)
     }
     fn retier(&mut self, seq: usize, head: usize, index: usize, to: TierId) -> Result<(), Self::Error> {
         KvCache::retier(self, seq, head, index, to)
@@ -338,11 +338,11 @@ impl PositionMap {
     /// a long prefill waits on: at 32K tokens × 8 kv heads, summing 2 MB of token weights
     /// on one thread cost as much as the decision.
     pub fn view_par<C: PagedCache + Sync>(&self, cache: &C, costs: TierCosts, signal: impl Fn(PageKey, usize) -> Signal + Sync) -> Result<PageTableView, ControlError> {
-        self.view_par_from(cache, costs, PARALLEL_VIEW_PAGES, signal)
+        self.view_par_from(cache, costs, pool_pages(), signal)
     }
 
     /// [`view_par`](Self::view_par) with the heads on the pool from `parallel_pages` full
-    /// pages on (its default is [`PARALLEL_VIEW_PAGES`]), for measuring a host both ways.
+    /// pages on (its default is [`pool_pages`]), for measuring a host both ways.
     pub fn view_par_from<C: PagedCache + Sync>(&self, cache: &C, costs: TierCosts, parallel_pages: usize, signal: impl Fn(PageKey, usize) -> Signal + Sync) -> Result<PageTableView, ControlError> {
         use rayon::prelude::*;
         let pages: usize = self.full_first.iter().map(Vec::len).sum();
@@ -403,12 +403,29 @@ impl PositionMap {
     }
 }
 
-/// Views of fewer full pages than this are built on the calling thread by
-/// [`PositionMap::view_par`]: at 32K tokens × 8 kv heads (4096 pages, 2 MB of token weights)
-/// one thread builds the view in ~70 us on the 2-core VM, while handing the heads to the
-/// pool took 85-600 us there and 135-295 us on the 16-thread host of the H100 machine (the
-/// workers' wake-up, not the sums, is what it waits on).
-pub const PARALLEL_VIEW_PAGES: usize = 16384;
+/// With a pool of two or three threads, views (and RDKV's per-head solves) of fewer full pages
+/// than this stay on the calling thread: at 32K tokens × 8 kv heads (4096 pages) one thread of
+/// the 2-core VM builds the view in ~70 µs and decides in ~330 µs, while handing the heads to
+/// two threads took 85-600 µs and 290-780 µs (the workers' wake-up, not the work, is what it
+/// waits on).
+pub const POOL_PAGES_NARROW: usize = 16384;
+
+/// With a pool of four threads or more the heads go to it from this many pages on: on the H100
+/// machine's 16-thread Xeon (slower per thread than the VM) the same 4096-page allocation took
+/// 129 + 694 µs on one thread and 85-109 + 326-390 µs on the pool
+/// (`controller_cost rdkv --parallel-pages`, 2026-11-26).
+pub const POOL_PAGES_WIDE: usize = 1024;
+
+/// The page count from which [`PositionMap::view_par`] and RDKV's decision
+/// ([`RdkvController::parallel_pages`](crate::RdkvController::parallel_pages)) use the rayon
+/// pool on this host.
+pub fn pool_pages() -> usize {
+    if rayon::current_num_threads() >= 4 {
+        POOL_PAGES_WIDE
+    } else {
+        POOL_PAGES_NARROW
+    }
+}
 
 /// Error of [`SimCache`].
 #[derive(Debug, thiserror::Error, PartialEq)]

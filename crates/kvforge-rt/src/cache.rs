@@ -244,7 +244,32 @@ impl KvCache {
 
     /// Pages of one (sequence, kv head) in token order, the tail page last.
     pub fn pages(&self, seq: usize, head: usize) -> Result<Vec<(PageRef, usize)>> {
-        Ok(self.positioned_pages(seq, head)?.into_iter().map(|(r, n, _)| (r, n)).collect())
+        self.map_pages(seq, head, |r, n| (r, n))
+    }
+
+    /// `(tier, valid tokens)` of every page of one (sequence, kv head), the tail last: what a
+    /// controller compares its view with. One pass, no intermediate list (an RDR boundary
+    /// walks the page table of every kv head several times).
+    pub fn page_tiers(&self, seq: usize, head: usize) -> Result<Vec<(TierId, usize)>> {
+        self.map_pages(seq, head, |r, n| (r.tier, n))
+    }
+
+    /// Number of pages of one (sequence, kv head), the tail included.
+    pub fn page_count(&self, seq: usize, head: usize) -> Result<usize> {
+        let h = self.seq(seq)?.heads.get(head).ok_or_else(|| RtError::BadInput(format!("kv head {head} out of range ({} heads)", self.cfg.num_kv_heads)))?;
+        Ok(h.full.len() + usize::from(h.tail.is_some()))
+    }
+
+    fn map_pages<T>(&self, seq: usize, head: usize, f: impl Fn(PageRef, usize) -> T) -> Result<Vec<T>> {
+        let s = self.seq(seq)?;
+        let h = s.heads.get(head).ok_or_else(|| RtError::BadInput(format!("kv head {head} out of range ({} heads)", self.cfg.num_kv_heads)))?;
+        let p = self.spec.page.tokens;
+        let mut v = Vec::with_capacity(h.full.len() + 1);
+        v.extend(h.full.iter().map(|&r| f(r, p)));
+        if let Some(t) = &h.tail {
+            v.push(f(t.page, t.len));
+        }
+        Ok(v)
     }
 
     /// Appends `n` tokens: `k`, `v` are row-major [n][num_kv_heads][head_dim], rounded to the

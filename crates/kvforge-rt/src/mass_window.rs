@@ -176,7 +176,7 @@ impl KvCache {
     /// appear once.
     pub fn take_mass_windows(&mut self, seqs: &[usize]) -> Result<Vec<Vec<Vec<Option<f64>>>>> {
         let hkv = self.cfg.num_kv_heads;
-        let counts: Vec<Vec<usize>> = seqs.iter().map(|&s| (0..hkv).map(|h| self.pages(s, h).map(|p| p.len())).collect::<Result<_>>()).collect::<Result<_>>()?;
+        let counts: Vec<Vec<usize>> = seqs.iter().map(|&s| (0..hkv).map(|h| self.page_count(s, h)).collect::<Result<_>>()).collect::<Result<_>>()?;
         distinct(seqs)?;
         let open: Vec<usize> = match self.mass_window.as_ref() {
             Some(w) => seqs.iter().copied().filter(|&s| s < w.slots && w.open[s]).collect(),
