@@ -45,7 +45,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use kvforge_rt::KvCache;
+use kvforge_rt::{KvCache, MassWindowRows};
 use kvforge_spec::{Spec, TierId, TAIL_TIER};
 
 use crate::budget::{Budget, TierCosts};
@@ -126,13 +126,29 @@ impl PagedCache for PageSnapshot {
     }
 }
 
+/// An importance window as the boundary got it: shares, or the device rows, whose conversion
+/// (an exp2 per page) is left to the planner thread.
+enum Window {
+    Shares(Vec<Vec<Option<f64>>>),
+    Rows(MassWindowRows),
+}
+
+impl Window {
+    fn shares(self) -> Vec<Vec<Option<f64>>> {
+        match self {
+            Window::Shares(w) => w,
+            Window::Rows(r) => r.shares(),
+        }
+    }
+}
+
 /// One boundary's work for the planner thread.
 struct Job {
     /// Controller steps counted at the boundary.
     step: u64,
     /// First token of every page the window lists, and the window.
     firsts: Vec<Vec<usize>>,
-    window: Vec<Vec<Option<f64>>>,
+    window: Window,
     /// Positions and page table after the previous plan was applied.
     pos: PositionMap,
     snapshot: PageSnapshot,
@@ -190,7 +206,8 @@ impl Planner {
         while self.rdr.steps() < job.step {
             self.rdr.step();
         }
-        self.importance.roll(&job.firsts, &job.window)?;
+        let window = job.window.shares();
+        self.importance.roll(&job.firsts, &window)?;
         let importance = &self.importance;
         let view = job.pos.view(&job.snapshot, self.costs.clone(), |k, _| runtime::Signal { mass: importance.get(k), ..Default::default() })?;
         let limits = if job.now { self.limits } else { self.headroom.limits(&view, &self.limits, self.rdr.every) };
@@ -282,9 +299,9 @@ impl RdrPipeline {
     /// Takes the sequence's importance window from the GPU and runs the boundary.
     pub fn invoke_cache(&mut self, cache: &mut KvCache) -> Result<Boundary, ControlError> {
         let t0 = Instant::now();
-        let window = cache.take_mass_window(self.seq).map_err(|e| ControlError::Cache { total: 0, source: Box::new(e) })?;
+        let rows = cache.take_mass_window_rows(&[self.seq]).map_err(|e| ControlError::Cache { total: 0, source: Box::new(e) })?;
         let window_us = t0.elapsed().as_secs_f64() * 1e6;
-        let mut b = self.invoke(cache, window)?;
+        let mut b = self.boundary(cache, Window::Rows(rows.into_iter().next().unwrap_or_default()), false)?;
         b.window_us = window_us;
         b.critical_us += window_us;
         Ok(b)
@@ -293,10 +310,10 @@ impl RdrPipeline {
     /// The boundary (module docs, steps 1–3). `window[h][i]` is page `i` of kv head `h` of the
     /// cache as it is now (before this boundary's plan).
     pub fn invoke<C: PagedCache>(&mut self, cache: &mut C, window: Vec<Vec<Option<f64>>>) -> Result<Boundary, ControlError> {
-        self.boundary(cache, window, false)
+        self.boundary(cache, Window::Shares(window), false)
     }
 
-    fn boundary<C: PagedCache>(&mut self, cache: &mut C, window: Vec<Vec<Option<f64>>>, now: bool) -> Result<Boundary, ControlError> {
+    fn boundary<C: PagedCache>(&mut self, cache: &mut C, window: Window, now: bool) -> Result<Boundary, ControlError> {
         let t0 = Instant::now();
         self.pos.sync(cache)?;
         let firsts = self.pos.first_tokens(cache)?;
@@ -333,7 +350,7 @@ impl RdrPipeline {
     /// plan lands at once (the first decision after prefill), made under the plain limits (no
     /// headroom: nothing arrives before it lands).
     pub fn prime<C: PagedCache>(&mut self, cache: &mut C, window: Vec<Vec<Option<f64>>>) -> Result<Boundary, ControlError> {
-        let mut b = self.boundary(cache, window, true)?;
+        let mut b = self.boundary(cache, Window::Shares(window), true)?;
         let t0 = Instant::now();
         b.applied = self.flush(cache)?;
         b.critical_us += t0.elapsed().as_secs_f64() * 1e6;
@@ -351,19 +368,19 @@ impl RdrPipeline {
 
 /// The boundaries of several sequences' pipelines that fall on the same step (a batch
 /// decoding together): every window comes down in one download
-/// ([`KvCache::take_mass_windows`]), then each pipeline runs its boundary
-/// ([`RdrPipeline::invoke`]). The download's time is split evenly over the boundaries'
+/// ([`KvCache::take_mass_window_rows`]; the planner threads turn them into shares), then each
+/// pipeline runs its boundary ([`RdrPipeline::invoke`]). The download's time is split evenly over the boundaries'
 /// `window_us`.
 pub fn invoke_all(pipes: &mut [RdrPipeline], cache: &mut KvCache) -> Result<Vec<Boundary>, ControlError> {
     let t0 = Instant::now();
     let seqs: Vec<usize> = pipes.iter().map(|p| p.seq).collect();
-    let windows = cache.take_mass_windows(&seqs).map_err(|e| ControlError::Cache { total: 0, source: Box::new(e) })?;
+    let windows = cache.take_mass_window_rows(&seqs).map_err(|e| ControlError::Cache { total: 0, source: Box::new(e) })?;
     let window_us = t0.elapsed().as_secs_f64() * 1e6 / pipes.len().max(1) as f64;
     pipes
         .iter_mut()
         .zip(windows)
         .map(|(pipe, window)| {
-            let mut b = pipe.invoke(cache, window)?;
+            let mut b = pipe.boundary(cache, Window::Rows(window), false)?;
             b.window_us = window_us;
             b.critical_us += window_us;
             Ok(b)

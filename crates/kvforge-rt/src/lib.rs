@@ -39,6 +39,6 @@ pub use decode::{choose_combination, from_bits, plan, split_count, to_bits, Deco
 pub use device::{driver_present, nvrtc_present, Device, DeviceInfo};
 pub use error::{Result, RtError};
 pub use external::{prefix_pages, ElemType, ExternalTensor, TensorDevice};
-pub use mass_window::WindowFold;
+pub use mass_window::{MassWindowRows, WindowFold};
 pub use moves::{MoveBatch, PageMove};
 pub use pool::{PagePool, PageRef};
