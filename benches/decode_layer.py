@@ -19,22 +19,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-
-def timed(fn, flush, reps=50, warm=5):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        flush.fill_(1.0)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) * 1e3)
-    out.sort()
-    return out[len(out) // 2]
+from cuda_timing import timed
 
 
 def main():
@@ -54,9 +39,9 @@ def main():
         q = torch.randn(b, hq, 1, d, device=dev, dtype=dt, generator=g)
         k = torch.randn(b, hkv, t, d, device=dev, dtype=dt, generator=g)
         v = torch.randn(b, hkv, t, d, device=dev, dtype=dt, generator=g)
-        qkvo = timed(lambda: (x @ wqkv, x @ wo), flush)
-        mlp = timed(lambda: (x @ wgu, h @ wd), flush)
-        sdpa = timed(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), flush)
+        qkvo = timed(lambda: (x @ wqkv, x @ wo), 50, 5, flush)
+        mlp = timed(lambda: (x @ wgu, h @ wd), 50, 5, flush)
+        sdpa = timed(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), 50, 5, flush)
         print(json.dumps({
             "kind": "decode_layer",
             "device": torch.cuda.get_device_name(),

@@ -13,21 +13,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-
-def timed(fn, reps=10, warm=3):
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) * 1e3)
-    out.sort()
-    return out[len(out) // 2]
+from cuda_timing import timed
 
 
 def main():

@@ -21,25 +21,17 @@ import argparse
 import json
 from collections import defaultdict
 
+from report import load
+
 BW_TOKENS = 128 * 1024
 BOUND_TOKENS = 256 * 1024
 
 
 def best_rows(paths):
-    """(system label, context, batch) → fastest row, plus the first file's device metadata."""
-    best, meta = {}, {}
-    for p in paths:
-        d = json.load(open(p))
-        for k in ("device", "date", "copy_gbps"):
-            meta.setdefault(k, d.get(k))
-        for r in d["results"]:
-            if "error" in r:
-                continue
-            label = r.get("tier", r["variant"]) if r["system"] == "kvforge" else r["system"]
-            key = (label, r["context"], r["batch"])
-            if key not in best or r["time_us"] < best[key]["time_us"]:
-                best[key] = dict(r, label=label)
-    return best, meta
+    """(system label, context, batch) → fastest row (`report.load`), kvforge rows labelled by
+    their `spec:tier`, plus the device metadata."""
+    rows, meta = load(paths)
+    return {(r["label"].removeprefix("kvforge "), r["context"], r["batch"]): dict(r, label=r["label"].removeprefix("kvforge ")) for r in rows}, meta
 
 
 def ledger(best):

@@ -176,7 +176,7 @@ impl Hulls {
         self.rho.resize(first_step + rest.len(), 0.0);
         let (idx, rho) = (&mut self.idx[first..], &mut self.rho[first_step..]);
         idx[0] = start as u32;
-        let top = hull_stack(idx, rho, rest.iter().copied(), slope);
+        let top = hull_stack(idx, rho, rest.iter().copied(), &slope, &slope);
         self.rho_max = self.rho_max.max(close_steps(choices, &idx[..=top], &mut rho[..top], &mut self.save));
         self.start_cost += choices[start].cost;
         self.end_cost += choices[idx[top] as usize].cost;
@@ -199,17 +199,7 @@ impl Hulls {
             next[k] = (w[1].dist - w[0].dist) / (w[0].cost - w[1].cost);
         }
         let (mut idx, mut rho, mut save) = ([0u32; LADDER_MAX], [0.0f64; LADDER_MAX], [0.0f64; LADDER_MAX]);
-        let mut top = 0;
-        for p in 1..choices.len() {
-            let mut s = next[p - 1];
-            while top > 0 && rho[top - 1] > s {
-                top -= 1;
-                s = slope(idx[top] as usize, p);
-            }
-            rho[top] = s;
-            top += 1;
-            idx[top] = p as u32;
-        }
+        let top = hull_stack(&mut idx, &mut rho, 1..choices.len(), |_, p| next[p - 1], slope);
         let mut most = 0.0f64;
         for k in 0..top {
             rho[k] = rho[k].max(0.0);
@@ -273,11 +263,13 @@ impl Hulls {
 /// pops the points above its chord (strictly: collinear points stay, they are finer steps) and
 /// goes on top. `rho[k]` is the slope from point k to k + 1 as computed when k + 1 was pushed
 /// (the same division of the same numbers the chord test would redo), so a candidate costs one
-/// division plus one per point it pops. Returns the top's position.
-fn hull_stack(idx: &mut [u32], rho: &mut [f64], candidates: impl Iterator<Item = usize>, slope: impl Fn(usize, usize) -> f64) -> usize {
+/// division plus one per point it pops. `first(top, p)` is a candidate's slope to the stack's
+/// top before any pop (a short ladder passes slopes it took up front; it must equal
+/// `slope(top, p)`). Returns the top's position.
+fn hull_stack(idx: &mut [u32], rho: &mut [f64], candidates: impl Iterator<Item = usize>, first: impl Fn(usize, usize) -> f64, slope: impl Fn(usize, usize) -> f64) -> usize {
     let mut top = 0;
     for p in candidates {
-        let mut s = slope(idx[top] as usize, p);
+        let mut s = first(idx[top] as usize, p);
         while top > 0 && rho[top - 1] > s {
             top -= 1;
             s = slope(idx[top] as usize, p);
