@@ -181,6 +181,8 @@ pub(crate) struct HeadHulls {
     pages: Vec<u32>,
     /// Bytes of a full page in each tier (a page that can move is full).
     full_cost: Vec<f64>,
+    /// Head of group 0 (0, or the head a [`build_head`](Self::build_head) posed): group `h - first_head` is head `h`, and so are `fixed` and `min_cost`.
+    first_head: usize,
     pub fixed: Vec<f64>,
     pub min_cost: Vec<f64>,
 }
@@ -191,36 +193,54 @@ impl HeadHulls {
     /// items, choices and fixed cost are those `build_head_allowed` poses, and `min_cost[h]`
     /// sums, page by page in order, the least cost over the tiers `protection` allows.
     pub fn build_allowed(view: &PageTableView, protection: &Protection, dist: impl Fn(usize, usize, TierId) -> f64) -> HeadHulls {
-        let costs = &view.costs;
-        let heads = view.heads.len();
-        let full_cost = (0..costs.tiers.len()).map(|t| costs.cost(t as TierId, costs.page_tokens)).collect();
-        let mut out = HeadHulls {
-            hulls: GroupHulls::with_capacity(view.num_pages(), view.num_pages() * costs.tiers.len()),
-            pages: Vec::with_capacity(view.num_pages()),
-            full_cost,
-            fixed: Vec::with_capacity(heads),
-            min_cost: Vec::with_capacity(heads),
-        };
-        let mut options: Vec<Choice> = Vec::with_capacity(costs.tiers.len());
-        for (head, pages) in view.heads.iter().enumerate() {
-            // The fixed cost starts at 0 as `build_head_allowed`'s does; the least costs are
-            // summed as `Iterator::sum` sums them (from −0.0).
-            let (mut fixed, mut min_cost) = (0.0f64, -0.0f64);
-            for (index, page) in pages.iter().enumerate() {
-                let least = page_options(page, view.context_tokens, protection, costs, |t| dist(head, index, t), &mut options);
-                min_cost += least;
-                if options.len() <= 1 {
-                    fixed += costs.cost(page.tier, page.tokens);
-                } else {
-                    out.hulls.push_item(&options);
-                    out.pages.push(index as u32);
-                }
-            }
-            out.hulls.close_group();
-            out.fixed.push(fixed);
-            out.min_cost.push(min_cost);
+        let mut out = HeadHulls::empty(view, 0, view.num_pages());
+        for head in 0..view.heads.len() {
+            out.push_head(view, head, protection, &dist);
         }
         out
+    }
+
+    /// [`build_allowed`](Self::build_allowed) of head `head` alone (its `fixed` and
+    /// `min_cost` are entry 0): what a pool thread builds, so that the heads' hulls are built
+    /// side by side and not only solved side by side.
+    pub fn build_head(view: &PageTableView, head: usize, protection: &Protection, dist: impl Fn(usize, usize, TierId) -> f64) -> HeadHulls {
+        let mut out = HeadHulls::empty(view, head, view.heads[head].len());
+        out.push_head(view, head, protection, &dist);
+        out
+    }
+
+    fn empty(view: &PageTableView, first_head: usize, pages: usize) -> HeadHulls {
+        let costs = &view.costs;
+        HeadHulls {
+            hulls: GroupHulls::with_capacity(pages, pages * costs.tiers.len()),
+            pages: Vec::with_capacity(pages),
+            full_cost: (0..costs.tiers.len()).map(|t| costs.cost(t as TierId, costs.page_tokens)).collect(),
+            first_head,
+            fixed: Vec::new(),
+            min_cost: Vec::new(),
+        }
+    }
+
+    /// Poses head `head`'s problem as the next group of hulls.
+    fn push_head(&mut self, view: &PageTableView, head: usize, protection: &Protection, dist: &impl Fn(usize, usize, TierId) -> f64) {
+        let costs = &view.costs;
+        let mut options: Vec<Choice> = Vec::with_capacity(costs.tiers.len());
+        // The fixed cost starts at 0 as `build_head_allowed`'s does; the least costs are
+        // summed as `Iterator::sum` sums them (from −0.0).
+        let (mut fixed, mut min_cost) = (0.0f64, -0.0f64);
+        for (index, page) in view.heads[head].iter().enumerate() {
+            let least = page_options(page, view.context_tokens, protection, costs, |t| dist(head, index, t), &mut options);
+            min_cost += least;
+            if options.len() <= 1 {
+                fixed += costs.cost(page.tier, page.tokens);
+            } else {
+                self.hulls.push_item(&options);
+                self.pages.push(index as u32);
+            }
+        }
+        self.hulls.close_group();
+        self.fixed.push(fixed);
+        self.min_cost.push(min_cost);
     }
 
     /// Solves head `h` for `budget` bytes (its fixed pages included) and appends its tier
@@ -228,7 +248,8 @@ impl HeadHulls {
     /// `dist` is the one the hulls were built with.
     pub fn solve_head(&self, view: &PageTableView, h: usize, budget: f64, dist: impl Fn(usize, usize, TierId) -> f64, decisions: &mut Vec<Decision>) -> Solution {
         let pages = &view.heads[h][..];
-        let items = &self.pages[self.hulls.items(h)];
+        let g = h - self.first_head;
+        let items = &self.pages[self.hulls.items(g)];
         let full_cost = &self.full_cost[..];
         // Option k of a page is k tiers below its own (see `page_options`).
         let choice = move |i: usize, k: usize| {
@@ -236,7 +257,7 @@ impl HeadHulls {
             let t = pages[index].tier + k as TierId;
             Choice::new(full_cost[t as usize], dist(h, index, t))
         };
-        let s = self.hulls.solve_group(h, budget - self.fixed[h], choice);
+        let s = self.hulls.solve_group(g, budget - self.fixed[g], choice);
         for (&index, &pick) in items.iter().zip(&s.pick) {
             if pick != 0 {
                 let from = pages[index as usize].tier;
