@@ -246,12 +246,6 @@ impl Hulls {
         &self.rho[self.at[i] - i..self.at[i + 1] - i - 1]
     }
 
-    /// Moves of item `i` applied at multiplier λ (those with ρ ≤ λ).
-    #[cfg(test)]
-    fn steps(&self, i: usize, lambda: f64) -> usize {
-        self.rho(i).partition_point(|&r| r <= lambda)
-    }
-
     /// Choice index of item `i` after `s` moves.
     #[cfg(test)]
     fn pick(&self, i: usize, s: usize) -> usize {

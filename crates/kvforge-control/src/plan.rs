@@ -209,6 +209,15 @@ impl HeadHulls {
         out
     }
 
+    /// Every head's `min_cost` as [`build_allowed`](Self::build_allowed) sums it, without
+    /// posing anything: what the budget split needs before the heads are posed on the pool.
+    pub fn least_costs(view: &PageTableView, protection: &Protection) -> Vec<f64> {
+        view.heads
+            .iter()
+            .map(|pages| pages.iter().fold(-0.0f64, |sum, page| sum + allowed_costs(page, view.context_tokens, protection, &view.costs).fold(f64::INFINITY, |m, (_, c)| m.min(c))))
+            .collect()
+    }
+
     fn empty(view: &PageTableView, first_head: usize, pages: usize) -> HeadHulls {
         let costs = &view.costs;
         HeadHulls {
@@ -278,19 +287,26 @@ impl HeadHulls {
 /// tiers are consecutive from the page's own (a protected page skips only the drop tier,
 /// which the spec puts last), so option k is tier `page.tier + k`.
 fn page_options(page: &PageInfo, context_tokens: usize, protection: &Protection, costs: &TierCosts, dist: impl Fn(TierId) -> f64, out: &mut Vec<Choice>) -> f64 {
-    let (lowest, no_drop) = protection.allowed_span(page, context_tokens, costs);
     out.clear();
     let mut least = f64::INFINITY;
-    for t in page.tier..=lowest {
-        if no_drop && costs.tiers[t as usize].drop {
-            assert_eq!(t, lowest, "the drop tier must be the last of the ladder");
-            continue;
-        }
-        let c = costs.cost(t, page.tokens);
+    for (t, c) in allowed_costs(page, context_tokens, protection, costs) {
         least = least.min(c);
         out.push(Choice::new(c, dist(t)));
     }
     least
+}
+
+/// The tiers a page may take (current first, down the ladder) with their costs: the options of
+/// [`page_options`] without their distortions.
+fn allowed_costs<'a>(page: &'a PageInfo, context_tokens: usize, protection: &Protection, costs: &'a TierCosts) -> impl Iterator<Item = (TierId, f64)> + 'a {
+    let (lowest, no_drop) = protection.allowed_span(page, context_tokens, costs);
+    (page.tier..=lowest)
+        .filter(move |&t| {
+            let skip = no_drop && costs.tiers[t as usize].drop;
+            assert!(!skip || t == lowest, "the drop tier must be the last of the ladder");
+            !skip
+        })
+        .map(move |t| (t, costs.cost(t, page.tokens)))
 }
 
 /// Assembles a plan: costs and predicted distortions before and after.

@@ -289,21 +289,21 @@ fn decide_heads(view: &PageTableView, limits: &Limits, budget: f64, dist: impl F
     (solved, decisions)
 }
 
-/// [`decide_heads`] with the heads on the rayon pool: each head's problem is posed and later
-/// solved on a pool thread, the budget split between the two. Posing was 40% of the decision
-/// and the serial part of it, so on the H100 host's Xeon (one thread ~2× slower than the VM's)
-/// solving alone on the pool left the 4096-page decision at 326-526 µs. Same numbers as
-/// `decide_heads`: each head's hulls, least bytes and fixed bytes are built as it builds them.
+/// [`decide_heads`] with the heads on the rayon pool, in one hand-off: the budget split needs
+/// only each head's least bytes ([`HeadHulls::least_costs`], a cheap walk), so each pool
+/// thread poses and solves its head. Posing was 40% of the decision and, with only the solves
+/// on the pool, its serial part; a second hand-off cost tens of µs more on the H100 host's
+/// Xeon. Same numbers as `decide_heads`: each head's hulls, least and fixed bytes are built
+/// as it builds them.
 fn decide_heads_on_pool(view: &PageTableView, limits: &Limits, budget: f64, dist: impl Fn(usize, usize, TierId) -> f64 + Sync) -> (Vec<knapsack::Solution>, Vec<Decision>) {
     use rayon::prelude::*;
-    let heads = view.heads.len();
-    let posed: Vec<HeadHulls> = (0..heads).into_par_iter().map(|h| HeadHulls::build_head(view, h, &limits.protection, &dist)).collect();
-    let min_cost: Vec<f64> = posed.iter().map(|p| p.min_cost[0]).collect();
+    let min_cost = HeadHulls::least_costs(view, &limits.protection);
     let shares = head_shares(&min_cost, budget);
-    let per_head: Vec<(knapsack::Solution, Vec<Decision>)> = posed
+    let per_head: Vec<(knapsack::Solution, Vec<Decision>)> = (0..view.heads.len())
         .into_par_iter()
-        .enumerate()
-        .map(|(h, problem)| {
+        .map(|h| {
+            let problem = HeadHulls::build_head(view, h, &limits.protection, &dist);
+            debug_assert_eq!(problem.min_cost[0].to_bits(), min_cost[h].to_bits(), "head {h}: least bytes differ");
             let mut d = Vec::new();
             let s = problem.solve_head(view, h, shares[h], &dist, &mut d);
             problem.recycle();
@@ -412,6 +412,11 @@ mod tests {
                 proptest::prop_assert_eq!(bits(&got), bits(&want));
                 proptest::prop_assert_eq!(got.feasible, want.feasible);
             }
+            // The pool's budget split reads least bytes from a walk, not from the posed hulls.
+            let posed = HeadHulls::build_allowed(&v, &limits.protection, |_, _, _| 0.0);
+            let bits_of = |x: &[f64]| x.iter().map(|c| c.to_bits()).collect::<Vec<_>>();
+            proptest::prop_assert_eq!(bits_of(&HeadHulls::least_costs(&v, &limits.protection)), bits_of(&posed.min_cost));
+            posed.recycle();
         }
     }
 }
