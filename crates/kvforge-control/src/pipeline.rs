@@ -95,12 +95,14 @@ pub struct PageSnapshot {
     head_dim: usize,
     seq: usize,
     pages: Vec<Vec<(TierId, usize)>>,
+    /// The cache's layout epoch when the pages were read.
+    epoch: Option<u64>,
 }
 
 impl PageSnapshot {
     pub fn of<C: PagedCache>(cache: &C, spec: Arc<Spec>, seq: usize) -> Result<PageSnapshot, ControlError> {
         let pages = (0..cache.num_kv_heads()).map(|h| cache.page_tiers(seq, h)).collect::<Result<_, _>>().map_err(|e| ControlError::Cache { total: 0, source: Box::new(e) })?;
-        Ok(PageSnapshot { spec, head_dim: cache.head_dim(), seq, pages })
+        Ok(PageSnapshot { spec, head_dim: cache.head_dim(), seq, pages, epoch: cache.layout_epoch(seq) })
     }
 }
 
@@ -123,6 +125,9 @@ impl PagedCache for PageSnapshot {
     }
     fn retier(&mut self, _seq: usize, _head: usize, _index: usize, _to: TierId) -> Result<(), SimError> {
         Err(SimError("a page snapshot is read-only".into()))
+    }
+    fn layout_epoch(&self, seq: usize) -> Option<u64> {
+        self.epoch.filter(|_| seq == self.seq)
     }
 }
 
@@ -214,7 +219,7 @@ impl Planner {
         let t1 = Instant::now();
         let plan = self.rdr.decide(&view, &limits);
         let decide_us = t1.elapsed().as_secs_f64() * 1e6;
-        let checked = CheckedPlan::new(view, plan, &limits).map_err(ControlError::Plan)?;
+        let checked = CheckedPlan::new(view, plan, &limits).map_err(ControlError::Plan)?.read_at(job.snapshot.epoch);
         Ok(Planned { checked, step: job.step, plan_us: t0.elapsed().as_secs_f64() * 1e6, decide_us })
     }
 }

@@ -36,6 +36,13 @@ pub trait PagedCache {
     /// removes it from the list.
     fn retier(&mut self, seq: usize, head: usize, index: usize, to: TierId) -> Result<(), Self::Error>;
 
+    /// A number that changes whenever the pages of `seq` change other than by appends
+    /// (`KvCache::layout_epoch`); None where the cache keeps none. A plan made from a
+    /// snapshot of the same epoch applies without walking the page table for staleness.
+    fn layout_epoch(&self, _seq: usize) -> Option<u64> {
+        None
+    }
+
     /// Applies moves `(kv head, index, to)` of one sequence, on distinct pages; `index` counts
     /// the head's pages *before* the call (the call removes dropped pages itself). Returns the
     /// kernel launches it took.
@@ -95,6 +102,9 @@ impl PagedCache for KvCache {
     fn retier_pages(&mut self, seq: usize, moves: &[PageMove]) -> Result<usize, Self::Error> {
         KvCache::retier_pages(self, seq, moves)
     }
+    fn layout_epoch(&self, seq: usize) -> Option<u64> {
+        KvCache::layout_epoch(self, seq).ok()
+    }
 }
 
 /// Why a plan was not (fully) applied.
@@ -140,7 +150,7 @@ fn observed<C: PagedCache>(cache: &C, seq: usize, head: usize) -> Result<Vec<(Ti
 /// Applies `plan` (made by a controller for `view` under `limits`) to sequence `seq`.
 pub fn apply<C: PagedCache>(cache: &mut C, seq: usize, view: &PageTableView, plan: &Plan, limits: &Limits) -> Result<ApplyReport, ControlError> {
     let after = checked(view, plan, limits).map_err(ControlError::Plan)?;
-    apply_unchecked(cache, seq, view, plan, &after, false)
+    apply_unchecked(cache, seq, view, plan, &after, false, None)
 }
 
 /// A plan validated against its view ([`check_plan`](crate::check_plan)), with the view as it
@@ -151,12 +161,21 @@ pub struct CheckedPlan {
     view: PageTableView,
     plan: Plan,
     after: PageTableView,
+    /// The cache's layout epoch when the view's page table was read, if it keeps one.
+    epoch: Option<u64>,
 }
 
 impl CheckedPlan {
     pub fn new(view: PageTableView, plan: Plan, limits: &Limits) -> Result<CheckedPlan, Violation> {
         let after = checked(&view, &plan, limits)?;
-        Ok(CheckedPlan { view, plan, after })
+        Ok(CheckedPlan { view, plan, after, epoch: None })
+    }
+
+    /// Records the [`layout_epoch`](PagedCache::layout_epoch) of the page table the view was
+    /// made from: [`apply_grown`] then skips its staleness walk while the cache's is the same.
+    pub fn read_at(mut self, epoch: Option<u64>) -> CheckedPlan {
+        self.epoch = epoch;
+        self
     }
 
     pub fn view(&self) -> &PageTableView {
@@ -187,7 +206,7 @@ impl CheckedPlan {
 /// Checks the view's full pages against the cache (tier and tokens; the view's tail may
 /// have filled), re-codes, and verifies those pages' tiers afterwards.
 pub fn apply_grown<C: PagedCache>(cache: &mut C, seq: usize, checked: &CheckedPlan) -> Result<ApplyReport, ControlError> {
-    apply_unchecked(cache, seq, &checked.view, &checked.plan, &checked.after, true)
+    apply_unchecked(cache, seq, &checked.view, &checked.plan, &checked.after, true, checked.epoch)
 }
 
 /// Whether the cache's pages of one head are the view's (`grown`: or the view's followed by
@@ -205,9 +224,12 @@ fn matches(view: &[crate::signal::PageInfo], found: &[(TierId, usize)], page_tok
         })
 }
 
-fn apply_unchecked<C: PagedCache>(cache: &mut C, seq: usize, view: &PageTableView, plan: &Plan, after: &PageTableView, grown: bool) -> Result<ApplyReport, ControlError> {
+/// `epoch`: the layout epoch the view was read at; while the cache's is the same only appends
+/// happened since, which a grown plan allows, so the page table need not be walked.
+fn apply_unchecked<C: PagedCache>(cache: &mut C, seq: usize, view: &PageTableView, plan: &Plan, after: &PageTableView, grown: bool, epoch: Option<u64>) -> Result<ApplyReport, ControlError> {
     let p = view.costs.page_tokens;
-    for (h, pages) in view.heads.iter().enumerate() {
+    let unchanged = grown && view.seq == seq && epoch.is_some() && epoch == cache.layout_epoch(seq);
+    for (h, pages) in view.heads.iter().enumerate().filter(|_| !unchanged) {
         let found = observed(cache, seq, h)?;
         if !matches(pages, &found, p, grown) || view.seq != seq {
             let expected: Vec<(TierId, usize)> = pages.iter().map(|p| (p.tier, p.tokens)).collect();
@@ -464,16 +486,26 @@ pub struct SimCache {
     pub log: Vec<(usize, usize, usize, TierId)>,
     /// Transcode launches `KvCache` would have made, summed over calls.
     pub launches: usize,
+    /// Layout epoch per sequence, and the last one handed out.
+    epochs: Vec<u64>,
+    last_epoch: u64,
 }
 
 impl SimCache {
     pub fn new(spec: Spec, head_dim: usize, heads: usize, target: TierId) -> SimCache {
-        SimCache { spec, head_dim, heads, target, seqs: Vec::new(), capacity: None, log: Vec::new(), launches: 0 }
+        SimCache { spec, head_dim, heads, target, seqs: Vec::new(), capacity: None, log: Vec::new(), launches: 0, epochs: Vec::new(), last_epoch: 0 }
     }
 
     pub fn add_sequence(&mut self) -> usize {
         self.seqs.push(vec![Vec::new(); self.heads]);
+        let epoch = self.new_epoch();
+        self.epochs.push(epoch);
         self.seqs.len() - 1
+    }
+
+    fn new_epoch(&mut self) -> u64 {
+        self.last_epoch += 1;
+        self.last_epoch
     }
 
     /// Appends `n` tokens to every kv head of `seq`.
@@ -517,6 +549,9 @@ impl PagedCache for SimCache {
     fn page_tiers(&self, seq: usize, head: usize) -> Result<Vec<(TierId, usize)>, SimError> {
         self.seqs.get(seq).and_then(|s| s.get(head)).cloned().ok_or_else(|| SimError(format!("no sequence {seq} head {head}")))
     }
+    fn layout_epoch(&self, seq: usize) -> Option<u64> {
+        self.epochs.get(seq).copied()
+    }
     fn retier(&mut self, seq: usize, head: usize, index: usize, to: TierId) -> Result<(), SimError> {
         self.retier_pages(seq, &[(head, index, to)]).map(|_| ())
     }
@@ -536,6 +571,7 @@ impl PagedCache for SimCache {
         let order = batch.drops.iter().chain(batch.launches.iter().flat_map(|l| &l.2));
         self.log.extend(order.map(|&m| (seq, moves[m].0, moves[m].1, moves[m].2)));
         self.launches += batch.launches.len();
+        self.epochs[seq] = self.new_epoch();
         let heads = &mut self.seqs[seq];
         for &(_, to, ref group) in &batch.launches {
             for &m in group {
