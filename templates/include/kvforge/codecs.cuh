@@ -44,6 +44,19 @@ __device__ __forceinline__ void lanes_minmax(float& mn, float& mx) {
   }
 }
 
+// Runs body(i, on, lane) for items 0..items-1 with L consecutive lanes per item (lanes_for).
+// The trip count is the same for every thread of the CTA, so every lane reaches the body's
+// shuffles; lanes past the last item get on == false with an item index they must not
+// write through.
+template <int NTHREADS, int L, class Body>
+__device__ __forceinline__ void for_lane_items(int items, Body body) {
+  const int lane = threadIdx.x % L;
+  for (int base = 0; base < items; base += NTHREADS / L) {
+    const int i = base + int(threadIdx.x) / L;
+    body(i, i < items, lane);
+  }
+}
+
 // Storage type of quantisation scales.
 template <class S> __device__ __forceinline__ float load_scale(const u8* p, int i) { return to_float(reinterpret_cast<const S*>(p)[i]); }
 template <class S> __device__ __forceinline__ float round_scale(float x) { return to_float(from_float<S>(x)); }
@@ -250,11 +263,7 @@ struct ChannelCodes {
     static_assert(L <= BLOCK && 32 % L == 0, "every lane of an item reads at least one token");
     float* sc = scratch;
     float* zr = sc + NBLK * nc;
-    const int items = NBLK * nc, lane = threadIdx.x % L;
-    // Uniform trip count: every lane reaches the shuffles; lanes past the last item idle.
-    for (int base = 0; base < items; base += NTHREADS / L) {
-      const int i = base + int(threadIdx.x) / L;
-      const bool on = i < items;
+    for_lane_items<NTHREADS, L>(NBLK * nc, [&](int i, bool on, int lane) {
       const int b = on ? i / nc : 0, c = on ? i % nc : 0;
       const float* col = x + b * BLOCK * ldx + xc0 + c;
       float mn = col[lane * ldx], mx = mn;
@@ -272,7 +281,7 @@ struct ChannelCodes {
         sc[i] = to_float(s_st);
         zr[i] = to_float(z_st);
       }
-    }
+    });
     __syncthreads();
     const int bytes = nc * BITS / 8;
     u8* codes = seg + OFF_CODES + n0 * BITS / 8;
@@ -673,11 +682,7 @@ struct SphericalKey {
     static_assert(Slice::COLS == D, "spherical key slices are whole tokens");
     constexpr int ITEMS = Slice::ROWS * NG;
     constexpr int L = lanes_for(NTHREADS, ITEMS, E);
-    const int lane = threadIdx.x % L;
-    // Uniform trip count: every lane reaches the shuffles; lanes past the last item idle.
-    for (int base = 0; base < ITEMS; base += NTHREADS / L) {
-      const int i = base + int(threadIdx.x) / L;
-      const bool on = i < ITEMS;
+    for_lane_items<NTHREADS, L>(ITEMS, [&](int i, bool on, int lane) {
       const int tt = on ? i / NG : 0, j = on ? i % NG : 0;
       const float* k = x + tt * D + j * GROUP;
       float r2 = 0.f;
@@ -704,7 +709,7 @@ struct SphericalKey {
         const float code = rs > 0.f ? fminf(fmaxf(round_half_up(r / rs), 0.f), 255.f) : 0.f;
         seg[OFF_RADIUS + (s.t0 + tt) * NG + j] = u8(code);
       }
-    }
+    });
     __syncthreads();
     for (int i = threadIdx.x; i < Slice::ROWS * IB; i += NTHREADS) {
       const int tt = i / IB, byte = i % IB;
@@ -980,17 +985,13 @@ struct IntValue {
     static_assert(Slice::COLS == D, "value slices are whole tokens");
     constexpr int GBYTES = GROUP * BITS / 8, ITEMS = Slice::ROWS * NGRP;
     constexpr int L = lanes_for(NTHREADS, ITEMS, GROUP);
-    const int lane = threadIdx.x % L;
-    // Uniform trip count: every lane reaches the shuffles; lanes past the last item idle.
-    for (int base = 0; base < ITEMS; base += NTHREADS / L) {
-      const int i = base + int(threadIdx.x) / L;
-      const bool on = i < ITEMS;
+    for_lane_items<NTHREADS, L>(ITEMS, [&](int i, bool on, int lane) {
       const int tt = on ? i / NGRP : 0, grp = on ? i % NGRP : 0;
       const float* xs = x + tt * D + grp * GROUP;
       float mn = xs[lane], mx = mn;
       for (int c = lane + L; c < GROUP; c += L) { mn = fminf(mn, xs[c]); mx = fmaxf(mx, xs[c]); }
       lanes_minmax<L>(mn, mx);
-      if (!on) continue;
+      if (!on) return;
       const S s_st = from_float<S>((mx - mn) / float((1 << BITS) - 1));
       const S z_st = from_float<S>(mn);
       const int t = s.t0 + tt;
@@ -1002,7 +1003,7 @@ struct IntValue {
       u8* out = seg + OFF_CODES + t * ROW + grp * GBYTES;
       for (int byte = lane; byte < GBYTES; byte += L)
         out[byte] = pack_byte<BITS>(byte, [&](int c) { return quantize<BITS>(xs[c], sc, zr); });
-    }
+    });
   }
 };
 
