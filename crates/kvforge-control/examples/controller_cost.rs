@@ -34,6 +34,11 @@ fn arg<T: std::str::FromStr>(args: &[String], name: &str) -> Option<T> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok())
 }
 
+/// `name a,b,c` as a list (None when `name` is absent).
+fn list<T: std::str::FromStr>(args: &[String], name: &str) -> Option<Vec<T>> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect())
+}
+
 fn specs(args: &[String]) -> Result<Vec<Spec>, Error> {
     args.iter().filter(|a| a.ends_with(".toml")).map(|p| Spec::load(p.as_ref()).map_err(|e| Error::from(e.to_string()))).collect()
 }
@@ -84,10 +89,11 @@ fn precompile(specs: &[Spec]) -> Result<(), Error> {
 }
 
 fn rdr(args: &[String]) -> Result<(), Error> {
-    let batches: Vec<usize> = args.iter().position(|a| a == "--batch").and_then(|i| args.get(i + 1)).map_or(vec![1], |s| s.split(',').filter_map(|x| x.parse().ok()).collect());
+    let batches: Vec<usize> = list(args, "--batch").unwrap_or(vec![1]);
     let steps: usize = arg(args, "--steps").unwrap_or(1024);
-    let list = |name: &str| -> Vec<Option<usize>> { args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map_or(vec![None], |s| s.split(',').filter_map(|x| x.parse().ok()).map(Some).collect()) };
-    let (everies, samples) = (list("--every"), list("--sample"));
+    // Absent: one case with the controller's default.
+    let options = |name: &str| -> Vec<Option<usize>> { list(args, name).map_or(vec![None], |v| v.into_iter().map(Some).collect()) };
+    let (everies, samples) = (options("--every"), options("--sample"));
     let dev = Arc::new(kvforge_rt::Device::open(0)?);
     for spec in specs(args)? {
         let table = DistortionTable::from_spec(&spec);
@@ -197,10 +203,7 @@ fn transcode_cost(args: &[String]) -> Result<(), Error> {
     use cudarc::driver::sys::CUevent_flags;
     use kvforge_rt::{CacheConfig, KvCache};
     use kvforge_spec::KeyScheme;
-    let list = |name: &str, default: &[usize]| -> Vec<usize> {
-        args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map_or_else(|| default.to_vec(), |s| s.split(',').filter_map(|x| x.parse().ok()).collect())
-    };
-    let pages = list("--pages", &[1, 4, 16, 256]);
+    let pages: Vec<usize> = list(args, "--pages").unwrap_or(vec![1, 4, 16, 256]);
     let reps: usize = arg(args, "--reps").unwrap_or(60);
     let d: usize = arg(args, "--d").unwrap_or(128);
     let dev = Arc::new(kvforge_rt::Device::open(0)?);

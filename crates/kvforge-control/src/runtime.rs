@@ -227,14 +227,9 @@ fn matches(view: &[crate::signal::PageInfo], found: &[(TierId, usize)], page_tok
 /// `epoch`: the layout epoch the view was read at; while the cache's is the same only appends
 /// happened since, which a grown plan allows, so the page table need not be walked.
 fn apply_unchecked<C: PagedCache>(cache: &mut C, seq: usize, view: &PageTableView, plan: &Plan, after: &PageTableView, grown: bool, epoch: Option<u64>) -> Result<ApplyReport, ControlError> {
-    let p = view.costs.page_tokens;
     let unchanged = grown && view.seq == seq && epoch.is_some() && epoch == cache.layout_epoch(seq);
-    for (h, pages) in view.heads.iter().enumerate().filter(|_| !unchanged) {
-        let found = observed(cache, seq, h)?;
-        if !matches(pages, &found, p, grown) || view.seq != seq {
-            let expected: Vec<(TierId, usize)> = pages.iter().map(|p| (p.tier, p.tokens)).collect();
-            return Err(ControlError::Stale { seq, head: h, expected, found });
-        }
+    if !unchanged {
+        check_fresh(cache, seq, view, grown)?;
     }
     let costs = &view.costs;
     let is_drop = |t: TierId| costs.tiers[t as usize].drop;
@@ -249,6 +244,20 @@ fn apply_unchecked<C: PagedCache>(cache: &mut C, seq: usize, view: &PageTableVie
     }
     let dropped = plan.decisions.iter().filter(|d| is_drop(d.to_tier)).count();
     Ok(ApplyReport { dropped, retiered: total - dropped, launches, bytes_before: view.cost(), bytes_after: after.cost() })
+}
+
+/// The cache's pages of `seq` are `view`'s (`grown`: followed by appends), else the plan made
+/// from the view is stale.
+fn check_fresh<C: PagedCache>(cache: &C, seq: usize, view: &PageTableView, grown: bool) -> Result<(), ControlError> {
+    let p = view.costs.page_tokens;
+    for (h, pages) in view.heads.iter().enumerate() {
+        let found = observed(cache, seq, h)?;
+        if !matches(pages, &found, p, grown) || view.seq != seq {
+            let expected: Vec<(TierId, usize)> = pages.iter().map(|p| (p.tier, p.tokens)).collect();
+            return Err(ControlError::Stale { seq, head: h, expected, found });
+        }
+    }
+    Ok(())
 }
 
 /// The cache's pages of `seq` after a plan are `after`'s (`grown`: followed by appends).

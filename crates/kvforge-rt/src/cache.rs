@@ -242,6 +242,10 @@ impl KvCache {
         self.seqs.get(seq).and_then(|s| s.as_ref()).ok_or(RtError::NoSequence(seq))
     }
 
+    fn head(&self, seq: usize, head: usize) -> Result<&HeadPages> {
+        self.seq(seq)?.heads.get(head).ok_or_else(|| RtError::BadInput(format!("kv head {head} out of range ({} heads)", self.cfg.num_kv_heads)))
+    }
+
     /// Logical length of `seq`: tokens appended so far, including those of dropped pages.
     pub fn seq_len(&self, seq: usize) -> Result<usize> {
         Ok(self.seq(seq)?.len)
@@ -251,7 +255,7 @@ impl KvCache {
     /// `(page, valid tokens, first token)`. Positions skip the tokens of dropped pages.
     pub fn positioned_pages(&self, seq: usize, head: usize) -> Result<Vec<(PageRef, usize, usize)>> {
         let s = self.seq(seq)?;
-        let h = s.heads.get(head).ok_or_else(|| RtError::BadInput(format!("kv head {head} out of range ({} heads)", self.cfg.num_kv_heads)))?;
+        let h = self.head(seq, head)?;
         let p = self.spec.page.tokens;
         let mut v: Vec<(PageRef, usize, usize)> = h.full.iter().zip(&h.first).map(|(&r, &f)| (r, p, f)).collect();
         if let Some(t) = &h.tail {
@@ -274,13 +278,12 @@ impl KvCache {
 
     /// Number of pages of one (sequence, kv head), the tail included.
     pub fn page_count(&self, seq: usize, head: usize) -> Result<usize> {
-        let h = self.seq(seq)?.heads.get(head).ok_or_else(|| RtError::BadInput(format!("kv head {head} out of range ({} heads)", self.cfg.num_kv_heads)))?;
+        let h = self.head(seq, head)?;
         Ok(h.full.len() + usize::from(h.tail.is_some()))
     }
 
     fn map_pages<T>(&self, seq: usize, head: usize, f: impl Fn(PageRef, usize) -> T) -> Result<Vec<T>> {
-        let s = self.seq(seq)?;
-        let h = s.heads.get(head).ok_or_else(|| RtError::BadInput(format!("kv head {head} out of range ({} heads)", self.cfg.num_kv_heads)))?;
+        let h = self.head(seq, head)?;
         let p = self.spec.page.tokens;
         let mut v = Vec::with_capacity(h.full.len() + 1);
         v.extend(h.full.iter().map(|&r| f(r, p)));
