@@ -314,3 +314,48 @@ fn parallel_view_equals_view() {
     pos.sync(&c).unwrap();
     assert_eq!(pos.view_par(&c, costs.clone(), signal).unwrap(), pos.view(&c, costs, signal).unwrap());
 }
+
+/// Several sequences' plans in one batch: the tables end as applying each plan alone leaves
+/// them, the launches are shared per tier pair, and a stale plan fails only its sequence.
+#[test]
+fn plans_of_several_sequences_land_in_one_batch() {
+    use kvforge_control::runtime::{apply_grown, apply_grown_many, CheckedPlan};
+    let p = P();
+    let mut c = SimCache::new(spec("rdkv"), D, 2, 1);
+    let seqs: Vec<usize> = (0..3).map(|_| c.add_sequence()).collect();
+    let mut checked = Vec::new();
+    for &s in &seqs {
+        c.append(s, 6 * p + 5);
+        let mut pos = PositionMap::new(s, 2);
+        pos.sync(&c).unwrap();
+        let v = flat(&pos, &c, "rdkv");
+        // Every sequence: a drop, two b16 → b8 and one b16 → b4 (all from tier 1).
+        let plan = plan_of(&v, &[(0, 1, 5), (0, 2, 2), (1, 3, 2), (1, 0, 3)]);
+        checked.push(CheckedPlan::new(v.clone(), plan, &free_limits(&v)).unwrap().read_at(c.layout_epoch(s)));
+    }
+    let mut alone = c.clone();
+    // Tokens arrive between the snapshot and the apply (grown plans).
+    for &s in &seqs {
+        c.append(s, p + 1);
+        alone.append(s, p + 1);
+    }
+    // Sequence 1's table changes behind its plan's back: its plan is stale.
+    c.retier(1, 0, 4, 4).unwrap();
+    alone.retier(1, 0, 4, 4).unwrap();
+    let (l0, l2) = (c.launches, alone.launches);
+    let due: Vec<(usize, &CheckedPlan)> = seqs.iter().zip(&checked).map(|(&s, x)| (s, x)).collect();
+    let out = apply_grown_many(&mut c, &due).unwrap();
+    assert!(matches!(out[1], Err(ControlError::Stale { seq: 1, .. })), "{:?}", out[1]);
+    for i in [0, 2] {
+        let r = out[i].as_ref().unwrap();
+        assert_eq!((r.dropped, r.retiered, r.launches), (1, 3, 2));
+        apply_grown(&mut alone, seqs[i], &checked[i]).unwrap();
+    }
+    // Two launches (1 → 2 and 1 → 3) for both sequences together; four alone.
+    assert_eq!((c.launches - l0, alone.launches - l2), (2, 4));
+    for &s in &seqs {
+        for h in 0..2 {
+            assert_eq!(c.page_tiers(s, h).unwrap(), alone.page_tiers(s, h).unwrap(), "sequence {s} head {h}");
+        }
+    }
+}

@@ -15,7 +15,7 @@ use kvforge_spec::{DType, KeyScheme, PageHeader, SegmentLayout, Spec, TierId, Va
 use crate::device::Device;
 use crate::error::{drv, Result, RtError};
 use crate::kernels::KernelCache;
-use crate::moves::{MoveBatch, PageMove};
+use crate::moves::{MoveBatch, PageMove, SeqMove};
 use crate::pool::{PagePool, PageRef};
 
 /// Shape and capacity of a cache.
@@ -274,6 +274,13 @@ impl KvCache {
     /// walks the page table of every kv head several times).
     pub fn page_tiers(&self, seq: usize, head: usize) -> Result<Vec<(TierId, usize)>> {
         self.map_pages(seq, head, |r, n| (r.tier, n))
+    }
+
+    /// Full pages of one (sequence, kv head), and the tail page's tokens if it has one: what
+    /// appends change, without walking the pages.
+    pub fn page_counts(&self, seq: usize, head: usize) -> Result<(usize, Option<usize>)> {
+        let h = self.head(seq, head)?;
+        Ok((h.full.len(), h.tail.as_ref().map(|t| t.len)))
     }
 
     /// Number of pages of one (sequence, kv head), the tail included.
@@ -671,55 +678,78 @@ impl KvCache {
         self.retier_pages(seq, &[(head, index, to)]).map(|_| ())
     }
 
-    /// Applies page moves `(kv head, index, to)` to one sequence with one transcode launch per
-    /// (from tier, to tier) pair, not one per page (issue 7); returns the number of launches.
+    /// Applies page moves `(kv head, index, to)` to one sequence: [`retier_many`](Self::retier_many)
+    /// of one sequence. Returns the number of launches.
+    pub fn retier_pages(&mut self, seq: usize, moves: &[PageMove]) -> Result<usize> {
+        Ok(self.retier_many(&[(seq, moves)])?[0])
+    }
+
+    /// Applies page moves `(kv head, index, to)` to several sequences with one transcode
+    /// launch per (from tier, to tier) pair for all of them, not one per page or per sequence
+    /// (issue 7): at an RDR boundary of a batch every sequence's plan lands at once, and the
+    /// launches end in one synchronisation. Returns, per sequence, the launches that carried
+    /// its pages. A sequence may appear once.
     ///
     /// `index` counts the head's full pages as they are *before* the call (what
     /// [`pages`](Self::pages) lists, tail excluded): dropped pages leave the tables only at the
     /// end, so callers never shift indices. Pages only move down the ladder; the drop tier frees
     /// the page without a launch, and the other pages keep their logical positions.
     ///
-    /// Everything is checked before anything changes ([`MoveBatch::plan`]): a missing page or
-    /// a page named twice (`BadInput`), an unknown tier, a move up, a spherical tier without
-    /// radius scales (`BadTier`), too few free pages (`OutOfPages`) leave the cache as it was.
-    /// Then drops free their pages and the launches run deepest source tier first, each freeing
-    /// its sources. A device error in a launch stops the batch: the drops and the launches
-    /// before it are applied, the failing launch's pages keep their tier (nothing leaks).
-    pub fn retier_pages(&mut self, seq: usize, moves: &[PageMove]) -> Result<usize> {
-        let s = self.seq(seq)?;
-        let tier_of = |head: usize, index: usize| {
+    /// Everything is checked before anything changes ([`MoveBatch::plan`]): a missing sequence
+    /// or page, or a page named twice (`BadInput`), an unknown tier, a move up, a spherical
+    /// tier without radius scales (`BadTier`), too few free pages (`OutOfPages`) leave the cache
+    /// as it was. Then drops free their pages and the launches run deepest source tier first,
+    /// each freeing its sources. A device error in a launch stops the batch: the drops and the
+    /// launches before it are applied, the failing launch's pages keep their tier (nothing
+    /// leaks).
+    pub fn retier_many(&mut self, batch: &[(usize, &[PageMove])]) -> Result<Vec<usize>> {
+        let seqs: Vec<usize> = batch.iter().map(|b| b.0).collect();
+        for (i, &s) in seqs.iter().enumerate() {
+            self.seq(s)?;
+            if seqs[..i].contains(&s) {
+                return Err(RtError::BadInput(format!("retier_many: sequence {s} appears twice")));
+            }
+        }
+        let moves: Vec<SeqMove> = batch.iter().flat_map(|&(s, m)| m.iter().map(move |&m| (s, m))).collect();
+        let tier_of = |seq: usize, head: usize, index: usize| {
+            let s = self.seqs[seq].as_ref().expect("checked above");
             s.heads.get(head).and_then(|h| h.full.get(index)).map(|p| p.tier).ok_or_else(|| RtError::BadInput(format!("no full page {index} in sequence {seq} head {head}")))
         };
         let free: Vec<usize> = (0..self.spec.tiers.len()).map(|t| self.pool.free_pages(t as TierId)).collect();
-        let batch = MoveBatch::plan(&self.spec, moves, tier_of, &free, |t| self.pool.out_of_pages(t))?;
-        for &(_, to, _) in &batch.launches {
+        let plan = MoveBatch::plan(&self.spec, &moves, tier_of, &free, |t| self.pool.out_of_pages(t))?;
+        for &(_, to, _) in &plan.launches {
             if matches!(self.spec.tiers[to as usize].key, KeyScheme::Spherical { .. }) && self.radius_scales[to as usize].is_none() {
                 return Err(RtError::BadTier(to, "set radius scales before re-coding into a spherical tier".into()));
             }
         }
-        let epoch = self.next_epoch();
-        let s = self.seqs[seq].as_mut().unwrap();
-        s.epoch = epoch;
-        for &m in &batch.drops {
-            let (h, i, _) = moves[m];
-            self.pool.free(s.heads[h].full[i]);
+        for &s in &seqs {
+            let epoch = self.next_epoch();
+            self.seqs[s].as_mut().expect("checked above").epoch = epoch;
         }
-        let launched = self.launch_moves(seq, moves, &batch.launches);
-        if !batch.drops.is_empty() {
-            let s = self.seqs[seq].as_mut().unwrap();
-            let mut keep: Vec<Vec<bool>> = s.heads.iter().map(|h| vec![true; h.full.len()]).collect();
-            for &m in &batch.drops {
-                keep[moves[m].0][moves[m].1] = false;
+        for &m in &plan.drops {
+            let (s, (h, i, _)) = moves[m];
+            self.pool.free(self.seqs[s].as_ref().expect("checked above").heads[h].full[i]);
+        }
+        let launched = self.launch_moves(&moves, &plan.launches);
+        for &s in &seqs {
+            let dropped: Vec<(usize, usize)> = plan.drops.iter().map(|&m| moves[m]).filter(|m| m.0 == s).map(|(_, (h, i, _))| (h, i)).collect();
+            if dropped.is_empty() {
+                continue;
             }
-            for (h, keep) in s.heads.iter_mut().zip(keep) {
+            let seq = self.seqs[s].as_mut().expect("checked above");
+            let mut keep: Vec<Vec<bool>> = seq.heads.iter().map(|h| vec![true; h.full.len()]).collect();
+            for &(h, i) in &dropped {
+                keep[h][i] = false;
+            }
+            for (h, keep) in seq.heads.iter_mut().zip(keep) {
                 let (mut a, mut b) = (keep.iter(), keep.iter());
                 h.full.retain(|_| *a.next().unwrap());
                 h.first.retain(|_| *b.next().unwrap());
             }
-            let dropped: Vec<(usize, usize)> = batch.drops.iter().map(|&m| (moves[m].0, moves[m].1)).collect();
-            self.mass_window_dropped(seq, &dropped)?;
+            self.mass_window_dropped(s, &dropped)?;
         }
-        launched
+        launched?;
+        Ok(plan.launches_of(&moves, &seqs))
     }
 }
 

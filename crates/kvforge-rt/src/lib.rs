@@ -40,5 +40,5 @@ pub use device::{driver_present, nvrtc_present, Device, DeviceInfo};
 pub use error::{Result, RtError};
 pub use external::{prefix_pages, ElemType, ExternalTensor, TensorDevice};
 pub use mass_window::{MassWindowRows, WindowFold};
-pub use moves::{MoveBatch, PageMove};
+pub use moves::{MoveBatch, PageMove, SeqMove};
 pub use pool::{PagePool, PageRef};

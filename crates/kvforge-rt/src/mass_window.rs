@@ -22,7 +22,7 @@
 //! observed), slots indexed by sequence id, grown (rows copied on the device) when a
 //! sequence id or a head's page count outgrows it.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PinnedHostSlice, PushKernelArg};
 use kvforge_spec::VariantId;
 
 use crate::cache::KvCache;
@@ -46,6 +46,10 @@ pub(crate) struct MassWindow {
     /// Per slot: a fold wrote into its rows since they were last reset. Closed rows are all
     /// NaN, so takes, drops and removals of closed sequences touch no device memory.
     open: Vec<bool>,
+    /// Page-locked host memory the takes download into (grown to the largest take): a take of
+    /// 8 sequences at 32K tokens × 8 kv heads is 256 KB, which a pageable copy staged through
+    /// the driver's bounce buffer at a fraction of the link's speed, on the decode thread.
+    staging: Option<PinnedHostSlice<f32>>,
 }
 
 impl MassWindow {
@@ -216,20 +220,37 @@ impl KvCache {
         let (Some(lo), Some(hi)) = (open.iter().min().copied(), open.iter().max().copied()) else {
             return Ok(counts.into_iter().map(unobserved).collect());
         };
-        let w = self.mass_window.as_ref().expect("open slots imply a window");
+        let st = self.dev.stream.clone();
+        let w = self.mass_window.as_mut().expect("open slots imply a window");
         let (base, cap, end) = (w.row(lo, 0, hkv), w.capacity, w.row(hi + 1, 0, hkv));
-        let host = self.dev.stream.clone_dtoh(&w.buf.slice(base..end)).map_err(drv("mass window download"))?;
-        for &s in &open {
-            self.reset_mass_window(s)?;
+        if w.staging.as_ref().is_none_or(|h| h.len() < end - base) {
+            // SAFETY: the download below writes the elements read from it. Flags 0: cached
+            // (the default write-combined memory is slow for the host to read).
+            w.staging = Some(unsafe { self.dev.ctx.alloc_pinned_with_flags::<f32>(end - base, 0) }.map_err(drv("mass window staging"))?);
         }
-        Ok(seqs
+        let staging = w.staging.as_mut().expect("allocated above");
+        st.memcpy_dtoh(&w.buf.slice(base..end), staging).map_err(drv("mass window download"))?;
+        // `as_slice` waits for the copy.
+        let host = staging.as_slice().map_err(drv("mass window download"))?;
+        let rows: Vec<MassWindowRows> = seqs
             .iter()
             .zip(counts)
             .map(|(&s, counts)| match open.contains(&s) {
                 true => MassWindowRows { counts, capacity: cap, log2: host[(s - lo) * hkv * cap..(s - lo + 1) * hkv * cap].to_vec() },
                 false => unobserved(counts),
             })
-            .collect())
+            .collect();
+        // One reset of the downloaded rows when no other open sequence's rows lie among them
+        // (a batch's sequences usually are consecutive ids), else one per sequence.
+        if (lo..=hi).all(|s| !w.open[s] || open.contains(&s)) {
+            fill_unobserved(&st, &mut w.buf, base, end - base)?;
+            (lo..=hi).for_each(|s| w.open[s] = false);
+        } else {
+            for &s in &open {
+                self.reset_mass_window(s)?;
+            }
+        }
+        Ok(rows)
     }
 
     /// Keeps the window of `seq` with its pages after `dropped` (kv head, index before the
@@ -286,7 +307,9 @@ impl KvCache {
         })?;
         fill_unobserved(&st, &mut buf, 0, len)?;
         let mut open = vec![false; new_slots];
-        if let Some(old) = self.mass_window.take() {
+        let mut staging = None;
+        if let Some(mut old) = self.mass_window.take() {
+            staging = old.staging.take();
             for s in (0..old.slots).filter(|&s| old.open[s]) {
                 for h in 0..hkv {
                     let (from, to) = (old.row(s, h, hkv), (s * hkv + h) * capacity);
@@ -295,7 +318,7 @@ impl KvCache {
                 open[s] = true;
             }
         }
-        self.mass_window = Some(MassWindow { buf, slots: new_slots, capacity, open });
+        self.mass_window = Some(MassWindow { buf, slots: new_slots, capacity, open, staging });
         Ok(())
     }
 }

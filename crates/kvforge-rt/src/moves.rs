@@ -1,6 +1,7 @@
-//! How a batch of page moves runs ([`KvCache::retier_pages`](crate::KvCache::retier_pages)):
-//! checked as a whole, then one transcode launch per (from tier, to tier) pair. One launch per
-//! page made applying a controller plan cost 5–19 ms per layer on an H100 (issue 7).
+//! How a batch of page moves runs ([`KvCache::retier_many`](crate::KvCache::retier_many)):
+//! checked as a whole, then one transcode launch per (from tier, to tier) pair, whatever
+//! sequences the pages belong to. One launch per page made applying a controller plan cost
+//! 5–19 ms per layer on an H100 (issue 7).
 //!
 //! Pure bookkeeping (no CUDA), so it is tested on any machine, and kvforge-control's
 //! `SimCache` runs the very same plan on the CPU.
@@ -16,35 +17,42 @@ use crate::error::{Result, RtError};
 /// `(head, index, to)`; `index` counts the head's full pages as they are *before* the batch.
 pub type PageMove = (usize, usize, TierId);
 
+/// A move of sequence `seq`'s page: `(seq, move)`. A batch may span sequences
+/// ([`KvCache::retier_many`](crate::KvCache::retier_many)): a batch decoding together reaches
+/// its RDR boundary at once, and one launch per tier pair for all of them replaces one per
+/// sequence and tier pair, each sequence's ending in its own synchronisation.
+pub type SeqMove = (usize, PageMove);
+
 /// The order a batch runs in. Entries are positions in the `moves` slice it was planned from.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MoveBatch {
     /// Pages to drop, in move order: freed first (no launch), so their slots serve the launches.
     pub drops: Vec<usize>,
     /// One launch each, `(from, to, moves)`, deepest source tier first: a `mid → low` launch
-    /// frees the `mid` pages a later `high → mid` launch may need.
+    /// frees the `mid` pages a later `high → mid` launch may need. A launch carries the pages
+    /// of every sequence of the batch that move between its two tiers.
     pub launches: Vec<(TierId, TierId, Vec<usize>)>,
 }
 
 impl MoveBatch {
-    /// Checks every move before anything changes, with `KvCache::retier`'s rules:
-    /// `tier_of(head, index)` is the tier of that full page (its error when there is none), `to`
-    /// must be a spec tier below it, no page may be named twice, and `free[t]` free pages of
-    /// tier `t` must cover the launches in the order they run (`out_of_pages(t)` otherwise;
-    /// `usize::MAX` means unlimited).
-    pub fn plan(spec: &Spec, moves: &[PageMove], mut tier_of: impl FnMut(usize, usize) -> Result<TierId>, free: &[usize], out_of_pages: impl Fn(TierId) -> RtError) -> Result<MoveBatch> {
+    /// Checks every move before anything changes, with `KvCache::retier_many`'s rules:
+    /// `tier_of(seq, head, index)` is the tier of that full page (its error when there is
+    /// none), `to` must be a spec tier below it, no page may be named twice, and `free[t]` free
+    /// pages of tier `t` must cover the launches in the order they run (`out_of_pages(t)`
+    /// otherwise; `usize::MAX` means unlimited).
+    pub fn plan(spec: &Spec, moves: &[SeqMove], mut tier_of: impl FnMut(usize, usize, usize) -> Result<TierId>, free: &[usize], out_of_pages: impl Fn(TierId) -> RtError) -> Result<MoveBatch> {
         let mut free = free.to_vec();
         let mut seen = HashSet::with_capacity(moves.len());
         let mut drops = Vec::new();
         let mut groups: BTreeMap<(Reverse<TierId>, TierId), Vec<usize>> = BTreeMap::new();
-        for (i, &(head, index, to)) in moves.iter().enumerate() {
-            let from = tier_of(head, index)?;
+        for (i, &(seq, (head, index, to))) in moves.iter().enumerate() {
+            let from = tier_of(seq, head, index)?;
             let tier = spec.tiers.get(to as usize).ok_or_else(|| RtError::BadTier(to, "no such tier".into()))?;
             if to <= from {
                 return Err(RtError::BadTier(to, format!("pages move down the ladder only (page is in tier {from})")));
             }
-            if !seen.insert((head, index)) {
-                return Err(RtError::BadInput(format!("page {index} of kv head {head} is moved twice in one batch")));
+            if !seen.insert((seq, head, index)) {
+                return Err(RtError::BadInput(format!("page {index} of kv head {head} of sequence {seq} is moved twice in one batch")));
             }
             if tier.is_drop() {
                 drops.push(i);
@@ -59,6 +67,11 @@ impl MoveBatch {
         }
         Ok(MoveBatch { drops, launches: groups.into_iter().map(|((Reverse(from), to), g)| (from, to, g)).collect() })
     }
+
+    /// Per sequence of `seqs`, the launches that carry its pages.
+    pub fn launches_of(&self, moves: &[SeqMove], seqs: &[usize]) -> Vec<usize> {
+        seqs.iter().map(|&s| self.launches.iter().filter(|(_, _, g)| g.iter().any(|&m| moves[m].0 == s)).count()).collect()
+    }
 }
 
 #[cfg(test)]
@@ -70,8 +83,14 @@ mod tests {
         Spec::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../specs/rdkv.toml")).unwrap()
     }
 
+    /// One sequence's moves (sequence 0), page `i` of every head in tier `tiers[i]`.
     fn plan(moves: &[PageMove], tiers: &[TierId], free: &[usize]) -> Result<MoveBatch> {
-        let tier_of = |_h: usize, i: usize| tiers.get(i).copied().ok_or_else(|| RtError::BadInput(format!("no full page {i}")));
+        let moves: Vec<SeqMove> = moves.iter().map(|&m| (0, m)).collect();
+        plan_seqs(&moves, tiers, free)
+    }
+
+    fn plan_seqs(moves: &[SeqMove], tiers: &[TierId], free: &[usize]) -> Result<MoveBatch> {
+        let tier_of = |_s: usize, _h: usize, i: usize| tiers.get(i).copied().ok_or_else(|| RtError::BadInput(format!("no full page {i}")));
         MoveBatch::plan(&spec(), moves, tier_of, free, |t| RtError::OutOfPages { tier: t.to_string(), capacity: 0, page_bytes: 0 })
     }
 
@@ -98,5 +117,21 @@ mod tests {
         assert!(matches!(plan(&[(0, 0, 2)], &tiers, &[0, 0, 0, 1, 0, 0]), Err(RtError::OutOfPages { .. })));
         // A drop frees its slot before any launch.
         assert!(plan(&[(0, 1, 5), (0, 0, 2)], &tiers, &[0; 6]).is_ok());
+    }
+
+    #[test]
+    fn sequences_share_launches() {
+        let tiers = [1, 2, 1];
+        // Sequences 4 and 7: one 1 → 3 launch carries both, 2 → 3 only sequence 7's page.
+        let moves = [(4, (0, 0, 3)), (7, (0, 0, 3)), (7, (1, 1, 3)), (4, (0, 2, 5)), (7, (0, 2, 3))];
+        let b = plan_seqs(&moves, &tiers, &[usize::MAX; 6]).unwrap();
+        assert_eq!(b.drops, vec![3]);
+        assert_eq!(b.launches, vec![(2, 3, vec![2]), (1, 3, vec![0, 1, 4])]);
+        assert_eq!(b.launches_of(&moves, &[4, 7, 9]), vec![1, 2, 0]);
+        // The same page of two sequences is two pages; of one sequence, one named twice.
+        assert!(plan_seqs(&[(4, (0, 0, 3)), (7, (0, 0, 3))], &tiers, &[usize::MAX; 6]).is_ok());
+        assert!(matches!(plan_seqs(&[(4, (0, 0, 3)), (4, (0, 0, 5))], &tiers, &[usize::MAX; 6]), Err(RtError::BadInput(_))));
+        // Capacity counts the whole batch: two pages into tier 3 need two free slots.
+        assert!(matches!(plan_seqs(&moves[..2], &tiers, &[0, 0, 0, 1, 0, 0]), Err(RtError::OutOfPages { .. })));
     }
 }

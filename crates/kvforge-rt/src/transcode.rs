@@ -20,7 +20,7 @@ use kvforge_spec::{TierId, VariantId};
 
 use crate::cache::KvCache;
 use crate::error::{drv, Result, RtError};
-use crate::moves::PageMove;
+use crate::moves::SeqMove;
 use crate::params::TranscodeParams;
 use crate::pool::PageRef;
 
@@ -184,9 +184,9 @@ impl KvCache {
         Outcome { landed: launched, error: launch_error }
     }
 
-    /// The launches of a [`MoveBatch`](crate::MoveBatch) of `seq`, in order, each swapping its
-    /// new pages into the table (see the module docs for when they are checked).
-    pub(crate) fn launch_moves(&mut self, seq: usize, moves: &[PageMove], launches: &[(TierId, TierId, Vec<usize>)]) -> Result<usize> {
+    /// The launches of a [`MoveBatch`](crate::MoveBatch), in order, each swapping its new
+    /// pages into their sequences' tables (see the module docs for when they are checked).
+    pub(crate) fn launch_moves(&mut self, moves: &[SeqMove], launches: &[(TierId, TierId, Vec<usize>)]) -> Result<()> {
         let mut need = vec![0usize; self.spec.tiers.len()];
         for (_, to, g) in launches {
             need[*to as usize] += g.len();
@@ -194,20 +194,25 @@ impl KvCache {
         let room = need.iter().enumerate().all(|(t, &n)| n <= self.pool.free_pages(t as TierId));
         if !room {
             for l in launches {
-                self.land(seq, moves, std::slice::from_ref(l))?;
+                self.land(moves, std::slice::from_ref(l))?;
             }
-            return Ok(launches.len());
+            return Ok(());
         }
-        self.land(seq, moves, launches)?;
-        Ok(launches.len())
+        self.land(moves, launches)
     }
 
     /// Allocates the destinations of `launches`, runs them, and swaps the landed ones into the
-    /// page table (freeing their sources); the others' destinations are freed.
-    fn land(&mut self, seq: usize, moves: &[PageMove], launches: &[(TierId, TierId, Vec<usize>)]) -> Result<()> {
-        let s = self.seqs[seq].as_ref().expect("checked by retier_pages");
-        let src: Vec<Vec<PageRef>> = launches.iter().map(|(_, _, g)| g.iter().map(|&m| s.heads[moves[m].0].full[moves[m].1]).collect()).collect();
-        let heads: Vec<Vec<u32>> = launches.iter().map(|(_, _, g)| g.iter().map(|&m| moves[m].0 as u32).collect()).collect();
+    /// page tables (freeing their sources); the others' destinations are freed.
+    fn land(&mut self, moves: &[SeqMove], launches: &[(TierId, TierId, Vec<usize>)]) -> Result<()> {
+        if launches.is_empty() {
+            return Ok(());
+        }
+        let page = |m: usize| {
+            let (s, (h, i, _)) = moves[m];
+            self.seqs[s].as_ref().expect("checked by retier_many").heads[h].full[i]
+        };
+        let src: Vec<Vec<PageRef>> = launches.iter().map(|(_, _, g)| g.iter().map(|&m| page(m)).collect()).collect();
+        let heads: Vec<Vec<u32>> = launches.iter().map(|(_, _, g)| g.iter().map(|&m| moves[m].1 .0 as u32).collect()).collect();
         let mut dst: Vec<Vec<PageRef>> = Vec::with_capacity(launches.len());
         for (_, to, g) in launches {
             let pages: Result<Vec<PageRef>> = g.iter().map(|_| self.pool.alloc(*to)).collect();
@@ -227,9 +232,9 @@ impl KvCache {
                 dst.into_iter().for_each(|p| self.pool.free(p));
                 continue;
             }
-            let s = self.seqs[seq].as_mut().expect("checked by retier_pages");
             for ((&m, old), new) in g.iter().zip(src).zip(dst) {
-                s.heads[moves[m].0].full[moves[m].1] = new;
+                let (s, (h, i, _)) = moves[m];
+                self.seqs[s].as_mut().expect("checked by retier_many").heads[h].full[i] = new;
                 self.pool.free(old);
             }
         }

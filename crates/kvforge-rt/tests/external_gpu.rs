@@ -293,6 +293,58 @@ fn batched_retier_equals_page_by_page() {
     println!("batch of {} moves in 3 launches == page by page; {nq} prefixes match the reference (worst margin {worst:.2e})", moves.len());
 }
 
+/// `retier_many` over two sequences takes one launch per tier pair for both and leaves what a
+/// `retier_pages` per sequence leaves on a twin cache: same tiers and page bytes, the same
+/// decode bit for bit, the same pages in use. A batch naming a sequence twice, or with one bad
+/// move in either sequence, changes neither.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn retier_many_equals_one_batch_per_sequence() {
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let s = spec("rdkv.toml");
+    let t = |name| s.tier(name).unwrap().id;
+    let (b4, b2, b0) = (t("b4"), t("b2"), t("b0"));
+    let n = 6 * 64 + 9;
+    let (mut many, mut each) = (cache(&dev, "rdkv.toml", "b8", 2048), cache(&dev, "rdkv.toml", "b8", 2048));
+    let mut seqs = Vec::new();
+    for (i, c) in [&mut many, &mut each].into_iter().enumerate() {
+        let ids: Vec<usize> = (0..2).map(|_| c.add_sequence()).collect();
+        for (j, &q) in ids.iter().enumerate() {
+            c.append(q, &data(n * HKV * D, 20 + j as u32), &data(n * HKV * D, 30 + j as u32)).unwrap();
+        }
+        if i == 0 {
+            seqs = ids;
+        }
+    }
+    let (a, b) = (seqs[0], seqs[1]);
+    let ma = [(0, 1, b4), (0, 2, b0), (1, 3, b2), (2, 0, b4)];
+    let mb = [(0, 1, b4), (1, 1, b4), (1, 4, b0), (2, 5, b2)];
+    let before = |c: &KvCache| (0..2).flat_map(|q| (0..HKV).map(move |h| (q, h))).map(|(q, h)| c.positioned_pages(q, h).unwrap()).collect::<Vec<_>>();
+    let was = before(&many);
+    for bad in [vec![(a, &ma[..]), (a, &mb[..])], vec![(a, &ma[..]), (b, &[(0, 1, b4), (0, 9, b2)][..])], vec![(a, &ma[..]), (7, &mb[..])]] {
+        assert!(many.retier_many(&bad).is_err(), "{bad:?}");
+        assert!(before(&many) == was, "{bad:?} changed the cache");
+    }
+    // b8 → b4 and b8 → b2 for both sequences: two launches, each carrying both.
+    assert_eq!(many.retier_many(&[(a, &ma), (b, &mb)]).unwrap(), vec![2, 2]);
+    assert_eq!(each.retier_pages(a, &ma).unwrap() + each.retier_pages(b, &mb).unwrap(), 4);
+    for q in [a, b] {
+        for h in 0..HKV {
+            let (x, y) = (many.positioned_pages(q, h).unwrap(), each.positioned_pages(q, h).unwrap());
+            assert_eq!(x.iter().map(|p| (p.0.tier, p.1, p.2)).collect::<Vec<_>>(), y.iter().map(|p| (p.0.tier, p.1, p.2)).collect::<Vec<_>>(), "sequence {q} head {h}");
+            for (x, y) in x.iter().zip(&y) {
+                assert_eq!(many.download_page(x.0).unwrap(), each.download_page(y.0).unwrap(), "sequence {q} head {h}: page bytes differ");
+            }
+        }
+    }
+    for tier in 0..s.tiers.len() as u8 {
+        assert_eq!(many.pool().used_pages(tier), each.pool().used_pages(tier), "tier {tier}: pages in use differ");
+    }
+    many.verify_pages(&[a, b]).unwrap();
+    let q = data(2 * HQ * D, 15);
+    assert_eq!(many.decode(&[a, b], &q).unwrap().out, each.decode(&[a, b], &q).unwrap().out, "decode after retier_many differs");
+}
+
 #[test]
 #[ignore = "needs a CUDA device"]
 fn bad_pointers_are_typed_errors() {
