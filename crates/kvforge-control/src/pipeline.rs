@@ -326,7 +326,8 @@ impl RdrPipeline {
             b.apply_us = t.elapsed().as_secs_f64() * 1e6;
             b.applied = Some((planned, report));
         }
-        self.hand_off(cache, firsts, window, now)?;
+        let job = self.job(cache, firsts, window, now)?;
+        self.send(job)?;
         b.critical_us = t0.elapsed().as_secs_f64() * 1e6;
         Ok(b)
     }
@@ -345,11 +346,14 @@ impl RdrPipeline {
         Ok((firsts, planned, b))
     }
 
-    /// Boundary step 3: the page table as it is now, the window and the positions go to the
-    /// planner thread.
-    fn hand_off<C: PagedCache>(&mut self, cache: &C, firsts: Vec<Vec<usize>>, window: Window, now: bool) -> Result<(), ControlError> {
+    /// Boundary step 3: the page table as it is now, the window and the positions, for the
+    /// planner thread ([`send`](Self::send)).
+    fn job<C: PagedCache>(&self, cache: &C, firsts: Vec<Vec<usize>>, window: Window, now: bool) -> Result<Job, ControlError> {
         let snapshot = PageSnapshot::of(cache, self.spec.clone(), self.seq)?;
-        let job = Job { step: self.step, firsts, window, pos: self.pos.clone(), snapshot, now };
+        Ok(Job { step: self.step, firsts, window, pos: self.pos.clone(), snapshot, now })
+    }
+
+    fn send(&mut self, job: Job) -> Result<(), ControlError> {
         self.jobs.as_ref().ok_or_else(|| ControlError::Planner("the planner was shut down".into()))?.send(job).map_err(|_| ControlError::Planner("the planner thread ended".into()))?;
         self.in_flight = true;
         Ok(())
@@ -405,12 +409,15 @@ pub fn invoke_all(pipes: &mut [RdrPipeline], cache: &mut KvCache) -> Result<Vec<
     let windows = cache.take_mass_window_rows(&seqs).map_err(|e| ControlError::Cache { total: 0, source: Box::new(e) })?;
     let window_us = share(t0);
     let t1 = Instant::now();
-    let begun = each_pipe(pipes, vec![(); seqs.len()], |pipe, ()| pipe.begin(&*cache))?;
+    let mut begun = Vec::with_capacity(pipes.len());
+    for pipe in pipes.iter_mut() {
+        begun.push(pipe.begin(cache)?);
+    }
     let t2 = Instant::now();
     let due: Vec<(usize, &CheckedPlan)> = pipes.iter().zip(&begun).filter_map(|(p, (_, planned, _))| planned.as_ref().map(|x| (p.seq, &x.checked))).collect();
     let mut reports = runtime::apply_grown_many(cache, &due)?.into_iter();
     let apply_us = share(t2);
-    let mut hand = Vec::with_capacity(pipes.len());
+    let (mut out, mut jobs) = (Vec::with_capacity(pipes.len()), Vec::with_capacity(pipes.len()));
     for ((pipe, (firsts, planned, mut b)), window) in pipes.iter_mut().zip(begun).zip(windows) {
         if let Some(planned) = planned {
             let report = reports.next().expect("one report per due plan")?;
@@ -419,28 +426,20 @@ pub fn invoke_all(pipes: &mut [RdrPipeline], cache: &mut KvCache) -> Result<Vec<
             b.apply_us = apply_us;
         }
         b.window_us = window_us;
-        hand.push((firsts, window, b));
+        jobs.push(pipe.job(cache, firsts, Window::Rows(window), false)?);
+        out.push(b);
     }
-    let cache = &*cache;
-    let mut out = each_pipe(pipes, hand, |pipe, (firsts, window, b)| pipe.hand_off(cache, firsts, Window::Rows(window), false).map(|_| b))?;
+    // The jobs go out last: a planner thread set going takes cores (its decision runs on the
+    // rayon pool) from the boundary's remaining work.
+    for (pipe, job) in pipes.iter_mut().zip(jobs) {
+        pipe.send(job)?;
+    }
     // Each boundary's share of the whole.
     let critical = window_us + share(t1);
     for b in &mut out {
         b.critical_us = critical;
     }
     Ok(out)
-}
-
-/// `f(pipe, item)` for every pipeline with its item, on the rayon pool when there are several:
-/// a boundary's per-sequence host work (walking the page table, copying positions, handing a
-/// job over) is independent between sequences and was ~45 µs per sequence on the decode
-/// thread at 32K tokens × 8 kv heads on the H100 machine.
-fn each_pipe<T: Send, R: Send>(pipes: &mut [RdrPipeline], items: Vec<T>, f: impl Fn(&mut RdrPipeline, T) -> Result<R, ControlError> + Sync) -> Result<Vec<R>, ControlError> {
-    use rayon::prelude::*;
-    if pipes.len() < 2 || rayon::current_num_threads() < 2 {
-        return pipes.iter_mut().zip(items).map(|(p, x)| f(p, x)).collect();
-    }
-    pipes.par_iter_mut().zip(items.into_par_iter()).map(|(p, x)| f(p, x)).collect()
 }
 
 impl Drop for RdrPipeline {

@@ -228,10 +228,18 @@ impl KvCache {
             // (the default write-combined memory is slow for the host to read).
             w.staging = Some(unsafe { self.dev.ctx.alloc_pinned_with_flags::<f32>(end - base, 0) }.map_err(drv("mass window staging"))?);
         }
-        let staging = w.staging.as_mut().expect("allocated above");
-        st.memcpy_dtoh(&w.buf.slice(base..end), staging).map_err(drv("mass window download"))?;
-        // `as_slice` waits for the copy.
-        let host = staging.as_slice().map_err(drv("mass window download"))?;
+        let host = &mut w.staging.as_mut().expect("allocated above").as_mut_slice().map_err(drv("mass window staging"))?[..end - base];
+        {
+            let src = w.buf.slice(base..end);
+            let (ptr, _read) = src.device_ptr(&st);
+            // SAFETY: `host` is page-locked memory of exactly the view's length; the copy is
+            // ordered on the buffer's stream and waited for below before `host` is read.
+            // (cudarc's `memcpy_dtoh` into a `PinnedHostSlice` copies the whole slice, and its
+            // completion event is recorded only under multi-stream tracking.)
+            unsafe { cudarc::driver::result::memcpy_dtoh_async(host, ptr, st.cu_stream()) }.map_err(drv("mass window download"))?;
+        }
+        st.synchronize().map_err(drv("mass window download"))?;
+        let host = &*host;
         let rows: Vec<MassWindowRows> = seqs
             .iter()
             .zip(counts)
