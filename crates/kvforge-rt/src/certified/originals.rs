@@ -67,8 +67,11 @@ impl Originals {
             return Err(RtError::BadInput(format!("tier-2 slot {slot} of {} ({} B page into {} B slots)", self.capacity, original.len(), self.page_bytes)));
         }
         let base = self.slab.as_mut_ptr().map_err(drv("tier-2 slab"))?;
-        // SAFETY: slot < capacity, so [slot * page_bytes, + original.len()) lies in the slab;
-        // `as_mut_ptr` synchronised the slab's last transfer.
+        // SAFETY: slot < capacity, so [slot * page_bytes, + original.len()) lies in the slab.
+        // No copy still reads it: the ladder's page-in copies from the slab are ordered before
+        // the step's output download, which synchronises the stream, and slots are written
+        // between steps. (`as_mut_ptr` waits for nothing: cudarc records the slab's event only
+        // when the context tracks several streams.)
         unsafe { std::ptr::copy_nonoverlapping(original.as_ptr(), base.add(slot * self.page_bytes), original.len()) };
         self.pages.insert(page, errors);
         Ok(())
