@@ -107,11 +107,9 @@ impl Hulls {
             }
             None => Hulls { idx: Vec::new(), rho: Vec::new(), save: Vec::new(), at: Vec::new(), start_cost: 0.0, end_cost: 0.0, rho_max: 0.0 },
         };
-        // `LADDER_MAX` more than the hulls can hold: [`push_ladder`](Self::push_ladder) copies
-        // whole fixed-size arrays and trims them.
-        h.idx.reserve(choices + LADDER_MAX);
-        h.rho.reserve(choices + LADDER_MAX);
-        h.save.reserve(choices + LADDER_MAX);
+        h.idx.reserve(choices);
+        h.rho.reserve(choices);
+        h.save.reserve(choices);
         h.at.reserve(items + 1);
         h.at.push(0);
         h
@@ -145,7 +143,11 @@ impl Hulls {
             panic!("knapsack: choice {c:?} must have finite cost ≥ 0 and finite distortion");
         }
         if ladder && choices.len() <= LADDER_MAX {
-            self.push_ladder(choices);
+            let (mut cost, mut dist) = ([0.0f64; LADDER_MAX], [0.0f64; LADDER_MAX]);
+            for (k, c) in choices.iter().enumerate() {
+                (cost[k], dist[k]) = (c.cost, c.dist);
+            }
+            self.push_ladder(&cost[..choices.len()], &dist[..choices.len()]);
             return;
         }
         // Start: least distortion, ties towards the higher cost (no gratuitous move), then index.
@@ -185,37 +187,58 @@ impl Hulls {
         self.at.push(self.idx.len());
     }
 
-    /// [`push_item`](Self::push_item) for a short ladder (start 0, candidates 1.. in order):
-    /// the same stack and slopes, kept in registers-sized arrays rather than the shared
-    /// vectors (the vector bookkeeping per point was most of a page's hull). Each candidate's
-    /// first slope is to the point just below it on the ladder (the stack's top is always the
-    /// last point pushed), so those slopes are taken up front, side by side, and the stack
-    /// divides again only when it pops. The arrays go into the vectors whole (a copy of
-    /// constant size, no `memcpy` call per item) and the vectors are trimmed to the hull.
-    fn push_ladder(&mut self, choices: &[Choice]) {
-        let slope = |a: usize, b: usize| (choices[b].dist - choices[a].dist) / (choices[a].cost - choices[b].cost);
+    /// [`push_item`](Self::push_item) for a short ladder (start 0, candidates 1.. in order),
+    /// its points given as costs and distortions. Each candidate's first slope is to the point
+    /// just below it on the ladder (the stack's top is always the last point pushed), so those
+    /// slopes are taken up front, side by side. When they do not fall, nothing would pop and
+    /// every point is on the hull: RDKV's pages are all such (ε is convex in the bytes), and
+    /// they skip the stack and go into the vectors straight (writing small arrays and
+    /// copying them whole stalled on store forwarding: a third of RDKV's decision).
+    fn push_ladder(&mut self, cost: &[f64], dist: &[f64]) {
+        let n = cost.len();
+        debug_assert!(n == dist.len() && (1..=LADDER_MAX).contains(&n));
         let mut next = [0.0f64; LADDER_MAX];
-        for (k, w) in choices.windows(2).enumerate() {
-            next[k] = (w[1].dist - w[0].dist) / (w[0].cost - w[1].cost);
+        for k in 0..n - 1 {
+            next[k] = (dist[k + 1] - dist[k]) / (cost[k] - cost[k + 1]);
         }
-        let (mut idx, mut rho, mut save) = ([0u32; LADDER_MAX], [0.0f64; LADDER_MAX], [0.0f64; LADDER_MAX]);
-        let top = hull_stack(&mut idx, &mut rho, 1..choices.len(), |_, p| next[p - 1], slope);
+        let next = &next[..n - 1];
+        if next.windows(2).any(|w| w[0] > w[1]) {
+            return self.push_ladder_stack(cost, dist, next);
+        }
+        // What the stack leaves when nothing pops (see `hull_stack`), prices clamped at 0.
+        self.idx.extend(0..n as u32);
         let mut most = 0.0f64;
-        for k in 0..top {
-            rho[k] = rho[k].max(0.0);
-            most = most.max(rho[k]);
-            save[k] = choices[idx[k] as usize].cost - choices[idx[k + 1] as usize].cost;
+        self.rho.extend(next.iter().map(|&r| {
+            let r = r.max(0.0);
+            most = most.max(r);
+            r
+        }));
+        self.save.extend(cost.windows(2).map(|w| w[0] - w[1]));
+        self.rho_max = self.rho_max.max(most);
+        self.start_cost += cost[0];
+        self.end_cost += cost[n - 1];
+        self.at.push(self.idx.len());
+    }
+
+    /// [`push_ladder`](Self::push_ladder) of a ladder whose first slopes `next` fall somewhere:
+    /// the stack, in register-sized arrays, trimmed into the vectors.
+    fn push_ladder_stack(&mut self, cost: &[f64], dist: &[f64], next: &[f64]) {
+        let n = cost.len();
+        let slope = |a: usize, b: usize| (dist[b] - dist[a]) / (cost[a] - cost[b]);
+        let (mut idx, mut rho) = ([0u32; LADDER_MAX], [0.0f64; LADDER_MAX]);
+        let top = hull_stack(&mut idx, &mut rho, 1..n, |_, p| next[p - 1], slope);
+        let idx = &idx[..=top];
+        let mut most = 0.0f64;
+        for r in &mut rho[..top] {
+            *r = r.max(0.0);
+            most = most.max(*r);
         }
         self.rho_max = self.rho_max.max(most);
-        let (i, r) = (self.idx.len(), self.rho.len());
-        self.idx.extend_from_slice(&idx);
-        self.idx.truncate(i + top + 1);
-        self.rho.extend_from_slice(&rho);
-        self.rho.truncate(r + top);
-        self.save.extend_from_slice(&save);
-        self.save.truncate(r + top);
-        self.start_cost += choices[0].cost;
-        self.end_cost += choices[idx[top] as usize].cost;
+        self.idx.extend_from_slice(idx);
+        self.rho.extend_from_slice(&rho[..top]);
+        self.save.extend(idx.windows(2).map(|w| cost[w[0] as usize] - cost[w[1] as usize]));
+        self.start_cost += cost[0];
+        self.end_cost += cost[idx[top] as usize];
         self.at.push(self.idx.len());
     }
 
@@ -411,8 +434,29 @@ impl GroupHulls {
     ///
     /// # Panics
     /// As [`solve`] does, on an item without choices or a non-finite or negative choice.
+    #[cfg(test)]
     pub fn push_item(&mut self, choices: &[Choice]) {
         self.hulls.push_item(choices, &mut self.rest);
+    }
+
+    /// [`push_item`](Self::push_item) of the choices `(cost[k], dist[k])`, without writing
+    /// them out first: a caller that computes a page's ladder (RDKV, every page of a 32K
+    /// context) hands its two arrays straight to the hull. Choices that are not a short
+    /// ladder take `push_item`'s general path (and its panics), as there.
+    pub fn push_points(&mut self, cost: &[f64], dist: &[f64]) {
+        assert_eq!(cost.len(), dist.len(), "knapsack: one distortion per cost");
+        let n = cost.len();
+        let valid = |c: f64, d: f64| c.is_finite() & d.is_finite() & (c >= 0.0);
+        let mut ladder = n > 0 && n <= LADDER_MAX && valid(cost[0], dist[0]);
+        for k in 1..n {
+            ladder &= valid(cost[k], dist[k]) & (cost[k] < cost[k - 1]) & (dist[k] >= dist[0]);
+        }
+        if ladder {
+            self.hulls.push_ladder(cost, dist);
+        } else {
+            let choices: Vec<Choice> = cost.iter().zip(dist).map(|(&c, &d)| Choice::new(c, d)).collect();
+            self.hulls.push_item(&choices, &mut self.rest);
+        }
     }
 
     /// Closes the open group: the items pushed since the last close form one problem.
@@ -456,7 +500,7 @@ std::thread_local! {
 
 /// Ladders of at most this many choices take [`Hulls::push_ladder`] (a kvforge ladder has 5
 /// tiers below the tail).
-const LADDER_MAX: usize = 8;
+pub(crate) const LADDER_MAX: usize = 8;
 
 /// One hull step on the greedy path: `(ρ, item, step, bytes saved)`.
 type Move = (f64, u32, u32, f64);
@@ -830,6 +874,35 @@ mod tests {
                 proptest::prop_assert_eq!(bits(&got), bits(&want));
                 proptest::prop_assert_eq!(got.feasible, want.feasible);
             }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 200, ..Default::default() })]
+
+        /// Items handed over as cost and distortion arrays ([`GroupHulls::push_points`], the
+        /// ladder path RDKV poses through, or the general path for the others) get the hulls,
+        /// prices, savings and sums [`GroupHulls::push_item`] gives them, bit for bit.
+        #[test]
+        fn push_points_poses_as_push_item(items in mixed_items(), long in long_item()) {
+            let mut items = items;
+            items.push(long);
+            let (mut by_item, mut by_points) = (GroupHulls::with_capacity(items.len(), 0), GroupHulls::with_capacity(items.len(), 0));
+            for it in &items {
+                by_item.push_item(it);
+                let (cost, dist): (Vec<f64>, Vec<f64>) = it.iter().map(|c| (c.cost, c.dist)).unzip();
+                by_points.push_points(&cost, &dist);
+            }
+            by_item.close_group();
+            by_points.close_group();
+            let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let (a, b) = (&by_item.hulls, &by_points.hulls);
+            proptest::prop_assert_eq!(&a.idx, &b.idx);
+            proptest::prop_assert_eq!(&a.at, &b.at);
+            proptest::prop_assert_eq!(bits(&a.rho), bits(&b.rho));
+            proptest::prop_assert_eq!(bits(&a.save), bits(&b.save));
+            let sums = |g: &GroupHulls| g.groups.iter().map(|x| [x.1, x.2, x.3].map(f64::to_bits)).collect::<Vec<_>>();
+            proptest::prop_assert_eq!(sums(&by_item), sums(&by_points));
         }
     }
 

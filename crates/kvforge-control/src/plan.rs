@@ -3,7 +3,8 @@
 use kvforge_spec::TierId;
 
 use crate::budget::{Budget, TierCosts};
-use crate::knapsack::{self, Choice, GroupHulls, Solution};
+use crate::distortion::{PageDistortion, Weights};
+use crate::knapsack::{self, Choice, GroupHulls, Solution, LADDER_MAX};
 use crate::protect::Protection;
 use crate::signal::{PageId, PageInfo, PageTableView};
 
@@ -167,6 +168,31 @@ impl Problem {
     }
 }
 
+/// The distortion of every page of a view at every tier: page `index` of kv head `head` at
+/// tier `t` costs `pages.page(weights[offset[head] + index], t)` ([`PageDistortion::page`]).
+/// Posing reads a page's weights once for all its tiers, from its head's slice, with the
+/// table in registers (a closure `(head, index, tier) → f64`, called per tier and not
+/// inlined, looked the weights up again for every tier).
+#[derive(Clone, Copy)]
+pub(crate) struct ViewDistortion<'a> {
+    pub pages: PageDistortion<'a>,
+    /// Every page's weights in view order (heads in turn).
+    pub weights: &'a [Weights],
+    /// Where each head's pages start in `weights`.
+    pub offset: &'a [usize],
+}
+
+impl<'a> ViewDistortion<'a> {
+    /// The weights of head `head`'s pages, in page order.
+    pub fn head(&self, head: usize) -> &'a [Weights] {
+        &self.weights[self.offset[head]..]
+    }
+
+    pub fn page(&self, id: PageId, tier: TierId) -> f64 {
+        self.pages.page(self.head(id.head)[id.index], tier)
+    }
+}
+
 /// Every kv head's [`Problem`] of a view as hulls, built in one pass without storing the
 /// problems (one set of vectors for all heads, not one per head; and no choices or tier
 /// lists: at 32K tokens × 8 kv heads, writing every page's options out and reading them back
@@ -189,13 +215,14 @@ pub(crate) struct HeadHulls {
 
 impl HeadHulls {
     /// [`Problem::build_head_allowed`] for every head in one pass, straight into hulls: page
-    /// `index` of head `head` at tier `t` has distortion `dist(head, index, t)`. Each head's
+    /// `index` of head `head` at tier `t` has distortion `dist.page(head, index, t)`. Each head's
     /// items, choices and fixed cost are those `build_head_allowed` poses, and `min_cost[h]`
     /// sums, page by page in order, the least cost over the tiers `protection` allows.
-    pub fn build_allowed(view: &PageTableView, protection: &Protection, dist: impl Fn(usize, usize, TierId) -> f64) -> HeadHulls {
+    pub fn build_allowed(view: &PageTableView, protection: &Protection, dist: ViewDistortion) -> HeadHulls {
         let mut out = HeadHulls::empty(view, 0, view.num_pages());
+        let allowed = Allowed::new(view, protection);
         for head in 0..view.heads.len() {
-            out.push_head(view, head, protection, &dist);
+            out.push_head(view, head, &allowed, dist);
         }
         out
     }
@@ -203,19 +230,17 @@ impl HeadHulls {
     /// [`build_allowed`](Self::build_allowed) of head `head` alone (its `fixed` and
     /// `min_cost` are entry 0): what a pool thread builds, so that the heads' hulls are built
     /// side by side and not only solved side by side.
-    pub fn build_head(view: &PageTableView, head: usize, protection: &Protection, dist: impl Fn(usize, usize, TierId) -> f64) -> HeadHulls {
+    pub fn build_head(view: &PageTableView, head: usize, protection: &Protection, dist: ViewDistortion) -> HeadHulls {
         let mut out = HeadHulls::empty(view, head, view.heads[head].len());
-        out.push_head(view, head, protection, &dist);
+        out.push_head(view, head, &Allowed::new(view, protection), dist);
         out
     }
 
     /// Every head's `min_cost` as [`build_allowed`](Self::build_allowed) sums it, without
     /// posing anything: what the budget split needs before the heads are posed on the pool.
     pub fn least_costs(view: &PageTableView, protection: &Protection) -> Vec<f64> {
-        view.heads
-            .iter()
-            .map(|pages| pages.iter().fold(-0.0f64, |sum, page| sum + allowed_costs(page, view.context_tokens, protection, &view.costs).fold(f64::INFINITY, |m, (_, c)| m.min(c))))
-            .collect()
+        let allowed = Allowed::new(view, protection);
+        view.heads.iter().map(|pages| pages.iter().fold(-0.0f64, |sum, page| sum + allowed.least_cost(page))).collect()
     }
 
     fn empty(view: &PageTableView, first_head: usize, pages: usize) -> HeadHulls {
@@ -230,22 +255,36 @@ impl HeadHulls {
         }
     }
 
-    /// Poses head `head`'s problem as the next group of hulls.
-    fn push_head(&mut self, view: &PageTableView, head: usize, protection: &Protection, dist: &impl Fn(usize, usize, TierId) -> f64) {
+    /// Poses head `head`'s problem as the next group of hulls. A page that can move is full,
+    /// so its options cost the full pages' bytes of its tiers, and the page's ladder goes to
+    /// the hulls as two short arrays (no vector of options per page).
+    fn push_head(&mut self, view: &PageTableView, head: usize, allowed: &Allowed, dist: ViewDistortion) {
         let costs = &view.costs;
-        let mut options: Vec<Choice> = Vec::with_capacity(costs.tiers.len());
+        let (table, weights) = (dist.pages, dist.head(head));
         // The fixed cost starts at 0 as `build_head_allowed`'s does; the least costs are
         // summed as `Iterator::sum` sums them (from −0.0).
         let (mut fixed, mut min_cost) = (0.0f64, -0.0f64);
         for (index, page) in view.heads[head].iter().enumerate() {
-            let least = page_options(page, view.context_tokens, protection, costs, |t| dist(head, index, t), &mut options);
-            min_cost += least;
-            if options.len() <= 1 {
+            let (first, count) = allowed.span(page);
+            if count <= 1 {
+                // Its own tier or nothing (a protected page in the drop tier): fixed.
+                min_cost += if count == 1 { f64::INFINITY.min(costs.cost(first, page.tokens)) } else { f64::INFINITY };
                 fixed += costs.cost(page.tier, page.tokens);
-            } else {
-                self.hulls.push_item(&options);
-                self.pages.push(index as u32);
+                continue;
             }
+            let cost = &self.full_cost[first as usize..first as usize + count];
+            min_cost += cost.iter().fold(f64::INFINITY, |m, &c| m.min(c));
+            let w = weights[index];
+            if count <= LADDER_MAX {
+                let mut d = [0.0f64; LADDER_MAX];
+                for (k, x) in d[..count].iter_mut().enumerate() {
+                    *x = table.page(w, first + k as TierId);
+                }
+                self.hulls.push_points(cost, &d[..count]);
+            } else {
+                self.hulls.push_points(cost, &(first..first + count as TierId).map(|t| table.page(w, t)).collect::<Vec<f64>>());
+            }
+            self.pages.push(index as u32);
         }
         self.hulls.close_group();
         self.fixed.push(fixed);
@@ -255,16 +294,17 @@ impl HeadHulls {
     /// Solves head `h` for `budget` bytes (its fixed pages included) and appends its tier
     /// changes to `decisions`, in page order (what [`Problem::solve`] lists for the head);
     /// `dist` is the one the hulls were built with.
-    pub fn solve_head(&self, view: &PageTableView, h: usize, budget: f64, dist: impl Fn(usize, usize, TierId) -> f64, decisions: &mut Vec<Decision>) -> Solution {
+    pub fn solve_head(&self, view: &PageTableView, h: usize, budget: f64, dist: ViewDistortion, decisions: &mut Vec<Decision>) -> Solution {
         let pages = &view.heads[h][..];
+        let (table, weights) = (dist.pages, dist.head(h));
         let g = h - self.first_head;
         let items = &self.pages[self.hulls.items(g)];
         let full_cost = &self.full_cost[..];
-        // Option k of a page is k tiers below its own (see `page_options`).
+        // Option k of a page is k tiers below its own (see `Allowed::span`).
         let choice = move |i: usize, k: usize| {
             let index = items[i] as usize;
             let t = pages[index].tier + k as TierId;
-            Choice::new(full_cost[t as usize], dist(h, index, t))
+            Choice::new(full_cost[t as usize], table.page(weights[index], t))
         };
         let s = self.hulls.solve_group(g, budget - self.fixed[g], choice);
         for (&index, &pick) in items.iter().zip(&s.pick) {
@@ -282,31 +322,51 @@ impl HeadHulls {
     }
 }
 
-/// Writes the options of one page into `out` (the tiers `protection` allows, current first,
-/// at their cost and `dist(tier)`) and returns the least of their costs (∞ when none). The
-/// tiers are consecutive from the page's own (a protected page skips only the drop tier,
-/// which the spec puts last), so option k is tier `page.tier + k`.
-fn page_options(page: &PageInfo, context_tokens: usize, protection: &Protection, costs: &TierCosts, dist: impl Fn(TierId) -> f64, out: &mut Vec<Choice>) -> f64 {
-    out.clear();
-    let mut least = f64::INFINITY;
-    for (t, c) in allowed_costs(page, context_tokens, protection, costs) {
-        least = least.min(c);
-        out.push(Choice::new(c, dist(t)));
-    }
-    least
+/// The tiers `protection` allows every page of a view ([`Protection::allowed_tiers`]), as a
+/// span `first..first + count` of consecutive tiers: the page's own tier down to its lowest
+/// allowed one, a protected page stopping above the drop tier (the spec puts it last). What
+/// the span depends on besides the page (the lowest live tier: a scan of the tiers in
+/// [`Protection::guard`]) is read once per view, not once per page.
+pub(crate) struct Allowed<'a> {
+    costs: &'a TierCosts,
+    protection: Protection,
+    context_tokens: usize,
+    /// The floor of protected pages, clamped to the lowest live tier.
+    floor: TierId,
+    last: TierId,
 }
 
-/// The tiers a page may take (current first, down the ladder) with their costs: the options of
-/// [`page_options`] without their distortions.
-fn allowed_costs<'a>(page: &'a PageInfo, context_tokens: usize, protection: &Protection, costs: &'a TierCosts) -> impl Iterator<Item = (TierId, f64)> + 'a {
-    let (lowest, no_drop) = protection.allowed_span(page, context_tokens, costs);
-    (page.tier..=lowest)
-        .filter(move |&t| {
-            let skip = no_drop && costs.tiers[t as usize].drop;
-            assert!(!skip || t == lowest, "the drop tier must be the last of the ladder");
-            !skip
-        })
-        .map(move |t| (t, costs.cost(t, page.tokens)))
+impl<'a> Allowed<'a> {
+    pub fn new(view: &'a PageTableView, protection: &Protection) -> Allowed<'a> {
+        let costs = &view.costs;
+        Allowed { costs, protection: *protection, context_tokens: view.context_tokens, floor: protection.floor.min(costs.lowest_live()), last: costs.tiers.len() as TierId - 1 }
+    }
+
+    /// `(first, count)`: the page may take tiers `first..first + count`, current first (the
+    /// tiers of [`Protection::allowed_tiers`]; a fixed page has its own tier alone).
+    ///
+    /// # Panics
+    /// If a protected page's span holds a drop tier other than its last.
+    #[inline]
+    pub fn span(&self, page: &PageInfo) -> (TierId, usize) {
+        let costs = self.costs;
+        if !page.movable(costs.page_tokens) || !costs.contains(page.tier) {
+            return (page.tier, 1);
+        }
+        if !self.protection.protects(page, self.context_tokens) {
+            return (page.tier, usize::from(self.last - page.tier) + 1);
+        }
+        let lowest = self.floor.max(page.tier);
+        let drop = |t: TierId| costs.tiers[t as usize].drop;
+        assert!(!(page.tier..lowest).any(drop), "the drop tier must be the last of the ladder");
+        (page.tier, usize::from(lowest - page.tier) + usize::from(!drop(lowest)))
+    }
+
+    /// The least cost over the tiers the page may take (∞ when none).
+    pub fn least_cost(&self, page: &PageInfo) -> f64 {
+        let (first, count) = self.span(page);
+        (first..first + count as TierId).fold(f64::INFINITY, |m, t| m.min(self.costs.cost(t, page.tokens)))
+    }
 }
 
 /// Assembles a plan: costs and predicted distortions before and after.
@@ -344,6 +404,36 @@ pub(crate) fn assemble(view: &PageTableView, decisions: Vec<Decision>, budget_by
 mod tests {
     use super::*;
     use crate::budget::{CostModel, TierCosts};
+
+    proptest::proptest! {
+        /// [`Allowed::span`] (what RDKV poses from) lists the tiers
+        /// [`Protection::allowed_tiers`] lists, and [`Allowed::least_cost`] is their least
+        /// cost, bit for bit: free, protected (floors above, at and below the page's tier,
+        /// past the drop tier), pinned, tail, partial and dropped pages, both cost models.
+        #[test]
+        fn allowed_span_lists_the_allowed_tiers(
+            pages in proptest::collection::vec((0u8..6, 1usize..=64, proptest::prelude::any::<bool>(), 0usize..40), 1..60),
+            floor in 0u8..7,
+            sink in 0usize..100,
+            recent in 0usize..300,
+            payload in proptest::prelude::any::<bool>(),
+        ) {
+            let spec = kvforge_spec::Spec::load(concat!(env!("CARGO_MANIFEST_DIR"), "/../../specs/rdkv.toml").as_ref()).expect("rdkv spec");
+            let costs = TierCosts::from_spec(&spec, 128, if payload { CostModel::Payload } else { CostModel::Resident });
+            let p = costs.page_tokens;
+            let infos: Vec<PageInfo> = pages.iter().map(|&(tier, tokens, pinned, at)| PageInfo { tier, tokens, first_token: at * p, last_token: at * p + tokens - 1, mass: 0.0, token_mass: None, pinned }).collect();
+            let view = PageTableView { seq: 0, context_tokens: 40 * p, heads: vec![infos], costs };
+            let protection = Protection { sink_tokens: sink, recent_tokens: recent, floor };
+            let allowed = Allowed::new(&view, &protection);
+            for page in &view.heads[0] {
+                let want: Vec<TierId> = protection.allowed_tiers(page, view.context_tokens, &view.costs).collect();
+                let (first, count) = allowed.span(page);
+                proptest::prop_assert_eq!((first..first + count as TierId).collect::<Vec<_>>(), want.clone(), "{:?}", page);
+                let least = want.iter().fold(f64::INFINITY, |m, &t| m.min(view.costs.cost(t, page.tokens)));
+                proptest::prop_assert_eq!(allowed.least_cost(page).to_bits(), least.to_bits());
+            }
+        }
+    }
 
     /// The in-place builder poses the problem the generic one does with the same options:
     /// free, protected (sinks, recent, pinned; floors above and below the page's tier) and
