@@ -187,6 +187,46 @@ impl Hulls {
         self.at.push(self.idx.len());
     }
 
+    /// [`push_ladder`](Self::push_ladder) of a ladder of `N` points whose slopes do not fall
+    /// (nothing would pop from [`hull_stack`]: every point is on the hull), for `N` known when
+    /// compiling; the same checks, slopes and sums. Returns false, with nothing pushed, when
+    /// the choices are not such a ladder.
+    #[inline(always)]
+    fn push_convex<const N: usize>(&mut self, cost: &[f64; N], dist: &[f64; N]) -> bool {
+        /// The hull's choice indices when every point is on it.
+        const ALL: [u32; LADDER_MAX] = [0, 1, 2, 3, 4, 5, 6, 7];
+        if N < 2 || N > LADDER_MAX {
+            return false;
+        }
+        let valid = |c: f64, d: f64| c.is_finite() & d.is_finite() & (c >= 0.0);
+        let (mut slope, mut save) = ([0.0f64; N], [0.0f64; N]);
+        let mut ok = valid(cost[0], dist[0]);
+        for k in 1..N {
+            save[k - 1] = cost[k - 1] - cost[k];
+            slope[k - 1] = (dist[k] - dist[k - 1]) / save[k - 1];
+            ok &= valid(cost[k], dist[k]) & (cost[k] < cost[k - 1]) & (dist[k] >= dist[0]);
+        }
+        for k in 1..N - 1 {
+            ok &= !(slope[k - 1] > slope[k]);
+        }
+        if !ok {
+            return false;
+        }
+        let mut most = 0.0f64;
+        for r in &mut slope[..N - 1] {
+            *r = r.max(0.0);
+            most = most.max(*r);
+        }
+        self.idx.extend_from_slice(&ALL[..N]);
+        self.rho.extend_from_slice(&slope[..N - 1]);
+        self.save.extend_from_slice(&save[..N - 1]);
+        self.rho_max = self.rho_max.max(most);
+        self.start_cost += cost[0];
+        self.end_cost += cost[N - 1];
+        self.at.push(self.idx.len());
+        true
+    }
+
     /// [`push_item`](Self::push_item) for a short ladder (start 0, candidates 1.. in order),
     /// its points given as costs and distortions. Each candidate's first slope is to the point
     /// just below it on the ladder (the stack's top is always the last point pushed), so those
@@ -437,6 +477,18 @@ impl GroupHulls {
     #[cfg(test)]
     pub fn push_item(&mut self, choices: &[Choice]) {
         self.hulls.push_item(choices, &mut self.rest);
+    }
+
+    /// [`push_points`](Self::push_points) of a ladder of a length known when compiling (RDKV
+    /// dispatches on a page's tier count): every loop unrolls, the page's points, slopes and
+    /// savings stay in registers and go into the vectors as constant-size copies. Written for
+    /// a run-time length, the points went through small arrays on the stack that were read
+    /// back as vectors and stalled on store forwarding (most of RDKV's posing).
+    #[inline(always)]
+    pub fn push_array<const N: usize>(&mut self, cost: &[f64; N], dist: &[f64; N]) {
+        if !self.hulls.push_convex::<N>(cost, dist) {
+            self.push_points(cost, dist);
+        }
     }
 
     /// [`push_item`](Self::push_item) of the choices `(cost[k], dist[k])`, without writing
@@ -880,29 +932,44 @@ mod tests {
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig { cases: 200, ..Default::default() })]
 
-        /// Items handed over as cost and distortion arrays ([`GroupHulls::push_points`], the
-        /// ladder path RDKV poses through, or the general path for the others) get the hulls,
-        /// prices, savings and sums [`GroupHulls::push_item`] gives them, bit for bit.
+        /// Items handed over as cost and distortion arrays ([`GroupHulls::push_points`], and
+        /// [`GroupHulls::push_array`] for the lengths RDKV dispatches on: the ladder paths it
+        /// poses through, or the general path for the others) get the hulls, prices, savings
+        /// and sums [`GroupHulls::push_item`] gives them, bit for bit.
         #[test]
         fn push_points_poses_as_push_item(items in mixed_items(), long in long_item()) {
+            fn array<const N: usize>(g: &mut GroupHulls, cost: &[f64], dist: &[f64]) {
+                g.push_array::<N>(cost.try_into().unwrap(), dist.try_into().unwrap());
+            }
             let mut items = items;
             items.push(long);
-            let (mut by_item, mut by_points) = (GroupHulls::with_capacity(items.len(), 0), GroupHulls::with_capacity(items.len(), 0));
+            let mut by_item = GroupHulls::with_capacity(items.len(), 0);
+            let (mut by_points, mut by_array) = (GroupHulls::with_capacity(items.len(), 0), GroupHulls::with_capacity(items.len(), 0));
             for it in &items {
                 by_item.push_item(it);
                 let (cost, dist): (Vec<f64>, Vec<f64>) = it.iter().map(|c| (c.cost, c.dist)).unzip();
                 by_points.push_points(&cost, &dist);
+                match it.len() {
+                    2 => array::<2>(&mut by_array, &cost, &dist),
+                    3 => array::<3>(&mut by_array, &cost, &dist),
+                    4 => array::<4>(&mut by_array, &cost, &dist),
+                    5 => array::<5>(&mut by_array, &cost, &dist),
+                    6 => array::<6>(&mut by_array, &cost, &dist),
+                    _ => by_array.push_points(&cost, &dist),
+                }
             }
-            by_item.close_group();
-            by_points.close_group();
             let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            let (a, b) = (&by_item.hulls, &by_points.hulls);
-            proptest::prop_assert_eq!(&a.idx, &b.idx);
-            proptest::prop_assert_eq!(&a.at, &b.at);
-            proptest::prop_assert_eq!(bits(&a.rho), bits(&b.rho));
-            proptest::prop_assert_eq!(bits(&a.save), bits(&b.save));
             let sums = |g: &GroupHulls| g.groups.iter().map(|x| [x.1, x.2, x.3].map(f64::to_bits)).collect::<Vec<_>>();
-            proptest::prop_assert_eq!(sums(&by_item), sums(&by_points));
+            by_item.close_group();
+            for mut g in [by_points, by_array] {
+                g.close_group();
+                let (a, b) = (&by_item.hulls, &g.hulls);
+                proptest::prop_assert_eq!(&a.idx, &b.idx);
+                proptest::prop_assert_eq!(&a.at, &b.at);
+                proptest::prop_assert_eq!(bits(&a.rho), bits(&b.rho));
+                proptest::prop_assert_eq!(bits(&a.save), bits(&b.save));
+                proptest::prop_assert_eq!(sums(&by_item), sums(&g));
+            }
         }
     }
 

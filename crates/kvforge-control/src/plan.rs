@@ -4,7 +4,7 @@ use kvforge_spec::TierId;
 
 use crate::budget::{Budget, TierCosts};
 use crate::distortion::{PageDistortion, Weights};
-use crate::knapsack::{self, Choice, GroupHulls, Solution, LADDER_MAX};
+use crate::knapsack::{self, Choice, GroupHulls, Solution};
 use crate::protect::Protection;
 use crate::signal::{PageId, PageInfo, PageTableView};
 
@@ -274,15 +274,14 @@ impl HeadHulls {
             }
             let cost = &self.full_cost[first as usize..first as usize + count];
             min_cost += cost.iter().fold(f64::INFINITY, |m, &c| m.min(c));
-            let w = weights[index];
-            if count <= LADDER_MAX {
-                let mut d = [0.0f64; LADDER_MAX];
-                for (k, x) in d[..count].iter_mut().enumerate() {
-                    *x = table.page(w, first + k as TierId);
-                }
-                self.hulls.push_points(cost, &d[..count]);
-            } else {
-                self.hulls.push_points(cost, &(first..first + count as TierId).map(|t| table.page(w, t)).collect::<Vec<f64>>());
+            let dist = |k: usize| table.page(weights[index], first + k as TierId);
+            match count {
+                2 => push_ladder::<2>(&mut self.hulls, cost, dist),
+                3 => push_ladder::<3>(&mut self.hulls, cost, dist),
+                4 => push_ladder::<4>(&mut self.hulls, cost, dist),
+                5 => push_ladder::<5>(&mut self.hulls, cost, dist),
+                6 => push_ladder::<6>(&mut self.hulls, cost, dist),
+                _ => self.hulls.push_points(cost, &(0..count).map(dist).collect::<Vec<f64>>()),
             }
             self.pages.push(index as u32);
         }
@@ -320,6 +319,15 @@ impl HeadHulls {
     pub fn recycle(self) {
         self.hulls.recycle();
     }
+}
+
+/// A page's ladder of `N` tiers (costs `cost`, distortions `dist(k)`) into the hulls as arrays
+/// of a length known when compiling ([`GroupHulls::push_array`]): `push_head` dispatches on
+/// the tier count, up to 6 tiers (RDKV's ladder has 5).
+#[inline(always)]
+fn push_ladder<const N: usize>(hulls: &mut GroupHulls, cost: &[f64], dist: impl Fn(usize) -> f64) {
+    let cost: &[f64; N] = cost.try_into().expect("a ladder of N tiers");
+    hulls.push_array(cost, &std::array::from_fn(dist));
 }
 
 /// The tiers `protection` allows every page of a view ([`Protection::allowed_tiers`]), as a
