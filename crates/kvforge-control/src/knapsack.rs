@@ -393,10 +393,27 @@ impl HullSpan<'_> {
     }
 }
 
+/// Choice `k` of item `i` of a problem, as its hulls were built from: the solution's sums
+/// read the choices again rather than the hulls storing them. Any `Fn(i, k) -> Choice` is
+/// one; a caller that computes choices (RDKV) implements it on a struct whose method is
+/// inlined into the sums, which a closure was not (its call spilled the running sums
+/// around every item).
+pub(crate) trait ItemChoices {
+    fn choice(&self, item: usize, k: usize) -> Choice;
+}
+
+impl<F: Fn(usize, usize) -> Choice> ItemChoices for F {
+    #[inline(always)]
+    fn choice(&self, item: usize, k: usize) -> Choice {
+        self(item, k)
+    }
+}
+
 /// Solves the items of `hulls` for `budget`; `choice(i, k)` is choice `k` of item `i` (the
 /// choices the hulls were built from: the solution's sums read them again rather than the
 /// hulls storing them).
-fn solve_span(hulls: &HullSpan, budget: f64, choice: impl Fn(usize, usize) -> Choice) -> Solution {
+fn solve_span(hulls: &HullSpan, budget: f64, choices: impl ItemChoices) -> Solution {
+    let choice = |i: usize, k: usize| choices.choice(i, k);
     let n = hulls.len();
     let at0 = hulls.at[0];
     let finish = |steps: Vec<usize>, lambda: f64, feasible: bool, iterations: usize| -> Solution {
@@ -526,7 +543,7 @@ impl GroupHulls {
 
     /// Solves group `g` for `budget`, as [`solve_flat`] solves its items alone; `choice(i, k)`
     /// is choice `k` of the group's item `i` (counted from the group's first), as pushed.
-    pub fn solve_group(&self, g: usize, budget: f64, choice: impl Fn(usize, usize) -> Choice) -> Solution {
+    pub fn solve_group(&self, g: usize, budget: f64, choice: impl ItemChoices) -> Solution {
         let r = self.items(g);
         let h = &self.hulls;
         let at = &h.at[r.start..=r.end];
@@ -609,14 +626,8 @@ fn prefix(hulls: &HullSpan, need: f64) -> (Vec<usize>, f64, usize) {
     // The bucket where the prefix ends (the last one if rounding keeps the sum short of
     // `need`: then the whole path is the prefix, as in `select_end`), and what the buckets
     // before it save.
-    let (mut acc, mut end_bucket) = (0.0f64, last);
-    for (k, &s) in saved[..last].iter().enumerate() {
-        if acc + s >= need {
-            end_bucket = k;
-            break;
-        }
-        acc += s;
-    }
+    let (acc, end_bucket) = end_of_prefix(&saved[..last], need);
+    let end_bucket = end_bucket.unwrap_or(last);
     let end_bucket = end_bucket as u16;
     let mut steps = vec![0usize; n];
     let mut moves: Vec<Move> = Vec::new();
@@ -640,6 +651,28 @@ fn prefix(hulls: &HullSpan, need: f64) -> (Vec<usize>, f64, usize) {
     }
     let lambda = moves[..end].last().map_or(0.0, |m| m.0);
     (steps, lambda, 1 + rounds)
+}
+
+/// The first bucket `k` where the running sum of `saved` reaches `need > 0` (None when the
+/// sum stays short), with the sum of the buckets before it (of all when short). The sum only moves at
+/// buckets that hold moves, so the empty ones are skipped 64 at a time (adding 0 to a sum of
+/// savings changes nothing, and a sum short of `need` stays short): the running sum is a
+/// chain of dependent additions, and walking it over every one of 2¹¹ mostly empty buckets
+/// was half of [`prefix`].
+fn end_of_prefix(saved: &[f64], need: f64) -> (f64, Option<usize>) {
+    let mut acc = 0.0f64;
+    for (w, chunk) in saved.chunks(64).enumerate() {
+        let mut held = chunk.iter().enumerate().fold(0u64, |m, (k, &s)| m | u64::from(s != 0.0) << k);
+        while held != 0 {
+            let k = w * 64 + held.trailing_zeros() as usize;
+            if acc + saved[k] >= need {
+                return (acc, Some(k));
+            }
+            acc += saved[k];
+            held &= held - 1;
+        }
+    }
+    (acc, None)
 }
 
 /// The weighted quickselect: reorders `moves` so that `moves[..end]` are the first `end` in
@@ -920,7 +953,7 @@ mod tests {
                 let top: f64 = group.iter().map(|c| c[0].cost).sum();
                 let budget = (fracs[k % fracs.len()] * top).round();
                 let want = solve_flat(&choices, &start, budget);
-                let got = g.solve_group(k, budget, |i, c| group[i][c]);
+                let got = g.solve_group(k, budget, |i: usize, c: usize| group[i][c]);
                 let bits = |s: &Solution| [s.cost, s.dist, s.lambda, s.dual, s.gap].map(f64::to_bits);
                 proptest::prop_assert_eq!(&got.pick, &want.pick);
                 proptest::prop_assert_eq!(bits(&got), bits(&want));

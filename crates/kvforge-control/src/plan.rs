@@ -298,14 +298,8 @@ impl HeadHulls {
         let (table, weights) = (dist.pages, dist.head(h));
         let g = h - self.first_head;
         let items = &self.pages[self.hulls.items(g)];
-        let full_cost = &self.full_cost[..];
-        // Option k of a page is k tiers below its own (see `Allowed::span`).
-        let choice = move |i: usize, k: usize| {
-            let index = items[i] as usize;
-            let t = pages[index].tier + k as TierId;
-            Choice::new(full_cost[t as usize], table.page(weights[index], t))
-        };
-        let s = self.hulls.solve_group(g, budget - self.fixed[g], choice);
+        let choices = PageChoices { items, pages, full_cost: &self.full_cost, table, weights };
+        let s = self.hulls.solve_group(g, budget - self.fixed[g], choices);
         for (&index, &pick) in items.iter().zip(&s.pick) {
             if pick != 0 {
                 let from = pages[index as usize].tier;
@@ -328,6 +322,26 @@ impl HeadHulls {
 fn push_ladder<const N: usize>(hulls: &mut GroupHulls, cost: &[f64], dist: impl Fn(usize) -> f64) {
     let cost: &[f64; N] = cost.try_into().expect("a ladder of N tiers");
     hulls.push_array(cost, &std::array::from_fn(dist));
+}
+
+/// The options of one head's movable pages as [`HeadHulls::solve_head`] reads them back:
+/// option `k` of item `i` (page `items[i]`) is `k` tiers below the page's own (see
+/// [`Allowed::span`]), at a full page's bytes and the page's distortion.
+struct PageChoices<'a> {
+    items: &'a [u32],
+    pages: &'a [PageInfo],
+    full_cost: &'a [f64],
+    table: PageDistortion<'a>,
+    weights: &'a [Weights],
+}
+
+impl knapsack::ItemChoices for PageChoices<'_> {
+    #[inline(always)]
+    fn choice(&self, item: usize, k: usize) -> Choice {
+        let index = self.items[item] as usize;
+        let t = self.pages[index].tier + k as TierId;
+        Choice::new(self.full_cost[t as usize], self.table.page(self.weights[index], t))
+    }
 }
 
 /// The tiers `protection` allows every page of a view ([`Protection::allowed_tiers`]), as a
