@@ -188,6 +188,7 @@ impl<'a> ViewDistortion<'a> {
         &self.weights[self.offset[head]..]
     }
 
+    #[inline(always)]
     pub fn page(&self, id: PageId, tier: TierId) -> f64 {
         self.pages.page(self.head(id.head)[id.index], tier)
     }
@@ -273,16 +274,18 @@ impl HeadHulls {
                 continue;
             }
             let cost = &self.full_cost[first as usize..first as usize + count];
-            min_cost += cost.iter().fold(f64::INFINITY, |m, &c| m.min(c));
             let dist = |k: usize| table.page(weights[index], first + k as TierId);
-            match count {
+            min_cost += match count {
                 2 => push_ladder::<2>(&mut self.hulls, cost, dist),
                 3 => push_ladder::<3>(&mut self.hulls, cost, dist),
                 4 => push_ladder::<4>(&mut self.hulls, cost, dist),
                 5 => push_ladder::<5>(&mut self.hulls, cost, dist),
                 6 => push_ladder::<6>(&mut self.hulls, cost, dist),
-                _ => self.hulls.push_points(cost, &(0..count).map(dist).collect::<Vec<f64>>()),
-            }
+                _ => {
+                    self.hulls.push_points(cost, &(0..count).map(dist).collect::<Vec<f64>>());
+                    least(cost)
+                }
+            };
             self.pages.push(index as u32);
         }
         self.hulls.close_group();
@@ -317,11 +320,18 @@ impl HeadHulls {
 
 /// A page's ladder of `N` tiers (costs `cost`, distortions `dist(k)`) into the hulls as arrays
 /// of a length known when compiling ([`GroupHulls::push_array`]): `push_head` dispatches on
-/// the tier count, up to 6 tiers (RDKV's ladder has 5).
+/// the tier count, up to 6 tiers (RDKV's ladder has 5). Returns the least of the costs.
 #[inline(always)]
-fn push_ladder<const N: usize>(hulls: &mut GroupHulls, cost: &[f64], dist: impl Fn(usize) -> f64) {
+fn push_ladder<const N: usize>(hulls: &mut GroupHulls, cost: &[f64], dist: impl Fn(usize) -> f64) -> f64 {
     let cost: &[f64; N] = cost.try_into().expect("a ladder of N tiers");
     hulls.push_array(cost, &std::array::from_fn(dist));
+    least(cost)
+}
+
+/// The least of a page's option costs (as `min` folds them from ∞, in order).
+#[inline(always)]
+fn least(cost: &[f64]) -> f64 {
+    cost.iter().fold(f64::INFINITY, |m, &c| m.min(c))
 }
 
 /// The options of one head's movable pages as [`HeadHulls::solve_head`] reads them back:
@@ -391,8 +401,29 @@ impl<'a> Allowed<'a> {
     }
 }
 
+/// The predicted distortion of page `id` at tier `tier`, as [`assemble`] sums it for every
+/// page: any `Fn(PageId, TierId) -> f64`, or a [`ViewDistortion`], whose method inlines into
+/// the sums (RDKV's closure was a call per page and tier, spilling the sums around it).
+pub(crate) trait PageDist {
+    fn dist(&self, id: PageId, tier: TierId) -> f64;
+}
+
+impl<F: Fn(PageId, TierId) -> f64> PageDist for F {
+    #[inline(always)]
+    fn dist(&self, id: PageId, tier: TierId) -> f64 {
+        self(id, tier)
+    }
+}
+
+impl PageDist for ViewDistortion<'_> {
+    #[inline(always)]
+    fn dist(&self, id: PageId, tier: TierId) -> f64 {
+        self.page(id, tier)
+    }
+}
+
 /// Assembles a plan: costs and predicted distortions before and after.
-pub(crate) fn assemble(view: &PageTableView, decisions: Vec<Decision>, budget_bytes: f64, s: &Solution, forced: Vec<PageId>, dist: impl Fn(PageId, TierId) -> f64) -> Plan {
+pub(crate) fn assemble(view: &PageTableView, decisions: Vec<Decision>, budget_bytes: f64, s: &Solution, forced: Vec<PageId>, dist: impl PageDist) -> Plan {
     let mut plan = Plan {
         decisions,
         budget_bytes,
@@ -414,8 +445,8 @@ pub(crate) fn assemble(view: &PageTableView, decisions: Vec<Decision>, budget_by
             None => p.tier,
         };
         plan.cost_after += view.costs.cost(t, p.tokens);
-        plan.distortion_before += dist(id, p.tier);
-        plan.distortion_after += dist(id, t);
+        plan.distortion_before += dist.dist(id, p.tier);
+        plan.distortion_after += dist.dist(id, t);
     }
     debug_assert!(next.next().is_none(), "assemble: decisions must name pages of the view, sorted by page");
     plan.feasible = plan.cost_after <= budget_bytes;

@@ -272,7 +272,7 @@ impl Controller for RdkvController {
             Problem::build(view, opts).solve(view, budget)
         };
         let dist = ViewDistortion { pages: table.pages(), weights: &weights, offset: &offset };
-        assemble(view, decisions, budget, &sol, Vec::new(), move |id, t| dist.page(id, t))
+        assemble(view, decisions, budget, &sol, Vec::new(), dist)
     }
 }
 
@@ -350,7 +350,7 @@ mod tests {
         }
         all.sort_by_key(|d| d.page);
         let sol = agg.unwrap_or_else(|| knapsack::solve(&[], budget));
-        assemble(view, all, budget, &sol, Vec::new(), |id, t| c.table.page(weights[offset[id.head] + id.index], t))
+        assemble(view, all, budget, &sol, Vec::new(), |id: PageId, t: TierId| c.table.page(weights[offset[id.head] + id.index], t))
     }
 
     /// A view of `heads` kv heads whose pages sit in random ladder tiers with random masses
