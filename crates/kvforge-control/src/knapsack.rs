@@ -206,6 +206,8 @@ impl Hulls {
             slope[k - 1] = (dist[k] - dist[k - 1]) / save[k - 1];
             ok &= valid(cost[k], dist[k]) & (cost[k] < cost[k - 1]) & (dist[k] >= dist[0]);
         }
+        // Not `<=`: a slope pops its predecessor exactly when `hull_stack`'s `>` says so.
+        #[allow(clippy::neg_cmp_op_on_partial_ord)]
         for k in 1..N - 1 {
             ok &= !(slope[k - 1] > slope[k]);
         }
@@ -571,6 +573,7 @@ std::thread_local! {
 /// leaving the float registers. `is_finite`'s integer test moved every point of every page
 /// across to the integer unit and back, a tenth of RDKV's decision at 32K tokens.
 #[inline(always)]
+#[allow(clippy::eq_op)]
 fn finite(x: f64) -> bool {
     x - x == 0.0
 }

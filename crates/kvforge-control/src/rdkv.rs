@@ -261,7 +261,7 @@ impl Controller for RdkvController {
         let opts = |id: PageId, p: &PageInfo, out: &mut Vec<(TierId, f64)>| out.extend(limits.protection.allowed_tiers(p, view.context_tokens, &view.costs).map(|t| (t, table.page(weight(id), t))));
         let (sol, decisions) = if self.per_head {
             // Heads are independent knapsacks: one problem per head over its own pages (the
-            // other heads' pages enter only as fixed bytes). Copied into the closure (not read
+            // other heads' pages enter only as fixed bytes). The table is copied out (not read
             // through references on every call).
             let dist = ViewDistortion { pages: table.pages(), weights: &weights, offset: &offset };
             let pool = view.num_pages() >= self.parallel_pages && rayon::current_num_threads() > 1;
@@ -271,8 +271,7 @@ impl Controller for RdkvController {
         } else {
             Problem::build(view, opts).solve(view, budget)
         };
-        let dist = ViewDistortion { pages: table.pages(), weights: &weights, offset: &offset };
-        assemble(view, decisions, budget, &sol, Vec::new(), dist)
+        assemble(view, decisions, budget, &sol, Vec::new(), ViewDistortion { pages: table.pages(), weights: &weights, offset: &offset })
     }
 }
 
