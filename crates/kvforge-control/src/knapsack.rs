@@ -439,11 +439,18 @@ fn solve_span(hulls: &HullSpan, budget: f64, choices: impl ItemChoices) -> Solut
                 // first ones: counting them is `Hulls::steps` without the binary search. The
                 // choice is asked for again only when it is another one (most items sit at
                 // the same hull point for λ* as in the solution).
+                // Both counts in one scalar pass over the item's few prices (two counting
+                // passes were each vectorised, with their set-up and remainder, over ≤ 4 prices).
                 let rho = &hulls.rho[at[0] - at0 - i..at[1] - at0 - i - 1];
-                let at_lambda = idx[rho.iter().filter(|&&r| r <= lambda).count()] as usize;
+                let (mut below_lambda, mut below_zero) = (0, 0);
+                for &r in rho {
+                    below_lambda += usize::from(r <= lambda);
+                    below_zero += usize::from(r <= 0.0);
+                }
+                let at_lambda = idx[below_lambda] as usize;
                 let c = if at_lambda == p { picked } else { choice(i, at_lambda) };
                 g_lambda += c.dist + lambda * c.cost;
-                let at_zero = idx[rho.iter().filter(|&&r| r <= 0.0).count()] as usize;
+                let at_zero = idx[below_zero] as usize;
                 let c = if at_zero == p { picked } else if at_zero == at_lambda { c } else { choice(i, at_zero) };
                 g_zero += c.dist + 0.0 * c.cost;
             }
