@@ -107,11 +107,9 @@ impl Hulls {
             }
             None => Hulls { idx: Vec::new(), rho: Vec::new(), save: Vec::new(), at: Vec::new(), start_cost: 0.0, end_cost: 0.0, rho_max: 0.0 },
         };
-        // `LADDER_MAX` more than the hulls can hold: [`push_ladder`](Self::push_ladder) copies
-        // whole fixed-size arrays and trims them.
-        h.idx.reserve(choices + LADDER_MAX);
-        h.rho.reserve(choices + LADDER_MAX);
-        h.save.reserve(choices + LADDER_MAX);
+        h.idx.reserve(choices);
+        h.rho.reserve(choices);
+        h.save.reserve(choices);
         h.at.reserve(items + 1);
         h.at.push(0);
         h
@@ -134,7 +132,7 @@ impl Hulls {
         // ladder: strictly cheaper, no less distorted. Then the start is the first choice and
         // the candidates are the rest in order, which is what the general path below
         // computes, without its sort.
-        let valid = |c: &Choice| c.cost.is_finite() && c.dist.is_finite() && c.cost >= 0.0;
+        let valid = |c: &Choice| finite(c.cost) & finite(c.dist) & (c.cost >= 0.0);
         let (mut ok, mut ladder) = (valid(&choices[0]), true);
         for w in choices.windows(2) {
             ok &= valid(&w[1]);
@@ -145,7 +143,11 @@ impl Hulls {
             panic!("knapsack: choice {c:?} must have finite cost ≥ 0 and finite distortion");
         }
         if ladder && choices.len() <= LADDER_MAX {
-            self.push_ladder(choices);
+            let (mut cost, mut dist) = ([0.0f64; LADDER_MAX], [0.0f64; LADDER_MAX]);
+            for (k, c) in choices.iter().enumerate() {
+                (cost[k], dist[k]) = (c.cost, c.dist);
+            }
+            self.push_ladder(&cost[..choices.len()], &dist[..choices.len()]);
             return;
         }
         // Start: least distortion, ties towards the higher cost (no gratuitous move), then index.
@@ -185,37 +187,100 @@ impl Hulls {
         self.at.push(self.idx.len());
     }
 
-    /// [`push_item`](Self::push_item) for a short ladder (start 0, candidates 1.. in order):
-    /// the same stack and slopes, kept in registers-sized arrays rather than the shared
-    /// vectors (the vector bookkeeping per point was most of a page's hull). Each candidate's
-    /// first slope is to the point just below it on the ladder (the stack's top is always the
-    /// last point pushed), so those slopes are taken up front, side by side, and the stack
-    /// divides again only when it pops. The arrays go into the vectors whole (a copy of
-    /// constant size, no `memcpy` call per item) and the vectors are trimmed to the hull.
-    fn push_ladder(&mut self, choices: &[Choice]) {
-        let slope = |a: usize, b: usize| (choices[b].dist - choices[a].dist) / (choices[a].cost - choices[b].cost);
-        let mut next = [0.0f64; LADDER_MAX];
-        for (k, w) in choices.windows(2).enumerate() {
-            next[k] = (w[1].dist - w[0].dist) / (w[0].cost - w[1].cost);
+    /// [`push_ladder`](Self::push_ladder) of a ladder of `N` points whose slopes do not fall
+    /// (nothing would pop from [`hull_stack`]: every point is on the hull), for `N` known when
+    /// compiling; the same checks, slopes and sums. Returns false, with nothing pushed, when
+    /// the choices are not such a ladder.
+    #[inline(always)]
+    fn push_convex<const N: usize>(&mut self, cost: &[f64; N], dist: &[f64; N]) -> bool {
+        /// The hull's choice indices when every point is on it.
+        const ALL: [u32; LADDER_MAX] = [0, 1, 2, 3, 4, 5, 6, 7];
+        if N < 2 || N > LADDER_MAX {
+            return false;
         }
-        let (mut idx, mut rho, mut save) = ([0u32; LADDER_MAX], [0.0f64; LADDER_MAX], [0.0f64; LADDER_MAX]);
-        let top = hull_stack(&mut idx, &mut rho, 1..choices.len(), |_, p| next[p - 1], slope);
+        let valid = |c: f64, d: f64| finite(c) & finite(d) & (c >= 0.0);
+        let (mut slope, mut save) = ([0.0f64; N], [0.0f64; N]);
+        let mut ok = valid(cost[0], dist[0]);
+        for k in 1..N {
+            save[k - 1] = cost[k - 1] - cost[k];
+            slope[k - 1] = (dist[k] - dist[k - 1]) / save[k - 1];
+            ok &= valid(cost[k], dist[k]) & (cost[k] < cost[k - 1]) & (dist[k] >= dist[0]);
+        }
+        // Not `<=`: a slope pops its predecessor exactly when `hull_stack`'s `>` says so.
+        #[allow(clippy::neg_cmp_op_on_partial_ord)]
+        for k in 1..N - 1 {
+            ok &= !(slope[k - 1] > slope[k]);
+        }
+        if !ok {
+            return false;
+        }
         let mut most = 0.0f64;
-        for k in 0..top {
-            rho[k] = rho[k].max(0.0);
-            most = most.max(rho[k]);
-            save[k] = choices[idx[k] as usize].cost - choices[idx[k + 1] as usize].cost;
+        for r in &mut slope[..N - 1] {
+            *r = r.max(0.0);
+            most = most.max(*r);
+        }
+        self.idx.extend_from_slice(&ALL[..N]);
+        self.rho.extend_from_slice(&slope[..N - 1]);
+        self.save.extend_from_slice(&save[..N - 1]);
+        self.rho_max = self.rho_max.max(most);
+        self.start_cost += cost[0];
+        self.end_cost += cost[N - 1];
+        self.at.push(self.idx.len());
+        true
+    }
+
+    /// [`push_item`](Self::push_item) for a short ladder (start 0, candidates 1.. in order),
+    /// its points given as costs and distortions. Each candidate's first slope is to the point
+    /// just below it on the ladder (the stack's top is always the last point pushed), so those
+    /// slopes are taken up front, side by side. When they do not fall, nothing would pop and
+    /// every point is on the hull: RDKV's pages are all such (ε is convex in the bytes), and
+    /// they skip the stack and go into the vectors straight (writing small arrays and
+    /// copying them whole stalled on store forwarding: a third of RDKV's decision).
+    fn push_ladder(&mut self, cost: &[f64], dist: &[f64]) {
+        let n = cost.len();
+        debug_assert!(n == dist.len() && (1..=LADDER_MAX).contains(&n));
+        let mut next = [0.0f64; LADDER_MAX];
+        for k in 0..n - 1 {
+            next[k] = (dist[k + 1] - dist[k]) / (cost[k] - cost[k + 1]);
+        }
+        let next = &next[..n - 1];
+        if next.windows(2).any(|w| w[0] > w[1]) {
+            return self.push_ladder_stack(cost, dist, next);
+        }
+        // What the stack leaves when nothing pops (see `hull_stack`), prices clamped at 0.
+        self.idx.extend(0..n as u32);
+        let mut most = 0.0f64;
+        self.rho.extend(next.iter().map(|&r| {
+            let r = r.max(0.0);
+            most = most.max(r);
+            r
+        }));
+        self.save.extend(cost.windows(2).map(|w| w[0] - w[1]));
+        self.rho_max = self.rho_max.max(most);
+        self.start_cost += cost[0];
+        self.end_cost += cost[n - 1];
+        self.at.push(self.idx.len());
+    }
+
+    /// [`push_ladder`](Self::push_ladder) of a ladder whose first slopes `next` fall somewhere:
+    /// the stack, in register-sized arrays, trimmed into the vectors.
+    fn push_ladder_stack(&mut self, cost: &[f64], dist: &[f64], next: &[f64]) {
+        let n = cost.len();
+        let slope = |a: usize, b: usize| (dist[b] - dist[a]) / (cost[a] - cost[b]);
+        let (mut idx, mut rho) = ([0u32; LADDER_MAX], [0.0f64; LADDER_MAX]);
+        let top = hull_stack(&mut idx, &mut rho, 1..n, |_, p| next[p - 1], slope);
+        let idx = &idx[..=top];
+        let mut most = 0.0f64;
+        for r in &mut rho[..top] {
+            *r = r.max(0.0);
+            most = most.max(*r);
         }
         self.rho_max = self.rho_max.max(most);
-        let (i, r) = (self.idx.len(), self.rho.len());
-        self.idx.extend_from_slice(&idx);
-        self.idx.truncate(i + top + 1);
-        self.rho.extend_from_slice(&rho);
-        self.rho.truncate(r + top);
-        self.save.extend_from_slice(&save);
-        self.save.truncate(r + top);
-        self.start_cost += choices[0].cost;
-        self.end_cost += choices[idx[top] as usize].cost;
+        self.idx.extend_from_slice(idx);
+        self.rho.extend_from_slice(&rho[..top]);
+        self.save.extend(idx.windows(2).map(|w| cost[w[0] as usize] - cost[w[1] as usize]));
+        self.start_cost += cost[0];
+        self.end_cost += cost[idx[top] as usize];
         self.at.push(self.idx.len());
     }
 
@@ -330,10 +395,27 @@ impl HullSpan<'_> {
     }
 }
 
+/// Choice `k` of item `i` of a problem, as its hulls were built from: the solution's sums
+/// read the choices again rather than the hulls storing them. Any `Fn(i, k) -> Choice` is
+/// one; a caller that computes choices (RDKV) implements it on a struct whose method is
+/// inlined into the sums, which a closure was not (its call spilled the running sums
+/// around every item).
+pub(crate) trait ItemChoices {
+    fn choice(&self, item: usize, k: usize) -> Choice;
+}
+
+impl<F: Fn(usize, usize) -> Choice> ItemChoices for F {
+    #[inline(always)]
+    fn choice(&self, item: usize, k: usize) -> Choice {
+        self(item, k)
+    }
+}
+
 /// Solves the items of `hulls` for `budget`; `choice(i, k)` is choice `k` of item `i` (the
 /// choices the hulls were built from: the solution's sums read them again rather than the
 /// hulls storing them).
-fn solve_span(hulls: &HullSpan, budget: f64, choice: impl Fn(usize, usize) -> Choice) -> Solution {
+fn solve_span(hulls: &HullSpan, budget: f64, choices: impl ItemChoices) -> Solution {
+    let choice = |i: usize, k: usize| choices.choice(i, k);
     let n = hulls.len();
     let at0 = hulls.at[0];
     let finish = |steps: Vec<usize>, lambda: f64, feasible: bool, iterations: usize| -> Solution {
@@ -357,11 +439,18 @@ fn solve_span(hulls: &HullSpan, budget: f64, choice: impl Fn(usize, usize) -> Ch
                 // first ones: counting them is `Hulls::steps` without the binary search. The
                 // choice is asked for again only when it is another one (most items sit at
                 // the same hull point for λ* as in the solution).
+                // Both counts in one scalar pass over the item's few prices (two counting
+                // passes were each vectorised, with their set-up and remainder, over ≤ 4 prices).
                 let rho = &hulls.rho[at[0] - at0 - i..at[1] - at0 - i - 1];
-                let at_lambda = idx[rho.iter().filter(|&&r| r <= lambda).count()] as usize;
+                let (mut below_lambda, mut below_zero) = (0, 0);
+                for &r in rho {
+                    below_lambda += usize::from(r <= lambda);
+                    below_zero += usize::from(r <= 0.0);
+                }
+                let at_lambda = idx[below_lambda] as usize;
                 let c = if at_lambda == p { picked } else { choice(i, at_lambda) };
                 g_lambda += c.dist + lambda * c.cost;
-                let at_zero = idx[rho.iter().filter(|&&r| r <= 0.0).count()] as usize;
+                let at_zero = idx[below_zero] as usize;
                 let c = if at_zero == p { picked } else if at_zero == at_lambda { c } else { choice(i, at_zero) };
                 g_zero += c.dist + 0.0 * c.cost;
             }
@@ -411,8 +500,41 @@ impl GroupHulls {
     ///
     /// # Panics
     /// As [`solve`] does, on an item without choices or a non-finite or negative choice.
+    #[cfg(test)]
     pub fn push_item(&mut self, choices: &[Choice]) {
         self.hulls.push_item(choices, &mut self.rest);
+    }
+
+    /// [`push_points`](Self::push_points) of a ladder of a length known when compiling (RDKV
+    /// dispatches on a page's tier count): every loop unrolls, the page's points, slopes and
+    /// savings stay in registers and go into the vectors as constant-size copies. Written for
+    /// a run-time length, the points went through small arrays on the stack that were read
+    /// back as vectors and stalled on store forwarding (most of RDKV's posing).
+    #[inline(always)]
+    pub fn push_array<const N: usize>(&mut self, cost: &[f64; N], dist: &[f64; N]) {
+        if !self.hulls.push_convex::<N>(cost, dist) {
+            self.push_points(cost, dist);
+        }
+    }
+
+    /// [`push_item`](Self::push_item) of the choices `(cost[k], dist[k])`, without writing
+    /// them out first: a caller that computes a page's ladder (RDKV, every page of a 32K
+    /// context) hands its two arrays straight to the hull. Choices that are not a short
+    /// ladder take `push_item`'s general path (and its panics), as there.
+    pub fn push_points(&mut self, cost: &[f64], dist: &[f64]) {
+        assert_eq!(cost.len(), dist.len(), "knapsack: one distortion per cost");
+        let n = cost.len();
+        let valid = |c: f64, d: f64| finite(c) & finite(d) & (c >= 0.0);
+        let mut ladder = n > 0 && n <= LADDER_MAX && valid(cost[0], dist[0]);
+        for k in 1..n {
+            ladder &= valid(cost[k], dist[k]) & (cost[k] < cost[k - 1]) & (dist[k] >= dist[0]);
+        }
+        if ladder {
+            self.hulls.push_ladder(cost, dist);
+        } else {
+            let choices: Vec<Choice> = cost.iter().zip(dist).map(|(&c, &d)| Choice::new(c, d)).collect();
+            self.hulls.push_item(&choices, &mut self.rest);
+        }
     }
 
     /// Closes the open group: the items pushed since the last close form one problem.
@@ -430,7 +552,7 @@ impl GroupHulls {
 
     /// Solves group `g` for `budget`, as [`solve_flat`] solves its items alone; `choice(i, k)`
     /// is choice `k` of the group's item `i` (counted from the group's first), as pushed.
-    pub fn solve_group(&self, g: usize, budget: f64, choice: impl Fn(usize, usize) -> Choice) -> Solution {
+    pub fn solve_group(&self, g: usize, budget: f64, choice: impl ItemChoices) -> Solution {
         let r = self.items(g);
         let h = &self.hulls;
         let at = &h.at[r.start..=r.end];
@@ -454,9 +576,18 @@ std::thread_local! {
     static SPARE_HULLS: std::cell::Cell<Option<Hulls>> = const { std::cell::Cell::new(None) };
 }
 
+/// `x.is_finite()` as `x − x == 0` (∞ − ∞ and NaN − NaN are NaN): the same answer without
+/// leaving the float registers. `is_finite`'s integer test moved every point of every page
+/// across to the integer unit and back, a tenth of RDKV's decision at 32K tokens.
+#[inline(always)]
+#[allow(clippy::eq_op)]
+fn finite(x: f64) -> bool {
+    x - x == 0.0
+}
+
 /// Ladders of at most this many choices take [`Hulls::push_ladder`] (a kvforge ladder has 5
 /// tiers below the tail).
-const LADDER_MAX: usize = 8;
+pub(crate) const LADDER_MAX: usize = 8;
 
 /// One hull step on the greedy path: `(ρ, item, step, bytes saved)`.
 type Move = (f64, u32, u32, f64);
@@ -513,14 +644,8 @@ fn prefix(hulls: &HullSpan, need: f64) -> (Vec<usize>, f64, usize) {
     // The bucket where the prefix ends (the last one if rounding keeps the sum short of
     // `need`: then the whole path is the prefix, as in `select_end`), and what the buckets
     // before it save.
-    let (mut acc, mut end_bucket) = (0.0f64, last);
-    for (k, &s) in saved[..last].iter().enumerate() {
-        if acc + s >= need {
-            end_bucket = k;
-            break;
-        }
-        acc += s;
-    }
+    let (acc, end_bucket) = end_of_prefix(&saved[..last], need);
+    let end_bucket = end_bucket.unwrap_or(last);
     let end_bucket = end_bucket as u16;
     let mut steps = vec![0usize; n];
     let mut moves: Vec<Move> = Vec::new();
@@ -544,6 +669,28 @@ fn prefix(hulls: &HullSpan, need: f64) -> (Vec<usize>, f64, usize) {
     }
     let lambda = moves[..end].last().map_or(0.0, |m| m.0);
     (steps, lambda, 1 + rounds)
+}
+
+/// The first bucket `k` where the running sum of `saved` reaches `need > 0` (None when the
+/// sum stays short), with the sum of the buckets before it (of all when short). The sum only moves at
+/// buckets that hold moves, so the empty ones are skipped 64 at a time (adding 0 to a sum of
+/// savings changes nothing, and a sum short of `need` stays short): the running sum is a
+/// chain of dependent additions, and walking it over every one of 2¹¹ mostly empty buckets
+/// was half of [`prefix`].
+fn end_of_prefix(saved: &[f64], need: f64) -> (f64, Option<usize>) {
+    let mut acc = 0.0f64;
+    for (w, chunk) in saved.chunks(64).enumerate() {
+        let mut held = chunk.iter().enumerate().fold(0u64, |m, (k, &s)| m | u64::from(s != 0.0) << k);
+        while held != 0 {
+            let k = w * 64 + held.trailing_zeros() as usize;
+            if acc + saved[k] >= need {
+                return (acc, Some(k));
+            }
+            acc += saved[k];
+            held &= held - 1;
+        }
+    }
+    (acc, None)
 }
 
 /// The weighted quickselect: reorders `moves` so that `moves[..end]` are the first `end` in
@@ -824,11 +971,67 @@ mod tests {
                 let top: f64 = group.iter().map(|c| c[0].cost).sum();
                 let budget = (fracs[k % fracs.len()] * top).round();
                 let want = solve_flat(&choices, &start, budget);
-                let got = g.solve_group(k, budget, |i, c| group[i][c]);
+                let got = g.solve_group(k, budget, |i: usize, c: usize| group[i][c]);
                 let bits = |s: &Solution| [s.cost, s.dist, s.lambda, s.dual, s.gap].map(f64::to_bits);
                 proptest::prop_assert_eq!(&got.pick, &want.pick);
                 proptest::prop_assert_eq!(bits(&got), bits(&want));
                 proptest::prop_assert_eq!(got.feasible, want.feasible);
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 200, ..Default::default() })]
+
+        /// Items handed over as cost and distortion arrays ([`GroupHulls::push_points`], and
+        /// [`GroupHulls::push_array`] for the lengths RDKV dispatches on: the ladder paths it
+        /// poses through, or the general path for the others) get the hulls, prices, savings
+        /// and sums [`GroupHulls::push_item`] gives them, bit for bit.
+        #[test]
+        fn push_points_poses_as_push_item(items in mixed_items(), long in long_item()) {
+            fn array<const N: usize>(g: &mut GroupHulls, cost: &[f64], dist: &[f64]) {
+                g.push_array::<N>(cost.try_into().unwrap(), dist.try_into().unwrap());
+            }
+            let mut items = items;
+            items.push(long);
+            let mut by_item = GroupHulls::with_capacity(items.len(), 0);
+            let (mut by_points, mut by_array) = (GroupHulls::with_capacity(items.len(), 0), GroupHulls::with_capacity(items.len(), 0));
+            for it in &items {
+                by_item.push_item(it);
+                let (cost, dist): (Vec<f64>, Vec<f64>) = it.iter().map(|c| (c.cost, c.dist)).unzip();
+                by_points.push_points(&cost, &dist);
+                match it.len() {
+                    2 => array::<2>(&mut by_array, &cost, &dist),
+                    3 => array::<3>(&mut by_array, &cost, &dist),
+                    4 => array::<4>(&mut by_array, &cost, &dist),
+                    5 => array::<5>(&mut by_array, &cost, &dist),
+                    6 => array::<6>(&mut by_array, &cost, &dist),
+                    _ => by_array.push_points(&cost, &dist),
+                }
+            }
+            let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            let sums = |g: &GroupHulls| g.groups.iter().map(|x| [x.1, x.2, x.3].map(f64::to_bits)).collect::<Vec<_>>();
+            by_item.close_group();
+            for mut g in [by_points, by_array] {
+                g.close_group();
+                let (a, b) = (&by_item.hulls, &g.hulls);
+                proptest::prop_assert_eq!(&a.idx, &b.idx);
+                proptest::prop_assert_eq!(&a.at, &b.at);
+                proptest::prop_assert_eq!(bits(&a.rho), bits(&b.rho));
+                proptest::prop_assert_eq!(bits(&a.save), bits(&b.save));
+                proptest::prop_assert_eq!(sums(&by_item), sums(&g));
+            }
+        }
+    }
+
+    proptest::proptest! {
+        /// The float-register finiteness test answers as `f64::is_finite` on any bits
+        /// (infinities, NaNs of every payload, subnormals, zeros of both signs included).
+        #[test]
+        fn finite_is_is_finite(bits in proptest::prelude::any::<u64>(), special in 0usize..8) {
+            let specials = [f64::INFINITY, f64::NEG_INFINITY, f64::NAN, -0.0, 0.0, f64::MAX, f64::MIN_POSITIVE / 2.0, f64::from_bits(bits)];
+            for x in [f64::from_bits(bits), specials[special]] {
+                proptest::prop_assert_eq!(finite(x), x.is_finite(), "{:?}", x);
             }
         }
     }

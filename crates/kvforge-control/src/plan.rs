@@ -3,6 +3,7 @@
 use kvforge_spec::TierId;
 
 use crate::budget::{Budget, TierCosts};
+use crate::distortion::{PageDistortion, Weights};
 use crate::knapsack::{self, Choice, GroupHulls, Solution};
 use crate::protect::Protection;
 use crate::signal::{PageId, PageInfo, PageTableView};
@@ -167,6 +168,32 @@ impl Problem {
     }
 }
 
+/// The distortion of every page of a view at every tier: page `index` of kv head `head` at
+/// tier `t` costs `pages.page(weights[offset[head] + index], t)` ([`PageDistortion::page`]).
+/// Posing reads a page's weights once for all its tiers, from its head's slice, with the
+/// table in registers (a closure `(head, index, tier) → f64`, called per tier and not
+/// inlined, looked the weights up again for every tier).
+#[derive(Clone, Copy)]
+pub(crate) struct ViewDistortion<'a> {
+    pub pages: PageDistortion<'a>,
+    /// Every page's weights in view order (heads in turn).
+    pub weights: &'a [Weights],
+    /// Where each head's pages start in `weights`.
+    pub offset: &'a [usize],
+}
+
+impl<'a> ViewDistortion<'a> {
+    /// The weights of head `head`'s pages, in page order.
+    pub fn head(&self, head: usize) -> &'a [Weights] {
+        &self.weights[self.offset[head]..]
+    }
+
+    #[inline(always)]
+    pub fn page(&self, id: PageId, tier: TierId) -> f64 {
+        self.pages.page(self.head(id.head)[id.index], tier)
+    }
+}
+
 /// Every kv head's [`Problem`] of a view as hulls, built in one pass without storing the
 /// problems (one set of vectors for all heads, not one per head; and no choices or tier
 /// lists: at 32K tokens × 8 kv heads, writing every page's options out and reading them back
@@ -189,13 +216,14 @@ pub(crate) struct HeadHulls {
 
 impl HeadHulls {
     /// [`Problem::build_head_allowed`] for every head in one pass, straight into hulls: page
-    /// `index` of head `head` at tier `t` has distortion `dist(head, index, t)`. Each head's
+    /// `index` of head `head` at tier `t` has distortion `dist.page(head, index, t)`. Each head's
     /// items, choices and fixed cost are those `build_head_allowed` poses, and `min_cost[h]`
     /// sums, page by page in order, the least cost over the tiers `protection` allows.
-    pub fn build_allowed(view: &PageTableView, protection: &Protection, dist: impl Fn(usize, usize, TierId) -> f64) -> HeadHulls {
+    pub fn build_allowed(view: &PageTableView, protection: &Protection, dist: ViewDistortion) -> HeadHulls {
         let mut out = HeadHulls::empty(view, 0, view.num_pages());
+        let allowed = Allowed::new(view, protection);
         for head in 0..view.heads.len() {
-            out.push_head(view, head, protection, &dist);
+            out.push_head(view, head, &allowed, dist);
         }
         out
     }
@@ -203,19 +231,17 @@ impl HeadHulls {
     /// [`build_allowed`](Self::build_allowed) of head `head` alone (its `fixed` and
     /// `min_cost` are entry 0): what a pool thread builds, so that the heads' hulls are built
     /// side by side and not only solved side by side.
-    pub fn build_head(view: &PageTableView, head: usize, protection: &Protection, dist: impl Fn(usize, usize, TierId) -> f64) -> HeadHulls {
+    pub fn build_head(view: &PageTableView, head: usize, protection: &Protection, dist: ViewDistortion) -> HeadHulls {
         let mut out = HeadHulls::empty(view, head, view.heads[head].len());
-        out.push_head(view, head, protection, &dist);
+        out.push_head(view, head, &Allowed::new(view, protection), dist);
         out
     }
 
     /// Every head's `min_cost` as [`build_allowed`](Self::build_allowed) sums it, without
     /// posing anything: what the budget split needs before the heads are posed on the pool.
     pub fn least_costs(view: &PageTableView, protection: &Protection) -> Vec<f64> {
-        view.heads
-            .iter()
-            .map(|pages| pages.iter().fold(-0.0f64, |sum, page| sum + allowed_costs(page, view.context_tokens, protection, &view.costs).fold(f64::INFINITY, |m, (_, c)| m.min(c))))
-            .collect()
+        let allowed = Allowed::new(view, protection);
+        view.heads.iter().map(|pages| pages.iter().fold(-0.0f64, |sum, page| sum + allowed.least_cost(page))).collect()
     }
 
     fn empty(view: &PageTableView, first_head: usize, pages: usize) -> HeadHulls {
@@ -230,22 +256,37 @@ impl HeadHulls {
         }
     }
 
-    /// Poses head `head`'s problem as the next group of hulls.
-    fn push_head(&mut self, view: &PageTableView, head: usize, protection: &Protection, dist: &impl Fn(usize, usize, TierId) -> f64) {
+    /// Poses head `head`'s problem as the next group of hulls. A page that can move is full,
+    /// so its options cost the full pages' bytes of its tiers, and the page's ladder goes to
+    /// the hulls as two short arrays (no vector of options per page).
+    fn push_head(&mut self, view: &PageTableView, head: usize, allowed: &Allowed, dist: ViewDistortion) {
         let costs = &view.costs;
-        let mut options: Vec<Choice> = Vec::with_capacity(costs.tiers.len());
+        let (table, weights) = (dist.pages, dist.head(head));
         // The fixed cost starts at 0 as `build_head_allowed`'s does; the least costs are
         // summed as `Iterator::sum` sums them (from −0.0).
         let (mut fixed, mut min_cost) = (0.0f64, -0.0f64);
         for (index, page) in view.heads[head].iter().enumerate() {
-            let least = page_options(page, view.context_tokens, protection, costs, |t| dist(head, index, t), &mut options);
-            min_cost += least;
-            if options.len() <= 1 {
+            let (first, count) = allowed.span(page);
+            if count <= 1 {
+                // Its own tier or nothing (a protected page in the drop tier): fixed.
+                min_cost += if count == 1 { f64::INFINITY.min(costs.cost(first, page.tokens)) } else { f64::INFINITY };
                 fixed += costs.cost(page.tier, page.tokens);
-            } else {
-                self.hulls.push_item(&options);
-                self.pages.push(index as u32);
+                continue;
             }
+            let cost = &self.full_cost[first as usize..first as usize + count];
+            let dist = |k: usize| table.page(weights[index], first + k as TierId);
+            min_cost += match count {
+                2 => push_ladder::<2>(&mut self.hulls, cost, dist),
+                3 => push_ladder::<3>(&mut self.hulls, cost, dist),
+                4 => push_ladder::<4>(&mut self.hulls, cost, dist),
+                5 => push_ladder::<5>(&mut self.hulls, cost, dist),
+                6 => push_ladder::<6>(&mut self.hulls, cost, dist),
+                _ => {
+                    self.hulls.push_points(cost, &(0..count).map(dist).collect::<Vec<f64>>());
+                    least(cost)
+                }
+            };
+            self.pages.push(index as u32);
         }
         self.hulls.close_group();
         self.fixed.push(fixed);
@@ -255,18 +296,13 @@ impl HeadHulls {
     /// Solves head `h` for `budget` bytes (its fixed pages included) and appends its tier
     /// changes to `decisions`, in page order (what [`Problem::solve`] lists for the head);
     /// `dist` is the one the hulls were built with.
-    pub fn solve_head(&self, view: &PageTableView, h: usize, budget: f64, dist: impl Fn(usize, usize, TierId) -> f64, decisions: &mut Vec<Decision>) -> Solution {
+    pub fn solve_head(&self, view: &PageTableView, h: usize, budget: f64, dist: ViewDistortion, decisions: &mut Vec<Decision>) -> Solution {
         let pages = &view.heads[h][..];
+        let (table, weights) = (dist.pages, dist.head(h));
         let g = h - self.first_head;
         let items = &self.pages[self.hulls.items(g)];
-        let full_cost = &self.full_cost[..];
-        // Option k of a page is k tiers below its own (see `page_options`).
-        let choice = move |i: usize, k: usize| {
-            let index = items[i] as usize;
-            let t = pages[index].tier + k as TierId;
-            Choice::new(full_cost[t as usize], dist(h, index, t))
-        };
-        let s = self.hulls.solve_group(g, budget - self.fixed[g], choice);
+        let choices = PageChoices { items, pages, full_cost: &self.full_cost, table, weights };
+        let s = self.hulls.solve_group(g, budget - self.fixed[g], choices);
         for (&index, &pick) in items.iter().zip(&s.pick) {
             if pick != 0 {
                 let from = pages[index as usize].tier;
@@ -282,35 +318,112 @@ impl HeadHulls {
     }
 }
 
-/// Writes the options of one page into `out` (the tiers `protection` allows, current first,
-/// at their cost and `dist(tier)`) and returns the least of their costs (∞ when none). The
-/// tiers are consecutive from the page's own (a protected page skips only the drop tier,
-/// which the spec puts last), so option k is tier `page.tier + k`.
-fn page_options(page: &PageInfo, context_tokens: usize, protection: &Protection, costs: &TierCosts, dist: impl Fn(TierId) -> f64, out: &mut Vec<Choice>) -> f64 {
-    out.clear();
-    let mut least = f64::INFINITY;
-    for (t, c) in allowed_costs(page, context_tokens, protection, costs) {
-        least = least.min(c);
-        out.push(Choice::new(c, dist(t)));
-    }
-    least
+/// A page's ladder of `N` tiers (costs `cost`, distortions `dist(k)`) into the hulls as arrays
+/// of a length known when compiling ([`GroupHulls::push_array`]): `push_head` dispatches on
+/// the tier count, up to 6 tiers (RDKV's ladder has 5). Returns the least of the costs.
+#[inline(always)]
+fn push_ladder<const N: usize>(hulls: &mut GroupHulls, cost: &[f64], dist: impl Fn(usize) -> f64) -> f64 {
+    let cost: &[f64; N] = cost.try_into().expect("a ladder of N tiers");
+    hulls.push_array(cost, &std::array::from_fn(dist));
+    least(cost)
 }
 
-/// The tiers a page may take (current first, down the ladder) with their costs: the options of
-/// [`page_options`] without their distortions.
-fn allowed_costs<'a>(page: &'a PageInfo, context_tokens: usize, protection: &Protection, costs: &'a TierCosts) -> impl Iterator<Item = (TierId, f64)> + 'a {
-    let (lowest, no_drop) = protection.allowed_span(page, context_tokens, costs);
-    (page.tier..=lowest)
-        .filter(move |&t| {
-            let skip = no_drop && costs.tiers[t as usize].drop;
-            assert!(!skip || t == lowest, "the drop tier must be the last of the ladder");
-            !skip
-        })
-        .map(move |t| (t, costs.cost(t, page.tokens)))
+/// The least of a page's option costs (as `min` folds them from ∞, in order).
+#[inline(always)]
+fn least(cost: &[f64]) -> f64 {
+    cost.iter().fold(f64::INFINITY, |m, &c| m.min(c))
+}
+
+/// The options of one head's movable pages as [`HeadHulls::solve_head`] reads them back:
+/// option `k` of item `i` (page `items[i]`) is `k` tiers below the page's own (see
+/// [`Allowed::span`]), at a full page's bytes and the page's distortion.
+struct PageChoices<'a> {
+    items: &'a [u32],
+    pages: &'a [PageInfo],
+    full_cost: &'a [f64],
+    table: PageDistortion<'a>,
+    weights: &'a [Weights],
+}
+
+impl knapsack::ItemChoices for PageChoices<'_> {
+    #[inline(always)]
+    fn choice(&self, item: usize, k: usize) -> Choice {
+        let index = self.items[item] as usize;
+        let t = self.pages[index].tier + k as TierId;
+        Choice::new(self.full_cost[t as usize], self.table.page(self.weights[index], t))
+    }
+}
+
+/// The tiers `protection` allows every page of a view ([`Protection::allowed_tiers`]), as a
+/// span `first..first + count` of consecutive tiers: the page's own tier down to its lowest
+/// allowed one, a protected page stopping above the drop tier (the spec puts it last). What
+/// the span depends on besides the page (the lowest live tier: a scan of the tiers in
+/// [`Protection::guard`]) is read once per view, not once per page.
+pub(crate) struct Allowed<'a> {
+    costs: &'a TierCosts,
+    protection: Protection,
+    context_tokens: usize,
+    /// The floor of protected pages, clamped to the lowest live tier.
+    floor: TierId,
+    last: TierId,
+}
+
+impl<'a> Allowed<'a> {
+    pub fn new(view: &'a PageTableView, protection: &Protection) -> Allowed<'a> {
+        let costs = &view.costs;
+        Allowed { costs, protection: *protection, context_tokens: view.context_tokens, floor: protection.floor.min(costs.lowest_live()), last: costs.tiers.len() as TierId - 1 }
+    }
+
+    /// `(first, count)`: the page may take tiers `first..first + count`, current first (the
+    /// tiers of [`Protection::allowed_tiers`]; a fixed page has its own tier alone).
+    ///
+    /// # Panics
+    /// If a protected page's span holds a drop tier other than its last.
+    #[inline]
+    pub fn span(&self, page: &PageInfo) -> (TierId, usize) {
+        let costs = self.costs;
+        if !page.movable(costs.page_tokens) || !costs.contains(page.tier) {
+            return (page.tier, 1);
+        }
+        if !self.protection.protects(page, self.context_tokens) {
+            return (page.tier, usize::from(self.last - page.tier) + 1);
+        }
+        let lowest = self.floor.max(page.tier);
+        let drop = |t: TierId| costs.tiers[t as usize].drop;
+        assert!(!(page.tier..lowest).any(drop), "the drop tier must be the last of the ladder");
+        (page.tier, usize::from(lowest - page.tier) + usize::from(!drop(lowest)))
+    }
+
+    /// The least cost over the tiers the page may take (∞ when none).
+    pub fn least_cost(&self, page: &PageInfo) -> f64 {
+        let (first, count) = self.span(page);
+        (first..first + count as TierId).fold(f64::INFINITY, |m, t| m.min(self.costs.cost(t, page.tokens)))
+    }
+}
+
+/// The predicted distortion of page `id` at tier `tier`, as [`assemble`] sums it for every
+/// page: any `Fn(PageId, TierId) -> f64`, or a [`ViewDistortion`], whose method inlines into
+/// the sums (RDKV's closure was a call per page and tier, spilling the sums around it).
+pub(crate) trait PageDist {
+    fn dist(&self, id: PageId, tier: TierId) -> f64;
+}
+
+impl<F: Fn(PageId, TierId) -> f64> PageDist for F {
+    #[inline(always)]
+    fn dist(&self, id: PageId, tier: TierId) -> f64 {
+        self(id, tier)
+    }
+}
+
+impl PageDist for ViewDistortion<'_> {
+    #[inline(always)]
+    fn dist(&self, id: PageId, tier: TierId) -> f64 {
+        self.page(id, tier)
+    }
 }
 
 /// Assembles a plan: costs and predicted distortions before and after.
-pub(crate) fn assemble(view: &PageTableView, decisions: Vec<Decision>, budget_bytes: f64, s: &Solution, forced: Vec<PageId>, dist: impl Fn(PageId, TierId) -> f64) -> Plan {
+pub(crate) fn assemble(view: &PageTableView, decisions: Vec<Decision>, budget_bytes: f64, s: &Solution, forced: Vec<PageId>, dist: impl PageDist) -> Plan {
     let mut plan = Plan {
         decisions,
         budget_bytes,
@@ -332,8 +445,8 @@ pub(crate) fn assemble(view: &PageTableView, decisions: Vec<Decision>, budget_by
             None => p.tier,
         };
         plan.cost_after += view.costs.cost(t, p.tokens);
-        plan.distortion_before += dist(id, p.tier);
-        plan.distortion_after += dist(id, t);
+        plan.distortion_before += dist.dist(id, p.tier);
+        plan.distortion_after += dist.dist(id, t);
     }
     debug_assert!(next.next().is_none(), "assemble: decisions must name pages of the view, sorted by page");
     plan.feasible = plan.cost_after <= budget_bytes;
@@ -344,6 +457,36 @@ pub(crate) fn assemble(view: &PageTableView, decisions: Vec<Decision>, budget_by
 mod tests {
     use super::*;
     use crate::budget::{CostModel, TierCosts};
+
+    proptest::proptest! {
+        /// [`Allowed::span`] (what RDKV poses from) lists the tiers
+        /// [`Protection::allowed_tiers`] lists, and [`Allowed::least_cost`] is their least
+        /// cost, bit for bit: free, protected (floors above, at and below the page's tier,
+        /// past the drop tier), pinned, tail, partial and dropped pages, both cost models.
+        #[test]
+        fn allowed_span_lists_the_allowed_tiers(
+            pages in proptest::collection::vec((0u8..6, 1usize..=64, proptest::prelude::any::<bool>(), 0usize..40), 1..60),
+            floor in 0u8..7,
+            sink in 0usize..100,
+            recent in 0usize..300,
+            payload in proptest::prelude::any::<bool>(),
+        ) {
+            let spec = kvforge_spec::Spec::load(concat!(env!("CARGO_MANIFEST_DIR"), "/../../specs/rdkv.toml").as_ref()).expect("rdkv spec");
+            let costs = TierCosts::from_spec(&spec, 128, if payload { CostModel::Payload } else { CostModel::Resident });
+            let p = costs.page_tokens;
+            let infos: Vec<PageInfo> = pages.iter().map(|&(tier, tokens, pinned, at)| PageInfo { tier, tokens, first_token: at * p, last_token: at * p + tokens - 1, mass: 0.0, token_mass: None, pinned }).collect();
+            let view = PageTableView { seq: 0, context_tokens: 40 * p, heads: vec![infos], costs };
+            let protection = Protection { sink_tokens: sink, recent_tokens: recent, floor };
+            let allowed = Allowed::new(&view, &protection);
+            for page in &view.heads[0] {
+                let want: Vec<TierId> = protection.allowed_tiers(page, view.context_tokens, &view.costs).collect();
+                let (first, count) = allowed.span(page);
+                proptest::prop_assert_eq!((first..first + count as TierId).collect::<Vec<_>>(), want.clone(), "{:?}", page);
+                let least = want.iter().fold(f64::INFINITY, |m, &t| m.min(view.costs.cost(t, page.tokens)));
+                proptest::prop_assert_eq!(allowed.least_cost(page).to_bits(), least.to_bits());
+            }
+        }
+    }
 
     /// The in-place builder poses the problem the generic one does with the same options:
     /// free, protected (sinks, recent, pinned; floors above and below the page's tier) and

@@ -31,7 +31,7 @@ use kvforge_spec::{KeyScheme, Spec, TierId, ValueScheme};
 
 use crate::distortion::{DistortionTable, Proxy};
 use crate::knapsack::{self, Choice};
-use crate::plan::{assemble, Decision, HeadHulls, Limits, Plan, Problem};
+use crate::plan::{assemble, Decision, HeadHulls, Limits, Plan, Problem, ViewDistortion};
 use crate::signal::{PageId, PageInfo, PageTableView};
 use crate::Controller;
 
@@ -261,10 +261,9 @@ impl Controller for RdkvController {
         let opts = |id: PageId, p: &PageInfo, out: &mut Vec<(TierId, f64)>| out.extend(limits.protection.allowed_tiers(p, view.context_tokens, &view.costs).map(|t| (t, table.page(weight(id), t))));
         let (sol, decisions) = if self.per_head {
             // Heads are independent knapsacks: one problem per head over its own pages (the
-            // other heads' pages enter only as fixed bytes). Copied into the closure (not read
+            // other heads' pages enter only as fixed bytes). The table is copied out (not read
             // through references on every call).
-            let (pages, weights, offset) = (table.pages(), &weights[..], &offset[..]);
-            let dist = move |h: usize, i: usize, t: TierId| pages.page(weights[offset[h] + i], t);
+            let dist = ViewDistortion { pages: table.pages(), weights: &weights, offset: &offset };
             let pool = view.num_pages() >= self.parallel_pages && rayon::current_num_threads() > 1;
             let (solved, decisions) = if pool { decide_heads_on_pool(view, limits, budget, dist) } else { decide_heads(view, limits, budget, dist) };
             let agg = solved.into_iter().reduce(|a, s| knapsack::Solution { lambda: a.lambda.max(s.lambda), gap: a.gap + s.gap, feasible: a.feasible && s.feasible, ..a });
@@ -272,19 +271,18 @@ impl Controller for RdkvController {
         } else {
             Problem::build(view, opts).solve(view, budget)
         };
-        let (pages, weights, offset) = (table.pages(), &weights[..], &offset[..]);
-        assemble(view, decisions, budget, &sol, Vec::new(), move |id, t| pages.page(weights[offset[id.head] + id.index], t))
+        assemble(view, decisions, budget, &sol, Vec::new(), ViewDistortion { pages: table.pages(), weights: &weights, offset: &offset })
     }
 }
 
 /// Every head's solution and all decisions, in page order (heads in turn, each head's in
 /// page order), on the calling thread: every head's problem posed in one pass
 /// ([`HeadHulls::build_allowed`]), the budget split, then the heads solved in turn.
-fn decide_heads(view: &PageTableView, limits: &Limits, budget: f64, dist: impl Fn(usize, usize, TierId) -> f64) -> (Vec<knapsack::Solution>, Vec<Decision>) {
-    let problems = HeadHulls::build_allowed(view, &limits.protection, &dist);
+fn decide_heads(view: &PageTableView, limits: &Limits, budget: f64, dist: ViewDistortion) -> (Vec<knapsack::Solution>, Vec<Decision>) {
+    let problems = HeadHulls::build_allowed(view, &limits.protection, dist);
     let shares = head_shares(&problems.min_cost, budget);
     let mut decisions = Vec::new();
-    let solved = (0..view.heads.len()).map(|h| problems.solve_head(view, h, shares[h], &dist, &mut decisions)).collect();
+    let solved = (0..view.heads.len()).map(|h| problems.solve_head(view, h, shares[h], dist, &mut decisions)).collect();
     problems.recycle();
     (solved, decisions)
 }
@@ -295,17 +293,17 @@ fn decide_heads(view: &PageTableView, limits: &Limits, budget: f64, dist: impl F
 /// on the pool, its serial part; a second hand-off cost tens of µs more on the H100 host's
 /// Xeon. Same numbers as `decide_heads`: each head's hulls, least and fixed bytes are built
 /// as it builds them.
-fn decide_heads_on_pool(view: &PageTableView, limits: &Limits, budget: f64, dist: impl Fn(usize, usize, TierId) -> f64 + Sync) -> (Vec<knapsack::Solution>, Vec<Decision>) {
+fn decide_heads_on_pool(view: &PageTableView, limits: &Limits, budget: f64, dist: ViewDistortion) -> (Vec<knapsack::Solution>, Vec<Decision>) {
     use rayon::prelude::*;
     let min_cost = HeadHulls::least_costs(view, &limits.protection);
     let shares = head_shares(&min_cost, budget);
     let per_head: Vec<(knapsack::Solution, Vec<Decision>)> = (0..view.heads.len())
         .into_par_iter()
         .map(|h| {
-            let problem = HeadHulls::build_head(view, h, &limits.protection, &dist);
+            let problem = HeadHulls::build_head(view, h, &limits.protection, dist);
             debug_assert_eq!(problem.min_cost[0].to_bits(), min_cost[h].to_bits(), "head {h}: least bytes differ");
             let mut d = Vec::new();
-            let s = problem.solve_head(view, h, shares[h], &dist, &mut d);
+            let s = problem.solve_head(view, h, shares[h], dist, &mut d);
             problem.recycle();
             (s, d)
         })
@@ -351,7 +349,7 @@ mod tests {
         }
         all.sort_by_key(|d| d.page);
         let sol = agg.unwrap_or_else(|| knapsack::solve(&[], budget));
-        assemble(view, all, budget, &sol, Vec::new(), |id, t| c.table.page(weights[offset[id.head] + id.index], t))
+        assemble(view, all, budget, &sol, Vec::new(), |id: PageId, t: TierId| c.table.page(weights[offset[id.head] + id.index], t))
     }
 
     /// A view of `heads` kv heads whose pages sit in random ladder tiers with random masses
@@ -413,7 +411,9 @@ mod tests {
                 proptest::prop_assert_eq!(got.feasible, want.feasible);
             }
             // The pool's budget split reads least bytes from a walk, not from the posed hulls.
-            let posed = HeadHulls::build_allowed(&v, &limits.protection, |_, _, _| 0.0);
+            let none = vec![crate::distortion::Weights::default(); v.num_pages()];
+            let offset: Vec<usize> = v.heads.iter().scan(0, |acc, h| { *acc += h.len(); Some(*acc - h.len()) }).collect();
+            let posed = HeadHulls::build_allowed(&v, &limits.protection, ViewDistortion { pages: c.table.pages(), weights: &none, offset: &offset });
             let bits_of = |x: &[f64]| x.iter().map(|c| c.to_bits()).collect::<Vec<_>>();
             proptest::prop_assert_eq!(bits_of(&HeadHulls::least_costs(&v, &limits.protection)), bits_of(&posed.min_cost));
             posed.recycle();

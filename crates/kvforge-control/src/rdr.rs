@@ -265,7 +265,7 @@ impl Controller for RdrController {
         if view.cost() <= budget {
             let dist: f64 = view.iter().map(|(id, p)| table.page(score_of(id), p.tier)).sum();
             let sol = crate::knapsack::Solution { pick: Vec::new(), cost: view.cost(), dist, lambda: 0.0, dual: dist, gap: 0.0, feasible: true, iterations: 0 };
-            let plan = assemble(view, Vec::new(), budget, &sol, Vec::new(), |id, t: TierId| table.page(score_of(id), t));
+            let plan = assemble(view, Vec::new(), budget, &sol, Vec::new(), |id: PageId, t: TierId| table.page(score_of(id), t));
             self.keep_sorted(|_, _| false);
             return plan;
         }
@@ -305,6 +305,6 @@ impl Controller for RdrController {
         let dropped: Vec<PageId> = decisions.iter().filter(|d: &&Decision| costs.tiers[d.to_tier as usize].drop).map(|d| d.page).collect();
         self.keep_sorted(|head, index| dropped.binary_search(&PageId { head, index }).is_ok());
         let table = &self.table;
-        assemble(view, decisions, budget, &sol, forced, |id, t: TierId| table.page(score_of(id), t))
+        assemble(view, decisions, budget, &sol, forced, |id: PageId, t: TierId| table.page(score_of(id), t))
     }
 }

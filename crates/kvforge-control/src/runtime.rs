@@ -541,7 +541,8 @@ impl PositionMap {
 /// than this stay on the calling thread: at 32K tokens × 8 kv heads (4096 pages) one thread of
 /// the 2-core VM builds the view in ~70 µs and decides in ~330 µs, while handing the heads to
 /// two threads took 85-600 µs and 290-780 µs (the workers' wake-up, not the work, is what it
-/// waits on).
+/// waits on). After the posing and solving speed-ups (branch `rdkv-speed`, same VM, another
+/// job holding one core): one thread ~67 µs + ~168 µs, two threads ~107 µs + ~240 µs.
 pub const POOL_PAGES_NARROW: usize = 16384;
 
 /// With a pool of four threads or more the heads go to it from this many pages on: on the H100
