@@ -49,8 +49,15 @@ fn main() -> Result<(), Error> {
         Some("precompile") => precompile(&specs(&args)?),
         Some("rdr") => rdr(&args),
         Some("transcode") => transcode_cost(&args),
-        Some("rdkv") => rdkv(specs(&args)?.into_iter().next().ok_or("rdkv: give the rdkv spec's path")?, arg(&args, "--reps").unwrap_or(7), !args.iter().any(|a| a == "--pages-only"), arg(&args, "--parallel-pages")),
-        _ => Err("usage: controller_cost (precompile|rdr) <spec.toml>... [--batch 1,8] [--steps N] [--every 64,256] [--sample 1,8] | rdkv <rdkv.toml> [--reps N] [--pages-only] [--parallel-pages N] | transcode <spec.toml>... [--pages 1,4,16,256] [--reps 60] [--d 128]".into()),
+        Some("rdkv") => {
+            let spec = specs(&args)?.into_iter().next().ok_or("rdkv: give the rdkv spec's path")?;
+            let reps = arg(&args, "--reps").unwrap_or(7);
+            match arg::<usize>(&args, "--layers") {
+                Some(layers) => rdkv_layers(spec, reps, layers),
+                None => rdkv(spec, reps, !args.iter().any(|a| a == "--pages-only"), arg(&args, "--parallel-pages")),
+            }
+        }
+        _ => Err("usage: controller_cost (precompile|rdr) <spec.toml>... [--batch 1,8] [--steps N] [--every 64,256] [--sample 1,8] | rdkv <rdkv.toml> [--reps N] [--pages-only] [--parallel-pages N] [--layers N] | transcode <spec.toml>... [--pages 1,4,16,256] [--reps 60] [--d 128]".into()),
     }
 }
 
@@ -188,6 +195,57 @@ fn rdkv(spec: Spec, reps: usize, paper: bool, parallel_pages: Option<usize>) -> 
         median(&mut tv) + median(&mut td),
         json_us(median(&mut ts)),
         json_us(median(&mut tp))
+    );
+    Ok(())
+}
+
+/// RDKV after the prefill of `layers` layers, all at once: each layer's view (its page masses
+/// from its own token weights) and decision on the rayon pool, one layer per thread
+/// (`RdkvController::decide_layers`). Layer 0 has the one-layer case's weights, so its plan
+/// digest is the one `rdkv` prints; the others draw their own (distinct memory, as real layers).
+fn rdkv_layers(spec: Spec, reps: usize, layers: usize) -> Result<(), Error> {
+    use rand::{Rng, SeedableRng};
+    use rayon::prelude::*;
+    let RdkvCase { d, heads, ctx, tok, costs, limits, cache, pos, rdkv, .. } = RdkvCase::new(&spec)?;
+    let per_layer: Vec<Vec<Vec<f64>>> = (0..layers.max(1))
+        .map(|l| match l {
+            0 => tok.clone(),
+            _ => {
+                let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1000 + l as u64);
+                (0..heads).map(|_| (0..ctx).map(|_| rng.gen::<f64>().powf(6.0) * 4.0).collect()).collect()
+            }
+        })
+        .collect();
+    let (mut tv, mut td, mut tt) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut same, mut decisions) = (None, 0);
+    for _ in 0..reps.max(1) {
+        let t = Instant::now();
+        let views: Vec<_> = per_layer
+            .par_iter()
+            .map(|tok| pos.view(&cache, costs.clone(), |key, len| Signal { mass: page_mass(&tok[key.head][key.first_token..key.first_token + len]), ..Default::default() }))
+            .collect::<Result<_, _>>()?;
+        let tv0 = t.elapsed().as_secs_f64() * 1e6;
+        let t1 = Instant::now();
+        let plans = rdkv.decide_layers(&views, &limits);
+        td.push(t1.elapsed().as_secs_f64() * 1e6);
+        tt.push(t.elapsed().as_secs_f64() * 1e6);
+        tv.push(tv0);
+        if same.is_none() {
+            // Every layer's plan is the one `decide` makes for it alone.
+            same = Some(views.iter().zip(&plans).all(|(v, p)| rdkv.clone().decide(v, &limits) == *p));
+        }
+        decisions = plans.iter().map(|p| p.decisions.len()).sum();
+    }
+    let total = median(&mut tt);
+    println!(
+        "{{\"kind\":\"rdkv_alloc_layers\",\"context\":{ctx},\"kv_heads\":{heads},\"head_dim\":{d},\"layers\":{layers},\"pages_per_layer\":{},\"reps\":{reps},\"cpu_threads\":{},\"views_us\":{:.1},\"decide_us\":{:.1},\"total_us\":{:.1},\"per_layer_us\":{:.1},\"decisions\":{decisions},\"plans_equal_one_layer_decide\":{}}}",
+        heads * ctx / spec.page.tokens,
+        rayon::current_num_threads(),
+        median(&mut tv),
+        median(&mut td),
+        total,
+        total / layers.max(1) as f64,
+        same.unwrap_or(false)
     );
     Ok(())
 }
