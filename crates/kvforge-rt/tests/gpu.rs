@@ -558,3 +558,64 @@ fn split_transcodes_match_the_reference() {
         }
     }
 }
+
+/// The fused split-K combine (the last split of each (sequence, kv head) merges, no combine
+/// launch) gives the combine kernel's output and lse within float rounding, is bit-identical
+/// from launch to launch (the merge runs in split order whichever CTA finishes last, and each
+/// launch leaves its counters at zero), and matches the f64 reference on what the GPU holds.
+/// Mixed tiers (b8/b4/b2 pages and an fp16 tail), batch 3 of different lengths, gqa 4.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn fused_combine_equals_the_combine_kernel() {
+    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let s = spec("rdkv.toml");
+    let (d, gqa, hkv) = (128, 4, 2);
+    let p = s.page.tokens;
+    let mut c = KvCache::new(dev, s.clone(), CacheConfig::new(&s, d, gqa, hkv, 3, 12000)).unwrap();
+    let tier = |name: &str| s.tier(name).unwrap().id;
+    let lens = [3000, 4100, 1500];
+    let seqs: Vec<usize> = lens.iter().enumerate().map(|(i, &n)| {
+        let a = c.add_sequence();
+        c.append(a, &data(n * hkv * d, 40 + i as u32), &data(n * hkv * d, 50 + i as u32)).unwrap();
+        let ladder = [tier("b8"), tier("b4"), tier("b2")];
+        let moves: Vec<_> = (0..hkv).flat_map(|h| (0..n / p).map(move |j| (h, j, ladder[(j + h) % 3]))).collect();
+        c.retier_pages(a, &moves).unwrap();
+        a
+    }).collect();
+    let plan = c.plan(&seqs).unwrap();
+    assert!(plan.splits > 1, "the case must split ({} splits)", plan.splits);
+    let q = data(seqs.len() * hkv * gqa * d, 9);
+    let fused = c.decode(&seqs, &q).unwrap();
+    let again = c.decode(&seqs, &q).unwrap();
+    assert_eq!(fused.out, again.out, "fused combine differs between launches");
+    assert_eq!(fused.lse, again.lse);
+    c.set_fused_combine(false);
+    let kernel = c.decode(&seqs, &q).unwrap();
+    for (i, (a, b)) in fused.out.iter().zip(&kernel.out).enumerate() {
+        assert!((a - b).abs() <= 2.0 * 2f32.powi(-11) * b.abs().max(0.05), "output {i}: fused {a} vs combine kernel {b}");
+    }
+    for (a, b) in fused.lse.iter().zip(&kernel.lse) {
+        assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "lse: fused {a} vs combine kernel {b}");
+    }
+    // Against the f64 reference over the pages as stored (head 0 of each sequence's kv head 0).
+    c.set_fused_combine(true);
+    let sm = 1.0 / (d as f64).sqrt();
+    for (b, &a) in seqs.iter().enumerate() {
+        let (mut kk, mut vv) = (Vec::new(), Vec::new());
+        for (pg, len) in c.pages(a, 0).unwrap() {
+            let bytes = c.download_page(pg).unwrap();
+            let (kp, vp) = kvforge_ref::decode_segment(&s.tiers[pg.tier as usize], d, p, &bytes[HEADER_BYTES..], &[]);
+            kk.extend_from_slice(&kp[..len * d]);
+            vv.extend_from_slice(&vp[..len * d]);
+        }
+        let row = b * hkv * gqa;
+        let qr: Vec<f64> = q[row * d..(row + 1) * d].iter().map(|&x| half::f16::from_f32(x).to_f64()).collect();
+        let (o, lse) = kvforge_ref::attention(&qr, &kk, &vv, sm);
+        let vmax = vv.iter().fold(0f64, |m: f64, x| m.max(x.abs()));
+        for i in 0..d {
+            let e = (fused.out[row * d + i] as f64 - o[i]).abs();
+            assert!(e <= 2.0 * 2f64.powi(-11) * vmax + 1e-6, "sequence {b} channel {i}: {} vs {}", fused.out[row * d + i], o[i]);
+        }
+        assert!((fused.lse[row] as f64 - lse).abs() < 1e-3 * lse.abs().max(1.0), "sequence {b} lse {} vs {lse}", fused.lse[row]);
+    }
+}
