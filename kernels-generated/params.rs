@@ -41,10 +41,6 @@ pub struct DecodeParams {
     pub num_kv_heads: i32,
     ///split-K factor; 1 writes `out` directly
     pub num_splits: i32,
-    ///optional [batch * num_kv_heads], zero between launches: fused split-K combine (the last split of a (sequence, kv head) to finish merges the partials into `out` and `lse`, and resets its counter); null: a combine kernel follows
-    pub split_counters: u64,
-    ///optional [batch][num_q_heads] log-sum-exp (natural log) written by the fused combine
-    pub lse: u64,
 }
 ///Arguments of every transcode (and encode) kernel: one CTA per page.
 #[repr(C)]

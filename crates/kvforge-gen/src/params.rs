@@ -46,9 +46,6 @@ pub const PARAMS: &[ParamStruct] = &[
             f("batch", "int", "i32", "sequences"),
             f("num_kv_heads", "int", "i32", "kv heads"),
             f("num_splits", "int", "i32", "split-K factor; 1 writes `out` directly"),
-            // Appended: the plain entry's other fields keep their offsets.
-            f("split_counters", "u32*", "u64", "optional [batch * num_kv_heads], zero between launches: fused split-K combine (the last split of a (sequence, kv head) to finish merges the partials into `out` and `lse`, and resets its counter); null: a combine kernel follows"),
-            f("lse", "float*", "u64", "optional [batch][num_q_heads] log-sum-exp (natural log) written by the fused combine"),
         ],
     },
     ParamStruct {

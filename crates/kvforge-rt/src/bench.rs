@@ -85,11 +85,9 @@ pub fn bytes_read(cache: &KvCache, plan: &crate::DecodePlan) -> usize {
 /// Benchmarks decode of `spec`'s tier `tiers[0]` over `contexts` × `batches`, or, given
 /// several tiers, of a *ladder*: every (sequence, head) holds its full pages in the tiers in
 /// turn (page i in `tiers[i % n]`, one launch serves the mix), to compare its bandwidth with
-/// single-tier sequences of the same bytes. `fused_combine` false launches the split-K
-/// combine kernel instead of merging in the decode ([`CacheConfig::fused_combine`]); its rows
-/// name the system `kvforge (combine kernel)`.
+/// single-tier sequences of the same bytes.
 #[allow(clippy::too_many_arguments)]
-pub fn bench_tier(dev: &Arc<Device>, spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, hkv: usize, contexts: &[usize], batches: &[usize], runs: usize, copy: f64, max_bytes: usize, fused_combine: bool, mut progress: impl FnMut(&BenchRow)) -> Result<Vec<BenchRow>> {
+pub fn bench_tier(dev: &Arc<Device>, spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, hkv: usize, contexts: &[usize], batches: &[usize], runs: usize, copy: f64, max_bytes: usize, mut progress: impl FnMut(&BenchRow)) -> Result<Vec<BenchRow>> {
     let Some(&first) = tiers.first() else {
         return Err(crate::RtError::BadInput("bench needs at least one tier".into()));
     };
@@ -100,7 +98,6 @@ pub fn bench_tier(dev: &Arc<Device>, spec: &Spec, tiers: &[TierId], d: usize, gq
         for &batch in batches {
             let mut cfg = CacheConfig::new(spec, d, gqa, hkv, batch, ctx * batch).target(first);
             cfg.verify_headers = false;
-            cfg.fused_combine = fused_combine;
             // Only the tail and the measured tiers need pages; the ladder's other tiers take
             // their share of the pages the fill writes in the first.
             let share = (ctx / spec.page.tokens) * hkv * batch / tiers.len() + hkv * batch;
@@ -133,7 +130,7 @@ pub fn bench_tier(dev: &Arc<Device>, spec: &Spec, tiers: &[TierId], d: usize, gq
             let med = percentile(&t, 0.5);
             let gbps = b as f64 / (med * 1e-6) / 1e9;
             let row = BenchRow {
-                system: if fused_combine { "kvforge" } else { "kvforge (combine kernel)" }.into(),
+                system: "kvforge".into(),
                 variant: plan.variant.name(),
                 tier: label.clone(),
                 context: ctx,

@@ -33,10 +33,6 @@ pub struct CacheConfig {
     pub verify_headers: bool,
     /// Headroom of automatically chosen spherical radius scales over the largest radius seen.
     pub radius_headroom: f32,
-    /// Plain decodes with split-K merge their splits in the decode kernel (the last split of
-    /// each (sequence, kv head) to finish) instead of a combine launch after it. Tracked
-    /// decodes always launch the combine kernel, whose extra CTAs fold the importance window.
-    pub fused_combine: bool,
 }
 
 impl CacheConfig {
@@ -46,7 +42,7 @@ impl CacheConfig {
         let per_head_pages = tokens.div_ceil(spec.page.tokens) + sequences;
         let mut pages = vec![per_head_pages * num_kv_heads; spec.tiers.len()];
         pages[TAIL_TIER as usize] = (sequences + 64) * num_kv_heads;
-        CacheConfig { head_dim, gqa, num_kv_heads, pages, target_tier: 1, verify_headers: cfg!(debug_assertions), radius_headroom: 1.25, fused_combine: true }
+        CacheConfig { head_dim, gqa, num_kv_heads, pages, target_tier: 1, verify_headers: cfg!(debug_assertions), radius_headroom: 1.25 }
     }
 
     pub fn target(mut self, tier: TierId) -> Self {
@@ -510,11 +506,6 @@ impl KvCache {
         let off = page.offset as usize + at;
         let mut view = self.arena.slice_mut(off..off + bytes.len());
         self.dev.stream.memcpy_htod(bytes, &mut view).map_err(drv("page write"))
-    }
-
-    /// [`CacheConfig::fused_combine`] from now on (A/B measurements).
-    pub fn set_fused_combine(&mut self, on: bool) {
-        self.cfg.fused_combine = on;
     }
 
     /// Turns host-side header verification on or off.

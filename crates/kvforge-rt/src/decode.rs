@@ -155,9 +155,6 @@ pub struct DecodeWorkspace {
     pub out: CudaSlice<u16>,
     pub partial_out: CudaSlice<f32>,
     pub partial_lse: CudaSlice<f32>,
-    /// `[batch × kv heads]` counters of the fused split-K combine (`DecodeParams::split_counters`),
-    /// zero between launches (the last split of each resets its own).
-    pub split_counters: CudaSlice<u32>,
     pub lse: CudaSlice<f32>,
     /// Per page: log2 Σ_heads Σ_tokens 2^logit, written when `page_mass` is requested.
     pub page_lse: Option<CudaSlice<f32>>,
@@ -218,7 +215,6 @@ impl KvCache {
             out: st.alloc_zeros(rows * d).map_err(drv("output"))?,
             partial_out: st.alloc_zeros(if plan.splits > 1 { plan.splits * rows * d } else { 1 }).map_err(drv("split partials"))?,
             partial_lse: st.alloc_zeros(plan.splits * rows).map_err(drv("split lse"))?,
-            split_counters: st.alloc_zeros(if plan.splits > 1 { plan.batch * plan.num_kv_heads } else { 1 }).map_err(drv("split counters"))?,
             lse: st.alloc_zeros(rows).map_err(drv("lse"))?,
             page_lse: None,
             page_head_lse: None,
@@ -247,11 +243,6 @@ impl KvCache {
                 return Err(RtError::BadTier(plan.tiers[i], "spherical tier without radius scales".into()));
             }
         }
-        // The window fold and the tracked entry keep the combine kernel (its CTAs fold the
-        // window); a plain decode with splits merges them in its last split instead.
-        let fold = self.window_fold_params(plan, ws)?;
-        let tracked = ws.page_lse.is_some() || ws.page_head_lse.is_some();
-        let fused = self.cfg.fused_combine && plan.combine.is_some() && plan.splits > 1 && fold.is_none() && !tracked;
         let params = DecodeParams {
             q: io.q,
             out: io.out,
@@ -272,8 +263,6 @@ impl KvCache {
             batch: plan.batch as i32,
             num_kv_heads: plan.num_kv_heads as i32,
             num_splits: plan.splits as i32,
-            split_counters: if fused { ws.split_counters.device_ptr(&st).0 } else { 0 },
-            lse: if fused { io.lse } else { 0 },
         };
         let cfg = LaunchConfig {
             grid_dim: (plan.splits as u32, plan.num_kv_heads as u32, plan.batch as u32),
@@ -289,8 +278,8 @@ impl KvCache {
         // SAFETY: params mirror the kernel struct; buffers are sized by `workspace` for this
         // plan; page offsets come from the pool and lie inside the arena.
         unsafe { st.launch_builder(func).arg(&params).launch(cfg) }.map_err(drv(format!("launch {}", plan.variant)))?;
+        let fold = self.window_fold_params(plan, ws)?;
         match (&plan.combine, fold) {
-            (Some(_), None) if fused => {}
             (Some(cv), fold) => {
                 let ck = self.kernels.get(&self.dev, &self.spec, cv)?;
                 let groups = if fold.is_some() { plan.batch * plan.num_kv_heads } else { 0 };

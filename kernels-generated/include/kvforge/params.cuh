@@ -26,8 +26,6 @@ struct DecodeParams {
   int batch;  // sequences
   int num_kv_heads;  // kv heads
   int num_splits;  // split-K factor; 1 writes `out` directly
-  u32* split_counters;  // optional [batch * num_kv_heads], zero between launches: fused split-K combine (the last split of a (sequence, kv head) to finish merges the partials into `out` and `lse`, and resets its counter); null: a combine kernel follows
-  float* lse;  // optional [batch][num_q_heads] log-sum-exp (natural log) written by the fused combine
 };
 
 // Arguments of every transcode (and encode) kernel: one CTA per page.

@@ -15,43 +15,6 @@
 
 namespace kvforge {
 
-// The split-K merge of `nrows` rows from `row0` (of `rows`) inside a decode CTA of NT threads,
-// one output channel per thread and step: the fused combine (DecodeParams::split_counters), run
-// by the split of a (sequence, kv head) that finishes last, saves the combine kernel's launch.
-// The same merge as combine.cuh's kernel (a CTA per row there); kept here, not included from
-// there: with combine.cuh included, ptxas spilled the int8 gqa-1 decode at 128 registers.
-// Partials are read through L2 (`__ldcg`): other SMs wrote them. Each thread loads U splits'
-// lse and partials at once (independent round trips).
-template <class QT, int D, int NT>
-__device__ void combine_rows(const float* partial_out, const float* partial_lse, int rows, int splits, int row0, int nrows, void* out, float* lse) {
-  constexpr int U = 8;
-  for (int i = threadIdx.x; i < nrows * D; i += NT) {
-    const int r = row0 + i / D, c = i % D;
-    float mx = NEG_INF;
-#pragma unroll U
-    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, __ldcg(partial_lse + size_t(s) * rows + r));
-    float num = 0.f, den = 0.f;
-    for (int s0 = 0; s0 < splits; s0 += U) {
-      float l[U], v[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const bool on = s0 + u < splits;
-        l[u] = on ? __ldcg(partial_lse + size_t(s0 + u) * rows + r) : NEG_INF;
-        v[u] = on ? __ldcg(partial_out + (size_t(s0 + u) * rows + r) * D + c) : 0.f;
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const float w = l[u] == NEG_INF ? 0.f : __expf(l[u] - mx);
-        den += w;
-        num = fmaf(w, v[u], num);
-      }
-    }
-    reinterpret_cast<QT*>(out)[size_t(r) * D + c] = from_float<QT>(den > 0.f ? num / den : 0.f);
-    if (lse != nullptr && c == 0) lse[r] = den > 0.f ? mx + logf(den) : NEG_INF;
-  }
-}
-
-
 template <class... Ts> struct TierList {};
 
 
@@ -839,28 +802,6 @@ struct DecodeCta {
         p.partial_lse[size_t(split) * p.batch * num_hq + row] = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : NEG_INF;
       }
     }
-    // The tracked entry's launches keep the combine kernel (its CTAs fold the window).
-    if constexpr (!TRACK) {
-      if (p.split_counters != nullptr && p.num_splits > 1) finish_splits(seq, num_hq, hq0);
-    }
-  }
-
-  // Fused split-K combine: every split counts itself done for its (sequence, kv head) once its
-  // partials are visible device-wide; the last one merges all the splits' partials of the GQA
-  // rows and resets the counter for the next launch.
-  // Not inlined: called once per CTA after the page loop, its registers stay out of the loop's
-  // allocation (inlined, the int8 gqa-1 module spilled 8 bytes at the 128-register cap).
-  __device__ __noinline__ void finish_splits(int seq, int num_hq, int hq0) {
-    __shared__ u32 last_s;
-    u32* counter = p.split_counters + seq * p.num_kv_heads + kvh;
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last_s = atomicAdd(counter, 1u) == u32(p.num_splits - 1);
-    __syncthreads();
-    if (!last_s) return;
-    __threadfence();
-    combine_rows<QT, D, NT>(p.partial_out, p.partial_lse, p.batch * num_hq, p.num_splits, seq * num_hq + hq0, GQA, p.out, p.lse);
-    if (threadIdx.x == 0) *counter = 0;
   }
 };
 

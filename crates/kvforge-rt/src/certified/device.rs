@@ -287,8 +287,6 @@ impl KvCache {
                 out: st.alloc_zeros::<u16>(io).map_err(drv("output"))?,
                 partial_out: f32s(cap.partial, "split partials")?,
                 partial_lse: f32s(cap.partial_lse, "split lse")?,
-                // Certified launches record block masses, so they take the combine kernel.
-                split_counters: st.alloc_zeros::<u32>(cap.groups.max(1)).map_err(drv("split counters"))?,
                 lse: f32s(if phase1 { cap.rows } else { 1 }, "lse")?,
                 page_lse: None,
                 page_head_lse: Some(f32s(cap.pages * cap.gqa, "page masses")?),

@@ -43,10 +43,6 @@ pub struct Args {
     /// Certified: failed ranking/boundary checks are only reported, not escalated to rung 3.
     #[arg(long)]
     rank_report_only: bool,
-    /// Launch the split-K combine kernel after the decode instead of merging the splits in the
-    /// decode's last CTA (an A/B of the fused combine; rows name the system accordingly).
-    #[arg(long)]
-    combine_kernel: bool,
 }
 
 #[derive(serde::Serialize)]
@@ -97,7 +93,7 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
     for (s, ts) in todo {
         let name = format!("{}:{}", s.name, ts.iter().map(|&t| s.tiers[t as usize].name.as_str()).collect::<Vec<_>>().join("+"));
         bar.set_message(name.clone());
-        let r = bench_tier(&dev, s, &ts, a.head_dim, gqa, a.kv_heads, &a.contexts, &a.batches, a.runs, copy, a.max_gib << 30, !a.combine_kernel, |r| {
+        let r = bench_tier(&dev, s, &ts, a.head_dim, gqa, a.kv_heads, &a.contexts, &a.batches, a.runs, copy, a.max_gib << 30, |r| {
             bar.inc(1);
             bar.suspend(|| println!("{:<22} {:>7} {:>5} {:>6} {:>10.1} {:>10.2} {:>8.0} {:>6.2}", name, r.context, r.batch, r.splits, r.time_us, r.bytes_read as f64 / 1e6, r.gbps, r.bw_fraction));
         })?;
