@@ -296,6 +296,9 @@ struct DecodeCta {
   // (merge_warps) lie behind the ring.
   // A power of two, so a page's slot is its index masked (no slot register in the page loop).
   static constexpr int TRACK_RING = pow2_floor(P / NW - 2);
+  // Floats of DecodeParams::page_warp_lse per page the tracked entry needs: mirrored by
+  // kvforge-gen codec.rs `warp_lse_per_page` (the generated .cu static_asserts that they agree).
+  static constexpr int WARP_LSE_PER_PAGE = PW ? NW * GQA : 0;
   // Lanes per page in a fold: the heads, padded to a power of two (shuffle groups).
   static constexpr int TRACK_LANES = GQA <= 1 ? 1 : GQA <= 2 ? 2 : GQA <= 4 ? 4 : GQA <= 8 ? 8 : GQA <= 16 ? 16 : 32;
   static_assert(!PW || (TRACK_RING >= 2 && GQA <= 32), "page tracking: a ring of two slots at least, a page's heads in one warp");
