@@ -41,6 +41,8 @@ pub struct DecodeParams {
     pub num_kv_heads: i32,
     ///split-K factor; 1 writes `out` directly
     pub num_splits: i32,
+    ///[page][warps][gqa] scratch of a tracked decode in the per-warp layout (launch shape `warp_lse_per_page` floats per page, else unused): every warp's log2 Σ_tokens 2^logit per query head, folded into page_lse / page_head_lse after the page loop
+    pub page_warp_lse: u64,
 }
 ///Arguments of every transcode (and encode) kernel: one CTA per page.
 #[repr(C)]

@@ -101,6 +101,9 @@ pub struct VariantInfo {
     pub smem_bytes: usize,
     /// CTAs per page of a transcode launch (grid = pages × this); 1 for other kinds.
     pub ctas_per_page: usize,
+    /// Decode: floats per page of the scratch `DecodeParams::page_warp_lse` that the
+    /// tracked entry needs (0: none).
+    pub warp_lse_per_page: usize,
     pub source: &'static str,
 }
 /// Every kernel of the spec.
@@ -163,6 +166,7 @@ static INFOS: [VariantInfo; 19usize] = [
         threads: 256usize,
         smem_bytes: 99184usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -175,6 +179,7 @@ static INFOS: [VariantInfo; 19usize] = [
         threads: 256usize,
         smem_bytes: 100752usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -187,6 +192,7 @@ static INFOS: [VariantInfo; 19usize] = [
         threads: 256usize,
         smem_bytes: 101536usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -199,6 +205,7 @@ static INFOS: [VariantInfo; 19usize] = [
         threads: 256usize,
         smem_bytes: 104672usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -211,6 +218,7 @@ static INFOS: [VariantInfo; 19usize] = [
         threads: 256usize,
         smem_bytes: 8208usize,
         ctas_per_page: 2usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -223,6 +231,7 @@ static INFOS: [VariantInfo; 19usize] = [
         threads: 64usize,
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("combine_d64.cu"),
     },
     VariantInfo {
@@ -235,6 +244,7 @@ static INFOS: [VariantInfo; 19usize] = [
         threads: 256usize,
         smem_bytes: 99648usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -247,6 +257,7 @@ static INFOS: [VariantInfo; 19usize] = [
         threads: 256usize,
         smem_bytes: 102240usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -259,6 +270,7 @@ static INFOS: [VariantInfo; 19usize] = [
         threads: 256usize,
         smem_bytes: 103536usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -271,6 +283,7 @@ static INFOS: [VariantInfo; 19usize] = [
         threads: 256usize,
         smem_bytes: 108720usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -283,6 +296,7 @@ static INFOS: [VariantInfo; 19usize] = [
         threads: 256usize,
         smem_bytes: 8208usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d128_p64.cu"),
     },
     VariantInfo {
@@ -295,6 +309,7 @@ static INFOS: [VariantInfo; 19usize] = [
         threads: 128usize,
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("combine_d128.cu"),
     },
     VariantInfo {
@@ -307,6 +322,7 @@ static INFOS: [VariantInfo; 19usize] = [
         threads: 256usize,
         smem_bytes: 133424usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -319,6 +335,7 @@ static INFOS: [VariantInfo; 19usize] = [
         threads: 256usize,
         smem_bytes: 138064usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -331,6 +348,7 @@ static INFOS: [VariantInfo; 19usize] = [
         threads: 256usize,
         smem_bytes: 140384usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -343,6 +361,7 @@ static INFOS: [VariantInfo; 19usize] = [
         threads: 256usize,
         smem_bytes: 149664usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -355,6 +374,7 @@ static INFOS: [VariantInfo; 19usize] = [
         threads: 256usize,
         smem_bytes: 8208usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d256_p64.cu"),
     },
     VariantInfo {
@@ -367,6 +387,7 @@ static INFOS: [VariantInfo; 19usize] = [
         threads: 256usize,
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("combine_d256.cu"),
     },
     VariantInfo {
@@ -379,6 +400,7 @@ static INFOS: [VariantInfo; 19usize] = [
         threads: 256usize,
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("mass_window.cu"),
     },
 ];

@@ -163,6 +163,9 @@ pub struct VariantInfo {
     pub smem_bytes: usize,
     /// CTAs per page of a transcode launch (grid = pages × this); 1 for other kinds.
     pub ctas_per_page: usize,
+    /// Decode: floats per page of the scratch `DecodeParams::page_warp_lse` that the
+    /// tracked entry needs (0: none).
+    pub warp_lse_per_page: usize,
     pub source: &'static str,
 }
 /// Every kernel of the spec.
@@ -285,6 +288,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 99184usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -297,6 +301,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 100752usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -309,6 +314,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 101536usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -321,6 +327,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 104672usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -333,6 +340,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 102336usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -345,6 +353,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 103904usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -357,6 +366,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 104688usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -369,6 +379,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 107824usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -381,6 +392,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 99184usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -393,6 +405,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 100752usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -405,6 +418,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 101536usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -417,6 +431,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 104672usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -429,6 +444,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 8208usize,
         ctas_per_page: 2usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -441,6 +457,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 9216usize,
         ctas_per_page: 2usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kint8c16f32_vint4g16f16_d64_p64.cu"),
     },
     VariantInfo {
@@ -453,6 +470,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 9216usize,
         ctas_per_page: 2usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint8c16f32_vint4g16f16_d64_p64.cu"
         ),
@@ -467,6 +485,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 64usize,
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("combine_d64.cu"),
     },
     VariantInfo {
@@ -479,6 +498,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 99648usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -491,6 +511,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 102240usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -503,6 +524,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 103536usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -515,6 +537,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 108720usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -527,6 +550,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 93536usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -539,6 +563,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 96128usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -551,6 +576,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 97424usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -563,6 +589,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 102608usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -575,6 +602,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 99648usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d128_g1_p64.cu"
         ),
@@ -589,6 +617,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 102240usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d128_g3_p64.cu"
         ),
@@ -603,6 +632,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 103536usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d128_g4_p64.cu"
         ),
@@ -617,6 +647,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 108720usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d128_g8_p64.cu"
         ),
@@ -631,6 +662,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 8208usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d128_p64.cu"),
     },
     VariantInfo {
@@ -643,6 +675,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 9216usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kint8c16f32_vint4g16f16_d128_p64.cu"),
     },
     VariantInfo {
@@ -655,6 +688,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 9216usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint8c16f32_vint4g16f16_d128_p64.cu"
         ),
@@ -669,6 +703,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 128usize,
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("combine_d128.cu"),
     },
     VariantInfo {
@@ -681,6 +716,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 133424usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -693,6 +729,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 138064usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -705,6 +742,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 140384usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -717,6 +755,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 149664usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -729,6 +768,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 76080usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -741,6 +781,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 80720usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -753,6 +794,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 83040usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -765,6 +807,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 92320usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kint8c16f32_vint4g16f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -777,6 +820,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 133424usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d256_g1_p64.cu"
         ),
@@ -791,6 +835,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 138064usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d256_g3_p64.cu"
         ),
@@ -805,6 +850,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 140384usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d256_g4_p64.cu"
         ),
@@ -819,6 +865,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 149664usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c16f32_vint4g16f16_d256_g8_p64.cu"
         ),
@@ -833,6 +880,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 8208usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d256_p64.cu"),
     },
     VariantInfo {
@@ -845,6 +893,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 9216usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kint8c16f32_vint4g16f16_d256_p64.cu"),
     },
     VariantInfo {
@@ -857,6 +906,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 9216usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint8c16f32_vint4g16f16_d256_p64.cu"
         ),
@@ -871,6 +921,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("combine_d256.cu"),
     },
     VariantInfo {
@@ -883,6 +934,7 @@ static INFOS: [VariantInfo; 49usize] = [
         threads: 256usize,
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("mass_window.cu"),
     },
 ];

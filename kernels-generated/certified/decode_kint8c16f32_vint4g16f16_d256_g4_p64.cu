@@ -17,13 +17,15 @@ struct Cfg {
   using Tiers = TierList<Tier0, Tier2>;
 };
 static_assert(DecodeSmem<Cfg>::TOTAL == 83040, "shared-memory plan differs from the Rust bindings");
+static_assert(DecodeCta<Cfg, true>::WARP_LSE_PER_PAGE == 0, "page_warp_lse floats per page differ from the Rust bindings");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256, 2) kvf_certified_decode_kint8c16f32_vint4g16f16_d256_g4_p64(const kvforge::DecodeParams p) {
   kvforge::decode_kernel<Cfg, false>(p);
 }
 
-// The same decode recording per-page masses (DecodeParams::page_lse / page_head_lse).
+// The same decode recording per-page masses (DecodeParams::page_lse / page_head_lse; scratch
+// page_warp_lse, 0 floats per page).
 extern "C" __global__ void __launch_bounds__(256, 2) kvf_certified_decode_kint8c16f32_vint4g16f16_d256_g4_p64_tracked(const kvforge::DecodeParams p) {
   kvforge::decode_kernel<Cfg, true>(p);
 }

@@ -313,6 +313,9 @@ pub struct VariantInfo {
     pub smem_bytes: usize,
     /// CTAs per page of a transcode launch (grid = pages × this); 1 for other kinds.
     pub ctas_per_page: usize,
+    /// Decode: floats per page of the scratch `DecodeParams::page_warp_lse` that the
+    /// tracked entry needs (0: none).
+    pub warp_lse_per_page: usize,
     pub source: &'static str,
 }
 /// Every kernel of the spec.
@@ -549,6 +552,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 256usize,
         smem_bytes: 99184usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -561,6 +565,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 256usize,
         smem_bytes: 100752usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -573,6 +578,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 256usize,
         smem_bytes: 101536usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -585,6 +591,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 256usize,
         smem_bytes: 104672usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -597,6 +604,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 54896usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 4usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -609,6 +617,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 56976usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 12usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -621,6 +630,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 49040usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 16usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -633,6 +643,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 107056usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 32usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -645,6 +656,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 54720usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 4usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -657,6 +669,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 56800usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 12usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -669,6 +682,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 52960usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 16usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -681,6 +695,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 86400usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 32usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -693,6 +708,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 46352usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 4usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -705,6 +721,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 48432usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 12usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -717,6 +734,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 49472usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 16usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -729,6 +747,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 53632usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 32usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -741,6 +760,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 54896usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 4usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g1_p64.cu"
         ),
@@ -755,6 +775,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 56976usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 12usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g3_p64.cu"
         ),
@@ -769,6 +790,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 49040usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 16usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g4_p64.cu"
         ),
@@ -783,6 +805,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 107056usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 32usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g8_p64.cu"
         ),
@@ -797,6 +820,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 50240usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 4usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g1_p64.cu"
         ),
@@ -811,6 +835,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 52320usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 12usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g3_p64.cu"
         ),
@@ -825,6 +850,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 53360usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 16usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g4_p64.cu"
         ),
@@ -839,6 +865,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 106720usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 32usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g8_p64.cu"
         ),
@@ -853,6 +880,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4112usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -865,6 +893,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kint8c64f16_vint8g32f16_d64_p64.cu"),
     },
     VariantInfo {
@@ -877,6 +906,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kint4c64f16_vint4g32f16_d64_p64.cu"),
     },
     VariantInfo {
@@ -889,6 +919,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kint2c64f16_vint2g32f16_d64_p64.cu"),
     },
     VariantInfo {
@@ -901,6 +932,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint8c64f16_vint8g32f16_d64_p64.cu"
         ),
@@ -915,6 +947,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint4c64f16_vint4g32f16_d64_p64.cu"
         ),
@@ -929,6 +962,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint2c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -943,6 +977,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kint8c64f16_vint8g32f16_to_kint4c64f16_vint4g32f16_d64_p64.cu"
         ),
@@ -957,6 +992,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kint8c64f16_vint8g32f16_to_kint2c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -971,6 +1007,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kint4c64f16_vint4g32f16_to_kint2c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -985,6 +1022,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 64usize,
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("combine_d64.cu"),
     },
     VariantInfo {
@@ -997,6 +1035,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 256usize,
         smem_bytes: 99648usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -1009,6 +1048,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 256usize,
         smem_bytes: 102240usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -1021,6 +1061,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 256usize,
         smem_bytes: 103536usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -1033,6 +1074,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 256usize,
         smem_bytes: 108720usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -1045,6 +1087,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 55616usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 4usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -1057,6 +1100,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 41296usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 12usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -1069,6 +1113,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 43104usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 16usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -1081,6 +1126,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 104144usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 32usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -1093,6 +1139,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 50528usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 4usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -1105,6 +1152,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 54144usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 12usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -1117,6 +1165,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 55952usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 16usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -1129,6 +1178,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 111904usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 32usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -1141,6 +1191,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 52640usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 4usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -1153,6 +1204,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 56256usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 12usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -1165,6 +1217,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 52416usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 16usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -1177,6 +1230,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 104832usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 32usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -1189,6 +1243,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 55616usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 4usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g1_p64.cu"
         ),
@@ -1203,6 +1258,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 41296usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 12usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g3_p64.cu"
         ),
@@ -1217,6 +1273,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 43104usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 16usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g4_p64.cu"
         ),
@@ -1231,6 +1288,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 104144usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 32usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g8_p64.cu"
         ),
@@ -1245,6 +1303,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 67376usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 4usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g1_p64.cu"
         ),
@@ -1259,6 +1318,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 70992usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 12usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g3_p64.cu"
         ),
@@ -1273,6 +1333,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 72800usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 16usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g4_p64.cu"
         ),
@@ -1287,6 +1348,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 112816usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 32usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g8_p64.cu"
         ),
@@ -1301,6 +1363,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4112usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d128_p64.cu"),
     },
     VariantInfo {
@@ -1313,6 +1376,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kint8c64f16_vint8g32f16_d128_p64.cu"),
     },
     VariantInfo {
@@ -1325,6 +1389,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kint4c64f16_vint4g32f16_d128_p64.cu"),
     },
     VariantInfo {
@@ -1337,6 +1402,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kint2c64f16_vint2g32f16_d128_p64.cu"),
     },
     VariantInfo {
@@ -1349,6 +1415,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint8c64f16_vint8g32f16_d128_p64.cu"
         ),
@@ -1363,6 +1430,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint4c64f16_vint4g32f16_d128_p64.cu"
         ),
@@ -1377,6 +1445,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint2c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -1391,6 +1460,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kint8c64f16_vint8g32f16_to_kint4c64f16_vint4g32f16_d128_p64.cu"
         ),
@@ -1405,6 +1475,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kint8c64f16_vint8g32f16_to_kint2c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -1419,6 +1490,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kint4c64f16_vint4g32f16_to_kint2c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -1433,6 +1505,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("combine_d128.cu"),
     },
     VariantInfo {
@@ -1445,6 +1518,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 256usize,
         smem_bytes: 133424usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1457,6 +1531,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 256usize,
         smem_bytes: 138064usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1469,6 +1544,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 256usize,
         smem_bytes: 140384usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1481,6 +1557,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 256usize,
         smem_bytes: 149664usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1493,6 +1570,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 75056usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 4usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1505,6 +1583,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 81744usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 12usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1517,6 +1596,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 85088usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 16usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1529,6 +1609,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 98464usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 32usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1541,6 +1622,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 100704usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 4usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1553,6 +1635,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 107392usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 12usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1565,6 +1648,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 110736usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 16usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1577,6 +1661,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 104640usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 32usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1589,6 +1674,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 104864usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 4usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1601,6 +1687,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 111552usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 12usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1613,6 +1700,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 114896usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 16usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1625,6 +1713,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 105712usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 32usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1637,6 +1726,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 75056usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 4usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g1_p64.cu"
         ),
@@ -1651,6 +1741,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 81744usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 12usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g3_p64.cu"
         ),
@@ -1665,6 +1756,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 85088usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 16usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g4_p64.cu"
         ),
@@ -1679,6 +1771,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 98464usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 32usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g8_p64.cu"
         ),
@@ -1693,6 +1786,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 134448usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 4usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g1_p64.cu"
         ),
@@ -1707,6 +1801,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 141136usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 12usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g3_p64.cu"
         ),
@@ -1721,6 +1816,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 144480usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 16usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g4_p64.cu"
         ),
@@ -1735,6 +1831,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 157856usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 32usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g8_p64.cu"
         ),
@@ -1749,6 +1846,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4112usize,
         ctas_per_page: 16usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1761,6 +1859,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kint8c64f16_vint8g32f16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1773,6 +1872,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kint4c64f16_vint4g32f16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1785,6 +1885,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_kint2c64f16_vint2g32f16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1797,6 +1898,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint8c64f16_vint8g32f16_d256_p64.cu"
         ),
@@ -1811,6 +1913,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint4c64f16_vint4g32f16_d256_p64.cu"
         ),
@@ -1825,6 +1928,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint2c64f16_vint2g32f16_d256_p64.cu"
         ),
@@ -1839,6 +1943,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kint8c64f16_vint8g32f16_to_kint4c64f16_vint4g32f16_d256_p64.cu"
         ),
@@ -1853,6 +1958,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kint8c64f16_vint8g32f16_to_kint2c64f16_vint2g32f16_d256_p64.cu"
         ),
@@ -1867,6 +1973,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kint4c64f16_vint4g32f16_to_kint2c64f16_vint2g32f16_d256_p64.cu"
         ),
@@ -1881,6 +1988,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 256usize,
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("combine_d256.cu"),
     },
     VariantInfo {
@@ -1893,6 +2001,7 @@ static INFOS: [VariantInfo; 106usize] = [
         threads: 256usize,
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("mass_window.cu"),
     },
 ];

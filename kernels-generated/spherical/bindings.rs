@@ -221,6 +221,9 @@ pub struct VariantInfo {
     pub smem_bytes: usize,
     /// CTAs per page of a transcode launch (grid = pages × this); 1 for other kinds.
     pub ctas_per_page: usize,
+    /// Decode: floats per page of the scratch `DecodeParams::page_warp_lse` that the
+    /// tracked entry needs (0: none).
+    pub warp_lse_per_page: usize,
     pub source: &'static str,
 }
 /// Every kernel of the spec.
@@ -385,6 +388,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 45088usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x4b6_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -397,6 +401,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 48704usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x4b6_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -409,6 +414,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 50512usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x4b6_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -421,6 +427,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 57744usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x4b6_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -433,6 +440,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 44000usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x4b4_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -445,6 +453,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 46080usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x4b4_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -457,6 +466,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 47120usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x4b4_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -469,6 +479,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 51280usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x4b4_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -481,6 +492,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 42848usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph32x2b3_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -493,6 +505,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 44544usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph32x2b3_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -505,6 +518,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 45392usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph32x2b3_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -517,6 +531,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 48784usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph32x2b3_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -529,6 +544,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 45408usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g1_p64.cu"
         ),
@@ -543,6 +559,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 49664usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g3_p64.cu"
         ),
@@ -557,6 +574,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 51792usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g4_p64.cu"
         ),
@@ -571,6 +589,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 60304usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g8_p64.cu"
         ),
@@ -585,6 +604,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 4352usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_ksph16x4b6_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -597,6 +617,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 4352usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_ksph16x4b4_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -609,6 +630,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_ksph32x2b3_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -621,6 +643,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 4352usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_ksph16x4b6_vfp16_to_ksph16x4b4_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -633,6 +656,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_ksph16x4b6_vfp16_to_ksph32x2b3_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -645,6 +669,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_ksph16x4b4_vfp16_to_ksph32x2b3_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -657,6 +682,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 64usize,
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("combine_d64.cu"),
     },
     VariantInfo {
@@ -669,6 +695,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 55232usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x8b6_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -681,6 +708,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 61920usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x8b6_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -693,6 +721,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 65264usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x8b6_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -705,6 +734,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 78640usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x8b6_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -717,6 +747,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 53312usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x8b4_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -729,6 +760,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 56928usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x8b4_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -741,6 +773,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 58736usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x8b4_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -753,6 +786,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 65968usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x8b4_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -765,6 +799,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 51776usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph32x4b3_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -777,6 +812,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 54624usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph32x4b3_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -789,6 +825,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 56048usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph32x4b3_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -801,6 +838,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 61744usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph32x4b3_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -813,6 +851,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 55872usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g1_p64.cu"
         ),
@@ -827,6 +866,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 63840usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g3_p64.cu"
         ),
@@ -841,6 +881,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 67824usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g4_p64.cu"
         ),
@@ -855,6 +896,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 83760usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g8_p64.cu"
         ),
@@ -869,6 +911,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 4352usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_ksph16x8b6_vfp16_d128_p64.cu"),
     },
     VariantInfo {
@@ -881,6 +924,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 4352usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_ksph16x8b4_vfp16_d128_p64.cu"),
     },
     VariantInfo {
@@ -893,6 +937,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_ksph32x4b3_vfp16_d128_p64.cu"),
     },
     VariantInfo {
@@ -905,6 +950,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 4352usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_ksph16x8b6_vfp16_to_ksph16x8b4_vfp16_d128_p64.cu"
         ),
@@ -919,6 +965,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_ksph16x8b6_vfp16_to_ksph32x4b3_vfp16_d128_p64.cu"
         ),
@@ -933,6 +980,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_ksph16x8b4_vfp16_to_ksph32x4b3_vfp16_d128_p64.cu"
         ),
@@ -947,6 +995,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("combine_d128.cu"),
     },
     VariantInfo {
@@ -959,6 +1008,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 110144usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x16b6_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -971,6 +1021,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 122976usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x16b6_vfp16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -983,6 +1034,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 129392usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x16b6_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -995,6 +1047,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 155056usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x16b6_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1007,6 +1060,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 106304usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x16b4_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1019,6 +1073,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 112992usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x16b4_vfp16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1031,6 +1086,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 116336usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x16b4_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1043,6 +1099,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 129712usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph16x16b4_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1055,6 +1112,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 103040usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph32x8b3_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1067,6 +1125,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 108192usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph32x8b3_vfp16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1079,6 +1138,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 110768usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph32x8b3_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1091,6 +1151,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 121072usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_ksph32x8b3_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1103,6 +1164,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 111424usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_ksph16x16b6_vfp16__ksph16x16b4_vfp16__ksph32x8b3_vfp16_d256_g1_p64.cu"
         ),
@@ -1117,6 +1179,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 126816usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_ksph16x16b6_vfp16__ksph16x16b4_vfp16__ksph32x8b3_vfp16_d256_g3_p64.cu"
         ),
@@ -1131,6 +1194,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 134512usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_ksph16x16b6_vfp16__ksph16x16b4_vfp16__ksph32x8b3_vfp16_d256_g4_p64.cu"
         ),
@@ -1145,6 +1209,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 165296usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_ksph16x16b6_vfp16__ksph16x16b4_vfp16__ksph32x8b3_vfp16_d256_g8_p64.cu"
         ),
@@ -1159,6 +1224,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 4352usize,
         ctas_per_page: 16usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_ksph16x16b6_vfp16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1171,6 +1237,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 4352usize,
         ctas_per_page: 16usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_ksph16x16b4_vfp16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1183,6 +1250,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("transcode_tail_to_ksph32x8b3_vfp16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1195,6 +1263,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 4352usize,
         ctas_per_page: 16usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_ksph16x16b6_vfp16_to_ksph16x16b4_vfp16_d256_p64.cu"
         ),
@@ -1209,6 +1278,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_ksph16x16b6_vfp16_to_ksph32x8b3_vfp16_d256_p64.cu"
         ),
@@ -1223,6 +1293,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 128usize,
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_ksph16x16b4_vfp16_to_ksph32x8b3_vfp16_d256_p64.cu"
         ),
@@ -1237,6 +1308,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 256usize,
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("combine_d256.cu"),
     },
     VariantInfo {
@@ -1249,6 +1321,7 @@ static INFOS: [VariantInfo; 70usize] = [
         threads: 256usize,
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("mass_window.cu"),
     },
 ];

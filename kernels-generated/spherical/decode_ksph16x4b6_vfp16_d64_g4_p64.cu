@@ -17,13 +17,15 @@ struct Cfg {
   using Tiers = TierList<Tier0, Tier1>;
 };
 static_assert(DecodeSmem<Cfg>::TOTAL == 50512, "shared-memory plan differs from the Rust bindings");
+static_assert(DecodeCta<Cfg, true>::WARP_LSE_PER_PAGE == 0, "page_warp_lse floats per page differ from the Rust bindings");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(128, 4) kvf_spherical_decode_ksph16x4b6_vfp16_d64_g4_p64(const kvforge::DecodeParams p) {
   kvforge::decode_kernel<Cfg, false>(p);
 }
 
-// The same decode recording per-page masses (DecodeParams::page_lse / page_head_lse).
+// The same decode recording per-page masses (DecodeParams::page_lse / page_head_lse; scratch
+// page_warp_lse, 0 floats per page).
 extern "C" __global__ void __launch_bounds__(128, 4) kvf_spherical_decode_ksph16x4b6_vfp16_d64_g4_p64_tracked(const kvforge::DecodeParams p) {
   kvforge::decode_kernel<Cfg, true>(p);
 }

@@ -347,6 +347,9 @@ pub struct VariantInfo {
     pub smem_bytes: usize,
     /// CTAs per page of a transcode launch (grid = pages × this); 1 for other kinds.
     pub ctas_per_page: usize,
+    /// Decode: floats per page of the scratch `DecodeParams::page_warp_lse` that the
+    /// tracked entry needs (0: none).
+    pub warp_lse_per_page: usize,
     pub source: &'static str,
 }
 /// Every kernel of the spec.
@@ -465,6 +468,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 102880usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -477,6 +481,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 104448usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -489,6 +494,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 105232usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -501,6 +507,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 108368usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -513,6 +520,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 92176usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g1_p64.cu"
         ),
@@ -527,6 +535,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 93744usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g3_p64.cu"
         ),
@@ -541,6 +550,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 94528usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g4_p64.cu"
         ),
@@ -555,6 +565,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 97664usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g8_p64.cu"
         ),
@@ -569,6 +580,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 102880usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g1_p64.cu"
         ),
@@ -583,6 +595,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 104448usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g3_p64.cu"
         ),
@@ -597,6 +610,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 105232usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g4_p64.cu"
         ),
@@ -611,6 +625,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 108368usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g8_p64.cu"
         ),
@@ -625,6 +640,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_p64.cu"
         ),
@@ -639,6 +655,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_d64_p64.cu"
         ),
@@ -653,6 +670,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_p64.cu"
         ),
@@ -667,6 +685,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -681,6 +700,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_to_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_d64_p64.cu"
         ),
@@ -695,6 +715,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_p64.cu"
         ),
@@ -709,6 +730,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -723,6 +745,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_p64.cu"
         ),
@@ -737,6 +760,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -751,6 +775,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -765,6 +790,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 64usize,
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("combine_d64.cu"),
     },
     VariantInfo {
@@ -777,6 +803,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 91984usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -789,6 +816,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 94576usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -801,6 +829,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 95872usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -813,6 +842,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 101056usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -825,6 +855,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 92560usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g1_p64.cu"
         ),
@@ -839,6 +870,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 95152usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g3_p64.cu"
         ),
@@ -853,6 +885,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 96448usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g4_p64.cu"
         ),
@@ -867,6 +900,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 101632usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g8_p64.cu"
         ),
@@ -881,6 +915,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 91984usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g1_p64.cu"
         ),
@@ -895,6 +930,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 94576usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g3_p64.cu"
         ),
@@ -909,6 +945,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 95872usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g4_p64.cu"
         ),
@@ -923,6 +960,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 101056usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g8_p64.cu"
         ),
@@ -937,6 +975,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_p64.cu"
         ),
@@ -951,6 +990,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_d128_p64.cu"
         ),
@@ -965,6 +1005,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_p64.cu"
         ),
@@ -979,6 +1020,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -993,6 +1035,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_to_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_d128_p64.cu"
         ),
@@ -1007,6 +1050,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_p64.cu"
         ),
@@ -1021,6 +1065,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -1035,6 +1080,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_p64.cu"
         ),
@@ -1049,6 +1095,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -1063,6 +1110,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
+        warp_lse_per_page: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -1077,6 +1125,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 128usize,
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("combine_d128.cu"),
     },
     VariantInfo {
@@ -1089,6 +1138,7 @@ static INFOS: [VariantInfo; 47usize] = [
         threads: 256usize,
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
         source: include_str!("mass_window.cu"),
     },
 ];

@@ -170,6 +170,18 @@ pub fn per_warp(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> bool {
         && ts.iter().any(|t| matches!(t.key, KeyScheme::Int { .. }))
 }
 
+/// Mirror of `DecodeCta::WARP_LSE_PER_PAGE`: floats per page of `DecodeParams::page_warp_lse`
+/// that the tracked entry of a decode variant needs. In the per-warp layout every warp stores
+/// its log2 mass of each query head of a page there, to be folded after the page loop (so the
+/// fold holds no registers in it); the block layout needs none.
+pub fn warp_lse_per_page(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
+    if per_warp(spec, tiers, d, gqa) {
+        decode_threads(spec, tiers) / 32 * gqa
+    } else {
+        0
+    }
+}
+
 /// Mirror of `WarpPlan<Cfg>::QFRAG_BYTES`: the per-warp layout's query fragments, fp16 high
 /// and low parts of head_dim / 4 channels for each lane of the heads (4 per head).
 fn qfrag_bytes(d: usize, gqa: usize) -> usize {

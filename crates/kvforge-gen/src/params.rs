@@ -46,6 +46,9 @@ pub const PARAMS: &[ParamStruct] = &[
             f("batch", "int", "i32", "sequences"),
             f("num_kv_heads", "int", "i32", "kv heads"),
             f("num_splits", "int", "i32", "split-K factor; 1 writes `out` directly"),
+            // Last: appended after the fields the plain entry reads, so that their offsets (and
+            // its code) stayed as they were.
+            f("page_warp_lse", "float*", "u64", "[page][warps][gqa] scratch of a tracked decode in the per-warp layout (launch shape `warp_lse_per_page` floats per page, else unused): every warp's log2 Σ_tokens 2^logit per query head, folded into page_lse / page_head_lse after the page loop"),
         ],
     },
     ParamStruct {

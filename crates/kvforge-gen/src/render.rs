@@ -82,12 +82,21 @@ pub struct LaunchShape {
     pub smem_bytes: usize,
     /// CTAs per page of a transcode launch (its grid is pages × this); 1 for other families.
     pub ctas_per_page: usize,
+    /// Decode: floats per page of the scratch `DecodeParams::page_warp_lse` that the tracked
+    /// entry needs (per-warp layout), 0 where it needs none and for other families.
+    pub warp_lse_per_page: usize,
 }
 
 pub fn launch_shape(spec: &Spec, v: &VariantId) -> LaunchShape {
     match &v.family {
         Family::Decode { tiers, gqa, .. } => {
-            LaunchShape { threads: codec::decode_threads(spec, tiers), smem_bytes: codec::decode_smem(spec, tiers, v.head_dim, *gqa), ctas_per_page: 1 }
+            let d = v.head_dim;
+            LaunchShape {
+                threads: codec::decode_threads(spec, tiers),
+                smem_bytes: codec::decode_smem(spec, tiers, d, *gqa),
+                ctas_per_page: 1,
+                warp_lse_per_page: codec::warp_lse_per_page(spec, tiers, d, *gqa),
+            }
         }
         Family::Transcode { dst, .. } => {
             let dst = &spec.tiers[*dst as usize];
@@ -95,16 +104,17 @@ pub fn launch_shape(spec: &Spec, v: &VariantId) -> LaunchShape {
                 threads: codec::threads(spec),
                 smem_bytes: codec::transcode_smem(spec, dst, v.head_dim),
                 ctas_per_page: codec::transcode_split(spec, dst, v.head_dim),
+                warp_lse_per_page: 0,
             }
         }
-        Family::Combine => LaunchShape { threads: v.head_dim, smem_bytes: 0, ctas_per_page: 1 },
+        Family::Combine => LaunchShape { threads: v.head_dim, smem_bytes: 0, ctas_per_page: 1, warp_lse_per_page: 0 },
         // One CTA per (sequence, kv head): 256 threads hold up to 1024 pages in registers
         // (64K tokens at 64-token pages) and loop beyond.
-        Family::MassWindow => LaunchShape { threads: 256, smem_bytes: 0, ctas_per_page: 1 },
+        Family::MassWindow => LaunchShape { threads: 256, smem_bytes: 0, ctas_per_page: 1, warp_lse_per_page: 0 },
         // The selector sorts a group's pages in dynamic shared memory: 8 B per page, up to
         // CERT_MAX_PAGES (the launch passes what the batch needs; this is the opt-in).
-        Family::CertSelect { .. } => LaunchShape { threads: CERT_SELECT_THREADS, smem_bytes: CERT_MAX_PAGES * 8, ctas_per_page: 1 },
-        Family::CertBound { .. } => LaunchShape { threads: CERT_BOUND_THREADS, smem_bytes: 0, ctas_per_page: 1 },
+        Family::CertSelect { .. } => LaunchShape { threads: CERT_SELECT_THREADS, smem_bytes: CERT_MAX_PAGES * 8, ctas_per_page: 1, warp_lse_per_page: 0 },
+        Family::CertBound { .. } => LaunchShape { threads: CERT_BOUND_THREADS, smem_bytes: 0, ctas_per_page: 1, warp_lse_per_page: 0 },
     }
 }
 
@@ -144,6 +154,7 @@ pub fn render(spec: &Spec, v: &VariantId) -> Result<String, RenderError> {
             ctx.insert("min_blocks", &codec::min_blocks(spec, tiers, d, *gqa));
             ctx.insert("tc_values", &spec.kernels.tensor_core_values);
             ctx.insert("nstage", &codec::nstage(spec, tiers, d, *gqa));
+            ctx.insert("warp_lse_per_page", &shape.warp_lse_per_page);
             "decode.cu.tera"
         }
         Family::Transcode { src, dst, .. } => {

@@ -36,6 +36,15 @@ pub struct DecodePlan {
     pub page_bytes_read: usize,
 }
 
+impl DecodePlan {
+    /// Floats of the scratch `DecodeParams::page_warp_lse` that a tracked launch of this plan
+    /// needs: every page's per-warp log2 masses when the variant runs the per-warp layout
+    /// (the kernel folds them into `page_lse` / `page_head_lse` after its page loop), else 0.
+    pub fn warp_lse_floats(&self, spec: &Spec) -> usize {
+        kvforge_gen::launch_shape(spec, &self.variant).warp_lse_per_page * self.page_offsets.len()
+    }
+}
+
 /// Split-K heuristic (flash-decoding): when the (sequence, kv head) CTAs fill fewer than one
 /// wave of resident CTA slots (`slots` = SMs × CTAs per SM), split each one so the grid is as
 /// close to one full wave as possible without a partial second wave; each split keeps at least
@@ -162,6 +171,10 @@ pub struct DecodeWorkspace {
     pub page_head_lse: Option<CudaSlice<f32>>,
     /// Per page × gqa: the page's key logit error bound Δ (certified decode).
     pub page_delta: Option<CudaSlice<f32>>,
+    /// Scratch of a launch that records page masses with a per-warp-layout variant: per page ×
+    /// warp × gqa log2 masses ([`DecodePlan::warp_lse_floats`], see
+    /// [`KvCache::warp_lse_scratch`]); None where the variant needs none.
+    pub page_warp_lse: Option<CudaSlice<f32>>,
     /// Set by [`KvCache::track_window`]: launches also fold `page_lse` into RDR's
     /// importance window.
     pub window: Option<crate::mass_window::WindowFold>,
@@ -219,8 +232,18 @@ impl KvCache {
             page_lse: None,
             page_head_lse: None,
             page_delta: None,
+            page_warp_lse: None,
             window: None,
         })
+    }
+
+    /// The scratch a launch of `plan` that records page masses needs beside `page_lse` /
+    /// `page_head_lse` ([`DecodeWorkspace::page_warp_lse`]); None when the variant needs none.
+    pub fn warp_lse_scratch(&self, plan: &DecodePlan) -> Result<Option<CudaSlice<f32>>> {
+        match plan.warp_lse_floats(&self.spec) {
+            0 => Ok(None),
+            n => Ok(Some(self.dev.stream.alloc_zeros::<f32>(n).map_err(drv("per-warp page masses"))?)),
+        }
     }
 
     /// Launches the planned kernels on the workspace (queries already in `ws.q`).
@@ -243,6 +266,20 @@ impl KvCache {
                 return Err(RtError::BadTier(plan.tiers[i], "spherical tier without radius scales".into()));
             }
         }
+        // Page masses come from the module's tracked entry point (the plain one compiles them
+        // out); in the per-warp layout it needs the per-warp scratch.
+        let tracked = ws.page_lse.is_some() || ws.page_head_lse.is_some();
+        let warp_lse = match (tracked, plan.warp_lse_floats(&self.spec), &ws.page_warp_lse) {
+            (false, _, _) | (true, 0, _) => 0,
+            (true, need, Some(b)) if b.len() >= need => b.device_ptr(&st).0,
+            (true, need, have) => {
+                return Err(RtError::BadInput(format!(
+                    "{}: recording page masses needs {need} floats of per-warp scratch (`KvCache::warp_lse_scratch`), the workspace has {}",
+                    plan.variant,
+                    have.as_ref().map_or(0, |b| b.len())
+                )))
+            }
+        };
         let params = DecodeParams {
             q: io.q,
             out: io.out,
@@ -257,6 +294,7 @@ impl KvCache {
             channel_orders: tp.channel_orders,
             page_lse: ws.page_lse.as_ref().map_or(0, |b| b.device_ptr(&st).0),
             page_head_lse: ws.page_head_lse.as_ref().map_or(0, |b| b.device_ptr(&st).0),
+            page_warp_lse: warp_lse,
             page_delta: ws.page_delta.as_ref().map_or(0, |b| b.device_ptr(&st).0),
             error_flags: self.flags.device_ptr(&st).0,
             sm_scale: 1.0 / (plan.head_dim as f32).sqrt(),
@@ -269,14 +307,14 @@ impl KvCache {
             block_dim: (k.threads, 1, 1),
             shared_mem_bytes: k.smem_bytes,
         };
-        // Page masses come from the module's tracked entry point (the plain one compiles them out).
-        let func = if params.page_lse != 0 || params.page_head_lse != 0 {
+        let func = if tracked {
             k.tracked.as_ref().ok_or_else(|| RtError::BadInput(format!("{} has no entry point that records page masses", plan.variant)))?
         } else {
             &k.func
         };
         // SAFETY: params mirror the kernel struct; buffers are sized by `workspace` for this
-        // plan; page offsets come from the pool and lie inside the arena.
+        // plan (the per-warp scratch checked above); page offsets come from the pool and lie
+        // inside the arena.
         unsafe { st.launch_builder(func).arg(&params).launch(cfg) }.map_err(drv(format!("launch {}", plan.variant)))?;
         let fold = self.window_fold_params(plan, ws)?;
         match (&plan.combine, fold) {
@@ -448,5 +486,23 @@ mod tests {
         let empty = vec![vec![vec![]]];
         assert!(matches!(plan(&spec, 128, 4, &empty, &|_| 1000, &|_| 264), Err(RtError::EmptySequence(0))));
         assert!(matches!(plan(&spec, 128, 4, &[], &|_| 1000, &|_| 264), Err(RtError::BadInput(_))));
+    }
+
+    #[test]
+    fn tracked_launches_size_the_per_warp_scratch_by_the_variant_layout() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../specs");
+        let pr = |tier, offset| PageRef { tier, index: 0, offset };
+        // rdkv's integer ladder runs the per-warp layout (4 warps): a float per page, warp and
+        // query head.
+        let rdkv = Spec::load(&root.join("rdkv.toml")).unwrap();
+        let (b8, b4) = (rdkv.tier("b8").unwrap().id, rdkv.tier("b4").unwrap().id);
+        let pages = vec![vec![vec![(pr(b8, 0), 64), (pr(b4, 4096), 64), (pr(0, 8192), 3)]]; 2];
+        let p = plan(&rdkv, 128, 3, &pages, &|_| 1000, &|_| 264).unwrap();
+        assert!(kvforge_gen::launch_shape(&rdkv, &p.variant).warp_lse_per_page > 0, "{}", p.variant);
+        assert_eq!(p.warp_lse_floats(&rdkv), 6 * 4 * 3);
+        // Spherical keys keep the block layout, which folds a page's heads in place.
+        let sph = Spec::load(&root.join("spherical.toml")).unwrap();
+        let p = plan(&sph, 128, 4, &[vec![vec![(pr(1, 0), 64), (pr(0, 4096), 3)]]], &|_| 1000, &|_| 264).unwrap();
+        assert_eq!(p.warp_lse_floats(&sph), 0);
     }
 }

@@ -109,6 +109,7 @@ impl KvCache {
     pub fn mass_workspace(&self, plan: &DecodePlan) -> Result<DecodeWorkspace> {
         let mut ws = self.workspace(plan)?;
         ws.page_lse = Some(self.dev.stream.alloc_zeros::<f32>(plan.page_offsets.len().max(1)).map_err(drv("page masses"))?);
+        ws.page_warp_lse = self.warp_lse_scratch(plan)?;
         Ok(ws)
     }
 

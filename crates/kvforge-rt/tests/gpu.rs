@@ -221,7 +221,7 @@ fn page_masses_match_the_reference_and_find_the_needle() {
 }
 
 /// Integer pages decode in the per-warp layout (every warp its own online softmax over its
-/// tokens of a page); their page masses meet across warps after the page barrier. Checked
+/// tokens of a page); their page masses meet across warps after the page loop. Checked
 /// against the f64 reference on the pages the GPU holds (b8/b4/b2 pages, a partial tail), at
 /// gqa 4 with a needle aligned with head 0's query; the output too.
 #[test]

@@ -26,6 +26,7 @@ struct DecodeParams {
   int batch;  // sequences
   int num_kv_heads;  // kv heads
   int num_splits;  // split-K factor; 1 writes `out` directly
+  float* page_warp_lse;  // [page][warps][gqa] scratch of a tracked decode in the per-warp layout (launch shape `warp_lse_per_page` floats per page, else unused): every warp's log2 Σ_tokens 2^logit per query head, folded into page_lse / page_head_lse after the page loop
 };
 
 // Arguments of every transcode (and encode) kernel: one CTA per page.

@@ -37,7 +37,6 @@ template <class A> struct same_type<A, A> { static constexpr bool value = true; 
 
 __host__ __device__ constexpr int align16(int x) { return (x + 15) / 16 * 16; }
 __host__ __device__ constexpr int cmax(int a, int b) { return a > b ? a : b; }
-__host__ __device__ constexpr int pow2_floor(int n) { return n < 2 ? 1 : 2 * pow2_floor(n / 2); }
 __host__ __device__ constexpr int cmin(int a, int b) { return a < b ? a : b; }
 __host__ __device__ constexpr int popc(unsigned x) { return x == 0 ? 0 : int(x & 1u) + popc(x >> 1); }
 __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }

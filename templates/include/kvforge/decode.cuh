@@ -75,8 +75,9 @@ struct DecodeSmem {
 };
 
 // TRACK: the kernel records per-page masses when DecodeParams asks (page_lse, page_head_lse).
-// Decode modules hold both instantiations (symbol and symbol_tracked): the tracking code
-// holds registers in the page loop, and the ladder variants sit at their 128-register cap.
+// Decode modules hold both instantiations (symbol and symbol_tracked), so that the plain
+// entry compiles the tracking code out of its page loop (the ladder variants sit at their
+// 128-register cap).
 template <class Cfg, bool TRACK>
 struct DecodeCta {
   static constexpr int D = Cfg::D, GQA = Cfg::GQA, P = Cfg::P, NT = Cfg::NTHREADS;
@@ -123,14 +124,19 @@ struct DecodeCta {
   const DecodeParams& p;
   int kvh;
   float acc[ACC_R][ACC_C];
-  // Per-warp layout: head g's running max and (this lane's share of the) sum, and the log2
-  // mass of the current page for page tracking.
-  float pw_m = NEG_INF, pw_l = 0.f, pw_plse = NEG_INF;
+  // Per-warp layout: head g's running max and (this lane's share of the) sum, and, tracking,
+  // this warp's log2 mass of head g in the current page (compute_warp sets it).
+  float pw_m = NEG_INF, pw_l = 0.f, pw_plse;
 
   __device__ float* q_s() { return reinterpret_cast<float*>(smem + Smem::Q); }
   // Page-mass outputs; null in the untracked instantiation, so its tracking code folds away.
   __device__ float* page_lse() const { return TRACK ? p.page_lse : nullptr; }
   __device__ float* page_head_lse() const { return TRACK ? p.page_head_lse : nullptr; }
+  // Per-warp layout: the warps leave their page masses in page_warp_lse and the CTA folds
+  // them. Decided at compile time: the tracked entry is launched only to record masses, and
+  // always with the scratch (the runtime checks it); a runtime flag held a register through
+  // the page loop. The fold writes whichever of page_lse and page_head_lse is asked for.
+  static constexpr bool WARP_TRACKING = TRACK && PW;
   __device__ float* lut_s() { return reinterpret_cast<float*>(smem + Smem::LUT); }
   __device__ float* scores_s() { return reinterpret_cast<float*>(smem + Smem::SCORES); }
   __device__ float* m_s() { return reinterpret_cast<float*>(smem + Smem::STATS); }
@@ -221,7 +227,6 @@ struct DecodeCta {
     constexpr int L4 = 4 * GQA;
     const uint4* qf = reinterpret_cast<const uint4*>(qfrag_s()) + (head ? lane : 0);
     float page_sum = 0.f;
-    bool any = false;
     typename K::template WarpKeys<NPAIR> keys(seg, qd);
 #pragma unroll 1
     for (int o = warp; o * 8 < len; o += NW) {
@@ -253,7 +258,6 @@ struct DecodeCta {
       pw_l = pw_l * alpha + (p0 + p1);
       page_sum = page_sum * alpha + (p0 + p1);
       pw_m = m_new;
-      any = true;
       // Accumulator columns are heads 2qd and 2qd + 1, whose statistics live in lanes 8qd and
       // 8qd + 4; once a head's maximum settles, its pages skip the rescale. (A lazy rescale,
       // keeping the maximum until a score passes it by 2^8, was no faster on the H100: rdkv
@@ -280,45 +284,60 @@ struct DecodeCta {
         mma1688(acc[i], a, b);
       }
     }
-    if (page_lse() != nullptr || page_head_lse() != nullptr) {
+    if constexpr (WARP_TRACKING) {
+      // This warp's log2 mass of head g (a warp without octets in the page has none). The
+      // page loop stores it: stored here, the page's global index stayed live through the
+      // octet loop, and the ladder variants spilled at sm_80.
       page_sum += __shfl_xor_sync(0xffffffffu, page_sum, 1);
       page_sum += __shfl_xor_sync(0xffffffffu, page_sum, 2);
-      pw_plse = any ? pw_m + log2f(page_sum) : NEG_INF;
+      pw_plse = warp * 8 < len ? pw_m + log2f(page_sum) : NEG_INF;
     }
   }
 
-  // Per-warp layout, page tracking: every warp leaves its log2 mass of each head for a page in
-  // a ring of TRACK_RING slots of the score region ([slot][NW][GQA]); warp 0 folds the pages
-  // pending in it, TRACK_RING − 1 at a time, into their per-head and per-page log2 masses.
-  // Folding one page per page cost warp 0 ~600 cycles of shuffle and MUFU latency between two
-  // barriers (+9% on rdkv decode at 1 × 32K on the H100); a batch puts its pages' heads on
-  // separate lanes, so it costs about one page's latency. The merge's statistics
-  // (merge_warps) lie behind the ring.
-  // A power of two, so a page's slot is its index masked (no slot register in the page loop).
-  static constexpr int TRACK_RING = pow2_floor(P / NW - 2);
+  // Per-warp layout, page tracking. A page's tokens are spread over the warps (octets), so its
+  // log2 mass of a head is the log-sum of the warps' parts. In the page loop every warp stores
+  // its parts straight to DecodeParams::page_warp_lse ([page][NW][GQA]; one store per head
+  // lane, nothing kept in registers), and the CTA folds its pages after the loop
+  // (fold_page_masses), when neither the page state nor the accumulators are live. The fold
+  // used to run inside the page loop (warp 0 folding a batch of pages every few pages out of
+  // a ring in the score region): its registers came on top of the page state, and the ladder
+  // variants, at their 128-register cap, spilled in the tracked entry (issue 7: ncu measured
+  // 196K / 1.57M local-memory sectors at batch 1 / 8, +17-19% time over the plain entry).
+  // Floats of page_warp_lse per page: mirrored by kvforge-gen codec.rs `warp_lse_per_page`
+  // (the generated .cu static_asserts that they agree); 0 in the block layout, which folds a
+  // page's heads in place (compute_cta).
+  static constexpr int WARP_LSE_PER_PAGE = PW ? NW * GQA : 0;
   // Lanes per page in a fold: the heads, padded to a power of two (shuffle groups).
   static constexpr int TRACK_LANES = GQA <= 1 ? 1 : GQA <= 2 ? 2 : GQA <= 4 ? 4 : GQA <= 8 ? 8 : GQA <= 16 ? 16 : 32;
-  static_assert(!PW || (TRACK_RING >= 2 && GQA <= 32), "page tracking: a ring of two slots at least, a page's heads in one warp");
+  static_assert(!PW || GQA <= 32, "page tracking: a page's heads in one warp");
 
-  // Folds `count` pending pages, the first in ring slot `slot` and global page `gpage`
-  // (warp 0; the pages are consecutive, their slots wrap). Lane j of a pass takes page
-  // j / TRACK_LANES, head j % TRACK_LANES: the warps' masses of the head reduce serially in
-  // the lane (independent loads and exponentials), the page's heads across its lane group.
-  __device__ void fold_page_masses(int slot, int count, u32 gpage) {
+  // Stores this warp's log2 mass `x` of every head in page `gpage` (the head lanes qd = 0).
+  __device__ void store_warp_mass(u32 gpage, float x) {
     const int lane = threadIdx.x % 32;
-    for (int j0 = 0; j0 < count * TRACK_LANES; j0 += 32) {
-      const int j = j0 + lane, r = j / TRACK_LANES, h = j % TRACK_LANES;
+    if (lane % 4 == 0 && lane / 4 < GQA) p.page_warp_lse[(size_t(gpage) * NW + threadIdx.x / 32) * GQA + lane / 4] = x;
+  }
+
+  // Folds the per-warp masses of pages [gpage, gpage + count) into their per-head and
+  // per-page log2 masses, with every thread of the CTA (all must call it: the page sums are
+  // shuffles). Thread j of a pass takes page j / TRACK_LANES, head j % TRACK_LANES: the warps'
+  // masses of the head are loaded at once and reduce serially in the thread (in warp order, as
+  // the in-loop fold did, so the results are bit for bit the same), the page's heads across
+  // its lane group.
+  __device__ void fold_page_masses(u32 gpage, int count) {
+    for (int j0 = 0; j0 < count * TRACK_LANES; j0 += NT) {
+      const int j = j0 + int(threadIdx.x), r = j / TRACK_LANES, h = j % TRACK_LANES;
       const bool on = r < count && h < GQA;
-      const int s = (slot + r) & (TRACK_RING - 1);
-      const float* pl = scores_s() + (on ? s * NW * GQA + h : 0);
-      // Partly unrolled: the fold is inlined into the page loop, where every register of the
-      // page state is live (fully unrolled, the ladder variants spilled at 128 registers).
+      const float* pl = p.page_warp_lse + (on ? (size_t(gpage) + r) * NW * GQA + h : 0);
+      float x[NW];
       float m = NEG_INF;
-#pragma unroll 2
-      for (int w = 0; w < NW; ++w) m = fmaxf(m, pl[w * GQA]);
+#pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        x[w] = on ? pl[w * GQA] : NEG_INF;
+        m = fmaxf(m, x[w]);
+      }
       float e = 0.f;
-#pragma unroll 2
-      for (int w = 0; w < NW; ++w) e += m == NEG_INF ? 0.f : exp2f(pl[w * GQA] - m);
+#pragma unroll
+      for (int w = 0; w < NW; ++w) e += m == NEG_INF ? 0.f : exp2f(x[w] - m);
       const float lse = on && m != NEG_INF ? m + log2f(e) : NEG_INF;
       if (page_head_lse() != nullptr && on) page_head_lse()[size_t(gpage + r) * GQA + h] = lse;
       if (page_lse() != nullptr) {
@@ -333,7 +352,7 @@ struct DecodeCta {
   // summed in a fixed warp order into OUT; m_s / l_s get the heads' totals.
   __device__ void merge_warps() {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, qd = lane & 3;
-    float* wm = scores_s() + TRACK_RING * NW * GQA;
+    float* wm = scores_s();
     float* wl = wm + NW * GQA;
     float l = pw_l;
     l += __shfl_xor_sync(0xffffffffu, l, 1);
@@ -626,15 +645,28 @@ struct DecodeCta {
     }
   }
 
-  __device__ void run(int seq, int split) {
-    const int tid = threadIdx.x;
-    const int hq0 = kvh * GQA;
-    const int num_hq = p.num_kv_heads * GQA;
+  // The pages of (sequence `seq`, this kv head) in the page table, [first, first + n), and
+  // those of split `split`, [first + lo, first + hi).
+  struct Pages {
+    u32 first;
+    int n, lo, hi;
+  };
+  __device__ Pages pages(int seq, int split) const {
     const u32 first = p.page_indptr[seq * p.num_kv_heads + kvh];
     const u32 last = p.page_indptr[seq * p.num_kv_heads + kvh + 1];
     const int n = int(last - first);
     const int per = (n + p.num_splits - 1) / p.num_splits;
     const int lo = min(n, split * per), hi = min(n, lo + per);
+    return {first, n, lo, hi};
+  }
+
+  __device__ void run(int seq, int split) {
+    const int tid = threadIdx.x;
+    const int hq0 = kvh * GQA;
+    const int num_hq = p.num_kv_heads * GQA;
+    const Pages pg = pages(seq, split);
+    const u32 first = pg.first;
+    const int n = pg.n, lo = pg.lo, hi = pg.hi;
 
     // Start streaming pages first: the copies overlap the query and LUT set-up. The page-table
     // entries are all loaded before the first copy is issued, so the prologue waits on one
@@ -683,12 +715,6 @@ struct DecodeCta {
       for (int j = 0; j < ACC_C; ++j) acc[i][j] = 0.f;
     __syncthreads();
 
-    // Per-warp layout with page tracking: pages fold in batches (fold_page_masses) after the
-    // barrier that proves every warp wrote them; `fpage` is the first page not folded, page i
-    // goes to slot (i − lo) mod TRACK_RING. A batch is due when page i's slot would be the
-    // first pending one's next.
-    const bool track = PW && (page_lse() != nullptr || page_head_lse() != nullptr);
-    int fpage = lo;
     // Stage of page i and of page i + NSTAGE - 1, kept incrementally (a modulo by a stage
     // count that is not a power of two costs a multiply-high chain per page).
     int buf = 0, abuf = NSTAGE - 1;
@@ -699,10 +725,6 @@ struct DecodeCta {
       // pages, so the copy of page i + NSTAGE - 1 is issued after it.
       cp_async_wait<NSTAGE - 2>();
       __syncthreads();
-      if (track && i - fpage == TRACK_RING - 1) {
-        if (tid < 32) fold_page_masses((fpage - lo) & (TRACK_RING - 1), i - fpage, first + fpage);
-        fpage = i;
-      }
       const u32 info = cur_info;
       if (i + 1 < hi) cur_info = p.page_info[first + i + 1];
       if (ahead < hi) stage_page(typename Cfg::Tiers{}, next_info, p.arena + next_off, abuf);
@@ -726,24 +748,33 @@ struct DecodeCta {
         else if (hd.tier != tier || int(hd.length) < len || len > P) err = ERR_BAD_LENGTH;
       }
       if (err == 0 && len > 0) {
+        // Dead but in the tracked per-warp entry (compute_warp sets it there); without it
+        // NVRTC 13.0 scheduled the plain entries of block-layout variants differently.
         pw_plse = NEG_INF;
         compute_page(typename Cfg::Tiers{}, int(hd.tier), page + HEADER_BYTES, buf, len, first + i);
-      } else if (err != 0 && tid == 0) {
+        if constexpr (WARP_TRACKING) store_warp_mass(first + i, pw_plse);
+      } else {
         // Skipped page: a bad page never contributes; the runtime turns the flag into an error.
-        atomicOr(p.error_flags, err);
+        if (err != 0 && tid == 0) atomicOr(p.error_flags, err);
+        // A skipped or empty page has no mass (its entries must not keep an older step's).
+        if constexpr (WARP_TRACKING) store_warp_mass(first + i, NEG_INF);
       }
-      // A skipped or empty page has no mass (its slot must not keep an older page's).
-      if (track && (tid & 3) == 0 && (tid & 31) / 4 < GQA) scores_s()[((i - lo) & (TRACK_RING - 1)) * NW * GQA + (tid / 32) * GQA + (tid & 31) / 4] = err == 0 && len > 0 ? pw_plse : NEG_INF;
     }
     cp_async_wait<0>();
     __syncthreads();
-    if (track && hi > fpage && tid < 32) fold_page_masses((fpage - lo) & (TRACK_RING - 1), hi - fpage, first + fpage);
 
     // Reduce the warps' accumulators in a fixed order, so that a decode is bit-reproducible
     // (float atomics are not).
     float* out_s = reinterpret_cast<float*>(smem + Smem::OUT);
     if constexpr (PW) {
       merge_warps();
+      // Page masses fold here, with the accumulators reduced (nothing of the page loop is
+      // live); the barrier after the loop made every warp's stores visible to the CTA. The
+      // split's pages are looked up again rather than kept in a register through the loop.
+      if constexpr (WARP_TRACKING) {
+        const Pages r = pages(seq, split);
+        fold_page_masses(r.first + r.lo, r.hi - r.lo);
+      }
     } else if constexpr (MMA_V) {
       // The token-block warps of each channel part one after another.
       const int warp = tid / 32, lane = tid % 32, g = lane >> 2, qd = lane & 3;

@@ -135,10 +135,12 @@ struct Capacity {
     partial_lse: usize,
     head_dim: usize,
     gqa: usize,
+    /// Per-warp page-mass scratch of either phase's launch (`DecodePlan::warp_lse_floats`).
+    warp_lse: usize,
 }
 
 impl Capacity {
-    fn of(plan: &StepPlan) -> Capacity {
+    fn of(spec: &Spec, plan: &StepPlan) -> Capacity {
         let p = &plan.phase1;
         let rows = p.batch * p.num_kv_heads * p.gqa;
         Capacity {
@@ -149,11 +151,12 @@ impl Capacity {
             partial_lse: p.splits * rows,
             head_dim: p.head_dim,
             gqa: p.gqa,
+            warp_lse: p.warp_lse_floats(spec).max(plan.phase2.warp_lse_floats(spec)),
         }
     }
 
     fn holds(&self, need: &Capacity) -> bool {
-        self.head_dim == need.head_dim && self.gqa == need.gqa && self.pages >= need.pages && self.groups >= need.groups && self.rows >= need.rows && self.partial >= need.partial && self.partial_lse >= need.partial_lse
+        self.head_dim == need.head_dim && self.gqa == need.gqa && self.pages >= need.pages && self.groups >= need.groups && self.rows >= need.rows && self.partial >= need.partial && self.partial_lse >= need.partial_lse && self.warp_lse >= need.warp_lse
     }
 
     fn max(&self, o: &Capacity) -> Capacity {
@@ -168,6 +171,7 @@ impl Capacity {
             partial_lse: self.partial_lse.max(o.partial_lse),
             head_dim: o.head_dim,
             gqa: o.gqa,
+            warp_lse: self.warp_lse.max(o.warp_lse),
         }
     }
 }
@@ -291,6 +295,7 @@ impl KvCache {
                 page_lse: None,
                 page_head_lse: Some(f32s(cap.pages * cap.gqa, "page masses")?),
                 page_delta: if phase1 { Some(f32s(cap.pages * cap.gqa, "page bounds")?) } else { None },
+                page_warp_lse: if cap.warp_lse > 0 { Some(f32s(cap.warp_lse, "per-warp page masses")?) } else { None },
                 window: None,
             })
         };
@@ -309,7 +314,7 @@ impl KvCache {
     /// The cache's step buffers, grown to `plan` if needed, with the step's tables, inputs and
     /// queries uploaded.
     fn step_buffers(&mut self, plan: &StepPlan, qh: &[u16]) -> Result<CertScratch> {
-        let need = Capacity::of(plan);
+        let need = Capacity::of(&self.spec, plan);
         let mut b = match self.cert_scratch.take() {
             Some(s) if s.cap.holds(&need) => s,
             old => self.alloc_scratch(old.map_or(need, |o| o.cap.max(&need)))?,
@@ -668,11 +673,12 @@ mod tests {
 
     #[test]
     fn scratch_grows_and_is_reused_while_steps_fit() {
-        let c = Capacity { pages: 100, groups: 8, rows: 32, partial: 1, partial_lse: 32, head_dim: 128, gqa: 4 };
+        let c = Capacity { pages: 100, groups: 8, rows: 32, partial: 1, partial_lse: 32, head_dim: 128, gqa: 4, warp_lse: 0 };
         assert!(c.holds(&Capacity { pages: 50, ..c }));
         assert!(!c.holds(&Capacity { pages: 101, ..c }));
         assert!(!c.holds(&Capacity { partial: 4096, ..c }));
         assert!(!c.holds(&Capacity { gqa: 8, ..c }));
+        assert!(!c.holds(&Capacity { warp_lse: 1600, ..c }));
         let g = c.max(&Capacity { pages: 10, partial: 4096, ..c });
         assert_eq!((g.pages, g.partial, g.rows), (100, 4096, 32));
         assert_eq!(c.max(&Capacity { head_dim: 64, pages: 10, ..c }).pages, 10);

@@ -329,6 +329,7 @@ impl KvCache {
         let npages = plan.page_offsets.len().max(1);
         let st = self.dev.stream.clone();
         ws.page_head_lse = Some(st.alloc_zeros::<f32>(npages * plan.gqa).map_err(drv("page masses"))?);
+        ws.page_warp_lse = self.warp_lse_scratch(&plan)?;
         if with_delta {
             ws.page_delta = Some(st.alloc_zeros::<f32>(npages * plan.gqa).map_err(drv("page bounds"))?);
         }
