@@ -179,7 +179,9 @@ pub struct Boundary {
     pub applied: Option<(Planned, ApplyReport)>,
     /// Time spent waiting for that plan (0 when it was ready).
     pub waited_us: f64,
-    /// Wall time of the whole boundary on the decode thread, waiting included.
+    /// Wall time of the whole boundary on the decode thread, waiting included ([`invoke_all`]:
+    /// the batch's boundary divided evenly over its sequences, as are `window_us` and
+    /// `apply_us`).
     pub critical_us: f64,
     /// Of which: taking the importance window from the device ([`RdrPipeline::invoke_cache`];
     /// 0 when the window came from elsewhere), and applying the plan (page-table checks and
