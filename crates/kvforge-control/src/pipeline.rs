@@ -299,7 +299,8 @@ impl RdrPipeline {
     /// First token of every page of the cache as it is now, per kv head (what names the rows
     /// of a window kept outside `KvCache`).
     pub fn first_tokens<C: PagedCache>(&mut self, cache: &C) -> Result<Vec<Vec<usize>>, ControlError> {
-        self.pos.sync_first_tokens(cache)
+        self.pos.sync(cache)?;
+        self.pos.first_tokens(cache)
     }
 
     /// Takes the sequence's importance window from the GPU and runs the boundary.
@@ -320,24 +321,14 @@ impl RdrPipeline {
     }
 
     fn boundary<C: PagedCache>(&mut self, cache: &mut C, window: Window, now: bool) -> Result<Boundary, ControlError> {
-        let t0 = Instant::now();
-        let (firsts, planned, mut b) = self.begin(cache)?;
-        if let Some(planned) = planned {
-            let t = Instant::now();
-            let report = self.pos.apply_grown(cache, &planned.checked)?;
-            b.apply_us = t.elapsed().as_secs_f64() * 1e6;
-            b.applied = Some((planned, report));
-        }
-        let job = self.job(cache, firsts, window, now)?;
-        self.send(job)?;
-        b.critical_us = t0.elapsed().as_secs_f64() * 1e6;
-        Ok(b)
+        Ok(boundaries(std::slice::from_mut(self), cache, vec![window], now)?.pop().expect("one boundary per pipeline"))
     }
 
     /// Boundary steps 1–2 up to the apply: learns the appended pages, names the window's rows
     /// by their first tokens, and takes the plan in flight (waiting for it if need be).
     fn begin<C: PagedCache>(&mut self, cache: &C) -> Result<(Vec<Vec<usize>>, Option<Planned>, Boundary), ControlError> {
-        let firsts = self.pos.sync_first_tokens(cache)?;
+        self.pos.sync(cache)?;
+        let firsts = self.pos.first_tokens(cache)?;
         let mut b = Boundary::default();
         let mut planned = None;
         if self.in_flight {
@@ -404,12 +395,25 @@ impl RdrPipeline {
 /// an error of the cache fails them all (`KvCache::retier_many` says what a device fault
 /// leaves).
 pub fn invoke_all(pipes: &mut [RdrPipeline], cache: &mut KvCache) -> Result<Vec<Boundary>, ControlError> {
-    let n = pipes.len().max(1) as f64;
-    let share = |t: Instant| t.elapsed().as_secs_f64() * 1e6 / n;
     let t0 = Instant::now();
     let seqs: Vec<usize> = pipes.iter().map(|p| p.seq).collect();
     let windows = cache.take_mass_window_rows(&seqs).map_err(|e| ControlError::Cache { total: 0, source: Box::new(e) })?;
-    let window_us = share(t0);
+    let window_us = t0.elapsed().as_secs_f64() * 1e6 / pipes.len().max(1) as f64;
+    let mut out = boundaries(pipes, cache, windows.into_iter().map(Window::Rows).collect(), false)?;
+    for b in &mut out {
+        b.window_us = window_us;
+        b.critical_us += window_us;
+    }
+    Ok(out)
+}
+
+/// Boundary steps 1–3 of pipelines whose boundaries fall on the same step, `windows[i]` being
+/// pipeline i's: every due plan lands in one [`runtime::apply_grown_many`], then each pipeline
+/// hands its job to its planner. The apply's and the whole's wall times are split evenly over
+/// the boundaries (`apply_us`, `critical_us`).
+fn boundaries<C: PagedCache>(pipes: &mut [RdrPipeline], cache: &mut C, windows: Vec<Window>, now: bool) -> Result<Vec<Boundary>, ControlError> {
+    let n = pipes.len().max(1) as f64;
+    let share = |t: Instant| t.elapsed().as_secs_f64() * 1e6 / n;
     let t1 = Instant::now();
     let mut begun = Vec::with_capacity(pipes.len());
     for pipe in pipes.iter_mut() {
@@ -427,8 +431,7 @@ pub fn invoke_all(pipes: &mut [RdrPipeline], cache: &mut KvCache) -> Result<Vec<
             b.applied = Some((planned, report));
             b.apply_us = apply_us;
         }
-        b.window_us = window_us;
-        jobs.push(pipe.job(cache, firsts, Window::Rows(window), false)?);
+        jobs.push(pipe.job(cache, firsts, window, now)?);
         out.push(b);
     }
     // The jobs go out last: a planner thread set going takes cores (its decision runs on the
@@ -436,8 +439,7 @@ pub fn invoke_all(pipes: &mut [RdrPipeline], cache: &mut KvCache) -> Result<Vec<
     for (pipe, job) in pipes.iter_mut().zip(jobs) {
         pipe.send(job)?;
     }
-    // Each boundary's share of the whole.
-    let critical = window_us + share(t1);
+    let critical = share(t1);
     for b in &mut out {
         b.critical_us = critical;
     }

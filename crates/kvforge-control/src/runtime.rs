@@ -16,7 +16,7 @@
 
 use std::cmp::Reverse;
 
-use kvforge_rt::{KvCache, MoveBatch, PageMove, RtError, SeqMove};
+use kvforge_rt::{KvCache, MoveBatch, PageMove, RtError};
 use kvforge_spec::{Spec, TierId, TAIL_TIER};
 
 use crate::budget::TierCosts;
@@ -184,7 +184,10 @@ fn observed<C: PagedCache>(cache: &C, seq: usize, head: usize) -> Result<Vec<(Ti
 /// Applies `plan` (made by a controller for `view` under `limits`) to sequence `seq`.
 pub fn apply<C: PagedCache>(cache: &mut C, seq: usize, view: &PageTableView, plan: &Plan, limits: &Limits) -> Result<ApplyReport, ControlError> {
     let after = checked(view, plan, limits).map_err(ControlError::Plan)?;
-    apply_unchecked(cache, seq, view, plan, &after, false, None, ApplyReport::of(view, plan, &after))
+    check_fresh(cache, seq, view, false)?;
+    let moves = page_moves(plan);
+    let launches = cache.retier_pages(seq, &moves).map_err(|e| ControlError::Cache { total: moves.len(), source: Box::new(e) })?;
+    finish(cache, seq, &after, false, ApplyReport { launches, ..ApplyReport::of(view, plan, &after) })
 }
 
 /// A plan validated against its view ([`check_plan`](crate::check_plan)), with the view as it
@@ -244,7 +247,7 @@ impl CheckedPlan {
 /// Checks the view's full pages against the cache (tier and tokens; the view's tail may
 /// have filled), re-codes, and verifies those pages' tiers afterwards.
 pub fn apply_grown<C: PagedCache>(cache: &mut C, seq: usize, checked: &CheckedPlan) -> Result<ApplyReport, ControlError> {
-    apply_unchecked(cache, seq, &checked.view, &checked.plan, &checked.after, true, checked.epoch, checked.report)
+    apply_grown_many(cache, &[(seq, checked)])?.pop().expect("one report per plan")
 }
 
 /// Whether the cache's pages of one head are the view's (`grown`: or the view's followed by
@@ -262,16 +265,6 @@ fn matches(view: &[crate::signal::PageInfo], found: &[(TierId, usize)], page_tok
         })
 }
 
-/// `epoch`: the layout epoch the view was read at; while the cache's is the same only appends
-/// happened since, which a grown plan allows, so the page table need not be walked.
-#[allow(clippy::too_many_arguments)]
-fn apply_unchecked<C: PagedCache>(cache: &mut C, seq: usize, view: &PageTableView, plan: &Plan, after: &PageTableView, grown: bool, epoch: Option<u64>, report: ApplyReport) -> Result<ApplyReport, ControlError> {
-    fresh(cache, seq, view, grown, epoch)?;
-    let moves = page_moves(plan);
-    let launches = cache.retier_pages(seq, &moves).map_err(|e| ControlError::Cache { total: moves.len(), source: Box::new(e) })?;
-    finish(cache, seq, after, grown, ApplyReport { launches, ..report })
-}
-
 /// [`apply_grown`] of several sequences' plans (each sequence once) with one
 /// [`PagedCache::retier_many`] call: `KvCache` makes one transcode launch per tier pair for
 /// all of them and synchronises once, where one call per sequence synchronised per sequence
@@ -281,7 +274,7 @@ fn apply_unchecked<C: PagedCache>(cache: &mut C, seq: usize, view: &PageTableVie
 /// batch: a refusal (a bad move, too few free pages) changed nothing; a device fault applied
 /// the launches before it (`KvCache::retier_many`).
 pub fn apply_grown_many<C: PagedCache>(cache: &mut C, plans: &[(usize, &CheckedPlan)]) -> Result<Vec<Result<ApplyReport, ControlError>>, ControlError> {
-    let mut out: Vec<Result<ApplyReport, ControlError>> = plans.iter().map(|&(seq, c)| fresh(cache, seq, &c.view, true, c.epoch).map(|_| ApplyReport::default())).collect();
+    let mut out: Vec<Result<ApplyReport, ControlError>> = plans.iter().map(|&(seq, c)| fresh(cache, seq, c).map(|_| ApplyReport::default())).collect();
     let go: Vec<usize> = (0..plans.len()).filter(|&i| out[i].is_ok()).collect();
     let moves: Vec<Vec<PageMove>> = go.iter().map(|&i| page_moves(&plans[i].1.plan)).collect();
     let batch: Vec<(usize, &[PageMove])> = go.iter().zip(&moves).map(|(&i, m)| (plans[i].0, &m[..])).collect();
@@ -299,13 +292,15 @@ fn page_moves(plan: &Plan) -> Vec<PageMove> {
     plan.decisions.iter().map(|d| (d.page.head, d.page.index, d.to_tier)).collect()
 }
 
-/// Whether a plan made from `view` (read at layout `epoch`) still applies to the cache.
-fn fresh<C: PagedCache>(cache: &C, seq: usize, view: &PageTableView, grown: bool, epoch: Option<u64>) -> Result<(), ControlError> {
-    let unchanged = grown && view.seq == seq && epoch.is_some() && epoch == cache.layout_epoch(seq);
+/// Whether a checked plan still applies to the cache, grown since its view: while the cache's
+/// layout epoch is the one the view was read at, only appends happened, which a grown plan
+/// allows, so the page table need not be walked.
+fn fresh<C: PagedCache>(cache: &C, seq: usize, c: &CheckedPlan) -> Result<(), ControlError> {
+    let unchanged = c.view.seq == seq && c.epoch.is_some() && c.epoch == cache.layout_epoch(seq);
     if unchanged {
         return Ok(());
     }
-    check_fresh(cache, seq, view, grown)
+    check_fresh(cache, seq, &c.view, true)
 }
 
 /// After the moves: the invariant check (debug builds), then the report.
@@ -411,19 +406,6 @@ impl PositionMap {
     pub fn first_tokens<C: PagedCache>(&self, cache: &C) -> Result<Vec<Vec<usize>>, ControlError> {
         let p = cache.spec().page.tokens;
         (0..self.full_first.len()).map(|h| self.head_first_tokens(h, counts(cache, self.seq, h)?, p)).collect()
-    }
-
-    /// [`sync`](Self::sync) then [`first_tokens`](Self::first_tokens), reading each head's
-    /// page counts once (an RDR boundary does both for every sequence of a batch).
-    pub fn sync_first_tokens<C: PagedCache>(&mut self, cache: &C) -> Result<Vec<Vec<usize>>, ControlError> {
-        let p = cache.spec().page.tokens;
-        (0..self.full_first.len())
-            .map(|h| {
-                let c = counts(cache, self.seq, h)?;
-                self.sync_head(h, c, p)?;
-                self.head_first_tokens(h, c, p)
-            })
-            .collect()
     }
 
     /// `(full, tail)`: the head's full pages and tail tokens ([`PagedCache::page_counts`]).
@@ -660,12 +642,10 @@ impl PagedCache for SimCache {
     }
     fn retier_many(&mut self, batch: &[(usize, &[PageMove])]) -> Result<Vec<usize>, SimError> {
         let p = self.spec.page.tokens;
-        for (i, &(seq, _)) in batch.iter().enumerate() {
-            if seq >= self.seqs.len() || batch[..i].iter().any(|b| b.0 == seq) {
-                return Err(SimError(format!("sequence {seq} does not exist or appears twice")));
-            }
+        if let Some(&(seq, _)) = batch.iter().find(|b| b.0 >= self.seqs.len()) {
+            return Err(SimError(format!("sequence {seq} does not exist")));
         }
-        let moves: Vec<SeqMove> = batch.iter().flat_map(|&(s, m)| m.iter().map(move |&m| (s, m))).collect();
+        let moves = MoveBatch::seq_moves(batch).map_err(|e| SimError(e.to_string()))?;
         let seqs = &self.seqs;
         let tier_of = |seq: usize, head: usize, index: usize| {
             let full = seqs[seq].get(head).and_then(|h| h.get(index)).filter(|x| x.0 != TAIL_TIER && x.1 == p);

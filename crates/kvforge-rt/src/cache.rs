@@ -15,7 +15,7 @@ use kvforge_spec::{DType, KeyScheme, PageHeader, SegmentLayout, Spec, TierId, Va
 use crate::device::Device;
 use crate::error::{drv, Result, RtError};
 use crate::kernels::KernelCache;
-use crate::moves::{MoveBatch, PageMove, SeqMove};
+use crate::moves::{MoveBatch, PageMove};
 use crate::pool::{PagePool, PageRef};
 
 /// Shape and capacity of a cache.
@@ -704,13 +704,10 @@ impl KvCache {
     /// leaks).
     pub fn retier_many(&mut self, batch: &[(usize, &[PageMove])]) -> Result<Vec<usize>> {
         let seqs: Vec<usize> = batch.iter().map(|b| b.0).collect();
-        for (i, &s) in seqs.iter().enumerate() {
+        for &s in &seqs {
             self.seq(s)?;
-            if seqs[..i].contains(&s) {
-                return Err(RtError::BadInput(format!("retier_many: sequence {s} appears twice")));
-            }
         }
-        let moves: Vec<SeqMove> = batch.iter().flat_map(|&(s, m)| m.iter().map(move |&m| (s, m))).collect();
+        let moves = MoveBatch::seq_moves(batch)?;
         let tier_of = |seq: usize, head: usize, index: usize| {
             let s = self.seqs[seq].as_ref().expect("checked above");
             s.heads.get(head).and_then(|h| h.full.get(index)).map(|p| p.tier).ok_or_else(|| RtError::BadInput(format!("no full page {index} in sequence {seq} head {head}")))

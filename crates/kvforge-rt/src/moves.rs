@@ -35,6 +35,17 @@ pub struct MoveBatch {
 }
 
 impl MoveBatch {
+    /// The moves of a batch `(sequence, its moves)` as one list, each sequence named once
+    /// (what `KvCache::retier_many` and kvforge-control's `SimCache` plan from).
+    pub fn seq_moves(batch: &[(usize, &[PageMove])]) -> Result<Vec<SeqMove>> {
+        for (i, &(s, _)) in batch.iter().enumerate() {
+            if batch[..i].iter().any(|b| b.0 == s) {
+                return Err(RtError::BadInput(format!("sequence {s} appears twice in one batch of page moves")));
+            }
+        }
+        Ok(batch.iter().flat_map(|&(s, m)| m.iter().map(move |&m| (s, m))).collect())
+    }
+
     /// Checks every move before anything changes, with `KvCache::retier_many`'s rules:
     /// `tier_of(seq, head, index)` is the tier of that full page (its error when there is
     /// none), `to` must be a spec tier below it, no page may be named twice, and `free[t]` free
@@ -133,5 +144,12 @@ mod tests {
         assert!(matches!(plan_seqs(&[(4, (0, 0, 3)), (4, (0, 0, 5))], &tiers, &[usize::MAX; 6]), Err(RtError::BadInput(_))));
         // Capacity counts the whole batch: two pages into tier 3 need two free slots.
         assert!(matches!(plan_seqs(&moves[..2], &tiers, &[0, 0, 0, 1, 0, 0]), Err(RtError::OutOfPages { .. })));
+    }
+
+    #[test]
+    fn seq_moves_flatten_in_order_and_name_each_sequence_once() {
+        let (a, b): (&[PageMove], &[PageMove]) = (&[(0, 1, 3), (1, 0, 2)], &[(0, 4, 5)]);
+        assert_eq!(MoveBatch::seq_moves(&[(7, a), (2, b)]).unwrap(), vec![(7, (0, 1, 3)), (7, (1, 0, 2)), (2, (0, 4, 5))]);
+        assert!(matches!(MoveBatch::seq_moves(&[(7, a), (2, b), (7, b)]), Err(RtError::BadInput(_))));
     }
 }
