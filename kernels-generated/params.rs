@@ -27,10 +27,10 @@ pub struct DecodeParams {
     pub channel_orders: [u64; 16],
     ///optional per page: log2 Σ_heads Σ_tokens 2^logit, an importance signal for controllers
     pub page_lse: u64,
-    ///optional [page][gqa]: log2 Σ_tokens 2^logit per query head (certified decode: block masses)
+    ///optional [page][gqa]: log2 Σ_tokens 2^logit per query head
     pub page_head_lse: u64,
-    ///optional [page][gqa]: max over the page's key blocks of the logit error bound Δ_b = ½ Σ_c |q_c| σ_c / sqrt(d) (0 for exact keys, +inf where the scheme states no bound)
-    pub page_delta: u64,
+    ///optional [page][page tokens / 16][gqa] (certified decode, block layout): per 16-token block the logit error bound Δ_b = ½ Σ_c |q_c| σ_c / sqrt(d) of the key block holding it (0 for exact keys or blocks past the page's tokens, +inf where the scheme states no bound)
+    pub block_delta: u64,
     ///ERR_* bits set by the kernel
     pub error_flags: u64,
     ///softmax scale, usually 1/sqrt(head_dim)
@@ -43,6 +43,10 @@ pub struct DecodeParams {
     pub num_splits: i32,
     ///[page][warps][gqa] scratch of a tracked decode in the per-warp layout (launch shape `warp_lse_per_page` floats per page, else unused): every warp's log2 Σ_tokens 2^logit per query head, folded into page_lse / page_head_lse after the page loop
     pub page_warp_lse: u64,
+    ///optional [page][page tokens / 16][gqa] (certified decode, block layout): log2 Σ_tokens 2^logit of every 16-token block per query head (-inf past the page's tokens)
+    pub block_head_lse: u64,
+    ///optional per page (certified phase 2): where page_info carries a promoted-block mask (bits 16-23: block b of 16 tokens is read from the fp16 original), the original's offset from the arena base, wrapping
+    pub promoted_offsets: u64,
 }
 ///Arguments of every transcode (and encode) kernel: one CTA per page.
 #[repr(C)]
@@ -109,9 +113,9 @@ pub struct CombineParams {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CertSelectParams {
-    ///[page][gqa] phase-1 log2 Σ_tokens 2^logit of every query head
-    pub page_head_lse: u64,
-    ///[groups + 1] page ranges of every (sequence, kv head)
+    ///[block][gqa] phase-1 log2 Σ_tokens 2^logit of every 16-token block and query head
+    pub block_head_lse: u64,
+    ///[groups + 1] page ranges of every (sequence, kv head); block ranges are blocks_per_page times them
     pub page_indptr: u64,
     ///phase-1 page table: tier | tokens << 8
     pub page_info: u64,
@@ -125,41 +129,45 @@ pub struct CertSelectParams {
     pub force_exact: u64,
     ///phase-2 page table written here: offsets
     pub out_page_offsets: u64,
-    ///phase-2 page table written here: tier | tokens << 8
+    ///phase-2 page table written here: tier | tokens << 8 | promoted-block mask << 16
     pub out_page_info: u64,
-    ///per page written here: 0 quantised, 1 promoted, 2 explored (tail-tier pages 0)
-    pub page_state: u64,
-    ///[page][gqa] scratch: the pages' fixed-point weights, computed once per step
+    ///phase-2 page table written here: the original's offset of a page served in part (mask set)
+    pub out_promoted_offsets: u64,
+    ///per block written here: 0 quantised, 1 promoted, 2 explored (blocks of tail-tier pages 0)
+    pub block_state: u64,
+    ///[block][gqa] scratch: the blocks' fixed-point weights, computed once per step
     pub weights: u64,
     ///τ_cov: exact share of every query head's estimated mass
     pub coverage: f64,
-    ///fraction of quantised pages explored (⌈explore · pages⌉, at most the unpromoted ones)
+    ///fraction of quantised blocks explored (⌈explore · blocks⌉, at most the unpromoted ones)
     pub explore: f64,
     ///K_min
-    pub min_pages: u32,
+    pub min_blocks: u32,
     ///K_max
-    pub max_pages: u32,
+    pub max_blocks: u32,
     ///batch × kv heads
     pub groups: i32,
+    ///page tokens / 16
+    pub blocks_per_page: i32,
 }
 ///Certified decode, certificate: one CTA per (sequence, kv head), one warp per query head.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CertBoundParams {
-    ///[page][gqa] phase-1 log2 masses
-    pub page_head_lse: u64,
-    ///[page][gqa] phase-1 key logit bound Δ (natural log)
-    pub page_delta: u64,
-    ///[page][gqa] phase-2 log2 masses
-    pub page_head_lse2: u64,
-    ///[groups + 1] page ranges
+    ///[block][gqa] phase-1 log2 masses
+    pub block_head_lse: u64,
+    ///[block][gqa] phase-1 key logit bound Δ_b (natural log)
+    pub block_delta: u64,
+    ///[block][gqa] phase-2 log2 masses
+    pub block_head_lse2: u64,
+    ///[groups + 1] page ranges (block ranges: blocks_per_page times them)
     pub page_indptr: u64,
     ///phase-1 page table: tier | tokens << 8
     pub page_info: u64,
-    ///per page: 0 quantised, 1 promoted, 2 explored
-    pub page_state: u64,
-    ///per page: η = max_t ‖V_t − V̂_t‖₂ (quantised pages)
-    pub page_eta: u64,
+    ///per block: 0 quantised, 1 promoted, 2 explored
+    pub block_state: u64,
+    ///per block: η_b = max_t ‖V_t − V̂_t‖₂ (blocks of quantised pages)
+    pub block_eta: u64,
     ///[groups] V_max = max_t ‖V_t‖₂
     pub group_v_max: u64,
     ///[rows][head_dim] phase-2 output, spec dtype
@@ -180,4 +188,6 @@ pub struct CertBoundParams {
     pub rank_depth: i32,
     ///batch × kv heads
     pub groups: i32,
+    ///page tokens / 16
+    pub blocks_per_page: i32,
 }

@@ -29,3 +29,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) kvf_certified_decode_kint8c
 extern "C" __global__ void __launch_bounds__(256, 2) kvf_certified_decode_kint8c16f32_vint4g16f16_d64_g4_p64_tracked(const kvforge::DecodeParams p) {
   kvforge::decode_kernel<Cfg, true>(p);
 }
+
+// Certified decode (seed 004): the tracked decode recording per-16-token-block masses and key
+// error bounds and serving promoted blocks from their originals (block layout; empty otherwise).
+extern "C" __global__ void __launch_bounds__(256, 2) kvf_certified_decode_kint8c16f32_vint4g16f16_d64_g4_p64_certified(const kvforge::DecodeParams p) {
+  kvforge::certified_decode_kernel<Cfg>(p);
+}

@@ -32,3 +32,9 @@ extern "C" __global__ void __launch_bounds__(128, 4) kvf_rdkv_decode_kfp16_vfp16
 extern "C" __global__ void __launch_bounds__(128, 4) kvf_rdkv_decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g1_p64_tracked(const kvforge::DecodeParams p) {
   kvforge::decode_kernel<Cfg, true>(p);
 }
+
+// Certified decode (seed 004): the tracked decode recording per-16-token-block masses and key
+// error bounds and serving promoted blocks from their originals (block layout; empty otherwise).
+extern "C" __global__ void __launch_bounds__(128, 4) kvf_rdkv_decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g1_p64_certified(const kvforge::DecodeParams p) {
+  kvforge::certified_decode_kernel<Cfg>(p);
+}

@@ -31,3 +31,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) kvf_spherical_decode_ksph16
 extern "C" __global__ void __launch_bounds__(128, 1) kvf_spherical_decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g8_p64_tracked(const kvforge::DecodeParams p) {
   kvforge::decode_kernel<Cfg, true>(p);
 }
+
+// Certified decode (seed 004): the tracked decode recording per-16-token-block masses and key
+// error bounds and serving promoted blocks from their originals (block layout; empty otherwise).
+extern "C" __global__ void __launch_bounds__(128, 1) kvf_spherical_decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g8_p64_certified(const kvforge::DecodeParams p) {
+  kvforge::certified_decode_kernel<Cfg>(p);
+}

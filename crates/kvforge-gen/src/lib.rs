@@ -21,7 +21,7 @@ pub mod render;
 
 use std::path::{Path, PathBuf};
 
-pub use render::{launch_shape, render, LaunchShape, RenderError, CERT_MAX_PAGES, CERT_SELECT_THREADS, HEADERS};
+pub use render::{launch_shape, render, LaunchShape, RenderError, CERT_MAX_BLOCKS, CERT_SELECT_THREADS, HEADERS};
 
 /// A file the generator owns, relative to `kernels-generated/`.
 #[derive(Clone, Debug, PartialEq, Eq)]

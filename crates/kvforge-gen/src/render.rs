@@ -112,8 +112,8 @@ pub fn launch_shape(spec: &Spec, v: &VariantId) -> LaunchShape {
         // (64K tokens at 64-token pages) and loop beyond.
         Family::MassWindow => LaunchShape { threads: 256, smem_bytes: 0, ctas_per_page: 1, warp_lse_per_page: 0 },
         // The selector sorts a group's pages in dynamic shared memory: 8 B per page, up to
-        // CERT_MAX_PAGES (the launch passes what the batch needs; this is the opt-in).
-        Family::CertSelect { .. } => LaunchShape { threads: CERT_SELECT_THREADS, smem_bytes: CERT_MAX_PAGES * 8, ctas_per_page: 1, warp_lse_per_page: 0 },
+        // CERT_MAX_BLOCKS (the launch passes what the batch needs; this is the opt-in).
+        Family::CertSelect { .. } => LaunchShape { threads: CERT_SELECT_THREADS, smem_bytes: CERT_MAX_BLOCKS * 8, ctas_per_page: 1, warp_lse_per_page: 0 },
         Family::CertBound { .. } => LaunchShape { threads: CERT_BOUND_THREADS, smem_bytes: 0, ctas_per_page: 1, warp_lse_per_page: 0 },
     }
 }
@@ -124,7 +124,7 @@ pub const CERT_SELECT_THREADS: usize = 256;
 pub const CERT_BOUND_THREADS: usize = 256;
 /// Most pages one (sequence, kv head) may have on the GPU selector: its sort buffer of 8 B per
 /// page must fit in shared memory (128 KiB; 1M tokens at 64-token pages).
-pub const CERT_MAX_PAGES: usize = 16384;
+pub const CERT_MAX_BLOCKS: usize = 16384;
 
 /// Renders the CUDA source of `v`.
 pub fn render(spec: &Spec, v: &VariantId) -> Result<String, RenderError> {

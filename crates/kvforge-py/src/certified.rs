@@ -15,7 +15,7 @@ use crate::{bad, guarded, Cache, OrPy};
 
 /// Certified decode settings for a cache (defaults from seed 004).
 ///
-/// Certifier(coverage=0.995, min_pages=1, max_pages=None, explore=0.02, guard=1e-3,
+/// Certifier(coverage=0.995, min_blocks=1, max_blocks=None, explore=0.02, guard=1e-3,
 ///           max_error=0.05, v_tol=0.01, layer_fallback=0.5, page_in="uva", seed=0x5eed,
 ///           path="gpu", rank_depth=1, rank_escalate=True, profile=False)
 ///
@@ -49,13 +49,13 @@ pub struct Certifier {
 #[pymethods]
 impl Certifier {
     #[new]
-    #[pyo3(signature = (coverage = 0.995, min_pages = 1, max_pages = None, explore = 0.02, guard = 1e-3, max_error = 0.05, v_tol = 0.01, layer_fallback = 0.5, page_in = "uva", seed = 0x5eed, path = "gpu", rank_depth = 1, rank_escalate = true, profile = false))]
+    #[pyo3(signature = (coverage = 0.995, min_blocks = 1, max_blocks = None, explore = 0.02, guard = 1e-3, max_error = 0.05, v_tol = 0.01, layer_fallback = 0.5, page_in = "uva", seed = 0x5eed, path = "gpu", rank_depth = 1, rank_escalate = true, profile = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         coverage: f64,
-        min_pages: usize,
-        max_pages: Option<usize>,
+        min_blocks: usize,
+        max_blocks: Option<usize>,
         explore: f64,
         guard: f64,
         max_error: f64,
@@ -90,11 +90,11 @@ impl Certifier {
             "host" => CertPath::Host,
             _ => return Err(bad(py, format!("Certifier: path must be \"gpu\" or \"host\", got {path:?}"))),
         };
-        let max_pages = max_pages.unwrap_or(usize::MAX);
-        if min_pages > max_pages {
-            return Err(bad(py, format!("Certifier: min_pages {min_pages} > max_pages {max_pages}")));
+        let max_blocks = max_blocks.unwrap_or(usize::MAX);
+        if min_blocks > max_blocks {
+            return Err(bad(py, format!("Certifier: min_blocks {min_blocks} > max_blocks {max_blocks}")));
         }
-        let cfg = CertConfig { coverage, min_pages, max_pages, explore, guard, max_error, v_tol, layer_fallback, page_in, seed, path, rank_depth, rank_escalate, profile };
+        let cfg = CertConfig { coverage, min_blocks, max_blocks, explore, guard, max_error, v_tol, layer_fallback, page_in, seed, path, rank_depth, rank_escalate, profile };
         cfg.validate().or_py(py)?;
         Ok(Certifier { cfg, launches: 0, paged_in_bytes: 0, host_ladder: false, last_kernel_us: None })
     }
@@ -109,8 +109,8 @@ impl Certifier {
         for (k, v) in [("coverage", c.coverage), ("explore", c.explore), ("guard", c.guard), ("max_error", c.max_error), ("v_tol", c.v_tol), ("layer_fallback", c.layer_fallback)] {
             d.set_item(k, v)?;
         }
-        d.set_item("min_pages", c.min_pages)?;
-        d.set_item("max_pages", (c.max_pages != usize::MAX).then_some(c.max_pages))?;
+        d.set_item("min_blocks", c.min_blocks)?;
+        d.set_item("max_blocks", (c.max_blocks != usize::MAX).then_some(c.max_blocks))?;
         d.set_item("page_in", match c.page_in {
             PageIn::Uva => "uva",
             PageIn::Copy => "copy",

@@ -70,7 +70,7 @@ def test_exports():
     (dict(explore=-0.1), "explore"),
     (dict(max_error=float("nan")), "max_error"),
     (dict(page_in="disk"), "page_in"),
-    (dict(min_pages=5, max_pages=2), "min_pages"),
+    (dict(min_blocks=5, max_blocks=2), "min_blocks"),
     (dict(path="cpu"), "path"),
     (dict(layer_fallback=-0.5), "layer_fallback"),
 ])
@@ -85,12 +85,12 @@ def test_certifier_exposes_path_and_ranking_options():
     c = kvforge.Certifier()
     cfg = c.config
     assert (cfg["path"], cfg["effective_path"], cfg["page_in"]) == ("gpu", "gpu", "uva")
-    assert (cfg["rank_depth"], cfg["rank_escalate"], cfg["profile"], cfg["max_pages"]) == (1, True, False, None)
+    assert (cfg["rank_depth"], cfg["rank_escalate"], cfg["profile"], cfg["max_blocks"]) == (1, True, False, None)
     assert c.kernel_us is None and c.host_ladder is False
-    c = kvforge.Certifier(path="host", rank_depth=3, rank_escalate=False, profile=True, max_pages=7, layer_fallback=1.1)
+    c = kvforge.Certifier(path="host", rank_depth=3, rank_escalate=False, profile=True, max_blocks=7, layer_fallback=1.1)
     cfg = c.config
     assert (cfg["path"], cfg["effective_path"]) == ("host", "host")
-    assert (cfg["rank_depth"], cfg["rank_escalate"], cfg["profile"], cfg["max_pages"], cfg["layer_fallback"]) == (3, False, True, 7, 1.1)
+    assert (cfg["rank_depth"], cfg["rank_escalate"], cfg["profile"], cfg["max_blocks"], cfg["layer_fallback"]) == (3, False, True, 7, 1.1)
     # The device path addresses the originals itself: with copied page-in the step runs on the host.
     cfg = kvforge.Certifier(path="gpu", page_in="copy").config
     assert (cfg["path"], cfg["effective_path"], cfg["page_in"]) == ("gpu", "host", "copy")

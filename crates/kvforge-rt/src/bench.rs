@@ -184,6 +184,7 @@ pub struct CertifiedRow {
     pub rank_triggers: usize,
     /// Steps that continued on the host path (rungs 1–2).
     pub host_ladder_steps: usize,
+    /// Blocks served from tier 2 (promoted or explored) ÷ quantised blocks, per kv head.
     pub promoted_fraction: f64,
     pub mean_bound: f64,
     pub max_bound: f64,
@@ -275,7 +276,7 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                         heads += 1;
                         if i % gqa == 0 {
                             promoted += h.promoted + h.explored;
-                            pages += ctx / spec.page.tokens;
+                            pages += ctx / spec.page.tokens * (spec.page.tokens / crate::certified::CERT_BLOCK);
                             det += h.detections;
                         }
                     }

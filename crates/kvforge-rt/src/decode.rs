@@ -169,8 +169,15 @@ pub struct DecodeWorkspace {
     pub page_lse: Option<CudaSlice<f32>>,
     /// Per page × gqa: log2 Σ_tokens 2^logit of each query head (certified decode).
     pub page_head_lse: Option<CudaSlice<f32>>,
-    /// Per page × gqa: the page's key logit error bound Δ (certified decode).
-    pub page_delta: Option<CudaSlice<f32>>,
+    /// Per page × 16-token block × gqa: the block's key logit error bound Δ_b (certified
+    /// decode, phase 1).
+    pub block_delta: Option<CudaSlice<f32>>,
+    /// Per page × 16-token block × gqa: log2 Σ_tokens 2^logit of each block and query head
+    /// (certified decode).
+    pub block_head_lse: Option<CudaSlice<f32>>,
+    /// Per page: the fp16 original's offset from the arena base, read for pages whose
+    /// `page_info` carries a promoted-block mask (certified phase 2).
+    pub promoted_offsets: Option<CudaSlice<u64>>,
     /// Scratch of a launch that records page masses with a per-warp-layout variant: per page ×
     /// warp × gqa log2 masses ([`DecodePlan::warp_lse_floats`], see
     /// [`KvCache::warp_lse_scratch`]); None where the variant needs none.
@@ -231,7 +238,9 @@ impl KvCache {
             lse: st.alloc_zeros(rows).map_err(drv("lse"))?,
             page_lse: None,
             page_head_lse: None,
-            page_delta: None,
+            block_delta: None,
+            block_head_lse: None,
+            promoted_offsets: None,
             page_warp_lse: None,
             window: None,
         })
@@ -268,7 +277,7 @@ impl KvCache {
         }
         // Page masses come from the module's tracked entry point (the plain one compiles them
         // out); in the per-warp layout it needs the per-warp scratch.
-        let tracked = ws.page_lse.is_some() || ws.page_head_lse.is_some();
+        let tracked = ws.page_lse.is_some() || ws.page_head_lse.is_some() || ws.block_head_lse.is_some();
         let warp_lse = match (tracked, plan.warp_lse_floats(&self.spec), &ws.page_warp_lse) {
             (false, _, _) | (true, 0, _) => 0,
             (true, need, Some(b)) if b.len() >= need => b.device_ptr(&st).0,
@@ -295,7 +304,9 @@ impl KvCache {
             page_lse: ws.page_lse.as_ref().map_or(0, |b| b.device_ptr(&st).0),
             page_head_lse: ws.page_head_lse.as_ref().map_or(0, |b| b.device_ptr(&st).0),
             page_warp_lse: warp_lse,
-            page_delta: ws.page_delta.as_ref().map_or(0, |b| b.device_ptr(&st).0),
+            block_delta: ws.block_delta.as_ref().map_or(0, |b| b.device_ptr(&st).0),
+            block_head_lse: ws.block_head_lse.as_ref().map_or(0, |b| b.device_ptr(&st).0),
+            promoted_offsets: ws.promoted_offsets.as_ref().map_or(0, |b| b.device_ptr(&st).0),
             error_flags: self.flags.device_ptr(&st).0,
             sm_scale: 1.0 / (plan.head_dim as f32).sqrt(),
             batch: plan.batch as i32,
@@ -307,7 +318,16 @@ impl KvCache {
             block_dim: (k.threads, 1, 1),
             shared_mem_bytes: k.smem_bytes,
         };
-        let func = if tracked {
+        let func = if ws.block_head_lse.is_some() {
+            // Certified decode: block masses come from the block layout only.
+            if kvforge_gen::launch_shape(&self.spec, &plan.variant).warp_lse_per_page > 0 {
+                return Err(RtError::BadInput(format!(
+                    "{}: certified decode needs a block-layout variant (this one runs the per-warp layout; set kernels.tensor_core_values = false in the spec)",
+                    plan.variant
+                )));
+            }
+            k.certified.as_ref().ok_or_else(|| RtError::BadInput(format!("{} has no certified entry point", plan.variant)))?
+        } else if tracked {
             k.tracked.as_ref().ok_or_else(|| RtError::BadInput(format!("{} has no entry point that records page masses", plan.variant)))?
         } else {
             &k.func

@@ -16,6 +16,8 @@ pub struct Kernel {
     /// Decode variants: the entry point that records per-page masses
     /// ([`VariantId::tracked_symbol`]).
     pub tracked: Option<CudaFunction>,
+    /// Decode variants: certified decode's entry point ([`VariantId::certified_symbol`]).
+    pub certified: Option<CudaFunction>,
     pub threads: u32,
     pub smem_bytes: u32,
     /// CTAs per page of a transcode launch (grid = pages × this); 1 for other families.
@@ -48,7 +50,8 @@ impl KernelCache {
         };
         let func = load(&v.symbol())?;
         let tracked = v.tracked_symbol().map(|s| load(&s)).transpose()?;
-        let k = Kernel { func, tracked, threads: shape.threads as u32, smem_bytes: shape.smem_bytes as u32, ctas_per_page: shape.ctas_per_page as u32 };
+        let certified = v.certified_symbol().map(|s| load(&s)).transpose()?;
+        let k = Kernel { func, tracked, certified, threads: shape.threads as u32, smem_bytes: shape.smem_bytes as u32, ctas_per_page: shape.ctas_per_page as u32 };
         self.loaded.lock().unwrap().insert(v.clone(), k.clone());
         Ok(k)
     }

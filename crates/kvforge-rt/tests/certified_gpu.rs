@@ -179,9 +179,9 @@ fn certified_bound_holds_on_random_and_adversarial_steps() {
                     if err > 0.0 {
                         st.tightness.push(cert.bound / err);
                     }
-                    let pages = t.len / 64;
-                    if pages > 0 {
-                        st.promoted_fraction.push((cert.promoted + cert.explored) as f64 / pages as f64);
+                    let blocks = t.len / 64 * 4;
+                    if blocks > 0 {
+                        st.promoted_fraction.push((cert.promoted + cert.explored) as f64 / blocks as f64);
                     }
                 }
             }
@@ -208,7 +208,7 @@ fn certified_bound_holds_on_random_and_adversarial_steps() {
             "device": dev.info.name, "trials": st.trials, "violations": st.violations, "steps": st.steps,
             "phase2_launches": st.launches,
             "tightness": {"min": q(0.0), "p01": q(0.01), "p10": q(0.1), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99)},
-            "rungs": st.rungs, "rungs_per_generator": per_kind, "mean_promoted_page_fraction": mean_prom,
+            "rungs": st.rungs, "rungs_per_generator": per_kind, "mean_promoted_block_fraction": mean_prom,
         });
         std::fs::write(path, serde_json::to_string_pretty(&j).unwrap()).unwrap();
     }
@@ -400,14 +400,14 @@ fn certified_step_time() {
             let promoted: usize = r.heads.iter().step_by(gqa).map(|h| h.promoted + h.explored).sum();
             let bound = r.heads.iter().map(|h| h.bound).fold(0.0, f64::max);
             println!(
-                "ctx {ctx:6} {kind:?}: fp16 {t_fp16:8.0} us, q8k4v {t_q:8.0} us, certified UVA {t_c:8.0} us ({:.2}x q8k4v), copy {t_copy:8.0} us, {} launches, {:.1}% pages promoted, paged in {:.1} MB, max bound {bound:.2e}",
+                "ctx {ctx:6} {kind:?}: fp16 {t_fp16:8.0} us, q8k4v {t_q:8.0} us, certified UVA {t_c:8.0} us ({:.2}x q8k4v), copy {t_copy:8.0} us, {} launches, {:.1}% blocks promoted, paged in {:.1} MB, max bound {bound:.2e}",
                 t_c / t_q,
                 r.launches,
-                100.0 * promoted as f64 / (hkv * (ctx / 64)) as f64,
+                100.0 * promoted as f64 / (hkv * (ctx / 16)) as f64,
                 r.paged_in_bytes as f64 / 1e6
             );
             rows.push(serde_json::json!({"context": ctx, "attention": format!("{kind:?}"), "fp16_us": t_fp16, "q8k4v_us": t_q, "certified_us": t_c, "certified_uva_us": t_c, "certified_copy_us": t_copy,
-                "launches": r.launches, "promoted_fraction": promoted as f64 / (hkv * (ctx / 64)) as f64, "paged_in_bytes": r.paged_in_bytes, "max_bound": bound}));
+                "launches": r.launches, "promoted_fraction": promoted as f64 / (hkv * (ctx / 16)) as f64, "paged_in_bytes": r.paged_in_bytes, "max_bound": bound}));
         }
     }
     if let Ok(path) = std::env::var("KVFORGE_CERT_TIME_JSON") {
@@ -473,7 +473,7 @@ fn device_selector_and_certificate_match_the_host_reference() {
             for (i, cfg) in [
                 CertConfig::default(),
                 CertConfig { explore: 0.3, seed: 77, ..CertConfig::default() },
-                CertConfig { coverage: 0.9, min_pages: 3, max_pages: 5, rank_depth: 3, seed: 78 + round as u64, ..CertConfig::default() },
+                CertConfig { coverage: 0.9, min_blocks: 3, max_blocks: 5, rank_depth: 3, seed: 78 + round as u64, ..CertConfig::default() },
                 CertConfig { coverage: 1.0, explore: 0.0, ..CertConfig::default() },
             ]
             .into_iter()

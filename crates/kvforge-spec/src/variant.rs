@@ -130,6 +130,12 @@ impl VariantId {
         matches!(self.family, Family::Decode { .. }).then(|| format!("{}_tracked", self.symbol()))
     }
 
+    /// Decode variants: the certified entry point (per-block masses and Δ_b, promoted blocks
+    /// read from their originals; block-layout variants only).
+    pub fn certified_symbol(&self) -> Option<String> {
+        matches!(self.family, Family::Decode { .. }).then(|| format!("{}_certified", self.symbol()))
+    }
+
     /// Path under `kernels-generated/`.
     pub fn file(&self) -> String {
         format!("{}/{}.cu", self.spec, self.name())

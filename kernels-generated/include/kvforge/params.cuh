@@ -19,14 +19,16 @@ struct DecodeParams {
   const float* radius_scales[MAX_TIERS];  // per tier: [num_kv_heads][groups] (spherical tiers)
   const u16* channel_orders[MAX_TIERS];  // per tier: [num_kv_heads][2][head_dim] stored→natural channel order, then its inverse (mixed-key tiers; null = identity)
   float* page_lse;  // optional per page: log2 Σ_heads Σ_tokens 2^logit, an importance signal for controllers
-  float* page_head_lse;  // optional [page][gqa]: log2 Σ_tokens 2^logit per query head (certified decode: block masses)
-  float* page_delta;  // optional [page][gqa]: max over the page's key blocks of the logit error bound Δ_b = ½ Σ_c |q_c| σ_c / sqrt(d) (0 for exact keys, +inf where the scheme states no bound)
+  float* page_head_lse;  // optional [page][gqa]: log2 Σ_tokens 2^logit per query head
+  float* block_delta;  // optional [page][page tokens / 16][gqa] (certified decode, block layout): per 16-token block the logit error bound Δ_b = ½ Σ_c |q_c| σ_c / sqrt(d) of the key block holding it (0 for exact keys or blocks past the page's tokens, +inf where the scheme states no bound)
   u32* error_flags;  // ERR_* bits set by the kernel
   float sm_scale;  // softmax scale, usually 1/sqrt(head_dim)
   int batch;  // sequences
   int num_kv_heads;  // kv heads
   int num_splits;  // split-K factor; 1 writes `out` directly
   float* page_warp_lse;  // [page][warps][gqa] scratch of a tracked decode in the per-warp layout (launch shape `warp_lse_per_page` floats per page, else unused): every warp's log2 Σ_tokens 2^logit per query head, folded into page_lse / page_head_lse after the page loop
+  float* block_head_lse;  // optional [page][page tokens / 16][gqa] (certified decode, block layout): log2 Σ_tokens 2^logit of every 16-token block per query head (-inf past the page's tokens)
+  const u64* promoted_offsets;  // optional per page (certified phase 2): where page_info carries a promoted-block mask (bits 16-23: block b of 16 tokens is read from the fp16 original), the original's offset from the arena base, wrapping
 };
 
 // Arguments of every transcode (and encode) kernel: one CTA per page.
@@ -66,33 +68,35 @@ struct CombineParams {
 
 // Certified decode, selector: one CTA per (sequence, kv head) group of a phase-1 plan.
 struct CertSelectParams {
-  const float* page_head_lse;  // [page][gqa] phase-1 log2 Σ_tokens 2^logit of every query head
-  const u32* page_indptr;  // [groups + 1] page ranges of every (sequence, kv head)
+  const float* block_head_lse;  // [block][gqa] phase-1 log2 Σ_tokens 2^logit of every 16-token block and query head
+  const u32* page_indptr;  // [groups + 1] page ranges of every (sequence, kv head); block ranges are blocks_per_page times them
   const u32* page_info;  // phase-1 page table: tier | tokens << 8
   const u64* page_offsets;  // phase-1 page table: byte offsets in the arena
   const u64* orig_offsets;  // per page: its fp16 original (tier 2, pinned, read over UVA) as an offset from the arena base, wrapping; read for quantised pages only
   const u64* group_seeds;  // [groups] hashed exploration seed of every group
   const u8* force_exact;  // optional [groups]: nonzero serves every quantised page of the group from tier 2 (rungs 3 and 4)
   u64* out_page_offsets;  // phase-2 page table written here: offsets
-  u32* out_page_info;  // phase-2 page table written here: tier | tokens << 8
-  u8* page_state;  // per page written here: 0 quantised, 1 promoted, 2 explored (tail-tier pages 0)
-  u64* weights;  // [page][gqa] scratch: the pages' fixed-point weights, computed once per step
+  u32* out_page_info;  // phase-2 page table written here: tier | tokens << 8 | promoted-block mask << 16
+  u64* out_promoted_offsets;  // phase-2 page table written here: the original's offset of a page served in part (mask set)
+  u8* block_state;  // per block written here: 0 quantised, 1 promoted, 2 explored (blocks of tail-tier pages 0)
+  u64* weights;  // [block][gqa] scratch: the blocks' fixed-point weights, computed once per step
   double coverage;  // τ_cov: exact share of every query head's estimated mass
-  double explore;  // fraction of quantised pages explored (⌈explore · pages⌉, at most the unpromoted ones)
-  u32 min_pages;  // K_min
-  u32 max_pages;  // K_max
+  double explore;  // fraction of quantised blocks explored (⌈explore · blocks⌉, at most the unpromoted ones)
+  u32 min_blocks;  // K_min
+  u32 max_blocks;  // K_max
   int groups;  // batch × kv heads
+  int blocks_per_page;  // page tokens / 16
 };
 
 // Certified decode, certificate: one CTA per (sequence, kv head), one warp per query head.
 struct CertBoundParams {
-  const float* page_head_lse;  // [page][gqa] phase-1 log2 masses
-  const float* page_delta;  // [page][gqa] phase-1 key logit bound Δ (natural log)
-  const float* page_head_lse2;  // [page][gqa] phase-2 log2 masses
-  const u32* page_indptr;  // [groups + 1] page ranges
+  const float* block_head_lse;  // [block][gqa] phase-1 log2 masses
+  const float* block_delta;  // [block][gqa] phase-1 key logit bound Δ_b (natural log)
+  const float* block_head_lse2;  // [block][gqa] phase-2 log2 masses
+  const u32* page_indptr;  // [groups + 1] page ranges (block ranges: blocks_per_page times them)
   const u32* page_info;  // phase-1 page table: tier | tokens << 8
-  const u8* page_state;  // per page: 0 quantised, 1 promoted, 2 explored
-  const double* page_eta;  // per page: η = max_t ‖V_t − V̂_t‖₂ (quantised pages)
+  const u8* block_state;  // per block: 0 quantised, 1 promoted, 2 explored
+  const double* block_eta;  // per block: η_b = max_t ‖V_t − V̂_t‖₂ (blocks of quantised pages)
   const double* group_v_max;  // [groups] V_max = max_t ‖V_t‖₂
   const void* out;  // [rows][head_dim] phase-2 output, spec dtype
   double* head_f64;  // [rows][CERT_F64] written here: Δ, α̂, V_max, E_key, E_val, E_round, bound, ‖Ô‖₂
@@ -103,6 +107,7 @@ struct CertBoundParams {
   int head_dim;  // head dim of `out`
   int rank_depth;  // r of the ranking-consistency and boundary checks; 0 skips them
   int groups;  // batch × kv heads
+  int blocks_per_page;  // page tokens / 16
 };
 
 }  // namespace kvforge

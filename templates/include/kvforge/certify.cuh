@@ -117,20 +117,25 @@ __device__ void cert_select(const CertSelectParams& p) {
   __shared__ u32 kcov_s;
   const int g = blockIdx.x, tid = threadIdx.x;
   if (g >= p.groups) return;
+  // Pages [first, first + np) of the group; its blocks (units of promotion) [first·B, (first + np)·B).
+  const int B = p.blocks_per_page;
   const u32 first = p.page_indptr[g];
-  const int n = int(p.page_indptr[g + 1] - first);
-  const float* lse = p.page_head_lse + size_t(first) * GQA;
-  const u32* info = p.page_info + first;
+  const int np = int(p.page_indptr[g + 1] - first), n = np * B;
+  const float* lse = p.block_head_lse + size_t(first) * B * GQA;
+  const u32* pinfo = p.page_info + first;
   const u64* offsets = p.page_offsets + first;
   const u64* orig = p.orig_offsets + first;
-  u8* state = p.page_state + first;
+  u8* state = p.block_state + size_t(first) * B;
   u64* out_offsets = p.out_page_offsets + first;
   u32* out_info = p.out_page_info + first;
-  u64* wts = p.weights + size_t(first) * GQA;  // [page][GQA], written once in step 2
+  u64* out_promoted = p.out_promoted_offsets + first;
+  u64* wts = p.weights + size_t(first) * B * GQA;  // [block][GQA], written once in step 2
+  // Block i is quantised when its page is (quantised pages are full: every block holds tokens).
+  auto quantised = [&](int i) { return (pinfo[i / B] & 0xff) != 0; };
 
   if (p.force_exact != nullptr && p.force_exact[g] != 0) {
-    // Rungs 3 and 4: every quantised page from tier 2.
-    for (int i = tid; i < n; i += NT) state[i] = (info[i] & 0xff) != 0 ? PAGE_PROMOTED : PAGE_QUANTISED;
+    // Rungs 3 and 4: every quantised block from tier 2.
+    for (int i = tid; i < n; i += NT) state[i] = quantised(i) ? PAGE_PROMOTED : PAGE_QUANTISED;
   } else {
     // 1. Per head: the largest finite log2 mass M_h.
     float mx[GQA];
@@ -151,7 +156,7 @@ __device__ void cert_select(const CertSelectParams& p) {
     for (int h = 0; h < GQA; ++h) tot[h] = exact[h] = 0;
     u32 nq_local = 0;
     for (int i = tid; i < n; i += NT) {
-      const bool quant = (info[i] & 0xff) != 0;
+      const bool quant = quantised(i);
       nq_local += quant;
 #pragma unroll
       for (int h = 0; h < GQA; ++h) {
@@ -172,7 +177,7 @@ __device__ void cert_select(const CertSelectParams& p) {
     while (np < n) np <<= 1;
     for (int i = tid; i < np; i += NT) {
       u64 key = ~0ull;
-      if (i < n && (info[i] & 0xff) != 0) {
+      if (i < n && quantised(i)) {
         u64 share = 0;
 #pragma unroll
         for (int h = 0; h < GQA; ++h) {
@@ -231,7 +236,7 @@ __device__ void cert_select(const CertSelectParams& p) {
     __syncthreads();
 
     // 5. Clamp to [K_min, K_max] and the quantised pages; promote the first k.
-    const u32 k = min(min(max(kcov_s, p.min_pages), p.max_pages), nq);
+    const u32 k = min(min(max(kcov_s, p.min_blocks), p.max_blocks), nq);
     for (u32 j = tid; j < k; j += NT) state[keys[j] & 0xffffffffu] = PAGE_PROMOTED;
     __syncthreads();
 
@@ -243,12 +248,12 @@ __device__ void cert_select(const CertSelectParams& p) {
       const int ch = (n + NT - 1) / NT;
       const int a = min(n, tid * ch), z = min(n, a + ch);
       u64 rank[1] = {0};
-      for (int i = a; i < z; ++i) rank[0] += (info[i] & 0xff) != 0 && state[i] == PAGE_QUANTISED;
+      for (int i = a; i < z; ++i) rank[0] += quantised(i) && state[i] == PAGE_QUANTISED;
       cert_block_exclusive_scan<1, NT>(rank, reinterpret_cast<u64(*)[1]>(uscratch));
       const u64 t = tail, s = p.group_seeds[g] % t;
       u64 r = rank[0];
       for (int i = a; i < z; ++i) {
-        if ((info[i] & 0xff) == 0 || state[i] != PAGE_QUANTISED) continue;
+        if (!quantised(i) || state[i] != PAGE_QUANTISED) continue;
         if ((r * cnt + s) / t != ((r + 1) * cnt + s) / t) state[i] = PAGE_EXPLORED;
         ++r;
       }
@@ -256,11 +261,16 @@ __device__ void cert_select(const CertSelectParams& p) {
   }
   __syncthreads();
 
-  // Phase 2's page table: a served page is a tail-format page at its original.
-  for (int i = tid; i < n; i += NT) {
-    const bool served = state[i] != PAGE_QUANTISED;
-    out_offsets[i] = served ? orig[i] : offsets[i];
-    out_info[i] = served ? (info[i] & ~0xffu) : info[i];
+  // Phase 2's page table: a page whose every block is served becomes a tail-format page at its
+  // original (staged like any page); one served in part keeps its quantised page and carries
+  // the mask of served blocks, which the decode reads from the original in place.
+  for (int i = tid; i < np; i += NT) {
+    u32 mask = 0;
+    for (int b = 0; b < B; ++b) mask |= u32(state[i * B + b] != PAGE_QUANTISED) << b;
+    const bool whole = mask == (1u << B) - 1u;
+    out_offsets[i] = whole ? orig[i] : offsets[i];
+    out_info[i] = whole ? (pinfo[i] & ~0xffu) : (pinfo[i] | mask << 16);
+    out_promoted[i] = orig[i];
   }
 }
 
@@ -303,14 +313,23 @@ __device__ void cert_bound(const CertBoundParams& p) {
   const int g = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   if (g >= p.groups) return;
   if (g == 0 && tid == 0 && p.flags_out != nullptr) *p.flags_out = *p.error_flags;
+  // The group's blocks [first·B, (first + np)·B), the units of promotion and of the bound.
+  const int B = p.blocks_per_page;
   const u32 first = p.page_indptr[g];
-  const int n = int(p.page_indptr[g + 1] - first);
-  const float* l1 = p.page_head_lse + size_t(first) * GQA;
-  const float* d1 = p.page_delta + size_t(first) * GQA;
-  const float* l2 = p.page_head_lse2 + size_t(first) * GQA;
-  const u32* info = p.page_info + first;
-  const u8* state = p.page_state + first;
-  const double* eta = p.page_eta + first;
+  const int n = int(p.page_indptr[g + 1] - first) * B;
+  const size_t fb = size_t(first) * B;
+  const float* l1 = p.block_head_lse + fb * GQA;
+  const float* d1 = p.block_delta + fb * GQA;
+  const float* l2 = p.block_head_lse2 + fb * GQA;
+  const u32* pinfo = p.page_info + first;
+  const u8* state = p.block_state + fb;
+  const double* eta = p.block_eta + fb;
+  // Block i: its page's tier, and its tokens (of the page's len) in the low bits' place.
+  auto info = [&](int i) {
+    const u32 pi = pinfo[i / B];
+    const int len = int((pi >> 8) & 0xff), t0 = (i % B) * 16;
+    return (pi & 0xffu) | u32(min(max(len - t0, 0), 16)) << 8;
+  };
   auto fmax_op = [](double a, double b) { return fmax(a, b); };
   auto dsum_op = [](double a, double b) { return a + b; };
 
@@ -336,7 +355,7 @@ __device__ void cert_bound(const CertBoundParams& p) {
 #pragma unroll
   for (int h = 0; h < GQA; ++h) { alpha[h] = e_val[h] = delta[h] = 0.0; det[h] = 0; }
   for (int i = tid; i < n; i += NT) {
-    const u32 inf = info[i];
+    const u32 inf = info(i);
     cnt[0] += inf >> 8;
     if ((inf & 0xff) == 0) { ++cnt[3]; continue; }
     const u8 st = state[i];
@@ -381,7 +400,7 @@ __device__ void cert_bound(const CertBoundParams& p) {
 #pragma unroll
       for (int h = 0; h < GQA; ++h) b2[h] = b1[h] = 0;
       for (int i = tid; i < n; i += NT) {
-        if ((info[i] & 0xff) != 0 && state[i] == PAGE_QUANTISED) continue;
+        if ((pinfo[i / B] & 0xff) != 0 && state[i] == PAGE_QUANTISED) continue;
 #pragma unroll
         for (int h = 0; h < GQA; ++h) {
           const u64 k2 = cert_rank_key(l2[i * GQA + h], i), k1 = cert_rank_key(l1[i * GQA + h], i);
@@ -402,7 +421,7 @@ __device__ void cert_bound(const CertBoundParams& p) {
       }
     }
     for (int i = tid; i < n; i += NT) {
-      if ((info[i] & 0xff) == 0 || state[i] != PAGE_QUANTISED) continue;
+      if ((pinfo[i / B] & 0xff) == 0 || state[i] != PAGE_QUANTISED) continue;
 #pragma unroll
       for (int h = 0; h < GQA; ++h) {
         if (__dadd_rn(__dmul_rn(double(l1[i * GQA + h]), CERT_LN2), double(d1[i * GQA + h])) > lr[h]) ++boundary[h];

@@ -22,6 +22,21 @@ template <class... Ts> struct TierList {};
 // in place from global memory, so they do not size the stages.
 template <class... Ts> __host__ __device__ constexpr int tail_seg(TierList<Ts...>) { int m = 0; ((m = Ts::id == 0 ? Ts::SEG_BYTES : m), ...); return m; }
 template <class... Ts> __host__ __device__ constexpr int max_seg(TierList<Ts...>) { int m = 0; ((m = cmax(m, Ts::id == 0 ? 0 : Ts::SEG_BYTES)), ...); return m; }
+// The tail tier (id 0) of a variant, or void: certified phase 2 reads promoted blocks of a
+// quantised page from their fp16 originals, which are tail-format pages.
+template <class... Ts> struct TailOf { using type = void; };
+template <class T, class... Ts> struct TailOf<T, Ts...> {
+  template <bool B, class A, class Z> struct Pick { using type = Z; };
+  template <class A, class Z> struct Pick<true, A, Z> { using type = A; };
+  using type = typename Pick<T::id == 0, T, typename TailOf<Ts...>::type>::type;
+};
+template <class L> struct TailTier;
+// X, as a type that depends on T (so that code naming X's members in an `if constexpr` branch
+// discarded for T is not checked when X is void).
+template <class T, class X> struct Dependent { using type = X; };
+template <class... Ts> struct TailTier<TierList<Ts...>> : TailOf<Ts...> {};
+// Certified decode: attention masses, key error bounds and promotion are per 16-token block.
+constexpr int CERT_BLOCK = 16;
 template <int GQA, class... Ts> __host__ __device__ constexpr int sum_lut(TierList<Ts...>) { return (0 + ... + (GQA * Ts::Key::LUT_FLOATS_PER_HEAD)); }
 template <int GQA, int NW, class... Ts> __host__ __device__ constexpr int max_bfrag(TierList<Ts...>) { int m = 0; ((m = cmax(m, Ts::Key::template bfrag_bytes<GQA, NW>())), ...); return m; }
 
@@ -75,10 +90,12 @@ struct DecodeSmem {
 };
 
 // TRACK: the kernel records per-page masses when DecodeParams asks (page_lse, page_head_lse).
+// CERT (certified decode, block layout): also per-block masses (block_head_lse) and key error
+// bounds (block_delta), and promoted blocks (page_info mask) read from their fp16 originals.
 // Decode modules hold both instantiations (symbol and symbol_tracked), so that the plain
 // entry compiles the tracking code out of its page loop (the ladder variants sit at their
 // 128-register cap).
-template <class Cfg, bool TRACK>
+template <class Cfg, bool TRACK, bool CERT = false>
 struct DecodeCta {
   static constexpr int D = Cfg::D, GQA = Cfg::GQA, P = Cfg::P, NT = Cfg::NTHREADS;
   static constexpr int TPT = NT / P > 0 ? (NT / P > 32 ? 32 : NT / P) : 1;  // threads per token (LUT scores)
@@ -127,11 +144,18 @@ struct DecodeCta {
   // Per-warp layout: head g's running max and (this lane's share of the) sum, and, tracking,
   // this warp's log2 mass of head g in the current page (compute_warp sets it).
   float pw_m = NEG_INF, pw_l = 0.f, pw_plse;
+  // Certified phase 2: the current page's promoted-block mask (page_info bits 16-23; block b
+  // of CERT_BLOCK tokens is read from the page's fp16 original) and that original's segment.
+  u32 pmask = 0;
+  const u8* porig = nullptr;
 
   __device__ float* q_s() { return reinterpret_cast<float*>(smem + Smem::Q); }
   // Page-mass outputs; null in the untracked instantiation, so its tracking code folds away.
   __device__ float* page_lse() const { return TRACK ? p.page_lse : nullptr; }
   __device__ float* page_head_lse() const { return TRACK ? p.page_head_lse : nullptr; }
+  __device__ float* block_head_lse() const { return CERT ? p.block_head_lse : nullptr; }
+  using TailT = typename TailTier<typename Cfg::Tiers>::type;
+  static constexpr int BPP = P / CERT_BLOCK;
   // Per-warp layout: the warps leave their page masses in page_warp_lse and the CTA folds
   // them. Decided at compile time: the tracked entry is launched only to record masses, and
   // always with the scratch (the runtime checks it); a runtime flag held a register through
@@ -194,7 +218,7 @@ struct DecodeCta {
   __device__ void compute(const u8* seg, int len, u32 gpage) {
     if constexpr (PW) compute_warp<T>(seg, len);
     else compute_cta<T>(seg, len, gpage);
-    if (p.page_delta) write_delta<typename T::Key>(seg, len, gpage);
+    if (p.block_delta) write_delta<typename T::Key>(seg, len, gpage);
   }
 
   __device__ u32* qfrag_s() { return reinterpret_cast<u32*>(smem + Smem::BFRAG); }
@@ -449,6 +473,12 @@ struct DecodeCta {
       }
     }
     __syncthreads();
+    if constexpr (PROMOTES<T>) {
+      if (pmask != 0) {
+        rescore_promoted<typename Dependent<T, TailT>::type>(q_s(), porig, pmask, len, sc, KPARTS == 2 ? sc1 : nullptr);
+        __syncthreads();
+      }
+    }
     // Online softmax: one warp per head.
     const int warp = tid / 32, lane = tid % 32;
     for (int h = warp; h < GQA; h += NT / 32) {
@@ -474,6 +504,18 @@ struct DecodeCta {
         sum += e;
       }
       sum = warp_sum(sum);
+      if (block_head_lse() != nullptr) {
+        // Per 16-token block: the half-warp's sum of the e's this warp just stored.
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < cdiv(P, 32); ++i) {
+          const int t = lane + 32 * i;
+          float e = t < P ? sc[h * P + t] : 0.f;
+#pragma unroll
+          for (int o = 8; o > 0; o >>= 1) e += __shfl_xor_sync(0xffffffffu, e, o);
+          if ((lane & 15) == 0 && t < P) block_head_lse()[(size_t(gpage) * BPP + t / CERT_BLOCK) * GQA + h] = m_new + log2f(e);
+        }
+      }
       if (lane == 0) {
         const float alpha = exp2f(m_old - m_new);  // m_old = -inf gives 0
         alpha_s()[h] = alpha;
@@ -504,12 +546,50 @@ struct DecodeCta {
       }
       for (int t = tg; t < len; t += TG) {
         float v[8];
-        V::load8(seg, t, c8, v);
+        if constexpr (PROMOTES<T>) {
+          if ((pmask >> (t / CERT_BLOCK)) & 1u) Dependent<T, TailT>::type::Value::load8(porig, t, c8, v);
+          else V::load8(seg, t, c8, v);
+        } else {
+          V::load8(seg, t, c8, v);
+        }
 #pragma unroll
         for (int h = 0; h < GQA; ++h) {
           const float w = sc[h * P + t];
 #pragma unroll
           for (int i = 0; i < 8; ++i) acc[h][i] = fmaf(w, v[i], acc[h][i]);
+        }
+      }
+    }
+  }
+
+  // Certified phase 2 serves promoted blocks of a quantised page from the page's fp16
+  // original (pinned host memory, read in place over UVA): the tracked block-layout entry of a
+  // variant that has the tail tier, for pages of the other tiers.
+  template <class T>
+  static constexpr bool PROMOTES = CERT && !PW && !MMA_V && !same_type<TailT, void>::value && T::id != 0 && P % CERT_BLOCK == 0;
+
+  // Scores of the promoted blocks' tokens from their fp16 keys (channel-parallel: thread
+  // (token tt, slice c8), a shuffle tree over the slices), replacing the quantised ones; the
+  // second score part, if any, is zeroed. Out of line and static (as score_outlined): its
+  // query slice in registers would otherwise raise the register count of the whole page loop.
+  template <class TT>
+  __device__ static __noinline__ void rescore_promoted(const float* q, const u8* porig, u32 pmask, int len, float* sc, float* sc1) {
+    const int tid = threadIdx.x, c8 = tid % NC8, tt = tid / NC8;
+    typename TT::Key::template Scorer<GQA> scorer(q, c8);
+    for (int t0 = 0; t0 < P; t0 += TG) {
+      const int t = t0 + tt;
+      const bool on = t < len && ((pmask >> (t / CERT_BLOCK)) & 1u);
+      float s[GQA];
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) s[h] = 0.f;
+      if (on) scorer.score(porig, t, s);
+#pragma unroll
+      for (int h = 0; h < GQA; ++h) s[h] = group_sum<NC8>(s[h]);
+      if (on && c8 == 0) {
+#pragma unroll
+        for (int h = 0; h < GQA; ++h) {
+          sc[h * P + t] = s[h];
+          if (sc1 != nullptr) sc1[h * P + t] = 0.f;
         }
       }
     }
@@ -623,25 +703,34 @@ struct DecodeCta {
     }
   }
 
-  // Certified decode: Δ = max over the page's key blocks (that hold any of its `len` tokens)
-  // of ½ Σ_c |q_c| σ_c / sqrt(d), the largest logit error of a quantised key, per query head,
-  // in natural-log units (q_s() is pre-scaled by sm_scale · log2 e). One warp per head.
+  // Certified decode: per 16-token block u of the page and query head, Δ_u = ½ Σ_c |q_c| σ_c /
+  // sqrt(d) of the key block holding it (the largest logit error of its quantised keys), in
+  // natural-log units (q_s() is pre-scaled by sm_scale · log2 e); 0 past the page's `len`
+  // tokens. One warp per head.
   template <class K>
   __device__ void write_delta(const u8* seg, int len, u32 gpage) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int h = warp; h < GQA; h += NT / 32) {
-      float dmax = 0.f;
-      if constexpr (K::ERROR == KeyError::Step) {
-        for (int b = 0; b * K::BLOCK_TOKENS < len; ++b) {
-          float s = 0.f;
-          for (int c = lane; c < D; c += 32) s = fmaf(fabsf(q_s()[h * D + c]), K::step(seg, b, c), s);
-          dmax = fmaxf(dmax, warp_sum(s));
+      float d = 0.f;
+      int kb = -1;  // key block d was computed for
+      for (int u = 0; u < BPP; ++u) {
+        float du = 0.f;
+        if (u * CERT_BLOCK < len) {
+          if constexpr (K::ERROR == KeyError::Step) {
+            const int b = u * CERT_BLOCK / K::BLOCK_TOKENS;
+            if (b != kb) {
+              float s = 0.f;
+              for (int c = lane; c < D; c += 32) s = fmaf(fabsf(q_s()[h * D + c]), K::step(seg, b, c), s);
+              d = warp_sum(s) * (0.5f * 0.6931471805599453f);  // log2 domain → natural log
+              kb = b;
+            }
+            du = d;
+          } else if constexpr (K::ERROR == KeyError::Unbounded) {
+            du = __int_as_float(0x7f800000);  // +inf: this scheme states no bound
+          }
         }
-        dmax *= 0.5f * 0.6931471805599453f;  // log2 domain → natural log
-      } else if constexpr (K::ERROR == KeyError::Unbounded) {
-        dmax = __int_as_float(0x7f800000);  // +inf: this scheme states no bound
+        if (lane == 0) p.block_delta[(size_t(gpage) * BPP + u) * GQA + h] = du;
       }
-      if (lane == 0) p.page_delta[size_t(gpage) * GQA + h] = dmax;
     }
   }
 
@@ -751,6 +840,10 @@ struct DecodeCta {
         // Dead but in the tracked per-warp entry (compute_warp sets it there); without it
         // NVRTC 13.0 scheduled the plain entries of block-layout variants differently.
         pw_plse = NEG_INF;
+        if constexpr (CERT && !PW) {
+          pmask = (info >> 16) & 0xffu;
+          if (pmask != 0) porig = p.arena + p.promoted_offsets[first + i] + HEADER_BYTES;
+        }
         compute_page(typename Cfg::Tiers{}, int(hd.tier), page + HEADER_BYTES, buf, len, first + i);
         if constexpr (WARP_TRACKING) store_warp_mass(first + i, pw_plse);
       } else {
@@ -836,11 +929,19 @@ struct DecodeCta {
   }
 };
 
-template <class Cfg, bool TRACK>
+template <class Cfg, bool TRACK, bool CERT = false>
 __device__ void decode_kernel(const DecodeParams& p) {
   extern __shared__ __align__(16) u8 smem[];
-  DecodeCta<Cfg, TRACK> cta{smem, p, int(blockIdx.y)};
+  DecodeCta<Cfg, TRACK, CERT> cta{smem, p, int(blockIdx.y)};
   cta.run(int(blockIdx.z), int(blockIdx.x));
+}
+
+// Certified decode's entry: the tracked decode that also records per-block masses and Δ_b and
+// serves promoted blocks from their originals. Block layout only (certified decode refuses
+// per-warp variants before launching); in a per-warp variant the entry is empty.
+template <class Cfg>
+__device__ void certified_decode_kernel(const DecodeParams& p) {
+  if constexpr (!DecodeCta<Cfg, true, true>::PW) decode_kernel<Cfg, true, true>(p);
 }
 
 }  // namespace kvforge

@@ -2,17 +2,19 @@
 //! back to back on the stream, with no host round trip between them; the host uploads one page
 //! table and downloads the output and a few numbers per query head.
 //!
-//! 1. **Phase 1** decodes the quantised pages, recording per page and query head ℓ¹ and Δ.
-//! 2. **`cert_select`** (one CTA per (sequence, kv head)) chooses the pages phase 2 reads from
+//! 1. **Phase 1** decodes the quantised pages, recording per 16-token block and query head ℓ¹
+//!    and Δ.
+//! 2. **`cert_select`** (one CTA per (sequence, kv head)) chooses the blocks phase 2 reads from
 //!    tier 2 — the reference rule of [`super::select`], bit for bit — and writes phase 2's page
-//!    table: a chosen page becomes a tail-format page at its pinned original (UVA).
-//! 3. **Phase 2** decodes that table, recording ℓ².
+//!    table: a page with every block chosen becomes a tail-format page at its pinned original
+//!    (UVA), one with some chosen carries their mask and its original's offset.
+//! 3. **Phase 2** decodes that table, recording ℓ² per block.
 //! 4. **`cert_bound`** (one warp per query head) computes the certificate and the score,
 //!    ranking and boundary checks of [`super::checks`] and [`super::bound`] in f64.
 //!
 //! The host then applies the ladder's [`verdict`] to the downloaded certificates. Rungs 3 and
 //! 4 stay on the device (the selector re-runs with those groups forced exact, then phase 2 and
-//! the certificate); rungs 1–2 order pages by achieved mass, so a step that needs them
+//! the certificate); rungs 1–2 order blocks by achieved mass, so a step that needs them
 //! continues on the host path from the device's state ([`KvCache::host_ladder`]).
 //!
 //! [`plan_step`] computes everything a step launches with no CUDA calls (plan, then run).
@@ -56,14 +58,16 @@ pub(super) struct StepPlan {
     pub bound: VariantId,
     /// Per page: its original's offset from the arena base (wrapping; 0 for tail-tier pages).
     pub orig_offsets: Vec<u64>,
-    /// Per page: η (0 for tail-tier pages, which are exact).
+    /// Blocks per page.
+    pub bpp: usize,
+    /// Per block: η_b (0 for blocks of tail-tier pages, which are exact).
     pub eta: Vec<f64>,
     pub v_max: Vec<f64>,
     pub seeds: Vec<u64>,
-    /// Quantised pages per group.
+    /// Quantised blocks per group.
     pub quantised: Vec<usize>,
-    /// Sort buffer of the selector: the largest group's pages, rounded up to a power of two.
-    pub sort_pages: usize,
+    /// Sort buffer of the selector: the largest group's blocks, rounded up to a power of two.
+    pub sort_blocks: usize,
 }
 
 /// Phase 2's plan: phase 1's, with a variant that also serves the tail tier (every shipped
@@ -89,25 +93,21 @@ pub(super) fn phase2_plan(spec: &Spec, p1: &DecodePlan) -> Result<DecodePlan> {
 /// Plans a device step over `groups` (their pages in `phase1`'s order). `address` gives a
 /// quantised page's tier-2 address; `arena` is the arena's device address.
 pub(super) fn plan_step(spec: &Spec, phase1: DecodePlan, groups: &[Group], address: &dyn Fn(&PageRef) -> Result<u64>, arena: u64, seed: u64) -> Result<StepPlan> {
-    let largest = groups.iter().map(|g| g.pages.len()).max().unwrap_or(0);
-    if largest > kvforge_gen::CERT_MAX_PAGES {
+    let largest = groups.iter().map(|g| g.blocks()).max().unwrap_or(0);
+    if largest > kvforge_gen::CERT_MAX_BLOCKS {
         return Err(RtError::BadInput(format!(
-            "the device selector sorts at most {} pages per (sequence, kv head), this batch has {largest}: use CertPath::Host",
-            kvforge_gen::CERT_MAX_PAGES
+            "the device selector sorts at most {} blocks per (sequence, kv head), this batch has {largest}: use CertPath::Host",
+            kvforge_gen::CERT_MAX_BLOCKS
         )));
     }
-    let (mut orig_offsets, mut eta) = (Vec::with_capacity(phase1.page_offsets.len()), Vec::with_capacity(phase1.page_offsets.len()));
+    let bpp = groups.first().map_or(1, |g| g.bpp);
+    let mut orig_offsets = Vec::with_capacity(phase1.page_offsets.len());
     for g in groups {
         for (i, (p, _)) in g.pages.iter().enumerate() {
-            if g.quantised(i) {
-                orig_offsets.push(address(p)?.wrapping_sub(arena));
-                eta.push(g.errors[i].map_or(f64::INFINITY, |e| e.eta));
-            } else {
-                orig_offsets.push(0);
-                eta.push(0.0);
-            }
+            orig_offsets.push(if g.page_quantised(i) { address(p)?.wrapping_sub(arena) } else { 0 });
         }
     }
+    let eta = groups.iter().flat_map(|g| (0..g.blocks()).map(|u| g.eta(u))).collect();
     let phase2 = phase2_plan(spec, &phase1)?;
     let gqa = phase1.gqa;
     Ok(StepPlan {
@@ -116,11 +116,12 @@ pub(super) fn plan_step(spec: &Spec, phase1: DecodePlan, groups: &[Group], addre
         phase1,
         phase2,
         orig_offsets,
+        bpp,
         eta,
         v_max: groups.iter().map(|g| g.v_max).collect(),
         seeds: (0..groups.len()).map(|g| group_seed(seed, g)).collect(),
-        quantised: groups.iter().map(|g| (0..g.pages.len()).filter(|&i| g.quantised(i)).count()).collect(),
-        sort_pages: largest.max(1).next_power_of_two(),
+        quantised: groups.iter().map(|g| (0..g.blocks()).filter(|&u| g.quantised(u)).count()).collect(),
+        sort_blocks: largest.max(1).next_power_of_two(),
     })
 }
 
@@ -128,6 +129,7 @@ pub(super) fn plan_step(spec: &Spec, phase1: DecodePlan, groups: &[Group], addre
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Capacity {
     pages: usize,
+    blocks: usize,
     groups: usize,
     rows: usize,
     /// Split-K partial outputs (floats) and log-sum-exps.
@@ -145,6 +147,7 @@ impl Capacity {
         let rows = p.batch * p.num_kv_heads * p.gqa;
         Capacity {
             pages: p.page_offsets.len().max(1),
+            blocks: p.page_offsets.len().max(1) * plan.bpp,
             groups: p.batch * p.num_kv_heads,
             rows,
             partial: if p.splits > 1 { p.splits * rows * p.head_dim } else { 1 },
@@ -156,7 +159,7 @@ impl Capacity {
     }
 
     fn holds(&self, need: &Capacity) -> bool {
-        self.head_dim == need.head_dim && self.gqa == need.gqa && self.pages >= need.pages && self.groups >= need.groups && self.rows >= need.rows && self.partial >= need.partial && self.partial_lse >= need.partial_lse && self.warp_lse >= need.warp_lse
+        self.head_dim == need.head_dim && self.gqa == need.gqa && self.pages >= need.pages && self.blocks >= need.blocks && self.groups >= need.groups && self.rows >= need.rows && self.partial >= need.partial && self.partial_lse >= need.partial_lse && self.warp_lse >= need.warp_lse
     }
 
     fn max(&self, o: &Capacity) -> Capacity {
@@ -165,6 +168,7 @@ impl Capacity {
         }
         Capacity {
             pages: self.pages.max(o.pages),
+            blocks: self.blocks.max(o.blocks),
             groups: self.groups.max(o.groups),
             rows: self.rows.max(o.rows),
             partial: self.partial.max(o.partial),
@@ -176,7 +180,8 @@ impl Capacity {
     }
 }
 
-/// Byte offsets of the per-step upload: tier-2 offsets and seeds (u64), η and V_max (f64).
+/// Byte offsets of the per-step upload: tier-2 offsets per page and seeds (u64), η per block
+/// and V_max (f64).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct PackLayout {
     orig: usize,
@@ -187,8 +192,11 @@ struct PackLayout {
 }
 
 impl PackLayout {
-    fn new(pages: usize, groups: usize) -> PackLayout {
-        PackLayout { orig: 0, seeds: 8 * pages, eta: 8 * (pages + groups), v_max: 8 * (2 * pages + groups), bytes: 16 * (pages + groups) }
+    fn new(pages: usize, blocks: usize, groups: usize) -> PackLayout {
+        let seeds = 8 * pages;
+        let eta = seeds + 8 * groups;
+        let v_max = eta + 8 * blocks;
+        PackLayout { orig: 0, seeds, eta, v_max, bytes: v_max + 8 * groups }
     }
 }
 
@@ -293,8 +301,10 @@ impl KvCache {
                 partial_lse: f32s(cap.partial_lse, "split lse")?,
                 lse: f32s(if phase1 { cap.rows } else { 1 }, "lse")?,
                 page_lse: None,
-                page_head_lse: Some(f32s(cap.pages * cap.gqa, "page masses")?),
-                page_delta: if phase1 { Some(f32s(cap.pages * cap.gqa, "page bounds")?) } else { None },
+                page_head_lse: None,
+                block_head_lse: Some(f32s(cap.blocks * cap.gqa, "block masses")?),
+                block_delta: if phase1 { Some(f32s(cap.blocks * cap.gqa, "block bounds")?) } else { None },
+                promoted_offsets: if phase1 { None } else { Some(st.alloc_zeros::<u64>(cap.pages).map_err(drv("promoted blocks"))?) },
                 page_warp_lse: if cap.warp_lse > 0 { Some(f32s(cap.warp_lse, "per-warp page masses")?) } else { None },
                 window: None,
             })
@@ -303,9 +313,9 @@ impl KvCache {
             cap,
             ws1: workspace(true)?,
             ws2: workspace(false)?,
-            pack: st.alloc_zeros::<u8>(PackLayout::new(cap.pages, cap.groups).bytes).map_err(drv("certificate inputs"))?,
-            state: st.alloc_zeros::<u8>(cap.pages).map_err(drv("page states"))?,
-            weights: st.alloc_zeros::<u64>(cap.pages * cap.gqa).map_err(drv("page weights"))?,
+            pack: st.alloc_zeros::<u8>(PackLayout::new(cap.pages, cap.blocks, cap.groups).bytes).map_err(drv("certificate inputs"))?,
+            state: st.alloc_zeros::<u8>(cap.blocks).map_err(drv("block states"))?,
+            weights: st.alloc_zeros::<u64>(cap.blocks * cap.gqa).map_err(drv("block weights"))?,
             result: st.alloc_zeros::<u8>(ResultLayout::new(cap.rows, cap.head_dim).bytes).map_err(drv("certificates"))?,
             force: st.alloc_zeros::<u8>(cap.groups).map_err(drv("forced groups"))?,
         })
@@ -326,8 +336,7 @@ impl KvCache {
         st.memcpy_htod(&p1.page_indptr, &mut b.ws1.page_indptr).map_err(drv("page table"))?;
         st.memcpy_dtod(&b.ws1.page_indptr, &mut b.ws2.page_indptr).map_err(drv("page table"))?;
         st.memcpy_htod(qh, &mut b.ws1.q).map_err(drv("query upload"))?;
-        let (pages, groups) = (b.cap.pages, b.cap.groups);
-        let l = PackLayout::new(pages, groups);
+        let l = PackLayout::new(b.cap.pages, b.cap.blocks, b.cap.groups);
         let mut pack = vec![0u8; l.bytes];
         let mut put = |at: usize, xs: &mut dyn Iterator<Item = [u8; 8]>| xs.enumerate().for_each(|(i, x)| pack[at + 8 * i..at + 8 * i + 8].copy_from_slice(&x));
         put(l.orig, &mut plan.orig_offsets.iter().map(|x| x.to_le_bytes()));
@@ -342,10 +351,10 @@ impl KvCache {
         let k = self.kernels.get(&self.dev, &self.spec, &plan.select)?;
         let st = self.dev.stream.clone();
         let groups = plan.phase1.batch * plan.phase1.num_kv_heads;
-        let l = PackLayout::new(b.cap.pages, b.cap.groups);
+        let l = PackLayout::new(b.cap.pages, b.cap.blocks, b.cap.groups);
         let pack = b.pack.device_ptr(&st).0;
         let p = CertSelectParams {
-            page_head_lse: b.ws1.page_head_lse.as_ref().map_or(0, |x| x.device_ptr(&st).0),
+            block_head_lse: b.ws1.block_head_lse.as_ref().map_or(0, |x| x.device_ptr(&st).0),
             page_indptr: b.ws1.page_indptr.device_ptr(&st).0,
             page_info: b.ws1.page_info.device_ptr(&st).0,
             page_offsets: b.ws1.page_offsets.device_ptr(&st).0,
@@ -354,15 +363,17 @@ impl KvCache {
             force_exact: if force { b.force.device_ptr(&st).0 } else { 0 },
             out_page_offsets: b.ws2.page_offsets.device_ptr(&st).0,
             out_page_info: b.ws2.page_info.device_ptr(&st).0,
-            page_state: b.state.device_ptr(&st).0,
+            out_promoted_offsets: b.ws2.promoted_offsets.as_ref().map_or(0, |x| x.device_ptr(&st).0),
+            block_state: b.state.device_ptr(&st).0,
             weights: b.weights.device_ptr(&st).0,
             coverage: cfg.coverage,
             explore: cfg.explore,
-            min_pages: cfg.min_pages.min(u32::MAX as usize) as u32,
-            max_pages: cfg.max_pages.min(u32::MAX as usize) as u32,
+            min_blocks: cfg.min_blocks.min(u32::MAX as usize) as u32,
+            max_blocks: cfg.max_blocks.min(u32::MAX as usize) as u32,
             groups: groups as i32,
+            blocks_per_page: plan.bpp as i32,
         };
-        let lc = LaunchConfig { grid_dim: (groups as u32, 1, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: (plan.sort_pages * 8) as u32 };
+        let lc = LaunchConfig { grid_dim: (groups as u32, 1, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: (plan.sort_blocks * 8) as u32 };
         // SAFETY: the params mirror the kernel's struct (one field list); every array holds the
         // plan's pages and groups (`step_buffers` grows them); the sort buffer holds the largest
         // group (`plan_step` bounds it by the opt-in of `launch_shape`).
@@ -374,17 +385,17 @@ impl KvCache {
         let k = self.kernels.get(&self.dev, &self.spec, &plan.bound)?;
         let st = self.dev.stream.clone();
         let groups = plan.phase1.batch * plan.phase1.num_kv_heads;
-        let l = PackLayout::new(b.cap.pages, b.cap.groups);
+        let l = PackLayout::new(b.cap.pages, b.cap.blocks, b.cap.groups);
         let r = ResultLayout::new(b.cap.rows, b.cap.head_dim);
         let (pack, result) = (b.pack.device_ptr(&st).0, b.result.device_ptr(&st).0);
         let p = CertBoundParams {
-            page_head_lse: b.ws1.page_head_lse.as_ref().map_or(0, |x| x.device_ptr(&st).0),
-            page_delta: b.ws1.page_delta.as_ref().map_or(0, |x| x.device_ptr(&st).0),
-            page_head_lse2: b.ws2.page_head_lse.as_ref().map_or(0, |x| x.device_ptr(&st).0),
+            block_head_lse: b.ws1.block_head_lse.as_ref().map_or(0, |x| x.device_ptr(&st).0),
+            block_delta: b.ws1.block_delta.as_ref().map_or(0, |x| x.device_ptr(&st).0),
+            block_head_lse2: b.ws2.block_head_lse.as_ref().map_or(0, |x| x.device_ptr(&st).0),
             page_indptr: b.ws1.page_indptr.device_ptr(&st).0,
             page_info: b.ws1.page_info.device_ptr(&st).0,
-            page_state: b.state.device_ptr(&st).0,
-            page_eta: pack + l.eta as u64,
+            block_state: b.state.device_ptr(&st).0,
+            block_eta: pack + l.eta as u64,
             group_v_max: pack + l.v_max as u64,
             out: result + r.out as u64,
             head_f64: result + r.f64s as u64,
@@ -395,6 +406,7 @@ impl KvCache {
             head_dim: plan.phase1.head_dim as i32,
             rank_depth: cfg.rank_depth.min(i32::MAX as usize) as i32,
             groups: groups as i32,
+            blocks_per_page: plan.bpp as i32,
         };
         let lc = LaunchConfig { grid_dim: (groups as u32, 1, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: as in `launch_select`; the result buffer holds CERT_F64 / CERT_U32 entries
@@ -465,12 +477,13 @@ impl KvCache {
     /// The phase outputs a host continuation needs, and the device's page states.
     fn download_phases(&self, plan: &StepPlan, b: &CertScratch, res: &StepResult) -> Result<(PhaseOut, PhaseOut, Vec<u8>)> {
         let st = &self.dev.stream;
-        let n = plan.phase1.page_offsets.len();
+        let n = plan.phase1.page_offsets.len() * plan.bpp;
         let m = n * plan.phase1.gqa;
         let get = |x: &Option<CudaSlice<f32>>, what: &str| -> Result<Vec<f32>> { st.clone_dtoh(&x.as_ref().expect("allocated by alloc_scratch").slice(0..m)).map_err(drv(what.to_string())) };
-        let p1 = PhaseOut { out: Vec::new(), lse: Vec::new(), head_lse: get(&b.ws1.page_head_lse, "phase-1 page masses")?, delta: get(&b.ws1.page_delta, "phase-1 page bounds")?, indptr: plan.phase1.page_indptr.clone() };
-        let p2 = PhaseOut { out: res.out.clone(), lse: res.lse.clone(), head_lse: get(&b.ws2.page_head_lse, "phase-2 page masses")?, delta: Vec::new(), indptr: plan.phase1.page_indptr.clone() };
-        let state = st.clone_dtoh(&b.state.slice(0..n)).map_err(drv("page states"))?;
+        let indptr: Vec<u32> = plan.phase1.page_indptr.iter().map(|&i| i * plan.bpp as u32).collect();
+        let p1 = PhaseOut { out: Vec::new(), lse: Vec::new(), head_lse: get(&b.ws1.block_head_lse, "phase-1 block masses")?, delta: get(&b.ws1.block_delta, "phase-1 block bounds")?, indptr: indptr.clone() };
+        let p2 = PhaseOut { out: res.out.clone(), lse: res.lse.clone(), head_lse: get(&b.ws2.block_head_lse, "phase-2 block masses")?, delta: Vec::new(), indptr };
+        let state = st.clone_dtoh(&b.state.slice(0..n)).map_err(drv("block states"))?;
         Ok((p1, p2, state))
     }
 
@@ -485,7 +498,8 @@ impl KvCache {
 
     fn device_ladder(&mut self, plan: &StepPlan, b: &mut CertScratch, groups: &mut [Group], qh: &[u16], cfg: &CertConfig) -> Result<CertifiedOutput> {
         let gqa = self.cfg.gqa;
-        let page_bytes = self.originals.as_ref().expect("checked by decode_certified").page_bytes();
+        // A served block's fp16 (bf16) keys and values, read over the bus.
+        let block_bytes = super::CERT_BLOCK * 2 * self.cfg.head_dim * 2;
         let kernel_us = self.device_round(plan, b, cfg, cfg.profile)?;
         let (mut launches, mut paged) = (1usize, 0usize);
         // Groups the selector serves wholly from tier 2 (rungs 3 and 4), kept across rounds.
@@ -501,18 +515,18 @@ impl KvCache {
                 g.detections += det;
                 found.push(det);
                 let served = heads[0].0.promoted + heads[0].0.explored;
-                paged += served * page_bytes;
+                paged += served * block_bytes;
                 let mut heads: Vec<HeadCertificate> = heads.into_iter().map(|h| h.0).collect();
                 heads.iter_mut().for_each(|h| h.rung = g.rung);
                 actions.push(verdict(g, &heads, plan.quantised[gi] - served, cfg));
                 certs.extend(heads);
             }
             if actions.contains(&Action::Climb) {
-                // Rungs 1–2 order pages by achieved mass: the host path continues from this
+                // Rungs 1–2 order blocks by achieved mass: the host path continues from this
                 // phase 2 (it re-checks it, so its detections are not counted twice).
                 let (p1, p2, state) = self.download_phases(plan, b, &res)?;
                 for (gi, g) in groups.iter_mut().enumerate() {
-                    let r = plan.phase1.page_indptr[gi] as usize..plan.phase1.page_indptr[gi + 1] as usize;
+                    let r = p1.indptr[gi] as usize..p1.indptr[gi + 1] as usize;
                     g.state.copy_from_slice(&state[r]);
                     g.detections -= found[gi];
                 }
@@ -549,9 +563,9 @@ impl KvCache {
 /// outputs: what the GPU tests compare (`KvCache::certified_crosscheck`).
 #[derive(Clone, Debug)]
 pub struct CrossCheck {
-    /// Per (sequence, kv head): page states the device selector wrote.
+    /// Per (sequence, kv head): block states the device selector wrote.
     pub device_state: Vec<Vec<u8>>,
-    /// Per (sequence, kv head): page states of the host selector on the device's phase-1 masses.
+    /// Per (sequence, kv head): block states of the host selector on the device's phase-1 masses.
     pub host_state: Vec<Vec<u8>>,
     /// Per query head: the device's certificate (rung 0, detections of this head).
     pub device: Vec<HeadCertificate>,
@@ -573,8 +587,8 @@ impl KvCache {
         let ((p1, p2, state), dc) = round?;
         let (mut device_state, mut host_state, mut device, mut host) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (gi, g) in groups.iter_mut().enumerate() {
-            let r = plan.phase1.page_indptr[gi] as usize..plan.phase1.page_indptr[gi + 1] as usize;
-            let sp = super::select::SelectParams { coverage: cfg.coverage, min_pages: cfg.min_pages, max_pages: cfg.max_pages, explore: cfg.explore, seed: plan.seeds[gi] };
+            let r = p1.indptr[gi] as usize..p1.indptr[gi + 1] as usize;
+            let sp = super::select::SelectParams { coverage: cfg.coverage, min_blocks: cfg.min_blocks, max_blocks: cfg.max_blocks, explore: cfg.explore, seed: plan.seeds[gi] };
             host_state.push(g.select(p1.rows(&p1.head_lse, gi, gqa), gqa, &sp).state);
             device_state.push(state[r.clone()].to_vec());
             g.state.copy_from_slice(&state[r]);
@@ -601,8 +615,8 @@ mod tests {
 
     fn group(tiers: &[u8], base: u32) -> Group {
         let pages = tiers.iter().enumerate().map(|(i, &t)| (PageRef { tier: t, index: base + i as u32, offset: 4096 * (base + i as u32) as u64 }, if t == TAIL_TIER { 5 } else { 64 })).collect();
-        let errors = tiers.iter().enumerate().map(|(i, &t)| (t != TAIL_TIER).then_some(PageErrors { eta: 0.01 * i as f64, v_max: 1.0 })).collect();
-        Group::new(pages, errors, 2.0)
+        let errors = tiers.iter().enumerate().map(|(i, &t)| (t != TAIL_TIER).then_some(PageErrors::uniform(0.01 * i as f64, 1.0))).collect();
+        Group::new(pages, errors, 2.0, 4)
     }
 
     fn phase1(s: &Spec, groups: &[Group], hkv: usize) -> DecodePlan {
@@ -626,8 +640,9 @@ mod tests {
         // Originals below the arena: wrapping offsets that the kernel's base + offset undoes.
         assert_eq!(plan.orig_offsets[3], (0x7000_0000u64 + 300).wrapping_sub(arena));
         assert_eq!(arena.wrapping_add(plan.orig_offsets[3]), 0x7000_0000 + 300);
-        assert_eq!(plan.eta[4], 0.02);
-        assert_eq!((plan.quantised.clone(), plan.sort_pages, plan.v_max.clone()), (vec![2, 3], 4, vec![2.0, 2.0]));
+        // η per block: group 1's third page (i = 2) starts at block 2·4 + 2·4.
+        assert_eq!((plan.eta.len(), plan.eta[16], plan.eta[19], plan.eta[4]), (20, 0.02, 0.02, 0.01));
+        assert_eq!((plan.quantised.clone(), plan.sort_blocks, plan.v_max.clone(), plan.bpp), (vec![8, 12], 16, vec![2.0, 2.0], 4));
         assert_eq!(plan.seeds, vec![group_seed(9, 0), group_seed(9, 1)]);
         assert_eq!((plan.select.name(), plan.bound.name()), ("certselect_g4".to_string(), "certbound_g4".to_string()));
     }
@@ -639,7 +654,7 @@ mod tests {
         let groups = vec![group(&[q8, TAIL_TIER], 0)];
         let p1 = phase1(&s, &groups, 1);
         let plan = plan_step(&s, p1.clone(), &groups, &|p| Ok(p.offset + 7), 0, 1).unwrap();
-        assert_eq!((plan.orig_offsets.clone(), plan.eta.clone(), plan.quantised.clone()), (vec![7, 0], vec![0.0, 0.0], vec![1]));
+        assert_eq!((plan.orig_offsets.clone(), plan.eta.clone(), plan.quantised.clone()), (vec![7, 0], vec![0.0; 8], vec![4]));
         let missing = plan_step(&s, p1, &groups, &|p| Err(RtError::MissingOriginal { page: p.index as usize, offset: p.offset }), 0, 1);
         assert!(matches!(missing, Err(RtError::MissingOriginal { page: 0, .. })));
     }
@@ -648,7 +663,7 @@ mod tests {
     fn groups_beyond_the_sort_buffer_are_a_typed_error() {
         let s = spec();
         let q8 = s.tier("q8k4v").unwrap().id;
-        let groups = vec![group(&vec![q8; kvforge_gen::CERT_MAX_PAGES + 1], 0)];
+        let groups = vec![group(&vec![q8; kvforge_gen::CERT_MAX_BLOCKS / 4 + 1], 0)];
         let p1 = phase1(&s, &groups, 1);
         assert!(matches!(plan_step(&s, p1, &groups, &|_| Ok(0), 0, 1), Err(RtError::BadInput(_))));
     }
@@ -656,8 +671,9 @@ mod tests {
     #[test]
     fn upload_and_download_layouts_are_aligned_and_disjoint() {
         for (pages, groups) in [(1, 1), (3, 2), (129, 8), (16384, 64)] {
-            let l = PackLayout::new(pages, groups);
-            let parts = [(l.orig, 8 * pages), (l.seeds, 8 * groups), (l.eta, 8 * pages), (l.v_max, 8 * groups)];
+            let blocks = 4 * pages;
+            let l = PackLayout::new(pages, blocks, groups);
+            let parts = [(l.orig, 8 * pages), (l.seeds, 8 * groups), (l.eta, 8 * blocks), (l.v_max, 8 * groups)];
             assert!(parts.iter().all(|&(at, _)| at % 8 == 0));
             assert!(parts.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0));
             assert_eq!(l.v_max + 8 * groups, l.bytes);
@@ -673,9 +689,10 @@ mod tests {
 
     #[test]
     fn scratch_grows_and_is_reused_while_steps_fit() {
-        let c = Capacity { pages: 100, groups: 8, rows: 32, partial: 1, partial_lse: 32, head_dim: 128, gqa: 4, warp_lse: 0 };
+        let c = Capacity { pages: 100, blocks: 400, groups: 8, rows: 32, partial: 1, partial_lse: 32, head_dim: 128, gqa: 4, warp_lse: 0 };
         assert!(c.holds(&Capacity { pages: 50, ..c }));
         assert!(!c.holds(&Capacity { pages: 101, ..c }));
+        assert!(!c.holds(&Capacity { blocks: 401, ..c }));
         assert!(!c.holds(&Capacity { partial: 4096, ..c }));
         assert!(!c.holds(&Capacity { gqa: 8, ..c }));
         assert!(!c.holds(&Capacity { warp_lse: 1600, ..c }));

@@ -14,81 +14,120 @@ use kvforge_spec::TAIL_TIER;
 
 use super::bound::certificate;
 use super::checks::{head_checks, HeadView};
-use super::select::{select_pages, Selection, SelectParams, PROMOTED, QUANTISED};
-use super::{CertConfig, HeadCertificate, PageErrors, PageIn};
+use super::select::{select_blocks, Selection, SelectParams, PROMOTED, QUANTISED};
+use super::{CertConfig, HeadCertificate, PageErrors, PageIn, CERT_BLOCK};
 use crate::cache::KvCache;
 use crate::decode::from_bits;
 use crate::error::{drv, Result};
 use crate::pool::PageRef;
 
-/// Per (sequence, kv head): the pages in order and the ladder state.
+/// Per (sequence, kv head): the pages in order and the ladder state. Promotion is per
+/// 16-token block ([`CERT_BLOCK`]): block u is token rows [16·(u mod B), +16) of page u / B,
+/// B = page tokens / 16.
 pub(super) struct Group {
     pub pages: Vec<(PageRef, usize)>,
-    /// Per page: [`QUANTISED`] (phase 2 reads the quantised page), [`PROMOTED`] or
-    /// [`EXPLORED`] (it reads the fp16 original). Tail-tier pages stay [`QUANTISED`].
+    /// Blocks per page.
+    pub bpp: usize,
+    /// Per block: [`QUANTISED`] (phase 2 reads it quantised), [`PROMOTED`] or [`EXPLORED`] (it
+    /// reads the block's fp16 original). Blocks of tail-tier pages stay [`QUANTISED`].
     pub state: Vec<u8>,
     pub rung: u8,
     /// Score checks failed so far in this step.
     pub detections: usize,
     pub v_max: f64,
+    /// Per page (None for tail-tier pages).
     pub errors: Vec<Option<PageErrors>>,
 }
 
 impl Group {
-    pub fn new(pages: Vec<(PageRef, usize)>, errors: Vec<Option<PageErrors>>, v_max: f64) -> Group {
-        Group { state: vec![QUANTISED; pages.len()], pages, rung: 0, detections: 0, v_max, errors }
+    pub fn new(pages: Vec<(PageRef, usize)>, errors: Vec<Option<PageErrors>>, v_max: f64, bpp: usize) -> Group {
+        Group { state: vec![QUANTISED; pages.len() * bpp], pages, bpp, rung: 0, detections: 0, v_max, errors }
     }
 
-    pub fn quantised(&self, i: usize) -> bool {
-        self.pages[i].0.tier != TAIL_TIER
+    pub fn blocks(&self) -> usize {
+        self.pages.len() * self.bpp
     }
 
-    /// Whether phase 2 reads page `i` from its fp16 original.
-    pub fn served(&self, i: usize) -> bool {
-        self.quantised(i) && self.state[i] != QUANTISED
+    /// Whether page `pi` is in a quantised tier.
+    pub fn page_quantised(&self, pi: usize) -> bool {
+        self.pages[pi].0.tier != TAIL_TIER
     }
 
-    /// Rungs 3 and 4: every quantised page from tier 2.
+    /// Whether block `u` is quantised (its page is).
+    pub fn quantised(&self, u: usize) -> bool {
+        self.page_quantised(u / self.bpp)
+    }
+
+    /// Tokens of block `u`.
+    pub fn tokens(&self, u: usize) -> usize {
+        self.pages[u / self.bpp].1.saturating_sub((u % self.bpp) * CERT_BLOCK).min(CERT_BLOCK)
+    }
+
+    /// η of block `u` (+∞ without a measurement, 0 for exact blocks).
+    pub fn eta(&self, u: usize) -> f64 {
+        if !self.quantised(u) {
+            return 0.0;
+        }
+        self.errors[u / self.bpp].map_or(f64::INFINITY, |e| e.eta[u % self.bpp])
+    }
+
+    /// Whether phase 2 reads block `u` from its fp16 original.
+    pub fn served(&self, u: usize) -> bool {
+        self.quantised(u) && self.state[u] != QUANTISED
+    }
+
+    /// Page `pi`'s served blocks as a mask (bit b: block b of the page).
+    pub fn page_mask(&self, pi: usize) -> u32 {
+        (0..self.bpp).filter(|b| self.served(pi * self.bpp + b)).fold(0, |m, b| m | 1 << b)
+    }
+
+    /// Whether phase 2 reads all of page `pi` from its original (a tail-format page).
+    pub fn page_whole(&self, pi: usize) -> bool {
+        self.page_quantised(pi) && self.page_mask(pi) == (1 << self.bpp) - 1
+    }
+
+    /// Rungs 3 and 4: every quantised block from tier 2.
     pub fn promote_all(&mut self) {
-        for i in 0..self.pages.len() {
-            if self.quantised(i) {
-                self.state[i] = PROMOTED;
+        for u in 0..self.blocks() {
+            if self.quantised(u) {
+                self.state[u] = PROMOTED;
             }
         }
     }
 
-    /// Quantised pages phase 2 does not read exactly.
+    /// Quantised blocks phase 2 does not read exactly.
     pub fn left(&self) -> usize {
-        (0..self.pages.len()).filter(|&i| self.quantised(i) && self.state[i] == QUANTISED).count()
+        (0..self.blocks()).filter(|&u| self.quantised(u) && self.state[u] == QUANTISED).count()
     }
 
-    /// The selector's choice from phase 1's log2 masses `lse` ([page][gqa] of this group).
+    /// The selector's choice from phase 1's log2 block masses `lse` ([block][gqa] of this group).
     pub fn select(&mut self, lse: &[f32], gqa: usize, p: &SelectParams) -> Selection {
-        let q: Vec<bool> = (0..self.pages.len()).map(|i| self.quantised(i)).collect();
-        let s = select_pages(&q, lse, gqa, p);
+        let q: Vec<bool> = (0..self.blocks()).map(|u| self.quantised(u)).collect();
+        let s = select_blocks(&q, lse, gqa, p);
         self.state.clone_from(&s.state);
         s
     }
 }
 
-/// Per page × gqa results of one launch, on the host.
+/// Per block × gqa results of one launch, on the host.
 pub(super) struct PhaseOut {
     pub out: Vec<f32>,
     pub lse: Vec<f32>,
+    /// [block][gqa] log2 masses.
     pub head_lse: Vec<f32>,
-    /// Empty for phase-2 launches (their Δ is not read).
+    /// [block][gqa] Δ_b; empty for phase-2 launches (their Δ is not read).
     pub delta: Vec<f32>,
-    /// [batch * num_kv_heads + 1] into head_lse / delta (pages).
+    /// [batch * num_kv_heads + 1] into head_lse / delta (blocks).
     pub indptr: Vec<u32>,
 }
 
 impl PhaseOut {
-    /// Column `hq` of group `gi`'s [page][gqa] array `a`.
+    /// Column `hq` of group `gi`'s [block][gqa] array `a`.
     pub fn column(&self, a: &[f32], gi: usize, hq: usize, gqa: usize) -> Vec<f32> {
         (self.indptr[gi] as usize..self.indptr[gi + 1] as usize).map(|i| a[i * gqa + hq]).collect()
     }
 
-    /// Group `gi`'s rows of `a` ([page][gqa]).
+    /// Group `gi`'s rows of `a` ([block][gqa]).
     pub fn rows<'a>(&self, a: &'a [f32], gi: usize, gqa: usize) -> &'a [f32] {
         &a[self.indptr[gi] as usize * gqa..self.indptr[gi + 1] as usize * gqa]
     }
@@ -126,12 +165,12 @@ pub(super) fn layer_fallback(groups: &[Group], cfg: &CertConfig) -> bool {
     at3 > 0 && (at3 as f64) >= cfg.layer_fallback * groups.len() as f64 && groups.iter().any(|g| g.rung < 3)
 }
 
-/// Rung 1: double the promoted pages (next by achieved mass); rung 2: promote pages whose
-/// value-error share ρ·η exceeds v_tol; rung 3: everything exact. `rho[h][i]` are the achieved
-/// masses. Returns whether anything changed.
+/// Rung 1: double the promoted blocks (next by achieved mass); rung 2: promote blocks whose
+/// value-error share ρ·η exceeds v_tol; rung 3: everything exact. `rho[h][u]` are the achieved
+/// block masses. Returns whether anything changed.
 pub(super) fn climb(g: &mut Group, rho: &[Vec<f64>], cfg: &CertConfig) -> bool {
-    let share = |i: usize| rho.iter().map(|m| m[i]).fold(0.0, f64::max);
-    let left: Vec<usize> = (0..g.pages.len()).filter(|&i| g.quantised(i) && g.state[i] != PROMOTED).collect();
+    let share = |u: usize| rho.iter().map(|m| m[u]).fold(0.0, f64::max);
+    let left: Vec<usize> = (0..g.blocks()).filter(|&u| g.quantised(u) && g.state[u] != PROMOTED).collect();
     if left.is_empty() {
         return false;
     }
@@ -140,15 +179,15 @@ pub(super) fn climb(g: &mut Group, rho: &[Vec<f64>], cfg: &CertConfig) -> bool {
             let n = g.state.iter().filter(|&&s| s == PROMOTED).count().max(1);
             let mut order = left;
             order.sort_by(|&a, &b| share(b).total_cmp(&share(a)));
-            for &i in order.iter().take(n) {
-                g.state[i] = PROMOTED;
+            for &u in order.iter().take(n) {
+                g.state[u] = PROMOTED;
             }
             g.rung = 1;
         }
         1 => {
-            for &i in &left {
-                if share(i) * g.errors[i].map_or(0.0, |e| e.eta) > cfg.v_tol {
-                    g.state[i] = PROMOTED;
+            for &u in &left {
+                if share(u) * g.eta(u) > cfg.v_tol {
+                    g.state[u] = PROMOTED;
                 }
             }
             g.rung = 2;
@@ -165,9 +204,9 @@ pub(super) fn climb(g: &mut Group, rho: &[Vec<f64>], cfg: &CertConfig) -> bool {
 /// on the host in f64 (the reference of the device's `cert_bound`). Rung and detections are
 /// left for the caller.
 pub(super) fn head_certificates(g: &Group, p1: &PhaseOut, p2: &PhaseOut, gi: usize, gqa: usize, d: usize, cfg: &CertConfig) -> Vec<(HeadCertificate, usize)> {
-    let quantised: Vec<bool> = (0..g.pages.len()).map(|i| g.quantised(i)).collect();
-    let tokens: Vec<usize> = g.pages.iter().map(|p| p.1).collect();
-    let eta: Vec<f64> = g.errors.iter().map(|e| e.map_or(f64::INFINITY, |e| e.eta)).collect();
+    let quantised: Vec<bool> = (0..g.blocks()).map(|u| g.quantised(u)).collect();
+    let tokens: Vec<usize> = (0..g.blocks()).map(|u| g.tokens(u)).collect();
+    let eta: Vec<f64> = (0..g.blocks()).map(|u| g.eta(u)).collect();
     (0..gqa)
         .map(|hq| {
             let (l1, d1, l2) = (p1.column(&p1.head_lse, gi, hq, gqa), p1.column(&p1.delta, gi, hq, gqa), p2.column(&p2.head_lse, gi, hq, gqa));
@@ -196,7 +235,7 @@ pub(super) fn head_certificates(g: &Group, p1: &PhaseOut, p2: &PhaseOut, gi: usi
         .collect()
 }
 
-/// Achieved page masses ρ of every query head of group `gi` in phase 2.
+/// Achieved block masses ρ of every query head of group `gi` in phase 2.
 pub(super) fn achieved(p2: &PhaseOut, gi: usize, gqa: usize) -> Vec<Vec<f64>> {
     (0..gqa).map(|hq| super::checks::masses(&p2.column(&p2.head_lse, gi, hq, gqa))).collect()
 }
@@ -278,9 +317,9 @@ impl KvCache {
         Ok(base)
     }
 
-    /// Launches decode over the groups' pages, those phase 2 serves exactly read from tier 2,
-    /// recording per-page per-head log-masses; `with_delta` marks phase 1 (records Δ too),
-    /// else phase 2 (the device path's phase-2 plan).
+    /// Launches decode over the groups' pages, the blocks phase 2 serves exactly read from
+    /// tier 2, recording per-block per-head log-masses; `with_delta` marks phase 1 (records Δ_b
+    /// too), else phase 2 (the device path's phase-2 plan).
     pub(super) fn certified_launch(&mut self, groups: &[Group], qh: &[u16], page_in: PageIn, paged: &mut usize, with_delta: bool) -> Result<PhaseOut> {
         let hkv = self.cfg.num_kv_heads;
         let arena = {
@@ -289,36 +328,51 @@ impl KvCache {
         };
         let orig = self.originals.as_ref().expect("checked by decode_certified");
         let pb = orig.page_bytes();
-        // Served pages: their tier-2 address (UVA) or a slot of the scratch buffer (copy).
+        // A served block's fp16 (bf16) keys and values.
+        let block_bytes = CERT_BLOCK * 2 * self.cfg.head_dim * 2;
+        // Pages with a served block: their tier-2 address (UVA) or a slot of the scratch buffer
+        // (copy, the whole page).
         let mut sources: Vec<u64> = Vec::new();
         for g in groups {
             for (pi, (p, _)) in g.pages.iter().enumerate() {
-                if g.served(pi) {
+                let mask = g.page_mask(pi);
+                if mask != 0 {
                     sources.push(orig.address(p)?);
+                    // The served blocks' bytes (what the device path counts; a copied page-in
+                    // moves the whole page).
+                    *paged += mask.count_ones() as usize * block_bytes;
                 }
             }
         }
-        *paged += sources.len() * pb;
         let scratch_ptr = match page_in {
             PageIn::Copy if !sources.is_empty() => Some(self.page_in_copy(&sources, pb)?),
             _ => None,
         };
         // Phase 1's plan over the quantised pages, and for phase 2 the same page ranges, splits
-        // and (tail-serving) variant as the device path, with every served page turned into a
-        // tail-format page outside the arena: the kernel adds the offset to the arena base, so
-        // the (wrapping) difference addresses it.
+        // and (tail-serving) variant as the device path: a page served whole becomes a
+        // tail-format page outside the arena (the kernel adds the offset to the arena base, so
+        // the wrapping difference addresses it); a page served in part keeps its entry, with
+        // the mask of served blocks in its info and its original in `promoted_offsets`.
         let lists: Vec<Vec<Vec<(PageRef, usize)>>> = groups.chunks(hkv).map(|seq| seq.iter().map(|g| g.pages.clone()).collect()).collect();
         let mut plan = self.plan_pages(&lists)?;
+        let mut promoted = Vec::new();
         if !with_delta {
             plan = super::device::phase2_plan(&self.spec, &plan)?;
+            promoted = vec![0u64; plan.page_offsets.len().max(1)];
             let mut at = 0usize;
             let mut k = 0usize;
             for g in groups {
                 for pi in 0..g.pages.len() {
-                    if g.served(pi) {
-                        let addr = scratch_ptr.map_or(sources[k], |s| s + (k * pb) as u64);
-                        plan.page_offsets[at] = addr.wrapping_sub(arena);
-                        plan.page_info[at] = (plan.page_info[at] & !0xff) | TAIL_TIER as u32;
+                    let mask = g.page_mask(pi);
+                    if mask != 0 {
+                        let addr = scratch_ptr.map_or(sources[k], |s| s + (k * pb) as u64).wrapping_sub(arena);
+                        if g.page_whole(pi) {
+                            plan.page_offsets[at] = addr;
+                            plan.page_info[at] = (plan.page_info[at] & !0xff) | TAIL_TIER as u32;
+                        } else {
+                            plan.page_info[at] |= mask << 16;
+                            promoted[at] = addr;
+                        }
                         k += 1;
                     }
                     at += 1;
@@ -326,12 +380,15 @@ impl KvCache {
             }
         }
         let mut ws = self.workspace(&plan)?;
-        let npages = plan.page_offsets.len().max(1);
+        let bpp = groups.first().map_or(1, |g| g.bpp);
+        let nblocks = plan.page_offsets.len().max(1) * bpp;
         let st = self.dev.stream.clone();
-        ws.page_head_lse = Some(st.alloc_zeros::<f32>(npages * plan.gqa).map_err(drv("page masses"))?);
+        ws.block_head_lse = Some(st.alloc_zeros::<f32>(nblocks * plan.gqa).map_err(drv("block masses"))?);
         ws.page_warp_lse = self.warp_lse_scratch(&plan)?;
         if with_delta {
-            ws.page_delta = Some(st.alloc_zeros::<f32>(npages * plan.gqa).map_err(drv("page bounds"))?);
+            ws.block_delta = Some(st.alloc_zeros::<f32>(nblocks * plan.gqa).map_err(drv("block bounds"))?);
+        } else {
+            ws.promoted_offsets = Some(st.clone_htod(&promoted).map_err(drv("promoted blocks"))?);
         }
         st.memcpy_htod(qh, &mut ws.q).map_err(drv("query upload"))?;
         self.launch(&plan, &mut ws)?;
@@ -339,12 +396,13 @@ impl KvCache {
         let dtype = self.spec.geometry.dtype;
         let out = st.clone_dtoh(&ws.out).map_err(drv("output download"))?;
         let lse = st.clone_dtoh(&ws.lse).map_err(drv("lse download"))?;
-        let head_lse = st.clone_dtoh(ws.page_head_lse.as_ref().expect("allocated above")).map_err(drv("page masses"))?;
-        let delta = match &ws.page_delta {
-            Some(b) => st.clone_dtoh(b).map_err(drv("page bounds"))?,
+        let head_lse = st.clone_dtoh(ws.block_head_lse.as_ref().expect("allocated above")).map_err(drv("block masses"))?;
+        let delta = match &ws.block_delta {
+            Some(b) => st.clone_dtoh(b).map_err(drv("block bounds"))?,
             None => Vec::new(),
         };
-        Ok(PhaseOut { out: out.into_iter().map(|b| from_bits(dtype, b)).collect(), lse, head_lse, delta, indptr: plan.page_indptr })
+        let indptr = plan.page_indptr.iter().map(|&i| i * bpp as u32).collect();
+        Ok(PhaseOut { out: out.into_iter().map(|b| from_bits(dtype, b)).collect(), lse, head_lse, delta, indptr })
     }
 }
 
@@ -366,8 +424,9 @@ mod tests {
 
     fn group(tiers: &[u8]) -> Group {
         let pages = tiers.iter().enumerate().map(|(i, &t)| (PageRef { tier: t, index: i as u32, offset: 0 }, 64)).collect();
-        let errors = tiers.iter().map(|&t| (t != TAIL_TIER).then_some(PageErrors { eta: 0.1, v_max: 1.0 })).collect();
-        Group::new(pages, errors, 1.0)
+        let errors = tiers.iter().map(|&t| (t != TAIL_TIER).then_some(PageErrors::uniform(0.1, 1.0))).collect();
+        // One block per page: the ladder's rules do not depend on the block size.
+        Group::new(pages, errors, 1.0, 1)
     }
 
     fn cert(bound: f64, ranking: bool, boundary: usize) -> HeadCertificate {
@@ -404,13 +463,31 @@ mod tests {
         assert!(climb(&mut g, &rho, &cfg));
         assert_eq!((g.rung, &g.state[..]), (1, &[PROMOTED, QUANTISED, PROMOTED, EXPLORED, QUANTISED][..]));
         // ρ·η with page 3's η 0.5: page 1 0.01, page 3 0.075 > v_tol.
-        g.errors[3] = Some(PageErrors { eta: 0.5, v_max: 1.0 });
+        g.errors[3] = Some(PageErrors::uniform(0.5, 1.0));
         assert!(climb(&mut g, &rho, &cfg));
         assert_eq!((g.rung, &g.state[..]), (2, &[PROMOTED, QUANTISED, PROMOTED, PROMOTED, QUANTISED][..]));
         assert!(climb(&mut g, &rho, &cfg));
         assert_eq!(g.rung, 3);
         assert_eq!(g.left(), 0);
         assert!(!climb(&mut g, &rho, &cfg));
+    }
+
+    #[test]
+    fn blocks_map_to_pages_masks_and_tokens() {
+        let pages = vec![(PageRef { tier: 1, index: 0, offset: 0 }, 64), (PageRef { tier: 1, index: 1, offset: 0 }, 64), (PageRef { tier: TAIL_TIER, index: 2, offset: 0 }, 21)];
+        let mut e = PageErrors::uniform(0.0, 1.0);
+        e.eta[..4].copy_from_slice(&[0.1, 0.2, 0.3, 0.4]);
+        let mut g = Group::new(pages, vec![Some(e), Some(e), None], 1.0, 4);
+        assert_eq!(g.blocks(), 12);
+        assert_eq!((0..12).map(|u| g.tokens(u)).collect::<Vec<_>>(), vec![16, 16, 16, 16, 16, 16, 16, 16, 16, 5, 0, 0]);
+        assert_eq!((g.eta(5), g.eta(8), g.quantised(7), g.quantised(8)), (0.2, 0.0, true, false));
+        g.state[1] = PROMOTED;
+        g.state[3] = EXPLORED;
+        (4..8).for_each(|u| g.state[u] = PROMOTED);
+        assert_eq!((g.page_mask(0), g.page_whole(0), g.page_mask(1), g.page_whole(1), g.page_mask(2)), (0b1010, false, 0b1111, true, 0));
+        assert_eq!(g.left(), 2);
+        g.promote_all();
+        assert_eq!((g.left(), g.page_whole(0), g.state[8..].to_vec()), (0, true, vec![QUANTISED; 4]));
     }
 
     #[test]

@@ -1,31 +1,34 @@
-//! Certified decode (seed 004) on the GPU, at page granularity: every output comes with a
+//! Certified decode (seed 004) on the GPU, at block granularity: every output comes with a
 //! per-query-head bound on ‖O − O_exact‖₂, or is exact.
 //!
-//! One step: **phase 1** decodes the quantised pages and records, per page and query head,
+//! One step: **phase 1** decodes the quantised pages and records, per block and query head,
 //! the log-mass ℓ and the key logit bound Δ (the decode kernel writes both as by-products).
-//! The **selector** ([`select`]) promotes, per kv head, the pages of largest mass until every
+//! The **selector** ([`select`]) promotes, per kv head, the blocks of largest mass until every
 //! query head's exact-key coverage reaches τ_cov, plus a small random **exploration** sample of
-//! the rest. **Phase 2** decodes again with promoted pages served from their fp16 originals
-//! (tier 2, pinned host memory: [`Originals`]), recording each page's achieved mass ρ. Then,
-//! per query head ([`checks`]): every promoted or explored page is a **score check** (its exact
+//! the rest. **Phase 2** decodes again with promoted blocks served from their fp16 originals
+//! (tier 2, pinned host memory: [`Originals`]), recording each block's achieved mass ρ. Then,
+//! per query head ([`checks`]): every promoted or explored block is a **score check** (its exact
 //! log-mass must lie within Δ + ε_guard of its quantised one, or the kv head is escalated as
 //! faulty); the **ranking-consistency** and **boundary** checks (seed 004 eqs. 17–18) compare
 //! the exact and quantised page rankings; the **certificate** is computed from what phase 2
 //! achieved ([`bound`]). The **ladder** escalates: a fault or a failed ranking/boundary check
 //! sends the kv head to rung 3 (exact from tier 2); a bound above the target climbs rung 1
-//! (double the promoted pages), rung 2 (promote pages whose value error ρ·η exceeds v_tol),
+//! (double the promoted blocks), rung 2 (promote blocks whose value error ρ·η exceeds v_tol),
 //! rung 3; rung 4 recomputes the whole layer when too many kv heads reached rung 3.
 //!
 //! Two paths run this procedure ([`CertPath`]): the **device path** (default) runs phase 1,
 //! the selector, phase 2 and the certificate back to back on the GPU and downloads only the
 //! output and the per-head certificates (`device.rs`); the **host path** runs the selector and
 //! the certificate on the host between launches (`ladder.rs`). The host functions are the
-//! reference: the device selector picks the same pages bit for bit, the device certificate
+//! reference: the device selector picks the same blocks bit for bit, the device certificate
 //! agrees with the f64 host one to rounding ([`KvCache::certified_crosscheck`]).
 //!
-//! Promotion is per page (64 tokens = 4 key blocks of 16) rather than per block: the pages
-//! are the kernels' unit of dispatch, so a promoted page is just a tail-format page in the
-//! page table and the same generated kernel serves both precisions.
+//! Everything the procedure ranks, promotes and sums is per 16-token **block** ([`CERT_BLOCK`],
+//! seed 004's B; a page of 64 tokens holds 4): phase 1 records ℓ_b and Δ_b per block, the
+//! selector promotes blocks, phase 2 records ρ_b per block. Phase 2's page table serves a page
+//! whose every block is promoted as a tail-format page at its original (staged like any page);
+//! a page promoted in part keeps its quantised entry with a mask of promoted blocks, whose fp16
+//! keys and values the decode reads from the original in place.
 
 mod bound;
 pub mod checks;
@@ -37,7 +40,11 @@ pub mod select;
 pub use bound::{certificate, total_variation, Certificate};
 pub use device::CrossCheck;
 pub(crate) use device::CertScratch;
-pub use originals::{Originals, PageErrors, PageIn};
+pub use originals::{Originals, PageErrors, PageIn, MAX_BLOCKS_PER_PAGE};
+
+/// Tokens of a certification block: the unit of Δ_b, η_b, the attention masses the selector
+/// ranks, promotion and the certificate's sums (seed 004's B).
+pub const CERT_BLOCK: usize = 16;
 
 use kvforge_spec::TAIL_TIER;
 
@@ -64,17 +71,18 @@ pub enum CertPath {
 pub struct CertConfig {
     /// τ_cov: exact-key coverage of every query head's estimated mass.
     pub coverage: f64,
-    /// K_min / K_max: promoted pages per (sequence, kv head) before the ladder.
-    pub min_pages: usize,
-    pub max_pages: usize,
-    /// Fraction of the quantised pages also served exactly at random (at most the unpromoted
+    /// K_min / K_max: promoted blocks per (sequence, kv head) before the ladder (unbounded by
+    /// default: seed 004's uncapped top-K; its operating point caps at 128).
+    pub min_blocks: usize,
+    pub max_blocks: usize,
+    /// Fraction of the quantised blocks also served exactly at random (at most the unpromoted
     /// ones; at least one while any is left) and score-checked.
     pub explore: f64,
     /// ε_guard of the score check, natural-log units.
     pub guard: f64,
     /// Target: a head whose bound exceeds this (absolute ‖·‖₂) climbs the ladder.
     pub max_error: f64,
-    /// Rung 2: promote pages whose value-error share ρ·η exceeds this.
+    /// Rung 2: promote blocks whose value-error share ρ·η exceeds this.
     pub v_tol: f64,
     /// Rung 4: fall back to exact for the whole layer when this fraction of kv heads is at rung 3
     /// (above 1: never).
@@ -97,8 +105,8 @@ impl Default for CertConfig {
     fn default() -> Self {
         CertConfig {
             coverage: 0.995,
-            min_pages: 1,
-            max_pages: usize::MAX,
+            min_blocks: 1,
+            max_blocks: usize::MAX,
             explore: 0.02,
             guard: 1e-3,
             max_error: 0.05,
@@ -125,8 +133,8 @@ impl CertConfig {
         if !(self.layer_fallback >= 0.0) {
             return bad("layer_fallback must be >= 0 (above 1: never)");
         }
-        if self.min_pages > self.max_pages {
-            return bad("min_pages must not exceed max_pages");
+        if self.min_blocks > self.max_blocks {
+            return bad("min_blocks must not exceed max_blocks");
         }
         if !(self.guard >= 0.0 && self.v_tol >= 0.0) || self.max_error.is_nan() {
             return bad("guard and v_tol must be >= 0 and max_error a number");
@@ -146,9 +154,9 @@ impl CertConfig {
 /// Telemetry and certificate of one query head in one step.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
 pub struct HeadCertificate {
-    /// Largest key logit error Δ over the pages left quantised (natural log).
+    /// Largest key logit error Δ over the blocks left quantised (natural log).
     pub delta: f64,
-    /// Achieved attention mass on pages left quantised.
+    /// Achieved attention mass on blocks left quantised.
     pub alpha_tail: f64,
     pub v_max: f64,
     pub e_key: f64,
@@ -157,10 +165,10 @@ pub struct HeadCertificate {
     pub e_round: f64,
     /// e_key + e_val + e_round: the certified bound on ‖O − O_exact‖₂.
     pub bound: f64,
-    /// Pages of this head's kv head served from fp16 originals by the selector or the ladder
+    /// Blocks of this head's kv head served from fp16 originals by the selector or the ladder
     /// (explored ones excluded).
     pub promoted: usize,
-    /// Pages served from fp16 originals as the exploration sample.
+    /// Blocks served from fp16 originals as the exploration sample.
     pub explored: usize,
     /// 0: none; 1: K* doubled; 2: values promoted; 3: exact kv head; 4: exact layer.
     pub rung: u8,
@@ -168,7 +176,7 @@ pub struct HeadCertificate {
     pub detections: usize,
     /// Top-r exact and quantised page rankings disagreed (eq. 17) in the last phase 2.
     pub ranking: bool,
-    /// Quantised tail pages whose upper-bounded exact mass could enter the top r (eq. 18).
+    /// Quantised tail blocks whose upper-bounded exact mass could enter the top r (eq. 18).
     pub boundary: usize,
 }
 
@@ -208,6 +216,13 @@ impl KvCache {
         if self.pool.used_pages(self.cfg.target_tier) > 0 {
             return Err(RtError::BadInput("keep_originals must be called before any page is encoded".into()));
         }
+        let tokens = self.spec.page.tokens;
+        if tokens % CERT_BLOCK != 0 || tokens / CERT_BLOCK > MAX_BLOCKS_PER_PAGE {
+            return Err(RtError::BadInput(format!(
+                "certified decode promotes {CERT_BLOCK}-token blocks, at most {MAX_BLOCKS_PER_PAGE} per page: spec `{}` has {tokens}-token pages",
+                self.spec.name
+            )));
+        }
         let seg = self.spec.segment(TAIL_TIER, self.cfg.head_dim);
         let bytes = kvforge_spec::HEADER_BYTES + seg.bytes;
         self.originals = Some(Originals::new(self.dev.stream.context(), self.pool.capacity(self.cfg.target_tier), bytes)?);
@@ -239,16 +254,17 @@ impl KvCache {
             let rs = &rs_all[h * per_head..(h + 1) * per_head];
             let exact = kvforge_ref::page::decode_page(&tail, d, &opts, orig, &[]).map_err(|e| RtError::BadInput(format!("tier-2 original: {e}")))?;
             let quant = kvforge_ref::page::decode_page(&tier, d, &opts, &enc, rs).map_err(|e| RtError::BadInput(format!("encoded page: {e}")))?;
-            let (mut eta, mut v_max) = (0f64, 0f64);
+            let mut errors = PageErrors::uniform(0.0, 0.0);
             for t in 0..exact.v.len() / d {
                 let r = t * d..(t + 1) * d;
                 let e: f64 = exact.v[r.clone()].iter().zip(&quant.v[r.clone()]).map(|(a, b)| (a - b) * (a - b)).sum();
                 let n: f64 = exact.v[r].iter().map(|a| a * a).sum();
-                eta = eta.max(e.sqrt());
-                v_max = v_max.max(n.sqrt());
+                let b = &mut errors.eta[t / CERT_BLOCK];
+                *b = b.max(e.sqrt());
+                errors.v_max = errors.v_max.max(n.sqrt());
             }
             let pb = self.originals.as_ref().map_or(0, |o| o.page_bytes());
-            self.originals.as_mut().unwrap().record(*page, &orig[..pb.min(orig.len())], PageErrors { eta, v_max })?;
+            self.originals.as_mut().unwrap().record(*page, &orig[..pb.min(orig.len())], errors)?;
         }
         Ok(())
     }
@@ -296,7 +312,7 @@ impl KvCache {
                     }
                 }
                 v_max = v_max.max(self.tail_v_max(s, h)?);
-                groups.push(Group::new(pages, errors, v_max));
+                groups.push(Group::new(pages, errors, v_max, self.spec.page.tokens / CERT_BLOCK));
             }
         }
         let dtype = self.spec.geometry.dtype;
@@ -309,7 +325,7 @@ impl KvCache {
         let gqa = self.cfg.gqa;
         let p1 = self.certified_launch(groups, qh, cfg.page_in, &mut 0, true)?;
         for (gi, g) in groups.iter_mut().enumerate() {
-            let sp = SelectParams { coverage: cfg.coverage, min_pages: cfg.min_pages, max_pages: cfg.max_pages, explore: cfg.explore, seed: group_seed(cfg.seed, gi) };
+            let sp = SelectParams { coverage: cfg.coverage, min_blocks: cfg.min_blocks, max_blocks: cfg.max_blocks, explore: cfg.explore, seed: group_seed(cfg.seed, gi) };
             g.select(p1.rows(&p1.head_lse, gi, gqa), gqa, &sp);
         }
         let (mut launches, mut paged) = (0, 0);
@@ -344,7 +360,7 @@ mod tests {
             CertConfig { coverage: 1.5, ..CertConfig::default() },
             CertConfig { explore: -0.1, ..CertConfig::default() },
             CertConfig { layer_fallback: f64::NAN, ..CertConfig::default() },
-            CertConfig { min_pages: 3, max_pages: 2, ..CertConfig::default() },
+            CertConfig { min_blocks: 3, max_blocks: 2, ..CertConfig::default() },
             CertConfig { guard: -1.0, ..CertConfig::default() },
             CertConfig { max_error: f64::NAN, ..CertConfig::default() },
         ] {

@@ -4,7 +4,7 @@
 //! A promoted page is served from here, either read by the decode kernel straight over UVA or
 //! copied into a device scratch page first ([`PageIn`]). The store also keeps, per encoded
 //! page, the two numbers the certificate needs and only the encoder can know cheaply:
-//! η = max_t ‖V_t − V̂_t‖₂ (value error of the page) and max_t ‖V_t‖₂.
+//! η_b = max_t ‖V_t − V̂_t‖₂ of every 16-token block (its value error) and max_t ‖V_t‖₂.
 
 use std::collections::HashMap;
 
@@ -22,13 +22,25 @@ pub enum PageIn {
     Copy,
 }
 
+/// Most 16-token blocks a page of a certified cache holds (the promoted-block mask of a page
+/// table entry has 8 bits).
+pub const MAX_BLOCKS_PER_PAGE: usize = 8;
+
 /// What the encoder measured of one page.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PageErrors {
-    /// max over the page's tokens of ‖V_t − V̂_t‖₂.
-    pub eta: f64,
+    /// Per 16-token block b: η_b = max over its tokens of ‖V_t − V̂_t‖₂ (entries past the
+    /// page's blocks unused).
+    pub eta: [f64; MAX_BLOCKS_PER_PAGE],
     /// max over the page's tokens of ‖V_t‖₂.
     pub v_max: f64,
+}
+
+impl PageErrors {
+    /// Every block with the same η (tests, and pages measured as a whole).
+    pub fn uniform(eta: f64, v_max: f64) -> PageErrors {
+        PageErrors { eta: [eta; MAX_BLOCKS_PER_PAGE], v_max }
+    }
 }
 
 /// Pinned slab of fp16 original pages (tail-page format: header + K + V), one slot per page of

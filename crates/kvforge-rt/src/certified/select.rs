@@ -74,8 +74,8 @@ pub fn page_weight(l: f32, m: f32) -> u64 {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SelectParams {
     pub coverage: f64,
-    pub min_pages: usize,
-    pub max_pages: usize,
+    pub min_blocks: usize,
+    pub max_blocks: usize,
     pub explore: f64,
     /// The group's hashed exploration seed ([`group_seed`]).
     pub seed: u64,
@@ -101,7 +101,7 @@ pub struct Selection {
 
 /// Runs the selector on one group: `quantised[i]` says page i is in a quantised tier,
 /// `lse[i * gqa + h]` is its phase-1 log2 mass for query head h.
-pub fn select_pages(quantised: &[bool], lse: &[f32], gqa: usize, p: &SelectParams) -> Selection {
+pub fn select_blocks(quantised: &[bool], lse: &[f32], gqa: usize, p: &SelectParams) -> Selection {
     let n = quantised.len();
     let mut m = vec![f32::NEG_INFINITY; gqa];
     for (i, l) in lse.iter().enumerate() {
@@ -130,7 +130,7 @@ pub fn select_pages(quantised: &[bool], lse: &[f32], gqa: usize, p: &SelectParam
         k_cov += 1;
     }
     let nq = order.len();
-    let k = k_cov.max(p.min_pages).min(p.max_pages).min(nq);
+    let k = k_cov.max(p.min_blocks).min(p.max_blocks).min(nq);
     let mut state = vec![QUANTISED; n];
     order[..k].iter().for_each(|&(_, i)| state[i] = PROMOTED);
     let rest: Vec<usize> = (0..n).filter(|&i| quantised[i] && state[i] == QUANTISED).collect();
@@ -152,8 +152,8 @@ mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
 
-    fn params(coverage: f64, min_pages: usize, max_pages: usize, explore: f64) -> SelectParams {
-        SelectParams { coverage, min_pages, max_pages, explore, seed: 12345 }
+    fn params(coverage: f64, min_blocks: usize, max_blocks: usize, explore: f64) -> SelectParams {
+        SelectParams { coverage, min_blocks, max_blocks, explore, seed: 12345 }
     }
 
     #[test]
@@ -206,7 +206,7 @@ mod tests {
         // One head; masses 8:4:2:1:1 (log2 3, 2, 1, 0, 0); page 4 is the exact tail page.
         let q = [true, true, true, true, false];
         let l = [3.0f32, 2.0, 1.0, 0.0, 0.0];
-        let sel = |cov, lo, hi| select_pages(&q, &l, 1, &params(cov, lo, hi, 0.0));
+        let sel = |cov, lo, hi| select_blocks(&q, &l, 1, &params(cov, lo, hi, 0.0));
         // Tail page 1/16 + 8/16 + 4/16 = 13/16 ≥ 0.8.
         assert_eq!(sel(0.8, 0, 99).k, 2);
         assert_eq!(sel(0.8, 0, 99).state, vec![PROMOTED, PROMOTED, QUANTISED, QUANTISED, QUANTISED]);
@@ -223,16 +223,16 @@ mod tests {
         // Head 0 wants page 0, head 1 page 3: both must be promoted.
         let q = [true; 4];
         let l = [10.0f32, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 10.0];
-        let s = select_pages(&q, &l, 2, &params(0.99, 0, 99, 0.0));
+        let s = select_blocks(&q, &l, 2, &params(0.99, 0, 99, 0.0));
         assert_eq!(s.state, vec![PROMOTED, QUANTISED, QUANTISED, PROMOTED]);
     }
 
     #[test]
     fn ties_go_to_the_lower_index_and_non_finite_masses_first() {
         let q = [true; 4];
-        let s = select_pages(&q, &[1.0, 2.0, 1.0, 2.0], 1, &params(0.0, 3, 3, 0.0));
+        let s = select_blocks(&q, &[1.0, 2.0, 1.0, 2.0], 1, &params(0.0, 3, 3, 0.0));
         assert_eq!(s.state, vec![PROMOTED, PROMOTED, QUANTISED, PROMOTED]);
-        let s = select_pages(&q, &[1.0, f32::NAN, 5.0, 2.0], 1, &params(0.0, 1, 1, 0.0));
+        let s = select_blocks(&q, &[1.0, f32::NAN, 5.0, 2.0], 1, &params(0.0, 1, 1, 0.0));
         assert_eq!(s.state, vec![QUANTISED, PROMOTED, QUANTISED, QUANTISED]);
     }
 
@@ -244,8 +244,8 @@ mod tests {
             let q: Vec<bool> = (0..n).map(|_| rng.gen_bool(0.9)).collect();
             let l: Vec<f32> = (0..n).map(|_| rng.gen_range(-5.0f32..5.0)).collect();
             let frac = [0.0, 0.02, 0.3, 1.0][rng.gen_range(0..4)];
-            let p = SelectParams { coverage: rng.gen_range(0.5..1.0), min_pages: 1, max_pages: rng.gen_range(1..400), explore: frac, seed: rng.gen() };
-            let s = select_pages(&q, &l, 1, &p);
+            let p = SelectParams { coverage: rng.gen_range(0.5..1.0), min_blocks: 1, max_blocks: rng.gen_range(1..400), explore: frac, seed: rng.gen() };
+            let s = select_blocks(&q, &l, 1, &p);
             let nq = q.iter().filter(|&&x| x).count();
             let explored = s.state.iter().filter(|&&x| x == EXPLORED).count();
             assert_eq!(explored, explore_count(frac, nq, nq - s.k));
@@ -260,7 +260,7 @@ mod tests {
         let l = vec![0.0f32; 50];
         let mut seen = vec![false; 50];
         for seed in 0..1000 {
-            let s = select_pages(&q, &l, 1, &SelectParams { coverage: 0.0, min_pages: 0, max_pages: 0, explore: 0.02, seed: group_seed(seed, 0) });
+            let s = select_blocks(&q, &l, 1, &SelectParams { coverage: 0.0, min_blocks: 0, max_blocks: 0, explore: 0.02, seed: group_seed(seed, 0) });
             assert_eq!(s.state.iter().filter(|&&x| x == EXPLORED).count(), 1);
             s.state.iter().enumerate().filter(|(_, &x)| x == EXPLORED).for_each(|(i, _)| seen[i] = true);
         }
