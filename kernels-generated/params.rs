@@ -150,7 +150,7 @@ pub struct CertSelectParams {
     ///page tokens / 16
     pub blocks_per_page: i32,
 }
-///Certified decode, certificate: one CTA per (sequence, kv head), one warp per query head.
+///Certified decode, certificate: one CTA per query head (batch × kv heads × gqa).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CertBoundParams {

@@ -120,7 +120,7 @@ pub const PARAMS: &[ParamStruct] = &[
     },
     ParamStruct {
         name: "CertBoundParams",
-        doc: "Certified decode, certificate: one CTA per (sequence, kv head), one warp per query head.",
+        doc: "Certified decode, certificate: one CTA per query head (batch × kv heads × gqa).",
         fields: &[
             f("block_head_lse", "const float*", "u64", "[block][gqa] phase-1 log2 masses"),
             f("block_delta", "const float*", "u64", "[block][gqa] phase-1 key logit bound Δ_b (natural log)"),

@@ -178,6 +178,18 @@ pub struct CertifiedRow {
     /// Certificate kernel (E_key, E_val, E_round, score/ranking/boundary checks) over the
     /// device time of the whole first round.
     pub check_share: f64,
+    /// Plain quantised decode of the same batch on the device (CUDA events, L2 flushed, median
+    /// of 20): what `device_overhead` compares the certified round against.
+    pub plain_kernel_us: f64,
+    /// Device time of the certified first round (phase 1 + selector + phase 2 + certificate)
+    /// ÷ `plain_kernel_us` − 1.
+    pub device_overhead: f64,
+    /// The ranking-consistency and boundary checks (seed 004 eqs. 17–18) inside the
+    /// certificate kernel: its median time with them (rank depth r = 1) minus without
+    /// (r = 0), over the same steps.
+    pub rank_check_us: f64,
+    /// `rank_check_us` over the device time of the first round.
+    pub rank_check_share: f64,
     /// Head-steps per final rung 0..=4.
     pub rungs: [usize; 5],
     /// Head-steps whose ranking or boundary check failed.
@@ -237,6 +249,9 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                 let mut cg = CertConfig { rank_escalate, profile: true, ..CertConfig::default() };
                 let mut ch = CertConfig { rank_escalate, path: CertPath::Host, ..CertConfig::default() };
                 let mut cc = CertConfig { page_in: crate::certified::PageIn::Copy, ..ch.clone() };
+                // The same device path without the ranking and boundary checks: their cost.
+                let mut c0 = CertConfig { rank_depth: 0, ..cg.clone() };
+                let mut bound0 = Vec::new();
                 let (mut tp, mut tc, mut th, mut tx) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
                 let mut stages: [Vec<f64>; 4] = Default::default();
                 let mut rungs = [0usize; 5];
@@ -255,6 +270,7 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                     let t3 = std::time::Instant::now();
                     cache.decode_certified(&seqs, &q, &mut cc)?;
                     let t4 = std::time::Instant::now();
+                    let r0 = cache.decode_certified(&seqs, &q, &mut c0)?;
                     if step < 2 {
                         continue;
                     }
@@ -262,6 +278,7 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                     tc.push((t2 - t1).as_secs_f64() * 1e6);
                     th.push((t3 - t2).as_secs_f64() * 1e6);
                     tx.push((t4 - t3).as_secs_f64() * 1e6);
+                    bound0.push(r0.kernel_us.unwrap_or_default().bound_us);
                     let k = r.kernel_us.unwrap_or_default();
                     for (v, x) in stages.iter_mut().zip([k.phase1_us, k.select_us, k.phase2_us, k.bound_us]) {
                         v.push(x);
@@ -281,7 +298,16 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                         }
                     }
                 }
-                for v in [&mut tp, &mut tc, &mut th, &mut tx].into_iter().chain(stages.iter_mut()) {
+                // Plain decode's kernels on the device, the reference of the device overhead.
+                let plain_kernel_us = {
+                    let plan = plain.plan(&plain_seqs)?;
+                    let mut ws = plain.workspace(&plan)?;
+                    let mut flush = dev.stream.alloc_zeros::<u8>(256 << 20).map_err(drv("L2 flush buffer"))?;
+                    let t = time_us(dev, &mut flush, 3, 20, || plain.launch(&plan, &mut ws))?;
+                    plain.check(&plan)?;
+                    percentile(&t, 0.5)
+                };
+                for v in [&mut tp, &mut tc, &mut th, &mut tx, &mut bound0].into_iter().chain(stages.iter_mut()) {
                     v.sort_by(f64::total_cmp);
                 }
                 let (p, c, h, x) = (percentile(&tp, 0.5), percentile(&tc, 0.5), percentile(&th, 0.5), percentile(&tx, 0.5));
@@ -300,6 +326,10 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                     host_copy_overhead: x / p - 1.0,
                     kernel_us,
                     check_share: kernel_us.bound_us / round,
+                    plain_kernel_us,
+                    device_overhead: round / plain_kernel_us - 1.0,
+                    rank_check_us: kernel_us.bound_us - percentile(&bound0, 0.5),
+                    rank_check_share: (kernel_us.bound_us - percentile(&bound0, 0.5)) / round,
                     rungs,
                     rank_triggers,
                     host_ladder_steps,

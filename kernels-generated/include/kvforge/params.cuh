@@ -88,7 +88,7 @@ struct CertSelectParams {
   int blocks_per_page;  // page tokens / 16
 };
 
-// Certified decode, certificate: one CTA per (sequence, kv head), one warp per query head.
+// Certified decode, certificate: one CTA per query head (batch × kv heads × gqa).
 struct CertBoundParams {
   const float* block_head_lse;  // [block][gqa] phase-1 log2 masses
   const float* block_delta;  // [block][gqa] phase-1 key logit bound Δ_b (natural log)

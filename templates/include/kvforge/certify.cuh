@@ -8,7 +8,8 @@
 //    the host's, so the two agree to rounding (the tests state the tolerance). The score,
 //    ranking and boundary checks compare products rounded once (__dmul_rn: no contraction),
 //    exactly as the host does.
-// One CTA per (sequence, kv head) each: a decode step launches batch × kv heads of them.
+// The selector runs one CTA per (sequence, kv head) (coverage is over all its query heads), the
+// certificate one CTA per query head. Units are 16-token blocks throughout.
 #pragma once
 #include "common.cuh"
 #include "kvforge/params.cuh"
@@ -172,12 +173,18 @@ __device__ void cert_select(const CertSelectParams& p) {
     cert_block_reduce<1, NT>(nqv, reinterpret_cast<u64(*)[1]>(uscratch), [](u64 a, u64 b) { return a + b; });
     const u32 nq = u32(nqv[0]);
 
-    // 3. Sort keys: largest normalised share descending, then page index (ascending key).
+    // 3. Sort keys: largest normalised share descending, then block index (ascending key).
+    // A group's quantised blocks usually come first (its tail-tier page is its last): then
+    // only they are sorted, else every block (the others' keys sort last).
+    u64 endq[1] = {0};
+    for (int i = tid; i < n; i += NT) endq[0] = quantised(i) ? max(endq[0], u64(i + 1)) : endq[0];
+    cert_block_reduce<1, NT>(endq, reinterpret_cast<u64(*)[1]>(uscratch), [](u64 a, u64 b) { return a > b ? a : b; });
+    const int m = endq[0] == nq ? int(nq) : n;
     int np = 1;
-    while (np < n) np <<= 1;
+    while (np < m) np <<= 1;
     for (int i = tid; i < np; i += NT) {
       u64 key = ~0ull;
-      if (i < n && quantised(i)) {
+      if (i < m && quantised(i)) {
         u64 share = 0;
 #pragma unroll
         for (int h = 0; h < GQA; ++h) {
@@ -190,15 +197,13 @@ __device__ void cert_select(const CertSelectParams& p) {
       keys[i] = key;
     }
     __syncthreads();
-    // Bitonic sort, ascending.
+    // Bitonic sort, ascending; a thread takes pairs (i, i + j), i with bit j clear.
     for (int k = 2; k <= np; k <<= 1) {
       for (int j = k >> 1; j > 0; j >>= 1) {
-        for (int i = tid; i < np; i += NT) {
-          const int ij = i ^ j;
-          if (ij > i) {
-            const u64 a = keys[i], b = keys[ij];
-            if ((a > b) == ((i & k) == 0)) { keys[i] = b; keys[ij] = a; }
-          }
+        for (int t = tid; t < np / 2; t += NT) {
+          const int i = ((t & ~(j - 1)) << 1) | (t & (j - 1)), ij = i + j;
+          const u64 a = keys[i], b = keys[ij];
+          if ((a > b) == ((i & k) == 0)) { keys[i] = b; keys[ij] = a; }
         }
         __syncthreads();
       }
@@ -274,10 +279,13 @@ __device__ void cert_select(const CertSelectParams& p) {
   }
 }
 
-// ---- the certificate: one CTA of NT threads per (sequence, kv head) group ----
+// ---- the certificate: one CTA of NT threads per query head ----
 //
-// Every thread takes pages i = tid, tid + NT, ... with all GQA query heads of each (their
-// [page][GQA] entries are contiguous), and block reductions combine the heads' sums.
+// CTA r serves query head h = r mod GQA of group g = r / GQA (its [block][GQA] entries are
+// read with stride GQA). The sums of the certificate, the score checks, the counts and the
+// first ranking round share one pass over the blocks (after one for the maximum); deeper
+// ranking rounds and the boundary check take one pass each. A CTA per head rather than per
+// group: a step's certificate is batch × q heads CTAs wide, not batch × kv heads.
 
 // checks.rs' total_order_key: f32::total_cmp's order as an unsigned key.
 __device__ __forceinline__ u32 cert_order_key(float x) {
@@ -305,134 +313,111 @@ template <int GQA, class QT, int NT>
 __device__ void cert_bound(const CertBoundParams& p) {
   constexpr int NW = NT / 32;
   const double NEG_INF64 = __longlong_as_double(0xfff0000000000000ll);
-  __shared__ double dscratch[NW][GQA];
-  __shared__ u64 uscratch[NW][GQA];
-  __shared__ u32 wscratch[NW][GQA];
-  __shared__ u32 cscratch[NW][4];
-  __shared__ double onorm_s[GQA];
-  const int g = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  __shared__ double dscratch[NW][3];
+  __shared__ u64 uscratch[NW][2];
+  __shared__ u32 wscratch[NW][5];
+  __shared__ double onorm_s;
+  const int row = blockIdx.x, g = row / GQA, h = row % GQA, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   if (g >= p.groups) return;
-  if (g == 0 && tid == 0 && p.flags_out != nullptr) *p.flags_out = *p.error_flags;
+  if (row == 0 && tid == 0 && p.flags_out != nullptr) *p.flags_out = *p.error_flags;
   // The group's blocks [first·B, (first + np)·B), the units of promotion and of the bound.
   const int B = p.blocks_per_page;
   const u32 first = p.page_indptr[g];
   const int n = int(p.page_indptr[g + 1] - first) * B;
   const size_t fb = size_t(first) * B;
-  const float* l1 = p.block_head_lse + fb * GQA;
-  const float* d1 = p.block_delta + fb * GQA;
-  const float* l2 = p.block_head_lse2 + fb * GQA;
+  const float* l1 = p.block_head_lse + fb * GQA + h;
+  const float* d1 = p.block_delta + fb * GQA + h;
+  const float* l2 = p.block_head_lse2 + fb * GQA + h;
   const u32* pinfo = p.page_info + first;
   const u8* state = p.block_state + fb;
   const double* eta = p.block_eta + fb;
-  // Block i: its page's tier, and its tokens (of the page's len) in the low bits' place.
-  auto info = [&](int i) {
-    const u32 pi = pinfo[i / B];
-    const int len = int((pi >> 8) & 0xff), t0 = (i % B) * 16;
-    return (pi & 0xffu) | u32(min(max(len - t0, 0), 16)) << 8;
-  };
-  auto fmax_op = [](double a, double b) { return fmax(a, b); };
+  auto quantised = [&](int i) { return (pinfo[i / B] & 0xffu) != 0; };
+  // Tokens of block i (of its page's len).
+  auto tokens = [&](int i) { return u32(min(max(int((pinfo[i / B] >> 8) & 0xff) - (i % B) * 16, 0), 16)); };
+  // The exact set F: blocks served from tier 2 and blocks of tail-tier pages.
+  auto exact = [&](int i) { return !quantised(i) || state[i] != PAGE_QUANTISED; };
+  auto dmax_op = [](double a, double b) { return fmax(a, b); };
   auto dsum_op = [](double a, double b) { return a + b; };
+  auto umax_op = [](u64 a, u64 b) { return a > b ? a : b; };
 
-  // Phase-2 masses ρ_i = 2^(ℓ²_i − max) / Σ per head.
-  double mx[GQA], tot[GQA];
-#pragma unroll
-  for (int h = 0; h < GQA; ++h) { mx[h] = NEG_INF64; tot[h] = 0.0; }
-  for (int i = tid; i < n; i += NT) {
-#pragma unroll
-    for (int h = 0; h < GQA; ++h) mx[h] = fmax(mx[h], double(l2[i * GQA + h]));
-  }
-  cert_block_reduce<GQA, NT>(mx, dscratch, fmax_op);
-  for (int i = tid; i < n; i += NT) {
-#pragma unroll
-    for (int h = 0; h < GQA; ++h) tot[h] += exp2(double(l2[i * GQA + h]) - mx[h]);
-  }
-  cert_block_reduce<GQA, NT>(tot, dscratch, dsum_op);
+  // Pass 1: the largest phase-2 log2 mass.
+  double mx[1] = {NEG_INF64};
+  for (int i = tid; i < n; i += NT) mx[0] = fmax(mx[0], double(l2[i * GQA]));
+  cert_block_reduce<1, NT>(mx, reinterpret_cast<double(*)[1]>(dscratch), dmax_op);
 
-  // Tail quantities and score checks; counts: tokens, promoted, explored, exact-set size.
-  double alpha[GQA], e_val[GQA], delta[GQA];
-  u32 det[GQA];
-  u32 cnt[4] = {0, 0, 0, 0};
-#pragma unroll
-  for (int h = 0; h < GQA; ++h) { alpha[h] = e_val[h] = delta[h] = 0.0; det[h] = 0; }
+  // Pass 2: Σ 2^(ℓ² − max) over all blocks (ρ's denominator) and over the blocks left
+  // quantised (α̂, and with η_b E_val), Δ over them, score checks of the served blocks, the
+  // counts (tokens, promoted, explored, exact-set size, failed score checks), and the first
+  // ranking round: the exact set's largest packed key by ℓ² and by ℓ¹.
+  double sums[3] = {0.0, 0.0, 0.0};  // total, quantised, quantised · η
+  double delta[1] = {0.0};
+  u32 cnt[5] = {0, 0, 0, 0, 0};
+  u64 top[2] = {0, 0};  // by ℓ², by ℓ¹
   for (int i = tid; i < n; i += NT) {
-    const u32 inf = info(i);
-    cnt[0] += inf >> 8;
-    if ((inf & 0xff) == 0) { ++cnt[3]; continue; }
-    const u8 st = state[i];
-    if (st == PAGE_QUANTISED) {
-      const double e = eta[i];
-#pragma unroll
-      for (int h = 0; h < GQA; ++h) {
-        const double rho = exp2(double(l2[i * GQA + h]) - mx[h]) / tot[h];
-        alpha[h] += rho;
-        e_val[h] += rho * e;
-        delta[h] = fmax(delta[h], double(d1[i * GQA + h]));
-      }
-    } else {
+    const double e = exp2(double(l2[i * GQA]) - mx[0]);
+    sums[0] += e;
+    cnt[0] += tokens(i);
+    if (!exact(i)) {
+      sums[1] += e;
+      sums[2] += e * eta[i];
+      delta[0] = fmax(delta[0], double(d1[i * GQA]));
+      continue;
+    }
+    ++cnt[3];
+    if (quantised(i)) {
+      const u8 st = state[i];
       cnt[1] += st == PAGE_PROMOTED;
       cnt[2] += st == PAGE_EXPLORED;
-      ++cnt[3];
-#pragma unroll
-      for (int h = 0; h < GQA; ++h) {
-        const double a = __dmul_rn(double(l1[i * GQA + h]), CERT_LN2), b = __dmul_rn(double(l2[i * GQA + h]), CERT_LN2);
-        if (!(fabs(__dsub_rn(a, b)) <= __dadd_rn(double(d1[i * GQA + h]), p.guard))) ++det[h];
-      }
+      const double a = __dmul_rn(double(l1[i * GQA]), CERT_LN2), b = __dmul_rn(double(l2[i * GQA]), CERT_LN2);
+      if (!(fabs(__dsub_rn(a, b)) <= __dadd_rn(double(d1[i * GQA]), p.guard))) ++cnt[4];
     }
+    const u64 k2 = cert_rank_key(l2[i * GQA], i), k1 = cert_rank_key(l1[i * GQA], i);
+    top[0] = k2 > top[0] ? k2 : top[0];
+    top[1] = k1 > top[1] ? k1 : top[1];
   }
-  cert_block_reduce<GQA, NT>(alpha, dscratch, dsum_op);
-  cert_block_reduce<GQA, NT>(e_val, dscratch, dsum_op);
-  cert_block_reduce<GQA, NT>(delta, dscratch, fmax_op);
-  cert_block_reduce<GQA, NT>(det, wscratch, [](u32 a, u32 b) { return a + b; });
-  cert_block_reduce<4, NT>(cnt, cscratch, [](u32 a, u32 b) { return a + b; });
+  cert_block_reduce<3, NT>(sums, dscratch, dsum_op);
+  cert_block_reduce<1, NT>(delta, reinterpret_cast<double(*)[1]>(dscratch), dmax_op);
+  cert_block_reduce<5, NT>(cnt, wscratch, [](u32 a, u32 b) { return a + b; });
+  cert_block_reduce<2, NT>(top, uscratch, umax_op);
+  const double alpha = sums[1] / sums[0], e_val = sums[2] / sums[0];
 
   // Ranking consistency (eq. 17, ties within ε_guard allowed) and boundary (eq. 18) over the
-  // exact set F (served and tail-tier pages): round j finds the j-th page of each order as the
-  // largest packed key below the previous round's.
-  u32 ranking[GQA], boundary[GQA];
-  double lr[GQA];
-#pragma unroll
-  for (int h = 0; h < GQA; ++h) { ranking[h] = boundary[h] = 0; lr[h] = NEG_INF64; }
+  // exact set: round j's keys are the largest below round j − 1's.
+  u32 ranking = 0, boundary = 0;
   if (p.rank_depth > 0) {
     const int rounds = min(p.rank_depth, int(cnt[3]));
-    u64 prev2[GQA], prev1[GQA];
+    double lr = NEG_INF64;
+    u64 prev[2] = {0, 0};
     for (int j = 0; j < rounds; ++j) {
-      u64 b2[GQA], b1[GQA];
-#pragma unroll
-      for (int h = 0; h < GQA; ++h) b2[h] = b1[h] = 0;
-      for (int i = tid; i < n; i += NT) {
-        if ((pinfo[i / B] & 0xff) != 0 && state[i] == PAGE_QUANTISED) continue;
-#pragma unroll
-        for (int h = 0; h < GQA; ++h) {
-          const u64 k2 = cert_rank_key(l2[i * GQA + h], i), k1 = cert_rank_key(l1[i * GQA + h], i);
-          if ((j == 0 || k2 < prev2[h]) && k2 > b2[h]) b2[h] = k2;
-          if ((j == 0 || k1 < prev1[h]) && k1 > b1[h]) b1[h] = k1;
+      u64 b[2] = {top[0], top[1]};
+      if (j > 0) {
+        b[0] = b[1] = 0;
+        for (int i = tid; i < n; i += NT) {
+          if (!exact(i)) continue;
+          const u64 k2 = cert_rank_key(l2[i * GQA], i), k1 = cert_rank_key(l1[i * GQA], i);
+          if (k2 < prev[0] && k2 > b[0]) b[0] = k2;
+          if (k1 < prev[1] && k1 > b[1]) b[1] = k1;
         }
+        cert_block_reduce<2, NT>(b, uscratch, umax_op);
       }
-      cert_block_reduce<GQA, NT>(b2, uscratch, [](u64 a, u64 b) { return a > b ? a : b; });
-      cert_block_reduce<GQA, NT>(b1, uscratch, [](u64 a, u64 b) { return a > b ? a : b; });
-#pragma unroll
-      for (int h = 0; h < GQA; ++h) {
-        const double at_b = __dmul_rn(double(l2[cert_rank_page(b2[h]) * GQA + h]), CERT_LN2);
-        const double at_a = __dmul_rn(double(l2[cert_rank_page(b1[h]) * GQA + h]), CERT_LN2);
-        if (at_a < __dsub_rn(at_b, p.guard)) ranking[h] = 1;
-        if (j == p.rank_depth - 1) lr[h] = at_b;
-        prev2[h] = b2[h];
-        prev1[h] = b1[h];
-      }
+      const double at_b = __dmul_rn(double(l2[cert_rank_page(b[0]) * GQA]), CERT_LN2);
+      const double at_a = __dmul_rn(double(l2[cert_rank_page(b[1]) * GQA]), CERT_LN2);
+      if (at_a < __dsub_rn(at_b, p.guard)) ranking = 1;
+      if (j == p.rank_depth - 1) lr = at_b;
+      prev[0] = b[0];
+      prev[1] = b[1];
     }
+    u32 bc[1] = {0};
     for (int i = tid; i < n; i += NT) {
-      if ((pinfo[i / B] & 0xff) == 0 || state[i] != PAGE_QUANTISED) continue;
-#pragma unroll
-      for (int h = 0; h < GQA; ++h) {
-        if (__dadd_rn(__dmul_rn(double(l1[i * GQA + h]), CERT_LN2), double(d1[i * GQA + h])) > lr[h]) ++boundary[h];
-      }
+      if (!exact(i) && __dadd_rn(__dmul_rn(double(l1[i * GQA]), CERT_LN2), double(d1[i * GQA])) > lr) ++bc[0];
     }
-    cert_block_reduce<GQA, NT>(boundary, wscratch, [](u32 a, u32 b) { return a + b; });
+    cert_block_reduce<1, NT>(bc, reinterpret_cast<u32(*)[1]>(wscratch), [](u32 a, u32 c) { return a + c; });
+    boundary = bc[0];
   }
 
-  // ‖Ô‖₂ of every head's phase-2 output row: warp w takes heads w, w + NW, ...
-  for (int h = warp; h < GQA; h += NW) {
-    const QT* o = reinterpret_cast<const QT*>(p.out) + (size_t(g) * GQA + h) * p.head_dim;
+  // ‖Ô‖₂ of the head's phase-2 output row (warp 0).
+  if (warp == 0) {
+    const QT* o = reinterpret_cast<const QT*>(p.out) + size_t(row) * p.head_dim;
     double sq = 0.0;
     for (int c = lane; c < p.head_dim; c += 32) {
       const double x = double(to_float(o[c]));
@@ -440,37 +425,31 @@ __device__ void cert_bound(const CertBoundParams& p) {
     }
 #pragma unroll
     for (int o2 = 16; o2 > 0; o2 >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o2);
-    if (lane == 0) onorm_s[h] = sqrt(sq);
+    if (lane == 0) onorm_s = sqrt(sq);
   }
   __syncthreads();
 
-  if (tid < GQA) {
-    // bound.rs' certificate(); thread h writes head h (static indices through the unrolled
-    // loop keep the per-head arrays in registers).
+  if (tid == 0) {
+    // bound.rs' certificate().
     const double v_max = p.group_v_max[g];
     const double u = 1.0 / 2048.0;
-#pragma unroll
-    for (int h = 0; h < GQA; ++h) {
-      if (h != tid) continue;
-      const double e_key = v_max * cert_total_variation(delta[h], alpha[h]);
-      const double e_round = u / (1.0 - u) * onorm_s[h] + (double(cnt[0]) / 8.0 + 128.0) * 5.9604644775390625e-08 * v_max;
-      const size_t row = size_t(g) * GQA + h;
-      double* f = p.head_f64 + row * CERT_F64;
-      f[CF_DELTA] = delta[h];
-      f[CF_ALPHA] = alpha[h];
-      f[CF_VMAX] = v_max;
-      f[CF_EKEY] = e_key;
-      f[CF_EVAL] = e_val[h];
-      f[CF_EROUND] = e_round;
-      f[CF_BOUND] = e_key + e_val[h] + e_round;
-      f[CF_ONORM] = onorm_s[h];
-      u32* w = p.head_u32 + row * CERT_U32;
-      w[CU_DETECT] = det[h];
-      w[CU_BOUNDARY] = boundary[h];
-      w[CU_RANKING] = ranking[h];
-      w[CU_PROMOTED] = cnt[1];
-      w[CU_EXPLORED] = cnt[2];
-    }
+    const double e_key = v_max * cert_total_variation(delta[0], alpha);
+    const double e_round = u / (1.0 - u) * onorm_s + (double(cnt[0]) / 8.0 + 128.0) * 5.9604644775390625e-08 * v_max;
+    double* f = p.head_f64 + size_t(row) * CERT_F64;
+    f[CF_DELTA] = delta[0];
+    f[CF_ALPHA] = alpha;
+    f[CF_VMAX] = v_max;
+    f[CF_EKEY] = e_key;
+    f[CF_EVAL] = e_val;
+    f[CF_EROUND] = e_round;
+    f[CF_BOUND] = e_key + e_val + e_round;
+    f[CF_ONORM] = onorm_s;
+    u32* w = p.head_u32 + size_t(row) * CERT_U32;
+    w[CU_DETECT] = cnt[4];
+    w[CU_BOUNDARY] = boundary;
+    w[CU_RANKING] = ranking;
+    w[CU_PROMOTED] = cnt[1];
+    w[CU_EXPLORED] = cnt[2];
   }
 }
 

@@ -9,7 +9,7 @@
 //!    table: a page with every block chosen becomes a tail-format page at its pinned original
 //!    (UVA), one with some chosen carries their mask and its original's offset.
 //! 3. **Phase 2** decodes that table, recording ℓ² per block.
-//! 4. **`cert_bound`** (one warp per query head) computes the certificate and the score,
+//! 4. **`cert_bound`** (one CTA per query head) computes the certificate and the score,
 //!    ranking and boundary checks of [`super::checks`] and [`super::bound`] in f64.
 //!
 //! The host then applies the ladder's [`verdict`] to the downloaded certificates. Rungs 3 and
@@ -408,9 +408,9 @@ impl KvCache {
             groups: groups as i32,
             blocks_per_page: plan.bpp as i32,
         };
-        let lc = LaunchConfig { grid_dim: (groups as u32, 1, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: as in `launch_select`; the result buffer holds CERT_F64 / CERT_U32 entries
-        // and an output row per query head of the plan.
+        let lc = LaunchConfig { grid_dim: ((groups * plan.phase1.gqa) as u32, 1, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: as in `launch_select`; one CTA per query head; the result buffer holds
+        // CERT_F64 / CERT_U32 entries and an output row per query head of the plan.
         unsafe { st.launch_builder(&k.func).arg(&p).launch(lc) }.map_err(drv(format!("launch {}", plan.bound)))?;
         Ok(())
     }
