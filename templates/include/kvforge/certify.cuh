@@ -40,7 +40,7 @@ __device__ __forceinline__ double cert_exp2_unit(double f) {
   return r;
 }
 
-// W = floor(2^(l - m) * 2^32): select.rs' page_weight.
+// W = floor(2^(l - m) * 2^32): select.rs' block_weight.
 __device__ __forceinline__ u64 cert_weight(float l, float m) {
   if (isnan(l) || l == CERT_POS_INF) return 1ull << CERT_WEIGHT_BITS;
   if (l == NEG_INF) return 0;

@@ -1,25 +1,25 @@
-//! What one query head's step achieved, from the two phases' per-page outputs: the inputs of
+//! What one query head's step achieved, from the two phases' per-block outputs: the inputs of
 //! its certificate ([`super::bound`]) and its monitors. This is the f64 reference of the
 //! device's `cert_bound` (`templates/include/kvforge/certify.cuh`), which computes the same
 //! quantities from the same arrays; the GPU tests compare the two.
 //!
 //! * **Masses.** ρ_i = 2^(ℓ²_i − max ℓ²) / Σ 2^(ℓ²_j − max ℓ²) from phase 2's log2 masses.
-//! * **Tail.** Over quantised pages phase 2 did not serve exactly: α̂ = Σ ρ, Δ = max Δ_i,
+//! * **Tail.** Over quantised blocks phase 2 did not serve exactly: α̂ = Σ ρ, Δ = max Δ_i,
 //!   E_val = Σ ρ η.
-//! * **Score check.** Every quantised page phase 2 served from its original: the exact and the
-//!   quantised log-mass of the same tokens differ by at most Δ_i (+ ε_guard), or the page is
-//!   corrupt — one detection per (page, head).
-//! * **Ranking consistency** (seed 004 eq. 17, depth r): over the exact set F (served pages and
-//!   tail-tier pages), order by phase-2 ℓ² and by phase-1 ℓ¹ (descending, then page index;
-//!   IEEE total order, so NaN ranks first); at every position j < r the page ℓ¹ puts there must
+//! * **Score check.** Every quantised block phase 2 served from its original: the exact and the
+//!   quantised log-mass of the same tokens differ by at most Δ_i (+ ε_guard), or the block is
+//!   corrupt — one detection per (block, head).
+//! * **Ranking consistency** (seed 004 eq. 17, depth r): over the exact set F (served blocks and
+//!   tail-tier blocks), order by phase-2 ℓ² and by phase-1 ℓ¹ (descending, then block index;
+//!   IEEE total order, so NaN ranks first); at every position j < r the block ℓ¹ puts there must
 //!   have an exact log-mass within ε_guard of the exact j-th: ℓ²(a_j) ≥ ℓ²(b_j) − ε_guard.
-//!   Seed 004 compares the index sequences; pages whose exact masses tie (identical keys, as in
+//!   Seed 004 compares the index sequences; blocks whose exact masses tie (identical keys, as in
 //!   repeated heavy tokens) have no exact order to disagree with, and the strict rule sent such
-//!   heads to rung 3 on most steps for a reordering that changes nothing. A swap of pages whose
+//!   heads to rung 3 on most steps for a reordering that changes nothing. A swap of blocks whose
 //!   exact masses differ by more than ε_guard (near ties included) still fails.
-//! * **Boundary** (eq. 18): no quantised page left in the tail may satisfy ℓ¹ + Δ > ℓ²_(r), the
-//!   r-th largest exact log-mass (−∞ when F has fewer than r pages): else the exact top r could
-//!   hold a page phase 2 never scored exactly.
+//! * **Boundary** (eq. 18): no quantised block left in the tail may satisfy ℓ¹ + Δ > ℓ²_(r), the
+//!   r-th largest exact log-mass (−∞ when F has fewer than r blocks): else the exact top r could
+//!   hold a block phase 2 never scored exactly.
 //!
 //! Log-masses enter the comparisons in natural-log units, ℓ·ln 2, as products rounded once.
 
@@ -27,14 +27,14 @@ use std::f64::consts::LN_2;
 
 use super::select::{EXPLORED, PROMOTED, QUANTISED};
 
-/// Per-page data of one query head's group, in page order.
+/// Per-block data of one query head's group, in block order.
 #[derive(Clone, Copy, Debug)]
 pub struct HeadView<'a> {
     pub quantised: &'a [bool],
     /// [`QUANTISED`], [`PROMOTED`] or [`EXPLORED`] (the selector's, or the ladder's).
     pub state: &'a [u8],
     pub tokens: &'a [usize],
-    /// η of quantised pages (unused for tail-tier pages).
+    /// η of quantised blocks (unused for tail-tier blocks).
     pub eta: &'a [f64],
     /// Phase-1 log2 masses and key logit bounds Δ, phase-2 log2 masses, of this head.
     pub l1: &'a [f32],
@@ -57,7 +57,7 @@ pub struct HeadChecks {
     pub explored: usize,
 }
 
-/// Normalised page masses from log2 masses.
+/// Normalised block masses from log2 masses.
 pub fn masses(l: &[f32]) -> Vec<f64> {
     let mx = l.iter().map(|&x| x as f64).fold(f64::NEG_INFINITY, f64::max);
     let tot: f64 = l.iter().map(|&x| (x as f64 - mx).exp2()).sum();
@@ -70,7 +70,7 @@ pub fn total_order_key(x: f32) -> u32 {
     ((s ^ (((s >> 31) as u32) >> 1) as i32) as u32) ^ 0x8000_0000
 }
 
-/// The first `r` pages of `set` by `value` descending (total order), then index ascending.
+/// The first `r` blocks of `set` by `value` descending (total order), then index ascending.
 fn top(set: &[usize], value: &[f32], r: usize) -> Vec<usize> {
     let mut v = set.to_vec();
     v.sort_by(|&a, &b| total_order_key(value[b]).cmp(&total_order_key(value[a])).then(a.cmp(&b)));
@@ -136,7 +136,7 @@ mod tests {
         }
     }
 
-    /// Pages 0..3 quantised (0 promoted, 1 explored), page 4 the exact tail page.
+    /// Blocks 0..3 quantised (0 promoted, 1 explored), block 4 the exact tail block.
     fn case() -> Case {
         Case {
             quantised: vec![true, true, true, true, false],

@@ -1,22 +1,22 @@
-//! The selector of one (sequence, kv head) group: which quantised pages phase 2 reads from
+//! The selector of one (sequence, kv head) group: which quantised blocks phase 2 reads from
 //! their fp16 originals. This is the reference the device selector (`cert_select` in
 //! `templates/include/kvforge/certify.cuh`) reproduces **bit for bit**, so the rule is stated
 //! in exact arithmetic:
 //!
 //! 1. **Weights.** Per query head h, M_h = the largest finite phase-1 log2 mass of the group;
-//!    a page's weight is W = ⌊2^(ℓ − M_h) · 2³²⌋ ([`page_weight`]: a fixed polynomial with
+//!    a block's weight is W = ⌊2^(ℓ − M_h) · 2³²⌋ ([`block_weight`]: a fixed polynomial with
 //!    fused multiply-adds, only correctly rounded operations, so both sides compute the same
 //!    u64). A non-finite ℓ (NaN, +∞: corrupt scores) weighs the most, so it is promoted and its
 //!    score check fails; −∞ weighs 0.
-//! 2. **Order.** Quantised pages by key = max_h ⌊W_h · 2³¹ / T_h⌋ (T_h = Σ_pages W_h, the
-//!    page's largest normalised share) descending, then page index ascending: a total order.
-//! 3. **K\*.** The least k whose first k pages, with the tail-tier (exact) pages, give every
+//! 2. **Order.** Quantised blocks by key = max_h ⌊W_h · 2³¹ / T_h⌋ (T_h = Σ_blocks W_h, the
+//!    block's largest normalised share) descending, then block index ascending: a total order.
+//! 3. **K\*.** The least k whose first k blocks, with the tail-tier (exact) blocks, give every
 //!    head C_h ≥ τ_cov · T_h (u64 sums, compared in f64: both exact below 2⁵³), clamped to
-//!    [K_min, K_max] and to the quantised pages.
+//!    [K_min, K_max] and to the quantised blocks.
 //! 4. **Exploration.** c = min(⌈explore · quantised⌉, unpromoted) of the unpromoted quantised
-//!    pages, by systematic sampling with a random start: with rank ρ among them (page order),
-//!    t of them and s = hash mod t, page ρ is explored iff ⌊(ρc + s)/t⌋ ≠ ⌊((ρ+1)c + s)/t⌋.
-//!    Exactly c pages, each with probability c/t, from integer arithmetic a GPU thread per page
+//!    blocks, by systematic sampling with a random start: with rank ρ among them (block order),
+//!    t of them and s = hash mod t, block ρ is explored iff ⌊(ρc + s)/t⌋ ≠ ⌊((ρ+1)c + s)/t⌋.
+//!    Exactly c blocks, each with probability c/t, from integer arithmetic a GPU thread per block
 //!    computes after one prefix count.
 //!
 //! Integer weights make every sum independent of its order, so a parallel reduction and this
@@ -24,7 +24,7 @@
 
 use kvforge_ref::certified::select::{explore_count, splitmix64};
 
-/// Fixed-point bits of a page weight (the heaviest page of a head weighs 2^WEIGHT_BITS).
+/// Fixed-point bits of a block weight (the heaviest block of a head weighs 2^WEIGHT_BITS).
 pub const WEIGHT_BITS: i32 = 32;
 /// Heaviest weight: ℓ = M_h, or a non-finite ℓ.
 pub const MAX_WEIGHT: u64 = 1 << WEIGHT_BITS;
@@ -52,9 +52,9 @@ pub fn exp2_unit(f: f64) -> f64 {
     EXP2_COEFFS[..12].iter().rev().fold(f64::from_bits(EXP2_COEFFS[12]), |r, &c| r.mul_add(f, f64::from_bits(c)))
 }
 
-/// W = ⌊2^(ℓ − m) · 2^WEIGHT_BITS⌋ for a page of log2 mass `l` under head maximum `m` (the
+/// W = ⌊2^(ℓ − m) · 2^WEIGHT_BITS⌋ for a block of log2 mass `l` under head maximum `m` (the
 /// largest finite ℓ of the head, so ℓ − m ≤ 0 for finite ℓ).
-pub fn page_weight(l: f32, m: f32) -> u64 {
+pub fn block_weight(l: f32, m: f32) -> u64 {
     if l.is_nan() || l == f32::INFINITY {
         return MAX_WEIGHT;
     }
@@ -81,7 +81,7 @@ pub struct SelectParams {
     pub seed: u64,
 }
 
-/// Page states, as the device writes them.
+/// Block states, as the device writes them.
 pub const QUANTISED: u8 = 0;
 pub const PROMOTED: u8 = 1;
 pub const EXPLORED: u8 = 2;
@@ -91,15 +91,15 @@ pub fn group_seed(seed: u64, g: usize) -> u64 {
     splitmix64(seed ^ splitmix64(g as u64))
 }
 
-/// Selection of one group: per page [`QUANTISED`], [`PROMOTED`] or [`EXPLORED`] (tail-tier
-/// pages are [`QUANTISED`]: they need nothing), and K\* after clamping.
+/// Selection of one group: per block [`QUANTISED`], [`PROMOTED`] or [`EXPLORED`] (tail-tier
+/// blocks are [`QUANTISED`]: they need nothing), and K\* after clamping.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Selection {
     pub state: Vec<u8>,
     pub k: usize,
 }
 
-/// Runs the selector on one group: `quantised[i]` says page i is in a quantised tier,
+/// Runs the selector on one group: `quantised[i]` says block i is in a quantised tier,
 /// `lse[i * gqa + h]` is its phase-1 log2 mass for query head h.
 pub fn select_blocks(quantised: &[bool], lse: &[f32], gqa: usize, p: &SelectParams) -> Selection {
     let n = quantised.len();
@@ -109,7 +109,7 @@ pub fn select_blocks(quantised: &[bool], lse: &[f32], gqa: usize, p: &SelectPara
             m[i % gqa] = m[i % gqa].max(*l);
         }
     }
-    let w = |i: usize, h: usize| page_weight(lse[i * gqa + h], m[h]);
+    let w = |i: usize, h: usize| block_weight(lse[i * gqa + h], m[h]);
     let (mut total, mut covered) = (vec![0u64; gqa], vec![0u64; gqa]);
     for i in 0..n {
         for h in 0..gqa {
@@ -188,16 +188,16 @@ mod tests {
 
     #[test]
     fn weights() {
-        assert_eq!(page_weight(3.0, 3.0), MAX_WEIGHT);
-        assert_eq!(page_weight(2.0, 3.0), MAX_WEIGHT / 2);
-        assert_eq!(page_weight(-10.0, 0.0), MAX_WEIGHT >> 10);
-        assert_eq!(page_weight(f32::NAN, 0.0), MAX_WEIGHT);
-        assert_eq!(page_weight(f32::INFINITY, 0.0), MAX_WEIGHT);
-        assert_eq!(page_weight(f32::NEG_INFINITY, 0.0), 0);
-        assert_eq!(page_weight(-33.5, 0.0), 0);
-        assert_eq!(page_weight(-32.5, 0.0), 0);
-        assert_eq!(page_weight(-31.0, 0.0), 2);
-        let w = page_weight(-0.5, 0.0) as f64 / MAX_WEIGHT as f64;
+        assert_eq!(block_weight(3.0, 3.0), MAX_WEIGHT);
+        assert_eq!(block_weight(2.0, 3.0), MAX_WEIGHT / 2);
+        assert_eq!(block_weight(-10.0, 0.0), MAX_WEIGHT >> 10);
+        assert_eq!(block_weight(f32::NAN, 0.0), MAX_WEIGHT);
+        assert_eq!(block_weight(f32::INFINITY, 0.0), MAX_WEIGHT);
+        assert_eq!(block_weight(f32::NEG_INFINITY, 0.0), 0);
+        assert_eq!(block_weight(-33.5, 0.0), 0);
+        assert_eq!(block_weight(-32.5, 0.0), 0);
+        assert_eq!(block_weight(-31.0, 0.0), 2);
+        let w = block_weight(-0.5, 0.0) as f64 / MAX_WEIGHT as f64;
         assert!((w - (-0.5f64).exp2()).abs() < 1e-9);
     }
 
