@@ -352,9 +352,14 @@ impl KvCache {
                     fold: fold.unwrap_or_default(),
                 };
                 let ccfg = LaunchConfig { grid_dim: ((rows + groups) as u32, 1, 1), block_dim: (ck.threads, 1, 1), shared_mem_bytes: 0 };
-                // SAFETY: as above; partial buffers hold `splits × rows` entries; the fold's
-                // buffers are as `launch_fold` states, one CTA per (entry, kv head).
-                unsafe { st.launch_builder(&ck.func).arg(&cp).launch(ccfg) }.map_err(drv(format!("launch {cv}")))?;
+                if self.dev.info.compute_capability.0 >= 9 && self.pdl {
+                    // SAFETY: as below; the combine's first instruction waits for the decode.
+                    unsafe { launch_programmatic(&st, &ck.func, ccfg, &cp) }.map_err(drv(format!("launch {cv}")))?;
+                } else {
+                    // SAFETY: as above; partial buffers hold `splits × rows` entries; the fold's
+                    // buffers are as `launch_fold` states, one CTA per (entry, kv head).
+                    unsafe { st.launch_builder(&ck.func).arg(&cp).launch(ccfg) }.map_err(drv(format!("launch {cv}")))?;
+                }
             }
             (None, Some(fold)) => self.launch_fold(plan, &fold)?,
             (None, None) => {}
@@ -478,6 +483,35 @@ pub fn from_bits(dtype: DType, b: u16) -> f32 {
         DType::Fp16 => f16::from_bits(b).to_f32(),
         DType::Bf16 => bf16::from_bits(b).to_f32(),
     }
+}
+
+
+/// Launches `func` with one parameter struct and programmatic stream serialisation: the kernel
+/// may begin while the previous kernel of the stream finishes (sm_90 programmatic dependent
+/// launch); it must wait (`griddepcontrol.wait`) before reading that kernel's output.
+///
+/// # Safety
+/// As `LaunchArgs::launch`: `P` mirrors the kernel's parameter struct and every buffer it
+/// points to is alive and sized for the launch until the stream has run it.
+pub(crate) unsafe fn launch_programmatic<P>(st: &cudarc::driver::CudaStream, func: &cudarc::driver::CudaFunction, cfg: LaunchConfig, params: &P) -> std::result::Result<(), cudarc::driver::DriverError> {
+    use cudarc::driver::sys;
+    let mut attr: sys::CUlaunchAttribute = std::mem::zeroed();
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let lc = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: st.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    let mut args = [params as *const P as *mut std::ffi::c_void];
+    sys::cuLaunchKernelEx(&lc, func.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()).result()
 }
 
 #[cfg(test)]

@@ -21,6 +21,7 @@ constexpr int fold_pages_per_thread() {
 template <class QT, int D>
 __device__ void combine_kernel(const CombineParams& p) {
   const int row = blockIdx.x, c = threadIdx.x;
+  grid_wait_primary();  // the decode's partials and page masses are complete and visible
   if (row >= p.rows) {
     const int group = row - p.rows;
     if (p.fold.page_lse != nullptr && p.fold.num_kv_heads > 0 && group < p.fold_groups)

@@ -108,6 +108,21 @@ __device__ __forceinline__ void stage_async(u8* dst, const u8* src) {
   if (REST > 0 && t < REST) cp_async16(dst + DONE + t, src + DONE + t);
 }
 
+// Programmatic dependent launch (sm_90): the decode lets the split-K combine, launched with
+// programmatic stream serialisation, start while its last CTAs finish; the combine waits for
+// the decode's writes before it reads them. No-ops before sm_90 (and without the launch
+// attribute, the stream orders the kernels as usual).
+__device__ __forceinline__ void grid_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_wait_primary() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 template <int WIDTH>
 __device__ __forceinline__ float group_sum(float x) {
 #pragma unroll
