@@ -255,7 +255,7 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                 let (mut tp, mut tc, mut th, mut tx) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
                 let mut stages: [Vec<f64>; 4] = Default::default();
                 let mut rungs = [0usize; 5];
-                let (mut promoted, mut pages, mut bsum, mut bmax, mut det, mut paged) = (0usize, 0usize, 0f64, 0f64, 0usize, 0usize);
+                let (mut promoted, mut blocks, mut bsum, mut bmax, mut det, mut paged) = (0usize, 0usize, 0f64, 0f64, 0usize, 0usize);
                 let (mut heads, mut rank_triggers, mut host_ladder_steps) = (0usize, 0usize, 0usize);
                 for step in 0..steps + 2 {
                     let q: Vec<f32> = (0..batch)
@@ -293,7 +293,7 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                         heads += 1;
                         if i % gqa == 0 {
                             promoted += h.promoted + h.explored;
-                            pages += ctx / spec.page.tokens * (spec.page.tokens / crate::certified::CERT_BLOCK);
+                            blocks += ctx / spec.page.tokens * (spec.page.tokens / crate::certified::CERT_BLOCK);
                             det += h.detections;
                         }
                     }
@@ -312,6 +312,7 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                 }
                 let (p, c, h, x) = (percentile(&tp, 0.5), percentile(&tc, 0.5), percentile(&th, 0.5), percentile(&tx, 0.5));
                 let kernel_us = KernelTimes { phase1_us: percentile(&stages[0], 0.5), select_us: percentile(&stages[1], 0.5), phase2_us: percentile(&stages[2], 0.5), bound_us: percentile(&stages[3], 0.5) };
+                let rank_check_us = kernel_us.bound_us - percentile(&bound0, 0.5);
                 let round = kernel_us.phase1_us + kernel_us.select_us + kernel_us.phase2_us + kernel_us.bound_us;
                 let row = CertifiedRow {
                     context: ctx,
@@ -328,12 +329,12 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                     check_share: kernel_us.bound_us / round,
                     plain_kernel_us,
                     device_overhead: round / plain_kernel_us - 1.0,
-                    rank_check_us: kernel_us.bound_us - percentile(&bound0, 0.5),
-                    rank_check_share: (kernel_us.bound_us - percentile(&bound0, 0.5)) / round,
+                    rank_check_us,
+                    rank_check_share: rank_check_us / round,
                     rungs,
                     rank_triggers,
                     host_ladder_steps,
-                    promoted_fraction: promoted as f64 / pages.max(1) as f64,
+                    promoted_fraction: promoted as f64 / blocks.max(1) as f64,
                     mean_bound: bsum / heads.max(1) as f64,
                     max_bound: bmax,
                     detections: det,

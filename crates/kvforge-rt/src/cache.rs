@@ -125,8 +125,8 @@ pub struct KvCache {
     /// [`crate::certified::PageIn::Copy`]: device copies of the originals a launch serves,
     /// kept and grown across steps.
     pub(crate) cert_page_in: Option<CudaSlice<u8>>,
-    /// Launch the split-K combine with programmatic dependent launch on sm_90+ (default; the
-    /// environment variable `KVFORGE_NO_PDL` turns it off, for A/B timing).
+    /// Launch the split-K combine with programmatic dependent launch: on sm_90+ unless the
+    /// environment variable `KVFORGE_NO_PDL` is set (for A/B timing).
     pub(crate) pdl: bool,
 }
 
@@ -184,7 +184,8 @@ impl KvCache {
         }
         let flags = dev.stream.alloc_zeros::<u32>(1).map_err(drv("error flags"))?;
         let channel_orders = vec![None; spec.tiers.len()];
-        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, channel_orders, kernels: KernelCache::default(), flags, move_bufs: Default::default(), epochs: 0, originals: None, mass_window: None, cert_scratch: None, cert_page_in: None, pdl: std::env::var_os("KVFORGE_NO_PDL").is_none() })
+        let pdl = dev.info.compute_capability.0 >= 9 && std::env::var_os("KVFORGE_NO_PDL").is_none();
+        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, channel_orders, kernels: KernelCache::default(), flags, move_bufs: Default::default(), epochs: 0, originals: None, mass_window: None, cert_scratch: None, cert_page_in: None, pdl })
     }
 
     pub fn spec(&self) -> &Spec {

@@ -352,7 +352,7 @@ impl KvCache {
                     fold: fold.unwrap_or_default(),
                 };
                 let ccfg = LaunchConfig { grid_dim: ((rows + groups) as u32, 1, 1), block_dim: (ck.threads, 1, 1), shared_mem_bytes: 0 };
-                if self.dev.info.compute_capability.0 >= 9 && self.pdl {
+                if self.pdl {
                     // SAFETY: as below; the combine's first instruction waits for the decode.
                     unsafe { launch_programmatic(&st, &ck.func, ccfg, &cp) }.map_err(drv(format!("launch {cv}")))?;
                 } else {

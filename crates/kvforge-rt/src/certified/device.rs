@@ -22,7 +22,7 @@
 use cudarc::driver::{sys::CUevent_flags, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use kvforge_spec::{Spec, VariantId, TAIL_TIER};
 
-use super::ladder::{finish, layer_fallback, verdict, Action, Group, PhaseOut};
+use super::ladder::{block_indptr, finish, layer_fallback, verdict, Action, Group, PhaseOut};
 use super::select::group_seed;
 use super::{CertConfig, CertifiedOutput, HeadCertificate, KernelTimes};
 use crate::cache::KvCache;
@@ -480,7 +480,7 @@ impl KvCache {
         let n = plan.phase1.page_offsets.len() * plan.bpp;
         let m = n * plan.phase1.gqa;
         let get = |x: &Option<CudaSlice<f32>>, what: &str| -> Result<Vec<f32>> { st.clone_dtoh(&x.as_ref().expect("allocated by alloc_scratch").slice(0..m)).map_err(drv(what.to_string())) };
-        let indptr: Vec<u32> = plan.phase1.page_indptr.iter().map(|&i| i * plan.bpp as u32).collect();
+        let indptr = block_indptr(&plan.phase1.page_indptr, plan.bpp);
         let p1 = PhaseOut { out: Vec::new(), lse: Vec::new(), head_lse: get(&b.ws1.block_head_lse, "phase-1 block masses")?, delta: get(&b.ws1.block_delta, "phase-1 block bounds")?, indptr: indptr.clone() };
         let p2 = PhaseOut { out: res.out.clone(), lse: res.lse.clone(), head_lse: get(&b.ws2.block_head_lse, "phase-2 block masses")?, delta: Vec::new(), indptr };
         let state = st.clone_dtoh(&b.state.slice(0..n)).map_err(drv("block states"))?;
@@ -498,8 +498,7 @@ impl KvCache {
 
     fn device_ladder(&mut self, plan: &StepPlan, b: &mut CertScratch, groups: &mut [Group], qh: &[u16], cfg: &CertConfig) -> Result<CertifiedOutput> {
         let gqa = self.cfg.gqa;
-        // A served block's fp16 (bf16) keys and values, read over the bus.
-        let block_bytes = super::CERT_BLOCK * 2 * self.cfg.head_dim * 2;
+        let block_bytes = self.cert_block_bytes();
         let kernel_us = self.device_round(plan, b, cfg, cfg.profile)?;
         let (mut launches, mut paged) = (1usize, 0usize);
         // Groups the selector serves wholly from tier 2 (rungs 3 and 4), kept across rounds.

@@ -328,8 +328,7 @@ impl KvCache {
         };
         let orig = self.originals.as_ref().expect("checked by decode_certified");
         let pb = orig.page_bytes();
-        // A served block's fp16 (bf16) keys and values.
-        let block_bytes = CERT_BLOCK * 2 * self.cfg.head_dim * 2;
+        let block_bytes = self.cert_block_bytes();
         // Pages with a served block: their tier-2 address (UVA) or a slot of the scratch buffer
         // (copy, the whole page).
         let mut sources: Vec<u64> = Vec::new();
@@ -380,7 +379,7 @@ impl KvCache {
             }
         }
         let mut ws = self.workspace(&plan)?;
-        let bpp = groups.first().map_or(1, |g| g.bpp);
+        let bpp = self.cert_blocks_per_page();
         let nblocks = plan.page_offsets.len().max(1) * bpp;
         let st = self.dev.stream.clone();
         ws.block_head_lse = Some(st.alloc_zeros::<f32>(nblocks * plan.gqa).map_err(drv("block masses"))?);
@@ -401,9 +400,13 @@ impl KvCache {
             Some(b) => st.clone_dtoh(b).map_err(drv("block bounds"))?,
             None => Vec::new(),
         };
-        let indptr = plan.page_indptr.iter().map(|&i| i * bpp as u32).collect();
-        Ok(PhaseOut { out: out.into_iter().map(|b| from_bits(dtype, b)).collect(), lse, head_lse, delta, indptr })
+        Ok(PhaseOut { out: out.into_iter().map(|b| from_bits(dtype, b)).collect(), lse, head_lse, delta, indptr: block_indptr(&plan.page_indptr, bpp) })
     }
+}
+
+/// Block ranges of the groups from their page ranges (`bpp` blocks per page).
+pub(super) fn block_indptr(page_indptr: &[u32], bpp: usize) -> Vec<u32> {
+    page_indptr.iter().map(|&i| i * bpp as u32).collect()
 }
 
 /// Fills every certificate's rung and detections from its group.

@@ -240,6 +240,16 @@ impl KvCache {
         }
     }
 
+    /// Blocks per page of this cache's spec (`keep_originals` checks they divide the page).
+    pub(crate) fn cert_blocks_per_page(&self) -> usize {
+        self.spec.page.tokens / CERT_BLOCK
+    }
+
+    /// Bytes of a served block's fp16 (bf16) keys and values, as `paged_in_bytes` counts them.
+    pub(crate) fn cert_block_bytes(&self) -> usize {
+        CERT_BLOCK * 2 * self.cfg.head_dim * 2
+    }
+
     /// Records the originals of freshly encoded pages with their value error η (measured
     /// against the encoded page, decoded by the reference) and largest value norm.
     pub(crate) fn record_originals(&mut self, full: &[(usize, Vec<u8>)], encoded: &[PageRef]) -> Result<()> {
@@ -312,7 +322,7 @@ impl KvCache {
                     }
                 }
                 v_max = v_max.max(self.tail_v_max(s, h)?);
-                groups.push(Group::new(pages, errors, v_max, self.spec.page.tokens / CERT_BLOCK));
+                groups.push(Group::new(pages, errors, v_max, self.cert_blocks_per_page()));
             }
         }
         let dtype = self.spec.geometry.dtype;
