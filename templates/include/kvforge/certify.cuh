@@ -103,6 +103,13 @@ __device__ __forceinline__ void cert_block_exclusive_scan(u64 (&v)[GQA], u64 (*s
   __syncthreads();
 }
 
+// Block i of a group whose pages' entries start at `pinfo` (B blocks per page): whether its page
+// is quantised (quantised pages are full: every block holds tokens), and its tokens.
+__device__ __forceinline__ bool cert_block_quantised(const u32* pinfo, int B, int i) { return (pinfo[i / B] & 0xffu) != 0; }
+__device__ __forceinline__ u32 cert_block_tokens(const u32* pinfo, int B, int i) {
+  return u32(min(max(int((pinfo[i / B] >> 8) & 0xff) - (i % B) * CERT_BLOCK, 0), CERT_BLOCK));
+}
+
 // ---- the selector: one CTA of NT threads per (sequence, kv head) group ----
 //
 // Dynamic shared memory: the sort buffer, 8 B per page of the largest group rounded up to a
@@ -131,8 +138,7 @@ __device__ void cert_select(const CertSelectParams& p) {
   u32* out_info = p.out_page_info + first;
   u64* out_promoted = p.out_promoted_offsets + first;
   u64* wts = p.weights + size_t(first) * B * GQA;  // [block][GQA], written once in step 2
-  // Block i is quantised when its page is (quantised pages are full: every block holds tokens).
-  auto quantised = [&](int i) { return (pinfo[i / B] & 0xff) != 0; };
+  auto quantised = [&](int i) { return cert_block_quantised(pinfo, B, i); };
 
   if (p.force_exact != nullptr && p.force_exact[g] != 0) {
     // Rungs 3 and 4: every quantised block from tier 2.
@@ -180,9 +186,9 @@ __device__ void cert_select(const CertSelectParams& p) {
     for (int i = tid; i < n; i += NT) endq[0] = quantised(i) ? max(endq[0], u64(i + 1)) : endq[0];
     cert_block_reduce<1, NT>(endq, reinterpret_cast<u64(*)[1]>(uscratch), [](u64 a, u64 b) { return a > b ? a : b; });
     const int m = endq[0] == nq ? int(nq) : n;
-    int np = 1;
-    while (np < m) np <<= 1;
-    for (int i = tid; i < np; i += NT) {
+    int ns = 1;  // sort slots
+    while (ns < m) ns <<= 1;
+    for (int i = tid; i < ns; i += NT) {
       u64 key = ~0ull;
       if (i < m && quantised(i)) {
         u64 share = 0;
@@ -198,9 +204,9 @@ __device__ void cert_select(const CertSelectParams& p) {
     }
     __syncthreads();
     // Bitonic sort, ascending; a thread takes pairs (i, i + j), i with bit j clear.
-    for (int k = 2; k <= np; k <<= 1) {
+    for (int k = 2; k <= ns; k <<= 1) {
       for (int j = k >> 1; j > 0; j >>= 1) {
-        for (int t = tid; t < np / 2; t += NT) {
+        for (int t = tid; t < ns / 2; t += NT) {
           const int i = ((t & ~(j - 1)) << 1) | (t & (j - 1)), ij = i + j;
           const u64 a = keys[i], b = keys[ij];
           if ((a > b) == ((i & k) == 0)) { keys[i] = b; keys[ij] = a; }
@@ -331,9 +337,7 @@ __device__ void cert_bound(const CertBoundParams& p) {
   const u32* pinfo = p.page_info + first;
   const u8* state = p.block_state + fb;
   const double* eta = p.block_eta + fb;
-  auto quantised = [&](int i) { return (pinfo[i / B] & 0xffu) != 0; };
-  // Tokens of block i (of its page's len).
-  auto tokens = [&](int i) { return u32(min(max(int((pinfo[i / B] >> 8) & 0xff) - (i % B) * 16, 0), 16)); };
+  auto quantised = [&](int i) { return cert_block_quantised(pinfo, B, i); };
   // The exact set F: blocks served from tier 2 and blocks of tail-tier pages.
   auto exact = [&](int i) { return !quantised(i) || state[i] != PAGE_QUANTISED; };
   auto dmax_op = [](double a, double b) { return fmax(a, b); };
@@ -356,7 +360,7 @@ __device__ void cert_bound(const CertBoundParams& p) {
   for (int i = tid; i < n; i += NT) {
     const double e = exp2(double(l2[i * GQA]) - mx[0]);
     sums[0] += e;
-    cnt[0] += tokens(i);
+    cnt[0] += cert_block_tokens(pinfo, B, i);
     if (!exact(i)) {
       sums[1] += e;
       sums[2] += e * eta[i];

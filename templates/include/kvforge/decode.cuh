@@ -31,12 +31,10 @@ template <class T, class... Ts> struct TailOf<T, Ts...> {
   using type = typename Pick<T::id == 0, T, typename TailOf<Ts...>::type>::type;
 };
 template <class L> struct TailTier;
+template <class... Ts> struct TailTier<TierList<Ts...>> : TailOf<Ts...> {};
 // X, as a type that depends on T (so that code naming X's members in an `if constexpr` branch
 // discarded for T is not checked when X is void).
 template <class T, class X> struct Dependent { using type = X; };
-template <class... Ts> struct TailTier<TierList<Ts...>> : TailOf<Ts...> {};
-// Certified decode: attention masses, key error bounds and promotion are per 16-token block.
-constexpr int CERT_BLOCK = 16;
 template <int GQA, class... Ts> __host__ __device__ constexpr int sum_lut(TierList<Ts...>) { return (0 + ... + (GQA * Ts::Key::LUT_FLOATS_PER_HEAD)); }
 template <int GQA, int NW, class... Ts> __host__ __device__ constexpr int max_bfrag(TierList<Ts...>) { int m = 0; ((m = cmax(m, Ts::Key::template bfrag_bytes<GQA, NW>())), ...); return m; }
 

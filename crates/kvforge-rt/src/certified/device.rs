@@ -717,6 +717,8 @@ mod tests {
             assert_eq!(u.iter().position(|x| x == name), Some(col), "{name}");
         }
         assert!(h.contains("PAGE_QUANTISED = 0, PAGE_PROMOTED = 1, PAGE_EXPLORED = 2"));
+        let common = kvforge_gen::HEADERS.iter().find(|(p, _)| *p == "kvforge/common.cuh").unwrap().1;
+        assert!(common.contains(&format!("constexpr int CERT_BLOCK = {};", super::super::CERT_BLOCK)), "the device's block size differs");
         assert_eq!((super::super::select::QUANTISED, super::super::select::PROMOTED, super::super::select::EXPLORED), (0, 1, 2));
     }
 }
