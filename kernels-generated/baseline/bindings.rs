@@ -104,6 +104,9 @@ pub struct VariantInfo {
     /// Decode: floats per page of the scratch `DecodeParams::page_warp_lse` that the
     /// tracked entry needs (0: none).
     pub warp_lse_per_page: usize,
+    /// Decode: dynamic shared memory of the certified entry (block layout, fp32
+    /// values), which may differ from `smem_bytes`; 0 for other kinds.
+    pub certified_smem_bytes: usize,
     pub source: &'static str,
 }
 /// Every kernel of the spec.
@@ -167,6 +170,7 @@ static INFOS: [VariantInfo; 19usize] = [
         smem_bytes: 99184usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -180,6 +184,7 @@ static INFOS: [VariantInfo; 19usize] = [
         smem_bytes: 100752usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -193,6 +198,7 @@ static INFOS: [VariantInfo; 19usize] = [
         smem_bytes: 101536usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -206,6 +212,7 @@ static INFOS: [VariantInfo; 19usize] = [
         smem_bytes: 104672usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -219,6 +226,7 @@ static INFOS: [VariantInfo; 19usize] = [
         smem_bytes: 8208usize,
         ctas_per_page: 2usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -232,6 +240,7 @@ static INFOS: [VariantInfo; 19usize] = [
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("combine_d64.cu"),
     },
     VariantInfo {
@@ -245,6 +254,7 @@ static INFOS: [VariantInfo; 19usize] = [
         smem_bytes: 99648usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -258,6 +268,7 @@ static INFOS: [VariantInfo; 19usize] = [
         smem_bytes: 102240usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -271,6 +282,7 @@ static INFOS: [VariantInfo; 19usize] = [
         smem_bytes: 103536usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -284,6 +296,7 @@ static INFOS: [VariantInfo; 19usize] = [
         smem_bytes: 108720usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -297,6 +310,7 @@ static INFOS: [VariantInfo; 19usize] = [
         smem_bytes: 8208usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d128_p64.cu"),
     },
     VariantInfo {
@@ -310,6 +324,7 @@ static INFOS: [VariantInfo; 19usize] = [
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("combine_d128.cu"),
     },
     VariantInfo {
@@ -323,6 +338,7 @@ static INFOS: [VariantInfo; 19usize] = [
         smem_bytes: 133424usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -336,6 +352,7 @@ static INFOS: [VariantInfo; 19usize] = [
         smem_bytes: 138064usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -349,6 +366,7 @@ static INFOS: [VariantInfo; 19usize] = [
         smem_bytes: 140384usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -362,6 +380,7 @@ static INFOS: [VariantInfo; 19usize] = [
         smem_bytes: 149664usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -375,6 +394,7 @@ static INFOS: [VariantInfo; 19usize] = [
         smem_bytes: 8208usize,
         ctas_per_page: 8usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d256_p64.cu"),
     },
     VariantInfo {
@@ -388,6 +408,7 @@ static INFOS: [VariantInfo; 19usize] = [
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("combine_d256.cu"),
     },
     VariantInfo {
@@ -401,6 +422,7 @@ static INFOS: [VariantInfo; 19usize] = [
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("mass_window.cu"),
     },
 ];

@@ -316,6 +316,9 @@ pub struct VariantInfo {
     /// Decode: floats per page of the scratch `DecodeParams::page_warp_lse` that the
     /// tracked entry needs (0: none).
     pub warp_lse_per_page: usize,
+    /// Decode: dynamic shared memory of the certified entry (block layout, fp32
+    /// values), which may differ from `smem_bytes`; 0 for other kinds.
+    pub certified_smem_bytes: usize,
     pub source: &'static str,
 }
 /// Every kernel of the spec.
@@ -553,6 +556,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 99184usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -566,6 +570,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 100752usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -579,6 +584,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 101536usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -592,6 +598,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 104672usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -605,6 +612,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 54896usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 4usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -618,6 +626,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 56976usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 12usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -631,6 +640,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 49040usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 16usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -644,6 +654,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 107056usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 32usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -657,6 +668,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 54720usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 4usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -670,6 +682,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 56800usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 12usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -683,6 +696,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 52960usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 16usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -696,6 +710,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 86400usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 32usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -709,6 +724,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 46352usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 4usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -722,6 +738,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 48432usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 12usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -735,6 +752,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 49472usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 16usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -748,6 +766,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 53632usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 32usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -761,6 +780,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 54896usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 4usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g1_p64.cu"
         ),
@@ -776,6 +796,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 56976usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 12usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g3_p64.cu"
         ),
@@ -791,6 +812,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 49040usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 16usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g4_p64.cu"
         ),
@@ -806,6 +828,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 107056usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 32usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g8_p64.cu"
         ),
@@ -821,6 +844,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 50240usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 4usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g1_p64.cu"
         ),
@@ -836,6 +860,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 52320usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 12usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g3_p64.cu"
         ),
@@ -851,6 +876,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 53360usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 16usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g4_p64.cu"
         ),
@@ -866,6 +892,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 106720usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 32usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d64_g8_p64.cu"
         ),
@@ -881,6 +908,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4112usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -894,6 +922,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_kint8c64f16_vint8g32f16_d64_p64.cu"),
     },
     VariantInfo {
@@ -907,6 +936,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_kint4c64f16_vint4g32f16_d64_p64.cu"),
     },
     VariantInfo {
@@ -920,6 +950,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_kint2c64f16_vint2g32f16_d64_p64.cu"),
     },
     VariantInfo {
@@ -933,6 +964,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint8c64f16_vint8g32f16_d64_p64.cu"
         ),
@@ -948,6 +980,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint4c64f16_vint4g32f16_d64_p64.cu"
         ),
@@ -963,6 +996,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint2c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -978,6 +1012,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kint8c64f16_vint8g32f16_to_kint4c64f16_vint4g32f16_d64_p64.cu"
         ),
@@ -993,6 +1028,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kint8c64f16_vint8g32f16_to_kint2c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -1008,6 +1044,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kint4c64f16_vint4g32f16_to_kint2c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -1023,6 +1060,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("combine_d64.cu"),
     },
     VariantInfo {
@@ -1036,6 +1074,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 99648usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -1049,6 +1088,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 102240usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -1062,6 +1102,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 103536usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -1075,6 +1116,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 108720usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -1088,6 +1130,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 55616usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 4usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -1101,6 +1144,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 41296usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 12usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -1114,6 +1158,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 43104usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 16usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -1127,6 +1172,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 104144usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 32usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -1140,6 +1186,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 50528usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 4usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -1153,6 +1200,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 54144usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 12usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -1166,6 +1214,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 55952usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 16usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -1179,6 +1228,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 111904usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 32usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -1192,6 +1242,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 52640usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 4usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -1205,6 +1256,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 56256usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 12usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -1218,6 +1270,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 52416usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 16usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -1231,6 +1284,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 104832usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 32usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -1244,6 +1298,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 55616usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 4usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g1_p64.cu"
         ),
@@ -1259,6 +1314,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 41296usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 12usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g3_p64.cu"
         ),
@@ -1274,6 +1330,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 43104usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 16usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g4_p64.cu"
         ),
@@ -1289,6 +1346,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 104144usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 32usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g8_p64.cu"
         ),
@@ -1304,6 +1362,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 67376usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 4usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g1_p64.cu"
         ),
@@ -1319,6 +1378,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 70992usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 12usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g3_p64.cu"
         ),
@@ -1334,6 +1394,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 72800usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 16usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g4_p64.cu"
         ),
@@ -1349,6 +1410,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 112816usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 32usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d128_g8_p64.cu"
         ),
@@ -1364,6 +1426,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4112usize,
         ctas_per_page: 8usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d128_p64.cu"),
     },
     VariantInfo {
@@ -1377,6 +1440,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_kint8c64f16_vint8g32f16_d128_p64.cu"),
     },
     VariantInfo {
@@ -1390,6 +1454,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_kint4c64f16_vint4g32f16_d128_p64.cu"),
     },
     VariantInfo {
@@ -1403,6 +1468,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_kint2c64f16_vint2g32f16_d128_p64.cu"),
     },
     VariantInfo {
@@ -1416,6 +1482,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint8c64f16_vint8g32f16_d128_p64.cu"
         ),
@@ -1431,6 +1498,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint4c64f16_vint4g32f16_d128_p64.cu"
         ),
@@ -1446,6 +1514,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint2c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -1461,6 +1530,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kint8c64f16_vint8g32f16_to_kint4c64f16_vint4g32f16_d128_p64.cu"
         ),
@@ -1476,6 +1546,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kint8c64f16_vint8g32f16_to_kint2c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -1491,6 +1562,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kint4c64f16_vint4g32f16_to_kint2c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -1506,6 +1578,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("combine_d128.cu"),
     },
     VariantInfo {
@@ -1519,6 +1592,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 133424usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1532,6 +1606,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 138064usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1545,6 +1620,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 140384usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1558,6 +1634,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 149664usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kfp16_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1571,6 +1648,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 75056usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 4usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1584,6 +1662,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 81744usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 12usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1597,6 +1676,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 85088usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 16usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1610,6 +1690,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 98464usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 32usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint8c64f16_vint8g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1623,6 +1704,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 100704usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 4usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1636,6 +1718,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 107392usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 12usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1649,6 +1732,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 110736usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 16usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1662,6 +1746,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 104640usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 32usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint4c64f16_vint4g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1675,6 +1760,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 104864usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 4usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1688,6 +1774,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 111552usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 12usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1701,6 +1788,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 114896usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 16usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1714,6 +1802,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 105712usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 32usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kint2c64f16_vint2g32f16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1727,6 +1816,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 75056usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 4usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g1_p64.cu"
         ),
@@ -1742,6 +1832,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 81744usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 12usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g3_p64.cu"
         ),
@@ -1757,6 +1848,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 85088usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 16usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g4_p64.cu"
         ),
@@ -1772,6 +1864,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 98464usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 32usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g8_p64.cu"
         ),
@@ -1787,6 +1880,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 134448usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 4usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g1_p64.cu"
         ),
@@ -1802,6 +1896,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 141136usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 12usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g3_p64.cu"
         ),
@@ -1817,6 +1912,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 144480usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 16usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g4_p64.cu"
         ),
@@ -1832,6 +1928,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 157856usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 32usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kfp16_vfp16__kint8c64f16_vint8g32f16__kint4c64f16_vint4g32f16__kint2c64f16_vint2g32f16_d256_g8_p64.cu"
         ),
@@ -1847,6 +1944,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4112usize,
         ctas_per_page: 16usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_kfp16_vfp16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1860,6 +1958,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_kint8c64f16_vint8g32f16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1873,6 +1972,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_kint4c64f16_vint4g32f16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1886,6 +1986,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_kint2c64f16_vint2g32f16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1899,6 +2000,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint8c64f16_vint8g32f16_d256_p64.cu"
         ),
@@ -1914,6 +2016,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint4c64f16_vint4g32f16_d256_p64.cu"
         ),
@@ -1929,6 +2032,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kfp16_vfp16_to_kint2c64f16_vint2g32f16_d256_p64.cu"
         ),
@@ -1944,6 +2048,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kint8c64f16_vint8g32f16_to_kint4c64f16_vint4g32f16_d256_p64.cu"
         ),
@@ -1959,6 +2064,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kint8c64f16_vint8g32f16_to_kint2c64f16_vint2g32f16_d256_p64.cu"
         ),
@@ -1974,6 +2080,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kint4c64f16_vint4g32f16_to_kint2c64f16_vint2g32f16_d256_p64.cu"
         ),
@@ -1989,6 +2096,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("combine_d256.cu"),
     },
     VariantInfo {
@@ -2002,6 +2110,7 @@ static INFOS: [VariantInfo; 106usize] = [
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("mass_window.cu"),
     },
 ];

@@ -17,6 +17,7 @@ struct Cfg {
   using Tiers = TierList<Tier0, Tier3>;
 };
 static_assert(DecodeSmem<Cfg>::TOTAL == 110736, "shared-memory plan differs from the Rust bindings");
+
 static_assert(DecodeCta<Cfg, true>::WARP_LSE_PER_PAGE == 16, "page_warp_lse floats per page differ from the Rust bindings");
 }  // namespace
 
@@ -30,8 +31,3 @@ extern "C" __global__ void __launch_bounds__(128, 1) kvf_rdkv_decode_kint4c64f16
   kvforge::decode_kernel<Cfg, true>(p);
 }
 
-// Certified decode (seed 004): the tracked decode recording per-16-token-block masses and key
-// error bounds and serving promoted blocks from their originals (block layout; empty otherwise).
-extern "C" __global__ void __launch_bounds__(128, 1) kvf_rdkv_decode_kint4c64f16_vint4g32f16_d256_g4_p64_certified(const kvforge::DecodeParams p) {
-  kvforge::certified_decode_kernel<Cfg>(p);
-}

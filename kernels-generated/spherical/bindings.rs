@@ -224,6 +224,9 @@ pub struct VariantInfo {
     /// Decode: floats per page of the scratch `DecodeParams::page_warp_lse` that the
     /// tracked entry needs (0: none).
     pub warp_lse_per_page: usize,
+    /// Decode: dynamic shared memory of the certified entry (block layout, fp32
+    /// values), which may differ from `smem_bytes`; 0 for other kinds.
+    pub certified_smem_bytes: usize,
     pub source: &'static str,
 }
 /// Every kernel of the spec.
@@ -389,6 +392,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 45088usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x4b6_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -402,6 +406,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 48704usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x4b6_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -415,6 +420,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 50512usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x4b6_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -428,6 +434,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 57744usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x4b6_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -441,6 +448,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 44000usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x4b4_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -454,6 +462,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 46080usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x4b4_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -467,6 +476,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 47120usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x4b4_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -480,6 +490,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 51280usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x4b4_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -493,6 +504,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 42848usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph32x2b3_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -506,6 +518,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 44544usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph32x2b3_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -519,6 +532,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 45392usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph32x2b3_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -532,6 +546,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 48784usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph32x2b3_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -545,6 +560,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 45408usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g1_p64.cu"
         ),
@@ -560,6 +576,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 49664usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g3_p64.cu"
         ),
@@ -575,6 +592,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 51792usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g4_p64.cu"
         ),
@@ -590,6 +608,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 60304usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g8_p64.cu"
         ),
@@ -605,6 +624,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 4352usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_ksph16x4b6_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -618,6 +638,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 4352usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_ksph16x4b4_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -631,6 +652,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_ksph32x2b3_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -644,6 +666,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 4352usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_ksph16x4b6_vfp16_to_ksph16x4b4_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -657,6 +680,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_ksph16x4b6_vfp16_to_ksph32x2b3_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -670,6 +694,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_ksph16x4b4_vfp16_to_ksph32x2b3_vfp16_d64_p64.cu"),
     },
     VariantInfo {
@@ -683,6 +708,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("combine_d64.cu"),
     },
     VariantInfo {
@@ -693,9 +719,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 55232usize,
+        smem_bytes: 37936usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x8b6_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -706,9 +733,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 61920usize,
+        smem_bytes: 44624usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x8b6_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -719,9 +747,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 65264usize,
+        smem_bytes: 47968usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x8b6_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -732,9 +761,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 78640usize,
+        smem_bytes: 61344usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x8b6_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -745,9 +775,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 53312usize,
+        smem_bytes: 36144usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x8b4_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -758,9 +789,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 56928usize,
+        smem_bytes: 39760usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x8b4_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -771,9 +803,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 58736usize,
+        smem_bytes: 41568usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x8b4_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -784,9 +817,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 65968usize,
+        smem_bytes: 48800usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x8b4_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -797,9 +831,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 51776usize,
+        smem_bytes: 34992usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph32x4b3_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -810,9 +845,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 3usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 54624usize,
+        smem_bytes: 37840usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph32x4b3_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -823,9 +859,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 56048usize,
+        smem_bytes: 39264usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph32x4b3_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -836,9 +873,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 61744usize,
+        smem_bytes: 44960usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph32x4b3_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -849,9 +887,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 55872usize,
+        smem_bytes: 38576usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g1_p64.cu"
         ),
@@ -864,9 +903,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 63840usize,
+        smem_bytes: 46544usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g3_p64.cu"
         ),
@@ -879,9 +919,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 67824usize,
+        smem_bytes: 50528usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g4_p64.cu"
         ),
@@ -894,9 +935,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 83760usize,
+        smem_bytes: 66464usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g8_p64.cu"
         ),
@@ -912,6 +954,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 4352usize,
         ctas_per_page: 8usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_ksph16x8b6_vfp16_d128_p64.cu"),
     },
     VariantInfo {
@@ -925,6 +968,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 4352usize,
         ctas_per_page: 8usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_ksph16x8b4_vfp16_d128_p64.cu"),
     },
     VariantInfo {
@@ -938,6 +982,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_ksph32x4b3_vfp16_d128_p64.cu"),
     },
     VariantInfo {
@@ -951,6 +996,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 4352usize,
         ctas_per_page: 8usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_ksph16x8b6_vfp16_to_ksph16x8b4_vfp16_d128_p64.cu"
         ),
@@ -966,6 +1012,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_ksph16x8b6_vfp16_to_ksph32x4b3_vfp16_d128_p64.cu"
         ),
@@ -981,6 +1028,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 8usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_ksph16x8b4_vfp16_to_ksph32x4b3_vfp16_d128_p64.cu"
         ),
@@ -996,6 +1044,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("combine_d128.cu"),
     },
     VariantInfo {
@@ -1006,9 +1055,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 110144usize,
+        smem_bytes: 75568usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x16b6_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1019,9 +1069,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 122976usize,
+        smem_bytes: 88400usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x16b6_vfp16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1032,9 +1083,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 129392usize,
+        smem_bytes: 94816usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x16b6_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1045,9 +1097,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8],
         threads: 128usize,
-        smem_bytes: 155056usize,
+        smem_bytes: 120480usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x16b6_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1058,9 +1111,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 1usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 106304usize,
+        smem_bytes: 71984usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x16b4_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1071,9 +1125,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 3usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 112992usize,
+        smem_bytes: 78672usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x16b4_vfp16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1084,9 +1139,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 4usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 116336usize,
+        smem_bytes: 82016usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x16b4_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1097,9 +1153,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 8usize,
         tiers: &[0u8, 2u8],
         threads: 128usize,
-        smem_bytes: 129712usize,
+        smem_bytes: 95392usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph16x16b4_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1110,9 +1167,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 1usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 103040usize,
+        smem_bytes: 69552usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph32x8b3_vfp16_d256_g1_p64.cu"),
     },
     VariantInfo {
@@ -1123,9 +1181,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 3usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 108192usize,
+        smem_bytes: 74704usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph32x8b3_vfp16_d256_g3_p64.cu"),
     },
     VariantInfo {
@@ -1136,9 +1195,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 4usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 110768usize,
+        smem_bytes: 77280usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph32x8b3_vfp16_d256_g4_p64.cu"),
     },
     VariantInfo {
@@ -1149,9 +1209,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 8usize,
         tiers: &[0u8, 3u8],
         threads: 128usize,
-        smem_bytes: 121072usize,
+        smem_bytes: 87584usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_ksph32x8b3_vfp16_d256_g8_p64.cu"),
     },
     VariantInfo {
@@ -1162,9 +1223,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 1usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 111424usize,
+        smem_bytes: 76848usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_ksph16x16b6_vfp16__ksph16x16b4_vfp16__ksph32x8b3_vfp16_d256_g1_p64.cu"
         ),
@@ -1177,9 +1239,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 3usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 126816usize,
+        smem_bytes: 92240usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_ksph16x16b6_vfp16__ksph16x16b4_vfp16__ksph32x8b3_vfp16_d256_g3_p64.cu"
         ),
@@ -1192,9 +1255,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 4usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 134512usize,
+        smem_bytes: 99936usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_ksph16x16b6_vfp16__ksph16x16b4_vfp16__ksph32x8b3_vfp16_d256_g4_p64.cu"
         ),
@@ -1207,9 +1271,10 @@ static INFOS: [VariantInfo; 70usize] = [
         gqa: 8usize,
         tiers: &[0u8, 1u8, 2u8, 3u8],
         threads: 128usize,
-        smem_bytes: 165296usize,
+        smem_bytes: 130720usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_ksph16x16b6_vfp16__ksph16x16b4_vfp16__ksph32x8b3_vfp16_d256_g8_p64.cu"
         ),
@@ -1225,6 +1290,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 4352usize,
         ctas_per_page: 16usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_ksph16x16b6_vfp16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1238,6 +1304,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 4352usize,
         ctas_per_page: 16usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_ksph16x16b4_vfp16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1251,6 +1318,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("transcode_tail_to_ksph32x8b3_vfp16_d256_p64.cu"),
     },
     VariantInfo {
@@ -1264,6 +1332,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 4352usize,
         ctas_per_page: 16usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_ksph16x16b6_vfp16_to_ksph16x16b4_vfp16_d256_p64.cu"
         ),
@@ -1279,6 +1348,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_ksph16x16b6_vfp16_to_ksph32x8b3_vfp16_d256_p64.cu"
         ),
@@ -1294,6 +1364,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 4224usize,
         ctas_per_page: 16usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_ksph16x16b4_vfp16_to_ksph32x8b3_vfp16_d256_p64.cu"
         ),
@@ -1309,6 +1380,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("combine_d256.cu"),
     },
     VariantInfo {
@@ -1322,6 +1394,7 @@ static INFOS: [VariantInfo; 70usize] = [
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("mass_window.cu"),
     },
 ];

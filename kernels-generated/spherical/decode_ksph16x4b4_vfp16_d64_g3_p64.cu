@@ -17,6 +17,7 @@ struct Cfg {
   using Tiers = TierList<Tier0, Tier2>;
 };
 static_assert(DecodeSmem<Cfg>::TOTAL == 46080, "shared-memory plan differs from the Rust bindings");
+
 static_assert(DecodeCta<Cfg, true>::WARP_LSE_PER_PAGE == 0, "page_warp_lse floats per page differ from the Rust bindings");
 }  // namespace
 
@@ -30,8 +31,3 @@ extern "C" __global__ void __launch_bounds__(128, 4) kvf_spherical_decode_ksph16
   kvforge::decode_kernel<Cfg, true>(p);
 }
 
-// Certified decode (seed 004): the tracked decode recording per-16-token-block masses and key
-// error bounds and serving promoted blocks from their originals (block layout; empty otherwise).
-extern "C" __global__ void __launch_bounds__(128, 4) kvf_spherical_decode_ksph16x4b4_vfp16_d64_g3_p64_certified(const kvforge::DecodeParams p) {
-  kvforge::certified_decode_kernel<Cfg>(p);
-}

@@ -19,6 +19,7 @@ struct Cfg {
   using Tiers = TierList<Tier0, Tier1, Tier2, Tier3>;
 };
 static_assert(DecodeSmem<Cfg>::TOTAL == 60304, "shared-memory plan differs from the Rust bindings");
+
 static_assert(DecodeCta<Cfg, true>::WARP_LSE_PER_PAGE == 0, "page_warp_lse floats per page differ from the Rust bindings");
 }  // namespace
 
@@ -32,8 +33,3 @@ extern "C" __global__ void __launch_bounds__(128, 1) kvf_spherical_decode_ksph16
   kvforge::decode_kernel<Cfg, true>(p);
 }
 
-// Certified decode (seed 004): the tracked decode recording per-16-token-block masses and key
-// error bounds and serving promoted blocks from their originals (block layout; empty otherwise).
-extern "C" __global__ void __launch_bounds__(128, 1) kvf_spherical_decode_ksph16x4b6_vfp16__ksph16x4b4_vfp16__ksph32x2b3_vfp16_d64_g8_p64_certified(const kvforge::DecodeParams p) {
-  kvforge::certified_decode_kernel<Cfg>(p);
-}

@@ -350,6 +350,9 @@ pub struct VariantInfo {
     /// Decode: floats per page of the scratch `DecodeParams::page_warp_lse` that the
     /// tracked entry needs (0: none).
     pub warp_lse_per_page: usize,
+    /// Decode: dynamic shared memory of the certified entry (block layout, fp32
+    /// values), which may differ from `smem_bytes`; 0 for other kinds.
+    pub certified_smem_bytes: usize,
     pub source: &'static str,
 }
 /// Every kernel of the spec.
@@ -469,6 +472,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 102880usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g1_p64.cu"),
     },
     VariantInfo {
@@ -482,6 +486,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 104448usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g3_p64.cu"),
     },
     VariantInfo {
@@ -495,6 +500,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 105232usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g4_p64.cu"),
     },
     VariantInfo {
@@ -508,6 +514,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 108368usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g8_p64.cu"),
     },
     VariantInfo {
@@ -521,6 +528,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 92176usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g1_p64.cu"
         ),
@@ -536,6 +544,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 93744usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g3_p64.cu"
         ),
@@ -551,6 +560,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 94528usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g4_p64.cu"
         ),
@@ -566,6 +576,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 97664usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g8_p64.cu"
         ),
@@ -581,6 +592,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 102880usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g1_p64.cu"
         ),
@@ -596,6 +608,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 104448usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g3_p64.cu"
         ),
@@ -611,6 +624,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 105232usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g4_p64.cu"
         ),
@@ -626,6 +640,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 108368usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g8_p64.cu"
         ),
@@ -641,6 +656,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_p64.cu"
         ),
@@ -656,6 +672,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_d64_p64.cu"
         ),
@@ -671,6 +688,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_p64.cu"
         ),
@@ -686,6 +704,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -701,6 +720,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_to_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_d64_p64.cu"
         ),
@@ -716,6 +736,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_p64.cu"
         ),
@@ -731,6 +752,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -746,6 +768,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_p64.cu"
         ),
@@ -761,6 +784,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -776,6 +800,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 2usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_p64.cu"
         ),
@@ -791,6 +816,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("combine_d64.cu"),
     },
     VariantInfo {
@@ -804,6 +830,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 91984usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g1_p64.cu"),
     },
     VariantInfo {
@@ -817,6 +844,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 94576usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g3_p64.cu"),
     },
     VariantInfo {
@@ -830,6 +858,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 95872usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g4_p64.cu"),
     },
     VariantInfo {
@@ -843,6 +872,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 101056usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g8_p64.cu"),
     },
     VariantInfo {
@@ -856,6 +886,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 92560usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g1_p64.cu"
         ),
@@ -871,6 +902,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 95152usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g3_p64.cu"
         ),
@@ -886,6 +918,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 96448usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g4_p64.cu"
         ),
@@ -901,6 +934,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 101632usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g8_p64.cu"
         ),
@@ -916,6 +950,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 91984usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g1_p64.cu"
         ),
@@ -931,6 +966,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 94576usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g3_p64.cu"
         ),
@@ -946,6 +982,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 95872usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g4_p64.cu"
         ),
@@ -961,6 +998,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 101056usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g8_p64.cu"
         ),
@@ -976,6 +1014,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_p64.cu"
         ),
@@ -991,6 +1030,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_d128_p64.cu"
         ),
@@ -1006,6 +1046,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_p64.cu"
         ),
@@ -1021,6 +1062,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -1036,6 +1078,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_to_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_d128_p64.cu"
         ),
@@ -1051,6 +1094,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_p64.cu"
         ),
@@ -1066,6 +1110,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -1081,6 +1126,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_p64.cu"
         ),
@@ -1096,6 +1142,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -1111,6 +1158,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 8448usize,
         ctas_per_page: 4usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!(
             "transcode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_p64.cu"
         ),
@@ -1126,6 +1174,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("combine_d128.cu"),
     },
     VariantInfo {
@@ -1139,6 +1188,7 @@ static INFOS: [VariantInfo; 47usize] = [
         smem_bytes: 0usize,
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
         source: include_str!("mass_window.cu"),
     },
 ];

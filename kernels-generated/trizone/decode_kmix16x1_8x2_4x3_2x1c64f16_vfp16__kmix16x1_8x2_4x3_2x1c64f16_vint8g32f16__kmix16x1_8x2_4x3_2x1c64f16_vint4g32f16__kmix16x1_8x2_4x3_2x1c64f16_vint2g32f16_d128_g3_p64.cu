@@ -20,6 +20,7 @@ struct Cfg {
   using Tiers = TierList<Tier0, Tier1, Tier2, Tier3, Tier4>;
 };
 static_assert(DecodeSmem<Cfg>::TOTAL == 94576, "shared-memory plan differs from the Rust bindings");
+
 static_assert(DecodeCta<Cfg, true>::WARP_LSE_PER_PAGE == 0, "page_warp_lse floats per page differ from the Rust bindings");
 }  // namespace
 
@@ -33,8 +34,3 @@ extern "C" __global__ void __launch_bounds__(256, 2) kvf_trizone_decode_kmix16x1
   kvforge::decode_kernel<Cfg, true>(p);
 }
 
-// Certified decode (seed 004): the tracked decode recording per-16-token-block masses and key
-// error bounds and serving promoted blocks from their originals (block layout; empty otherwise).
-extern "C" __global__ void __launch_bounds__(256, 2) kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g3_p64_certified(const kvforge::DecodeParams p) {
-  kvforge::certified_decode_kernel<Cfg>(p);
-}

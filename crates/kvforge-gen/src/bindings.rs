@@ -77,7 +77,7 @@ pub fn tokens(spec: &Spec, mode: SourceMode) -> Result<TokenStream, crate::Rende
             Family::Transcode { src, dst, .. } => vec![*src, *dst],
             Family::Combine | Family::MassWindow | Family::CertSelect { .. } | Family::CertBound { .. } => vec![],
         };
-        let (threads, smem, ctas_per_page, warp_lse_per_page) = (shape.threads, shape.smem_bytes, shape.ctas_per_page, shape.warp_lse_per_page);
+        let (threads, smem, ctas_per_page, warp_lse_per_page, cert_smem) = (shape.threads, shape.smem_bytes, shape.ctas_per_page, shape.warp_lse_per_page, shape.certified_smem_bytes);
         let source = match mode {
             SourceMode::IncludeStr => {
                 let file = format!("{}.cu", v.name());
@@ -89,7 +89,7 @@ pub fn tokens(spec: &Spec, mode: SourceMode) -> Result<TokenStream, crate::Rende
             }
         };
         infos.push(quote! {
-            VariantInfo { name: #name, symbol: #symbol, kind: #kind, head_dim: #d, gqa: #gqa, tiers: &[#(#tiers),*], threads: #threads, smem_bytes: #smem, ctas_per_page: #ctas_per_page, warp_lse_per_page: #warp_lse_per_page, source: #source }
+            VariantInfo { name: #name, symbol: #symbol, kind: #kind, head_dim: #d, gqa: #gqa, tiers: &[#(#tiers),*], threads: #threads, smem_bytes: #smem, ctas_per_page: #ctas_per_page, warp_lse_per_page: #warp_lse_per_page, certified_smem_bytes: #cert_smem, source: #source }
         });
     }
     let n = variants.len();
@@ -123,6 +123,9 @@ pub fn tokens(spec: &Spec, mode: SourceMode) -> Result<TokenStream, crate::Rende
             /// Decode: floats per page of the scratch `DecodeParams::page_warp_lse` that the
             /// tracked entry needs (0: none).
             pub warp_lse_per_page: usize,
+            /// Decode: dynamic shared memory of the certified entry (block layout, fp32
+            /// values), which may differ from `smem_bytes`; 0 for other kinds.
+            pub certified_smem_bytes: usize,
             pub source: &'static str,
         }
 

@@ -93,6 +93,27 @@ pub fn decode_threads(spec: &Spec, tiers: &[TierId]) -> usize {
     32 * decode_shape(spec, tiers).warps
 }
 
+/// The entry points of a decode module, as far as their shapes differ. The plain and tracked
+/// entries take the spec's `kernels.tensor_core_values` (the per-warp layout where the tiers
+/// allow it); the certified entry always runs the block layout with fp32 values on CUDA cores,
+/// the arithmetic the certificate's E_round covers (fp16 rounding of p and of dequantised V on
+/// the tensor-core value path is not), so a spec need not give up tensor-core values in its
+/// plain decode to be certified. Mirrored by the `CertCfg` of decode.cu.tera.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Entry {
+    /// `<symbol>` and `<symbol>_tracked`.
+    Decode,
+    /// `<symbol>_certified`.
+    Certified,
+}
+
+impl Entry {
+    /// Whether this entry accumulates values on tensor cores where its tiers allow.
+    pub fn tc_values(self, spec: &Spec) -> bool {
+        self == Entry::Decode && spec.kernels.tensor_core_values
+    }
+}
+
 /// Shared memory of one SM on sm_80/sm_90 (bytes), and what the driver reserves per CTA.
 const SMEM_PER_SM: usize = 228 * 1024;
 const SMEM_RESERVED_PER_CTA: usize = 1024;
@@ -101,11 +122,11 @@ const SMEM_RESERVED_PER_CTA: usize = 1024;
 /// `kernels.ctas_per_sm`, and the default 512 threads per SM where the accumulators need the
 /// registers (gqa 8, and the per-warp layout above head_dim 128: one CTA; other variants above
 /// head_dim 128).
-fn target_ctas(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
+fn target_ctas(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, entry: Entry) -> usize {
     let default = (512 / decode_threads(spec, tiers)).max(1);
     // The per-warp layout at head_dim > 128 holds 64 accumulators and 32-pair key and value
     // fragments per thread: ~150 registers (at 128 it spilled 0.5 KB per thread).
-    if gqa >= 8 || (d > 128 && per_warp(spec, tiers, d, gqa)) {
+    if gqa >= 8 || (d > 128 && per_warp(spec, tiers, d, gqa, entry)) {
         1
     } else if d > 128 {
         default
@@ -118,10 +139,10 @@ fn target_ctas(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
 /// [`target_ctas`], where it exceeds the default 512 threads per SM only as far as the
 /// variant's shared memory lets the CTAs reside (a register budget for CTAs that cannot run
 /// only costs spills).
-pub fn min_blocks(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
+pub fn min_blocks(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, entry: Entry) -> usize {
     let default = (512 / decode_threads(spec, tiers)).max(1);
-    let fit = SMEM_PER_SM / (decode_smem(spec, tiers, d, gqa) + SMEM_RESERVED_PER_CTA);
-    target_ctas(spec, tiers, d, gqa).min(fit.max(default)).max(1)
+    let fit = SMEM_PER_SM / (decode_smem(spec, tiers, d, gqa, entry) + SMEM_RESERVED_PER_CTA);
+    target_ctas(spec, tiers, d, gqa, entry).min(fit.max(default)).max(1)
 }
 
 /// Mirror of `IntKey::bfrag_bytes`: integer keys whose block spans several 16-token m-tiles
@@ -139,12 +160,13 @@ fn bfrag_bytes(spec: &Spec, tier: &Tier, d: usize, gqa: usize) -> usize {
 }
 
 /// Whether a tier can take the per-warp decode layout (`Key::WARP && Value::WARP` of its
-/// codecs in codecs.cuh): fp16 or integer keys (channel pairs 2e, 2e + 1 per fragment) and
-/// values whose groups hold a lane's head_dim / 8 channels.
-fn warp_tier(tier: &Tier, d: usize) -> bool {
+/// codecs in codecs.cuh): fp16 keys or integer keys whose scale block spans the page (channel
+/// pairs 2e, 2e + 1 per fragment, scales loaded once per page), and values whose groups hold a
+/// lane's head_dim / 8 channels.
+fn warp_tier(tier: &Tier, d: usize, p: usize) -> bool {
     let key = match &tier.key {
         KeyScheme::Dense(DType::Fp16) => true,
-        KeyScheme::Int { bits, block, .. } => block % 8 == 0 && d * *bits as usize >= 128,
+        KeyScheme::Int { bits, block, .. } => *block >= p && d * *bits as usize >= 128,
         _ => false,
     };
     let value = match &tier.value {
@@ -158,15 +180,15 @@ fn warp_tier(tier: &Tier, d: usize) -> bool {
 /// Mirror of `WarpPlan<Cfg>::ON`: whether a decode variant runs the per-warp layout (each warp
 /// owns 8-token octets with its own online softmax; see decode.cuh). Variants with an integer
 /// key tier whose every tier has fp16 or integer keys and values.
-pub fn per_warp(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> bool {
+pub fn per_warp(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, entry: Entry) -> bool {
     let p = spec.page.tokens;
     let ts: Vec<&Tier> = tiers.iter().map(|&t| &spec.tiers[t as usize]).collect();
-    spec.kernels.tensor_core_values
+    entry.tc_values(spec)
         && gqa <= 8
         && p % 8 == 0
         && p >= 4 * spec.kernels.warps
         && d % 64 == 0
-        && ts.iter().all(|t| warp_tier(t, d))
+        && ts.iter().all(|t| warp_tier(t, d, p))
         && ts.iter().any(|t| matches!(t.key, KeyScheme::Int { .. }))
 }
 
@@ -175,7 +197,7 @@ pub fn per_warp(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> bool {
 /// its log2 mass of each query head of a page there, to be folded after the page loop (so the
 /// fold holds no registers in it); the block layout needs none.
 pub fn warp_lse_per_page(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
-    if per_warp(spec, tiers, d, gqa) {
+    if per_warp(spec, tiers, d, gqa, Entry::Decode) {
         decode_threads(spec, tiers) / 32 * gqa
     } else {
         0
@@ -189,17 +211,17 @@ fn qfrag_bytes(d: usize, gqa: usize) -> usize {
 }
 
 /// Mirror of `DecodeSmem<Cfg>::TOTAL`.
-pub fn decode_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
-    decode_fixed_smem(spec, tiers, d, gqa) + nstage(spec, tiers, d, gqa) * stage_bytes(spec, tiers, d)
+pub fn decode_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, entry: Entry) -> usize {
+    decode_fixed_smem(spec, tiers, d, gqa, entry) + nstage(spec, tiers, d, gqa, entry) * stage_bytes(spec, tiers, d)
 }
 
 /// Shared memory of a decode CTA besides its page stages: queries, lookup tables, scores,
 /// softmax statistics, the output reduction and the key/query fragments.
-fn decode_fixed_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
+fn decode_fixed_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, entry: Entry) -> usize {
     let p = spec.page.tokens;
     let ts: Vec<&Tier> = tiers.iter().map(|&t| &spec.tiers[t as usize]).collect();
     let lut = lut_floats(spec, tiers, d, gqa);
-    let bfrag = if per_warp(spec, tiers, d, gqa) { qfrag_bytes(d, gqa) } else { ts.iter().map(|t| bfrag_bytes(spec, t, d, gqa)).max().unwrap_or(0) };
+    let bfrag = if per_warp(spec, tiers, d, gqa, entry) { qfrag_bytes(d, gqa) } else { ts.iter().map(|t| bfrag_bytes(spec, t, d, gqa)).max().unwrap_or(0) };
     align16(gqa * d * 4) + align16(lut * 4) + align16(gqa * p * 4) + align16(4 * gqa * 4) + align16(gqa * d * 4) + align16(bfrag)
 }
 
@@ -225,9 +247,11 @@ fn stage_bytes(spec: &Spec, tiers: &[TierId], d: usize) -> usize {
 ///   faster than with 4-5 stages; rdkv at 4 warps × 4 CTAs: stages sized to the share let the
 ///   fourth CTA reside);
 /// - variants with spherical tiers are bound by their lookup-table path and want CTAs per SM
-///   more than depth: 3 stages where they fit in 112 KiB (else 2), more only for small pages,
-///   up to 48 KiB (8 stages) (H100, spherical low at batch 64: 0.90x the time of the deep rule).
-pub fn nstage(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
+///   more than depth: as many stages as fit in 48 KiB, 2 to 8 (H100, spherical low at batch 64:
+///   0.90x the time of the deep rule; 2 stages instead of 3 for d128 pages, 2026-11-26:
+///   spherical high / mid at 128K × 64 9.15 / 8.98 → 6.53 / 6.47 ms, low unchanged, batch 1
+///   and 8 within ±3% but high at 1 × 32K +8%).
+pub fn nstage(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, entry: Entry) -> usize {
     let stage = stage_bytes(spec, tiers, d);
     let lut = lut_floats(spec, tiers, d, gqa);
     match spec.kernels.stage_kib {
@@ -235,11 +259,11 @@ pub fn nstage(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
         None if lut == 0 => {
             // At least two CTAs share the SM's stages even where the registers ask for one
             // (gqa 8, wide heads): two resident CTAs hide each other's barrier and prologue.
-            let ctas = target_ctas(spec, tiers, d, gqa).max(2);
-            let share = (SMEM_PER_SM / ctas).saturating_sub(SMEM_RESERVED_PER_CTA + decode_fixed_smem(spec, tiers, d, gqa));
+            let ctas = target_ctas(spec, tiers, d, gqa, entry).max(2);
+            let share = (SMEM_PER_SM / ctas).saturating_sub(SMEM_RESERVED_PER_CTA + decode_fixed_smem(spec, tiers, d, gqa, entry));
             (share.min(100 * 1024) / stage).clamp(2, 16)
         }
-        None => (if 3 * stage <= 112 * 1024 { 3 } else { 2 }).max((48 * 1024 / stage).min(8)),
+        None => (48 * 1024 / stage).clamp(2, 8),
     }
 }
 

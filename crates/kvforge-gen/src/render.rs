@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 use kvforge_spec::{Family, Spec, VariantId};
 use serde::Serialize;
 
-use crate::codec;
+use crate::codec::{self, Entry};
 
 /// The templates and headers, embedded so the runtime and the macros render without the
 /// repository at hand.
@@ -85,6 +85,10 @@ pub struct LaunchShape {
     /// Decode: floats per page of the scratch `DecodeParams::page_warp_lse` that the tracked
     /// entry needs (per-warp layout), 0 where it needs none and for other families.
     pub warp_lse_per_page: usize,
+    /// Decode: dynamic shared memory of the certified entry (`codec::Entry::Certified`: the
+    /// block layout, whose plan may differ from the plain entry's); 0 for other families and
+    /// for specs without `kernels.certified` (no such entry).
+    pub certified_smem_bytes: usize,
 }
 
 pub fn launch_shape(spec: &Spec, v: &VariantId) -> LaunchShape {
@@ -93,9 +97,10 @@ pub fn launch_shape(spec: &Spec, v: &VariantId) -> LaunchShape {
             let d = v.head_dim;
             LaunchShape {
                 threads: codec::decode_threads(spec, tiers),
-                smem_bytes: codec::decode_smem(spec, tiers, d, *gqa),
+                smem_bytes: codec::decode_smem(spec, tiers, d, *gqa, Entry::Decode),
                 ctas_per_page: 1,
                 warp_lse_per_page: codec::warp_lse_per_page(spec, tiers, d, *gqa),
+                certified_smem_bytes: if spec.kernels.certified { codec::decode_smem(spec, tiers, d, *gqa, Entry::Certified) } else { 0 },
             }
         }
         Family::Transcode { dst, .. } => {
@@ -105,16 +110,17 @@ pub fn launch_shape(spec: &Spec, v: &VariantId) -> LaunchShape {
                 smem_bytes: codec::transcode_smem(spec, dst, v.head_dim),
                 ctas_per_page: codec::transcode_split(spec, dst, v.head_dim),
                 warp_lse_per_page: 0,
+                certified_smem_bytes: 0,
             }
         }
-        Family::Combine => LaunchShape { threads: v.head_dim, smem_bytes: 0, ctas_per_page: 1, warp_lse_per_page: 0 },
+        Family::Combine => LaunchShape { threads: v.head_dim, smem_bytes: 0, ctas_per_page: 1, warp_lse_per_page: 0, certified_smem_bytes: 0 },
         // One CTA per (sequence, kv head): 256 threads hold up to 1024 pages in registers
         // (64K tokens at 64-token pages) and loop beyond.
-        Family::MassWindow => LaunchShape { threads: 256, smem_bytes: 0, ctas_per_page: 1, warp_lse_per_page: 0 },
+        Family::MassWindow => LaunchShape { threads: 256, smem_bytes: 0, ctas_per_page: 1, warp_lse_per_page: 0, certified_smem_bytes: 0 },
         // The selector sorts a group's pages in dynamic shared memory: 8 B per page, up to
         // CERT_MAX_BLOCKS (the launch passes what the batch needs; this is the opt-in).
-        Family::CertSelect { .. } => LaunchShape { threads: CERT_SELECT_THREADS, smem_bytes: CERT_MAX_BLOCKS * 8, ctas_per_page: 1, warp_lse_per_page: 0 },
-        Family::CertBound { .. } => LaunchShape { threads: CERT_BOUND_THREADS, smem_bytes: 0, ctas_per_page: 1, warp_lse_per_page: 0 },
+        Family::CertSelect { .. } => LaunchShape { threads: CERT_SELECT_THREADS, smem_bytes: CERT_MAX_BLOCKS * 8, ctas_per_page: 1, warp_lse_per_page: 0, certified_smem_bytes: 0 },
+        Family::CertBound { .. } => LaunchShape { threads: CERT_BOUND_THREADS, smem_bytes: 0, ctas_per_page: 1, warp_lse_per_page: 0, certified_smem_bytes: 0 },
     }
 }
 
@@ -151,9 +157,13 @@ pub fn render(spec: &Spec, v: &VariantId) -> Result<String, RenderError> {
             ctx.insert("tier_list", &ts.iter().map(|t| format!("Tier{}", t.id)).collect::<Vec<_>>().join(", "));
             ctx.insert("tiers", &ts);
             ctx.insert("gqa", gqa);
-            ctx.insert("min_blocks", &codec::min_blocks(spec, tiers, d, *gqa));
-            ctx.insert("tc_values", &spec.kernels.tensor_core_values);
-            ctx.insert("nstage", &codec::nstage(spec, tiers, d, *gqa));
+            ctx.insert("min_blocks", &codec::min_blocks(spec, tiers, d, *gqa, Entry::Decode));
+            ctx.insert("tc_values", &Entry::Decode.tc_values(spec));
+            ctx.insert("nstage", &codec::nstage(spec, tiers, d, *gqa, Entry::Decode));
+            ctx.insert("certified", &spec.kernels.certified);
+            ctx.insert("cert_min_blocks", &codec::min_blocks(spec, tiers, d, *gqa, Entry::Certified));
+            ctx.insert("cert_nstage", &codec::nstage(spec, tiers, d, *gqa, Entry::Certified));
+            ctx.insert("cert_smem", &shape.certified_smem_bytes);
             ctx.insert("warp_lse_per_page", &shape.warp_lse_per_page);
             "decode.cu.tera"
         }

@@ -276,9 +276,11 @@ impl KvCache {
             }
         }
         // Page masses come from the module's tracked entry point (the plain one compiles them
-        // out); in the per-warp layout it needs the per-warp scratch.
-        let tracked = ws.page_lse.is_some() || ws.page_head_lse.is_some() || ws.block_head_lse.is_some();
-        let warp_lse = match (tracked, plan.warp_lse_floats(&self.spec), &ws.page_warp_lse) {
+        // out); in the per-warp layout it needs the per-warp scratch. The certified entry
+        // (block masses) runs the block layout, which needs none.
+        let certified = ws.block_head_lse.is_some();
+        let tracked = certified || ws.page_lse.is_some() || ws.page_head_lse.is_some();
+        let warp_lse = match (tracked && !certified, plan.warp_lse_floats(&self.spec), &ws.page_warp_lse) {
             (false, _, _) | (true, 0, _) => 0,
             (true, need, Some(b)) if b.len() >= need => b.device_ptr(&st).0,
             (true, need, have) => {
@@ -316,17 +318,16 @@ impl KvCache {
         let cfg = LaunchConfig {
             grid_dim: (plan.splits as u32, plan.num_kv_heads as u32, plan.batch as u32),
             block_dim: (k.threads, 1, 1),
-            shared_mem_bytes: k.smem_bytes,
+            // The certified entry runs the block layout, whose shared-memory plan is its own.
+            shared_mem_bytes: if certified { k.certified_smem_bytes } else { k.smem_bytes },
         };
-        let func = if ws.block_head_lse.is_some() {
-            // Certified decode: block masses come from the block layout only.
-            if kvforge_gen::launch_shape(&self.spec, &plan.variant).warp_lse_per_page > 0 {
-                return Err(RtError::BadInput(format!(
-                    "{}: certified decode needs a block-layout variant (this one runs the per-warp layout; set kernels.tensor_core_values = false in the spec)",
-                    plan.variant
-                )));
-            }
-            k.certified.as_ref().ok_or_else(|| RtError::BadInput(format!("{} has no certified entry point", plan.variant)))?
+        let func = if certified {
+            k.certified.as_ref().ok_or_else(|| {
+                RtError::BadInput(format!(
+                    "{}: spec `{}` has no certified entry points (set `certified = true` under [kernels] in {} and regenerate)",
+                    plan.variant, self.spec.name, self.spec.path
+                ))
+            })?
         } else if tracked {
             k.tracked.as_ref().ok_or_else(|| RtError::BadInput(format!("{} has no entry point that records page masses", plan.variant)))?
         } else {

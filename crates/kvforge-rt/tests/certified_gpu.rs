@@ -346,6 +346,21 @@ fn certified_needs_originals_and_a_sane_query() {
     c.append(a, &vec![0.1; 100 * 256], &vec![0.1; 100 * 256]).unwrap();
     assert!(matches!(c.decode_certified(&[a], &vec![0.0; 8 * 128], &mut CertConfig::default()), Err(RtError::BadInput(_))));
     assert!(matches!(c.keep_originals(), Err(RtError::BadInput(_))));
+    // A spec built without the certified entry (rdkv: `kernels.certified` unset) is refused
+    // with a typed error that names the key, on both paths, before any launch.
+    let r = kvforge_rt::testing::shipped_spec("rdkv.toml");
+    let b8 = r.tier("b8").unwrap().id;
+    let mut c = KvCache::new(dev.clone(), r.clone(), CacheConfig::new(&r, 128, 4, 2, 1, 256).target(b8)).unwrap();
+    c.keep_originals().unwrap();
+    let a = c.add_sequence();
+    c.append(a, &vec![0.1; 100 * 256], &vec![0.1; 100 * 256]).unwrap();
+    for path in [CertPath::Gpu, CertPath::Host] {
+        let mut cfg = CertConfig { path, ..CertConfig::default() };
+        match c.decode_certified(&[a], &vec![0.0; 8 * 128], &mut cfg) {
+            Err(RtError::BadInput(m)) => assert!(m.contains("certified = true"), "{m}"),
+            other => panic!("rdkv certified decode on {path:?}: {:?}", other.map(|_| ())),
+        }
+    }
 }
 
 /// Step time of certified decode against plain quantised and plain fp16 decode through the

@@ -78,6 +78,7 @@ pub struct RawKernels {
     pub split_k: Option<bool>,
     pub warps: Option<Spanned<i64>>,
     pub tensor_core_values: Option<bool>,
+    pub certified: Option<bool>,
     pub ctas_per_sm: Option<Spanned<i64>>,
     pub stage_kib: Option<Spanned<i64>>,
     pub dense: Option<Spanned<RawShape>>,

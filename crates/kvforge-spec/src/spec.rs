@@ -66,9 +66,18 @@ pub struct KernelOptions {
     pub warps: usize,
     /// Decode launches that serve integer-key tiers accumulate P·V on tensor cores, with the
     /// probabilities and the dequantised values rounded to fp16 (default). `false` keeps fp32
-    /// CUDA-core accumulation: needed where an error bound assumes fp32 value arithmetic
-    /// (certified decode's E_round, seed 004).
+    /// CUDA-core accumulation in the plain and tracked entries too. The certified entry always
+    /// accumulates in fp32 (the arithmetic certified decode's E_round assumes, seed 004),
+    /// whatever this says.
     pub tensor_core_values: bool,
+    /// Whether decode modules carry the certified entry point (`<symbol>_certified`: block
+    /// layout, fp32 values, per-block masses and key bounds, promoted blocks from their
+    /// originals) that certified decode (seed 004) launches. Default `false`: the entry is a
+    /// third kernel per module (NVRTC time), and in modules whose plain entries run the
+    /// per-warp layout it is a second layout the register allocator must fit under the same
+    /// launch bounds (rdkv at head_dim 256 spills 40-160 B there). Certified decode of a spec
+    /// without it is refused with a typed error.
+    pub certified: bool,
     /// CTAs per SM the decode kernels of gqa < 8 ask the register allocator to fit
     /// (`__launch_bounds__`; gqa ≥ 8 always asks for one: its accumulators need the registers).
     /// Default: 512 threads per SM. Three CTAs of 8 warps cap registers at 80: the low-bit
@@ -178,10 +187,13 @@ impl Spec {
         out
     }
 
-    /// The certified-decode kernels (selector and certificate) of every gqa: not decode
-    /// variants of the spec's tiers, so [`Spec::variants`] leaves them out; rendered, checked
-    /// in and precompiled with it.
+    /// The certified-decode kernels (selector and certificate) of every gqa, for specs with
+    /// `kernels.certified` (none otherwise): not decode variants of the spec's tiers, so
+    /// [`Spec::variants`] leaves them out; rendered, checked in and precompiled with it.
     pub fn certify_variants(&self) -> Vec<VariantId> {
+        if !self.kernels.certified {
+            return Vec::new();
+        }
         self.geometry.gqa.iter().flat_map(|&g| [VariantId::cert_select(self, g), VariantId::cert_bound(self, g)]).collect()
     }
 }
@@ -399,7 +411,7 @@ impl Validator<'_> {
             }
             None => None,
         };
-        let kernels = KernelOptions { combinations, split_k: raw.kernels.split_k.unwrap_or(true), warps, tensor_core_values: raw.kernels.tensor_core_values.unwrap_or(true), ctas_per_sm, stage_kib, dense };
+        let kernels = KernelOptions { combinations, split_k: raw.kernels.split_k.unwrap_or(true), warps, tensor_core_values: raw.kernels.tensor_core_values.unwrap_or(true), certified: raw.kernels.certified.unwrap_or(false), ctas_per_sm, stage_kib, dense };
 
         let mut h = blake3::Hasher::new();
         h.update(src.as_bytes());

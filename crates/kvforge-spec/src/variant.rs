@@ -131,7 +131,7 @@ impl VariantId {
     }
 
     /// Decode variants: the certified entry point (per-block masses and Δ_b, promoted blocks
-    /// read from their originals; block-layout variants only).
+    /// read from their originals), which runs the block layout with fp32 values in every module.
     pub fn certified_symbol(&self) -> Option<String> {
         matches!(self.family, Family::Decode { .. }).then(|| format!("{}_certified", self.symbol()))
     }

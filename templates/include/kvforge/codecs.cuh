@@ -521,25 +521,24 @@ struct IntKey {
   // pair: 92 → 64 instructions per octet and lane for int4 keys. Dequantising the 8 tokens a
   // warp scores costs fewer instructions than folding the block's scales into its query (the
   // fold is per block, and every warp would repeat it).
-  static constexpr bool WARP = BLOCK % 8 == 0 && D * BITS >= 128;
-  // A warp's key reader for one page (constructed per page, called per octet). With one key
-  // block per page (BLOCK ≥ P) the thread's scale and zero pairs are loaded once per page
-  // rather than once per octet: they were 8 of the octet's 10 key LDS.128, each 4 shared-memory
-  // wavefronts, and shared memory is as busy as the issue slots in this layout.
+  // The layout takes keys whose scale block spans the page: the thread's scale and zero pairs
+  // are then loaded once per page (they were 8 of the octet's 10 key LDS.128, each 4
+  // shared-memory wavefronts, and shared memory is as busy as the issue slots here). With
+  // smaller blocks they are reloaded per octet, and fp32 scales are rounded to fp16 pairs:
+  // seed 004's int8 keys (16-token blocks, fp32 scales) ran 12% slower per-warp than in the
+  // block layout with tensor-core values (H100, 128K × 64: 13.9 vs 10.3 ms) and missed the
+  // selftest tolerance (max abs 1.3e-3 vs 9.8e-4) (benches/NOTES.md, 2026-11-26 fourth session).
+  static constexpr bool WARP = BLOCK >= P && D * BITS >= 128;
+  // A warp's key reader for one page (constructed per page, called per octet).
   template <int NPAIR> struct WarpKeys {
-    static constexpr bool PAGE = BLOCK >= P;
     u32 s[NPAIR], z[NPAIR];
     __device__ __forceinline__ WarpKeys(const u8* seg, int qd) {
-      if constexpr (PAGE) load(seg, 0, qd);
-    }
-    __device__ __forceinline__ void load(const u8* seg, int blk, int qd) {
       const int c0 = qd * 2 * NPAIR;
-      scale_pairs<NPAIR>(seg + OFF_SCALE + (blk * D + c0) * int(sizeof(S)), s);
-      scale_pairs<NPAIR>(seg + OFF_ZERO + (blk * D + c0) * int(sizeof(S)), z);
+      scale_pairs<NPAIR>(seg + OFF_SCALE + c0 * int(sizeof(S)), s);
+      scale_pairs<NPAIR>(seg + OFF_ZERO + c0 * int(sizeof(S)), z);
     }
     __device__ __forceinline__ void operator()(const u8* seg, int t, int qd, u32 (&b)[NPAIR]) {
       static_assert(WARP && 2 * NPAIR * BITS / 8 >= 4, "whole code words per slice");
-      if constexpr (!PAGE) load(seg, t / BLOCK, qd);
       adjacent_pairs<NPAIR>(seg + OFF_CODES + t * ROW + qd * 2 * NPAIR * BITS / 8, b);
 #pragma unroll
       for (int e = 0; e < NPAIR; ++e) b[e] = h2_fma(b[e], s[e], z[e]);

@@ -938,11 +938,12 @@ __device__ void decode_kernel(const DecodeParams& p) {
 }
 
 // Certified decode's entry: the tracked decode that also records per-block masses and Δ_b and
-// serves promoted blocks from their originals. Block layout only (certified decode refuses
-// per-warp variants before launching); in a per-warp variant the entry is empty.
+// serves promoted blocks from their originals. Block layout only: the generated module passes
+// a configuration without tensor-core values (CertCfg), whatever its plain entries run.
 template <class Cfg>
 __device__ void certified_decode_kernel(const DecodeParams& p) {
-  if constexpr (!DecodeCta<Cfg, true, true>::PW) decode_kernel<Cfg, true, true>(p);
+  static_assert(!DecodeCta<Cfg, true, true>::PW && !Cfg::TC_VALUES, "certified decode runs the block layout with fp32 values");
+  decode_kernel<Cfg, true, true>(p);
 }
 
 }  // namespace kvforge

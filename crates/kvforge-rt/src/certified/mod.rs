@@ -282,6 +282,12 @@ impl KvCache {
     /// One certified decode step for `seqs` (one query token each, `q` as in [`KvCache::decode`]).
     pub fn decode_certified(&mut self, seqs: &[usize], q: &[f32], cfg: &mut CertConfig) -> Result<CertifiedOutput> {
         cfg.validate()?;
+        if !self.spec.kernels.certified {
+            return Err(RtError::BadInput(format!(
+                "spec `{}` is built without certified decode: set `certified = true` under [kernels] in {} and regenerate",
+                self.spec.name, self.spec.path
+            )));
+        }
         let (mut groups, qh) = self.cert_groups(seqs, q)?;
         let step_seed = cfg.seed;
         cfg.seed = cfg.seed.wrapping_add(1);
