@@ -240,7 +240,7 @@ fn stage_bytes(spec: &Spec, tiers: &[TierId], d: usize) -> usize {
 
 /// Pages in flight per decode CTA (`Cfg::NSTAGE` of the generated kernel; the one place this
 /// is decided), 2 to 16:
-/// - the spec's `kernels.stage_kib` budget when it gives one;
+/// - the spec's `kernels.stage_kib` budget when it gives one (plain and tracked entries);
 /// - integer and dense pages stream at a bandwidth that grows with the bytes in flight, so
 ///   they take as many stages as fit in the CTA's share of the SM's shared memory
 ///   ([`target_ctas`] CTAs per SM, at least 2), at most 100 KiB (H100, per-warp rdkv b8/b4: 1.08-1.21x
@@ -254,7 +254,10 @@ fn stage_bytes(spec: &Spec, tiers: &[TierId], d: usize) -> usize {
 pub fn nstage(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, entry: Entry) -> usize {
     let stage = stage_bytes(spec, tiers, d);
     let lut = lut_floats(spec, tiers, d, gqa);
-    match spec.kernels.stage_kib {
+    // The spec's budget is for the plain and tracked entries; the certified entry holds more
+    // registers, runs two CTAs per SM whatever its shared memory, and wants depth (certified
+    // q8k4v at `stage_kib = 64`: phase 1 at 1 × 32K 94 → 118 µs with 3 stages instead of 5).
+    match spec.kernels.stage_kib.filter(|_| entry == Entry::Decode) {
         Some(kib) => (kib * 1024 / stage).clamp(2, 16),
         None if lut == 0 => {
             // At least two CTAs share the SM's stages even where the registers ask for one

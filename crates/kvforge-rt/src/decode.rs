@@ -4,6 +4,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use half::{bf16, f16};
+use kvforge_gen::codec::Entry;
 use kvforge_spec::{DType, Spec, TierId, VariantId};
 
 use crate::cache::KvCache;
@@ -201,10 +202,18 @@ impl KvCache {
     /// Plans decode over explicit page lists `pages[entry][kv head]` of this cache's pages
     /// (e.g. prefixes of one sequence, see `external::prefix_pages`).
     pub fn plan_pages(&self, pages: &[Vec<Vec<(PageRef, usize)>>]) -> Result<DecodePlan> {
+        self.plan_entry(pages, Entry::Decode)
+    }
+
+    /// Plans like [`KvCache::plan_pages`] for a launch of `entry`: the split count follows
+    /// that entry point's occupancy (the certified entry runs the block layout with its own
+    /// shared memory and registers: sized by the plain entry's three CTAs per SM, certified
+    /// q8k4v's phase 1 ran 1.5 waves, 94 → 127 µs at 1 × 32K on the H100).
+    pub(crate) fn plan_entry(&self, pages: &[Vec<Vec<(PageRef, usize)>>], entry: Entry) -> Result<DecodePlan> {
         let page_bytes: Vec<usize> = (0..self.spec.tiers.len()).map(|t| self.pool.page_bytes(t as TierId)).collect();
         // Occupancy needs the kernel: load (or compile) it while planning.
         let slots = std::cell::RefCell::new(Ok(0usize));
-        let p = plan(&self.spec, self.cfg.head_dim, self.cfg.gqa, pages, &|t| page_bytes[t as usize], &|v| match self.slots(v) {
+        let p = plan(&self.spec, self.cfg.head_dim, self.cfg.gqa, pages, &|t| page_bytes[t as usize], &|v| match self.slots(v, entry) {
             Ok(n) => n,
             Err(e) => {
                 *slots.borrow_mut() = Err(e);
@@ -215,11 +224,15 @@ impl KvCache {
         Ok(p)
     }
 
-    /// CTAs of `v` the device holds at once: occupancy × SMs.
-    fn slots(&self, v: &VariantId) -> Result<usize> {
+    /// CTAs of `v`'s `entry` the device holds at once: occupancy × SMs.
+    fn slots(&self, v: &VariantId, entry: Entry) -> Result<usize> {
         let sms = self.dev.info.sm_count;
         let k = self.kernels.get(&self.dev, &self.spec, v)?;
-        Ok(k.func.occupancy_max_active_blocks_per_multiprocessor(k.threads, k.smem_bytes as usize, None).map_or(sms, |n| n.max(1) as usize * sms))
+        let (func, smem) = match (entry, &k.certified) {
+            (Entry::Certified, Some(f)) => (f, k.certified_smem_bytes),
+            _ => (&k.func, k.smem_bytes),
+        };
+        Ok(func.occupancy_max_active_blocks_per_multiprocessor(k.threads, smem as usize, None).map_or(sms, |n| n.max(1) as usize * sms))
     }
 
     /// Allocates the buffers of `plan` and uploads its page table.

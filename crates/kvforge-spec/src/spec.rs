@@ -87,7 +87,8 @@ pub struct KernelOptions {
     /// Shared memory per decode CTA for its page pipeline (KiB): the stage count is as many
     /// pages as fit (2 to 16). `None`: the generator's rule (codec.rs `nstage`: 100 KiB, less
     /// for variants with lookup tables). Fewer warps per CTA with more CTAs per SM want a
-    /// smaller budget so that the CTAs fit beside each other.
+    /// smaller budget so that the CTAs fit beside each other. The certified entry keeps the
+    /// generator's rule (it runs two CTAs per SM at its register count and wants depth).
     pub stage_kib: Option<usize>,
     /// Shape of the decode launches whose tiers are all dense (fp16/bf16 keys and values):
     /// `None` keeps `warps` / `ctas_per_sm`. A spec tuned for few warps and many CTAs per SM

@@ -20,6 +20,7 @@
 //! [`plan_step`] computes everything a step launches with no CUDA calls (plan, then run).
 
 use cudarc::driver::{sys::CUevent_flags, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use kvforge_gen::codec::Entry;
 use kvforge_spec::{Spec, VariantId, TAIL_TIER};
 
 use super::ladder::{block_indptr, finish, layer_fallback, verdict, Action, Group, PhaseOut};
@@ -272,7 +273,7 @@ impl KvCache {
     pub(super) fn plan_device_step(&self, groups: &[Group], seed: u64) -> Result<StepPlan> {
         let hkv = self.cfg.num_kv_heads;
         let lists: Vec<Vec<Vec<(PageRef, usize)>>> = groups.chunks(hkv).map(|seq| seq.iter().map(|g| g.pages.clone()).collect()).collect();
-        let phase1 = self.plan_pages(&lists)?;
+        let phase1 = self.plan_entry(&lists, Entry::Certified)?;
         let arena = self.arena.device_ptr(&self.dev.stream).0;
         let orig = self.originals.as_ref().expect("checked by decode_certified");
         plan_step(&self.spec, phase1, groups, &|p| orig.address(p), arena, seed)

@@ -10,6 +10,7 @@
 //! by achieved mass, which only the host does).
 
 use cudarc::driver::DevicePtr;
+use kvforge_gen::codec::Entry;
 use kvforge_spec::TAIL_TIER;
 
 use super::bound::certificate;
@@ -353,7 +354,7 @@ impl KvCache {
         // the wrapping difference addresses it); a page served in part keeps its entry, with
         // the mask of served blocks in its info and its original in `promoted_offsets`.
         let lists: Vec<Vec<Vec<(PageRef, usize)>>> = groups.chunks(hkv).map(|seq| seq.iter().map(|g| g.pages.clone()).collect()).collect();
-        let mut plan = self.plan_pages(&lists)?;
+        let mut plan = self.plan_entry(&lists, Entry::Certified)?;
         let mut promoted = Vec::new();
         if !with_delta {
             plan = super::device::phase2_plan(&self.spec, &plan)?;
