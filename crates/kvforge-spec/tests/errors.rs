@@ -387,6 +387,18 @@ fn stage_kib_out_of_range() {
 }
 
 #[test]
+fn certified_entry_is_opt_in() {
+    let s = parse_in(BASE, Path::new(".")).unwrap();
+    assert!(!s.kernels.certified, "default: no certified entry");
+    assert!(s.certify_variants().is_empty(), "no certify kernels without it");
+    let s = parse_in(&format!("{BASE}certified = true\n"), Path::new(".")).unwrap();
+    assert!(s.kernels.certified);
+    assert_eq!(s.certify_variants().len(), 2 * s.geometry.gqa.len(), "a selector and a certificate per gqa");
+    let e = fail(&format!("{BASE}certified = 1\n"));
+    assert!(e.to_string().contains("boolean"), "a typed error for a non-bool: {e}");
+}
+
+#[test]
 fn warps_invalid() {
     let e = fail(&format!("{BASE}warps = 6\n"));
     check(&e, Invalid, 29, 9, "kernels.warps", &["warps 6 is not supported", "valid: 4, 8"]);
