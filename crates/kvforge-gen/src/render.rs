@@ -161,9 +161,11 @@ pub fn render(spec: &Spec, v: &VariantId) -> Result<String, RenderError> {
             ctx.insert("tc_values", &Entry::Decode.tc_values(spec));
             ctx.insert("nstage", &codec::nstage(spec, tiers, d, *gqa, Entry::Decode));
             ctx.insert("certified", &spec.kernels.certified);
-            ctx.insert("cert_min_blocks", &codec::min_blocks(spec, tiers, d, *gqa, Entry::Certified));
-            ctx.insert("cert_nstage", &codec::nstage(spec, tiers, d, *gqa, Entry::Certified));
-            ctx.insert("cert_smem", &shape.certified_smem_bytes);
+            if spec.kernels.certified {
+                ctx.insert("cert_min_blocks", &codec::min_blocks(spec, tiers, d, *gqa, Entry::Certified));
+                ctx.insert("cert_nstage", &codec::nstage(spec, tiers, d, *gqa, Entry::Certified));
+                ctx.insert("cert_smem", &shape.certified_smem_bytes);
+            }
             ctx.insert("warp_lse_per_page", &shape.warp_lse_per_page);
             "decode.cu.tera"
         }

@@ -335,12 +335,7 @@ impl KvCache {
             shared_mem_bytes: if certified { k.certified_smem_bytes } else { k.smem_bytes },
         };
         let func = if certified {
-            k.certified.as_ref().ok_or_else(|| {
-                RtError::BadInput(format!(
-                    "{}: spec `{}` has no certified entry points (set `certified = true` under [kernels] in {} and regenerate)",
-                    plan.variant, self.spec.name, self.spec.path
-                ))
-            })?
+            k.certified.as_ref().ok_or_else(|| crate::certified::uncertified_spec(&self.spec))?
         } else if tracked {
             k.tracked.as_ref().ok_or_else(|| RtError::BadInput(format!("{} has no entry point that records page masses", plan.variant)))?
         } else {

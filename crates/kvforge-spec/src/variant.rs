@@ -131,7 +131,8 @@ impl VariantId {
     }
 
     /// Decode variants: the certified entry point (per-block masses and Δ_b, promoted blocks
-    /// read from their originals), which runs the block layout with fp32 values in every module.
+    /// read from their originals; block layout, fp32 values), compiled only into the modules of
+    /// specs with `kernels.certified`.
     pub fn certified_symbol(&self) -> Option<String> {
         matches!(self.family, Family::Decode { .. }).then(|| format!("{}_certified", self.symbol()))
     }

@@ -208,6 +208,12 @@ pub struct CertifiedOutput {
     pub kernel_us: Option<KernelTimes>,
 }
 
+/// The typed error for certified decode of a spec built without its entry points
+/// (`kernels.certified`), before any launch or at one.
+pub(crate) fn uncertified_spec(spec: &kvforge_spec::Spec) -> RtError {
+    RtError::BadInput(format!("spec `{}` is built without certified decode: set `certified = true` under [kernels] in {} and regenerate", spec.name, spec.path))
+}
+
 impl KvCache {
     /// Keeps the fp16 original of every page encoded from now on in pinned host memory
     /// (tier 2 of certified decode). Call before appending; fails with a typed error if the
@@ -283,10 +289,7 @@ impl KvCache {
     pub fn decode_certified(&mut self, seqs: &[usize], q: &[f32], cfg: &mut CertConfig) -> Result<CertifiedOutput> {
         cfg.validate()?;
         if !self.spec.kernels.certified {
-            return Err(RtError::BadInput(format!(
-                "spec `{}` is built without certified decode: set `certified = true` under [kernels] in {} and regenerate",
-                self.spec.name, self.spec.path
-            )));
+            return Err(uncertified_spec(&self.spec));
         }
         let (mut groups, qh) = self.cert_groups(seqs, q)?;
         let step_seed = cfg.seed;
