@@ -15,7 +15,8 @@
 //! ```
 
 pub mod bindings;
-pub mod codec;
+pub mod schedule;
+pub mod tiers;
 pub mod params;
 pub mod render;
 

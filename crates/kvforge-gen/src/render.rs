@@ -7,7 +7,8 @@ use std::sync::OnceLock;
 use kvforge_spec::{Family, Spec, VariantId};
 use serde::Serialize;
 
-use crate::codec::{self, Entry};
+use crate::schedule::{self, Entry};
+use crate::tiers;
 
 /// The templates and headers, embedded so the runtime and the macros render without the
 /// repository at hand.
@@ -85,7 +86,7 @@ pub struct LaunchShape {
     /// Decode: floats per page of the scratch `DecodeParams::page_warp_lse` that the tracked
     /// entry needs (per-warp layout), 0 where it needs none and for other families.
     pub warp_lse_per_page: usize,
-    /// Decode: dynamic shared memory of the certified entry (`codec::Entry::Certified`: the
+    /// Decode: dynamic shared memory of the certified entry (`schedule::Entry::Certified`: the
     /// block layout, whose plan may differ from the plain entry's); 0 for other families and
     /// for specs without `kernels.certified` (no such entry).
     pub certified_smem_bytes: usize,
@@ -96,19 +97,19 @@ pub fn launch_shape(spec: &Spec, v: &VariantId) -> LaunchShape {
         Family::Decode { tiers, gqa, .. } => {
             let d = v.head_dim;
             LaunchShape {
-                threads: codec::decode_threads(spec, tiers),
-                smem_bytes: codec::decode_smem(spec, tiers, d, *gqa, Entry::Decode),
+                threads: schedule::decode_threads(spec, tiers),
+                smem_bytes: schedule::decode_smem(spec, tiers, d, *gqa, Entry::Decode),
                 ctas_per_page: 1,
-                warp_lse_per_page: codec::warp_lse_per_page(spec, tiers, d, *gqa),
-                certified_smem_bytes: if spec.kernels.certified { codec::decode_smem(spec, tiers, d, *gqa, Entry::Certified) } else { 0 },
+                warp_lse_per_page: schedule::warp_lse_per_page(spec, tiers, d, *gqa),
+                certified_smem_bytes: if spec.kernels.certified { schedule::decode_smem(spec, tiers, d, *gqa, Entry::Certified) } else { 0 },
             }
         }
         Family::Transcode { dst, .. } => {
             let dst = &spec.tiers[*dst as usize];
             LaunchShape {
-                threads: codec::threads(spec),
-                smem_bytes: codec::transcode_smem(spec, dst, v.head_dim),
-                ctas_per_page: codec::transcode_split(spec, dst, v.head_dim),
+                threads: schedule::threads(spec),
+                smem_bytes: schedule::transcode_smem(spec, dst, v.head_dim),
+                ctas_per_page: schedule::transcode_split(spec, dst, v.head_dim),
                 warp_lse_per_page: 0,
                 certified_smem_bytes: 0,
             }
@@ -150,20 +151,20 @@ pub fn render(spec: &Spec, v: &VariantId) -> Result<String, RenderError> {
                 .iter()
                 .map(|&t| {
                     let tier = &spec.tiers[t as usize];
-                    TierCtx { id: t, name: tier.name.clone(), def: codec::tier_def(spec, tier, d), key: tier.key.to_string(), value: tier.value.to_string() }
+                    TierCtx { id: t, name: tier.name.clone(), def: tiers::tier_def(spec, tier, d), key: tier.key.to_string(), value: tier.value.to_string() }
                 })
                 .collect();
             ctx.insert("tier_names", &ts.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", "));
             ctx.insert("tier_list", &ts.iter().map(|t| format!("Tier{}", t.id)).collect::<Vec<_>>().join(", "));
             ctx.insert("tiers", &ts);
             ctx.insert("gqa", gqa);
-            ctx.insert("min_blocks", &codec::min_blocks(spec, tiers, d, *gqa, Entry::Decode));
+            ctx.insert("min_blocks", &schedule::min_blocks(spec, tiers, d, *gqa, Entry::Decode));
             ctx.insert("tc_values", &Entry::Decode.tc_values(spec));
-            ctx.insert("nstage", &codec::nstage(spec, tiers, d, *gqa, Entry::Decode));
+            ctx.insert("nstage", &schedule::nstage(spec, tiers, d, *gqa, Entry::Decode));
             ctx.insert("certified", &spec.kernels.certified);
             if spec.kernels.certified {
-                ctx.insert("cert_min_blocks", &codec::min_blocks(spec, tiers, d, *gqa, Entry::Certified));
-                ctx.insert("cert_nstage", &codec::nstage(spec, tiers, d, *gqa, Entry::Certified));
+                ctx.insert("cert_min_blocks", &schedule::min_blocks(spec, tiers, d, *gqa, Entry::Certified));
+                ctx.insert("cert_nstage", &schedule::nstage(spec, tiers, d, *gqa, Entry::Certified));
                 ctx.insert("cert_smem", &shape.certified_smem_bytes);
             }
             ctx.insert("warp_lse_per_page", &shape.warp_lse_per_page);
@@ -173,21 +174,21 @@ pub fn render(spec: &Spec, v: &VariantId) -> Result<String, RenderError> {
             let (s, t) = (&spec.tiers[*src as usize], &spec.tiers[*dst as usize]);
             ctx.insert("src_name", &s.name);
             ctx.insert("dst_name", &t.name);
-            ctx.insert("src_def", &codec::tier_def(spec, s, d));
-            ctx.insert("dst_def", &codec::tier_def(spec, t, d));
+            ctx.insert("src_def", &tiers::tier_def(spec, s, d));
+            ctx.insert("dst_def", &tiers::tier_def(spec, t, d));
             ctx.insert("src_key", &s.key.to_string());
             ctx.insert("src_value", &s.value.to_string());
             ctx.insert("dst_key", &t.key.to_string());
             ctx.insert("dst_value", &t.value.to_string());
-            let (sng, se) = codec::codebook_shape(s, d);
-            let (dng, de) = codec::codebook_shape(t, d);
+            let (sng, se) = tiers::codebook_shape(s, d);
+            let (dng, de) = tiers::codebook_shape(t, d);
             ctx.insert("src_ng", &sng);
             ctx.insert("src_e", &se);
             ctx.insert("dst_ng", &dng);
             ctx.insert("dst_e", &de);
-            ctx.insert("scratch", &codec::transcode_scratch(spec, t, d));
+            ctx.insert("scratch", &schedule::transcode_scratch(spec, t, d));
             ctx.insert("split", &shape.ctas_per_page);
-            ctx.insert("key_channels", &codec::slices_channels(t));
+            ctx.insert("key_channels", &schedule::slices_channels(t));
             "transcode.cu.tera"
         }
         Family::Combine => "combine.cu.tera",

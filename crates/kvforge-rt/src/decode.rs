@@ -4,7 +4,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use half::{bf16, f16};
-use kvforge_gen::codec::Entry;
+use kvforge_gen::schedule::Entry;
 use kvforge_spec::{DType, Spec, TierId, VariantId};
 
 use crate::cache::KvCache;

@@ -20,7 +20,7 @@
 //! [`plan_step`] computes everything a step launches with no CUDA calls (plan, then run).
 
 use cudarc::driver::{sys::CUevent_flags, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
-use kvforge_gen::codec::Entry;
+use kvforge_gen::schedule::Entry;
 use kvforge_spec::{Spec, VariantId, TAIL_TIER};
 
 use super::ladder::{block_indptr, finish, layer_fallback, verdict, Action, Group, PhaseOut};

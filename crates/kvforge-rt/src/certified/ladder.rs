@@ -10,7 +10,7 @@
 //! by achieved mass, which only the host does).
 
 use cudarc::driver::DevicePtr;
-use kvforge_gen::codec::Entry;
+use kvforge_gen::schedule::Entry;
 use kvforge_spec::TAIL_TIER;
 
 use super::bound::certificate;
