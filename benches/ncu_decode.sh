@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ncu of one decode launch per (tier, case), on the GPU machine: the metrics behind the "why each
-# family misses" table of benches/NOTES.md, written as one JSON file.
+# family misses" table of docs/perf/NOTES.md, written as one JSON file.
 #
 #   bash benches/ncu_decode.sh OUT.json KVFORGE_BIN "tier,tier,..." "context:batch context:batch ..."
 #
