@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Merge kvforge and peer benchmark JSON (same schema) into a markdown table and a PNG plot.
 
-usage: benches/report.py benches/results/h100-2026-11-23.json [peers.json ...] \
-           --md benches/results/h100-2026-11-23.md --png benches/results/h100-2026-11-23.png
+usage: benches/report.py benches/results/kvforge-v11-h100-2026-11-26.json [peers.json ...] \
+           --md benches/results/h100-v11-2026-11-26.md --png benches/results/h100-v11-2026-11-26.png
 """
 import argparse
 import json
