@@ -42,3 +42,9 @@ pub use external::{prefix_pages, ElemType, ExternalTensor, TensorDevice};
 pub use mass_window::{MassWindowRows, WindowFold};
 pub use moves::{MoveBatch, PageMove, SeqMove};
 pub use pool::{PagePool, PageRef};
+
+/// The top-level README's Rust quick start, compiled (not run: it needs a GPU) as a doctest,
+/// so the user's page cannot drift from the API (`cargo test -p kvforge-rt --doc`).
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
