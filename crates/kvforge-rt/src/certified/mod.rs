@@ -36,6 +36,7 @@ mod device;
 mod ladder;
 mod originals;
 pub mod select;
+mod values;
 
 pub use bound::{certificate, total_variation, Certificate};
 pub use device::CrossCheck;
@@ -260,21 +261,16 @@ impl KvCache {
     /// against the encoded page, decoded by the reference) and largest value norm.
     pub(crate) fn record_originals(&mut self, full: &[(usize, Vec<u8>)], encoded: &[PageRef]) -> Result<()> {
         let d = self.cfg.head_dim;
-        let tier = self.spec.tiers[self.cfg.target_tier as usize].clone();
-        let tail = self.spec.tiers[TAIL_TIER as usize].clone();
-        let opts = self.spec.page.clone();
-        let rs_all = self.radius_scales(self.cfg.target_tier)?.unwrap_or_default();
-        let per_head = rs_all.len() / self.cfg.num_kv_heads;
-        for ((h, orig), page) in full.iter().zip(encoded) {
+        let target = self.cfg.target_tier;
+        for ((_, orig), page) in full.iter().zip(encoded) {
             let enc = self.download_page(*page)?;
-            let rs = &rs_all[h * per_head..(h + 1) * per_head];
-            let exact = kvforge_ref::page::decode_page(&tail, d, &opts, orig, &[]).map_err(|e| RtError::BadInput(format!("tier-2 original: {e}")))?;
-            let quant = kvforge_ref::page::decode_page(&tier, d, &opts, &enc, rs).map_err(|e| RtError::BadInput(format!("encoded page: {e}")))?;
+            let exact = values::page_values(&self.spec, TAIL_TIER, d, orig).map_err(|e| RtError::BadInput(format!("tier-2 original: {e}")))?;
+            let quant = values::page_values(&self.spec, target, d, &enc).map_err(|e| RtError::BadInput(format!("encoded page: {e}")))?;
             let mut errors = PageErrors::uniform(0.0, 0.0);
-            for t in 0..exact.v.len() / d {
+            for t in 0..exact.len() / d {
                 let r = t * d..(t + 1) * d;
-                let e: f64 = exact.v[r.clone()].iter().zip(&quant.v[r.clone()]).map(|(a, b)| (a - b) * (a - b)).sum();
-                let n: f64 = exact.v[r].iter().map(|a| a * a).sum();
+                let e: f64 = exact[r.clone()].iter().zip(&quant[r.clone()]).map(|(a, b)| (a - b) * (a - b)).sum();
+                let n: f64 = exact[r].iter().map(|a| a * a).sum();
                 let b = &mut errors.eta[t / CERT_BLOCK];
                 *b = b.max(e.sqrt());
                 errors.v_max = errors.v_max.max(n.sqrt());
