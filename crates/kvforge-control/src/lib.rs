@@ -22,9 +22,9 @@
 //! * [`rdkv`]: seed 002's allocation (Alg. 1–2) and its page-level adaptation.
 //! * [`check`]: the invariant checker; [`runtime`]: applying plans to a `KvCache` (or its
 //!   CPU twin [`runtime::SimCache`]) in a safe order, verified afterwards.
-//! * [`synth`]: synthetic attention with planted sinks, heavy hitters and needles;
-//!   [`frontier`]: attention output error vs bytes of every policy on it (pages coded by
-//!   kvforge-ref as the GPU codes them), and the controllers' cost per decode step.
+//!
+//! The experiments on these controllers (synthetic attention, the error-vs-bytes frontier,
+//! the controllers' cost per decode step) live in `kvforge-lab`.
 //!
 //! ```no_run
 //! # use kvforge_control::*;
@@ -52,7 +52,6 @@
 pub mod budget;
 pub mod check;
 pub mod distortion;
-pub mod frontier;
 pub mod knapsack;
 mod plan;
 pub mod pipeline;
@@ -61,7 +60,6 @@ pub mod rdkv;
 pub mod rdr;
 pub mod runtime;
 pub mod signal;
-pub mod synth;
 pub mod window;
 
 pub use budget::{Budget, CostModel, TierCost, TierCosts};

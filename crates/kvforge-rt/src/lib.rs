@@ -16,7 +16,6 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-pub mod bench;
 mod cache;
 mod channel_order;
 pub mod certified;
@@ -29,7 +28,6 @@ mod kernels;
 mod mass_window;
 mod moves;
 pub mod params;
-pub mod selftest;
 pub mod testing;
 mod pool;
 mod transcode;
