@@ -38,5 +38,6 @@ pub use device::{driver_present, nvrtc_present, Device, DeviceInfo};
 pub use error::{Result, RtError};
 pub use external::{prefix_pages, ElemType, ExternalTensor, TensorDevice};
 pub use mass_window::{MassWindowRows, WindowFold};
-pub use moves::{MoveBatch, PageMove, SeqMove};
+pub use kvforge_paging::PagedCache;
+pub use moves::{MoveBatch, MoveError, PageMove, SeqMove};
 pub use pool::{PagePool, PageRef};

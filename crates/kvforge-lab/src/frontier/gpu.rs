@@ -39,6 +39,7 @@ use kvforge_control::protect::Protection;
 use kvforge_control::runtime::{self, PositionMap};
 use crate::synth::{HeadShape, SynthHead};
 use kvforge_control::window::PagedImportance;
+use kvforge_control_rt::RollCache;
 use kvforge_control::{Controller, RdrController};
 
 /// The GPU loop's setup.
