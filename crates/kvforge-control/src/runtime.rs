@@ -11,7 +11,7 @@
 //! [`PositionMap`] keeps the logical token positions of every page (after a drop a page's
 //! index no longer says where it sits in the context) for any [`PagedCache`], and builds
 //! [`PageTableView`]s from a cache and an importance signal. `KvCache` records positions
-//! itself; [`PositionMap::of_cache`] reads them, so a caller that holds no map between
+//! itself; kvforge-control-rt's `PositionMap::of_cache` reads them, so a caller that holds no map between
 //! invocations (the Python bindings) still gets the right positions.
 
 

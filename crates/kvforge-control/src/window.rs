@@ -4,7 +4,7 @@
 //! 32K tokens × 8 kv heads that bookkeeping (downloading 4096 page masses and folding them
 //! into hash maps) was ~150 µs per step on the H100 machine, most of the controller's cost
 //! (issue 7). With `KvCache::decode_tracked` the window's maximum is kept by the GPU, and the
-//! host works only when the controller runs: [`PagedImportance::roll_cache`] takes the
+//! host works only when the controller runs: kvforge-control-rt's `roll_cache` takes the
 //! window (one download) and folds it into the EMA.
 //!
 //! The result is the tracker's, number for number: [`PagedImportance::roll`] is
