@@ -116,15 +116,10 @@ pub struct KvCache {
     pub(crate) move_bufs: crate::transcode::MoveBuffers,
     /// Last [`layout_epoch`](Self::layout_epoch) handed out.
     epochs: u64,
-    /// Tier 2 of certified decode, when kept ([`KvCache::keep_originals`]).
-    pub(crate) originals: Option<crate::certified::Originals>,
+    /// Certified decode's originals and reused buffers ([`KvCache::keep_originals`]).
+    pub(crate) cert: crate::certified::CertifiedState,
     /// RDR's importance window, once a tracked decode ran ([`KvCache::decode_tracked`]).
     pub(crate) mass_window: Option<crate::mass_window::MassWindow>,
-    /// Device buffers of certified steps on the device path, reused while steps fit.
-    pub(crate) cert_scratch: Option<crate::certified::CertScratch>,
-    /// [`crate::certified::PageIn::Copy`]: device copies of the originals a launch serves,
-    /// kept and grown across steps.
-    pub(crate) cert_page_in: Option<CudaSlice<u8>>,
     /// Launch the split-K combine with programmatic dependent launch: on sm_90+ unless the
     /// environment variable `KVFORGE_NO_PDL` is set (for A/B timing).
     pub(crate) pdl: bool,
@@ -185,7 +180,7 @@ impl KvCache {
         let flags = dev.stream.alloc_zeros::<u32>(1).map_err(drv("error flags"))?;
         let channel_orders = vec![None; spec.tiers.len()];
         let pdl = dev.info.compute_capability.0 >= 9 && std::env::var_os("KVFORGE_NO_PDL").is_none();
-        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, channel_orders, kernels: KernelCache::default(), flags, move_bufs: Default::default(), epochs: 0, originals: None, mass_window: None, cert_scratch: None, cert_page_in: None, pdl })
+        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, channel_orders, kernels: KernelCache::default(), flags, move_bufs: Default::default(), epochs: 0, cert: Default::default(), mass_window: None, pdl })
     }
 
     pub fn spec(&self) -> &Spec {
@@ -368,7 +363,7 @@ impl KvCache {
         if !full_pages.is_empty() {
             self.ensure_radius_scales(target, &full_pages, koff)?;
             let encoded = self.encode_pages(&full_pages, target)?;
-            if self.originals.is_some() {
+            if self.cert.originals.is_some() {
                 self.record_originals(&full_pages, &encoded)?;
             }
             let s = self.seqs[seq].as_mut().unwrap();
