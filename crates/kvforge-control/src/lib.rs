@@ -6,8 +6,8 @@
 //!
 //! * [`signal`]: the CUDA-free input, a [`PageTableView`] (pages per kv head with tier,
 //!   tokens, positions, attention mass, pinned flag), and importance smoothing.
-//! * [`window`]: the same smoothing when the per-step window is kept on the GPU
-//!   (`KvCache::decode_tracked`): the host works only when the controller runs.
+//! * [`window`]: the same smoothing over a window of page masses (kept on the GPU by
+//!   `KvCache::decode_tracked`): the host works only when the controller runs.
 //! * [`budget`]: [`Budget`] and the rate model [`TierCosts`] (bytes per page per tier, from
 //!   the spec).
 //! * [`distortion`]: the per-tier distortion ε (a documented proxy per coding scheme, or a
@@ -20,39 +20,19 @@
 //!   [`pipeline`]: the same decisions made on a planner thread while decoding goes on, each
 //!   applied at the next invocation (plan then run).
 //! * [`rdkv`]: seed 002's allocation (Alg. 1–2) and its page-level adaptation.
-//! * [`check`]: the invariant checker; [`runtime`]: applying plans to a `KvCache` (or its
-//!   CPU twin [`runtime::SimCache`]) in a safe order, verified afterwards.
-//! * [`synth`]: synthetic attention with planted sinks, heavy hitters and needles;
-//!   [`frontier`]: attention output error vs bytes of every policy on it (pages coded by
-//!   kvforge-ref as the GPU codes them), and the controllers' cost per decode step.
+//! * [`check`]: the invariant checker; [`runtime`]: applying plans to a paged cache (a
+//!   `KvCache`, or its CPU twin [`runtime::SimCache`]) in a safe order, verified afterwards.
 //!
-//! ```no_run
-//! # use kvforge_control::*;
-//! # fn demo(cache: &mut kvforge_rt::KvCache, seq: usize, q: &[f32]) -> Result<(), Box<dyn std::error::Error>> {
-//! let spec = cache.spec().clone();
-//! let costs = TierCosts::from_spec(&spec, cache.config().head_dim, CostModel::Resident);
-//! let limits = Limits { budget: Budget::PerToken(160.0), protection: Protection::default() };
-//! let mut rdr = RdrController::new(&spec);
-//! let mut importance = PagedImportance::new(0.5, spec.page.tokens)?;
-//! let mut pos = runtime::PositionMap::new(seq, cache.config().num_kv_heads);
-//! // every decode step, after appending the new token: on the steps RDR samples (one in
-//! // `rdr.sample`) the GPU keeps each page's largest share of attention since the last
-//! // invocation; the other steps run the plain decode.
-//! let out = if rdr.tracks() { cache.decode_tracked(&[seq], q)? } else { cache.decode(&[seq], q)? };
-//! if rdr.step() {
-//!     importance.roll_cache(cache, seq)?;
-//!     pos.sync(cache)?;
-//!     let view = pos.view(cache, costs.clone(), |key, _| runtime::Signal { mass: importance.get(key), ..Default::default() })?;
-//!     let plan = rdr.decide(&view, &limits);
-//!     pos.apply(cache, &view, &plan, &limits)?;
-//! }
-//! # Ok(()) }
-//! ```
+//! The experiments on these controllers (synthetic attention, the error-vs-bytes frontier,
+//! the controllers' cost per decode step) live in `kvforge-lab`.
+//!
+//! This crate is CPU-only: it sees a cache through [`runtime::PagedCache`] (kvforge-paging)
+//! and never links CUDA. Driving a `KvCache` on the GPU (taking its importance window,
+//! applying plans to it) is `kvforge-control-rt`'s, whose crate docs show one decode loop.
 
 pub mod budget;
 pub mod check;
 pub mod distortion;
-pub mod frontier;
 pub mod knapsack;
 mod plan;
 pub mod pipeline;
@@ -61,7 +41,6 @@ pub mod rdkv;
 pub mod rdr;
 pub mod runtime;
 pub mod signal;
-pub mod synth;
 pub mod window;
 
 pub use budget::{Budget, CostModel, TierCost, TierCosts};

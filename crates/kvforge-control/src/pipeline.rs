@@ -45,7 +45,6 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use kvforge_rt::{KvCache, MassWindowRows};
 use kvforge_spec::{Spec, TierId, TAIL_TIER};
 
 use crate::budget::{Budget, TierCosts};
@@ -131,18 +130,22 @@ impl PagedCache for PageSnapshot {
     }
 }
 
-/// An importance window as the boundary got it: shares, or the device rows, whose conversion
-/// (an exp2 per page) is left to the planner thread.
+/// An importance window whose shares the planner thread computes: the device rows of
+/// `KvCache::take_mass_window_rows` turn into shares with an exp2 per page, work better done
+/// off the decode thread (kvforge-control-rt's `invoke_cache` hands them over this way).
+pub type DeferredWindow = Box<dyn FnOnce() -> Vec<Vec<Option<f64>>> + Send>;
+
+/// An importance window as the boundary got it: shares, or a [`DeferredWindow`].
 enum Window {
     Shares(Vec<Vec<Option<f64>>>),
-    Rows(MassWindowRows),
+    Deferred(DeferredWindow),
 }
 
 impl Window {
     fn shares(self) -> Vec<Vec<Option<f64>>> {
         match self {
             Window::Shares(w) => w,
-            Window::Rows(r) => r.shares(),
+            Window::Deferred(f) => f(),
         }
     }
 }
@@ -179,11 +182,11 @@ pub struct Boundary {
     pub applied: Option<(Planned, ApplyReport)>,
     /// Time spent waiting for that plan (0 when it was ready).
     pub waited_us: f64,
-    /// Wall time of the whole boundary on the decode thread, waiting included ([`invoke_all`]:
+    /// Wall time of the whole boundary on the decode thread, waiting included ([`invoke_all_deferred`]:
     /// the batch's boundary divided evenly over its sequences, as are `window_us` and
     /// `apply_us`).
     pub critical_us: f64,
-    /// Of which: taking the importance window from the device ([`RdrPipeline::invoke_cache`];
+    /// Of which: taking the importance window from the device (kvforge-control-rt's `invoke_cache`;
     /// 0 when the window came from elsewhere), and applying the plan (page-table checks and
     /// the transcode launches).
     pub window_us: f64,
@@ -230,7 +233,7 @@ impl Planner {
 ///
 /// Per decode step decode (tracked when [`tracks`](Self::tracks) says so), then call
 /// [`step`](Self::step); when it returns true, call
-/// [`invoke_cache`](Self::invoke_cache) (or [`invoke`](Self::invoke) with a window taken
+/// kvforge-control-rt's `invoke_cache` (or [`invoke`](Self::invoke) with a window taken
 /// elsewhere). After prefill, [`prime`](Self::prime) makes the first decision synchronously
 /// (it moves thousands of pages; nothing to overlap it with).
 pub struct RdrPipeline {
@@ -303,15 +306,14 @@ impl RdrPipeline {
         self.pos.first_tokens(cache)
     }
 
-    /// Takes the sequence's importance window from the GPU and runs the boundary.
-    pub fn invoke_cache(&mut self, cache: &mut KvCache) -> Result<Boundary, ControlError> {
-        let t0 = Instant::now();
-        let rows = cache.take_mass_window_rows(&[self.seq]).map_err(|e| ControlError::Cache { total: 0, source: Box::new(e) })?;
-        let window_us = t0.elapsed().as_secs_f64() * 1e6;
-        let mut b = self.boundary(cache, Window::Rows(rows.into_iter().next().unwrap_or_default()), false)?;
-        b.window_us = window_us;
-        b.critical_us += window_us;
-        Ok(b)
+    /// The sequence this pipeline plans for.
+    pub fn seq(&self) -> usize {
+        self.seq
+    }
+
+    /// [`invoke`](Self::invoke) with a window whose shares the planner thread computes.
+    pub fn invoke_deferred<C: PagedCache>(&mut self, cache: &mut C, window: DeferredWindow) -> Result<Boundary, ControlError> {
+        self.boundary(cache, Window::Deferred(window), false)
     }
 
     /// The boundary (module docs, steps 1–3). `window[h][i]` is page `i` of kv head `h` of the
@@ -384,27 +386,18 @@ impl RdrPipeline {
 }
 
 /// The boundaries of several sequences' pipelines that fall on the same step (a batch
-/// decoding together), with the device work shared: every window comes down in one download
-/// ([`KvCache::take_mass_window_rows`]; the planner threads turn them into shares), and every
-/// plan that is due lands in one [`runtime::apply_grown_many`] (one transcode launch per tier
-/// pair for the whole batch, one synchronisation). Then each pipeline hands its snapshot to its
-/// planner. The download's and the apply's times are split evenly over the boundaries'
-/// `window_us` and `apply_us`.
+/// decoding together), `windows[i]` being pipeline i's: every plan that is due lands in one
+/// [`runtime::apply_grown_many`] (one transcode launch per tier pair for the whole batch, one
+/// synchronisation), then each pipeline hands its snapshot to its planner. kvforge-control-rt's
+/// `invoke_all` takes the windows from the GPU in one download and calls this.
 ///
 /// A plan whose view went stale fails its own sequence's boundary (`Stale`, the others go on);
-/// an error of the cache fails them all (`KvCache::retier_many` says what a device fault
-/// leaves).
-pub fn invoke_all(pipes: &mut [RdrPipeline], cache: &mut KvCache) -> Result<Vec<Boundary>, ControlError> {
-    let t0 = Instant::now();
-    let seqs: Vec<usize> = pipes.iter().map(|p| p.seq).collect();
-    let windows = cache.take_mass_window_rows(&seqs).map_err(|e| ControlError::Cache { total: 0, source: Box::new(e) })?;
-    let window_us = t0.elapsed().as_secs_f64() * 1e6 / pipes.len().max(1) as f64;
-    let mut out = boundaries(pipes, cache, windows.into_iter().map(Window::Rows).collect(), false)?;
-    for b in &mut out {
-        b.window_us = window_us;
-        b.critical_us += window_us;
+/// an error of the cache fails them all.
+pub fn invoke_all_deferred<C: PagedCache>(pipes: &mut [RdrPipeline], cache: &mut C, windows: Vec<DeferredWindow>) -> Result<Vec<Boundary>, ControlError> {
+    if windows.len() != pipes.len() {
+        return Err(ControlError::Planner(format!("{} windows for {} pipelines", windows.len(), pipes.len())));
     }
-    Ok(out)
+    boundaries(pipes, cache, windows.into_iter().map(Window::Deferred).collect(), false)
 }
 
 /// Boundary steps 1–3 of pipelines whose boundaries fall on the same step, `windows[i]` being

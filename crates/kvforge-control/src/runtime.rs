@@ -11,12 +11,12 @@
 //! [`PositionMap`] keeps the logical token positions of every page (after a drop a page's
 //! index no longer says where it sits in the context) for any [`PagedCache`], and builds
 //! [`PageTableView`]s from a cache and an importance signal. `KvCache` records positions
-//! itself; [`PositionMap::of_cache`] reads them, so a caller that holds no map between
+//! itself; kvforge-control-rt's `PositionMap::of_cache` reads them, so a caller that holds no map between
 //! invocations (the Python bindings) still gets the right positions.
 
-use std::cmp::Reverse;
 
-use kvforge_rt::{KvCache, MoveBatch, PageMove, RtError};
+use kvforge_paging::MoveBatch;
+pub use kvforge_paging::{PageMove, PagedCache};
 use kvforge_spec::{Spec, TierId, TAIL_TIER};
 
 use crate::budget::TierCosts;
@@ -24,110 +24,6 @@ use crate::check::{checked, Violation};
 use crate::plan::{Limits, Plan};
 use crate::signal::{PageInfo, PageKey, PageTableView};
 
-/// What [`apply`] needs from a cache.
-pub trait PagedCache {
-    type Error: std::error::Error + Send + Sync + 'static;
-    fn spec(&self) -> &Spec;
-    fn head_dim(&self) -> usize;
-    fn num_kv_heads(&self) -> usize;
-    /// `(tier, valid tokens)` of every page of (seq, head), in token order, tail page last.
-    fn page_tiers(&self, seq: usize, head: usize) -> Result<Vec<(TierId, usize)>, Self::Error>;
-    /// Re-codes full page `index` of (seq, head) into a lower tier; the drop tier frees it and
-    /// removes it from the list.
-    fn retier(&mut self, seq: usize, head: usize, index: usize, to: TierId) -> Result<(), Self::Error>;
-
-    /// Full pages of (seq, head) and the tail page's tokens (None: no tail page). The default
-    /// reads [`page_tiers`](Self::page_tiers).
-    fn page_counts(&self, seq: usize, head: usize) -> Result<(usize, Option<usize>), Self::Error> {
-        let pages = self.page_tiers(seq, head)?;
-        let tail = pages.iter().find(|x| x.0 == TAIL_TIER).map(|x| x.1);
-        Ok((pages.iter().filter(|x| x.0 != TAIL_TIER).count(), tail))
-    }
-
-    /// A number that changes whenever the pages of `seq` change other than by appends
-    /// (`KvCache::layout_epoch`); None where the cache keeps none. A plan made from a
-    /// snapshot of the same epoch applies without walking the page table for staleness.
-    fn layout_epoch(&self, _seq: usize) -> Option<u64> {
-        None
-    }
-
-    /// Applies moves `(kv head, index, to)` of one sequence, on distinct pages; `index` counts
-    /// the head's pages *before* the call (the call removes dropped pages itself). Returns the
-    /// kernel launches it took.
-    ///
-    /// The default calls [`retier`](Self::retier) once per move (one launch per re-code) in
-    /// an order that frees pages before allocating: drops per head from the highest index down
-    /// (the indices still to visit stay valid), then re-codes deepest source tier first (a
-    /// `mid → low` frees a `mid` slot for a `high → mid`), indices shifted past the drops. A
-    /// move naming no full page goes to `retier` first, as given, so the cache's own error
-    /// comes before anything changes (shifted, it could land on another page).
-    fn retier_pages(&mut self, seq: usize, moves: &[PageMove]) -> Result<usize, Self::Error> {
-        let mut tiers = std::collections::BTreeMap::new();
-        for &(h, _, _) in moves {
-            if let std::collections::btree_map::Entry::Vacant(e) = tiers.entry(h) {
-                e.insert(self.page_tiers(seq, h)?);
-            }
-        }
-        let is_drop = |t: TierId| self.spec().tiers.get(t as usize).is_some_and(|x| x.is_drop());
-        let (mut bad, mut drops, mut recodes) = (Vec::new(), Vec::new(), Vec::new());
-        for &(h, i, to) in moves {
-            match tiers[&h].get(i).map(|x: &(TierId, usize)| x.0).filter(|&t| t != TAIL_TIER) {
-                None => bad.push((h, i, to)),
-                Some(_) if is_drop(to) => drops.push((h, i, to)),
-                Some(from) => recodes.push((Reverse(from), h, i, to)),
-            }
-        }
-        drops.sort_by_key(|&(h, i, _)| (h, Reverse(i)));
-        recodes.sort_unstable();
-        for (h, i, to) in bad.into_iter().chain(drops.iter().copied()) {
-            self.retier(seq, h, i, to)?;
-        }
-        for &(_, h, i, to) in &recodes {
-            let shift = drops.iter().filter(|d| d.0 == h && d.1 < i).count();
-            self.retier(seq, h, i - shift, to)?;
-        }
-        Ok(recodes.len())
-    }
-
-    /// [`retier_pages`](Self::retier_pages) of several sequences (each once), in one batch
-    /// where the cache can (`KvCache`: one transcode launch per tier pair for all of them, one
-    /// synchronisation). Returns, per sequence, the launches that carried its pages. The
-    /// default applies the sequences one after another, stopping at the first error.
-    fn retier_many(&mut self, batch: &[(usize, &[PageMove])]) -> Result<Vec<usize>, Self::Error> {
-        batch.iter().map(|&(seq, moves)| self.retier_pages(seq, moves)).collect()
-    }
-}
-
-impl PagedCache for KvCache {
-    type Error = kvforge_rt::RtError;
-    fn spec(&self) -> &Spec {
-        KvCache::spec(self)
-    }
-    fn head_dim(&self) -> usize {
-        self.config().head_dim
-    }
-    fn num_kv_heads(&self) -> usize {
-        self.config().num_kv_heads
-    }
-    fn page_tiers(&self, seq: usize, head: usize) -> Result<Vec<(TierId, usize)>, Self::Error> {
-        KvCache::page_tiers(self, seq, head)
-    }
-    fn page_counts(&self, seq: usize, head: usize) -> Result<(usize, Option<usize>), Self::Error> {
-        KvCache::page_counts(self, seq, head)
-    }
-    fn retier(&mut self, seq: usize, head: usize, index: usize, to: TierId) -> Result<(), Self::Error> {
-        KvCache::retier(self, seq, head, index, to)
-    }
-    fn retier_pages(&mut self, seq: usize, moves: &[PageMove]) -> Result<usize, Self::Error> {
-        KvCache::retier_pages(self, seq, moves)
-    }
-    fn retier_many(&mut self, batch: &[(usize, &[PageMove])]) -> Result<Vec<usize>, Self::Error> {
-        KvCache::retier_many(self, batch)
-    }
-    fn layout_epoch(&self, seq: usize) -> Option<u64> {
-        KvCache::layout_epoch(self, seq).ok()
-    }
-}
 
 /// Why a plan was not (fully) applied.
 #[derive(Debug, thiserror::Error)]
@@ -377,19 +273,17 @@ impl PositionMap {
         PositionMap { seq, full_first: vec![Vec::new(); heads], filled: vec![0; heads], tail: vec![0; heads] }
     }
 
-    /// The positions `cache` records for `seq` (no earlier [`sync`](Self::sync) needed).
-    pub fn of_cache(cache: &KvCache, seq: usize) -> Result<PositionMap, ControlError> {
-        let heads = cache.config().num_kv_heads;
-        let p = cache.spec().page.tokens;
-        let len = cache.seq_len(seq).map_err(|e| ControlError::Cache { total: 0, source: Box::new(e) })?;
-        let mut m = PositionMap::new(seq, heads);
-        for h in 0..heads {
-            let pages = cache.positioned_pages(seq, h).map_err(|e| ControlError::Cache { total: 0, source: Box::new(e) })?;
-            m.tail[h] = pages.iter().find(|x| x.0.tier == TAIL_TIER).map_or(0, |x| x.1);
-            m.full_first[h] = pages.iter().filter(|x| x.0.tier != TAIL_TIER).map(|x| x.2).collect();
-            m.filled[h] = (len - m.tail[h]) / p;
+    /// The positions of a cache that records them (`KvCache::positioned_pages`, which
+    /// kvforge-control-rt's `of_cache` reads): per kv head, `(tier, valid tokens, first token)`
+    /// of every page in token order, tail page last, and `len`, the sequence's logical length.
+    pub fn from_positioned(seq: usize, page_tokens: usize, len: usize, heads: &[Vec<(TierId, usize, usize)>]) -> PositionMap {
+        let mut m = PositionMap::new(seq, heads.len());
+        for (h, pages) in heads.iter().enumerate() {
+            m.tail[h] = pages.iter().find(|x| x.0 == TAIL_TIER).map_or(0, |x| x.1);
+            m.full_first[h] = pages.iter().filter(|x| x.0 != TAIL_TIER).map(|x| x.2).collect();
+            m.filled[h] = (len - m.tail[h]) / page_tokens;
         }
-        Ok(m)
+        m
     }
 
     /// Learns the pages appended since the last call.
@@ -549,6 +443,12 @@ pub fn pool_pages() -> usize {
 #[error("{0}")]
 pub struct SimError(pub String);
 
+impl From<kvforge_paging::MoveError> for SimError {
+    fn from(e: kvforge_paging::MoveError) -> SimError {
+        SimError(e.to_string())
+    }
+}
+
 /// A CPU model of `KvCache`'s page bookkeeping (no bytes): appends fill a tail page per head
 /// and turn full ones into `target` pages; `retier_pages` checks and orders a batch with the
 /// very code `KvCache::retier_pages` uses ([`MoveBatch`]), and `retier` is its one-move case.
@@ -645,18 +545,22 @@ impl PagedCache for SimCache {
         if let Some(&(seq, _)) = batch.iter().find(|b| b.0 >= self.seqs.len()) {
             return Err(SimError(format!("sequence {seq} does not exist")));
         }
-        let moves = MoveBatch::seq_moves(batch).map_err(|e| SimError(e.to_string()))?;
+        let moves = MoveBatch::seq_moves(batch)?;
         let seqs = &self.seqs;
         let tier_of = |seq: usize, head: usize, index: usize| {
             let full = seqs[seq].get(head).and_then(|h| h.get(index)).filter(|x| x.0 != TAIL_TIER && x.1 == p);
-            full.map(|x| x.0).ok_or_else(|| RtError::BadInput(format!("no full page {index} in sequence {seq} head {head}")))
+            full.map(|x| x.0).ok_or_else(|| SimError(format!("bad input: no full page {index} in sequence {seq} head {head}")))
         };
         let free: Vec<usize> = match &self.capacity {
             Some(cap) => (0..cap.len()).map(|t| cap[t].saturating_sub(self.used(t as TierId))).collect(),
             None => vec![usize::MAX; self.spec.tiers.len()],
         };
-        let out = |t: TierId| RtError::OutOfPages { tier: self.spec.tiers[t as usize].name.clone(), capacity: self.capacity.as_ref().map_or(usize::MAX, |c| c[t as usize]), page_bytes: self.spec.segment(t, self.head_dim).page_bytes };
-        let plan = MoveBatch::plan(&self.spec, &moves, tier_of, &free, out).map_err(|e| SimError(e.to_string()))?;
+        // Worded as the runtime's out-of-pages error.
+        let out = |t: TierId| {
+            let (tier, capacity, page_bytes) = (&self.spec.tiers[t as usize].name, self.capacity.as_ref().map_or(usize::MAX, |c| c[t as usize]), self.spec.segment(t, self.head_dim).page_bytes);
+            SimError(format!("out of pages for tier `{tier}`: {capacity} pages of {page_bytes} B are all in use; the cache is unchanged"))
+        };
+        let plan = MoveBatch::plan(&self.spec, &moves, tier_of, &free, out)?;
         let order = plan.drops.iter().chain(plan.launches.iter().flat_map(|l| &l.2));
         self.log.extend(order.map(|&m| {
             let (s, (h, i, to)) = moves[m];

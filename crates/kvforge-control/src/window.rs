@@ -4,7 +4,7 @@
 //! 32K tokens × 8 kv heads that bookkeeping (downloading 4096 page masses and folding them
 //! into hash maps) was ~150 µs per step on the H100 machine, most of the controller's cost
 //! (issue 7). With `KvCache::decode_tracked` the window's maximum is kept by the GPU, and the
-//! host works only when the controller runs: [`PagedImportance::roll_cache`] takes the
+//! host works only when the controller runs: kvforge-control-rt's `roll_cache` takes the
 //! window (one download) and folds it into the EMA.
 //!
 //! The result is the tracker's, number for number: [`PagedImportance::roll`] is
@@ -15,9 +15,7 @@
 //! so a roll over 4096 pages is a few array passes instead of ~8000 hash-map operations, and
 //! dropped pages need no `retain` (their slot is never read again).
 
-use kvforge_rt::KvCache;
 
-use crate::runtime::ControlError;
 use crate::signal::PageKey;
 
 /// Why a window could not be rolled in.
@@ -127,15 +125,4 @@ impl PagedImportance {
         self.ema.get(key.head).and_then(|e| e.get(key.first_token / self.page_tokens)).copied().filter(|x| !x.is_nan()).unwrap_or(0.0)
     }
 
-    /// Takes the device window of `seq` (`KvCache::take_mass_window`, which resets it) and
-    /// rolls it in, with the pages' logical positions as the cache records them.
-    pub fn roll_cache(&mut self, cache: &mut KvCache, seq: usize) -> Result<(), ControlError> {
-        let cache_err = |e: kvforge_rt::RtError| ControlError::Cache { total: 0, source: Box::new(e) };
-        let window = cache.take_mass_window(seq).map_err(cache_err)?;
-        let firsts: Vec<Vec<usize>> = (0..cache.config().num_kv_heads)
-            .map(|h| cache.positioned_pages(seq, h).map(|ps| ps.into_iter().map(|p| p.2).collect()))
-            .collect::<Result<_, _>>()
-            .map_err(cache_err)?;
-        self.roll(&firsts, &window).map_err(ControlError::Importance)
-    }
 }

@@ -82,7 +82,7 @@ fn paged_importance_refuses_what_it_cannot_name() {
 
 #[test]
 fn first_tokens_name_pages_across_drops() {
-    let spec = kvforge_rt::testing::shipped_spec("rdkv.toml");
+    let spec = kvforge_spec::Spec::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../specs/rdkv.toml")).unwrap();
     let p = spec.page.tokens;
     let mut c = SimCache::new(spec.clone(), 64, 2, 1);
     let s = c.add_sequence();

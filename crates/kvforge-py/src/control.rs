@@ -10,6 +10,7 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use kvforge_control::runtime::{self, PositionMap, Signal};
+use kvforge_control_rt::{OfCache, RollCache};
 use kvforge_control::{Budget, Controller as Policy, CostModel, DistortionTable, DropPolicy, Limits, PagedImportance, Protection, RdkvController, RdrController, TierCosts};
 use kvforge_spec::{Spec, TierId};
 use pyo3::prelude::*;

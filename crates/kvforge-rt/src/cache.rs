@@ -116,15 +116,10 @@ pub struct KvCache {
     pub(crate) move_bufs: crate::transcode::MoveBuffers,
     /// Last [`layout_epoch`](Self::layout_epoch) handed out.
     epochs: u64,
-    /// Tier 2 of certified decode, when kept ([`KvCache::keep_originals`]).
-    pub(crate) originals: Option<crate::certified::Originals>,
+    /// Certified decode's originals and reused buffers ([`KvCache::keep_originals`]).
+    pub(crate) cert: crate::certified::CertifiedState,
     /// RDR's importance window, once a tracked decode ran ([`KvCache::decode_tracked`]).
     pub(crate) mass_window: Option<crate::mass_window::MassWindow>,
-    /// Device buffers of certified steps on the device path, reused while steps fit.
-    pub(crate) cert_scratch: Option<crate::certified::CertScratch>,
-    /// [`crate::certified::PageIn::Copy`]: device copies of the originals a launch serves,
-    /// kept and grown across steps.
-    pub(crate) cert_page_in: Option<CudaSlice<u8>>,
     /// Launch the split-K combine with programmatic dependent launch: on sm_90+ unless the
     /// environment variable `KVFORGE_NO_PDL` is set (for A/B timing).
     pub(crate) pdl: bool,
@@ -185,7 +180,7 @@ impl KvCache {
         let flags = dev.stream.alloc_zeros::<u32>(1).map_err(drv("error flags"))?;
         let channel_orders = vec![None; spec.tiers.len()];
         let pdl = dev.info.compute_capability.0 >= 9 && std::env::var_os("KVFORGE_NO_PDL").is_none();
-        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, channel_orders, kernels: KernelCache::default(), flags, move_bufs: Default::default(), epochs: 0, originals: None, mass_window: None, cert_scratch: None, cert_page_in: None, pdl })
+        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, channel_orders, kernels: KernelCache::default(), flags, move_bufs: Default::default(), epochs: 0, cert: Default::default(), mass_window: None, pdl })
     }
 
     pub fn spec(&self) -> &Spec {
@@ -368,7 +363,7 @@ impl KvCache {
         if !full_pages.is_empty() {
             self.ensure_radius_scales(target, &full_pages, koff)?;
             let encoded = self.encode_pages(&full_pages, target)?;
-            if self.originals.is_some() {
+            if self.cert.originals.is_some() {
                 self.record_originals(&full_pages, &encoded)?;
             }
             let s = self.seqs[seq].as_mut().unwrap();
@@ -396,30 +391,27 @@ impl KvCache {
         self.dev.stream.memcpy_htod(bytes, &mut view).map_err(drv("page upload"))
     }
 
-    /// Builds `batch` sequences of `len` tokens quickly for benchmarks: a template of up to 16
-    /// pages per head is appended (and encoded) for real, then its page bytes are replicated
-    /// on the device with a doubling copy. Page contents repeat; their bytes are real encoded
-    /// data, never zeros. Needs a fresh cache (pages are allocated in region order).
-    pub fn fill_for_bench(&mut self, batch: usize, len: usize, seed: u64) -> Result<Vec<usize>> {
-        use rand::{Rng, SeedableRng};
-        let (hkv, d, p) = (self.cfg.num_kv_heads, self.cfg.head_dim, self.spec.page.tokens);
+    /// Tiles sequence `s0` into `batch` sequences of `len` tokens by replicating its page bytes
+    /// on the device with a doubling copy: page contents repeat, their bytes are real encoded
+    /// data. `s0` must be the only sequence of a fresh cache, appended with `t` full pages per
+    /// kv head and `len % P` more tokens, where `t` is the largest divisor of `len / P` up to
+    /// 16 (pages are allocated in region order, the template first). Returns the sequence ids,
+    /// `s0` first. Benchmarks build large batches with it (kvforge-lab's `fill_for_bench`).
+    pub fn tile_sequence(&mut self, s0: usize, batch: usize, len: usize) -> Result<Vec<usize>> {
+        let (hkv, p) = (self.cfg.num_kv_heads, self.spec.page.tokens);
         if batch == 0 || len == 0 {
-            return Err(RtError::BadInput("bench fill needs batch > 0 and len > 0".into()));
-        }
-        if self.seqs.iter().any(|s| s.is_some()) || self.pool.used_pages(self.cfg.target_tier) > 0 {
-            return Err(RtError::BadInput("bench fill needs a fresh cache".into()));
+            return Err(RtError::BadInput("tiling needs batch > 0 and len > 0".into()));
         }
         let full = len / p;
-        // The template's page count divides `full`, so replication gives every head the same
-        // number of pages.
         let tmpl_full = (1..=full.min(16)).rev().find(|t| full % t == 0).unwrap_or(0);
         let tmpl_len = tmpl_full * p + len % p;
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        let n = tmpl_len * hkv * d;
-        let k: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
-        let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
-        let s0 = self.add_sequence();
-        self.append(s0, &k, &v)?;
+        let s = self.seq(s0)?;
+        if s.len != tmpl_len || s.heads.iter().any(|h| h.full.len() != tmpl_full) {
+            return Err(RtError::BadInput(format!("tiling {len} tokens needs a template of {tmpl_len} tokens ({tmpl_full} full pages per kv head), sequence {s0} holds {}", s.len)));
+        }
+        if self.seqs.iter().enumerate().any(|(i, s)| i != s0 && s.is_some()) || self.pool.used_pages(self.cfg.target_tier) != tmpl_full * hkv {
+            return Err(RtError::BadInput("tiling needs a fresh cache holding only the template sequence".into()));
+        }
         let target = self.cfg.target_tier;
         // Pages of the template are region indices [0, tmpl_full * hkv) of the target tier.
         let tmpl_pages = tmpl_full * hkv;

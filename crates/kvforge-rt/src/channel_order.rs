@@ -32,7 +32,7 @@ impl KvCache {
         }
         let mut table = Vec::with_capacity(2 * hkv * d);
         for (h, row) in order.chunks(d).enumerate() {
-            kvforge_ref::mixed::check_order(row, d).map_err(|e| RtError::BadInput(format!("channel order of kv head {h}: {e}")))?;
+            check_order(row, d).map_err(|e| RtError::BadInput(format!("channel order of kv head {h}: {e}")))?;
             let mut inverse = vec![0u16; d];
             for (j, &c) in row.iter().enumerate() {
                 inverse[c as usize] = j as u16;
@@ -50,5 +50,31 @@ impl KvCache {
         let all = self.dev.stream.clone_dtoh(table).map_err(drv("channel order download"))?;
         let d = self.cfg.head_dim;
         Ok(Some(all.chunks(2 * d).flat_map(|h| h[..d].iter().copied()).collect()))
+    }
+}
+
+/// Checks that `row` is a permutation of `0..d` (the runtime's own check, so that setting an
+/// order does not call the reference crate; it accepts what `kvforge_ref::mixed::check_order`
+/// accepts).
+fn check_order(row: &[u16], d: usize) -> std::result::Result<(), String> {
+    let mut seen = vec![false; d];
+    for (j, &c) in row.iter().enumerate() {
+        let c = c as usize;
+        if c >= d || seen[c] {
+            return Err(format!("not a permutation of 0..{d}: position {j} holds {c}"));
+        }
+        seen[c] = true;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn check_order_agrees_with_the_reference() {
+        let d = 8;
+        for row in [vec![0u16, 1, 2, 3, 4, 5, 6, 7], vec![7, 6, 5, 4, 3, 2, 1, 0], vec![0, 0, 2, 3, 4, 5, 6, 7], vec![0, 1, 2, 3, 4, 5, 6, 8]] {
+            assert_eq!(super::check_order(&row, d).is_ok(), kvforge_ref::mixed::check_order(&row, d).is_ok(), "{row:?}");
+        }
     }
 }

@@ -16,7 +16,6 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-pub mod bench;
 mod cache;
 mod channel_order;
 pub mod certified;
@@ -29,7 +28,6 @@ mod kernels;
 mod mass_window;
 mod moves;
 pub mod params;
-pub mod selftest;
 pub mod testing;
 mod pool;
 mod transcode;
@@ -40,7 +38,8 @@ pub use device::{driver_present, nvrtc_present, Device, DeviceInfo};
 pub use error::{Result, RtError};
 pub use external::{prefix_pages, ElemType, ExternalTensor, TensorDevice};
 pub use mass_window::{MassWindowRows, WindowFold};
-pub use moves::{MoveBatch, PageMove, SeqMove};
+pub use kvforge_paging::PagedCache;
+pub use moves::{MoveBatch, MoveError, PageMove, SeqMove};
 pub use pool::{PagePool, PageRef};
 
 /// The top-level README's Rust quick start, compiled (not run: it needs a GPU) as a doctest,

@@ -275,7 +275,7 @@ impl KvCache {
         let lists: Vec<Vec<Vec<(PageRef, usize)>>> = groups.chunks(hkv).map(|seq| seq.iter().map(|g| g.pages.clone()).collect()).collect();
         let phase1 = self.plan_entry(&lists, Entry::Certified)?;
         let arena = self.arena.device_ptr(&self.dev.stream).0;
-        let orig = self.originals.as_ref().expect("checked by decode_certified");
+        let orig = self.cert.originals.as_ref().expect("checked by decode_certified");
         plan_step(&self.spec, phase1, groups, &|p| orig.address(p), arena, seed)
     }
 
@@ -326,7 +326,7 @@ impl KvCache {
     /// queries uploaded.
     fn step_buffers(&mut self, plan: &StepPlan, qh: &[u16]) -> Result<CertScratch> {
         let need = Capacity::of(&self.spec, plan);
-        let mut b = match self.cert_scratch.take() {
+        let mut b = match self.cert.scratch.take() {
             Some(s) if s.cap.holds(&need) => s,
             old => self.alloc_scratch(old.map_or(need, |o| o.cap.max(&need)))?,
         };
@@ -493,7 +493,7 @@ impl KvCache {
         let plan = self.plan_device_step(groups, cfg.seed)?;
         let mut b = self.step_buffers(&plan, qh)?;
         let out = self.device_ladder(&plan, &mut b, groups, qh, cfg);
-        self.cert_scratch = Some(b);
+        self.cert.scratch = Some(b);
         out
     }
 
@@ -583,7 +583,7 @@ impl KvCache {
         let plan = self.plan_device_step(&groups, cfg.seed)?;
         let mut b = self.step_buffers(&plan, &qh)?;
         let round = self.device_round(&plan, &mut b, cfg, false).and_then(|_| self.download_result(&plan, &b)).and_then(|res| Ok((self.download_phases(&plan, &b, &res)?, res)));
-        self.cert_scratch = Some(b);
+        self.cert.scratch = Some(b);
         let ((p1, p2, state), dc) = round?;
         let (mut device_state, mut host_state, mut device, mut host) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (gi, g) in groups.iter_mut().enumerate() {

@@ -297,11 +297,11 @@ impl KvCache {
         use cudarc::driver::{sys, DevicePtrMut};
         let need = sources.len() * pb;
         let st = self.dev.stream.clone();
-        if self.cert_page_in.as_ref().is_none_or(|b| b.len() < need) {
+        if self.cert.page_in.as_ref().is_none_or(|b| b.len() < need) {
             // SAFETY: every byte a launch reads is written by the copies below first.
-            self.cert_page_in = Some(unsafe { st.alloc::<u8>(need) }.map_err(drv("tier-2 page-in buffer"))?);
+            self.cert.page_in = Some(unsafe { st.alloc::<u8>(need) }.map_err(drv("tier-2 page-in buffer"))?);
         }
-        let buf = self.cert_page_in.as_mut().expect("allocated above");
+        let buf = self.cert.page_in.as_mut().expect("allocated above");
         let (base, _guard) = buf.device_ptr_mut(&st);
         let mut i = 0;
         while i < sources.len() {
@@ -327,7 +327,7 @@ impl KvCache {
             let st = &self.dev.stream;
             self.arena.device_ptr(st).0
         };
-        let orig = self.originals.as_ref().expect("checked by decode_certified");
+        let orig = self.cert.originals.as_ref().expect("checked by decode_certified");
         let pb = orig.page_bytes();
         let block_bytes = self.cert_block_bytes();
         // Pages with a served block: their tier-2 address (UVA) or a slot of the scratch buffer

@@ -36,6 +36,7 @@ mod device;
 mod ladder;
 mod originals;
 pub mod select;
+mod values;
 
 pub use bound::{certificate, total_variation, Certificate};
 pub use device::CrossCheck;
@@ -54,6 +55,20 @@ use crate::error::{Result, RtError};
 use crate::pool::PageRef;
 use ladder::Group;
 use select::{group_seed, SelectParams};
+
+/// Certified decode's state on a cache, one field of [`KvCache`] rather than three: tier 2
+/// (the originals) once kept, and the device buffers its steps reuse. Empty until
+/// [`KvCache::keep_originals`]; the plain decode never reads it.
+#[derive(Default)]
+pub(crate) struct CertifiedState {
+    /// Tier 2 of certified decode, when kept ([`KvCache::keep_originals`]).
+    pub(crate) originals: Option<Originals>,
+    /// Device buffers of certified steps on the device path, reused while steps fit.
+    pub(crate) scratch: Option<CertScratch>,
+    /// [`PageIn::Copy`]: device copies of the originals a launch serves, kept and grown
+    /// across steps.
+    pub(crate) page_in: Option<cudarc::driver::CudaSlice<u8>>,
+}
 
 /// Where the selector and the certificate run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
@@ -231,17 +246,17 @@ impl KvCache {
         }
         let seg = self.spec.segment(TAIL_TIER, self.cfg.head_dim);
         let bytes = kvforge_spec::HEADER_BYTES + seg.bytes;
-        self.originals = Some(Originals::new(self.dev.stream.context(), self.pool.capacity(self.cfg.target_tier), bytes)?);
+        self.cert.originals = Some(Originals::new(self.dev.stream.context(), self.pool.capacity(self.cfg.target_tier), bytes)?);
         Ok(())
     }
 
     pub fn originals(&self) -> Option<&Originals> {
-        self.originals.as_ref()
+        self.cert.originals.as_ref()
     }
 
     /// Fault injection and eviction: forget a page's original.
     pub fn forget_original(&mut self, page: &PageRef) {
-        if let Some(o) = &mut self.originals {
+        if let Some(o) = &mut self.cert.originals {
             o.forget(page);
         }
     }
@@ -260,27 +275,22 @@ impl KvCache {
     /// against the encoded page, decoded by the reference) and largest value norm.
     pub(crate) fn record_originals(&mut self, full: &[(usize, Vec<u8>)], encoded: &[PageRef]) -> Result<()> {
         let d = self.cfg.head_dim;
-        let tier = self.spec.tiers[self.cfg.target_tier as usize].clone();
-        let tail = self.spec.tiers[TAIL_TIER as usize].clone();
-        let opts = self.spec.page.clone();
-        let rs_all = self.radius_scales(self.cfg.target_tier)?.unwrap_or_default();
-        let per_head = rs_all.len() / self.cfg.num_kv_heads;
-        for ((h, orig), page) in full.iter().zip(encoded) {
+        let target = self.cfg.target_tier;
+        for ((_, orig), page) in full.iter().zip(encoded) {
             let enc = self.download_page(*page)?;
-            let rs = &rs_all[h * per_head..(h + 1) * per_head];
-            let exact = kvforge_ref::page::decode_page(&tail, d, &opts, orig, &[]).map_err(|e| RtError::BadInput(format!("tier-2 original: {e}")))?;
-            let quant = kvforge_ref::page::decode_page(&tier, d, &opts, &enc, rs).map_err(|e| RtError::BadInput(format!("encoded page: {e}")))?;
+            let exact = values::page_values(&self.spec, TAIL_TIER, d, orig).map_err(|e| RtError::BadInput(format!("tier-2 original: {e}")))?;
+            let quant = values::page_values(&self.spec, target, d, &enc).map_err(|e| RtError::BadInput(format!("encoded page: {e}")))?;
             let mut errors = PageErrors::uniform(0.0, 0.0);
-            for t in 0..exact.v.len() / d {
+            for t in 0..exact.len() / d {
                 let r = t * d..(t + 1) * d;
-                let e: f64 = exact.v[r.clone()].iter().zip(&quant.v[r.clone()]).map(|(a, b)| (a - b) * (a - b)).sum();
-                let n: f64 = exact.v[r].iter().map(|a| a * a).sum();
+                let e: f64 = exact[r.clone()].iter().zip(&quant[r.clone()]).map(|(a, b)| (a - b) * (a - b)).sum();
+                let n: f64 = exact[r].iter().map(|a| a * a).sum();
                 let b = &mut errors.eta[t / CERT_BLOCK];
                 *b = b.max(e.sqrt());
                 errors.v_max = errors.v_max.max(n.sqrt());
             }
-            let pb = self.originals.as_ref().map_or(0, |o| o.page_bytes());
-            self.originals.as_mut().unwrap().record(*page, &orig[..pb.min(orig.len())], errors)?;
+            let pb = self.cert.originals.as_ref().map_or(0, |o| o.page_bytes());
+            self.cert.originals.as_mut().unwrap().record(*page, &orig[..pb.min(orig.len())], errors)?;
         }
         Ok(())
     }
@@ -304,7 +314,7 @@ impl KvCache {
     /// The step's groups (sequence-major, then kv head) with their tier-2 annotations, and the
     /// queries in the spec dtype. A missing original is a typed error before any launch.
     fn cert_groups(&self, seqs: &[usize], q: &[f32]) -> Result<(Vec<Group>, Vec<u16>)> {
-        let Some(orig) = self.originals.as_ref() else {
+        let Some(orig) = self.cert.originals.as_ref() else {
             return Err(RtError::BadInput("certified decode needs tier 2: call keep_originals() before appending".into()));
         };
         let (hkv, gqa, d) = (self.cfg.num_kv_heads, self.cfg.gqa, self.cfg.head_dim);

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use kvforge_rt::bench::{bench_tier, copy_gbps, BenchRow};
+use kvforge_lab::bench::{bench_tier, copy_gbps, BenchRow};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -127,7 +127,7 @@ fn certified(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
         "{:<8} {:>5} {:<12} {:>9} {:>9} {:>8} {:>9} {:>8} {:>9} {:>30} {:>8} {:>8} {:>6} {:>7} {:>18} {:>6} {:>8} {:>9} {:>5}",
         "context", "batch", "attention", "plain_us", "gpu_us", "overhead", "host_us", "overhead", "hcopy_us", "device us p1/select/p2/bound", "plain_dev", "dev_ovh", "check", "rankchk", "rungs 0/1/2/3/4", "rank", "promoted", "max bound", "det"
     );
-    let rows = kvforge_rt::bench::bench_certified(&dev, &spec, tier, a.head_dim, a.q_heads / a.kv_heads, a.kv_heads, &a.contexts, &a.batches, a.steps, !a.rank_report_only, |r| {
+    let rows = kvforge_lab::bench::bench_certified(&dev, &spec, tier, a.head_dim, a.q_heads / a.kv_heads, a.kv_heads, &a.contexts, &a.batches, a.steps, !a.rank_report_only, |r| {
         bar.inc(1);
         let rungs = r.rungs.iter().map(|x| x.to_string()).collect::<Vec<_>>().join("/");
         let k = &r.kernel_us;

@@ -1,13 +1,13 @@
 //! `kvforge frontier`: the quality-vs-bytes frontier of the tier controllers and their cost
-//! per decode step (issue 7 "Bench"). The work is in `kvforge_control::frontier`; this file
+//! per decode step (issue 7 "Bench"). The work is in `kvforge_lab::frontier`; this file
 //! parses arguments, prints tables and writes JSON.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use kvforge_control::frontier::gpu::{gpu_loop, GpuSetup};
-use kvforge_control::frontier::timing::{time_controllers, ControllerTime, TimingSetup};
-use kvforge_control::frontier::{default_methods, summarise, sweep, Scenario, Setup, Summary, Tables, World};
+use kvforge_lab::frontier::gpu::{gpu_loop, GpuSetup};
+use kvforge_lab::frontier::timing::{time_controllers, ControllerTime, TimingSetup};
+use kvforge_lab::frontier::{default_methods, summarise, sweep, Scenario, Setup, Summary, Tables, World};
 use kvforge_spec::{KeyScheme, Spec};
 use serde_json::{json, Value};
 
@@ -198,7 +198,7 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
         out["setup"] = json!({
             "kv_heads": a.kv_heads, "head_dim": 128, "gqa": 4, "page_tokens": rdkv.page.tokens, "seeds": a.seeds, "contexts": a.contexts,
             "keys": a.keys,
-            "head_shapes": kvforge_control::synth::HeadShape::mix(a.kv_heads).iter().map(|h| json!({"gamma": h.gamma, "heavy": h.heavy, "kappa": h.kappa, "needles": h.needles})).collect::<Vec<_>>(),
+            "head_shapes": kvforge_lab::synth::HeadShape::mix(a.kv_heads).iter().map(|h| json!({"gamma": h.gamma, "heavy": h.heavy, "kappa": h.kappa, "needles": h.needles})).collect::<Vec<_>>(),
             "queries_per_head": {"prefill": 16, "decode": a.decode_queries, "test": 4},
             "protection": {"sink_tokens": setup.protection.sink_tokens, "recent_tokens": setup.protection.recent_tokens, "floor_tier": setup.protection.floor},
             "rdr_signal": format!("decode page masses over first-tier pages, tracker window {} queries (one in {} observed), EMA beta {}", setup.window, setup.sample, setup.beta),

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use kvforge_rt::selftest::{run_variant, VariantResult};
+use kvforge_lab::selftest::{run_variant, VariantResult};
 
 #[derive(clap::Args)]
 pub struct Args {

@@ -5,7 +5,7 @@
 
 use std::sync::OnceLock;
 
-use kvforge_control::frontier::*;
+use kvforge_lab::frontier::*;
 use kvforge_control::*;
 use kvforge_spec::{KeyScheme, Spec, TAIL_TIER};
 

@@ -25,14 +25,14 @@ use kvforge_spec::Spec;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::budget::{Budget, CostModel, TierCosts};
-use crate::distortion::DistortionTable;
-use crate::plan::Limits;
-use crate::protect::Protection;
-use crate::runtime::{self, PositionMap, SimCache};
+use kvforge_control::budget::{Budget, CostModel, TierCosts};
+use kvforge_control::distortion::DistortionTable;
+use kvforge_control::Limits;
+use kvforge_control::protect::Protection;
+use kvforge_control::runtime::{self, PositionMap, SimCache};
 use crate::synth::{HeadShape, SynthHead};
-use crate::window::PagedImportance;
-use crate::{Controller, RdkvController, RdrController};
+use kvforge_control::window::PagedImportance;
+use kvforge_control::{Controller, RdkvController, RdrController};
 
 /// The timing setup.
 #[derive(Clone, Debug)]

@@ -15,9 +15,9 @@ use kvforge_spec::{DType, Family, Spec, TierId, VariantId, HEADER_BYTES, TAIL_TI
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::cache::{CacheConfig, KvCache};
-use crate::device::Device;
-use crate::error::Result;
+use kvforge_rt::{CacheConfig, KvCache};
+use kvforge_rt::Device;
+use kvforge_rt::Result;
 
 /// Distribution of keys and values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -227,7 +227,7 @@ pub fn run_variant(dev: &Arc<Device>, spec: &Spec, v: &VariantId, long: bool) ->
                 vmax = vv.iter().fold(vmax, |m, x| m.max(x.abs()));
                 for g in 0..*gqa {
                     let row = (bi * hkv + h) * gqa + g;
-                    let q: Vec<f64> = qs[row * d..(row + 1) * d].iter().map(|&x| crate::from_bits(dtype, crate::to_bits(dtype, x)) as f64).collect();
+                    let q: Vec<f64> = qs[row * d..(row + 1) * d].iter().map(|&x| kvforge_rt::from_bits(dtype, kvforge_rt::to_bits(dtype, x)) as f64).collect();
                     let (o, _lse) = kvforge_ref::attention(&q, &kk, &vv, 1.0 / (d as f64).sqrt());
                     for c in 0..d {
                         let e = (got.out[row * d + c] as f64 - o[c]).abs();

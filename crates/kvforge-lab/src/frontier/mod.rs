@@ -15,7 +15,7 @@
 //!   coded first-tier pages*, normalised per kv head over Σ_{GQA heads} Σ_tokens e^logit — what
 //!   `KvCache::decode_with_mass` reports — folded into an [`ImportanceTracker`] window by
 //!   window (RDR's signal). The GPU reports no per-token masses, so RDR's concentration proxy
-//!   falls back to page level ([`crate::distortion::Proxy`]).
+//!   falls back to page level ([`kvforge_control::distortion::Proxy`]).
 //! * [`Signal::ColumnSums`]: seed 002's prefill column sums `w_t = Σ_τ a_τt` of an
 //!   observation window of prefill queries over the original keys, per token (RDKV's signal).
 //!
@@ -35,14 +35,14 @@ use kvforge_spec::{Codebook, KeyScheme, Spec, TierId, TAIL_TIER};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use crate::budget::{Budget, CostModel, TierCosts};
-use crate::check::simulate;
-use crate::plan::{Limits, Plan};
-use crate::protect::Protection;
-use crate::runtime::{self, ControlError, PagedCache, PositionMap, SimCache};
-use crate::signal::{ImportanceTracker, PageKey, PageTableView};
+use kvforge_control::budget::{Budget, CostModel, TierCosts};
+use kvforge_control::check::simulate;
+use kvforge_control::{Limits, Plan};
+use kvforge_control::protect::Protection;
+use kvforge_control::runtime::{self, ControlError, PagedCache, PositionMap, SimCache};
+use kvforge_control::signal::{ImportanceTracker, PageKey, PageTableView};
 use crate::synth::{HeadShape, SynthHead};
-use crate::Controller;
+use kvforge_control::Controller;
 
 /// One synthetic sequence.
 #[derive(Clone, Debug)]
@@ -286,7 +286,7 @@ pub enum Signal {
     /// Page masses of the decode queries (GPU `decode_with_mass`), `window` queries per
     /// tracker window (RDR's invocation period), EMA coefficient `beta`; only one query in
     /// `sample` is observed (the runtime tracks one decode step in `sample`,
-    /// [`RdrController::tracks`](crate::RdrController::tracks)).
+    /// [`RdrController::tracks`](kvforge_control::RdrController::tracks)).
     DecodeMass { window: usize, beta: f64, sample: usize },
     /// Prefill column sums; `per_token` also hands the controller the token masses (RDKV's
     /// token weights), else only their page sums.
@@ -413,7 +413,7 @@ impl World {
             .map(|_| {
                 (0..self.full)
                     .map(|i| {
-                        let page = crate::signal::PageInfo { tier: 1, tokens: p, first_token: i * p, last_token: i * p + p - 1, mass: 0.0, token_mass: None, pinned: false };
+                        let page = kvforge_control::signal::PageInfo { tier: 1, tokens: p, first_token: i * p, last_token: i * p + p - 1, mass: 0.0, token_mass: None, pinned: false };
                         Some(if keep.is_some_and(|k| k.protects(&page, ctx)) { 1 } else { tier })
                     })
                     .collect()
@@ -434,7 +434,7 @@ impl World {
         let nq = self.coded.first().map_or(0, |c| c.decode_mass.len());
         for w in (0..nq).collect::<Vec<_>>().chunks(window.max(1)) {
             for (j, &q) in w.iter().enumerate() {
-                if !crate::rdr::sampled(j as u64, w.len(), sample) {
+                if !kvforge_control::rdr::sampled(j as u64, w.len(), sample) {
                     continue;
                 }
                 for (h, c) in self.coded.iter().enumerate() {
@@ -529,7 +529,7 @@ pub enum Method {
     /// RDR (defaults) on `spec`'s ladder with decode page masses.
     Rdr { spec: String },
     /// RDKV's page controller with prefill column sums; `concentration` uses
-    /// [`crate::distortion::Proxy::Concentration`] instead of the paper's linear weights.
+    /// [`kvforge_control::distortion::Proxy::Concentration`] instead of the paper's linear weights.
     Rdkv { spec: String, concentration: bool },
     /// Every full page in one tier; with `keep_protected`, protected pages in the first.
     Uniform { spec: String, tier: String, keep_protected: bool },
@@ -597,11 +597,11 @@ impl Default for Setup {
 
 /// Distortion tables are costly to build for spherical specs (codebook sampling): one per spec.
 #[derive(Default)]
-pub struct Tables(HashMap<String, crate::distortion::DistortionTable>);
+pub struct Tables(HashMap<String, kvforge_control::distortion::DistortionTable>);
 
 impl Tables {
-    pub fn get(&mut self, spec: &Spec) -> crate::distortion::DistortionTable {
-        self.0.entry(spec.name.clone()).or_insert_with(|| crate::distortion::DistortionTable::from_spec(spec)).clone()
+    pub fn get(&mut self, spec: &Spec) -> kvforge_control::distortion::DistortionTable {
+        self.0.entry(spec.name.clone()).or_insert_with(|| kvforge_control::distortion::DistortionTable::from_spec(spec)).clone()
     }
 }
 
@@ -634,13 +634,13 @@ pub fn evaluate(world: &World, method: &Method, budget_bytes: f64, setup: &Setup
             return base(world.errors(&a), bytes, bytes, true);
         }
         Method::Rdr { .. } => {
-            let mut c = crate::RdrController::with_table(tables.get(&world.spec));
+            let mut c = kvforge_control::RdrController::with_table(tables.get(&world.spec));
             world.run(&mut c, &Signal::DecodeMass { window: setup.window, beta: setup.beta, sample: setup.sample }, &limits)
         }
         Method::Rdkv { concentration, .. } => {
-            let mut c = crate::RdkvController::new(&world.spec).expect("RDKV needs an integer ladder");
+            let mut c = kvforge_control::RdkvController::new(&world.spec).expect("RDKV needs an integer ladder");
             if *concentration {
-                c.proxy = crate::distortion::Proxy::Concentration;
+                c.proxy = kvforge_control::distortion::Proxy::Concentration;
             }
             world.run(&mut c, &Signal::ColumnSums { per_token: true }, &limits)
         }

@@ -5,7 +5,7 @@
 //! A page re-tiered from the first ladder tier is coded as the GPU does it: the first-tier
 //! page is decoded and the result re-encoded in the new tier (transcode), so spherical errors
 //! compound like they will on the device. The world (synthetic heads, coded pages, split-K
-//! partials of the test queries) is `kvforge_control::frontier::World`, which `kvforge
+//! partials of the test queries) is `kvforge_lab::frontier::World`, which `kvforge
 //! frontier` sweeps over budgets; these tests pin its expected behaviour on a small case.
 
 mod common;
@@ -14,8 +14,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use common::*;
-use kvforge_control::frontier::{Scenario, Signal, World};
-use kvforge_control::synth::HeadShape;
+use kvforge_lab::frontier::{Scenario, Signal, World};
+use kvforge_lab::synth::HeadShape;
 use kvforge_control::*;
 use kvforge_spec::{KeyScheme, TierId};
 

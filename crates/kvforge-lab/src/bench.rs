@@ -7,9 +7,21 @@ use std::sync::Arc;
 use cudarc::driver::{sys::CUevent_flags, CudaSlice};
 use kvforge_spec::{KeyScheme, Spec, TierId};
 
-use crate::cache::{CacheConfig, KvCache};
-use crate::device::Device;
-use crate::error::{drv, Result};
+use kvforge_rt::{CacheConfig, KvCache};
+use kvforge_rt::Device;
+use kvforge_rt::{Result, RtError};
+
+/// A CUDA driver error of `what`, as the runtime reports its own.
+fn drv(what: impl Into<String>) -> impl FnOnce(cudarc::driver::DriverError) -> RtError {
+    let what = what.into();
+    move |source| {
+        if source.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            RtError::OutOfMemory { what, bytes: 0 }
+        } else {
+            RtError::Driver { what, source }
+        }
+    }
+}
 
 /// One measured case, in the JSON schema shared with the peers' driver.
 #[derive(Clone, Debug, serde::Serialize)]
@@ -26,6 +38,33 @@ pub struct BenchRow {
     pub bytes_read: usize,
     pub gbps: f64,
     pub bw_fraction: f64,
+}
+
+/// Builds `batch` sequences of `len` tokens quickly in a fresh `cache`: a template of up to 16
+/// pages per kv head of uniform random keys and values is appended (and encoded) for real,
+/// then [`KvCache::tile_sequence`] replicates its page bytes on the device. Page contents
+/// repeat; their bytes are real encoded data, never zeros.
+pub fn fill_for_bench(cache: &mut KvCache, batch: usize, len: usize, seed: u64) -> Result<Vec<usize>> {
+    use rand::{Rng, SeedableRng};
+    let (hkv, d, p) = (cache.config().num_kv_heads, cache.config().head_dim, cache.spec().page.tokens);
+    if batch == 0 || len == 0 {
+        return Err(RtError::BadInput("bench fill needs batch > 0 and len > 0".into()));
+    }
+    if cache.pool().used_pages(cache.config().target_tier) > 0 {
+        return Err(RtError::BadInput("bench fill needs a fresh cache".into()));
+    }
+    let full = len / p;
+    // The template's page count divides `full`, so replication gives every head the same
+    // number of pages.
+    let tmpl_full = (1..=full.min(16)).rev().find(|t| full % t == 0).unwrap_or(0);
+    let tmpl_len = tmpl_full * p + len % p;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    let n = tmpl_len * hkv * d;
+    let k: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+    let v: Vec<f32> = (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+    let s0 = cache.add_sequence();
+    cache.append(s0, &k, &v)?;
+    cache.tile_sequence(s0, batch, len)
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -66,7 +105,7 @@ pub fn copy_gbps(dev: &Device, flush: &mut CudaSlice<u8>) -> Result<f64> {
 
 /// Bytes one decode of `plan` reads: every page's header and segment, the queries, the
 /// codebooks every CTA reads to build its lookup tables and the channel orders of mixed keys.
-pub fn bytes_read(cache: &KvCache, plan: &crate::DecodePlan) -> usize {
+pub fn bytes_read(cache: &KvCache, plan: &kvforge_rt::DecodePlan) -> usize {
     let spec = cache.spec();
     let d = plan.head_dim;
     let mut bytes = plan.batch * plan.num_kv_heads * plan.gqa * d * 2;
@@ -89,7 +128,7 @@ pub fn bytes_read(cache: &KvCache, plan: &crate::DecodePlan) -> usize {
 #[allow(clippy::too_many_arguments)]
 pub fn bench_tier(dev: &Arc<Device>, spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, hkv: usize, contexts: &[usize], batches: &[usize], runs: usize, copy: f64, max_bytes: usize, mut progress: impl FnMut(&BenchRow)) -> Result<Vec<BenchRow>> {
     let Some(&first) = tiers.first() else {
-        return Err(crate::RtError::BadInput("bench needs at least one tier".into()));
+        return Err(kvforge_rt::RtError::BadInput("bench needs at least one tier".into()));
     };
     let label = format!("{}:{}", spec.name, tiers.iter().map(|&t| spec.tiers[t as usize].name.as_str()).collect::<Vec<_>>().join("+"));
     let mut flush = dev.stream.alloc_zeros::<u8>(256 << 20).map_err(drv("L2 flush buffer"))?;
@@ -112,7 +151,7 @@ pub fn bench_tier(dev: &Arc<Device>, spec: &Spec, tiers: &[TierId], d: usize, gq
                 continue;
             }
             let mut cache = KvCache::new(dev.clone(), spec.clone(), cfg)?;
-            let seqs = cache.fill_for_bench(batch, ctx, 7)?;
+            let seqs = fill_for_bench(&mut cache, batch, ctx, 7)?;
             if tiers.len() > 1 {
                 let full = ctx / spec.page.tokens;
                 for &s in &seqs {
@@ -122,7 +161,7 @@ pub fn bench_tier(dev: &Arc<Device>, spec: &Spec, tiers: &[TierId], d: usize, gq
             }
             let plan = cache.plan(&seqs)?;
             let mut ws = cache.workspace(&plan)?;
-            let q: Vec<u16> = (0..batch * hkv * gqa * d).map(|i| crate::to_bits(spec.geometry.dtype, ((i * 7919) % 2001) as f32 / 1000.0 - 1.0)).collect();
+            let q: Vec<u16> = (0..batch * hkv * gqa * d).map(|i| kvforge_rt::to_bits(spec.geometry.dtype, ((i * 7919) % 2001) as f32 / 1000.0 - 1.0)).collect();
             dev.stream.memcpy_htod(&q, &mut ws.q).map_err(drv("queries"))?;
             let t = time_us(dev, &mut flush, 3, runs, || cache.launch(&plan, &mut ws))?;
             cache.check(&plan)?;
@@ -167,14 +206,14 @@ pub struct CertifiedRow {
     /// Host path (selector and certificate on the host between launches).
     pub host_path_us: f64,
     pub host_path_overhead: f64,
-    /// Host path with [`crate::certified::PageIn::Copy`]: the same steps (same selection) with
+    /// Host path with [`kvforge_rt::certified::PageIn::Copy`]: the same steps (same selection) with
     /// the promoted originals copied into device memory (one async DMA per run of consecutive
     /// pages) before phase 2,
     /// instead of read by phase 2 over UVA (`host_path_us`): the page-in comparison.
     pub host_copy_us: f64,
     pub host_copy_overhead: f64,
     /// Median device time of the device path's stages (CUDA events, first round of a step).
-    pub kernel_us: crate::certified::KernelTimes,
+    pub kernel_us: kvforge_rt::certified::KernelTimes,
     /// Certificate kernel (E_key, E_val, E_round, score/ranking/boundary checks) over the
     /// device time of the whole first round.
     pub check_share: f64,
@@ -207,10 +246,10 @@ pub struct CertifiedRow {
 /// Certified decode (seed 004) on `spec`'s quantised tier `tier` (the cache keeps fp16
 /// originals): `steps` decode steps per case with fresh queries, timed against plain decode,
 /// device path, host path (UVA) and host path (copied page-in) alternating on the same cache. `rank_escalate` as in
-/// [`crate::certified::CertConfig`].
+/// [`kvforge_rt::certified::CertConfig`].
 #[allow(clippy::too_many_arguments)]
 pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, gqa: usize, hkv: usize, contexts: &[usize], batches: &[usize], steps: usize, rank_escalate: bool, mut progress: impl FnMut(&CertifiedRow)) -> Result<Vec<CertifiedRow>> {
-    use crate::certified::{CertConfig, CertPath, KernelTimes};
+    use kvforge_rt::certified::{CertConfig, CertPath, KernelTimes};
     use rand::{Rng, SeedableRng};
     let mut rows = Vec::new();
     for &ctx in contexts {
@@ -248,7 +287,7 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                 }
                 let mut cg = CertConfig { rank_escalate, profile: true, ..CertConfig::default() };
                 let mut ch = CertConfig { rank_escalate, path: CertPath::Host, ..CertConfig::default() };
-                let mut cc = CertConfig { page_in: crate::certified::PageIn::Copy, ..ch.clone() };
+                let mut cc = CertConfig { page_in: kvforge_rt::certified::PageIn::Copy, ..ch.clone() };
                 // The same device path without the ranking and boundary checks: their cost.
                 let mut c0 = CertConfig { rank_depth: 0, ..cg.clone() };
                 let mut bound0 = Vec::new();
@@ -293,7 +332,7 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                         heads += 1;
                         if i % gqa == 0 {
                             promoted += h.promoted + h.explored;
-                            blocks += ctx / spec.page.tokens * (spec.page.tokens / crate::certified::CERT_BLOCK);
+                            blocks += ctx / spec.page.tokens * (spec.page.tokens / kvforge_rt::certified::CERT_BLOCK);
                             det += h.detections;
                         }
                     }
@@ -386,10 +425,10 @@ impl TrackedStepTimer {
         let mut ws = cache.mass_workspace(&plan)?;
         cache.track_window(&plan, &mut ws, seqs)?;
         if q.len() != ws.q.len() {
-            return Err(crate::RtError::BadInput(format!("query has {} values, the plan takes {}", q.len(), ws.q.len())));
+            return Err(kvforge_rt::RtError::BadInput(format!("query has {} values, the plan takes {}", q.len(), ws.q.len())));
         }
         let dtype = cache.spec().geometry.dtype;
-        let qh: Vec<u16> = q.iter().map(|&x| crate::to_bits(dtype, x)).collect();
+        let qh: Vec<u16> = q.iter().map(|&x| kvforge_rt::to_bits(dtype, x)).collect();
         let dev = cache.device().clone();
         let st = &dev.stream;
         st.memcpy_htod(&qh, &mut ws.q).map_err(drv("query upload"))?;

@@ -25,21 +25,22 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvforge_rt::bench::TrackedStepTimer;
+use crate::bench::TrackedStepTimer;
 use kvforge_rt::{CacheConfig, Device, KvCache};
 use kvforge_spec::{KeyScheme, Spec, TAIL_TIER};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use super::timing::median;
-use crate::budget::{Budget, CostModel, TierCosts};
-use crate::distortion::DistortionTable;
-use crate::plan::Limits;
-use crate::protect::Protection;
-use crate::runtime::{self, PositionMap};
+use kvforge_control::budget::{Budget, CostModel, TierCosts};
+use kvforge_control::distortion::DistortionTable;
+use kvforge_control::Limits;
+use kvforge_control::protect::Protection;
+use kvforge_control::runtime::{self, PositionMap};
 use crate::synth::{HeadShape, SynthHead};
-use crate::window::PagedImportance;
-use crate::{Controller, RdrController};
+use kvforge_control::window::PagedImportance;
+use kvforge_control_rt::RollCache;
+use kvforge_control::{Controller, RdrController};
 
 /// The GPU loop's setup.
 #[derive(Clone, Debug)]

@@ -1,5 +1,5 @@
 //! What RDR costs the decode critical path when its decisions run on planner threads
-//! ([`crate::pipeline::RdrPipeline`]), on a real `KvCache`, at batch 1 or more.
+//! ([`kvforge_control::pipeline::RdrPipeline`]), on a real `KvCache`, at batch 1 or more.
 //!
 //! `batch` sequences of `context` synthetic tokens × `heads` kv heads (the same keys and values
 //! in each: the page tables and controllers are independent) are prefilled into the first
@@ -24,19 +24,20 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvforge_rt::bench::TrackedStepTimer;
+use crate::bench::TrackedStepTimer;
 use kvforge_rt::{CacheConfig, Device, KvCache};
 use kvforge_spec::{Spec, TAIL_TIER};
 
 use super::gpu::{us, GpuSetup, Workload};
 use super::timing::median;
-use crate::budget::{Budget, CostModel, TierCosts};
-use crate::distortion::DistortionTable;
-use crate::pipeline::{invoke_all, Headroom, Planning, RdrPipeline};
-use crate::plan::Limits;
-use crate::protect::Protection;
-use crate::window::PagedImportance;
-use crate::RdrController;
+use kvforge_control::budget::{Budget, CostModel, TierCosts};
+use kvforge_control::distortion::DistortionTable;
+use kvforge_control::pipeline::{Headroom, Planning, RdrPipeline};
+use kvforge_control_rt::invoke_all;
+use kvforge_control::Limits;
+use kvforge_control::protect::Protection;
+use kvforge_control::window::PagedImportance;
+use kvforge_control::RdrController;
 
 /// Timings of one (spec, batch), µs (medians unless said otherwise).
 #[derive(Clone, Debug, Default)]

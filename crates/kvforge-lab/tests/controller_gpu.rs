@@ -16,8 +16,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvforge_control::runtime::{self, PagedCache, PositionMap, Signal, SimCache};
-use kvforge_control::synth::{self, gauss};
+use kvforge_lab::synth::{self, gauss};
 use kvforge_control::*;
+use kvforge_control_rt::OfCache;
 use kvforge_rt::{CacheConfig, Device, KvCache};
 use kvforge_spec::{Codebook, KeyScheme, Spec, TierId, HEADER_BYTES, TAIL_TIER};
 use rand::SeedableRng;
