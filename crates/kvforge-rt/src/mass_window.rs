@@ -186,6 +186,7 @@ impl KvCache {
         // `page_indptr` are the plan's buffers (one entry per page, batch × heads + 1
         // ranges), `slots` holds `batch` ids below the window's slots and every range is at
         // most `capacity` pages (grown there).
+        crate::kernels::trace_launch(|| VariantId::mass_window(&self.spec).symbol(), &cfg);
         unsafe { self.dev.stream.launch_builder(&k.func).arg(params).launch(cfg) }.map_err(drv("launch mass_window"))?;
         Ok(())
     }

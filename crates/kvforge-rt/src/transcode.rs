@@ -163,6 +163,7 @@ impl KvCache {
             // arena and tier tables are live allocations of this cache, the argument words
             // were copied above on this stream (n offsets each, then n u32 heads), page
             // offsets come from the pool, and flag word i lies in a buffer of ≥ launches words.
+            crate::kernels::trace_launch(|| v.symbol(), &cfg);
             if let Err(e) = unsafe { st.launch_builder(&k.func).arg(&params).launch(cfg) }.map_err(drv(format!("launch {v}"))) {
                 launch_error = Some(e);
                 break;
