@@ -649,7 +649,7 @@ impl PagedCache for SimCache {
         let seqs = &self.seqs;
         let tier_of = |seq: usize, head: usize, index: usize| {
             let full = seqs[seq].get(head).and_then(|h| h.get(index)).filter(|x| x.0 != TAIL_TIER && x.1 == p);
-            full.map(|x| x.0).ok_or_else(|| RtError::BadInput(format!("no full page {index} in sequence {seq} head {head}")))
+            full.map(|x| x.0).ok_or_else(|| RtError::NoPage { seq, head, index })
         };
         let free: Vec<usize> = match &self.capacity {
             Some(cap) => (0..cap.len()).map(|t| cap[t].saturating_sub(self.used(t as TierId))).collect(),

@@ -82,7 +82,7 @@ pub fn plan(spec: &Spec, head_dim: usize, gqa: usize, pages: &[Vec<Vec<(PageRef,
     let mut bytes_read = 0;
     for (i, seq) in pages.iter().enumerate() {
         if seq.len() != hkv {
-            return Err(RtError::BadInput(format!("sequence {i} has {} kv heads, expected {hkv}", seq.len())));
+            return Err(RtError::ShapeMismatch { what: format!("kv heads of sequence {i}"), expected: hkv.to_string(), got: seq.len().to_string() });
         }
         for head in seq {
             if head.iter().map(|(_, n)| n).sum::<usize>() == 0 {
@@ -301,11 +301,11 @@ impl KvCache {
             (false, _, _) | (true, 0, _) => 0,
             (true, need, Some(b)) if b.len() >= need => b.device_ptr(&st).0,
             (true, need, have) => {
-                return Err(RtError::BadInput(format!(
-                    "{}: recording page masses needs {need} floats of per-warp scratch (`KvCache::warp_lse_scratch`), the workspace has {}",
-                    plan.variant,
-                    have.as_ref().map_or(0, |b| b.len())
-                )))
+                return Err(RtError::CapacityExceeded {
+                    what: format!("{}: per-warp scratch for page masses (`KvCache::warp_lse_scratch`)", plan.variant),
+                    requested: format!("{need} floats"),
+                    capacity: format!("the workspace's {}", have.as_ref().map_or(0, |b| b.len())),
+                })
             }
         };
         let params = DecodeParams {
@@ -399,13 +399,11 @@ impl KvCache {
     pub(crate) fn decode_host(&mut self, plan: &DecodePlan, q: &[f32], mass: PageMass<'_>) -> Result<(DecodeOutput, Vec<f32>)> {
         let rows = plan.batch * plan.num_kv_heads * plan.gqa;
         if q.len() != rows * plan.head_dim {
-            return Err(RtError::BadInput(format!(
-                "query has {} values, expected {} sequences × {} q heads × {}",
-                q.len(),
-                plan.batch,
-                plan.num_kv_heads * plan.gqa,
-                plan.head_dim
-            )));
+            return Err(RtError::ShapeMismatch {
+                what: "query".into(),
+                expected: format!("{} sequences × {} q heads × {} values", plan.batch, plan.num_kv_heads * plan.gqa, plan.head_dim),
+                got: format!("{} values", q.len()),
+            });
         }
         let mut ws = match mass {
             PageMass::Off => self.workspace(plan)?,

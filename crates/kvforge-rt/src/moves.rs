@@ -40,7 +40,7 @@ impl MoveBatch {
     pub fn seq_moves(batch: &[(usize, &[PageMove])]) -> Result<Vec<SeqMove>> {
         for (i, &(s, _)) in batch.iter().enumerate() {
             if batch[..i].iter().any(|b| b.0 == s) {
-                return Err(RtError::BadInput(format!("sequence {s} appears twice in one batch of page moves")));
+                return Err(RtError::Duplicate { what: format!("sequence {s}"), within: "one batch of page moves".into() });
             }
         }
         Ok(batch.iter().flat_map(|&(s, m)| m.iter().map(move |&m| (s, m))).collect())
@@ -63,7 +63,7 @@ impl MoveBatch {
                 return Err(RtError::BadTier(to, format!("pages move down the ladder only (page is in tier {from})")));
             }
             if !seen.insert((seq, head, index)) {
-                return Err(RtError::BadInput(format!("page {index} of kv head {head} of sequence {seq} is moved twice in one batch")));
+                return Err(RtError::Duplicate { what: format!("page {index} of kv head {head} of sequence {seq}"), within: "one batch of page moves".into() });
             }
             if tier.is_drop() {
                 drops.push(i);
@@ -101,7 +101,7 @@ mod tests {
     }
 
     fn plan_seqs(moves: &[SeqMove], tiers: &[TierId], free: &[usize]) -> Result<MoveBatch> {
-        let tier_of = |_s: usize, _h: usize, i: usize| tiers.get(i).copied().ok_or_else(|| RtError::BadInput(format!("no full page {i}")));
+        let tier_of = |_s: usize, _h: usize, i: usize| tiers.get(i).copied().ok_or_else(|| RtError::NoPage { seq: _s, head: _h, index: i });
         MoveBatch::plan(&spec(), moves, tier_of, free, |t| RtError::OutOfPages { tier: t.to_string(), capacity: 0, page_bytes: 0 })
     }
 
@@ -119,10 +119,10 @@ mod tests {
     fn bad_moves_and_capacity_are_errors() {
         let tiers = [1, 2];
         let inf = [usize::MAX; 6];
-        assert!(matches!(plan(&[(0, 2, 3)], &tiers, &inf), Err(RtError::BadInput(_))));
+        assert!(matches!(plan(&[(0, 2, 3)], &tiers, &inf), Err(RtError::NoPage { index: 2, .. })));
         assert!(matches!(plan(&[(0, 0, 9)], &tiers, &inf), Err(RtError::BadTier(9, _))));
         assert!(matches!(plan(&[(0, 1, 2)], &tiers, &inf), Err(RtError::BadTier(2, _))));
-        assert!(matches!(plan(&[(0, 0, 3), (0, 0, 5)], &tiers, &inf), Err(RtError::BadInput(_))));
+        assert!(matches!(plan(&[(0, 0, 3), (0, 0, 5)], &tiers, &inf), Err(RtError::Duplicate { .. })));
         // Tier 2 is full: page 1 leaves it (launch 2 → 3 runs first), then page 0 may enter.
         assert!(plan(&[(0, 0, 2), (0, 1, 3)], &tiers, &[0, 0, 0, 1, 0, 0]).is_ok());
         assert!(matches!(plan(&[(0, 0, 2)], &tiers, &[0, 0, 0, 1, 0, 0]), Err(RtError::OutOfPages { .. })));
@@ -141,7 +141,7 @@ mod tests {
         assert_eq!(b.launches_of(&moves, &[4, 7, 9]), vec![1, 2, 0]);
         // The same page of two sequences is two pages; of one sequence, one named twice.
         assert!(plan_seqs(&[(4, (0, 0, 3)), (7, (0, 0, 3))], &tiers, &[usize::MAX; 6]).is_ok());
-        assert!(matches!(plan_seqs(&[(4, (0, 0, 3)), (4, (0, 0, 5))], &tiers, &[usize::MAX; 6]), Err(RtError::BadInput(_))));
+        assert!(matches!(plan_seqs(&[(4, (0, 0, 3)), (4, (0, 0, 5))], &tiers, &[usize::MAX; 6]), Err(RtError::Duplicate { .. })));
         // Capacity counts the whole batch: two pages into tier 3 need two free slots.
         assert!(matches!(plan_seqs(&moves[..2], &tiers, &[0, 0, 0, 1, 0, 0]), Err(RtError::OutOfPages { .. })));
     }
@@ -150,6 +150,6 @@ mod tests {
     fn seq_moves_flatten_in_order_and_name_each_sequence_once() {
         let (a, b): (&[PageMove], &[PageMove]) = (&[(0, 1, 3), (1, 0, 2)], &[(0, 4, 5)]);
         assert_eq!(MoveBatch::seq_moves(&[(7, a), (2, b)]).unwrap(), vec![(7, (0, 1, 3)), (7, (1, 0, 2)), (2, (0, 4, 5))]);
-        assert!(matches!(MoveBatch::seq_moves(&[(7, a), (2, b), (7, b)]), Err(RtError::BadInput(_))));
+        assert!(matches!(MoveBatch::seq_moves(&[(7, a), (2, b), (7, b)]), Err(RtError::Duplicate { .. })));
     }
 }

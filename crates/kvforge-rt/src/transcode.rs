@@ -80,13 +80,13 @@ impl KvCache {
     /// (`KernelFault`, its destination unwritten); the other pages of the launch are coded.
     pub fn transcode_pages(&mut self, from: TierId, to: TierId, src: &[PageRef], dst: &[PageRef], heads: &[u32]) -> Result<()> {
         if src.is_empty() || src.len() != dst.len() || src.len() != heads.len() {
-            return Err(RtError::BadInput(format!("transcode_pages: {} sources, {} destinations, {} heads (need equal, non-zero)", src.len(), dst.len(), heads.len())));
+            return Err(RtError::ShapeMismatch { what: "transcode_pages".into(), expected: "equal, non-zero counts of sources, destinations and heads".into(), got: format!("{} sources, {} destinations, {} heads", src.len(), dst.len(), heads.len()) });
         }
         if let Some(p) = src.iter().find(|p| p.tier != from).or_else(|| dst.iter().find(|p| p.tier != to)) {
             return Err(RtError::BadInput(format!("transcode_pages: page at {} is in tier {}, not {from} → {to}", p.offset, p.tier)));
         }
         if let Some(h) = heads.iter().find(|&&h| h as usize >= self.cfg.num_kv_heads) {
-            return Err(RtError::BadInput(format!("transcode_pages: kv head {h} of {}", self.cfg.num_kv_heads)));
+            return Err(RtError::NoKvHead { head: *h as usize, heads: self.cfg.num_kv_heads });
         }
         for t in [from, to] {
             if matches!(self.spec.tiers.get(t as usize).map(|t| &t.key), Some(kvforge_spec::KeyScheme::Spherical { .. })) && self.radius_scales[t as usize].is_none() {
