@@ -283,7 +283,32 @@ fn nvrtc_cubin(name: &str, source: &str, arch: &str, ptxas_report: bool) -> Resu
 
 #[cfg(test)]
 mod tests {
-    use super::PtxasReport;
+    use super::{compile, CompileMode, PtxasReport};
+    use crate::error::RtError;
+
+    /// A source NVRTC rejects comes back as `Compile` with its log and the path of a file
+    /// holding that source (skipped, visibly, where NVRTC or the CUDA headers are missing).
+    #[test]
+    fn failed_compile_keeps_its_source() {
+        if !crate::nvrtc_present() || super::cuda_include_dir().is_err() {
+            println!("skipped: no NVRTC or CUDA headers");
+            return;
+        }
+        let spec = crate::testing::shipped_spec("baseline.toml");
+        let v = kvforge_spec::VariantId::mass_window(&spec);
+        let source = "this is not C++ (failed_compile_keeps_its_source)\n";
+        match compile(&v, source, "sm_90", CompileMode { use_cache: false, ..CompileMode::default() }) {
+            Err(RtError::Compile { variant, log, source_path: Some(p) }) => {
+                assert_eq!(variant, v.to_string());
+                assert!(!log.is_empty());
+                assert_eq!(std::fs::read_to_string(&p).unwrap(), source);
+                let e = RtError::Compile { variant, log, source_path: Some(p.clone()) }.to_string();
+                assert!(e.contains(&p.display().to_string()), "{e}");
+                let _ = std::fs::remove_file(&p);
+            }
+            other => panic!("expected a compile error with a source path, got {:?}", other.map(|_| ())),
+        }
+    }
 
     /// A module of two kernels reports the worse of each figure, not the last kernel's.
     #[test]
