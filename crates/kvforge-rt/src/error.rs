@@ -39,7 +39,7 @@ pub enum RtError {
     OutOfPinnedMemory { bytes: usize, reason: String },
     #[error("the fp16 original (tier 2) of page {page} (offset {offset}) is missing: certified decode can neither bound nor recompute it")]
     MissingOriginal { page: usize, offset: u64 },
-    /// An input error no variant below describes better.
+    /// An input error that no typed variant describes better.
     #[error("bad input: {0}")]
     BadInput(String),
     #[error("sequence {0} does not exist")]
@@ -63,8 +63,8 @@ pub enum RtError {
     /// first (e.g. `keep_originals` before the first append).
     #[error("{what}: {fix}")]
     WrongState { what: String, fix: String },
-    /// The spec was not built for what was asked (a head_dim, gqa or entry point it does not
-    /// render); `fix` says how to build it.
+    /// The spec was not built for what was asked (an entry point it does not render, such as
+    /// certified decode); `fix` says how to build it.
     #[error("spec `{spec}` does not support {what}: {fix}")]
     NotInSpec { spec: String, what: String, fix: String },
     #[error("sequence {0} is empty: decode needs at least one cached token")]
