@@ -1,6 +1,6 @@
 //! GPU tests of the controllers on a real `KvCache`: run on the device with
 //! `cargo test -p kvforge-control --test gpu -- --ignored --nocapture`. On a machine without a
-//! GPU they are ignored; forced with `--ignored` they print "skipped: no GPU" and return.
+//! GPU they are ignored; forced with `--ignored` they fail ("needs a CUDA device: ...").
 //!
 //! Every test drives the same flow: a prefill of ~3000 tokens with planted heavy hitters on a
 //! `KvCache` (d 128, gqa 4, 2 kv heads, encoded into tier 1) and the same appends on a
@@ -342,7 +342,7 @@ fn counts(view: &PageTableView, plan: &Plan) -> (usize, usize) {
 /// falling as the budget grows. `fracs` are fractions of the prefill's cost (all full pages in
 /// tier 1), increasing.
 fn prefill_budgets(name: &str, label: &str, make: &dyn Fn(&Spec) -> Box<dyn Controller>, fracs: &[f64]) {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let spec = spec(name);
     let cb = match &spec.tiers[1].key {
         KeyScheme::Spherical { codebook, .. } => Some(codebook.clone()),
@@ -392,7 +392,7 @@ fn prefill_budgets(name: &str, label: &str, make: &dyn Fn(&Spec) -> Box<dyn Cont
 /// steps with RDR deciding whenever `rdr.step()` says so; invariants after every decision.
 /// The budget is `frac` of the prefill's bytes per token and kv head.
 fn decode_loop(name: &str, first: Option<(&str, Box<dyn Controller>)>, frac: f64) {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let spec = spec(name);
     let cb = match &spec.tiers[1].key {
         KeyScheme::Spherical { codebook, .. } => Some(codebook.clone()),

@@ -659,6 +659,18 @@ impl Plan {
     }
 }
 
+#[pyfunction]
+#[pyo3(signature = (filter = "debug"))]
+/// Turns on kvforge's logs on stderr: decode plans (variant, batch, splits), kernel compiles
+/// (cache hit or miss, NVRTC time) and launches (symbol, grid, block, shared memory).
+/// `filter` is a `tracing` filter (`"debug"`, `"info"`, `"kvforge_rt::jit=debug"`).
+/// `import kvforge` calls it with `$KVFORGE_LOG` when that is set. Returns False when logging
+/// was already set up (the first filter stays).
+fn enable_logs(py: Python<'_>, filter: &str) -> PyResult<bool> {
+    let f = tracing_subscriber::EnvFilter::try_new(filter).map_err(|e| bad(py, format!("log filter `{filter}`: {e}")))?;
+    Ok(tracing_subscriber::fmt().with_env_filter(f).with_writer(std::io::stderr).try_init().is_ok())
+}
+
 #[pymodule]
 #[pyo3(name = "_native")]
 fn kvforge_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -673,5 +685,6 @@ fn kvforge_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(driver_present, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_present, m)?)?;
     m.add_function(wrap_pyfunction!(check_tensor, m)?)?;
+    m.add_function(wrap_pyfunction!(enable_logs, m)?)?;
     Ok(())
 }

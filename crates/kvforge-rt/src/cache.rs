@@ -242,7 +242,7 @@ impl KvCache {
     }
 
     fn head(&self, seq: usize, head: usize) -> Result<&HeadPages> {
-        self.seq(seq)?.heads.get(head).ok_or_else(|| RtError::BadInput(format!("kv head {head} out of range ({} heads)", self.cfg.num_kv_heads)))
+        self.seq(seq)?.heads.get(head).ok_or_else(|| RtError::NoKvHead { head, heads: self.cfg.num_kv_heads })
     }
 
     /// Logical length of `seq`: tokens appended so far, including those of dropped pages.
@@ -304,10 +304,10 @@ impl KvCache {
     pub fn append(&mut self, seq: usize, k: &[f32], v: &[f32]) -> Result<()> {
         let (hkv, d, p) = (self.cfg.num_kv_heads, self.cfg.head_dim, self.spec.page.tokens);
         if k.len() != v.len() || k.len() % (hkv * d) != 0 {
-            return Err(RtError::BadInput(format!("append: k has {} and v {} values; both must be n × {hkv} kv heads × {d}", k.len(), v.len())));
+            return Err(RtError::ShapeMismatch { what: "append: k/v".into(), expected: format!("n × {hkv} kv heads × {d} values each"), got: format!("k {} and v {} values", k.len(), v.len()) });
         }
         if let Some(bad) = k.iter().chain(v.iter()).find(|x| !x.is_finite()) {
-            return Err(RtError::BadInput(format!("append: non-finite value {bad} in k/v")));
+            return Err(RtError::NonFinite { what: "append: k/v".into(), value: *bad });
         }
         let n = k.len() / (hkv * d);
         let target = self.cfg.target_tier;
@@ -490,14 +490,14 @@ impl KvCache {
     /// The tail page of (seq, head): its bytes (host mirror) and token count.
     pub(crate) fn tail_bytes(&self, seq: usize, head: usize) -> Result<Option<(&[u8], usize)>> {
         let s = self.seq(seq)?;
-        let h = s.heads.get(head).ok_or_else(|| RtError::BadInput(format!("kv head {head} of {}", s.heads.len())))?;
+        let h = s.heads.get(head).ok_or_else(|| RtError::NoKvHead { head, heads: s.heads.len() })?;
         Ok(h.tail.as_ref().map(|t| (t.bytes.as_slice(), t.len)))
     }
 
     /// Overwrites bytes of a page (low level: tools and corruption tests).
     pub fn write_page_bytes(&mut self, page: PageRef, at: usize, bytes: &[u8]) -> Result<()> {
         if at + bytes.len() > self.pool.page_bytes(page.tier) {
-            return Err(RtError::BadInput(format!("write of {} bytes at {at} overruns a {} B page", bytes.len(), self.pool.page_bytes(page.tier))));
+            return Err(RtError::CapacityExceeded { what: "page write".into(), requested: format!("{} bytes at {at}", bytes.len()), capacity: format!("a {} B page", self.pool.page_bytes(page.tier)) });
         }
         let off = page.offset as usize + at;
         let mut view = self.arena.slice_mut(off..off + bytes.len());
@@ -553,7 +553,7 @@ impl KvCache {
         };
         let want = self.cfg.num_kv_heads * self.cfg.head_dim / group;
         if scales.len() != want || scales.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
-            return Err(RtError::BadInput(format!("radius scales: need {want} positive finite values, got {}", scales.len())));
+            return Err(RtError::ShapeMismatch { what: "radius scales".into(), expected: format!("{want} positive finite values"), got: format!("{} values", scales.len()) });
         }
         self.radius_scales[tier as usize] = Some(self.dev.stream.clone_htod(scales).map_err(drv("radius scale upload"))?);
         Ok(())
@@ -706,7 +706,7 @@ impl KvCache {
         let moves = MoveBatch::seq_moves(batch)?;
         let tier_of = |seq: usize, head: usize, index: usize| {
             let s = self.seqs[seq].as_ref().expect("checked above");
-            s.heads.get(head).and_then(|h| h.full.get(index)).map(|p| p.tier).ok_or_else(|| RtError::BadInput(format!("no full page {index} in sequence {seq} head {head}")))
+            s.heads.get(head).and_then(|h| h.full.get(index)).map(|p| p.tier).ok_or_else(|| RtError::NoPage { seq, head, index })
         };
         let free: Vec<usize> = (0..self.spec.tiers.len()).map(|t| self.pool.free_pages(t as TierId)).collect();
         let plan = MoveBatch::plan(&self.spec, &moves, tier_of, &free, |t| self.pool.out_of_pages(t))?;

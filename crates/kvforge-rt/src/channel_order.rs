@@ -24,11 +24,11 @@ impl KvCache {
         }
         let used = self.pool.used_pages(tier);
         if used > 0 {
-            return Err(RtError::BadInput(format!("tier `{}` already holds {used} pages coded in its current channel order; set the order before the first page is coded", t.name)));
+            return Err(RtError::WrongState { what: format!("channel order of tier `{}`", t.name), fix: format!("the tier already holds {used} pages coded in its current channel order; set the order before the first page is coded") });
         }
         let (d, hkv) = (self.cfg.head_dim, self.cfg.num_kv_heads);
         if order.len() != hkv * d {
-            return Err(RtError::BadInput(format!("channel order: need {hkv} kv heads × {d} channels = {} entries, got {}", hkv * d, order.len())));
+            return Err(RtError::ShapeMismatch { what: "channel order".into(), expected: format!("{hkv} kv heads × {d} channels = {} entries", hkv * d), got: format!("{} entries", order.len()) });
         }
         let mut table = Vec::with_capacity(2 * hkv * d);
         for (h, row) in order.chunks(d).enumerate() {

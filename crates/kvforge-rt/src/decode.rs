@@ -63,7 +63,9 @@ pub fn choose_combination(spec: &Spec, present: &[TierId]) -> Option<Vec<TierId>
 }
 
 /// Plans decode over `pages[i][h]` = the (page, tokens) list of sequence i, kv head h.
-/// `slots(variant)` is the number of CTAs of that variant the GPU holds at once.
+/// `slots(variant)` is the number of CTAs of that variant the GPU holds at once. Runs in a
+/// debug `plan` span and logs the chosen variant and split count.
+#[tracing::instrument(name = "plan", level = "debug", skip_all, fields(spec = %spec.name, head_dim = head_dim, gqa = gqa, batch = pages.len()))]
 pub fn plan(spec: &Spec, head_dim: usize, gqa: usize, pages: &[Vec<Vec<(PageRef, usize)>>], page_bytes: &dyn Fn(TierId) -> usize, slots: &dyn Fn(&VariantId) -> usize) -> Result<DecodePlan> {
     let read_bytes = |t: TierId| kvforge_spec::HEADER_BYTES + spec.segment(t, head_dim).bytes;
     let mut page_bytes_read = 0;
@@ -80,7 +82,7 @@ pub fn plan(spec: &Spec, head_dim: usize, gqa: usize, pages: &[Vec<Vec<(PageRef,
     let mut bytes_read = 0;
     for (i, seq) in pages.iter().enumerate() {
         if seq.len() != hkv {
-            return Err(RtError::BadInput(format!("sequence {i} has {} kv heads, expected {hkv}", seq.len())));
+            return Err(RtError::ShapeMismatch { what: format!("kv heads of sequence {i}"), expected: hkv.to_string(), got: seq.len().to_string() });
         }
         for head in seq {
             if head.iter().map(|(_, n)| n).sum::<usize>() == 0 {
@@ -108,6 +110,7 @@ pub fn plan(spec: &Spec, head_dim: usize, gqa: usize, pages: &[Vec<Vec<(PageRef,
     })?;
     let variant = VariantId::decode(spec, &combo, head_dim, gqa);
     let splits = if spec.kernels.split_k { split_count(batch * hkv, max_pages, slots(&variant)) } else { 1 };
+    tracing::debug!(%variant, kv_heads = hkv, max_pages, splits, "planned decode");
     bytes_read += batch * hkv * gqa * head_dim * 2;
     Ok(DecodePlan {
         combine: (splits > 1).then(|| VariantId::combine(spec, head_dim)),
@@ -279,6 +282,7 @@ impl KvCache {
     /// may be memory the cache does not own (see `external`); the workspace supplies the page
     /// table and the split-K partials only.
     pub(crate) fn launch_io(&mut self, plan: &DecodePlan, ws: &DecodeWorkspace, io: DecodeIo) -> Result<()> {
+        let _span = tracing::debug_span!("launch", variant = %plan.variant, batch = plan.batch, splits = plan.splits).entered();
         let k = self.kernels.get(&self.dev, &self.spec, &plan.variant)?;
         let st = self.dev.stream.clone();
         let tp = self.tier_pointers();
@@ -297,11 +301,11 @@ impl KvCache {
             (false, _, _) | (true, 0, _) => 0,
             (true, need, Some(b)) if b.len() >= need => b.device_ptr(&st).0,
             (true, need, have) => {
-                return Err(RtError::BadInput(format!(
-                    "{}: recording page masses needs {need} floats of per-warp scratch (`KvCache::warp_lse_scratch`), the workspace has {}",
-                    plan.variant,
-                    have.as_ref().map_or(0, |b| b.len())
-                )))
+                return Err(RtError::CapacityExceeded {
+                    what: format!("{}: per-warp scratch for page masses (`KvCache::warp_lse_scratch`)", plan.variant),
+                    requested: format!("{need} floats"),
+                    capacity: format!("the workspace's {}", have.as_ref().map_or(0, |b| b.len())),
+                })
             }
         };
         let params = DecodeParams {
@@ -344,6 +348,7 @@ impl KvCache {
         // SAFETY: params mirror the kernel struct; buffers are sized by `workspace` for this
         // plan (the per-warp scratch checked above); page offsets come from the pool and lie
         // inside the arena.
+        crate::kernels::trace_launch(|| if certified { plan.variant.certified_symbol() } else if tracked { plan.variant.tracked_symbol() } else { Some(plan.variant.symbol()) }.unwrap_or_default(), &cfg);
         unsafe { st.launch_builder(func).arg(&params).launch(cfg) }.map_err(drv(format!("launch {}", plan.variant)))?;
         let fold = self.window_fold_params(plan, ws)?;
         match (&plan.combine, fold) {
@@ -361,6 +366,7 @@ impl KvCache {
                     fold: fold.unwrap_or_default(),
                 };
                 let ccfg = LaunchConfig { grid_dim: ((rows + groups) as u32, 1, 1), block_dim: (ck.threads, 1, 1), shared_mem_bytes: 0 };
+                crate::kernels::trace_launch(|| cv.symbol(), &ccfg);
                 if self.pdl {
                     // SAFETY: as below; the combine's first instruction waits for the decode.
                     unsafe { launch_programmatic(&st, &ck.func, ccfg, &cp) }.map_err(drv(format!("launch {cv}")))?;
@@ -393,13 +399,11 @@ impl KvCache {
     pub(crate) fn decode_host(&mut self, plan: &DecodePlan, q: &[f32], mass: PageMass<'_>) -> Result<(DecodeOutput, Vec<f32>)> {
         let rows = plan.batch * plan.num_kv_heads * plan.gqa;
         if q.len() != rows * plan.head_dim {
-            return Err(RtError::BadInput(format!(
-                "query has {} values, expected {} sequences × {} q heads × {}",
-                q.len(),
-                plan.batch,
-                plan.num_kv_heads * plan.gqa,
-                plan.head_dim
-            )));
+            return Err(RtError::ShapeMismatch {
+                what: "query".into(),
+                expected: format!("{} sequences × {} q heads × {} values", plan.batch, plan.num_kv_heads * plan.gqa, plan.head_dim),
+                got: format!("{} values", q.len()),
+            });
         }
         let mut ws = match mass {
             PageMass::Off => self.workspace(plan)?,

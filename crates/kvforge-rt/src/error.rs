@@ -1,4 +1,11 @@
 //! Typed runtime errors: a bad input never becomes a launch, a missing library never a panic.
+//!
+//! Input errors name what was wrong in a variant of their own where the type says more than
+//! the message (an unknown sequence or kv head, a shape, a duplicate, a capacity, a call
+//! made out of order); [`RtError::BadInput`] holds the rest. [`RtError::is_input_error`]
+//! groups them for callers that only need "the caller's fault or the machine's".
+
+use std::path::PathBuf;
 
 use kvforge_spec::TierId;
 
@@ -14,10 +21,12 @@ pub enum RtError {
     NoCudaHeaders { searched: String },
     #[error("CUDA driver error in {what}: {source}")]
     Driver { what: String, source: cudarc::driver::DriverError },
-    #[error("NVRTC failed to compile {variant}:\n{log}")]
-    Compile { variant: String, log: String },
-    #[error("NVRTC compiled {variant} with warnings (treated as errors):\n{log}")]
-    CompileWarnings { variant: String, log: String },
+    /// `source_path` is the generated source NVRTC was given, written under the kernel cache
+    /// (`failed/`) so it can be opened and recompiled by hand; `None` only if that write failed.
+    #[error("NVRTC failed to compile {variant}{}:\n{log}", source_note(.source_path))]
+    Compile { variant: String, log: String, source_path: Option<PathBuf> },
+    #[error("NVRTC compiled {variant} with warnings (treated as errors){}:\n{log}", source_note(.source_path))]
+    CompileWarnings { variant: String, log: String, source_path: Option<PathBuf> },
     #[error("kernel cache miss for {variant} with KVFORGE_JIT_OFFLINE set; run `kvforge precompile`")]
     CacheMiss { variant: String },
     #[error("kernel cache I/O at {path}: {source}")]
@@ -30,10 +39,34 @@ pub enum RtError {
     OutOfPinnedMemory { bytes: usize, reason: String },
     #[error("the fp16 original (tier 2) of page {page} (offset {offset}) is missing: certified decode can neither bound nor recompute it")]
     MissingOriginal { page: usize, offset: u64 },
+    /// An input error that no typed variant describes better.
     #[error("bad input: {0}")]
     BadInput(String),
     #[error("sequence {0} does not exist")]
     NoSequence(usize),
+    #[error("kv head {head} out of range: the cache has {heads} kv heads")]
+    NoKvHead { head: usize, heads: usize },
+    #[error("no full page {index} in sequence {seq} kv head {head}")]
+    NoPage { seq: usize, head: usize, index: usize },
+    /// A length or shape that is not the one the call needs; `what` names the argument.
+    #[error("{what}: expected {expected}, got {got}")]
+    ShapeMismatch { what: String, expected: String, got: String },
+    /// One item (a sequence, a page) named twice where each may appear once.
+    #[error("{what} appears twice in {within}")]
+    Duplicate { what: String, within: String },
+    #[error("{what}: non-finite value {value}")]
+    NonFinite { what: String, value: f32 },
+    /// A fixed-size slot or buffer asked for more than it holds.
+    #[error("{what}: {requested} exceeds the capacity of {capacity}")]
+    CapacityExceeded { what: String, requested: String, capacity: String },
+    /// The call is valid, but not in the object's current state: `fix` says what must come
+    /// first (e.g. `keep_originals` before the first append).
+    #[error("{what}: {fix}")]
+    WrongState { what: String, fix: String },
+    /// The spec was not built for what was asked (an entry point it does not render, such as
+    /// certified decode); `fix` says how to build it.
+    #[error("spec `{spec}` does not support {what}: {fix}")]
+    NotInSpec { spec: String, what: String, fix: String },
     #[error("sequence {0} is empty: decode needs at least one cached token")]
     EmptySequence(usize),
     #[error("no decode variant of spec `{spec}` serves tiers {tiers:?} at head_dim {head_dim}, gqa {gqa}; add the combination to [kernels] and regenerate")]
@@ -49,6 +82,36 @@ pub enum RtError {
 }
 
 pub type Result<T> = std::result::Result<T, RtError>;
+
+impl RtError {
+    /// True when the caller's input (arguments, call order, spec choice) caused the error
+    /// rather than the machine, the driver or the data on the device: the CLI exits 2 on these.
+    pub fn is_input_error(&self) -> bool {
+        matches!(
+            self,
+            RtError::BadInput(_)
+                | RtError::NoSequence(_)
+                | RtError::EmptySequence(_)
+                | RtError::NoKvHead { .. }
+                | RtError::NoPage { .. }
+                | RtError::ShapeMismatch { .. }
+                | RtError::Duplicate { .. }
+                | RtError::NonFinite { .. }
+                | RtError::CapacityExceeded { .. }
+                | RtError::WrongState { .. }
+                | RtError::NotInSpec { .. }
+                | RtError::NoVariant { .. }
+                | RtError::BadTier(..)
+        )
+    }
+}
+
+fn source_note(path: &Option<PathBuf>) -> String {
+    match path {
+        Some(p) => format!(" (source: {})", p.display()),
+        None => String::new(),
+    }
+}
 
 pub(crate) fn drv(what: impl Into<String>) -> impl FnOnce(cudarc::driver::DriverError) -> RtError {
     let what = what.into();

@@ -182,6 +182,11 @@ fn diagnostics(log: &str) -> String {
 
 /// Compiles `source` for `arch` (e.g. `sm_90`) with NVRTC to a cubin, through the disk cache.
 /// Needs no GPU: CI compiles every generated kernel with it.
+///
+/// Runs in a `jit` span (variant, arch); logs a cache hit at debug, a compile with its NVRTC
+/// time at info. A failed compile keeps its source under `failed/` of the cache (the error's
+/// `source_path`).
+#[tracing::instrument(name = "jit", level = "debug", skip_all, fields(variant = %variant, arch = %arch))]
 pub fn compile(variant: &VariantId, source: &str, arch: &str, mode: CompileMode) -> Result<Compiled> {
     let version = nvrtc_version()?;
     let headers: String = kvforge_gen::all_headers().into_iter().map(|(p, s)| p + &s).collect();
@@ -189,7 +194,7 @@ pub fn compile(variant: &VariantId, source: &str, arch: &str, mode: CompileMode)
     let path = cache_dir().join("cubin").join(format!("{key}.cubin"));
     if mode.use_cache {
         if let Ok(cubin) = std::fs::read(&path) {
-            tracing::debug!(%variant, "kernel cache hit");
+            tracing::debug!(cache = "hit", path = %path.display(), "kernel cache hit");
             // A hit marks the cubin used (best effort): stale entries of older headers are the
             // ones not touched since, so a cache can be pruned by age.
             let _ = std::fs::File::options().write(true).open(&path).and_then(|f| f.set_modified(std::time::SystemTime::now()));
@@ -197,24 +202,50 @@ pub fn compile(variant: &VariantId, source: &str, arch: &str, mode: CompileMode)
         }
     }
     if std::env::var("KVFORGE_JIT_OFFLINE").is_ok_and(|v| v == "1") {
+        tracing::warn!(cache = "miss", "kernel cache miss with KVFORGE_JIT_OFFLINE=1");
         return Err(RtError::CacheMiss { variant: variant.to_string() });
     }
+    tracing::debug!(cache = if mode.use_cache { "miss" } else { "off" }, nvrtc = %version, "compiling kernel");
     let start = Instant::now();
-    let (cubin, log) = nvrtc_cubin(&variant.to_string(), source, arch, mode.ptxas_report)?;
+    let (cubin, log) = nvrtc_cubin(&variant.to_string(), source, arch, mode.ptxas_report).map_err(|e| match e {
+        RtError::Compile { variant, log, .. } => {
+            let source_path = keep_failed_source(&key, source);
+            tracing::error!(source_path = ?source_path, "NVRTC failed");
+            RtError::Compile { variant, log, source_path }
+        }
+        e => e,
+    })?;
+    let nvrtc_seconds = start.elapsed().as_secs_f64();
     let diag = diagnostics(&log);
     if mode.strict && !diag.is_empty() {
-        return Err(RtError::CompileWarnings { variant: variant.to_string(), log: diag });
+        return Err(RtError::CompileWarnings { variant: variant.to_string(), log: diag, source_path: keep_failed_source(&key, source) });
     }
     if !mode.use_cache {
-        return Ok(Compiled { cubin, from_cache: false, seconds: start.elapsed().as_secs_f64(), log });
+        tracing::info!(cache = "off", nvrtc_seconds, "compiled kernel");
+        return Ok(Compiled { cubin, from_cache: false, seconds: nvrtc_seconds, log });
     }
     std::fs::create_dir_all(path.parent().unwrap()).map_err(|e| io(&path, e))?;
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     std::fs::write(&tmp, &cubin).map_err(|e| io(&tmp, e))?;
     std::fs::rename(&tmp, &path).map_err(|e| io(&path, e))?;
     let seconds = start.elapsed().as_secs_f64();
-    tracing::info!(%variant, seconds, "compiled kernel");
+    tracing::info!(cache = "miss", nvrtc_seconds, seconds, path = %path.display(), "compiled kernel");
     Ok(Compiled { cubin, from_cache: false, seconds, log })
+}
+
+/// Writes the source of a failed compile to `failed/<cache key>.cu` under the kernel cache
+/// (the headers it includes are in the cache's `include-*` directory) and returns the path;
+/// `None` if the cache is not writable, since the compile error matters more than this copy.
+fn keep_failed_source(key: &str, source: &str) -> Option<PathBuf> {
+    let path = cache_dir().join("failed").join(format!("{key}.cu"));
+    let written = std::fs::create_dir_all(path.parent()?).and_then(|()| std::fs::write(&path, source));
+    match written {
+        Ok(()) => Some(path),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "could not keep the failed kernel source");
+            None
+        }
+    }
 }
 
 fn nvrtc_cubin(name: &str, source: &str, arch: &str, ptxas_report: bool) -> Result<(Vec<u8>, String)> {
@@ -228,7 +259,7 @@ fn nvrtc_cubin(name: &str, source: &str, arch: &str, ptxas_report: bool) -> Resu
     if ptxas_report {
         opts.push("--ptxas-options=-v".into());
     }
-    let fail = |log: String| RtError::Compile { variant: name.to_string(), log };
+    let fail = |log: String| RtError::Compile { variant: name.to_string(), log, source_path: None };
     let src = CString::new(source).map_err(|_| fail("source contains a NUL byte".into()))?;
     let cname = CString::new(format!("{}.cu", name.replace('/', "_"))).unwrap();
     let prog = result::create_program(&src, Some(&cname)).map_err(|e| fail(format!("{e:?}")))?;
@@ -252,7 +283,32 @@ fn nvrtc_cubin(name: &str, source: &str, arch: &str, ptxas_report: bool) -> Resu
 
 #[cfg(test)]
 mod tests {
-    use super::PtxasReport;
+    use super::{compile, CompileMode, PtxasReport};
+    use crate::error::RtError;
+
+    /// A source NVRTC rejects comes back as `Compile` with its log and the path of a file
+    /// holding that source (skipped, visibly, where NVRTC or the CUDA headers are missing).
+    #[test]
+    fn failed_compile_keeps_its_source() {
+        if !crate::nvrtc_present() || super::cuda_include_dir().is_err() {
+            println!("skipped: no NVRTC or CUDA headers");
+            return;
+        }
+        let spec = crate::testing::shipped_spec("baseline.toml");
+        let v = kvforge_spec::VariantId::mass_window(&spec);
+        let source = "this is not C++ (failed_compile_keeps_its_source)\n";
+        match compile(&v, source, "sm_90", CompileMode { use_cache: false, ..CompileMode::default() }) {
+            Err(RtError::Compile { variant, log, source_path: Some(p) }) => {
+                assert_eq!(variant, v.to_string());
+                assert!(!log.is_empty());
+                assert_eq!(std::fs::read_to_string(&p).unwrap(), source);
+                let e = RtError::Compile { variant, log, source_path: Some(p.clone()) }.to_string();
+                assert!(e.contains(&p.display().to_string()), "{e}");
+                let _ = std::fs::remove_file(&p);
+            }
+            other => panic!("expected a compile error with a source path, got {:?}", other.map(|_| ())),
+        }
+    }
 
     /// A module of two kernels reports the worse of each figure, not the last kernel's.
     #[test]

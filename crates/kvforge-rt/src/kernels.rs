@@ -68,3 +68,11 @@ impl KernelCache {
         Ok(k)
     }
 }
+
+/// Logs one kernel launch at debug level, inside the caller's span: the kernel symbol, grid,
+/// block and dynamic shared memory. `symbol` is built only when the event is enabled.
+pub(crate) fn trace_launch(symbol: impl FnOnce() -> String, cfg: &cudarc::driver::LaunchConfig) {
+    if tracing::enabled!(tracing::Level::DEBUG) {
+        tracing::debug!(symbol = %symbol(), grid = ?cfg.grid_dim, block = ?cfg.block_dim, smem = cfg.shared_mem_bytes, "launch");
+    }
+}

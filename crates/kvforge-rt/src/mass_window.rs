@@ -121,13 +121,13 @@ impl KvCache {
     pub fn track_window(&mut self, plan: &DecodePlan, ws: &mut DecodeWorkspace, seqs: &[usize]) -> Result<()> {
         let hkv = self.cfg.num_kv_heads;
         if seqs.len() != plan.batch || plan.num_kv_heads != hkv {
-            return Err(RtError::BadInput(format!("mass window: the plan decodes {} sequences × {} kv heads, given {} sequences of a cache with {hkv}", plan.batch, plan.num_kv_heads, seqs.len())));
+            return Err(RtError::ShapeMismatch { what: "mass window".into(), expected: format!("the plan's {} sequences × {} kv heads", plan.batch, plan.num_kv_heads), got: format!("{} sequences of a cache with {hkv} kv heads", seqs.len()) });
         }
         if ws.page_lse.is_none() {
             return Err(RtError::BadInput("mass window: the workspace records no page masses (make it with `mass_workspace`)".into()));
         }
         if ws.page_indptr.len() != plan.page_indptr.len() {
-            return Err(RtError::BadInput(format!("mass window: the workspace holds {} page ranges, the plan {}", ws.page_indptr.len(), plan.page_indptr.len())));
+            return Err(RtError::ShapeMismatch { what: "mass window: the workspace's page ranges".into(), expected: format!("the plan's {}", plan.page_indptr.len()), got: ws.page_indptr.len().to_string() });
         }
         for &s in seqs {
             self.seq_len(s)?;
@@ -173,7 +173,7 @@ impl KvCache {
     /// (a maximum is idempotent), so timing it after a launch is harmless.
     pub fn fold_mass_window(&mut self, plan: &DecodePlan, ws: &DecodeWorkspace) -> Result<()> {
         let Some(params) = self.window_fold_params(plan, ws)? else {
-            return Err(RtError::BadInput("mass window: the workspace is not armed (call `track_window`)".into()));
+            return Err(RtError::WrongState { what: "mass window".into(), fix: "the workspace is not armed (call `track_window` first)".into() });
         };
         self.launch_fold(plan, &params)
     }
@@ -186,6 +186,7 @@ impl KvCache {
         // `page_indptr` are the plan's buffers (one entry per page, batch × heads + 1
         // ranges), `slots` holds `batch` ids below the window's slots and every range is at
         // most `capacity` pages (grown there).
+        crate::kernels::trace_launch(|| VariantId::mass_window(&self.spec).symbol(), &cfg);
         unsafe { self.dev.stream.launch_builder(&k.func).arg(params).launch(cfg) }.map_err(drv("launch mass_window"))?;
         Ok(())
     }
@@ -338,7 +339,7 @@ fn distinct(seqs: &[usize]) -> Result<usize> {
     let mut seen = vec![false; seqs.iter().max().map_or(0, |&s| s + 1)];
     for &s in seqs {
         if std::mem::replace(&mut seen[s], true) {
-            return Err(RtError::BadInput(format!("mass window: sequence {s} appears twice in one tracked decode")));
+            return Err(RtError::Duplicate { what: format!("sequence {s}"), within: "one tracked decode (mass window)".into() });
         }
     }
     Ok(seen.len())

@@ -1,5 +1,5 @@
 //! Helpers shared by the GPU tests of this workspace (and usable by downstream tests): where
-//! the repository is, and the device or a visible skip on machines without one.
+//! the repository is, and the device (a test without one fails).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -28,14 +28,19 @@ pub fn shipped_spec(file: &str) -> kvforge_spec::Spec {
     kvforge_spec::Spec::load(&repo_root().join("specs").join(file)).unwrap_or_else(|e| panic!("{file}: {e}"))
 }
 
-/// Device 0, or `None` after printing "skipped: no GPU (why)" so that a forced run of an
-/// ignored GPU test on a CPU machine says so instead of passing silently.
-pub fn device_or_skip() -> Option<Arc<Device>> {
+/// Device 0 for a GPU test; panics with "needs a CUDA device: <why>" where there is none, so
+/// a GPU test forced to run (`-- --ignored`) on a machine without a GPU fails instead of
+/// passing. GPU tests are `#[ignore = "needs a CUDA device"]`, so a plain CPU run lists them
+/// as ignored.
+pub fn device() -> Arc<Device> {
     match Device::open(0) {
-        Ok(d) => Some(Arc::new(d)),
-        Err(e) => {
-            println!("skipped: no GPU ({e})");
-            None
-        }
+        Ok(d) => Arc::new(d),
+        Err(e) => panic!("needs a CUDA device: {e}"),
     }
+}
+
+/// The old name of [`device`]; it no longer skips: without a device it panics too.
+#[deprecated(note = "use `testing::device()`: a GPU test must fail, not pass, without a device")]
+pub fn device_or_skip() -> Option<Arc<Device>> {
+    Some(device())
 }

@@ -80,13 +80,13 @@ impl KvCache {
     /// (`KernelFault`, its destination unwritten); the other pages of the launch are coded.
     pub fn transcode_pages(&mut self, from: TierId, to: TierId, src: &[PageRef], dst: &[PageRef], heads: &[u32]) -> Result<()> {
         if src.is_empty() || src.len() != dst.len() || src.len() != heads.len() {
-            return Err(RtError::BadInput(format!("transcode_pages: {} sources, {} destinations, {} heads (need equal, non-zero)", src.len(), dst.len(), heads.len())));
+            return Err(RtError::ShapeMismatch { what: "transcode_pages".into(), expected: "equal, non-zero counts of sources, destinations and heads".into(), got: format!("{} sources, {} destinations, {} heads", src.len(), dst.len(), heads.len()) });
         }
         if let Some(p) = src.iter().find(|p| p.tier != from).or_else(|| dst.iter().find(|p| p.tier != to)) {
             return Err(RtError::BadInput(format!("transcode_pages: page at {} is in tier {}, not {from} → {to}", p.offset, p.tier)));
         }
         if let Some(h) = heads.iter().find(|&&h| h as usize >= self.cfg.num_kv_heads) {
-            return Err(RtError::BadInput(format!("transcode_pages: kv head {h} of {}", self.cfg.num_kv_heads)));
+            return Err(RtError::NoKvHead { head: *h as usize, heads: self.cfg.num_kv_heads });
         }
         for t in [from, to] {
             if matches!(self.spec.tiers.get(t as usize).map(|t| &t.key), Some(kvforge_spec::KeyScheme::Spherical { .. })) && self.radius_scales[t as usize].is_none() {
@@ -163,6 +163,7 @@ impl KvCache {
             // arena and tier tables are live allocations of this cache, the argument words
             // were copied above on this stream (n offsets each, then n u32 heads), page
             // offsets come from the pool, and flag word i lies in a buffer of ≥ launches words.
+            crate::kernels::trace_launch(|| v.symbol(), &cfg);
             if let Err(e) = unsafe { st.launch_builder(&k.func).arg(&params).launch(cfg) }.map_err(drv(format!("launch {v}"))) {
                 launch_error = Some(e);
                 break;

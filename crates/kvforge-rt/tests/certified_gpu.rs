@@ -122,7 +122,7 @@ struct Stats {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn certified_bound_holds_on_random_and_adversarial_steps() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let s = spec();
     let q8 = s.tier("q8k4v").unwrap().id;
     let mut rng = ChaCha8Rng::seed_from_u64(2026);
@@ -245,7 +245,7 @@ fn assert_exact(r: &kvforge_rt::certified::CertifiedOutput, ex: &[f64], d: usize
 #[test]
 #[ignore = "needs a CUDA device"]
 fn exact_rungs_equal_fp16_attention() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let s = spec();
     // Rung 3: an unreachable target sends every kv head down the ladder to exact recompute.
     let (mut c, a, t, q) = needle_cache(&dev, &s, 1000, 1);
@@ -271,7 +271,7 @@ fn exact_rungs_equal_fp16_attention() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn injected_faults_are_detected() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let s = spec();
     let q8 = s.tier("q8k4v").unwrap().id;
     let seg = s.segment(q8, 128);
@@ -338,14 +338,14 @@ fn injected_faults_are_detected() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn certified_needs_originals_and_a_sane_query() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let s = spec();
     let q8 = s.tier("q8k4v").unwrap().id;
     let mut c = KvCache::new(dev.clone(), s.clone(), CacheConfig::new(&s, 128, 4, 2, 1, 256).target(q8)).unwrap();
     let a = c.add_sequence();
     c.append(a, &vec![0.1; 100 * 256], &vec![0.1; 100 * 256]).unwrap();
-    assert!(matches!(c.decode_certified(&[a], &vec![0.0; 8 * 128], &mut CertConfig::default()), Err(RtError::BadInput(_))));
-    assert!(matches!(c.keep_originals(), Err(RtError::BadInput(_))));
+    assert!(matches!(c.decode_certified(&[a], &vec![0.0; 8 * 128], &mut CertConfig::default()), Err(RtError::WrongState { .. })));
+    assert!(matches!(c.keep_originals(), Err(RtError::WrongState { .. })));
     // A spec built without the certified entry (rdkv: `kernels.certified` unset) is refused
     // with a typed error that names the key, on both paths, before any launch.
     let r = kvforge_rt::testing::shipped_spec("rdkv.toml");
@@ -357,7 +357,7 @@ fn certified_needs_originals_and_a_sane_query() {
     for path in [CertPath::Gpu, CertPath::Host] {
         let mut cfg = CertConfig { path, ..CertConfig::default() };
         match c.decode_certified(&[a], &vec![0.0; 8 * 128], &mut cfg) {
-            Err(RtError::BadInput(m)) => assert!(m.contains("certified = true"), "{m}"),
+            Err(RtError::NotInSpec { fix, .. }) => assert!(fix.contains("certified = true"), "{fix}"),
             other => panic!("rdkv certified decode on {path:?}: {:?}", other.map(|_| ())),
         }
     }
@@ -369,7 +369,7 @@ fn certified_needs_originals_and_a_sane_query() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn certified_step_time() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let s = spec();
     let q8 = s.tier("q8k4v").unwrap().id;
     let fp16 = s.tier("fp16").unwrap().id;
@@ -477,7 +477,7 @@ fn assert_same_certificate(dev: &HeadCertificate, host: &HeadCertificate, what: 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn device_selector_and_certificate_match_the_host_reference() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let s = spec();
     let mut rng = ChaCha8Rng::seed_from_u64(404);
     let (mut groups, mut pages, mut heads, mut worst, mut explored, mut ranking, mut boundary) = (0usize, 0usize, 0usize, 0f64, 0usize, 0usize, 0usize);
@@ -520,7 +520,7 @@ fn device_selector_and_certificate_match_the_host_reference() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn device_path_equals_host_path() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let s = spec();
     let mut rng = ChaCha8Rng::seed_from_u64(405);
     let mut rungs = [0usize; 5];
@@ -568,7 +568,7 @@ fn device_path_equals_host_path() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn certify_kernels_small_batch() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let s = spec();
     let mut rng = ChaCha8Rng::seed_from_u64(406);
     let (mut c, seqs, trials, q) = cache_of(&dev, &s, &mut rng, Kind::Needle, 4, &[1, 100, 700, 1024]);

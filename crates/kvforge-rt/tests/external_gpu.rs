@@ -58,7 +58,7 @@ fn download(dev: &Device, out: &CudaSlice<u16>, lse: &CudaSlice<f32>) -> (Vec<f3
 #[test]
 #[ignore = "needs a CUDA device"]
 fn device_append_equals_host_append_and_decode_into_caller_buffers_equals_host_decode() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     for &(file, target) in CASES {
         let n = 3 * 64 + 17;
         let (k, v) = (data(n * HKV * D, 1), data(n * HKV * D, 2));
@@ -166,7 +166,7 @@ fn assert_close_to_decode(got: &[f32], want: &[f32], what: &str) {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn prefix_attention_matches_reference_and_truncated_decode() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     for &(file, target) in CASES {
         let n = 2 * 64 + 30;
         let (k, v) = (data(n * HKV * D, 4), data(n * HKV * D, 5));
@@ -196,7 +196,7 @@ fn prefix_attention_matches_reference_and_truncated_decode() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn dropped_pages_keep_positions_and_prefixes_skip_them() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let s = spec("rdkv.toml");
     let b0 = s.tier("b0").unwrap().id;
     let n = 5 * 64 + 21;
@@ -238,7 +238,7 @@ fn dropped_pages_keep_positions_and_prefixes_skip_them() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn batched_retier_equals_page_by_page() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let s = spec("rdkv.toml");
     let t = |name| s.tier(name).unwrap().id;
     let (b8, b4, b2, b0) = (t("b8"), t("b4"), t("b2"), t("b0"));
@@ -300,7 +300,7 @@ fn batched_retier_equals_page_by_page() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn retier_many_equals_one_batch_per_sequence() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let s = spec("rdkv.toml");
     let t = |name| s.tier(name).unwrap().id;
     let (b4, b2, b0) = (t("b4"), t("b2"), t("b0"));
@@ -348,7 +348,7 @@ fn retier_many_equals_one_batch_per_sequence() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn bad_pointers_are_typed_errors() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let mut c = cache(&dev, "rdkv.toml", "b4", 512);
     let seq = c.add_sequence();
     c.append(seq, &data(70 * HKV * D, 1), &data(70 * HKV * D, 2)).unwrap();
@@ -393,7 +393,7 @@ fn bad_pointers_are_typed_errors() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn work_is_ordered_with_a_foreign_stream() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let mut c = cache(&dev, "rdkv.toml", "b8", 512);
     let seq = c.add_sequence();
     c.append(seq, &data(130 * HKV * D, 1), &data(130 * HKV * D, 2)).unwrap();

@@ -1,5 +1,5 @@
 //! GPU tests: run on the device with `cargo test -- --ignored`. On a machine without a GPU
-//! they are ignored; forced with `--ignored` they print "skipped: no GPU" and return.
+//! they are ignored; forced with `--ignored` they fail ("needs a CUDA device: ...").
 
 use kvforge_rt::{CacheConfig, KvCache, RtError};
 use kvforge_spec::{mixed_widths, KeyScheme, Spec, VariantId, HEADER_BYTES, TAIL_TIER};
@@ -15,7 +15,7 @@ fn data(n: usize, seed: u32) -> Vec<f32> {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn one_variant_per_spec_matches_reference() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     for (file, variant) in [
         ("baseline.toml", "decode_kfp16_vfp16_d128_g4_p64"),
         ("spherical.toml", "decode_ksph16x8b6_vfp16__ksph16x8b4_vfp16__ksph32x4b3_vfp16_d128_g4_p64"),
@@ -34,7 +34,7 @@ fn one_variant_per_spec_matches_reference() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn resident_bytes_equal_spec_cost_plus_headers() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     for file in ["spherical.toml", "certified.toml", "rdkv.toml", "baseline.toml"] {
         let s = spec(file);
         let (d, p) = (128, s.page.tokens);
@@ -65,7 +65,7 @@ fn resident_bytes_equal_spec_cost_plus_headers() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn bad_inputs_are_typed_errors_not_launches() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let s = spec("certified.toml");
     let cfg = CacheConfig::new(&s, 128, 4, 2, 2, 256);
     let mut c = KvCache::new(dev.clone(), s.clone(), cfg).unwrap();
@@ -74,9 +74,9 @@ fn bad_inputs_are_typed_errors_not_launches() {
     assert!(matches!(c.decode(&[], &[]), Err(RtError::BadInput(_))));
     assert!(matches!(c.decode(&[7], &[]), Err(RtError::NoSequence(7))));
     c.append(a, &data(10 * 2 * 128, 1), &data(10 * 2 * 128, 2)).unwrap();
-    assert!(matches!(c.decode(&[a], &vec![0.0; 3]), Err(RtError::BadInput(_))));
-    assert!(matches!(c.append(a, &[1.0; 5], &[1.0; 5]), Err(RtError::BadInput(_))));
-    assert!(matches!(c.append(a, &[f32::NAN; 256], &[0.0; 256]), Err(RtError::BadInput(_))));
+    assert!(matches!(c.decode(&[a], &vec![0.0; 3]), Err(RtError::ShapeMismatch { .. })));
+    assert!(matches!(c.append(a, &[1.0; 5], &[1.0; 5]), Err(RtError::ShapeMismatch { .. })));
+    assert!(matches!(c.append(a, &[f32::NAN; 256], &[0.0; 256]), Err(RtError::NonFinite { .. })));
     // Query dtype must match the spec (certified decodes fp16 queries).
     assert!(matches!(c.decode_typed(&[a], &vec![half::bf16::ZERO; 8 * 128]), Err(RtError::BadInput(_))));
     let exact = c.decode_typed(&[a], &vec![half::f16::from_f32(0.25); 8 * 128]).unwrap();
@@ -92,7 +92,7 @@ fn bad_inputs_are_typed_errors_not_launches() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn decode_is_deterministic() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     for file in ["baseline.toml", "certified.toml", "spherical.toml"] {
         let s = spec(file);
         for len in [1usize, 10, 64, 65, 300, 4000] {
@@ -114,7 +114,7 @@ fn decode_is_deterministic() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn out_of_pages_leaves_the_cache_unchanged() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let s = spec("certified.toml");
     let mut cfg = CacheConfig::new(&s, 128, 4, 1, 1, 128);
     cfg.pages = vec![4, 2, 2];
@@ -133,7 +133,7 @@ fn out_of_pages_leaves_the_cache_unchanged() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn corrupt_header_is_named() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let s = spec("baseline.toml");
     let mut cfg = CacheConfig::new(&s, 64, 1, 1, 1, 256);
     cfg.verify_headers = true;
@@ -158,7 +158,7 @@ fn corrupt_header_is_named() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn encode_kernels_stay_within_quantisation_bounds() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     for (file, tier) in [("certified.toml", "q8k4v"), ("rdkv.toml", "b4"), ("rdkv.toml", "b2"), ("spherical.toml", "high")] {
         let s = spec(file);
         let t = s.tier(tier).unwrap().clone();
@@ -193,7 +193,7 @@ fn encode_kernels_stay_within_quantisation_bounds() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn page_masses_match_the_reference_and_find_the_needle() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let s = spec("baseline.toml");
     let (d, p, n) = (64, s.page.tokens, 1000);
     let mut c = KvCache::new(dev, s.clone(), CacheConfig::new(&s, d, 1, 1, 1, n)).unwrap();
@@ -227,7 +227,7 @@ fn page_masses_match_the_reference_and_find_the_needle() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn page_masses_of_integer_pages_match_the_reference() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let s = spec("rdkv.toml");
     let (d, gqa, n) = (128, 4, 1000);
     let p = s.page.tokens;
@@ -288,7 +288,7 @@ fn page_masses_of_integer_pages_match_the_reference() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn mixed_keys_follow_their_channel_order() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let s = spec("trizone.toml");
     let (d, p, hkv) = (128, s.page.tokens, 2);
     let id = |n: &str| s.tier(n).unwrap().id;
@@ -297,7 +297,7 @@ fn mixed_keys_follow_their_channel_order() {
     // Orders: reversed for head 0, a stride-5 walk for head 1 (both permutations of 0..128).
     let order: Vec<u16> = (0..d as u16).rev().chain((0..d).map(|j| ((j * 5) % d) as u16)).collect();
     assert!(matches!(c.set_channel_order(TAIL_TIER, &order), Err(RtError::BadTier(..))));
-    assert!(matches!(c.set_channel_order(id("za4"), &order[..d]), Err(RtError::BadInput(_))));
+    assert!(matches!(c.set_channel_order(id("za4"), &order[..d]), Err(RtError::ShapeMismatch { .. })));
     let mut bad = order.clone();
     bad[3] = bad[4];
     assert!(matches!(c.set_channel_order(id("za4"), &bad), Err(RtError::BadInput(m)) if m.contains("kv head 0")));
@@ -309,7 +309,7 @@ fn mixed_keys_follow_their_channel_order() {
     let n = 4 * p + 7;
     let (k, v) = (data(n * hkv * d, 21), data(n * hkv * d, 22));
     c.append(a, &k, &v).unwrap();
-    assert!(matches!(c.set_channel_order(id("zb"), &order), Err(RtError::BadInput(m)) if m.contains("already holds")));
+    assert!(matches!(c.set_channel_order(id("zb"), &order), Err(RtError::WrongState { fix, .. }) if fix.contains("already holds")));
     // Page i of each head: 0 stays in zb (encoded from the tail), 1..3 go down to za8, za4, za2.
     for h in 0..hkv {
         for (i, t) in ["za8", "za4", "za2"].iter().enumerate() {
@@ -367,7 +367,7 @@ fn mixed_keys_follow_their_channel_order() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn retier_pages_cost() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let s = spec("rdkv.toml");
     let t = |name| s.tier(name).unwrap().id;
     let (b8, b4, b2, b0) = (t("b8"), t("b4"), t("b2"), t("b0"));
@@ -420,7 +420,7 @@ fn retier_pages_cost() {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn retier_pages_fault_lands_the_launches_before_it() {
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     let s = spec("rdkv.toml");
     let t = |name| s.tier(name).unwrap().id;
     let (b8, b4, b2) = (t("b8"), t("b4"), t("b2"));
@@ -459,7 +459,7 @@ fn retier_pages_fault_lands_the_launches_before_it() {
 #[ignore = "needs a CUDA device"]
 fn split_transcodes_match_the_reference() {
     use kvforge_spec::{Family, PageHeader, Tier};
-    let Some(dev) = kvforge_rt::testing::device_or_skip() else { return };
+    let dev = kvforge_rt::testing::device();
     for file in ["rdkv.toml", "spherical.toml"] {
         let s = spec(file);
         let p = s.page.tokens;

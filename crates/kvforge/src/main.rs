@@ -65,8 +65,20 @@ pub(crate) fn load_all(files: &[PathBuf]) -> Result<Vec<Spec>, SpecError> {
     files.iter().map(|f| Spec::load(f)).collect()
 }
 
+/// Logs on stderr, filtered by `KVFORGE_LOG` (else `RUST_LOG`), a `tracing` filter such as
+/// `debug` or `kvforge_rt::jit=debug` (plan, kernel compile with cache hit/miss, launches);
+/// warnings only when neither is set.
+fn init_logs() {
+    let filter = ["KVFORGE_LOG", "RUST_LOG"].iter().find_map(|v| std::env::var(v).ok().filter(|s| !s.trim().is_empty())).unwrap_or_else(|| "warn".into());
+    let filter = tracing_subscriber::EnvFilter::try_new(&filter).unwrap_or_else(|e| {
+        eprintln!("warning: ignoring the log filter `{filter}`: {e}");
+        tracing_subscriber::EnvFilter::new("warn")
+    });
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
+
 fn main() -> ExitCode {
-    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_env("KVFORGE_LOG")).with_writer(std::io::stderr).init();
+    init_logs();
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => code,
@@ -75,7 +87,7 @@ fn main() -> ExitCode {
                 eprintln!("error: {se}");
                 return ExitCode::from(EXIT_BAD_INPUT);
             }
-            if let Some(kvforge_rt::RtError::BadInput(_)) = e.downcast_ref::<kvforge_rt::RtError>() {
+            if e.downcast_ref::<kvforge_rt::RtError>().is_some_and(kvforge_rt::RtError::is_input_error) {
                 eprintln!("error: {e:#}");
                 return ExitCode::from(EXIT_BAD_INPUT);
             }

@@ -30,6 +30,10 @@ Tier controllers and certified decode::
     out, lse, heads = kvforge.Certifier().decode(cache, q_next, [seq])
     heads[0].bound, heads[0].rung                               # per-head certificate
 
+Logs: ``KVFORGE_LOG=debug`` (any ``tracing`` filter, e.g. ``kvforge_rt::jit=debug``) set
+before ``import kvforge`` prints decode plans, kernel compiles (cache hit or miss, NVRTC time)
+and launches on stderr; ``kvforge.enable_logs("debug")`` does the same at run time.
+
 :mod:`kvforge.hf` runs a transformers model's attention on these caches
 (``kvforge.hf.use_kvforge(model, spec, tier)``); it imports torch and transformers only when used.
 """
@@ -45,6 +49,7 @@ from ._native import (
     __version__,
     check_tensor,
     device_info,
+    enable_logs,
     driver_present,
     nvrtc_present,
 )
@@ -61,7 +66,23 @@ __all__ = [
     "__version__",
     "check_tensor",
     "device_info",
+    "enable_logs",
     "hf",
     "driver_present",
     "nvrtc_present",
 ]
+
+
+def _logs_from_env():
+    import os
+    import warnings
+
+    filt = os.environ.get("KVFORGE_LOG", "").strip()
+    if filt:
+        try:
+            enable_logs(filt)
+        except KvforgeError as e:
+            warnings.warn(f"KVFORGE_LOG ignored: {e}", stacklevel=3)
+
+
+_logs_from_env()

@@ -6,7 +6,8 @@ class KvforgeError(ValueError, RuntimeError):
     tensor, an unknown tier), a missing GPU / driver / NVRTC, a full cache, a corrupt page.
 
     It is both a ``ValueError`` and a ``RuntimeError`` so callers catching either see it.
-    ``kind`` names the runtime's error variant (``"BadInput"``, ``"NoDriver"``,
+    ``kind`` names the runtime's error variant (``"BadInput"``, ``"ShapeMismatch"``,
+    ``"NonFinite"``, ``"Duplicate"``, ``"WrongState"``, ``"NotInSpec"``, ``"NoDriver"``,
     ``"OutOfPages"``, ``"KernelFault"``, ``"Spec"``, ...); the message says what to do.
     """
 

@@ -378,6 +378,7 @@ impl KvCache {
         // SAFETY: the params mirror the kernel's struct (one field list); every array holds the
         // plan's pages and groups (`step_buffers` grows them); the sort buffer holds the largest
         // group (`plan_step` bounds it by the opt-in of `launch_shape`).
+        crate::kernels::trace_launch(|| plan.select.symbol(), &lc);
         unsafe { st.launch_builder(&k.func).arg(&p).launch(lc) }.map_err(drv(format!("launch {}", plan.select)))?;
         Ok(())
     }
@@ -412,6 +413,7 @@ impl KvCache {
         let lc = LaunchConfig { grid_dim: ((groups * plan.phase1.gqa) as u32, 1, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: as in `launch_select`; one CTA per query head; the result buffer holds
         // CERT_F64 / CERT_U32 entries and an output row per query head of the plan.
+        crate::kernels::trace_launch(|| plan.bound.symbol(), &lc);
         unsafe { st.launch_builder(&k.func).arg(&p).launch(lc) }.map_err(drv(format!("launch {}", plan.bound)))?;
         Ok(())
     }

@@ -226,7 +226,7 @@ pub struct CertifiedOutput {
 /// The typed error for certified decode of a spec built without its entry points
 /// (`kernels.certified`), before any launch or at one.
 pub(crate) fn uncertified_spec(spec: &kvforge_spec::Spec) -> RtError {
-    RtError::BadInput(format!("spec `{}` is built without certified decode: set `certified = true` under [kernels] in {} and regenerate", spec.name, spec.path))
+    RtError::NotInSpec { spec: spec.name.clone(), what: "certified decode".into(), fix: format!("set `certified = true` under [kernels] in {} and regenerate", spec.path) }
 }
 
 impl KvCache {
@@ -235,7 +235,7 @@ impl KvCache {
     /// pinned slab cannot be allocated.
     pub fn keep_originals(&mut self) -> Result<()> {
         if self.pool.used_pages(self.cfg.target_tier) > 0 {
-            return Err(RtError::BadInput("keep_originals must be called before any page is encoded".into()));
+            return Err(RtError::WrongState { what: "keep_originals".into(), fix: "call it before any page is encoded".into() });
         }
         let tokens = self.spec.page.tokens;
         if tokens % CERT_BLOCK != 0 || tokens / CERT_BLOCK > MAX_BLOCKS_PER_PAGE {
@@ -315,12 +315,12 @@ impl KvCache {
     /// queries in the spec dtype. A missing original is a typed error before any launch.
     fn cert_groups(&self, seqs: &[usize], q: &[f32]) -> Result<(Vec<Group>, Vec<u16>)> {
         let Some(orig) = self.cert.originals.as_ref() else {
-            return Err(RtError::BadInput("certified decode needs tier 2: call keep_originals() before appending".into()));
+            return Err(RtError::WrongState { what: "certified decode needs tier 2".into(), fix: "call keep_originals() before appending".into() });
         };
         let (hkv, gqa, d) = (self.cfg.num_kv_heads, self.cfg.gqa, self.cfg.head_dim);
         let rows = seqs.len() * hkv * gqa;
         if seqs.is_empty() || q.len() != rows * d {
-            return Err(RtError::BadInput(format!("query has {} values, expected {} sequences × {} q heads × {d}", q.len(), seqs.len(), hkv * gqa)));
+            return Err(RtError::ShapeMismatch { what: "query".into(), expected: format!("{} sequences (at least 1) × {} q heads × {d} values", seqs.len(), hkv * gqa), got: format!("{} values", q.len()) });
         }
         let mut groups = Vec::with_capacity(seqs.len() * hkv);
         for &s in seqs {

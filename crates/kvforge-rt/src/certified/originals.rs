@@ -76,7 +76,7 @@ impl Originals {
     pub fn record(&mut self, page: PageRef, original: &[u8], errors: PageErrors) -> Result<()> {
         let slot = page.index as usize;
         if slot >= self.capacity || original.len() > self.page_bytes {
-            return Err(RtError::BadInput(format!("tier-2 slot {slot} of {} ({} B page into {} B slots)", self.capacity, original.len(), self.page_bytes)));
+            return Err(RtError::CapacityExceeded { what: "tier-2 originals".into(), requested: format!("slot {slot} ({} B page)", original.len()), capacity: format!("{} slots of {} B", self.capacity, self.page_bytes) });
         }
         let base = self.slab.as_mut_ptr().map_err(drv("tier-2 slab"))?;
         // SAFETY: slot < capacity, so [slot * page_bytes, + original.len()) lies in the slab.
