@@ -668,7 +668,8 @@ impl Plan {
 /// was already set up (the first filter stays).
 fn enable_logs(py: Python<'_>, filter: &str) -> PyResult<bool> {
     let f = tracing_subscriber::EnvFilter::try_new(filter).map_err(|e| bad(py, format!("log filter `{filter}`: {e}")))?;
-    Ok(tracing_subscriber::fmt().with_env_filter(f).with_writer(std::io::stderr).try_init().is_ok())
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    Ok(tracing_subscriber::fmt().with_env_filter(f).with_writer(std::io::stderr).with_ansi(ansi).try_init().is_ok())
 }
 
 #[pymodule]

@@ -74,7 +74,8 @@ fn init_logs() {
         eprintln!("warning: ignoring the log filter `{filter}`: {e}");
         tracing_subscriber::EnvFilter::new("warn")
     });
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
 }
 
 fn main() -> ExitCode {
