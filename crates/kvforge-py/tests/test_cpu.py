@@ -192,6 +192,29 @@ def test_cache_configuration_is_checked_before_the_device(kw, kind, needle):
     assert needle in str(e), str(e)
 
 
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(max_tokens=10**30), "max_tokens"),
+        (dict(head_dim="64"), "head_dim"),
+        (dict(num_kv_heads=2.5), "num_kv_heads"),
+        (dict(sequences=-3), "sequences"),
+        (dict(device=-1), "device"),
+    ],
+)
+def test_integer_arguments_are_kvforge_errors_naming_the_argument(kw, name):
+    # Issue 24: max_tokens=-1 raised a bare OverflowError.
+    e = err(cache, **kw)
+    assert e.kind == "BadInput", (e.kind, str(e))
+    assert str(e).startswith(f"{name}: must be a non-negative integer"), str(e)
+
+
+def test_sequence_arguments_name_the_element():
+    e = err(kvforge.check_tensor, FakeTensor((2, 3)), "x", [2, -3])
+    assert e.kind == "BadInput" and str(e).startswith("shape: [1]: must be a non-negative integer"), str(e)
+
+
 def test_a_bad_spec_names_file_line_and_field(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text((REPO / "specs" / "rdkv.toml").read_text().replace("tokens = 64", "tokens = 65"))
