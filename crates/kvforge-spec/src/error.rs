@@ -74,7 +74,7 @@ impl Locator<'_> {
         };
         // Bounded: a pathological input (a line of 100 000 nested arrays) must not make a
         // message of its size.
-        let (snippet, column) = clip_line(&snippet, column);
+        let snippet = clip_line(&snippet, column);
         SpecError { kind, file: self.file.to_string(), line, column, field: clip(field, MAX_FIELD_CHARS), message: clip(&message.into(), MAX_MESSAGE_CHARS), snippet }
     }
 }
@@ -127,7 +127,7 @@ impl Locator<'_> {
 
 const MAX_FIELD_CHARS: usize = 120;
 const MAX_MESSAGE_CHARS: usize = 600;
-const SNIPPET_CHARS: usize = 100;
+const SNIPPET_CHARS: usize = 200;
 
 /// `s` cut to `max` characters, with `…` where it was cut.
 fn clip(s: &str, max: usize) -> String {
@@ -137,19 +137,13 @@ fn clip(s: &str, max: usize) -> String {
     }
 }
 
-/// At most [`SNIPPET_CHARS`] of a source line around 1-based `column`, and the column in it.
-fn clip_line(line: &str, column: usize) -> (String, usize) {
-    let n = line.chars().count();
-    if n <= SNIPPET_CHARS {
-        return (line.to_string(), column);
+/// The source line for display, cut [`SNIPPET_CHARS`] past `column` (1-based, which stays the
+/// source column); none where the column itself is further in than that.
+fn clip_line(line: &str, column: usize) -> String {
+    if column > SNIPPET_CHARS {
+        return String::new();
     }
-    let start = column.saturating_sub(SNIPPET_CHARS / 2 + 1).min(n - SNIPPET_CHARS);
-    let text: String = line.chars().skip(start).take(SNIPPET_CHARS).collect();
-    if start == 0 {
-        (format!("{text}…"), column)
-    } else {
-        (format!("…{text}…"), column - start + 1)
-    }
+    clip(line, column + SNIPPET_CHARS)
 }
 
 fn join(parent: &str, name: &str) -> String {

@@ -85,7 +85,7 @@ fn check_validates_the_files_it_is_given() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("ok"), "{out:?}");
     let bad = d.join("bad.toml");
     std::fs::write(&bad, SMALL.replace("tokens = 32", "tokens = 33")).unwrap();
-    expect(&kvforge(&["check", good.to_str().unwrap(), bad.to_str().unwrap()]), 2, &["bad.toml:10:10", "page.tokens", "valid: 16, 32, 64, 128"]);
+    expect(&kvforge(&["check", good.to_str().unwrap(), bad.to_str().unwrap()]), 2, &["bad.toml:9:10", "page.tokens", "valid: 16, 32, 64, 128"]);
 }
 
 // Point 1: a spec that the kernels cannot compile is refused by `check`, located.
@@ -94,7 +94,7 @@ fn check_refuses_specs_whose_kernels_do_not_compile() {
     let d = temp("compile");
     let f = d.join("p16.toml");
     std::fs::write(&f, SMALL.replace("tokens = 32", "tokens = 16").replace("block = 32", "block = 16")).unwrap();
-    expect(&kvforge(&["check", f.to_str().unwrap()]), 2, &["p16.toml:10:10", "`page.tokens`", "head_dim 64", "tensor-core value tiles", "kernels.warps` = 4"]);
+    expect(&kvforge(&["check", f.to_str().unwrap()]), 2, &["p16.toml:9:10", "`page.tokens`", "head_dim 64", "tensor-core value tiles", "kernels.warps` = 4"]);
     std::fs::write(&f, SMALL.replace("tokens = 32", "tokens = 128").replace("block = 32", "block = 128")).unwrap();
     expect(&kvforge(&["check", f.to_str().unwrap()]), 2, &["`page.tokens`", "valid page.tokens at head_dim 64: 32, 64"]);
 }
@@ -183,10 +183,10 @@ fn spec_messages_say_what_a_user_wrote() {
     let d = temp("messages");
     let f = d.join("m.toml");
     std::fs::write(&f, SMALL.replace(r#"key = { scheme = "int", bits = 8, block = 32 }"#, r#"key = "fp16""#)).unwrap();
-    let err = expect(&kvforge(&["check", f.to_str().unwrap()]), 2, &["tier[0].key", "must be a scheme table like { scheme = \"fp16\" }"]);
+    let err = expect(&kvforge(&["check", f.to_str().unwrap()]), 2, &["tier[0].key", "a scheme is a table like { scheme = \"fp16\" }"]);
     assert!(!err.contains("RawScheme"), "{err}");
     std::fs::write(&f, SMALL.replace("tokens = 32", "tokens = 100000000000000000000000")).unwrap();
-    let err = expect(&kvforge(&["check", f.to_str().unwrap()]), 2, &["m.toml:10:"]);
+    let err = expect(&kvforge(&["check", f.to_str().unwrap()]), 2, &["m.toml:9:"]);
     assert!(!err.contains("i128"), "{err}");
     std::fs::write(&f, format!("{}\nx = {}{}\n", SMALL, "[".repeat(100_000), "]".repeat(100_000))).unwrap();
     let err = expect(&kvforge(&["check", f.to_str().unwrap()]), 2, &["m.toml:"]);
