@@ -85,9 +85,9 @@ pub(crate) fn check(spec: &Spec, raw: &RawSpec, loc: &Locator<'_>) -> Result<(),
                 return err(span, &format!("tier[{i}].key.group"), format!("spherical group {group} is not a multiple of 4 channels (the lookup table reads codewords as float4s); valid: 4, 8, 16, 32, ... dividing every head_dim"));
             }
         }
-        // Integer and mixed keys score on tensor cores in 16-token m-tiles ("mma tiles" of
-        // `IntKey::Mma`): a scale block is whole m-tiles.
-        if let KeyScheme::Int { block, .. } | KeyScheme::Mixed { block, .. } = &t.key {
+        // Integer keys score on tensor cores in 16-token m-tiles ("mma tiles" of
+        // `IntKey::Mma`): a scale block is whole m-tiles. (Mixed keys score on CUDA cores.)
+        if let KeyScheme::Int { block, .. } = &t.key {
             if block % 16 != 0 {
                 let span = raw.tiers.get_ref().get(i).and_then(|r| r.key.get_ref().block.as_ref()).map(|b| b.span());
                 let valid: Vec<String> = (16..=spec.page.tokens).step_by(16).filter(|b| spec.page.tokens % b == 0).map(|b| b.to_string()).collect();
