@@ -4,7 +4,7 @@
 //! one other) and compiles them with NVRTC. A kernel `static_assert` that a valid spec trips
 //! belongs in `kvforge_spec::constraints` (a located error) or must be fixed in the kernel.
 //!
-//! Cost: `KVFORGE_SPEC_CASES` accepted specs (default 3) × 2 kernels. Needs NVRTC
+//! Cost: `KVFORGE_SPEC_CASES` accepted specs (default 4) × 2 kernels. Needs NVRTC
 //! (`LD_LIBRARY_PATH`, `KVFORGE_CUDA_INCLUDE`, as `.ci/run` sets them): without it the test
 //! fails under CI (`CI` set) and is skipped, visibly, elsewhere.
 
@@ -121,7 +121,7 @@ fn every_accepted_spec_compiles() {
         println!("skipped: no NVRTC or CUDA headers (set LD_LIBRARY_PATH and KVFORGE_CUDA_INCLUDE)");
         return;
     }
-    let wanted: usize = std::env::var("KVFORGE_SPEC_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(3);
+    let wanted: usize = std::env::var("KVFORGE_SPEC_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(4);
     let specs_dir = kvforge_rt::testing::repo_root().join("specs");
     let mode = CompileMode { strict: false, ptxas_report: false, use_cache: false };
     // Draw until `wanted` specs validate: the grammar also yields specs the validator rightly
@@ -137,7 +137,9 @@ fn every_accepted_spec_compiles() {
         accepted.set(accepted.get() + 1);
         let all: Vec<_> = spec.variants().into_iter().chain(spec.certify_variants()).collect();
         let decode: Vec<_> = all.iter().filter(|v| matches!(v.family, Family::Decode { .. })).collect();
-        let other: Vec<_> = all.iter().filter(|v| !matches!(v.family, Family::Decode { .. })).collect();
+        // Transcodes (the encoders' asserts) where the spec has any, else combine / mass window.
+        let transcode: Vec<_> = all.iter().filter(|v| matches!(v.family, Family::Transcode { .. })).collect();
+        let other: Vec<_> = if transcode.is_empty() { all.iter().filter(|v| !matches!(v.family, Family::Decode { .. })).collect() } else { transcode };
         let sample = [decode[d.pick.0 % decode.len()], other[d.pick.1 % other.len()]];
         for v in sample {
             let code = kvforge_gen::render(&spec, v).map_err(|e| TestCaseError::fail(format!("{v}: render: {e}\n--- spec\n{src}")))?;

@@ -6,7 +6,7 @@
 //!
 //! The scratch root has only `specs/fuzz.toml`, no GPU is visible and NVRTC is hidden, so no
 //! case starts real work (`frontier` finds no rdkv spec, `precompile` no NVRTC, `selftest`
-//! and `bench` no device). `KVFORGE_FUZZ_CASES` sets the number of cases (default 40).
+//! and `bench` no device). `KVFORGE_FUZZ_CASES` sets the number of cases (default 200).
 
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -138,7 +138,7 @@ fn run_case(dir: &Path, args: &[String], spec: &[u8]) -> Result<(), TestCaseErro
 
 #[test]
 fn cli_never_panics_or_hangs_and_exits_with_a_documented_code() {
-    let cases: u32 = std::env::var("KVFORGE_FUZZ_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(40);
+    let cases: u32 = std::env::var("KVFORGE_FUZZ_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(200);
     let dir = std::env::temp_dir().join(format!("kvforge-fuzz-cli-{}", std::process::id()));
     let mut runner = TestRunner::new(Config { cases, failure_persistence: None, max_shrink_iters: 32, ..Config::default() });
     let result = runner.run(&(argv(), spec_bytes()), |(args, spec)| run_case(&dir, &args, &spec));
