@@ -8,8 +8,9 @@
 //! | 3 | no GPU: a command that needs one found none (`selftest`/`bench`: `--allow-no-gpu` exits 0) |
 //!
 //! Commands return [`anyhow::Error`]s; [`code_of`] maps them: [`kvforge_spec::SpecError`],
-//! [`kvforge_rt::RtError::BadInput`] and [`CliError::BadInput`] to 2, [`CliError::NoGpu`] to
-//! 3, everything else to 1. Argument errors that clap finds are 2 as well (clap's own code).
+//! [`kvforge_rt::RtError::BadInput`] and [`CliError::BadInput`] to 2, [`CliError::NoGpu`],
+//! `RtError::NoDriver` and `RtError::NoDevice` (`kvforge probe`) to 3, everything else to 1.
+//! Argument errors that clap finds are 2 as well (clap's own code).
 
 use std::path::Path;
 use std::process::ExitCode;
@@ -66,6 +67,7 @@ pub fn code_of(e: &anyhow::Error) -> u8 {
     }
     match e.downcast_ref::<kvforge_rt::RtError>() {
         Some(kvforge_rt::RtError::BadInput(_)) => BAD_INPUT,
+        Some(kvforge_rt::RtError::NoDriver(_) | kvforge_rt::RtError::NoDevice(_)) => NO_GPU,
         _ => FAILURE,
     }
 }

@@ -134,6 +134,7 @@ fn gpu_commands_without_a_gpu_exit_3() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("skipped: no GPU"));
     expect(&kvforge(&["bench", "--tiers", "rdkv:b4"]), 3, &["no GPU"]);
     expect(&kvforge(&["bench", "--tiers", "rdkv:b4", "--allow-no-gpu"]), 0, &[]);
+    expect(&kvforge(&["probe"]), 3, &[]);
     let out = kvforge(&["frontier", "--gpu", "--no-frontier"]);
     expect(&out, 3, &["no GPU"]);
     assert!(out.stdout.is_empty(), "nothing printed before the GPU check: {}", String::from_utf8_lossy(&out.stdout));
