@@ -95,8 +95,9 @@ def test_certifier_exposes_path_and_ranking_options():
     cfg = kvforge.Certifier(path="gpu", page_in="copy").config
     assert (cfg["path"], cfg["effective_path"], cfg["page_in"]) == ("gpu", "host", "copy")
     assert kvforge.Certifier(rank_depth=0).config["rank_depth"] == 0
-    with pytest.raises(OverflowError):
-        kvforge.Certifier(rank_depth=-1)
+    # Issue 24: a KvforgeError naming the argument, not a bare OverflowError.
+    e = err(kvforge.Certifier, rank_depth=-1)
+    assert e.kind == "BadInput" and str(e).startswith("rank_depth: must be a non-negative integer"), str(e)
 
 
 def test_controller_and_certificate_classes_are_documented():
