@@ -39,6 +39,8 @@ struct Draw {
     tensor_core_values: bool,
     certified: bool,
     split_k: bool,
+    ctas_per_sm: Option<usize>,
+    stage_kib: Option<usize>,
     tiers: Vec<(Key, Value)>,
     /// Which decode module and which other kernel to compile.
     pick: (usize, usize),
@@ -72,12 +74,13 @@ fn draw() -> impl Strategy<Value = Draw> {
         (prop::sample::select(vec![4usize, 8]), prop::option::of(prop::sample::select(vec![4usize, 8])), any::<bool>(), prop::bool::weighted(0.3), any::<bool>()),
         (prop::collection::vec((key(), value()), 1..=2), any::<bool>()),
         (any::<usize>(), any::<usize>()),
+        (prop::option::weighted(0.3, 1usize..=4), prop::option::weighted(0.3, prop::sample::select(vec![8usize, 16, 32, 48, 64, 100, 200]))),
     )
-        .prop_map(|((head_dims, gqa, tokens), (warps, dense_warps, tensor_core_values, certified, split_k), (mut tiers, drop), pick)| {
+        .prop_map(|((head_dims, gqa, tokens), (warps, dense_warps, tensor_core_values, certified, split_k), (mut tiers, drop), pick, (ctas_per_sm, stage_kib))| {
             if drop {
                 tiers.push((Key::Drop, Value::Dense("drop")));
             }
-            Draw { head_dims, gqa, tokens, warps, dense_warps, tensor_core_values, certified, split_k, tiers, pick }
+            Draw { head_dims, gqa, tokens, warps, dense_warps, tensor_core_values, certified, split_k, ctas_per_sm, stage_kib, tiers, pick }
         })
 }
 
@@ -111,7 +114,46 @@ fn toml(d: &Draw) -> String {
     if let Some(w) = d.dense_warps {
         s += &format!("dense = {{ warps = {w} }}\n");
     }
+    if let Some(c) = d.ctas_per_sm {
+        s += &format!("ctas_per_sm = {c}\n");
+    }
+    if let Some(k) = d.stage_kib {
+        s += &format!("stage_kib = {k}\n");
+    }
     s
+}
+
+/// Dynamic shared memory one CTA may have (sm_90): a kernel that asks for more compiles but
+/// cannot launch.
+const MAX_SMEM_PER_CTA: usize = 227 * 1024;
+
+/// The CPU half of the rule, over many more specs (no NVRTC): every kernel of a spec that
+/// `kvforge check` accepts (`Spec::parse`, then `kvforge_gen::limits::check`) fits one CTA's
+/// shared memory. The limit is restated here, not imported, so that the test checks it.
+#[test]
+fn every_accepted_spec_fits_shared_memory() {
+    let specs_dir = kvforge_rt::testing::repo_root().join("specs");
+    let mut runner = TestRunner::new(Config { cases: 512, max_shrink_iters: 0, failure_persistence: None, ..Config::default() });
+    let accepted = std::cell::Cell::new(0usize);
+    runner
+        .run(&draw(), |d| {
+            let src = toml(&d);
+            let Ok(spec) = Spec::parse(&src, "drawn.toml", &specs_dir) else { return Ok(()) };
+            // What `kvforge check` refuses besides the fields: the schedule's device limits.
+            if kvforge_gen::limits::check(&spec).is_err() {
+                return Ok(());
+            }
+            accepted.set(accepted.get() + 1);
+            for v in spec.variants().into_iter().chain(spec.certify_variants()) {
+                let sh = kvforge_gen::launch_shape(&spec, &v);
+                let most = sh.smem_bytes.max(sh.certified_smem_bytes);
+                prop_assert!(most <= MAX_SMEM_PER_CTA, "{v}: {most} B of shared memory, more than {MAX_SMEM_PER_CTA}\n--- spec\n{src}");
+            }
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    println!("{} of 512 drawn specs accepted", accepted.get());
+    assert!(accepted.get() >= 32, "the grammar drew too few valid specs: {}", accepted.get());
 }
 
 #[test]
@@ -134,6 +176,9 @@ fn every_accepted_spec_compiles() {
         }
         let src = toml(&d);
         let Ok(spec) = Spec::parse(&src, "drawn.toml", &specs_dir) else { return Ok(()) };
+        if kvforge_gen::limits::check(&spec).is_err() {
+            return Ok(());
+        }
         accepted.set(accepted.get() + 1);
         let all: Vec<_> = spec.variants().into_iter().chain(spec.certify_variants()).collect();
         let decode: Vec<_> = all.iter().filter(|v| matches!(v.family, Family::Decode { .. })).collect();

@@ -64,8 +64,17 @@ pub(crate) fn spec_files(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
     Ok(v)
 }
 
+/// Loads and validates spec files: the field rules (`Spec::load`) and the device limits of
+/// their schedule (`kvforge_gen::limits`), so that every command refuses the same specs.
 pub(crate) fn load_all(files: &[PathBuf]) -> Result<Vec<Spec>, SpecError> {
-    files.iter().map(|f| Spec::load(f)).collect()
+    files
+        .iter()
+        .map(|f| {
+            let spec = Spec::load(f)?;
+            kvforge_gen::limits::check(&spec)?;
+            Ok(spec)
+        })
+        .collect()
 }
 
 fn main() -> ExitCode {

@@ -99,6 +99,39 @@ fn check_refuses_specs_whose_kernels_do_not_compile() {
     expect(&kvforge(&["check", f.to_str().unwrap()]), 2, &["`page.tokens`", "valid page.tokens at head_dim 64: 32, 64"]);
 }
 
+// Point 1: a spec whose decode cannot get its shared memory is refused by `check` too.
+#[test]
+fn check_refuses_specs_over_the_shared_memory_of_a_cta() {
+    let d = temp("smem");
+    let f = d.join("big.toml");
+    let spec = r#"[spec]
+name = "big"
+
+[geometry]
+head_dims = [256]
+gqa = [6]
+
+[page]
+tokens = 128
+
+[[tier]]
+name = "t0"
+key = { scheme = "int", bits = 4, block = 32 }
+value = { scheme = "bf16" }
+
+[[tier]]
+name = "t1"
+key = { scheme = "spherical", group = 16, angle_bits = 6, codebook = "CB" }
+value = { scheme = "fp16" }
+
+[kernels]
+tensor_core_values = false
+"#
+    .replace("CB", root().join("codebooks/sph_g16_b6.safetensors").to_str().unwrap());
+    std::fs::write(&f, spec).unwrap();
+    expect(&kvforge(&["check", f.to_str().unwrap()]), 2, &["big.toml", "kernels.combinations", "B of shared memory per CTA", "fewer page.tokens"]);
+}
+
 // Point 2: `frontier --contexts 0` panicked in synth.rs.
 #[test]
 fn frontier_contexts_too_short_are_bad_input() {
