@@ -57,12 +57,18 @@ fn py_error(py: Python<'_>, kind: &str, msg: String) -> PyErr {
 /// processing '<argument>'" to it, which `KvforgeError.__str__` puts in front of the message.
 fn unsigned<T: TryFrom<u64>>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<T> {
     let py = obj.py();
-    let shown = || obj.repr().map_or_else(|_| "?".to_string(), |r| r.to_string());
-    if obj.is_instance_of::<pyo3::types::PyBool>() || !obj.is_instance_of::<pyo3::types::PyInt>() {
-        let ty = obj.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string());
-        return Err(bad(py, format!("must be {what}, not {ty} {}", shown())));
+    // Whatever the default conversion takes (ints, and objects with `__index__` such as numpy
+    // and torch integer scalars) still converts.
+    if let Some(v) = obj.extract::<u64>().ok().and_then(|v| T::try_from(v).ok()) {
+        return Ok(v);
     }
-    obj.extract::<u64>().ok().and_then(|v| T::try_from(v).ok()).ok_or_else(|| bad(py, format!("must be {what}, got {}", shown())))
+    let shown = obj.repr().map_or_else(|_| "?".to_string(), |r| r.to_string());
+    if obj.hasattr("__index__").unwrap_or(false) {
+        Err(bad(py, format!("must be {what}, got {shown}")))
+    } else {
+        let ty = obj.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string());
+        Err(bad(py, format!("must be {what}, not {ty} {shown}")))
+    }
 }
 
 pub(crate) fn nat(obj: &Bound<'_, PyAny>) -> PyResult<usize> {

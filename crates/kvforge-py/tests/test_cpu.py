@@ -211,6 +211,22 @@ def test_integer_arguments_are_kvforge_errors_naming_the_argument(kw, name):
     assert str(e).startswith(f"{name}: must be a non-negative integer"), str(e)
 
 
+class Index:
+    """An integer scalar that is not an int (numpy, torch): converts through __index__."""
+
+    def __init__(self, v):
+        self.v = v
+
+    def __index__(self):
+        return self.v
+
+
+def test_index_scalars_still_convert():
+    kvforge.check_tensor(FakeTensor((5, 3, 64)), "k", [Index(5), 3, 64], device=Index(0))
+    e = err(kvforge.check_tensor, FakeTensor((5, 3, 64)), "k", [5, 3, 64], device=Index(-1))
+    assert str(e).startswith("device: must be a non-negative integer, got"), str(e)
+
+
 def test_sequence_arguments_name_the_element():
     e = err(kvforge.check_tensor, FakeTensor((2, 3)), "x", [2, -3])
     assert e.kind == "BadInput" and str(e).startswith("shape: [1]: must be a non-negative integer"), str(e)
