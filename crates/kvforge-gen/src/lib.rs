@@ -15,6 +15,7 @@
 //! ```
 
 pub mod bindings;
+pub mod limits;
 pub mod schedule;
 pub mod tiers;
 pub mod params;

@@ -98,12 +98,20 @@ pub struct SynthHead {
     pub needles: Vec<usize>,
 }
 
+/// Full pages a synthetic head needs: the sink, heavy hitters and needles are planted in
+/// distinct pages. Callers check `tokens >= MIN_FULL_PAGES * page_tokens` on user input
+/// (`kvforge frontier --contexts`) before they generate.
+pub const MIN_FULL_PAGES: usize = 8;
+
 impl SynthHead {
     /// `tokens` tokens; plants are placed by the number of full pages of `page_tokens`.
+    ///
+    /// # Panics
+    /// With fewer than [`MIN_FULL_PAGES`] full pages (a caller's bug: check user input first).
     pub fn generate(rng: &mut ChaCha8Rng, d: usize, tokens: usize, page_tokens: usize, shape: HeadShape, codebook: Option<&Codebook>) -> SynthHead {
         let p = page_tokens;
         let full = tokens / p;
-        assert!(full >= 8, "synthetic heads need at least 8 full pages (got {tokens} tokens of {p}-token pages)");
+        assert!(full >= MIN_FULL_PAGES, "synthetic heads need at least 8 full pages (got {tokens} tokens of {p}-token pages)");
         let draw = |rng: &mut ChaCha8Rng, len: usize| draw_key(rng, len, codebook);
         let mut u = draw(rng, d);
         let nu = u.iter().map(|x| x * x).sum::<f64>().sqrt();

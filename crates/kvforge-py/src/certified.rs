@@ -54,7 +54,7 @@ impl Certifier {
     fn new(
         py: Python<'_>,
         coverage: f64,
-        min_blocks: usize,
+        #[pyo3(from_py_with = crate::nat)] min_blocks: usize,
         max_blocks: Option<usize>,
         explore: f64,
         guard: f64,
@@ -62,9 +62,9 @@ impl Certifier {
         v_tol: f64,
         layer_fallback: f64,
         page_in: &str,
-        seed: u64,
+        #[pyo3(from_py_with = crate::nat_u64)] seed: u64,
         path: &str,
-        rank_depth: usize,
+        #[pyo3(from_py_with = crate::nat)] rank_depth: usize,
         rank_escalate: bool,
         profile: bool,
     ) -> PyResult<Certifier> {
@@ -138,7 +138,7 @@ impl Certifier {
 
     /// One certified decode step: `q` `[batch, q heads, head_dim]` (one token per sequence of
     /// `seqs`), a CUDA tensor in the spec dtype.
-    fn decode<'py>(&mut self, py: Python<'py>, mut cache: PyRefMut<'py, Cache>, q: &Bound<'py, PyAny>, seqs: Vec<usize>) -> PyResult<Bound<'py, PyTuple>> {
+    fn decode<'py>(&mut self, py: Python<'py>, mut cache: PyRefMut<'py, Cache>, q: &Bound<'py, PyAny>, #[pyo3(from_py_with = crate::nats)] seqs: Vec<usize>) -> PyResult<Bound<'py, PyTuple>> {
         guarded(py, || {
             let t = crate::tensor(py, q, "q")?;
             let (hq, d) = (cache.hq(), cache.inner.config().head_dim);

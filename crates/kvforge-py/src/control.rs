@@ -83,8 +83,8 @@ impl Controller {
     #[pyo3(signature = (cache, policy = "rdr", budget = None, per = "token", sinks = 4, recent = 128, floor = None, cost = "resident", every = 16, cooldown = 64, margin = 0.1, drop = "penalty", drop_penalty = 1.0, eps_k = None, eps_v = None, beta = 0.5, sample = 8))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        py: Python<'_>, cache: PyRef<'_, Cache>, policy: &str, budget: Option<f64>, per: &str, sinks: usize, recent: usize, floor: Option<Bound<'_, PyAny>>, cost: &str, every: usize, cooldown: usize, margin: f64, drop: &str, drop_penalty: f64,
-        eps_k: Option<Bound<'_, PyDict>>, eps_v: Option<Bound<'_, PyDict>>, beta: f64, sample: usize,
+        py: Python<'_>, cache: PyRef<'_, Cache>, policy: &str, budget: Option<f64>, per: &str, #[pyo3(from_py_with = crate::nat)] sinks: usize, #[pyo3(from_py_with = crate::nat)] recent: usize, floor: Option<Bound<'_, PyAny>>, cost: &str, #[pyo3(from_py_with = crate::nat)] every: usize, #[pyo3(from_py_with = crate::nat)] cooldown: usize, margin: f64, drop: &str, drop_penalty: f64,
+        eps_k: Option<Bound<'_, PyDict>>, eps_v: Option<Bound<'_, PyDict>>, beta: f64, #[pyo3(from_py_with = crate::nat)] sample: usize,
     ) -> PyResult<Controller> {
         guarded(py, || {
             // Checked here, not at the first windowed apply: a bad β is a construction error.
@@ -176,7 +176,7 @@ impl Controller {
     /// rolls it into this controller's EMA of the sequence's page importance (β = `beta`),
     /// which weighs the pages: RDR's signal at no per-step host cost. Returns a ControlReport.
     #[pyo3(signature = (cache, seq, token_mass = None, window = false))]
-    fn apply(&mut self, py: Python<'_>, mut cache: PyRefMut<'_, Cache>, seq: usize, token_mass: Option<Bound<'_, PyAny>>, window: bool) -> PyResult<ControlReport> {
+    fn apply(&mut self, py: Python<'_>, mut cache: PyRefMut<'_, Cache>, #[pyo3(from_py_with = crate::nat)] seq: usize, token_mass: Option<Bound<'_, PyAny>>, window: bool) -> PyResult<ControlReport> {
         guarded(py, || {
             if cache.inner.spec().name != self.spec.name || cache.inner.config().head_dim != self.head_dim {
                 return Err(bad(py, format!("Controller was made for spec `{}` at head_dim {}, the cache holds `{}` at {}", self.spec.name, self.head_dim, cache.inner.spec().name, cache.inner.config().head_dim)));
@@ -260,14 +260,14 @@ impl Controller {
 
     /// Forgets the importance EMA of `seq` (call when the sequence is removed: its id is
     /// reused by the next `add_sequence`, which must not inherit the old pages' importance).
-    fn forget(&mut self, seq: usize) {
+    fn forget(&mut self, #[pyo3(from_py_with = crate::nat)] seq: usize) {
         self.importance.remove(&seq);
     }
 
     /// The smoothed importance (EMA of the GPU window's maxima) of every page of `seq`
     /// rolled in so far, per kv head in `cache.pages(seq, head)` order; 0.0 for pages never
     /// observed. Empty before the first `apply(..., window=True)` of `seq`.
-    fn importance(&self, py: Python<'_>, cache: PyRef<'_, Cache>, seq: usize) -> PyResult<Vec<Vec<f64>>> {
+    fn importance(&self, py: Python<'_>, cache: PyRef<'_, Cache>, #[pyo3(from_py_with = crate::nat)] seq: usize) -> PyResult<Vec<Vec<f64>>> {
         let Some(imp) = self.importance.get(&seq) else { return Ok(Vec::new()) };
         (0..cache.inner.config().num_kv_heads)
             .map(|h| Ok(cache.inner.positioned_pages(seq, h).or_py(py)?.into_iter().map(|p| imp.get(kvforge_control::PageKey { head: h, first_token: p.2 })).collect()))
@@ -281,7 +281,7 @@ impl Controller {
     }
 
     /// The budget in bytes for a context of `tokens` positions over the cache's kv heads.
-    fn budget_bytes(&self, tokens: usize, kv_heads: usize) -> f64 {
+    fn budget_bytes(&self, #[pyo3(from_py_with = crate::nat)] tokens: usize, #[pyo3(from_py_with = crate::nat)] kv_heads: usize) -> f64 {
         self.limits.budget.bytes(tokens, kv_heads)
     }
 

@@ -51,6 +51,48 @@ fn py_error(py: Python<'_>, kind: &str, msg: String) -> PyErr {
     }
 }
 
+/// Argument extractors for unsigned parameters (`#[pyo3(from_py_with = ...)]`): a negative,
+/// oversized or non-integer value is a `KvforgeError` (kind `BadInput`), not the bare
+/// `OverflowError` / `TypeError` of the default conversion. PyO3 adds the note "while
+/// processing '<argument>'" to it, which `KvforgeError.__str__` puts in front of the message.
+fn unsigned<T: TryFrom<u64>>(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<T> {
+    let py = obj.py();
+    // Whatever the default conversion takes (ints, and objects with `__index__` such as numpy
+    // and torch integer scalars) still converts.
+    if let Some(v) = obj.extract::<u64>().ok().and_then(|v| T::try_from(v).ok()) {
+        return Ok(v);
+    }
+    let shown = obj.repr().map_or_else(|_| "?".to_string(), |r| r.to_string());
+    if obj.hasattr("__index__").unwrap_or(false) {
+        Err(bad(py, format!("must be {what}, got {shown}")))
+    } else {
+        let ty = obj.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string());
+        Err(bad(py, format!("must be {what}, not {ty} {shown}")))
+    }
+}
+
+pub(crate) fn nat(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
+    unsigned(obj, "a non-negative integer")
+}
+
+pub(crate) fn nat_u32(obj: &Bound<'_, PyAny>) -> PyResult<u32> {
+    unsigned(obj, "a non-negative integer below 2**32")
+}
+
+pub(crate) fn nat_u64(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    unsigned(obj, "a non-negative integer below 2**64")
+}
+
+/// A sequence of non-negative integers (`seqs=[...]`).
+pub(crate) fn nats(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    let py = obj.py();
+    if obj.is_instance_of::<pyo3::types::PyString>() {
+        return Err(bad(py, "must be a sequence of non-negative integers, not str"));
+    }
+    let it = obj.try_iter().map_err(|_| bad(py, "must be a sequence of non-negative integers"))?;
+    it.enumerate().map(|(i, x)| x.and_then(|x| unsigned::<usize>(&x, "a non-negative integer")).map_err(|e| bad(py, format!("[{i}]: {}", e.value(py))))).collect()
+}
+
 fn rt_err(py: Python<'_>, e: RtError) -> PyErr {
     py_error(py, &kind(&e), e.to_string())
 }
@@ -153,7 +195,7 @@ fn empty<'py>(py: Python<'py>, shape: &[usize], like: &Bound<'py, PyAny>, f32: b
 #[pyo3(signature = (device = 0))]
 /// Facts about GPU `device` as a dict (name, arch, compute_capability, sm_count, total_mem,
 /// l2_bytes, max_smem_per_block); raises KvforgeError (kind NoDriver / NoDevice) without one.
-fn device_info(py: Python<'_>, device: usize) -> PyResult<Py<PyDict>> {
+fn device_info(py: Python<'_>, #[pyo3(from_py_with = crate::nat)] device: usize) -> PyResult<Py<PyDict>> {
     guarded(py, || {
         let d = self::device(py, device)?;
         let i = &d.info;
@@ -187,7 +229,7 @@ fn nvrtc_present() -> bool {
 /// Checks that `tensor` is a contiguous CUDA tensor on `cuda:device` of `dtype` and `shape`
 /// (host-side, no driver call); raises KvforgeError saying what is wrong. The checks every
 /// Cache method applies to its tensor arguments.
-fn check_tensor(py: Python<'_>, tensor: &Bound<'_, PyAny>, name: &str, shape: Vec<usize>, dtype: &str, device: usize) -> PyResult<()> {
+fn check_tensor(py: Python<'_>, tensor: &Bound<'_, PyAny>, name: &str, #[pyo3(from_py_with = crate::nats)] shape: Vec<usize>, dtype: &str, #[pyo3(from_py_with = crate::nat)] device: usize) -> PyResult<()> {
     guarded(py, || {
         let t = self::tensor(py, tensor, name)?;
         let dims: Vec<(&str, usize)> = shape.iter().map(|&n| ("", n)).collect();
@@ -317,7 +359,7 @@ impl Cache {
     #[new]
     #[pyo3(signature = (spec, head_dim, num_kv_heads, gqa, max_tokens, sequences = 1, target = None, root = None, device = 0, verify_headers = false))]
     #[allow(clippy::too_many_arguments)]
-    fn new(py: Python<'_>, spec: &str, head_dim: usize, num_kv_heads: usize, gqa: usize, max_tokens: usize, sequences: usize, target: Option<Bound<'_, PyAny>>, root: Option<&str>, device: usize, verify_headers: bool) -> PyResult<Cache> {
+    fn new(py: Python<'_>, spec: &str, #[pyo3(from_py_with = crate::nat)] head_dim: usize, #[pyo3(from_py_with = crate::nat)] num_kv_heads: usize, #[pyo3(from_py_with = crate::nat)] gqa: usize, #[pyo3(from_py_with = crate::nat)] max_tokens: usize, #[pyo3(from_py_with = crate::nat)] sequences: usize, target: Option<Bound<'_, PyAny>>, root: Option<&str>, #[pyo3(from_py_with = crate::nat)] device: usize, verify_headers: bool) -> PyResult<Cache> {
         guarded(py, || {
             let path = resolve_spec(spec, root).map_err(|m| py_error(py, "Spec", m))?;
             let s = Spec::load(&path).map_err(|e| py_error(py, "Spec", e.to_string()))?;
@@ -354,14 +396,14 @@ impl Cache {
     }
 
     /// Frees every page of a sequence.
-    fn remove_sequence(&mut self, py: Python<'_>, seq: usize) -> PyResult<()> {
+    fn remove_sequence(&mut self, py: Python<'_>, #[pyo3(from_py_with = crate::nat)] seq: usize) -> PyResult<()> {
         self.generation += 1;
         self.inner.remove_sequence(seq).or_py(py)
     }
 
     /// Appends k, v ([T, num_kv_heads, head_dim], spec dtype, CUDA, contiguous) to `seq`.
     /// Full pages are encoded into the target tier; all or nothing.
-    fn append(&mut self, py: Python<'_>, seq: usize, k: &Bound<'_, PyAny>, v: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn append(&mut self, py: Python<'_>, #[pyo3(from_py_with = crate::nat)] seq: usize, k: &Bound<'_, PyAny>, v: &Bound<'_, PyAny>) -> PyResult<()> {
         guarded(py, || {
             let (k, v) = (tensor(py, k, "k")?, tensor(py, v, "v")?);
             let r = self.on_torch_stream(py, |c| c.append_external(seq, &k, &v));
@@ -377,7 +419,7 @@ impl Cache {
     /// the GPU (RDR's signal; no transfer): read it with `take_mass_window`, or let
     /// `Controller.apply(..., window=True)` roll it in. A sequence may appear once then.
     #[pyo3(signature = (q, seqs, out = None, lse = None, track = false))]
-    fn decode<'py>(&mut self, py: Python<'py>, q: &Bound<'py, PyAny>, seqs: Vec<usize>, out: Option<Bound<'py, PyAny>>, lse: Option<Bound<'py, PyAny>>, track: bool) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    fn decode<'py>(&mut self, py: Python<'py>, q: &Bound<'py, PyAny>, #[pyo3(from_py_with = crate::nats)] seqs: Vec<usize>, out: Option<Bound<'py, PyAny>>, lse: Option<Bound<'py, PyAny>>, track: bool) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
         guarded(py, || {
             let qt = tensor(py, q, "q")?;
             self.check_q(py, &qt, "[B, num_q_heads, head_dim]")?;
@@ -399,7 +441,7 @@ impl Cache {
     /// page (in `pages(seq, head)` order), the largest share of the head's attention mass the
     /// page had in a tracked decode (`decode(..., track=True)` or a tracked plan's `run`),
     /// None where no tracked decode saw the page. Synchronises with the GPU.
-    fn take_mass_window(&mut self, py: Python<'_>, seq: usize) -> PyResult<Vec<Vec<Option<f64>>>> {
+    fn take_mass_window(&mut self, py: Python<'_>, #[pyo3(from_py_with = crate::nat)] seq: usize) -> PyResult<Vec<Vec<Option<f64>>>> {
         guarded(py, || self.on_torch_stream(py, |c| c.take_mass_window(seq)))
     }
 
@@ -409,7 +451,7 @@ impl Cache {
     /// gives causal attention of the prompt against the cache as stored). Returns (out, lse)
     /// as decode.
     #[pyo3(signature = (seq, q, lengths = None, out = None, lse = None))]
-    fn attend_prefix<'py>(&mut self, py: Python<'py>, seq: usize, q: &Bound<'py, PyAny>, lengths: Option<Bound<'py, PyAny>>, out: Option<Bound<'py, PyAny>>, lse: Option<Bound<'py, PyAny>>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    fn attend_prefix<'py>(&mut self, py: Python<'py>, #[pyo3(from_py_with = crate::nat)] seq: usize, q: &Bound<'py, PyAny>, lengths: Option<Bound<'py, PyAny>>, out: Option<Bound<'py, PyAny>>, lse: Option<Bound<'py, PyAny>>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
         guarded(py, || {
             let qt = tensor(py, q, "q")?;
             let n = self.check_q(py, &qt, "[N, num_q_heads, head_dim]")?;
@@ -437,7 +479,7 @@ impl Cache {
     /// `track=True`: every run also folds the page masses into the importance window (as
     /// `decode(..., track=True)`), with nothing uploaded per run.
     #[pyo3(signature = (seqs, track = false))]
-    fn plan(slf: Bound<'_, Self>, seqs: Vec<usize>, track: bool) -> PyResult<Plan> {
+    fn plan(slf: Bound<'_, Self>, #[pyo3(from_py_with = crate::nats)] seqs: Vec<usize>, track: bool) -> PyResult<Plan> {
         let py = slf.py();
         guarded(py, || {
             let mut c = slf.borrow_mut();
@@ -487,7 +529,7 @@ impl Cache {
 
     /// Re-codes full page `page` of (seq, kv head `head`) into `tier` (name or id; down the
     /// ladder only; a drop tier frees it).
-    fn retier(&mut self, py: Python<'_>, seq: usize, head: usize, page: usize, tier: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn retier(&mut self, py: Python<'_>, #[pyo3(from_py_with = crate::nat)] seq: usize, #[pyo3(from_py_with = crate::nat)] head: usize, #[pyo3(from_py_with = crate::nat)] page: usize, tier: &Bound<'_, PyAny>) -> PyResult<()> {
         guarded(py, || {
             let to = tier_id(py, self.inner.spec(), tier)?;
             let r = self.on_torch_stream(py, |c| c.retier(seq, head, page, to));
@@ -528,13 +570,13 @@ impl Cache {
     }
 
     /// Logical length of `seq`: tokens appended so far (those of dropped pages included).
-    fn seq_len(&self, py: Python<'_>, seq: usize) -> PyResult<usize> {
+    fn seq_len(&self, py: Python<'_>, #[pyo3(from_py_with = crate::nat)] seq: usize) -> PyResult<usize> {
         self.inner.seq_len(seq).or_py(py)
     }
 
     /// Pages of (seq, kv head) in token order: [(tier name, tokens, first position)], the
     /// tail page last. Positions are logical: a dropped page leaves a gap.
-    fn pages(&self, py: Python<'_>, seq: usize, head: usize) -> PyResult<Vec<(String, usize, usize)>> {
+    fn pages(&self, py: Python<'_>, #[pyo3(from_py_with = crate::nat)] seq: usize, #[pyo3(from_py_with = crate::nat)] head: usize) -> PyResult<Vec<(String, usize, usize)>> {
         let spec = self.inner.spec();
         Ok(self.inner.positioned_pages(seq, head).or_py(py)?.into_iter().map(|(p, n, f)| (spec.tiers[p.tier as usize].name.clone(), n, f)).collect())
     }

@@ -95,8 +95,9 @@ def test_certifier_exposes_path_and_ranking_options():
     cfg = kvforge.Certifier(path="gpu", page_in="copy").config
     assert (cfg["path"], cfg["effective_path"], cfg["page_in"]) == ("gpu", "host", "copy")
     assert kvforge.Certifier(rank_depth=0).config["rank_depth"] == 0
-    with pytest.raises(OverflowError):
-        kvforge.Certifier(rank_depth=-1)
+    # Issue 24: a KvforgeError naming the argument, not a bare OverflowError.
+    e = err(kvforge.Certifier, rank_depth=-1)
+    assert e.kind == "BadInput" and str(e).startswith("rank_depth: must be a non-negative integer"), str(e)
 
 
 def test_controller_and_certificate_classes_are_documented():
@@ -190,6 +191,45 @@ def test_cache_configuration_is_checked_before_the_device(kw, kind, needle):
     e = err(cache, **kw)
     assert e.kind == kind, (e.kind, str(e))
     assert needle in str(e), str(e)
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(max_tokens=-1), "max_tokens"),
+        (dict(max_tokens=10**30), "max_tokens"),
+        (dict(head_dim="64"), "head_dim"),
+        (dict(num_kv_heads=2.5), "num_kv_heads"),
+        (dict(sequences=-3), "sequences"),
+        (dict(device=-1), "device"),
+    ],
+)
+def test_integer_arguments_are_kvforge_errors_naming_the_argument(kw, name):
+    # Issue 24: max_tokens=-1 raised a bare OverflowError.
+    e = err(cache, **kw)
+    assert e.kind == "BadInput", (e.kind, str(e))
+    assert str(e).startswith(f"{name}: must be a non-negative integer"), str(e)
+
+
+class Index:
+    """An integer scalar that is not an int (numpy, torch): converts through __index__."""
+
+    def __init__(self, v):
+        self.v = v
+
+    def __index__(self):
+        return self.v
+
+
+def test_index_scalars_still_convert():
+    kvforge.check_tensor(FakeTensor((5, 3, 64)), "k", [Index(5), 3, 64], device=Index(0))
+    e = err(kvforge.check_tensor, FakeTensor((5, 3, 64)), "k", [5, 3, 64], device=Index(-1))
+    assert str(e).startswith("device: must be a non-negative integer, got"), str(e)
+
+
+def test_sequence_arguments_name_the_element():
+    e = err(kvforge.check_tensor, FakeTensor((2, 3)), "x", [2, -3])
+    assert e.kind == "BadInput" and str(e).startswith("shape: [1]: must be a non-negative integer"), str(e)
 
 
 def test_a_bad_spec_names_file_line_and_field(tmp_path):

@@ -50,12 +50,9 @@ impl Codebook {
     pub fn load(file: &Path, shown: &str, entries: usize, group: usize) -> Result<Codebook, CodebookError> {
         let path = shown.to_string();
         let io = |source| CodebookError::Io { path: path.clone(), source };
-        // Only regular files: a device (`/dev/zero`, `/dev/stdin`) would never finish reading.
-        let meta = std::fs::metadata(file).map_err(io)?;
-        if !meta.is_file() {
-            return Err(io(std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file")));
-        }
-        let bytes = std::fs::read(file).map_err(io)?;
+        // Only regular files under a size limit: a device (`/dev/zero`, `/dev/stdin`) would
+        // never finish reading.
+        let bytes = crate::input::read_limited(file, crate::input::MAX_CODEBOOK_BYTES).map_err(io)?;
         let fmt = |message: String| CodebookError::Format { path: path.clone(), message };
         let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| fmt(e.to_string()))?;
         let t = st.tensor("codebook").map_err(|e| fmt(format!("{e} (expected a tensor named `codebook`)")))?;

@@ -72,7 +72,10 @@ impl Locator<'_> {
             }
             None => (0, 0, String::new()),
         };
-        SpecError { kind, file: self.file.to_string(), line, column, field: field.to_string(), message: message.into(), snippet }
+        // Bounded: a pathological input (a line of 100 000 nested arrays) must not make a
+        // message of its size.
+        let snippet = clip_line(&snippet, column);
+        SpecError { kind, file: self.file.to_string(), line, column, field: clip(field, MAX_FIELD_CHARS), message: clip(&message.into(), MAX_MESSAGE_CHARS), snippet }
     }
 }
 
@@ -107,11 +110,40 @@ impl Locator<'_> {
                 _ => join(&at, &key),
             };
             (field, format!("duplicate key `{key}`: a key may appear once per table"))
+        } else if msg.contains("expected struct RawScheme") {
+            // `key = "fp16"`: a scheme is a table.
+            let found = msg.split(", expected").next().unwrap_or(&msg).replace("invalid type: ", "");
+            (at, format!("a scheme is a table like {{ scheme = \"fp16\" }}, not {}", toml_words(&found)))
+        } else if let Some(i) = msg.find(" as i128") {
+            // An integer beyond 64 bits: serde's words name the Rust type it tried.
+            let n = msg[..i].rsplit("integer ").next().unwrap_or("").trim_matches('`');
+            (at, format!("integer {n} is out of range"))
         } else {
             (at, toml_words(&msg))
         };
         self.error(SpecErrorKind::Syntax, span, &field, message)
     }
+}
+
+const MAX_FIELD_CHARS: usize = 120;
+const MAX_MESSAGE_CHARS: usize = 600;
+const SNIPPET_CHARS: usize = 200;
+
+/// `s` cut to `max` characters, with `…` where it was cut.
+fn clip(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_string(),
+    }
+}
+
+/// The source line for display, cut [`SNIPPET_CHARS`] past `column` (1-based, which stays the
+/// source column); none where the column itself is further in than that.
+fn clip_line(line: &str, column: usize) -> String {
+    if column > SNIPPET_CHARS {
+        return String::new();
+    }
+    clip(line, column + SNIPPET_CHARS)
 }
 
 fn join(parent: &str, name: &str) -> String {
@@ -143,6 +175,12 @@ fn toml_words(msg: &str) -> String {
         .replace("expected a sequence", "expected an array")
         .replace("invalid type: map", "invalid type: table")
         .replace("invalid type: sequence", "invalid type: array")
+        .replace("expected struct RawShape", "expected a table like { warps = 8, ctas_per_sm = 2 }")
+        .replace("expected struct RawMeta", "expected a table")
+        .replace("expected struct RawGeometry", "expected a table")
+        .replace("expected struct RawPage", "expected a table")
+        .replace("expected struct RawKernels", "expected a table")
+        .replace("expected struct RawTier", "expected a table")
 }
 
 /// Dotted path (`tier[1].key.group`) of the deepest key or value whose span is `span`, else of

@@ -28,7 +28,9 @@
 //! [`VariantId`]; [`SegmentLayout`] documents every tier's bytes.
 
 mod codebook;
+pub mod constraints;
 mod error;
+pub mod input;
 mod layout;
 mod raw;
 mod scheme;

@@ -133,7 +133,7 @@ impl Spec {
     /// Reads and validates a spec file. `shown` is the path used in messages and headers.
     pub fn load(path: &Path) -> Result<Spec, SpecError> {
         let shown = path.display().to_string();
-        let src = std::fs::read_to_string(path).map_err(|e| SpecError {
+        let src = crate::input::read_text(path, crate::input::MAX_SPEC_BYTES).map_err(|e| SpecError {
             kind: SpecErrorKind::Io,
             file: shown.clone(),
             line: 0,
@@ -421,7 +421,7 @@ impl Validator<'_> {
                 h.update(codebook.hash.as_bytes());
             }
         }
-        Ok(Spec {
+        let spec = Spec {
             name: name.clone(),
             description: raw.spec.description.clone(),
             path: self.loc.file.to_string(),
@@ -430,7 +430,9 @@ impl Validator<'_> {
             page,
             tiers,
             kernels,
-        })
+        };
+        crate::constraints::check(&spec, &raw, self.loc)?;
+        Ok(spec)
     }
 
     fn list(&self, l: &Spanned<Vec<Spanned<i64>>>, field: &str, noun: &str, valid: &[i64]) -> R<Vec<usize>> {

@@ -702,3 +702,80 @@ fn mixed_key_errors() {
     check(&e, Invalid, 19, 58, "tier[1].key.bits", &["takes no `bits`", "channels, block, scale_dtype"]);
     insta::assert_snapshot!("mixed_key_share_not_eighths", fail(&mixed("{ 8 = 0.3 }")).to_string());
 }
+
+/// Issue 24: what the kernels `static_assert` is checked by the validator
+/// (`kvforge_spec::constraints`), so that a spec that validates compiles.
+const SMALL: &str = r#"[spec]
+name = "t"
+
+[geometry]
+head_dims = [64]
+gqa = [1]
+
+[page]
+tokens = 16
+
+[[tier]]
+name = "q8"
+key = { scheme = "int", bits = 8, block = 16 }
+value = { scheme = "int", bits = 8, group = 32 }
+
+[kernels]
+warps = 8
+"#;
+
+#[test]
+fn page_too_small_for_the_value_tiles_of_8_warps() {
+    let e = fail(SMALL);
+    check(&e, Invalid, 9, 10, "page.tokens", &["head_dim 64", "8 warps", "tensor-core value tiles", "valid page.tokens at head_dim 64: 32, 64", "`kernels.warps` = 4"]);
+    parse_in(&edit(SMALL, "warps = 8", "warps = 4"), Path::new(".")).unwrap();
+    parse_in(&edit(&edit(SMALL, "head_dims = [64]", "head_dims = [128]"), "warps = 8", "warps = 8"), Path::new(".")).unwrap();
+}
+
+#[test]
+fn dense_launch_warps_are_checked_too() {
+    // rdkv's shape: 4 warps, dense launches 8: the fp16 launch is the one that cannot compile.
+    let src = edit(&edit(SMALL, "warps = 8", "warps = 4\ndense = { warps = 8 }"), "[[tier]]\nname = \"q8\"", "[[tier]]\nname = \"hi\"\nkey = { scheme = \"fp16\" }\nvalue = { scheme = \"fp16\" }\n\n[[tier]]\nname = \"q8\"");
+    let e = fail(&src);
+    assert_eq!(e.field, "page.tokens", "{e}");
+    assert!(e.message.contains("kernels.dense.warps") && e.message.contains("tiers hi"), "{e}");
+}
+
+#[test]
+fn page_longer_than_head_dim() {
+    let src = edit(&edit(SMALL, "tokens = 16", "tokens = 128"), "block = 16", "block = 128");
+    let e = fail(&src);
+    check(&e, Invalid, 9, 10, "page.tokens", &["128 tokens", "head_dim 64", "valid page.tokens at head_dim 64: 32, 64"]);
+}
+
+#[test]
+fn key_blocks_are_whole_tensor_core_tiles() {
+    let src = edit(&edit(SMALL, "tokens = 16", "tokens = 32"), "block = 16", "block = 8");
+    let e = fail(&src);
+    check(&e, Invalid, 13, 43, "tier[0].key.block", &["key block 8", "multiple of 16", "valid at page.tokens 32: 16, 32"]);
+}
+
+#[test]
+fn a_scheme_written_as_a_string_says_it_must_be_a_table() {
+    let e = fail(&edit(SMALL, r#"key = { scheme = "int", bits = 8, block = 16 }"#, r#"key = "fp16""#));
+    assert_eq!(e.kind, Syntax);
+    assert_eq!(e.field, "tier[0].key", "{e}");
+    assert!(e.message.contains(r#"a scheme is a table like { scheme = "fp16" }"#), "{e}");
+    assert!(!e.message.contains("RawScheme"), "{e}");
+}
+
+#[test]
+fn huge_integers_are_located_and_leak_no_rust_types() {
+    let e = fail(&edit(SMALL, "tokens = 16", "tokens = 100000000000000000000000"));
+    assert_eq!(e.line, 9, "{e}");
+    assert!(e.message.contains("out of range"), "{e}");
+    assert!(!e.message.contains("i128") && !e.message.contains("i64"), "{e}");
+}
+
+#[test]
+fn deeply_nested_toml_gives_a_short_message() {
+    let src = format!("{SMALL}\nx = {}{}\n", "[".repeat(100_000), "]".repeat(100_000));
+    let e = fail(&src);
+    let shown = e.to_string();
+    assert!(shown.len() < 1000, "{} bytes: {}", shown.len(), &shown[..300]);
+}

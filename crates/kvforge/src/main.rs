@@ -1,4 +1,5 @@
-//! The kvforge CLI: thin glue over the library crates.
+//! The kvforge CLI: thin glue over the library crates. Exit codes: [`exit`] (0 ok, 1 failure,
+//! 2 bad input, 3 no GPU), the same for every command.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -7,9 +8,10 @@ use clap::{Parser, Subcommand};
 use kvforge_spec::{Spec, SpecError};
 
 mod commands;
+mod exit;
 
 #[derive(Parser)]
-#[command(name = "kvforge", version, about = "Compressed-KV-cache decode attention: specs → CUDA kernels → runtime")]
+#[command(name = "kvforge", version, about = "Compressed-KV-cache decode attention: specs → CUDA kernels → runtime", after_help = exit::HELP)]
 struct Cli {
     /// Repository root holding specs/ and kernels-generated/.
     #[arg(long, global = true, default_value = ".")]
@@ -22,8 +24,12 @@ struct Cli {
 enum Cmd {
     /// Render every spec under specs/ into kernels-generated/.
     Generate,
-    /// Fail (exit 1) if kernels-generated/ differs from what the specs render.
-    Check,
+    /// Validate spec files (exit 2 with the located error); without files, fail (exit 1) if
+    /// kernels-generated/ differs from what the specs under specs/ render.
+    Check {
+        /// Spec files to validate (default: the freshness check of kernels-generated/).
+        specs: Vec<PathBuf>,
+    },
     /// Print every variant with bytes per token per head of its tiers.
     List {
         /// Only these spec files (default: every spec under specs/).
@@ -47,9 +53,6 @@ enum Cmd {
     },
 }
 
-/// Exit code for bad specs and bad inputs.
-const EXIT_BAD_INPUT: u8 = 2;
-
 pub(crate) fn spec_files(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let dir = root.join("specs");
     let rd = std::fs::read_dir(&dir).map_err(|e| kvforge_rt::RtError::BadInput(format!("cannot read {}: {e}; run from the repository root or pass --root", dir.display())))?;
@@ -61,8 +64,17 @@ pub(crate) fn spec_files(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
     Ok(v)
 }
 
+/// Loads and validates spec files: the field rules (`Spec::load`) and the device limits of
+/// their schedule (`kvforge_gen::limits`), so that every command refuses the same specs.
 pub(crate) fn load_all(files: &[PathBuf]) -> Result<Vec<Spec>, SpecError> {
-    files.iter().map(|f| Spec::load(f)).collect()
+    files
+        .iter()
+        .map(|f| {
+            let spec = Spec::load(f)?;
+            kvforge_gen::limits::check(&spec)?;
+            Ok(spec)
+        })
+        .collect()
 }
 
 /// Logs on stderr, filtered by `KVFORGE_LOG` (else `RUST_LOG`), a `tracing` filter such as
@@ -84,16 +96,11 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(code) => code,
         Err(e) => {
-            if let Some(se) = e.downcast_ref::<SpecError>() {
-                eprintln!("error: {se}");
-                return ExitCode::from(EXIT_BAD_INPUT);
+            match e.downcast_ref::<SpecError>() {
+                Some(se) => eprintln!("error: {se}"),
+                None => eprintln!("error: {e:#}"),
             }
-            if e.downcast_ref::<kvforge_rt::RtError>().is_some_and(kvforge_rt::RtError::is_input_error) {
-                eprintln!("error: {e:#}");
-                return ExitCode::from(EXIT_BAD_INPUT);
-            }
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
+            exit::exit(exit::code_of(&e))
         }
     }
 }
@@ -109,7 +116,14 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             println!("{} specs, {} files ({} lines), {} written to {}", specs.len(), files.len(), lines, n, out_dir.display());
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Check => {
+        Cmd::Check { specs } if !specs.is_empty() => {
+            for spec in load_all(&specs)? {
+                let kernels = spec.variants().len() + spec.certify_variants().len();
+                println!("{}: ok (spec `{}`, {} tiers, {kernels} kernels)", spec.path, spec.name, spec.ladder().len());
+            }
+            Ok(exit::exit(exit::OK))
+        }
+        Cmd::Check { .. } => {
             let specs = load_all(&spec_files(&cli.root)?)?;
             let files = kvforge_gen::render_all(&specs)?;
             let s = kvforge_gen::check(&files, &out_dir);

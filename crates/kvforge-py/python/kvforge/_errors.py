@@ -15,5 +15,15 @@ class KvforgeError(ValueError, RuntimeError):
         super().__init__(message)
         self.kind = kind
 
+    def __str__(self):
+        # An argument error of the native module carries PyO3's note "while processing
+        # '<argument>'": name the argument in the message itself.
+        msg = super().__str__()
+        for note in getattr(self, "__notes__", ()):
+            prefix = "while processing '"
+            if isinstance(note, str) and note.startswith(prefix) and note.endswith("'"):
+                return f"{note[len(prefix):-1]}: {msg}"
+        return msg
+
     def __reduce__(self):
         return (type(self), (str(self), self.kind))

@@ -3,9 +3,10 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use kvforge_lab::bench::{bench_tier, copy_gbps, BenchRow};
+
+use crate::exit::ensure;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -43,6 +44,23 @@ pub struct Args {
     /// Certified: failed ranking/boundary checks are only reported, not escalated to rung 3.
     #[arg(long)]
     rank_report_only: bool,
+    /// Without a GPU, print "skipped: no GPU" and exit 0 (default: exit 3).
+    #[arg(long)]
+    allow_no_gpu: bool,
+}
+
+/// Argument checks shared by both modes, before any work.
+fn check_args(a: &Args) -> anyhow::Result<()> {
+    ensure(!a.contexts.is_empty() && a.contexts.iter().all(|&c| c > 0), || format!("--contexts {:?}: every context must be at least 1 token", a.contexts))?;
+    ensure(!a.batches.is_empty() && a.batches.iter().all(|&b| b > 0), || format!("--batches {:?}: every batch must be at least 1", a.batches))?;
+    ensure(a.runs > 0, || "--runs 0: time at least one run".into())?;
+    ensure(a.steps > 0, || "--steps 0: run at least one decode step".into())?;
+    ensure([64, 128, 256].contains(&a.head_dim), || format!("--head-dim {}: valid 64, 128, 256", a.head_dim))?;
+    ensure(a.kv_heads > 0 && a.q_heads % a.kv_heads == 0 && a.q_heads > 0, || format!("--q-heads {} must be a positive multiple of --kv-heads {}", a.q_heads, a.kv_heads))?;
+    if let Some(path) = &a.json {
+        crate::exit::output_path("--json", path)?;
+    }
+    Ok(())
 }
 
 #[derive(serde::Serialize)]
@@ -55,6 +73,7 @@ struct Report<'a> {
 }
 
 pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
+    check_args(&a)?;
     if a.certified {
         return certified(root, a);
     }
@@ -68,12 +87,15 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
             }
         }
     }
+    for t in &a.tiers {
+        ensure(specs.iter().any(|s| s.ladder().iter().any(|x| !x.is_drop() && format!("{}:{}", s.name, x.name) == *t)), || format!("--tiers {t}: no servable `spec:tier` of that name"))?;
+    }
     for l in &a.ladders {
-        let (spec_name, names) = l.split_once(':').ok_or_else(|| anyhow::anyhow!("--ladders takes spec:tier+tier+..., got `{l}`"))?;
-        let s = specs.iter().find(|s| s.name == spec_name).ok_or_else(|| anyhow::anyhow!("--ladders `{l}`: no spec named `{spec_name}`"))?;
+        let (spec_name, names) = l.split_once(':').ok_or_else(|| crate::exit::bad_input(format!("--ladders takes spec:tier+tier+..., got `{l}`")))?;
+        let s = specs.iter().find(|s| s.name == spec_name).ok_or_else(|| crate::exit::bad_input(format!("--ladders `{l}`: no spec named `{spec_name}`")))?;
         let ids = names
             .split('+')
-            .map(|n| s.tier(n).filter(|t| !t.is_drop() && t.id != kvforge_spec::TAIL_TIER).map(|t| t.id).ok_or_else(|| anyhow::anyhow!("--ladders `{l}`: spec `{spec_name}` has no servable tier `{n}`")))
+            .map(|n| s.tier(n).filter(|t| !t.is_drop() && t.id != kvforge_spec::TAIL_TIER).map(|t| t.id).ok_or_else(|| crate::exit::bad_input(format!("--ladders `{l}`: spec `{spec_name}` has no servable tier `{n}`"))))
             .collect::<anyhow::Result<Vec<_>>>()?;
         todo.push((s, ids));
     }
@@ -81,7 +103,7 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
         return Err(kvforge_rt::RtError::BadInput(format!("q_heads {} must be a multiple of kv_heads {}", a.q_heads, a.kv_heads)).into());
     }
     let gqa = a.q_heads / a.kv_heads;
-    let dev = Arc::new(kvforge_rt::Device::open(0)?);
+    let Some(dev) = super::selftest::device_or_exit(a.allow_no_gpu)? else { return Ok(ExitCode::SUCCESS) };
     let mut flush = dev.stream.alloc_zeros::<u8>(256 << 20)?;
     let copy = copy_gbps(&dev, &mut flush)?;
     println!("{}: device-to-device copy {:.0} GB/s", dev.info.name, copy);
@@ -115,13 +137,13 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
 /// `kvforge bench --certified`: rung frequencies and step time of certified decode.
 fn certified(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
     let key = a.tiers.first().cloned().unwrap_or_else(|| "certified:q8k4v".into());
-    let (spec_name, tier_name) = key.split_once(':').ok_or_else(|| anyhow::anyhow!("--tiers takes spec:tier, got `{key}`"))?;
+    let (spec_name, tier_name) = key.split_once(':').ok_or_else(|| crate::exit::bad_input(format!("--tiers takes spec:tier, got `{key}`")))?;
     let spec = kvforge_spec::Spec::load(&root.join("specs").join(format!("{spec_name}.toml")))?;
-    let tier = spec.tier(tier_name).ok_or_else(|| anyhow::anyhow!("spec `{spec_name}` has no tier `{tier_name}`"))?.id;
+    let tier = spec.tier(tier_name).ok_or_else(|| crate::exit::bad_input(format!("--tiers {key}: spec `{spec_name}` has no tier `{tier_name}`")))?.id;
     if a.kv_heads == 0 || a.q_heads % a.kv_heads != 0 {
         return Err(kvforge_rt::RtError::BadInput(format!("q_heads {} must be a multiple of kv_heads {}", a.q_heads, a.kv_heads)).into());
     }
-    let dev = Arc::new(kvforge_rt::Device::open(0)?);
+    let Some(dev) = super::selftest::device_or_exit(a.allow_no_gpu)? else { return Ok(ExitCode::SUCCESS) };
     let bar = indicatif::ProgressBar::new((a.contexts.len() * a.batches.len() * 2) as u64);
     println!(
         "{:<8} {:>5} {:<12} {:>9} {:>9} {:>8} {:>9} {:>8} {:>9} {:>30} {:>8} {:>8} {:>6} {:>7} {:>18} {:>6} {:>8} {:>9} {:>5}",

@@ -11,6 +11,8 @@ use kvforge_lab::frontier::{default_methods, summarise, sweep, Scenario, Setup, 
 use kvforge_spec::{KeyScheme, Spec};
 use serde_json::{json, Value};
 
+use crate::exit::ensure;
+
 #[derive(clap::Args)]
 pub struct Args {
     /// Tokens per kv head of the synthetic sequences.
@@ -130,9 +132,53 @@ fn timing_json(t: &ControllerTime, decode: Option<(f64, String)>, source: &Path)
     })
 }
 
+/// Every argument, before any work: a value that cannot give a meaningful table is a bad
+/// input (exit 2) naming the flag, not a NaN table or a panic.
+fn check_args(a: &Args, page_tokens: usize) -> anyhow::Result<()> {
+    let min = kvforge_control::synth::MIN_FULL_PAGES * page_tokens;
+    ensure(!a.contexts.is_empty(), || "--contexts: list at least one context".into())?;
+    for &c in &a.contexts {
+        ensure(c >= min, || format!("--contexts {c}: a synthetic sequence needs at least {min} tokens ({} pages of {page_tokens})", kvforge_control::synth::MIN_FULL_PAGES))?;
+    }
+    ensure(a.kv_heads > 0, || "--kv-heads 0: at least 1 kv head".into())?;
+    ensure(!a.seeds.is_empty(), || "--seeds: list at least one seed".into())?;
+    ensure(!a.budgets.is_empty(), || "--budgets: list at least one budget".into())?;
+    for &b in &a.budgets {
+        ensure(b.is_finite() && b > 0.0 && b <= 1.0, || format!("--budgets {b}: a budget is a fraction of the fp16 bytes, in (0, 1]"))?;
+    }
+    ensure(["codebook", "isotropic"].contains(&a.keys.as_str()), || format!("--keys {}: expected `codebook` or `isotropic`", a.keys))?;
+    ensure(a.rdr_window > 0, || "--rdr-window 0: at least 1 decode query per invocation".into())?;
+    ensure(a.rdr_sample > 0, || "--rdr-sample 0: observe at least one query in N (N >= 1)".into())?;
+    ensure(a.decode_queries > 0, || "--decode-queries 0: at least 1 decode query per kv head".into())?;
+    if !a.no_timing || a.gpu {
+        ensure(a.timing_context >= min, || format!("--timing-context {}: at least {min} tokens ({} pages of {page_tokens})", a.timing_context, kvforge_control::synth::MIN_FULL_PAGES))?;
+        ensure(a.timing_kv_heads > 0, || "--timing-kv-heads 0: at least 1 kv head".into())?;
+    }
+    if a.gpu {
+        ensure(a.gpu_steps > 0, || "--gpu-steps 0: at least 1 decode step".into())?;
+        ensure(!a.gpu_every.is_empty(), || "--gpu-every: list at least one period (0: the controller's default)".into())?;
+    }
+    ensure(!(a.no_frontier && a.no_timing && !a.gpu), || "--no-frontier --no-timing without --gpu: nothing to run".into())?;
+    if let Some(path) = &a.json {
+        crate::exit::output_path("--json", path)?;
+    }
+    Ok(())
+}
+
 pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
     let rdkv = load(root, "rdkv")?;
     let sph = load(root, "spherical")?;
+    check_args(&a, rdkv.page.tokens.max(sph.page.tokens))?;
+    // The GPU first: without one, exit 3 before any table (the timing table compares against
+    // a stored decode figure of another machine).
+    let dev = if a.gpu {
+        match kvforge_rt::Device::open(0) {
+            Ok(d) => Some(std::sync::Arc::new(d)),
+            Err(e) => return Err(crate::exit::CliError::NoGpu(format!("--gpu: {e}")).into()),
+        }
+    } else {
+        None
+    };
     let mut tables = Tables::default();
     let mut out = json!({
         "device": format!("cpu: {} ({} threads)", cpu_name(), std::thread::available_parallelism().map_or(1, |n| n.get())),
@@ -143,11 +189,8 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
         let codebook = match (&a.keys[..], &sph.tiers[1].key) {
             ("codebook", KeyScheme::Spherical { codebook, .. }) => Some(codebook.clone()),
             ("isotropic", _) => None,
-            (k, _) => return Err(kvforge_rt::RtError::BadInput(format!("--keys {k}: expected `codebook` or `isotropic`")).into()),
+            (k, _) => return Err(crate::exit::bad_input(format!("--keys {k}: the spherical spec's first tier has no codebook; use `isotropic`"))),
         };
-        if a.rdr_window == 0 || a.rdr_sample == 0 || a.decode_queries == 0 {
-            return Err(kvforge_rt::RtError::BadInput("--rdr-window, --rdr-sample and --decode-queries must be at least 1".into()).into());
-        }
         let setup = Setup { window: a.rdr_window, sample: a.rdr_sample, ..Setup::default() };
         let methods = default_methods();
         let mut points = Vec::new();
@@ -231,8 +274,7 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
             "specs": tj,
         });
     }
-    if a.gpu {
-        let dev = std::sync::Arc::new(kvforge_rt::Device::open(0)?);
+    if let Some(dev) = dev {
         let mut gj = Vec::new();
         for ((spec, frac, tier), &every) in [(&rdkv, 0.25, "rdkv:b16"), (&sph, 0.45, "spherical:high")].into_iter().flat_map(|x| a.gpu_every.iter().map(move |e| (x, e))) {
             let table = tables.get(spec);

@@ -42,6 +42,13 @@ struct Row {
 pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
     let files = if a.specs.is_empty() { crate::spec_files(root)? } else { a.specs.clone() };
     let specs = crate::load_all(&files)?;
+    for arch in &a.arch {
+        crate::exit::ensure(arch.strip_prefix("sm_").is_some_and(|n| n.len() >= 2 && n.chars().all(|c| c.is_ascii_digit())), || format!("--arch {arch}: expected sm_<number>, e.g. sm_90"))?;
+    }
+    crate::exit::ensure(a.jobs != Some(0), || "--jobs 0: at least 1 worker".into())?;
+    if let Some(path) = &a.report {
+        crate::exit::output_path("--report", path)?;
+    }
     let mut work = Vec::new();
     for s in &specs {
         for v in s.variants().into_iter().chain(s.certify_variants()).filter(|v| a.only.as_ref().is_none_or(|o| v.name().contains(o.as_str()))) {
@@ -50,6 +57,7 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
             }
         }
     }
+    crate::exit::ensure(!work.is_empty(), || format!("--only {}: no variant of the specs matches", a.only.as_deref().unwrap_or("")))?;
     jit::nvrtc_version()?;
     jit::cuda_include_dir()?;
     let mode = CompileMode { strict: a.strict, ptxas_report: a.report.is_some(), use_cache: !a.no_cache };

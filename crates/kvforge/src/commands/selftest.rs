@@ -6,6 +6,8 @@ use std::sync::Arc;
 
 use kvforge_lab::selftest::{run_variant, VariantResult};
 
+use crate::exit::{ensure, CliError};
+
 #[derive(clap::Args)]
 pub struct Args {
     /// Spec files (default: every spec under specs/).
@@ -22,6 +24,23 @@ pub struct Args {
     /// Date for the JSON (default: today, UTC, from the system clock).
     #[arg(long)]
     date: Option<String>,
+    /// Without a GPU, print "skipped: no GPU" and exit 0 (default: exit 3, so that
+    /// `kvforge selftest && deploy` does not deploy untested kernels).
+    #[arg(long)]
+    allow_no_gpu: bool,
+}
+
+/// The device, or without one exit 3 (a [`CliError::NoGpu`]), or with `allow` `None` after
+/// printing the skip.
+pub fn device_or_exit(allow: bool) -> anyhow::Result<Option<Arc<kvforge_rt::Device>>> {
+    match kvforge_rt::Device::open(0) {
+        Ok(d) => Ok(Some(Arc::new(d))),
+        Err(e) if allow => {
+            println!("skipped: no GPU ({e})");
+            Ok(None)
+        }
+        Err(e) => Err(CliError::NoGpu(format!("{e} (pass --allow-no-gpu to exit 0 instead)")).into()),
+    }
 }
 
 #[derive(serde::Serialize)]
@@ -49,11 +68,9 @@ pub fn today() -> String {
 pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
     let files = if a.specs.is_empty() { crate::spec_files(root)? } else { a.specs.clone() };
     let specs = crate::load_all(&files)?;
-    let dev = match kvforge_rt::Device::open(0) {
-        Ok(d) => Arc::new(d),
-        // A selftest that cannot run must not read as passed.
-        Err(e) => anyhow::bail!("selftest needs a CUDA device: {e}"),
-    };
+    if let Some(path) = &a.json {
+        crate::exit::output_path("--json", path)?;
+    }
     let mut work = Vec::new();
     for s in &specs {
         for v in s.variants().into_iter().filter(|v| v.kind() == "decode") {
@@ -62,6 +79,8 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
             }
         }
     }
+    ensure(!work.is_empty(), || format!("--filter {}: no decode variant of the specs matches", a.filter.as_deref().unwrap_or("")))?;
+    let Some(dev) = device_or_exit(a.allow_no_gpu)? else { return Ok(ExitCode::SUCCESS) };
     let bar = indicatif::ProgressBar::new(work.len() as u64);
     bar.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {elapsed} {msg}").unwrap());
     let mut results = Vec::new();
