@@ -135,10 +135,10 @@ fn timing_json(t: &ControllerTime, decode: Option<(f64, String)>, source: &Path)
 /// Every argument, before any work: a value that cannot give a meaningful table is a bad
 /// input (exit 2) naming the flag, not a NaN table or a panic.
 fn check_args(a: &Args, page_tokens: usize) -> anyhow::Result<()> {
-    let min = kvforge_control::synth::MIN_FULL_PAGES * page_tokens;
+    let min = kvforge_lab::synth::MIN_FULL_PAGES * page_tokens;
     ensure(!a.contexts.is_empty(), || "--contexts: list at least one context".into())?;
     for &c in &a.contexts {
-        ensure(c >= min, || format!("--contexts {c}: a synthetic sequence needs at least {min} tokens ({} pages of {page_tokens})", kvforge_control::synth::MIN_FULL_PAGES))?;
+        ensure(c >= min, || format!("--contexts {c}: a synthetic sequence needs at least {min} tokens ({} pages of {page_tokens})", kvforge_lab::synth::MIN_FULL_PAGES))?;
     }
     ensure(a.kv_heads > 0, || "--kv-heads 0: at least 1 kv head".into())?;
     ensure(!a.seeds.is_empty(), || "--seeds: list at least one seed".into())?;
@@ -151,7 +151,7 @@ fn check_args(a: &Args, page_tokens: usize) -> anyhow::Result<()> {
     ensure(a.rdr_sample > 0, || "--rdr-sample 0: observe at least one query in N (N >= 1)".into())?;
     ensure(a.decode_queries > 0, || "--decode-queries 0: at least 1 decode query per kv head".into())?;
     if !a.no_timing || a.gpu {
-        ensure(a.timing_context >= min, || format!("--timing-context {}: at least {min} tokens ({} pages of {page_tokens})", a.timing_context, kvforge_control::synth::MIN_FULL_PAGES))?;
+        ensure(a.timing_context >= min, || format!("--timing-context {}: at least {min} tokens ({} pages of {page_tokens})", a.timing_context, kvforge_lab::synth::MIN_FULL_PAGES))?;
         ensure(a.timing_kv_heads > 0, || "--timing-kv-heads 0: at least 1 kv head".into())?;
     }
     if a.gpu {
