@@ -86,7 +86,7 @@ pub(super) fn phase2_plan(spec: &Spec, p1: &DecodePlan) -> Result<DecodePlan> {
         gqa: p1.gqa,
     })?;
     let mut p2 = p1.clone();
-    p2.variant = VariantId::decode(spec, &combo, p1.head_dim, p1.gqa);
+    p2.variant = kvforge_gen::decode_variant(spec, &combo, p1.head_dim, p1.gqa);
     p2.tiers = tiers;
     Ok(p2)
 }

@@ -44,7 +44,7 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
     let specs = crate::load_all(&files)?;
     let mut work = Vec::new();
     for s in &specs {
-        for v in s.variants().into_iter().chain(s.certify_variants()).filter(|v| a.only.as_ref().is_none_or(|o| v.name().contains(o.as_str()))) {
+        for v in kvforge_gen::variants(s).into_iter().chain(s.certify_variants()).filter(|v| a.only.as_ref().is_none_or(|o| v.name().contains(o.as_str()))) {
             for arch in &a.arch {
                 work.push((s, v.clone(), arch.clone()));
             }
