@@ -150,9 +150,9 @@ pub fn per_warp(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s: &Schedul
     let ts: Vec<&Tier> = tiers.iter().map(|&t| &spec.tiers[t as usize]).collect();
     s.tc_values
         && gqa <= 8
-        && p % 8 == 0
+        && p.is_multiple_of(8)
         && p >= 4 * s.warps
-        && d % 64 == 0
+        && d.is_multiple_of(64)
         && ts.iter().all(|t| warp_tier(t, d, p))
         && ts.iter().any(|t| matches!(t.key, KeyScheme::Int { .. }))
 }
@@ -334,7 +334,7 @@ pub fn slices_channels(dst: &Tier) -> bool {
 pub fn transcode_split(spec: &Spec, dst: &Tier, d: usize) -> usize {
     let p = spec.page.tokens;
     let slice = TRANSCODE_FLOATS_PER_THREAD * threads(spec);
-    let fits = |s: usize| p % s == 0 && (!slices_channels(dst) || d % (8 * s) == 0);
+    let fits = |s: usize| p.is_multiple_of(s) && (!slices_channels(dst) || d.is_multiple_of(8 * s));
     let mut split = 1;
     while 2 * split * slice <= p * d && fits(2 * split) {
         split *= 2;

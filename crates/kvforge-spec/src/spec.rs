@@ -9,7 +9,7 @@ use crate::error::{Locator, SpecError, SpecErrorKind};
 use crate::layout::SegmentLayout;
 use crate::raw::{RawScheme, RawSpec};
 use crate::scheme::{ChannelSegment, DType, KeyScheme, ScaleDType, ValueScheme, RADIUS_BITS};
-use crate::variant::{Schedule, TierCode, VariantId};
+use crate::variant::{ScheduleChooser, TierCode, VariantId};
 
 /// Index of a tier in [`Spec::tiers`]; it is the `tier` byte of every page header.
 pub type TierId = u8;
@@ -169,7 +169,7 @@ impl Spec {
     /// (tiers, head dim, gqa) under the schedule `schedule` gives it. The generator's default
     /// schedules are kvforge-gen's (`kvforge_gen::variants`): schedules depend on shared-memory
     /// plans that only the generator computes.
-    pub fn variants_with(&self, schedule: &dyn Fn(&Spec, &[TierId], usize, usize) -> Schedule) -> Vec<VariantId> {
+    pub fn variants_with(&self, schedule: &ScheduleChooser<'_>) -> Vec<VariantId> {
         let mut out = Vec::new();
         for &d in &self.geometry.head_dims {
             for combo in &self.kernels.combinations {

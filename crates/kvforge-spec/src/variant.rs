@@ -69,6 +69,10 @@ impl fmt::Display for Schedule {
     }
 }
 
+/// Chooses the schedule of a decode format (spec, tiers, head dim, gqa); see
+/// [`Spec::variants_with`].
+pub type ScheduleChooser<'a> = dyn Fn(&Spec, &[TierId], usize, usize) -> Schedule + 'a;
+
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Family {
     /// Decode attention over pages of the given tiers (tail included), run under `schedule`.

@@ -58,6 +58,21 @@ template <class... Ts> __host__ __device__ constexpr bool any_integer_mma(TierLi
 // Cfg::STAGE_BYTES), computed by kvforge-gen schedule.rs (`decode_smem`, `nstage`), which also
 // gives the host the launch's Cfg::SMEM_TOTAL.
 
+// The rendered plan holds together: regions in order and 16-byte aligned, the stages last,
+// ending at the launch's dynamic shared memory (Cfg::SMEM_TOTAL).
+template <class Cfg>
+struct SmemPlan {
+  static_assert(Cfg::SMEM_Q_OFF == 0 && Cfg::SMEM_Q_OFF <= Cfg::SMEM_LUT_OFF && Cfg::SMEM_LUT_OFF <= Cfg::SMEM_SCORES_OFF &&
+                    Cfg::SMEM_SCORES_OFF <= Cfg::SMEM_STATS_OFF && Cfg::SMEM_STATS_OFF <= Cfg::SMEM_OUT_OFF &&
+                    Cfg::SMEM_OUT_OFF <= Cfg::SMEM_BFRAG_OFF && Cfg::SMEM_BFRAG_OFF <= Cfg::SMEM_STAGE_OFF &&
+                    Cfg::SMEM_STAGE_OFF + Cfg::NSTAGE * Cfg::STAGE_BYTES == Cfg::SMEM_TOTAL,
+                "shared-memory regions in order, the stages last");
+  static_assert((Cfg::SMEM_LUT_OFF | Cfg::SMEM_SCORES_OFF | Cfg::SMEM_STATS_OFF | Cfg::SMEM_OUT_OFF | Cfg::SMEM_BFRAG_OFF |
+                 Cfg::SMEM_STAGE_OFF | Cfg::STAGE_BYTES) % 16 == 0,
+                "16-byte aligned regions (cp.async, uint4 loads)");
+  static constexpr bool OK = true;
+};
+
 // TRACK: the kernel records per-page masses when DecodeParams asks (page_lse, page_head_lse).
 // CERT (certified decode, block layout): also per-block masses (block_head_lse) and key error
 // bounds (block_delta), and promoted blocks (page_info mask) read from their fp16 originals.
@@ -74,6 +89,7 @@ struct DecodeCta {
   using QT = typename Cfg::QT;
   static constexpr int NSTAGE = Cfg::NSTAGE;
   static_assert(NSTAGE >= 2, "a pipeline overlaps at least one copy with compute");
+  static_assert(SmemPlan<Cfg>::OK, "shared-memory plan");
   // Values on tensor cores: O^T[c][h] += V^T[c][t] · P^T[t][h] (mma m16n8k16: 16 channels × 8
   // heads × 16 tokens). Warp w takes token blocks kb ≡ w (mod VW) of every page and channel
   // part vp = w / VW; its lane (g, q) owns channels cbase + [0, CPTV) (A rows g ↔ cbase + 2i,
@@ -301,6 +317,7 @@ struct DecodeCta {
   // Lanes per page in a fold: the heads, padded to a power of two (shuffle groups).
   static constexpr int TRACK_LANES = GQA <= 1 ? 1 : GQA <= 2 ? 2 : GQA <= 4 ? 4 : GQA <= 8 ? 8 : GQA <= 16 ? 16 : 32;
   static_assert(!PW || GQA <= 32, "page tracking: a page's heads in one warp");
+  static_assert(!PW || Cfg::WARP_LSE_PER_PAGE == NW * GQA, "page_warp_lse: every warp's mass of every head of a page");
 
   // Stores this warp's log2 mass `x` of every head in page `gpage` (the head lanes qd = 0).
   __device__ void store_warp_mass(u32 gpage, float x) {

@@ -27,6 +27,8 @@ struct TranscodeSplit {
   // Floats of the larger slice (both are P·D / SPLIT).
   static constexpr int FLOATS = KeySlice::ROWS * KeySlice::COLS > ValueSlice::ROWS * ValueSlice::COLS ? KeySlice::ROWS * KeySlice::COLS
                                                                                                      : ValueSlice::ROWS * ValueSlice::COLS;
+  static_assert(Cfg::SMEM_X_OFF + FLOATS * 4 <= Cfg::SMEM_SCRATCH_OFF && Cfg::SMEM_SCRATCH_OFF <= Cfg::SMEM_TOTAL,
+                "the slice fits in shared memory before the scratch");
   __device__ static KeySlice key(int s) { return KEY_CHANNELS ? KeySlice{0, s * KeySlice::COLS} : KeySlice{s * KeySlice::ROWS, 0}; }
   __device__ static ValueSlice value(int s) { return ValueSlice{s * ValueSlice::ROWS, 0}; }
 };
