@@ -1,5 +1,6 @@
-//! One field list per kernel parameter struct. Both the C++ struct (`params.cuh`) and its
-//! `#[repr(C)]` Rust mirror (`params.rs`) are rendered from it, so they cannot drift.
+//! One field list per kernel parameter struct, and one table of the constants kernels and host
+//! share. Both the C++ side (`params.cuh`) and the `#[repr(C)]` Rust side (`params.rs`) are
+//! rendered from them, so they cannot drift.
 
 /// A field: name, C++ type, Rust type, doc.
 pub struct Field {
