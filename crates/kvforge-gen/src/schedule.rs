@@ -84,7 +84,7 @@ fn choose_entry(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, warps: usiz
 }
 
 /// CTAs per SM a decode schedule is built for, before shared memory has its say: the spec's
-/// `kernels.ctas_per_sm`, and the default 512 threads per SM where the accumulators need the
+/// `kernels.ctas_per_sm` (as threads per SM for another warp count), and the default 512 threads per SM where the accumulators need the
 /// registers (gqa 8, and the per-warp layout above head_dim 128: one CTA; other variants above
 /// head_dim 128).
 fn target_ctas(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s: &Schedule) -> usize {
@@ -96,7 +96,10 @@ fn target_ctas(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s: &Schedule
     } else if d > 128 {
         default
     } else {
-        decode_shape(spec, tiers).ctas_per_sm.max(1)
+        // The spec's CTAs per SM are for its warps: another warp count keeps its threads per
+        // SM (8 warps at rdkv's 4 CTAs asked for 64 registers and spilled 420 B).
+        let shape = decode_shape(spec, tiers);
+        (shape.ctas_per_sm * shape.warps / s.warps).max(1)
     }
 }
 
