@@ -191,3 +191,48 @@ pub struct CertBoundParams {
     ///page tokens / 16
     pub blocks_per_page: i32,
 }
+///tokens of a certification block: the unit of Δ_b, η_b, the masses the selector ranks, promotion and the certificate's sums (seed 004's B)
+pub const CERT_BLOCK: usize = 16;
+///column of CertBoundParams::head_f64: Δ
+pub const CF_DELTA: usize = 0;
+///column of head_f64: α̂
+pub const CF_ALPHA: usize = 1;
+///column of head_f64: V_max
+pub const CF_VMAX: usize = 2;
+///column of head_f64: E_key
+pub const CF_EKEY: usize = 3;
+///column of head_f64: E_val
+pub const CF_EVAL: usize = 4;
+///column of head_f64: E_round
+pub const CF_EROUND: usize = 5;
+///column of head_f64: the bound
+pub const CF_BOUND: usize = 6;
+///column of head_f64: ‖Ô‖₂
+pub const CF_ONORM: usize = 7;
+///columns of head_f64
+pub const CERT_F64: usize = 8;
+///column of CertBoundParams::head_u32: score-check failures
+pub const CU_DETECT: usize = 0;
+///column of head_u32: boundary pages
+pub const CU_BOUNDARY: usize = 1;
+///column of head_u32: ranking flag
+pub const CU_RANKING: usize = 2;
+///column of head_u32: promoted blocks
+pub const CU_PROMOTED: usize = 3;
+///column of head_u32: explored blocks
+pub const CU_EXPLORED: usize = 4;
+///columns of head_u32
+pub const CERT_U32: usize = 5;
+///block state written by the selector: read quantised
+pub const PAGE_QUANTISED: u8 = 0;
+///block state: promoted (read from its fp16 original)
+pub const PAGE_PROMOTED: u8 = 1;
+///block state: explored (promoted at random)
+pub const PAGE_EXPLORED: u8 = 2;
+///Taylor coefficients (ln 2)^k / k!, k = 0..=12, as f64 bit patterns (the certificate's 2^f for f in [0, 1)).
+pub const EXP2_COEFFS: [u64; 13] = [
+    0x3ff0000000000000, 0x3fe62e42fefa39ef, 0x3fcebfbdff82c58f, 0x3fac6b08d704a0c0,
+    0x3f83b2ab6fba4e77, 0x3f55d87fe78a6731, 0x3f2430912f86c787, 0x3eeffcbfc588b0c7,
+    0x3eb62c0223a5c824, 0x3e7b5253d395e7c4, 0x3e3e4cf5158b8eca, 0x3dfe8cac7351bb25,
+    0x3dbc3bd650fc2986,
+];

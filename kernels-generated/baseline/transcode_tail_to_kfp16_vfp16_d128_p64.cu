@@ -5,15 +5,15 @@
 
 namespace {
 using namespace kvforge;
+// Split and shared-memory plan: computed by kvforge-gen schedule.rs, read by transcode.cuh.
 struct Cfg {
   static constexpr int D = 128, P = 64, NTHREADS = 256, SPLIT = 4;
   using Src = TierDef<0, 32768, DenseKey<__half, 128, 64, 0>, DenseValue<__half, 128, 64, 16384>>;  // K fp16, V fp16
   using Dst = TierDef<1, 32768, DenseKey<__half, 128, 64, 0>, DenseValue<__half, 128, 64, 16384>>;  // K fp16, V fp16
   static constexpr int SRC_NG = 1, SRC_E = 1, DST_NG = 1, DST_E = 1;
-  static constexpr int SCRATCH_BYTES = 16;
+  static constexpr bool KEY_CHANNELS = false;  // key slices of whole channels
+  static constexpr int SMEM_X_OFF = 0, SMEM_SCRATCH_OFF = 8192, SMEM_TOTAL = 8208;
 };
-static_assert(TranscodeSmem<Cfg>::TOTAL == 8208, "shared-memory plan differs from the Rust bindings");
-static_assert(TranscodeSplit<Cfg>::KEY_CHANNELS == false, "key slice axis differs from the Rust bindings");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256) kvf_baseline_transcode_tail_to_kfp16_vfp16_d128_p64(const kvforge::TranscodeParams p) {

@@ -5,15 +5,15 @@
 
 namespace {
 using namespace kvforge;
+// Split and shared-memory plan: computed by kvforge-gen schedule.rs, read by transcode.cuh.
 struct Cfg {
   static constexpr int D = 128, P = 64, NTHREADS = 256, SPLIT = 4;
   using Src = TierDef<0, 32768, DenseKey<__half, 128, 64, 0>, DenseValue<__half, 128, 64, 16384>>;  // K fp16, V fp16
   using Dst = TierDef<2, 18432, IntKey<8, 16, float, 128, 64, 0, 8192, 10240>, IntValue<4, 16, __half, 128, 64, 12288, 16384, 17408>>;  // K int8 per-channel block 16 (fp32 scales), V int4 per-token group 16 (fp16 scales)
   static constexpr int SRC_NG = 1, SRC_E = 1, DST_NG = 1, DST_E = 1;
-  static constexpr int SCRATCH_BYTES = 1024;
+  static constexpr bool KEY_CHANNELS = true;  // key slices of whole channels
+  static constexpr int SMEM_X_OFF = 0, SMEM_SCRATCH_OFF = 8192, SMEM_TOTAL = 9216;
 };
-static_assert(TranscodeSmem<Cfg>::TOTAL == 9216, "shared-memory plan differs from the Rust bindings");
-static_assert(TranscodeSplit<Cfg>::KEY_CHANNELS == true, "key slice axis differs from the Rust bindings");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256) kvf_certified_transcode_tail_to_kint8c16f32_vint4g16f16_d128_p64(const kvforge::TranscodeParams p) {

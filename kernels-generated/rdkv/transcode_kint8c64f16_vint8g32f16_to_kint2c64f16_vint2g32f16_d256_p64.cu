@@ -5,15 +5,15 @@
 
 namespace {
 using namespace kvforge;
+// Split and shared-memory plan: computed by kvforge-gen schedule.rs, read by transcode.cuh.
 struct Cfg {
   static constexpr int D = 256, P = 64, NTHREADS = 128, SPLIT = 16;
   using Src = TierDef<2, 35840, IntKey<8, 64, __half, 256, 64, 0, 16384, 16896>, IntValue<8, 32, __half, 256, 64, 17408, 33792, 34816>>;  // K int8 per-channel block 64 (fp16 scales), V int8 per-token group 32 (fp16 scales)
   using Dst = TierDef<4, 11264, IntKey<2, 64, __half, 256, 64, 0, 4096, 4608>, IntValue<2, 32, __half, 256, 64, 5120, 9216, 10240>>;  // K int2 per-channel block 64 (fp16 scales), V int2 per-token group 32 (fp16 scales)
   static constexpr int SRC_NG = 1, SRC_E = 1, DST_NG = 1, DST_E = 1;
-  static constexpr int SCRATCH_BYTES = 128;
+  static constexpr bool KEY_CHANNELS = true;  // key slices of whole channels
+  static constexpr int SMEM_X_OFF = 0, SMEM_SCRATCH_OFF = 4096, SMEM_TOTAL = 4224;
 };
-static_assert(TranscodeSmem<Cfg>::TOTAL == 4224, "shared-memory plan differs from the Rust bindings");
-static_assert(TranscodeSplit<Cfg>::KEY_CHANNELS == true, "key slice axis differs from the Rust bindings");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(128) kvf_rdkv_transcode_kint8c64f16_vint8g32f16_to_kint2c64f16_vint2g32f16_d256_p64(const kvforge::TranscodeParams p) {

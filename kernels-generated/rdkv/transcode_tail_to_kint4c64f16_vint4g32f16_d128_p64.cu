@@ -5,15 +5,15 @@
 
 namespace {
 using namespace kvforge;
+// Split and shared-memory plan: computed by kvforge-gen schedule.rs, read by transcode.cuh.
 struct Cfg {
   static constexpr int D = 128, P = 64, NTHREADS = 128, SPLIT = 8;
   using Src = TierDef<0, 32768, DenseKey<__half, 128, 64, 0>, DenseValue<__half, 128, 64, 16384>>;  // K fp16, V fp16
   using Dst = TierDef<3, 9728, IntKey<4, 64, __half, 128, 64, 0, 4096, 4352>, IntValue<4, 32, __half, 128, 64, 4608, 8704, 9216>>;  // K int4 per-channel block 64 (fp16 scales), V int4 per-token group 32 (fp16 scales)
   static constexpr int SRC_NG = 1, SRC_E = 1, DST_NG = 1, DST_E = 1;
-  static constexpr int SCRATCH_BYTES = 128;
+  static constexpr bool KEY_CHANNELS = true;  // key slices of whole channels
+  static constexpr int SMEM_X_OFF = 0, SMEM_SCRATCH_OFF = 4096, SMEM_TOTAL = 4224;
 };
-static_assert(TranscodeSmem<Cfg>::TOTAL == 4224, "shared-memory plan differs from the Rust bindings");
-static_assert(TranscodeSplit<Cfg>::KEY_CHANNELS == true, "key slice axis differs from the Rust bindings");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(128) kvf_rdkv_transcode_tail_to_kint4c64f16_vint4g32f16_d128_p64(const kvforge::TranscodeParams p) {

@@ -5,15 +5,15 @@
 
 namespace {
 using namespace kvforge;
+// Split and shared-memory plan: computed by kvforge-gen schedule.rs, read by transcode.cuh.
 struct Cfg {
   static constexpr int D = 64, P = 64, NTHREADS = 128, SPLIT = 4;
   using Src = TierDef<0, 16384, DenseKey<__half, 64, 64, 0>, DenseValue<__half, 64, 64, 8192>>;  // K fp16, V fp16
   using Dst = TierDef<3, 4864, IntKey<4, 64, __half, 64, 64, 0, 2048, 2176>, IntValue<4, 32, __half, 64, 64, 2304, 4352, 4608>>;  // K int4 per-channel block 64 (fp16 scales), V int4 per-token group 32 (fp16 scales)
   static constexpr int SRC_NG = 1, SRC_E = 1, DST_NG = 1, DST_E = 1;
-  static constexpr int SCRATCH_BYTES = 128;
+  static constexpr bool KEY_CHANNELS = true;  // key slices of whole channels
+  static constexpr int SMEM_X_OFF = 0, SMEM_SCRATCH_OFF = 4096, SMEM_TOTAL = 4224;
 };
-static_assert(TranscodeSmem<Cfg>::TOTAL == 4224, "shared-memory plan differs from the Rust bindings");
-static_assert(TranscodeSplit<Cfg>::KEY_CHANNELS == true, "key slice axis differs from the Rust bindings");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(128) kvf_rdkv_transcode_tail_to_kint4c64f16_vint4g32f16_d64_p64(const kvforge::TranscodeParams p) {

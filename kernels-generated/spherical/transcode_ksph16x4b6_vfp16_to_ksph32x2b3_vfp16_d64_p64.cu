@@ -5,15 +5,15 @@
 
 namespace {
 using namespace kvforge;
+// Split and shared-memory plan: computed by kvforge-gen schedule.rs, read by transcode.cuh.
 struct Cfg {
   static constexpr int D = 64, P = 64, NTHREADS = 128, SPLIT = 4;
   using Src = TierDef<1, 8640, SphericalKey<16, 6, 64, 64, 0, 256>, DenseValue<__half, 64, 64, 448>>;  // K spherical g16 b6, V fp16
   using Dst = TierDef<3, 8384, SphericalKey<32, 3, 64, 64, 0, 128>, DenseValue<__half, 64, 64, 192>>;  // K spherical g32 b3, V fp16
   static constexpr int SRC_NG = 4, SRC_E = 64, DST_NG = 2, DST_E = 8;
-  static constexpr int SCRATCH_BYTES = 128;
+  static constexpr bool KEY_CHANNELS = false;  // key slices of whole channels
+  static constexpr int SMEM_X_OFF = 0, SMEM_SCRATCH_OFF = 4096, SMEM_TOTAL = 4224;
 };
-static_assert(TranscodeSmem<Cfg>::TOTAL == 4224, "shared-memory plan differs from the Rust bindings");
-static_assert(TranscodeSplit<Cfg>::KEY_CHANNELS == false, "key slice axis differs from the Rust bindings");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(128) kvf_spherical_transcode_ksph16x4b6_vfp16_to_ksph32x2b3_vfp16_d64_p64(const kvforge::TranscodeParams p) {

@@ -5,15 +5,15 @@
 
 namespace {
 using namespace kvforge;
+// Split and shared-memory plan: computed by kvforge-gen schedule.rs, read by transcode.cuh.
 struct Cfg {
   static constexpr int D = 128, P = 64, NTHREADS = 128, SPLIT = 8;
   using Src = TierDef<2, 17152, SphericalKey<16, 4, 128, 64, 0, 512>, DenseValue<__half, 128, 64, 768>>;  // K spherical g16 b4, V fp16
   using Dst = TierDef<3, 16768, SphericalKey<32, 3, 128, 64, 0, 256>, DenseValue<__half, 128, 64, 384>>;  // K spherical g32 b3, V fp16
   static constexpr int SRC_NG = 8, SRC_E = 16, DST_NG = 4, DST_E = 8;
-  static constexpr int SCRATCH_BYTES = 128;
+  static constexpr bool KEY_CHANNELS = false;  // key slices of whole channels
+  static constexpr int SMEM_X_OFF = 0, SMEM_SCRATCH_OFF = 4096, SMEM_TOTAL = 4224;
 };
-static_assert(TranscodeSmem<Cfg>::TOTAL == 4224, "shared-memory plan differs from the Rust bindings");
-static_assert(TranscodeSplit<Cfg>::KEY_CHANNELS == false, "key slice axis differs from the Rust bindings");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(128) kvf_spherical_transcode_ksph16x8b4_vfp16_to_ksph32x4b3_vfp16_d128_p64(const kvforge::TranscodeParams p) {

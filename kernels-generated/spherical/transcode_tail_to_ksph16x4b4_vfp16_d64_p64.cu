@@ -5,15 +5,15 @@
 
 namespace {
 using namespace kvforge;
+// Split and shared-memory plan: computed by kvforge-gen schedule.rs, read by transcode.cuh.
 struct Cfg {
   static constexpr int D = 64, P = 64, NTHREADS = 128, SPLIT = 4;
   using Src = TierDef<0, 16384, DenseKey<__half, 64, 64, 0>, DenseValue<__half, 64, 64, 8192>>;  // K fp16, V fp16
   using Dst = TierDef<2, 8576, SphericalKey<16, 4, 64, 64, 0, 256>, DenseValue<__half, 64, 64, 384>>;  // K spherical g16 b4, V fp16
   static constexpr int SRC_NG = 1, SRC_E = 1, DST_NG = 4, DST_E = 16;
-  static constexpr int SCRATCH_BYTES = 256;
+  static constexpr bool KEY_CHANNELS = false;  // key slices of whole channels
+  static constexpr int SMEM_X_OFF = 0, SMEM_SCRATCH_OFF = 4096, SMEM_TOTAL = 4352;
 };
-static_assert(TranscodeSmem<Cfg>::TOTAL == 4352, "shared-memory plan differs from the Rust bindings");
-static_assert(TranscodeSplit<Cfg>::KEY_CHANNELS == false, "key slice axis differs from the Rust bindings");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(128) kvf_spherical_transcode_tail_to_ksph16x4b4_vfp16_d64_p64(const kvforge::TranscodeParams p) {

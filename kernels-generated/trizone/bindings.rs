@@ -358,18 +358,18 @@ pub struct VariantInfo {
 /// Every kernel of the spec.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Variant {
-    DecodeKmix16x18x24x32x1c64f16Vfp16D64G1P64,
-    DecodeKmix16x18x24x32x1c64f16Vfp16D64G3P64,
-    DecodeKmix16x18x24x32x1c64f16Vfp16D64G4P64,
-    DecodeKmix16x18x24x32x1c64f16Vfp16D64G8P64,
-    DecodeKmix16x18x24x32x1c64f16Vint4g32f16D64G1P64,
-    DecodeKmix16x18x24x32x1c64f16Vint4g32f16D64G3P64,
-    DecodeKmix16x18x24x32x1c64f16Vint4g32f16D64G4P64,
-    DecodeKmix16x18x24x32x1c64f16Vint4g32f16D64G8P64,
-    DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D64G1P64,
-    DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D64G3P64,
-    DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D64G4P64,
-    DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D64G8P64,
+    DecodeKmix16x18x24x32x1c64f16Vfp16D64G1P64W8c2s9t,
+    DecodeKmix16x18x24x32x1c64f16Vfp16D64G3P64W8c2s9t,
+    DecodeKmix16x18x24x32x1c64f16Vfp16D64G4P64W8c2s9t,
+    DecodeKmix16x18x24x32x1c64f16Vfp16D64G8P64W8c1s9t,
+    DecodeKmix16x18x24x32x1c64f16Vint4g32f16D64G1P64W8c2s16t,
+    DecodeKmix16x18x24x32x1c64f16Vint4g32f16D64G3P64W8c2s16t,
+    DecodeKmix16x18x24x32x1c64f16Vint4g32f16D64G4P64W8c2s16t,
+    DecodeKmix16x18x24x32x1c64f16Vint4g32f16D64G8P64W8c1s16t,
+    DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D64G1P64W8c2s9t,
+    DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D64G3P64W8c2s9t,
+    DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D64G4P64W8c2s9t,
+    DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D64G8P64W8c1s9t,
     TranscodeTailToKmix16x18x24x32x1c64f16Vfp16D64P64,
     TranscodeTailToKmix16x18x24x32x1c64f16Vint8g32f16D64P64,
     TranscodeTailToKmix16x18x24x32x1c64f16Vint4g32f16D64P64,
@@ -381,18 +381,18 @@ pub enum Variant {
     TranscodeKmix16x18x24x32x1c64f16Vint8g32f16ToKmix16x18x24x32x1c64f16Vint2g32f16D64P64,
     TranscodeKmix16x18x24x32x1c64f16Vint4g32f16ToKmix16x18x24x32x1c64f16Vint2g32f16D64P64,
     CombineD64,
-    DecodeKmix16x18x24x32x1c64f16Vfp16D128G1P64,
-    DecodeKmix16x18x24x32x1c64f16Vfp16D128G3P64,
-    DecodeKmix16x18x24x32x1c64f16Vfp16D128G4P64,
-    DecodeKmix16x18x24x32x1c64f16Vfp16D128G8P64,
-    DecodeKmix16x18x24x32x1c64f16Vint4g32f16D128G1P64,
-    DecodeKmix16x18x24x32x1c64f16Vint4g32f16D128G3P64,
-    DecodeKmix16x18x24x32x1c64f16Vint4g32f16D128G4P64,
-    DecodeKmix16x18x24x32x1c64f16Vint4g32f16D128G8P64,
-    DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D128G1P64,
-    DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D128G3P64,
-    DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D128G4P64,
-    DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D128G8P64,
+    DecodeKmix16x18x24x32x1c64f16Vfp16D128G1P64W8c2s4t,
+    DecodeKmix16x18x24x32x1c64f16Vfp16D128G3P64W8c2s4t,
+    DecodeKmix16x18x24x32x1c64f16Vfp16D128G4P64W8c2s4t,
+    DecodeKmix16x18x24x32x1c64f16Vfp16D128G8P64W8c1s4t,
+    DecodeKmix16x18x24x32x1c64f16Vint4g32f16D128G1P64W8c2s8t,
+    DecodeKmix16x18x24x32x1c64f16Vint4g32f16D128G3P64W8c2s8t,
+    DecodeKmix16x18x24x32x1c64f16Vint4g32f16D128G4P64W8c2s8t,
+    DecodeKmix16x18x24x32x1c64f16Vint4g32f16D128G8P64W8c1s8t,
+    DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D128G1P64W8c2s4t,
+    DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D128G3P64W8c2s4t,
+    DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D128G4P64W8c2s4t,
+    DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D128G8P64W8c1s4t,
     TranscodeTailToKmix16x18x24x32x1c64f16Vfp16D128P64,
     TranscodeTailToKmix16x18x24x32x1c64f16Vint8g32f16D128P64,
     TranscodeTailToKmix16x18x24x32x1c64f16Vint4g32f16D128P64,
@@ -408,18 +408,18 @@ pub enum Variant {
 }
 impl Variant {
     pub const ALL: [Variant; 47usize] = [
-        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D64G1P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D64G3P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D64G4P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D64G8P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vint4g32f16D64G1P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vint4g32f16D64G3P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vint4g32f16D64G4P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vint4g32f16D64G8P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D64G1P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D64G3P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D64G4P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D64G8P64,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D64G1P64W8c2s9t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D64G3P64W8c2s9t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D64G4P64W8c2s9t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D64G8P64W8c1s9t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vint4g32f16D64G1P64W8c2s16t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vint4g32f16D64G3P64W8c2s16t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vint4g32f16D64G4P64W8c2s16t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vint4g32f16D64G8P64W8c1s16t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D64G1P64W8c2s9t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D64G3P64W8c2s9t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D64G4P64W8c2s9t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D64G8P64W8c1s9t,
         Variant::TranscodeTailToKmix16x18x24x32x1c64f16Vfp16D64P64,
         Variant::TranscodeTailToKmix16x18x24x32x1c64f16Vint8g32f16D64P64,
         Variant::TranscodeTailToKmix16x18x24x32x1c64f16Vint4g32f16D64P64,
@@ -431,18 +431,18 @@ impl Variant {
         Variant::TranscodeKmix16x18x24x32x1c64f16Vint8g32f16ToKmix16x18x24x32x1c64f16Vint2g32f16D64P64,
         Variant::TranscodeKmix16x18x24x32x1c64f16Vint4g32f16ToKmix16x18x24x32x1c64f16Vint2g32f16D64P64,
         Variant::CombineD64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D128G1P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D128G3P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D128G4P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D128G8P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vint4g32f16D128G1P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vint4g32f16D128G3P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vint4g32f16D128G4P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vint4g32f16D128G8P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D128G1P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D128G3P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D128G4P64,
-        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D128G8P64,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D128G1P64W8c2s4t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D128G3P64W8c2s4t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D128G4P64W8c2s4t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D128G8P64W8c1s4t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vint4g32f16D128G1P64W8c2s8t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vint4g32f16D128G3P64W8c2s8t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vint4g32f16D128G4P64W8c2s8t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vint4g32f16D128G8P64W8c1s8t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D128G1P64W8c2s4t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D128G3P64W8c2s4t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D128G4P64W8c2s4t,
+        Variant::DecodeKmix16x18x24x32x1c64f16Vfp16Kmix16x18x24x32x1c64f16Vint8g32f16Kmix16x18x24x32x1c64f16Vint4g32f16Kmix16x18x24x32x1c64f16Vint2g32f16D128G8P64W8c1s4t,
         Variant::TranscodeTailToKmix16x18x24x32x1c64f16Vfp16D128P64,
         Variant::TranscodeTailToKmix16x18x24x32x1c64f16Vint8g32f16D128P64,
         Variant::TranscodeTailToKmix16x18x24x32x1c64f16Vint4g32f16D128P64,
@@ -462,8 +462,8 @@ impl Variant {
 }
 static INFOS: [VariantInfo; 47usize] = [
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g1_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g1_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g1_p64_w8c2s9t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g1_p64_w8c2s9t",
         kind: "decode",
         head_dim: 64usize,
         gqa: 1usize,
@@ -473,11 +473,13 @@ static INFOS: [VariantInfo; 47usize] = [
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
-        source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g1_p64.cu"),
+        source: include_str!(
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g1_p64_w8c2s9t.cu"
+        ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g3_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g3_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g3_p64_w8c2s9t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g3_p64_w8c2s9t",
         kind: "decode",
         head_dim: 64usize,
         gqa: 3usize,
@@ -487,11 +489,13 @@ static INFOS: [VariantInfo; 47usize] = [
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
-        source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g3_p64.cu"),
+        source: include_str!(
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g3_p64_w8c2s9t.cu"
+        ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g4_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g4_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g4_p64_w8c2s9t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g4_p64_w8c2s9t",
         kind: "decode",
         head_dim: 64usize,
         gqa: 4usize,
@@ -501,11 +505,13 @@ static INFOS: [VariantInfo; 47usize] = [
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
-        source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g4_p64.cu"),
+        source: include_str!(
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g4_p64_w8c2s9t.cu"
+        ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g8_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g8_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g8_p64_w8c1s9t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g8_p64_w8c1s9t",
         kind: "decode",
         head_dim: 64usize,
         gqa: 8usize,
@@ -515,11 +521,13 @@ static INFOS: [VariantInfo; 47usize] = [
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
-        source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g8_p64.cu"),
+        source: include_str!(
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g8_p64_w8c1s9t.cu"
+        ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g1_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g1_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g1_p64_w8c2s16t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g1_p64_w8c2s16t",
         kind: "decode",
         head_dim: 64usize,
         gqa: 1usize,
@@ -530,12 +538,12 @@ static INFOS: [VariantInfo; 47usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!(
-            "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g1_p64.cu"
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g1_p64_w8c2s16t.cu"
         ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g3_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g3_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g3_p64_w8c2s16t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g3_p64_w8c2s16t",
         kind: "decode",
         head_dim: 64usize,
         gqa: 3usize,
@@ -546,12 +554,12 @@ static INFOS: [VariantInfo; 47usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!(
-            "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g3_p64.cu"
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g3_p64_w8c2s16t.cu"
         ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g4_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g4_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g4_p64_w8c2s16t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g4_p64_w8c2s16t",
         kind: "decode",
         head_dim: 64usize,
         gqa: 4usize,
@@ -562,12 +570,12 @@ static INFOS: [VariantInfo; 47usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!(
-            "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g4_p64.cu"
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g4_p64_w8c2s16t.cu"
         ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g8_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g8_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g8_p64_w8c1s16t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g8_p64_w8c1s16t",
         kind: "decode",
         head_dim: 64usize,
         gqa: 8usize,
@@ -578,12 +586,12 @@ static INFOS: [VariantInfo; 47usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!(
-            "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g8_p64.cu"
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_g8_p64_w8c1s16t.cu"
         ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g1_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g1_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g1_p64_w8c2s9t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g1_p64_w8c2s9t",
         kind: "decode",
         head_dim: 64usize,
         gqa: 1usize,
@@ -594,12 +602,12 @@ static INFOS: [VariantInfo; 47usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!(
-            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g1_p64.cu"
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g1_p64_w8c2s9t.cu"
         ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g3_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g3_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g3_p64_w8c2s9t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g3_p64_w8c2s9t",
         kind: "decode",
         head_dim: 64usize,
         gqa: 3usize,
@@ -610,12 +618,12 @@ static INFOS: [VariantInfo; 47usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!(
-            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g3_p64.cu"
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g3_p64_w8c2s9t.cu"
         ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g4_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g4_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g4_p64_w8c2s9t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g4_p64_w8c2s9t",
         kind: "decode",
         head_dim: 64usize,
         gqa: 4usize,
@@ -626,12 +634,12 @@ static INFOS: [VariantInfo; 47usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!(
-            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g4_p64.cu"
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g4_p64_w8c2s9t.cu"
         ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g8_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g8_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g8_p64_w8c1s9t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g8_p64_w8c1s9t",
         kind: "decode",
         head_dim: 64usize,
         gqa: 8usize,
@@ -642,7 +650,7 @@ static INFOS: [VariantInfo; 47usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!(
-            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g8_p64.cu"
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d64_g8_p64_w8c1s9t.cu"
         ),
     },
     VariantInfo {
@@ -820,8 +828,8 @@ static INFOS: [VariantInfo; 47usize] = [
         source: include_str!("combine_d64.cu"),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g1_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g1_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g1_p64_w8c2s4t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g1_p64_w8c2s4t",
         kind: "decode",
         head_dim: 128usize,
         gqa: 1usize,
@@ -831,11 +839,13 @@ static INFOS: [VariantInfo; 47usize] = [
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
-        source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g1_p64.cu"),
+        source: include_str!(
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g1_p64_w8c2s4t.cu"
+        ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g3_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g3_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g3_p64_w8c2s4t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g3_p64_w8c2s4t",
         kind: "decode",
         head_dim: 128usize,
         gqa: 3usize,
@@ -845,11 +855,13 @@ static INFOS: [VariantInfo; 47usize] = [
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
-        source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g3_p64.cu"),
+        source: include_str!(
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g3_p64_w8c2s4t.cu"
+        ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g4_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g4_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g4_p64_w8c2s4t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g4_p64_w8c2s4t",
         kind: "decode",
         head_dim: 128usize,
         gqa: 4usize,
@@ -859,11 +871,13 @@ static INFOS: [VariantInfo; 47usize] = [
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
-        source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g4_p64.cu"),
+        source: include_str!(
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g4_p64_w8c2s4t.cu"
+        ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g8_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g8_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g8_p64_w8c1s4t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g8_p64_w8c1s4t",
         kind: "decode",
         head_dim: 128usize,
         gqa: 8usize,
@@ -873,11 +887,13 @@ static INFOS: [VariantInfo; 47usize] = [
         ctas_per_page: 1usize,
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
-        source: include_str!("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g8_p64.cu"),
+        source: include_str!(
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g8_p64_w8c1s4t.cu"
+        ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g1_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g1_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g1_p64_w8c2s8t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g1_p64_w8c2s8t",
         kind: "decode",
         head_dim: 128usize,
         gqa: 1usize,
@@ -888,12 +904,12 @@ static INFOS: [VariantInfo; 47usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!(
-            "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g1_p64.cu"
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g1_p64_w8c2s8t.cu"
         ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g3_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g3_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g3_p64_w8c2s8t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g3_p64_w8c2s8t",
         kind: "decode",
         head_dim: 128usize,
         gqa: 3usize,
@@ -904,12 +920,12 @@ static INFOS: [VariantInfo; 47usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!(
-            "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g3_p64.cu"
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g3_p64_w8c2s8t.cu"
         ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g4_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g4_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g4_p64_w8c2s8t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g4_p64_w8c2s8t",
         kind: "decode",
         head_dim: 128usize,
         gqa: 4usize,
@@ -920,12 +936,12 @@ static INFOS: [VariantInfo; 47usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!(
-            "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g4_p64.cu"
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g4_p64_w8c2s8t.cu"
         ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g8_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g8_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g8_p64_w8c1s8t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g8_p64_w8c1s8t",
         kind: "decode",
         head_dim: 128usize,
         gqa: 8usize,
@@ -936,12 +952,12 @@ static INFOS: [VariantInfo; 47usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!(
-            "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g8_p64.cu"
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d128_g8_p64_w8c1s8t.cu"
         ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g1_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g1_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g1_p64_w8c2s4t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g1_p64_w8c2s4t",
         kind: "decode",
         head_dim: 128usize,
         gqa: 1usize,
@@ -952,12 +968,12 @@ static INFOS: [VariantInfo; 47usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!(
-            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g1_p64.cu"
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g1_p64_w8c2s4t.cu"
         ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g3_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g3_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g3_p64_w8c2s4t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g3_p64_w8c2s4t",
         kind: "decode",
         head_dim: 128usize,
         gqa: 3usize,
@@ -968,12 +984,12 @@ static INFOS: [VariantInfo; 47usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!(
-            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g3_p64.cu"
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g3_p64_w8c2s4t.cu"
         ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g4_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g4_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g4_p64_w8c2s4t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g4_p64_w8c2s4t",
         kind: "decode",
         head_dim: 128usize,
         gqa: 4usize,
@@ -984,12 +1000,12 @@ static INFOS: [VariantInfo; 47usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!(
-            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g4_p64.cu"
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g4_p64_w8c2s4t.cu"
         ),
     },
     VariantInfo {
-        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g8_p64",
-        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g8_p64",
+        name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g8_p64_w8c1s4t",
+        symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g8_p64_w8c1s4t",
         kind: "decode",
         head_dim: 128usize,
         gqa: 8usize,
@@ -1000,7 +1016,7 @@ static INFOS: [VariantInfo; 47usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!(
-            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g8_p64.cu"
+            "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g8_p64_w8c1s4t.cu"
         ),
     },
     VariantInfo {

@@ -5,15 +5,15 @@
 
 namespace {
 using namespace kvforge;
+// Split and shared-memory plan: computed by kvforge-gen schedule.rs, read by transcode.cuh.
 struct Cfg {
   static constexpr int D = 64, P = 64, NTHREADS = 256, SPLIT = 2;
   using Src = TierDef<2, 7744, MixedKey<64, __half, 64, 64, 8, 16, 24, 8, 0, 1024, 2048, 2080, 2112, 2880, 2928, 2976, 3104, 3120>, IntValue<8, 32, __half, 64, 64, 3136, 7232, 7488>>;  // K mixed per-channel [1/8 at 16 bits, 2/8 at 8 bits, 3/8 at 4 bits, 1/8 at 2 bits, 1/8 dropped] block 64 (fp16 scales), V int8 per-token group 32 (fp16 scales)
   using Dst = TierDef<3, 5696, MixedKey<64, __half, 64, 64, 8, 16, 24, 8, 0, 1024, 2048, 2080, 2112, 2880, 2928, 2976, 3104, 3120>, IntValue<4, 32, __half, 64, 64, 3136, 5184, 5440>>;  // K mixed per-channel [1/8 at 16 bits, 2/8 at 8 bits, 3/8 at 4 bits, 1/8 at 2 bits, 1/8 dropped] block 64 (fp16 scales), V int4 per-token group 32 (fp16 scales)
   static constexpr int SRC_NG = 1, SRC_E = 1, DST_NG = 1, DST_E = 1;
-  static constexpr int SCRATCH_BYTES = 256;
+  static constexpr bool KEY_CHANNELS = true;  // key slices of whole channels
+  static constexpr int SMEM_X_OFF = 0, SMEM_SCRATCH_OFF = 8192, SMEM_TOTAL = 8448;
 };
-static_assert(TranscodeSmem<Cfg>::TOTAL == 8448, "shared-memory plan differs from the Rust bindings");
-static_assert(TranscodeSplit<Cfg>::KEY_CHANNELS == true, "key slice axis differs from the Rust bindings");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256) kvf_trizone_transcode_kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16_to_kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16_d64_p64(const kvforge::TranscodeParams p) {

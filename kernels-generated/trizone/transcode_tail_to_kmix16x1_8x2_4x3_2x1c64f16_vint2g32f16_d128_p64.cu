@@ -5,15 +5,15 @@
 
 namespace {
 using namespace kvforge;
+// Split and shared-memory plan: computed by kvforge-gen schedule.rs, read by transcode.cuh.
 struct Cfg {
   static constexpr int D = 128, P = 64, NTHREADS = 256, SPLIT = 4;
   using Src = TierDef<0, 32768, DenseKey<__half, 128, 64, 0>, DenseValue<__half, 128, 64, 16384>>;  // K fp16, V fp16
   using Dst = TierDef<4, 9344, MixedKey<64, __half, 128, 64, 16, 32, 48, 16, 0, 2048, 4096, 4160, 4224, 5760, 5856, 5952, 6208, 6240>, IntValue<2, 32, __half, 128, 64, 6272, 8320, 8832>>;  // K mixed per-channel [1/8 at 16 bits, 2/8 at 8 bits, 3/8 at 4 bits, 1/8 at 2 bits, 1/8 dropped] block 64 (fp16 scales), V int2 per-token group 32 (fp16 scales)
   static constexpr int SRC_NG = 1, SRC_E = 1, DST_NG = 1, DST_E = 1;
-  static constexpr int SCRATCH_BYTES = 256;
+  static constexpr bool KEY_CHANNELS = true;  // key slices of whole channels
+  static constexpr int SMEM_X_OFF = 0, SMEM_SCRATCH_OFF = 8192, SMEM_TOTAL = 8448;
 };
-static_assert(TranscodeSmem<Cfg>::TOTAL == 8448, "shared-memory plan differs from the Rust bindings");
-static_assert(TranscodeSplit<Cfg>::KEY_CHANNELS == true, "key slice axis differs from the Rust bindings");
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256) kvf_trizone_transcode_tail_to_kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_p64(const kvforge::TranscodeParams p) {

@@ -64,7 +64,7 @@ pub fn tokens(spec: &Spec, mode: SourceMode) -> Result<TokenStream, crate::Rende
         }
     });
 
-    let variants = spec.variants();
+    let variants = crate::variants(spec);
     let idents: Vec<_> = variants.iter().map(|v| format_ident!("{}", v.rust_ident())).collect();
     let mut infos = Vec::new();
     for v in &variants {

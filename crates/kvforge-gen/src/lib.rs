@@ -25,6 +25,21 @@ use std::path::{Path, PathBuf};
 
 pub use render::{launch_shape, render, LaunchShape, RenderError, CERT_MAX_BLOCKS, CERT_SELECT_THREADS, HEADERS};
 
+use kvforge_spec::{Spec, TierId, VariantId};
+
+/// Every kernel the generator renders for `spec` ([`Spec::variants_with`]), each decode format
+/// under its default schedule ([`schedule::choose`]), in a stable order.
+pub fn variants(spec: &Spec) -> Vec<VariantId> {
+    spec.variants_with(&schedule::choose)
+}
+
+/// The decode kernel of one format (tiers, head dim, gqa) under its default schedule: the one
+/// [`variants`] lists and the runtime launches. [`VariantId::with_schedule`] gives the same
+/// format under another.
+pub fn decode_variant(spec: &Spec, tiers: &[TierId], head_dim: usize, gqa: usize) -> VariantId {
+    VariantId::decode(spec, tiers, head_dim, gqa, schedule::choose(spec, tiers, head_dim, gqa))
+}
+
 /// A file the generator owns, relative to `kernels-generated/`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct GeneratedFile {
@@ -51,7 +66,7 @@ pub fn render_common() -> Vec<GeneratedFile> {
 /// Every file of one spec: kernels and bindings.
 pub fn render_spec(spec: &kvforge_spec::Spec) -> Result<Vec<GeneratedFile>, RenderError> {
     let mut out = Vec::new();
-    for v in spec.variants().into_iter().chain(spec.certify_variants()) {
+    for v in variants(spec).into_iter().chain(spec.certify_variants()) {
         out.push(GeneratedFile { path: v.file(), contents: render(spec, &v)? });
     }
     out.push(GeneratedFile { path: format!("{}/bindings.rs", spec.name), contents: bindings::render_file(spec)? });

@@ -1,5 +1,6 @@
-//! One field list per kernel parameter struct. Both the C++ struct (`params.cuh`) and its
-//! `#[repr(C)]` Rust mirror (`params.rs`) are rendered from it, so they cannot drift.
+//! One field list per kernel parameter struct, and one table of the constants kernels and host
+//! share. Both the C++ side (`params.cuh`) and the `#[repr(C)]` Rust side (`params.rs`) are
+//! rendered from them, so they cannot drift.
 
 /// A field: name, C++ type, Rust type, doc.
 pub struct Field {
@@ -144,6 +145,62 @@ pub const PARAMS: &[ParamStruct] = &[
     },
 ];
 
+/// A constant the kernels and the host share: name, C++ type, Rust type, value, doc.
+pub struct Constant {
+    pub name: &'static str,
+    pub ctype: &'static str,
+    pub rust: &'static str,
+    pub value: &'static str,
+    pub doc: &'static str,
+}
+
+const fn c(name: &'static str, ctype: &'static str, rust: &'static str, value: &'static str, doc: &'static str) -> Constant {
+    Constant { name, ctype, rust, value, doc }
+}
+
+/// Shared constants: rendered into `params.cuh` (`constexpr`) and `params.rs` (`pub const`),
+/// so the host reads the kernels' outputs by the numbers the kernels were compiled with.
+pub const CONSTANTS: &[Constant] = &[
+    c("CERT_BLOCK", "int", "usize", "16", "tokens of a certification block: the unit of Δ_b, η_b, the masses the selector ranks, promotion and the certificate's sums (seed 004's B)"),
+    c("CF_DELTA", "int", "usize", "0", "column of CertBoundParams::head_f64: Δ"),
+    c("CF_ALPHA", "int", "usize", "1", "column of head_f64: α̂"),
+    c("CF_VMAX", "int", "usize", "2", "column of head_f64: V_max"),
+    c("CF_EKEY", "int", "usize", "3", "column of head_f64: E_key"),
+    c("CF_EVAL", "int", "usize", "4", "column of head_f64: E_val"),
+    c("CF_EROUND", "int", "usize", "5", "column of head_f64: E_round"),
+    c("CF_BOUND", "int", "usize", "6", "column of head_f64: the bound"),
+    c("CF_ONORM", "int", "usize", "7", "column of head_f64: ‖Ô‖₂"),
+    c("CERT_F64", "int", "usize", "8", "columns of head_f64"),
+    c("CU_DETECT", "int", "usize", "0", "column of CertBoundParams::head_u32: score-check failures"),
+    c("CU_BOUNDARY", "int", "usize", "1", "column of head_u32: boundary pages"),
+    c("CU_RANKING", "int", "usize", "2", "column of head_u32: ranking flag"),
+    c("CU_PROMOTED", "int", "usize", "3", "column of head_u32: promoted blocks"),
+    c("CU_EXPLORED", "int", "usize", "4", "column of head_u32: explored blocks"),
+    c("CERT_U32", "int", "usize", "5", "columns of head_u32"),
+    c("PAGE_QUANTISED", "u8", "u8", "0", "block state written by the selector: read quantised"),
+    c("PAGE_PROMOTED", "u8", "u8", "1", "block state: promoted (read from its fp16 original)"),
+    c("PAGE_EXPLORED", "u8", "u8", "2", "block state: explored (promoted at random)"),
+];
+
+/// Taylor coefficients (ln 2)^k / k!, k = 0..=12, as f64 bit patterns: the certificate's 2^f
+/// for f ∈ [0, 1) on the device (`KVF_CERT_EXP2_COEFFS`, a list for an array initialiser) and
+/// on the host (`EXP2_COEFFS`).
+pub const EXP2_COEFFS: [u64; 13] = [
+    0x3ff0000000000000,
+    0x3fe62e42fefa39ef,
+    0x3fcebfbdff82c58f,
+    0x3fac6b08d704a0c0,
+    0x3f83b2ab6fba4e77,
+    0x3f55d87fe78a6731,
+    0x3f2430912f86c787,
+    0x3eeffcbfc588b0c7,
+    0x3eb62c0223a5c824,
+    0x3e7b5253d395e7c4,
+    0x3e3e4cf5158b8eca,
+    0x3dfe8cac7351bb25,
+    0x3dbc3bd650fc2986,
+];
+
 /// Renders `params.cuh`.
 pub fn render_cuda() -> String {
     let mut s = String::new();
@@ -157,6 +214,12 @@ pub fn render_cuda() -> String {
         }
         s.push_str("};\n");
     }
+    s.push_str("\n// Constants shared with the host.\n");
+    for k in CONSTANTS {
+        s.push_str(&format!("constexpr {} {} = {};  // {}\n", k.ctype, k.name, k.value, k.doc));
+    }
+    let coeffs: Vec<String> = EXP2_COEFFS.iter().map(|c| format!("0x{c:016x}ull")).collect();
+    s.push_str(&format!("#define KVF_CERT_EXP2_COEFFS {}\n", coeffs.join(", ")));
     s.push_str("\n}  // namespace kvforge\n");
     s
 }
@@ -180,7 +243,20 @@ pub fn render_rust() -> String {
             pub struct #name { #(#fields)* }
         }
     });
-    let file: syn::File = syn::parse2(quote! { #(#structs)* }).expect("params file");
+    let consts = CONSTANTS.iter().map(|k| {
+        let n = format_ident!("{}", k.name);
+        let t: syn::Type = syn::parse_str(k.rust).expect("rust type");
+        let v: syn::Expr = syn::parse_str(k.value).expect("value");
+        let d = k.doc;
+        quote! { #[doc = #d] pub const #n: #t = #v; }
+    });
+    let coeffs = EXP2_COEFFS.iter().map(|c| syn::LitInt::new(&format!("0x{c:016x}"), proc_macro2::Span::call_site()));
+    let file: syn::File = syn::parse2(quote! {
+        #(#structs)*
+        #(#consts)*
+        #[doc = "Taylor coefficients (ln 2)^k / k!, k = 0..=12, as f64 bit patterns (the certificate's 2^f for f in [0, 1))."]
+        pub const EXP2_COEFFS: [u64; 13] = [#(#coeffs),*];
+    }).expect("params file");
     format!(
         "// @generated by {} from crates/kvforge-gen/src/params.rs — do not edit\n{}",
         kvforge_spec::GENERATOR_VERSION,

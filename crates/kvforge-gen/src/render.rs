@@ -4,10 +4,10 @@
 
 use std::sync::OnceLock;
 
-use kvforge_spec::{Family, Spec, VariantId};
+use kvforge_spec::{Family, Schedule, Spec, VariantId};
 use serde::Serialize;
 
-use crate::schedule::{self, Entry};
+use crate::schedule;
 use crate::tiers;
 
 /// The templates and headers, embedded so the runtime and the macros render without the
@@ -94,21 +94,25 @@ pub struct LaunchShape {
 
 pub fn launch_shape(spec: &Spec, v: &VariantId) -> LaunchShape {
     match &v.family {
-        Family::Decode { tiers, gqa, .. } => {
+        Family::Decode { tiers, gqa, schedule: s, .. } => {
             let d = v.head_dim;
             LaunchShape {
-                threads: schedule::decode_threads(spec, tiers),
-                smem_bytes: schedule::decode_smem(spec, tiers, d, *gqa, Entry::Decode),
+                threads: 32 * s.warps,
+                smem_bytes: schedule::decode_smem(spec, tiers, d, *gqa, s).total,
                 ctas_per_page: 1,
-                warp_lse_per_page: schedule::warp_lse_per_page(spec, tiers, d, *gqa),
-                certified_smem_bytes: if spec.kernels.certified { schedule::decode_smem(spec, tiers, d, *gqa, Entry::Certified) } else { 0 },
+                warp_lse_per_page: schedule::warp_lse_per_page(spec, tiers, d, *gqa, s),
+                certified_smem_bytes: if spec.kernels.certified {
+                    schedule::decode_smem(spec, tiers, d, *gqa, &schedule::certified(spec, tiers, d, *gqa, s)).total
+                } else {
+                    0
+                },
             }
         }
         Family::Transcode { dst, .. } => {
             let dst = &spec.tiers[*dst as usize];
             LaunchShape {
                 threads: schedule::threads(spec),
-                smem_bytes: schedule::transcode_smem(spec, dst, v.head_dim),
+                smem_bytes: schedule::transcode_smem(spec, dst, v.head_dim).total,
                 ctas_per_page: schedule::transcode_split(spec, dst, v.head_dim),
                 warp_lse_per_page: 0,
                 certified_smem_bytes: 0,
@@ -123,6 +127,37 @@ pub fn launch_shape(spec: &Spec, v: &VariantId) -> LaunchShape {
         Family::CertSelect { .. } => LaunchShape { threads: CERT_SELECT_THREADS, smem_bytes: CERT_MAX_BLOCKS * 8, ctas_per_page: 1, warp_lse_per_page: 0, certified_smem_bytes: 0 },
         Family::CertBound { .. } => LaunchShape { threads: CERT_BOUND_THREADS, smem_bytes: 0, ctas_per_page: 1, warp_lse_per_page: 0, certified_smem_bytes: 0 },
     }
+}
+
+/// One `static constexpr` member of a rendered `Cfg`.
+#[derive(Serialize)]
+struct Const {
+    ty: &'static str,
+    name: &'static str,
+    value: String,
+}
+
+/// The members of a decode `Cfg` that a schedule decides: its stages, values, layout and
+/// shared-memory plan (the device code reads them, it does not recompute them).
+fn decode_consts(spec: &Spec, tiers: &[kvforge_spec::TierId], d: usize, gqa: usize, s: &Schedule) -> Vec<Const> {
+    let m = schedule::decode_smem(spec, tiers, d, gqa, s);
+    let int = |name, v: usize| Const { ty: "int", name, value: v.to_string() };
+    let flag = |name, v: bool| Const { ty: "bool", name, value: v.to_string() };
+    vec![
+        int("NSTAGE", s.stages),
+        flag("TC_VALUES", s.tc_values),
+        flag("PER_WARP", schedule::per_warp(spec, tiers, d, gqa, s)),
+        int("WARP_LSE_PER_PAGE", schedule::warp_lse_per_page(spec, tiers, d, gqa, s)),
+        int("SMEM_Q_OFF", m.q),
+        int("SMEM_LUT_OFF", m.lut),
+        int("SMEM_SCORES_OFF", m.scores),
+        int("SMEM_STATS_OFF", m.stats),
+        int("SMEM_OUT_OFF", m.out),
+        int("SMEM_BFRAG_OFF", m.bfrag),
+        int("SMEM_STAGE_OFF", m.stage),
+        int("STAGE_BYTES", m.stage_bytes),
+        int("SMEM_TOTAL", m.total),
+    ]
 }
 
 /// Threads of the certified-decode selector (one CTA per (sequence, kv head)).
@@ -157,14 +192,17 @@ pub fn render(spec: &Spec, v: &VariantId) -> Result<String, RenderError> {
             ctx.insert("tier_names", &ts.iter().map(|t| t.name.as_str()).collect::<Vec<_>>().join(", "));
             ctx.insert("tier_list", &ts.iter().map(|t| format!("Tier{}", t.id)).collect::<Vec<_>>().join(", "));
             ctx.insert("tiers", &ts);
+            let s = v.schedule().expect("decode variants have a schedule");
             ctx.insert("gqa", gqa);
-            ctx.insert("min_blocks", &schedule::min_blocks(spec, tiers, d, *gqa, Entry::Decode));
-            ctx.insert("tc_values", &Entry::Decode.tc_values(spec));
-            ctx.insert("nstage", &schedule::nstage(spec, tiers, d, *gqa, Entry::Decode));
+            ctx.insert("schedule", &s.to_string());
+            ctx.insert("min_blocks", &s.ctas_per_sm);
+            ctx.insert("consts", &decode_consts(spec, tiers, d, *gqa, &s));
             ctx.insert("certified", &spec.kernels.certified);
             if spec.kernels.certified {
-                ctx.insert("cert_min_blocks", &schedule::min_blocks(spec, tiers, d, *gqa, Entry::Certified));
-                ctx.insert("cert_nstage", &schedule::nstage(spec, tiers, d, *gqa, Entry::Certified));
+                let c = schedule::certified(spec, tiers, d, *gqa, &s);
+                ctx.insert("cert_schedule", &c.to_string());
+                ctx.insert("cert_min_blocks", &c.ctas_per_sm);
+                ctx.insert("cert_consts", &decode_consts(spec, tiers, d, *gqa, &c));
                 ctx.insert("cert_smem", &shape.certified_smem_bytes);
             }
             ctx.insert("warp_lse_per_page", &shape.warp_lse_per_page);
@@ -186,9 +224,11 @@ pub fn render(spec: &Spec, v: &VariantId) -> Result<String, RenderError> {
             ctx.insert("src_e", &se);
             ctx.insert("dst_ng", &dng);
             ctx.insert("dst_e", &de);
-            ctx.insert("scratch", &schedule::transcode_scratch(spec, t, d));
+            let m = schedule::transcode_smem(spec, t, d);
             ctx.insert("split", &shape.ctas_per_page);
             ctx.insert("key_channels", &schedule::slices_channels(t));
+            ctx.insert("smem_x", &m.x);
+            ctx.insert("smem_scratch", &m.scratch);
             "transcode.cu.tera"
         }
         Family::Combine => "combine.cu.tera",

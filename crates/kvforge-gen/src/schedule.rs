@@ -1,8 +1,12 @@
-//! The launch schedule of every kernel: threads, CTAs per SM, pipeline stages, shared
-//! memory and transcode splits, mirrored by the generated kernels (each `static_assert`s the
-//! numbers).
+//! Schedules and launch facts of every kernel. A decode variant is a format (tiers, head dim,
+//! gqa) under a [`Schedule`] (warps, CTAs per SM, stages, tensor-core values), which is part of
+//! its id; [`choose`] picks the default schedule of a format from the rules below and the
+//! spec's `kernels.*` overrides. Everything else a kernel's launch needs (the shared-memory
+//! plan, the layout, transcode splits) is computed here once from format and schedule and
+//! rendered into the kernel's `Cfg`: the device code reads these numbers, it does not
+//! recompute them.
 
-use kvforge_spec::{DType, KernelShape, KeyScheme, SegmentLayout, Spec, Tier, TierId, ValueScheme};
+use kvforge_spec::{DType, KernelShape, KeyScheme, Schedule, SegmentLayout, Spec, Tier, TierId, ValueScheme};
 
 fn align16(x: usize) -> usize {
     x.div_ceil(16) * 16
@@ -21,14 +25,13 @@ fn lut_floats(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
     tiers.iter().map(|&t| gqa * lut_floats_per_head(&spec.tiers[t as usize], d)).sum()
 }
 
-/// Threads per CTA of the transcode kernels (and of decode variants without a shape of their
-/// own, see [`decode_shape`]).
+/// Threads per CTA of the transcode kernels.
 pub fn threads(spec: &Spec) -> usize {
     32 * spec.kernels.warps
 }
 
-/// Launch shape of a decode variant: the spec's `kernels.dense` for variants whose tiers (the
-/// tail aside) are all dense, else `kernels.warps` / `ctas_per_sm`.
+/// Launch shape a decode format takes by default: the spec's `kernels.dense` for formats whose
+/// tiers (the tail aside) are all dense, else `kernels.warps` / `ctas_per_sm`.
 pub fn decode_shape(spec: &Spec, tiers: &[TierId]) -> KernelShape {
     let dense = |t: &Tier| matches!(t.key, KeyScheme::Dense(_)) && matches!(t.value, ValueScheme::Dense(_));
     let mut own = tiers.iter().map(|&t| &spec.tiers[t as usize]).filter(|t| t.id != kvforge_spec::TAIL_TIER).peekable();
@@ -38,17 +41,12 @@ pub fn decode_shape(spec: &Spec, tiers: &[TierId]) -> KernelShape {
     }
 }
 
-/// Threads per CTA of a decode variant.
-pub fn decode_threads(spec: &Spec, tiers: &[TierId]) -> usize {
-    32 * decode_shape(spec, tiers).warps
-}
-
-/// The entry points of a decode module, as far as their shapes differ. The plain and tracked
-/// entries take the spec's `kernels.tensor_core_values` (the per-warp layout where the tiers
-/// allow it); the certified entry always runs the block layout with fp32 values on CUDA cores,
-/// the arithmetic the certificate's E_round covers (fp16 rounding of p and of dequantised V on
-/// the tensor-core value path is not), so a spec need not give up tensor-core values in its
-/// plain decode to be certified. Mirrored by the `CertCfg` of decode.cu.tera.
+/// The entry points of a decode module, as far as their schedules differ. The plain and
+/// tracked entries run the variant's [`Schedule`]; the certified entry always runs the block
+/// layout with fp32 values on CUDA cores, the arithmetic the certificate's E_round covers (fp16
+/// rounding of p and of dequantised V on the tensor-core value path is not), so a spec need not
+/// give up tensor-core values in its plain decode to be certified. Its schedule is
+/// [`certified`]'s, rendered as the `CertCfg` of decode.cu.tera.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Entry {
     /// `<symbol>` and `<symbol>_tracked`.
@@ -57,52 +55,72 @@ pub enum Entry {
     Certified,
 }
 
-impl Entry {
-    /// Whether this entry accumulates values on tensor cores where its tiers allow.
-    pub fn tc_values(self, spec: &Spec) -> bool {
-        self == Entry::Decode && spec.kernels.tensor_core_values
-    }
-}
-
 /// Shared memory of one SM on sm_80/sm_90 (bytes), and what the driver reserves per CTA.
 const SMEM_PER_SM: usize = 228 * 1024;
 const SMEM_RESERVED_PER_CTA: usize = 1024;
+/// Most dynamic shared memory one CTA may opt into on sm_90 (227 KiB).
+pub const MAX_SMEM_PER_CTA: usize = 227 * 1024;
 
-/// CTAs per SM a decode variant is built for, before shared memory has its say: the spec's
-/// `kernels.ctas_per_sm`, and the default 512 threads per SM where the accumulators need the
+/// The default schedule of a decode format (tiers, head dim `d`, gqa), i.e. of its plain and
+/// tracked entries: [`decode_shape`]'s warps, the spec's `kernels.tensor_core_values`, stages
+/// by [`nstage`] and CTAs per SM by [`min_blocks`].
+pub fn choose(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> Schedule {
+    choose_entry(spec, tiers, d, gqa, decode_shape(spec, tiers).warps, Entry::Decode)
+}
+
+/// The schedule of the certified entry in a decode module whose plain entries run `s`: the
+/// same warps, fp32 values (the block layout), and stages and CTAs per SM by the generator's
+/// rules (the spec's `kernels.stage_kib` is for the plain entries).
+pub fn certified(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s: &Schedule) -> Schedule {
+    choose_entry(spec, tiers, d, gqa, s.warps, Entry::Certified)
+}
+
+fn choose_entry(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, warps: usize, entry: Entry) -> Schedule {
+    let tc_values = entry == Entry::Decode && spec.kernels.tensor_core_values;
+    let mut s = Schedule { warps, ctas_per_sm: 1, stages: 2, tc_values };
+    s.stages = nstage(spec, tiers, d, gqa, &s, entry);
+    s.ctas_per_sm = min_blocks(spec, tiers, d, gqa, &s);
+    s
+}
+
+/// CTAs per SM a decode schedule is built for, before shared memory has its say: the spec's
+/// `kernels.ctas_per_sm` (as threads per SM for another warp count), and the default 512 threads per SM where the accumulators need the
 /// registers (gqa 8, and the per-warp layout above head_dim 128: one CTA; other variants above
 /// head_dim 128).
-fn target_ctas(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, entry: Entry) -> usize {
-    let default = (512 / decode_threads(spec, tiers)).max(1);
+fn target_ctas(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s: &Schedule) -> usize {
+    let default = (512 / (32 * s.warps)).max(1);
     // The per-warp layout at head_dim > 128 holds 64 accumulators and 32-pair key and value
     // fragments per thread: ~150 registers (at 128 it spilled 0.5 KB per thread).
-    if gqa >= 8 || (d > 128 && per_warp(spec, tiers, d, gqa, entry)) {
+    if gqa >= 8 || (d > 128 && per_warp(spec, tiers, d, gqa, s)) {
         1
     } else if d > 128 {
         default
     } else {
-        decode_shape(spec, tiers).ctas_per_sm.max(1)
+        // The spec's CTAs per SM are for its warps: another warp count keeps its threads per
+        // SM (8 warps at rdkv's 4 CTAs asked for 64 registers and spilled 420 B).
+        let shape = decode_shape(spec, tiers);
+        (shape.ctas_per_sm * shape.warps / s.warps).max(1)
     }
 }
 
 /// CTAs per SM the decode kernel asks the register allocator to fit (`__launch_bounds__`):
 /// [`target_ctas`], where it exceeds the default 512 threads per SM only as far as the
-/// variant's shared memory lets the CTAs reside (a register budget for CTAs that cannot run
+/// schedule's shared memory lets the CTAs reside (a register budget for CTAs that cannot run
 /// only costs spills).
-pub fn min_blocks(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, entry: Entry) -> usize {
-    let default = (512 / decode_threads(spec, tiers)).max(1);
-    let fit = SMEM_PER_SM / (decode_smem(spec, tiers, d, gqa, entry) + SMEM_RESERVED_PER_CTA);
-    target_ctas(spec, tiers, d, gqa, entry).min(fit.max(default)).max(1)
+fn min_blocks(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s: &Schedule) -> usize {
+    let default = (512 / (32 * s.warps)).max(1);
+    let fit = SMEM_PER_SM / (decode_smem(spec, tiers, d, gqa, s).total + SMEM_RESERVED_PER_CTA);
+    target_ctas(spec, tiers, d, gqa, s).min(fit.max(default)).max(1)
 }
 
-/// Mirror of `IntKey::bfrag_bytes`: integer keys whose block spans several 16-token m-tiles
-/// fold the query with the block's scales once per page into shared memory (fp16 high and low
-/// parts of q · scale in mma fragment order, then the zero terms per block, channel part, head).
-fn bfrag_bytes(spec: &Spec, tier: &Tier, d: usize, gqa: usize) -> usize {
+/// Integer keys whose block spans several 16-token m-tiles fold the query with the block's
+/// scales once per page into shared memory (fp16 high and low parts of q · scale in mma
+/// fragment order, then the zero terms per block, channel part, head): bytes at `warps` warps.
+fn bfrag_bytes(spec: &Spec, tier: &Tier, d: usize, gqa: usize, warps: usize) -> usize {
     let p = spec.page.tokens;
     match &tier.key {
         KeyScheme::Int { block, .. } if *block >= 32 => {
-            let kp = if spec.kernels.warps >= 2 * (p / 16) { 2 } else { 1 };
+            let kp = if warps >= 2 * (p / 16) { 2 } else { 1 };
             4 * gqa * (p / block).max(1) * (d + kp)
         }
         _ => 0,
@@ -127,52 +145,78 @@ fn warp_tier(tier: &Tier, d: usize, p: usize) -> bool {
     key && value
 }
 
-/// Mirror of `WarpPlan<Cfg>::ON`: whether a decode variant runs the per-warp layout (each warp
-/// owns 8-token octets with its own online softmax; see decode.cuh). Variants with an integer
-/// key tier whose every tier has fp16 or integer keys and values.
-pub fn per_warp(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, entry: Entry) -> bool {
+/// Whether a decode variant runs the per-warp layout (`Cfg::PER_WARP`: each warp owns 8-token
+/// octets with its own online softmax; see decode.cuh): tensor-core values, and tiers that all
+/// have fp16 or integer keys and values, one of them integer keys.
+pub fn per_warp(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s: &Schedule) -> bool {
     let p = spec.page.tokens;
     let ts: Vec<&Tier> = tiers.iter().map(|&t| &spec.tiers[t as usize]).collect();
-    entry.tc_values(spec)
+    s.tc_values
         && gqa <= 8
-        && p % 8 == 0
-        && p >= 4 * spec.kernels.warps
-        && d % 64 == 0
+        && p.is_multiple_of(8)
+        && p >= 4 * s.warps
+        && d.is_multiple_of(64)
         && ts.iter().all(|t| warp_tier(t, d, p))
         && ts.iter().any(|t| matches!(t.key, KeyScheme::Int { .. }))
 }
 
-/// Mirror of `DecodeCta::WARP_LSE_PER_PAGE`: floats per page of `DecodeParams::page_warp_lse`
-/// that the tracked entry of a decode variant needs. In the per-warp layout every warp stores
-/// its log2 mass of each query head of a page there, to be folded after the page loop (so the
-/// fold holds no registers in it); the block layout needs none.
-pub fn warp_lse_per_page(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> usize {
-    if per_warp(spec, tiers, d, gqa, Entry::Decode) {
-        decode_threads(spec, tiers) / 32 * gqa
+/// Floats per page of `DecodeParams::page_warp_lse` that the tracked entry of a decode variant
+/// needs (`Cfg::WARP_LSE_PER_PAGE`). In the per-warp layout every warp stores its log2 mass of
+/// each query head of a page there, to be folded after the page loop (so the fold holds no
+/// registers in it); the block layout needs none.
+pub fn warp_lse_per_page(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s: &Schedule) -> usize {
+    if per_warp(spec, tiers, d, gqa, s) {
+        s.warps * gqa
     } else {
         0
     }
 }
 
-/// Mirror of `WarpPlan<Cfg>::QFRAG_BYTES`: the per-warp layout's query fragments, fp16 high
-/// and low parts of head_dim / 4 channels for each lane of the heads (4 per head).
+/// The per-warp layout's query fragments: fp16 high and low parts of head_dim / 4 channels for
+/// each lane of the heads (4 per head).
 fn qfrag_bytes(d: usize, gqa: usize) -> usize {
     4 * gqa * d
 }
 
-/// Mirror of `DecodeSmem<Cfg>::TOTAL`.
-pub fn decode_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, entry: Entry) -> usize {
-    decode_fixed_smem(spec, tiers, d, gqa, entry) + nstage(spec, tiers, d, gqa, entry) * stage_bytes(spec, tiers, d)
+/// Shared-memory plan of a decode CTA (byte offsets of its regions, rendered as the `SMEM_*`
+/// constants of the kernel's `Cfg`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeSmem {
+    /// Queries, fp32 [gqa][d].
+    pub q: usize,
+    /// Lookup tables of the spherical tiers.
+    pub lut: usize,
+    /// Scores [gqa][P].
+    pub scores: usize,
+    /// Softmax statistics (max, sum, rescale, page mass per head).
+    pub stats: usize,
+    /// Output reduction [gqa][d] (also a second score part).
+    pub out: usize,
+    /// Folded integer-key B fragments, or the per-warp layout's query fragments.
+    pub bfrag: usize,
+    /// The first page stage.
+    pub stage: usize,
+    /// Bytes of one stage: the page header and the largest staged segment.
+    pub stage_bytes: usize,
+    /// Dynamic shared memory of the CTA.
+    pub total: usize,
 }
 
-/// Shared memory of a decode CTA besides its page stages: queries, lookup tables, scores,
-/// softmax statistics, the output reduction and the key/query fragments.
-fn decode_fixed_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, entry: Entry) -> usize {
+/// The shared-memory plan of a decode format under schedule `s`.
+pub fn decode_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s: &Schedule) -> DecodeSmem {
     let p = spec.page.tokens;
     let ts: Vec<&Tier> = tiers.iter().map(|&t| &spec.tiers[t as usize]).collect();
     let lut = lut_floats(spec, tiers, d, gqa);
-    let bfrag = if per_warp(spec, tiers, d, gqa, entry) { qfrag_bytes(d, gqa) } else { ts.iter().map(|t| bfrag_bytes(spec, t, d, gqa)).max().unwrap_or(0) };
-    align16(gqa * d * 4) + align16(lut * 4) + align16(gqa * p * 4) + align16(4 * gqa * 4) + align16(gqa * d * 4) + align16(bfrag)
+    let bfrag = if per_warp(spec, tiers, d, gqa, s) { qfrag_bytes(d, gqa) } else { ts.iter().map(|t| bfrag_bytes(spec, t, d, gqa, s.warps)).max().unwrap_or(0) };
+    let q = 0;
+    let lut_off = q + align16(gqa * d * 4);
+    let scores = lut_off + align16(lut * 4);
+    let stats = scores + align16(gqa * p * 4);
+    let out = stats + align16(4 * gqa * 4);
+    let bfrag_off = out + align16(gqa * d * 4);
+    let stage = bfrag_off + align16(bfrag);
+    let stage_bytes = stage_bytes(spec, tiers, d);
+    DecodeSmem { q, lut: lut_off, scores, stats, out, bfrag: bfrag_off, stage, stage_bytes, total: stage + s.stages * stage_bytes }
 }
 
 /// Bytes of one pipeline stage: the page header and the largest staged segment (tail pages,
@@ -189,19 +233,17 @@ fn stage_bytes(spec: &Spec, tiers: &[TierId], d: usize) -> usize {
 }
 
 /// Pages in flight per decode CTA (`Cfg::NSTAGE` of the generated kernel; the one place this
-/// is decided), 2 to 16:
+/// is decided), 2 to 16, for a schedule's warps and values:
 /// - the spec's `kernels.stage_kib` budget when it gives one (plain and tracked entries);
 /// - integer and dense pages stream at a bandwidth that grows with the bytes in flight, so
 ///   they take as many stages as fit in the CTA's share of the SM's shared memory
-///   ([`target_ctas`] CTAs per SM, at least 2), at most 100 KiB (H100, per-warp rdkv b8/b4: 1.08-1.21x
-///   faster than with 4-5 stages; rdkv at 4 warps × 4 CTAs: stages sized to the share let the
-///   fourth CTA reside);
+///   ([`target_ctas`] CTAs per SM, at least 2), at most 100 KiB (H100, per-warp rdkv b8/b4:
+///   faster than with 4-5 stages; rdkv at 4 warps × 4 CTAs: stages sized to the share let
+///   the fourth CTA reside);
 /// - variants with spherical tiers are bound by their lookup-table path and want CTAs per SM
-///   more than depth: as many stages as fit in 48 KiB, 2 to 8 (H100, spherical low at batch 64:
-///   0.90x the time of the deep rule; 2 stages instead of 3 for d128 pages, 2026-11-26:
-///   spherical high / mid at 128K × 64 9.15 / 8.98 → 6.53 / 6.47 ms, low unchanged, batch 1
-///   and 8 within ±3% but high at 1 × 32K +8%).
-pub fn nstage(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, entry: Entry) -> usize {
+///   more than depth: as many stages as fit in 48 KiB, 2 to 8 (benches/NOTES.md: 2 stages
+///   instead of 3 for d128 pages ran spherical high / mid at 128K × 64 in 0.71x the time).
+fn nstage(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s: &Schedule, entry: Entry) -> usize {
     let stage = stage_bytes(spec, tiers, d);
     let lut = lut_floats(spec, tiers, d, gqa);
     // The spec's budget is for the plain and tracked entries; the certified entry holds more
@@ -212,12 +254,66 @@ pub fn nstage(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, entry: Entry)
         None if lut == 0 => {
             // At least two CTAs share the SM's stages even where the registers ask for one
             // (gqa 8, wide heads): two resident CTAs hide each other's barrier and prologue.
-            let ctas = target_ctas(spec, tiers, d, gqa, entry).max(2);
-            let share = (SMEM_PER_SM / ctas).saturating_sub(SMEM_RESERVED_PER_CTA + decode_fixed_smem(spec, tiers, d, gqa, entry));
+            let ctas = target_ctas(spec, tiers, d, gqa, s).max(2);
+            let share = (SMEM_PER_SM / ctas).saturating_sub(SMEM_RESERVED_PER_CTA + decode_smem(spec, tiers, d, gqa, &Schedule { stages: 0, ..*s }).total);
             (share.min(100 * 1024) / stage).clamp(2, 16)
         }
         None => (48 * 1024 / stage).clamp(2, 8),
     }
+}
+
+/// Why a decode schedule cannot run a format.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ScheduleError {
+    #[error("{warps} warps: decode kernels run 4 or 8")]
+    Warps { warps: usize },
+    #[error("{ctas} CTAs of {threads} threads per SM: an SM runs at most 2048 threads")]
+    Ctas { ctas: usize, threads: usize },
+    #[error("{stages} stages: a pipeline needs 2 to 16")]
+    Stages { stages: usize },
+    #[error("{bytes} B of shared memory per CTA: at most {MAX_SMEM_PER_CTA}")]
+    Smem { bytes: usize },
+}
+
+/// Checks that schedule `s` can run a decode format (the bounds the device code assumes).
+pub fn check(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s: &Schedule) -> Result<(), ScheduleError> {
+    if ![4, 8].contains(&s.warps) {
+        return Err(ScheduleError::Warps { warps: s.warps });
+    }
+    if s.ctas_per_sm == 0 || s.ctas_per_sm * 32 * s.warps > 2048 {
+        return Err(ScheduleError::Ctas { ctas: s.ctas_per_sm, threads: 32 * s.warps });
+    }
+    if !(2..=16).contains(&s.stages) {
+        return Err(ScheduleError::Stages { stages: s.stages });
+    }
+    let total = decode_smem(spec, tiers, d, gqa, s).total;
+    if total > MAX_SMEM_PER_CTA {
+        return Err(ScheduleError::Smem { bytes: total });
+    }
+    Ok(())
+}
+
+/// A small table of schedules of one decode format, for tests that run a format under each:
+/// the default, the other warp count, fp32 values, the shallowest pipeline and one CTA per SM,
+/// less those that [`check`] refuses and duplicates; the default first.
+pub fn alternatives(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> Vec<Schedule> {
+    let def = choose(spec, tiers, d, gqa);
+    let other = if def.warps == 4 { 8 } else { 4 };
+    let cands = [
+        def,
+        choose_entry(spec, tiers, d, gqa, other, Entry::Decode),
+        Schedule { tc_values: !def.tc_values, ..def },
+        Schedule { stages: 2, ..def },
+        Schedule { ctas_per_sm: 1, ..def },
+        Schedule { stages: 2, ctas_per_sm: 1, tc_values: !def.tc_values, ..def },
+    ];
+    let mut out: Vec<Schedule> = Vec::new();
+    for c in cands {
+        if !out.contains(&c) && check(spec, tiers, d, gqa, &c).is_ok() {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// Floats each thread of a transcode CTA dequantises per slice: the slice a CTA codes is 8 ×
@@ -241,7 +337,7 @@ pub fn slices_channels(dst: &Tier) -> bool {
 pub fn transcode_split(spec: &Spec, dst: &Tier, d: usize) -> usize {
     let p = spec.page.tokens;
     let slice = TRANSCODE_FLOATS_PER_THREAD * threads(spec);
-    let fits = |s: usize| p % s == 0 && (!slices_channels(dst) || d % (8 * s) == 0);
+    let fits = |s: usize| p.is_multiple_of(s) && (!slices_channels(dst) || d.is_multiple_of(8 * s));
     let mut split = 1;
     while 2 * split * slice <= p * d && fits(2 * split) {
         split *= 2;
@@ -261,8 +357,17 @@ pub fn transcode_scratch(spec: &Spec, dst: &Tier, d: usize) -> usize {
     }
 }
 
-/// Mirror of `TranscodeSmem<Cfg>::TOTAL`: one slice of P·D / split floats and the scratch.
-pub fn transcode_smem(spec: &Spec, dst: &Tier, d: usize) -> usize {
-    align16(spec.page.tokens * d / transcode_split(spec, dst, d) * 4) + align16(transcode_scratch(spec, dst, d))
+/// Shared-memory plan of a transcode CTA (`Cfg::SMEM_*`): one slice of P·D / split floats,
+/// then the destination key codec's scratch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TranscodeSmem {
+    pub x: usize,
+    pub scratch: usize,
+    pub total: usize,
+}
+
+pub fn transcode_smem(spec: &Spec, dst: &Tier, d: usize) -> TranscodeSmem {
+    let scratch = align16(spec.page.tokens * d / transcode_split(spec, dst, d) * 4);
+    TranscodeSmem { x: 0, scratch, total: scratch + align16(transcode_scratch(spec, dst, d)) }
 }
 

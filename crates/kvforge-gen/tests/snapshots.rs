@@ -13,8 +13,16 @@ fn specs() -> Vec<Spec> {
     files.iter().map(|f| Spec::load(f).unwrap()).collect()
 }
 
+/// The file at `path`, or for a decode kernel named by its format (`…_p64.cu`), the file of
+/// that format under its default schedule (`…_p64_w4c4s2t.cu`).
 fn file(files: &[kvforge_gen::GeneratedFile], path: &str) -> String {
-    files.iter().find(|f| f.path == path).unwrap_or_else(|| panic!("{path} not generated")).contents.clone()
+    let format = path.strip_suffix(".cu").map(|p| format!("{p}_w"));
+    files
+        .iter()
+        .find(|f| f.path == path || format.as_ref().is_some_and(|p| f.path.starts_with(p.as_str()) && f.path.ends_with(".cu")))
+        .unwrap_or_else(|| panic!("{path} not generated"))
+        .contents
+        .clone()
 }
 
 #[test]

@@ -64,7 +64,7 @@ fn main() -> Result<(), Error> {
 fn precompile(specs: &[Spec]) -> Result<(), Error> {
     let mut work = Vec::new();
     for s in specs {
-        for v in s.variants() {
+        for v in kvforge_gen::variants(s) {
             let wanted = matches!(v.head_dim, 0 | 128) && !matches!(&v.family, Family::Decode { gqa, .. } if *gqa != 4);
             if wanted {
                 work.push((s, v));

@@ -108,7 +108,7 @@ pub fn plan(spec: &Spec, head_dim: usize, gqa: usize, pages: &[Vec<Vec<(PageRef,
         head_dim,
         gqa,
     })?;
-    let variant = VariantId::decode(spec, &combo, head_dim, gqa);
+    let variant = kvforge_gen::decode_variant(spec, &combo, head_dim, gqa);
     let splits = if spec.kernels.split_k { split_count(batch * hkv, max_pages, slots(&variant)) } else { 1 };
     tracing::debug!(%variant, kv_heads = hkv, max_pages, splits, "planned decode");
     bytes_read += batch * hkv * gqa * head_dim * 2;
@@ -546,7 +546,7 @@ mod tests {
         let pr = |tier, offset| PageRef { tier, index: 0, offset };
         let pages = vec![vec![vec![(pr(1, 0), 64), (pr(0, 4096), 3)]]];
         let p = plan(&spec, 128, 4, &pages, &|_| 1000, &|_| 264).unwrap();
-        assert_eq!(p.variant.name(), "decode_ksph16x8b6_vfp16_d128_g4_p64");
+        assert_eq!(p.variant.name(), "decode_ksph16x8b6_vfp16_d128_g4_p64_w4c4s2t");
         assert_eq!(p.page_indptr, vec![0, 2]);
         let mixed = vec![vec![vec![(pr(1, 0), 64), (pr(3, 8192), 64)]]];
         assert!(plan(&spec, 128, 4, &mixed, &|_| 1000, &|_| 264).unwrap().variant.name().contains("__"));

@@ -24,7 +24,8 @@ fn one_variant_per_spec_matches_reference() {
         ("trizone.toml", "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g8_p64"),
     ] {
         let s = spec(file);
-        let v = s.variants().into_iter().find(|v| v.name() == variant).unwrap_or_else(|| panic!("{variant} not in {file}"));
+        // The format's default schedule (the name's `_w…` suffix).
+        let v = kvforge_gen::variants(&s).into_iter().find(|v| v.name().starts_with(&format!("{variant}_w"))).unwrap_or_else(|| panic!("{variant} not in {file}"));
         let r = kvforge_lab::selftest::run_variant(&dev, &s, &v, false).unwrap();
         println!("{} {} max_abs {:.3e} tol {:.3e} {}", r.spec, r.variant, r.max_abs_err, r.tolerance, r.status);
         assert_eq!(r.status, "pass", "{r:?}");
@@ -356,7 +357,7 @@ fn mixed_keys_follow_their_channel_order() {
         }
     }
     // And attention over the mixed pages matches the f64 reference on what the GPU holds.
-    let r = kvforge_lab::selftest::run_variant(&dev, &s, &s.variants().into_iter().find(|v| v.name() == "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g4_p64").unwrap(), false).unwrap();
+    let r = kvforge_lab::selftest::run_variant(&dev, &s, &kvforge_gen::variants(&s).into_iter().find(|v| v.name().starts_with("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g4_p64_w")).unwrap(), false).unwrap();
     assert_eq!(r.status, "pass", "{r:?}");
 }
 
@@ -483,7 +484,7 @@ fn split_transcodes_match_the_reference() {
             };
             let heads: Vec<u32> = (0..n).map(|i| (i % hkv) as u32).collect();
             let mut pairs = 0;
-            for v in s.variants() {
+            for v in kvforge_gen::variants(&s) {
                 let Family::Transcode { src, dst, .. } = v.family else { continue };
                 if v.head_dim != d {
                     continue;

@@ -42,7 +42,7 @@ pub use error::{SpecError, SpecErrorKind};
 pub use layout::{mixed_arrays, ArrayLayout, PageHeader, SegmentLayout, HEADER_BYTES, PAGE_MAGIC};
 pub use scheme::{mixed_channels, mixed_shares, mixed_widths, ChannelSegment, DType, KeyScheme, ScaleDType, ValueScheme};
 pub use spec::{Geometry, KernelOptions, KernelShape, PageOptions, Spec, Tier, TierId, LUT_BUDGET_BYTES, STAGE_BUDGET_BYTES, TAIL_TIER};
-pub use variant::{Family, TierCode, VariantId};
+pub use variant::{Family, Schedule, ScheduleChooser, TierCode, VariantId};
 
 /// Version of the generator contract: part of every generated file header and of every
 /// disk-cache key, so that a change here invalidates compiled kernels.

@@ -9,7 +9,7 @@ use crate::error::{Locator, SpecError, SpecErrorKind};
 use crate::layout::SegmentLayout;
 use crate::raw::{RawScheme, RawSpec};
 use crate::scheme::{ChannelSegment, DType, KeyScheme, ScaleDType, ValueScheme, RADIUS_BITS};
-use crate::variant::{TierCode, VariantId};
+use crate::variant::{ScheduleChooser, TierCode, VariantId};
 
 /// Index of a tier in [`Spec::tiers`]; it is the `tier` byte of every page header.
 pub type TierId = u8;
@@ -85,7 +85,7 @@ pub struct KernelOptions {
     /// H100 (benches/NOTES.md); wider tiers spill there.
     pub ctas_per_sm: usize,
     /// Shared memory per decode CTA for its page pipeline (KiB): the stage count is as many
-    /// pages as fit (2 to 16). `None`: the generator's rule (codec.rs `nstage`: 100 KiB, less
+    /// pages as fit (2 to 16). `None`: the generator's rule (kvforge-gen schedule.rs `nstage`: 100 KiB, less
     /// for variants with lookup tables). Fewer warps per CTA with more CTAs per SM want a
     /// smaller budget so that the CTAs fit beside each other. The certified entry keeps the
     /// generator's rule (it runs two CTAs per SM at its register count and wants depth).
@@ -165,13 +165,16 @@ impl Spec {
         SegmentLayout::new(&self.tiers[tier as usize], d, self.page.tokens, self.page.alignment)
     }
 
-    /// Every kernel the generator renders for this spec, in a stable order.
-    pub fn variants(&self) -> Vec<VariantId> {
+    /// Every kernel the generator renders for this spec, in a stable order, each decode format
+    /// (tiers, head dim, gqa) under the schedule `schedule` gives it. The generator's default
+    /// schedules are kvforge-gen's (`kvforge_gen::variants`): schedules depend on shared-memory
+    /// plans that only the generator computes.
+    pub fn variants_with(&self, schedule: &ScheduleChooser<'_>) -> Vec<VariantId> {
         let mut out = Vec::new();
         for &d in &self.geometry.head_dims {
             for combo in &self.kernels.combinations {
                 for &gqa in &self.geometry.gqa {
-                    out.push(VariantId::decode(self, combo, d, gqa));
+                    out.push(VariantId::decode(self, combo, d, gqa, schedule(self, combo, d, gqa)));
                 }
             }
             let live: Vec<&Tier> = self.tiers.iter().filter(|t| !t.is_drop()).collect();

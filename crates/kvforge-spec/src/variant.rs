@@ -38,10 +38,45 @@ impl fmt::Display for TierCode {
     }
 }
 
+/// How a decode kernel runs a format: warps per CTA, the CTAs per SM its launch bounds ask
+/// the register allocator to fit, pages in flight and where values accumulate. Part of the
+/// variant id (`_w8c2s3t` in its name), so one format compiles under several schedules side by
+/// side; the generator chooses the default one of every format (kvforge-gen `schedule::choose`)
+/// and derives every other launch fact (shared memory, layout) from format and schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Schedule {
+    /// Warps per CTA.
+    pub warps: usize,
+    /// CTAs per SM of the kernel's `__launch_bounds__` (its register budget).
+    pub ctas_per_sm: usize,
+    /// Pages in flight per CTA (cp.async stages), at least 2.
+    pub stages: usize,
+    /// Values accumulate on tensor cores (fp16 probabilities and values) where the tiers
+    /// allow; `false`: fp32 on CUDA cores.
+    pub tc_values: bool,
+}
+
+impl Schedule {
+    /// The part of a variant name, e.g. `w8c2s3t` (`f`: fp32 values).
+    fn code(&self) -> String {
+        format!("w{}c{}s{}{}", self.warps, self.ctas_per_sm, self.stages, if self.tc_values { "t" } else { "f" })
+    }
+}
+
+impl fmt::Display for Schedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.code())
+    }
+}
+
+/// Chooses the schedule of a decode format (spec, tiers, head dim, gqa); see
+/// [`Spec::variants_with`].
+pub type ScheduleChooser<'a> = dyn Fn(&Spec, &[TierId], usize, usize) -> Schedule + 'a;
+
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Family {
-    /// Decode attention over pages of the given tiers (tail included).
-    Decode { tiers: Vec<TierId>, codes: Vec<TierCode>, gqa: usize },
+    /// Decode attention over pages of the given tiers (tail included), run under `schedule`.
+    Decode { tiers: Vec<TierId>, codes: Vec<TierCode>, gqa: usize, schedule: Schedule },
     /// Re-code one page from `src` to `dst` (encode when `src` is the tail tier).
     Transcode { src: TierId, dst: TierId, src_code: TierCode, dst_code: TierCode },
     /// Merge split-K partial outputs.
@@ -69,9 +104,27 @@ pub struct VariantId {
 }
 
 impl VariantId {
-    pub fn decode(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize) -> VariantId {
+    /// The decode kernel of one format (tiers, head dim, gqa) under `schedule`. The runtime
+    /// and the generator take the default schedule from kvforge-gen (`decode_variant`).
+    pub fn decode(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, schedule: Schedule) -> VariantId {
         let codes = tiers.iter().filter(|&&t| t != crate::TAIL_TIER).map(|&t| spec.tiers[t as usize].code(d)).collect();
-        VariantId::new(spec, Family::Decode { tiers: tiers.to_vec(), codes, gqa }, d)
+        VariantId::new(spec, Family::Decode { tiers: tiers.to_vec(), codes, gqa, schedule }, d)
+    }
+    /// The same format under another schedule (decode variants; other families have none and
+    /// come back unchanged).
+    pub fn with_schedule(&self, s: Schedule) -> VariantId {
+        let mut v = self.clone();
+        if let Family::Decode { schedule, .. } = &mut v.family {
+            *schedule = s;
+        }
+        v
+    }
+    /// A decode variant's schedule; `None` for other families.
+    pub fn schedule(&self) -> Option<Schedule> {
+        match &self.family {
+            Family::Decode { schedule, .. } => Some(*schedule),
+            _ => None,
+        }
     }
     pub fn transcode(spec: &Spec, src: TierId, dst: TierId, d: usize) -> VariantId {
         let src_code = if src == crate::TAIL_TIER { TierCode("tail".into()) } else { spec.tiers[src as usize].code(d) };
@@ -98,16 +151,16 @@ impl VariantId {
         VariantId { spec: spec.name.clone(), family, head_dim: d, page_tokens: spec.page.tokens, dtype: spec.geometry.dtype.name() }
     }
 
-    /// Stable name, e.g. `decode_ksph16x8b6_vfp16_d128_g4_p64`. Decode names list the spec
-    /// tiers they serve (the tail tier is always served and not named); a `bf16` suffix marks
-    /// bf16 queries.
+    /// Stable name, e.g. `decode_ksph16x8b6_vfp16_d128_g4_p64_w4c4s2t`. Decode names list the
+    /// spec tiers they serve (the tail tier is always served and not named) and end in their
+    /// [`Schedule`]; a `bf16` suffix marks bf16 queries.
     pub fn name(&self) -> String {
         let dt = if self.dtype == "fp16" { String::new() } else { format!("_{}", self.dtype) };
         match &self.family {
-            Family::Decode { codes, gqa, .. } => {
+            Family::Decode { codes, gqa, schedule, .. } => {
                 let tiers: Vec<&str> = codes.iter().map(|c| c.0.as_str()).collect();
                 let tiers = if tiers.is_empty() { "tail".to_string() } else { tiers.join("__") };
-                format!("decode_{tiers}_d{}_g{gqa}_p{}{dt}", self.head_dim, self.page_tokens)
+                format!("decode_{tiers}_d{}_g{gqa}_p{}{dt}_{}", self.head_dim, self.page_tokens, schedule.code())
             }
             Family::Transcode { src_code, dst_code, .. } => {
                 format!("transcode_{src_code}_to_{dst_code}_d{}_p{}{dt}", self.head_dim, self.page_tokens)

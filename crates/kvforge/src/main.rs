@@ -155,7 +155,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         );
                     }
                 }
-                for v in spec.variants().into_iter().chain(spec.certify_variants()) {
+                for v in kvforge_gen::variants(&spec).into_iter().chain(spec.certify_variants()) {
                     let sh = kvforge_gen::launch_shape(&spec, &v);
                     println!("  {:<9} {:<64} {:>4} threads {:>7} B smem", v.kind(), v.name(), sh.threads, sh.smem_bytes);
                 }

@@ -110,4 +110,26 @@ struct CertBoundParams {
   int blocks_per_page;  // page tokens / 16
 };
 
+// Constants shared with the host.
+constexpr int CERT_BLOCK = 16;  // tokens of a certification block: the unit of Δ_b, η_b, the masses the selector ranks, promotion and the certificate's sums (seed 004's B)
+constexpr int CF_DELTA = 0;  // column of CertBoundParams::head_f64: Δ
+constexpr int CF_ALPHA = 1;  // column of head_f64: α̂
+constexpr int CF_VMAX = 2;  // column of head_f64: V_max
+constexpr int CF_EKEY = 3;  // column of head_f64: E_key
+constexpr int CF_EVAL = 4;  // column of head_f64: E_val
+constexpr int CF_EROUND = 5;  // column of head_f64: E_round
+constexpr int CF_BOUND = 6;  // column of head_f64: the bound
+constexpr int CF_ONORM = 7;  // column of head_f64: ‖Ô‖₂
+constexpr int CERT_F64 = 8;  // columns of head_f64
+constexpr int CU_DETECT = 0;  // column of CertBoundParams::head_u32: score-check failures
+constexpr int CU_BOUNDARY = 1;  // column of head_u32: boundary pages
+constexpr int CU_RANKING = 2;  // column of head_u32: ranking flag
+constexpr int CU_PROMOTED = 3;  // column of head_u32: promoted blocks
+constexpr int CU_EXPLORED = 4;  // column of head_u32: explored blocks
+constexpr int CERT_U32 = 5;  // columns of head_u32
+constexpr u8 PAGE_QUANTISED = 0;  // block state written by the selector: read quantised
+constexpr u8 PAGE_PROMOTED = 1;  // block state: promoted (read from its fp16 original)
+constexpr u8 PAGE_EXPLORED = 2;  // block state: explored (promoted at random)
+#define KVF_CERT_EXP2_COEFFS 0x3ff0000000000000ull, 0x3fe62e42fefa39efull, 0x3fcebfbdff82c58full, 0x3fac6b08d704a0c0ull, 0x3f83b2ab6fba4e77ull, 0x3f55d87fe78a6731ull, 0x3f2430912f86c787ull, 0x3eeffcbfc588b0c7ull, 0x3eb62c0223a5c824ull, 0x3e7b5253d395e7c4ull, 0x3e3e4cf5158b8ecaull, 0x3dfe8cac7351bb25ull, 0x3dbc3bd650fc2986ull
+
 }  // namespace kvforge

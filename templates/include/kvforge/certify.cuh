@@ -16,24 +16,18 @@
 
 namespace kvforge {
 
-// Columns of CertBoundParams::head_f64 / head_u32 (certified/device.rs has the same numbers).
-enum CertF64 : int { CF_DELTA, CF_ALPHA, CF_VMAX, CF_EKEY, CF_EVAL, CF_EROUND, CF_BOUND, CF_ONORM, CERT_F64 };
-enum CertU32 : int { CU_DETECT, CU_BOUNDARY, CU_RANKING, CU_PROMOTED, CU_EXPLORED, CERT_U32 };
-
-// Page states written by the selector (certified/select.rs: QUANTISED, PROMOTED, EXPLORED).
-constexpr u8 PAGE_QUANTISED = 0, PAGE_PROMOTED = 1, PAGE_EXPLORED = 2;
+// Columns of CertBoundParams::head_f64 / head_u32 (CF_*, CERT_F64, CU_*, CERT_U32) and the
+// selector's block states (PAGE_*) are params.cuh's, rendered from kvforge-gen params.rs with
+// the host's copy.
 // The heaviest page of a query head weighs 2^CERT_WEIGHT_BITS.
 constexpr int CERT_WEIGHT_BITS = 32;
 constexpr double CERT_LN2 = 0.6931471805599453;
 #define CERT_POS_INF (__int_as_float(0x7f800000u))
 
 // 2^f for f in [0, 1): Taylor polynomial of degree 12, Horner with fused multiply-adds. The
-// coefficient bits are select.rs' EXP2_COEFFS (a CPU test checks this text).
+// coefficient bits are params.cuh's (kvforge-gen params.rs EXP2_COEFFS, the host's too).
 __device__ __forceinline__ double cert_exp2_unit(double f) {
-  const u64 c[13] = {0x3ff0000000000000ull, 0x3fe62e42fefa39efull, 0x3fcebfbdff82c58full, 0x3fac6b08d704a0c0ull,
-                     0x3f83b2ab6fba4e77ull, 0x3f55d87fe78a6731ull, 0x3f2430912f86c787ull, 0x3eeffcbfc588b0c7ull,
-                     0x3eb62c0223a5c824ull, 0x3e7b5253d395e7c4ull, 0x3e3e4cf5158b8ecaull, 0x3dfe8cac7351bb25ull,
-                     0x3dbc3bd650fc2986ull};
+  const u64 c[13] = {KVF_CERT_EXP2_COEFFS};
   double r = __longlong_as_double(c[12]);
 #pragma unroll
   for (int k = 11; k >= 0; --k) r = fma(r, f, __longlong_as_double(c[k]));

@@ -108,9 +108,8 @@ __device__ __forceinline__ void stage_async(u8* dst, const u8* src) {
   if (REST > 0 && t < REST) cp_async16(dst + DONE + t, src + DONE + t);
 }
 
-// Certified decode: attention masses, key error bounds and promotion are per 16-token block
-// (certified/mod.rs CERT_BLOCK).
-constexpr int CERT_BLOCK = 16;
+// Certified decode: attention masses, key error bounds and promotion are per CERT_BLOCK-token
+// block (params.cuh, shared with the host).
 
 // Programmatic dependent launch (sm_90): the decode lets the split-K combine, launched with
 // programmatic stream serialisation, start while its last CTAs finish; the combine waits for

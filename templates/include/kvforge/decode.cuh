@@ -18,10 +18,9 @@ namespace kvforge {
 template <class... Ts> struct TierList {};
 
 
-// Largest staged segment: tail pages (tier 0, at most one per sequence and kv head) are read
-// in place from global memory, so they do not size the stages.
+// The tail tier's segment: tail pages (tier 0, at most one per sequence and kv head) are read
+// in place from global memory.
 template <class... Ts> __host__ __device__ constexpr int tail_seg(TierList<Ts...>) { int m = 0; ((m = Ts::id == 0 ? Ts::SEG_BYTES : m), ...); return m; }
-template <class... Ts> __host__ __device__ constexpr int max_seg(TierList<Ts...>) { int m = 0; ((m = cmax(m, Ts::id == 0 ? 0 : Ts::SEG_BYTES)), ...); return m; }
 // The tail tier (id 0) of a variant, or void: certified phase 2 reads promoted blocks of a
 // quantised page from their fp16 originals, which are tail-format pages.
 template <class... Ts> struct TailOf { using type = void; };
@@ -35,8 +34,6 @@ template <class... Ts> struct TailTier<TierList<Ts...>> : TailOf<Ts...> {};
 // X, as a type that depends on T (so that code naming X's members in an `if constexpr` branch
 // discarded for T is not checked when X is void).
 template <class T, class X> struct Dependent { using type = X; };
-template <int GQA, class... Ts> __host__ __device__ constexpr int sum_lut(TierList<Ts...>) { return (0 + ... + (GQA * Ts::Key::LUT_FLOATS_PER_HEAD)); }
-template <int GQA, int NW, class... Ts> __host__ __device__ constexpr int max_bfrag(TierList<Ts...>) { int m = 0; ((m = cmax(m, Ts::Key::template bfrag_bytes<GQA, NW>())), ...); return m; }
 
 // The per-warp layout (DecodeCta::compute_warp): each warp owns 8-token octets of every page
 // and keeps its own online softmax, so a page costs one block barrier (stage reuse) and the
@@ -45,46 +42,35 @@ template <int GQA, int NW, class... Ts> __host__ __device__ constexpr int max_bf
 // the octet's keys as fp16), and the score accumulators of a lane (head g, score columns 2q, 2q + 1)
 // are exactly its B fragment of P^T in O^T += V^T P^T on m16n8k8, so probabilities never leave
 // registers. Variants whose every tier has fp16 or integer keys and values take it when one of
-// them is an integer tier (all-fp16 variants keep the block layout, tuned to 0.95 of a copy).
-// Mirrored by kvforge-gen codec.rs (`per_warp`, `qfrag_bytes`).
+// them is an integer tier (all-fp16 variants keep the block layout, tuned to 0.95 of a copy),
+// and the schedule has tensor-core values: decided by kvforge-gen schedule.rs (`per_warp`) and
+// rendered as Cfg::PER_WARP. Query fragments (Cfg::SMEM_BFRAG_OFF): fp16 high and low parts of
+// q, D/4 u32 per lane of the heads (head g = lane / 4, quarter qd = lane % 4). Every key codec
+// of the layout (Key::WARP) pairs channels 2e, 2e + 1. The lanes past the heads take zeros by
+// a select: loading stored zeros instead doubles the fragments' shared-memory wavefronts.
 // Integer keys: the tensor-core scorers other than fp16 keys.
 template <class K> struct IntegerMma { static constexpr bool value = K::MMA; };
 template <class T, int D_, int P_, int OFF> struct IntegerMma<DenseKey<T, D_, P_, OFF>> { static constexpr bool value = false; };
 template <class... Ts> __host__ __device__ constexpr bool any_integer_mma(TierList<Ts...>) { return (false || ... || IntegerMma<typename Ts::Key>::value); }
 
-template <class Cfg>
-struct WarpPlan {
-  static constexpr int D = Cfg::D, GQA = Cfg::GQA, NW = Cfg::NTHREADS / 32;
-  template <class... Ts> __host__ __device__ static constexpr bool all_tiers(TierList<Ts...>) { return (true && ... && (Ts::Key::WARP && Ts::Value::WARP)); }
-  static constexpr bool ON = Cfg::TC_VALUES && GQA <= 8 && Cfg::P % 8 == 0 && Cfg::P >= 4 * NW && D % 64 == 0 &&
-                             all_tiers(typename Cfg::Tiers{}) && any_integer_mma(typename Cfg::Tiers{});
-  // Query fragments: fp16 high and low parts of q, D/4 u32 per lane of the heads (head g =
-  // lane / 4, quarter qd = lane % 4). Every key codec of the layout (Key::WARP) pairs channels
-  // 2e, 2e + 1. The lanes past the heads take zeros by a select: loading stored zeros instead
-  // doubles the fragments' shared-memory wavefronts.
-  static constexpr int QFRAG_BYTES = 4 * GQA * D;
-};
+// Shared-memory plan of one decode variant (bytes): Cfg::SMEM_*_OFF regions (queries, lookup
+// tables, scores, softmax statistics, output, B or query fragments, then Cfg::NSTAGE stages of
+// Cfg::STAGE_BYTES), computed by kvforge-gen schedule.rs (`decode_smem`, `nstage`), which also
+// gives the host the launch's Cfg::SMEM_TOTAL.
 
-// Shared-memory plan of one decode variant (bytes). The generated Rust bindings carry the
-// same numbers (kvforge-gen codec.rs), and the generated .cu static_asserts that they agree.
+// The rendered plan holds together: regions in order and 16-byte aligned, the stages last,
+// ending at the launch's dynamic shared memory (Cfg::SMEM_TOTAL).
 template <class Cfg>
-struct DecodeSmem {
-  static constexpr int Q = 0;
-  static constexpr int LUT = Q + align16(Cfg::GQA * Cfg::D * 4);
-  static constexpr int SCORES = LUT + align16(sum_lut<Cfg::GQA>(typename Cfg::Tiers{}) * 4);
-  static constexpr int STATS = SCORES + align16(Cfg::GQA * Cfg::P * 4);
-  static constexpr int OUT = STATS + align16(4 * Cfg::GQA * 4);
-  // B fragments of integer keys folded once per page (IntKey::fold_page), 0 without them; in
-  // the per-warp layout the query fragments instead (WarpPlan::QFRAG_BYTES).
-  static constexpr int BFRAG = OUT + align16(Cfg::GQA * Cfg::D * 4);
-  static constexpr int STAGE = BFRAG + align16(WarpPlan<Cfg>::ON ? WarpPlan<Cfg>::QFRAG_BYTES : max_bfrag<Cfg::GQA, Cfg::NTHREADS / 32>(typename Cfg::Tiers{}));
-  // A stage holds the page header and its segment.
-  static constexpr int STAGE_BYTES = HEADER_BYTES + align16(max_seg(typename Cfg::Tiers{}));
-  // Stage depth: chosen by the generator (kvforge-gen codec.rs `nstage`: the spec's
-  // `kernels.stage_kib` budget, or its rule per tier kind).
-  static constexpr int NSTAGE = Cfg::NSTAGE;
-  static_assert(NSTAGE >= 2, "a pipeline overlaps at least one copy with compute");
-  static constexpr int TOTAL = STAGE + NSTAGE * STAGE_BYTES;
+struct SmemPlan {
+  static_assert(Cfg::SMEM_Q_OFF == 0 && Cfg::SMEM_Q_OFF <= Cfg::SMEM_LUT_OFF && Cfg::SMEM_LUT_OFF <= Cfg::SMEM_SCORES_OFF &&
+                    Cfg::SMEM_SCORES_OFF <= Cfg::SMEM_STATS_OFF && Cfg::SMEM_STATS_OFF <= Cfg::SMEM_OUT_OFF &&
+                    Cfg::SMEM_OUT_OFF <= Cfg::SMEM_BFRAG_OFF && Cfg::SMEM_BFRAG_OFF <= Cfg::SMEM_STAGE_OFF &&
+                    Cfg::SMEM_STAGE_OFF + Cfg::NSTAGE * Cfg::STAGE_BYTES == Cfg::SMEM_TOTAL,
+                "shared-memory regions in order, the stages last");
+  static_assert((Cfg::SMEM_LUT_OFF | Cfg::SMEM_SCORES_OFF | Cfg::SMEM_STATS_OFF | Cfg::SMEM_OUT_OFF | Cfg::SMEM_BFRAG_OFF |
+                 Cfg::SMEM_STAGE_OFF | Cfg::STAGE_BYTES) % 16 == 0,
+                "16-byte aligned regions (cp.async, uint4 loads)");
+  static constexpr bool OK = true;
 };
 
 // TRACK: the kernel records per-page masses when DecodeParams asks (page_lse, page_head_lse).
@@ -101,8 +87,9 @@ struct DecodeCta {
   static constexpr int NC8 = D / 8;                                        // 8-channel slices
   static constexpr int TG = NT / NC8;                                      // tokens in flight (channel-parallel)
   using QT = typename Cfg::QT;
-  using Smem = DecodeSmem<Cfg>;
-  static constexpr int NSTAGE = Smem::NSTAGE;
+  static constexpr int NSTAGE = Cfg::NSTAGE;
+  static_assert(NSTAGE >= 2, "a pipeline overlaps at least one copy with compute");
+  static_assert(SmemPlan<Cfg>::OK, "shared-memory plan");
   // Values on tensor cores: O^T[c][h] += V^T[c][t] · P^T[t][h] (mma m16n8k16: 16 channels × 8
   // heads × 16 tokens). Warp w takes token blocks kb ≡ w (mod VW) of every page and channel
   // part vp = w / VW; its lane (g, q) owns channels cbase + [0, CPTV) (A rows g ↔ cbase + 2i,
@@ -124,8 +111,7 @@ struct DecodeCta {
   // path: there each thread owns 8 channels of every GQA head, which reads fp16 V from shared
   // memory without bank conflicts (dense keys still *score* on tensor cores).
   static constexpr bool MMA_V = Cfg::TC_VALUES && any_integer_mma(typename Cfg::Tiers{});
-  using WP = WarpPlan<Cfg>;
-  static constexpr bool PW = WP::ON;
+  static constexpr bool PW = Cfg::PER_WARP;
   // Per-warp layout: a lane (g, qd) holds key channels [qd·D/4, (qd + 1)·D/4) (NPAIR pairs)
   // and value channels [g·CV, (g + 1)·CV); KSW k-steps of the score mma, m-tiles of the value mma.
   static constexpr int NPAIR = D / 8, CV = D / 8, KSW = D / 16;
@@ -147,7 +133,7 @@ struct DecodeCta {
   u32 pmask = 0;
   const u8* porig = nullptr;
 
-  __device__ float* q_s() { return reinterpret_cast<float*>(smem + Smem::Q); }
+  __device__ float* q_s() { return reinterpret_cast<float*>(smem + Cfg::SMEM_Q_OFF); }
   // Page-mass outputs; null in the untracked instantiation, so its tracking code folds away.
   __device__ float* page_lse() const { return TRACK ? p.page_lse : nullptr; }
   __device__ float* page_head_lse() const { return TRACK ? p.page_head_lse : nullptr; }
@@ -159,13 +145,13 @@ struct DecodeCta {
   // always with the scratch (the runtime checks it); a runtime flag held a register through
   // the page loop. The fold writes whichever of page_lse and page_head_lse is asked for.
   static constexpr bool WARP_TRACKING = TRACK && PW;
-  __device__ float* lut_s() { return reinterpret_cast<float*>(smem + Smem::LUT); }
-  __device__ float* scores_s() { return reinterpret_cast<float*>(smem + Smem::SCORES); }
-  __device__ float* m_s() { return reinterpret_cast<float*>(smem + Smem::STATS); }
+  __device__ float* lut_s() { return reinterpret_cast<float*>(smem + Cfg::SMEM_LUT_OFF); }
+  __device__ float* scores_s() { return reinterpret_cast<float*>(smem + Cfg::SMEM_SCORES_OFF); }
+  __device__ float* m_s() { return reinterpret_cast<float*>(smem + Cfg::SMEM_STATS_OFF); }
   __device__ float* l_s() { return m_s() + GQA; }
   __device__ float* alpha_s() { return m_s() + 2 * GQA; }
   __device__ float* plse_s() { return m_s() + 3 * GQA; }
-  __device__ u8* stage(int i) { return smem + Smem::STAGE + i * Smem::STAGE_BYTES; }
+  __device__ u8* stage(int i) { return smem + Cfg::SMEM_STAGE_OFF + i * Cfg::STAGE_BYTES; }
 
   // Offset of tier T's LUT among the spherical tiers of this variant.
   template <class T, class... Ts> __device__ static constexpr int lut_offset(TierList<Ts...>) {
@@ -219,7 +205,7 @@ struct DecodeCta {
     if (p.block_delta) write_delta<typename T::Key>(seg, len, gpage);
   }
 
-  __device__ u32* qfrag_s() { return reinterpret_cast<u32*>(smem + Smem::BFRAG); }
+  __device__ u32* qfrag_s() { return reinterpret_cast<u32*>(smem + Cfg::SMEM_BFRAG_OFF); }
   // Query fragments, once per CTA: the A operand of k-step j for lane (g, qd), g < GQA, is the
   // uint4 at j·4·GQA + lane, {hi(2j), lo(2j), hi(2j + 1), lo(2j + 1)} of q[g] at pairs 2j,
   // 2j + 1 (channels qd·D/4 + 2e, + 1) of quarter qd: the fp16 high part in A rows g (the
@@ -238,7 +224,7 @@ struct DecodeCta {
     }
   }
 
-  // One page in the per-warp layout (see WarpPlan): warp w takes octets w, w + NW, ... of the
+  // One page in the per-warp layout (see the top of this file): warp w takes octets w, w + NW, ... of the
   // page's `len` tokens. No block barrier.
   template <class T>
   __device__ void compute_warp(const u8* seg, int len) {
@@ -325,13 +311,13 @@ struct DecodeCta {
   // a ring in the score region): its registers came on top of the page state, and the ladder
   // variants, at their 128-register cap, spilled in the tracked entry (issue 7: ncu measured
   // 196K / 1.57M local-memory sectors at batch 1 / 8, +17-19% time over the plain entry).
-  // Floats of page_warp_lse per page: mirrored by kvforge-gen codec.rs `warp_lse_per_page`
-  // (the generated .cu static_asserts that they agree); 0 in the block layout, which folds a
-  // page's heads in place (compute_cta).
-  static constexpr int WARP_LSE_PER_PAGE = PW ? NW * GQA : 0;
+  // Floats of page_warp_lse per page (NW · GQA) are Cfg::WARP_LSE_PER_PAGE (kvforge-gen
+  // schedule.rs `warp_lse_per_page`); 0 in the block layout, which folds a page's heads in
+  // place (compute_cta).
   // Lanes per page in a fold: the heads, padded to a power of two (shuffle groups).
   static constexpr int TRACK_LANES = GQA <= 1 ? 1 : GQA <= 2 ? 2 : GQA <= 4 ? 4 : GQA <= 8 ? 8 : GQA <= 16 ? 16 : 32;
   static_assert(!PW || GQA <= 32, "page tracking: a page's heads in one warp");
+  static_assert(!PW || Cfg::WARP_LSE_PER_PAGE == NW * GQA, "page_warp_lse: every warp's mass of every head of a page");
 
   // Stores this warp's log2 mass `x` of every head in page `gpage` (the head lanes qd = 0).
   __device__ void store_warp_mass(u32 gpage, float x) {
@@ -395,8 +381,8 @@ struct DecodeCta {
       m_s()[tid] = m;
       l_s()[tid] = sum;
     }
-    float* out_s = reinterpret_cast<float*>(smem + Smem::OUT);
-    if constexpr (MERGE_SLICE_BYTES <= NSTAGE * Smem::STAGE_BYTES) {
+    float* out_s = reinterpret_cast<float*>(smem + Cfg::SMEM_OUT_OFF);
+    if constexpr (MERGE_SLICE_BYTES <= NSTAGE * Cfg::STAGE_BYTES) {
       // Every warp's accumulators go as they lie in registers into its own slice of the idle
       // stages (lane rows of KSW float4, padded by one: no bank conflicts either way); then each
       // thread sums its outputs over the warps in warp order. The warps used to add into OUT
@@ -445,10 +431,10 @@ struct DecodeCta {
     using V = typename T::Value;
     const int tid = threadIdx.x;
     float* sc = scores_s();
-    float* sc1 = reinterpret_cast<float*>(smem + Smem::OUT);
+    float* sc1 = reinterpret_cast<float*>(smem + Cfg::SMEM_OUT_OFF);
     constexpr int KPARTS = score_parts<K>();
     if constexpr (K::MMA) {
-      K::template mma_scores<GQA, NW, NT>(seg, len, q_s(), sc, sc1, smem + Smem::BFRAG);
+      K::template mma_scores<GQA, NW, NT>(seg, len, q_s(), sc, sc1, smem + Cfg::SMEM_BFRAG_OFF);
     } else if constexpr (K::OUTLINE_SCORER) {
       const u16* order = p.channel_orders[T::id] ? p.channel_orders[T::id] + size_t(kvh) * 2 * D : nullptr;
       score_outlined<K>(q_s(), seg, len, order, sc);
@@ -859,7 +845,7 @@ struct DecodeCta {
 
     // Reduce the warps' accumulators in a fixed order, so that a decode is bit-reproducible
     // (float atomics are not).
-    float* out_s = reinterpret_cast<float*>(smem + Smem::OUT);
+    float* out_s = reinterpret_cast<float*>(smem + Cfg::SMEM_OUT_OFF);
     if constexpr (PW) {
       merge_warps();
       // Page masses fold here, with the accumulators reduced (nothing of the page loop is

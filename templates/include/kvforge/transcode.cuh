@@ -14,11 +14,12 @@ namespace kvforge {
 // How a page's work splits over SPLIT CTAs: CTA s codes key slice s, then value slice s. Key
 // slices are D / SPLIT channels of every token where the destination's key numbers are per
 // channel (integer and mixed keys: stored positions), else P / SPLIT tokens; value slices are
-// P / SPLIT tokens.
+// P / SPLIT tokens. SPLIT and the slice axis (Cfg::KEY_CHANNELS) are the generator's
+// (kvforge-gen schedule.rs `transcode_split`, `slices_channels`).
 template <class Cfg>
 struct TranscodeSplit {
   static constexpr int D = Cfg::D, P = Cfg::P, SPLIT = Cfg::SPLIT;
-  static constexpr bool KEY_CHANNELS = Cfg::Dst::Key::SLICE_CHANNELS;
+  static constexpr bool KEY_CHANNELS = Cfg::KEY_CHANNELS;
   static_assert(SPLIT >= 1 && P % SPLIT == 0, "value slices of whole tokens");
   static_assert(!KEY_CHANNELS || D % (8 * SPLIT) == 0, "key slices of whole 8-channel chunks");
   using KeySlice = PageSlice<KEY_CHANNELS ? P : P / SPLIT, KEY_CHANNELS ? D / SPLIT : D>;
@@ -26,18 +27,16 @@ struct TranscodeSplit {
   // Floats of the larger slice (both are P·D / SPLIT).
   static constexpr int FLOATS = KeySlice::ROWS * KeySlice::COLS > ValueSlice::ROWS * ValueSlice::COLS ? KeySlice::ROWS * KeySlice::COLS
                                                                                                      : ValueSlice::ROWS * ValueSlice::COLS;
+  static_assert(Cfg::SMEM_X_OFF + FLOATS * 4 <= Cfg::SMEM_SCRATCH_OFF && Cfg::SMEM_SCRATCH_OFF <= Cfg::SMEM_TOTAL,
+                "the slice fits in shared memory before the scratch");
   __device__ static KeySlice key(int s) { return KEY_CHANNELS ? KeySlice{0, s * KeySlice::COLS} : KeySlice{s * KeySlice::ROWS, 0}; }
   __device__ static ValueSlice value(int s) { return ValueSlice{s * ValueSlice::ROWS, 0}; }
 };
 
-template <class Cfg>
-struct TranscodeSmem {
-  static constexpr int X = 0;
-  static constexpr int SCRATCH = X + align16(TranscodeSplit<Cfg>::FLOATS * 4);
-  // Destination key codec's scratch for one key slice: int and mixed keys 2 * NBLK * (D / SPLIT)
-  // floats, spherical (P / SPLIT) * NG ints.
-  static constexpr int TOTAL = SCRATCH + align16(Cfg::SCRATCH_BYTES);
-};
+// Shared memory (kvforge-gen schedule.rs `transcode_smem`): the slice in fp32 at
+// Cfg::SMEM_X_OFF, then the destination key codec's scratch for one key slice at
+// Cfg::SMEM_SCRATCH_OFF (int and mixed keys 2 * NBLK * (D / SPLIT) floats, spherical
+// (P / SPLIT) * NG ints).
 
 // Whether a source page is what the launch says it is (a kvforge header, tier SRC, a full
 // page). Every CTA of the page checks on its own before it writes anything, so no part of a
@@ -75,8 +74,8 @@ __device__ void transcode_kernel(const TranscodeParams& p) {
   auto order = [&](int tier) -> const u16* {
     return p.channel_orders[tier] ? p.channel_orders[tier] + size_t(kvh) * 2 * D : nullptr;
   };
-  float* x = reinterpret_cast<float*>(smem + TranscodeSmem<Cfg>::X);
-  int* scratch = reinterpret_cast<int*>(smem + TranscodeSmem<Cfg>::SCRATCH);
+  float* x = reinterpret_cast<float*>(smem + Cfg::SMEM_X_OFF);
+  int* scratch = reinterpret_cast<int*>(smem + Cfg::SMEM_SCRATCH_OFF);
   const u8* sseg = src + HEADER_BYTES;
   u8* dseg = dst + HEADER_BYTES;
   constexpr int SNG = Cfg::SRC_NG, SE = Cfg::SRC_E, DNG = Cfg::DST_NG, DE = Cfg::DST_E;

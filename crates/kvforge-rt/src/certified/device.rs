@@ -32,22 +32,9 @@ use crate::error::{drv, Result, RtError};
 use crate::params::{CertBoundParams, CertSelectParams};
 use crate::pool::PageRef;
 
-/// Columns of the certificate kernel's f64 output per query head (`CertF64` in certify.cuh).
-pub(super) const CF_DELTA: usize = 0;
-pub(super) const CF_ALPHA: usize = 1;
-pub(super) const CF_VMAX: usize = 2;
-pub(super) const CF_EKEY: usize = 3;
-pub(super) const CF_EVAL: usize = 4;
-pub(super) const CF_EROUND: usize = 5;
-pub(super) const CF_BOUND: usize = 6;
-pub(super) const CERT_F64: usize = 8;
-/// Columns of its u32 output (`CertU32`).
-pub(super) const CU_DETECT: usize = 0;
-pub(super) const CU_BOUNDARY: usize = 1;
-pub(super) const CU_RANKING: usize = 2;
-pub(super) const CU_PROMOTED: usize = 3;
-pub(super) const CU_EXPLORED: usize = 4;
-pub(super) const CERT_U32: usize = 5;
+/// Columns of the certificate kernel's f64 and u32 outputs per query head: the numbers the
+/// kernel is compiled with (kvforge-gen params.rs).
+pub(super) use crate::params::{CERT_F64, CERT_U32, CF_ALPHA, CF_BOUND, CF_DELTA, CF_EKEY, CF_EROUND, CF_EVAL, CF_VMAX, CU_BOUNDARY, CU_DETECT, CU_EXPLORED, CU_PROMOTED, CU_RANKING};
 
 /// Everything a device step launches, computed on the host.
 #[derive(Clone, Debug)]
@@ -86,7 +73,7 @@ pub(super) fn phase2_plan(spec: &Spec, p1: &DecodePlan) -> Result<DecodePlan> {
         gqa: p1.gqa,
     })?;
     let mut p2 = p1.clone();
-    p2.variant = VariantId::decode(spec, &combo, p1.head_dim, p1.gqa);
+    p2.variant = kvforge_gen::decode_variant(spec, &combo, p1.head_dim, p1.gqa);
     p2.tiers = tiers;
     Ok(p2)
 }
@@ -701,27 +688,5 @@ mod tests {
         let g = c.max(&Capacity { pages: 10, partial: 4096, ..c });
         assert_eq!((g.pages, g.partial, g.rows), (100, 4096, 32));
         assert_eq!(c.max(&Capacity { head_dim: 64, pages: 10, ..c }).pages, 10);
-    }
-
-    /// The host reads the certificate kernel's outputs by column: same numbering as certify.cuh.
-    #[test]
-    fn output_columns_match_the_device_header() {
-        let h = kvforge_gen::HEADERS.iter().find(|(p, _)| *p == "kvforge/certify.cuh").unwrap().1;
-        let names = |e: &str| -> Vec<String> {
-            let s = &h[h.find(e).unwrap() + e.len()..];
-            s[..s.find('}').unwrap()].split(',').map(|x| x.trim().to_string()).collect()
-        };
-        let f = names("enum CertF64 : int {");
-        for (name, col) in [("CF_DELTA", CF_DELTA), ("CF_ALPHA", CF_ALPHA), ("CF_VMAX", CF_VMAX), ("CF_EKEY", CF_EKEY), ("CF_EVAL", CF_EVAL), ("CF_EROUND", CF_EROUND), ("CF_BOUND", CF_BOUND), ("CERT_F64", CERT_F64)] {
-            assert_eq!(f.iter().position(|x| x == name), Some(col), "{name}");
-        }
-        let u = names("enum CertU32 : int {");
-        for (name, col) in [("CU_DETECT", CU_DETECT), ("CU_BOUNDARY", CU_BOUNDARY), ("CU_RANKING", CU_RANKING), ("CU_PROMOTED", CU_PROMOTED), ("CU_EXPLORED", CU_EXPLORED), ("CERT_U32", CERT_U32)] {
-            assert_eq!(u.iter().position(|x| x == name), Some(col), "{name}");
-        }
-        assert!(h.contains("PAGE_QUANTISED = 0, PAGE_PROMOTED = 1, PAGE_EXPLORED = 2"));
-        let common = kvforge_gen::HEADERS.iter().find(|(p, _)| *p == "kvforge/common.cuh").unwrap().1;
-        assert!(common.contains(&format!("constexpr int CERT_BLOCK = {};", super::super::CERT_BLOCK)), "the device's block size differs");
-        assert_eq!((super::super::select::QUANTISED, super::super::select::PROMOTED, super::super::select::EXPLORED), (0, 1, 2));
     }
 }

@@ -44,8 +44,9 @@ pub(crate) use device::CertScratch;
 pub use originals::{Originals, PageErrors, PageIn, MAX_BLOCKS_PER_PAGE};
 
 /// Tokens of a certification block: the unit of Δ_b, η_b, the attention masses the selector
-/// ranks, promotion and the certificate's sums (seed 004's B).
-pub const CERT_BLOCK: usize = 16;
+/// ranks, promotion and the certificate's sums (seed 004's B); the kernels' number
+/// (kvforge-gen params.rs).
+pub const CERT_BLOCK: usize = crate::params::CERT_BLOCK;
 
 use kvforge_spec::TAIL_TIER;
 

@@ -41,23 +41,9 @@ pub const WEIGHT_BITS: i32 = 32;
 /// Heaviest weight: ℓ = M_h, or a non-finite ℓ.
 pub const MAX_WEIGHT: u64 = 1 << WEIGHT_BITS;
 
-/// Taylor coefficients (ln 2)^k / k!, k = 0..=12, as bit patterns; `certify.cuh` has the same
-/// bits (a test reads them there).
-pub const EXP2_COEFFS: [u64; 13] = [
-    0x3ff0000000000000,
-    0x3fe62e42fefa39ef,
-    0x3fcebfbdff82c58f,
-    0x3fac6b08d704a0c0,
-    0x3f83b2ab6fba4e77,
-    0x3f55d87fe78a6731,
-    0x3f2430912f86c787,
-    0x3eeffcbfc588b0c7,
-    0x3eb62c0223a5c824,
-    0x3e7b5253d395e7c4,
-    0x3e3e4cf5158b8eca,
-    0x3dfe8cac7351bb25,
-    0x3dbc3bd650fc2986,
-];
+/// Taylor coefficients (ln 2)^k / k!, k = 0..=12, as bit patterns: the ones the certificate
+/// kernel is compiled with (kvforge-gen params.rs).
+pub use crate::params::EXP2_COEFFS;
 
 /// 2^f for f ∈ [0, 1): Horner with fused multiply-adds (relative error < 10⁻¹²).
 pub fn exp2_unit(f: f64) -> f64 {
@@ -94,9 +80,9 @@ pub struct SelectParams {
 }
 
 /// Block states, as the device writes them.
-pub const QUANTISED: u8 = 0;
-pub const PROMOTED: u8 = 1;
-pub const EXPLORED: u8 = 2;
+pub const QUANTISED: u8 = crate::params::PAGE_QUANTISED;
+pub const PROMOTED: u8 = crate::params::PAGE_PROMOTED;
+pub const EXPLORED: u8 = crate::params::PAGE_EXPLORED;
 
 /// Exploration seed of group `g` (sequence-major, then kv head) in a step seeded `seed`.
 pub fn group_seed(seed: u64, g: usize) -> u64 {
@@ -187,14 +173,6 @@ mod tests {
             }
             let want = std::f64::consts::LN_2.powi(k as i32) / fact;
             assert!((f64::from_bits(c) / want - 1.0).abs() < 1e-14, "c{k}");
-        }
-    }
-
-    #[test]
-    fn device_header_has_the_same_coefficients() {
-        let h = kvforge_gen::HEADERS.iter().find(|(p, _)| *p == "kvforge/certify.cuh").unwrap().1;
-        for c in EXP2_COEFFS {
-            assert!(h.contains(&format!("0x{c:016x}")), "certify.cuh lacks 0x{c:016x}");
         }
     }
 

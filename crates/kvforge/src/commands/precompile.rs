@@ -29,6 +29,10 @@ pub struct Args {
     /// Only the variants whose name contains this (e.g. `transcode`).
     #[arg(long)]
     only: Option<String>,
+    /// Compile every decode format under each schedule of its table
+    /// (`kvforge_gen::schedule::alternatives`), not only its default one.
+    #[arg(long)]
+    all_schedules: bool,
 }
 
 #[derive(serde::Serialize)]
@@ -51,7 +55,16 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
     }
     let mut work = Vec::new();
     for s in &specs {
-        for v in s.variants().into_iter().chain(s.certify_variants()).filter(|v| a.only.as_ref().is_none_or(|o| v.name().contains(o.as_str()))) {
+        let mut variants = Vec::new();
+        for v in kvforge_gen::variants(s).into_iter().chain(s.certify_variants()) {
+            match &v.family {
+                kvforge_spec::Family::Decode { tiers, gqa, .. } if a.all_schedules => {
+                    variants.extend(kvforge_gen::schedule::alternatives(s, tiers, v.head_dim, *gqa).into_iter().map(|sc| v.with_schedule(sc)));
+                }
+                _ => variants.push(v),
+            }
+        }
+        for v in variants.into_iter().filter(|v| a.only.as_ref().is_none_or(|o| v.name().contains(o.as_str()))) {
             for arch in &a.arch {
                 work.push((s, v.clone(), arch.clone()));
             }

@@ -73,7 +73,7 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
     }
     let mut work = Vec::new();
     for s in &specs {
-        for v in s.variants().into_iter().filter(|v| v.kind() == "decode") {
+        for v in kvforge_gen::variants(s).into_iter().filter(|v| v.kind() == "decode") {
             if a.filter.as_ref().is_none_or(|f| v.name().contains(f.as_str())) {
                 work.push((s, v));
             }
