@@ -14,7 +14,7 @@ pub const MAX_SMEM_PER_CTA: usize = 227 * 1024;
 /// Every kernel of `spec` fits one CTA's shared memory; else an error on the spec file that
 /// names the variant, the bytes and the fields to change.
 pub fn check(spec: &Spec) -> Result<(), SpecError> {
-    for v in spec.variants().into_iter().chain(spec.certify_variants()) {
+    for v in crate::variants(spec).into_iter().chain(spec.certify_variants()) {
         let sh = launch_shape(spec, &v);
         let most = sh.smem_bytes.max(sh.certified_smem_bytes);
         if most <= MAX_SMEM_PER_CTA {

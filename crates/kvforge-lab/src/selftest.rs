@@ -199,7 +199,7 @@ pub fn run_variant(dev: &Arc<Device>, spec: &Spec, v: &VariantId, long: bool) ->
         if !launched.contains(&plan.variant.name()) {
             launched.push(plan.variant.name());
         }
-        let got = cache.decode_host(&plan, &qs, crate::decode::PageMass::Off)?.0;
+        let got = cache.decode_planned(&plan, &qs)?;
         // Reference on the downloaded pages.
         let dtype = spec.geometry.dtype;
         let mut vmax = 0f64;

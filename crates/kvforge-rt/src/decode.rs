@@ -394,6 +394,13 @@ impl KvCache {
         Ok(self.decode_host(&plan, q, PageMass::Off)?.0)
     }
 
+    /// Decodes with a plan made by [`KvCache::plan`], whose variant the caller may have swapped
+    /// for the same format under another schedule ([`VariantId::with_schedule`]): how tests and
+    /// the selftest run every schedule of a format.
+    pub fn decode_planned(&mut self, plan: &DecodePlan, q: &[f32]) -> Result<DecodeOutput> {
+        Ok(self.decode_host(plan, q, PageMass::Off)?.0)
+    }
+
     /// Uploads host queries, launches `plan`, checks the error flags and downloads the output,
     /// and handles the per-page log2 masses the kernel records as `mass` says.
     pub(crate) fn decode_host(&mut self, plan: &DecodePlan, q: &[f32], mass: PageMass<'_>) -> Result<(DecodeOutput, Vec<f32>)> {

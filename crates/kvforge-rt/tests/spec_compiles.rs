@@ -144,7 +144,7 @@ fn every_accepted_spec_fits_shared_memory() {
                 return Ok(());
             }
             accepted.set(accepted.get() + 1);
-            for v in spec.variants().into_iter().chain(spec.certify_variants()) {
+            for v in kvforge_gen::variants(&spec).into_iter().chain(spec.certify_variants()) {
                 let sh = kvforge_gen::launch_shape(&spec, &v);
                 let most = sh.smem_bytes.max(sh.certified_smem_bytes);
                 prop_assert!(most <= MAX_SMEM_PER_CTA, "{v}: {most} B of shared memory, more than {MAX_SMEM_PER_CTA}\n--- spec\n{src}");
@@ -180,7 +180,7 @@ fn every_accepted_spec_compiles() {
             return Ok(());
         }
         accepted.set(accepted.get() + 1);
-        let all: Vec<_> = spec.variants().into_iter().chain(spec.certify_variants()).collect();
+        let all: Vec<_> = kvforge_gen::variants(&spec).into_iter().chain(spec.certify_variants()).collect();
         let decode: Vec<_> = all.iter().filter(|v| matches!(v.family, Family::Decode { .. })).collect();
         // Transcodes (the encoders' asserts) where the spec has any, else combine / mass window.
         let transcode: Vec<_> = all.iter().filter(|v| matches!(v.family, Family::Transcode { .. })).collect();

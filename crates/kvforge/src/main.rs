@@ -118,7 +118,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Cmd::Check { specs } if !specs.is_empty() => {
             for spec in load_all(&specs)? {
-                let kernels = spec.variants().len() + spec.certify_variants().len();
+                let kernels = kvforge_gen::variants(&spec).len() + spec.certify_variants().len();
                 println!("{}: ok (spec `{}`, {} tiers, {kernels} kernels)", spec.path, spec.name, spec.ladder().len());
             }
             Ok(exit::exit(exit::OK))
