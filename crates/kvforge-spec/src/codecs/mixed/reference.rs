@@ -3,7 +3,7 @@
 //! A head's channels are put in a *channel order* (the controller's: heaviest channel weight
 //! `w_c = ‖Q[:,c]‖‖K[:,c]‖/√d` first) and stored as consecutive uniform-bit segments: fp16,
 //! int8, int4, int2 (each integer segment is per-channel asymmetric quantisation per block of
-//! tokens, exactly [`crate::quant::encode_keys`] on its columns), and the channels after the
+//! tokens, exactly [`crate::codecs::int::reference::encode_keys`] on its columns), and the channels after the
 //! last segment are dropped. Every function here works in *stored* channel order; [`to_stored`]
 //! and [`to_natural`] move between it and the model's order. A dropped channel decodes to 0,
 //! which is what the kernel's score leaves out: `q·k̂ = Σ_{stored j} q[order[j]] · k̂_j`.
@@ -13,10 +13,11 @@
 //! histograms share one order per (tier, kv head) and the query is gathered, not permuted in
 //! place.
 
-use kvforge_spec::{mixed_channels, mixed_arrays, ChannelSegment, DType, ScaleDType};
+use crate::{mixed_channels, mixed_arrays, ChannelSegment, DType, ScaleDType};
 
-use crate::error::RefError;
-use crate::{dense, quant};
+use crate::codecs::RefError;
+use crate::codecs::dense::reference as dense;
+use crate::codecs::int::reference as quant;
 
 /// Checks that `order` is a permutation of `0..d`.
 pub fn check_order(order: &[u16], d: usize) -> Result<(), RefError> {
