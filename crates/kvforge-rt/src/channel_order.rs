@@ -35,7 +35,7 @@ impl KvCache {
         }
         let mut table = Vec::with_capacity(2 * hkv * d);
         for (h, row) in order.chunks(d).enumerate() {
-            kvforge_ref::mixed::check_order(row, d).map_err(|e| RtError::BadInput(format!("channel order of kv head {h}: {e}")))?;
+            kvforge_spec::codecs::mixed::check_order(row, d).map_err(|e| RtError::BadInput(format!("channel order of kv head {h}: {e}")))?;
             let mut inverse = vec![0u16; d];
             for (j, &c) in row.iter().enumerate() {
                 inverse[c as usize] = j as u16;

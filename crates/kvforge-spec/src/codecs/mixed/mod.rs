@@ -80,6 +80,53 @@ pub fn mixed_arrays(bits: u32) -> [&'static str; 3] {
     }
 }
 
+/// Why a channel order is not one.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum OrderError {
+    #[error("channel order has {found} entries, expected {expected} (one stored position per channel)")]
+    Length { found: usize, expected: usize },
+    #[error("channel order is not a permutation of 0..{d}: position {position} holds {channel}")]
+    NotPermutation { d: usize, position: usize, channel: usize },
+}
+
+/// Checks that `order` is a permutation of `0..d` (the mixed codec's `channel_order` side
+/// table of one kv head, stored position → natural channel).
+pub fn check_order(order: &[u16], d: usize) -> Result<(), OrderError> {
+    if order.len() != d {
+        return Err(OrderError::Length { found: order.len(), expected: d });
+    }
+    let mut seen = vec![false; d];
+    for (j, &c) in order.iter().enumerate() {
+        let c = c as usize;
+        if c >= d || seen[c] {
+            return Err(OrderError::NotPermutation { d, position: j, channel: c });
+        }
+        seen[c] = true;
+    }
+    Ok(())
+}
+
+/// The identity order of `d` channels.
+pub fn identity_order(d: usize) -> Vec<u16> {
+    (0..d as u16).collect()
+}
+
+/// Rows `[tokens][d]` in natural channel order → stored order (`out[t][j] = x[t][order[j]]`).
+pub fn to_stored<T: Copy>(x: &[T], d: usize, order: &[u16]) -> Vec<T> {
+    x.chunks(d).flat_map(|row| order.iter().map(move |&c| row[c as usize])).collect()
+}
+
+/// Rows in stored order → natural order (`out[t][order[j]] = x[t][j]`).
+pub fn to_natural(x: &[f64], d: usize, order: &[u16]) -> Vec<f64> {
+    let mut out = vec![0.0; x.len()];
+    for (t, row) in x.chunks(d).enumerate() {
+        for (j, &c) in order.iter().enumerate() {
+            out[t * d + c as usize] = row[j];
+        }
+    }
+    out
+}
+
 /// Mixed keys.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MixedKey<'a> {

@@ -19,42 +19,15 @@ use crate::codecs::RefError;
 use crate::codecs::dense::reference as dense;
 use crate::codecs::int::reference as quant;
 
-/// Checks that `order` is a permutation of `0..d`.
+/// Checks that `order` is a permutation of `0..d` ([`super::check_order`] as a [`RefError`]).
 pub fn check_order(order: &[u16], d: usize) -> Result<(), RefError> {
-    if order.len() != d {
-        return Err(RefError::Shape { what: "channel order", found: order.len(), expected: d, why: "one stored position per channel".into() });
-    }
-    let mut seen = vec![false; d];
-    for (j, &c) in order.iter().enumerate() {
-        let c = c as usize;
-        if c >= d || seen[c] {
-            return Err(RefError::Geometry(format!("channel order is not a permutation of 0..{d}: position {j} holds {c}")));
-        }
-        seen[c] = true;
-    }
-    Ok(())
+    super::check_order(order, d).map_err(|e| match e {
+        super::OrderError::Length { found, expected } => RefError::Shape { what: "channel order", found, expected, why: "one stored position per channel".into() },
+        e => RefError::Geometry(e.to_string()),
+    })
 }
 
-/// The identity order of `d` channels.
-pub fn identity_order(d: usize) -> Vec<u16> {
-    (0..d as u16).collect()
-}
-
-/// Rows `[tokens][d]` in natural channel order → stored order (`out[t][j] = x[t][order[j]]`).
-pub fn to_stored<T: Copy>(x: &[T], d: usize, order: &[u16]) -> Vec<T> {
-    x.chunks(d).flat_map(|row| order.iter().map(move |&c| row[c as usize])).collect()
-}
-
-/// Rows in stored order → natural order (`out[t][order[j]] = x[t][j]`).
-pub fn to_natural(x: &[f64], d: usize, order: &[u16]) -> Vec<f64> {
-    let mut out = vec![0.0; x.len()];
-    for (t, row) in x.chunks(d).enumerate() {
-        for (j, &c) in order.iter().enumerate() {
-            out[t * d + c as usize] = row[j];
-        }
-    }
-    out
-}
+pub use super::{identity_order, to_natural, to_stored};
 
 /// Copies columns `[c0, c0 + n)` of `[tokens][d]` rows.
 fn columns(k: &[f32], d: usize, c0: usize, n: usize) -> Vec<f32> {
