@@ -14,10 +14,7 @@ pub fn tier_def(spec: &Spec, tier: &Tier, d: usize) -> String {
     format!("TierDef<{}, {}, {key}, {value}>", tier.id, seg.bytes)
 }
 
-/// (groups, entries) of a spherical tier's codebook, (1, 1) otherwise.
+/// (groups, entries) of a tier's key lookup table (spherical codebooks), (1, 1) without one.
 pub fn codebook_shape(tier: &Tier, d: usize) -> (usize, usize) {
-    match &tier.key {
-        kvforge_spec::KeyScheme::Spherical { group, angle_bits, .. } => (d / group, 1 << angle_bits),
-        _ => (1, 1),
-    }
+    tier.key.codec().lut_shape(d).unwrap_or((1, 1))
 }

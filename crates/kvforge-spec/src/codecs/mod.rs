@@ -147,9 +147,14 @@ pub trait Codec: fmt::Display {
     fn content_hash(&self) -> Option<&str> {
         None
     }
-    /// Floats of the per-query lookup table one query head needs (spherical keys).
-    fn lut_floats_per_head(&self, _d: usize) -> usize {
-        0
+    /// `(groups, entries)` of the per-query lookup table of one query head, for codecs that
+    /// score through one (spherical keys).
+    fn lut_shape(&self, _d: usize) -> Option<(usize, usize)> {
+        None
+    }
+    /// Floats of the per-query lookup table one query head needs.
+    fn lut_floats_per_head(&self, d: usize) -> usize {
+        self.lut_shape(d).map_or(0, |(g, e)| g * e)
     }
     /// Whether the codec takes the per-warp decode layout (`WARP` of its C++ type) at head
     /// dim `d` and `p` page tokens.

@@ -147,8 +147,8 @@ impl Codec for SphericalKey<'_> {
         // A codeword index per group of the slice's tokens.
         (p / split) * (d / self.group) * 4
     }
-    fn lut_floats_per_head(&self, d: usize) -> usize {
-        (d / self.group) * (1 << self.angle_bits)
+    fn lut_shape(&self, d: usize) -> Option<(usize, usize)> {
+        Some((d / self.group, 1 << self.angle_bits))
     }
     #[cfg(feature = "reference")]
     fn check(&self, d: usize, _tokens: usize, aux: &[f32]) -> Result<(), RefError> {
