@@ -44,6 +44,10 @@ fn check_codec(c: &dyn Codec, d: usize, tokens: usize, seed: u64) {
         assert!(a.name.starts_with(prefix), "{what}: array `{}` is not named for its side", a.name);
     }
     assert!(c.transcode_scratch(d, tokens, 1) > 0, "{what}: transcode scratch");
+    if let Some(w) = c.bit_widths() {
+        let total: f64 = w.iter().map(|(_, s)| s).sum();
+        assert!((total - 1.0).abs() < 1e-12 && w.iter().all(|&(b, s)| b <= 16 && s > 0.0), "{what}: bit widths {w:?}");
+    }
     let code = c.code(d);
     assert!(!code.is_empty() && code.chars().all(|ch| ch.is_ascii_alphanumeric() || ch == '_'), "{what}: code `{code}`");
     let cpp = c.cpp_type(d, tokens, &|_| 0);

@@ -134,6 +134,10 @@ pub trait Codec: fmt::Display {
     /// The controllers' distortion proxy: the normalised squared error
     /// `E‖x − x̂‖² / E‖x‖²` this codec adds on Gaussian data (1 for a dropped token).
     fn nmse(&self) -> f64;
+    /// The share of the side's elements stored at each bit width, `(bits, share)` (16: dense,
+    /// 0: dropped), for controllers whose distortion tables are indexed by width (RDKV);
+    /// `None` for a codec that is not a per-element width (spherical).
+    fn bit_widths(&self) -> Option<Vec<(u32, f64)>>;
     /// Side tables this codec reads on the device, in slot order.
     fn side_tables(&self, _d: usize) -> Vec<SideTable> {
         Vec::new()

@@ -75,6 +75,9 @@ impl Codec for Dense {
     fn nmse(&self) -> f64 {
         dense_nmse(self.dtype)
     }
+    fn bit_widths(&self) -> Option<Vec<(u32, f64)>> {
+        Some(vec![(16, 1.0)])
+    }
     fn per_warp_capable(&self, _d: usize, _p: usize) -> bool {
         self.dtype == DType::Fp16
     }

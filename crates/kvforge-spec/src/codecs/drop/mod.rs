@@ -56,6 +56,9 @@ impl Codec for Drop {
     fn nmse(&self) -> f64 {
         1.0
     }
+    fn bit_widths(&self) -> Option<Vec<(u32, f64)>> {
+        Some(vec![(0, 1.0)])
+    }
     fn is_drop(&self) -> bool {
         true
     }

@@ -123,6 +123,9 @@ impl Codec for IntKey {
     fn nmse(&self) -> f64 {
         int_nmse(self.bits)
     }
+    fn bit_widths(&self) -> Option<Vec<(u32, f64)>> {
+        Some(vec![(self.bits, 1.0)])
+    }
     fn per_warp_capable(&self, d: usize, p: usize) -> bool {
         self.block >= p && d * self.bits as usize >= 128
     }
@@ -180,6 +183,9 @@ impl Codec for IntValue {
     }
     fn nmse(&self) -> f64 {
         int_nmse(self.bits)
+    }
+    fn bit_widths(&self) -> Option<Vec<(u32, f64)>> {
+        Some(vec![(self.bits, 1.0)])
     }
     fn per_warp_capable(&self, d: usize, _p: usize) -> bool {
         self.group % (d / 8) == 0

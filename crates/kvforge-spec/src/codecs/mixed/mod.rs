@@ -241,6 +241,9 @@ impl Codec for MixedKey<'_> {
             })
             .sum()
     }
+    fn bit_widths(&self) -> Option<Vec<(u32, f64)>> {
+        Some(mixed_shares(self.segments))
+    }
     fn side_tables(&self, d: usize) -> Vec<SideTable> {
         // The stored→natural order, then its inverse ([2][D]).
         vec![SideTable { name: "channel_order", elem: SideElem::U16, len: 2 * d, init: SideInit::Optional }]

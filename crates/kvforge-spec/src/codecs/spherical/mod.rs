@@ -132,6 +132,9 @@ impl Codec for SphericalKey<'_> {
     fn nmse(&self) -> f64 {
         spherical_direction_nmse(self.codebook) + super::int::int_nmse(RADIUS_BITS)
     }
+    fn bit_widths(&self) -> Option<Vec<(u32, f64)>> {
+        None
+    }
     fn side_tables(&self, d: usize) -> Vec<SideTable> {
         vec![
             // One copy of the codebook per group ([groups][entries][group]): the layout a
