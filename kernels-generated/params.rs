@@ -19,12 +19,8 @@ pub struct DecodeParams {
     pub page_indptr: u64,
     ///per page: tier | tokens << 8, from the runtime's page table; sizes the staging copy, checked against the staged header
     pub page_info: u64,
-    ///per tier: [num_kv_heads][groups][entries][group] (spherical tiers)
-    pub codebooks: [u64; 16],
-    ///per tier: [num_kv_heads][groups] (spherical tiers)
-    pub radius_scales: [u64; 16],
-    ///per tier: [num_kv_heads][2][head_dim] stored→natural channel order, then its inverse (mixed-key tiers; null = identity)
-    pub channel_orders: [u64; 16],
+    ///per tier and slot: the side table the tier's codecs declare at that slot (kvforge-spec `Codec::side_tables`, keys' then values': spherical codebooks [num_kv_heads][groups][entries][group] and radius scales [num_kv_heads][groups], mixed-key channel orders [num_kv_heads][2][head_dim]), null where unset
+    pub side: [[u64; 2]; 16],
     ///optional per page: log2 Σ_heads Σ_tokens 2^logit, an importance signal for controllers
     pub page_lse: u64,
     ///optional [page][gqa]: log2 Σ_tokens 2^logit per query head
@@ -58,14 +54,10 @@ pub struct TranscodeParams {
     pub src_offsets: u64,
     ///[num_pages] destination page offsets
     pub dst_offsets: u64,
-    ///[num_pages] kv head of each page (selects codebooks and radius scales)
+    ///[num_pages] kv head of each page (selects its slice of the side tables)
     pub kv_heads: u64,
     ///as in DecodeParams
-    pub codebooks: [u64; 16],
-    ///as in DecodeParams
-    pub radius_scales: [u64; 16],
-    ///as in DecodeParams
-    pub channel_orders: [u64; 16],
+    pub side: [[u64; 2]; 16],
     ///ERR_* bits set by the kernel
     pub error_flags: u64,
     ///pages to transcode

@@ -28,7 +28,7 @@
 //! The table is made non-decreasing down the ladder (running maximum): a cheaper tier is never
 //! assumed to be more accurate, which the monotone (down-only) tiering relies on.
 
-use kvforge_spec::{DType, KeyScheme, Spec, TierId, ValueScheme};
+use kvforge_spec::{KeyScheme, Spec, TierId, ValueScheme};
 
 /// ε per tier id (index 0 is the dense tail tier).
 #[derive(Clone, Debug, PartialEq)]
@@ -129,62 +129,17 @@ pub fn nmse(original: &[f32], decoded: &[f64]) -> f64 {
     }
 }
 
-/// NMSE of an asymmetric `bits`-bit quantiser on Gaussian data (range ≈ 6σ).
-pub fn int_nmse(bits: u32) -> f64 {
-    let levels = ((1u64 << bits) - 1) as f64;
-    3.0 / (levels * levels)
-}
-
-/// NMSE of rounding to a float type.
-pub fn dense_nmse(dtype: DType) -> f64 {
-    let p = match dtype {
-        DType::Fp16 => 11,
-        DType::Bf16 => 8,
-    };
-    let u = 2f64.powi(-p);
-    u * u / 3.0
-}
-
-/// E[2 − 2 cos θ] of the nearest codeword over 4096 deterministic uniform unit directions.
-pub fn spherical_direction_nmse(codebook: &kvforge_spec::Codebook) -> f64 {
-    let g = codebook.group;
-    let n = 4096;
-    let samples = kvforge_ref::uniform_unit_samples(n, g, 0x5eed_0000 + g as u64);
-    let mut sum = 0.0;
-    for u in samples.chunks_exact(g) {
-        let best = (0..codebook.entries)
-            .map(|i| u.iter().zip(codebook.word(i)).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum::<f64>())
-            .fold(f64::NEG_INFINITY, f64::max);
-        sum += 2.0 - 2.0 * best;
-    }
-    sum / n as f64
-}
+// The per-scheme proxies live with their codecs (`Codec::nmse` of kvforge-spec's codecs).
+pub use kvforge_spec::codecs::dense::dense_nmse;
+pub use kvforge_spec::codecs::int::int_nmse;
+pub use kvforge_spec::codecs::spherical::spherical_direction_nmse;
 
 pub fn key_nmse(k: &KeyScheme) -> f64 {
-    match k {
-        KeyScheme::Dense(t) => dense_nmse(*t),
-        KeyScheme::Int { bits, .. } => int_nmse(*bits),
-        KeyScheme::Spherical { codebook, .. } => spherical_direction_nmse(codebook) + int_nmse(8),
-        // Each segment's share of the channels at its width, dropped channels lose everything
-        // (uniform channel energy: the proxy cannot see the channel order's weighting).
-        KeyScheme::Mixed { segments, .. } => kvforge_spec::mixed_shares(segments)
-            .into_iter()
-            .map(|(bits, share)| share * match bits {
-                16 => dense_nmse(DType::Fp16),
-                0 => 1.0,
-                b => int_nmse(b),
-            })
-            .sum(),
-        KeyScheme::Drop => 1.0,
-    }
+    k.codec().nmse()
 }
 
 pub fn value_nmse(v: &ValueScheme) -> f64 {
-    match v {
-        ValueScheme::Dense(t) => dense_nmse(*t),
-        ValueScheme::Int { bits, .. } => int_nmse(*bits),
-        ValueScheme::Drop => 1.0,
-    }
+    v.codec().nmse()
 }
 
 impl DistortionTable {

@@ -148,13 +148,8 @@ pub enum RdkvError {
 /// ε_K of a key scheme from the per-bit table; a mixed key averages its segments' ε over the
 /// channels (uniform channel weights; [`mixed_key_distortion`] weighs them).
 fn key_eps(k: &KeyScheme, name: &str, eps_k: &[(u32, f64)]) -> Result<f64, RdkvError> {
-    match k {
-        KeyScheme::Dense(_) => lookup(eps_k, 16),
-        KeyScheme::Int { bits, .. } => lookup(eps_k, *bits),
-        KeyScheme::Drop => lookup(eps_k, 0),
-        KeyScheme::Mixed { segments, .. } => kvforge_spec::mixed_shares(segments).into_iter().map(|(bits, share)| Ok(share * lookup(eps_k, bits)?)).sum(),
-        KeyScheme::Spherical { .. } => Err(RdkvError::Spherical(name.to_string())),
-    }
+    let Some(widths) = k.codec().bit_widths() else { return Err(RdkvError::Spherical(name.to_string())) };
+    widths.into_iter().map(|(bits, share)| Ok(share * lookup(eps_k, bits)?)).sum()
 }
 
 /// Seed 002 Alg. 1 stage 4 for a mixed-key tier: the channel order of one head, heaviest
@@ -174,12 +169,10 @@ pub fn mixed_key_distortion(segments: &[kvforge_spec::ChannelSegment], d: usize,
     order.iter().zip(&kvforge_spec::mixed_widths(segments, d)).map(|(&c, &b)| Ok(channel_w[c as usize] * lookup(eps_k, b)?)).sum()
 }
 
-fn value_bits(v: &ValueScheme) -> u32 {
-    match v {
-        ValueScheme::Dense(_) => 16,
-        ValueScheme::Int { bits, .. } => *bits,
-        ValueScheme::Drop => 0,
-    }
+/// ε_V of a value scheme from the per-bit table (every value codec is a per-element width).
+fn value_eps(v: &ValueScheme, eps_v: &[(u32, f64)]) -> Result<f64, RdkvError> {
+    let widths = v.codec().bit_widths().expect("value codecs store every element at a bit width");
+    widths.into_iter().map(|(bits, share)| Ok(share * lookup(eps_v, bits)?)).sum()
 }
 
 fn lookup(table: &[(u32, f64)], bits: u32) -> Result<f64, RdkvError> {
@@ -214,7 +207,7 @@ impl RdkvController {
             .tiers
             .iter()
             .map(|t| {
-                Ok(0.5 * (key_eps(&t.key, &t.name, eps_k)? + lookup(eps_v, value_bits(&t.value))?))
+                Ok(0.5 * (key_eps(&t.key, &t.name, eps_k)? + value_eps(&t.value, eps_v)?))
             })
             .collect::<Result<Vec<f64>, RdkvError>>()?;
         Ok(RdkvController { table: DistortionTable { eps, drop_tier: crate::distortion::drop_tier(spec) }, proxy: Proxy::Linear, per_head: true, parallel_pages: crate::runtime::pool_pages() })

@@ -20,8 +20,11 @@ const fn f(name: &'static str, ctype: &'static str, rust: &'static str, doc: &'s
     Field { name, ctype, rust, doc }
 }
 
-/// Entries of the per-tier pointer tables (`codebooks`, `radius_scales`, `channel_orders`).
+/// Entries of the per-tier pointer tables (`side`).
 pub const MAX_TIERS: usize = 16;
+/// Side-table slots per tier (`side`): the codecs' declared tables.
+pub const SIDE_SLOTS: usize = kvforge_spec::codecs::SIDE_SLOTS;
+const _: () = assert!(SIDE_SLOTS == 2, "params' `side` field is rendered as [[u64; 2]; 16]");
 
 pub const PARAMS: &[ParamStruct] = &[
     ParamStruct {
@@ -36,9 +39,7 @@ pub const PARAMS: &[ParamStruct] = &[
             f("page_offsets", "const u64*", "u64", "byte offset of every page in the arena"),
             f("page_indptr", "const u32*", "u64", "[batch * num_kv_heads + 1] page ranges of every (sequence, kv head)"),
             f("page_info", "const u32*", "u64", "per page: tier | tokens << 8, from the runtime's page table; sizes the staging copy, checked against the staged header"),
-            f("codebooks", "const float* codebooks[MAX_TIERS]", "[u64; 16]", "per tier: [num_kv_heads][groups][entries][group] (spherical tiers)"),
-            f("radius_scales", "const float* radius_scales[MAX_TIERS]", "[u64; 16]", "per tier: [num_kv_heads][groups] (spherical tiers)"),
-            f("channel_orders", "const u16* channel_orders[MAX_TIERS]", "[u64; 16]", "per tier: [num_kv_heads][2][head_dim] stored→natural channel order, then its inverse (mixed-key tiers; null = identity)"),
+            f("side", "const void* side[MAX_TIERS][SIDE_SLOTS]", "[[u64; 2]; 16]", "per tier and slot: the side table the tier's codecs declare at that slot (kvforge-spec `Codec::side_tables`, keys' then values': spherical codebooks [num_kv_heads][groups][entries][group] and radius scales [num_kv_heads][groups], mixed-key channel orders [num_kv_heads][2][head_dim]), null where unset"),
             f("page_lse", "float*", "u64", "optional per page: log2 Σ_heads Σ_tokens 2^logit, an importance signal for controllers"),
             f("page_head_lse", "float*", "u64", "optional [page][gqa]: log2 Σ_tokens 2^logit per query head"),
             f("block_delta", "float*", "u64", "optional [page][page tokens / 16][gqa] (certified decode, block layout): per 16-token block the logit error bound Δ_b = ½ Σ_c |q_c| σ_c / sqrt(d) of the key block holding it (0 for exact keys or blocks past the page's tokens, +inf where the scheme states no bound)"),
@@ -61,10 +62,8 @@ pub const PARAMS: &[ParamStruct] = &[
             f("arena", "u8*", "u64", "page arena base"),
             f("src_offsets", "const u64*", "u64", "[num_pages] source page offsets"),
             f("dst_offsets", "const u64*", "u64", "[num_pages] destination page offsets"),
-            f("kv_heads", "const u32*", "u64", "[num_pages] kv head of each page (selects codebooks and radius scales)"),
-            f("codebooks", "const float* codebooks[MAX_TIERS]", "[u64; 16]", "as in DecodeParams"),
-            f("radius_scales", "const float* radius_scales[MAX_TIERS]", "[u64; 16]", "as in DecodeParams"),
-            f("channel_orders", "const u16* channel_orders[MAX_TIERS]", "[u64; 16]", "as in DecodeParams"),
+            f("kv_heads", "const u32*", "u64", "[num_pages] kv head of each page (selects its slice of the side tables)"),
+            f("side", "const void* side[MAX_TIERS][SIDE_SLOTS]", "[[u64; 2]; 16]", "as in DecodeParams"),
             f("error_flags", "u32*", "u64", "ERR_* bits set by the kernel"),
             f("num_pages", "int", "i32", "pages to transcode"),
         ],

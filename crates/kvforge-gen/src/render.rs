@@ -24,6 +24,12 @@ pub const TEMPLATES: &[(&str, &str)] = &[
 pub const HEADERS: &[(&str, &str)] = &[
     ("kvforge/common.cuh", include_str!("../../../templates/include/kvforge/common.cuh")),
     ("kvforge/codecs.cuh", include_str!("../../../templates/include/kvforge/codecs.cuh")),
+    ("kvforge/codecs/base.cuh", include_str!("../../../templates/include/kvforge/codecs/base.cuh")),
+    ("kvforge/codecs/drop.cuh", include_str!("../../../templates/include/kvforge/codecs/drop.cuh")),
+    ("kvforge/codecs/dense.cuh", include_str!("../../../templates/include/kvforge/codecs/dense.cuh")),
+    ("kvforge/codecs/int.cuh", include_str!("../../../templates/include/kvforge/codecs/int.cuh")),
+    ("kvforge/codecs/spherical.cuh", include_str!("../../../templates/include/kvforge/codecs/spherical.cuh")),
+    ("kvforge/codecs/mixed.cuh", include_str!("../../../templates/include/kvforge/codecs/mixed.cuh")),
     ("kvforge/decode.cuh", include_str!("../../../templates/include/kvforge/decode.cuh")),
     ("kvforge/transcode.cuh", include_str!("../../../templates/include/kvforge/transcode.cuh")),
     ("kvforge/combine.cuh", include_str!("../../../templates/include/kvforge/combine.cuh")),

@@ -6,7 +6,7 @@
 //! rendered into the kernel's `Cfg`: the device code reads these numbers, it does not
 //! recompute them.
 
-use kvforge_spec::{DType, KernelShape, KeyScheme, Schedule, SegmentLayout, Spec, Tier, TierId, ValueScheme};
+use kvforge_spec::{KernelShape, KeyScheme, Schedule, SegmentLayout, Spec, Tier, TierId, ValueScheme};
 
 fn align16(x: usize) -> usize {
     x.div_ceil(16) * 16
@@ -14,10 +14,7 @@ fn align16(x: usize) -> usize {
 
 /// Floats of the per-query LUT one kv head's GQA group needs for `tier`.
 fn lut_floats_per_head(tier: &Tier, d: usize) -> usize {
-    match &tier.key {
-        KeyScheme::Spherical { group, angle_bits, .. } => (d / group) * (1 << angle_bits),
-        _ => 0,
-    }
+    tier.key.codec().lut_floats_per_head(d)
 }
 
 /// Floats of the lookup tables of a decode variant's tiers (its GQA group's, all tiers).
@@ -132,17 +129,7 @@ fn bfrag_bytes(spec: &Spec, tier: &Tier, d: usize, gqa: usize, warps: usize) -> 
 /// pairs 2e, 2e + 1 per fragment, scales loaded once per page), and values whose groups hold a
 /// lane's head_dim / 8 channels.
 fn warp_tier(tier: &Tier, d: usize, p: usize) -> bool {
-    let key = match &tier.key {
-        KeyScheme::Dense(DType::Fp16) => true,
-        KeyScheme::Int { bits, block, .. } => *block >= p && d * *bits as usize >= 128,
-        _ => false,
-    };
-    let value = match &tier.value {
-        ValueScheme::Dense(DType::Fp16) => true,
-        ValueScheme::Int { group, .. } => group % (d / 8) == 0,
-        _ => false,
-    };
-    key && value
+    tier.key.codec().per_warp_capable(d, p) && tier.value.codec().per_warp_capable(d, p)
 }
 
 /// Whether a decode variant runs the per-warp layout (`Cfg::PER_WARP`: each warp owns 8-token
@@ -325,7 +312,7 @@ const TRANSCODE_FLOATS_PER_THREAD: usize = 8;
 /// (`Key::SLICE_CHANNELS`: a scale and zero per channel per block of tokens) rather than
 /// whole tokens.
 pub fn slices_channels(dst: &Tier) -> bool {
-    matches!(dst.key, KeyScheme::Int { .. } | KeyScheme::Mixed { .. })
+    dst.key.codec().slices_channels()
 }
 
 /// CTAs per page of a transcode launch (`Cfg::SPLIT` of the generated kernel; the one place
@@ -350,11 +337,7 @@ pub fn transcode_split(spec: &Spec, dst: &Tier, d: usize) -> usize {
 pub fn transcode_scratch(spec: &Spec, dst: &Tier, d: usize) -> usize {
     let p = spec.page.tokens;
     let split = transcode_split(spec, dst, d);
-    match &dst.key {
-        KeyScheme::Int { block, .. } | KeyScheme::Mixed { block, .. } => 2 * (p / block) * (d / split) * 4,
-        KeyScheme::Spherical { group, .. } => (p / split) * (d / group) * 4,
-        _ => 16,
-    }
+    dst.key.codec().transcode_scratch(d, p, split)
 }
 
 /// Shared-memory plan of a transcode CTA (`Cfg::SMEM_*`): one slice of P·D / split floats,

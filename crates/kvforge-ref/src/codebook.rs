@@ -7,25 +7,14 @@
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+// The uniform sampler is the spherical codec's (its distortion proxy samples it too).
+pub use kvforge_spec::codecs::spherical::sampling::uniform_unit_samples;
+use kvforge_spec::codecs::spherical::sampling::random_unit;
+#[cfg(test)]
+use kvforge_spec::codecs::spherical::sampling::gaussian;
+
 /// Norms below this are treated as zero vectors (they have no direction).
 const ZERO_NORM: f64 = 1e-12;
-
-fn gaussian(rng: &mut ChaCha8Rng) -> f64 {
-    // Box–Muller; 1 - U is in (0, 1], so the log is finite.
-    let u1: f64 = 1.0 - rng.gen::<f64>();
-    let u2: f64 = rng.gen::<f64>();
-    (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
-}
-
-fn random_unit(rng: &mut ChaCha8Rng, group: usize) -> Vec<f64> {
-    loop {
-        let x: Vec<f64> = (0..group).map(|_| gaussian(rng)).collect();
-        let n = norm(&x);
-        if n > ZERO_NORM {
-            return x.iter().map(|v| v / n).collect();
-        }
-    }
-}
 
 fn norm(x: &[f64]) -> f64 {
     x.iter().map(|v| v * v).sum::<f64>().sqrt()
@@ -33,13 +22,6 @@ fn norm(x: &[f64]) -> f64 {
 
 fn dot(a: &[f64], b: &[f64]) -> f64 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
-}
-
-/// `n` unit vectors of `group` channels drawn uniformly from the sphere (normalised
-/// Gaussians), row-major `[n][group]`.
-pub fn uniform_unit_samples(n: usize, group: usize, seed: u64) -> Vec<f32> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    (0..n).flat_map(|_| random_unit(&mut rng, group)).map(|x| x as f32).collect()
 }
 
 /// Trains `entries` unit codewords of `group` channels (`[entries][group]`, f32) on `samples`

@@ -15,20 +15,24 @@
 //! * [`certified`]: certified attention (seed 004) — tiers, selector, fallback ladder and the
 //!   error certificate, the specification the GPU certified path is checked against.
 //!
-//! Numerics (the contract the CUDA kernels follow) are documented in each scheme's module.
+//! Numerics (the contract the CUDA kernels follow) are documented in each scheme's module, which
+//! lives in its codec folder in `kvforge-spec` (`codecs/<scheme>/reference.rs`).
 //! Inputs are f32 (the value of an fp16/bf16 activation, or any f32); outputs are f64.
 
 pub mod attention;
-pub mod bits;
 pub mod certified;
 pub mod codebook;
-pub mod dense;
 mod error;
-pub mod mixed;
 pub mod page;
-pub mod quant;
 pub mod segment;
-pub mod spherical;
+
+// Each scheme's f64 reference lives in its codec folder (`kvforge_spec::codecs::<scheme>`,
+// feature `reference`); these are its historical paths.
+pub use kvforge_spec::codecs::bits;
+pub use kvforge_spec::codecs::dense::reference as dense;
+pub use kvforge_spec::codecs::int::reference as quant;
+pub use kvforge_spec::codecs::mixed::reference as mixed;
+pub use kvforge_spec::codecs::spherical::reference as spherical;
 
 pub use attention::{attention, attention_heads, batched_gqa_attention, combine_partials, softmax_weights, KvHead};
 pub use codebook::{train_codebook, uniform_unit_samples};

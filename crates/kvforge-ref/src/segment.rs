@@ -1,13 +1,13 @@
 //! A tier's segment: the structure-of-arrays payload of one page, byte-exact to
-//! [`SegmentLayout`]. Each scheme codes its arrays; this module checks the inputs, places the
-//! arrays at their offsets (padding stays zero) and reads them back.
+//! [`SegmentLayout`]. Each codec codes its arrays (`Codec::encode` / `Codec::decode` of
+//! `kvforge_spec::codecs`); this module checks the inputs, places the arrays at their offsets
+//! (padding stays zero) and reads them back.
 
-use kvforge_spec::{KeyScheme, SegmentLayout, Tier, ValueScheme};
+use kvforge_spec::{KeyScheme, SegmentLayout, Tier};
 
 use crate::error::RefError;
-use crate::quant::IntView;
+use crate::spherical;
 use crate::spherical::SphericalView;
-use crate::{dense, mixed, quant, spherical};
 
 /// Alignment passed to [`SegmentLayout::new`] when only the segment (not the page) matters.
 const SEGMENT_ONLY: usize = 16;
@@ -25,7 +25,8 @@ fn shape(what: &'static str, found: usize, expected: usize, why: String) -> Resu
     }
 }
 
-/// Checks that `tier` can code `tokens` tokens at head dim `d` with `rscale` radius scales.
+/// Checks that `tier` can code `tokens` tokens at head dim `d` with `rscale` as the key
+/// codec's caller-set side table (its radius scales).
 fn check_geometry(tier: &Tier, d: usize, tokens: usize, rscale: &[f32]) -> Result<(), RefError> {
     if tokens == 0 {
         return Err(RefError::Empty);
@@ -33,44 +34,13 @@ fn check_geometry(tier: &Tier, d: usize, tokens: usize, rscale: &[f32]) -> Resul
     if d == 0 || d % 8 != 0 {
         return Err(RefError::Geometry(format!("head_dim {d} must be a positive multiple of 8")));
     }
-    let bad = |what: String| Err(RefError::Geometry(format!("tier `{}`: {what}", tier.name)));
-    match &tier.key {
-        KeyScheme::Int { bits, block, .. } => {
-            if !matches!(bits, 2 | 4 | 8) {
-                return bad(format!("int keys are 8, 4 or 2 bits, not {bits}"));
-            }
-            if *block == 0 || tokens % block != 0 {
-                return bad(format!("per-channel int keys code whole blocks of {block} tokens; {tokens} tokens is not a multiple"));
-            }
-        }
-        KeyScheme::Spherical { group, angle_bits, codebook } => {
-            if *group == 0 || d % group != 0 || codebook.group != *group {
-                return bad(format!("spherical group {group} (codebook group {}) does not divide head_dim {d}", codebook.group));
-            }
-            if !(1..=8).contains(angle_bits) || codebook.entries != 1 << angle_bits || codebook.data.len() != codebook.entries * group {
-                return bad(format!("{angle_bits} angle bits need a codebook of 2^{angle_bits} words of {group} channels, it has {} entries", codebook.entries));
-            }
-            shape("rscale", rscale.len(), d / group, format!("one radius scale per group of {group} channels of tier `{}`", tier.name))?;
-        }
-        KeyScheme::Mixed { segments, block, .. } => {
-            if *block == 0 || tokens % block != 0 {
-                return bad(format!("mixed keys code whole blocks of {block} tokens; {tokens} tokens is not a multiple"));
-            }
-            if d % 64 != 0 || segments.iter().map(|s| s.eighths).sum::<u32>() > 8 || segments.iter().any(|s| !matches!(s.bits, 16 | 8 | 4 | 2)) {
-                return bad(format!("mixed keys need head_dim a multiple of 64 and segments of 16/8/4/2 bits within head_dim, not {d} and {segments:?}"));
-            }
-        }
-        _ => {}
-    }
-    if let ValueScheme::Int { bits, group, .. } = &tier.value {
-        if !matches!(bits, 2 | 4 | 8) {
-            return bad(format!("int values are 8, 4 or 2 bits, not {bits}"));
-        }
-        if *group == 0 || d % group != 0 {
-            return bad(format!("value group {group} does not divide head_dim {d}"));
-        }
-    }
-    Ok(())
+    let named = |e: RefError| match e {
+        RefError::Geometry(what) => RefError::Geometry(format!("tier `{}`: {what}", tier.name)),
+        RefError::Shape { what, found, expected, why } => RefError::Shape { what, found, expected, why: format!("{why} of tier `{}`", tier.name) },
+        e => e,
+    };
+    tier.key.codec().check(d, tokens, rscale).map_err(named)?;
+    tier.value.codec().check(d, tokens, &[]).map_err(named)
 }
 
 fn check_finite(what: &'static str, x: &[f32]) -> Result<(), RefError> {
@@ -98,45 +68,9 @@ pub fn try_encode_segment(tier: &Tier, d: usize, tokens: usize, k: &[f32], v: &[
         assert_eq!(a.bytes, bytes.len(), "array `{name}` of tier `{}`", tier.name);
         seg[a.offset..a.offset + a.bytes].copy_from_slice(bytes);
     };
-    match &tier.key {
-        KeyScheme::Dense(t) => {
-            let mut b = vec![0u8; k.len() * dense::ELEMENT_BYTES];
-            dense::encode(*t, k, &mut b);
-            put("k", &b);
-        }
-        KeyScheme::Int { bits, block, scale } => {
-            let a = quant::encode_keys(*bits, *block, *scale, d, tokens, k);
-            put("k_codes", &a.codes);
-            put("k_scale", &a.scale);
-            put("k_zero", &a.zero);
-        }
-        KeyScheme::Spherical { group, angle_bits, codebook } => {
-            let a = spherical::encode_keys(*group, *angle_bits, codebook, d, tokens, k, rscale);
-            put("k_radius", &a.radius);
-            put("k_index", &a.index);
-        }
-        KeyScheme::Mixed { segments, block, scale } => mixed::encode_keys(segments, *block, *scale, d, tokens, k, &mut put),
-        KeyScheme::Drop => {}
-    }
-    match &tier.value {
-        ValueScheme::Dense(t) => {
-            let mut b = vec![0u8; v.len() * dense::ELEMENT_BYTES];
-            dense::encode(*t, v, &mut b);
-            put("v", &b);
-        }
-        ValueScheme::Int { bits, group, scale } => {
-            let a = quant::encode_values(*bits, *group, *scale, d, tokens, v);
-            put("v_codes", &a.codes);
-            put("v_scale", &a.scale);
-            put("v_zero", &a.zero);
-        }
-        ValueScheme::Drop => {}
-    }
+    tier.key.codec().encode(d, tokens, k, rscale, &mut put);
+    tier.value.codec().encode(d, tokens, v, &[], &mut put);
     Ok(seg)
-}
-
-fn int_view<'a>(get: &impl Fn(&str) -> &'a [u8], side: &str) -> IntView<'a> {
-    IntView { codes: get(&format!("{side}_codes")), scale: get(&format!("{side}_scale")), zero: get(&format!("{side}_zero")) }
 }
 
 fn spherical_view<'a>(get: &impl Fn(&str) -> &'a [u8]) -> SphericalView<'a> {
@@ -156,20 +90,8 @@ pub fn try_decode_segment(tier: &Tier, d: usize, tokens: usize, seg: &[u8], rsca
         let a = lay.array(name).unwrap_or_else(|| panic!("layout of tier `{}` has no array `{name}`", tier.name));
         &seg[a.offset..a.offset + a.bytes]
     };
-    let k = match &tier.key {
-        KeyScheme::Dense(t) => dense::decode(*t, get("k")),
-        KeyScheme::Int { bits, block, scale } => quant::decode_keys(*bits, *block, *scale, d, tokens, int_view(&get, "k")),
-        KeyScheme::Spherical { group, angle_bits, codebook } => {
-            spherical::decode_keys(*group, *angle_bits, codebook, d, tokens, spherical_view(&get), rscale)
-        }
-        KeyScheme::Mixed { segments, block, scale } => mixed::decode_keys(segments, *block, *scale, d, tokens, get),
-        KeyScheme::Drop => Vec::new(),
-    };
-    let v = match &tier.value {
-        ValueScheme::Dense(t) => dense::decode(*t, get("v")),
-        ValueScheme::Int { bits, group, scale } => quant::decode_values(*bits, *group, *scale, d, tokens, int_view(&get, "v")),
-        ValueScheme::Drop => Vec::new(),
-    };
+    let k = tier.key.codec().decode(d, tokens, &get, rscale);
+    let v = tier.value.codec().decode(d, tokens, &get, &[]);
     Ok((k, v))
 }
 

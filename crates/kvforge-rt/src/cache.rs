@@ -17,6 +17,10 @@ use crate::error::{drv, Result, RtError};
 use crate::kernels::KernelCache;
 use crate::moves::{MoveBatch, PageMove};
 use crate::pool::{PagePool, PageRef};
+use crate::side_tables::SideTables;
+
+/// The spherical codec's radius-scale side table (`kvforge_spec::codecs::spherical`).
+const RADIUS_SCALE: &str = "radius_scale";
 
 /// Shape and capacity of a cache.
 #[derive(Clone, Debug)]
@@ -93,9 +97,8 @@ pub struct TierUsage {
 
 /// The per-tier pointer tables of the kernel parameter structs.
 pub(crate) struct TierPointers {
-    pub codebooks: [u64; 16],
-    pub radius_scales: [u64; 16],
-    pub channel_orders: [u64; 16],
+    /// `[tier][slot]` side tables ([`SideTables::pointers`]).
+    pub side: [[u64; 2]; 16],
 }
 
 pub struct KvCache {
@@ -105,10 +108,9 @@ pub struct KvCache {
     pub(crate) pool: PagePool,
     pub(crate) arena: CudaSlice<u8>,
     pub(crate) seqs: Vec<Option<Sequence>>,
-    pub(crate) codebooks: Vec<Option<CudaSlice<f32>>>,
-    pub(crate) radius_scales: Vec<Option<CudaSlice<f32>>>,
-    /// Per mixed-key tier, once set: [num_kv_heads][2][head_dim] channel order and inverse.
-    pub(crate) channel_orders: Vec<Option<CudaSlice<u16>>>,
+    /// Every tier's side tables (codebooks, radius scales, channel orders), as its codecs
+    /// declare them.
+    pub(crate) side: SideTables,
     pub(crate) kernels: KernelCache,
     pub(crate) flags: CudaSlice<u32>,
     /// Resident device buffers of page moves (offsets, heads, per-launch flags), grown when
@@ -161,26 +163,10 @@ impl KvCache {
             RtError::OutOfMemory { what, .. } => RtError::OutOfMemory { what, bytes: arena_bytes },
             e => e,
         })?;
-        let mut codebooks = Vec::new();
-        let mut radius_scales = Vec::new();
-        for t in &spec.tiers {
-            if let KeyScheme::Spherical { group, angle_bits, codebook } = &t.key {
-                let ng = d / group;
-                let entries = 1usize << angle_bits;
-                let mut all = Vec::with_capacity(cfg.num_kv_heads * ng * entries * group);
-                for _ in 0..cfg.num_kv_heads * ng {
-                    all.extend_from_slice(&codebook.data);
-                }
-                codebooks.push(Some(dev.stream.clone_htod(&all).map_err(drv("codebook upload"))?));
-            } else {
-                codebooks.push(None);
-            }
-            radius_scales.push(None);
-        }
+        let side = SideTables::new(&spec, d, cfg.num_kv_heads, &dev.stream)?;
         let flags = dev.stream.alloc_zeros::<u32>(1).map_err(drv("error flags"))?;
-        let channel_orders = vec![None; spec.tiers.len()];
         let pdl = dev.info.compute_capability.0 >= 9 && std::env::var_os("KVFORGE_NO_PDL").is_none();
-        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), codebooks, radius_scales, channel_orders, kernels: KernelCache::default(), flags, move_bufs: Default::default(), epochs: 0, cert: Default::default(), mass_window: None, pdl })
+        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), side, kernels: KernelCache::default(), flags, move_bufs: Default::default(), epochs: 0, cert: Default::default(), mass_window: None, pdl })
     }
 
     pub fn spec(&self) -> &Spec {
@@ -521,7 +507,7 @@ impl KvCache {
     /// (largest radius × headroom / 255; larger radii later clip to code 255).
     fn ensure_radius_scales(&mut self, tier: TierId, pages: &[(usize, Vec<u8>)], koff: usize) -> Result<()> {
         let KeyScheme::Spherical { group, .. } = self.spec.tiers[tier as usize].key else { return Ok(()) };
-        if self.radius_scales[tier as usize].is_some() {
+        if self.side.is_set(tier, RADIUS_SCALE) {
             return Ok(());
         }
         let (d, p, hkv) = (self.cfg.head_dim, self.spec.page.tokens, self.cfg.num_kv_heads);
@@ -548,38 +534,24 @@ impl KvCache {
 
     /// Sets the radius scales [num_kv_heads][groups] of spherical tier `tier`.
     pub fn set_radius_scales(&mut self, tier: TierId, scales: &[f32]) -> Result<()> {
-        let Some(KeyScheme::Spherical { group, .. }) = self.spec.tiers.get(tier as usize).map(|t| &t.key) else {
+        let Some(per_head) = self.side.len_per_head(tier, RADIUS_SCALE) else {
             return Err(RtError::BadTier(tier, "radius scales belong to spherical tiers".into()));
         };
-        let want = self.cfg.num_kv_heads * self.cfg.head_dim / group;
+        let want = self.cfg.num_kv_heads * per_head;
         if scales.len() != want || scales.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
             return Err(RtError::ShapeMismatch { what: "radius scales".into(), expected: format!("{want} positive finite values"), got: format!("{} values", scales.len()) });
         }
-        self.radius_scales[tier as usize] = Some(self.dev.stream.clone_htod(scales).map_err(drv("radius scale upload"))?);
-        Ok(())
+        self.side.set_f32(&self.dev.stream, tier, RADIUS_SCALE, scales)
     }
 
     /// Radius scales of a spherical tier, once set.
     pub fn radius_scales(&self, tier: TierId) -> Result<Option<Vec<f32>>> {
-        match &self.radius_scales[tier as usize] {
-            Some(s) => Ok(Some(self.dev.stream.clone_dtoh(s).map_err(drv("radius scale download"))?)),
-            None => Ok(None),
-        }
+        self.side.get_f32(&self.dev.stream, tier, RADIUS_SCALE)
     }
 
     /// Device pointers of the per-tier tables the kernels index by tier (null where unset).
     pub(crate) fn tier_pointers(&self) -> TierPointers {
-        let st = &self.dev.stream;
-        fn table<T>(st: &Arc<cudarc::driver::CudaStream>, xs: &[Option<CudaSlice<T>>]) -> [u64; 16] {
-            let mut out = [0u64; 16];
-            for (i, x) in xs.iter().enumerate() {
-                if let Some(x) = x {
-                    out[i] = x.device_ptr(st).0;
-                }
-            }
-            out
-        }
-        TierPointers { codebooks: table(st, &self.codebooks), radius_scales: table(st, &self.radius_scales), channel_orders: table(st, &self.channel_orders) }
+        TierPointers { side: self.side.pointers(&self.dev.stream) }
     }
 
     /// Encodes full tail-format pages (host bytes) into `target`, in batches that fit the
@@ -711,8 +683,8 @@ impl KvCache {
         let free: Vec<usize> = (0..self.spec.tiers.len()).map(|t| self.pool.free_pages(t as TierId)).collect();
         let plan = MoveBatch::plan(&self.spec, &moves, tier_of, &free, |t| self.pool.out_of_pages(t))?;
         for &(_, to, _) in &plan.launches {
-            if matches!(self.spec.tiers[to as usize].key, KeyScheme::Spherical { .. }) && self.radius_scales[to as usize].is_none() {
-                return Err(RtError::BadTier(to, "set radius scales before re-coding into a spherical tier".into()));
+            if let Some(table) = self.side.missing(to) {
+                return Err(RtError::BadTier(to, format!("set its {table} side table before re-coding into it")));
             }
         }
         for &s in &seqs {

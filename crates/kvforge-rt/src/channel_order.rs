@@ -9,17 +9,20 @@
 //! coded: pages coded in one order cannot be read in another, so changing it later is an
 //! error rather than a silent re-interpretation. Until set, a tier uses the identity.
 
-use kvforge_spec::{KeyScheme, TierId};
+use kvforge_spec::TierId;
 
 use crate::cache::KvCache;
-use crate::error::{drv, Result, RtError};
+use crate::error::{Result, RtError};
+
+/// The mixed-key codec's side table (`kvforge_spec::codecs::mixed`).
+const CHANNEL_ORDER: &str = "channel_order";
 
 impl KvCache {
     /// Sets the channel order of mixed-key tier `tier`: `order` is `[num_kv_heads][head_dim]`,
     /// each head's row a permutation of `0..head_dim` (stored position → natural channel).
     pub fn set_channel_order(&mut self, tier: TierId, order: &[u16]) -> Result<()> {
         let t = self.spec.tiers.get(tier as usize).ok_or_else(|| RtError::BadTier(tier, "no such tier".into()))?;
-        if !matches!(t.key, KeyScheme::Mixed { .. }) {
+        if !self.side.declares(tier, CHANNEL_ORDER) {
             return Err(RtError::BadTier(tier, format!("`{}` does not store mixed-bit keys; channel orders belong to mixed-key tiers", t.name)));
         }
         let used = self.pool.used_pages(tier);
@@ -32,7 +35,7 @@ impl KvCache {
         }
         let mut table = Vec::with_capacity(2 * hkv * d);
         for (h, row) in order.chunks(d).enumerate() {
-            check_order(row, d).map_err(|e| RtError::BadInput(format!("channel order of kv head {h}: {e}")))?;
+            kvforge_spec::codecs::mixed::check_order(row, d).map_err(|e| RtError::BadInput(format!("channel order of kv head {h}: {e}")))?;
             let mut inverse = vec![0u16; d];
             for (j, &c) in row.iter().enumerate() {
                 inverse[c as usize] = j as u16;
@@ -40,41 +43,13 @@ impl KvCache {
             table.extend_from_slice(row);
             table.extend_from_slice(&inverse);
         }
-        self.channel_orders[tier as usize] = Some(self.dev.stream.clone_htod(&table).map_err(drv("channel order upload"))?);
-        Ok(())
+        self.side.set_u16(&self.dev.stream, tier, CHANNEL_ORDER, &table)
     }
 
     /// The channel order `[num_kv_heads][head_dim]` of tier `tier`, once set.
     pub fn channel_order(&self, tier: TierId) -> Result<Option<Vec<u16>>> {
-        let Some(Some(table)) = self.channel_orders.get(tier as usize) else { return Ok(None) };
-        let all = self.dev.stream.clone_dtoh(table).map_err(drv("channel order download"))?;
+        let Some(all) = self.side.get_u16(&self.dev.stream, tier, CHANNEL_ORDER)? else { return Ok(None) };
         let d = self.cfg.head_dim;
         Ok(Some(all.chunks(2 * d).flat_map(|h| h[..d].iter().copied()).collect()))
-    }
-}
-
-/// Checks that `row` is a permutation of `0..d` (the runtime's own check, so that setting an
-/// order does not call the reference crate; it accepts what `kvforge_ref::mixed::check_order`
-/// accepts).
-fn check_order(row: &[u16], d: usize) -> std::result::Result<(), String> {
-    let mut seen = vec![false; d];
-    for (j, &c) in row.iter().enumerate() {
-        let c = c as usize;
-        if c >= d || seen[c] {
-            return Err(format!("not a permutation of 0..{d}: position {j} holds {c}"));
-        }
-        seen[c] = true;
-    }
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn check_order_agrees_with_the_reference() {
-        let d = 8;
-        for row in [vec![0u16, 1, 2, 3, 4, 5, 6, 7], vec![7, 6, 5, 4, 3, 2, 1, 0], vec![0, 0, 2, 3, 4, 5, 6, 7], vec![0, 1, 2, 3, 4, 5, 6, 8]] {
-            assert_eq!(super::check_order(&row, d).is_ok(), kvforge_ref::mixed::check_order(&row, d).is_ok(), "{row:?}");
-        }
     }
 }

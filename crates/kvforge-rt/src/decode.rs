@@ -288,8 +288,8 @@ impl KvCache {
         let tp = self.tier_pointers();
         let rows = plan.batch * plan.num_kv_heads * plan.gqa;
         for (i, t) in plan.tiers.iter().enumerate() {
-            if self.codebooks[*t as usize].is_some() && self.radius_scales[*t as usize].is_none() {
-                return Err(RtError::BadTier(plan.tiers[i], "spherical tier without radius scales".into()));
+            if let Some(table) = self.side.missing(*t) {
+                return Err(RtError::BadTier(plan.tiers[i], format!("its {table} side table is not set")));
             }
         }
         // Page masses come from the module's tracked entry point (the plain one compiles them
@@ -317,9 +317,7 @@ impl KvCache {
             page_offsets: ws.page_offsets.device_ptr(&st).0,
             page_indptr: ws.page_indptr.device_ptr(&st).0,
             page_info: ws.page_info.device_ptr(&st).0,
-            codebooks: tp.codebooks,
-            radius_scales: tp.radius_scales,
-            channel_orders: tp.channel_orders,
+            side: tp.side,
             page_lse: ws.page_lse.as_ref().map_or(0, |b| b.device_ptr(&st).0),
             page_head_lse: ws.page_head_lse.as_ref().map_or(0, |b| b.device_ptr(&st).0),
             page_warp_lse: warp_lse,

@@ -30,9 +30,11 @@ mod moves;
 pub mod params;
 pub mod testing;
 mod pool;
+mod side_tables;
 mod transcode;
 
 pub use cache::{CacheConfig, KvCache, TierUsage};
+pub use side_tables::SideTables;
 pub use decode::{choose_combination, from_bits, plan, split_count, to_bits, DecodeOutput, DecodePlan, DecodeWorkspace, QueryElem};
 pub use device::{driver_present, nvrtc_present, Device, DeviceInfo};
 pub use error::{Result, RtError};

@@ -89,8 +89,8 @@ impl KvCache {
             return Err(RtError::NoKvHead { head: *h as usize, heads: self.cfg.num_kv_heads });
         }
         for t in [from, to] {
-            if matches!(self.spec.tiers.get(t as usize).map(|t| &t.key), Some(kvforge_spec::KeyScheme::Spherical { .. })) && self.radius_scales[t as usize].is_none() {
-                return Err(RtError::BadTier(t, "set radius scales before coding spherical pages".into()));
+            if let Some(table) = self.side.missing(t) {
+                return Err(RtError::BadTier(t, format!("set its {table} side table before coding its pages")));
             }
         }
         self.transcode(src, dst, heads, from, to)
@@ -151,9 +151,7 @@ impl KvCache {
                 src_offsets: word(0),
                 dst_offsets: word(n),
                 kv_heads: word(2 * n),
-                codebooks: tp.codebooks,
-                radius_scales: tp.radius_scales,
-                channel_orders: tp.channel_orders,
+                side: tp.side,
                 error_flags: flags + 4 * i as u64,
                 num_pages: n as i32,
             };

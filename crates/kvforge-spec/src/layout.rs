@@ -3,7 +3,6 @@
 //! each array 16-byte aligned so the decode kernel stages it with 16-byte `cp.async`.
 //! The page is padded to the spec's alignment. `docs/LAYOUT.md` is checked against this code.
 
-use crate::scheme::{spherical_index_bytes, KeyScheme, ValueScheme, RADIUS_BITS};
 use crate::spec::Tier;
 
 /// Bytes of the fixed page header.
@@ -90,17 +89,6 @@ fn align(x: usize, a: usize) -> usize {
     x.div_ceil(a) * a
 }
 
-/// Array names of one segment of a mixed key: codes (fp16 keys at 16 bits), scale, zero.
-pub fn mixed_arrays(bits: u32) -> [&'static str; 3] {
-    match bits {
-        16 => ["k16", "", ""],
-        8 => ["k8_codes", "k8_scale", "k8_zero"],
-        4 => ["k4_codes", "k4_scale", "k4_zero"],
-        2 => ["k2_codes", "k2_scale", "k2_zero"],
-        b => unreachable!("mixed keys have no {b}-bit segment (the spec validates bits)"),
-    }
-}
-
 impl SegmentLayout {
     pub fn new(tier: &Tier, d: usize, tokens: usize, alignment: usize) -> SegmentLayout {
         let mut arrays = Vec::new();
@@ -110,39 +98,9 @@ impl SegmentLayout {
             arrays.push(ArrayLayout { name, offset: at, bytes: rows * row_bytes, rows, row_bytes });
             at += rows * row_bytes;
         };
-        match &tier.key {
-            KeyScheme::Dense(_) => push("k", tokens, 2 * d),
-            KeyScheme::Int { bits, block, scale } => {
-                push("k_codes", tokens, d * *bits as usize / 8);
-                push("k_scale", tokens / block, d * scale.bytes());
-                push("k_zero", tokens / block, d * scale.bytes());
-            }
-            KeyScheme::Spherical { group, angle_bits, .. } => {
-                let g = d / group;
-                push("k_radius", tokens, g * RADIUS_BITS as usize / 8);
-                push("k_index", tokens, spherical_index_bytes(g, *angle_bits));
-            }
-            KeyScheme::Mixed { segments, block, scale } => {
-                for s in segments {
-                    let n = s.channels(d);
-                    let [codes, sc, zero] = mixed_arrays(s.bits);
-                    push(codes, tokens, n * s.bits as usize / 8);
-                    if s.bits != 16 {
-                        push(sc, tokens / block, n * scale.bytes());
-                        push(zero, tokens / block, n * scale.bytes());
-                    }
-                }
-            }
-            KeyScheme::Drop => {}
-        }
-        match &tier.value {
-            ValueScheme::Dense(_) => push("v", tokens, 2 * d),
-            ValueScheme::Int { bits, group, scale } => {
-                push("v_codes", tokens, d * *bits as usize / 8);
-                push("v_scale", tokens, (d / group) * scale.bytes());
-                push("v_zero", tokens, (d / group) * scale.bytes());
-            }
-            ValueScheme::Drop => {}
+        // Keys' arrays, then values', each as its codec declares them.
+        for a in tier.key.codec().arrays(d, tokens).into_iter().chain(tier.value.codec().arrays(d, tokens)) {
+            push(a.name, a.rows, a.row_bytes);
         }
         let bytes = align(at, 16);
         let payload_bytes = tier.key.page_bytes(d, tokens) + tier.value.page_bytes(d, tokens);

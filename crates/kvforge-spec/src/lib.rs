@@ -27,7 +27,7 @@
 //! [`Spec::variants`] enumerates every kernel the generator renders, each named by one
 //! [`VariantId`]; [`SegmentLayout`] documents every tier's bytes.
 
-mod codebook;
+pub mod codecs;
 pub mod constraints;
 mod error;
 pub mod input;
@@ -37,10 +37,12 @@ mod scheme;
 mod spec;
 mod variant;
 
-pub use codebook::{Codebook, CodebookError};
+pub use codecs::mixed::{mixed_arrays, mixed_channels, mixed_shares, mixed_widths, ChannelSegment};
+pub use codecs::spherical::{spherical_index_bytes, Codebook, CodebookError, RADIUS_BITS};
+pub use codecs::{ArraySpec, Codec, Side, SideElem, SideInit, SideTable, REGISTRY};
 pub use error::{SpecError, SpecErrorKind};
-pub use layout::{mixed_arrays, ArrayLayout, PageHeader, SegmentLayout, HEADER_BYTES, PAGE_MAGIC};
-pub use scheme::{mixed_channels, mixed_shares, mixed_widths, ChannelSegment, DType, KeyScheme, ScaleDType, ValueScheme};
+pub use layout::{ArrayLayout, PageHeader, SegmentLayout, HEADER_BYTES, PAGE_MAGIC};
+pub use scheme::{DType, KeyScheme, ScaleDType, ValueScheme};
 pub use spec::{Geometry, KernelOptions, KernelShape, PageOptions, Spec, Tier, TierId, LUT_BUDGET_BYTES, STAGE_BUDGET_BYTES, TAIL_TIER};
 pub use variant::{Family, Schedule, ScheduleChooser, TierCode, VariantId};
 

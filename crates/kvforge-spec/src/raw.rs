@@ -71,6 +71,25 @@ pub struct RawScheme {
     pub channels: Option<Spanned<std::collections::BTreeMap<String, Spanned<f64>>>>,
 }
 
+impl RawScheme {
+    /// The fields given besides `scheme`, with their spans: what a codec's `only` checks
+    /// against the fields it takes. A scheme with a new field adds it above and here.
+    pub fn present(&self) -> Vec<(&'static str, std::ops::Range<usize>)> {
+        let fields: [(&str, Option<std::ops::Range<usize>>); 9] = [
+            ("bits", self.bits.as_ref().map(|x| x.span())),
+            ("block", self.block.as_ref().map(|x| x.span())),
+            ("group", self.group.as_ref().map(|x| x.span())),
+            ("scale_dtype", self.scale_dtype.as_ref().map(|x| x.span())),
+            ("granularity", self.granularity.as_ref().map(|x| x.span())),
+            ("angle_bits", self.angle_bits.as_ref().map(|x| x.span())),
+            ("radius_bits", self.radius_bits.as_ref().map(|x| x.span())),
+            ("codebook", self.codebook.as_ref().map(|x| x.span())),
+            ("channels", self.channels.as_ref().map(|x| x.span())),
+        ];
+        fields.into_iter().filter_map(|(n, s)| s.map(|s| (n, s))).collect()
+    }
+}
+
 #[derive(Deserialize, Debug, Default)]
 #[serde(deny_unknown_fields)]
 pub struct RawKernels {

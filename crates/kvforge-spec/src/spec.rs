@@ -4,11 +4,11 @@ use std::path::Path;
 
 use toml::Spanned;
 
-use crate::codebook::Codebook;
+use crate::codecs::{self, ParseCtx};
 use crate::error::{Locator, SpecError, SpecErrorKind};
 use crate::layout::SegmentLayout;
 use crate::raw::{RawScheme, RawSpec};
-use crate::scheme::{ChannelSegment, DType, KeyScheme, ScaleDType, ValueScheme, RADIUS_BITS};
+use crate::scheme::{DType, KeyScheme, ValueScheme};
 use crate::variant::{ScheduleChooser, TierCode, VariantId};
 
 /// Index of a tier in [`Spec::tiers`]; it is the `tier` byte of every page header.
@@ -214,6 +214,11 @@ impl Validator<'_> {
         Err(self.loc.error(SpecErrorKind::Invalid, Some(span), field, msg))
     }
 
+    /// What a codec's parser sees of one scheme table at `field`.
+    fn ctx<'s>(&'s self, raw: &'s Spanned<RawScheme>, field: &'s str, head_dims: &'s [usize], page_tokens: usize, gqa: &'s [usize]) -> ParseCtx<'s> {
+        ParseCtx { loc: self.loc, dir: self.dir, raw, field, head_dims, page_tokens, gqa }
+    }
+
     /// Warps (4 or 8; default 4) and CTAs per SM (1 to what 2048 threads allow; default 512
     /// threads per SM) of `[kernels]` or `[kernels.dense]` (`at`).
     fn shape(&self, at: &str, warps: Option<&Spanned<i64>>, ctas: Option<&Spanned<i64>>) -> R<KernelShape> {
@@ -294,9 +299,9 @@ impl Validator<'_> {
                 let what = if prev.id == TAIL_TIER { "is reserved for the implicit tail tier".to_string() } else { format!("is already used by tier[{}]", prev.id - 1) };
                 return self.err(rt.name.span(), &format!("{field}.name"), format!("tier name `{tname}` {what}; tier names must be unique"));
             }
-            let key = self.key(&rt.key, &format!("{field}.key"), &head_dims, tokens, &gqa)?;
-            let value = self.value(&rt.value, &format!("{field}.value"), &head_dims)?;
-            if key.is_drop() != matches!(value, ValueScheme::Drop) {
+            let key = codecs::parse_key(&self.ctx(&rt.key, &format!("{field}.key"), &head_dims, tokens, &gqa))?;
+            let value = codecs::parse_value(&self.ctx(&rt.value, &format!("{field}.value"), &head_dims, tokens, &gqa))?;
+            if key.is_drop() != value.is_drop() {
                 let (side, other, span) = if key.is_drop() {
                     ("key", value.to_string(), rt.key.get_ref().scheme.span())
                 } else {
@@ -380,10 +385,7 @@ impl Validator<'_> {
         let max_gqa = *gqa.iter().max().unwrap();
         for combo in &combinations {
             for &d in &head_dims {
-                let lut: usize = combo.iter().map(|&t| match &tiers[t as usize].key {
-                    KeyScheme::Spherical { group, angle_bits, .. } => max_gqa * (d / group) * (1usize << angle_bits) * 4,
-                    _ => 0,
-                }).sum();
+                let lut: usize = combo.iter().map(|&t| max_gqa * tiers[t as usize].key.codec().lut_floats_per_head(d) * 4).sum();
                 if lut > LUT_BUDGET_BYTES {
                     let names: Vec<&str> = combo.iter().skip(1).map(|&t| tiers[t as usize].name.as_str()).collect();
                     let names = names.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ");
@@ -420,8 +422,10 @@ impl Validator<'_> {
         let mut h = blake3::Hasher::new();
         h.update(src.as_bytes());
         for t in &tiers {
-            if let KeyScheme::Spherical { codebook, .. } = &t.key {
-                h.update(codebook.hash.as_bytes());
+            for c in [t.key.codec(), t.value.codec()] {
+                if let Some(x) = c.content_hash() {
+                    h.update(x.as_bytes());
+                }
             }
         }
         let spec = Spec {
@@ -455,220 +459,4 @@ impl Validator<'_> {
         }
         Ok(out)
     }
-
-    /// Rejects fields the scheme does not take.
-    fn only(&self, s: &RawScheme, field: &str, allowed: &[&str]) -> R<()> {
-        let present: [(&str, Option<std::ops::Range<usize>>); 9] = [
-            ("bits", s.bits.as_ref().map(|x| x.span())),
-            ("block", s.block.as_ref().map(|x| x.span())),
-            ("group", s.group.as_ref().map(|x| x.span())),
-            ("scale_dtype", s.scale_dtype.as_ref().map(|x| x.span())),
-            ("granularity", s.granularity.as_ref().map(|x| x.span())),
-            ("angle_bits", s.angle_bits.as_ref().map(|x| x.span())),
-            ("radius_bits", s.radius_bits.as_ref().map(|x| x.span())),
-            ("codebook", s.codebook.as_ref().map(|x| x.span())),
-            ("channels", s.channels.as_ref().map(|x| x.span())),
-        ];
-        for (name, span) in present {
-            if let Some(span) = span {
-                if !allowed.contains(&name) {
-                    let valid = if allowed.is_empty() { "none".to_string() } else { allowed.join(", ") };
-                    return self.err(span, &format!("{field}.{name}"), format!("scheme `{}` takes no `{name}`; its fields: {valid}", s.scheme.get_ref()));
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn need<'s, T>(&self, v: &'s Option<Spanned<T>>, s: &Spanned<RawScheme>, field: &str, name: &str, what: &str) -> R<&'s Spanned<T>> {
-        match v {
-            Some(v) => Ok(v),
-            None => self.err(s.span(), &format!("{field}.{name}"), format!("scheme `{}` needs `{name}` ({what})", s.get_ref().scheme.get_ref())),
-        }
-    }
-
-    fn scale(&self, s: &RawScheme, field: &str) -> R<ScaleDType> {
-        match &s.scale_dtype {
-            None => Ok(ScaleDType::Fp16),
-            Some(v) => match v.get_ref().as_str() {
-                "fp16" => Ok(ScaleDType::Fp16),
-                "fp32" => Ok(ScaleDType::Fp32),
-                o => self.err(v.span(), &format!("{field}.scale_dtype"), format!("scale_dtype `{o}` is not supported; valid: fp16, fp32")),
-            },
-        }
-    }
-
-    fn bits(&self, v: &Spanned<i64>, field: &str) -> R<u32> {
-        match *v.get_ref() {
-            b @ (2 | 4 | 8) => Ok(b as u32),
-            b => self.err(v.span(), &format!("{field}.bits"), format!("bits {b} is not supported for `int`; valid: 8, 4, 2 (use `fp16` for 16 and `drop` for 0)")),
-        }
-    }
-
-    fn dense(&self, s: &Spanned<RawScheme>, field: &str) -> R<Option<DType>> {
-        let r = s.get_ref();
-        let t = match r.scheme.get_ref().as_str() {
-            "fp16" => DType::Fp16,
-            "bf16" => DType::Bf16,
-            _ => return Ok(None),
-        };
-        self.only(r, field, &[])?;
-        Ok(Some(t))
-    }
-
-    /// The one granularity kvforge's kernels support for `side` (its first word), if given.
-    fn granularity(&self, r: &RawScheme, field: &str, side: &str, valid: &str) -> R<()> {
-        match &r.granularity {
-            Some(g) if valid.split_whitespace().next() != Some(g.get_ref().as_str()) => self.err(
-                g.span(),
-                &format!("{field}.granularity"),
-                format!("{side} granularity `{}` is not supported; valid: {valid}", g.get_ref()),
-            ),
-            _ => Ok(()),
-        }
-    }
-
-    fn key(&self, s: &Spanned<RawScheme>, field: &str, dims: &[usize], tokens: usize, gqa: &[usize]) -> R<KeyScheme> {
-        if let Some(t) = self.dense(s, field)? {
-            return Ok(KeyScheme::Dense(t));
-        }
-        let r = s.get_ref();
-        match r.scheme.get_ref().as_str() {
-            "drop" => {
-                self.only(r, field, &[])?;
-                Ok(KeyScheme::Drop)
-            }
-            "int" => {
-                self.only(r, field, &["bits", "block", "scale_dtype", "granularity"])?;
-                self.granularity(r, field, "key", "channel (per-channel scales fold into the query)")?;
-                let bits = self.bits(self.need(&r.bits, s, field, "bits", "8, 4 or 2")?, field)?;
-                let block = self.block(s, field, tokens)?;
-                Ok(KeyScheme::Int { bits, block, scale: self.scale(r, field)? })
-            }
-            "spherical" => {
-                self.only(r, field, &["group", "angle_bits", "radius_bits", "codebook"])?;
-                let g = self.need(&r.group, s, field, "group", "channels per group, dividing head_dim")?;
-                let group = *g.get_ref();
-                for &d in dims {
-                    if group <= 0 || d as i64 % group != 0 {
-                        return self.err(g.span(), &format!("{field}.group"), format!("group_size {group} does not divide head_dim {d}; valid: {}", divisors(dims, 1)));
-                    }
-                }
-                let a = self.need(&r.angle_bits, s, field, "angle_bits", "1 to 8")?;
-                let angle_bits = *a.get_ref();
-                if !(1..=8).contains(&angle_bits) {
-                    return self.err(a.span(), &format!("{field}.angle_bits"), format!("angle_bits {angle_bits} is not supported; valid: 1 to 8"));
-                }
-                // One tier's lookup table alone must fit the shared-memory budget.
-                let max_gqa = gqa.iter().copied().max().unwrap_or(1);
-                for &d in dims {
-                    let lut = max_gqa * (d / group as usize) * (1usize << angle_bits) * 4;
-                    if lut > LUT_BUDGET_BYTES {
-                        let fit = (1..angle_bits).rev().find(|&b| dims.iter().all(|&d| max_gqa * (d / group as usize) * (1usize << b) * 4 <= LUT_BUDGET_BYTES));
-                        let hint = match fit {
-                            Some(b) => format!("use angle_bits {b} or less, or a larger group"),
-                            None => "use a larger group".to_string(),
-                        };
-                        return self.err(a.span(), &format!("{field}.angle_bits"), format!(
-                            "a codebook of 2^{angle_bits} entries needs a {lut} B lookup table at head_dim {d}, gqa {max_gqa} (gqa x head_dim/group x entries x 4 B), more than the {LUT_BUDGET_BYTES} B shared-memory budget: {hint}"));
-                    }
-                }
-                if let Some(rb) = &r.radius_bits {
-                    if *rb.get_ref() != RADIUS_BITS as i64 {
-                        return self.err(rb.span(), &format!("{field}.radius_bits"), format!("radius_bits {} is not supported; valid: 8", rb.get_ref()));
-                    }
-                }
-                let c = self.need(&r.codebook, s, field, "codebook", "path of a safetensors codebook, relative to the spec")?;
-                let entries = 1usize << angle_bits;
-                let cb = Codebook::load(&self.dir.join(c.get_ref()), c.get_ref(), entries, group as usize)
-                    .map_err(|e| self.loc.error(SpecErrorKind::Codebook, Some(c.span()), &format!("{field}.codebook"), e.to_string()))?;
-                Ok(KeyScheme::Spherical { group: group as usize, angle_bits: angle_bits as u32, codebook: cb })
-            }
-            "mixed" => self.mixed(s, field, dims, tokens),
-            o => self.err(r.scheme.span(), &format!("{field}.scheme"), format!("unknown key scheme `{o}`; valid: fp16, bf16, int, spherical, mixed, drop")),
-        }
-    }
-
-    /// `block`, as a divisor of the page's tokens.
-    fn block(&self, s: &Spanned<RawScheme>, field: &str, tokens: usize) -> R<usize> {
-        let b = self.need(&s.get_ref().block, s, field, "block", "tokens per scale block, dividing the page")?;
-        let block = *b.get_ref();
-        if block <= 0 || tokens as i64 % block != 0 {
-            let valid: Vec<String> = (1..=tokens).filter(|b| tokens % b == 0).map(|b| b.to_string()).collect();
-            return self.err(b.span(), &format!("{field}.block"), format!("block {block} does not divide page tokens {tokens}; valid: {}", valid.join(", ")));
-        }
-        Ok(block as usize)
-    }
-
-    /// Seed 002's per-channel key widths: `channels = { 16 = 0.125, 8 = 0.25, 4 = 0.25 }`
-    /// (share of head_dim per width, in eighths; the rest of the channels is dropped).
-    fn mixed(&self, s: &Spanned<RawScheme>, field: &str, dims: &[usize], tokens: usize) -> R<KeyScheme> {
-        let r = s.get_ref();
-        self.only(r, field, &["channels", "block", "scale_dtype"])?;
-        let ch = self.need(&r.channels, s, field, "channels", "share of head_dim per bit width, e.g. { 8 = 0.25, 4 = 0.5 }")?;
-        let at = format!("{field}.channels");
-        let mut segments = Vec::new();
-        for (k, share) in ch.get_ref() {
-            let bits = match k.as_str() {
-                "16" => 16,
-                "8" => 8,
-                "4" => 4,
-                "2" => 2,
-                o => return self.err(share.span(), &at, format!("bit width `{o}` is not supported for mixed keys; valid: 16, 8, 4, 2 (channels not listed are dropped)")),
-            };
-            let x = *share.get_ref() * 8.0;
-            if !(x > 0.0 && x <= 8.0 && (x - x.round()).abs() < 1e-9) {
-                return self.err(share.span(), &at, format!("share {} of {bits}-bit channels must be a positive multiple of 1/8 of head_dim (0.125, 0.25, ..., 1), so that every segment is whole 8-channel chunks", share.get_ref()));
-            }
-            segments.push(ChannelSegment { bits, eighths: x.round() as u32 });
-        }
-        segments.sort_by(|a, b| b.bits.cmp(&a.bits));
-        let total: u32 = segments.iter().map(|s| s.eighths).sum();
-        if segments.is_empty() || total > 8 {
-            return self.err(ch.span(), &at, format!("channel shares add up to {}/8 of head_dim; they must be between 1/8 and 1 (the rest is dropped)", total));
-        }
-        // Eighths of head_dim are whole 8-channel chunks because every supported head_dim
-        // (64, 128, 256) is a multiple of 64.
-        debug_assert!(dims.iter().all(|d| d % 64 == 0), "head_dims {dims:?}");
-        let block = self.block(s, field, tokens)?;
-        Ok(KeyScheme::Mixed { segments, block, scale: self.scale(r, field)? })
-    }
-
-    fn value(&self, s: &Spanned<RawScheme>, field: &str, dims: &[usize]) -> R<ValueScheme> {
-        if let Some(t) = self.dense(s, field)? {
-            return Ok(ValueScheme::Dense(t));
-        }
-        let r = s.get_ref();
-        match r.scheme.get_ref().as_str() {
-            "drop" => {
-                self.only(r, field, &[])?;
-                Ok(ValueScheme::Drop)
-            }
-            "int" => {
-                self.only(r, field, &["bits", "group", "scale_dtype", "granularity"])?;
-                self.granularity(r, field, "value", "token (per-token groups)")?;
-                let bits = self.bits(self.need(&r.bits, s, field, "bits", "8, 4 or 2")?, field)?;
-                let g = self.need(&r.group, s, field, "group", "channels per scale group, dividing head_dim")?;
-                let group = *g.get_ref();
-                if group < 8 || group % 8 != 0 {
-                    return self.err(g.span(), &format!("{field}.group"), format!("group_size {group} is not a multiple of 8 channels; valid: {}", divisors(dims, 8)));
-                }
-                for &d in dims {
-                    if d as i64 % group != 0 {
-                        return self.err(g.span(), &format!("{field}.group"), format!("group_size {group} does not divide head_dim {d}; valid: {}", divisors(dims, 8)));
-                    }
-                }
-                Ok(ValueScheme::Int { bits, group: group as usize, scale: self.scale(r, field)? })
-            }
-            "spherical" => self.err(r.scheme.span(), &format!("{field}.scheme"), "spherical coding is for keys; valid value schemes: fp16, bf16, int, drop"),
-            o => self.err(r.scheme.span(), &format!("{field}.scheme"), format!("unknown value scheme `{o}`; valid: fp16, bf16, int, drop")),
-        }
-    }
-}
-
-/// Group sizes that divide every head dim and are multiples of `multiple`, for messages.
-fn divisors(dims: &[usize], multiple: usize) -> String {
-    let min = dims.iter().copied().min().unwrap_or(0);
-    let valid: Vec<String> = (multiple..=min).step_by(multiple).filter(|g| dims.iter().all(|d| d % g == 0)).map(|g| g.to_string()).collect();
-    valid.join(", ")
 }

@@ -3,7 +3,6 @@
 
 use std::fmt;
 
-use crate::scheme::{KeyScheme, ValueScheme};
 use crate::spec::{Spec, Tier, TierId};
 
 /// Short code of a tier's coding at one head dim, e.g. `ksph16x8b6_vfp16`,
@@ -13,21 +12,7 @@ pub struct TierCode(pub String);
 
 impl TierCode {
     pub fn of(tier: &Tier, d: usize) -> TierCode {
-        let k = match &tier.key {
-            KeyScheme::Dense(t) => t.name().to_string(),
-            KeyScheme::Int { bits, block, scale } => format!("int{bits}c{block}f{}", scale.bytes() * 8),
-            KeyScheme::Spherical { group, angle_bits, .. } => format!("sph{group}x{}b{angle_bits}", d / group),
-            KeyScheme::Mixed { segments, block, scale } => {
-                let segs: Vec<String> = segments.iter().map(|s| format!("{}x{}", s.bits, s.eighths)).collect();
-                format!("mix{}c{block}f{}", segs.join("_"), scale.bytes() * 8)
-            }
-            KeyScheme::Drop => "drop".into(),
-        };
-        let v = match &tier.value {
-            ValueScheme::Dense(t) => t.name().to_string(),
-            ValueScheme::Int { bits, group, scale } => format!("int{bits}g{group}f{}", scale.bytes() * 8),
-            ValueScheme::Drop => "drop".into(),
-        };
+        let (k, v) = (tier.key.codec().code(d), tier.value.codec().code(d));
         TierCode(format!("k{k}_v{v}"))
     }
 }

@@ -15,9 +15,7 @@ struct DecodeParams {
   const u64* page_offsets;  // byte offset of every page in the arena
   const u32* page_indptr;  // [batch * num_kv_heads + 1] page ranges of every (sequence, kv head)
   const u32* page_info;  // per page: tier | tokens << 8, from the runtime's page table; sizes the staging copy, checked against the staged header
-  const float* codebooks[MAX_TIERS];  // per tier: [num_kv_heads][groups][entries][group] (spherical tiers)
-  const float* radius_scales[MAX_TIERS];  // per tier: [num_kv_heads][groups] (spherical tiers)
-  const u16* channel_orders[MAX_TIERS];  // per tier: [num_kv_heads][2][head_dim] stored→natural channel order, then its inverse (mixed-key tiers; null = identity)
+  const void* side[MAX_TIERS][SIDE_SLOTS];  // per tier and slot: the side table the tier's codecs declare at that slot (kvforge-spec `Codec::side_tables`, keys' then values': spherical codebooks [num_kv_heads][groups][entries][group] and radius scales [num_kv_heads][groups], mixed-key channel orders [num_kv_heads][2][head_dim]), null where unset
   float* page_lse;  // optional per page: log2 Σ_heads Σ_tokens 2^logit, an importance signal for controllers
   float* page_head_lse;  // optional [page][gqa]: log2 Σ_tokens 2^logit per query head
   float* block_delta;  // optional [page][page tokens / 16][gqa] (certified decode, block layout): per 16-token block the logit error bound Δ_b = ½ Σ_c |q_c| σ_c / sqrt(d) of the key block holding it (0 for exact keys or blocks past the page's tokens, +inf where the scheme states no bound)
@@ -36,10 +34,8 @@ struct TranscodeParams {
   u8* arena;  // page arena base
   const u64* src_offsets;  // [num_pages] source page offsets
   const u64* dst_offsets;  // [num_pages] destination page offsets
-  const u32* kv_heads;  // [num_pages] kv head of each page (selects codebooks and radius scales)
-  const float* codebooks[MAX_TIERS];  // as in DecodeParams
-  const float* radius_scales[MAX_TIERS];  // as in DecodeParams
-  const u16* channel_orders[MAX_TIERS];  // as in DecodeParams
+  const u32* kv_heads;  // [num_pages] kv head of each page (selects its slice of the side tables)
+  const void* side[MAX_TIERS][SIDE_SLOTS];  // as in DecodeParams
   u32* error_flags;  // ERR_* bits set by the kernel
   int num_pages;  // pages to transcode
 };

@@ -12,6 +12,8 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 
 constexpr int MAX_TIERS = 16;
+// Side tables per tier (`DecodeParams::side`): kvforge-spec `codecs::SIDE_SLOTS`.
+constexpr int SIDE_SLOTS = 2;
 // -inf without <math.h> (NVRTC has no host headers).
 #define NEG_INF (__int_as_float(0xff800000u))
 constexpr int HEADER_BYTES = 16;

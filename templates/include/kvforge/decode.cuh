@@ -168,11 +168,11 @@ struct DecodeCta {
   __device__ void build_lut() {
     if constexpr (T::Key::SPHERICAL) {
       constexpr int NG = T::Key::NG, E = T::Key::E, GROUP = D / NG;
-      const float* cb = p.codebooks[T::id] + size_t(kvh) * NG * E * GROUP;
+      const float* cb = side_table<float, T::Key::SLOT_CODEBOOK>(p.side[T::id], kvh, size_t(NG) * E * GROUP);
       // A tier without radius scales has no pages yet (the first encode sets them): its
       // table would never be read, and its null pointer must not be.
-      if (p.radius_scales[T::id] == nullptr) return;
-      const float* rs = p.radius_scales[T::id] + size_t(kvh) * NG;
+      const float* rs = side_table<float, T::Key::SLOT_RADIUS>(p.side[T::id], kvh, NG);
+      if (rs == nullptr) return;
       T::Key::template build_lut<GQA, NT>(lut_s() + lut_offset<T>(typename Cfg::Tiers{}), q_s(), cb, rs);
     }
   }
@@ -436,7 +436,7 @@ struct DecodeCta {
     if constexpr (K::MMA) {
       K::template mma_scores<GQA, NW, NT>(seg, len, q_s(), sc, sc1, smem + Cfg::SMEM_BFRAG_OFF);
     } else if constexpr (K::OUTLINE_SCORER) {
-      const u16* order = p.channel_orders[T::id] ? p.channel_orders[T::id] + size_t(kvh) * 2 * D : nullptr;
+      const u16* order = side_table<u16, K::SLOT_ORDER>(p.side[T::id], kvh, 2 * D);
       score_outlined<K>(q_s(), seg, len, order, sc);
     } else if constexpr (K::CHANNEL_PARALLEL) {
       score_channel_parallel<K>(seg, len, sc);

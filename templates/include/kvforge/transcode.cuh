@@ -65,29 +65,20 @@ __device__ void transcode_kernel(const TranscodeParams& p) {
     return;
   }
   const int kvh = int(p.kv_heads[page]);
-  auto cb = [&](int tier, int ng, int e, int g) -> const float* {
-    return p.codebooks[tier] ? p.codebooks[tier] + size_t(kvh) * ng * e * g : nullptr;
-  };
-  auto rs = [&](int tier, int ng) -> const float* {
-    return p.radius_scales[tier] ? p.radius_scales[tier] + size_t(kvh) * ng : nullptr;
-  };
-  auto order = [&](int tier) -> const u16* {
-    return p.channel_orders[tier] ? p.channel_orders[tier] + size_t(kvh) * 2 * D : nullptr;
-  };
   float* x = reinterpret_cast<float*>(smem + Cfg::SMEM_X_OFF);
   int* scratch = reinterpret_cast<int*>(smem + Cfg::SMEM_SCRATCH_OFF);
   const u8* sseg = src + HEADER_BYTES;
   u8* dseg = dst + HEADER_BYTES;
   constexpr int SNG = Cfg::SRC_NG, SE = Cfg::SRC_E, DNG = Cfg::DST_NG, DE = Cfg::DST_E;
-  const float* scb = cb(Src::id, SNG, SE, D / SNG);
-  const float* srs = rs(Src::id, SNG);
-  const float* dcb = cb(Dst::id, DNG, DE, D / DNG);
-  const float* drs = rs(Dst::id, DNG);
-  const u16* sord = order(Src::id);
+  const float* scb = side_table<float, Src::Key::SLOT_CODEBOOK>(p.side[Src::id], kvh, size_t(SNG) * SE * (D / SNG));
+  const float* srs = side_table<float, Src::Key::SLOT_RADIUS>(p.side[Src::id], kvh, SNG);
+  const float* dcb = side_table<float, Dst::Key::SLOT_CODEBOOK>(p.side[Dst::id], kvh, size_t(DNG) * DE * (D / DNG));
+  const float* drs = side_table<float, Dst::Key::SLOT_RADIUS>(p.side[Dst::id], kvh, DNG);
+  const u16* sord = side_table<u16, Src::Key::SLOT_ORDER>(p.side[Src::id], kvh, 2 * D);
   // Keys: column c of the slice is natural channel c, or for mixed destination keys stored
   // position c, natural channel dord[c] (channel orders exist only for mixed tiers; null =
   // identity). Mixed source keys gather through their own inverse order in dequant.
-  const u16* dord = order(Dst::id);
+  const u16* dord = side_table<u16, Dst::Key::SLOT_ORDER>(p.side[Dst::id], kvh, 2 * D);
   const KeySlice ks = Split::key(split);
   for (int i = threadIdx.x; i < KeySlice::ROWS * KeySlice::COLS; i += NT) {
     const int t = ks.t0 + i / KeySlice::COLS, c = ks.c0 + i % KeySlice::COLS;

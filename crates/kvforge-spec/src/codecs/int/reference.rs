@@ -18,9 +18,9 @@
 //! resulting worst-case error of one group.
 
 use half::f16;
-use kvforge_spec::ScaleDType;
+use crate::ScaleDType;
 
-use crate::bits::{pack_codes, unpack_code};
+use crate::codecs::bits::{pack_codes, unpack_code};
 
 /// Scale and zero of one quantisation group, as stored (already rounded to the scale dtype).
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -16,9 +16,9 @@
 //! `⟨q, k̂⟩ = Σ_j r̂_j ⟨q_j, c_idx_j⟩ = Σ_j r̂_j · LUT[j][idx_j]` ([`lut`], [`logits`]). (The
 //! paper's normalised q̃ with w_j = 1 would not approximate q·k.)
 
-use kvforge_spec::Codebook;
+use crate::Codebook;
 
-use crate::bits::{index_row_bytes, pack_indices, unpack_index};
+use crate::codecs::bits::{index_row_bytes, pack_indices, unpack_index};
 
 /// Radius codes are 8 bits.
 pub const RADIUS_MAX: u32 = 255;

@@ -3,7 +3,7 @@
 //! A head's channels are put in a *channel order* (the controller's: heaviest channel weight
 //! `w_c = ‖Q[:,c]‖‖K[:,c]‖/√d` first) and stored as consecutive uniform-bit segments: fp16,
 //! int8, int4, int2 (each integer segment is per-channel asymmetric quantisation per block of
-//! tokens, exactly [`crate::quant::encode_keys`] on its columns), and the channels after the
+//! tokens, exactly [`crate::codecs::int::reference::encode_keys`] on its columns), and the channels after the
 //! last segment are dropped. Every function here works in *stored* channel order; [`to_stored`]
 //! and [`to_natural`] move between it and the model's order. A dropped channel decodes to 0,
 //! which is what the kernel's score leaves out: `q·k̂ = Σ_{stored j} q[order[j]] · k̂_j`.
@@ -13,47 +13,21 @@
 //! histograms share one order per (tier, kv head) and the query is gathered, not permuted in
 //! place.
 
-use kvforge_spec::{mixed_channels, mixed_arrays, ChannelSegment, DType, ScaleDType};
+use crate::{mixed_channels, mixed_arrays, ChannelSegment, DType, ScaleDType};
 
-use crate::error::RefError;
-use crate::{dense, quant};
+use crate::codecs::RefError;
+use crate::codecs::dense::reference as dense;
+use crate::codecs::int::reference as quant;
 
-/// Checks that `order` is a permutation of `0..d`.
+/// Checks that `order` is a permutation of `0..d` ([`super::check_order`] as a [`RefError`]).
 pub fn check_order(order: &[u16], d: usize) -> Result<(), RefError> {
-    if order.len() != d {
-        return Err(RefError::Shape { what: "channel order", found: order.len(), expected: d, why: "one stored position per channel".into() });
-    }
-    let mut seen = vec![false; d];
-    for (j, &c) in order.iter().enumerate() {
-        let c = c as usize;
-        if c >= d || seen[c] {
-            return Err(RefError::Geometry(format!("channel order is not a permutation of 0..{d}: position {j} holds {c}")));
-        }
-        seen[c] = true;
-    }
-    Ok(())
+    super::check_order(order, d).map_err(|e| match e {
+        super::OrderError::Length { found, expected } => RefError::Shape { what: "channel order", found, expected, why: "one stored position per channel".into() },
+        e => RefError::Geometry(e.to_string()),
+    })
 }
 
-/// The identity order of `d` channels.
-pub fn identity_order(d: usize) -> Vec<u16> {
-    (0..d as u16).collect()
-}
-
-/// Rows `[tokens][d]` in natural channel order → stored order (`out[t][j] = x[t][order[j]]`).
-pub fn to_stored<T: Copy>(x: &[T], d: usize, order: &[u16]) -> Vec<T> {
-    x.chunks(d).flat_map(|row| order.iter().map(move |&c| row[c as usize])).collect()
-}
-
-/// Rows in stored order → natural order (`out[t][order[j]] = x[t][j]`).
-pub fn to_natural(x: &[f64], d: usize, order: &[u16]) -> Vec<f64> {
-    let mut out = vec![0.0; x.len()];
-    for (t, row) in x.chunks(d).enumerate() {
-        for (j, &c) in order.iter().enumerate() {
-            out[t * d + c as usize] = row[j];
-        }
-    }
-    out
-}
+pub use super::{identity_order, to_natural, to_stored};
 
 /// Copies columns `[c0, c0 + n)` of `[tokens][d]` rows.
 fn columns(k: &[f32], d: usize, c0: usize, n: usize) -> Vec<f32> {

@@ -2,7 +2,7 @@
 //! is round-to-nearest-even, as CUDA's `__float2half` / `__float2bfloat16` do.
 
 use half::{bf16, f16};
-use kvforge_spec::DType;
+use crate::DType;
 
 /// Bytes of one element of `dtype`.
 pub const ELEMENT_BYTES: usize = 2;
