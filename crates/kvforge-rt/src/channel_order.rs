@@ -25,7 +25,7 @@ impl KvCache {
         if !self.side.declares(tier, CHANNEL_ORDER) {
             return Err(RtError::BadTier(tier, format!("`{}` does not store mixed-bit keys; channel orders belong to mixed-key tiers", t.name)));
         }
-        let used = self.pool.used_pages(tier);
+        let used = self.store.pool().used_pages(tier);
         if used > 0 {
             return Err(RtError::WrongState { what: format!("channel order of tier `{}`", t.name), fix: format!("the tier already holds {used} pages coded in its current channel order; set the order before the first page is coded") });
         }

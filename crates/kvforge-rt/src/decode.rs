@@ -213,7 +213,7 @@ impl KvCache {
     /// shared memory and registers: sized by the plain entry's three CTAs per SM, certified
     /// q8k4v's phase 1 ran 1.5 waves, 94 → 127 µs at 1 × 32K on the H100).
     pub(crate) fn plan_entry(&self, pages: &[Vec<Vec<(PageRef, usize)>>], entry: Entry) -> Result<DecodePlan> {
-        let page_bytes: Vec<usize> = (0..self.spec.tiers.len()).map(|t| self.pool.page_bytes(t as TierId)).collect();
+        let page_bytes: Vec<usize> = (0..self.spec.tiers.len()).map(|t| self.store.pool().page_bytes(t as TierId)).collect();
         // Occupancy needs the kernel: load (or compile) it while planning.
         let slots = std::cell::RefCell::new(Ok(0usize));
         let p = plan(&self.spec, self.cfg.head_dim, self.cfg.gqa, pages, &|t| page_bytes[t as usize], &|v| match self.slots(v, entry) {
@@ -313,7 +313,7 @@ impl KvCache {
             out: io.out,
             partial_out: ws.partial_out.device_ptr(&st).0,
             partial_lse: if plan.splits > 1 { ws.partial_lse.device_ptr(&st).0 } else { io.lse },
-            arena: self.arena.device_ptr(&st).0,
+            arena: self.store.arena_ptr(),
             page_offsets: ws.page_offsets.device_ptr(&st).0,
             page_indptr: ws.page_indptr.device_ptr(&st).0,
             page_info: ws.page_info.device_ptr(&st).0,

@@ -19,7 +19,6 @@
 //! shorter than the page header's (it never reads past the planned length).
 
 use cudarc::driver::sys::{CUpointer_attribute, CUstream};
-use cudarc::driver::DevicePtr;
 use kvforge_spec::DType;
 
 use crate::cache::KvCache;
@@ -397,7 +396,7 @@ impl KvCache {
 
     /// Device address of the page arena (tests: external tensors must not alias it).
     pub fn arena_ptr(&self) -> u64 {
-        self.arena.device_ptr(&self.dev.stream).0
+        self.store.arena_ptr()
     }
 }
 

@@ -31,9 +31,11 @@ pub mod params;
 pub mod testing;
 mod pool;
 mod side_tables;
+mod store;
 mod transcode;
 
-pub use cache::{CacheConfig, KvCache, TierUsage};
+pub use cache::{CacheConfig, KvCache};
+pub use store::TierUsage;
 pub use side_tables::SideTables;
 pub use decode::{choose_combination, from_bits, plan, split_count, to_bits, DecodeOutput, DecodePlan, DecodeWorkspace, QueryElem};
 pub use device::{driver_present, nvrtc_present, Device, DeviceInfo};

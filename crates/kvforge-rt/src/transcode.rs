@@ -99,13 +99,13 @@ impl KvCache {
     /// A page of `tier` outside any sequence, for [`transcode_pages`](Self::transcode_pages);
     /// its bytes are whatever the pool left there.
     pub fn alloc_page(&mut self, tier: TierId) -> Result<PageRef> {
-        self.pool.alloc(tier)
+        self.store.pool_mut().alloc(tier)
     }
 
     /// Returns a page from [`alloc_page`](Self::alloc_page) to the pool (never a sequence's
     /// page: the sequence would keep reading it).
     pub fn free_page(&mut self, page: PageRef) {
-        self.pool.free(page)
+        self.store.pool_mut().free(page)
     }
 
     /// Uploads every launch's lists in one copy, launches them in order (launch `i` raises
@@ -132,7 +132,7 @@ impl KvCache {
         let base = args.device_ptr(&st).0;
         let flags = self.move_bufs.flags.as_ref().expect("ensured above").device_ptr(&st).0;
         let tp = self.tier_pointers();
-        let arena = self.arena.device_ptr(&st).0;
+        let arena = self.store.arena_ptr();
         let mut launched = 0;
         let mut launch_error = None;
         for (i, l) in launches.iter().enumerate() {
@@ -190,7 +190,7 @@ impl KvCache {
         for (_, to, g) in launches {
             need[*to as usize] += g.len();
         }
-        let room = need.iter().enumerate().all(|(t, &n)| n <= self.pool.free_pages(t as TierId));
+        let room = need.iter().enumerate().all(|(t, &n)| n <= self.store.pool().free_pages(t as TierId));
         if !room {
             for l in launches {
                 self.land(moves, std::slice::from_ref(l))?;
@@ -208,17 +208,17 @@ impl KvCache {
         }
         let page = |m: usize| {
             let (s, (h, i, _)) = moves[m];
-            self.seqs[s].as_ref().expect("checked by retier_many").heads[h].full[i]
+            self.store.full_page(s, h, i).expect("checked by retier_many")
         };
         let src: Vec<Vec<PageRef>> = launches.iter().map(|(_, _, g)| g.iter().map(|&m| page(m)).collect()).collect();
         let heads: Vec<Vec<u32>> = launches.iter().map(|(_, _, g)| g.iter().map(|&m| moves[m].1 .0 as u32).collect()).collect();
         let mut dst: Vec<Vec<PageRef>> = Vec::with_capacity(launches.len());
         for (_, to, g) in launches {
-            let pages: Result<Vec<PageRef>> = g.iter().map(|_| self.pool.alloc(*to)).collect();
+            let pages: Result<Vec<PageRef>> = g.iter().map(|_| self.store.pool_mut().alloc(*to)).collect();
             match pages {
                 Ok(p) => dst.push(p),
                 Err(e) => {
-                    dst.into_iter().flatten().for_each(|p| self.pool.free(p));
+                    dst.into_iter().flatten().for_each(|p| self.store.pool_mut().free(p));
                     return Err(e);
                 }
             }
@@ -228,13 +228,13 @@ impl KvCache {
         drop(runs);
         for (i, ((_, _, g), (src, dst))) in launches.iter().zip(src.into_iter().zip(dst)).enumerate() {
             if i >= out.landed {
-                dst.into_iter().for_each(|p| self.pool.free(p));
+                dst.into_iter().for_each(|p| self.store.pool_mut().free(p));
                 continue;
             }
             for ((&m, old), new) in g.iter().zip(src).zip(dst) {
                 let (s, (h, i, _)) = moves[m];
-                self.seqs[s].as_mut().expect("checked by retier_many").heads[h].full[i] = new;
-                self.pool.free(old);
+                self.store.replace_full(s, h, i, new).expect("checked by retier_many");
+                self.store.pool_mut().free(old);
             }
         }
         match out.error {

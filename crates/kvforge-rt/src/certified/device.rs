@@ -261,7 +261,7 @@ impl KvCache {
         let hkv = self.cfg.num_kv_heads;
         let lists: Vec<Vec<Vec<(PageRef, usize)>>> = groups.chunks(hkv).map(|seq| seq.iter().map(|g| g.pages.clone()).collect()).collect();
         let phase1 = self.plan_entry(&lists, Entry::Certified)?;
-        let arena = self.arena.device_ptr(&self.dev.stream).0;
+        let arena = self.store.arena_ptr();
         let orig = self.cert.originals.as_ref().expect("checked by decode_certified");
         plan_step(&self.spec, phase1, groups, &|p| orig.address(p), arena, seed)
     }

@@ -9,7 +9,6 @@
 //! (`device.rs`) hands a step over to it when a group must climb rungs 1–2 (they order pages
 //! by achieved mass, which only the host does).
 
-use cudarc::driver::DevicePtr;
 use kvforge_gen::schedule::Entry;
 use kvforge_spec::TAIL_TIER;
 
@@ -323,10 +322,7 @@ impl KvCache {
     /// too), else phase 2 (the device path's phase-2 plan).
     pub(super) fn certified_launch(&mut self, groups: &[Group], qh: &[u16], page_in: PageIn, paged: &mut usize, with_delta: bool) -> Result<PhaseOut> {
         let hkv = self.cfg.num_kv_heads;
-        let arena = {
-            let st = &self.dev.stream;
-            self.arena.device_ptr(st).0
-        };
+        let arena = self.store.arena_ptr();
         let orig = self.cert.originals.as_ref().expect("checked by decode_certified");
         let pb = orig.page_bytes();
         let block_bytes = self.cert_block_bytes();

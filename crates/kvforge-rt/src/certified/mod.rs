@@ -235,7 +235,7 @@ impl KvCache {
     /// (tier 2 of certified decode). Call before appending; fails with a typed error if the
     /// pinned slab cannot be allocated.
     pub fn keep_originals(&mut self) -> Result<()> {
-        if self.pool.used_pages(self.cfg.target_tier) > 0 {
+        if self.store.pool().used_pages(self.cfg.target_tier) > 0 {
             return Err(RtError::WrongState { what: "keep_originals".into(), fix: "call it before any page is encoded".into() });
         }
         let tokens = self.spec.page.tokens;
@@ -247,7 +247,7 @@ impl KvCache {
         }
         let seg = self.spec.segment(TAIL_TIER, self.cfg.head_dim);
         let bytes = kvforge_spec::HEADER_BYTES + seg.bytes;
-        self.cert.originals = Some(Originals::new(self.dev.stream.context(), self.pool.capacity(self.cfg.target_tier), bytes)?);
+        self.cert.originals = Some(Originals::new(self.dev.stream.context(), self.store.pool().capacity(self.cfg.target_tier), bytes)?);
         Ok(())
     }
 
