@@ -7,14 +7,12 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::CudaSlice;
-
 use half::{bf16, f16};
-use kvforge_spec::{DType, KeyScheme, PageHeader, Spec, TierId, VariantId, HEADER_BYTES, TAIL_TIER};
+use kvforge_spec::{DType, KeyScheme, PageHeader, Spec, TierId, HEADER_BYTES, TAIL_TIER};
 
 use crate::device::Device;
-use crate::error::{drv, Result, RtError};
-use crate::kernels::KernelCache;
+use crate::error::{Result, RtError};
+use crate::engine::Engine;
 use crate::moves::{MoveBatch, PageMove};
 use crate::pool::{PagePool, PageRef};
 use crate::side_tables::SideTables;
@@ -65,7 +63,6 @@ pub(crate) struct TierPointers {
 }
 
 pub struct KvCache {
-    pub(crate) dev: Arc<Device>,
     pub(crate) spec: Spec,
     pub(crate) cfg: CacheConfig,
     /// Sequences, their page tables and the page bytes.
@@ -73,18 +70,12 @@ pub struct KvCache {
     /// Every tier's side tables (codebooks, radius scales, channel orders), as its codecs
     /// declare them.
     pub(crate) side: SideTables,
-    pub(crate) kernels: KernelCache,
-    pub(crate) flags: CudaSlice<u32>,
-    /// Resident device buffers of page moves (offsets, heads, per-launch flags), grown when
-    /// a batch outgrows them ([`crate::transcode`]).
-    pub(crate) move_bufs: crate::transcode::MoveBuffers,
+    /// The device, kernels, error flags and page-move buffers launches go through.
+    pub(crate) engine: Engine,
     /// Certified decode's originals and reused buffers ([`KvCache::keep_originals`]).
     pub(crate) cert: crate::certified::CertifiedState,
     /// RDR's importance window, once a tracked decode ran ([`KvCache::decode_tracked`]).
     pub(crate) mass_window: Option<crate::mass_window::MassWindow>,
-    /// Launch the split-K combine with programmatic dependent launch: on sm_90+ unless the
-    /// environment variable `KVFORGE_NO_PDL` is set (for A/B timing).
-    pub(crate) pdl: bool,
 }
 
 
@@ -120,9 +111,8 @@ impl KvCache {
         }
         let store = PageStore::new(dev.stream.clone(), &spec, d, cfg.num_kv_heads, &cfg.pages)?;
         let side = SideTables::new(&spec, d, cfg.num_kv_heads, &dev.stream)?;
-        let flags = dev.stream.alloc_zeros::<u32>(1).map_err(drv("error flags"))?;
-        let pdl = dev.info.compute_capability.0 >= 9 && std::env::var_os("KVFORGE_NO_PDL").is_none();
-        Ok(KvCache { dev, spec, cfg, store, side, kernels: KernelCache::default(), flags, move_bufs: Default::default(), cert: Default::default(), mass_window: None, pdl })
+        let engine = Engine::new(dev)?;
+        Ok(KvCache { spec, cfg, store, side, engine, cert: Default::default(), mass_window: None })
     }
 
     pub fn spec(&self) -> &Spec {
@@ -132,7 +122,7 @@ impl KvCache {
         &self.cfg
     }
     pub fn device(&self) -> &Arc<Device> {
-        &self.dev
+        self.engine.dev()
     }
     pub fn pool(&self) -> &PagePool {
         self.store.pool()
@@ -336,17 +326,17 @@ impl KvCache {
         if scales.len() != want || scales.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
             return Err(RtError::ShapeMismatch { what: "radius scales".into(), expected: format!("{want} positive finite values"), got: format!("{} values", scales.len()) });
         }
-        self.side.set_f32(&self.dev.stream, tier, RADIUS_SCALE, scales)
+        self.side.set_f32(&self.engine.dev().stream, tier, RADIUS_SCALE, scales)
     }
 
     /// Radius scales of a spherical tier, once set.
     pub fn radius_scales(&self, tier: TierId) -> Result<Option<Vec<f32>>> {
-        self.side.get_f32(&self.dev.stream, tier, RADIUS_SCALE)
+        self.side.get_f32(&self.engine.dev().stream, tier, RADIUS_SCALE)
     }
 
     /// Device pointers of the per-tier tables the kernels index by tier (null where unset).
     pub(crate) fn tier_pointers(&self) -> TierPointers {
-        TierPointers { side: self.side.pointers(&self.dev.stream) }
+        TierPointers { side: self.side.pointers(&self.engine.dev().stream) }
     }
 
     /// Encodes full tail-format pages (host bytes) into `target`, in batches that fit the
@@ -372,16 +362,6 @@ impl KvCache {
             at += batch;
         }
         Ok(out)
-    }
-
-    /// Reads and clears the kernels' error flags.
-    pub(crate) fn check_flags(&mut self, v: &VariantId) -> Result<()> {
-        let f = self.dev.stream.clone_dtoh(&self.flags).map_err(drv(format!("after {v}")))?;
-        if f[0] == 0 {
-            return Ok(());
-        }
-        self.dev.stream.memset_zeros(&mut self.flags).map_err(drv("clear flags"))?;
-        Err(RtError::KernelFault { variant: v.to_string(), what: fault_names(f[0]) })
     }
 
     /// Checks every mapped page's header against the bookkeeping; names the first bad page.
@@ -459,15 +439,4 @@ impl KvCache {
         launched?;
         Ok(plan.launches_of(&moves, &seqs))
     }
-}
-
-/// The faults a kernel's error-flag word names (the `ERR_*` bits of `common.cuh`).
-pub(crate) fn fault_names(flags: u32) -> String {
-    let mut what = Vec::new();
-    for (bit, name) in [(1, "a page in a tier it does not serve"), (2, "a page header with a bad magic"), (4, "a page longer than a page"), (8, "a source page not in the expected tier")] {
-        if flags & bit != 0 {
-            what.push(name);
-        }
-    }
-    what.join(", ")
 }

@@ -21,6 +21,7 @@ mod channel_order;
 pub mod certified;
 mod decode;
 mod device;
+mod engine;
 mod error;
 pub mod external;
 pub mod jit;

@@ -121,16 +121,16 @@ impl KvCache {
             words.extend(l.dst.iter().map(|p| p.offset));
             words.extend(l.heads.chunks(2).map(|h| u64::from(h[0]) | u64::from(h.get(1).copied().unwrap_or(0)) << 32));
         }
-        let st = self.dev.stream.clone();
-        if let Err(e) = ensure(&st, &mut self.move_bufs.args, words.len(), "page move arguments").and_then(|_| ensure(&st, &mut self.move_bufs.flags, launches.len(), "page move flags")) {
+        let st = self.engine.dev().stream.clone();
+        if let Err(e) = ensure(&st, &mut self.engine.move_bufs().args, words.len(), "page move arguments").and_then(|_| ensure(&st, &mut self.engine.move_bufs().flags, launches.len(), "page move flags")) {
             return fail(e);
         }
-        let args = self.move_bufs.args.as_mut().expect("ensured above");
+        let args = self.engine.move_bufs().args.as_mut().expect("ensured above");
         if let Err(e) = st.memcpy_htod(&words, &mut args.slice_mut(0..words.len())).map_err(drv("page move arguments")) {
             return fail(e);
         }
         let base = args.device_ptr(&st).0;
-        let flags = self.move_bufs.flags.as_ref().expect("ensured above").device_ptr(&st).0;
+        let flags = self.engine.move_bufs().flags.as_ref().expect("ensured above").device_ptr(&st).0;
         let tp = self.tier_pointers();
         let arena = self.store.arena_ptr();
         let mut launched = 0;
@@ -138,7 +138,7 @@ impl KvCache {
         for (i, l) in launches.iter().enumerate() {
             let n = l.src.len();
             let v = VariantId::transcode(&self.spec, l.from, l.to, self.cfg.head_dim);
-            let k = match self.kernels.get(&self.dev, &self.spec, &v) {
+            let k = match self.engine.kernel(&self.spec, &v) {
                 Ok(k) => k,
                 Err(e) => {
                     launch_error = Some(e);
@@ -168,7 +168,7 @@ impl KvCache {
             }
             launched += 1;
         }
-        let flags_buf = self.move_bufs.flags.as_mut().expect("ensured above");
+        let flags_buf = self.engine.move_bufs().flags.as_mut().expect("ensured above");
         let raised = match st.clone_dtoh(&flags_buf.slice(0..launched)).map_err(drv("page move flags")) {
             Ok(f) => f,
             Err(e) => return fail(e),
@@ -178,7 +178,7 @@ impl KvCache {
                 return fail(e);
             }
             let v = VariantId::transcode(&self.spec, launches[i].from, launches[i].to, self.cfg.head_dim);
-            return Outcome { landed: i, error: Some(RtError::KernelFault { variant: v.to_string(), what: crate::cache::fault_names(raised[i]) }) };
+            return Outcome { landed: i, error: Some(RtError::KernelFault { variant: v.to_string(), what: crate::engine::fault_names(raised[i]) }) };
         }
         Outcome { landed: launched, error: launch_error }
     }

@@ -295,7 +295,7 @@ impl KvCache {
     fn page_in_copy(&mut self, sources: &[u64], pb: usize) -> Result<u64> {
         use cudarc::driver::{sys, DevicePtrMut};
         let need = sources.len() * pb;
-        let st = self.dev.stream.clone();
+        let st = self.engine.dev().stream.clone();
         if self.cert.page_in.as_ref().is_none_or(|b| b.len() < need) {
             // SAFETY: every byte a launch reads is written by the copies below first.
             self.cert.page_in = Some(unsafe { st.alloc::<u8>(need) }.map_err(drv("tier-2 page-in buffer"))?);
@@ -378,7 +378,7 @@ impl KvCache {
         let mut ws = self.workspace(&plan)?;
         let bpp = self.cert_blocks_per_page();
         let nblocks = plan.page_offsets.len().max(1) * bpp;
-        let st = self.dev.stream.clone();
+        let st = self.engine.dev().stream.clone();
         ws.block_head_lse = Some(st.alloc_zeros::<f32>(nblocks * plan.gqa).map_err(drv("block masses"))?);
         ws.page_warp_lse = self.warp_lse_scratch(&plan)?;
         if with_delta {

@@ -247,7 +247,7 @@ impl KvCache {
         }
         let seg = self.spec.segment(TAIL_TIER, self.cfg.head_dim);
         let bytes = kvforge_spec::HEADER_BYTES + seg.bytes;
-        self.cert.originals = Some(Originals::new(self.dev.stream.context(), self.store.pool().capacity(self.cfg.target_tier), bytes)?);
+        self.cert.originals = Some(Originals::new(self.engine.dev().stream.context(), self.store.pool().capacity(self.cfg.target_tier), bytes)?);
         Ok(())
     }
 
