@@ -244,7 +244,7 @@ impl KvCache {
         if !full_pages.is_empty() {
             self.ensure_radius_scales(target, &full_pages, koff)?;
             let encoded = self.encode_pages(&full_pages, target)?;
-            if self.cert.originals.is_some() {
+            if self.cert.keeps_originals() {
                 self.record_originals(&full_pages, &encoded)?;
             }
             self.store.push_full(seq, full_pages.iter().map(|(h, _)| *h).zip(encoded))?;

@@ -63,12 +63,19 @@ use select::{group_seed, SelectParams};
 #[derive(Default)]
 pub(crate) struct CertifiedState {
     /// Tier 2 of certified decode, when kept ([`KvCache::keep_originals`]).
-    pub(crate) originals: Option<Originals>,
+    originals: Option<Originals>,
     /// Device buffers of certified steps on the device path, reused while steps fit.
-    pub(crate) scratch: Option<CertScratch>,
+    scratch: Option<CertScratch>,
     /// [`PageIn::Copy`]: device copies of the originals a launch serves, kept and grown
     /// across steps.
-    pub(crate) page_in: Option<cudarc::driver::CudaSlice<u8>>,
+    page_in: Option<cudarc::driver::CudaSlice<u8>>,
+}
+
+impl CertifiedState {
+    /// Whether tier 2 is kept: appends then record the originals of the pages they encode.
+    pub(crate) fn keeps_originals(&self) -> bool {
+        self.originals.is_some()
+    }
 }
 
 /// Where the selector and the certificate run.
