@@ -7,17 +7,16 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, DevicePtr};
-
 use half::{bf16, f16};
-use kvforge_spec::{DType, KeyScheme, PageHeader, SegmentLayout, Spec, TierId, VariantId, HEADER_BYTES, TAIL_TIER};
+use kvforge_spec::{DType, KeyScheme, PageHeader, Spec, TierId, HEADER_BYTES, TAIL_TIER};
 
 use crate::device::Device;
-use crate::error::{drv, Result, RtError};
-use crate::kernels::KernelCache;
+use crate::error::{Result, RtError};
+use crate::engine::Engine;
 use crate::moves::{MoveBatch, PageMove};
 use crate::pool::{PagePool, PageRef};
 use crate::side_tables::SideTables;
+use crate::store::{PageStore, TierUsage};
 
 /// The spherical codec's radius-scale side table (`kvforge_spec::codecs::spherical`).
 const RADIUS_SCALE: &str = "radius_scale";
@@ -55,45 +54,7 @@ impl CacheConfig {
     }
 }
 
-/// The tail page of one (sequence, kv head): its device page and a host mirror of its bytes.
-#[derive(Clone, Debug)]
-struct Tail {
-    page: PageRef,
-    bytes: Vec<u8>,
-    len: usize,
-}
 
-#[derive(Clone, Debug, Default)]
-pub(crate) struct HeadPages {
-    pub(crate) full: Vec<PageRef>,
-    /// Logical position of the first token of every page in `full`: dropped pages leave gaps,
-    /// so a page's index no longer says where it sits in the context.
-    first: Vec<usize>,
-    tail: Option<Tail>,
-}
-
-#[derive(Clone, Debug)]
-pub(crate) struct Sequence {
-    pub(crate) heads: Vec<HeadPages>,
-    /// Logical length: every token ever appended, dropped ones included.
-    len: usize,
-    /// [`KvCache::layout_epoch`]: new whenever the pages change other than by appends.
-    epoch: u64,
-}
-
-/// Resident bytes of one tier.
-#[derive(Clone, Debug, PartialEq, serde::Serialize)]
-pub struct TierUsage {
-    pub tier: String,
-    pub pages: usize,
-    pub tokens: usize,
-    /// Page bytes in use (header + segment + alignment padding).
-    pub resident_bytes: usize,
-    /// Spec cost: payload + metadata per token per head.
-    pub payload_bytes_per_token: f64,
-    /// resident_bytes / tokens.
-    pub resident_bytes_per_token: f64,
-}
 
 /// The per-tier pointer tables of the kernel parameter structs.
 pub(crate) struct TierPointers {
@@ -102,30 +63,21 @@ pub(crate) struct TierPointers {
 }
 
 pub struct KvCache {
-    pub(crate) dev: Arc<Device>,
     pub(crate) spec: Spec,
     pub(crate) cfg: CacheConfig,
-    pub(crate) pool: PagePool,
-    pub(crate) arena: CudaSlice<u8>,
-    pub(crate) seqs: Vec<Option<Sequence>>,
+    /// Sequences, their page tables and the page bytes.
+    pub(crate) store: PageStore,
     /// Every tier's side tables (codebooks, radius scales, channel orders), as its codecs
     /// declare them.
     pub(crate) side: SideTables,
-    pub(crate) kernels: KernelCache,
-    pub(crate) flags: CudaSlice<u32>,
-    /// Resident device buffers of page moves (offsets, heads, per-launch flags), grown when
-    /// a batch outgrows them ([`crate::transcode`]).
-    pub(crate) move_bufs: crate::transcode::MoveBuffers,
-    /// Last [`layout_epoch`](Self::layout_epoch) handed out.
-    epochs: u64,
+    /// The device, kernels, error flags and page-move buffers launches go through.
+    pub(crate) engine: Engine,
     /// Certified decode's originals and reused buffers ([`KvCache::keep_originals`]).
     pub(crate) cert: crate::certified::CertifiedState,
     /// RDR's importance window, once a tracked decode ran ([`KvCache::decode_tracked`]).
     pub(crate) mass_window: Option<crate::mass_window::MassWindow>,
-    /// Launch the split-K combine with programmatic dependent launch: on sm_90+ unless the
-    /// environment variable `KVFORGE_NO_PDL` is set (for A/B timing).
-    pub(crate) pdl: bool,
 }
+
 
 fn dense_bytes(dtype: DType, x: f32) -> [u8; 2] {
     match dtype {
@@ -157,16 +109,10 @@ impl KvCache {
         if target.is_drop() || target.id == TAIL_TIER {
             return Err(RtError::BadTier(cfg.target_tier, format!("`{}` cannot hold encoded pages", target.name)));
         }
-        let pool = PagePool::new(&spec, d, &cfg.pages)?;
-        let arena_bytes = pool.arena_bytes().max(16) as usize;
-        let arena = dev.stream.alloc_zeros::<u8>(arena_bytes).map_err(|e| match drv("page arena")(e) {
-            RtError::OutOfMemory { what, .. } => RtError::OutOfMemory { what, bytes: arena_bytes },
-            e => e,
-        })?;
+        let store = PageStore::new(dev.stream.clone(), &spec, d, cfg.num_kv_heads, &cfg.pages)?;
         let side = SideTables::new(&spec, d, cfg.num_kv_heads, &dev.stream)?;
-        let flags = dev.stream.alloc_zeros::<u32>(1).map_err(drv("error flags"))?;
-        let pdl = dev.info.compute_capability.0 >= 9 && std::env::var_os("KVFORGE_NO_PDL").is_none();
-        Ok(KvCache { dev, spec, cfg, pool, arena, seqs: Vec::new(), side, kernels: KernelCache::default(), flags, move_bufs: Default::default(), epochs: 0, cert: Default::default(), mass_window: None, pdl })
+        let engine = Engine::new(dev)?;
+        Ok(KvCache { spec, cfg, store, side, engine, cert: Default::default(), mass_window: None })
     }
 
     pub fn spec(&self) -> &Spec {
@@ -176,35 +122,20 @@ impl KvCache {
         &self.cfg
     }
     pub fn device(&self) -> &Arc<Device> {
-        &self.dev
+        self.engine.dev()
     }
     pub fn pool(&self) -> &PagePool {
-        &self.pool
+        self.store.pool()
     }
 
     /// Adds an empty sequence and returns its id.
     pub fn add_sequence(&mut self) -> usize {
-        let s = Sequence { heads: vec![HeadPages::default(); self.cfg.num_kv_heads], len: 0, epoch: self.next_epoch() };
-        if let Some(i) = self.seqs.iter().position(|s| s.is_none()) {
-            self.seqs[i] = Some(s);
-            i
-        } else {
-            self.seqs.push(Some(s));
-            self.seqs.len() - 1
-        }
+        self.store.add_sequence()
     }
 
     /// Frees every page of a sequence.
     pub fn remove_sequence(&mut self, seq: usize) -> Result<()> {
-        let s = self.seqs.get_mut(seq).and_then(|s| s.take()).ok_or(RtError::NoSequence(seq))?;
-        for h in s.heads {
-            for p in h.full {
-                self.pool.free(p);
-            }
-            if let Some(t) = h.tail {
-                self.pool.free(t.page);
-            }
-        }
+        self.store.remove_sequence(seq)?;
         // The id is reused by the next `add_sequence`: its window must start unobserved.
         self.reset_mass_window(seq)
     }
@@ -215,75 +146,44 @@ impl KvCache {
     /// there, in the same tiers, without walking the page table (issue 7: that walk was ~26 µs
     /// of the decode thread per sequence and RDR boundary on the H100 host).
     pub fn layout_epoch(&self, seq: usize) -> Result<u64> {
-        Ok(self.seq(seq)?.epoch)
-    }
-
-    fn next_epoch(&mut self) -> u64 {
-        self.epochs += 1;
-        self.epochs
-    }
-
-    fn seq(&self, seq: usize) -> Result<&Sequence> {
-        self.seqs.get(seq).and_then(|s| s.as_ref()).ok_or(RtError::NoSequence(seq))
-    }
-
-    fn head(&self, seq: usize, head: usize) -> Result<&HeadPages> {
-        self.seq(seq)?.heads.get(head).ok_or_else(|| RtError::NoKvHead { head, heads: self.cfg.num_kv_heads })
+        self.store.layout_epoch(seq)
     }
 
     /// Logical length of `seq`: tokens appended so far, including those of dropped pages.
     pub fn seq_len(&self, seq: usize) -> Result<usize> {
-        Ok(self.seq(seq)?.len)
+        self.store.seq_len(seq)
     }
 
     /// Like [`pages`](Self::pages), with each page's logical first token:
     /// `(page, valid tokens, first token)`. Positions skip the tokens of dropped pages.
     pub fn positioned_pages(&self, seq: usize, head: usize) -> Result<Vec<(PageRef, usize, usize)>> {
-        let s = self.seq(seq)?;
-        let h = self.head(seq, head)?;
-        let p = self.spec.page.tokens;
-        let mut v: Vec<(PageRef, usize, usize)> = h.full.iter().zip(&h.first).map(|(&r, &f)| (r, p, f)).collect();
-        if let Some(t) = &h.tail {
-            v.push((t.page, t.len, s.len - t.len));
-        }
-        Ok(v)
+        self.store.positioned_pages(seq, head)
     }
 
     /// Pages of one (sequence, kv head) in token order, the tail page last.
     pub fn pages(&self, seq: usize, head: usize) -> Result<Vec<(PageRef, usize)>> {
-        self.map_pages(seq, head, |r, n| (r, n))
+        self.store.map_pages(seq, head, |r, n| (r, n))
     }
 
     /// `(tier, valid tokens)` of every page of one (sequence, kv head), the tail last: what a
     /// controller compares its view with. One pass, no intermediate list (an RDR boundary
     /// walks the page table of every kv head several times).
     pub fn page_tiers(&self, seq: usize, head: usize) -> Result<Vec<(TierId, usize)>> {
-        self.map_pages(seq, head, |r, n| (r.tier, n))
+        self.store.map_pages(seq, head, |r, n| (r.tier, n))
     }
 
     /// Full pages of one (sequence, kv head), and the tail page's tokens if it has one: what
     /// appends change, without walking the pages.
     pub fn page_counts(&self, seq: usize, head: usize) -> Result<(usize, Option<usize>)> {
-        let h = self.head(seq, head)?;
-        Ok((h.full.len(), h.tail.as_ref().map(|t| t.len)))
+        self.store.page_counts(seq, head)
     }
 
     /// Number of pages of one (sequence, kv head), the tail included.
     pub fn page_count(&self, seq: usize, head: usize) -> Result<usize> {
-        let h = self.head(seq, head)?;
-        Ok(h.full.len() + usize::from(h.tail.is_some()))
+        let (full, tail) = self.store.page_counts(seq, head)?;
+        Ok(full + usize::from(tail.is_some()))
     }
 
-    fn map_pages<T>(&self, seq: usize, head: usize, f: impl Fn(PageRef, usize) -> T) -> Result<Vec<T>> {
-        let h = self.head(seq, head)?;
-        let p = self.spec.page.tokens;
-        let mut v = Vec::with_capacity(h.full.len() + 1);
-        v.extend(h.full.iter().map(|&r| f(r, p)));
-        if let Some(t) = &h.tail {
-            v.push(f(t.page, t.len));
-        }
-        Ok(v)
-    }
 
     /// Appends `n` tokens: `k`, `v` are row-major [n][num_kv_heads][head_dim], rounded to the
     /// spec dtype. Either every token is appended or, on out-of-pages, nothing changes.
@@ -297,17 +197,17 @@ impl KvCache {
         }
         let n = k.len() / (hkv * d);
         let target = self.cfg.target_tier;
-        let s = self.seq(seq)?.clone();
-        let tail_len = s.heads[0].tail.as_ref().map_or(0, |t| t.len);
+        let tails: Vec<Option<(Vec<u8>, usize)>> = (0..hkv).map(|h| Ok(self.store.tail_bytes(seq, h)?.map(|(b, n)| (b.to_vec(), n)))).collect::<Result<_>>()?;
+        let tail_len = tails[0].as_ref().map_or(0, |t| t.1);
         let full_per_head = (tail_len + n) / p;
         let rest = (tail_len + n) % p;
         // All-or-nothing capacity check before touching anything.
-        let existing_tails = s.heads.iter().filter(|h| h.tail.is_some()).count();
+        let existing_tails = tails.iter().filter(|t| t.is_some()).count();
         let mut need = vec![0usize; self.spec.tiers.len()];
         need[target as usize] = full_per_head * hkv;
         let tails_needed = if rest > 0 { hkv } else { 0 } + usize::from(full_per_head > 0);
         need[TAIL_TIER as usize] = tails_needed.saturating_sub(existing_tails);
-        self.pool.reserve(&need)?;
+        self.store.pool().reserve(&need)?;
 
         let seg = self.spec.segment(TAIL_TIER, d);
         let (koff, voff) = (HEADER_BYTES + seg.offset("k"), HEADER_BYTES + seg.offset("v"));
@@ -315,8 +215,8 @@ impl KvCache {
         let mut full_pages: Vec<(usize, Vec<u8>)> = Vec::new();
         let mut new_tails: Vec<Option<(Vec<u8>, usize)>> = Vec::new();
         for h in 0..hkv {
-            let (mut bytes, mut len) = match &s.heads[h].tail {
-                Some(t) => (t.bytes.clone(), t.len),
+            let (mut bytes, mut len) = match tails[h].clone() {
+                Some(t) => t,
                 None => (vec![0u8; seg.page_bytes], 0),
             };
             for i in 0..n {
@@ -340,41 +240,21 @@ impl KvCache {
             }
         }
         // Old tail pages are superseded: free them, then allocate what is needed.
-        let s = self.seqs[seq].as_mut().unwrap();
-        for h in s.heads.iter_mut() {
-            if let Some(t) = h.tail.take() {
-                self.pool.free(t.page);
-            }
-        }
+        self.store.free_tails(seq)?;
         if !full_pages.is_empty() {
             self.ensure_radius_scales(target, &full_pages, koff)?;
             let encoded = self.encode_pages(&full_pages, target)?;
-            if self.cert.originals.is_some() {
+            if self.cert.keeps_originals() {
                 self.record_originals(&full_pages, &encoded)?;
             }
-            let s = self.seqs[seq].as_mut().unwrap();
-            let mut next = vec![s.len / p; hkv]; // index of the next full page, in logical pages
-            for ((h, _), page) in full_pages.iter().zip(encoded) {
-                s.heads[*h].full.push(page);
-                s.heads[*h].first.push(next[*h] * p);
-                next[*h] += 1;
-            }
+            self.store.push_full(seq, full_pages.iter().map(|(h, _)| *h).zip(encoded))?;
         }
         for (h, t) in new_tails.into_iter().enumerate() {
             if let Some((bytes, len)) = t {
-                let page = self.pool.alloc(TAIL_TIER)?;
-                self.upload(page, &bytes)?;
-                self.seqs[seq].as_mut().unwrap().heads[h].tail = Some(Tail { page, bytes, len });
+                self.store.set_tail(seq, h, bytes, len)?;
             }
         }
-        self.seqs[seq].as_mut().unwrap().len += n;
-        Ok(())
-    }
-
-    fn upload(&mut self, page: PageRef, bytes: &[u8]) -> Result<()> {
-        let off = page.offset as usize;
-        let mut view = self.arena.slice_mut(off..off + bytes.len());
-        self.dev.stream.memcpy_htod(bytes, &mut view).map_err(drv("page upload"))
+        self.store.grow(seq, n)
     }
 
     /// Tiles sequence `s0` into `batch` sequences of `len` tokens by replicating its page bytes
@@ -384,110 +264,17 @@ impl KvCache {
     /// 16 (pages are allocated in region order, the template first). Returns the sequence ids,
     /// `s0` first. Benchmarks build large batches with it (kvforge-lab's `fill_for_bench`).
     pub fn tile_sequence(&mut self, s0: usize, batch: usize, len: usize) -> Result<Vec<usize>> {
-        let (hkv, p) = (self.cfg.num_kv_heads, self.spec.page.tokens);
-        if batch == 0 || len == 0 {
-            return Err(RtError::BadInput("tiling needs batch > 0 and len > 0".into()));
-        }
-        let full = len / p;
-        let tmpl_full = (1..=full.min(16)).rev().find(|t| full % t == 0).unwrap_or(0);
-        let tmpl_len = tmpl_full * p + len % p;
-        let s = self.seq(s0)?;
-        if s.len != tmpl_len || s.heads.iter().any(|h| h.full.len() != tmpl_full) {
-            return Err(RtError::BadInput(format!("tiling {len} tokens needs a template of {tmpl_len} tokens ({tmpl_full} full pages per kv head), sequence {s0} holds {}", s.len)));
-        }
-        if self.seqs.iter().enumerate().any(|(i, s)| i != s0 && s.is_some()) || self.pool.used_pages(self.cfg.target_tier) != tmpl_full * hkv {
-            return Err(RtError::BadInput("tiling needs a fresh cache holding only the template sequence".into()));
-        }
-        let target = self.cfg.target_tier;
-        // Pages of the template are region indices [0, tmpl_full * hkv) of the target tier.
-        let tmpl_pages = tmpl_full * hkv;
-        let want = full * hkv * batch;
-        let mut need = vec![0usize; self.spec.tiers.len()];
-        need[target as usize] = want.saturating_sub(tmpl_pages);
-        need[TAIL_TIER as usize] = if len % p > 0 { hkv * (batch - 1) } else { 0 };
-        self.pool.reserve(&need)?;
-        let mut pages = Vec::with_capacity(want);
-        for h in 0..hkv {
-            pages.extend(self.seqs[s0].as_ref().unwrap().heads[h].full.iter().copied());
-        }
-        while pages.len() < want {
-            pages.push(self.pool.alloc(target)?);
-        }
-        if tmpl_pages > 0 {
-            let pb = self.pool.page_bytes(target) as u64;
-            let base = pages.iter().map(|p| p.offset).min().unwrap();
-            debug_assert!(pages.iter().all(|p| (p.offset - base) / pb < want as u64));
-            let (arena, _g) = self.arena.device_ptr(&self.dev.stream);
-            let mut copied = tmpl_pages;
-            while copied < want {
-                let n = copied.min(want - copied);
-                // SAFETY: source [0, n) and destination [copied, copied + n) pages lie inside
-                // the target region of the arena and do not overlap (n <= copied).
-                unsafe {
-                    cudarc::driver::result::memcpy_dtod_async(arena + base + copied as u64 * pb, arena + base, n * pb as usize, self.dev.stream.cu_stream())
-                }
-                .map_err(drv("bench page replication"))?;
-                copied += n;
-            }
-        }
-        // Page i of the replicated region holds template page (i mod tmpl_pages): template
-        // pages are ordered head-major, so give every (sequence, head) pages of its own head.
-        let mut by_head: Vec<Vec<PageRef>> = vec![Vec::new(); hkv];
-        let mut region: Vec<PageRef> = pages.clone();
-        region.sort_by_key(|p| p.offset);
-        for (i, pg) in region.iter().enumerate() {
-            by_head[(i % tmpl_pages.max(1)) / tmpl_full.max(1)].push(*pg);
-        }
-        let tail = self.seqs[s0].as_ref().unwrap().heads.iter().map(|h| h.tail.clone()).collect::<Vec<_>>();
-        let mut ids = vec![s0];
-        let s0_full: Vec<Vec<PageRef>> = (0..hkv).map(|h| by_head[h][..full].to_vec()).collect();
-        {
-            let epoch = self.next_epoch();
-            let s = self.seqs[s0].as_mut().unwrap();
-            for h in 0..hkv {
-                s.heads[h].full = s0_full[h].clone();
-                s.heads[h].first = (0..full).map(|i| i * p).collect();
-            }
-            s.len = len;
-            s.epoch = epoch;
-        }
-        for b in 1..batch {
-            let sid = self.add_sequence();
-            let mut heads = Vec::with_capacity(hkv);
-            for h in 0..hkv {
-                let full_pages = by_head[h][b * full..(b + 1) * full].to_vec();
-                let t = match &tail[h] {
-                    Some(t) => {
-                        let page = self.pool.alloc(TAIL_TIER)?;
-                        self.upload(page, &t.bytes)?;
-                        Some(Tail { page, bytes: t.bytes.clone(), len: t.len })
-                    }
-                    None => None,
-                };
-                heads.push(HeadPages { full: full_pages, first: (0..full).map(|i| i * p).collect(), tail: t });
-            }
-            let epoch = self.next_epoch();
-            self.seqs[sid] = Some(Sequence { heads, len, epoch });
-            ids.push(sid);
-        }
-        Ok(ids)
+        self.store.tile_sequence(s0, batch, len, self.cfg.target_tier, self.spec.tiers.len())
     }
 
     /// The tail page of (seq, head): its bytes (host mirror) and token count.
     pub(crate) fn tail_bytes(&self, seq: usize, head: usize) -> Result<Option<(&[u8], usize)>> {
-        let s = self.seq(seq)?;
-        let h = s.heads.get(head).ok_or_else(|| RtError::NoKvHead { head, heads: s.heads.len() })?;
-        Ok(h.tail.as_ref().map(|t| (t.bytes.as_slice(), t.len)))
+        self.store.tail_bytes(seq, head)
     }
 
     /// Overwrites bytes of a page (low level: tools and corruption tests).
     pub fn write_page_bytes(&mut self, page: PageRef, at: usize, bytes: &[u8]) -> Result<()> {
-        if at + bytes.len() > self.pool.page_bytes(page.tier) {
-            return Err(RtError::CapacityExceeded { what: "page write".into(), requested: format!("{} bytes at {at}", bytes.len()), capacity: format!("a {} B page", self.pool.page_bytes(page.tier)) });
-        }
-        let off = page.offset as usize + at;
-        let mut view = self.arena.slice_mut(off..off + bytes.len());
-        self.dev.stream.memcpy_htod(bytes, &mut view).map_err(drv("page write"))
+        self.store.write_page_bytes(page, at, bytes)
     }
 
     /// Turns host-side header verification on or off.
@@ -497,9 +284,7 @@ impl KvCache {
 
     /// Downloads one page's bytes (header + segment + padding).
     pub fn download_page(&self, page: PageRef) -> Result<Vec<u8>> {
-        let off = page.offset as usize;
-        let n = self.pool.page_bytes(page.tier);
-        self.dev.stream.clone_dtoh(&self.arena.slice(off..off + n)).map_err(drv("page download"))
+        self.store.download_page(page)
     }
 
     /// Spherical tiers need per-(kv head, group) radius scales before the first encode: unless
@@ -541,17 +326,17 @@ impl KvCache {
         if scales.len() != want || scales.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
             return Err(RtError::ShapeMismatch { what: "radius scales".into(), expected: format!("{want} positive finite values"), got: format!("{} values", scales.len()) });
         }
-        self.side.set_f32(&self.dev.stream, tier, RADIUS_SCALE, scales)
+        self.side.set_f32(&self.engine.dev().stream, tier, RADIUS_SCALE, scales)
     }
 
     /// Radius scales of a spherical tier, once set.
     pub fn radius_scales(&self, tier: TierId) -> Result<Option<Vec<f32>>> {
-        self.side.get_f32(&self.dev.stream, tier, RADIUS_SCALE)
+        self.side.get_f32(&self.engine.dev().stream, tier, RADIUS_SCALE)
     }
 
     /// Device pointers of the per-tier tables the kernels index by tier (null where unset).
     pub(crate) fn tier_pointers(&self) -> TierPointers {
-        TierPointers { side: self.side.pointers(&self.dev.stream) }
+        TierPointers { side: self.side.pointers(&self.engine.dev().stream) }
     }
 
     /// Encodes full tail-format pages (host bytes) into `target`, in batches that fit the
@@ -560,18 +345,18 @@ impl KvCache {
         let mut out = Vec::with_capacity(pages.len());
         let mut at = 0;
         while at < pages.len() {
-            let batch = (pages.len() - at).min(self.pool.free_pages(TAIL_TIER).max(1));
+            let batch = (pages.len() - at).min(self.store.pool().free_pages(TAIL_TIER).max(1));
             let mut staged = Vec::with_capacity(batch);
             for (_, bytes) in &pages[at..at + batch] {
-                let page = self.pool.alloc(TAIL_TIER)?;
-                self.upload(page, bytes)?;
+                let page = self.store.pool_mut().alloc(TAIL_TIER)?;
+                self.store.upload(page, bytes)?;
                 staged.push(page);
             }
-            let dst: Vec<PageRef> = (0..batch).map(|_| self.pool.alloc(target)).collect::<Result<_>>()?;
+            let dst: Vec<PageRef> = (0..batch).map(|_| self.store.pool_mut().alloc(target)).collect::<Result<_>>()?;
             let heads: Vec<u32> = pages[at..at + batch].iter().map(|(h, _)| *h as u32).collect();
             self.transcode(&staged, &dst, &heads, TAIL_TIER, target)?;
             for p in staged {
-                self.pool.free(p);
+                self.store.pool_mut().free(p);
             }
             out.extend(dst);
             at += batch;
@@ -579,65 +364,14 @@ impl KvCache {
         Ok(out)
     }
 
-    /// Reads and clears the kernels' error flags.
-    pub(crate) fn check_flags(&mut self, v: &VariantId) -> Result<()> {
-        let f = self.dev.stream.clone_dtoh(&self.flags).map_err(drv(format!("after {v}")))?;
-        if f[0] == 0 {
-            return Ok(());
-        }
-        self.dev.stream.memset_zeros(&mut self.flags).map_err(drv("clear flags"))?;
-        Err(RtError::KernelFault { variant: v.to_string(), what: fault_names(f[0]) })
-    }
-
     /// Checks every mapped page's header against the bookkeeping; names the first bad page.
     pub fn verify_pages(&self, seqs: &[usize]) -> Result<()> {
-        for &s in seqs {
-            for h in 0..self.cfg.num_kv_heads {
-                for (i, (page, len)) in self.pages(s, h)?.into_iter().enumerate() {
-                    let off = page.offset as usize;
-                    let raw = self.dev.stream.clone_dtoh(&self.arena.slice(off..off + HEADER_BYTES)).map_err(drv("header download"))?;
-                    let hd = PageHeader::from_bytes(&raw).map_err(|reason| RtError::CorruptPage { page: i, offset: page.offset, reason: format!("sequence {s} head {h}: {reason}") })?;
-                    if hd.tier != page.tier || hd.length as usize != len {
-                        return Err(RtError::CorruptPage { page: i, offset: page.offset, reason: format!("sequence {s} head {h}: header says tier {} length {}, expected tier {} length {len}", hd.tier, hd.length, page.tier) });
-                    }
-                }
-            }
-        }
-        Ok(())
+        self.store.verify_pages(seqs)
     }
 
     /// Resident bytes per tier over all sequences.
     pub fn memory_report(&self) -> Vec<TierUsage> {
-        let (d, p) = (self.cfg.head_dim, self.spec.page.tokens);
-        self.spec
-            .tiers
-            .iter()
-            .map(|t| {
-                let mut pages = 0;
-                let mut tokens = 0;
-                for s in self.seqs.iter().flatten() {
-                    for h in &s.heads {
-                        let n = h.full.iter().filter(|r| r.tier == t.id).count();
-                        pages += n;
-                        tokens += n * p;
-                        if let Some(tl) = h.tail.as_ref().filter(|tl| tl.page.tier == t.id) {
-                            pages += 1;
-                            tokens += tl.len;
-                        }
-                    }
-                }
-                let seg: SegmentLayout = self.spec.segment(t.id, d);
-                let resident = pages * seg.page_bytes;
-                TierUsage {
-                    tier: t.name.clone(),
-                    pages,
-                    tokens,
-                    resident_bytes: resident,
-                    payload_bytes_per_token: t.bytes_per_token(d, p),
-                    resident_bytes_per_token: if tokens > 0 { resident as f64 / tokens as f64 } else { 0.0 },
-                }
-            })
-            .collect()
+        self.store.memory_report(&self.spec, self.cfg.head_dim)
     }
 
     /// Re-codes page `index` of (seq, head) into tier `to` (drop frees it): the one-move case of
@@ -673,27 +407,25 @@ impl KvCache {
     pub fn retier_many(&mut self, batch: &[(usize, &[PageMove])]) -> Result<Vec<usize>> {
         let seqs: Vec<usize> = batch.iter().map(|b| b.0).collect();
         for &s in &seqs {
-            self.seq(s)?;
+            self.store.seq_len(s)?;
         }
         let moves = MoveBatch::seq_moves(batch)?;
-        let tier_of = |seq: usize, head: usize, index: usize| {
-            let s = self.seqs[seq].as_ref().expect("checked above");
-            s.heads.get(head).and_then(|h| h.full.get(index)).map(|p| p.tier).ok_or_else(|| RtError::NoPage { seq, head, index })
-        };
-        let free: Vec<usize> = (0..self.spec.tiers.len()).map(|t| self.pool.free_pages(t as TierId)).collect();
-        let plan = MoveBatch::plan(&self.spec, &moves, tier_of, &free, |t| self.pool.out_of_pages(t))?;
+        let tier_of = |seq: usize, head: usize, index: usize| self.store.full_page(seq, head, index).map(|p| p.tier);
+        let pool = self.store.pool();
+        let free: Vec<usize> = (0..self.spec.tiers.len()).map(|t| pool.free_pages(t as TierId)).collect();
+        let plan = MoveBatch::plan(&self.spec, &moves, tier_of, &free, |t| pool.out_of_pages(t))?;
         for &(_, to, _) in &plan.launches {
             if let Some(table) = self.side.missing(to) {
                 return Err(RtError::BadTier(to, format!("set its {table} side table before re-coding into it")));
             }
         }
         for &s in &seqs {
-            let epoch = self.next_epoch();
-            self.seqs[s].as_mut().expect("checked above").epoch = epoch;
+            self.store.bump_epoch(s)?;
         }
         for &m in &plan.drops {
             let (s, (h, i, _)) = moves[m];
-            self.pool.free(self.seqs[s].as_ref().expect("checked above").heads[h].full[i]);
+            let page = self.store.full_page(s, h, i)?;
+            self.store.pool_mut().free(page);
         }
         let launched = self.launch_moves(&moves, &plan.launches);
         for &s in &seqs {
@@ -701,30 +433,10 @@ impl KvCache {
             if dropped.is_empty() {
                 continue;
             }
-            let seq = self.seqs[s].as_mut().expect("checked above");
-            let mut keep: Vec<Vec<bool>> = seq.heads.iter().map(|h| vec![true; h.full.len()]).collect();
-            for &(h, i) in &dropped {
-                keep[h][i] = false;
-            }
-            for (h, keep) in seq.heads.iter_mut().zip(keep) {
-                let (mut a, mut b) = (keep.iter(), keep.iter());
-                h.full.retain(|_| *a.next().unwrap());
-                h.first.retain(|_| *b.next().unwrap());
-            }
+            self.store.remove_full(s, &dropped)?;
             self.mass_window_dropped(s, &dropped)?;
         }
         launched?;
         Ok(plan.launches_of(&moves, &seqs))
     }
-}
-
-/// The faults a kernel's error-flag word names (the `ERR_*` bits of `common.cuh`).
-pub(crate) fn fault_names(flags: u32) -> String {
-    let mut what = Vec::new();
-    for (bit, name) in [(1, "a page in a tier it does not serve"), (2, "a page header with a bad magic"), (4, "a page longer than a page"), (8, "a source page not in the expected tier")] {
-        if flags & bit != 0 {
-            what.push(name);
-        }
-    }
-    what.join(", ")
 }

@@ -25,7 +25,7 @@ impl KvCache {
         if !self.side.declares(tier, CHANNEL_ORDER) {
             return Err(RtError::BadTier(tier, format!("`{}` does not store mixed-bit keys; channel orders belong to mixed-key tiers", t.name)));
         }
-        let used = self.pool.used_pages(tier);
+        let used = self.store.pool().used_pages(tier);
         if used > 0 {
             return Err(RtError::WrongState { what: format!("channel order of tier `{}`", t.name), fix: format!("the tier already holds {used} pages coded in its current channel order; set the order before the first page is coded") });
         }
@@ -43,12 +43,12 @@ impl KvCache {
             table.extend_from_slice(row);
             table.extend_from_slice(&inverse);
         }
-        self.side.set_u16(&self.dev.stream, tier, CHANNEL_ORDER, &table)
+        self.side.set_u16(&self.engine.dev().stream, tier, CHANNEL_ORDER, &table)
     }
 
     /// The channel order `[num_kv_heads][head_dim]` of tier `tier`, once set.
     pub fn channel_order(&self, tier: TierId) -> Result<Option<Vec<u16>>> {
-        let Some(all) = self.side.get_u16(&self.dev.stream, tier, CHANNEL_ORDER)? else { return Ok(None) };
+        let Some(all) = self.side.get_u16(&self.engine.dev().stream, tier, CHANNEL_ORDER)? else { return Ok(None) };
         let d = self.cfg.head_dim;
         Ok(Some(all.chunks(2 * d).flat_map(|h| h[..d].iter().copied()).collect()))
     }

@@ -213,14 +213,14 @@ impl KvCache {
     /// shared memory and registers: sized by the plain entry's three CTAs per SM, certified
     /// q8k4v's phase 1 ran 1.5 waves, 94 → 127 µs at 1 × 32K on the H100).
     pub(crate) fn plan_entry(&self, pages: &[Vec<Vec<(PageRef, usize)>>], entry: Entry) -> Result<DecodePlan> {
-        let page_bytes: Vec<usize> = (0..self.spec.tiers.len()).map(|t| self.pool.page_bytes(t as TierId)).collect();
+        let page_bytes: Vec<usize> = (0..self.spec.tiers.len()).map(|t| self.store.pool().page_bytes(t as TierId)).collect();
         // Occupancy needs the kernel: load (or compile) it while planning.
         let slots = std::cell::RefCell::new(Ok(0usize));
         let p = plan(&self.spec, self.cfg.head_dim, self.cfg.gqa, pages, &|t| page_bytes[t as usize], &|v| match self.slots(v, entry) {
             Ok(n) => n,
             Err(e) => {
                 *slots.borrow_mut() = Err(e);
-                self.dev.info.sm_count
+                self.engine.dev().info.sm_count
             }
         })?;
         slots.into_inner()?;
@@ -229,8 +229,8 @@ impl KvCache {
 
     /// CTAs of `v`'s `entry` the device holds at once: occupancy × SMs.
     fn slots(&self, v: &VariantId, entry: Entry) -> Result<usize> {
-        let sms = self.dev.info.sm_count;
-        let k = self.kernels.get(&self.dev, &self.spec, v)?;
+        let sms = self.engine.dev().info.sm_count;
+        let k = self.engine.kernel(&self.spec, v)?;
         let (func, smem) = match (entry, &k.certified) {
             (Entry::Certified, Some(f)) => (f, k.certified_smem_bytes),
             _ => (&k.func, k.smem_bytes),
@@ -240,7 +240,7 @@ impl KvCache {
 
     /// Allocates the buffers of `plan` and uploads its page table.
     pub fn workspace(&self, plan: &DecodePlan) -> Result<DecodeWorkspace> {
-        let st = &self.dev.stream;
+        let st = &self.engine.dev().stream;
         let rows = plan.batch * plan.num_kv_heads * plan.gqa;
         let d = plan.head_dim;
         Ok(DecodeWorkspace {
@@ -267,13 +267,13 @@ impl KvCache {
     pub fn warp_lse_scratch(&self, plan: &DecodePlan) -> Result<Option<CudaSlice<f32>>> {
         match plan.warp_lse_floats(&self.spec) {
             0 => Ok(None),
-            n => Ok(Some(self.dev.stream.alloc_zeros::<f32>(n).map_err(drv("per-warp page masses"))?)),
+            n => Ok(Some(self.engine.dev().stream.alloc_zeros::<f32>(n).map_err(drv("per-warp page masses"))?)),
         }
     }
 
     /// Launches the planned kernels on the workspace (queries already in `ws.q`).
     pub fn launch(&mut self, plan: &DecodePlan, ws: &mut DecodeWorkspace) -> Result<()> {
-        let st = self.dev.stream.clone();
+        let st = self.engine.dev().stream.clone();
         let io = DecodeIo { q: ws.q.device_ptr(&st).0, out: ws.out.device_ptr(&st).0, lse: ws.lse.device_ptr(&st).0 };
         self.launch_io(plan, ws, io)
     }
@@ -283,8 +283,8 @@ impl KvCache {
     /// table and the split-K partials only.
     pub(crate) fn launch_io(&mut self, plan: &DecodePlan, ws: &DecodeWorkspace, io: DecodeIo) -> Result<()> {
         let _span = tracing::debug_span!("launch", variant = %plan.variant, batch = plan.batch, splits = plan.splits).entered();
-        let k = self.kernels.get(&self.dev, &self.spec, &plan.variant)?;
-        let st = self.dev.stream.clone();
+        let k = self.engine.kernel(&self.spec, &plan.variant)?;
+        let st = self.engine.dev().stream.clone();
         let tp = self.tier_pointers();
         let rows = plan.batch * plan.num_kv_heads * plan.gqa;
         for (i, t) in plan.tiers.iter().enumerate() {
@@ -313,7 +313,7 @@ impl KvCache {
             out: io.out,
             partial_out: ws.partial_out.device_ptr(&st).0,
             partial_lse: if plan.splits > 1 { ws.partial_lse.device_ptr(&st).0 } else { io.lse },
-            arena: self.arena.device_ptr(&st).0,
+            arena: self.store.arena_ptr(),
             page_offsets: ws.page_offsets.device_ptr(&st).0,
             page_indptr: ws.page_indptr.device_ptr(&st).0,
             page_info: ws.page_info.device_ptr(&st).0,
@@ -324,7 +324,7 @@ impl KvCache {
             block_delta: ws.block_delta.as_ref().map_or(0, |b| b.device_ptr(&st).0),
             block_head_lse: ws.block_head_lse.as_ref().map_or(0, |b| b.device_ptr(&st).0),
             promoted_offsets: ws.promoted_offsets.as_ref().map_or(0, |b| b.device_ptr(&st).0),
-            error_flags: self.flags.device_ptr(&st).0,
+            error_flags: self.engine.flags_ptr(),
             sm_scale: 1.0 / (plan.head_dim as f32).sqrt(),
             batch: plan.batch as i32,
             num_kv_heads: plan.num_kv_heads as i32,
@@ -351,7 +351,7 @@ impl KvCache {
         let fold = self.window_fold_params(plan, ws)?;
         match (&plan.combine, fold) {
             (Some(cv), fold) => {
-                let ck = self.kernels.get(&self.dev, &self.spec, cv)?;
+                let ck = self.engine.kernel(&self.spec, cv)?;
                 let groups = if fold.is_some() { plan.batch * plan.num_kv_heads } else { 0 };
                 let cp = CombineParams {
                     partial_out: ws.partial_out.device_ptr(&st).0,
@@ -365,7 +365,7 @@ impl KvCache {
                 };
                 let ccfg = LaunchConfig { grid_dim: ((rows + groups) as u32, 1, 1), block_dim: (ck.threads, 1, 1), shared_mem_bytes: 0 };
                 crate::kernels::trace_launch(|| cv.symbol(), &ccfg);
-                if self.pdl {
+                if self.engine.pdl() {
                     // SAFETY: as below; the combine's first instruction waits for the decode.
                     unsafe { launch_programmatic(&st, &ck.func, ccfg, &cp) }.map_err(drv(format!("launch {cv}")))?;
                 } else {
@@ -382,7 +382,7 @@ impl KvCache {
 
     /// Checks the kernels' error flags after launches (synchronises).
     pub fn check(&mut self, plan: &DecodePlan) -> Result<()> {
-        self.check_flags(&plan.variant)
+        self.engine.check_flags(&plan.variant)
     }
 
     /// Decodes one query token per sequence: `q` is [len(seqs)][num_kv_heads × gqa][head_dim]
@@ -419,13 +419,13 @@ impl KvCache {
         }
         let dtype = self.spec.geometry.dtype;
         let qh: Vec<u16> = q.iter().map(|&x| to_bits(dtype, x)).collect();
-        self.dev.stream.memcpy_htod(&qh, &mut ws.q).map_err(drv("query upload"))?;
+        self.engine.dev().stream.memcpy_htod(&qh, &mut ws.q).map_err(drv("query upload"))?;
         self.launch(plan, &mut ws)?;
         self.check(plan)?;
-        let out = self.dev.stream.clone_dtoh(&ws.out).map_err(drv("output download"))?;
-        let lse = self.dev.stream.clone_dtoh(&ws.lse).map_err(drv("lse download"))?;
+        let out = self.engine.dev().stream.clone_dtoh(&ws.out).map_err(drv("output download"))?;
+        let lse = self.engine.dev().stream.clone_dtoh(&ws.lse).map_err(drv("lse download"))?;
         let plse = match (&ws.page_lse, mass) {
-            (Some(b), PageMass::Download) => self.dev.stream.clone_dtoh(b).map_err(drv("page masses"))?,
+            (Some(b), PageMass::Download) => self.engine.dev().stream.clone_dtoh(b).map_err(drv("page masses"))?,
             _ => Vec::new(),
         };
         Ok((DecodeOutput { out: out.into_iter().map(|b| from_bits(dtype, b)).collect(), lse }, plse))

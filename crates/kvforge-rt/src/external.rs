@@ -19,7 +19,6 @@
 //! shorter than the page header's (it never reads past the planned length).
 
 use cudarc::driver::sys::{CUpointer_attribute, CUstream};
-use cudarc::driver::DevicePtr;
 use kvforge_spec::DType;
 
 use crate::cache::KvCache;
@@ -201,9 +200,9 @@ impl KvCache {
         if t.numel() == 0 {
             return Ok(());
         }
-        let ordinal = self.dev.ctx.ordinal();
+        let ordinal = self.engine.dev().ctx.ordinal();
         let get = |attr: CUpointer_attribute, out: *mut std::ffi::c_void| {
-            self.dev.ctx.bind_to_thread().map_err(drv("bind context"))?;
+            self.engine.dev().ctx.bind_to_thread().map_err(drv("bind context"))?;
             // SAFETY: `out` points at a live local of the attribute's size (u32 memory type,
             // i32 ordinal, u64 range start and size); the driver only reads `t.ptr` as a number.
             unsafe { cudarc::driver::sys::cuPointerGetAttribute(out, attr, t.ptr).result() }.map_err(|e| bad(format!("`{name}` (address {:#x}) is not CUDA device memory: {e}", t.ptr)))
@@ -234,7 +233,7 @@ impl KvCache {
     }
 
     fn check_all(&self, args: &[(&str, &ExternalTensor, ElemType, Vec<(&str, usize)>)]) -> Result<()> {
-        let ordinal = self.dev.ctx.ordinal();
+        let ordinal = self.engine.dev().ctx.ordinal();
         for (name, t, elem, dims) in args {
             t.check(name, elem, dims, ordinal)?;
         }
@@ -261,7 +260,7 @@ impl KvCache {
         let dtype = self.spec.geometry.dtype;
         let mut kh = vec![0u16; n * hkv * d];
         let mut vh = vec![0u16; n * hkv * d];
-        let st = self.dev.stream.clone();
+        let st = self.engine.dev().stream.clone();
         // SAFETY: both sources were checked to be `n·hkv·d` 16-bit elements of device memory
         // of this context; the host buffers have exactly that size; the synchronize below
         // keeps them alive until the copies land.
@@ -368,12 +367,12 @@ impl KvCache {
     /// `stream` must be a live CUDA stream of this cache's context (or 0, the legacy default
     /// stream) for the duration of the call.
     pub unsafe fn wait_for_stream(&self, stream: u64) -> Result<()> {
-        if stream as CUstream == self.dev.stream.cu_stream() {
+        if stream as CUstream == self.engine.dev().stream.cu_stream() {
             return Ok(());
         }
         // SAFETY: the caller guarantees `stream` is a live stream of this context.
-        let other = unsafe { self.dev.ctx.wrap_borrowed_stream(stream as CUstream) };
-        self.dev.stream.join(&other).map_err(drv("wait for the caller's stream"))
+        let other = unsafe { self.engine.dev().ctx.wrap_borrowed_stream(stream as CUstream) };
+        self.engine.dev().stream.join(&other).map_err(drv("wait for the caller's stream"))
     }
 
     /// Makes `stream` wait for the work submitted so far to the cache's stream (so the
@@ -382,22 +381,22 @@ impl KvCache {
     /// # Safety
     /// As [`KvCache::wait_for_stream`].
     pub unsafe fn signal_stream(&self, stream: u64) -> Result<()> {
-        if stream as CUstream == self.dev.stream.cu_stream() {
+        if stream as CUstream == self.engine.dev().stream.cu_stream() {
             return Ok(());
         }
         // SAFETY: the caller guarantees `stream` is a live stream of this context.
-        let other = unsafe { self.dev.ctx.wrap_borrowed_stream(stream as CUstream) };
-        other.join(&self.dev.stream).map_err(drv("order the caller's stream after the cache"))
+        let other = unsafe { self.engine.dev().ctx.wrap_borrowed_stream(stream as CUstream) };
+        other.join(&self.engine.dev().stream).map_err(drv("order the caller's stream after the cache"))
     }
 
     /// The raw stream the cache submits to (0: the legacy default stream).
     pub fn stream_handle(&self) -> u64 {
-        self.dev.stream.cu_stream() as u64
+        self.engine.dev().stream.cu_stream() as u64
     }
 
     /// Device address of the page arena (tests: external tensors must not alias it).
     pub fn arena_ptr(&self) -> u64 {
-        self.arena.device_ptr(&self.dev.stream).0
+        self.store.arena_ptr()
     }
 }
 

@@ -108,7 +108,7 @@ impl KvCache {
     /// [`track_window`](Self::track_window) folds).
     pub fn mass_workspace(&self, plan: &DecodePlan) -> Result<DecodeWorkspace> {
         let mut ws = self.workspace(plan)?;
-        ws.page_lse = Some(self.dev.stream.alloc_zeros::<f32>(plan.page_offsets.len().max(1)).map_err(drv("page masses"))?);
+        ws.page_lse = Some(self.engine.dev().stream.alloc_zeros::<f32>(plan.page_offsets.len().max(1)).map_err(drv("page masses"))?);
         ws.page_warp_lse = self.warp_lse_scratch(plan)?;
         Ok(ws)
     }
@@ -134,7 +134,7 @@ impl KvCache {
         }
         distinct(seqs)?;
         let ids: Vec<u32> = seqs.iter().map(|&s| s as u32).collect();
-        let slots = self.dev.stream.clone_htod(&ids).map_err(drv("mass window slots"))?;
+        let slots = self.engine.dev().stream.clone_htod(&ids).map_err(drv("mass window slots"))?;
         ws.window = Some(WindowFold { slots, seqs: seqs.to_vec() });
         Ok(())
     }
@@ -151,7 +151,7 @@ impl KvCache {
         let slots = fold.seqs.iter().max().map_or(0, |&s| s + 1);
         let most_pages = plan.page_indptr.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0);
         self.grow_mass_window(slots, most_pages)?;
-        let st = self.dev.stream.clone();
+        let st = self.engine.dev().stream.clone();
         let Some(w) = self.mass_window.as_mut() else { return Err(RtError::BadInput("mass window: not allocated".into())) };
         for &s in &fold.seqs {
             w.open[s] = true;
@@ -180,14 +180,14 @@ impl KvCache {
 
     /// One `mass_window` launch over every (entry, kv head) of `plan`.
     pub(crate) fn launch_fold(&mut self, plan: &DecodePlan, params: &MassWindowParams) -> Result<()> {
-        let k = self.kernels.get(&self.dev, &self.spec, &VariantId::mass_window(&self.spec))?;
+        let k = self.engine.kernel(&self.spec, &VariantId::mass_window(&self.spec))?;
         let cfg = LaunchConfig { grid_dim: (plan.num_kv_heads as u32, plan.batch as u32, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: params mirror the kernel struct (`window_fold_params`): `page_lse` and
         // `page_indptr` are the plan's buffers (one entry per page, batch × heads + 1
         // ranges), `slots` holds `batch` ids below the window's slots and every range is at
         // most `capacity` pages (grown there).
         crate::kernels::trace_launch(|| VariantId::mass_window(&self.spec).symbol(), &cfg);
-        unsafe { self.dev.stream.launch_builder(&k.func).arg(params).launch(cfg) }.map_err(drv("launch mass_window"))?;
+        unsafe { self.engine.dev().stream.launch_builder(&k.func).arg(params).launch(cfg) }.map_err(drv("launch mass_window"))?;
         Ok(())
     }
 
@@ -222,13 +222,13 @@ impl KvCache {
         let (Some(lo), Some(hi)) = (open.iter().min().copied(), open.iter().max().copied()) else {
             return Ok(counts.into_iter().map(unobserved).collect());
         };
-        let st = self.dev.stream.clone();
+        let st = self.engine.dev().stream.clone();
         let w = self.mass_window.as_mut().expect("open slots imply a window");
         let (base, cap, end) = (w.row(lo, 0, hkv), w.capacity, w.row(hi + 1, 0, hkv));
         if w.staging.as_ref().is_none_or(|h| h.len() < end - base) {
             // SAFETY: the download below writes the elements read from it. Flags 0: cached
             // (the default write-combined memory is slow for the host to read).
-            w.staging = Some(unsafe { self.dev.ctx.alloc_pinned_with_flags::<f32>(end - base, 0) }.map_err(drv("mass window staging"))?);
+            w.staging = Some(unsafe { self.engine.dev().ctx.alloc_pinned_with_flags::<f32>(end - base, 0) }.map_err(drv("mass window staging"))?);
         }
         let host = &mut w.staging.as_mut().expect("allocated above").as_mut_slice().map_err(drv("mass window staging"))?[..end - base];
         {
@@ -272,7 +272,7 @@ impl KvCache {
             return Ok(());
         }
         let (base, cap) = (w.row(seq, 0, hkv), w.capacity);
-        let st = self.dev.stream.clone();
+        let st = self.engine.dev().stream.clone();
         let mut rows = st.clone_dtoh(&w.buf.slice(base..base + hkv * cap)).map_err(drv("mass window download"))?;
         for (h, row) in rows.chunks_mut(cap).enumerate() {
             let mut gone: Vec<usize> = dropped.iter().filter(|d| d.0 == h).map(|d| d.1).filter(|&i| i < cap).collect();
@@ -290,7 +290,7 @@ impl KvCache {
     /// Resets the window rows of `seq` to "not observed" (a removed sequence's id is reused).
     pub(crate) fn reset_mass_window(&mut self, seq: usize) -> Result<()> {
         let hkv = self.cfg.num_kv_heads;
-        let st = self.dev.stream.clone();
+        let st = self.engine.dev().stream.clone();
         let Some(w) = self.mass_window.as_mut().filter(|w| seq < w.slots && w.open[seq]) else { return Ok(()) };
         let (base, cap) = (w.row(seq, 0, hkv), w.capacity);
         fill_unobserved(&st, &mut w.buf, base, hkv * cap)?;
@@ -309,7 +309,7 @@ impl KvCache {
         let new_slots = if slots > old_slots { slots.max(2 * old_slots) } else { old_slots };
         let capacity = if pages > old_cap { pages.max(2 * old_cap).max(MIN_CAPACITY).next_power_of_two() } else { old_cap };
         let len = new_slots * hkv * capacity;
-        let st = self.dev.stream.clone();
+        let st = self.engine.dev().stream.clone();
         // SAFETY: every element is written by `fill_unobserved` below before any read.
         let mut buf = unsafe { st.alloc::<f32>(len) }.map_err(|e| match drv("mass window")(e) {
             RtError::OutOfMemory { what, .. } => RtError::OutOfMemory { what, bytes: len * 4 },

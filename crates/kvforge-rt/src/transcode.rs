@@ -99,13 +99,13 @@ impl KvCache {
     /// A page of `tier` outside any sequence, for [`transcode_pages`](Self::transcode_pages);
     /// its bytes are whatever the pool left there.
     pub fn alloc_page(&mut self, tier: TierId) -> Result<PageRef> {
-        self.pool.alloc(tier)
+        self.store.pool_mut().alloc(tier)
     }
 
     /// Returns a page from [`alloc_page`](Self::alloc_page) to the pool (never a sequence's
     /// page: the sequence would keep reading it).
     pub fn free_page(&mut self, page: PageRef) {
-        self.pool.free(page)
+        self.store.pool_mut().free(page)
     }
 
     /// Uploads every launch's lists in one copy, launches them in order (launch `i` raises
@@ -121,24 +121,24 @@ impl KvCache {
             words.extend(l.dst.iter().map(|p| p.offset));
             words.extend(l.heads.chunks(2).map(|h| u64::from(h[0]) | u64::from(h.get(1).copied().unwrap_or(0)) << 32));
         }
-        let st = self.dev.stream.clone();
-        if let Err(e) = ensure(&st, &mut self.move_bufs.args, words.len(), "page move arguments").and_then(|_| ensure(&st, &mut self.move_bufs.flags, launches.len(), "page move flags")) {
+        let st = self.engine.dev().stream.clone();
+        if let Err(e) = ensure(&st, &mut self.engine.move_bufs().args, words.len(), "page move arguments").and_then(|_| ensure(&st, &mut self.engine.move_bufs().flags, launches.len(), "page move flags")) {
             return fail(e);
         }
-        let args = self.move_bufs.args.as_mut().expect("ensured above");
+        let args = self.engine.move_bufs().args.as_mut().expect("ensured above");
         if let Err(e) = st.memcpy_htod(&words, &mut args.slice_mut(0..words.len())).map_err(drv("page move arguments")) {
             return fail(e);
         }
         let base = args.device_ptr(&st).0;
-        let flags = self.move_bufs.flags.as_ref().expect("ensured above").device_ptr(&st).0;
+        let flags = self.engine.move_bufs().flags.as_ref().expect("ensured above").device_ptr(&st).0;
         let tp = self.tier_pointers();
-        let arena = self.arena.device_ptr(&st).0;
+        let arena = self.store.arena_ptr();
         let mut launched = 0;
         let mut launch_error = None;
         for (i, l) in launches.iter().enumerate() {
             let n = l.src.len();
             let v = VariantId::transcode(&self.spec, l.from, l.to, self.cfg.head_dim);
-            let k = match self.kernels.get(&self.dev, &self.spec, &v) {
+            let k = match self.engine.kernel(&self.spec, &v) {
                 Ok(k) => k,
                 Err(e) => {
                     launch_error = Some(e);
@@ -168,7 +168,7 @@ impl KvCache {
             }
             launched += 1;
         }
-        let flags_buf = self.move_bufs.flags.as_mut().expect("ensured above");
+        let flags_buf = self.engine.move_bufs().flags.as_mut().expect("ensured above");
         let raised = match st.clone_dtoh(&flags_buf.slice(0..launched)).map_err(drv("page move flags")) {
             Ok(f) => f,
             Err(e) => return fail(e),
@@ -178,7 +178,7 @@ impl KvCache {
                 return fail(e);
             }
             let v = VariantId::transcode(&self.spec, launches[i].from, launches[i].to, self.cfg.head_dim);
-            return Outcome { landed: i, error: Some(RtError::KernelFault { variant: v.to_string(), what: crate::cache::fault_names(raised[i]) }) };
+            return Outcome { landed: i, error: Some(RtError::KernelFault { variant: v.to_string(), what: crate::engine::fault_names(raised[i]) }) };
         }
         Outcome { landed: launched, error: launch_error }
     }
@@ -190,7 +190,7 @@ impl KvCache {
         for (_, to, g) in launches {
             need[*to as usize] += g.len();
         }
-        let room = need.iter().enumerate().all(|(t, &n)| n <= self.pool.free_pages(t as TierId));
+        let room = need.iter().enumerate().all(|(t, &n)| n <= self.store.pool().free_pages(t as TierId));
         if !room {
             for l in launches {
                 self.land(moves, std::slice::from_ref(l))?;
@@ -208,17 +208,17 @@ impl KvCache {
         }
         let page = |m: usize| {
             let (s, (h, i, _)) = moves[m];
-            self.seqs[s].as_ref().expect("checked by retier_many").heads[h].full[i]
+            self.store.full_page(s, h, i).expect("checked by retier_many")
         };
         let src: Vec<Vec<PageRef>> = launches.iter().map(|(_, _, g)| g.iter().map(|&m| page(m)).collect()).collect();
         let heads: Vec<Vec<u32>> = launches.iter().map(|(_, _, g)| g.iter().map(|&m| moves[m].1 .0 as u32).collect()).collect();
         let mut dst: Vec<Vec<PageRef>> = Vec::with_capacity(launches.len());
         for (_, to, g) in launches {
-            let pages: Result<Vec<PageRef>> = g.iter().map(|_| self.pool.alloc(*to)).collect();
+            let pages: Result<Vec<PageRef>> = g.iter().map(|_| self.store.pool_mut().alloc(*to)).collect();
             match pages {
                 Ok(p) => dst.push(p),
                 Err(e) => {
-                    dst.into_iter().flatten().for_each(|p| self.pool.free(p));
+                    dst.into_iter().flatten().for_each(|p| self.store.pool_mut().free(p));
                     return Err(e);
                 }
             }
@@ -228,13 +228,13 @@ impl KvCache {
         drop(runs);
         for (i, ((_, _, g), (src, dst))) in launches.iter().zip(src.into_iter().zip(dst)).enumerate() {
             if i >= out.landed {
-                dst.into_iter().for_each(|p| self.pool.free(p));
+                dst.into_iter().for_each(|p| self.store.pool_mut().free(p));
                 continue;
             }
             for ((&m, old), new) in g.iter().zip(src).zip(dst) {
                 let (s, (h, i, _)) = moves[m];
-                self.seqs[s].as_mut().expect("checked by retier_many").heads[h].full[i] = new;
-                self.pool.free(old);
+                self.store.replace_full(s, h, i, new).expect("checked by retier_many");
+                self.store.pool_mut().free(old);
             }
         }
         match out.error {

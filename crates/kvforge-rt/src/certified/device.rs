@@ -261,13 +261,13 @@ impl KvCache {
         let hkv = self.cfg.num_kv_heads;
         let lists: Vec<Vec<Vec<(PageRef, usize)>>> = groups.chunks(hkv).map(|seq| seq.iter().map(|g| g.pages.clone()).collect()).collect();
         let phase1 = self.plan_entry(&lists, Entry::Certified)?;
-        let arena = self.arena.device_ptr(&self.dev.stream).0;
+        let arena = self.store.arena_ptr();
         let orig = self.cert.originals.as_ref().expect("checked by decode_certified");
         plan_step(&self.spec, phase1, groups, &|p| orig.address(p), arena, seed)
     }
 
     fn alloc_scratch(&self, cap: Capacity) -> Result<CertScratch> {
-        let st = &self.dev.stream;
+        let st = &self.engine.dev().stream;
         let f32s = |n: usize, what: &str| st.alloc_zeros::<f32>(n).map_err(drv(what.to_string()));
         let table = |what: &str| -> Result<(CudaSlice<u64>, CudaSlice<u32>, CudaSlice<u32>)> {
             Ok((
@@ -317,7 +317,7 @@ impl KvCache {
             Some(s) if s.cap.holds(&need) => s,
             old => self.alloc_scratch(old.map_or(need, |o| o.cap.max(&need)))?,
         };
-        let st = self.dev.stream.clone();
+        let st = self.engine.dev().stream.clone();
         let p1 = &plan.phase1;
         st.memcpy_htod(&p1.page_offsets, &mut b.ws1.page_offsets).map_err(drv("page table"))?;
         st.memcpy_htod(&p1.page_info, &mut b.ws1.page_info).map_err(drv("page table"))?;
@@ -336,8 +336,8 @@ impl KvCache {
     }
 
     fn launch_select(&mut self, plan: &StepPlan, b: &mut CertScratch, cfg: &CertConfig, force: bool) -> Result<()> {
-        let k = self.kernels.get(&self.dev, &self.spec, &plan.select)?;
-        let st = self.dev.stream.clone();
+        let k = self.engine.kernel(&self.spec, &plan.select)?;
+        let st = self.engine.dev().stream.clone();
         let groups = plan.phase1.batch * plan.phase1.num_kv_heads;
         let l = PackLayout::new(b.cap.pages, b.cap.blocks, b.cap.groups);
         let pack = b.pack.device_ptr(&st).0;
@@ -371,8 +371,8 @@ impl KvCache {
     }
 
     fn launch_bound(&mut self, plan: &StepPlan, b: &mut CertScratch, cfg: &CertConfig) -> Result<()> {
-        let k = self.kernels.get(&self.dev, &self.spec, &plan.bound)?;
-        let st = self.dev.stream.clone();
+        let k = self.engine.kernel(&self.spec, &plan.bound)?;
+        let st = self.engine.dev().stream.clone();
         let groups = plan.phase1.batch * plan.phase1.num_kv_heads;
         let l = PackLayout::new(b.cap.pages, b.cap.blocks, b.cap.groups);
         let r = ResultLayout::new(b.cap.rows, b.cap.head_dim);
@@ -389,7 +389,7 @@ impl KvCache {
             out: result + r.out as u64,
             head_f64: result + r.f64s as u64,
             head_u32: result + r.u32s as u64,
-            error_flags: self.flags.device_ptr(&st).0,
+            error_flags: self.engine.flags_ptr(),
             flags_out: result + r.flags as u64,
             guard: cfg.guard,
             head_dim: plan.phase1.head_dim as i32,
@@ -407,7 +407,7 @@ impl KvCache {
 
     /// Phase 2 from the selector's table into the result buffer.
     fn launch_phase2(&mut self, plan: &StepPlan, b: &CertScratch) -> Result<()> {
-        let st = self.dev.stream.clone();
+        let st = self.engine.dev().stream.clone();
         let r = ResultLayout::new(b.cap.rows, b.cap.head_dim);
         let result = b.result.device_ptr(&st).0;
         let io = DecodeIo { q: b.ws1.q.device_ptr(&st).0, out: result + r.out as u64, lse: result + r.lse as u64 };
@@ -417,11 +417,11 @@ impl KvCache {
     /// Runs the first round of a device step: phase 1, selector, phase 2, certificate.
     /// With `profile`, returns each stage's device time.
     fn device_round(&mut self, plan: &StepPlan, b: &mut CertScratch, cfg: &CertConfig, profile: bool) -> Result<Option<KernelTimes>> {
-        let st = self.dev.stream.clone();
+        let st = self.engine.dev().stream.clone();
         let events = if profile {
             let mut e = Vec::with_capacity(5);
             for _ in 0..5 {
-                e.push(self.dev.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"))?);
+                e.push(self.engine.dev().ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"))?);
             }
             Some(e)
         } else {
@@ -449,11 +449,11 @@ impl KvCache {
         let p = &plan.phase1;
         let (rows, d) = (p.batch * p.num_kv_heads * p.gqa, p.head_dim);
         let r = ResultLayout::new(b.cap.rows, b.cap.head_dim);
-        let bytes = self.dev.stream.clone_dtoh(&b.result.slice(0..r.bytes)).map_err(drv("step download"))?;
+        let bytes = self.engine.dev().stream.clone_dtoh(&b.result.slice(0..r.bytes)).map_err(drv("step download"))?;
         let word = |at: usize, i: usize, w: usize| &bytes[at + i * w..at + (i + 1) * w];
         let flags = u32::from_le_bytes(word(r.flags, 0, 4).try_into().expect("4 bytes"));
         if flags != 0 {
-            self.check_flags(&plan.phase2.variant)?;
+            self.engine.check_flags(&plan.phase2.variant)?;
         }
         let dtype = self.spec.geometry.dtype;
         Ok(StepResult {
@@ -466,7 +466,7 @@ impl KvCache {
 
     /// The phase outputs a host continuation needs, and the device's page states.
     fn download_phases(&self, plan: &StepPlan, b: &CertScratch, res: &StepResult) -> Result<(PhaseOut, PhaseOut, Vec<u8>)> {
-        let st = &self.dev.stream;
+        let st = &self.engine.dev().stream;
         let n = plan.phase1.page_offsets.len() * plan.bpp;
         let m = n * plan.phase1.gqa;
         let get = |x: &Option<CudaSlice<f32>>, what: &str| -> Result<Vec<f32>> { st.clone_dtoh(&x.as_ref().expect("allocated by alloc_scratch").slice(0..m)).map_err(drv(what.to_string())) };
@@ -539,7 +539,7 @@ impl KvCache {
                 return Ok(CertifiedOutput { out: res.out, lse: res.lse, heads: finish(groups, certs, gqa), launches, paged_in_bytes: paged, host_ladder: false, kernel_us });
             }
             // Rungs 3–4 on the device: the selector serves the forced groups wholly from tier 2.
-            self.dev.stream.memcpy_htod(&force, &mut b.force).map_err(drv("forced groups"))?;
+            self.engine.dev().stream.memcpy_htod(&force, &mut b.force).map_err(drv("forced groups"))?;
             self.launch_select(plan, b, cfg, true)?;
             self.launch_phase2(plan, b)?;
             self.launch_bound(plan, b, cfg)?;

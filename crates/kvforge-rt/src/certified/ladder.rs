@@ -9,7 +9,6 @@
 //! (`device.rs`) hands a step over to it when a group must climb rungs 1–2 (they order pages
 //! by achieved mass, which only the host does).
 
-use cudarc::driver::DevicePtr;
 use kvforge_gen::schedule::Entry;
 use kvforge_spec::TAIL_TIER;
 
@@ -296,7 +295,7 @@ impl KvCache {
     fn page_in_copy(&mut self, sources: &[u64], pb: usize) -> Result<u64> {
         use cudarc::driver::{sys, DevicePtrMut};
         let need = sources.len() * pb;
-        let st = self.dev.stream.clone();
+        let st = self.engine.dev().stream.clone();
         if self.cert.page_in.as_ref().is_none_or(|b| b.len() < need) {
             // SAFETY: every byte a launch reads is written by the copies below first.
             self.cert.page_in = Some(unsafe { st.alloc::<u8>(need) }.map_err(drv("tier-2 page-in buffer"))?);
@@ -323,10 +322,7 @@ impl KvCache {
     /// too), else phase 2 (the device path's phase-2 plan).
     pub(super) fn certified_launch(&mut self, groups: &[Group], qh: &[u16], page_in: PageIn, paged: &mut usize, with_delta: bool) -> Result<PhaseOut> {
         let hkv = self.cfg.num_kv_heads;
-        let arena = {
-            let st = &self.dev.stream;
-            self.arena.device_ptr(st).0
-        };
+        let arena = self.store.arena_ptr();
         let orig = self.cert.originals.as_ref().expect("checked by decode_certified");
         let pb = orig.page_bytes();
         let block_bytes = self.cert_block_bytes();
@@ -382,7 +378,7 @@ impl KvCache {
         let mut ws = self.workspace(&plan)?;
         let bpp = self.cert_blocks_per_page();
         let nblocks = plan.page_offsets.len().max(1) * bpp;
-        let st = self.dev.stream.clone();
+        let st = self.engine.dev().stream.clone();
         ws.block_head_lse = Some(st.alloc_zeros::<f32>(nblocks * plan.gqa).map_err(drv("block masses"))?);
         ws.page_warp_lse = self.warp_lse_scratch(&plan)?;
         if with_delta {

@@ -63,12 +63,19 @@ use select::{group_seed, SelectParams};
 #[derive(Default)]
 pub(crate) struct CertifiedState {
     /// Tier 2 of certified decode, when kept ([`KvCache::keep_originals`]).
-    pub(crate) originals: Option<Originals>,
+    originals: Option<Originals>,
     /// Device buffers of certified steps on the device path, reused while steps fit.
-    pub(crate) scratch: Option<CertScratch>,
+    scratch: Option<CertScratch>,
     /// [`PageIn::Copy`]: device copies of the originals a launch serves, kept and grown
     /// across steps.
-    pub(crate) page_in: Option<cudarc::driver::CudaSlice<u8>>,
+    page_in: Option<cudarc::driver::CudaSlice<u8>>,
+}
+
+impl CertifiedState {
+    /// Whether tier 2 is kept: appends then record the originals of the pages they encode.
+    pub(crate) fn keeps_originals(&self) -> bool {
+        self.originals.is_some()
+    }
 }
 
 /// Where the selector and the certificate run.
@@ -235,7 +242,7 @@ impl KvCache {
     /// (tier 2 of certified decode). Call before appending; fails with a typed error if the
     /// pinned slab cannot be allocated.
     pub fn keep_originals(&mut self) -> Result<()> {
-        if self.pool.used_pages(self.cfg.target_tier) > 0 {
+        if self.store.pool().used_pages(self.cfg.target_tier) > 0 {
             return Err(RtError::WrongState { what: "keep_originals".into(), fix: "call it before any page is encoded".into() });
         }
         let tokens = self.spec.page.tokens;
@@ -247,7 +254,7 @@ impl KvCache {
         }
         let seg = self.spec.segment(TAIL_TIER, self.cfg.head_dim);
         let bytes = kvforge_spec::HEADER_BYTES + seg.bytes;
-        self.cert.originals = Some(Originals::new(self.dev.stream.context(), self.pool.capacity(self.cfg.target_tier), bytes)?);
+        self.cert.originals = Some(Originals::new(self.engine.dev().stream.context(), self.store.pool().capacity(self.cfg.target_tier), bytes)?);
         Ok(())
     }
 
