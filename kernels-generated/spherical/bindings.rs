@@ -210,10 +210,10 @@ pub mod tiers {
 pub struct VariantInfo {
     pub name: &'static str,
     pub symbol: &'static str,
-    /// `decode`, `transcode`, `combine` or `mass_window`.
+    /// `decode`, `transcode`, `combine`, `mass_window`, `certselect` or `certbound`.
     pub kind: &'static str,
     pub head_dim: usize,
-    /// Query heads per kv head (decode only, else 0).
+    /// Query heads per kv head (decode and certify kernels, else 0).
     pub gqa: usize,
     /// Served tier ids (decode) or `[src, dst]` (transcode).
     pub tiers: &'static [u8],

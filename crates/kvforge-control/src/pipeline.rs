@@ -1,9 +1,9 @@
 //! RDR off the decode critical path: plan on a host thread, apply at the next invocation.
 //!
-//! An RDR decision is O(pages) on the host (0.6–1.1 ms at 32K tokens × 8 kv heads: the drop
-//! penalty η couples every page, so no page's move can be priced alone), while a decode step
-//! at that context is ~65 µs of GPU time. Made synchronously every 64 steps it is ~15 µs per
-//! step, a quarter of the step (issue 7 asks for < 2%). It does not need to be synchronous:
+//! An RDR decision is O(pages) on the host (the drop penalty η couples every page, so no
+//! page's move can be priced alone), many times a decode step's GPU time at long contexts, so
+//! made synchronously even every 64 steps it is a large share of each step (issue 7 asks for
+//! < 2%). It does not need to be synchronous:
 //! the decision only reads a snapshot (the page table and the importance window), and its
 //! moves stay valid while tokens are appended behind them ([`runtime::apply_grown`]). So
 //! [`RdrPipeline`] does, at each invocation boundary, on the decode thread:

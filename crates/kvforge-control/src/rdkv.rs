@@ -273,10 +273,8 @@ impl RdkvController {
     /// heads on its one thread): the same plans as [`decide`](Controller::decide) per layer.
     ///
     /// RDKV runs once, after the prefill of all layers, and the layers' knapsacks are
-    /// independent. One layer's decision is ~0.3-0.5 ms on one thread of the H100 machine's
-    /// Xeon (its heads on the pool: ~0.3-0.6 ms, the workers' wake-up included), ~1-1.6% of
-    /// that layer's 35.4 ms prefill; 32 layers' decisions across the pool cost a fraction of
-    /// that per layer.
+    /// independent. One layer's decision is a small fraction of that layer's prefill, and the
+    /// layers' decisions spread over the pool cost a fraction of that per layer.
     pub fn decide_layers(&self, views: &[PageTableView], limits: &Limits) -> Vec<Plan> {
         use rayon::prelude::*;
         let one = RdkvController { parallel_pages: usize::MAX, ..self.clone() };
@@ -299,8 +297,7 @@ fn decide_heads(view: &PageTableView, limits: &Limits, budget: f64, dist: ViewDi
 /// [`decide_heads`] with the heads on the rayon pool, in one hand-off: the budget split needs
 /// only each head's least bytes ([`HeadHulls::least_costs`], a cheap walk), so each pool
 /// thread poses and solves its head. Posing was 40% of the decision and, with only the solves
-/// on the pool, its serial part; a second hand-off cost tens of µs more on the H100 host's
-/// Xeon. Same numbers as `decide_heads`: each head's hulls, least and fixed bytes are built
+/// on the pool, its serial part; a second hand-off cost more than it saved. Same numbers as `decide_heads`: each head's hulls, least and fixed bytes are built
 /// as it builds them.
 fn decide_heads_on_pool(view: &PageTableView, limits: &Limits, budget: f64, dist: ViewDistortion) -> (Vec<knapsack::Solution>, Vec<Decision>) {
     use rayon::prelude::*;

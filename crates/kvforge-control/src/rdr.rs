@@ -94,8 +94,7 @@ pub struct RdrController {
     pub every: usize,
     /// Record page masses on one decode step in `sample` ([`tracks`](Self::tracks); the step
     /// of each decision always). The window's maximum then runs over the sampled steps. Why: the tracked
-    /// decode costs more than the plain one (15% of the kernel at batch 1 × 32K for rdkv on
-    /// the H100), and a page's importance is an EMA over windows of `every` steps, so a few
+    /// decode costs more than the plain one, and a page's importance is an EMA over windows of `every` steps, so a few
     /// samples per window carry nearly the same ranking (the CPU frontier measures it).
     pub sample: usize,
     /// Decode steps a moved page stays frozen (seed 000 C.4 C, in steps, not invocations).
@@ -124,7 +123,7 @@ impl RdrController {
     /// token), so at 64-token pages a decision every 64 steps acts on every new page, as a
     /// decision every 16 did, with a quarter of the invocations; the overrun between
     /// decisions is one page per kv head either way. Each invocation is O(pages) on the host
-    /// (issue 7: a few hundred µs at 32K tokens × 8 kv heads), so the period sets the
+    /// (issue 7), so the period sets the
     /// controller's cost per step. The cooldown keeps a moved page in place at the next
     /// decision.
     pub fn new(spec: &Spec) -> RdrController {

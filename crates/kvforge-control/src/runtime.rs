@@ -3,8 +3,8 @@
 //! [`apply`] validates the plan ([`check_plan`](crate::check_plan)), checks that the cache still looks like the
 //! view, hands all its moves to the cache in one [`PagedCache::retier_pages`] call and verifies
 //! the cache afterwards against [`simulate`](crate::simulate). One call per sequence lets `KvCache` re-code with
-//! one transcode launch per (from tier, to tier) pair instead of one per page (issue 7: 5–19 ms
-//! per layer on an H100). The batch takes the indices of the view (before any move), so
+//! one transcode launch per (from tier, to tier) pair instead of one per page, whose launches
+//! dominated the cost of applying a plan. The batch takes the indices of the view (before any move), so
 //! `apply` shifts nothing; the safe order (drops free pages first, deepest source tier first)
 //! is the cache's business (`kvforge_rt::MoveBatch`).
 //!
@@ -96,8 +96,8 @@ pub struct CheckedPlan {
     after: PageTableView,
     /// The cache's layout epoch when the view's page table was read, if it keeps one.
     epoch: Option<u64>,
-    /// What applying it will report, less the launches (summing a view's page costs twice was
-    /// ~45 µs per sequence on the H100 machine's decode thread).
+    /// What applying it will report, less the launches, computed once at check time so that
+    /// applying does not sum the view's page costs a second time on the decode thread.
     report: ApplyReport,
 }
 
@@ -164,8 +164,7 @@ fn matches(view: &[crate::signal::PageInfo], found: &[(TierId, usize)], page_tok
 /// [`apply_grown`] of several sequences' plans (each sequence once) with one
 /// [`PagedCache::retier_many`] call: `KvCache` makes one transcode launch per tier pair for
 /// all of them and synchronises once, where one call per sequence synchronised per sequence
-/// (at an RDR boundary of a batch of 8 at 32K tokens, ~100 µs of the decode thread each on the
-/// H100 machine). Per plan: `Stale` when its view no longer matches the cache (that plan is
+/// and the synchronisations dominated an RDR boundary. Per plan: `Stale` when its view no longer matches the cache (that plan is
 /// left out, the others apply), else what applying it did. `Err` when the cache failed the
 /// batch: a refusal (a bad move, too few free pages) changed nothing; a device fault applied
 /// the launches before it (`KvCache::retier_many`).
@@ -202,8 +201,8 @@ fn fresh<C: PagedCache>(cache: &C, seq: usize, c: &CheckedPlan) -> Result<(), Co
 /// After the moves: the invariant check (debug builds), then the report.
 fn finish<C: PagedCache>(cache: &C, seq: usize, after: &PageTableView, grown: bool, report: ApplyReport) -> Result<ApplyReport, ControlError> {
     // The page-table invariant checker runs in debug builds (issue 7): a release build trusts
-    // `retier_pages`, which reports every move it could not make. At 32K tokens × 8 kv heads
-    // the walk cost ~39 µs of the decode thread per sequence and boundary on the H100 host.
+    // `retier_pages`, which reports every move it could not make, and saves the decode thread
+    // a walk of every page per sequence and boundary.
     if cfg!(debug_assertions) {
         verify_after(cache, seq, after, grown)?;
     }
@@ -414,17 +413,14 @@ impl PositionMap {
 }
 
 /// With a pool of two or three threads, views (and RDKV's per-head solves) of fewer full pages
-/// than this stay on the calling thread: at 32K tokens × 8 kv heads (4096 pages) one thread of
-/// the 2-core VM builds the view in ~70 µs and decides in ~330 µs, while handing the heads to
-/// two threads took 85-600 µs and 290-780 µs (the workers' wake-up, not the work, is what it
-/// waits on). After the posing and solving speed-ups (branch `rdkv-speed`, same VM, another
-/// job holding one core): one thread ~67 µs + ~168 µs, two threads ~107 µs + ~240 µs.
+/// than this stay on the calling thread: on a pool this small the workers' wake-up, not the
+/// work, is what a hand-off waits on, and one thread was faster at 32K tokens × 8 kv heads
+/// (4096 pages; measurements in docs/perf/NOTES.md).
 pub const POOL_PAGES_NARROW: usize = 16384;
 
-/// With a pool of four threads or more the heads go to it from this many pages on: on the H100
-/// machine's 16-thread Xeon (slower per thread than the VM) the same 4096-page allocation took
-/// 129 + 694 µs on one thread and 85-109 + 326-390 µs on the pool
-/// (`controller_cost rdkv --parallel-pages`, 2026-11-26).
+/// With a pool of four threads or more the heads go to it from this many pages on: with that
+/// many workers the pool was faster than one thread from a few thousand pages
+/// (`controller_cost rdkv --parallel-pages`; measurements in docs/perf/NOTES.md).
 pub const POOL_PAGES_WIDE: usize = 1024;
 
 /// The page count from which [`PositionMap::view_par`] and RDKV's decision

@@ -1,9 +1,8 @@
 //! RDR's importance signal when the decode window lives on the device.
 //!
 //! [`ImportanceTracker`](crate::ImportanceTracker) is fed every decode step on the host. At
-//! 32K tokens × 8 kv heads that bookkeeping (downloading 4096 page masses and folding them
-//! into hash maps) was ~150 µs per step on the H100 machine, most of the controller's cost
-//! (issue 7). With `KvCache::decode_tracked` the window's maximum is kept by the GPU, and the
+//! long contexts that bookkeeping (downloading every page's mass and folding them into hash
+//! maps each step) was most of the controller's cost (issue 7). With `KvCache::decode_tracked` the window's maximum is kept by the GPU, and the
 //! host works only when the controller runs: kvforge-control-rt's `roll_cache` takes the
 //! window (one download) and folds it into the EMA.
 //!

@@ -64,7 +64,8 @@ pub fn tokens(spec: &Spec, mode: SourceMode) -> Result<TokenStream, crate::Rende
         }
     });
 
-    let variants = crate::variants(spec);
+    // The certify kernels are rendered and checked in with the spec, so they are named here too.
+    let variants: Vec<_> = crate::variants(spec).into_iter().chain(spec.certify_variants()).collect();
     let idents: Vec<_> = variants.iter().map(|v| format_ident!("{}", v.rust_ident())).collect();
     let mut infos = Vec::new();
     for v in &variants {
@@ -109,10 +110,10 @@ pub fn tokens(spec: &Spec, mode: SourceMode) -> Result<TokenStream, crate::Rende
         pub struct VariantInfo {
             pub name: &'static str,
             pub symbol: &'static str,
-            /// `decode`, `transcode`, `combine` or `mass_window`.
+            /// `decode`, `transcode`, `combine`, `mass_window`, `certselect` or `certbound`.
             pub kind: &'static str,
             pub head_dim: usize,
-            /// Query heads per kv head (decode only, else 0).
+            /// Query heads per kv head (decode and certify kernels, else 0).
             pub gqa: usize,
             /// Served tier ids (decode) or `[src, dst]` (transcode).
             pub tiers: &'static [u8],

@@ -224,18 +224,16 @@ fn stage_bytes(spec: &Spec, tiers: &[TierId], d: usize) -> usize {
 /// - the spec's `kernels.stage_kib` budget when it gives one (plain and tracked entries);
 /// - integer and dense pages stream at a bandwidth that grows with the bytes in flight, so
 ///   they take as many stages as fit in the CTA's share of the SM's shared memory
-///   ([`target_ctas`] CTAs per SM, at least 2), at most 100 KiB (H100, per-warp rdkv b8/b4:
-///   faster than with 4-5 stages; rdkv at 4 warps × 4 CTAs: stages sized to the share let
-///   the fourth CTA reside);
+///   ([`target_ctas`] CTAs per SM, at least 2), at most 100 KiB (deeper pipelines were faster
+///   for per-warp integer tiers, and stages sized to the share let every CTA reside);
 /// - variants with spherical tiers are bound by their lookup-table path and want CTAs per SM
-///   more than depth: as many stages as fit in 48 KiB, 2 to 8 (benches/NOTES.md: 2 stages
-///   instead of 3 for d128 pages ran spherical high / mid at 128K × 64 in 0.71x the time).
+///   more than depth: as many stages as fit in 48 KiB, 2 to 8 (docs/perf/NOTES.md).
 fn nstage(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s: &Schedule, entry: Entry) -> usize {
     let stage = stage_bytes(spec, tiers, d);
     let lut = lut_floats(spec, tiers, d, gqa);
     // The spec's budget is for the plain and tracked entries; the certified entry holds more
-    // registers, runs two CTAs per SM whatever its shared memory, and wants depth (certified
-    // q8k4v at `stage_kib = 64`: phase 1 at 1 × 32K 94 → 118 µs with 3 stages instead of 5).
+    // registers, runs two CTAs per SM whatever its shared memory, and wants depth (fewer
+    // stages made its phase 1 slower).
     match spec.kernels.stage_kib.filter(|_| entry == Entry::Decode) {
         Some(kib) => (kib * 1024 / stage).clamp(2, 16),
         None if lut == 0 => {
@@ -317,7 +315,7 @@ pub fn slices_channels(dst: &Tier) -> bool {
 
 /// CTAs per page of a transcode launch (`Cfg::SPLIT` of the generated kernel; the one place
 /// this is decided). A controller launch moves a few pages: one CTA per page left the GPU idle
-/// and each page one long latency chain (46-52 µs per launch, H100). The largest power of two
+/// and each page one long latency chain. The largest power of two
 /// whose slices (P·D / split floats) still give every thread [`TRANSCODE_FLOATS_PER_THREAD`]
 /// floats, and cut whole tokens (P % split) and, for per-channel destination keys, whole
 /// 8-channel chunks (D % 8·split).

@@ -12,8 +12,8 @@
 //! * `precompile <spec>...` (NVRTC, no GPU launch): the kernels the loop needs (head dim 128,
 //!   gqa 4), compiled in parallel into the kernel cache, so the loop does not JIT them one by one.
 //!
-//!     cargo run --release -p kvforge-control --example controller_cost -- rdr specs/rdkv.toml --batch 1,8
-#[path = "common/rdkv_case.rs"]
+//!     cargo run --release -p kvforge-lab --example controller_cost -- rdr specs/rdkv.toml --batch 1,8
+#[path = "../../kvforge-control/examples/common/rdkv_case.rs"]
 mod rdkv_case;
 
 use std::sync::Arc;

@@ -8,6 +8,8 @@
 //! partials of the test queries) is `kvforge_lab::frontier::World`, which `kvforge
 //! frontier` sweeps over budgets; these tests pin its expected behaviour on a small case.
 
+// kvforge-control's test helpers (shipped specs, synthetic views, the `SimCache` driver).
+#[path = "../../kvforge-control/tests/common/mod.rs"]
 mod common;
 
 use std::collections::HashMap;

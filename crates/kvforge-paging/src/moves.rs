@@ -1,7 +1,7 @@
 //! How a batch of page moves runs (`KvCache::retier_many`):
 //! checked as a whole, then one transcode launch per (from tier, to tier) pair, whatever
-//! sequences the pages belong to. One launch per page made applying a controller plan cost
-//! 5–19 ms per layer on an H100 (issue 7).
+//! sequences the pages belong to: one launch per page made applying a controller plan cost
+//! far more than the decode it serves (issue 7).
 //!
 //! Pure bookkeeping (no CUDA), so it is tested on any machine, and kvforge-control's
 //! `SimCache` runs the very same plan on the CPU as kvforge-rt's `KvCache` on the GPU.

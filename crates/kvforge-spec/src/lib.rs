@@ -24,8 +24,8 @@
 //!
 //! [`Spec::parse`] turns text into a [`Spec`] (parse, don't validate: only a `Spec` reaches the
 //! generator and the runtime) or a [`SpecError`] that names file, line, column and field.
-//! [`Spec::variants`] enumerates every kernel the generator renders, each named by one
-//! [`VariantId`]; [`SegmentLayout`] documents every tier's bytes.
+//! [`Spec::variants_with`] enumerates every kernel the generator renders (under the schedules
+//! kvforge-gen chooses: `kvforge_gen::variants`), each named by one [`VariantId`]; [`SegmentLayout`] documents every tier's bytes.
 
 pub mod codecs;
 pub mod constraints;

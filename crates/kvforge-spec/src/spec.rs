@@ -81,8 +81,8 @@ pub struct KernelOptions {
     /// CTAs per SM the decode kernels of gqa < 8 ask the register allocator to fit
     /// (`__launch_bounds__`; gqa ≥ 8 always asks for one: its accumulators need the registers).
     /// Default: 512 threads per SM. Three CTAs of 8 warps cap registers at 80: the low-bit
-    /// integer tiers, which shared memory does not limit, gain 5–15% from the extra CTA on the
-    /// H100 (benches/NOTES.md); wider tiers spill there.
+    /// integer tiers, which shared memory does not limit, gain from the extra CTA; wider tiers
+    /// spill there (docs/perf/NOTES.md).
     pub ctas_per_sm: usize,
     /// Shared memory per decode CTA for its page pipeline (KiB): the stage count is as many
     /// pages as fit (2 to 16). `None`: the generator's rule (kvforge-gen schedule.rs `nstage`: 100 KiB, less
@@ -193,7 +193,7 @@ impl Spec {
 
     /// The certified-decode kernels (selector and certificate) of every gqa, for specs with
     /// `kernels.certified` (none otherwise): not decode variants of the spec's tiers, so
-    /// [`Spec::variants`] leaves them out; rendered, checked in and precompiled with it.
+    /// [`Spec::variants_with`] leaves them out; rendered, checked in and precompiled with it.
     pub fn certify_variants(&self) -> Vec<VariantId> {
         if !self.kernels.certified {
             return Vec::new();

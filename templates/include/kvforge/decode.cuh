@@ -268,8 +268,7 @@ struct DecodeCta {
       pw_m = m_new;
       // Accumulator columns are heads 2qd and 2qd + 1, whose statistics live in lanes 8qd and
       // 8qd + 4; once a head's maximum settles, its pages skip the rescale. (A lazy rescale,
-      // keeping the maximum until a score passes it by 2^8, was no faster on the H100: rdkv
-      // 128K × 64 within 1%, 1 × 128K int8 11% slower.)
+      // keeping the maximum until a score passes it by 2^8, was no faster.)
       if (__any_sync(0xffffffffu, alpha != 1.f)) {
         const float a0 = __shfl_sync(0xffffffffu, alpha, 8 * qd), a1 = __shfl_sync(0xffffffffu, alpha, 8 * qd + 4);
 #pragma unroll
@@ -581,8 +580,8 @@ struct DecodeCta {
 
   // Codecs with a large scorer (K::OUTLINE_SCORER: mixed keys) score through one
   // out-of-line copy per codec (inlined into every zone tier's page step the 4-zone TriZone
-  // variant spilled 3 KB per thread at gqa 8; outlined no variant spills, and on the H100 it
-  // runs as fast as the inlined single-tier variant), with chunk-major lanes: thread i takes 8-channel
+  // variant spilled 3 KB per thread at gqa 8; outlined no variant spills, and it runs as fast
+  // as the inlined single-tier variant), with chunk-major lanes: thread i takes 8-channel
   // chunk i / TG and tokens i % TG + j·TG, so the lanes of a warp share a chunk pair and hence
   // a segment (segments are whole eighths of head_dim: 1, 2 or 4 chunks, a multiple of the
   // chunks per warp) and run one dequantisation path instead of all of them. A token's
@@ -840,7 +839,7 @@ struct DecodeCta {
     cp_async_wait<0>();
     __syncthreads();
     // Past its page loop: the combine may start launching (it waits for this grid's writes).
-    // (Triggering at the kernel's start instead measured the same on the H100.)
+    // (Triggering at the kernel's start instead was no faster.)
     grid_launch_dependents();
 
     // Reduce the warps' accumulators in a fixed order, so that a decode is bit-reproducible

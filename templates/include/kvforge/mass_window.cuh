@@ -3,8 +3,8 @@
 // this fold: every page's share of its (sequence, kv head)'s total for the step enters a
 // running per-page maximum. The host reads and resets the window only when the controller
 // runs, so a decode step costs no transfer (issue 7: the host fold of downloaded masses was
-// ~150 us per step at 32K tokens) and, when the decode has a split-K combine, no launch
-// either: extra CTAs of the combine fold (a separate fold launch was ~5 us on the H100).
+// most of the controller's cost) and, when the decode has a split-K combine, no launch
+// either: extra CTAs of the combine fold (a separate fold launch costs a launch per step).
 //
 // The window stores log2 shares, not shares: a max commutes with exp2, and far-away pages
 // whose share is below f32's smallest normal stay ordered instead of flushing to zero. NaN

@@ -1,7 +1,7 @@
 // Transcode full pages from tier SRC to tier DST (encode when SRC is the tail tier). A page is
 // always re-coded whole (seed 004 P1: metadata never goes stale), but its work is split over
 // Cfg::SPLIT CTAs: a launch moves a few pages (the RDR controller's ~4 per launch), and one CTA
-// per page left the GPU idle and each page one long latency chain (46-52 µs per launch, H100).
+// per page left the GPU idle and each page one long latency chain.
 // Split s dequantises only the slice it codes into fp32 shared memory, then the destination
 // codec quantises and packs it: key slice s (whole channels or whole tokens, as the
 // destination key codec's numbers allow; see PageSlice) and value slice s (whole tokens).

@@ -16,8 +16,8 @@ fn main() {
     assert_eq!(certified::tiers::q8k4v::d128::K_CODES_OFFSET, 0);
     assert_eq!(certified::tiers::q8k4v::d128::K_CODES_BYTES, 64 * 128);
     // 3 combinations x 3 head dims x 4 gqa decodes, 3 transcodes per head dim, 3 combines,
-    // one importance-window fold.
-    assert_eq!(certified::Variant::ALL.len(), 36 + 9 + 3 + 1);
+    // one importance-window fold, and a certified selector and certificate per gqa.
+    assert_eq!(certified::Variant::ALL.len(), 36 + 9 + 3 + 1 + 8);
     assert_eq!(certified::Variant::MassWindow.info().kind, "mass_window");
     for v in certified::Variant::ALL {
         let info = v.info();
@@ -27,4 +27,6 @@ fn main() {
     }
     let decodes = certified::Variant::ALL.iter().filter(|v| v.info().kind == "decode").count();
     assert_eq!(decodes, 36);
+    assert_eq!(certified::Variant::CertselectG4.info().kind, "certselect");
+    assert_eq!(certified::Variant::CertboundG4.info().gqa, 4);
 }

@@ -313,10 +313,9 @@ struct IntKey {
   // The layout takes keys whose scale block spans the page: the thread's scale and zero pairs
   // are then loaded once per page (they were 8 of the octet's 10 key LDS.128, each 4
   // shared-memory wavefronts, and shared memory is as busy as the issue slots here). With
-  // smaller blocks they are reloaded per octet, and fp32 scales are rounded to fp16 pairs:
-  // seed 004's int8 keys (16-token blocks, fp32 scales) ran 12% slower per-warp than in the
-  // block layout with tensor-core values (H100, 128K × 64: 13.9 vs 10.3 ms) and missed the
-  // selftest tolerance (max abs 1.3e-3 vs 9.8e-4) (benches/NOTES.md, 2026-11-26 fourth session).
+  // smaller blocks they are reloaded per octet, and fp32 scales are rounded to fp16 pairs,
+  // which was both slower than the block layout and outside the selftest tolerance
+  // (docs/perf/NOTES.md, v11).
   static constexpr bool WARP = BLOCK >= P && D * BITS >= 128;
   // A warp's key reader for one page (constructed per page, called per octet).
   template <int NPAIR> struct WarpKeys {
@@ -409,8 +408,8 @@ struct IntValue {
   // of the two tokens are interleaved by one PRMT per 16-bit chunk, each pair is pulled out by
   // one LOP3 as (1024 + c, 1024 + c'), and one HSUB2 + one HFMA2 with the two tokens' (scale,
   // zero) pairs give code · scale + zero rounded once to fp16. (Folding the code's bias into
-  // the zero, zero − bias · scale in fp16, saves the HSUB2 but rounds that term: rdkv int2 then
-  // missed the 2^-10 reference tolerance, 1.07e-3, on the H100.) The per-warp layout needs the
+  // the zero, zero − bias · scale in fp16, saves the HSUB2 but rounds that term, and rdkv int2
+  // then misses the 2^-10 reference tolerance.) The per-warp layout needs the
   // channels of a lane (head_dim / 8) inside one group.
   static constexpr bool WARP = GROUP % (D / 8) == 0;
   template <int N>
