@@ -178,7 +178,7 @@ impl Hulls {
         self.rho.resize(first_step + rest.len(), 0.0);
         let (idx, rho) = (&mut self.idx[first..], &mut self.rho[first_step..]);
         idx[0] = start as u32;
-        let top = hull_stack(idx, rho, rest.iter().copied(), &slope, &slope);
+        let top = hull_stack(idx, rho, rest.iter().copied(), slope, slope);
         self.rho_max = self.rho_max.max(close_steps(choices, &idx[..=top], &mut rho[..top], &mut self.save));
         self.start_cost += choices[start].cost;
         self.end_cost += choices[idx[top] as usize].cost;

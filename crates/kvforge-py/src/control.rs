@@ -115,7 +115,7 @@ impl Controller {
                     if every == 0 || sample == 0 {
                         return Err(bad(py, "Controller: every and sample must be at least 1"));
                     }
-                    if !(margin.is_finite() && margin >= 0.0) || !(drop_penalty.is_finite() && drop_penalty >= 0.0) {
+                    if !(margin.is_finite() && margin >= 0.0 && drop_penalty.is_finite() && drop_penalty >= 0.0) {
                         return Err(bad(py, "Controller: margin and drop_penalty must be finite and >= 0"));
                     }
                     let mut c = RdrController::with_table(DistortionTable::from_spec(&spec));

@@ -75,10 +75,6 @@ pub(crate) fn nat(obj: &Bound<'_, PyAny>) -> PyResult<usize> {
     unsigned(obj, "a non-negative integer")
 }
 
-pub(crate) fn nat_u32(obj: &Bound<'_, PyAny>) -> PyResult<u32> {
-    unsigned(obj, "a non-negative integer below 2**32")
-}
-
 pub(crate) fn nat_u64(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
     unsigned(obj, "a non-negative integer below 2**64")
 }

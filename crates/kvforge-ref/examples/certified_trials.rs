@@ -40,7 +40,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut key_only = BTreeMap::new();
     for w in [Workload::Random, Workload::OutlierChannels, Workload::Peaked, Workload::Medium] {
         let n = if w == Workload::Medium { 240 } else { 4_000 };
-        let st = run_workload(w, ((n as f64 * fraction).ceil() as u64).max(8), SEED ^ 0x6b65_79, &key_cfg)?;
+        let st = run_workload(w, ((n as f64 * fraction).ceil() as u64).max(8), SEED ^ 0x6b_6579, &key_cfg)?;
         eprintln!("{w:?} (key term only): {} head-steps, {} violations", st.trials, st.violations);
         key_only.insert(serde_json::to_value(w)?.as_str().unwrap().to_string(), json!({ "trials": st.trials, "violations": st.violations, "paper_eq15_violations": st.paper_violations, "rungs": st.rungs, "tightness": st.quantiles(), "tightness_paper_eq15": st.quantiles_paper() }));
     }

@@ -115,7 +115,7 @@ fn bound_holds_32k_contexts() {
 fn key_term_alone_holds() {
     let cfg = CertConfig { values: ValuePolicy::Threshold { v_tol: 0.0 }, ..CertConfig::default() };
     for w in [Workload::Random, Workload::OutlierChannels, Workload::Peaked] {
-        let s = run_workload(w, 1_000 / DEBUG_DIVISOR.min(10), SEED ^ 0x6b65_79, &cfg).unwrap();
+        let s = run_workload(w, 1_000 / DEBUG_DIVISOR.min(10), SEED ^ 0x6b_6579, &cfg).unwrap();
         report(w, &s);
         assert_eq!((s.violations, s.paper_violations), (0, 0), "{w:?}");
     }

@@ -189,7 +189,7 @@ impl KvCache {
     /// spec dtype. Either every token is appended or, on out-of-pages, nothing changes.
     pub fn append(&mut self, seq: usize, k: &[f32], v: &[f32]) -> Result<()> {
         let (hkv, d, p) = (self.cfg.num_kv_heads, self.cfg.head_dim, self.spec.page.tokens);
-        if k.len() != v.len() || k.len() % (hkv * d) != 0 {
+        if k.len() != v.len() || !k.len().is_multiple_of(hkv * d) {
             return Err(RtError::ShapeMismatch { what: "append: k/v".into(), expected: format!("n × {hkv} kv heads × {d} values each"), got: format!("k {} and v {} values", k.len(), v.len()) });
         }
         if let Some(bad) = k.iter().chain(v.iter()).find(|x| !x.is_finite()) {

@@ -149,7 +149,7 @@ impl ExternalTensor {
         if self.numel() > 0 {
             if self.ptr == 0 {
                 problems.push(format!("`{name}` has a null data pointer"));
-            } else if self.elem.size() > 0 && self.ptr % self.elem.size() as u64 != 0 {
+            } else if self.elem.size() > 0 && !self.ptr.is_multiple_of(self.elem.size() as u64) {
                 problems.push(format!("`{name}` data pointer {:#x} is not aligned to its {}-byte elements", self.ptr, self.elem.size()));
             }
         }

@@ -142,7 +142,7 @@ impl PageStore {
     }
 
     fn head(&self, seq: usize, head: usize) -> Result<&HeadPages> {
-        self.seq(seq)?.heads.get(head).ok_or_else(|| RtError::NoKvHead { head, heads: self.kv_heads })
+        self.seq(seq)?.heads.get(head).ok_or(RtError::NoKvHead { head, heads: self.kv_heads })
     }
 
     /// Logical length of `seq`: tokens appended so far, including those of dropped pages.
@@ -263,7 +263,7 @@ impl PageStore {
             return Err(RtError::BadInput("tiling needs batch > 0 and len > 0".into()));
         }
         let full = len / p;
-        let tmpl_full = (1..=full.min(16)).rev().find(|t| full % t == 0).unwrap_or(0);
+        let tmpl_full = (1..=full.min(16)).rev().find(|t| full.is_multiple_of(*t)).unwrap_or(0);
         let tmpl_len = tmpl_full * p + len % p;
         let s = self.seq(s0)?;
         if s.len != tmpl_len || s.heads.iter().any(|h| h.full.len() != tmpl_full) {
@@ -277,7 +277,7 @@ impl PageStore {
         let want = full * hkv * batch;
         let mut need = vec![0usize; tiers];
         need[target as usize] = want.saturating_sub(tmpl_pages);
-        need[TAIL_TIER as usize] = if len % p > 0 { hkv * (batch - 1) } else { 0 };
+        need[TAIL_TIER as usize] = if !len.is_multiple_of(p) { hkv * (batch - 1) } else { 0 };
         self.pool.reserve(&need)?;
         let mut pages = Vec::with_capacity(want);
         for h in 0..hkv {
@@ -349,7 +349,7 @@ impl PageStore {
     /// The tail page of (seq, head): its bytes (host mirror) and token count.
     pub(crate) fn tail_bytes(&self, seq: usize, head: usize) -> Result<Option<(&[u8], usize)>> {
         let s = self.seq(seq)?;
-        let h = s.heads.get(head).ok_or_else(|| RtError::NoKvHead { head, heads: s.heads.len() })?;
+        let h = s.heads.get(head).ok_or(RtError::NoKvHead { head, heads: s.heads.len() })?;
         Ok(h.tail.as_ref().map(|t| (t.bytes.as_slice(), t.len)))
     }
 

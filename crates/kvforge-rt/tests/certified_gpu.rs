@@ -155,7 +155,7 @@ fn certified_bound_holds_on_random_and_adversarial_steps() {
         }
         // Targets from loose to tight, so the ladder's rungs 1–3 are exercised too.
         let max_error = [0.05, 0.01, 0.002, 0.0005][round % 4];
-        let mut cc = CertConfig { page_in: if round % 2 == 0 { PageIn::Uva } else { PageIn::Copy }, max_error, ..CertConfig::default() };
+        let mut cc = CertConfig { page_in: if round.is_multiple_of(2) { PageIn::Uva } else { PageIn::Copy }, max_error, ..CertConfig::default() };
         for _ in 0..6 {
             let q: Vec<f32> = (0..batch).flat_map(|_| make_q(&mut rng, kind, hkv * gqa, d)).collect();
             let r = c.decode_certified(&seqs, &q, &mut cc).unwrap();

@@ -75,7 +75,7 @@ fn bad_inputs_are_typed_errors_not_launches() {
     assert!(matches!(c.decode(&[], &[]), Err(RtError::BadInput(_))));
     assert!(matches!(c.decode(&[7], &[]), Err(RtError::NoSequence(7))));
     c.append(a, &data(10 * 2 * 128, 1), &data(10 * 2 * 128, 2)).unwrap();
-    assert!(matches!(c.decode(&[a], &vec![0.0; 3]), Err(RtError::ShapeMismatch { .. })));
+    assert!(matches!(c.decode(&[a], &[0.0; 3]), Err(RtError::ShapeMismatch { .. })));
     assert!(matches!(c.append(a, &[1.0; 5], &[1.0; 5]), Err(RtError::ShapeMismatch { .. })));
     assert!(matches!(c.append(a, &[f32::NAN; 256], &[0.0; 256]), Err(RtError::NonFinite { .. })));
     // Query dtype must match the spec (certified decodes fp16 queries).

@@ -40,7 +40,7 @@ pub fn decode_warps(spec: &Spec, combo: &[TierId]) -> usize {
 pub fn decode_geometry(tokens: usize, head_dim: usize, warps: usize) -> Result<(), String> {
     let blocks = tokens / 16;
     let value_parts = warps / warps.min(blocks.max(1));
-    if tokens % 16 != 0 || (head_dim / value_parts) % 16 != 0 {
+    if !tokens.is_multiple_of(16) || !(head_dim / value_parts).is_multiple_of(16) {
         return Err(format!(
             "{warps} warps split a page of {tokens} tokens into {value_parts} value parts of {} channels of head_dim {head_dim}; the tensor-core value tiles need a multiple of 16 channels",
             head_dim / value_parts
@@ -90,7 +90,7 @@ pub(crate) fn check(spec: &Spec, raw: &RawSpec, loc: &Locator<'_>) -> Result<(),
         if let KeyScheme::Int { block, .. } = &t.key {
             if block % 16 != 0 {
                 let span = raw.tiers.get_ref().get(i).and_then(|r| r.key.get_ref().block.as_ref()).map(|b| b.span());
-                let valid: Vec<String> = (16..=spec.page.tokens).step_by(16).filter(|b| spec.page.tokens % b == 0).map(|b| b.to_string()).collect();
+                let valid: Vec<String> = (16..=spec.page.tokens).step_by(16).filter(|b| spec.page.tokens.is_multiple_of(*b)).map(|b| b.to_string()).collect();
                 return err(span, &format!("tier[{i}].key.block"), format!(
                     "key block {block} is not a multiple of 16 tokens (integer keys score on tensor cores in 16-token tiles); valid at page.tokens {}: {}",
                     spec.page.tokens,

@@ -86,7 +86,7 @@ fn invariants(s: &Spec, src: &str) -> Result<(), TestCaseError> {
             }
             prop_assert!(seg.page_bytes >= seg.payload_bytes + HEADER_BYTES, "tier {} d {d}: {seg:?}{}", t.name, ctx());
             prop_assert_eq!(seg.page_bytes % s.page.alignment, 0);
-            prop_assert!(seg.bytes >= seg.payload_bytes && seg.bytes % 16 == 0);
+            prop_assert!(seg.bytes >= seg.payload_bytes && seg.bytes.is_multiple_of(16));
             let mut end = 0;
             for a in &seg.arrays {
                 prop_assert!(a.offset % 16 == 0 && a.offset >= end, "{seg:?}");

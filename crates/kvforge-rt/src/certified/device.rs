@@ -671,7 +671,7 @@ mod tests {
             let r = ResultLayout::new(rows, d);
             let parts = [(r.f64s, 8 * CERT_F64 * rows), (r.u32s, 4 * CERT_U32 * rows), (r.flags, 4), (r.lse, 4 * rows), (r.out, 2 * rows * d)];
             assert!(parts.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0));
-            assert!(r.f64s % 8 == 0 && r.u32s % 4 == 0 && r.flags % 4 == 0 && r.lse % 4 == 0 && r.out % 2 == 0);
+            assert!(r.f64s.is_multiple_of(8) && r.u32s.is_multiple_of(4) && r.flags.is_multiple_of(4) && r.lse.is_multiple_of(4) && r.out.is_multiple_of(2));
             assert_eq!(r.out + 2 * rows * d, r.bytes);
         }
     }

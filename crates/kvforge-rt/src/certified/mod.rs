@@ -246,7 +246,7 @@ impl KvCache {
             return Err(RtError::WrongState { what: "keep_originals".into(), fix: "call it before any page is encoded".into() });
         }
         let tokens = self.spec.page.tokens;
-        if tokens % CERT_BLOCK != 0 || tokens / CERT_BLOCK > MAX_BLOCKS_PER_PAGE {
+        if !tokens.is_multiple_of(CERT_BLOCK) || tokens / CERT_BLOCK > MAX_BLOCKS_PER_PAGE {
             return Err(RtError::BadInput(format!(
                 "certified decode promotes {CERT_BLOCK}-token blocks, at most {MAX_BLOCKS_PER_PAGE} per page: spec `{}` has {tokens}-token pages",
                 self.spec.name

@@ -117,7 +117,7 @@ pub fn select_blocks(quantised: &[bool], lse: &[f32], gqa: usize, p: &SelectPara
             }
         }
     }
-    let key = |i: usize| (0..gqa).map(|h| if total[h] > 0 { (w(i, h) << 31) / total[h] } else { 0 }).max().unwrap_or(0);
+    let key = |i: usize| (0..gqa).map(|h| (w(i, h) << 31).checked_div(total[h]).unwrap_or(0)).max().unwrap_or(0);
     let mut order: Vec<(u64, usize)> = (0..n).filter(|&i| quantised[i]).map(|i| (key(i), i)).collect();
     order.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
     let done = |c: &[u64]| c.iter().zip(&total).all(|(&c, &t)| c as f64 >= p.coverage * t as f64);

@@ -63,7 +63,7 @@ fn load_scale(dt: ScaleDType, bytes: &[u8], i: usize) -> f64 {
 /// `code · scale + zero` per channel; codes are packed LSB-first, `8 / bits` per byte.
 #[allow(clippy::too_many_arguments)]
 fn int(bits: u32, group: usize, dt: ScaleDType, d: usize, tokens: usize, codes: &[u8], scale: &[u8], zero: &[u8]) -> Result<Vec<f64>, String> {
-    if !matches!(bits, 2 | 4 | 8) || group == 0 || d % group != 0 {
+    if !matches!(bits, 2 | 4 | 8) || group == 0 || !d.is_multiple_of(group) {
         return Err(format!("int values of {bits} bits in groups of {group} do not fit head_dim {d}"));
     }
     let (row, groups, per, mask) = (d * bits as usize / 8, d / group, 8 / bits as usize, ((1u32 << bits) - 1) as u8);

@@ -315,7 +315,7 @@ impl<'a> ParseCtx<'a> {
         let block = *b.get_ref();
         let tokens = self.page_tokens;
         if block <= 0 || tokens as i64 % block != 0 {
-            let valid: Vec<String> = (1..=tokens).filter(|b| tokens % b == 0).map(|b| b.to_string()).collect();
+            let valid: Vec<String> = (1..=tokens).filter(|b| tokens.is_multiple_of(*b)).map(|b| b.to_string()).collect();
             return self.err(b.span(), "block", format!("block {block} does not divide page tokens {tokens}; valid: {}", valid.join(", ")));
         }
         Ok(block as usize)

@@ -56,7 +56,7 @@ fn check_args(a: &Args) -> anyhow::Result<()> {
     ensure(a.runs > 0, || "--runs 0: time at least one run".into())?;
     ensure(a.steps > 0, || "--steps 0: run at least one decode step".into())?;
     ensure([64, 128, 256].contains(&a.head_dim), || format!("--head-dim {}: valid 64, 128, 256", a.head_dim))?;
-    ensure(a.kv_heads > 0 && a.q_heads % a.kv_heads == 0 && a.q_heads > 0, || format!("--q-heads {} must be a positive multiple of --kv-heads {}", a.q_heads, a.kv_heads))?;
+    ensure(a.kv_heads > 0 && a.q_heads.is_multiple_of(a.kv_heads) && a.q_heads > 0, || format!("--q-heads {} must be a positive multiple of --kv-heads {}", a.q_heads, a.kv_heads))?;
     if let Some(path) = &a.json {
         crate::exit::output_path("--json", path)?;
     }
@@ -99,7 +99,7 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
             .collect::<anyhow::Result<Vec<_>>>()?;
         todo.push((s, ids));
     }
-    if a.kv_heads == 0 || a.q_heads % a.kv_heads != 0 {
+    if a.kv_heads == 0 || !a.q_heads.is_multiple_of(a.kv_heads) {
         return Err(kvforge_rt::RtError::BadInput(format!("q_heads {} must be a multiple of kv_heads {}", a.q_heads, a.kv_heads)).into());
     }
     let gqa = a.q_heads / a.kv_heads;
@@ -140,7 +140,7 @@ fn certified(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
     let (spec_name, tier_name) = key.split_once(':').ok_or_else(|| crate::exit::bad_input(format!("--tiers takes spec:tier, got `{key}`")))?;
     let spec = kvforge_spec::Spec::load(&root.join("specs").join(format!("{spec_name}.toml")))?;
     let tier = spec.tier(tier_name).ok_or_else(|| crate::exit::bad_input(format!("--tiers {key}: spec `{spec_name}` has no tier `{tier_name}`")))?.id;
-    if a.kv_heads == 0 || a.q_heads % a.kv_heads != 0 {
+    if a.kv_heads == 0 || !a.q_heads.is_multiple_of(a.kv_heads) {
         return Err(kvforge_rt::RtError::BadInput(format!("q_heads {} must be a multiple of kv_heads {}", a.q_heads, a.kv_heads)).into());
     }
     let Some(dev) = super::selftest::device_or_exit(a.allow_no_gpu)? else { return Ok(ExitCode::SUCCESS) };

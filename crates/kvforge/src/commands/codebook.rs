@@ -37,7 +37,7 @@ pub enum Cmd {
 /// Largest `--samples` file read (bytes).
 const MAX_SAMPLES_BYTES: u64 = 4 << 30;
 
-fn load_samples(path: &PathBuf, tensor: Option<&str>, group: usize) -> anyhow::Result<Vec<f32>> {
+fn load_samples(path: &std::path::Path, tensor: Option<&str>, group: usize) -> anyhow::Result<Vec<f32>> {
     let bytes = kvforge_spec::input::read_limited(path, MAX_SAMPLES_BYTES).map_err(|e| bad_input(format!("--samples {}: {e}", path.display())))?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad_input(format!("--samples {}: not a safetensors file: {e}", path.display())))?;
     let name = match tensor {

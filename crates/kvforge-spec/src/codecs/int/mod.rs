@@ -139,7 +139,7 @@ impl Codec for IntKey {
     #[cfg(feature = "reference")]
     fn check(&self, _d: usize, tokens: usize, _aux: &[f32]) -> Result<(), RefError> {
         check_bits(self.bits, "keys")?;
-        if self.block == 0 || tokens % self.block != 0 {
+        if self.block == 0 || !tokens.is_multiple_of(self.block) {
             return Err(RefError::Geometry(format!("per-channel int keys code whole blocks of {} tokens; {tokens} tokens is not a multiple", self.block)));
         }
         Ok(())
@@ -188,12 +188,12 @@ impl Codec for IntValue {
         Some(vec![(self.bits, 1.0)])
     }
     fn per_warp_capable(&self, d: usize, _p: usize) -> bool {
-        self.group % (d / 8) == 0
+        self.group.is_multiple_of(d / 8)
     }
     #[cfg(feature = "reference")]
     fn check(&self, d: usize, _tokens: usize, _aux: &[f32]) -> Result<(), RefError> {
         check_bits(self.bits, "values")?;
-        if self.group == 0 || d % self.group != 0 {
+        if self.group == 0 || !d.is_multiple_of(self.group) {
             return Err(RefError::Geometry(format!("value group {} does not divide head_dim {d}", self.group)));
         }
         Ok(())

@@ -156,7 +156,7 @@ fn parse_key(ctx: &ParseCtx<'_>) -> Result<KeyScheme, SpecError> {
         }
         segments.push(ChannelSegment { bits, eighths: x.round() as u32 });
     }
-    segments.sort_by(|a, b| b.bits.cmp(&a.bits));
+    segments.sort_by_key(|s| std::cmp::Reverse(s.bits));
     let total: u32 = segments.iter().map(|s| s.eighths).sum();
     if segments.is_empty() || total > 8 {
         return ctx.err(ch.span(), "channels", format!("channel shares add up to {}/8 of head_dim; they must be between 1/8 and 1 (the rest is dropped)", total));
@@ -257,11 +257,11 @@ impl Codec for MixedKey<'_> {
     }
     #[cfg(feature = "reference")]
     fn check(&self, d: usize, tokens: usize, _aux: &[f32]) -> Result<(), RefError> {
-        if self.block == 0 || tokens % self.block != 0 {
+        if self.block == 0 || !tokens.is_multiple_of(self.block) {
             return Err(RefError::Geometry(format!("mixed keys code whole blocks of {} tokens; {tokens} tokens is not a multiple", self.block)));
         }
         let segments = self.segments;
-        if d % 64 != 0 || segments.iter().map(|s| s.eighths).sum::<u32>() > 8 || segments.iter().any(|s| !matches!(s.bits, 16 | 8 | 4 | 2)) {
+        if !d.is_multiple_of(64) || segments.iter().map(|s| s.eighths).sum::<u32>() > 8 || segments.iter().any(|s| !matches!(s.bits, 16 | 8 | 4 | 2)) {
             return Err(RefError::Geometry(format!("mixed keys need head_dim a multiple of 64 and segments of 16/8/4/2 bits within head_dim, not {d} and {segments:?}")));
         }
         Ok(())

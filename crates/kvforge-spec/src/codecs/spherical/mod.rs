@@ -156,7 +156,7 @@ impl Codec for SphericalKey<'_> {
     #[cfg(feature = "reference")]
     fn check(&self, d: usize, _tokens: usize, aux: &[f32]) -> Result<(), RefError> {
         let (group, angle_bits, codebook) = (self.group, self.angle_bits, self.codebook);
-        if group == 0 || d % group != 0 || codebook.group != group {
+        if group == 0 || !d.is_multiple_of(group) || codebook.group != group {
             return Err(RefError::Geometry(format!("spherical group {group} (codebook group {}) does not divide head_dim {d}", codebook.group)));
         }
         if !(1..=8).contains(&angle_bits) || codebook.entries != 1 << angle_bits || codebook.data.len() != codebook.entries * group {
