@@ -58,10 +58,7 @@ pub trait RollCache {
 impl RollCache for PagedImportance {
     fn roll_cache(&mut self, cache: &mut KvCache, seq: usize) -> Result<(), ControlError> {
         let window = cache.take_mass_window(seq).map_err(cache_err)?;
-        let firsts: Vec<Vec<usize>> = (0..cache.config().num_kv_heads)
-            .map(|h| cache.positioned_pages(seq, h).map(|ps| ps.into_iter().map(|p| p.2).collect()))
-            .collect::<Result<_, _>>()
-            .map_err(cache_err)?;
+        let firsts: Vec<Vec<usize>> = (0..cache.config().num_kv_heads).map(|h| cache.positioned_pages(seq, h).map(|ps| ps.into_iter().map(|p| p.2).collect())).collect::<Result<_, _>>().map_err(cache_err)?;
         self.roll(&firsts, &window).map_err(ControlError::Importance)
     }
 }
@@ -126,4 +123,3 @@ pub fn invoke_all(pipes: &mut [RdrPipeline], cache: &mut KvCache) -> Result<Vec<
     }
     Ok(out)
 }
-

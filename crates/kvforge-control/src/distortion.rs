@@ -97,9 +97,7 @@ impl Proxy {
         };
         let (s1, s2) = view.iter().fold((0.0, 0.0), |(a, b), (_, p)| (a + p.importance().max(0.0), b + sq(p)));
         let abar = if s1 > 0.0 { s2 / s1 } else { 0.0 };
-        view.iter()
-            .map(|(_, p)| if abar > 0.0 { Weights { drop: p.importance().max(0.0), recode: sq(p) / abar } } else { linear(p) })
-            .collect()
+        view.iter().map(|(_, p)| if abar > 0.0 { Weights { drop: p.importance().max(0.0), recode: sq(p) / abar } } else { linear(p) }).collect()
     }
 }
 

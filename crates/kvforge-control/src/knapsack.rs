@@ -151,12 +151,16 @@ impl Hulls {
             return;
         }
         // Start: least distortion, ties towards the higher cost (no gratuitous move), then index.
-        let start = if ladder { 0 } else { (0..choices.len())
-            .min_by(|&a, &b| {
-                let (x, y) = (choices[a], choices[b]);
-                x.dist.total_cmp(&y.dist).then(y.cost.total_cmp(&x.cost)).then(a.cmp(&b))
-            })
-            .unwrap() };
+        let start = if ladder {
+            0
+        } else {
+            (0..choices.len())
+                .min_by(|&a, &b| {
+                    let (x, y) = (choices[a], choices[b]);
+                    x.dist.total_cmp(&y.dist).then(y.cost.total_cmp(&x.cost)).then(a.cmp(&b))
+                })
+                .unwrap()
+        };
         // Candidates strictly cheaper than the start, by cost descending; equal cost: least
         // distortion, then index.
         rest.clear();
@@ -451,7 +455,13 @@ fn solve_span(hulls: &HullSpan, budget: f64, choices: impl ItemChoices) -> Solut
                 let c = if at_lambda == p { picked } else { choice(i, at_lambda) };
                 g_lambda += c.dist + lambda * c.cost;
                 let at_zero = idx[below_zero] as usize;
-                let c = if at_zero == p { picked } else if at_zero == at_lambda { c } else { choice(i, at_zero) };
+                let c = if at_zero == p {
+                    picked
+                } else if at_zero == at_lambda {
+                    c
+                } else {
+                    choice(i, at_zero)
+                };
                 g_zero += c.dist + 0.0 * c.cost;
             }
         }

@@ -424,18 +424,7 @@ impl PageDist for ViewDistortion<'_> {
 
 /// Assembles a plan: costs and predicted distortions before and after.
 pub(crate) fn assemble(view: &PageTableView, decisions: Vec<Decision>, budget_bytes: f64, s: &Solution, forced: Vec<PageId>, dist: impl PageDist) -> Plan {
-    let mut plan = Plan {
-        decisions,
-        budget_bytes,
-        cost_before: view.cost(),
-        cost_after: 0.0,
-        distortion_before: 0.0,
-        distortion_after: 0.0,
-        lambda: s.lambda,
-        duality_gap: s.gap,
-        feasible: false,
-        forced,
-    };
+    let mut plan = Plan { decisions, budget_bytes, cost_before: view.cost(), cost_after: 0.0, distortion_before: 0.0, distortion_after: 0.0, lambda: s.lambda, duality_gap: s.gap, feasible: false, forced };
     // Decisions are sorted by page, as `view.iter()` walks: merge instead of a binary search
     // per page (same tiers as `Plan::tier_of`).
     let mut next = plan.decisions.iter().peekable();

@@ -67,14 +67,7 @@ pub fn allocate(weights: &[f64], eps: &[(u32, f64)], cost_per_bit: f64, budget: 
     choices.extend(weights.iter().flat_map(|&w| eps.iter().map(move |&(b, e)| Choice::new(b as f64 * cost_per_bit, w * e))));
     let start: Vec<usize> = (0..=weights.len()).map(|i| i * eps.len()).collect();
     let s = knapsack::solve_flat(&choices, &start, budget);
-    Allocation {
-        bits: s.pick.iter().map(|&i| eps[i].0).collect(),
-        distortion: s.dist,
-        cost: s.cost,
-        lambda: s.lambda,
-        duality_gap: s.gap,
-        feasible: s.feasible,
-    }
+    Allocation { bits: s.pick.iter().map(|&i| eps[i].0).collect(), distortion: s.dist, cost: s.cost, lambda: s.lambda, duality_gap: s.gap, feasible: s.feasible }
 }
 
 /// Token weights `w_t = Σ_τ a_τt` of an attention matrix `attn` (`[queries][T]`, rows are
@@ -203,13 +196,7 @@ impl RdkvController {
     }
 
     pub fn with_tables(spec: &Spec, eps_k: &[(u32, f64)], eps_v: &[(u32, f64)]) -> Result<RdkvController, RdkvError> {
-        let eps = spec
-            .tiers
-            .iter()
-            .map(|t| {
-                Ok(0.5 * (key_eps(&t.key, &t.name, eps_k)? + value_eps(&t.value, eps_v)?))
-            })
-            .collect::<Result<Vec<f64>, RdkvError>>()?;
+        let eps = spec.tiers.iter().map(|t| Ok(0.5 * (key_eps(&t.key, &t.name, eps_k)? + value_eps(&t.value, eps_v)?))).collect::<Result<Vec<f64>, RdkvError>>()?;
         Ok(RdkvController { table: DistortionTable { eps, drop_tier: crate::distortion::drop_tier(spec) }, proxy: Proxy::Linear, per_head: true, parallel_pages: crate::runtime::pool_pages() })
     }
 }
@@ -245,11 +232,15 @@ impl Controller for RdkvController {
         // Weights in view order: page (h, i) is at offset[h] + i (a hash map of 4096 pages,
         // looked up once per tier of every page, was a fifth of the decision at 32K tokens).
         let weights = self.proxy.weights(view);
-        let offset: Vec<usize> = view.heads.iter().scan(0, |acc, h| {
-            let o = *acc;
-            *acc += h.len();
-            Some(o)
-        }).collect();
+        let offset: Vec<usize> = view
+            .heads
+            .iter()
+            .scan(0, |acc, h| {
+                let o = *acc;
+                *acc += h.len();
+                Some(o)
+            })
+            .collect();
         let weight = |id: PageId| weights[offset[id.head] + id.index];
         let opts = |id: PageId, p: &PageInfo, out: &mut Vec<(TierId, f64)>| out.extend(limits.protection.allowed_tiers(p, view.context_tokens, &view.costs).map(|t| (t, table.page(weight(id), t))));
         let (sol, decisions) = if self.per_head {
@@ -315,10 +306,13 @@ fn decide_heads_on_pool(view: &PageTableView, limits: &Limits, budget: f64, dist
         })
         .collect();
     let mut decisions = Vec::with_capacity(per_head.iter().map(|x| x.1.len()).sum());
-    let solved = per_head.into_iter().map(|(s, d)| {
-        decisions.extend(d);
-        s
-    }).collect();
+    let solved = per_head
+        .into_iter()
+        .map(|(s, d)| {
+            decisions.extend(d);
+            s
+        })
+        .collect();
     (solved, decisions)
 }
 
@@ -334,11 +328,15 @@ mod tests {
     fn decide_head_by_head(c: &RdkvController, view: &PageTableView, limits: &Limits) -> Plan {
         let budget = limits.budget.bytes(view.context_tokens, view.heads.len());
         let weights = c.proxy.weights(view);
-        let offset: Vec<usize> = view.heads.iter().scan(0, |acc, h| {
-            let o = *acc;
-            *acc += h.len();
-            Some(o)
-        }).collect();
+        let offset: Vec<usize> = view
+            .heads
+            .iter()
+            .scan(0, |acc, h| {
+                let o = *acc;
+                *acc += h.len();
+                Some(o)
+            })
+            .collect();
         let min: Vec<f64> = (0..view.heads.len())
             .map(|h| view.heads[h].iter().map(|p| limits.protection.allowed_tiers(p, view.context_tokens, &view.costs).map(|t| view.costs.cost(t, p.tokens)).fold(f64::INFINITY, f64::min)).sum())
             .collect();
@@ -372,7 +370,8 @@ mod tests {
         let hs: Vec<Vec<PageInfo>> = pages
             .chunks(per_head)
             .map(|ps| {
-                let mut v: Vec<PageInfo> = ps.iter().enumerate().map(|(i, &(t, m, pin))| PageInfo { tier: 1 + t % 5, tokens: p, first_token: i * p, last_token: i * p + p - 1, mass: mass(m), token_mass: None, pinned: pin }).collect();
+                let mut v: Vec<PageInfo> =
+                    ps.iter().enumerate().map(|(i, &(t, m, pin))| PageInfo { tier: 1 + t % 5, tokens: p, first_token: i * p, last_token: i * p + p - 1, mass: mass(m), token_mass: None, pinned: pin }).collect();
                 let n = v.len();
                 v.push(PageInfo { tier: kvforge_spec::TAIL_TIER, tokens: tail, first_token: n * p, last_token: n * p + tail - 1, mass: 0.01, token_mass: None, pinned: false });
                 v

@@ -131,7 +131,18 @@ impl RdrController {
     }
 
     pub fn with_table(table: DistortionTable) -> RdrController {
-        RdrController { every: 64, sample: DEFAULT_SAMPLE, cooldown: 128, margin: 0.1, drop_policy: DropPolicy::Penalty(1.0), table, proxy: Proxy::default(), step: 0, pages: Vec::new(), stats: RdrStats::default() }
+        RdrController {
+            every: 64,
+            sample: DEFAULT_SAMPLE,
+            cooldown: 128,
+            margin: 0.1,
+            drop_policy: DropPolicy::Penalty(1.0),
+            table,
+            proxy: Proxy::default(),
+            step: 0,
+            pages: Vec::new(),
+            stats: RdrStats::default(),
+        }
     }
 
     /// Whether the next decode step (the one the next [`step`](Self::step) counts) should
@@ -249,11 +260,15 @@ impl Controller for RdrController {
         let eta = self.eta(view, &scores);
         let costs = &view.costs;
         // Scores are in view order: page (h, i) is at offset[h] + i.
-        let offset: Vec<usize> = view.heads.iter().scan(0, |acc, h| {
-            let o = *acc;
-            *acc += h.len();
-            Some(o)
-        }).collect();
+        let offset: Vec<usize> = view
+            .heads
+            .iter()
+            .scan(0, |acc, h| {
+                let o = *acc;
+                *acc += h.len();
+                Some(o)
+            })
+            .collect();
         let score_of = |id: PageId| scores[offset[id.head] + id.index];
         let frozen_now = |id: PageId| frozen[offset[id.head] + id.index];
         let table = &self.table;

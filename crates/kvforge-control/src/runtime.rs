@@ -14,7 +14,6 @@
 //! itself; kvforge-control-rt's `PositionMap::of_cache` reads them, so a caller that holds no map between
 //! invocations (the Python bindings) still gets the right positions.
 
-
 use kvforge_paging::MoveBatch;
 pub use kvforge_paging::{PageMove, PagedCache};
 use kvforge_spec::{Spec, TierId, TAIL_TIER};
@@ -23,7 +22,6 @@ use crate::budget::TierCosts;
 use crate::check::{checked, Violation};
 use crate::plan::{Limits, Plan};
 use crate::signal::{PageInfo, PageKey, PageTableView};
-
 
 /// Why a plan was not (fully) applied.
 #[derive(Debug, thiserror::Error)]
@@ -371,11 +369,7 @@ impl PositionMap {
         let mut out = Vec::with_capacity(pages.len());
         let mut full = self.full_first[h].iter();
         for (tier, tokens) in pages {
-            let first_token = if tier == TAIL_TIER {
-                self.filled[h] * p
-            } else {
-                *full.next().ok_or_else(|| ControlError::Positions(format!("kv head {h}: more full pages than known; call sync")))?
-            };
+            let first_token = if tier == TAIL_TIER { self.filled[h] * p } else { *full.next().ok_or_else(|| ControlError::Positions(format!("kv head {h}: more full pages than known; call sync")))? };
             let s = signal(PageKey { head: h, first_token }, tokens);
             out.push(PageInfo { tier, tokens, first_token, last_token: first_token + tokens.max(1) - 1, mass: s.mass, token_mass: s.token_mass, pinned: s.pinned });
         }

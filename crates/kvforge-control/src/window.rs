@@ -14,7 +14,6 @@
 //! so a roll over 4096 pages is a few array passes instead of ~8000 hash-map operations, and
 //! dropped pages need no `retain` (their slot is never read again).
 
-
 use crate::signal::PageKey;
 
 /// Why a window could not be rolled in.
@@ -123,5 +122,4 @@ impl PagedImportance {
         }
         self.ema.get(key.head).and_then(|e| e.get(key.first_token / self.page_tokens)).copied().filter(|x| !x.is_nan()).unwrap_or(0.0)
     }
-
 }

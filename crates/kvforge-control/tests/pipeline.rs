@@ -100,19 +100,21 @@ impl Case {
 }
 
 fn case() -> impl Strategy<Value = Case> {
-    (prop_oneof![Just("rdkv"), Just("spherical"), Just("certified")], 1usize..4, 0usize..1200, 1usize..40, 0.05f64..1.1, any::<u64>(), 0u8..3, 0usize..48, 0usize..200, 0usize..20).prop_map(|(name, heads, prefill, every, frac, seed, policy, cooldown, recent, sinks)| Case {
-        name,
-        heads,
-        prefill,
-        steps: 12 * every + 7,
-        every,
-        frac,
-        seed,
-        policy,
-        cooldown,
-        protection: Protection { sink_tokens: sinks, recent_tokens: recent, floor: 1 },
-        headroom: Headroom::None,
-    })
+    (prop_oneof![Just("rdkv"), Just("spherical"), Just("certified")], 1usize..4, 0usize..1200, 1usize..40, 0.05f64..1.1, any::<u64>(), 0u8..3, 0usize..48, 0usize..200, 0usize..20).prop_map(
+        |(name, heads, prefill, every, frac, seed, policy, cooldown, recent, sinks)| Case {
+            name,
+            heads,
+            prefill,
+            steps: 12 * every + 7,
+            every,
+            frac,
+            seed,
+            policy,
+            cooldown,
+            protection: Protection { sink_tokens: sinks, recent_tokens: recent, floor: 1 },
+            headroom: Headroom::None,
+        },
+    )
 }
 
 /// Runs the pipeline on its own cache and checks it against the synchronous controller:

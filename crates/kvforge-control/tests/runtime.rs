@@ -272,7 +272,17 @@ fn rdkv_pages_per_head_budget_and_checker() {
     assert_eq!(c.table.eps[1], 0.0);
     assert_eq!(*c.table.eps.last().unwrap(), 1.0);
     // Head 0 has concentrated attention, head 1 flat: per head, both get the same bytes.
-    let v = view(&s, 2, 32, 1, 7, |h, i| if h == 0 { if i % 8 == 0 { 1.0 } else { 1e-5 } } else { 0.03 });
+    let v = view(&s, 2, 32, 1, 7, |h, i| {
+        if h == 0 {
+            if i % 8 == 0 {
+                1.0
+            } else {
+                1e-5
+            }
+        } else {
+            0.03
+        }
+    });
     let top = v.costs.cost(1, v.costs.page_tokens) / v.costs.page_tokens as f64;
     let mut prev = f64::INFINITY;
     for k in 3..=10 {
@@ -303,7 +313,11 @@ fn parallel_view_equals_view() {
     let (mut c, mut pos) = sim("rdkv", 8, 40 * P() + 17);
     let seq = 0;
     c.retier(seq, 3, 2, 3).unwrap();
-    let signal = |k: PageKey, len: usize| Signal { mass: (k.first_token as f64 * 0.37 + k.head as f64).sin().abs(), token_mass: (k.head % 2 == 0).then(|| (0..len).map(|t| 1.0 / (k.first_token + t + 1) as f64).collect()), pinned: k.first_token % (7 * P()) == 0 };
+    let signal = |k: PageKey, len: usize| Signal {
+        mass: (k.first_token as f64 * 0.37 + k.head as f64).sin().abs(),
+        token_mass: (k.head % 2 == 0).then(|| (0..len).map(|t| 1.0 / (k.first_token + t + 1) as f64).collect()),
+        pinned: k.first_token % (7 * P()) == 0,
+    };
     let costs = costs(&spec("rdkv"), CostModel::Resident);
     let a = pos.view(&c, costs.clone(), signal).unwrap();
     let b = pos.view_par(&c, costs.clone(), signal).unwrap();

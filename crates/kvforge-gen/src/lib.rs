@@ -16,10 +16,10 @@
 
 pub mod bindings;
 pub mod limits;
-pub mod schedule;
-pub mod tiers;
 pub mod params;
 pub mod render;
+pub mod schedule;
+pub mod tiers;
 
 use std::path::{Path, PathBuf};
 
@@ -57,10 +57,7 @@ pub fn all_headers() -> Vec<(String, String)> {
 
 /// Files shared by all specs.
 pub fn render_common() -> Vec<GeneratedFile> {
-    vec![
-        GeneratedFile { path: "include/kvforge/params.cuh".into(), contents: params::render_cuda() },
-        GeneratedFile { path: "params.rs".into(), contents: params::render_rust() },
-    ]
+    vec![GeneratedFile { path: "include/kvforge/params.cuh".into(), contents: params::render_cuda() }, GeneratedFile { path: "params.rs".into(), contents: params::render_rust() }]
 }
 
 /// Every file of one spec: kernels and bindings.

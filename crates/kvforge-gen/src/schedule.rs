@@ -138,13 +138,7 @@ fn warp_tier(tier: &Tier, d: usize, p: usize) -> bool {
 pub fn per_warp(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s: &Schedule) -> bool {
     let p = spec.page.tokens;
     let ts: Vec<&Tier> = tiers.iter().map(|&t| &spec.tiers[t as usize]).collect();
-    s.tc_values
-        && gqa <= 8
-        && p.is_multiple_of(8)
-        && p >= 4 * s.warps
-        && d.is_multiple_of(64)
-        && ts.iter().all(|t| warp_tier(t, d, p))
-        && ts.iter().any(|t| matches!(t.key, KeyScheme::Int { .. }))
+    s.tc_values && gqa <= 8 && p.is_multiple_of(8) && p >= 4 * s.warps && d.is_multiple_of(64) && ts.iter().all(|t| warp_tier(t, d, p)) && ts.iter().any(|t| matches!(t.key, KeyScheme::Int { .. }))
 }
 
 /// Floats per page of `DecodeParams::page_warp_lse` that the tracked entry of a decode variant
@@ -209,13 +203,7 @@ pub fn decode_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s: &Sche
 /// Bytes of one pipeline stage: the page header and the largest staged segment (tail pages,
 /// tier 0, are read in place from global memory, so they do not size the stages).
 fn stage_bytes(spec: &Spec, tiers: &[TierId], d: usize) -> usize {
-    let seg = tiers
-        .iter()
-        .map(|&t| &spec.tiers[t as usize])
-        .filter(|t| t.id != kvforge_spec::TAIL_TIER)
-        .map(|t| SegmentLayout::new(t, d, spec.page.tokens, spec.page.alignment).bytes)
-        .max()
-        .unwrap_or(0);
+    let seg = tiers.iter().map(|&t| &spec.tiers[t as usize]).filter(|t| t.id != kvforge_spec::TAIL_TIER).map(|t| SegmentLayout::new(t, d, spec.page.tokens, spec.page.alignment).bytes).max().unwrap_or(0);
     kvforge_spec::HEADER_BYTES + align16(seg)
 }
 
@@ -351,4 +339,3 @@ pub fn transcode_smem(spec: &Spec, dst: &Tier, d: usize) -> TranscodeSmem {
     let scratch = align16(spec.page.tokens * d / transcode_split(spec, dst, d) * 4);
     TranscodeSmem { x: 0, scratch, total: scratch + align16(transcode_scratch(spec, dst, d)) }
 }
-

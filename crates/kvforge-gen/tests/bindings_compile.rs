@@ -53,7 +53,8 @@ fn checked_in_bindings_name_every_kernel() {
 #[test]
 fn every_spec_has_checked_in_bindings() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../specs");
-    let mut stems: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "toml")).map(|p| p.file_stem().unwrap().to_string_lossy().into_owned()).collect();
+    let mut stems: Vec<String> =
+        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "toml")).map(|p| p.file_stem().unwrap().to_string_lossy().into_owned()).collect();
     stems.sort();
     assert_eq!(stems, ["baseline", "certified", "rdkv", "spherical", "trizone"], "a new spec needs a `mod` in this test");
 }

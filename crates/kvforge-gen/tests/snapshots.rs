@@ -17,12 +17,7 @@ fn specs() -> Vec<Spec> {
 /// that format under its default schedule (`…_p64_w4c4s2t.cu`).
 fn file(files: &[kvforge_gen::GeneratedFile], path: &str) -> String {
     let format = path.strip_suffix(".cu").map(|p| format!("{p}_w"));
-    files
-        .iter()
-        .find(|f| f.path == path || format.as_ref().is_some_and(|p| f.path.starts_with(p.as_str()) && f.path.ends_with(".cu")))
-        .unwrap_or_else(|| panic!("{path} not generated"))
-        .contents
-        .clone()
+    files.iter().find(|f| f.path == path || format.as_ref().is_some_and(|p| f.path.starts_with(p.as_str()) && f.path.ends_with(".cu"))).unwrap_or_else(|| panic!("{path} not generated")).contents.clone()
 }
 
 #[test]

@@ -19,14 +19,14 @@ mod rdkv_case;
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvforge_lab::frontier::gpu::GpuSetup;
-use kvforge_lab::frontier::pipeline_gpu::pipeline_loop;
-use kvforge_lab::frontier::timing::median;
 use kvforge_control::rdkv::{allocate_head, EPS_K_LLAMA31_8B, EPS_V_LLAMA31_8B};
 use kvforge_control::runtime::Signal;
 use kvforge_control::*;
-use rdkv_case::RdkvCase;
+use kvforge_lab::frontier::gpu::GpuSetup;
+use kvforge_lab::frontier::pipeline_gpu::pipeline_loop;
+use kvforge_lab::frontier::timing::median;
 use kvforge_spec::{Family, Spec};
+use rdkv_case::RdkvCase;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use cudarc::driver::{sys::CUevent_flags, CudaSlice};
 use kvforge_spec::{KeyScheme, Spec, TierId};
 
-use kvforge_rt::{CacheConfig, KvCache};
 use kvforge_rt::Device;
+use kvforge_rt::{CacheConfig, KvCache};
 use kvforge_rt::{Result, RtError};
 
 /// A CUDA driver error of `what`, as the runtime reports its own.
@@ -126,7 +126,20 @@ pub fn bytes_read(cache: &KvCache, plan: &kvforge_rt::DecodePlan) -> usize {
 /// turn (page i in `tiers[i % n]`, one launch serves the mix), to compare its bandwidth with
 /// single-tier sequences of the same bytes.
 #[allow(clippy::too_many_arguments)]
-pub fn bench_tier(dev: &Arc<Device>, spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, hkv: usize, contexts: &[usize], batches: &[usize], runs: usize, copy: f64, max_bytes: usize, mut progress: impl FnMut(&BenchRow)) -> Result<Vec<BenchRow>> {
+pub fn bench_tier(
+    dev: &Arc<Device>,
+    spec: &Spec,
+    tiers: &[TierId],
+    d: usize,
+    gqa: usize,
+    hkv: usize,
+    contexts: &[usize],
+    batches: &[usize],
+    runs: usize,
+    copy: f64,
+    max_bytes: usize,
+    mut progress: impl FnMut(&BenchRow),
+) -> Result<Vec<BenchRow>> {
     let Some(&first) = tiers.first() else {
         return Err(kvforge_rt::RtError::BadInput("bench needs at least one tier".into()));
     };
@@ -248,7 +261,19 @@ pub struct CertifiedRow {
 /// device path, host path (UVA) and host path (copied page-in) alternating on the same cache. `rank_escalate` as in
 /// [`kvforge_rt::certified::CertConfig`].
 #[allow(clippy::too_many_arguments)]
-pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, gqa: usize, hkv: usize, contexts: &[usize], batches: &[usize], steps: usize, rank_escalate: bool, mut progress: impl FnMut(&CertifiedRow)) -> Result<Vec<CertifiedRow>> {
+pub fn bench_certified(
+    dev: &Arc<Device>,
+    spec: &Spec,
+    tier: TierId,
+    d: usize,
+    gqa: usize,
+    hkv: usize,
+    contexts: &[usize],
+    batches: &[usize],
+    steps: usize,
+    rank_escalate: bool,
+    mut progress: impl FnMut(&CertifiedRow),
+) -> Result<Vec<CertifiedRow>> {
     use kvforge_rt::certified::{CertConfig, CertPath, KernelTimes};
     use rand::{Rng, SeedableRng};
     let mut rows = Vec::new();
@@ -297,9 +322,8 @@ pub fn bench_certified(dev: &Arc<Device>, spec: &Spec, tier: TierId, d: usize, g
                 let (mut promoted, mut blocks, mut bsum, mut bmax, mut det, mut paged) = (0usize, 0usize, 0f64, 0f64, 0usize, 0usize);
                 let (mut heads, mut rank_triggers, mut host_ladder_steps) = (0usize, 0usize, 0usize);
                 for step in 0..steps + 2 {
-                    let q: Vec<f32> = (0..batch)
-                        .flat_map(|_| (0..hkv * gqa * d).map(|i| if concentrated { dir[(i / (gqa * d)) * d + i % d] * 1.5 } else { 0.0 } + rng.gen_range(-1.0f32..1.0)).collect::<Vec<_>>())
-                        .collect();
+                    let q: Vec<f32> =
+                        (0..batch).flat_map(|_| (0..hkv * gqa * d).map(|i| if concentrated { dir[(i / (gqa * d)) * d + i % d] * 1.5 } else { 0.0 } + rng.gen_range(-1.0f32..1.0)).collect::<Vec<_>>()).collect();
                     let t0 = std::time::Instant::now();
                     plain.decode(&plain_seqs, &q)?;
                     let t1 = std::time::Instant::now();

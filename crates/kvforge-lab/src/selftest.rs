@@ -15,9 +15,9 @@ use kvforge_spec::{DType, Family, Spec, TierId, VariantId, HEADER_BYTES, TAIL_TI
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use kvforge_rt::{CacheConfig, KvCache};
 use kvforge_rt::Device;
 use kvforge_rt::Result;
+use kvforge_rt::{CacheConfig, KvCache};
 
 /// Distribution of keys and values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -257,14 +257,5 @@ pub fn run_variant(dev: &Arc<Device>, spec: &Spec, v: &VariantId, long: bool) ->
         }
     }
     let pass = worst_margin >= 0.0 && launched == vec![v.name()];
-    Ok(VariantResult {
-        spec: spec.name.clone(),
-        variant: v.name(),
-        cases: all.len(),
-        max_abs_err: worst.0,
-        max_rel_err: worst.1,
-        tolerance: worst.2,
-        status: if pass { "pass" } else { "fail" },
-        launched,
-    })
+    Ok(VariantResult { spec: spec.name.clone(), variant: v.name(), cases: all.len(), max_abs_err: worst.0, max_rel_err: worst.1, tolerance: worst.2, status: if pass { "pass" } else { "fail" }, launched })
 }

@@ -16,9 +16,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvforge_control::runtime::{self, PagedCache, PositionMap, Signal, SimCache};
-use kvforge_lab::synth::{self, gauss};
 use kvforge_control::*;
 use kvforge_control_rt::OfCache;
+use kvforge_lab::synth::{self, gauss};
 use kvforge_rt::{CacheConfig, Device, KvCache};
 use kvforge_spec::{Codebook, KeyScheme, Spec, TierId, HEADER_BYTES, TAIL_TIER};
 use rand::SeedableRng;
@@ -322,13 +322,7 @@ impl Run {
 
     /// "name:pages" for every live tier, from the GPU cache.
     fn histogram(&self) -> String {
-        self.spec
-            .tiers
-            .iter()
-            .filter(|t| !t.is_drop())
-            .map(|t| format!("{}:{}", t.name, (0..HKV).map(|h| self.gpu_tiers(h).iter().filter(|x| x.0 == t.id).count()).sum::<usize>()))
-            .collect::<Vec<_>>()
-            .join(" ")
+        self.spec.tiers.iter().filter(|t| !t.is_drop()).map(|t| format!("{}:{}", t.name, (0..HKV).map(|h| self.gpu_tiers(h).iter().filter(|x| x.0 == t.id).count()).sum::<usize>())).collect::<Vec<_>>().join(" ")
     }
 }
 
@@ -359,7 +353,11 @@ fn prefill_budgets(name: &str, label: &str, make: &dyn Fn(&Spec) -> Box<dyn Cont
         let fp16_cost = view.num_pages() as f64 * fp16_page;
         if errs.is_empty() {
             let (worst, tol, err) = run.decode_errors(&w);
-            println!("  all pages in `{}`: {full_cost:.0} B ({:.1}% of fp16 {fp16_cost:.0} B), error vs exact {err:.4e}, decode vs decoded pages {worst:.2e} (tol {tol:.2e})", spec.tiers[1].name, 100.0 * full_cost / fp16_cost);
+            println!(
+                "  all pages in `{}`: {full_cost:.0} B ({:.1}% of fp16 {fp16_cost:.0} B), error vs exact {err:.4e}, decode vs decoded pages {worst:.2e} (tol {tol:.2e})",
+                spec.tiers[1].name,
+                100.0 * full_cost / fp16_cost
+            );
         }
         let limits = Limits { budget: Budget::Total(f * full_cost), protection: Protection::default() };
         let mut ctrl = make(&spec);

@@ -16,9 +16,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use common::*;
+use kvforge_control::*;
 use kvforge_lab::frontier::{Scenario, Signal, World};
 use kvforge_lab::synth::HeadShape;
-use kvforge_control::*;
 use kvforge_spec::{KeyScheme, TierId};
 
 /// Tokens in full pages per head (48 pages of 64 tokens), and the dense tail.
@@ -69,9 +69,7 @@ fn error(w: &World, tiers: &[Vec<Option<TierId>>]) -> f64 {
 fn tiers_of(view: &PageTableView, plan: &Plan) -> Vec<Vec<Option<TierId>>> {
     let drop = view.costs.drop_tier();
     let full = view.heads[0].len() - 1;
-    (0..view.heads.len())
-        .map(|h| (0..full).map(|i| plan.tier_of(PageId { head: h, index: i }, view).filter(|&t| Some(t) != drop)).collect())
-        .collect()
+    (0..view.heads.len()).map(|h| (0..full).map(|i| plan.tier_of(PageId { head: h, index: i }, view).filter(|&t| Some(t) != drop)).collect()).collect()
 }
 
 /// Uniform quantisation as KIVI-style baselines do it: every page the controllers must
@@ -104,7 +102,19 @@ fn run_with(name: &str, ctrl: &mut dyn FnMut() -> Box<dyn Controller>, label: &s
         assert!(plan.feasible, "{label} at {f}");
         let e = error(&w, &tiers_of(&v, &plan));
         let drop = v.costs.drop_tier();
-        let hist: Vec<String> = w.spec.tiers.iter().skip(1).map(|t| format!("{}:{}", t.name, simulate(&v, &plan).iter().filter(|(_, p)| p.tier == t.id).count() + if Some(t.id) == drop { plan.decisions.iter().filter(|d| Some(d.to_tier) == drop).count() } else { 0 })).collect();
+        let hist: Vec<String> = w
+            .spec
+            .tiers
+            .iter()
+            .skip(1)
+            .map(|t| {
+                format!(
+                    "{}:{}",
+                    t.name,
+                    simulate(&v, &plan).iter().filter(|(_, p)| p.tier == t.id).count() + if Some(t.id) == drop { plan.decisions.iter().filter(|d| Some(d.to_tier) == drop).count() } else { 0 }
+                )
+            })
+            .collect();
         println!("  budget {:>4.0}%: error {e:.4e}  predicted D {:.4e}  pages [{}]", f * 100.0, plan.distortion_after, hist.join(" "));
         errs.push(e);
     }

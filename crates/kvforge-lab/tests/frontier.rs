@@ -5,8 +5,8 @@
 
 use std::sync::OnceLock;
 
-use kvforge_lab::frontier::*;
 use kvforge_control::*;
+use kvforge_lab::frontier::*;
 use kvforge_spec::{KeyScheme, Spec, TAIL_TIER};
 
 const CONTEXT: usize = 8192;
@@ -127,7 +127,16 @@ fn at_equal_bytes(ctrl: &Method, base: &Method) -> (Errors, Errors, f64) {
     let u = evaluate(w, base, 0.0, &setup, &mut t);
     let c = evaluate(w, ctrl, u.resident_bytes, &setup, &mut t);
     assert!(c.feasible && c.resident_bytes <= u.resident_bytes);
-    println!("{} vs {} at {:.1} B/token/head: mean {:.4e} vs {:.4e}, pooled {:.4e} vs {:.4e}", ctrl.name(), base.name(), u.bytes_per_token, c.errors.mean(), u.errors.mean(), c.errors.pooled(), u.errors.pooled());
+    println!(
+        "{} vs {} at {:.1} B/token/head: mean {:.4e} vs {:.4e}, pooled {:.4e} vs {:.4e}",
+        ctrl.name(),
+        base.name(),
+        u.bytes_per_token,
+        c.errors.mean(),
+        u.errors.mean(),
+        c.errors.pooled(),
+        u.errors.pooled()
+    );
     (c.errors, u.errors, u.bytes_per_token)
 }
 

@@ -18,12 +18,7 @@ impl Parse for Input {
     fn parse(input: ParseStream) -> syn::Result<Self> {
         let path = match input.parse::<LitStr>() {
             Ok(p) => p,
-            Err(e) => {
-                return Err(syn::Error::new(
-                    e.span(),
-                    "expected the path of a spec as a string literal, e.g. `kernels!(\"specs/spherical.toml\")`",
-                ))
-            }
+            Err(e) => return Err(syn::Error::new(e.span(), "expected the path of a spec as a string literal, e.g. `kernels!(\"specs/spherical.toml\")`")),
         };
         if input.peek(Token![,]) {
             input.parse::<Token![,]>()?;

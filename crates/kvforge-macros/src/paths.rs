@@ -5,10 +5,7 @@ use std::path::{Path, PathBuf};
 /// `CARGO_MANIFEST_DIR` of the crate being compiled (cargo sets it for every rustc run, and a
 /// proc macro runs inside rustc), else the current directory.
 fn manifest_dir() -> PathBuf {
-    std::env::var_os("CARGO_MANIFEST_DIR")
-        .map(PathBuf::from)
-        .or_else(|| std::env::current_dir().ok())
-        .unwrap_or_default()
+    std::env::var_os("CARGO_MANIFEST_DIR").map(PathBuf::from).or_else(|| std::env::current_dir().ok()).unwrap_or_default()
 }
 
 /// Resolves `rel` against `CARGO_MANIFEST_DIR`, then each of its parent directories in turn,
@@ -17,11 +14,7 @@ fn manifest_dir() -> PathBuf {
 pub fn resolve(rel: &str, what: &str) -> Result<(PathBuf, PathBuf), String> {
     let p = Path::new(rel);
     if p.is_absolute() {
-        return if p.is_file() {
-            Ok((p.to_path_buf(), p.parent().map(Path::to_path_buf).unwrap_or_default()))
-        } else {
-            Err(format!("cannot find {what} `{rel}`"))
-        };
+        return if p.is_file() { Ok((p.to_path_buf(), p.parent().map(Path::to_path_buf).unwrap_or_default())) } else { Err(format!("cannot find {what} `{rel}`")) };
     }
     let start = manifest_dir();
     for dir in start.ancestors() {

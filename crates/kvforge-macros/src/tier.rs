@@ -101,22 +101,15 @@ fn parse_attrs(input: &DeriveInput) -> syn::Result<Attrs> {
             if out.get(name).is_some() {
                 return Err(meta.error(format!("`{name}` is given twice")));
             }
-            let lit: Lit = meta
-                .value()?
-                .parse()
-                .map_err(|e| {
-                    let what = if kind == Kind::Int { "an integer" } else { "a string" };
-                    syn::Error::new(e.span(), format!("`{name}` takes {what} literal, e.g. `{name} = {example}`"))
-                })?;
+            let lit: Lit = meta.value()?.parse().map_err(|e| {
+                let what = if kind == Kind::Int { "an integer" } else { "a string" };
+                syn::Error::new(e.span(), format!("`{name}` takes {what} literal, e.g. `{name} = {example}`"))
+            })?;
             let value = match (kind, &lit) {
                 (Kind::Int, Lit::Int(i)) => Value::Int(i.base10_parse::<i64>()?),
                 (Kind::Str, Lit::Str(s)) => Value::Str(s.value()),
-                (Kind::Int, _) => {
-                    return Err(syn::Error::new_spanned(&lit, format!("`{name}` takes an integer literal, e.g. `{name} = {example}`")))
-                }
-                (Kind::Str, _) => {
-                    return Err(syn::Error::new_spanned(&lit, format!("`{name}` takes a string literal, e.g. `{name} = {example}`")))
-                }
+                (Kind::Int, _) => return Err(syn::Error::new_spanned(&lit, format!("`{name}` takes an integer literal, e.g. `{name} = {example}`"))),
+                (Kind::Str, _) => return Err(syn::Error::new_spanned(&lit, format!("`{name}` takes a string literal, e.g. `{name} = {example}`"))),
             };
             let path = &meta.path;
             out.settings.push(Setting { name, tokens: quote!(#path = #lit), value });
@@ -224,14 +217,10 @@ fn expand_inner(input: &DeriveInput) -> syn::Result<TokenStream> {
         None => syn::Error::new_spanned(ident, msg),
     };
     let Some(key) = a.str("key") else {
-        return Err(at_attr_or_ident(format!(
-            "`#[derive(KvTier)]` on `{ident}` needs a key scheme: add `#[kv(key = \"...\")]` with one of fp16, bf16, int, spherical, drop"
-        )));
+        return Err(at_attr_or_ident(format!("`#[derive(KvTier)]` on `{ident}` needs a key scheme: add `#[kv(key = \"...\")]` with one of fp16, bf16, int, spherical, drop")));
     };
     let Some(value) = a.str("value") else {
-        return Err(at_attr_or_ident(format!(
-            "`#[derive(KvTier)]` on `{ident}` needs a value scheme: add `#[kv(value = \"...\")]` with one of fp16, bf16, int, drop"
-        )));
+        return Err(at_attr_or_ident(format!("`#[derive(KvTier)]` on `{ident}` needs a value scheme: add `#[kv(value = \"...\")]` with one of fp16, bf16, int, drop")));
     };
 
     let tier_name = a.str("name").map(str::to_string).unwrap_or_else(|| snake(&ident.to_string()));
@@ -257,15 +246,7 @@ fn expand_inner(input: &DeriveInput) -> syn::Result<TokenStream> {
     let key_table = scheme_table(
         &a,
         key,
-        &[
-            ("key_bits", "bits"),
-            ("key_block", "block"),
-            ("key_scale_dtype", "scale_dtype"),
-            ("key_group", "group"),
-            ("angle_bits", "angle_bits"),
-            ("radius_bits", "radius_bits"),
-            ("codebook", "codebook"),
-        ],
+        &[("key_bits", "bits"), ("key_block", "block"), ("key_scale_dtype", "scale_dtype"), ("key_group", "group"), ("angle_bits", "angle_bits"), ("radius_bits", "radius_bits"), ("codebook", "codebook")],
     );
     let value_table = scheme_table(&a, value, &[("value_bits", "bits"), ("value_group", "group"), ("value_scale_dtype", "scale_dtype")]);
     let tier_toml = format!("[[tier]]\nname = {}\nkey = {key_table}\nvalue = {value_table}\n", toml_str(&tier_name));
@@ -341,11 +322,7 @@ fn spec_error(a: &Attrs, ident: &syn::Ident, e: &SpecError) -> syn::Error {
         return syn::Error::new_spanned(&s.tokens, &e.message);
     }
     // The offending setting was left out (a required field, a default): point at the scheme.
-    let msg = if KEYS.iter().any(|k| k.0 == attr) && attr != side {
-        format!("{} (set it with `{attr} = ...`)", e.message)
-    } else {
-        e.message.clone()
-    };
+    let msg = if KEYS.iter().any(|k| k.0 == attr) && attr != side { format!("{} (set it with `{attr} = ...`)", e.message) } else { e.message.clone() };
     match a.get(side).filter(|_| attr != "name") {
         Some(s) => syn::Error::new_spanned(&s.tokens, msg),
         None => syn::Error::new_spanned(ident, msg),

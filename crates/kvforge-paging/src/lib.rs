@@ -88,4 +88,3 @@ pub trait PagedCache {
         batch.iter().map(|&(seq, moves)| self.retier_pages(seq, moves)).collect()
     }
 }
-

@@ -59,7 +59,13 @@ impl MoveBatch {
     /// none), `to` must be a spec tier below it, no page may be named twice, and `free[t]` free
     /// pages of tier `t` must cover the launches in the order they run (`out_of_pages(t)`
     /// otherwise; `usize::MAX` means unlimited). Errors are the caller's type `E`.
-    pub fn plan<E: From<MoveError>>(spec: &Spec, moves: &[SeqMove], mut tier_of: impl FnMut(usize, usize, usize) -> Result<TierId, E>, free: &[usize], out_of_pages: impl Fn(TierId) -> E) -> Result<MoveBatch, E> {
+    pub fn plan<E: From<MoveError>>(
+        spec: &Spec,
+        moves: &[SeqMove],
+        mut tier_of: impl FnMut(usize, usize, usize) -> Result<TierId, E>,
+        free: &[usize],
+        out_of_pages: impl Fn(TierId) -> E,
+    ) -> Result<MoveBatch, E> {
         let mut free = free.to_vec();
         let mut seen = HashSet::with_capacity(moves.len());
         let mut drops = Vec::new();

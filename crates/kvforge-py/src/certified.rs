@@ -111,10 +111,13 @@ impl Certifier {
         }
         d.set_item("min_blocks", c.min_blocks)?;
         d.set_item("max_blocks", (c.max_blocks != usize::MAX).then_some(c.max_blocks))?;
-        d.set_item("page_in", match c.page_in {
-            PageIn::Uva => "uva",
-            PageIn::Copy => "copy",
-        })?;
+        d.set_item(
+            "page_in",
+            match c.page_in {
+                PageIn::Uva => "uva",
+                PageIn::Copy => "copy",
+            },
+        )?;
         d.set_item("path", path_name(c.path))?;
         d.set_item("effective_path", path_name(c.effective_path()))?;
         d.set_item("rank_depth", c.rank_depth)?;

@@ -10,8 +10,8 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use kvforge_control::runtime::{self, PositionMap, Signal};
-use kvforge_control_rt::{OfCache, RollCache};
 use kvforge_control::{Budget, Controller as Policy, CostModel, DistortionTable, DropPolicy, Limits, PagedImportance, Protection, RdkvController, RdrController, TierCosts};
+use kvforge_control_rt::{OfCache, RollCache};
 use kvforge_spec::{Spec, TierId};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -83,8 +83,24 @@ impl Controller {
     #[pyo3(signature = (cache, policy = "rdr", budget = None, per = "token", sinks = 4, recent = 128, floor = None, cost = "resident", every = 16, cooldown = 64, margin = 0.1, drop = "penalty", drop_penalty = 1.0, eps_k = None, eps_v = None, beta = 0.5, sample = 8))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        py: Python<'_>, cache: PyRef<'_, Cache>, policy: &str, budget: Option<f64>, per: &str, #[pyo3(from_py_with = crate::nat)] sinks: usize, #[pyo3(from_py_with = crate::nat)] recent: usize, floor: Option<Bound<'_, PyAny>>, cost: &str, #[pyo3(from_py_with = crate::nat)] every: usize, #[pyo3(from_py_with = crate::nat)] cooldown: usize, margin: f64, drop: &str, drop_penalty: f64,
-        eps_k: Option<Bound<'_, PyDict>>, eps_v: Option<Bound<'_, PyDict>>, beta: f64, #[pyo3(from_py_with = crate::nat)] sample: usize,
+        py: Python<'_>,
+        cache: PyRef<'_, Cache>,
+        policy: &str,
+        budget: Option<f64>,
+        per: &str,
+        #[pyo3(from_py_with = crate::nat)] sinks: usize,
+        #[pyo3(from_py_with = crate::nat)] recent: usize,
+        floor: Option<Bound<'_, PyAny>>,
+        cost: &str,
+        #[pyo3(from_py_with = crate::nat)] every: usize,
+        #[pyo3(from_py_with = crate::nat)] cooldown: usize,
+        margin: f64,
+        drop: &str,
+        drop_penalty: f64,
+        eps_k: Option<Bound<'_, PyDict>>,
+        eps_v: Option<Bound<'_, PyDict>>,
+        beta: f64,
+        #[pyo3(from_py_with = crate::nat)] sample: usize,
     ) -> PyResult<Controller> {
         guarded(py, || {
             // Checked here, not at the first windowed apply: a bad β is a construction error.
@@ -179,7 +195,10 @@ impl Controller {
     fn apply(&mut self, py: Python<'_>, mut cache: PyRefMut<'_, Cache>, #[pyo3(from_py_with = crate::nat)] seq: usize, token_mass: Option<Bound<'_, PyAny>>, window: bool) -> PyResult<ControlReport> {
         guarded(py, || {
             if cache.inner.spec().name != self.spec.name || cache.inner.config().head_dim != self.head_dim {
-                return Err(bad(py, format!("Controller was made for spec `{}` at head_dim {}, the cache holds `{}` at {}", self.spec.name, self.head_dim, cache.inner.spec().name, cache.inner.config().head_dim)));
+                return Err(bad(
+                    py,
+                    format!("Controller was made for spec `{}` at head_dim {}, the cache holds `{}` at {}", self.spec.name, self.head_dim, cache.inner.spec().name, cache.inner.config().head_dim),
+                ));
             }
             if window && token_mass.is_some() {
                 return Err(bad(py, "Controller.apply: pass token_mass or window=True, not both"));

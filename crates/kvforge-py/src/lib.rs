@@ -355,7 +355,19 @@ impl Cache {
     #[new]
     #[pyo3(signature = (spec, head_dim, num_kv_heads, gqa, max_tokens, sequences = 1, target = None, root = None, device = 0, verify_headers = false))]
     #[allow(clippy::too_many_arguments)]
-    fn new(py: Python<'_>, spec: &str, #[pyo3(from_py_with = crate::nat)] head_dim: usize, #[pyo3(from_py_with = crate::nat)] num_kv_heads: usize, #[pyo3(from_py_with = crate::nat)] gqa: usize, #[pyo3(from_py_with = crate::nat)] max_tokens: usize, #[pyo3(from_py_with = crate::nat)] sequences: usize, target: Option<Bound<'_, PyAny>>, root: Option<&str>, #[pyo3(from_py_with = crate::nat)] device: usize, verify_headers: bool) -> PyResult<Cache> {
+    fn new(
+        py: Python<'_>,
+        spec: &str,
+        #[pyo3(from_py_with = crate::nat)] head_dim: usize,
+        #[pyo3(from_py_with = crate::nat)] num_kv_heads: usize,
+        #[pyo3(from_py_with = crate::nat)] gqa: usize,
+        #[pyo3(from_py_with = crate::nat)] max_tokens: usize,
+        #[pyo3(from_py_with = crate::nat)] sequences: usize,
+        target: Option<Bound<'_, PyAny>>,
+        root: Option<&str>,
+        #[pyo3(from_py_with = crate::nat)] device: usize,
+        verify_headers: bool,
+    ) -> PyResult<Cache> {
         guarded(py, || {
             let path = resolve_spec(spec, root).map_err(|m| py_error(py, "Spec", m))?;
             let s = Spec::load(&path).map_err(|e| py_error(py, "Spec", e.to_string()))?;
@@ -415,7 +427,15 @@ impl Cache {
     /// the GPU (RDR's signal; no transfer): read it with `take_mass_window`, or let
     /// `Controller.apply(..., window=True)` roll it in. A sequence may appear once then.
     #[pyo3(signature = (q, seqs, out = None, lse = None, track = false))]
-    fn decode<'py>(&mut self, py: Python<'py>, q: &Bound<'py, PyAny>, #[pyo3(from_py_with = crate::nats)] seqs: Vec<usize>, out: Option<Bound<'py, PyAny>>, lse: Option<Bound<'py, PyAny>>, track: bool) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    fn decode<'py>(
+        &mut self,
+        py: Python<'py>,
+        q: &Bound<'py, PyAny>,
+        #[pyo3(from_py_with = crate::nats)] seqs: Vec<usize>,
+        out: Option<Bound<'py, PyAny>>,
+        lse: Option<Bound<'py, PyAny>>,
+        track: bool,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
         guarded(py, || {
             let qt = tensor(py, q, "q")?;
             self.check_q(py, &qt, "[B, num_q_heads, head_dim]")?;
@@ -447,7 +467,15 @@ impl Cache {
     /// gives causal attention of the prompt against the cache as stored). Returns (out, lse)
     /// as decode.
     #[pyo3(signature = (seq, q, lengths = None, out = None, lse = None))]
-    fn attend_prefix<'py>(&mut self, py: Python<'py>, #[pyo3(from_py_with = crate::nat)] seq: usize, q: &Bound<'py, PyAny>, lengths: Option<Bound<'py, PyAny>>, out: Option<Bound<'py, PyAny>>, lse: Option<Bound<'py, PyAny>>) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    fn attend_prefix<'py>(
+        &mut self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = crate::nat)] seq: usize,
+        q: &Bound<'py, PyAny>,
+        lengths: Option<Bound<'py, PyAny>>,
+        out: Option<Bound<'py, PyAny>>,
+        lse: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
         guarded(py, || {
             let qt = tensor(py, q, "q")?;
             let n = self.check_q(py, &qt, "[N, num_q_heads, head_dim]")?;
@@ -525,7 +553,14 @@ impl Cache {
 
     /// Re-codes full page `page` of (seq, kv head `head`) into `tier` (name or id; down the
     /// ladder only; a drop tier frees it).
-    fn retier(&mut self, py: Python<'_>, #[pyo3(from_py_with = crate::nat)] seq: usize, #[pyo3(from_py_with = crate::nat)] head: usize, #[pyo3(from_py_with = crate::nat)] page: usize, tier: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn retier(
+        &mut self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = crate::nat)] seq: usize,
+        #[pyo3(from_py_with = crate::nat)] head: usize,
+        #[pyo3(from_py_with = crate::nat)] page: usize,
+        tier: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         guarded(py, || {
             let to = tier_id(py, self.inner.spec(), tier)?;
             let r = self.on_torch_stream(py, |c| c.retier(seq, head, page, to));

@@ -21,11 +21,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let t0 = Instant::now();
     // Optional workload filter (profiling).
     let only = std::env::args().nth(3);
-    let plan: Vec<(Workload, u64)> = PLAN
-        .iter()
-        .filter(|(w, _)| only.as_ref().is_none_or(|o| format!("{w:?}") == *o))
-        .map(|&(w, n)| (w, ((n as f64 * fraction).ceil() as u64).max(1)))
-        .collect();
+    let plan: Vec<(Workload, u64)> = PLAN.iter().filter(|(w, _)| only.as_ref().is_none_or(|o| format!("{w:?}") == *o)).map(|&(w, n)| (w, ((n as f64 * fraction).ceil() as u64).max(1))).collect();
     // Workloads one after another; each spreads its layer steps over the cores.
     let mut results = BTreeMap::<Workload, TrialStats>::new();
     for &(w, n) in &plan {
@@ -47,10 +43,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut all = TrialStats::default();
     results.values().for_each(|s| all.merge(s));
     let faults = campaign(50, SEED)?;
-    let per: BTreeMap<String, serde_json::Value> = results
-        .iter()
-        .map(|(w, s)| (serde_json::to_value(w).unwrap().as_str().unwrap().to_string(), json!({ "stats": s, "tightness": s.quantiles(), "tightness_paper_eq15": s.quantiles_paper() })))
-        .collect();
+    let per: BTreeMap<String, serde_json::Value> =
+        results.iter().map(|(w, s)| (serde_json::to_value(w).unwrap().as_str().unwrap().to_string(), json!({ "stats": s, "tightness": s.quantiles(), "tightness_paper_eq15": s.quantiles_paper() }))).collect();
     let report = json!({
         "device": "cpu f64 reference",
         "date": "2026-11-23",

@@ -8,10 +8,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 // The uniform sampler is the spherical codec's (its distortion proxy samples it too).
-pub use kvforge_spec::codecs::spherical::sampling::uniform_unit_samples;
-use kvforge_spec::codecs::spherical::sampling::random_unit;
 #[cfg(test)]
 use kvforge_spec::codecs::spherical::sampling::gaussian;
+use kvforge_spec::codecs::spherical::sampling::random_unit;
+pub use kvforge_spec::codecs::spherical::sampling::uniform_unit_samples;
 
 /// Norms below this are treated as zero vectors (they have no direction).
 const ZERO_NORM: f64 = 1e-12;

@@ -11,9 +11,7 @@ mod common;
 use half::f16;
 use kvforge_ref::certified::faults::{campaign, inject, inject_displacing, score_displacement, Fault};
 use kvforge_ref::certified::trials::{run_case, run_workload, Case, TrialStats, Workload, GQA, PLAN, SEED};
-use kvforge_ref::certified::{
-    certified_head_step, certified_layer_step, e_key, e_key_paper, CertConfig, CertFormat, CertifiedHead, Rung, Telemetry, ValuePolicy,
-};
+use kvforge_ref::certified::{certified_head_step, certified_layer_step, e_key, e_key_paper, CertConfig, CertFormat, CertifiedHead, Rung, Telemetry, ValuePolicy};
 use kvforge_ref::{attention, CertError};
 use proptest::prelude::*;
 use rand::{Rng, SeedableRng};
@@ -43,8 +41,7 @@ fn report(w: Workload, s: &TrialStats) {
     eprintln!(
         "{w:?}: {} head-steps (≤ {} tokens), {} violations, eq.15 violations {}, over E_key+E_val without E_round {}; \
          tightness min {:.3} p1 {:.3} p10 {:.2} p50 {:.2} p90 {:.1} p99 {:.1}; rungs {:?}; ranking {} boundary {}",
-        s.trials, s.max_tokens, s.violations, s.paper_violations, s.without_round_violations, q["min"], q["p1"], q["p10"], q["p50"], q["p90"], q["p99"],
-        s.rungs, s.ranking_triggers, s.boundary_triggers
+        s.trials, s.max_tokens, s.violations, s.paper_violations, s.without_round_violations, q["min"], q["p1"], q["p10"], q["p50"], q["p90"], q["p99"], s.rungs, s.ranking_triggers, s.boundary_triggers
     );
 }
 
@@ -173,8 +170,20 @@ fn v_max_must_cover_the_partial_block() {
         for t in 0..16 {
             for c in 0..d {
                 let x: f32 = match t {
-                    0 => if c % 2 == 0 { 0.0 } else { 255.0 / 64.0 },
-                    1 => if c % 2 == 0 { 255.0 / 64.0 } else { 0.0 },
+                    0 => {
+                        if c % 2 == 0 {
+                            0.0
+                        } else {
+                            255.0 / 64.0
+                        }
+                    }
+                    1 => {
+                        if c % 2 == 0 {
+                            255.0 / 64.0
+                        } else {
+                            0.0
+                        }
+                    }
                     _ => 1019.0 / 512.0, // code 127.375 → 127
                 };
                 k.push(x);
@@ -465,7 +474,16 @@ fn telemetry_round_trips_through_json() {
     assert!(json.contains("\"alpha_tail_hat\"") && json.contains("\"rung\""));
     // serde_json parses floats to within an ulp (no `float_roundtrip` feature): compare so.
     let mut back: Telemetry = serde_json::from_str(&json).unwrap();
-    for (a, b) in [(&mut back.delta, t.delta), (&mut back.alpha_tail_hat, t.alpha_tail_hat), (&mut back.v_max, t.v_max), (&mut back.e_key, t.e_key), (&mut back.e_key_paper, t.e_key_paper), (&mut back.e_val, t.e_val), (&mut back.e_round, t.e_round), (&mut back.bound, t.bound)] {
+    for (a, b) in [
+        (&mut back.delta, t.delta),
+        (&mut back.alpha_tail_hat, t.alpha_tail_hat),
+        (&mut back.v_max, t.v_max),
+        (&mut back.e_key, t.e_key),
+        (&mut back.e_key_paper, t.e_key_paper),
+        (&mut back.e_val, t.e_val),
+        (&mut back.e_round, t.e_round),
+        (&mut back.bound, t.bound),
+    ] {
         assert!((*a - b).abs() <= 2.0 * f64::EPSILON * b.abs());
         *a = b;
     }

@@ -53,12 +53,7 @@ fn training_improves_on_its_start() {
     let (group, entries) = (8, 16);
     let train = uniform_unit_samples(2000, group, 1);
     let test = uniform_unit_samples(1000, group, 2);
-    let fit = |cb: &[f32]| {
-        test.chunks_exact(group)
-            .map(|x| cb.chunks_exact(group).map(|w| w.iter().zip(x).map(|(a, b)| a * b).sum::<f32>()).fold(f32::MIN, f32::max))
-            .sum::<f32>()
-            / 1000.0
-    };
+    let fit = |cb: &[f32]| test.chunks_exact(group).map(|x| cb.chunks_exact(group).map(|w| w.iter().zip(x).map(|(a, b)| a * b).sum::<f32>()).fold(f32::MIN, f32::max)).sum::<f32>() / 1000.0;
     let start = train_codebook(&train, group, entries, 5, 0);
     let trained = train_codebook(&train, group, entries, 5, 30);
     assert!(fit(&trained) > fit(&start) + 0.01, "trained {} vs start {}", fit(&trained), fit(&start));

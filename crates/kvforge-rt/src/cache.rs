@@ -11,8 +11,8 @@ use half::{bf16, f16};
 use kvforge_spec::{DType, KeyScheme, PageHeader, Spec, TierId, HEADER_BYTES, TAIL_TIER};
 
 use crate::device::Device;
-use crate::error::{Result, RtError};
 use crate::engine::Engine;
+use crate::error::{Result, RtError};
 use crate::moves::{MoveBatch, PageMove};
 use crate::pool::{PagePool, PageRef};
 use crate::side_tables::SideTables;
@@ -54,8 +54,6 @@ impl CacheConfig {
     }
 }
 
-
-
 /// The per-tier pointer tables of the kernel parameter structs.
 pub(crate) struct TierPointers {
     /// `[tier][slot]` side tables ([`SideTables::pointers`]).
@@ -77,7 +75,6 @@ pub struct KvCache {
     /// RDR's importance window, once a tracked decode ran ([`KvCache::decode_tracked`]).
     pub(crate) mass_window: Option<crate::mass_window::MassWindow>,
 }
-
 
 fn dense_bytes(dtype: DType, x: f32) -> [u8; 2] {
     match dtype {
@@ -183,7 +180,6 @@ impl KvCache {
         let (full, tail) = self.store.page_counts(seq, head)?;
         Ok(full + usize::from(tail.is_some()))
     }
-
 
     /// Appends `n` tokens: `k`, `v` are row-major [n][num_kv_heads][head_dim], rounded to the
     /// spec dtype. Either every token is appended or, on out-of-pages, nothing changes.

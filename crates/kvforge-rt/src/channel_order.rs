@@ -27,7 +27,10 @@ impl KvCache {
         }
         let used = self.store.pool().used_pages(tier);
         if used > 0 {
-            return Err(RtError::WrongState { what: format!("channel order of tier `{}`", t.name), fix: format!("the tier already holds {used} pages coded in its current channel order; set the order before the first page is coded") });
+            return Err(RtError::WrongState {
+                what: format!("channel order of tier `{}`", t.name),
+                fix: format!("the tier already holds {used} pages coded in its current channel order; set the order before the first page is coded"),
+            });
         }
         let (d, hkv) = (self.cfg.head_dim, self.cfg.num_kv_heads);
         if order.len() != hkv * d {

@@ -102,12 +102,7 @@ pub fn plan(spec: &Spec, head_dim: usize, gqa: usize, pages: &[Vec<Vec<(PageRef,
         }
     }
     present.sort();
-    let combo = choose_combination(spec, &present).ok_or_else(|| RtError::NoVariant {
-        spec: spec.name.clone(),
-        tiers: present.iter().map(|&t| spec.tiers[t as usize].name.clone()).collect(),
-        head_dim,
-        gqa,
-    })?;
+    let combo = choose_combination(spec, &present).ok_or_else(|| RtError::NoVariant { spec: spec.name.clone(), tiers: present.iter().map(|&t| spec.tiers[t as usize].name.clone()).collect(), head_dim, gqa })?;
     let variant = kvforge_gen::decode_variant(spec, &combo, head_dim, gqa);
     let splits = if spec.kernels.split_k { split_count(batch * hkv, max_pages, slots(&variant)) } else { 1 };
     tracing::debug!(%variant, kv_heads = hkv, max_pages, splits, "planned decode");
@@ -346,7 +341,19 @@ impl KvCache {
         // SAFETY: params mirror the kernel struct; buffers are sized by `workspace` for this
         // plan (the per-warp scratch checked above); page offsets come from the pool and lie
         // inside the arena.
-        crate::kernels::trace_launch(|| if certified { plan.variant.certified_symbol() } else if tracked { plan.variant.tracked_symbol() } else { Some(plan.variant.symbol()) }.unwrap_or_default(), &cfg);
+        crate::kernels::trace_launch(
+            || {
+                if certified {
+                    plan.variant.certified_symbol()
+                } else if tracked {
+                    plan.variant.tracked_symbol()
+                } else {
+                    Some(plan.variant.symbol())
+                }
+                .unwrap_or_default()
+            },
+            &cfg,
+        );
         unsafe { st.launch_builder(func).arg(&params).launch(cfg) }.map_err(drv(format!("launch {}", plan.variant)))?;
         let fold = self.window_fold_params(plan, ws)?;
         match (&plan.combine, fold) {
@@ -502,7 +509,6 @@ pub fn from_bits(dtype: DType, b: u16) -> f32 {
         DType::Bf16 => bf16::from_bits(b).to_f32(),
     }
 }
-
 
 /// Launches `func` with one parameter struct and programmatic stream serialisation: the kernel
 /// may begin while the previous kernel of the stream finishes (sm_90 programmatic dependent

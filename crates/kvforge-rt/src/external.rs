@@ -313,11 +313,7 @@ impl KvCache {
         let hq = plan.num_kv_heads * plan.gqa;
         let elem = ElemType::of(self.spec.geometry.dtype);
         let rows = vec![("batch", plan.batch), ("num_q_heads", hq), ("head_dim", plan.head_dim)];
-        self.check_all(&[
-            ("q", q, elem.clone(), rows.clone()),
-            ("out", out, elem, rows),
-            ("lse", lse, ElemType::F32, vec![("batch", plan.batch), ("num_q_heads", hq)]),
-        ])?;
+        self.check_all(&[("q", q, elem.clone(), rows.clone()), ("out", out, elem, rows), ("lse", lse, ElemType::F32, vec![("batch", plan.batch), ("num_q_heads", hq)])])?;
         let overlap = |a: &ExternalTensor, b: &ExternalTensor| a.span().0 < b.span().1 && b.span().0 < a.span().1;
         for (x, y, nx, ny) in [(q, out, "q", "out"), (q, lse, "q", "lse"), (out, lse, "out", "lse")] {
             if overlap(x, y) {

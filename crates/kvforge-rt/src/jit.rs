@@ -22,9 +22,7 @@ pub fn cache_dir() -> PathBuf {
     if let Ok(d) = std::env::var("KVFORGE_CACHE_DIR") {
         return PathBuf::from(d);
     }
-    let base = std::env::var("XDG_CACHE_HOME").map(PathBuf::from).unwrap_or_else(|_| {
-        PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| "/tmp".into())).join(".cache")
-    });
+    let base = std::env::var("XDG_CACHE_HOME").map(PathBuf::from).unwrap_or_else(|_| PathBuf::from(std::env::var("HOME").unwrap_or_else(|_| "/tmp".into())).join(".cache"));
     base.join("kvforge")
 }
 
@@ -174,10 +172,7 @@ impl PtxasReport {
 
 /// Diagnostics of a log other than ptxas' info lines.
 fn diagnostics(log: &str) -> String {
-    log.lines()
-        .filter(|l| !l.trim().is_empty() && !l.contains("ptxas info") && !l.trim_start().starts_with("ptxas") && !l.contains("bytes stack frame"))
-        .collect::<Vec<_>>()
-        .join("\n")
+    log.lines().filter(|l| !l.trim().is_empty() && !l.contains("ptxas info") && !l.trim_start().starts_with("ptxas") && !l.contains("bytes stack frame")).collect::<Vec<_>>().join("\n")
 }
 
 /// Compiles `source` for `arch` (e.g. `sm_90`) with NVRTC to a cubin, through the disk cache.

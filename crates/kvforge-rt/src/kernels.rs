@@ -1,10 +1,10 @@
 //! Loaded kernels of one device: NVRTC (through the disk cache) on first use, then a
 //! function handle per variant. Dynamic shared memory above 48 KB is opted into here.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
 use cudarc::driver::{sys::CUfunction_attribute, CudaFunction};
 use kvforge_spec::{Spec, VariantId};
+use std::collections::HashMap;
+use std::sync::Mutex;
 
 use crate::device::Device;
 use crate::error::{drv, Result};
@@ -34,7 +34,6 @@ pub struct KernelCache {
 }
 
 impl KernelCache {
-
     pub fn get(&self, dev: &Device, spec: &Spec, v: &VariantId) -> Result<Kernel> {
         if let Some(k) = self.loaded.lock().unwrap().get(v) {
             return Ok(k.clone());
@@ -46,8 +45,7 @@ impl KernelCache {
         let load = |symbol: &str, smem: usize| -> Result<CudaFunction> {
             let func = module.load_function(symbol).map_err(drv(format!("symbol {symbol}")))?;
             if smem > 48 * 1024 {
-                func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-                    .map_err(drv(format!("shared memory opt-in for {symbol}")))?;
+                func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(drv(format!("shared memory opt-in for {symbol}")))?;
             }
             Ok(func)
         };

@@ -17,8 +17,8 @@
 //! ```
 
 mod cache;
-mod channel_order;
 pub mod certified;
+mod channel_order;
 mod decode;
 mod device;
 mod engine;
@@ -29,23 +29,23 @@ mod kernels;
 mod mass_window;
 mod moves;
 pub mod params;
-pub mod testing;
 mod pool;
 mod side_tables;
 mod store;
+pub mod testing;
 mod transcode;
 
 pub use cache::{CacheConfig, KvCache};
-pub use store::TierUsage;
-pub use side_tables::SideTables;
 pub use decode::{choose_combination, from_bits, plan, split_count, to_bits, DecodeOutput, DecodePlan, DecodeWorkspace, QueryElem};
 pub use device::{driver_present, nvrtc_present, Device, DeviceInfo};
 pub use error::{Result, RtError};
 pub use external::{prefix_pages, ElemType, ExternalTensor, TensorDevice};
-pub use mass_window::{MassWindowRows, WindowFold};
 pub use kvforge_paging::PagedCache;
+pub use mass_window::{MassWindowRows, WindowFold};
 pub use moves::{MoveBatch, MoveError, PageMove, SeqMove};
 pub use pool::{PagePool, PageRef};
+pub use side_tables::SideTables;
+pub use store::TierUsage;
 
 /// The top-level README's Rust quick start, compiled (not run: it needs a GPU) as a doctest,
 /// so the user's page cannot drift from the API (`cargo test -p kvforge-rt --doc`).

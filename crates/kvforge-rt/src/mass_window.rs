@@ -121,7 +121,11 @@ impl KvCache {
     pub fn track_window(&mut self, plan: &DecodePlan, ws: &mut DecodeWorkspace, seqs: &[usize]) -> Result<()> {
         let hkv = self.cfg.num_kv_heads;
         if seqs.len() != plan.batch || plan.num_kv_heads != hkv {
-            return Err(RtError::ShapeMismatch { what: "mass window".into(), expected: format!("the plan's {} sequences × {} kv heads", plan.batch, plan.num_kv_heads), got: format!("{} sequences of a cache with {hkv} kv heads", seqs.len()) });
+            return Err(RtError::ShapeMismatch {
+                what: "mass window".into(),
+                expected: format!("the plan's {} sequences × {} kv heads", plan.batch, plan.num_kv_heads),
+                got: format!("{} sequences of a cache with {hkv} kv heads", seqs.len()),
+            });
         }
         if ws.page_lse.is_none() {
             return Err(RtError::BadInput("mass window: the workspace records no page masses (make it with `mass_workspace`)".into()));

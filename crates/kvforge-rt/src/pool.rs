@@ -38,7 +38,11 @@ impl PagePool {
     /// Lays out `capacity[t]` pages of every tier `t` (tiers without bytes get none).
     pub fn new(spec: &Spec, head_dim: usize, capacity: &[usize]) -> Result<PagePool> {
         if capacity.len() != spec.tiers.len() {
-            return Err(RtError::ShapeMismatch { what: "page capacity list".into(), expected: format!("one entry per tier of spec `{}` ({})", spec.name, spec.tiers.len()), got: format!("{} entries", capacity.len()) });
+            return Err(RtError::ShapeMismatch {
+                what: "page capacity list".into(),
+                expected: format!("one entry per tier of spec `{}` ({})", spec.name, spec.tiers.len()),
+                got: format!("{} entries", capacity.len()),
+            });
         }
         let mut at = 0u64;
         let mut regions = Vec::new();

@@ -296,10 +296,7 @@ impl PageStore {
                 let n = copied.min(want - copied);
                 // SAFETY: source [0, n) and destination [copied, copied + n) pages lie inside
                 // the target region of the arena and do not overlap (n <= copied).
-                unsafe {
-                    cudarc::driver::result::memcpy_dtod_async(arena + base + copied as u64 * pb, arena + base, n * pb as usize, self.stream.cu_stream())
-                }
-                .map_err(drv("bench page replication"))?;
+                unsafe { cudarc::driver::result::memcpy_dtod_async(arena + base + copied as u64 * pb, arena + base, n * pb as usize, self.stream.cu_stream()) }.map_err(drv("bench page replication"))?;
                 copied += n;
             }
         }
@@ -379,7 +376,11 @@ impl PageStore {
                     let raw = self.stream.clone_dtoh(&self.arena.slice(off..off + HEADER_BYTES)).map_err(drv("header download"))?;
                     let hd = PageHeader::from_bytes(&raw).map_err(|reason| RtError::CorruptPage { page: i, offset: page.offset, reason: format!("sequence {s} head {h}: {reason}") })?;
                     if hd.tier != page.tier || hd.length as usize != len {
-                        return Err(RtError::CorruptPage { page: i, offset: page.offset, reason: format!("sequence {s} head {h}: header says tier {} length {}, expected tier {} length {len}", hd.tier, hd.length, page.tier) });
+                        return Err(RtError::CorruptPage {
+                            page: i,
+                            offset: page.offset,
+                            reason: format!("sequence {s} head {h}: header says tier {} length {}, expected tier {} length {len}", hd.tier, hd.length, page.tier),
+                        });
                     }
                 }
             }

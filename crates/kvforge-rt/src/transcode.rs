@@ -80,7 +80,11 @@ impl KvCache {
     /// (`KernelFault`, its destination unwritten); the other pages of the launch are coded.
     pub fn transcode_pages(&mut self, from: TierId, to: TierId, src: &[PageRef], dst: &[PageRef], heads: &[u32]) -> Result<()> {
         if src.is_empty() || src.len() != dst.len() || src.len() != heads.len() {
-            return Err(RtError::ShapeMismatch { what: "transcode_pages".into(), expected: "equal, non-zero counts of sources, destinations and heads".into(), got: format!("{} sources, {} destinations, {} heads", src.len(), dst.len(), heads.len()) });
+            return Err(RtError::ShapeMismatch {
+                what: "transcode_pages".into(),
+                expected: "equal, non-zero counts of sources, destinations and heads".into(),
+                got: format!("{} sources, {} destinations, {} heads", src.len(), dst.len(), heads.len()),
+            });
         }
         if let Some(p) = src.iter().find(|p| p.tier != from).or_else(|| dst.iter().find(|p| p.tier != to)) {
             return Err(RtError::BadInput(format!("transcode_pages: page at {} is in tier {}, not {from} → {to}", p.offset, p.tier)));
@@ -146,15 +150,7 @@ impl KvCache {
                 }
             };
             let word = |j: usize| base + 8 * (at[i] + j) as u64;
-            let params = TranscodeParams {
-                arena,
-                src_offsets: word(0),
-                dst_offsets: word(n),
-                kv_heads: word(2 * n),
-                side: tp.side,
-                error_flags: flags + 4 * i as u64,
-                num_pages: n as i32,
-            };
+            let params = TranscodeParams { arena, src_offsets: word(0), dst_offsets: word(n), kv_heads: word(2 * n), side: tp.side, error_flags: flags + 4 * i as u64, num_pages: n as i32 };
             // Each page's work is split over `ctas_per_page` CTAs (transcode.cuh).
             let cfg = LaunchConfig { grid_dim: (n as u32 * k.ctas_per_page, 1, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: k.smem_bytes };
             // SAFETY: params mirror the kernel's struct (rendered from one field list); the

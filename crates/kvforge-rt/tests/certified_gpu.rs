@@ -458,7 +458,8 @@ fn assert_same_certificate(dev: &HeadCertificate, host: &HeadCertificate, what: 
     assert_eq!((dev.delta, dev.v_max), (host.delta, host.v_max), "{what}: {dev:?} vs {host:?}");
     assert_eq!((dev.promoted, dev.explored, dev.detections, dev.ranking, dev.boundary), (host.promoted, host.explored, host.detections, host.ranking, host.boundary), "{what}: {dev:?} vs {host:?}");
     let mut worst = 0f64;
-    for (name, a, b) in [("alpha", dev.alpha_tail, host.alpha_tail), ("e_key", dev.e_key, host.e_key), ("e_val", dev.e_val, host.e_val), ("e_round", dev.e_round, host.e_round), ("bound", dev.bound, host.bound)] {
+    for (name, a, b) in [("alpha", dev.alpha_tail, host.alpha_tail), ("e_key", dev.e_key, host.e_key), ("e_val", dev.e_val, host.e_val), ("e_round", dev.e_round, host.e_round), ("bound", dev.bound, host.bound)]
+    {
         if a == b {
             continue;
         }

@@ -357,7 +357,19 @@ fn mixed_keys_follow_their_channel_order() {
         }
     }
     // And attention over the mixed pages matches the f64 reference on what the GPU holds.
-    let r = kvforge_lab::selftest::run_variant(&dev, &s, &kvforge_gen::variants(&s).into_iter().find(|v| v.name().starts_with("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g4_p64_w")).unwrap(), false).unwrap();
+    let r = kvforge_lab::selftest::run_variant(
+        &dev,
+        &s,
+        &kvforge_gen::variants(&s)
+            .into_iter()
+            .find(|v| {
+                v.name()
+                    .starts_with("decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16__kmix16x1_8x2_4x3_2x1c64f16_vint8g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint4g32f16__kmix16x1_8x2_4x3_2x1c64f16_vint2g32f16_d128_g4_p64_w")
+            })
+            .unwrap(),
+        false,
+    )
+    .unwrap();
     assert_eq!(r.status, "pass", "{r:?}");
 }
 

@@ -16,8 +16,15 @@ use proptest::test_runner::{Config, TestCaseError, TestRunner};
 #[derive(Clone, Debug)]
 enum Key {
     Dense(&'static str),
-    Int { bits: u32, block_shift: u32, scale: &'static str },
-    Mixed { channels: &'static str, block_shift: u32 },
+    Int {
+        bits: u32,
+        block_shift: u32,
+        scale: &'static str,
+    },
+    Mixed {
+        channels: &'static str,
+        block_shift: u32,
+    },
     /// group, angle bits, shipped codebook.
     Spherical(usize, u32, &'static str),
     Drop,
@@ -49,12 +56,8 @@ struct Draw {
 fn key() -> impl Strategy<Value = Key> {
     prop_oneof![
         prop::sample::select(vec!["fp16", "bf16"]).prop_map(Key::Dense),
-        (prop::sample::select(vec![8u32, 4, 2]), 0u32..4, prop::sample::select(vec!["fp16", "fp32"]))
-            .prop_map(|(bits, block_shift, scale)| Key::Int { bits, block_shift, scale }),
-        (
-            prop::sample::select(vec!["{ 16 = 0.125, 8 = 0.25, 4 = 0.375, 2 = 0.125 }", "{ 8 = 0.5, 4 = 0.5 }", "{ 4 = 0.25, 2 = 0.5 }"]),
-            0u32..4
-        )
+        (prop::sample::select(vec![8u32, 4, 2]), 0u32..4, prop::sample::select(vec!["fp16", "fp32"])).prop_map(|(bits, block_shift, scale)| Key::Int { bits, block_shift, scale }),
+        (prop::sample::select(vec!["{ 16 = 0.125, 8 = 0.25, 4 = 0.375, 2 = 0.125 }", "{ 8 = 0.5, 4 = 0.5 }", "{ 4 = 0.25, 2 = 0.5 }"]), 0u32..4)
             .prop_map(|(channels, block_shift)| Key::Mixed { channels, block_shift }),
         prop::sample::select(vec![(16, 6, "sph_g16_b6"), (16, 4, "sph_g16_b4"), (32, 3, "sph_g32_b3")]).prop_map(|(g, a, c)| Key::Spherical(g, a, c)),
     ]
@@ -63,8 +66,7 @@ fn key() -> impl Strategy<Value = Key> {
 fn value() -> impl Strategy<Value = Value> {
     prop_oneof![
         prop::sample::select(vec!["fp16", "bf16"]).prop_map(Value::Dense),
-        (prop::sample::select(vec![8u32, 4, 2]), prop::sample::select(vec![8usize, 16, 32, 64]), prop::sample::select(vec!["fp16", "fp32"]))
-            .prop_map(|(bits, group, scale)| Value::Int { bits, group, scale }),
+        (prop::sample::select(vec![8u32, 4, 2]), prop::sample::select(vec![8usize, 16, 32, 64]), prop::sample::select(vec!["fp16", "fp32"])).prop_map(|(bits, group, scale)| Value::Int { bits, group, scale }),
     ]
 }
 
@@ -86,12 +88,7 @@ fn draw() -> impl Strategy<Value = Draw> {
 
 fn toml(d: &Draw) -> String {
     let dims: Vec<String> = d.head_dims.iter().map(|x| x.to_string()).collect();
-    let mut s = format!(
-        "[spec]\nname = \"drawn\"\n\n[geometry]\nhead_dims = [{}]\ngqa = [{}]\n\n[page]\ntokens = {}\n\n",
-        dims.join(", "),
-        d.gqa,
-        d.tokens
-    );
+    let mut s = format!("[spec]\nname = \"drawn\"\n\n[geometry]\nhead_dims = [{}]\ngqa = [{}]\n\n[page]\ntokens = {}\n\n", dims.join(", "), d.gqa, d.tokens);
     for (i, (k, v)) in d.tiers.iter().enumerate() {
         let key = match k {
             Key::Dense(t) => format!("{{ scheme = \"{t}\" }}"),
@@ -107,10 +104,7 @@ fn toml(d: &Draw) -> String {
         };
         s += &format!("[[tier]]\nname = \"t{i}\"\nkey = {key}\nvalue = {value}\n\n");
     }
-    s += &format!(
-        "[kernels]\nwarps = {}\ntensor_core_values = {}\ncertified = {}\nsplit_k = {}\n",
-        d.warps, d.tensor_core_values, d.certified, d.split_k
-    );
+    s += &format!("[kernels]\nwarps = {}\ntensor_core_values = {}\ncertified = {}\nsplit_k = {}\n", d.warps, d.tensor_core_values, d.certified, d.split_k);
     if let Some(w) = d.dense_warps {
         s += &format!("dense = {{ warps = {w} }}\n");
     }

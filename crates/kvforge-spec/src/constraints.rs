@@ -68,12 +68,16 @@ pub(crate) fn check(spec: &Spec, raw: &RawSpec, loc: &Locator<'_>) -> Result<(),
                     Some(t) => (Some(t.span()), "page.tokens"),
                     None => (Some(raw.geometry.head_dims.span()), "geometry.head_dims"),
                 };
-                return err(span, field, format!(
-                    "page.tokens {} does not compile at head_dim {d} for the decode of tiers {} ({warps} warps, `{warps_from}`): {why}; valid page.tokens at head_dim {d}: {}{hint}",
-                    spec.page.tokens,
-                    names.join(", "),
-                    tokens.join(", ")
-                ));
+                return err(
+                    span,
+                    field,
+                    format!(
+                        "page.tokens {} does not compile at head_dim {d} for the decode of tiers {} ({warps} warps, `{warps_from}`): {why}; valid page.tokens at head_dim {d}: {}{hint}",
+                        spec.page.tokens,
+                        names.join(", "),
+                        tokens.join(", ")
+                    ),
+                );
             }
         }
     }
@@ -82,7 +86,11 @@ pub(crate) fn check(spec: &Spec, raw: &RawSpec, loc: &Locator<'_>) -> Result<(),
         if let KeyScheme::Spherical { group, .. } = &t.key {
             if group % 4 != 0 {
                 let span = raw.tiers.get_ref().get(i).and_then(|r| r.key.get_ref().group.as_ref()).map(|g| g.span());
-                return err(span, &format!("tier[{i}].key.group"), format!("spherical group {group} is not a multiple of 4 channels (the lookup table reads codewords as float4s); valid: 4, 8, 16, 32, ... dividing every head_dim"));
+                return err(
+                    span,
+                    &format!("tier[{i}].key.group"),
+                    format!("spherical group {group} is not a multiple of 4 channels (the lookup table reads codewords as float4s); valid: 4, 8, 16, 32, ... dividing every head_dim"),
+                );
             }
         }
         // Integer keys score on tensor cores in 16-token m-tiles ("mma tiles" of
@@ -91,11 +99,11 @@ pub(crate) fn check(spec: &Spec, raw: &RawSpec, loc: &Locator<'_>) -> Result<(),
             if block % 16 != 0 {
                 let span = raw.tiers.get_ref().get(i).and_then(|r| r.key.get_ref().block.as_ref()).map(|b| b.span());
                 let valid: Vec<String> = (16..=spec.page.tokens).step_by(16).filter(|b| spec.page.tokens.is_multiple_of(*b)).map(|b| b.to_string()).collect();
-                return err(span, &format!("tier[{i}].key.block"), format!(
-                    "key block {block} is not a multiple of 16 tokens (integer keys score on tensor cores in 16-token tiles); valid at page.tokens {}: {}",
-                    spec.page.tokens,
-                    valid.join(", ")
-                ));
+                return err(
+                    span,
+                    &format!("tier[{i}].key.block"),
+                    format!("key block {block} is not a multiple of 16 tokens (integer keys score on tensor cores in 16-token tiles); valid at page.tokens {}: {}", spec.page.tokens, valid.join(", ")),
+                );
             }
         }
     }

@@ -5,7 +5,14 @@
 
 use std::fmt;
 
-use crate::codecs::{dense::Dense, drop::Drop, int::{IntKey, IntValue}, mixed::{ChannelSegment, MixedKey}, spherical::SphericalKey, Codec, Side};
+use crate::codecs::{
+    dense::Dense,
+    drop::Drop,
+    int::{IntKey, IntValue},
+    mixed::{ChannelSegment, MixedKey},
+    spherical::SphericalKey,
+    Codec, Side,
+};
 
 /// Element type of queries, outputs and dense (identity-coded) K/V.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -79,7 +86,11 @@ pub enum KeyScheme {
 pub enum ValueScheme {
     Dense(DType),
     /// Per-token asymmetric integer codes per group of `group` channels.
-    Int { bits: u32, group: usize, scale: ScaleDType },
+    Int {
+        bits: u32,
+        group: usize,
+        scale: ScaleDType,
+    },
     Drop,
 }
 

@@ -302,14 +302,13 @@ impl Validator<'_> {
             let key = codecs::parse_key(&self.ctx(&rt.key, &format!("{field}.key"), &head_dims, tokens, &gqa))?;
             let value = codecs::parse_value(&self.ctx(&rt.value, &format!("{field}.value"), &head_dims, tokens, &gqa))?;
             if key.is_drop() != value.is_drop() {
-                let (side, other, span) = if key.is_drop() {
-                    ("key", value.to_string(), rt.key.get_ref().scheme.span())
-                } else {
-                    ("value", key.to_string(), rt.value.get_ref().scheme.span())
-                };
+                let (side, other, span) = if key.is_drop() { ("key", value.to_string(), rt.key.get_ref().scheme.span()) } else { ("value", key.to_string(), rt.value.get_ref().scheme.span()) };
                 let other_side = if side == "key" { "value" } else { "key" };
-                return self.err(span, &format!("{field}.{side}.scheme"), format!(
-                    "`drop` must be the scheme of both key and value (a token is evicted whole), but the {other_side} is {other}; make both `drop` or neither"));
+                return self.err(
+                    span,
+                    &format!("{field}.{side}.scheme"),
+                    format!("`drop` must be the scheme of both key and value (a token is evicted whole), but the {other_side} is {other}; make both `drop` or neither"),
+                );
             }
             let tier = Tier { id: (i + 1) as TierId, name: tname, key, value };
             for &d in &head_dims {
@@ -324,16 +323,22 @@ impl Validator<'_> {
                 for &d in &head_dims {
                     let (a, b) = (prev.bytes_per_token(d, tokens), tier.bytes_per_token(d, tokens));
                     if b > a {
-                        return self.err(rt.name.span(), &field, format!(
-                            "tier ladder must be ordered from most to least bytes: `{}` costs {b} B/token/head at head_dim {d}, more than `{}` before it ({a} B)", tier.name, prev.name));
+                        return self.err(
+                            rt.name.span(),
+                            &field,
+                            format!("tier ladder must be ordered from most to least bytes: `{}` costs {b} B/token/head at head_dim {d}, more than `{}` before it ({a} B)", tier.name, prev.name),
+                        );
                     }
                 }
             }
             for &d in &head_dims {
                 let seg = SegmentLayout::new(&tier, d, tokens, alignment);
                 if seg.bytes > STAGE_BUDGET_BYTES {
-                    return self.err(rt.name.span(), &field, format!(
-                        "tier `{}` needs a {} B page segment at head_dim {d} with {tokens} tokens; the decode kernel stages at most {STAGE_BUDGET_BYTES} B: use fewer page tokens", tier.name, seg.bytes));
+                    return self.err(
+                        rt.name.span(),
+                        &field,
+                        format!("tier `{}` needs a {} B page segment at head_dim {d} with {tokens} tokens; the decode kernel stages at most {STAGE_BUDGET_BYTES} B: use fewer page tokens", tier.name, seg.bytes),
+                    );
                 }
             }
             tiers.push(tier);
@@ -417,7 +422,16 @@ impl Validator<'_> {
             }
             None => None,
         };
-        let kernels = KernelOptions { combinations, split_k: raw.kernels.split_k.unwrap_or(true), warps, tensor_core_values: raw.kernels.tensor_core_values.unwrap_or(true), certified: raw.kernels.certified.unwrap_or(false), ctas_per_sm, stage_kib, dense };
+        let kernels = KernelOptions {
+            combinations,
+            split_k: raw.kernels.split_k.unwrap_or(true),
+            warps,
+            tensor_core_values: raw.kernels.tensor_core_values.unwrap_or(true),
+            certified: raw.kernels.certified.unwrap_or(false),
+            ctas_per_sm,
+            stage_kib,
+            dense,
+        };
 
         let mut h = blake3::Hasher::new();
         h.update(src.as_bytes());

@@ -459,16 +459,18 @@ fn tier_ladder_not_ordered_by_bytes() {
 
 #[test]
 fn tiers_that_code_alike() {
-    let src = edit(BASE, "name = \"hi\"\nkey = { scheme = \"int\", bits = 8, block = 16 }\nvalue = { scheme = \"int\", bits = 8, group = 32 }",
-        "name = \"hi\"\nkey = { scheme = \"int\", bits = 4, block = 64 }\nvalue = { scheme = \"int\", bits = 4, group = 32 }");
+    let src = edit(
+        BASE,
+        "name = \"hi\"\nkey = { scheme = \"int\", bits = 8, block = 16 }\nvalue = { scheme = \"int\", bits = 8, group = 32 }",
+        "name = \"hi\"\nkey = { scheme = \"int\", bits = 4, block = 64 }\nvalue = { scheme = \"int\", bits = 4, group = 32 }",
+    );
     let e = fail(&src);
     check(&e, Invalid, 18, 8, "tier[1]", &["codes exactly like tier `hi`", "merge them"]);
 }
 
 #[test]
 fn drop_not_last() {
-    let src = format!("{}\n[[tier]]\nname = \"after\"\nkey = {{ scheme = \"int\", bits = 2, block = 64 }}\nvalue = {{ scheme = \"int\", bits = 2, group = 32 }}\n",
-        BASE.split("\n[kernels]").next().unwrap());
+    let src = format!("{}\n[[tier]]\nname = \"after\"\nkey = {{ scheme = \"int\", bits = 2, block = 64 }}\nvalue = {{ scheme = \"int\", bits = 2, group = 32 }}\n", BASE.split("\n[kernels]").next().unwrap());
     let e = fail(&src);
     check(&e, Invalid, 28, 8, "tier[3]", &["`after` follows the drop tier `gone`", "drop must be last"]);
     insta::assert_snapshot!("drop_not_last", e.to_string());
@@ -522,8 +524,7 @@ fn codebook(entries: usize, group: usize, norm: f32) -> Codebook {
 }
 
 fn spherical(group: usize, angle_bits: u32, codebook: &str) -> String {
-    edit(BASE, "key = { scheme = \"int\", bits = 8, block = 16 }",
-        &format!("key = {{ scheme = \"spherical\", group = {group}, angle_bits = {angle_bits}, codebook = \"{codebook}\" }}"))
+    edit(BASE, "key = { scheme = \"int\", bits = 8, block = 16 }", &format!("key = {{ scheme = \"spherical\", group = {group}, angle_bits = {angle_bits}, codebook = \"{codebook}\" }}"))
 }
 
 #[test]
@@ -560,11 +561,14 @@ fn codebook_larger_than_lut_budget() {
     // 8 angle bits, group 16, gqa 8: 8 x 16 groups x 256 x 4 B = 128 KiB at head_dim 256.
     let src = edit(&spherical(16, 8, "cb.safetensors"), "head_dims = [128]", "head_dims = [128, 256]");
     let e = fail(&src);
-    check(&e, Invalid, 14, 56, "tier[0].key.angle_bits", &[
-        "2^8 entries needs a 131072 B lookup table at head_dim 256, gqa 8",
-        &format!("{LUT_BUDGET_BYTES} B shared-memory budget"),
-        "use angle_bits 7 or less",
-    ]);
+    check(
+        &e,
+        Invalid,
+        14,
+        56,
+        "tier[0].key.angle_bits",
+        &["2^8 entries needs a 131072 B lookup table at head_dim 256, gqa 8", &format!("{LUT_BUDGET_BYTES} B shared-memory budget"), "use angle_bits 7 or less"],
+    );
     insta::assert_snapshot!("codebook_larger_than_lut_budget", e.to_string());
 }
 
@@ -575,8 +579,7 @@ fn combination_larger_than_lut_budget() {
     let d = tmp("lut_combo");
     codebook(256, 16, 1.0).save(&d.join("cb8.safetensors")).unwrap();
     codebook(16, 16, 1.0).save(&d.join("cb4.safetensors")).unwrap();
-    let src = edit(&spherical(16, 8, "cb8.safetensors"), "key = { scheme = \"int\", bits = 4, block = 64 }",
-        "key = { scheme = \"spherical\", group = 16, angle_bits = 4, codebook = \"cb4.safetensors\" }");
+    let src = edit(&spherical(16, 8, "cb8.safetensors"), "key = { scheme = \"int\", bits = 4, block = 64 }", "key = { scheme = \"spherical\", group = 16, angle_bits = 4, codebook = \"cb4.safetensors\" }");
     let e = fail_in(&src, &d);
     check(&e, Invalid, 28, 33, "kernels.combinations[2]", &["tiers `hi`, `lo` in one launch need 69632 B", "split the combination"]);
     // Without explicit combinations the default all-tier combination is the one that fails.
@@ -735,7 +738,11 @@ fn page_too_small_for_the_value_tiles_of_8_warps() {
 #[test]
 fn dense_launch_warps_are_checked_too() {
     // rdkv's shape: 4 warps, dense launches 8: the fp16 launch is the one that cannot compile.
-    let src = edit(&edit(SMALL, "warps = 8", "warps = 4\ndense = { warps = 8 }"), "[[tier]]\nname = \"q8\"", "[[tier]]\nname = \"hi\"\nkey = { scheme = \"fp16\" }\nvalue = { scheme = \"fp16\" }\n\n[[tier]]\nname = \"q8\"");
+    let src = edit(
+        &edit(SMALL, "warps = 8", "warps = 4\ndense = { warps = 8 }"),
+        "[[tier]]\nname = \"q8\"",
+        "[[tier]]\nname = \"hi\"\nkey = { scheme = \"fp16\" }\nvalue = { scheme = \"fp16\" }\n\n[[tier]]\nname = \"q8\"",
+    );
     let e = fail(&src);
     assert_eq!(e.field, "page.tokens", "{e}");
     assert!(e.message.contains("kernels.dense.warps") && e.message.contains("tiers hi"), "{e}");

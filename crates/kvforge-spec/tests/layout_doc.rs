@@ -47,8 +47,7 @@ fn spec_block(s: &Spec) -> String {
     writeln!(o, "|:--|--:|:--|--:|--:|--:|--:|").unwrap();
     for t in &s.tiers {
         let l = seg(t.id);
-        writeln!(o, "| `{}` | {} | `{}` | {} | {} | {} | {} |", t.name, t.id, t.code(D), l.payload_bytes, l.page_bytes,
-            num(l.payload_bytes as f64 / P as f64), num(l.page_bytes as f64 / P as f64)).unwrap();
+        writeln!(o, "| `{}` | {} | `{}` | {} | {} | {} | {} |", t.name, t.id, t.code(D), l.payload_bytes, l.page_bytes, num(l.payload_bytes as f64 / P as f64), num(l.page_bytes as f64 / P as f64)).unwrap();
     }
     for t in &s.tiers {
         let l = seg(t.id);
@@ -66,9 +65,18 @@ fn spec_block(s: &Spec) -> String {
         }
         writeln!(o).unwrap();
         let pad = l.page_bytes - HEADER_BYTES - l.bytes;
-        writeln!(o, "Segment {} B (payload {} B), page {} B = {HEADER_BYTES} header + {} segment + {pad} padding to {}; {} B/token/head payload, {} with header and padding.",
-            l.bytes, l.payload_bytes, l.page_bytes, l.bytes, s.page.alignment,
-            num(l.payload_bytes as f64 / P as f64), num(l.page_bytes as f64 / P as f64)).unwrap();
+        writeln!(
+            o,
+            "Segment {} B (payload {} B), page {} B = {HEADER_BYTES} header + {} segment + {pad} padding to {}; {} B/token/head payload, {} with header and padding.",
+            l.bytes,
+            l.payload_bytes,
+            l.page_bytes,
+            l.bytes,
+            s.page.alignment,
+            num(l.payload_bytes as f64 / P as f64),
+            num(l.page_bytes as f64 / P as f64)
+        )
+        .unwrap();
     }
     writeln!(o, "<!-- /layout:{} -->", s.name).unwrap();
     o
@@ -80,10 +88,7 @@ fn header_block() -> String {
     let b = h.to_bytes();
     let hex: Vec<String> = b.iter().map(|x| format!("{x:02x}")).collect();
     let checksum = u32::from_le_bytes(b[12..16].try_into().unwrap());
-    format!(
-        "```text\nPageHeader {{ tier: 1, flags: 0, length: 64 }}\n{}\nmagic {PAGE_MAGIC:#010x} (\"KVF1\"), checksum {checksum:#010x}\n```\n",
-        hex.join(" ")
-    )
+    format!("```text\nPageHeader {{ tier: 1, flags: 0, length: 64 }}\n{}\nmagic {PAGE_MAGIC:#010x} (\"KVF1\"), checksum {checksum:#010x}\n```\n", hex.join(" "))
 }
 
 fn blocks() -> Vec<(String, String)> {
@@ -113,10 +118,7 @@ fn doc_contains_generated_tables() {
 #[test]
 fn doc_covers_every_shipped_spec() {
     // A new spec under specs/ needs its tables in the doc (and in SHIPPED above).
-    let mut found: Vec<String> = std::fs::read_dir(root().join("specs"))
-        .unwrap()
-        .filter_map(|e| e.ok()?.path().file_stem()?.to_str().map(str::to_string))
-        .collect();
+    let mut found: Vec<String> = std::fs::read_dir(root().join("specs")).unwrap().filter_map(|e| e.ok()?.path().file_stem()?.to_str().map(str::to_string)).collect();
     found.sort();
     assert_eq!(found, SHIPPED.to_vec());
     let doc = doc();

@@ -9,14 +9,8 @@ use kvforge_spec::{SegmentLayout, Spec, REGISTRY};
 
 fn spec_for(key: &str, value: &str) -> Spec {
     // A drop tier cannot be the whole ladder: keep one int8 tier before it.
-    let keep = if key.contains("drop") {
-        "[[tier]]\nname = \"keep\"\nkey = { scheme = \"int\", bits = 8, block = 64 }\nvalue = { scheme = \"int\", bits = 8, group = 64 }\n"
-    } else {
-        ""
-    };
-    let text = format!(
-        "[spec]\nname = \"registry\"\n[geometry]\nhead_dims = [64, 128]\ngqa = [4]\ndtype = \"fp16\"\n[page]\ntokens = 64\n{keep}[[tier]]\nname = \"t\"\nkey = {key}\nvalue = {value}\n"
-    );
+    let keep = if key.contains("drop") { "[[tier]]\nname = \"keep\"\nkey = { scheme = \"int\", bits = 8, block = 64 }\nvalue = { scheme = \"int\", bits = 8, group = 64 }\n" } else { "" };
+    let text = format!("[spec]\nname = \"registry\"\n[geometry]\nhead_dims = [64, 128]\ngqa = [4]\ndtype = \"fp16\"\n[page]\ntokens = 64\n{keep}[[tier]]\nname = \"t\"\nkey = {key}\nvalue = {value}\n");
     let specs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../specs");
     Spec::parse(&text, "registry.toml", &specs).unwrap_or_else(|e| panic!("example key = {key}, value = {value}: {e}"))
 }

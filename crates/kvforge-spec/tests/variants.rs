@@ -106,9 +106,7 @@ fn certified_and_rdkv_names() {
 
 #[test]
 fn bf16_and_page_size_are_in_the_name() {
-    let src = std::fs::read_to_string(specs_dir().join("certified.toml")).unwrap()
-        .replace("\ndtype = \"fp16\"", "\ndtype = \"bf16\"")
-        .replace("tokens = 64", "tokens = 32");
+    let src = std::fs::read_to_string(specs_dir().join("certified.toml")).unwrap().replace("\ndtype = \"fp16\"", "\ndtype = \"bf16\"").replace("tokens = 64", "tokens = 32");
     let s = Spec::parse(&src, "certified.toml", &specs_dir()).unwrap();
     let n = names(&s);
     assert!(n.contains(&"decode_kint8c16f32_vint4g16f16_d128_g4_p32_bf16_w4c1s2t".to_string()), "{n:?}");
@@ -154,8 +152,7 @@ fn cache_key_covers_source_arch_and_compiler() {
 fn listing(s: &Spec) -> String {
     let mut o = String::new();
     let p = s.page.tokens;
-    writeln!(o, "spec `{}`: head_dims {:?}, gqa {:?}, dtype {}, page {} tokens, alignment {}", s.name, s.geometry.head_dims,
-        s.geometry.gqa, s.geometry.dtype.name(), p, s.page.alignment).unwrap();
+    writeln!(o, "spec `{}`: head_dims {:?}, gqa {:?}, dtype {}, page {} tokens, alignment {}", s.name, s.geometry.head_dims, s.geometry.gqa, s.geometry.dtype.name(), p, s.page.alignment).unwrap();
     writeln!(o, "tiers (bytes per token per head, payload / page incl. header and padding):").unwrap();
     for t in &s.tiers {
         write!(o, "  {} {:<6}", t.id, t.name).unwrap();
@@ -165,9 +162,7 @@ fn listing(s: &Spec) -> String {
         }
         writeln!(o).unwrap();
     }
-    let combos: Vec<String> = s.kernels.combinations.iter()
-        .map(|c| format!("[{}]", c.iter().map(|&t| s.tiers[t as usize].name.as_str()).collect::<Vec<_>>().join(", ")))
-        .collect();
+    let combos: Vec<String> = s.kernels.combinations.iter().map(|c| format!("[{}]", c.iter().map(|&t| s.tiers[t as usize].name.as_str()).collect::<Vec<_>>().join(", "))).collect();
     writeln!(o, "combinations: {}", combos.join(" ")).unwrap();
     o
 }

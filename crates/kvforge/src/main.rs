@@ -56,10 +56,7 @@ enum Cmd {
 pub(crate) fn spec_files(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let dir = root.join("specs");
     let rd = std::fs::read_dir(&dir).map_err(|e| kvforge_rt::RtError::BadInput(format!("cannot read {}: {e}; run from the repository root or pass --root", dir.display())))?;
-    let mut v: Vec<PathBuf> = rd
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
-        .collect();
+    let mut v: Vec<PathBuf> = rd.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|e| e == "toml")).collect();
     v.sort();
     Ok(v)
 }
@@ -151,7 +148,14 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         let seg = spec.segment(t.id, d);
                         println!(
                             "  tier {:>2} {:<6} d{:<3} {:>8.2} B/token/head payload, {:>8.2} resident (page {} B)   K {}, V {}",
-                            t.id, t.name, d, t.bytes_per_token(d, spec.page.tokens), seg.page_bytes as f64 / spec.page.tokens as f64, seg.page_bytes, t.key, t.value
+                            t.id,
+                            t.name,
+                            d,
+                            t.bytes_per_token(d, spec.page.tokens),
+                            seg.page_bytes as f64 / spec.page.tokens as f64,
+                            seg.page_bytes,
+                            t.key,
+                            t.value
                         );
                     }
                 }

@@ -36,7 +36,34 @@ const LIMIT: Duration = Duration::from_secs(30);
 
 fn value() -> impl Strategy<Value = String> {
     prop_oneof![
-        prop::sample::select(vec!["0", "1", "-1", "8", "64", "512", "4096", "nan", "inf", "-0.5", "0.5", "1e30", "99999999999999999999999", "", "zzz", "1,2", "0,1", ",", "sm_90", "sm_", "rdkv:b4", "rdkv:b8+b4", "a:b", "codebook", "isotropic"]).prop_map(String::from),
+        prop::sample::select(vec![
+            "0",
+            "1",
+            "-1",
+            "8",
+            "64",
+            "512",
+            "4096",
+            "nan",
+            "inf",
+            "-0.5",
+            "0.5",
+            "1e30",
+            "99999999999999999999999",
+            "",
+            "zzz",
+            "1,2",
+            "0,1",
+            ",",
+            "sm_90",
+            "sm_",
+            "rdkv:b4",
+            "rdkv:b8+b4",
+            "a:b",
+            "codebook",
+            "isotropic"
+        ])
+        .prop_map(String::from),
         prop::sample::select(vec!["/dev/zero", "/dev/urandom", "/nonexistent/x", "specs", "specs/fuzz.toml", "out/x.json", "x.json"]).prop_map(String::from),
         "[ -~]{0,12}",
     ]
@@ -44,7 +71,22 @@ fn value() -> impl Strategy<Value = String> {
 
 fn flag_for(cmd: &str) -> Vec<&'static str> {
     match cmd {
-        "frontier" => vec!["--contexts", "--kv-heads", "--seeds", "--budgets", "--keys", "--timing-context", "--timing-kv-heads", "--gpu-steps", "--gpu-every", "--rdr-window", "--rdr-sample", "--decode-queries", "--json", "--decode-json"],
+        "frontier" => vec![
+            "--contexts",
+            "--kv-heads",
+            "--seeds",
+            "--budgets",
+            "--keys",
+            "--timing-context",
+            "--timing-kv-heads",
+            "--gpu-steps",
+            "--gpu-every",
+            "--rdr-window",
+            "--rdr-sample",
+            "--decode-queries",
+            "--json",
+            "--decode-json",
+        ],
         "bench" => vec!["--tiers", "--ladders", "--contexts", "--batches", "--runs", "--head-dim", "--q-heads", "--kv-heads", "--max-gib", "--json", "--steps"],
         "selftest" => vec!["--filter", "--json", "--date"],
         "precompile" => vec!["--arch", "--report", "--jobs", "--only"],

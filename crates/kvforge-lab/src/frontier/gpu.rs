@@ -32,15 +32,15 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
 use super::timing::median;
+use crate::synth::{HeadShape, SynthHead};
 use kvforge_control::budget::{Budget, CostModel, TierCosts};
 use kvforge_control::distortion::DistortionTable;
-use kvforge_control::Limits;
 use kvforge_control::protect::Protection;
 use kvforge_control::runtime::{self, PositionMap};
-use crate::synth::{HeadShape, SynthHead};
 use kvforge_control::window::PagedImportance;
-use kvforge_control_rt::RollCache;
+use kvforge_control::Limits;
 use kvforge_control::{Controller, RdrController};
+use kvforge_control_rt::RollCache;
 
 /// The GPU loop's setup.
 #[derive(Clone, Debug)]
@@ -206,7 +206,17 @@ pub fn gpu_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s: &Gpu
     let mut importance = PagedImportance::new(0.5, p)?;
     let mut pos = PositionMap::new(seq, hkv);
     pos.sync(&cache)?;
-    let mut r = GpuTime { device: dev.info.name.clone(), spec: spec.name.clone(), context: s.context, heads: hkv, gqa, steps: s.steps, every: rdr.every, budget_bytes_per_token: s.budget_fraction * fp16_per_token, ..Default::default() };
+    let mut r = GpuTime {
+        device: dev.info.name.clone(),
+        spec: spec.name.clone(),
+        context: s.context,
+        heads: hkv,
+        gqa,
+        steps: s.steps,
+        every: rdr.every,
+        budget_bytes_per_token: s.budget_fraction * fp16_per_token,
+        ..Default::default()
+    };
     let (mut dec, mut dect, mut dgpu, mut fgpu, mut fl) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let (mut tgpu, mut sgpu) = (Vec::new(), Vec::new());
     let (mut tr, mut tv, mut td, mut ta) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());

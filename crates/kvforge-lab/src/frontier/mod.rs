@@ -35,14 +35,14 @@ use kvforge_spec::{Codebook, KeyScheme, Spec, TierId, TAIL_TIER};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+use crate::synth::{HeadShape, SynthHead};
 use kvforge_control::budget::{Budget, CostModel, TierCosts};
 use kvforge_control::check::simulate;
-use kvforge_control::{Limits, Plan};
 use kvforge_control::protect::Protection;
 use kvforge_control::runtime::{self, ControlError, PagedCache, PositionMap, SimCache};
 use kvforge_control::signal::{ImportanceTracker, PageKey, PageTableView};
-use crate::synth::{HeadShape, SynthHead};
 use kvforge_control::Controller;
+use kvforge_control::{Limits, Plan};
 
 /// One synthetic sequence.
 #[derive(Clone, Debug)]
@@ -318,10 +318,12 @@ impl World {
         assert!(spec.tiers.len() >= 2 && !spec.tiers[1].is_drop(), "spec `{}` has no first ladder tier to encode into", spec.name);
         let (heads, pre, dec, test) = scenario.draw(p, spec.geometry.dtype);
         let coded: Vec<CodedHead> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..heads.len()).map(|i| {
-                let (h, pre, dec, test) = (&heads[i], &pre[i], &dec[i], &test[i]);
-                s.spawn(move || code_head(spec, scenario, h, pre, dec, test))
-            }).collect();
+            let hs: Vec<_> = (0..heads.len())
+                .map(|i| {
+                    let (h, pre, dec, test) = (&heads[i], &pre[i], &dec[i], &test[i]);
+                    s.spawn(move || code_head(spec, scenario, h, pre, dec, test))
+                })
+                .collect();
             hs.into_iter().map(|h| h.join().expect("coding thread")).collect()
         });
         World { spec: spec.clone(), scenario: scenario.clone(), heads, full: scenario.context / p, tail: scenario.context % p, coded }

@@ -33,11 +33,11 @@ use super::timing::median;
 use kvforge_control::budget::{Budget, CostModel, TierCosts};
 use kvforge_control::distortion::DistortionTable;
 use kvforge_control::pipeline::{Headroom, Planning, RdrPipeline};
-use kvforge_control_rt::invoke_all;
-use kvforge_control::Limits;
 use kvforge_control::protect::Protection;
 use kvforge_control::window::PagedImportance;
+use kvforge_control::Limits;
 use kvforge_control::RdrController;
+use kvforge_control_rt::invoke_all;
 
 /// Timings of one (spec, batch), µs (medians unless said otherwise).
 #[derive(Clone, Debug, Default)]
@@ -122,7 +122,19 @@ pub fn pipeline_loop(dev: &Arc<Device>, spec: &Spec, table: &DistortionTable, s:
     }
     let every = pipes[0].every();
     let sample = pipes[0].sample();
-    let mut r = PipelineTime { device: dev.info.name.clone(), spec: spec.name.clone(), batch, context: s.context, heads: hkv, gqa, steps: s.steps, every, sample, budget_bytes_per_token: s.budget_fraction * fp16_per_token, ..Default::default() };
+    let mut r = PipelineTime {
+        device: dev.info.name.clone(),
+        spec: spec.name.clone(),
+        batch,
+        context: s.context,
+        heads: hkv,
+        gqa,
+        steps: s.steps,
+        every,
+        sample,
+        budget_bytes_per_token: s.budget_fraction * fp16_per_token,
+        ..Default::default()
+    };
 
     let q0 = query(0);
     cache.decode(&seqs, &q0)?;

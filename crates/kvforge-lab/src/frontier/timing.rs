@@ -25,13 +25,13 @@ use kvforge_spec::Spec;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
+use crate::synth::{HeadShape, SynthHead};
 use kvforge_control::budget::{Budget, CostModel, TierCosts};
 use kvforge_control::distortion::DistortionTable;
-use kvforge_control::Limits;
 use kvforge_control::protect::Protection;
 use kvforge_control::runtime::{self, PositionMap, SimCache};
-use crate::synth::{HeadShape, SynthHead};
 use kvforge_control::window::PagedImportance;
+use kvforge_control::Limits;
 use kvforge_control::{Controller, RdkvController, RdrController};
 
 /// The timing setup.
@@ -166,11 +166,7 @@ pub fn time_controllers(spec: &Spec, table: &DistortionTable, setup: &TimingSetu
     // The window the GPU keeps over `n` decode queries from `q0`: each live page's largest
     // share (pages named by their first token, so drops do not shuffle them).
     let window = |firsts: &[Vec<usize>], q0: usize, n: usize| -> Vec<Vec<Option<f64>>> {
-        firsts
-            .iter()
-            .enumerate()
-            .map(|(h, fs)| fs.iter().map(|&f| Some((q0..q0 + n).map(|q| page_mass[h][q % queries][f / p]).fold(0.0, f64::max))).collect())
-            .collect()
+        firsts.iter().enumerate().map(|(h, fs)| fs.iter().map(|&f| Some((q0..q0 + n).map(|q| page_mass[h][q % queries][f / p]).fold(0.0, f64::max))).collect()).collect()
     };
     let mut roll_t = Vec::new();
     let firsts = pos.first_tokens(&cache).expect("positions");

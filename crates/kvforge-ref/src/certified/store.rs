@@ -13,8 +13,8 @@
 use half::f16;
 use kvforge_spec::{KeyScheme, ScaleDType, Tier, ValueScheme};
 
-use crate::error::{CertError, RefError};
 use crate::bits::{code_row_bytes, unpack_code};
+use crate::error::{CertError, RefError};
 use crate::quant::{self, int_dequant, load_scale, IntArrays, IntStep};
 
 /// The certified tier's coding: keys per channel per block of `block` tokens with fp32
@@ -40,9 +40,7 @@ impl CertFormat {
     pub fn from_tier(tier: &Tier) -> Result<CertFormat, CertError> {
         let (key_bits, block) = match tier.key {
             KeyScheme::Int { bits, block, scale: ScaleDType::Fp32 } => (bits, block),
-            KeyScheme::Int { scale: ScaleDType::Fp16, .. } => {
-                return Err(CertError::Format(format!("tier `{}`: key scales must be fp32 (an fp16 zero is not the block minimum)", tier.name)))
-            }
+            KeyScheme::Int { scale: ScaleDType::Fp16, .. } => return Err(CertError::Format(format!("tier `{}`: key scales must be fp32 (an fp16 zero is not the block minimum)", tier.name))),
             _ => return Err(CertError::Format(format!("tier `{}`: keys must be per-channel integer codes", tier.name))),
         };
         let (value_bits, value_group, value_scale) = match tier.value {
@@ -104,14 +102,7 @@ impl CertifiedHead {
         if format.block == 0 {
             return Err(CertError::Format("block of 0 tokens".into()));
         }
-        Ok(CertifiedHead {
-            format,
-            d,
-            blocks: Vec::new(),
-            partial_k: Vec::new(),
-            partial_v: Vec::new(),
-            tier2: Tier2 { k: Vec::new(), v: Vec::new(), resident: Vec::new() },
-        })
+        Ok(CertifiedHead { format, d, blocks: Vec::new(), partial_k: Vec::new(), partial_v: Vec::new(), tier2: Tier2 { k: Vec::new(), v: Vec::new(), resident: Vec::new() } })
     }
 
     /// A cache holding `k`, `v` (`[n][d]`, any finite f32; rounded to fp16 as the cache
@@ -135,7 +126,7 @@ impl CertifiedHead {
             if x.len() != d {
                 return Err(RefError::Shape { what, found: x.len(), expected: d, why: "one token row".into() }.into());
             }
-            }
+        }
         let (nk, nv) = (self.partial_k.len(), self.partial_v.len());
         self.partial_k.extend(k.iter().map(|&x| f16::from_f32(x).to_f32()));
         self.partial_v.extend(v.iter().map(|&x| f16::from_f32(x).to_f32()));

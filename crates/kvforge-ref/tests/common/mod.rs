@@ -26,12 +26,7 @@ pub fn data64(n: usize, seed: u64) -> Vec<f64> {
 }
 
 pub fn int_tier(kbits: u32, block: usize, kscale: ScaleDType, vbits: u32, group: usize, vscale: ScaleDType) -> Tier {
-    Tier {
-        id: 1,
-        name: format!("k{kbits}b{block}_v{vbits}g{group}"),
-        key: KeyScheme::Int { bits: kbits, block, scale: kscale },
-        value: ValueScheme::Int { bits: vbits, group, scale: vscale },
-    }
+    Tier { id: 1, name: format!("k{kbits}b{block}_v{vbits}g{group}"), key: KeyScheme::Int { bits: kbits, block, scale: kscale }, value: ValueScheme::Int { bits: vbits, group, scale: vscale } }
 }
 
 /// A spherical tier with a codebook of `2^angle_bits` uniform random unit words.

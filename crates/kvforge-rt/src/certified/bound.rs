@@ -88,7 +88,19 @@ mod tests {
             let s: Vec<f64> = (0..n).map(|_| rng.gen_range(-4.0..4.0)).collect();
             let tail: Vec<bool> = (0..n).map(|_| rng.gen_bool(0.5)).collect();
             // Extreme perturbations (±Δ) are where TV peaks.
-            let e: Vec<f64> = (0..n).map(|i| if tail[i] { if rng.gen_bool(0.5) { delta } else { -delta } } else { 0.0 }).collect();
+            let e: Vec<f64> = (0..n)
+                .map(|i| {
+                    if tail[i] {
+                        if rng.gen_bool(0.5) {
+                            delta
+                        } else {
+                            -delta
+                        }
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
             let sh: Vec<f64> = s.iter().zip(&e).map(|(a, b)| a + b).collect();
             let ph = softmax(&sh);
             let alpha: f64 = (0..n).filter(|&i| tail[i]).map(|i| ph[i]).sum();

@@ -83,10 +83,7 @@ pub(super) fn phase2_plan(spec: &Spec, p1: &DecodePlan) -> Result<DecodePlan> {
 pub(super) fn plan_step(spec: &Spec, phase1: DecodePlan, groups: &[Group], address: &dyn Fn(&PageRef) -> Result<u64>, arena: u64, seed: u64) -> Result<StepPlan> {
     let largest = groups.iter().map(|g| g.blocks()).max().unwrap_or(0);
     if largest > kvforge_gen::CERT_MAX_BLOCKS {
-        return Err(RtError::BadInput(format!(
-            "the device selector sorts at most {} blocks per (sequence, kv head), this batch has {largest}: use CertPath::Host",
-            kvforge_gen::CERT_MAX_BLOCKS
-        )));
+        return Err(RtError::BadInput(format!("the device selector sorts at most {} blocks per (sequence, kv head), this batch has {largest}: use CertPath::Host", kvforge_gen::CERT_MAX_BLOCKS)));
     }
     let bpp = groups.first().map_or(1, |g| g.bpp);
     let mut orig_offsets = Vec::with_capacity(phase1.page_offsets.len());
@@ -147,7 +144,15 @@ impl Capacity {
     }
 
     fn holds(&self, need: &Capacity) -> bool {
-        self.head_dim == need.head_dim && self.gqa == need.gqa && self.pages >= need.pages && self.blocks >= need.blocks && self.groups >= need.groups && self.rows >= need.rows && self.partial >= need.partial && self.partial_lse >= need.partial_lse && self.warp_lse >= need.warp_lse
+        self.head_dim == need.head_dim
+            && self.gqa == need.gqa
+            && self.pages >= need.pages
+            && self.blocks >= need.blocks
+            && self.groups >= need.groups
+            && self.rows >= need.rows
+            && self.partial >= need.partial
+            && self.partial_lse >= need.partial_lse
+            && self.warp_lse >= need.warp_lse
     }
 
     fn max(&self, o: &Capacity) -> Capacity {

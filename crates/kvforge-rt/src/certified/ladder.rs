@@ -14,7 +14,7 @@ use kvforge_spec::TAIL_TIER;
 
 use super::bound::certificate;
 use super::checks::{head_checks, HeadView};
-use super::select::{select_blocks, Selection, SelectParams, PROMOTED, QUANTISED};
+use super::select::{select_blocks, SelectParams, Selection, PROMOTED, QUANTISED};
 use super::{CertConfig, HeadCertificate, PageErrors, PageIn, CERT_BLOCK};
 use crate::cache::KvCache;
 use crate::decode::from_bits;
@@ -245,7 +245,16 @@ impl KvCache {
     /// escalates. `pending` is a phase 2 already run (the device path's), else one is launched.
     /// Returns the last phase 2 and the certificates (rungs and detections filled in).
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn host_ladder(&mut self, groups: &mut [Group], p1: &PhaseOut, qh: &[u16], cfg: &CertConfig, mut pending: Option<PhaseOut>, launches: &mut usize, paged: &mut usize) -> Result<(PhaseOut, Vec<HeadCertificate>)> {
+    pub(super) fn host_ladder(
+        &mut self,
+        groups: &mut [Group],
+        p1: &PhaseOut,
+        qh: &[u16],
+        cfg: &CertConfig,
+        mut pending: Option<PhaseOut>,
+        launches: &mut usize,
+        paged: &mut usize,
+    ) -> Result<(PhaseOut, Vec<HeadCertificate>)> {
         let (gqa, d) = (self.cfg.gqa, self.cfg.head_dim);
         loop {
             let p2 = match pending.take() {

@@ -39,8 +39,8 @@ pub mod select;
 mod values;
 
 pub use bound::{certificate, total_variation, Certificate};
-pub use device::CrossCheck;
 pub(crate) use device::CertScratch;
+pub use device::CrossCheck;
 pub use originals::{Originals, PageErrors, PageIn, MAX_BLOCKS_PER_PAGE};
 
 /// Tokens of a certification block: the unit of Δ_b, η_b, the attention masses the selector
@@ -247,10 +247,7 @@ impl KvCache {
         }
         let tokens = self.spec.page.tokens;
         if !tokens.is_multiple_of(CERT_BLOCK) || tokens / CERT_BLOCK > MAX_BLOCKS_PER_PAGE {
-            return Err(RtError::BadInput(format!(
-                "certified decode promotes {CERT_BLOCK}-token blocks, at most {MAX_BLOCKS_PER_PAGE} per page: spec `{}` has {tokens}-token pages",
-                self.spec.name
-            )));
+            return Err(RtError::BadInput(format!("certified decode promotes {CERT_BLOCK}-token blocks, at most {MAX_BLOCKS_PER_PAGE} per page: spec `{}` has {tokens}-token pages", self.spec.name)));
         }
         let seg = self.spec.segment(TAIL_TIER, self.cfg.head_dim);
         let bytes = kvforge_spec::HEADER_BYTES + seg.bytes;
@@ -380,7 +377,6 @@ impl KvCache {
         let norm = |t: usize| (0..d).map(|c| from_bits(dtype, u16::from_le_bytes([bytes[voff + (t * d + c) * 2], bytes[voff + (t * d + c) * 2 + 1]])) as f64).map(|x| x * x).sum::<f64>().sqrt();
         Ok((0..len).map(norm).fold(0.0, f64::max))
     }
-
 }
 
 #[cfg(test)]

@@ -62,8 +62,8 @@ impl Originals {
         let bytes = capacity.max(1) * page_bytes;
         // SAFETY: the slab is plain bytes, written before any read (slots are only read once
         // `record` filled them).
-        let slab = unsafe { ctx.alloc_pinned_with_flags::<u8>(bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE) }
-            .map_err(|e| RtError::OutOfPinnedMemory { bytes, reason: e.to_string() })?;
+        let slab =
+            unsafe { ctx.alloc_pinned_with_flags::<u8>(bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE) }.map_err(|e| RtError::OutOfPinnedMemory { bytes, reason: e.to_string() })?;
         let base = slab.as_ptr().map_err(drv("tier-2 slab"))? as u64;
         Ok(Originals { slab, base, page_bytes, pages: HashMap::new(), capacity })
     }
@@ -76,7 +76,11 @@ impl Originals {
     pub fn record(&mut self, page: PageRef, original: &[u8], errors: PageErrors) -> Result<()> {
         let slot = page.index as usize;
         if slot >= self.capacity || original.len() > self.page_bytes {
-            return Err(RtError::CapacityExceeded { what: "tier-2 originals".into(), requested: format!("slot {slot} ({} B page)", original.len()), capacity: format!("{} slots of {} B", self.capacity, self.page_bytes) });
+            return Err(RtError::CapacityExceeded {
+                what: "tier-2 originals".into(),
+                requested: format!("slot {slot} ({} B page)", original.len()),
+                capacity: format!("{} slots of {} B", self.capacity, self.page_bytes),
+            });
         }
         let base = self.slab.as_mut_ptr().map_err(drv("tier-2 slab"))?;
         // SAFETY: slot < capacity, so [slot * page_bytes, + original.len()) lies in the slab.

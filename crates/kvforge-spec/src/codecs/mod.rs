@@ -217,13 +217,7 @@ pub struct Registration {
 }
 
 /// Every scheme, one line each, in the order error messages list them.
-pub static REGISTRY: &[Registration] = &[
-    dense::REGISTRATION,
-    int::REGISTRATION,
-    spherical::REGISTRATION,
-    mixed::REGISTRATION,
-    drop::REGISTRATION,
-];
+pub static REGISTRY: &[Registration] = &[dense::REGISTRATION, int::REGISTRATION, spherical::REGISTRATION, mixed::REGISTRATION, drop::REGISTRATION];
 
 fn registered(name: &str) -> Option<&'static Registration> {
     REGISTRY.iter().find(|r| r.names.contains(&name))
@@ -325,9 +319,7 @@ impl<'a> ParseCtx<'a> {
     /// if given.
     pub fn granularity(&self, side: &str, valid: &str) -> R<()> {
         match &self.raw().granularity {
-            Some(g) if valid.split_whitespace().next() != Some(g.get_ref().as_str()) => {
-                self.err(g.span(), "granularity", format!("{side} granularity `{}` is not supported; valid: {valid}", g.get_ref()))
-            }
+            Some(g) if valid.split_whitespace().next() != Some(g.get_ref().as_str()) => self.err(g.span(), "granularity", format!("{side} granularity `{}` is not supported; valid: {valid}", g.get_ref())),
             _ => Ok(()),
         }
     }

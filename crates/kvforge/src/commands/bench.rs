@@ -95,7 +95,12 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
         let s = specs.iter().find(|s| s.name == spec_name).ok_or_else(|| crate::exit::bad_input(format!("--ladders `{l}`: no spec named `{spec_name}`")))?;
         let ids = names
             .split('+')
-            .map(|n| s.tier(n).filter(|t| !t.is_drop() && t.id != kvforge_spec::TAIL_TIER).map(|t| t.id).ok_or_else(|| crate::exit::bad_input(format!("--ladders `{l}`: spec `{spec_name}` has no servable tier `{n}`"))))
+            .map(|n| {
+                s.tier(n)
+                    .filter(|t| !t.is_drop() && t.id != kvforge_spec::TAIL_TIER)
+                    .map(|t| t.id)
+                    .ok_or_else(|| crate::exit::bad_input(format!("--ladders `{l}`: spec `{spec_name}` has no servable tier `{n}`")))
+            })
             .collect::<anyhow::Result<Vec<_>>>()?;
         todo.push((s, ids));
     }
@@ -147,7 +152,25 @@ fn certified(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
     let bar = indicatif::ProgressBar::new((a.contexts.len() * a.batches.len() * 2) as u64);
     println!(
         "{:<8} {:>5} {:<12} {:>9} {:>9} {:>8} {:>9} {:>8} {:>9} {:>30} {:>8} {:>8} {:>6} {:>7} {:>18} {:>6} {:>8} {:>9} {:>5}",
-        "context", "batch", "attention", "plain_us", "gpu_us", "overhead", "host_us", "overhead", "hcopy_us", "device us p1/select/p2/bound", "plain_dev", "dev_ovh", "check", "rankchk", "rungs 0/1/2/3/4", "rank", "promoted", "max bound", "det"
+        "context",
+        "batch",
+        "attention",
+        "plain_us",
+        "gpu_us",
+        "overhead",
+        "host_us",
+        "overhead",
+        "hcopy_us",
+        "device us p1/select/p2/bound",
+        "plain_dev",
+        "dev_ovh",
+        "check",
+        "rankchk",
+        "rungs 0/1/2/3/4",
+        "rank",
+        "promoted",
+        "max bound",
+        "det"
     );
     let rows = kvforge_lab::bench::bench_certified(&dev, &spec, tier, a.head_dim, a.q_heads / a.kv_heads, a.kv_heads, &a.contexts, &a.batches, a.steps, !a.rank_report_only, |r| {
         bar.inc(1);
@@ -157,7 +180,25 @@ fn certified(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
         bar.suspend(|| {
             println!(
                 "{:<8} {:>5} {:<12} {:>9.0} {:>9.0} {:>7.0}% {:>9.0} {:>7.0}% {:>9.0} {:>30} {:>8.1} {:>7.0}% {:>5.1}% {:>6.2}% {:>18} {:>6} {:>7.1}% {:>9.2e} {:>5}",
-                r.context, r.batch, r.attention, r.plain_us, r.certified_us, 100.0 * r.overhead, r.host_path_us, 100.0 * r.host_path_overhead, r.host_copy_us, stages, r.plain_kernel_us, 100.0 * r.device_overhead, 100.0 * r.check_share, 100.0 * r.rank_check_share, rungs, r.rank_triggers, 100.0 * r.promoted_fraction, r.max_bound, r.detections
+                r.context,
+                r.batch,
+                r.attention,
+                r.plain_us,
+                r.certified_us,
+                100.0 * r.overhead,
+                r.host_path_us,
+                100.0 * r.host_path_overhead,
+                r.host_copy_us,
+                stages,
+                r.plain_kernel_us,
+                100.0 * r.device_overhead,
+                100.0 * r.check_share,
+                100.0 * r.rank_check_share,
+                rungs,
+                r.rank_triggers,
+                100.0 * r.promoted_fraction,
+                r.max_bound,
+                r.detections
             )
         });
     })?;

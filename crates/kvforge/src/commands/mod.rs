@@ -10,7 +10,13 @@ use std::process::ExitCode;
 
 pub fn probe() -> anyhow::Result<ExitCode> {
     println!("libcuda: {}", if kvforge_rt::driver_present() { "found" } else { "missing" });
-    println!("libnvrtc: {}", match kvforge_rt::jit::nvrtc_version() { Ok(v) => format!("found (NVRTC {v})"), Err(e) => e.to_string() });
+    println!(
+        "libnvrtc: {}",
+        match kvforge_rt::jit::nvrtc_version() {
+            Ok(v) => format!("found (NVRTC {v})"),
+            Err(e) => e.to_string(),
+        }
+    );
     match kvforge_rt::jit::cuda_include_dir() {
         Ok(d) => println!("CUDA headers: {}", d.display()),
         Err(e) => println!("CUDA headers: {e}"),

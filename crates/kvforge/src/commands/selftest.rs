@@ -89,16 +89,7 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
         let long = a.long && v.gqa() == Some(4) && v.head_dim == 128;
         let r = match run_variant(&dev, s, &v, long) {
             Ok(r) => r,
-            Err(e) => VariantResult {
-                spec: s.name.clone(),
-                variant: v.name(),
-                cases: 0,
-                max_abs_err: f64::NAN,
-                max_rel_err: f64::NAN,
-                tolerance: 0.0,
-                status: "fail",
-                launched: vec![format!("error: {e}")],
-            },
+            Err(e) => VariantResult { spec: s.name.clone(), variant: v.name(), cases: 0, max_abs_err: f64::NAN, max_rel_err: f64::NAN, tolerance: 0.0, status: "fail", launched: vec![format!("error: {e}")] },
         };
         bar.println(format!("{:<10} {:<72} {:>3} {:>10.3e} {:>10.3e} {:>10.3e} {}", r.spec, r.variant, r.cases, r.max_abs_err, r.max_rel_err, r.tolerance, r.status.to_uppercase()));
         if r.status != "pass" {

@@ -11,7 +11,12 @@ use crate::scheme::{DType, KeyScheme, ValueScheme};
 #[cfg(feature = "reference")]
 pub mod reference;
 
-pub const REGISTRATION: Registration = Registration { names: &["fp16", "bf16"], key: Some(parse_key), value: Some(parse_value), examples: &[(r#"{ scheme = "fp16" }"#, r#"{ scheme = "bf16" }"#), (r#"{ scheme = "bf16" }"#, r#"{ scheme = "fp16" }"#)] };
+pub const REGISTRATION: Registration = Registration {
+    names: &["fp16", "bf16"],
+    key: Some(parse_key),
+    value: Some(parse_value),
+    examples: &[(r#"{ scheme = "fp16" }"#, r#"{ scheme = "bf16" }"#), (r#"{ scheme = "bf16" }"#, r#"{ scheme = "fp16" }"#)],
+};
 
 /// Dense keys or values in `dtype`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,8 +1,8 @@
 //! Identity coding in fp16 or bf16: row-major `[tokens][d]` elements, little endian. Rounding
 //! is round-to-nearest-even, as CUDA's `__float2half` / `__float2bfloat16` do.
 
-use half::{bf16, f16};
 use crate::DType;
+use half::{bf16, f16};
 
 /// Bytes of one element of `dtype`.
 pub const ELEMENT_BYTES: usize = 2;

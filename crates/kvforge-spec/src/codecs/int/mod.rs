@@ -7,19 +7,24 @@ use std::fmt;
 
 use toml::Spanned;
 
+#[cfg(feature = "reference")]
+use super::RefError;
 use super::{ArraySpec, Codec, ParseCtx, Registration, Side};
 use crate::error::SpecError;
 use crate::scheme::{KeyScheme, ScaleDType, ValueScheme};
-#[cfg(feature = "reference")]
-use super::RefError;
 
 #[cfg(feature = "reference")]
 pub mod reference;
 
-pub const REGISTRATION: Registration = Registration { names: &["int"], key: Some(parse_key), value: Some(parse_value), examples: &[
+pub const REGISTRATION: Registration = Registration {
+    names: &["int"],
+    key: Some(parse_key),
+    value: Some(parse_value),
+    examples: &[
         (r#"{ scheme = "int", bits = 8, block = 16, scale_dtype = "fp32" }"#, r#"{ scheme = "int", bits = 4, group = 16 }"#),
         (r#"{ scheme = "int", bits = 2, block = 64 }"#, r#"{ scheme = "int", bits = 2, group = 32, scale_dtype = "fp32" }"#),
-    ] };
+    ],
+};
 
 /// Integer keys: `bits`-bit codes per channel, a scale and zero per channel per `block` tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

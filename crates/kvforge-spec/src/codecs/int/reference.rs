@@ -17,8 +17,8 @@
 //! actually has. Decoding ([`int_dequant`]) runs in f64. [`int_error_bound`] states the
 //! resulting worst-case error of one group.
 
-use half::f16;
 use crate::ScaleDType;
+use half::f16;
 
 use crate::codecs::bits::{pack_codes, unpack_code};
 

@@ -9,16 +9,21 @@
 
 use std::fmt;
 
+#[cfg(feature = "reference")]
+use super::RefError;
 use super::{ArraySpec, Codec, ParseCtx, Registration, Side, SideElem, SideInit, SideTable};
 use crate::error::SpecError;
 use crate::scheme::{KeyScheme, ScaleDType};
-#[cfg(feature = "reference")]
-use super::RefError;
 
 #[cfg(feature = "reference")]
 pub mod reference;
 
-pub const REGISTRATION: Registration = Registration { names: &["mixed"], key: Some(parse_key), value: None, examples: &[(r#"{ scheme = "mixed", channels = { 16 = 0.125, 8 = 0.25, 4 = 0.25, 2 = 0.125 }, block = 64 }"#, r#"{ scheme = "int", bits = 4, group = 32 }"#)] };
+pub const REGISTRATION: Registration = Registration {
+    names: &["mixed"],
+    key: Some(parse_key),
+    value: None,
+    examples: &[(r#"{ scheme = "mixed", channels = { 16 = 0.125, 8 = 0.25, 4 = 0.25, 2 = 0.125 }, block = 64 }"#, r#"{ scheme = "int", bits = 4, group = 32 }"#)],
+};
 
 /// One uniform-bit run of channels of a mixed key: `eighths`/8 of head_dim stored at `bits`
 /// bits (16: fp16, 8/4/2: integer codes).
@@ -152,7 +157,11 @@ fn parse_key(ctx: &ParseCtx<'_>) -> Result<KeyScheme, SpecError> {
         };
         let x = *share.get_ref() * 8.0;
         if !(x > 0.0 && x <= 8.0 && (x - x.round()).abs() < 1e-9) {
-            return ctx.err(share.span(), "channels", format!("share {} of {bits}-bit channels must be a positive multiple of 1/8 of head_dim (0.125, 0.25, ..., 1), so that every segment is whole 8-channel chunks", share.get_ref()));
+            return ctx.err(
+                share.span(),
+                "channels",
+                format!("share {} of {bits}-bit channels must be a positive multiple of 1/8 of head_dim (0.125, 0.25, ..., 1), so that every segment is whole 8-channel chunks", share.get_ref()),
+            );
         }
         segments.push(ChannelSegment { bits, eighths: x.round() as u32 });
     }

@@ -13,11 +13,11 @@
 //! histograms share one order per (tier, kv head) and the query is gathered, not permuted in
 //! place.
 
-use crate::{mixed_channels, mixed_arrays, ChannelSegment, DType, ScaleDType};
+use crate::{mixed_arrays, mixed_channels, ChannelSegment, DType, ScaleDType};
 
-use crate::codecs::RefError;
 use crate::codecs::dense::reference as dense;
 use crate::codecs::int::reference as quant;
+use crate::codecs::RefError;
 
 /// Checks that `order` is a permutation of `0..d` ([`super::check_order`] as a [`RefError`]).
 pub fn check_order(order: &[u16], d: usize) -> Result<(), RefError> {
@@ -59,11 +59,7 @@ pub fn decode_keys<'a>(segments: &[ChannelSegment], block: usize, scale: ScaleDT
     let mut out = vec![0.0; tokens * d];
     for (bits, c0, n) in mixed_channels(segments, d) {
         let [codes, sc, zero] = mixed_arrays(bits);
-        let cols = if bits == 16 {
-            dense::decode(DType::Fp16, get(codes))
-        } else {
-            quant::decode_keys(bits, block, scale, n, tokens, quant::IntView { codes: get(codes), scale: get(sc), zero: get(zero) })
-        };
+        let cols = if bits == 16 { dense::decode(DType::Fp16, get(codes)) } else { quant::decode_keys(bits, block, scale, n, tokens, quant::IntView { codes: get(codes), scale: get(sc), zero: get(zero) }) };
         for t in 0..tokens {
             out[t * d + c0..t * d + c0 + n].copy_from_slice(&cols[t * n..(t + 1) * n]);
         }

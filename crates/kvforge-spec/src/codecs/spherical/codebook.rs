@@ -77,10 +77,8 @@ impl Codebook {
     /// Writes the codebook as safetensors with `metadata`.
     pub fn save(&self, file: &Path) -> std::io::Result<()> {
         let bytes: Vec<u8> = self.data.iter().flat_map(|x| x.to_le_bytes()).collect();
-        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![self.entries, self.group], &bytes)
-            .map_err(std::io::Error::other)?;
-        let out = safetensors::serialize([("codebook", view)], &Some(self.metadata.clone()))
-            .map_err(std::io::Error::other)?;
+        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![self.entries, self.group], &bytes).map_err(std::io::Error::other)?;
+        let out = safetensors::serialize([("codebook", view)], &Some(self.metadata.clone())).map_err(std::io::Error::other)?;
         std::fs::write(file, out)
     }
 

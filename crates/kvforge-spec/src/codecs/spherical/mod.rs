@@ -8,21 +8,26 @@
 
 use std::fmt;
 
+#[cfg(feature = "reference")]
+use super::RefError;
 use super::{ArraySpec, Codec, ParseCtx, Registration, Side, SideElem, SideInit, SideTable};
 use crate::error::{SpecError, SpecErrorKind};
 use crate::scheme::KeyScheme;
 use crate::spec::LUT_BUDGET_BYTES;
-#[cfg(feature = "reference")]
-use super::RefError;
 
 pub mod codebook;
-pub mod sampling;
 #[cfg(feature = "reference")]
 pub mod reference;
+pub mod sampling;
 
 pub use codebook::{Codebook, CodebookError};
 
-pub const REGISTRATION: Registration = Registration { names: &["spherical"], key: Some(parse_key), value: None, examples: &[(r#"{ scheme = "spherical", group = 16, angle_bits = 4, codebook = "../codebooks/sph_g16_b4.safetensors" }"#, r#"{ scheme = "fp16" }"#)] };
+pub const REGISTRATION: Registration = Registration {
+    names: &["spherical"],
+    key: Some(parse_key),
+    value: None,
+    examples: &[(r#"{ scheme = "spherical", group = 16, angle_bits = 4, codebook = "../codebooks/sph_g16_b4.safetensors" }"#, r#"{ scheme = "fp16" }"#)],
+};
 
 /// Radius bits of the spherical scheme (seed 000 App. B fixes b_r = 8).
 pub const RADIUS_BITS: u32 = 8;
@@ -78,8 +83,7 @@ fn parse_key(ctx: &ParseCtx<'_>) -> Result<KeyScheme, SpecError> {
     }
     let c = ctx.need(&r.codebook, "codebook", "path of a safetensors codebook, relative to the spec")?;
     let entries = 1usize << angle_bits;
-    let cb = Codebook::load(&ctx.dir().join(c.get_ref()), c.get_ref(), entries, group as usize)
-        .map_err(|e| ctx.error(SpecErrorKind::Codebook, c.span(), "codebook", e.to_string()))?;
+    let cb = Codebook::load(&ctx.dir().join(c.get_ref()), c.get_ref(), entries, group as usize).map_err(|e| ctx.error(SpecErrorKind::Codebook, c.span(), "codebook", e.to_string()))?;
     Ok(KeyScheme::Spherical { group: group as usize, angle_bits: angle_bits as u32, codebook: cb })
 }
 
@@ -90,9 +94,7 @@ pub fn spherical_direction_nmse(codebook: &Codebook) -> f64 {
     let samples = sampling::uniform_unit_samples(n, g, 0x5eed_0000 + g as u64);
     let mut sum = 0.0;
     for u in samples.chunks_exact(g) {
-        let best = (0..codebook.entries)
-            .map(|i| u.iter().zip(codebook.word(i)).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum::<f64>())
-            .fold(f64::NEG_INFINITY, f64::max);
+        let best = (0..codebook.entries).map(|i| u.iter().zip(codebook.word(i)).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum::<f64>()).fold(f64::NEG_INFINITY, f64::max);
         sum += 2.0 - 2.0 * best;
     }
     sum / n as f64
@@ -116,10 +118,7 @@ impl Codec for SphericalKey<'_> {
     }
     fn arrays(&self, d: usize, tokens: usize) -> Vec<ArraySpec> {
         let g = d / self.group;
-        vec![
-            ArraySpec { name: "k_radius", rows: tokens, row_bytes: g * RADIUS_BITS as usize / 8 },
-            ArraySpec { name: "k_index", rows: tokens, row_bytes: spherical_index_bytes(g, self.angle_bits) },
-        ]
+        vec![ArraySpec { name: "k_radius", rows: tokens, row_bytes: g * RADIUS_BITS as usize / 8 }, ArraySpec { name: "k_index", rows: tokens, row_bytes: spherical_index_bytes(g, self.angle_bits) }]
     }
     fn page_bytes(&self, d: usize, tokens: usize) -> usize {
         let g = d / self.group;

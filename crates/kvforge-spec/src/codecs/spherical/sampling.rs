@@ -37,4 +37,3 @@ pub fn uniform_unit_samples(n: usize, group: usize, seed: u64) -> Vec<f32> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     (0..n).flat_map(|_| random_unit(&mut rng, group)).map(|x| x as f32).collect()
 }
-
