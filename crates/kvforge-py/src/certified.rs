@@ -53,20 +53,20 @@ impl Certifier {
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        coverage: f64,
+        #[pyo3(from_py_with = crate::real)] coverage: f64,
         #[pyo3(from_py_with = crate::nat)] min_blocks: usize,
-        max_blocks: Option<usize>,
-        explore: f64,
-        guard: f64,
-        max_error: f64,
-        v_tol: f64,
-        layer_fallback: f64,
+        #[pyo3(from_py_with = crate::opt_nat)] max_blocks: Option<usize>,
+        #[pyo3(from_py_with = crate::real)] explore: f64,
+        #[pyo3(from_py_with = crate::real)] guard: f64,
+        #[pyo3(from_py_with = crate::real)] max_error: f64,
+        #[pyo3(from_py_with = crate::real)] v_tol: f64,
+        #[pyo3(from_py_with = crate::real)] layer_fallback: f64,
         page_in: &str,
         #[pyo3(from_py_with = crate::nat_u64)] seed: u64,
         path: &str,
         #[pyo3(from_py_with = crate::nat)] rank_depth: usize,
-        rank_escalate: bool,
-        profile: bool,
+        #[pyo3(from_py_with = crate::flag)] rank_escalate: bool,
+        #[pyo3(from_py_with = crate::flag)] profile: bool,
     ) -> PyResult<Certifier> {
         let frac = |name: &str, x: f64| if (0.0..=1.0).contains(&x) { Ok(()) } else { Err(bad(py, format!("Certifier: {name} = {x} must be in [0, 1]"))) };
         frac("coverage", coverage)?;

@@ -86,7 +86,7 @@ impl Controller {
         py: Python<'_>,
         cache: PyRef<'_, Cache>,
         policy: &str,
-        budget: Option<f64>,
+        #[pyo3(from_py_with = crate::opt_real)] budget: Option<f64>,
         per: &str,
         #[pyo3(from_py_with = crate::nat)] sinks: usize,
         #[pyo3(from_py_with = crate::nat)] recent: usize,
@@ -94,12 +94,12 @@ impl Controller {
         cost: &str,
         #[pyo3(from_py_with = crate::nat)] every: usize,
         #[pyo3(from_py_with = crate::nat)] cooldown: usize,
-        margin: f64,
+        #[pyo3(from_py_with = crate::real)] margin: f64,
         drop: &str,
-        drop_penalty: f64,
+        #[pyo3(from_py_with = crate::real)] drop_penalty: f64,
         eps_k: Option<Bound<'_, PyDict>>,
         eps_v: Option<Bound<'_, PyDict>>,
-        beta: f64,
+        #[pyo3(from_py_with = crate::real)] beta: f64,
         #[pyo3(from_py_with = crate::nat)] sample: usize,
     ) -> PyResult<Controller> {
         guarded(py, || {
@@ -192,7 +192,14 @@ impl Controller {
     /// rolls it into this controller's EMA of the sequence's page importance (β = `beta`),
     /// which weighs the pages: RDR's signal at no per-step host cost. Returns a ControlReport.
     #[pyo3(signature = (cache, seq, token_mass = None, window = false))]
-    fn apply(&mut self, py: Python<'_>, mut cache: PyRefMut<'_, Cache>, #[pyo3(from_py_with = crate::nat)] seq: usize, token_mass: Option<Bound<'_, PyAny>>, window: bool) -> PyResult<ControlReport> {
+    fn apply(
+        &mut self,
+        py: Python<'_>,
+        mut cache: PyRefMut<'_, Cache>,
+        #[pyo3(from_py_with = crate::nat)] seq: usize,
+        token_mass: Option<Bound<'_, PyAny>>,
+        #[pyo3(from_py_with = crate::flag)] window: bool,
+    ) -> PyResult<ControlReport> {
         guarded(py, || {
             if cache.inner.spec().name != self.spec.name || cache.inner.config().head_dim != self.head_dim {
                 return Err(bad(

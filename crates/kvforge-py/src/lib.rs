@@ -79,6 +79,47 @@ pub(crate) fn nat_u64(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
     unsigned(obj, "a non-negative integer below 2**64")
 }
 
+/// `obj`'s repr and type name, for argument errors.
+fn shown(obj: &Bound<'_, PyAny>) -> (String, String) {
+    let repr = obj.repr().map_or_else(|_| "?".to_string(), |r| r.to_string());
+    let ty = obj.get_type().name().map_or_else(|_| "?".to_string(), |n| n.to_string());
+    (repr, ty)
+}
+
+/// A real number: ints, floats and objects with `__float__` (numpy and torch scalars).
+pub(crate) fn real(obj: &Bound<'_, PyAny>) -> PyResult<f64> {
+    obj.extract::<f64>().map_err(|_| {
+        let (repr, ty) = shown(obj);
+        bad(obj.py(), format!("must be a real number, not {ty} {repr}"))
+    })
+}
+
+/// A real number or None.
+pub(crate) fn opt_real(obj: &Bound<'_, PyAny>) -> PyResult<Option<f64>> {
+    if obj.is_none() {
+        Ok(None)
+    } else {
+        real(obj).map(Some)
+    }
+}
+
+/// A non-negative integer or None.
+pub(crate) fn opt_nat(obj: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+    if obj.is_none() {
+        Ok(None)
+    } else {
+        nat(obj).map(Some)
+    }
+}
+
+/// True or False (not any truthy object: `check="no"` is a mistake, not True).
+pub(crate) fn flag(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    obj.extract::<bool>().map_err(|_| {
+        let (repr, ty) = shown(obj);
+        bad(obj.py(), format!("must be True or False, not {ty} {repr}"))
+    })
+}
+
 /// A sequence of non-negative integers (`seqs=[...]`).
 pub(crate) fn nats(obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
     let py = obj.py();
@@ -366,7 +407,7 @@ impl Cache {
         target: Option<Bound<'_, PyAny>>,
         root: Option<&str>,
         #[pyo3(from_py_with = crate::nat)] device: usize,
-        verify_headers: bool,
+        #[pyo3(from_py_with = crate::flag)] verify_headers: bool,
     ) -> PyResult<Cache> {
         guarded(py, || {
             let path = resolve_spec(spec, root).map_err(|m| py_error(py, "Spec", m))?;
@@ -434,7 +475,7 @@ impl Cache {
         #[pyo3(from_py_with = crate::nats)] seqs: Vec<usize>,
         out: Option<Bound<'py, PyAny>>,
         lse: Option<Bound<'py, PyAny>>,
-        track: bool,
+        #[pyo3(from_py_with = crate::flag)] track: bool,
     ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
         guarded(py, || {
             let qt = tensor(py, q, "q")?;
@@ -503,7 +544,7 @@ impl Cache {
     /// `track=True`: every run also folds the page masses into the importance window (as
     /// `decode(..., track=True)`), with nothing uploaded per run.
     #[pyo3(signature = (seqs, track = false))]
-    fn plan(slf: Bound<'_, Self>, #[pyo3(from_py_with = crate::nats)] seqs: Vec<usize>, track: bool) -> PyResult<Plan> {
+    fn plan(slf: Bound<'_, Self>, #[pyo3(from_py_with = crate::nats)] seqs: Vec<usize>, #[pyo3(from_py_with = crate::flag)] track: bool) -> PyResult<Plan> {
         let py = slf.py();
         guarded(py, || {
             let mut c = slf.borrow_mut();
@@ -671,7 +712,14 @@ impl Plan {
     /// `check=False` skips the synchronising read of the kernels' page-fault flags (faults are
     /// then reported by the next checked call).
     #[pyo3(signature = (q, out = None, lse = None, check = true))]
-    fn run<'py>(&mut self, py: Python<'py>, q: &Bound<'py, PyAny>, out: Option<Bound<'py, PyAny>>, lse: Option<Bound<'py, PyAny>>, check: bool) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    fn run<'py>(
+        &mut self,
+        py: Python<'py>,
+        q: &Bound<'py, PyAny>,
+        out: Option<Bound<'py, PyAny>>,
+        lse: Option<Bound<'py, PyAny>>,
+        #[pyo3(from_py_with = crate::flag)] check: bool,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
         guarded(py, || {
             let cache = self.cache.bind(py);
             let mut c = cache.try_borrow_mut().map_err(|_| bad(py, "the cache is in use"))?;

@@ -211,6 +211,29 @@ def test_integer_arguments_are_kvforge_errors_naming_the_argument(kw, name):
     assert str(e).startswith(f"{name}: must be a non-negative integer"), str(e)
 
 
+@pytest.mark.parametrize(
+    "kw, name, what",
+    [
+        (dict(coverage="high"), "coverage", "a real number"),
+        (dict(explore=None), "explore", "a real number"),
+        (dict(max_blocks=-2), "max_blocks", "a non-negative integer"),
+        (dict(max_blocks="8"), "max_blocks", "a non-negative integer"),
+        (dict(profile="yes"), "profile", "True or False"),
+        (dict(rank_escalate=1), "rank_escalate", "True or False"),
+    ],
+)
+def test_other_arguments_are_kvforge_errors_naming_the_argument(kw, name, what):
+    # Issue 24: floats, flags and optional integers of the wrong type raised PyO3's TypeError.
+    with pytest.raises(kvforge.KvforgeError) as e:
+        kvforge.Certifier(**kw)
+    assert e.value.kind == "BadInput", (e.value.kind, str(e.value))
+    assert str(e.value).startswith(f"{name}: must be {what}"), str(e.value)
+
+
+def test_real_arguments_take_ints_and_none_where_optional():
+    assert kvforge.Certifier(coverage=1, max_blocks=None).config["coverage"] == 1.0
+
+
 class Index:
     """An integer scalar that is not an int (numpy, torch): converts through __index__."""
 
