@@ -8,20 +8,8 @@ use cudarc::driver::{sys::CUevent_flags, CudaSlice};
 use kvforge_spec::{KeyScheme, Spec, TierId};
 
 use kvforge_rt::Device;
+use kvforge_rt::{drv, Result, RtError};
 use kvforge_rt::{CacheConfig, KvCache};
-use kvforge_rt::{Result, RtError};
-
-/// A CUDA driver error of `what`, as the runtime reports its own.
-fn drv(what: impl Into<String>) -> impl FnOnce(cudarc::driver::DriverError) -> RtError {
-    let what = what.into();
-    move |source| {
-        if source.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-            RtError::OutOfMemory { what, bytes: 0 }
-        } else {
-            RtError::Driver { what, source }
-        }
-    }
-}
 
 /// One measured case, in the JSON schema shared with the peers' driver.
 #[derive(Clone, Debug, serde::Serialize)]

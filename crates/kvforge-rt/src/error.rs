@@ -113,7 +113,10 @@ fn source_note(path: &Option<PathBuf>) -> String {
     }
 }
 
-pub(crate) fn drv(what: impl Into<String>) -> impl FnOnce(cudarc::driver::DriverError) -> RtError {
+/// Maps a CUDA driver error of the operation `what` to [`RtError`]: out-of-memory becomes
+/// [`RtError::OutOfMemory`] (callers that know the size fill it in), anything else
+/// [`RtError::Driver`]. Public so that crates launching on a cache's stream report alike.
+pub fn drv(what: impl Into<String>) -> impl FnOnce(cudarc::driver::DriverError) -> RtError {
     let what = what.into();
     move |source| {
         if source.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY {

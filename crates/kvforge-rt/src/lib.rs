@@ -38,7 +38,7 @@ mod transcode;
 pub use cache::{CacheConfig, KvCache};
 pub use decode::{choose_combination, from_bits, plan, split_count, to_bits, DecodeOutput, DecodePlan, DecodeWorkspace, QueryElem};
 pub use device::{driver_present, nvrtc_present, Device, DeviceInfo};
-pub use error::{Result, RtError};
+pub use error::{drv, Result, RtError};
 pub use external::{prefix_pages, ElemType, ExternalTensor, TensorDevice};
 pub use kvforge_paging::PagedCache;
 pub use mass_window::{MassWindowRows, WindowFold};
