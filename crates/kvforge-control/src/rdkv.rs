@@ -232,15 +232,7 @@ impl Controller for RdkvController {
         // Weights in view order: page (h, i) is at offset[h] + i (a hash map of 4096 pages,
         // looked up once per tier of every page, was a fifth of the decision at 32K tokens).
         let weights = self.proxy.weights(view);
-        let offset: Vec<usize> = view
-            .heads
-            .iter()
-            .scan(0, |acc, h| {
-                let o = *acc;
-                *acc += h.len();
-                Some(o)
-            })
-            .collect();
+        let offset = view.offsets();
         let weight = |id: PageId| weights[offset[id.head] + id.index];
         let opts = |id: PageId, p: &PageInfo, out: &mut Vec<(TierId, f64)>| out.extend(limits.protection.allowed_tiers(p, view.context_tokens, &view.costs).map(|t| (t, table.page(weight(id), t))));
         let (sol, decisions) = if self.per_head {
@@ -328,15 +320,7 @@ mod tests {
     fn decide_head_by_head(c: &RdkvController, view: &PageTableView, limits: &Limits) -> Plan {
         let budget = limits.budget.bytes(view.context_tokens, view.heads.len());
         let weights = c.proxy.weights(view);
-        let offset: Vec<usize> = view
-            .heads
-            .iter()
-            .scan(0, |acc, h| {
-                let o = *acc;
-                *acc += h.len();
-                Some(o)
-            })
-            .collect();
+        let offset = view.offsets();
         let min: Vec<f64> = (0..view.heads.len())
             .map(|h| view.heads[h].iter().map(|p| limits.protection.allowed_tiers(p, view.context_tokens, &view.costs).map(|t| view.costs.cost(t, p.tokens)).fold(f64::INFINITY, f64::min)).sum())
             .collect();
@@ -417,7 +401,7 @@ mod tests {
             }
             // The pool's budget split reads least bytes from a walk, not from the posed hulls.
             let none = vec![crate::distortion::Weights::default(); v.num_pages()];
-            let offset: Vec<usize> = v.heads.iter().scan(0, |acc, h| { *acc += h.len(); Some(*acc - h.len()) }).collect();
+            let offset = v.offsets();
             let posed = HeadHulls::build_allowed(&v, &limits.protection, ViewDistortion { pages: c.table.pages(), weights: &none, offset: &offset });
             let bits_of = |x: &[f64]| x.iter().map(|c| c.to_bits()).collect::<Vec<_>>();
             proptest::prop_assert_eq!(bits_of(&HeadHulls::least_costs(&v, &limits.protection)), bits_of(&posed.min_cost));

@@ -260,15 +260,7 @@ impl Controller for RdrController {
         let eta = self.eta(view, &scores);
         let costs = &view.costs;
         // Scores are in view order: page (h, i) is at offset[h] + i.
-        let offset: Vec<usize> = view
-            .heads
-            .iter()
-            .scan(0, |acc, h| {
-                let o = *acc;
-                *acc += h.len();
-                Some(o)
-            })
-            .collect();
+        let offset = view.offsets();
         let score_of = |id: PageId| scores[offset[id.head] + id.index];
         let frozen_now = |id: PageId| frozen[offset[id.head] + id.index];
         let table = &self.table;

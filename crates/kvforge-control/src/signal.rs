@@ -109,6 +109,19 @@ pub struct PageTableView {
 }
 
 impl PageTableView {
+    /// Where each head's pages start in view order (page (h, i) is at `offsets()[h] + i`):
+    /// the index of per-page vectors such as the controllers' weights and scores.
+    pub fn offsets(&self) -> Vec<usize> {
+        self.heads
+            .iter()
+            .scan(0, |acc, h| {
+                let o = *acc;
+                *acc += h.len();
+                Some(o)
+            })
+            .collect()
+    }
+
     pub fn page(&self, id: PageId) -> Option<&PageInfo> {
         self.heads.get(id.head).and_then(|h| h.get(id.index))
     }
