@@ -38,9 +38,3 @@ pub fn device() -> Arc<Device> {
         Err(e) => panic!("needs a CUDA device: {e}"),
     }
 }
-
-/// The old name of [`device`]; it no longer skips: without a device it panics too.
-#[deprecated(note = "use `testing::device()`: a GPU test must fail, not pass, without a device")]
-pub fn device_or_skip() -> Option<Arc<Device>> {
-    Some(device())
-}
