@@ -396,7 +396,7 @@ impl KvCache {
     /// in f32 (rounded to the spec dtype on upload).
     pub fn decode(&mut self, seqs: &[usize], q: &[f32]) -> Result<DecodeOutput> {
         let plan = self.plan(seqs)?;
-        Ok(self.decode_host(&plan, q, PageMass::Off)?.0)
+        self.decode_planned(&plan, q)
     }
 
     /// Decodes with a plan made by [`KvCache::plan`], whose variant the caller may have swapped
