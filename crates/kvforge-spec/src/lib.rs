@@ -27,6 +27,7 @@
 //! [`Spec::variants_with`] enumerates every kernel the generator renders (under the schedules
 //! kvforge-gen chooses: `kvforge_gen::variants`), each named by one [`VariantId`]; [`SegmentLayout`] documents every tier's bytes.
 
+mod basis;
 pub mod codecs;
 pub mod constraints;
 mod error;
@@ -37,6 +38,7 @@ mod scheme;
 mod spec;
 mod variant;
 
+pub use basis::Basis;
 pub use codecs::mixed::{mixed_arrays, mixed_channels, mixed_shares, mixed_widths, ChannelSegment};
 pub use codecs::spherical::{spherical_index_bytes, Codebook, CodebookError, RADIUS_BITS};
 pub use codecs::{ArraySpec, Codec, Side, SideElem, SideInit, SideTable, REGISTRY};

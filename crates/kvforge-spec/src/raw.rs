@@ -69,13 +69,15 @@ pub struct RawScheme {
     pub codebook: Option<Spanned<String>>,
     /// Mixed keys: share of head_dim per bit width, e.g. `{ 8 = 0.25, 4 = 0.5 }`.
     pub channels: Option<Spanned<std::collections::BTreeMap<String, Spanned<f64>>>>,
+    /// Rotated tiers: the seed of the Hadamard rotation's signs.
+    pub seed: Option<Spanned<i64>>,
 }
 
 impl RawScheme {
     /// The fields given besides `scheme`, with their spans: what a codec's `only` checks
     /// against the fields it takes. A scheme with a new field adds it above and here.
     pub fn present(&self) -> Vec<(&'static str, std::ops::Range<usize>)> {
-        let fields: [(&str, Option<std::ops::Range<usize>>); 9] = [
+        let fields: [(&str, Option<std::ops::Range<usize>>); 10] = [
             ("bits", self.bits.as_ref().map(|x| x.span())),
             ("block", self.block.as_ref().map(|x| x.span())),
             ("group", self.group.as_ref().map(|x| x.span())),
@@ -85,6 +87,7 @@ impl RawScheme {
             ("radius_bits", self.radius_bits.as_ref().map(|x| x.span())),
             ("codebook", self.codebook.as_ref().map(|x| x.span())),
             ("channels", self.channels.as_ref().map(|x| x.span())),
+            ("seed", self.seed.as_ref().map(|x| x.span())),
         ];
         fields.into_iter().filter_map(|(n, s)| s.map(|s| (n, s))).collect()
     }
@@ -97,7 +100,7 @@ pub struct RawKernels {
     pub split_k: Option<bool>,
     pub warps: Option<Spanned<i64>>,
     pub tensor_core_values: Option<bool>,
-    pub certified: Option<bool>,
+    pub certified: Option<Spanned<bool>>,
     pub ctas_per_sm: Option<Spanned<i64>>,
     pub stage_kib: Option<Spanned<i64>>,
     pub dense: Option<Spanned<RawShape>>,

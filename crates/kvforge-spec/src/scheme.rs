@@ -10,6 +10,7 @@ use crate::codecs::{
     drop::Drop,
     int::{IntKey, IntValue},
     mixed::{ChannelSegment, MixedKey},
+    rotated::{RotatedKey, RotatedValue},
     spherical::SphericalKey,
     Codec, Side,
 };
@@ -77,6 +78,9 @@ pub enum KeyScheme {
     Spherical { group: usize, angle_bits: u32, codebook: crate::Codebook },
     /// Per-channel bit widths in a channel order ([`crate::codecs::mixed`]).
     Mixed { segments: Vec<ChannelSegment>, block: usize, scale: ScaleDType },
+    /// Lloyd–Max codes of the rotated unit direction and an fp16 scale
+    /// ([`crate::codecs::rotated`]).
+    Rotated { bits: u32, seed: u32 },
     /// Evicted: no bytes, never attended ([`crate::codecs::drop`]).
     Drop,
 }
@@ -91,6 +95,11 @@ pub enum ValueScheme {
         group: usize,
         scale: ScaleDType,
     },
+    /// Lloyd–Max codes of the rotated unit direction and an fp16 scale.
+    Rotated {
+        bits: u32,
+        seed: u32,
+    },
     Drop,
 }
 
@@ -102,6 +111,7 @@ impl KeyScheme {
             KeyScheme::Int { bits, block, scale } => Box::new(IntKey { bits: *bits, block: *block, scale: *scale }),
             KeyScheme::Spherical { group, angle_bits, codebook } => Box::new(SphericalKey { group: *group, angle_bits: *angle_bits, codebook }),
             KeyScheme::Mixed { segments, block, scale } => Box::new(MixedKey { segments, block: *block, scale: *scale }),
+            KeyScheme::Rotated { bits, seed } => Box::new(RotatedKey::new(*bits, *seed)),
             KeyScheme::Drop => Box::new(Drop { side: Side::Key }),
         }
     }
@@ -120,6 +130,7 @@ impl ValueScheme {
         match self {
             ValueScheme::Dense(dtype) => Box::new(Dense { dtype: *dtype, side: Side::Value }),
             ValueScheme::Int { bits, group, scale } => Box::new(IntValue { bits: *bits, group: *group, scale: *scale }),
+            ValueScheme::Rotated { bits, seed } => Box::new(RotatedValue::new(*bits, *seed)),
             ValueScheme::Drop => Box::new(Drop { side: Side::Value }),
         }
     }

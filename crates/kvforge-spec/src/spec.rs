@@ -4,6 +4,7 @@ use std::path::Path;
 
 use toml::Spanned;
 
+use crate::basis::Basis;
 use crate::codecs::{self, ParseCtx};
 use crate::error::{Locator, SpecError, SpecErrorKind};
 use crate::layout::SegmentLayout;
@@ -150,6 +151,13 @@ impl Spec {
         let loc = Locator { file, src };
         let raw: RawSpec = toml::from_str(src).map_err(|e| loc.toml(&e))?;
         Validator { loc: &loc, dir }.spec(raw, src)
+    }
+
+    /// The basis every tier of the spec stores K and V in: the one non-identity basis its codecs
+    /// need (validation refuses two), else the identity. The runtime maps appended rows, the
+    /// query and the output through it ([`Basis`]).
+    pub fn basis(&self) -> Basis {
+        self.tiers.iter().flat_map(|t| [t.key.codec().basis(), t.value.codec().basis()]).find(|b| !b.is_identity()).unwrap_or_default()
     }
 
     pub fn tier(&self, name: &str) -> Option<&Tier> {
@@ -348,6 +356,8 @@ impl Validator<'_> {
             return self.err(raw.tiers.span(), "tier", "the ladder has only the drop tier; add at least one tier that keeps keys and values");
         }
 
+        let basis = self.basis(&raw, &tiers)?;
+
         let combinations = match &raw.kernels.combinations {
             None => {
                 let live: Vec<TierId> = tiers.iter().skip(1).filter(|t| !t.is_drop()).map(|t| t.id).collect();
@@ -422,12 +432,15 @@ impl Validator<'_> {
             }
             None => None,
         };
+        if let (Some(c), Some((b, by))) = (raw.kernels.certified.as_ref().filter(|c| *c.get_ref()), &basis) {
+            return self.err(c.span(), "kernels.certified", format!("certified decode does not support a rotated basis yet ({by} stores K and V in the {b} basis); set `certified = false`"));
+        }
         let kernels = KernelOptions {
             combinations,
             split_k: raw.kernels.split_k.unwrap_or(true),
             warps,
             tensor_core_values: raw.kernels.tensor_core_values.unwrap_or(true),
-            certified: raw.kernels.certified.unwrap_or(false),
+            certified: raw.kernels.certified.as_ref().is_some_and(|c| *c.get_ref()),
             ctas_per_sm,
             stage_kib,
             dense,
@@ -454,6 +467,37 @@ impl Validator<'_> {
         };
         crate::constraints::check(&spec, &raw, self.loc)?;
         Ok(spec)
+    }
+
+    /// The spec's one non-identity basis and who asked for it (`tier `r4` key`), or a located
+    /// error at the first tier side that needs another: pages move between tiers, so every
+    /// tier stores rows in one basis.
+    fn basis(&self, raw: &RawSpec, tiers: &[Tier]) -> R<Option<(Basis, String)>> {
+        let mut found: Option<(Basis, String)> = None;
+        for (i, (rt, t)) in raw.tiers.get_ref().iter().zip(&tiers[1..]).enumerate() {
+            for (side, b, rs) in [("key", t.key.codec().basis(), &rt.key), ("value", t.value.codec().basis(), &rt.value)] {
+                let here = format!("tier `{}` {side}", t.name);
+                match &found {
+                    _ if b.is_identity() => {}
+                    None => found = Some((b, here)),
+                    Some((first, by)) if *first != b => {
+                        let (span, field) = match &rs.get_ref().seed {
+                            Some(s) => (s.span(), format!("tier[{i}].{side}.seed")),
+                            None => (rs.span(), format!("tier[{i}].{side}")),
+                        };
+                        return self.err(
+                            span,
+                            &field,
+                            format!(
+                                "{here} stores rows in the {b} basis but {by} in the {first} basis; a spec stores every tier in one basis (pages move between tiers): give every rotated tier the same `seed`"
+                            ),
+                        );
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        Ok(found)
     }
 
     fn list(&self, l: &Spanned<Vec<Spanned<i64>>>, field: &str, noun: &str, valid: &[i64]) -> R<Vec<usize>> {

@@ -224,15 +224,15 @@ fn scale_dtype_invalid() {
 #[test]
 fn unknown_scheme() {
     let e = fail(&edit(BASE, "{ scheme = \"int\", bits = 4, block = 64 }", "{ scheme = \"int4\", bits = 4, block = 64 }"));
-    check(&e, Invalid, 19, 18, "tier[1].key.scheme", &["unknown key scheme `int4`", "valid: fp16, bf16, int, spherical, mixed, drop"]);
+    check(&e, Invalid, 19, 18, "tier[1].key.scheme", &["unknown key scheme `int4`", "valid: fp16, bf16, int, spherical, mixed, rotated, drop"]);
     let e = fail(&edit(BASE, "{ scheme = \"int\", bits = 4, group = 32 }", "{ scheme = \"fp8\" }"));
-    check(&e, Invalid, 20, 20, "tier[1].value.scheme", &["unknown value scheme `fp8`", "valid: fp16, bf16, int, drop"]);
+    check(&e, Invalid, 20, 20, "tier[1].value.scheme", &["unknown value scheme `fp8`", "valid: fp16, bf16, int, rotated, drop"]);
 }
 
 #[test]
 fn spherical_values_rejected() {
     let e = fail(&edit(BASE, "{ scheme = \"int\", bits = 4, group = 32 }", "{ scheme = \"spherical\", group = 16 }"));
-    check(&e, Invalid, 20, 20, "tier[1].value.scheme", &["spherical coding is for keys", "valid value schemes: fp16, bf16, int, drop"]);
+    check(&e, Invalid, 20, 20, "tier[1].value.scheme", &["spherical coding is for keys", "valid value schemes: fp16, bf16, int, rotated, drop"]);
 }
 
 // ---- fields a scheme does not take, missing fields ----------------------------------------

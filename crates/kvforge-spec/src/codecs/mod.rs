@@ -1,5 +1,5 @@
 //! Coding schemes as units. Each scheme is one folder here (`dense/`, `int/`, `spherical/`,
-//! `mixed/`, `drop/`) that owns everything the scheme is: the fields of its spec table and
+//! `mixed/`, `rotated/`, `drop/`) that owns everything the scheme is: the fields of its spec table and
 //! their validation, its page-segment arrays and byte cost, its variant-id code and C++ codec
 //! type, the side tables it needs on the device, and (with the `reference` feature) its f64
 //! reference encode/decode. The generic code (spec validation, [`crate::SegmentLayout`],
@@ -19,6 +19,7 @@ use std::path::Path;
 
 use toml::Spanned;
 
+use crate::basis::Basis;
 use crate::error::{Locator, SpecError, SpecErrorKind};
 use crate::raw::RawScheme;
 use crate::scheme::{KeyScheme, ScaleDType, ValueScheme};
@@ -31,6 +32,7 @@ pub mod drop;
 mod error;
 pub mod int;
 pub mod mixed;
+pub mod rotated;
 pub mod spherical;
 
 #[cfg(feature = "reference")]
@@ -151,6 +153,11 @@ pub trait Codec: fmt::Display {
     fn content_hash(&self) -> Option<&str> {
         None
     }
+    /// The basis the codec codes rows in: [`Basis::Identity`] for rows as they come; a
+    /// rotation the whole spec then stores every tier in ([`crate::Spec::basis`]).
+    fn basis(&self) -> Basis {
+        Basis::Identity
+    }
     /// `(groups, entries)` of the per-query lookup table of one query head, for codecs that
     /// score through one (spherical keys).
     fn lut_shape(&self, _d: usize) -> Option<(usize, usize)> {
@@ -217,7 +224,7 @@ pub struct Registration {
 }
 
 /// Every scheme, one line each, in the order error messages list them.
-pub static REGISTRY: &[Registration] = &[dense::REGISTRATION, int::REGISTRATION, spherical::REGISTRATION, mixed::REGISTRATION, drop::REGISTRATION];
+pub static REGISTRY: &[Registration] = &[dense::REGISTRATION, int::REGISTRATION, spherical::REGISTRATION, mixed::REGISTRATION, rotated::REGISTRATION, drop::REGISTRATION];
 
 fn registered(name: &str) -> Option<&'static Registration> {
     REGISTRY.iter().find(|r| r.names.contains(&name))

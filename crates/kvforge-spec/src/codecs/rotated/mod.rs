@@ -1,0 +1,213 @@
+//! Rotated scalar-codebook keys and values (issue 26; TurboQuant, seed 001 Prop. 4.1): a spec
+//! with a `rotated` tier stores every tier's K and V, the tail included, in the basis of a
+//! seeded random-sign Hadamard rotation `R` ([`hadamard`], [`crate::Basis`]); a rotated tier
+//! codes each row `x` (already rotated) as a norm and one `bits`-bit Lloyd–Max level per
+//! channel of the unit direction ([`levels`]). Decode never rotates a key: the query is
+//! rotated once per step (`q·k = Rq·Rk`) and the output rotated back once (`Σ p v = Rᵀ Σ p Rv`).
+//!
+//! One row `x ∈ R^d`, `E = 2^bits` levels `ℓ` (f32, [`levels::LevelTable::levels_f32`]):
+//! - `u = x · inv` in f32 with `inv = 1/‖x‖` (f32); `‖x‖ = 0` codes every channel `E/2` with
+//!   scale 0;
+//! - `code_c = #{i : u_c > τ_i}`, `τ_i = (ℓ_i + ℓ_{i+1})/2` in f32 (a tie takes the lower level);
+//! - scale `γ = ⟨x, ℓ̂⟩ / ⟨ℓ̂, ℓ̂⟩` with `ℓ̂_c = ℓ_{code_c}` (the least-squares scale of the
+//!   quantised direction), stored fp16 (round to nearest); `x̂_c = γ · ℓ_{code_c}`.
+//!
+//! Arrays: `k_norm` `[P]` fp16 (γ) and `k_codes` `[P][d·bits/8]` (`v_norm`, `v_codes` for
+//! values). A token's code row is `d/8` chunks of `bits` bytes; channel `c` is in chunk `c/8`
+//! at slot `c%8`: reading the chunk as a little-endian integer `w`,
+//! `code_c = (w >> (bits · (c%8))) & (E − 1)`. Side table `levels` (`E` f32 per kv head, from
+//! the spec). C++: `RotatedKey` / `RotatedValue` in `codecs/rotated.cuh`; f64 reference in
+//! [`reference`].
+
+use std::fmt;
+
+#[cfg(feature = "reference")]
+use super::RefError;
+use super::{ArraySpec, Codec, ParseCtx, Registration, Side, SideElem, SideInit, SideTable};
+use crate::basis::Basis;
+use crate::error::SpecError;
+use crate::scheme::{KeyScheme, ValueScheme};
+
+pub mod hadamard;
+pub mod levels;
+#[cfg(feature = "reference")]
+pub mod reference;
+
+pub use hadamard::DEFAULT_SEED;
+pub use levels::{levels, LevelTable};
+
+pub const REGISTRATION: Registration = Registration {
+    names: &["rotated"],
+    key: Some(parse_key),
+    value: Some(parse_value),
+    examples: &[(r#"{ scheme = "rotated", bits = 3 }"#, r#"{ scheme = "rotated", bits = 2 }"#), (r#"{ scheme = "rotated", bits = 4, seed = 7 }"#, r#"{ scheme = "rotated", bits = 4, seed = 7 }"#)],
+};
+
+/// Head dim of the controllers' distortion proxy ([`Codec::nmse`] takes none): the Lloyd–Max
+/// distortion changes by under 2% between 64 and 256.
+pub const NMSE_HEAD_DIM: usize = 128;
+
+/// `bits` (2, 3 or 4) and `seed` (default [`DEFAULT_SEED`]) of a rotated side.
+fn parse(ctx: &ParseCtx<'_>) -> Result<(u32, u32), SpecError> {
+    ctx.only(&["bits", "seed"])?;
+    let b = ctx.need(&ctx.raw().bits, "bits", "4, 3 or 2")?;
+    let bits = match *b.get_ref() {
+        v @ 2..=4 => v as u32,
+        v => return ctx.err(b.span(), "bits", format!("bits {v} is not supported for `rotated`; valid: 4, 3, 2")),
+    };
+    let seed = match &ctx.raw().seed {
+        None => DEFAULT_SEED,
+        Some(s) => match u32::try_from(*s.get_ref()) {
+            Ok(v) => v,
+            Err(_) => return ctx.err(s.span(), "seed", format!("seed {} is not supported; valid: 0 to 0xffffffff", s.get_ref())),
+        },
+    };
+    Ok((bits, seed))
+}
+
+fn parse_key(ctx: &ParseCtx<'_>) -> Result<KeyScheme, SpecError> {
+    let (bits, seed) = parse(ctx)?;
+    Ok(KeyScheme::Rotated { bits, seed })
+}
+
+fn parse_value(ctx: &ParseCtx<'_>) -> Result<ValueScheme, SpecError> {
+    let (bits, seed) = parse(ctx)?;
+    Ok(ValueScheme::Rotated { bits, seed })
+}
+
+/// Rotated keys: an fp16 scale and `bits`-bit Lloyd–Max codes per token.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RotatedKey {
+    pub bits: u32,
+    pub seed: u32,
+    hash: String,
+}
+
+/// Rotated values: coded exactly like [`RotatedKey`], in arrays `v_norm`, `v_codes`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RotatedValue {
+    pub bits: u32,
+    pub seed: u32,
+    hash: String,
+}
+
+/// What the spec hash adds for a rotated codec: the seed, which the spec text omits when it
+/// is the default.
+fn seed_hash(seed: u32) -> String {
+    format!("rotated seed {seed:#x}")
+}
+
+impl RotatedKey {
+    pub fn new(bits: u32, seed: u32) -> RotatedKey {
+        RotatedKey { bits, seed, hash: seed_hash(seed) }
+    }
+}
+
+impl RotatedValue {
+    pub fn new(bits: u32, seed: u32) -> RotatedValue {
+        RotatedValue { bits, seed, hash: seed_hash(seed) }
+    }
+}
+
+/// Bytes of one token's code row.
+pub fn code_row_bytes(d: usize, bits: u32) -> usize {
+    d * bits as usize / 8
+}
+
+fn arrays(side: Side, d: usize, tokens: usize, bits: u32) -> Vec<ArraySpec> {
+    let (norm, codes) = names(side);
+    vec![ArraySpec { name: norm, rows: tokens, row_bytes: 2 }, ArraySpec { name: codes, rows: tokens, row_bytes: code_row_bytes(d, bits) }]
+}
+
+/// `(norm, codes)` array names of a side.
+pub fn names(side: Side) -> (&'static str, &'static str) {
+    match side {
+        Side::Key => ("k_norm", "k_codes"),
+        Side::Value => ("v_norm", "v_codes"),
+    }
+}
+
+fn side_tables(d: usize, bits: u32) -> Vec<SideTable> {
+    let t = levels(d, bits);
+    vec![SideTable { name: "levels", elem: SideElem::F32, len: t.levels_f32.len(), init: SideInit::Spec(t.levels_f32.clone()) }]
+}
+
+#[cfg(feature = "reference")]
+fn check(d: usize, bits: u32) -> Result<(), RefError> {
+    if !matches!(bits, 2..=4) {
+        return Err(RefError::Geometry(format!("rotated codes are 4, 3 or 2 bits, not {bits}")));
+    }
+    if d < 8 || !d.is_multiple_of(8) {
+        return Err(RefError::Geometry(format!("rotated codes pack 8 channels per chunk; head_dim {d} is not a positive multiple of 8")));
+    }
+    Ok(())
+}
+
+/// One side's `impl Codec`: the two sides differ only in their array names and C++ type.
+macro_rules! rotated_codec {
+    ($ty:ident, $side:expr) => {
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "rotated {}-bit (Hadamard seed {:#x})", self.bits, self.seed)
+            }
+        }
+
+        impl Codec for $ty {
+            fn scheme(&self) -> &'static str {
+                "rotated"
+            }
+            fn side(&self) -> Side {
+                $side
+            }
+            fn code(&self, _d: usize) -> String {
+                format!("rot{}", self.bits)
+            }
+            fn arrays(&self, d: usize, tokens: usize) -> Vec<ArraySpec> {
+                arrays($side, d, tokens, self.bits)
+            }
+            fn page_bytes(&self, d: usize, tokens: usize) -> usize {
+                tokens * (2 + code_row_bytes(d, self.bits))
+            }
+            fn cpp_type(&self, d: usize, p: usize, o: &dyn Fn(&str) -> usize) -> String {
+                let (norm, codes) = names($side);
+                format!("{}<{}, {d}, {p}, {}, {}>", stringify!($ty), self.bits, o(norm), o(codes))
+            }
+            /// The Lloyd–Max distortion of the unit direction at [`NMSE_HEAD_DIM`] (the
+            /// least-squares scale keeps the relative error at about that).
+            fn nmse(&self) -> f64 {
+                levels(NMSE_HEAD_DIM, self.bits).nmse()
+            }
+            fn bit_widths(&self) -> Option<Vec<(u32, f64)>> {
+                Some(vec![(self.bits, 1.0)])
+            }
+            fn side_tables(&self, d: usize) -> Vec<SideTable> {
+                side_tables(d, self.bits)
+            }
+            fn content_hash(&self) -> Option<&str> {
+                Some(&self.hash)
+            }
+            fn basis(&self) -> Basis {
+                Basis::Hadamard { seed: self.seed }
+            }
+            #[cfg(feature = "reference")]
+            fn check(&self, d: usize, _tokens: usize, _aux: &[f32]) -> Result<(), RefError> {
+                check(d, self.bits)
+            }
+            #[cfg(feature = "reference")]
+            fn encode(&self, d: usize, tokens: usize, x: &[f32], _aux: &[f32], put: &mut dyn FnMut(&str, &[u8])) {
+                let a = reference::encode(self.bits, d, tokens, x);
+                let (norm, codes) = names($side);
+                put(norm, &a.norm);
+                put(codes, &a.codes);
+            }
+            #[cfg(feature = "reference")]
+            fn decode<'a>(&self, d: usize, tokens: usize, get: &dyn Fn(&str) -> &'a [u8], _aux: &[f32]) -> Vec<f64> {
+                let (norm, codes) = names($side);
+                reference::decode(self.bits, d, tokens, reference::RotatedView { norm: get(norm), codes: get(codes) })
+            }
+        }
+    };
+}
+
+rotated_codec!(RotatedKey, Side::Key);
+rotated_codec!(RotatedValue, Side::Value);
