@@ -8,6 +8,8 @@
 
 use kvforge_spec::{PageHeader, PageOptions, SegmentLayout, Spec, Tier, TierId, HEADER_BYTES, TAIL_TIER};
 
+use crate::dense;
+
 use crate::error::{PageError, RefError};
 use crate::segment::{try_decode_segment, try_encode_segment};
 
@@ -96,8 +98,24 @@ pub fn page_tier<'s>(spec: &'s Spec, bytes: &[u8]) -> Result<&'s Tier, PageError
     spec.tiers.get(header.tier as usize).ok_or(PageError::UnknownTier(header.tier))
 }
 
+/// The rows `[n][d]` a spec's cache codes for appended rows `x`: in a rotated basis
+/// ([`Spec::basis`]), each row rotated in f32 (`Basis::to_stored`, the function the runtime's
+/// append calls) and rounded to the spec dtype (the tail page every token passes through
+/// before a full page is coded into its tier); in the identity basis, `x` unchanged (the
+/// reference codes the f32 values as given).
+pub fn stored_rows(spec: &Spec, d: usize, x: &[f32]) -> Vec<f32> {
+    let basis = spec.basis();
+    let mut rows = x.to_vec();
+    if !basis.is_identity() {
+        basis.to_stored(d, &mut rows);
+        rows.iter_mut().for_each(|r| *r = dense::round(spec.geometry.dtype, *r) as f32);
+    }
+    rows
+}
+
 /// Pages a sequence of `k`, `v` (`[n][d]`) as the cache does: every full page of `P` tokens in
-/// `target`, the remainder (if any) in a tail page. `rscale` is `target`'s radius scales.
+/// `target`, the remainder (if any) in a tail page, all in the spec's basis ([`stored_rows`]).
+/// `rscale` is `target`'s radius scales.
 pub fn encode_sequence(spec: &Spec, target: TierId, d: usize, k: &[f32], v: &[f32], rscale: &[f32]) -> Result<Vec<Vec<u8>>, PageError> {
     let tier = spec.tiers.get(target as usize).ok_or(PageError::UnknownTier(target))?;
     if d == 0 || k.len() % d != 0 || v.len() != k.len() {
@@ -106,6 +124,10 @@ pub fn encode_sequence(spec: &Spec, target: TierId, d: usize, k: &[f32], v: &[f3
     if k.is_empty() {
         return Err(RefError::Empty.into());
     }
+    if !spec.basis().is_identity() && !kvforge_spec::codecs::rotated::hadamard::rotatable(d) {
+        return Err(RefError::Geometry(format!("spec `{}` stores rows in the {} basis, which needs a power-of-two head_dim, not {d}", spec.name, spec.basis())).into());
+    }
+    let (k, v) = (&stored_rows(spec, d, k)[..], &stored_rows(spec, d, v)[..]);
     let rows = spec.page.tokens * d;
     let full = k.len() / rows;
     let mut pages = Vec::new();
@@ -118,8 +140,10 @@ pub fn encode_sequence(spec: &Spec, target: TierId, d: usize, k: &[f32], v: &[f3
     Ok(pages)
 }
 
-/// Decodes a sequence's pages (any mix of tiers) into K̂ and V̂ (`[n][d]`). `rscales[t]` are
-/// the radius scales of tier `t` (missing or empty for tiers without spherical keys).
+/// Decodes a sequence's pages (any mix of tiers) into K̂ and V̂ (`[n][d]`), mapped back from
+/// the spec's basis (f64): `attention(q, K̂, V̂)` then equals the runtime's decode, which
+/// rotates q and rotates the output back (`q·Rᵀk̂ = Rq·k̂`). `rscales[t]` are the radius
+/// scales of tier `t` (missing or empty for tiers without spherical keys).
 pub fn decode_sequence<P: AsRef<[u8]>>(spec: &Spec, d: usize, pages: &[P], rscales: &[&[f32]]) -> Result<(Vec<f64>, Vec<f64>), PageError> {
     let (mut k, mut v) = (Vec::new(), Vec::new());
     for bytes in pages {
@@ -130,5 +154,7 @@ pub fn decode_sequence<P: AsRef<[u8]>>(spec: &Spec, d: usize, pages: &[P], rscal
         k.extend_from_slice(&p.k);
         v.extend_from_slice(&p.v);
     }
+    spec.basis().to_natural(d, &mut k);
+    spec.basis().to_natural(d, &mut v);
     Ok((k, v))
 }

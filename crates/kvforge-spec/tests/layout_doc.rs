@@ -15,7 +15,7 @@ use kvforge_spec::{PageHeader, SegmentLayout, Spec, HEADER_BYTES, PAGE_MAGIC};
 const D: usize = 128;
 const P: usize = 64;
 
-const SHIPPED: [&str; 5] = ["baseline", "certified", "rdkv", "spherical", "trizone"];
+const SHIPPED: [&str; 6] = ["baseline", "certified", "rdkv", "rotated", "spherical", "trizone"];
 
 fn root() -> &'static Path {
     Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
