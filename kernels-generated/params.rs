@@ -43,6 +43,8 @@ pub struct DecodeParams {
     pub block_head_lse: u64,
     ///optional per page (certified phase 2): where page_info carries a promoted-block mask (bits 16-23: block b of 16 tokens is read from the fp16 original), the original's offset from the arena base, wrapping
     pub promoted_offsets: u64,
+    ///seed of the rotated basis (kvforge-spec `Basis::Hadamard`): decode rotates q and the output with its signs; unused by specs without one
+    pub rot_seed: u32,
 }
 ///Arguments of every transcode (and encode) kernel: one CTA per page.
 #[repr(C)]

@@ -53,6 +53,7 @@ pub const PARAMS: &[ParamStruct] = &[
             f("page_warp_lse", "float*", "u64", "[page][warps][gqa] scratch of a tracked decode in the per-warp layout (launch shape `warp_lse_per_page` floats per page, else unused): every warp's log2 Σ_tokens 2^logit per query head, folded into page_lse / page_head_lse after the page loop"),
             f("block_head_lse", "float*", "u64", "optional [page][page tokens / 16][gqa] (certified decode, block layout): log2 Σ_tokens 2^logit of every 16-token block per query head (-inf past the page's tokens)"),
             f("promoted_offsets", "const u64*", "u64", "optional per page (certified phase 2): where page_info carries a promoted-block mask (bits 16-23: block b of 16 tokens is read from the fp16 original), the original's offset from the arena base, wrapping"),
+            f("rot_seed", "unsigned int", "u32", "seed of the rotated basis (kvforge-spec `Basis::Hadamard`): decode rotates q and the output with its signs; unused by specs without one"),
         ],
     },
     ParamStruct {

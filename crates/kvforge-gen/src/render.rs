@@ -30,6 +30,8 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("kvforge/codecs/int.cuh", include_str!("../../../templates/include/kvforge/codecs/int.cuh")),
     ("kvforge/codecs/spherical.cuh", include_str!("../../../templates/include/kvforge/codecs/spherical.cuh")),
     ("kvforge/codecs/mixed.cuh", include_str!("../../../templates/include/kvforge/codecs/mixed.cuh")),
+    ("kvforge/codecs/rotated.cuh", include_str!("../../../templates/include/kvforge/codecs/rotated.cuh")),
+    ("kvforge/hadamard.cuh", include_str!("../../../templates/include/kvforge/hadamard.cuh")),
     ("kvforge/decode.cuh", include_str!("../../../templates/include/kvforge/decode.cuh")),
     ("kvforge/transcode.cuh", include_str!("../../../templates/include/kvforge/transcode.cuh")),
     ("kvforge/combine.cuh", include_str!("../../../templates/include/kvforge/combine.cuh")),
@@ -138,7 +140,7 @@ fn decode_consts(spec: &Spec, tiers: &[kvforge_spec::TierId], d: usize, gqa: usi
     let m = schedule::decode_smem(spec, tiers, d, gqa, s);
     let int = |name, v: usize| Const { ty: "int", name, value: v.to_string() };
     let flag = |name, v: bool| Const { ty: "bool", name, value: v.to_string() };
-    vec![
+    let mut consts = vec![
         int("NSTAGE", s.stages),
         flag("TC_VALUES", s.tc_values),
         flag("PER_WARP", schedule::per_warp(spec, tiers, d, gqa, s)),
@@ -152,7 +154,13 @@ fn decode_consts(spec: &Spec, tiers: &[kvforge_spec::TierId], d: usize, gqa: usi
         int("SMEM_STAGE_OFF", m.stage),
         int("STAGE_BYTES", m.stage_bytes),
         int("SMEM_TOTAL", m.total),
-    ]
+    ];
+    // Only specs with a rotated basis name it (hadamard.cuh's `Rotates` reads absent as false),
+    // so the kernels of every other spec render as before.
+    if !spec.basis().is_identity() {
+        consts.push(flag("ROTATE", true));
+    }
+    consts
 }
 
 /// Threads of the certified-decode selector (one CTA per (sequence, kv head)).

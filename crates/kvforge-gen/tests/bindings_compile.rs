@@ -18,6 +18,10 @@ mod rdkv {
     include!("../../../kernels-generated/rdkv/bindings.rs");
 }
 #[allow(dead_code)]
+mod rotated {
+    include!("../../../kernels-generated/rotated/bindings.rs");
+}
+#[allow(dead_code)]
 mod spherical {
     include!("../../../kernels-generated/spherical/bindings.rs");
 }
@@ -47,7 +51,7 @@ macro_rules! check_spec {
 
 #[test]
 fn checked_in_bindings_name_every_kernel() {
-    check_spec!(baseline, certified, rdkv, spherical, trizone);
+    check_spec!(baseline, certified, rdkv, rotated, spherical, trizone);
 }
 
 #[test]
@@ -56,5 +60,5 @@ fn every_spec_has_checked_in_bindings() {
     let mut stems: Vec<String> =
         std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).filter(|p| p.extension().is_some_and(|e| e == "toml")).map(|p| p.file_stem().unwrap().to_string_lossy().into_owned()).collect();
     stems.sort();
-    assert_eq!(stems, ["baseline", "certified", "rdkv", "spherical", "trizone"], "a new spec needs a `mod` in this test");
+    assert_eq!(stems, ["baseline", "certified", "rdkv", "rotated", "spherical", "trizone"], "a new spec needs a `mod` in this test");
 }

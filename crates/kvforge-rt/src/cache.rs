@@ -192,6 +192,16 @@ impl KvCache {
             return Err(RtError::NonFinite { what: "append: k/v".into(), value: *bad });
         }
         let n = k.len() / (hkv * d);
+        // Every tier stores rows in the spec's basis: rotate them once, here (decode rotates
+        // the query and rotates the output back).
+        let basis = self.spec.basis();
+        let stored = |x: &[f32]| {
+            let mut x = x.to_vec();
+            basis.to_stored(d, &mut x);
+            x
+        };
+        let rotated = (!basis.is_identity()).then(|| (stored(k), stored(v)));
+        let (k, v) = rotated.as_ref().map_or((k, v), |(k, v)| (k.as_slice(), v.as_slice()));
         let target = self.cfg.target_tier;
         let tails: Vec<Option<(Vec<u8>, usize)>> = (0..hkv).map(|h| Ok(self.store.tail_bytes(seq, h)?.map(|(b, n)| (b.to_vec(), n)))).collect::<Result<_>>()?;
         let tail_len = tails[0].as_ref().map_or(0, |t| t.1);

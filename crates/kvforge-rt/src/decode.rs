@@ -324,6 +324,10 @@ impl KvCache {
             batch: plan.batch as i32,
             num_kv_heads: plan.num_kv_heads as i32,
             num_splits: plan.splits as i32,
+            rot_seed: match self.spec.basis() {
+                kvforge_spec::Basis::Hadamard { seed } => seed,
+                kvforge_spec::Basis::Identity => 0,
+            },
         };
         let cfg = LaunchConfig {
             grid_dim: (plan.splits as u32, plan.num_kv_heads as u32, plan.batch as u32),

@@ -27,6 +27,7 @@ struct DecodeParams {
   float* page_warp_lse;  // [page][warps][gqa] scratch of a tracked decode in the per-warp layout (launch shape `warp_lse_per_page` floats per page, else unused): every warp's log2 Σ_tokens 2^logit per query head, folded into page_lse / page_head_lse after the page loop
   float* block_head_lse;  // optional [page][page tokens / 16][gqa] (certified decode, block layout): log2 Σ_tokens 2^logit of every 16-token block per query head (-inf past the page's tokens)
   const u64* promoted_offsets;  // optional per page (certified phase 2): where page_info carries a promoted-block mask (bits 16-23: block b of 16 tokens is read from the fp16 original), the original's offset from the arena base, wrapping
+  unsigned int rot_seed;  // seed of the rotated basis (kvforge-spec `Basis::Hadamard`): decode rotates q and the output with its signs; unused by specs without one
 };
 
 // Arguments of every transcode (and encode) kernel: one CTA per page.

@@ -9,3 +9,4 @@
 #include "kvforge/codecs/int.cuh"
 #include "kvforge/codecs/spherical.cuh"
 #include "kvforge/codecs/mixed.cuh"
+#include "kvforge/codecs/rotated.cuh"

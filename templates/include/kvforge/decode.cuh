@@ -11,6 +11,7 @@
 // accumulators), else with each thread owning 8 channels of every GQA head.
 #pragma once
 #include "codecs.cuh"
+#include "kvforge/hadamard.cuh"
 #include "kvforge/params.cuh"
 
 namespace kvforge {
@@ -779,6 +780,8 @@ struct DecodeCta {
     for (int i = tid; i < GQA * D; i += NT) q_s()[i] = to_float(q[i]) * qscale;
     if (tid < GQA) { m_s()[tid] = NEG_INF; l_s()[tid] = 0.f; }
     __syncthreads();
+    // Stored rows are in the spec's rotated basis: so is the query (before any LUT is built).
+    if constexpr (Rotates<Cfg>::value) hadamard_rows<D, NT, false>(q_s(), GQA, p.rot_seed);
     build_luts(typename Cfg::Tiers{});
     if constexpr (PW) build_qfrag();
 #pragma unroll
@@ -896,6 +899,12 @@ struct DecodeCta {
         }
         __syncthreads();
       }
+    }
+    // The output back from the rotated basis (linear, so before the division by l and the
+    // split-K combine alike).
+    if constexpr (Rotates<Cfg>::value) {
+      __syncthreads();
+      hadamard_rows<D, NT, true>(out_s, GQA, p.rot_seed);
     }
     for (int i = tid; i < GQA * D; i += NT) {
       const int h = i / D, c = i % D;

@@ -15,15 +15,15 @@
 //! Arrays: `k_norm` `[P]` fp16 (γ) and `k_codes` `[P][d·bits/8]` (`v_norm`, `v_codes` for
 //! values). A token's code row is `d/8` chunks of `bits` bytes; channel `c` is in chunk `c/8`
 //! at slot `c%8`: reading the chunk as a little-endian integer `w`,
-//! `code_c = (w >> (bits · (c%8))) & (E − 1)`. Side table `levels` (`E` f32 per kv head, from
-//! the spec). C++: `RotatedKey` / `RotatedValue` in `codecs/rotated.cuh`; f64 reference in
-//! [`reference`].
+//! `code_c = (w >> (bits · (c%8))) & (E − 1)`. No side tables: the levels are constants of the
+//! C++ type (`RotatedKey<BITS, D, P, OFF_NORM, OFF_CODES, L...>`, `L...` the f32 bit patterns
+//! of the `E` levels, ascending) in `codecs/rotated.cuh`; f64 reference in [`reference`].
 
 use std::fmt;
 
 #[cfg(feature = "reference")]
 use super::RefError;
-use super::{ArraySpec, Codec, ParseCtx, Registration, Side, SideElem, SideInit, SideTable};
+use super::{ArraySpec, Codec, ParseCtx, Registration, Side};
 use crate::basis::Basis;
 use crate::error::SpecError;
 use crate::scheme::{KeyScheme, ValueScheme};
@@ -127,9 +127,9 @@ pub fn names(side: Side) -> (&'static str, &'static str) {
     }
 }
 
-fn side_tables(d: usize, bits: u32) -> Vec<SideTable> {
-    let t = levels(d, bits);
-    vec![SideTable { name: "levels", elem: SideElem::F32, len: t.levels_f32.len(), init: SideInit::Spec(t.levels_f32.clone()) }]
+/// The `L...` parameters of the C++ type: the levels' f32 bit patterns, ascending.
+fn cpp_levels(d: usize, bits: u32) -> String {
+    levels(d, bits).levels_f32.iter().map(|l| format!("{:#010x}u", l.to_bits())).collect::<Vec<_>>().join(", ")
 }
 
 #[cfg(feature = "reference")]
@@ -170,7 +170,7 @@ macro_rules! rotated_codec {
             }
             fn cpp_type(&self, d: usize, p: usize, o: &dyn Fn(&str) -> usize) -> String {
                 let (norm, codes) = names($side);
-                format!("{}<{}, {d}, {p}, {}, {}>", stringify!($ty), self.bits, o(norm), o(codes))
+                format!("{}<{}, {d}, {p}, {}, {}, {}>", stringify!($ty), self.bits, o(norm), o(codes), cpp_levels(d, self.bits))
             }
             /// The Lloyd–Max distortion of the unit direction at [`NMSE_HEAD_DIM`] (the
             /// least-squares scale keeps the relative error at about that).
@@ -179,9 +179,6 @@ macro_rules! rotated_codec {
             }
             fn bit_widths(&self) -> Option<Vec<(u32, f64)>> {
                 Some(vec![(self.bits, 1.0)])
-            }
-            fn side_tables(&self, d: usize) -> Vec<SideTable> {
-                side_tables(d, self.bits)
             }
             fn content_hash(&self) -> Option<&str> {
                 Some(&self.hash)
