@@ -222,10 +222,14 @@ pub fn run_variant(dev: &Arc<Device>, spec: &Spec, v: &VariantId, long: bool) ->
                     };
                     let (k, v) = kvforge_ref::decode_segment(tier, d, p, &bytes[HEADER_BYTES..], rs.as_deref().unwrap_or(&[]));
                     // Mixed keys decode in stored channel order.
-                    let k = match &orders[pg.tier as usize] {
+                    let mut k = match &orders[pg.tier as usize] {
                         Some(o) => kvforge_ref::mixed::to_natural(&k, d, &o[h * d..(h + 1) * d]),
                         None => k,
                     };
+                    // Rows are stored in the spec's basis; the reference attends in the caller's.
+                    let mut v = v;
+                    spec.basis().to_natural(d, &mut k);
+                    spec.basis().to_natural(d, &mut v);
                     kk.extend_from_slice(&k[..len * d]);
                     vv.extend_from_slice(&v[..len * d]);
                 }
