@@ -1,8 +1,8 @@
 //! GPU self-test: every decode variant of a spec against the CPU f64 reference.
 //!
 //! The reference attends over the *dequantised* pages the GPU actually holds (downloaded and
-//! decoded by `kvforge-ref`), so the comparison measures the kernel's arithmetic alone; the
-//! quantisation error itself is tested in `kvforge-ref`.
+//! decoded by `kvforge-ref`, mapped back from the spec's basis), so the comparison measures the
+//! kernel's arithmetic alone; the quantisation error itself is tested in `kvforge-ref`.
 //!
 //! Tolerance (stated per dtype): the kernel accumulates in fp32 (relative error ~1e-6 over
 //! these lengths) and rounds the output to the query dtype: half an ulp is 2^-11 |o| for fp16
@@ -220,14 +220,14 @@ pub fn run_variant(dev: &Arc<Device>, spec: &Spec, v: &VariantId, long: bool) ->
                     } else {
                         None
                     };
-                    let (k, v) = kvforge_ref::decode_segment(tier, d, p, &bytes[HEADER_BYTES..], rs.as_deref().unwrap_or(&[]));
+                    let (k, mut v) = kvforge_ref::decode_segment(tier, d, p, &bytes[HEADER_BYTES..], rs.as_deref().unwrap_or(&[]));
                     // Mixed keys decode in stored channel order.
                     let mut k = match &orders[pg.tier as usize] {
                         Some(o) => kvforge_ref::mixed::to_natural(&k, d, &o[h * d..(h + 1) * d]),
                         None => k,
                     };
-                    // Rows are stored in the spec's basis; the reference attends in the caller's.
-                    let mut v = v;
+                    // A rotated spec's pages hold R k and R v; the kernel rotates q and the
+                    // output instead, which is the same attention (q·Rᵀk̂ = Rq·k̂).
                     spec.basis().to_natural(d, &mut k);
                     spec.basis().to_natural(d, &mut v);
                     kk.extend_from_slice(&k[..len * d]);

@@ -35,8 +35,8 @@ pub use kvforge_spec::codecs::dense::reference as dense;
 pub use kvforge_spec::codecs::int::reference as quant;
 pub use kvforge_spec::codecs::mixed::reference as mixed;
 pub use kvforge_spec::codecs::rotated::reference as rotated;
-pub use kvforge_spec::Basis;
 pub use kvforge_spec::codecs::spherical::reference as spherical;
+pub use kvforge_spec::Basis;
 
 pub use attention::{attention, attention_heads, batched_gqa_attention, combine_partials, softmax_weights, KvHead};
 pub use codebook::{train_codebook, uniform_unit_samples};

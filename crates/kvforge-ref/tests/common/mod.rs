@@ -8,7 +8,7 @@ use kvforge_spec::{Codebook, KeyScheme, ScaleDType, Spec, Tier, ValueScheme};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-pub const SPECS: [&str; 5] = ["baseline", "certified", "rdkv", "spherical", "trizone"];
+pub const SPECS: [&str; 6] = ["baseline", "certified", "rdkv", "rotated", "spherical", "trizone"];
 
 pub fn spec(name: &str) -> Spec {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../specs").join(format!("{name}.toml"));
