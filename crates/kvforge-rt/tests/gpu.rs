@@ -473,7 +473,7 @@ fn retier_pages_fault_lands_the_launches_before_it() {
 fn split_transcodes_match_the_reference() {
     use kvforge_spec::{Family, PageHeader, Tier};
     let dev = kvforge_rt::testing::device();
-    for file in ["rdkv.toml", "spherical.toml"] {
+    for file in ["rdkv.toml", "spherical.toml", "rotated.toml"] {
         let s = spec(file);
         let p = s.page.tokens;
         for d in [64, 128] {
