@@ -8,7 +8,7 @@ mod common;
 use kvforge_ref::rotated::{self, RotatedView};
 use kvforge_ref::{attention, decode_sequence, encode_segment, encode_sequence, segment::layout, stored_rows, PageError, RefError};
 use kvforge_spec::codecs::rotated::{hadamard, levels};
-use kvforge_spec::{Basis, Codec, KeyScheme, Spec, Tier, ValueScheme, TAIL_TIER};
+use kvforge_spec::{Basis, KeyScheme, Spec, Tier, ValueScheme, TAIL_TIER};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 

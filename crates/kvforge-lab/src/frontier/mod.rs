@@ -30,7 +30,7 @@ pub mod timing;
 
 use std::collections::HashMap;
 
-use kvforge_ref::{attention, decode_page, encode_page, radius_scales, softmax_weights};
+use kvforge_ref::{attention, decode_page, encode_page, radius_scales, softmax_weights, stored_rows};
 use kvforge_spec::{Codebook, KeyScheme, Spec, TierId, TAIL_TIER};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -177,24 +177,33 @@ fn code_head(spec: &Spec, sc: &Scenario, h: &SynthHead, pre: &[f64], dec: &[f64]
     let dec_rows = sc.gqa * d;
     let nq = dec.len() / dec_rows.max(1);
     let mut page_logmass: Vec<Vec<f64>> = vec![Vec::with_capacity(full + 1); nq];
+    // Pages hold rows in the spec's basis (a rotated spec: R x rounded to the dtype, as the
+    // runtime appends them); what attention sees is mapped back.
+    let basis = spec.basis();
+    let (hk, hv) = (stored_rows(spec, d, &h.k), stored_rows(spec, d, &h.v));
+    let natural = |mut x: Vec<f64>| {
+        basis.to_natural(d, &mut x);
+        x
+    };
     let mut pages = Vec::with_capacity(full);
     for i in 0..full {
         let r = i * p * d..(i + 1) * p * d;
         let first = &spec.tiers[1];
-        let bytes = encode_page(first, d, &spec.page, &h.k[r.clone()], &h.v[r.clone()], &rs[1]).expect("encode first tier");
+        let bytes = encode_page(first, d, &spec.page, &hk[r.clone()], &hv[r.clone()], &rs[1]).expect("encode first tier");
         let top = decode_page(first, d, &spec.page, &bytes, &rs[1]).expect("decode first tier");
         let (k32, v32): (Vec<f32>, Vec<f32>) = (top.k.iter().map(|&x| x as f32).collect(), top.v.iter().map(|&x| x as f32).collect());
+        let (top_k, top_v) = (natural(top.k), natural(top.v));
         for (q, lm) in dec.chunks_exact(dec_rows).zip(page_logmass.iter_mut()) {
-            lm.push(log_mass(q, &top.k, d, sm));
+            lm.push(log_mass(q, &top_k, d, sm));
         }
         let mut tiers = vec![None; spec.tiers.len()];
         for t in spec.tiers.iter().skip(1).filter(|t| !t.is_drop()) {
             let (kk, vv) = if t.id == 1 {
-                (top.k.clone(), top.v.clone())
+                (top_k.clone(), top_v.clone())
             } else {
                 let b = encode_page(t, d, &spec.page, &k32, &v32, &rs[t.id as usize]).expect("transcode");
                 let pg = decode_page(t, d, &spec.page, &b, &rs[t.id as usize]).expect("decode transcoded page");
-                (pg.k, pg.v)
+                (natural(pg.k), natural(pg.v))
             };
             let (ek, sk) = err_sq(&to64(&h.k[r.clone()]), &kk);
             let (ev, sv) = err_sq(&to64(&h.v[r.clone()]), &vv);
@@ -212,13 +221,14 @@ fn code_head(spec: &Spec, sc: &Scenario, h: &SynthHead, pre: &[f64], dec: &[f64]
     let tail_partials = (tail > 0).then(|| {
         let r = full * p * d..n * d;
         let t = &spec.tiers[TAIL_TIER as usize];
-        let b = encode_page(t, d, &spec.page, &h.k[r.clone()], &h.v[r], &[]).expect("encode tail");
+        let b = encode_page(t, d, &spec.page, &hk[r.clone()], &hv[r], &[]).expect("encode tail");
         let pg = decode_page(t, d, &spec.page, &b, &[]).expect("decode tail");
+        let (pk, pv) = (natural(pg.k), natural(pg.v));
         for (q, lm) in dec.chunks_exact(dec_rows).zip(page_logmass.iter_mut()) {
-            lm.push(log_mass(q, &pg.k, d, sm));
+            lm.push(log_mass(q, &pk, d, sm));
         }
         let mut out = Vec::new();
-        partials(test, &pg.k, &pg.v, d, sm, &mut out);
+        partials(test, &pk, &pv, d, sm, &mut out);
         out
     });
     let decode_mass = page_logmass
