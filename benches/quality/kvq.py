@@ -195,6 +195,140 @@ def quantize_spherical_keys(k: torch.Tensor, group: int, codebook: torch.Tensor,
     return (codebook[idx] * (rcode * rs)[..., None]).reshape(h, t, d)
 
 
+# ---------------------------------------------------------------------------------------------
+# Rotated scalar-codebook codec (issue 26; the contract is /work/wt/ROTATED.md, mirrored by
+# kvforge-spec's `rotated` codec and templates/include/kvforge/codecs/rotated.cuh)
+
+ROT_DEFAULT_SEED = 0x5EED
+_M32 = 0xFFFFFFFF
+
+
+def rotation_signs(d: int, seed: int = ROT_DEFAULT_SEED) -> list[int]:
+    """The random signs s_c (+1/-1) of channels 0..d-1: the contract's u32 integer hash."""
+    out = []
+    for c in range(d):
+        h = (c ^ ((seed * 0x9E3779B9) & _M32)) & _M32
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & _M32
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & _M32
+        h ^= h >> 16
+        out.append(-1 if h & 1 else 1)
+    return out
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Unnormalised fast Walsh-Hadamard transform along the last dimension (a power of two),
+    butterflies in the contract's order: len 1, 2, 4, .., d/2, (a, b) <- (a + b, a - b)."""
+    d = x.shape[-1]
+    y = x.clone()
+    n = 1
+    while n < d:
+        y = y.reshape(*x.shape[:-1], d // (2 * n), 2, n)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack([a + b, a - b], dim=-2)
+        n *= 2
+    return y.reshape(x.shape)
+
+
+def rotate(x: torch.Tensor, seed: int = ROT_DEFAULT_SEED) -> torch.Tensor:
+    """y = R x = H diag(s) x / sqrt(d) along the last dimension."""
+    d = x.shape[-1]
+    s = torch.tensor(rotation_signs(d, seed), dtype=x.dtype, device=x.device)
+    return fwht(x * s) * (1.0 / math.sqrt(d))
+
+
+def unrotate(y: torch.Tensor, seed: int = ROT_DEFAULT_SEED) -> torch.Tensor:
+    """x = R^T y = diag(s) H y / sqrt(d) (H is symmetric)."""
+    d = y.shape[-1]
+    s = torch.tensor(rotation_signs(d, seed), dtype=y.dtype, device=y.device)
+    return fwht(y) * (1.0 / math.sqrt(d)) * s
+
+
+_LEVELS_CACHE: dict = {}
+
+
+def lloyd_max_levels(d: int, bits: int, density: str = "beta", grid: int = 1 << 20, iters: int = 20000):
+    """Lloyd-Max levels (float64 numpy, increasing, symmetric) for one coordinate of a uniform
+    random unit vector in R^d: f(u) ∝ (1 - u²)^((d-3)/2) on [-1, 1] (seed 001 Prop. 4.1), or
+    ``density="gaussian"``: N(0, 1/d) (the large-d limit). Lloyd iterations on ``grid`` cell
+    midpoints of [-1, 1]: thresholds are midpoints of adjacent levels, a level is the
+    density-weighted mean of its cell; starts at the quantiles (i + 1/2)/E; symmetrised each
+    step; stops when no level moves by more than 1e-14. Returns (levels, mse per coordinate)."""
+    import numpy as np
+
+    key = (d, bits, density, grid)
+    if key in _LEVELS_CACHE:
+        return _LEVELS_CACHE[key]
+    e = 1 << bits
+    u = (np.arange(grid, dtype=np.float64) + 0.5) * (2.0 / grid) - 1.0
+    if density == "beta":
+        logw = 0.5 * (d - 3) * np.log1p(-u * u)
+    elif density == "gaussian":
+        logw = -0.5 * d * u * u
+    else:
+        raise ValueError(density)
+    w = np.exp(logw - logw.max())
+    w /= w.sum()
+    cw = np.concatenate([[0.0], np.cumsum(w)])
+    cwu = np.concatenate([[0.0], np.cumsum(w * u)])
+    cwuu = np.concatenate([[0.0], np.cumsum(w * u * u)])
+    lv = np.interp((np.arange(e) + 0.5) / e, cw[1:], u)
+    for _ in range(iters):
+        t = 0.5 * (lv[1:] + lv[:-1])
+        # cell j holds grid points with u > t_{j-1} and u <= t_j (on a threshold: the lower level)
+        idx = np.concatenate([[0], np.searchsorted(u, t, side="right"), [grid]])
+        m = cw[idx[1:]] - cw[idx[:-1]]
+        new = np.where(m > 0, (cwu[idx[1:]] - cwu[idx[:-1]]) / np.where(m > 0, m, 1.0), lv)
+        new = 0.5 * (new - new[::-1])
+        moved = np.abs(new - lv).max()
+        lv = new
+        if moved < 1e-14:
+            break
+    t = 0.5 * (lv[1:] + lv[:-1])
+    idx = np.concatenate([[0], np.searchsorted(u, t, side="right"), [grid]])
+    m = cw[idx[1:]] - cw[idx[:-1]]
+    s1 = cwu[idx[1:]] - cwu[idx[:-1]]
+    s2 = cwuu[idx[1:]] - cwuu[idx[:-1]]
+    mse = float(np.sum(s2 - 2 * lv * s1 + lv * lv * m))
+    _LEVELS_CACHE[key] = (lv, mse)
+    return lv, mse
+
+
+def rotated_quantize(y: torch.Tensor, levels: torch.Tensor, scale: str = "lsq") -> torch.Tensor:
+    """Quantise-dequantise rows already in the rotated basis (f32, last dim d), as the contract:
+    u = y * (1/‖y‖); code_c = #{i: u_c > τ_i}, τ_i = (ℓ_i + ℓ_{i+1})/2 in f32; γ = <y, ℓ̂>/<ℓ̂, ℓ̂>
+    rounded to fp16; ŷ_c = γ ℓ_{code_c}. ‖y‖ = 0 -> codes E/2, γ = 0. ``scale="norm"`` (a
+    variant outside the contract) keeps γ = fp16(‖y‖) instead of the least-squares scale."""
+    lv = levels.to(torch.float32).to(y.device)
+    e = lv.numel()
+    tau = (lv[1:] + lv[:-1]) * 0.5
+    nrm = y.norm(dim=-1, keepdim=True)
+    zero = nrm == 0
+    inv = 1.0 / torch.where(zero, torch.ones_like(nrm), nrm)
+    u = y * inv
+    code = torch.bucketize(u, tau, right=False)  # number of thresholds strictly below u
+    code = torch.where(zero, torch.full_like(code, e // 2), code)
+    lh = lv[code]
+    if scale == "lsq":
+        g = (y * lh).sum(-1, keepdim=True) / (lh * lh).sum(-1, keepdim=True)
+    elif scale == "norm":
+        g = nrm
+    else:
+        raise ValueError(scale)
+    g = torch.where(zero, torch.zeros_like(g), g).to(torch.float16).to(torch.float32)
+    return g * lh
+
+
+def fp8_e4m3(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """FlashInfer / vLLM fp8 KV cache: x / scale cast per element to float8_e4m3fn, saturating
+    at ±448 as their cache-write kernels do (__NV_SATFINITE), then back: fp8 * scale."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        raise SystemExit("sim:fp8 needs torch.float8_e4m3fn")
+    y = (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
+    return y * scale
+
+
 class TierSim:
     """Simulates one tier of a spec (keys and values) on [H, T, D] tensors of full pages."""
 
@@ -210,6 +344,17 @@ class TierSim:
         self.page = int(spec.get("page", {}).get("tokens", 64))
         self.spec_name = spec["spec"]["name"]
         self.codebook = None
+        # A spec with any rotated tier stores every tier (the fp16 tail too) in the rotated basis.
+        rot = [t[p] for t in spec["tier"] for p in ("key", "value") if t[p]["scheme"] == "rotated"]
+        spec_seed = next((spec[t]["seed"] for t in ("spec", "rotation", "geometry") if "seed" in spec.get(t, {})), ROT_DEFAULT_SEED)
+        seeds = {int(c.get("seed", spec_seed)) for c in rot}
+        if len(seeds) > 1:
+            raise SystemExit(f"{spec_path}: rotated tiers with different seeds {sorted(seeds)}")
+        self.rotated = bool(rot)
+        self.seed = seeds.pop() if seeds else None
+        # sim-only: the first sink_tokens tokens stay at the tail's precision (a variant)
+        self.sink = int(self.tier.get("sink_tokens", 0))
+        self.all_tokens = self.tier["key"]["scheme"] == "fp8"  # FlashInfer's fp8 cache has no fp16 tail
         key = self.tier["key"]
         if key["scheme"] == "spherical":
             from safetensors.torch import load_file
@@ -220,10 +365,33 @@ class TierSim:
             if self.tier[part]["scheme"] in ("drop",):
                 raise SystemExit(f"sim: tier `{tier_name}` drops tokens; only storing tiers can be simulated")
 
+    def tail(self, x: torch.Tensor) -> torch.Tensor:
+        """The tail page (and sink tokens) as stored: fp16 in the spec's basis (returned in the
+        model's basis, f32); identity for unrotated specs (the model's own K/V dtype)."""
+        if not self.rotated:
+            return x
+        return unrotate(rotate(x.float(), self.seed).to(torch.float16).float(), self.seed)
+
+    def _rotated(self, x: torch.Tensor, s: dict) -> torch.Tensor:
+        lv, _ = lloyd_max_levels(x.shape[-1], int(s["bits"]), s.get("levels", "beta"))
+        levels = torch.tensor(lv, dtype=torch.float64).to(torch.float32)
+        y = rotate(x.float(), self.seed)
+        return unrotate(rotated_quantize(y, levels, s.get("scale", "lsq")), self.seed)
+
+    def _common(self, x: torch.Tensor, s: dict):
+        if s["scheme"] in ("fp16", "bf16"):
+            return self.tail(x)
+        if s["scheme"] == "rotated":
+            return self._rotated(x, s)
+        if s["scheme"] == "fp8":
+            return fp8_e4m3(x, float(s.get("scale", 1.0)))
+        return None
+
     def keys(self, k: torch.Tensor, rscale=None) -> torch.Tensor:
         s = self.tier["key"]
-        if s["scheme"] in ("fp16", "bf16"):
-            return k
+        out = self._common(k, s)
+        if out is not None:
+            return out
         if s["scheme"] == "int":
             return quantize_int_keys(k, s["bits"], s.get("block", self.page), s.get("scale_dtype", "fp16"))
         if s["scheme"] == "spherical":
@@ -232,8 +400,9 @@ class TierSim:
 
     def values(self, v: torch.Tensor) -> torch.Tensor:
         s = self.tier["value"]
-        if s["scheme"] in ("fp16", "bf16"):
-            return v
+        out = self._common(v, s)
+        if out is not None:
+            return out
         if s["scheme"] == "int":
             return quantize_int_values(v, s["bits"], s["group"], s.get("scale_dtype", "fp16"))
         raise SystemExit(f"sim: value scheme {s['scheme']} not simulated")
@@ -249,6 +418,10 @@ def _part_bytes(s: dict, d: int, page: int, is_key: bool) -> float:
         return 2.0 * d
     if s["scheme"] == "drop":
         return 0.0
+    if s["scheme"] == "rotated":
+        return d * s["bits"] / 8 + 2  # codes + fp16 γ
+    if s["scheme"] == "fp8":
+        return 1.0 * d
     if s["scheme"] == "int":
         codes = d * s["bits"] / 8
         if is_key:
@@ -261,6 +434,12 @@ def _part_bytes(s: dict, d: int, page: int, is_key: bool) -> float:
 
 
 SIM_ALIASES = {"int8": ("specs/rdkv.toml", "b8"), "int4": ("specs/rdkv.toml", "b4"), "int2": ("specs/rdkv.toml", "b2")}
+# sim-only tiers (benches/quality/sim-tiers.toml): FlashInfer's fp8 KV cache and the rotated
+# contract's tiers before specs/rotated.toml exists (same tier names: r4 / r3 / r2), plus
+# variants outside the contract; `sim:specs/rotated.toml:r3` simulates the shipped spec.
+SIM_TIERS = "benches/quality/sim-tiers.toml"
+SIM_ALIASES.update({n: (SIM_TIERS, n) for n in (
+    "fp8", "r4", "r3", "r2", "k3v2", "k4v2", "r2-gauss", "r2-norm", "r2-sink64", "r3-gauss", "r3-norm")})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,9 +480,25 @@ class SimBackend:
 
     def attend(self, layer, q, k, v, scaling):
         s = k.shape[1]
-        full = (s // self.sim.page) * self.sim.page
+        full = s if self.sim.all_tokens else (s // self.sim.page) * self.sim.page
         if full == 0:
+            if self.sim.rotated:
+                k, v = self.sim.tail(k).to(k.dtype), self.sim.tail(v).to(v.dtype)
             return eager_causal(q, k, v, scaling)
+        if self.sim.rotated:
+            k = torch.cat([k[:, :full], self.sim.tail(k[:, full:]).to(k.dtype)], dim=1)
+            v = torch.cat([v[:, :full], self.sim.tail(v[:, full:]).to(v.dtype)], dim=1)
+        sink = min(self.sim.sink, full)
+        if sink:
+            kq, vq = self._quantised(layer, k[:, sink:], v[:, sink:], full - sink)
+            kq = torch.cat([self.sim.tail(k[:, :sink]).to(k.dtype), kq], dim=1)
+            vq = torch.cat([self.sim.tail(v[:, :sink]).to(v.dtype), vq], dim=1)
+            return eager_causal(q, kq, vq, scaling)
+        kq, vq = self._quantised(layer, k, v, full)
+        return eager_causal(q, kq, vq, scaling)
+
+    def _quantised(self, layer, k, v, full):
+        """K/V with the first ``full`` tokens stored in the tier, the rest as given."""
         kf, vf = k[:, :full].float(), v[:, :full].float()
         rs = None
         if self.sim.tier["key"]["scheme"] == "spherical":
@@ -312,7 +507,7 @@ class SimBackend:
             rs = self.rscale[layer]
         kq = torch.cat([self.sim.keys(kf, rs).to(k.dtype), k[:, full:]], dim=1)
         vq = torch.cat([self.sim.values(vf).to(v.dtype), v[:, full:]], dim=1)
-        return eager_causal(q, kq, vq, scaling)
+        return kq, vq
 
     def bytes_per_token(self, d: int) -> float:
         return self.sim.payload_bytes_per_token(d)

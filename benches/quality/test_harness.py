@@ -87,6 +87,13 @@ class _FakeCache:
         self.v = torch.zeros(num_kv_heads, 0, head_dim)
         self.rs = None
         self.calls = []
+        self.num_kv_heads = num_kv_heads
+
+    def seq_len(self, seq):
+        return self.k.shape[1]
+
+    def memory_report(self):
+        return [{"resident_bytes": self.bytes_per_token() * self.k.shape[1] * self.num_kv_heads}]
 
     def add_sequence(self):
         return 0
@@ -153,3 +160,113 @@ def test_kvforge_backend_bookkeeping(monkeypatch, spec, tier):
     assert cache.k.shape[1] == 132  # appended once each, no duplicates
     be.reset()
     assert be.layers == {}
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotated tiers (issue 26 contract) and the fp8 e4m3 peer
+
+def test_rotation_signs_bit_exact():
+    # h of channels 0..3 under the default seed 0x5EED, and the negative-sign bitmask
+    # (bit c set <=> s_c = -1): the values kvforge-spec's and the device header's tests pin too.
+    assert kvq.rotation_signs(4, 0x5EED) == [1, 1, 1, 1]
+    neg64 = sum(1 << c for c, s in enumerate(kvq.rotation_signs(64)) if s < 0)
+    neg128 = sum(1 << c for c, s in enumerate(kvq.rotation_signs(128)) if s < 0)
+    assert neg64 == 0xEA24301592AA8460
+    assert neg128 == 0x2AA8039FBA6E052FEA24301592AA8460
+    assert kvq.rotation_signs(128)[:64] == kvq.rotation_signs(64)  # a channel's sign does not depend on d
+    # seed 0: h(0) = 0 (sign +); h(1) = 0x514E28B7 (odd: sign -)
+    assert kvq.rotation_signs(2, 0) == [1, -1]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_rotation_orthogonal(d):
+    eye = torch.eye(d, dtype=torch.float64)
+    h = kvq.fwht(eye)  # Sylvester: H[i, j] = (-1)^popcount(i & j)
+    pop = torch.tensor([bin(a & b).count("1") for a in range(d) for b in range(d)]).reshape(d, d)
+    assert torch.equal(h, (1 - 2 * (pop % 2)).double())
+    r = kvq.rotate(eye)  # row c = R e_c = column c of R
+    assert torch.allclose(r @ r.T, eye, atol=1e-12)
+    x = torch.randn(5, d, dtype=torch.float64, generator=torch.Generator().manual_seed(d))
+    assert torch.allclose(kvq.unrotate(kvq.rotate(x)), x, atol=1e-12)
+    q, k = x[0], x[1]
+    assert torch.allclose(kvq.rotate(q) @ kvq.rotate(k), q @ k, atol=1e-10)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_lloyd_max_levels(d, bits):
+    import numpy as np
+
+    lv, mse = kvq.lloyd_max_levels(d, bits)
+    assert lv.shape == (1 << bits,)
+    assert np.all(np.diff(lv) > 0) and -1 < lv[0] and lv[-1] < 1
+    assert np.array_equal(lv, -lv[::-1])
+    # d x distortion approaches the Gaussian Lloyd-Max distortion of N(0, 1) as d grows
+    gauss = {2: 0.11748, 3: 0.03454, 4: 0.009497}[bits]
+    assert d * mse == pytest.approx(gauss, rel=0.04 if d == 64 else 0.02)
+    assert d * mse < gauss  # the Beta density has lighter tails than its Gaussian limit
+    g, gm = kvq.lloyd_max_levels(d, bits, density="gaussian")
+    assert d * gm == pytest.approx(gauss, rel=2e-3)
+    # lighter tails than the Gaussian limit: the outer levels sit inside the Gaussian ones
+    assert abs(lv[-1]) < abs(g[-1])
+
+
+def test_rotated_codes_thresholds():
+    lv = torch.tensor([-0.3, -0.1, 0.1, 0.3])
+    # u exactly on a threshold takes the lower level; γ is the least-squares scale
+    y = torch.tensor([[0.0, 0.6, -0.8, 0.0]])  # unit norm already: u = y
+    out = kvq.rotated_quantize(y, lv)
+    codes = torch.tensor([1, 3, 0, 1])  # 0.0 == τ_1 -> code 1
+    lh = lv[codes]
+    g = float((y[0] * lh).sum() / (lh * lh).sum())
+    g16 = float(torch.tensor(g).half().float())
+    assert torch.allclose(out[0], g16 * lh)
+    zero = kvq.rotated_quantize(torch.zeros(1, 4), lv)
+    assert torch.equal(zero, torch.zeros(1, 4))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_rotated_round_trip_error(bits):
+    # rows of uniform random directions (any norm): relative squared error ≈ d x Lloyd-Max
+    # distortion, a little below it (γ is the least-squares scale, not ‖x‖)
+    d = 64
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(4096, d, generator=g) * 7.0
+    lv, mse = kvq.lloyd_max_levels(d, bits)
+    y = kvq.rotate(x)
+    yq = kvq.rotated_quantize(y, torch.tensor(lv, dtype=torch.float32))
+    rel = ((yq - y).pow(2).sum(-1) / y.pow(2).sum(-1)).mean().item()
+    assert 0.85 * d * mse < rel <= 1.01 * d * mse
+    norm_scale = kvq.rotated_quantize(y, torch.tensor(lv, dtype=torch.float32), scale="norm")
+    rel_norm = ((norm_scale - y).pow(2).sum(-1) / y.pow(2).sum(-1)).mean().item()
+    assert rel <= rel_norm
+
+
+def test_fp8_e4m3():
+    x = torch.tensor([0.0, 1.0, -1.5, 448.0, 1000.0, -1000.0, 0.1])
+    y = kvq.fp8_e4m3(x)
+    assert y[:4].tolist() == [0.0, 1.0, -1.5, 448.0]
+    assert y[4].item() == 448.0 and y[5].item() == -448.0  # saturating, not NaN
+    assert abs(y[6].item() - 0.1) <= 0.1 * 2**-4
+    assert kvq.TierSim(kvq.ROOT / kvq.SIM_TIERS, "fp8").payload_bytes_per_token(64) == 128
+
+
+@pytest.mark.parametrize("tier", ["r4", "r3", "r2", "k3v2", "r2-sink64", "fp8"])
+def test_sim_rotated_backend(tier):
+    be = kvq.make_backend(f"sim:{tier}")
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(3, 150, 64, generator=g)
+    v = torch.randn(3, 150, 64, generator=g)
+    q = torch.randn(9, 150, 64, generator=g)
+    be.reset()
+    out = be.attend(0, q, k, v, 0.125)
+    ref = kvq.eager_causal(q, k, v, 0.125)
+    rel = ((out - ref).norm() / ref.norm()).item()
+    assert 0 < rel < {"r4": 0.15, "r3": 0.25, "r2": 0.5, "k3v2": 0.5, "r2-sink64": 0.5, "fp8": 0.05}[tier]
+    # the tail page (tokens 128..149) is fp16 in the rotated basis
+    sim = be.sim
+    if sim.rotated:
+        t = sim.tail(k[:, 128:])
+        assert (t - k[:, 128:]).abs().max().item() < 4e-3
+    if tier == "r3":
+        assert sim.payload_bytes_per_token(64) == 2 * (24 + 2)
