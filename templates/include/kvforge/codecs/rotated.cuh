@@ -68,7 +68,8 @@ struct RotatedRows {
 #pragma unroll
         for (int e = 0; e + 1 < E; ++e) code += u > 0.5f * (level(e) + level(e + 1)) ? 1u : 0u;
         if (r2 == 0.f) code = E / 2;
-        const float l = level(code);
+        // Lanes past the row's chunks add nothing (their zeros would still pick a level).
+        const float l = on ? level(code) : 0.f;
         xl = fmaf(xv[i], l, xl);
         ll = fmaf(l, l, ll);
         w |= code << (BITS * i);
