@@ -261,6 +261,7 @@ mod tests {
             rest: BTreeMap<String, Spanned<toml::Value>>,
         }
         #[derive(Deserialize)]
+        #[allow(dead_code)]
         struct FlatDoc {
             key: Flat,
         }
