@@ -12,6 +12,41 @@
 //! side) (`IntKey`, `IntValue`), and the two sides of one scheme share neither fields nor
 //! arrays (per-channel key blocks, per-token value groups), so each side is its own codec
 //! struct and [`Codec::side`] says which it is.
+//!
+//! # Adding a scheme
+//!
+//! A new scheme is its folder here, its header `templates/include/kvforge/codecs/<scheme>.cuh`
+//! (found by kvforge-gen's build script, included by the generated `codecs.cuh`), and one
+//! line in [`REGISTRY`]. Its folder declares a [`Registration`]: the names `scheme = "..."`
+//! takes, the `fields` its tables may have (a field no scheme lists is an unknown field of the
+//! spec), and its parsers. A parser reads its table through [`ParseCtx`]:
+//!
+//! - typed accessors by field name, `None` when the field is absent and the TOML reader's
+//!   located "invalid type" error when it has another type: [`ParseCtx::int`],
+//!   [`ParseCtx::float`], [`ParseCtx::string`], [`ParseCtx::boolean`],
+//!   [`ParseCtx::float_table`] (a table of numbers, each entry with its span),
+//!   [`ParseCtx::value`] (the [`RawValue`] as written);
+//! - [`ParseCtx::only`] rejects the fields this side does not take, [`ParseCtx::need`] turns
+//!   an absent field into "scheme `x` needs `f` (what it is)", [`ParseCtx::err`] makes any
+//!   other error at a span; [`ParseCtx::block`], [`ParseCtx::scale`],
+//!   [`ParseCtx::granularity`] and [`ParseCtx::divisors`] are fields several schemes share;
+//! - the spec's `head_dims`, `page_tokens` and `gqa`, and [`ParseCtx::dir`] for files.
+//!
+//! It returns its codec as [`KeyScheme::Codec`] / [`ValueScheme::Codec`] holding a
+//! [`crate::SharedCodec`]; no enum names it. For example (a `seed` would be in the
+//! registration's `fields`):
+//!
+//! ```ignore
+//! fn parse_key(ctx: &ParseCtx<'_>) -> Result<KeyScheme, SpecError> {
+//!     ctx.only(&["bits", "seed"])?;
+//!     let b = ctx.need(ctx.int("bits")?, "bits", "2, 3 or 4")?;
+//!     if !(2..=4).contains(b.get_ref()) {
+//!         return ctx.err(b.span(), "bits", format!("bits {} is not supported; valid: 2, 3, 4", b.get_ref()));
+//!     }
+//!     let seed = ctx.int("seed")?.map_or(0, |s| *s.get_ref() as u64);
+//!     Ok(KeyScheme::Codec(SharedCodec::new(RotatedKey { bits: *b.get_ref() as u32, seed })))
+//! }
+//! ```
 
 use std::collections::BTreeMap;
 use std::fmt;
