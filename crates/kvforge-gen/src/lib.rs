@@ -23,7 +23,7 @@ pub mod tiers;
 
 use std::path::{Path, PathBuf};
 
-pub use render::{launch_shape, render, LaunchShape, RenderError, CERT_MAX_BLOCKS, CERT_SELECT_THREADS, HEADERS};
+pub use render::{launch_shape, render, render_codecs_cuh, LaunchShape, RenderError, CERT_MAX_BLOCKS, CERT_SELECT_THREADS, CODECS_DIR, HEADERS};
 
 use kvforge_spec::{Spec, TierId, VariantId};
 
@@ -47,17 +47,23 @@ pub struct GeneratedFile {
     pub contents: String,
 }
 
-/// Every device header a kernel includes: the hand-written ones and the generated
-/// `kvforge/params.cuh`. The runtime hands these to NVRTC.
+/// Every device header a kernel includes: the hand-written ones ([`HEADERS`]) and the
+/// generated `kvforge/codecs.cuh` and `kvforge/params.cuh`. The runtime hands these to NVRTC.
 pub fn all_headers() -> Vec<(String, String)> {
     let mut h: Vec<(String, String)> = HEADERS.iter().map(|(p, s)| (p.to_string(), s.to_string())).collect();
+    h.push(("kvforge/codecs.cuh".into(), render_codecs_cuh()));
     h.push(("kvforge/params.cuh".into(), params::render_cuda()));
     h
 }
 
-/// Files shared by all specs.
+/// Files shared by all specs: the generated headers (checked in so the include dir can be
+/// read whole) and the Rust mirror of the params.
 pub fn render_common() -> Vec<GeneratedFile> {
-    vec![GeneratedFile { path: "include/kvforge/params.cuh".into(), contents: params::render_cuda() }, GeneratedFile { path: "params.rs".into(), contents: params::render_rust() }]
+    vec![
+        GeneratedFile { path: "include/kvforge/codecs.cuh".into(), contents: render_codecs_cuh() },
+        GeneratedFile { path: "include/kvforge/params.cuh".into(), contents: params::render_cuda() },
+        GeneratedFile { path: "params.rs".into(), contents: params::render_rust() },
+    ]
 }
 
 /// Every file of one spec: kernels and bindings.

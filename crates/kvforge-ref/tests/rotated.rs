@@ -7,8 +7,8 @@ mod common;
 
 use kvforge_ref::rotated::{self, RotatedView};
 use kvforge_ref::{attention, decode_sequence, encode_segment, encode_sequence, segment::layout, stored_rows, PageError, RefError};
-use kvforge_spec::codecs::rotated::{hadamard, levels};
-use kvforge_spec::{Basis, KeyScheme, Spec, Tier, ValueScheme, TAIL_TIER};
+use kvforge_spec::codecs::rotated::{hadamard, levels, RotatedKey, RotatedValue};
+use kvforge_spec::{Basis, KeyScheme, SharedCodec, Spec, Tier, ValueScheme, TAIL_TIER};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -26,7 +26,7 @@ fn gaussian(n: usize, seed: u64) -> Vec<f32> {
 }
 
 fn tier(kbits: u32, vbits: u32, seed: u32) -> Tier {
-    Tier { id: 1, name: format!("k{kbits}v{vbits}"), key: KeyScheme::Rotated { bits: kbits, seed }, value: ValueScheme::Rotated { bits: vbits, seed } }
+    Tier { id: 1, name: format!("k{kbits}v{vbits}"), key: KeyScheme::Codec(SharedCodec::new(RotatedKey::new(kbits, seed))), value: ValueScheme::Codec(SharedCodec::new(RotatedValue::new(vbits, seed))) }
 }
 
 fn rel_err(x: &[f32], y: &[f64]) -> f64 {

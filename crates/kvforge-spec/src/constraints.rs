@@ -85,7 +85,7 @@ pub(crate) fn check(spec: &Spec, raw: &RawSpec, loc: &Locator<'_>) -> Result<(),
         // `SphericalKey::build_lut` reads codewords as float4s ("codewords load as float4s").
         if let KeyScheme::Spherical { group, .. } = &t.key {
             if group % 4 != 0 {
-                let span = raw.tiers.get_ref().get(i).and_then(|r| r.key.get_ref().group.as_ref()).map(|g| g.span());
+                let span = raw.tiers.get_ref().get(i).and_then(|r| r.key.get_ref().span_of("group"));
                 return err(
                     span,
                     &format!("tier[{i}].key.group"),
@@ -97,7 +97,7 @@ pub(crate) fn check(spec: &Spec, raw: &RawSpec, loc: &Locator<'_>) -> Result<(),
         // `IntKey::Mma`): a scale block is whole m-tiles. (Mixed keys score on CUDA cores.)
         if let KeyScheme::Int { block, .. } = &t.key {
             if block % 16 != 0 {
-                let span = raw.tiers.get_ref().get(i).and_then(|r| r.key.get_ref().block.as_ref()).map(|b| b.span());
+                let span = raw.tiers.get_ref().get(i).and_then(|r| r.key.get_ref().span_of("block"));
                 let valid: Vec<String> = (16..=spec.page.tokens).step_by(16).filter(|b| spec.page.tokens.is_multiple_of(*b)).map(|b| b.to_string()).collect();
                 return err(
                     span,

@@ -170,7 +170,7 @@ fn required_hint(name: &str) -> &'static str {
 }
 
 /// Serde's Rust words to TOML's.
-fn toml_words(msg: &str) -> String {
+pub(crate) fn toml_words(msg: &str) -> String {
     msg.replace("expected i64", "expected an integer")
         .replace("expected a sequence", "expected an array")
         .replace("invalid type: map", "invalid type: table")

@@ -44,7 +44,7 @@ pub use codecs::spherical::{spherical_index_bytes, Codebook, CodebookError, RADI
 pub use codecs::{ArraySpec, Codec, Side, SideElem, SideInit, SideTable, REGISTRY};
 pub use error::{SpecError, SpecErrorKind};
 pub use layout::{ArrayLayout, PageHeader, SegmentLayout, HEADER_BYTES, PAGE_MAGIC};
-pub use scheme::{DType, KeyScheme, ScaleDType, ValueScheme};
+pub use scheme::{DType, KeyScheme, ScaleDType, SharedCodec, ValueScheme};
 pub use spec::{Geometry, KernelOptions, KernelShape, PageOptions, Spec, Tier, TierId, LUT_BUDGET_BYTES, STAGE_BUDGET_BYTES, TAIL_TIER};
 pub use variant::{Family, Schedule, ScheduleChooser, TierCode, VariantId};
 

@@ -1,18 +1,22 @@
-//! The key and value scheme of a tier: one variant per registered codec (`codecs/`), whose
-//! behaviour all goes through [`Codec`] ([`KeyScheme::codec`], [`ValueScheme::codec`]). The
-//! variants keep their fields public so that code that needs one scheme's parameters (a
-//! test building a spherical tier, the runtime's radius scales) can name them.
+//! The key and value scheme of a tier, whose behaviour all goes through [`Codec`]
+//! ([`KeyScheme::codec`], [`ValueScheme::codec`]). The five first schemes have named variants
+//! whose fields are public, so that code that needs one scheme's parameters (a test building
+//! a spherical tier, the runtime's radius scales) can name them; every scheme added since is
+//! a [`SharedCodec`] in the `Codec` variant, which its parser builds and nothing outside its
+//! folder names.
 
 use std::fmt;
+use std::sync::Arc;
 
+#[cfg(feature = "reference")]
+use crate::codecs::RefError;
 use crate::codecs::{
     dense::Dense,
     drop::Drop,
     int::{IntKey, IntValue},
     mixed::{ChannelSegment, MixedKey},
-    rotated::{RotatedKey, RotatedValue},
     spherical::SphericalKey,
-    Codec, Side,
+    ArraySpec, Codec, Side, SideTable,
 };
 
 /// Element type of queries, outputs and dense (identity-coded) K/V.
@@ -79,10 +83,10 @@ pub enum KeyScheme {
     /// Per-channel bit widths in a channel order ([`crate::codecs::mixed`]).
     Mixed { segments: Vec<ChannelSegment>, block: usize, scale: ScaleDType },
     /// Lloyd–Max codes of the rotated unit direction and an fp16 scale
-    /// ([`crate::codecs::rotated`]).
-    Rotated { bits: u32, seed: u32 },
     /// Evicted: no bytes, never attended ([`crate::codecs::drop`]).
     Drop,
+    /// Any other registered scheme, as its codec.
+    Codec(SharedCodec),
 }
 
 /// How a value vector is stored.
@@ -95,12 +99,9 @@ pub enum ValueScheme {
         group: usize,
         scale: ScaleDType,
     },
-    /// Lloyd–Max codes of the rotated unit direction and an fp16 scale.
-    Rotated {
-        bits: u32,
-        seed: u32,
-    },
     Drop,
+    /// Any other registered scheme, as its codec.
+    Codec(SharedCodec),
 }
 
 impl KeyScheme {
@@ -111,8 +112,8 @@ impl KeyScheme {
             KeyScheme::Int { bits, block, scale } => Box::new(IntKey { bits: *bits, block: *block, scale: *scale }),
             KeyScheme::Spherical { group, angle_bits, codebook } => Box::new(SphericalKey { group: *group, angle_bits: *angle_bits, codebook }),
             KeyScheme::Mixed { segments, block, scale } => Box::new(MixedKey { segments, block: *block, scale: *scale }),
-            KeyScheme::Rotated { bits, seed } => Box::new(RotatedKey::new(*bits, *seed)),
             KeyScheme::Drop => Box::new(Drop { side: Side::Key }),
+            KeyScheme::Codec(c) => Box::new(c.clone()),
         }
     }
     /// Bytes one page segment of `tokens` tokens needs for keys at head dim `d`.
@@ -130,8 +131,8 @@ impl ValueScheme {
         match self {
             ValueScheme::Dense(dtype) => Box::new(Dense { dtype: *dtype, side: Side::Value }),
             ValueScheme::Int { bits, group, scale } => Box::new(IntValue { bits: *bits, group: *group, scale: *scale }),
-            ValueScheme::Rotated { bits, seed } => Box::new(RotatedValue::new(*bits, *seed)),
             ValueScheme::Drop => Box::new(Drop { side: Side::Value }),
+            ValueScheme::Codec(c) => Box::new(c.clone()),
         }
     }
     pub fn page_bytes(&self, d: usize, tokens: usize) -> usize {
@@ -151,5 +152,158 @@ impl fmt::Display for KeyScheme {
 impl fmt::Display for ValueScheme {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(&*self.codec(), f)
+    }
+}
+
+/// A codec held by a [`KeyScheme::Codec`] or [`ValueScheme::Codec`]: what the parser of a
+/// scheme without a named variant returns (`KeyScheme::Codec(SharedCodec::new(MyKey { .. }))`).
+/// Cloning shares it. Two are equal when they are the same scheme and side with the same
+/// `Display` text and content hash: the text names every parameter of the format.
+#[derive(Clone)]
+pub struct SharedCodec(Arc<dyn Codec + Send + Sync>);
+
+impl SharedCodec {
+    pub fn new(codec: impl Codec + Send + Sync + 'static) -> Self {
+        SharedCodec(Arc::new(codec))
+    }
+    /// The codec.
+    pub fn get(&self) -> &(dyn Codec + Send + Sync) {
+        &*self.0
+    }
+}
+
+impl fmt::Debug for SharedCodec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for SharedCodec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+impl PartialEq for SharedCodec {
+    fn eq(&self, other: &Self) -> bool {
+        let (a, b) = (self.get(), other.get());
+        a.scheme() == b.scheme() && a.side() == b.side() && a.to_string() == b.to_string() && a.content_hash() == b.content_hash()
+    }
+}
+
+/// Every method forwards to the held codec (the defaults of [`Codec`] included, so that a
+/// codec's own answers are never replaced by them).
+impl Codec for SharedCodec {
+    fn scheme(&self) -> &'static str {
+        self.0.scheme()
+    }
+    fn side(&self) -> Side {
+        self.0.side()
+    }
+    fn code(&self, d: usize) -> String {
+        self.0.code(d)
+    }
+    fn arrays(&self, d: usize, tokens: usize) -> Vec<ArraySpec> {
+        self.0.arrays(d, tokens)
+    }
+    fn page_bytes(&self, d: usize, tokens: usize) -> usize {
+        self.0.page_bytes(d, tokens)
+    }
+    fn cpp_type(&self, d: usize, tokens: usize, offset: &dyn Fn(&str) -> usize) -> String {
+        self.0.cpp_type(d, tokens, offset)
+    }
+    fn nmse(&self) -> f64 {
+        self.0.nmse()
+    }
+    fn bit_widths(&self) -> Option<Vec<(u32, f64)>> {
+        self.0.bit_widths()
+    }
+    fn side_tables(&self, d: usize) -> Vec<SideTable> {
+        self.0.side_tables(d)
+    }
+    fn is_drop(&self) -> bool {
+        self.0.is_drop()
+    }
+    fn content_hash(&self) -> Option<&str> {
+        self.0.content_hash()
+    }
+    fn basis(&self) -> crate::Basis {
+        self.0.basis()
+    }
+    fn lut_shape(&self, d: usize) -> Option<(usize, usize)> {
+        self.0.lut_shape(d)
+    }
+    fn lut_floats_per_head(&self, d: usize) -> usize {
+        self.0.lut_floats_per_head(d)
+    }
+    fn per_warp_capable(&self, d: usize, p: usize) -> bool {
+        self.0.per_warp_capable(d, p)
+    }
+    fn slices_channels(&self) -> bool {
+        self.0.slices_channels()
+    }
+    fn transcode_scratch(&self, d: usize, p: usize, split: usize) -> usize {
+        self.0.transcode_scratch(d, p, split)
+    }
+    #[cfg(feature = "reference")]
+    fn check(&self, d: usize, tokens: usize, aux: &[f32]) -> Result<(), RefError> {
+        self.0.check(d, tokens, aux)
+    }
+    #[cfg(feature = "reference")]
+    fn encode(&self, d: usize, tokens: usize, x: &[f32], aux: &[f32], put: &mut dyn FnMut(&str, &[u8])) {
+        self.0.encode(d, tokens, x, aux, put)
+    }
+    #[cfg(feature = "reference")]
+    fn decode<'a>(&self, d: usize, tokens: usize, get: &dyn Fn(&str) -> &'a [u8], aux: &[f32]) -> Vec<f64> {
+        self.0.decode(d, tokens, get, aux)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A scheme held as a [`SharedCodec`] answers as the codec itself, defaults included.
+    #[test]
+    fn shared_codec_forwards_everything() {
+        let named = [KeyScheme::Int { bits: 4, block: 64, scale: ScaleDType::Fp16 }, KeyScheme::Int { bits: 8, block: 16, scale: ScaleDType::Fp32 }, KeyScheme::Dense(DType::Fp16), KeyScheme::Drop];
+        let shared = [
+            SharedCodec::new(IntKey { bits: 4, block: 64, scale: ScaleDType::Fp16 }),
+            SharedCodec::new(IntKey { bits: 8, block: 16, scale: ScaleDType::Fp32 }),
+            SharedCodec::new(Dense { dtype: DType::Fp16, side: Side::Key }),
+            SharedCodec::new(Drop { side: Side::Key }),
+        ];
+        for (n, s) in named.iter().zip(shared) {
+            let k = KeyScheme::Codec(s.clone());
+            let (a, b) = (n.codec(), k.codec());
+            assert_eq!(n.to_string(), k.to_string());
+            assert_eq!(format!("{s:?}"), n.to_string());
+            assert_eq!((a.scheme(), a.side(), a.is_drop(), a.content_hash()), (b.scheme(), b.side(), b.is_drop(), b.content_hash()));
+            assert_eq!((a.nmse(), a.bit_widths(), a.slices_channels()), (b.nmse(), b.bit_widths(), b.slices_channels()));
+            for (d, p) in [(64, 32), (128, 64)] {
+                let o = |name: &str| name.len();
+                assert_eq!((a.code(d), a.arrays(d, p), a.page_bytes(d, p), a.cpp_type(d, p, &o)), (b.code(d), b.arrays(d, p), b.page_bytes(d, p), b.cpp_type(d, p, &o)));
+                assert_eq!((a.side_tables(d), a.lut_shape(d), a.lut_floats_per_head(d)), (b.side_tables(d), b.lut_shape(d), b.lut_floats_per_head(d)));
+                assert_eq!((a.per_warp_capable(d, p), a.transcode_scratch(d, p, 2)), (b.per_warp_capable(d, p), b.transcode_scratch(d, p, 2)));
+            }
+            assert_eq!(k.page_bytes(128, 64), n.page_bytes(128, 64));
+            assert_eq!(k.is_drop(), n.is_drop());
+            assert_eq!(a.basis(), b.basis());
+        }
+        // A method a codec overrides reaches it through the wrapper (a forward left out would
+        // answer with the trait's default: the identity basis).
+        let rotated = KeyScheme::Codec(SharedCodec::new(crate::codecs::rotated::RotatedKey::new(3, 7)));
+        assert_eq!(rotated.codec().basis(), crate::Basis::Hadamard { seed: 7 });
+    }
+
+    #[test]
+    fn shared_codecs_are_equal_by_format() {
+        let a = ValueScheme::Codec(SharedCodec::new(IntValue { bits: 4, group: 32, scale: ScaleDType::Fp16 }));
+        let b = ValueScheme::Codec(SharedCodec::new(IntValue { bits: 4, group: 32, scale: ScaleDType::Fp16 }));
+        let c = ValueScheme::Codec(SharedCodec::new(IntValue { bits: 4, group: 16, scale: ScaleDType::Fp16 }));
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        assert_ne!(KeyScheme::Codec(SharedCodec::new(Drop { side: Side::Key })), KeyScheme::Drop);
+        assert_ne!(SharedCodec::new(Drop { side: Side::Key }), SharedCodec::new(Drop { side: Side::Value }));
     }
 }

@@ -481,7 +481,7 @@ impl Validator<'_> {
                     _ if b.is_identity() => {}
                     None => found = Some((b, here)),
                     Some((first, by)) if *first != b => {
-                        let (span, field) = match &rs.get_ref().seed {
+                        let (span, field) = match rs.get_ref().fields.get("seed") {
                             Some(s) => (s.span(), format!("tier[{i}].{side}.seed")),
                             None => (rs.span(), format!("tier[{i}].{side}")),
                         };

@@ -126,6 +126,24 @@ fn wrong_type_string_for_integer() {
     insta::assert_snapshot!("wrong_type_string_for_integer", e.to_string());
 }
 
+/// Scheme fields are typed by the codec that reads them (`ParseCtx::int`, `string`,
+/// `float_table`), with the TOML reader's words and the value's location.
+#[test]
+fn wrong_types_in_scheme_tables() {
+    let e = fail(&edit(BASE, "bits = 8, block = 16", "bits = 8.0, block = 16"));
+    check(&e, Syntax, 14, 32, "tier[0].key.bits", &["invalid type: floating point `8.0`, expected an integer"]);
+    let e = fail(&edit(BASE, "bits = 8, block = 16", "bits = 8, block = 16, scale_dtype = 32"));
+    check(&e, Syntax, 14, 61, "tier[0].key.scale_dtype", &["invalid type: integer `32`, expected a string"]);
+    let e = fail(&edit(BASE, "bits = 8, block = 16", "bits = 8, block = [16]"));
+    check(&e, Syntax, 14, 43, "tier[0].key.block", &["invalid type: array, expected an integer"]);
+    let e = fail(&mixed("{ 8 = \"x\" }"));
+    check(&e, Syntax, 19, 44, "tier[1].key.channels.8", &["invalid type: string \"x\", expected f64"]);
+    let e = fail(&mixed("0.5"));
+    check(&e, Syntax, 19, 38, "tier[1].key.channels", &["invalid type: floating point `0.5`, expected a map"]);
+    // An integer share reads as a number, as it did when the field was a typed f64.
+    parse_in(&mixed("{ 8 = 1 }"), Path::new(".")).unwrap();
+}
+
 #[test]
 fn wrong_type_scalar_for_list() {
     let e = fail(&edit(BASE, "head_dims = [128]", "head_dims = 128"));

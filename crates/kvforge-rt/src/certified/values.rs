@@ -36,8 +36,7 @@ pub(crate) fn page_values(spec: &Spec, tier: TierId, d: usize, bytes: &[u8]) -> 
         ValueScheme::Dense(dt) => dense(*dt, get("v")?),
         ValueScheme::Int { bits, group, scale } => int(*bits, *group, *scale, d, tokens, get("v_codes")?, get("v_scale")?, get("v_zero")?)?,
         ValueScheme::Drop => return Err(format!("tier `{}` drops its values", t.name)),
-        // Spec validation refuses `kernels.certified` on a rotated spec.
-        ValueScheme::Rotated { .. } => return Err(format!("tier `{}`: certified decode does not read rotated values", t.name)),
+        ValueScheme::Codec(c) => return Err(format!("tier `{}` codes its values as {c}; certified decode reads dense or integer values", t.name)),
     };
     v.truncate(length * d);
     Ok(v)

@@ -12,16 +12,54 @@
 //! side) (`IntKey`, `IntValue`), and the two sides of one scheme share neither fields nor
 //! arrays (per-channel key blocks, per-token value groups), so each side is its own codec
 //! struct and [`Codec::side`] says which it is.
+//!
+//! # Adding a scheme
+//!
+//! A new scheme is its folder here, its header `templates/include/kvforge/codecs/<scheme>.cuh`
+//! (found by kvforge-gen's build script, included by the generated `codecs.cuh`), and one
+//! line in [`REGISTRY`]. Its folder declares a [`Registration`]: the names `scheme = "..."`
+//! takes, the `fields` its tables may have (a field no scheme lists is an unknown field of the
+//! spec), and its parsers. A parser reads its table through [`ParseCtx`]:
+//!
+//! - typed accessors by field name, `None` when the field is absent and the TOML reader's
+//!   located "invalid type" error when it has another type: [`ParseCtx::int`],
+//!   [`ParseCtx::float`], [`ParseCtx::string`], [`ParseCtx::boolean`],
+//!   [`ParseCtx::float_table`] (a table of numbers, each entry with its span),
+//!   [`ParseCtx::value`] (the [`RawValue`] as written);
+//! - [`ParseCtx::only`] rejects the fields this side does not take, [`ParseCtx::need`] turns
+//!   an absent field into "scheme `x` needs `f` (what it is)", [`ParseCtx::err`] makes any
+//!   other error at a span; [`ParseCtx::block`], [`ParseCtx::scale`],
+//!   [`ParseCtx::granularity`] and [`ParseCtx::divisors`] are fields several schemes share;
+//! - the spec's `head_dims`, `page_tokens` and `gqa`, and [`ParseCtx::dir`] for files.
+//!
+//! It returns its codec as [`KeyScheme::Codec`] / [`ValueScheme::Codec`] holding a
+//! [`crate::SharedCodec`]; no enum names it. For example (a `seed` would be in the
+//! registration's `fields`):
+//!
+//! ```ignore
+//! fn parse_key(ctx: &ParseCtx<'_>) -> Result<KeyScheme, SpecError> {
+//!     ctx.only(&["bits", "seed"])?;
+//!     let b = ctx.need(ctx.int("bits")?, "bits", "2, 3 or 4")?;
+//!     if !(2..=4).contains(b.get_ref()) {
+//!         return ctx.err(b.span(), "bits", format!("bits {} is not supported; valid: 2, 3, 4", b.get_ref()));
+//!     }
+//!     let seed = ctx.int("seed")?.map_or(0, |s| *s.get_ref() as u64);
+//!     Ok(KeyScheme::Codec(SharedCodec::new(RotatedKey { bits: *b.get_ref() as u32, seed })))
+//! }
+//! ```
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::ops::Range;
 use std::path::Path;
+use std::sync::OnceLock;
 
 use toml::Spanned;
 
 use crate::basis::Basis;
-use crate::error::{Locator, SpecError, SpecErrorKind};
+use crate::error::{toml_words, Locator, SpecError, SpecErrorKind};
 use crate::raw::RawScheme;
+pub use crate::raw::RawValue;
 use crate::scheme::{KeyScheme, ScaleDType, ValueScheme};
 
 #[cfg(feature = "reference")]
@@ -211,10 +249,14 @@ pub fn side_slots(key: &dyn Codec, value: &dyn Codec, d: usize) -> Vec<SideTable
 pub type KeyParser = fn(&ParseCtx<'_>) -> Result<KeyScheme, SpecError>;
 pub type ValueParser = fn(&ParseCtx<'_>) -> Result<ValueScheme, SpecError>;
 
-/// One registered scheme: the names `scheme = "..."` takes for it and its parsers (`None`:
-/// the scheme does not code that side).
+/// One registered scheme: the names `scheme = "..."` takes for it, the fields its tables may
+/// have, and its parsers (`None`: the scheme does not code that side).
 pub struct Registration {
     pub names: &'static [&'static str],
+    /// Every field its key or value table may have besides `scheme`. A field no scheme lists
+    /// is an unknown field of the spec (a TOML error); one another scheme lists is left for
+    /// the parser's [`ParseCtx::only`], which names the fields of that side.
+    pub fields: &'static [&'static str],
     pub key: Option<KeyParser>,
     pub value: Option<ValueParser>,
     /// Sample `(key, value)` tables of a tier that uses the scheme (paths relative to
@@ -225,6 +267,22 @@ pub struct Registration {
 
 /// Every scheme, one line each, in the order error messages list them.
 pub static REGISTRY: &[Registration] = &[dense::REGISTRATION, int::REGISTRATION, spherical::REGISTRATION, mixed::REGISTRATION, rotated::REGISTRATION, drop::REGISTRATION];
+
+/// `scheme` and every field some registered scheme takes, in registry order: what a scheme
+/// table may contain (the spec reader rejects anything else as an unknown field, listing
+/// these) and the order [`ParseCtx::only`] checks fields in.
+pub fn known_fields() -> &'static [&'static str] {
+    static KNOWN: OnceLock<Vec<&'static str>> = OnceLock::new();
+    KNOWN.get_or_init(|| {
+        let mut known = vec!["scheme"];
+        for f in REGISTRY.iter().flat_map(|r| r.fields) {
+            if !known.contains(f) {
+                known.push(f);
+            }
+        }
+        known
+    })
+}
 
 fn registered(name: &str) -> Option<&'static Registration> {
     REGISTRY.iter().find(|r| r.names.contains(&name))
@@ -242,7 +300,10 @@ fn valid_names(side: Side) -> String {
     names.join(", ")
 }
 
-/// What a scheme parser sees: its spec table, where it is, and the spec's geometry.
+/// What a scheme parser sees: its spec table, where it is, and the spec's geometry. The
+/// typed accessors ([`ParseCtx::int`], [`ParseCtx::string`], ...) read one field by name and
+/// answer a located error when it has the wrong TOML type; [`ParseCtx::need`] turns an absent
+/// field into the error that names it, [`ParseCtx::err`] makes any other located error.
 pub struct ParseCtx<'a> {
     pub(crate) loc: &'a Locator<'a>,
     pub(crate) dir: &'a Path,
@@ -261,8 +322,13 @@ impl<'a> ParseCtx<'a> {
     pub fn name(&self) -> &str {
         self.raw.get_ref().scheme.get_ref()
     }
-    pub(crate) fn raw(&self) -> &'a RawScheme {
-        self.raw.get_ref()
+    /// Span of the `scheme = "..."` value.
+    pub fn scheme_span(&self) -> Range<usize> {
+        self.raw.get_ref().scheme.span()
+    }
+    /// Span of the whole table (where a missing field is reported).
+    pub fn table_span(&self) -> Range<usize> {
+        self.raw.span()
     }
     /// Directory spec-relative paths resolve against.
     pub fn dir(&self) -> &Path {
@@ -279,28 +345,84 @@ impl<'a> ParseCtx<'a> {
         self.loc.error(kind, Some(span), &field, msg)
     }
 
-    /// Rejects fields the scheme does not take.
+    /// Rejects fields the scheme does not take (`allowed`, a subset of its registration's
+    /// `fields`), in the order [`known_fields`] lists them.
     pub fn only(&self, allowed: &[&str]) -> R<()> {
-        for (name, span) in self.raw().present() {
-            if !allowed.contains(&name) {
-                let valid = if allowed.is_empty() { "none".to_string() } else { allowed.join(", ") };
-                return self.err(span, name, format!("scheme `{}` takes no `{name}`; its fields: {valid}", self.name()));
+        debug_assert!(allowed.iter().all(|f| registered(self.name()).is_some_and(|r| r.fields.contains(f))), "scheme `{}` takes {allowed:?}: every field must be in its Registration::fields", self.name());
+        let fields = &self.raw.get_ref().fields;
+        for &name in known_fields() {
+            if let Some(v) = fields.get(name) {
+                if !allowed.contains(&name) {
+                    let valid = if allowed.is_empty() { "none".to_string() } else { allowed.join(", ") };
+                    return self.err(v.span(), name, format!("scheme `{}` takes no `{name}`; its fields: {valid}", self.name()));
+                }
             }
         }
         Ok(())
     }
 
-    /// A required field, or the error that names it and `what` it is.
-    pub fn need<T>(&self, v: &'a Option<Spanned<T>>, name: &str, what: &str) -> R<&'a Spanned<T>> {
+    /// A required field, or the error (at the table) that names it and `what` it is.
+    pub fn need<T>(&self, v: Option<T>, name: &str, what: &str) -> R<T> {
         match v {
             Some(v) => Ok(v),
             None => self.err(self.raw.span(), name, format!("scheme `{}` needs `{name}` ({what})", self.name())),
         }
     }
 
+    /// The field `name` as written, any type (`None`: absent).
+    pub fn value(&self, name: &str) -> Option<&'a Spanned<RawValue>> {
+        debug_assert!(known_fields().contains(&name), "field `{name}` is in no Registration::fields");
+        self.raw.get_ref().fields.get(name)
+    }
+
+    /// An integer field.
+    pub fn int(&self, name: &str) -> R<Option<Spanned<i64>>> {
+        self.value(name).map(|v| self.typed(name, v, "i64", |x| if let RawValue::Integer(i) = x { Some(*i) } else { None })).transpose()
+    }
+
+    /// A number field (an integer reads as a float, as TOML's reader does).
+    pub fn float(&self, name: &str) -> R<Option<Spanned<f64>>> {
+        self.value(name).map(|v| self.typed(name, v, "f64", as_f64)).transpose()
+    }
+
+    /// A string field.
+    pub fn string(&self, name: &str) -> R<Option<Spanned<String>>> {
+        self.value(name).map(|v| self.typed(name, v, "a string", |x| if let RawValue::String(s) = x { Some(s.clone()) } else { None })).transpose()
+    }
+
+    /// A boolean field.
+    pub fn boolean(&self, name: &str) -> R<Option<Spanned<bool>>> {
+        self.value(name).map(|v| self.typed(name, v, "a boolean", |x| if let RawValue::Boolean(b) = x { Some(*b) } else { None })).transpose()
+    }
+
+    /// A table of numbers (`channels = { 8 = 0.25, 4 = 0.5 }`), keys in string order, each
+    /// entry with its own span.
+    pub fn float_table(&self, name: &str) -> R<Option<Spanned<BTreeMap<String, Spanned<f64>>>>> {
+        let Some(v) = self.value(name) else { return Ok(None) };
+        let RawValue::Table(t) = v.get_ref() else { return Err(self.type_error(name, v, "a map")) };
+        let mut out = BTreeMap::new();
+        for (k, x) in t {
+            out.insert(k.clone(), self.typed(&format!("{name}.{k}"), x, "f64", as_f64)?);
+        }
+        Ok(Some(Spanned::new(v.span(), out)))
+    }
+
+    /// `v` as a `T`, or the TOML reader's "invalid type" error for `expected` (serde's word for
+    /// the type, turned into TOML's).
+    fn typed<T>(&self, name: &str, v: &Spanned<RawValue>, expected: &str, get: impl Fn(&RawValue) -> Option<T>) -> R<Spanned<T>> {
+        match get(v.get_ref()) {
+            Some(x) => Ok(Spanned::new(v.span(), x)),
+            None => Err(self.type_error(name, v, expected)),
+        }
+    }
+
+    fn type_error(&self, name: &str, v: &Spanned<RawValue>, expected: &str) -> SpecError {
+        self.error(SpecErrorKind::Syntax, v.span(), name, toml_words(&format!("invalid type: {}, expected {expected}", v.get_ref().unexpected())))
+    }
+
     /// `scale_dtype` (default fp16).
     pub fn scale(&self) -> R<ScaleDType> {
-        match &self.raw().scale_dtype {
+        match self.string("scale_dtype")? {
             None => Ok(ScaleDType::Fp16),
             Some(v) => match v.get_ref().as_str() {
                 "fp16" => Ok(ScaleDType::Fp16),
@@ -312,7 +434,7 @@ impl<'a> ParseCtx<'a> {
 
     /// `block`, as a divisor of the page's tokens.
     pub fn block(&self) -> R<usize> {
-        let b = self.need(&self.raw().block, "block", "tokens per scale block, dividing the page")?;
+        let b = self.need(self.int("block")?, "block", "tokens per scale block, dividing the page")?;
         let block = *b.get_ref();
         let tokens = self.page_tokens;
         if block <= 0 || tokens as i64 % block != 0 {
@@ -325,7 +447,7 @@ impl<'a> ParseCtx<'a> {
     /// The one granularity kvforge's kernels support for this side (`valid`'s first word),
     /// if given.
     pub fn granularity(&self, side: &str, valid: &str) -> R<()> {
-        match &self.raw().granularity {
+        match self.string("granularity")? {
             Some(g) if valid.split_whitespace().next() != Some(g.get_ref().as_str()) => self.err(g.span(), "granularity", format!("{side} granularity `{}` is not supported; valid: {valid}", g.get_ref())),
             _ => Ok(()),
         }
@@ -340,12 +462,20 @@ impl<'a> ParseCtx<'a> {
     }
 }
 
+fn as_f64(x: &RawValue) -> Option<f64> {
+    match x {
+        RawValue::Float(f) => Some(*f),
+        RawValue::Integer(i) => Some(*i as f64),
+        _ => None,
+    }
+}
+
 /// Parses a tier's key table through the registry.
 pub(crate) fn parse_key(ctx: &ParseCtx<'_>) -> R<KeyScheme> {
     let name = ctx.name();
     match registered(name).and_then(|r| r.key) {
         Some(parse) => parse(ctx),
-        None => ctx.err(ctx.raw().scheme.span(), "scheme", format!("unknown key scheme `{name}`; valid: {}", valid_names(Side::Key))),
+        None => ctx.err(ctx.scheme_span(), "scheme", format!("unknown key scheme `{name}`; valid: {}", valid_names(Side::Key))),
     }
 }
 
@@ -354,7 +484,7 @@ pub(crate) fn parse_value(ctx: &ParseCtx<'_>) -> R<ValueScheme> {
     let name = ctx.name();
     match registered(name) {
         Some(Registration { value: Some(parse), .. }) => parse(ctx),
-        Some(_) => ctx.err(ctx.raw().scheme.span(), "scheme", format!("{name} coding is for keys; valid value schemes: {}", valid_names(Side::Value))),
-        None => ctx.err(ctx.raw().scheme.span(), "scheme", format!("unknown value scheme `{name}`; valid: {}", valid_names(Side::Value))),
+        Some(_) => ctx.err(ctx.scheme_span(), "scheme", format!("{name} coding is for keys; valid value schemes: {}", valid_names(Side::Value))),
+        None => ctx.err(ctx.scheme_span(), "scheme", format!("unknown value scheme `{name}`; valid: {}", valid_names(Side::Value))),
     }
 }

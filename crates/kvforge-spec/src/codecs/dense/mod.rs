@@ -13,6 +13,7 @@ pub mod reference;
 
 pub const REGISTRATION: Registration = Registration {
     names: &["fp16", "bf16"],
+    fields: &[],
     key: Some(parse_key),
     value: Some(parse_value),
     examples: &[(r#"{ scheme = "fp16" }"#, r#"{ scheme = "bf16" }"#), (r#"{ scheme = "bf16" }"#, r#"{ scheme = "fp16" }"#)],

@@ -7,7 +7,7 @@ use super::{ArraySpec, Codec, ParseCtx, Registration, Side};
 use crate::error::SpecError;
 use crate::scheme::{KeyScheme, ValueScheme};
 
-pub const REGISTRATION: Registration = Registration { names: &["drop"], key: Some(parse_key), value: Some(parse_value), examples: &[(r#"{ scheme = "drop" }"#, r#"{ scheme = "drop" }"#)] };
+pub const REGISTRATION: Registration = Registration { names: &["drop"], fields: &[], key: Some(parse_key), value: Some(parse_value), examples: &[(r#"{ scheme = "drop" }"#, r#"{ scheme = "drop" }"#)] };
 
 /// The drop codec of one side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

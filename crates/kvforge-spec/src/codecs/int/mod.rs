@@ -18,6 +18,7 @@ pub mod reference;
 
 pub const REGISTRATION: Registration = Registration {
     names: &["int"],
+    fields: &["bits", "block", "group", "scale_dtype", "granularity"],
     key: Some(parse_key),
     value: Some(parse_value),
     examples: &[
@@ -53,7 +54,7 @@ pub(crate) fn bits(ctx: &ParseCtx<'_>, v: &Spanned<i64>) -> Result<u32, SpecErro
 fn parse_key(ctx: &ParseCtx<'_>) -> Result<KeyScheme, SpecError> {
     ctx.only(&["bits", "block", "scale_dtype", "granularity"])?;
     ctx.granularity("key", "channel (per-channel scales fold into the query)")?;
-    let bits = bits(ctx, ctx.need(&ctx.raw().bits, "bits", "8, 4 or 2")?)?;
+    let bits = bits(ctx, &ctx.need(ctx.int("bits")?, "bits", "8, 4 or 2")?)?;
     let block = ctx.block()?;
     Ok(KeyScheme::Int { bits, block, scale: ctx.scale()? })
 }
@@ -61,8 +62,8 @@ fn parse_key(ctx: &ParseCtx<'_>) -> Result<KeyScheme, SpecError> {
 fn parse_value(ctx: &ParseCtx<'_>) -> Result<ValueScheme, SpecError> {
     ctx.only(&["bits", "group", "scale_dtype", "granularity"])?;
     ctx.granularity("value", "token (per-token groups)")?;
-    let bits = bits(ctx, ctx.need(&ctx.raw().bits, "bits", "8, 4 or 2")?)?;
-    let g = ctx.need(&ctx.raw().group, "group", "channels per scale group, dividing head_dim")?;
+    let bits = bits(ctx, &ctx.need(ctx.int("bits")?, "bits", "8, 4 or 2")?)?;
+    let g = ctx.need(ctx.int("group")?, "group", "channels per scale group, dividing head_dim")?;
     let group = *g.get_ref();
     if group < 8 || group % 8 != 0 {
         return ctx.err(g.span(), "group", format!("group_size {group} is not a multiple of 8 channels; valid: {}", ctx.divisors(8)));

@@ -20,6 +20,7 @@ pub mod reference;
 
 pub const REGISTRATION: Registration = Registration {
     names: &["mixed"],
+    fields: &["channels", "block", "scale_dtype"],
     key: Some(parse_key),
     value: None,
     examples: &[(r#"{ scheme = "mixed", channels = { 16 = 0.125, 8 = 0.25, 4 = 0.25, 2 = 0.125 }, block = 64 }"#, r#"{ scheme = "int", bits = 4, group = 32 }"#)],
@@ -143,9 +144,8 @@ pub struct MixedKey<'a> {
 /// `channels = { 16 = 0.125, 8 = 0.25, 4 = 0.25 }` (share of head_dim per width, in eighths;
 /// the rest of the channels is dropped).
 fn parse_key(ctx: &ParseCtx<'_>) -> Result<KeyScheme, SpecError> {
-    let r = ctx.raw();
     ctx.only(&["channels", "block", "scale_dtype"])?;
-    let ch = ctx.need(&r.channels, "channels", "share of head_dim per bit width, e.g. { 8 = 0.25, 4 = 0.5 }")?;
+    let ch = ctx.need(ctx.float_table("channels")?, "channels", "share of head_dim per bit width, e.g. { 8 = 0.25, 4 = 0.5 }")?;
     let mut segments = Vec::new();
     for (k, share) in ch.get_ref() {
         let bits = match k.as_str() {

@@ -26,7 +26,7 @@ use super::RefError;
 use super::{ArraySpec, Codec, ParseCtx, Registration, Side};
 use crate::basis::Basis;
 use crate::error::SpecError;
-use crate::scheme::{KeyScheme, ValueScheme};
+use crate::scheme::{KeyScheme, SharedCodec, ValueScheme};
 
 pub mod hadamard;
 pub mod levels;
@@ -38,6 +38,7 @@ pub use levels::{levels, LevelTable};
 
 pub const REGISTRATION: Registration = Registration {
     names: &["rotated"],
+    fields: &["bits", "seed"],
     key: Some(parse_key),
     value: Some(parse_value),
     examples: &[(r#"{ scheme = "rotated", bits = 3 }"#, r#"{ scheme = "rotated", bits = 2 }"#), (r#"{ scheme = "rotated", bits = 4, seed = 7 }"#, r#"{ scheme = "rotated", bits = 4, seed = 7 }"#)],
@@ -50,12 +51,12 @@ pub const NMSE_HEAD_DIM: usize = 128;
 /// `bits` (2, 3 or 4) and `seed` (default [`DEFAULT_SEED`]) of a rotated side.
 fn parse(ctx: &ParseCtx<'_>) -> Result<(u32, u32), SpecError> {
     ctx.only(&["bits", "seed"])?;
-    let b = ctx.need(&ctx.raw().bits, "bits", "4, 3 or 2")?;
+    let b = ctx.need(ctx.int("bits")?, "bits", "4, 3 or 2")?;
     let bits = match *b.get_ref() {
         v @ 2..=4 => v as u32,
         v => return ctx.err(b.span(), "bits", format!("bits {v} is not supported for `rotated`; valid: 4, 3, 2")),
     };
-    let seed = match &ctx.raw().seed {
+    let seed = match ctx.int("seed")? {
         None => DEFAULT_SEED,
         Some(s) => match u32::try_from(*s.get_ref()) {
             Ok(v) => v,
@@ -67,12 +68,12 @@ fn parse(ctx: &ParseCtx<'_>) -> Result<(u32, u32), SpecError> {
 
 fn parse_key(ctx: &ParseCtx<'_>) -> Result<KeyScheme, SpecError> {
     let (bits, seed) = parse(ctx)?;
-    Ok(KeyScheme::Rotated { bits, seed })
+    Ok(KeyScheme::Codec(SharedCodec::new(RotatedKey::new(bits, seed))))
 }
 
 fn parse_value(ctx: &ParseCtx<'_>) -> Result<ValueScheme, SpecError> {
     let (bits, seed) = parse(ctx)?;
-    Ok(ValueScheme::Rotated { bits, seed })
+    Ok(ValueScheme::Codec(SharedCodec::new(RotatedValue::new(bits, seed))))
 }
 
 /// Rotated keys: an fp16 scale and `bits`-bit Lloyd–Max codes per token.

@@ -24,6 +24,7 @@ pub use codebook::{Codebook, CodebookError};
 
 pub const REGISTRATION: Registration = Registration {
     names: &["spherical"],
+    fields: &["group", "angle_bits", "radius_bits", "codebook"],
     key: Some(parse_key),
     value: None,
     examples: &[(r#"{ scheme = "spherical", group = 16, angle_bits = 4, codebook = "../codebooks/sph_g16_b4.safetensors" }"#, r#"{ scheme = "fp16" }"#)],
@@ -47,17 +48,16 @@ pub struct SphericalKey<'a> {
 }
 
 fn parse_key(ctx: &ParseCtx<'_>) -> Result<KeyScheme, SpecError> {
-    let r = ctx.raw();
     ctx.only(&["group", "angle_bits", "radius_bits", "codebook"])?;
     let dims = ctx.head_dims;
-    let g = ctx.need(&r.group, "group", "channels per group, dividing head_dim")?;
+    let g = ctx.need(ctx.int("group")?, "group", "channels per group, dividing head_dim")?;
     let group = *g.get_ref();
     for &d in dims {
         if group <= 0 || d as i64 % group != 0 {
             return ctx.err(g.span(), "group", format!("group_size {group} does not divide head_dim {d}; valid: {}", ctx.divisors(1)));
         }
     }
-    let a = ctx.need(&r.angle_bits, "angle_bits", "1 to 8")?;
+    let a = ctx.need(ctx.int("angle_bits")?, "angle_bits", "1 to 8")?;
     let angle_bits = *a.get_ref();
     if !(1..=8).contains(&angle_bits) {
         return ctx.err(a.span(), "angle_bits", format!("angle_bits {angle_bits} is not supported; valid: 1 to 8"));
@@ -76,12 +76,12 @@ fn parse_key(ctx: &ParseCtx<'_>) -> Result<KeyScheme, SpecError> {
                 "a codebook of 2^{angle_bits} entries needs a {lut} B lookup table at head_dim {d}, gqa {max_gqa} (gqa x head_dim/group x entries x 4 B), more than the {LUT_BUDGET_BYTES} B shared-memory budget: {hint}"));
         }
     }
-    if let Some(rb) = &r.radius_bits {
+    if let Some(rb) = ctx.int("radius_bits")? {
         if *rb.get_ref() != RADIUS_BITS as i64 {
             return ctx.err(rb.span(), "radius_bits", format!("radius_bits {} is not supported; valid: 8", rb.get_ref()));
         }
     }
-    let c = ctx.need(&r.codebook, "codebook", "path of a safetensors codebook, relative to the spec")?;
+    let c = ctx.need(ctx.string("codebook")?, "codebook", "path of a safetensors codebook, relative to the spec")?;
     let entries = 1usize << angle_bits;
     let cb = Codebook::load(&ctx.dir().join(c.get_ref()), c.get_ref(), entries, group as usize).map_err(|e| ctx.error(SpecErrorKind::Codebook, c.span(), "codebook", e.to_string()))?;
     Ok(KeyScheme::Spherical { group: group as usize, angle_bits: angle_bits as u32, codebook: cb })
