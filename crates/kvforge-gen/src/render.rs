@@ -31,6 +31,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("kvforge/codecs/spherical.cuh", include_str!("../../../templates/include/kvforge/codecs/spherical.cuh")),
     ("kvforge/codecs/mixed.cuh", include_str!("../../../templates/include/kvforge/codecs/mixed.cuh")),
     ("kvforge/codecs/rotated.cuh", include_str!("../../../templates/include/kvforge/codecs/rotated.cuh")),
+    ("kvforge/codecs/rotated_lut.cuh", include_str!("../../../templates/include/kvforge/codecs/rotated_lut.cuh")),
     ("kvforge/hadamard.cuh", include_str!("../../../templates/include/kvforge/hadamard.cuh")),
     ("kvforge/decode.cuh", include_str!("../../../templates/include/kvforge/decode.cuh")),
     ("kvforge/transcode.cuh", include_str!("../../../templates/include/kvforge/transcode.cuh")),
