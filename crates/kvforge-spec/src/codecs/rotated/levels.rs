@@ -65,7 +65,8 @@ pub fn levels(d: usize, bits: u32) -> &'static LevelTable {
     // Computed outside the lock; a racing thread computes the same table and one is kept. The
     // tables are leaked: a process asks for a handful of (d, bits) pairs.
     let table: &'static LevelTable = Box::leak(Box::new(compute(d, bits)));
-    *cache.lock().unwrap_or_else(|e| e.into_inner()).entry((d, bits)).or_insert(table)
+    let kept = *cache.lock().unwrap_or_else(|e| e.into_inner()).entry((d, bits)).or_insert(table);
+    kept
 }
 
 /// The density's mass and first moment on `[0, L]` at one head dim (unnormalised).
