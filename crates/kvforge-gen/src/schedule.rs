@@ -6,7 +6,7 @@
 //! rendered into the kernel's `Cfg`: the device code reads these numbers, it does not
 //! recompute them.
 
-use kvforge_spec::{KernelShape, KeyScheme, Schedule, SegmentLayout, Spec, Tier, TierId, ValueScheme};
+use kvforge_spec::{KernelShape, Schedule, SegmentLayout, Spec, Tier, TierId};
 
 fn align16(x: usize) -> usize {
     x.div_ceil(16) * 16
@@ -30,7 +30,7 @@ pub fn threads(spec: &Spec) -> usize {
 /// Launch shape a decode format takes by default: the spec's `kernels.dense` for formats whose
 /// tiers (the tail aside) are all dense, else `kernels.warps` / `ctas_per_sm`.
 pub fn decode_shape(spec: &Spec, tiers: &[TierId]) -> KernelShape {
-    let dense = |t: &Tier| matches!(t.key, KeyScheme::Dense(_)) && matches!(t.value, ValueScheme::Dense(_));
+    let dense = |t: &Tier| t.key.codec().is_dense() && t.value.codec().is_dense();
     let mut own = tiers.iter().map(|&t| &spec.tiers[t as usize]).filter(|t| t.id != kvforge_spec::TAIL_TIER).peekable();
     match spec.kernels.dense {
         Some(shape) if own.peek().is_some() && own.all(dense) => shape,
@@ -110,35 +110,28 @@ fn min_blocks(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s: &Schedule)
     target_ctas(spec, tiers, d, gqa, s).min(fit.max(default)).max(1)
 }
 
-/// Integer keys whose block spans several 16-token m-tiles fold the query with the block's
-/// scales once per page into shared memory (fp16 high and low parts of q · scale in mma
-/// fragment order, then the zero terms per block, channel part, head): bytes at `warps` warps.
+/// Shared memory the block layout's key scorer of `tier` folds the query into once per page
+/// (integer keys whose block spans several 16-token m-tiles: `Codec::bfrag_bytes`), at `warps`
+/// warps.
 fn bfrag_bytes(spec: &Spec, tier: &Tier, d: usize, gqa: usize, warps: usize) -> usize {
-    let p = spec.page.tokens;
-    match &tier.key {
-        KeyScheme::Int { block, .. } if *block >= 32 => {
-            let kp = if warps >= 2 * (p / 16) { 2 } else { 1 };
-            4 * gqa * (p / block).max(1) * (d + kp)
-        }
-        _ => 0,
-    }
+    tier.key.codec().bfrag_bytes(d, spec.page.tokens, gqa, warps)
 }
 
 /// Whether a tier can take the per-warp decode layout (`Key::WARP && Value::WARP` of its
-/// codecs in codecs.cuh): fp16 keys or integer keys whose scale block spans the page (channel
-/// pairs 2e, 2e + 1 per fragment, scales loaded once per page), and values whose groups hold a
-/// lane's head_dim / 8 channels.
+/// codecs in codecs.cuh): fp16 keys, integer keys whose scale block spans the page (channel
+/// pairs 2e, 2e + 1 per fragment, scales loaded once per page) or rotated keys, and values
+/// whose groups hold a lane's head_dim / 8 channels (rotated values: whole 8-channel chunks).
 fn warp_tier(tier: &Tier, d: usize, p: usize) -> bool {
     tier.key.codec().per_warp_capable(d, p) && tier.value.codec().per_warp_capable(d, p)
 }
 
 /// Whether a decode variant runs the per-warp layout (`Cfg::PER_WARP`: each warp owns 8-token
 /// octets with its own online softmax; see decode.cuh): tensor-core values, and tiers that all
-/// have fp16 or integer keys and values, one of them integer keys.
+/// can, one of them with keys that prefer it (integer or rotated keys: `Codec::prefers_per_warp`).
 pub fn per_warp(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s: &Schedule) -> bool {
     let p = spec.page.tokens;
     let ts: Vec<&Tier> = tiers.iter().map(|&t| &spec.tiers[t as usize]).collect();
-    s.tc_values && gqa <= 8 && p.is_multiple_of(8) && p >= 4 * s.warps && d.is_multiple_of(64) && ts.iter().all(|t| warp_tier(t, d, p)) && ts.iter().any(|t| matches!(t.key, KeyScheme::Int { .. }))
+    s.tc_values && gqa <= 8 && p.is_multiple_of(8) && p >= 4 * s.warps && d.is_multiple_of(64) && ts.iter().all(|t| warp_tier(t, d, p)) && ts.iter().any(|t| t.key.codec().prefers_per_warp())
 }
 
 /// Floats per page of `DecodeParams::page_warp_lse` that the tracked entry of a decode variant

@@ -230,6 +230,15 @@ impl Codec for SharedCodec {
     fn basis(&self) -> crate::Basis {
         self.0.basis()
     }
+    fn prefers_per_warp(&self) -> bool {
+        self.0.prefers_per_warp()
+    }
+    fn is_dense(&self) -> bool {
+        self.0.is_dense()
+    }
+    fn bfrag_bytes(&self, d: usize, p: usize, gqa: usize, warps: usize) -> usize {
+        self.0.bfrag_bytes(d, p, gqa, warps)
+    }
     fn lut_shape(&self, d: usize) -> Option<(usize, usize)> {
         self.0.lut_shape(d)
     }
@@ -288,7 +297,7 @@ mod tests {
             }
             assert_eq!(k.page_bytes(128, 64), n.page_bytes(128, 64));
             assert_eq!(k.is_drop(), n.is_drop());
-            assert_eq!(a.basis(), b.basis());
+            assert_eq!((a.basis(), a.prefers_per_warp(), a.is_dense(), a.bfrag_bytes(128, 64, 4, 4)), (b.basis(), b.prefers_per_warp(), b.is_dense(), b.bfrag_bytes(128, 64, 4, 4)));
         }
         // A method a codec overrides reaches it through the wrapper (a forward left out would
         // answer with the trait's default: the identity basis).

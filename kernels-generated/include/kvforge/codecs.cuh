@@ -10,4 +10,5 @@
 #include "kvforge/codecs/int.cuh"
 #include "kvforge/codecs/mixed.cuh"
 #include "kvforge/codecs/rotated.cuh"
+#include "kvforge/codecs/rotated_lut.cuh"
 #include "kvforge/codecs/spherical.cuh"

@@ -42,17 +42,25 @@ template <class T, class X> struct Dependent { using type = X; };
 // S^T = Q K^T on m16n8k16 with the query heads as rows (A = q in fp16 high + low parts, B =
 // the octet's keys as fp16), and the score accumulators of a lane (head g, score columns 2q, 2q + 1)
 // are exactly its B fragment of P^T in O^T += V^T P^T on m16n8k8, so probabilities never leave
-// registers. Variants whose every tier has fp16 or integer keys and values take it when one of
-// them is an integer tier (all-fp16 variants keep the block layout, tuned to 0.95 of a copy),
+// registers. Variants whose every tier has fp16, integer or rotated keys and values take it
+// when one of them is an integer or rotated tier (all-fp16 variants keep the block layout,
+// tuned to 0.95 of a copy; kvforge-spec `Codec::prefers_per_warp`),
 // and the schedule has tensor-core values: decided by kvforge-gen schedule.rs (`per_warp`) and
 // rendered as Cfg::PER_WARP. Query fragments (Cfg::SMEM_BFRAG_OFF): fp16 high and low parts of
 // q, D/4 u32 per lane of the heads (head g = lane / 4, quarter qd = lane % 4). Every key codec
 // of the layout (Key::WARP) pairs channels 2e, 2e + 1. The lanes past the heads take zeros by
 // a select: loading stored zeros instead doubles the fragments' shared-memory wavefronts.
-// Integer keys: the tensor-core scorers other than fp16 keys.
-template <class K> struct IntegerMma { static constexpr bool value = K::MMA; };
-template <class T, int D_, int P_, int OFF> struct IntegerMma<DenseKey<T, D_, P_, OFF>> { static constexpr bool value = false; };
-template <class... Ts> __host__ __device__ constexpr bool any_integer_mma(TierList<Ts...>) { return (false || ... || IntegerMma<typename Ts::Key>::value); }
+// Block layout: key codecs whose tiers put a variant's values on tensor cores (K::MMA_VALUES;
+// integer keys). Codecs without the flag keep CUDA-core values (see MMA_V).
+template <class K, class = void> struct MmaValues { static constexpr bool value = false; };
+template <class K> struct MmaValues<K, decltype(void(K::MMA_VALUES))> { static constexpr bool value = K::MMA_VALUES; };
+template <class... Ts> __host__ __device__ constexpr bool any_mma_values(TierList<Ts...>) { return (false || ... || MmaValues<typename Ts::Key>::value); }
+// Codecs that keep one scale per token out of their tensor-core operands (C::TOKEN_SCALE, with
+// C::token_scale(seg, t)): their fragments are the bare levels, keys' scores are scaled after
+// the mma and values' scales fold into the probabilities (rotated codes). The others
+// dequantise in full.
+template <class C, class = void> struct TokenScaled { static constexpr bool value = false; };
+template <class C> struct TokenScaled<C, decltype(void(C::TOKEN_SCALE))> { static constexpr bool value = C::TOKEN_SCALE; };
 
 // Shared-memory plan of one decode variant (bytes): Cfg::SMEM_*_OFF regions (queries, lookup
 // tables, scores, softmax statistics, output, B or query fragments, then Cfg::NSTAGE stages of
@@ -111,7 +119,7 @@ struct DecodeCta {
   // certified spec, whose bound assumes it); dense and spherical variants keep the CUDA-core
   // path: there each thread owns 8 channels of every GQA head, which reads fp16 V from shared
   // memory without bank conflicts (dense keys still *score* on tensor cores).
-  static constexpr bool MMA_V = Cfg::TC_VALUES && any_integer_mma(typename Cfg::Tiers{});
+  static constexpr bool MMA_V = Cfg::TC_VALUES && any_mma_values(typename Cfg::Tiers{});
   static constexpr bool PW = Cfg::PER_WARP;
   // Per-warp layout: a lane (g, qd) holds key channels [qd·D/4, (qd + 1)·D/4) (NPAIR pairs)
   // and value channels [g·CV, (g + 1)·CV); KSW k-steps of the score mma, m-tiles of the value mma.
@@ -258,8 +266,14 @@ struct DecodeCta {
         mma16816<false>(c[j & 1], a, b2);
       }
       // Online softmax of head g over the octet (token t0 < len scores finitely, so m_new is).
-      const float s0 = ta < len ? (c[0][0] + c[0][2]) + (c[1][0] + c[1][2]) : NEG_INF;
-      const float s1 = tb < len ? (c[0][1] + c[0][3]) + (c[1][1] + c[1][3]) : NEG_INF;
+      float s0, s1;
+      if constexpr (TokenScaled<K>::value) {
+        s0 = ta < len ? ((c[0][0] + c[0][2]) + (c[1][0] + c[1][2])) * K::token_scale(seg, ta) : NEG_INF;
+        s1 = tb < len ? ((c[0][1] + c[0][3]) + (c[1][1] + c[1][3])) * K::token_scale(seg, tb) : NEG_INF;
+      } else {
+        s0 = ta < len ? (c[0][0] + c[0][2]) + (c[1][0] + c[1][2]) : NEG_INF;
+        s1 = tb < len ? (c[0][1] + c[0][3]) + (c[1][1] + c[1][3]) : NEG_INF;
+      }
       const float mx = group_max<4>(fmaxf(s0, s1));
       const float m_new = fmaxf(pw_m, mx);
       const float alpha = exp2f(pw_m - m_new);
@@ -275,8 +289,15 @@ struct DecodeCta {
 #pragma unroll
         for (int i = 0; i < KSW; ++i) { acc[i][0] *= a0; acc[i][1] *= a1; acc[i][2] *= a0; acc[i][3] *= a1; }
       }
-      // O^T += V^T P^T: the probabilities are this lane's B fragment as they stand.
-      const u32 b = head ? pack2<false>(p0, p1) : 0u;
+      // O^T += V^T P^T: the probabilities are this lane's B fragment as they stand (times the
+      // tokens' value scales for token-scaled values; tokens past `len`, whose scales may be
+      // anything, keep p = 0).
+      u32 b;
+      if constexpr (TokenScaled<V>::value) {
+        b = head ? pack2<false>(ta < len ? p0 * V::token_scale(seg, ta) : 0.f, tb < len ? p1 * V::token_scale(seg, tb) : 0.f) : 0u;
+      } else {
+        b = head ? pack2<false>(p0, p1) : 0u;
+      }
       u32 vp[CV];
       V::template token_pairs<CV>(seg, ta, tb, g * CV, vp);
       if (t0 + 8 > len) {
@@ -657,7 +678,14 @@ struct DecodeCta {
       const int t = kb * 16 + 4 * qd;
       u32 b[2] = {0u, 0u};
       if (g < GQA) {
-        const float4 pv = *reinterpret_cast<const float4*>(sc + g * P + t);
+        float4 pv = *reinterpret_cast<const float4*>(sc + g * P + t);
+        if constexpr (TokenScaled<V>::value) {
+          // The tokens' value scales fold into p (0 past `len`, where a scale may be anything).
+          pv.x = t < len ? pv.x * V::token_scale(seg, t) : 0.f;
+          pv.y = t + 1 < len ? pv.y * V::token_scale(seg, t + 1) : 0.f;
+          pv.z = t + 2 < len ? pv.z * V::token_scale(seg, t + 2) : 0.f;
+          pv.w = t + 3 < len ? pv.w * V::token_scale(seg, t + 3) : 0.f;
+        }
         b[0] = pack2<BF16>(pv.x, pv.y);
         b[1] = pack2<BF16>(pv.z, pv.w);
       }

@@ -156,7 +156,9 @@ pub struct SideTable {
 /// Side-table slots of a tier: at most this many per tier (keys' then values' tables).
 pub const SIDE_SLOTS: usize = 2;
 
-/// A codec: one side of one coding scheme with its parameters.
+/// A codec: one side of one coding scheme with its parameters. A method added here with a
+/// default body must also be forwarded by [`crate::SharedCodec`] (`scheme.rs`), or codecs held
+/// in one answer with the default; `shared_codec_forwards_everything` compares them.
 pub trait Codec: fmt::Display {
     /// Name in `scheme = "..."` (dense codecs name their element type).
     fn scheme(&self) -> &'static str;
@@ -209,6 +211,23 @@ pub trait Codec: fmt::Display {
     /// dim `d` and `p` page tokens.
     fn per_warp_capable(&self, _d: usize, _p: usize) -> bool {
         false
+    }
+    /// Whether a decode variant holding this (key) codec should take the per-warp layout when
+    /// all its tiers can ([`Codec::per_warp_capable`]): codecs whose dequantisation dominates a
+    /// page (integer and rotated keys). Variants of fp16 tiers alone keep the block layout.
+    fn prefers_per_warp(&self) -> bool {
+        false
+    }
+    /// Whether the codec stores elements as they are (fp16, bf16): variants whose tiers (the
+    /// tail aside) are all dense on both sides take the spec's `kernels.dense` launch shape.
+    fn is_dense(&self) -> bool {
+        false
+    }
+    /// Shared-memory bytes the block layout's tensor-core scorer of this key codec folds the
+    /// query into once per page (`Key::bfrag_bytes<GQA, NWARPS>()` of its C++ type) for head
+    /// dim `d`, `p` page tokens, `gqa` query heads and `warps` warps.
+    fn bfrag_bytes(&self, _d: usize, _p: usize, _gqa: usize, _warps: usize) -> usize {
+        0
     }
     /// Whether the codec codes a transcode slice as whole channels (`SLICE_CHANNELS`: a scale
     /// and zero per channel per block of tokens) rather than whole tokens.

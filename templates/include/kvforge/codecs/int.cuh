@@ -154,6 +154,9 @@ struct IntKey {
   // one shift and one LOP3 pull out of a 32-bit word.
   static constexpr bool CHANNEL_PARALLEL = false, OUTLINE_SCORER = false;
   static constexpr bool MMA = true;
+  // Block-layout variants with integer-key tiers accumulate values on tensor cores (decode.cuh
+  // MMA_V).
+  static constexpr bool MMA_VALUES = true;
   template <int NWARPS> struct Mma {
     static constexpr int MT = P / 16;
     static constexpr int KP = NWARPS >= 2 * MT ? 2 : 1;

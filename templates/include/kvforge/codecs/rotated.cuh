@@ -4,8 +4,52 @@
 // the query and the output, never to a stored row).
 #pragma once
 #include "kvforge/codecs/base.cuh"
+#include "kvforge/codecs/rotated_lut.cuh"
 
 namespace kvforge {
+
+// Lowest set bit of x > 0: the alignment a multiple of x keeps.
+__host__ __device__ constexpr int rotated_lowbit(int x) { return x & -x; }
+
+// BYTES bytes of a code stream at p, whose address is a multiple of A (a power of two), as
+// little-endian u32 words (bytes past BYTES in the last word: zero).
+template <int BYTES, int A>
+__device__ __forceinline__ void rotated_stream(const u8* p, u32 (&w)[(BYTES + 3) / 4]) {
+  constexpr int NW = (BYTES + 3) / 4;
+  if constexpr (A >= 4 && BYTES % 4 == 0) {
+    constexpr int V0 = A < 16 ? A : 16;
+    constexpr int V = BYTES % V0 == 0 ? V0 : (BYTES % 8 == 0 && V0 >= 8 ? 8 : 4);
+    if constexpr (V == 16) {
+#pragma unroll
+      for (int i = 0; i < NW / 4; ++i) {
+        const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+        w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+      }
+    } else if constexpr (V == 8) {
+#pragma unroll
+      for (int i = 0; i < NW / 2; ++i) {
+        const uint2 v = reinterpret_cast<const uint2*>(p)[i];
+        w[2 * i] = v.x; w[2 * i + 1] = v.y;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < NW; ++i) w[i] = reinterpret_cast<const u32*>(p)[i];
+    }
+  } else if constexpr (A >= 2 && BYTES % 2 == 0) {
+    const u16* h = reinterpret_cast<const u16*>(p);
+#pragma unroll
+    for (int i = 0; i < NW; ++i) w[i] = 2 * i + 1 < BYTES / 2 ? __byte_perm(h[2 * i], h[2 * i + 1], 0x5410) : u32(h[2 * i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < NW; ++i) {
+      u32 x = 0;
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+        if (4 * i + b < BYTES) x |= u32(p[4 * i + b]) << (8 * b);
+      w[i] = x;
+    }
+  }
+}
 
 // The E = 2^BITS levels of a rotated codec, ascending, as the bit patterns of their f32 values
 // (kvforge-spec renders them into the codec's C++ type). A global table read through the
@@ -87,13 +131,32 @@ struct RotatedRows {
   }
 };
 
-// Rotated keys: scored channel-parallel on CUDA cores (the thread's 8 channels of q for every
-// GQA head in registers; s_h = γ Σ_i q_hi ℓ[code_i]).
+// Rotated keys. Per-warp layout (DecodeCta::compute_warp): the B fragments are the bare fp16
+// levels ℓ[code] of the thread's channel slice (RotatedLut, registers only), and the token's
+// scale γ multiplies its scores after the mma (TOKEN_SCALE, token_scale). Block layout (the
+// spec's tensor-core values off): scored channel-parallel on CUDA cores (the thread's 8
+// channels of q for every GQA head in registers; s_h = γ Σ_i q_hi ℓ[code_i]).
 template <int BITS, int D, int P, int OFF_NORM, int OFF_CODES, u32... L>
 struct RotatedKey {
   using Rows = RotatedRows<BITS, D, P, L...>;
+  using Lut = RotatedLut<BITS, L...>;
   static constexpr int SLOT_CODEBOOK = -1, SLOT_RADIUS = -1, SLOT_ORDER = -1;
-  static constexpr bool WARP = false;
+  // A lane's slice (D/4 channels) is whole 8-channel chunks.
+  static constexpr bool WARP = D % 32 == 0;
+  static constexpr bool TOKEN_SCALE = true;
+  __device__ __forceinline__ static float token_scale(const u8* seg, int t) { return Rows::scale(seg + OFF_NORM, t); }
+  template <int NPAIR> struct WarpKeys {
+    static constexpr int NCH = NPAIR / 4, BYTES = NCH * BITS;
+    static constexpr int A = rotated_lowbit(Rows::ROW) < rotated_lowbit(BYTES) ? rotated_lowbit(Rows::ROW) : rotated_lowbit(BYTES);
+    __device__ __forceinline__ WarpKeys(const u8*, int) {}
+    // Pair e = channels 2e, 2e + 1 of the slice [qd·2·NPAIR, (qd + 1)·2·NPAIR) of token t.
+    __device__ __forceinline__ void operator()(const u8* seg, int t, int qd, u32 (&b)[NPAIR]) const {
+      static_assert(NPAIR % 4 == 0 && 8 * NPAIR == D, "whole chunks per slice");
+      u32 w[(BYTES + 3) / 4];
+      rotated_stream<BYTES, (A < 16 ? A : 16)>(seg + OFF_CODES + t * Rows::ROW + qd * BYTES, w);
+      Lut::template adjacent<NCH>(w, b);
+    }
+  };
   static constexpr int LUT_FLOATS_PER_HEAD = 0;
   static constexpr bool MMA = false;
   template <int GQA, int NWARPS> __host__ __device__ static constexpr int bfrag_bytes() { return 0; }
@@ -135,17 +198,39 @@ struct RotatedKey {
   }
 };
 
-// Rotated values: dequantised to fp32 (CUDA-core values, load8) or to fp16 pairs for the
-// tensor-core value path of variants that also hold integer-key tiers (token_pairs).
+// Rotated values: dequantised to fp32 (CUDA-core values, load8), or, for the tensor-core value
+// paths, to the bare fp16 levels of two tokens (token_pairs, pairs: RotatedLut, registers
+// only), the tokens' scales γ folded into their probabilities (TOKEN_SCALE, token_scale).
 template <int BITS, int D, int P, int OFF_NORM, int OFF_CODES, u32... L>
 struct RotatedValue {
   using Rows = RotatedRows<BITS, D, P, L...>;
+  using Lut = RotatedLut<BITS, L...>;
   static constexpr bool BF16 = false;
-  static constexpr bool WARP = false;
+  // A lane's D/8 channels are whole 8-channel chunks.
+  static constexpr bool WARP = D % 64 == 0;
+  static constexpr bool TOKEN_SCALE = true;
+  __device__ __forceinline__ static float token_scale(const u8* seg, int t) { return Rows::scale(seg + OFF_NORM, t); }
+  // out[k] = (ℓ[code of token ta, channel c0 + k], ℓ[code of token tb, channel c0 + k]), c0 a
+  // multiple of N.
   template <int N>
   __device__ __forceinline__ static void token_pairs(const u8* seg, int ta, int tb, int c0, u32 (&out)[N]) {
+    if constexpr (N % 8 == 0) {
+      constexpr int NCH = N / 8, BYTES = NCH * BITS;
+      constexpr int A0 = rotated_lowbit(Rows::ROW) < rotated_lowbit(BYTES) ? rotated_lowbit(Rows::ROW) : rotated_lowbit(BYTES);
+      constexpr int A = A0 < 16 ? A0 : 16;
+      u32 wa[(BYTES + 3) / 4], wb[(BYTES + 3) / 4];
+      const u8* codes = seg + OFF_CODES + (c0 / 8) * BITS;
+      rotated_stream<BYTES, A>(codes + ta * Rows::ROW, wa);
+      rotated_stream<BYTES, A>(codes + tb * Rows::ROW, wb);
+      Lut::template transposed<NCH>(wa, wb, out);
+    } else {
 #pragma unroll
-    for (int k = 0; k < N; ++k) out[k] = pack2<false>(dequant(seg, ta, c0 + k), dequant(seg, tb, c0 + k));
+      for (int k = 0; k < N; ++k) out[k] = pack2<false>(level(seg, ta, c0 + k), level(seg, tb, c0 + k));
+    }
+  }
+  // The level of token t, channel c (no scale).
+  __device__ __forceinline__ static float level(const u8* seg, int t, int c) {
+    return Rows::level((Rows::chunk(seg + OFF_CODES, t, c / 8) >> (BITS * (c % 8))) & (Rows::E - 1));
   }
   template <int N>
   __device__ __forceinline__ static void pairs(const u8* seg, int t, int c0, u32 (&lo)[N], u32 (&hi)[N]) {

@@ -87,6 +87,9 @@ impl Codec for Dense {
     fn per_warp_capable(&self, _d: usize, _p: usize) -> bool {
         self.dtype == DType::Fp16
     }
+    fn is_dense(&self) -> bool {
+        true
+    }
     #[cfg(feature = "reference")]
     fn encode(&self, _d: usize, _tokens: usize, x: &[f32], _aux: &[f32], put: &mut dyn FnMut(&str, &[u8])) {
         let mut b = vec![0u8; x.len() * reference::ELEMENT_BYTES];

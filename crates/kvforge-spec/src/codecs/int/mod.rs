@@ -135,6 +135,20 @@ impl Codec for IntKey {
     fn per_warp_capable(&self, d: usize, p: usize) -> bool {
         self.block >= p && d * self.bits as usize >= 128
     }
+    fn prefers_per_warp(&self) -> bool {
+        true
+    }
+    /// Keys whose block spans several 16-token m-tiles fold the query with the block's scales
+    /// once per page (fp16 high and low parts of q · scale in mma fragment order, then the zero
+    /// terms per block, channel part, head): `IntKey::bfrag_bytes`.
+    fn bfrag_bytes(&self, d: usize, p: usize, gqa: usize, warps: usize) -> usize {
+        if self.block >= 32 {
+            let kp = if warps >= 2 * (p / 16) { 2 } else { 1 };
+            4 * gqa * (p / self.block).max(1) * (d + kp)
+        } else {
+            0
+        }
+    }
     fn transcode_scratch(&self, d: usize, p: usize, split: usize) -> usize {
         // Min and max per channel per block of the slice's channels.
         2 * (p / self.block) * (d / split) * 4

@@ -187,6 +187,19 @@ macro_rules! rotated_codec {
             fn basis(&self) -> Basis {
                 Basis::Hadamard { seed: self.seed }
             }
+            /// The per-warp layout's fragments are whole 8-channel chunks: a lane's key slice
+            /// (d/4 channels) and value channels (d/8) (`WARP` of the C++ types).
+            fn per_warp_capable(&self, d: usize, _p: usize) -> bool {
+                match $side {
+                    Side::Key => d.is_multiple_of(32),
+                    Side::Value => d.is_multiple_of(64),
+                }
+            }
+            /// Keys: the per-warp layout scores the bare levels on tensor cores and scales the
+            /// scores per token; its values fold their scales into the probabilities.
+            fn prefers_per_warp(&self) -> bool {
+                matches!($side, Side::Key)
+            }
             #[cfg(feature = "reference")]
             fn check(&self, d: usize, _tokens: usize, _aux: &[f32]) -> Result<(), RefError> {
                 check(d, self.bits)

@@ -1,0 +1,156 @@
+//! The rotated codec's register-only level lookup (templates/include/kvforge/codecs/rotated_lut.cuh)
+//! run on the host: the header is compiled with the system C++ compiler and an emulation of
+//! PTX `prmt.b32` (sign replication included, so a selector nibble with bit 3 set would show)
+//! and `shf.r.wrap`, fed random code streams at every bit width and head dim the rotated spec
+//! builds, and its fp16 pairs compared with the levels of kvforge-spec rounded to fp16. Skipped
+//! (with a message) where no C++ compiler is found.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::process::Command;
+
+use kvforge_spec::codecs::rotated::levels;
+
+const HEADER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../templates/include/kvforge/codecs/rotated_lut.cuh");
+
+const PRELUDE: &str = r#"
+#include <cstdint>
+#include <cstdio>
+#define __host__
+#define __device__
+#define __forceinline__ inline
+namespace kvforge {
+typedef unsigned char u8;
+typedef unsigned int u32;
+}
+// PTX prmt.b32 (default mode): byte n = byte (c >> 4n) & 7 of {b, a}, or, with bit 3 of the
+// nibble set, that byte's sign bit replicated.
+static inline kvforge::u32 __byte_perm(kvforge::u32 a, kvforge::u32 b, kvforge::u32 c) {
+  const unsigned long long x = (unsigned long long)b << 32 | a;
+  kvforge::u32 r = 0;
+  for (int n = 0; n < 4; ++n) {
+    const unsigned s = (c >> (4 * n)) & 0xf;
+    unsigned byte = (x >> (8 * (s & 7))) & 0xff;
+    if (s & 8) byte = (byte & 0x80) ? 0xff : 0;
+    r |= byte << (8 * n);
+  }
+  return r;
+}
+static inline kvforge::u32 __funnelshift_r(kvforge::u32 lo, kvforge::u32 hi, kvforge::u32 s) {
+  return (kvforge::u32)((((unsigned long long)hi << 32) | lo) >> (s & 31));
+}
+"#;
+
+fn compiler() -> Option<String> {
+    [std::env::var("CXX").ok(), Some("c++".into()), Some("g++".into()), Some("clang++".into())].into_iter().flatten().find(|c| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()))
+}
+
+/// Code streams per configuration.
+const CASES: usize = 400;
+
+/// One configuration: `bits`, head dim `d`; key slices of d/32 chunks, value slices of d/64.
+fn driver(bits: u32, d: usize, lv: &[u32]) -> String {
+    let lvs = lv.iter().map(|l| format!("{l:#010x}u")).collect::<Vec<_>>().join(", ");
+    let kch = d / 32;
+    let vch = d / 64;
+    let words = |nch: usize| (nch * bits as usize).div_ceil(4);
+    format!(
+        r#"
+  {{
+    using Lut = kvforge::RotatedLut<{bits}, {lvs}>;
+    for (int c = 0; c < {CASES}; ++c) {{
+      kvforge::u32 w[{kw}], out[{kp}];
+      for (auto& x : w) x = next();
+      Lut::adjacent<{kch}>(w, out);
+      printf("K {bits} {d}");
+      for (auto x : w) printf(" %08x", x);
+      printf(" :");
+      for (auto x : out) printf(" %08x", x);
+      printf("\n");
+      kvforge::u32 a[{vw}], b[{vw}], o[{vp}];
+      for (auto& x : a) x = next();
+      for (auto& x : b) x = next();
+      Lut::transposed<{vch}>(a, b, o);
+      printf("V {bits} {d}");
+      for (auto x : a) printf(" %08x", x);
+      printf(" |");
+      for (auto x : b) printf(" %08x", x);
+      printf(" :");
+      for (auto x : o) printf(" %08x", x);
+      printf("\n");
+    }}
+  }}
+"#,
+        kw = words(kch),
+        kp = 4 * kch,
+        vw = words(vch),
+        vp = 8 * vch,
+    )
+}
+
+fn hex(s: &str) -> Vec<u32> {
+    s.split_whitespace().map(|x| u32::from_str_radix(x, 16).unwrap()).collect()
+}
+
+/// Code of channel `c` of a little-endian stream of `bits`-bit codes.
+fn code(w: &[u32], bits: u32, c: usize) -> usize {
+    let bit = c * bits as usize;
+    let lo = w[bit / 32] as u64 | (w.get(bit / 32 + 1).copied().unwrap_or(0) as u64) << 32;
+    ((lo >> (bit % 32)) & ((1 << bits) - 1)) as usize
+}
+
+#[test]
+fn lookup_matches_levels_rounded_to_fp16() {
+    let Some(cxx) = compiler() else {
+        eprintln!("no C++ compiler: rotated_lut host test skipped");
+        return;
+    };
+    let mut src = String::from(PRELUDE);
+    writeln!(src, "#include \"{HEADER}\"").unwrap();
+    src.push_str(
+        "static unsigned long long st = 0x9E3779B97F4A7C15ull;\nstatic kvforge::u32 next() { st = st * 6364136223846793005ull + 1442695040888963407ull; return (kvforge::u32)(st >> 32); }\nint main() {\n",
+    );
+    let configs: Vec<(u32, usize)> = [2u32, 3, 4].iter().flat_map(|&b| [64usize, 128, 256].map(move |d| (b, d))).collect();
+    for &(bits, d) in &configs {
+        let lv: Vec<u32> = levels(d, bits).levels_f32.iter().map(|l| l.to_bits()).collect();
+        src.push_str(&driver(bits, d, &lv));
+    }
+    src.push_str("  return 0;\n}\n");
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("rotated_lut");
+    std::fs::create_dir_all(&dir).unwrap();
+    let cpp = dir.join("t.cpp");
+    let exe = dir.join("t");
+    std::fs::write(&cpp, &src).unwrap();
+    let c = Command::new(&cxx).args(["-std=c++17", "-O1", "-Wno-unknown-pragmas", "-o"]).arg(&exe).arg(&cpp).output().unwrap();
+    assert!(c.status.success(), "{}", String::from_utf8_lossy(&c.stderr));
+    let run = Command::new(&exe).output().unwrap();
+    assert!(run.status.success());
+    let out = String::from_utf8(run.stdout).unwrap();
+    let mut checked = 0;
+    for line in out.lines() {
+        let mut it = line.splitn(4, ' ');
+        let side = it.next().unwrap();
+        let bits: u32 = it.next().unwrap().parse().unwrap();
+        let d: usize = it.next().unwrap().parse().unwrap();
+        let body = it.next().unwrap();
+        let half = |c: usize| half::f16::from_f32(levels(d, bits).levels_f32[c]).to_bits() as u32;
+        let (input, got) = body.split_once(':').unwrap();
+        let got = hex(got);
+        if side == "K" {
+            let w = hex(input);
+            for (e, &g) in got.iter().enumerate() {
+                let want = half(code(&w, bits, 2 * e)) | half(code(&w, bits, 2 * e + 1)) << 16;
+                assert_eq!(g, want, "keys, {bits} bits, d {d}, pair {e}, stream {w:08x?}");
+            }
+        } else {
+            let (a, b) = input.split_once('|').unwrap();
+            let (a, b) = (hex(a), hex(b));
+            for (k, &g) in got.iter().enumerate() {
+                let want = half(code(&a, bits, k)) | half(code(&b, bits, k)) << 16;
+                assert_eq!(g, want, "values, {bits} bits, d {d}, channel {k}, streams {a:08x?} {b:08x?}");
+            }
+        }
+        checked += 1;
+    }
+    assert_eq!(checked, 2 * CASES * configs.len());
+}

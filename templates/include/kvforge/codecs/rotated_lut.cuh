@@ -1,0 +1,190 @@
+// Register-only level lookup of the rotated codec (codecs/rotated.cuh): BITS-bit Lloyd–Max codes
+// to the fp16 levels ℓ[code] as fp16 pairs, for the tensor-core operands of the per-warp decode
+// layout (keys: channels 2e, 2e + 1 of one token; values: one channel of two tokens). Pure
+// integer arithmetic on u32 (PRMT, LOP3, IMAD, shifts): no memory, no scale, so that the host
+// test (crates/kvforge-gen/tests/rotated_lut.rs compiles this file with a C++ compiler and an
+// emulated __byte_perm) checks the very code the kernels run.
+//
+// A chunk's 8 codes are first spread to one code per nibble (nibble k = code of channel k).
+// The table (at most 8 entries) is held as two PRMT pools of 8 bytes: the low bytes of the
+// entries' fp16 bits and their high bytes. One PRMT per pool gives the low (high) bytes of 4
+// channels from 4 nibble selectors; one more PRMT per pair interleaves a low and a high byte
+// pair into an fp16 pair. 2- and 3-bit codes index the table of all 4 or 8 levels directly.
+// 4-bit codes use the symmetry ℓ_i = −ℓ_{15−i}: the table holds the 8 positive levels ℓ_8..ℓ_15,
+// the index is m = code − 8 (code ≥ 8) or 7 − code (code < 8), one XOR with 7 or 8 per nibble,
+// and the sign (code < 8) is or-ed into the high bytes. A PRMT selector nibble's bit 3 switches
+// PRMT to sign replication, so every selector here keeps it clear.
+#pragma once
+
+namespace kvforge {
+
+// PTX prmt.b32: byte n of the result is byte (s >> 4n) & 7 of {b, a} (a: bytes 0-3), or with
+// bit 3 of that nibble set that byte's sign replicated; bits 16-31 of s are ignored.
+// (__byte_perm masks each nibble to 3 bits and s to 16 bits first, one LOP3 per register
+// selector; every selector here has bit 3 clear, so the masks are dead.) On the host: the
+// caller's __byte_perm, which the host test defines with prmt's semantics.
+__host__ __device__ __forceinline__ u32 rotated_prmt(u32 a, u32 b, u32 s) {
+#ifdef __CUDA_ARCH__
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
+  return r;
+#else
+  return __byte_perm(a, b, s);
+#endif
+}
+
+// fp16 bits (round to nearest even) of the f32 with bits `f`, a normal fp16 number or zero
+// (the levels: |ℓ| in [2^-14, 1)).
+__host__ __device__ constexpr u32 rotated_half_bits(u32 f) {
+  const u32 sign = (f >> 16) & 0x8000u;
+  const u32 mag = f & 0x7fffffffu;
+  if (mag == 0) return sign;
+  const int e = int(mag >> 23) - 127 + 15;
+  u32 m = (mag & 0x7fffffu) >> 13;
+  const u32 rem = mag & 0x1fffu;
+  u32 h = (u32(e) << 10) + m;
+  if (rem > 0x1000u || (rem == 0x1000u && (m & 1u))) h += 1;  // a mantissa carry bumps the exponent
+  return sign | h;
+}
+
+template <int BITS, u32... L>
+struct RotatedLut {
+  static constexpr int E = 1 << BITS;
+  static_assert(BITS >= 2 && BITS <= 4 && sizeof...(L) == E, "2-4 bit codes with one level each");
+  // 4-bit codes: sign and magnitude (the levels are symmetric, the table their positive half).
+  static constexpr bool SIGNED = BITS == 4;
+  static constexpr int N = SIGNED ? E / 2 : E;  // table entries
+  __host__ __device__ static constexpr u32 entry(int i) {
+    const u32 lv[E] = {L...};
+    return i < N ? rotated_half_bits(lv[SIGNED ? E / 2 + i : i]) : 0u;
+  }
+  // Byte `b` (0-3) of pool word `w` (0: entries 0-3, 1: entries 4-7) of the low (HIGH false) or
+  // high bytes.
+  __host__ __device__ static constexpr u32 pool(bool high, int w) {
+    u32 x = 0;
+    for (int b = 0; b < 4; ++b) x |= ((entry(4 * w + b) >> (high ? 8 : 0)) & 0xffu) << (8 * b);
+    return x;
+  }
+  static constexpr u32 LO0 = pool(false, 0), LO1 = pool(false, 1), HI0 = pool(true, 0), HI1 = pool(true, 1);
+
+  // The 8 codes of a chunk (BITS-bit fields at bits BITS·k of `x`, above them anything; 2 bits:
+  // see below) as nibbles, code k in nibble k.
+  __host__ __device__ static u32 spread(u32 x) {
+    if constexpr (BITS == 4) {
+      return x;
+    } else if constexpr (BITS == 3) {
+      // 24 bits: codes 4-7 up by 4 bits, then 2-3 (6-7) up by 2, then the odd codes up by 1;
+      // each move is x + t·(2^s − 1) with t the moved bits (no carries: the targets are clear).
+      u32 t = x & 0x00fff000u;
+      x = (x & 0xfffu) + t * 16u;
+      t = x & 0x0fc00fc0u;
+      x += t * 3u;
+      t = x & 0x38383838u;
+      return x + t;
+    } else {
+      // The chunk's two bytes in bytes 0 and 2 (the caller's PRMT, bytes 1 and 3 clear):
+      // codes 2-3 (6-7) up by 4 bits, then the odd codes up by 2.
+      u32 t = x & 0x00f000f0u;
+      x += t * 15u;
+      t = x & 0x0c0c0c0cu;
+      return x + t * 3u;
+    }
+  }
+
+  // Four fp16 pairs from a nibble word `x` of 8 codes (its nibble k the code of item k):
+  // out[0], out[1] from items 0-3 by interleave selector S01 (bytes of the low / high lookups:
+  // 0-3 / 4-7), out[2], out[3] likewise from items 4-7 (S01 for out[2], S23 for out[3]).
+  // Keys (items = channels 0-7): S0 = 0x5140 (items 0, 1), S1 = 0x7362 (items 2, 3). Values
+  // (items a0 a1 b0 b1 of two tokens a, b): S0 = 0x6240 (a0, b0), S1 = 0x7351 (a1, b1).
+  template <u32 S0, u32 S1>
+  __host__ __device__ static void quad(u32 x, u32 (&out)[4]) {
+    u32 m = x, z0 = 0, z1 = 0;
+    if constexpr (SIGNED) {
+      // Index: code ^ 7 below 8 (7 − code), code ^ 8 from 8 (code − 8): per nibble x ^ (7 + s),
+      // s = bit 3. Sign bits (s = 0: negative) moved to bit 7 of byte k for item k: the even
+      // items' from x << 4, the odd items' where they are.
+      m = x ^ (0x77777777u + ((x >> 3) & 0x11111111u));
+      const u32 x4 = x << 4;
+      z0 = rotated_prmt(x4, x, 0x5140);
+      z1 = rotated_prmt(x4, x, 0x7362);
+    }
+    const u32 mh = m >> 16;
+    const u32 lo0 = rotated_prmt(LO0, LO1, m), hi0 = rotated_prmt(HI0, HI1, m);
+    const u32 lo1 = rotated_prmt(LO0, LO1, mh), hi1 = rotated_prmt(HI0, HI1, mh);
+    u32 h0 = hi0, h1 = hi1;
+    if constexpr (SIGNED) {
+      h0 = hi0 | (~z0 & 0x80808080u);
+      h1 = hi1 | (~z1 & 0x80808080u);
+    }
+    out[0] = rotated_prmt(lo0, h0, S0);
+    out[1] = rotated_prmt(lo0, h0, S1);
+    out[2] = rotated_prmt(lo1, h1, S0);
+    out[3] = rotated_prmt(lo1, h1, S1);
+  }
+
+  // Chunk j (8 codes, BITS bytes at byte BITS·j) of a little-endian code stream `w` as a
+  // nibble word.
+  template <int J, int NW>
+  __host__ __device__ static u32 chunk(const u32 (&w)[NW]) {
+    if constexpr (BITS == 4) {
+      return w[J];
+    } else if constexpr (BITS == 2) {
+      return spread(rotated_prmt(w[J / 2], 0u, (J & 1) ? 0x4342u : 0x4140u));
+    } else {
+      constexpr int BIT = 24 * J, K = BIT / 32, S = BIT % 32;
+      if constexpr (S == 0) return spread(w[K]);
+      else if constexpr (S + 24 <= 32) return spread(w[K] >> S);
+      else return spread(__funnelshift_r(w[K], w[K + 1], S));
+    }
+  }
+
+  // Keys: the fp16 levels of NCH chunks (8·NCH channels) of one token's code stream `w`, pair
+  // e = channels 2e, 2e + 1.
+  template <int NCH, int NW>
+  __host__ __device__ static void adjacent(const u32 (&w)[NW], u32 (&out)[4 * NCH]) {
+#pragma unroll
+    for (int j = 0; j < NCH; ++j) {
+      u32 q[4];
+      quad<0x5140u, 0x7362u>(chunk_at<NW>(w, j), q);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) out[4 * j + k] = q[k];
+    }
+  }
+  // Values: out[k] = (ℓ[a's code of channel k], ℓ[b's code of channel k]) for the 8·NCH channels
+  // of two tokens' code streams `wa`, `wb`.
+  template <int NCH, int NW>
+  __host__ __device__ static void transposed(const u32 (&wa)[NW], const u32 (&wb)[NW], u32 (&out)[8 * NCH]) {
+#pragma unroll
+    for (int j = 0; j < NCH; ++j) {
+      const u32 na = chunk_at<NW>(wa, j), nb = chunk_at<NW>(wb, j);
+      u32 q0[4], q1[4];
+      // Nibbles a0 a1 b0 b1 a2 a3 b2 b3, then a4 a5 b4 b5 a6 a7 b6 b7.
+      quad<0x6240u, 0x7351u>(rotated_prmt(na, nb, 0x5140), q0);
+      quad<0x6240u, 0x7351u>(rotated_prmt(na, nb, 0x7362), q1);
+      out[8 * j + 0] = q0[0];
+      out[8 * j + 1] = q0[1];
+      out[8 * j + 2] = q0[2];
+      out[8 * j + 3] = q0[3];
+      out[8 * j + 4] = q1[0];
+      out[8 * j + 5] = q1[1];
+      out[8 * j + 6] = q1[2];
+      out[8 * j + 7] = q1[3];
+    }
+  }
+  // chunk<J> for a loop index the unroller makes constant.
+  template <int NW>
+  __host__ __device__ static u32 chunk_at(const u32 (&w)[NW], int j) {
+    u32 r = 0;
+    at<0, NW>(w, j, r);
+    return r;
+  }
+  template <int J, int NW>
+  __host__ __device__ static void at(const u32 (&w)[NW], int j, u32& r) {
+    if constexpr (J * BITS / 4 < NW && (BITS != 3 || (24 * J) / 32 + ((24 * J) % 32 + 24 > 32 ? 1 : 0) < NW)) {
+      if (j == J) r = chunk<J, NW>(w);
+      at<J + 1, NW>(w, j, r);
+    }
+  }
+};
+
+}  // namespace kvforge
