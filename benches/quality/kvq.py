@@ -376,7 +376,13 @@ class TierSim:
         lv, _ = lloyd_max_levels(x.shape[-1], int(s["bits"]), s.get("levels", "beta"))
         levels = torch.tensor(lv, dtype=torch.float64).to(torch.float32)
         y = rotate(x.float(), self.seed)
-        return unrotate(rotated_quantize(y, levels, s.get("scale", "lsq")), self.seed)
+        mu = 0.0
+        if s.get("center") == "page":  # sim-only variant: fp16 per-page channel mean subtracted
+            h, t, d = y.shape
+            n = t // self.page * self.page
+            m = y[:, :n].reshape(h, n // self.page, self.page, d).mean(2, keepdim=True).half().float()
+            mu = torch.cat([m.expand(h, n // self.page, self.page, d).reshape(h, n, d), y[:, n:].mean(1, keepdim=True).half().float().expand(h, t - n, d)], dim=1)
+        return unrotate(rotated_quantize(y - mu, levels, s.get("scale", "lsq")) + mu, self.seed)
 
     def _common(self, x: torch.Tensor, s: dict):
         if s["scheme"] in ("fp16", "bf16"):
@@ -419,7 +425,7 @@ def _part_bytes(s: dict, d: int, page: int, is_key: bool) -> float:
     if s["scheme"] == "drop":
         return 0.0
     if s["scheme"] == "rotated":
-        return d * s["bits"] / 8 + 2  # codes + fp16 γ
+        return d * s["bits"] / 8 + 2 + (2 * d / page if s.get("center") == "page" else 0)  # codes, fp16 γ (, page mean)
     if s["scheme"] == "fp8":
         return 1.0 * d
     if s["scheme"] == "int":
@@ -439,7 +445,8 @@ SIM_ALIASES = {"int8": ("specs/rdkv.toml", "b8"), "int4": ("specs/rdkv.toml", "b
 # variants outside the contract; `sim:specs/rotated.toml:r3` simulates the shipped spec.
 SIM_TIERS = "benches/quality/sim-tiers.toml"
 SIM_ALIASES.update({n: (SIM_TIERS, n) for n in (
-    "fp8", "r4", "r3", "r2", "k3v2", "k4v2", "r2-gauss", "r2-norm", "r2-sink64", "r3-gauss", "r3-norm")})
+    "fp8", "r4", "r3", "r2", "k3v2", "k4v2", "r2-gauss", "r2-norm", "r2-sink64", "r3-gauss", "r3-norm",
+    "r4-kc-sink64", "r3-kc-sink64", "r2-kc-sink64", "k4v3-kc-sink64")})
 
 
 # ---------------------------------------------------------------------------------------------
