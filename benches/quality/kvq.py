@@ -446,7 +446,7 @@ SIM_ALIASES = {"int8": ("specs/rdkv.toml", "b8"), "int4": ("specs/rdkv.toml", "b
 SIM_TIERS = "benches/quality/sim-tiers.toml"
 SIM_ALIASES.update({n: (SIM_TIERS, n) for n in (
     "fp8", "r4", "r3", "r2", "k3v2", "k4v2", "r2-gauss", "r2-norm", "r2-sink64", "r3-gauss", "r3-norm",
-    "r4-kc-sink64", "r3-kc-sink64", "r2-kc-sink64", "k4v3-kc-sink64")})
+    "r4-kc-sink64", "r3-kc-sink64", "r2-kc-sink64", "k4v3-kc-sink64", "r4-sink64", "r3-sink64", "r3-kc", "k3v2-kc-sink64")})
 
 
 # ---------------------------------------------------------------------------------------------
