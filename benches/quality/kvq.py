@@ -6,8 +6,11 @@ Backends (``make_backend(name)``):
 * ``fp16``                      exact reference: transformers' eager attention on the model's
                                 K and V (what the issue's baseline numbers were measured with).
 * ``sim:int8|int4|int2``        pure-torch simulation of the RDKV tiers b8/b4/b2 (specs/rdkv.toml).
-* ``sim:<spec.toml>:<tier>``    pure-torch simulation of any int / spherical / fp16 tier of a
-                                spec, mirroring kvforge-ref's arithmetic (see ``quantize_*``).
+* ``sim:<spec.toml>:<tier>``    pure-torch simulation of any int / spherical / rotated / fp16 tier
+                                of a spec, mirroring kvforge-ref's arithmetic (see ``quantize_*``,
+                                ``rotated_quantize``).
+* ``sim:fp8|r4|r3|r2|...``      tiers of benches/quality/sim-tiers.toml: FlashInfer's fp8 e4m3 KV
+                                cache, the rotated contract's tiers and variants outside it.
 * ``kvforge:<spec.toml>:<tier>`` the kvforge Python extension: one ``kvforge.Cache`` per layer,
                                 post-RoPE K/V appended (full pages encoded to ``tier``), queries
                                 answered by ``attend_prefix`` (prompt) / ``decode`` (one token).
