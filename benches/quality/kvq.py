@@ -339,6 +339,8 @@ class TierSim:
         spec_path = Path(spec_path)
         if not spec_path.is_absolute() and not spec_path.exists():
             spec_path = ROOT / spec_path
+        if not spec_path.is_file():  # eval.py records the scheme as skipped and goes on
+            raise SystemExit(f"sim: no spec {spec_path}")
         spec = tomllib.loads(spec_path.read_text())
         tiers = {t["name"]: t for t in spec["tier"]}
         if tier_name not in tiers:
