@@ -36,7 +36,16 @@ DEFAULT_SCHEMES = [
     "sim:int8", "sim:int4", "sim:int2",
     "sim:specs/certified.toml:q8k4v",
     "sim:specs/spherical.toml:high", "sim:specs/spherical.toml:mid", "sim:specs/spherical.toml:low",
+    "sim:fp8",
 ]
+# issue 26: the rotated tiers of specs/rotated.toml (simulated, and the kernels), FlashInfer's
+# fp8 KV cache beside them (simulated), and sim-tiers.toml's 2-bit variants outside the contract.
+ROTATED_TIERS = ["r4", "r3", "r2"]
+SCHEME_GROUPS = {
+    "rotated-sim": ["sim:fp8"] + [f"sim:specs/rotated.toml:{t}" for t in ROTATED_TIERS],
+    "rotated-kvforge": [f"kvforge:specs/rotated.toml:{t}" for t in ROTATED_TIERS],
+    "rotated-variants": ["sim:k3v2", "sim:k4v2", "sim:r2-gauss", "sim:r2-norm", "sim:r2-sink64"],
+}
 KVFORGE_SCHEMES = [
     "kvforge:specs/baseline.toml:fp16",
     "kvforge:specs/rdkv.toml:b8", "kvforge:specs/rdkv.toml:b4", "kvforge:specs/rdkv.toml:b2",
@@ -191,7 +200,8 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="fp16 (default on cuda) | fp32 (default on cpu) | bf16")
     ap.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
-                    help="comma list; 'kvforge-all' expands to every shipped kvforge tier")
+                    help="comma list; 'kvforge-all' expands to every shipped kvforge tier, "
+                         + ", ".join(f"'{g}' to {' '.join(v)}" for g, v in SCHEME_GROUPS.items()))
     ap.add_argument("--texts", default=",".join(EVAL_TEXTS))
     ap.add_argument("--contexts", default="2048,4096,8192")
     ap.add_argument("--offset", type=int, default=0, help="first token of each window (0: start of the novel)")
@@ -217,7 +227,7 @@ def main():
     args.needle_depths = parse_list(args.needle_depths, float)
     schemes = []
     for s in parse_list(args.schemes):
-        schemes += KVFORGE_SCHEMES if s == "kvforge-all" else [s]
+        schemes += KVFORGE_SCHEMES if s == "kvforge-all" else SCHEME_GROUPS.get(s, [s])
     dtype = {"fp16": torch.float16, "fp32": torch.float32, "bf16": torch.bfloat16}[
         args.dtype or ("fp16" if args.device.startswith("cuda") else "fp32")]
     if args.device == "cpu":

@@ -6,8 +6,11 @@ Backends (``make_backend(name)``):
 * ``fp16``                      exact reference: transformers' eager attention on the model's
                                 K and V (what the issue's baseline numbers were measured with).
 * ``sim:int8|int4|int2``        pure-torch simulation of the RDKV tiers b8/b4/b2 (specs/rdkv.toml).
-* ``sim:<spec.toml>:<tier>``    pure-torch simulation of any int / spherical / fp16 tier of a
-                                spec, mirroring kvforge-ref's arithmetic (see ``quantize_*``).
+* ``sim:<spec.toml>:<tier>``    pure-torch simulation of any int / spherical / rotated / fp16 tier
+                                of a spec, mirroring kvforge-ref's arithmetic (see ``quantize_*``,
+                                ``rotated_quantize``).
+* ``sim:fp8|r4|r3|r2|...``      tiers of benches/quality/sim-tiers.toml: FlashInfer's fp8 e4m3 KV
+                                cache, the rotated contract's tiers and variants outside it.
 * ``kvforge:<spec.toml>:<tier>`` the kvforge Python extension: one ``kvforge.Cache`` per layer,
                                 post-RoPE K/V appended (full pages encoded to ``tier``), queries
                                 answered by ``attend_prefix`` (prompt) / ``decode`` (one token).
@@ -336,6 +339,8 @@ class TierSim:
         spec_path = Path(spec_path)
         if not spec_path.is_absolute() and not spec_path.exists():
             spec_path = ROOT / spec_path
+        if not spec_path.is_file():  # eval.py records the scheme as skipped and goes on
+            raise SystemExit(f"sim: no spec {spec_path}")
         spec = tomllib.loads(spec_path.read_text())
         tiers = {t["name"]: t for t in spec["tier"]}
         if tier_name not in tiers:
@@ -376,7 +381,13 @@ class TierSim:
         lv, _ = lloyd_max_levels(x.shape[-1], int(s["bits"]), s.get("levels", "beta"))
         levels = torch.tensor(lv, dtype=torch.float64).to(torch.float32)
         y = rotate(x.float(), self.seed)
-        return unrotate(rotated_quantize(y, levels, s.get("scale", "lsq")), self.seed)
+        mu = 0.0
+        if s.get("center") == "page":  # sim-only variant: fp16 per-page channel mean subtracted
+            h, t, d = y.shape
+            n = t // self.page * self.page
+            m = y[:, :n].reshape(h, n // self.page, self.page, d).mean(2, keepdim=True).half().float()
+            mu = torch.cat([m.expand(h, n // self.page, self.page, d).reshape(h, n, d), y[:, n:].mean(1, keepdim=True).half().float().expand(h, t - n, d)], dim=1)
+        return unrotate(rotated_quantize(y - mu, levels, s.get("scale", "lsq")) + mu, self.seed)
 
     def _common(self, x: torch.Tensor, s: dict):
         if s["scheme"] in ("fp16", "bf16"):
@@ -419,7 +430,7 @@ def _part_bytes(s: dict, d: int, page: int, is_key: bool) -> float:
     if s["scheme"] == "drop":
         return 0.0
     if s["scheme"] == "rotated":
-        return d * s["bits"] / 8 + 2  # codes + fp16 γ
+        return d * s["bits"] / 8 + 2 + (2 * d / page if s.get("center") == "page" else 0)  # codes, fp16 γ (, page mean)
     if s["scheme"] == "fp8":
         return 1.0 * d
     if s["scheme"] == "int":
@@ -439,7 +450,8 @@ SIM_ALIASES = {"int8": ("specs/rdkv.toml", "b8"), "int4": ("specs/rdkv.toml", "b
 # variants outside the contract; `sim:specs/rotated.toml:r3` simulates the shipped spec.
 SIM_TIERS = "benches/quality/sim-tiers.toml"
 SIM_ALIASES.update({n: (SIM_TIERS, n) for n in (
-    "fp8", "r4", "r3", "r2", "k3v2", "k4v2", "r2-gauss", "r2-norm", "r2-sink64", "r3-gauss", "r3-norm")})
+    "fp8", "r4", "r3", "r2", "k3v2", "k4v2", "r2-gauss", "r2-norm", "r2-sink64", "r3-gauss", "r3-norm",
+    "r4-kc-sink64", "r3-kc-sink64", "r2-kc-sink64", "k4v3-kc-sink64", "r4-sink64", "r3-sink64", "r3-kc", "k3v2-kc-sink64")})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 FAMILY = [  # (substring of the scheme name, colour, marker)
+    ("fp8", "tab:cyan", "v"),
+    ("rotated", "tab:brown", "P"), ("sim:r", "tab:brown", "P"), ("sim:k", "tab:brown", "P"),
     ("spherical", "tab:purple", "o"),
     ("certified", "tab:green", "D"),
     ("int8", "tab:blue", "s"), ("b8", "tab:blue", "s"),

@@ -270,3 +270,16 @@ def test_sim_rotated_backend(tier):
         assert (t - k[:, 128:]).abs().max().item() < 4e-3
     if tier == "r3":
         assert sim.payload_bytes_per_token(64) == 2 * (24 + 2)
+
+
+def test_sim_key_centring_variant():
+    # keys = a per-page constant row + small noise: centring removes the constant before coding,
+    # so the error is that of the noise (plus the fp16 mean), far below the plain 3-bit error
+    g = torch.Generator().manual_seed(4)
+    base = torch.randn(3, 2, 1, 64, generator=g) * 10
+    k = (base.expand(3, 2, 64, 64) + 0.1 * torch.randn(3, 2, 64, 64, generator=g)).reshape(3, 128, 64)
+    plain = kvq.TierSim(kvq.ROOT / kvq.SIM_TIERS, "r3").keys(k)
+    cent = kvq.TierSim(kvq.ROOT / kvq.SIM_TIERS, "r3-kc-sink64").keys(k)
+    err = lambda x: ((x - k).norm() / k.norm()).item()
+    assert err(cent) < 0.1 * err(plain)
+    assert kvq.TierSim(kvq.ROOT / kvq.SIM_TIERS, "r3-kc-sink64").payload_bytes_per_token(64) == 24 + 2 + 2 + 24 + 2
