@@ -11,6 +11,9 @@ Backends (``make_backend(name)``):
                                 ``rotated_quantize``).
 * ``sim:fp8|r4|r3|r2|...``      tiers of benches/quality/sim-tiers.toml: FlashInfer's fp8 e4m3 KV
                                 cache, the rotated contract's tiers and variants outside it.
+* ``sim:sph:<codebooks.safetensors>`` spherical keys with one codebook per (layer, kv head,
+                                group) (``kvforge codebook train --per-head``), rotated first
+                                when the file's ``basis`` says ``hadamard:<seed>`` (``sph.py``).
 * ``kvforge:<spec.toml>:<tier>`` the kvforge Python extension: one ``kvforge.Cache`` per layer,
                                 post-RoPE K/V appended (full pages encoded to ``tier``), queries
                                 answered by ``attend_prefix`` (prompt) / ``decode`` (one token).
@@ -529,6 +532,57 @@ class SimBackend:
                 "bytes_source": "computed: payload + scales of full pages, no page headers or tail"}
 
 
+class SphSimBackend:
+    """Spherical keys with per-(layer, kv head, group) codebooks (``sim:sph:<file>``, a
+    ``kvforge codebook train --per-head`` or ``sph_study.py --save-codebooks`` file; its
+    metadata ``basis`` ``hadamard:<seed>`` rotates every key before grouping and back after
+    dequantisation, which leaves q·k as a kernel rotating q would see it), fp16 values, 8-bit
+    radius with scales fixed from the first pages; tail page fp16."""
+
+    measured_bytes = False
+
+    def __init__(self, path: str, name: str):
+        import sph
+
+        self.sph, self.name, self.path = sph, name, path
+        p = Path(path)
+        if not p.is_absolute() and not p.exists():
+            p = ROOT / p
+        self.cbs, self.meta = sph.load_per_head(p)  # [L, H, G, E, group]
+        basis = self.meta.get("basis", "identity")
+        self.rot_seed = int(basis.split(":", 1)[1], 0) if basis.startswith("hadamard:") else None
+        self.group, self.entries = self.cbs.shape[-1], self.cbs.shape[-2]
+        self.page = 64
+        self.rscale = {}
+
+    def reset(self):
+        self.rscale = {}
+
+    def attend(self, layer, q, k, v, scaling):
+        s = k.shape[1]
+        full = (s // self.page) * self.page
+        if full == 0:
+            return eager_causal(q, k, v, scaling)
+        kf = k[:, :full].float()
+        if self.rot_seed is not None:
+            kf = self.sph.rotate(kf, self.rot_seed)
+        if layer not in self.rscale:  # fixed from the first pages encoded, as kvforge-rt
+            self.rscale[layer] = self.sph.radius_scales(kf, self.group)
+        kq = self.sph.quantize_keys(kf, self.cbs[layer].to(kf.device), self.rscale[layer].to(kf.device))
+        if self.rot_seed is not None:
+            kq = self.sph.unrotate(kq, self.rot_seed)
+        return eager_causal(q, torch.cat([kq.to(k.dtype), k[:, full:]], dim=1), v, scaling)
+
+    def bytes_per_token(self, d: int) -> float:
+        groups = d // self.group
+        return groups + math.ceil(groups * math.log2(self.entries) / 8) + 2.0 * d
+
+    def describe(self):
+        return {"kind": "sim", "codebooks": str(self.path), "group": self.group, "entries": self.entries,
+                "basis": self.meta.get("basis", "identity"), "trained_on": self.meta.get("trained_on"),
+                "bytes_source": "computed: 8-bit radius + packed index per group + fp16 values, no page headers or tail"}
+
+
 class KvforgeBackend(hf.KvforgeAttention):
     """kvforge.Cache per layer (GPU only): kvforge.hf.KvforgeAttention, specs under ROOT."""
 
@@ -578,6 +632,8 @@ def make_backend(name: str, max_tokens: int = 8192 + 256):
     if name == "fp16":
         return Fp16Backend()
     kind, _, rest = name.partition(":")
+    if kind == "sim" and rest.startswith("sph:"):
+        return SphSimBackend(rest[4:], name)
     if kind == "sim":
         if rest in SIM_ALIASES:
             spec, tier = SIM_ALIASES[rest]

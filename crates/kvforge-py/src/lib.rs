@@ -342,6 +342,62 @@ struct Cache {
     spec_path: String,
 }
 
+/// Per-(layer, kv head, group) spherical codebooks (``kvforge codebook train --per-head``).
+///
+/// Codebooks(path): loads and checks the file (tensor ``codebooks`` [layers, kv_heads,
+/// head_dim/group, entries, group], unit rows); ``Cache.set_codebook(tier, cb, layer=l)``
+/// gives layer ``l``'s codebooks to a cache.
+#[pyclass(module = "kvforge", name = "Codebooks", frozen)]
+struct Codebooks {
+    inner: kvforge_spec::codecs::spherical::HeadCodebooks,
+}
+
+#[pymethods]
+impl Codebooks {
+    #[new]
+    fn new(py: Python<'_>, path: std::path::PathBuf) -> PyResult<Self> {
+        let inner = kvforge_spec::codecs::spherical::HeadCodebooks::load(&path, &path.display().to_string()).map_err(|e| bad(py, e.to_string()))?;
+        Ok(Codebooks { inner })
+    }
+    #[getter]
+    fn layers(&self) -> usize {
+        self.inner.layers
+    }
+    #[getter]
+    fn kv_heads(&self) -> usize {
+        self.inner.kv_heads
+    }
+    #[getter]
+    fn head_dim(&self) -> usize {
+        self.inner.head_dim
+    }
+    #[getter]
+    fn group(&self) -> usize {
+        self.inner.group
+    }
+    #[getter]
+    fn entries(&self) -> usize {
+        self.inner.entries
+    }
+    /// ``identity``, or ``hadamard:<seed>`` for codebooks trained on rotated keys.
+    #[getter]
+    fn basis(&self) -> String {
+        self.inner.basis().to_string()
+    }
+    #[getter]
+    fn metadata(&self) -> std::collections::HashMap<String, String> {
+        self.inner.metadata.clone()
+    }
+    /// Layer ``l``'s codebooks as a flat list ``[kv head][group][codeword][channel]``.
+    fn layer(&self, py: Python<'_>, l: usize) -> PyResult<Vec<f32>> {
+        self.inner.layer(l).map(<[f32]>::to_vec).ok_or_else(|| bad(py, format!("layer {l}: the file has {} layers", self.inner.layers)))
+    }
+    fn __repr__(&self) -> String {
+        let c = &self.inner;
+        format!("Codebooks(layers={}, kv_heads={}, head_dim={}, group={}, entries={}, basis={:?})", c.layers, c.kv_heads, c.head_dim, c.group, c.entries, c.basis())
+    }
+}
+
 /// A planned decode of a fixed batch of sequences (FlashInfer's plan/run): the page table is
 /// on the GPU, and `run(q)` only launches. Valid while the cache is unchanged since `plan()`
 /// (an append or retier makes it stale: `run` then raises).
@@ -622,6 +678,52 @@ impl Cache {
         })
     }
 
+    /// Sets the codebooks of spherical tier `tier` before its first page is coded: either a
+    /// :class:`Codebooks` file (``kvforge codebook train --per-head``) and ``layer=``, whose
+    /// group, codeword count, head_dim and kv heads must be the tier's and the cache's, or a
+    /// flat sequence of ``num_kv_heads * (head_dim / group) * 2**angle_bits * group`` floats
+    /// (unit codewords, ``[kv head][group][codeword][channel]``). Raises KvforgeError otherwise.
+    #[pyo3(signature = (tier, codebook, layer = None))]
+    fn set_codebook(&mut self, py: Python<'_>, tier: &Bound<'_, PyAny>, codebook: &Bound<'_, PyAny>, layer: Option<usize>) -> PyResult<()> {
+        guarded(py, || {
+            let t = tier_id(py, self.inner.spec(), tier)?;
+            if let Ok(cb) = codebook.cast::<Codebooks>() {
+                let l = layer.ok_or_else(|| bad(py, "set_codebook: pass layer= with a Codebooks file (one codebook per layer, kv head and group)"))?;
+                return self.inner.set_head_codebooks(t, &cb.get().inner, l).or_py(py);
+            }
+            let data: Vec<f32> = codebook.extract().map_err(|_| bad(py, "set_codebook: codebook is a kvforge.Codebooks or a sequence of floats"))?;
+            self.inner.set_codebook(t, &data).or_py(py)
+        })
+    }
+
+    /// The codebooks of spherical tier `tier` as a flat list (see :meth:`set_codebook`).
+    fn codebook(&self, py: Python<'_>, tier: &Bound<'_, PyAny>) -> PyResult<Option<Vec<f32>>> {
+        let t = tier_id(py, self.inner.spec(), tier)?;
+        self.inner.codebook(t).or_py(py)
+    }
+
+    /// The tiers that store spherical keys (they take codebooks): name → (group, codewords).
+    #[getter]
+    fn spherical_tiers(&self) -> std::collections::BTreeMap<String, (usize, usize)> {
+        self.inner
+            .spec()
+            .tiers
+            .iter()
+            .filter_map(|t| match t.key {
+                kvforge_spec::KeyScheme::Spherical { group, angle_bits, .. } => Some((t.name.clone(), (group, 1usize << angle_bits))),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Names of the spherical tiers still on the spec's uniform placeholder codebook (trained
+    /// on random unit vectors, not on keys: expect a large quality loss).
+    #[getter]
+    fn placeholder_codebook_tiers(&self) -> Vec<String> {
+        let spec = self.inner.spec();
+        self.inner.placeholder_codebook_tiers().into_iter().map(|t| spec.tiers[t as usize].name.clone()).collect()
+    }
+
     /// The channel order of mixed-key tier `tier` as a flat list, or None while unset.
     fn channel_order(&self, py: Python<'_>, tier: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u16>>> {
         let t = tier_id(py, self.inner.spec(), tier)?;
@@ -799,6 +901,7 @@ fn kvforge_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<Cache>()?;
     m.add_class::<Plan>()?;
+    m.add_class::<Codebooks>()?;
     m.add_class::<control::Controller>()?;
     m.add_class::<control::ControlReport>()?;
     m.add_class::<certified::Certifier>()?;

@@ -396,3 +396,51 @@ def test_mixed_key_tiers_get_the_prompt_channel_order(fake, hf):
     calls = att.layers[0]["cache"].calls
     want = hf.channel_order(q, k)
     assert calls[:2] == [("order", "zb", want), ("order", "za4", want)] and calls[2] == ("append", 12)
+
+
+class _FakeSphericalCache(_FakeCache):
+    """A cache of specs/spherical.toml: tiers `high` (group 16, 64 codewords) and `mid` (16, 16),
+    on the placeholder codebook until set_codebook."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.spherical_tiers = {"high": (16, 64), "mid": (16, 16)}
+        self.set = []
+
+    def set_codebook(self, tier, codebook, layer=None):
+        self.set.append((tier, codebook, layer))
+
+    @property
+    def placeholder_codebook_tiers(self):
+        return [t for t in self.spherical_tiers if t not in {s[0] for s in self.set}]
+
+
+class _FakeCodebooks:
+    def __init__(self, path, group=16, entries=64):
+        self.path, self.group, self.entries, self.head_dim = path, group, entries, 16
+
+    def layer(self, l):
+        return []
+
+
+def test_spherical_placeholder_warns_once_and_codebooks_go_to_matching_tiers(fake, hf):
+    import torch
+
+    fake.Cache = _FakeSphericalCache
+    fake.Codebooks = _FakeCodebooks
+    q, k = torch.randn(6, 8, 16), torch.randn(2, 8, 16)
+    att = hf.KvforgeAttention("specs/spherical.toml", "high")
+    with pytest.warns(UserWarning, match="placeholder codebook"):
+        att.attend(0, q, k, k, 0.25)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        att.attend(1, q, k, k, 0.25)  # once per handle
+    att = hf.KvforgeAttention("specs/spherical.toml", "high", codebooks="cb.safetensors")
+    with pytest.warns(UserWarning, match="mid"):  # `mid` (16 codewords) stays on the placeholder
+        att.attend(3, q, k, k, 0.25)
+    (tier, cb, layer), = att.layers[3]["cache"].set
+    assert (tier, cb.path, layer) == ("high", "cb.safetensors", 3)
+    with pytest.raises(ValueError, match="fit no spherical tier"):
+        hf.KvforgeAttention("specs/spherical.toml", "high", codebooks=_FakeCodebooks("x", group=8)).attend(0, q, k, k, 0.25)

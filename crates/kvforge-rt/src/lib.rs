@@ -19,6 +19,7 @@
 mod cache;
 pub mod certified;
 mod channel_order;
+mod codebook;
 mod decode;
 mod device;
 mod engine;

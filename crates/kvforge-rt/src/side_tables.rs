@@ -22,6 +22,8 @@ pub(crate) enum SideBuf {
 struct Slot {
     decl: SideTable,
     buf: Option<SideBuf>,
+    /// The buffer still holds what the spec filled in (`SideInit::Spec`), not a caller's table.
+    from_spec: bool,
 }
 
 /// Every tier's side tables, in the slots its codecs declare.
@@ -38,6 +40,7 @@ impl SideTables {
         for t in &spec.tiers {
             let mut slots = Vec::new();
             for decl in side_slots(&*t.key.codec(), &*t.value.codec(), d) {
+                let from_spec = matches!(decl.init, SideInit::Spec(_));
                 let buf = match &decl.init {
                     SideInit::Spec(data) => {
                         let all = data.repeat(kv_heads);
@@ -45,7 +48,7 @@ impl SideTables {
                     }
                     SideInit::Required | SideInit::Optional => None,
                 };
-                slots.push(Slot { decl, buf });
+                slots.push(Slot { decl, buf, from_spec });
             }
             tiers.push(slots);
         }
@@ -64,6 +67,11 @@ impl SideTables {
     /// Whether `tier`'s table `name` is declared and set.
     pub(crate) fn is_set(&self, tier: TierId, name: &str) -> bool {
         self.slot(tier, name).is_some_and(|s| s.buf.is_some())
+    }
+
+    /// Whether `tier`'s table `name` still holds the spec's contents (never set by a caller).
+    pub(crate) fn is_from_spec(&self, tier: TierId, name: &str) -> bool {
+        self.slot(tier, name).is_some_and(|s| s.from_spec)
     }
 
     /// The first table of `tier` that must be set before its pages are coded or read and is
@@ -91,6 +99,7 @@ impl SideTables {
     fn put(&mut self, tier: TierId, name: &str, buf: SideBuf) {
         let s = self.tiers[tier as usize].iter_mut().find(|s| s.decl.name == name).expect("checked");
         s.buf = Some(buf);
+        s.from_spec = false;
     }
 
     /// Sets f32 table `name` of `tier`: `[num_kv_heads][len]` values.

@@ -115,6 +115,9 @@ impl KvCache {
     /// Uploads every launch's lists in one copy, launches them in order (launch `i` raises
     /// flag word `i`), then downloads the flags once (the only synchronisation).
     fn run_transcodes(&mut self, launches: &[Transcode<'_>]) -> Outcome {
+        for l in launches {
+            self.warn_placeholder_codebook(l.to);
+        }
         let fail = |error| Outcome { landed: 0, error: Some(error) };
         let mut words: Vec<u64> = Vec::with_capacity(launches.iter().map(|l| arg_words(l.src.len())).sum());
         let mut at = Vec::with_capacity(launches.len());

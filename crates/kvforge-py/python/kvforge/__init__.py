@@ -42,6 +42,7 @@ from ._errors import KvforgeError
 from ._native import (
     Cache,
     Certifier,
+    Codebooks,
     ControlReport,
     Controller,
     HeadCertificate,
@@ -58,6 +59,7 @@ from . import hf
 __all__ = [
     "Cache",
     "Certifier",
+    "Codebooks",
     "ControlReport",
     "Controller",
     "HeadCertificate",

@@ -31,6 +31,13 @@ token) run certified decode (seed 004) and each layer's per-head certificates ar
 ``handle.certificates``; the cache keeps its fp16 originals in pinned host memory for that.
 ``handle.reports`` holds each layer's last :class:`kvforge.ControlReport`.
 
+Spherical tiers (``specs/spherical.toml``) ship one placeholder codebook trained on uniform
+random unit vectors, which does not fit real keys (docs/quality.md, "Spherical keys on real
+keys"); ``use_kvforge(..., codebooks="sph-g16b6.safetensors")`` gives every layer's cache its
+own per-(kv head, group) codebooks from ``kvforge codebook train --per-head`` (a path or a
+:class:`kvforge.Codebooks`), set on every spherical tier whose group and codeword count match
+the file. A spherical tier left on the placeholder raises a ``UserWarning`` once per handle.
+
 Limits: batch 1 without padding, inference only (no dropout, no gradients through the
 cache), no sliding window or logit soft-capping; tensors on CUDA in the spec's dtype (load
 the model with ``dtype=torch.float16`` for the shipped specs). transformers still keeps its
@@ -44,6 +51,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 __all__ = [
@@ -132,7 +140,7 @@ class KvforgeAttention:
 
     def __init__(self, spec: str = "specs/rdkv.toml", tier: Optional[str] = "b4", root: Optional[str] = None,
                  max_tokens: int = 8192 + 256, module: Any = None, control: Optional[Control] = None,
-                 certify: Any = None, exact_prefill: bool = False):
+                 certify: Any = None, exact_prefill: bool = False, codebooks: Any = None):
         # The extension is looked up when a handle is made, not when this file is imported:
         # ``import kvforge.hf`` works without a GPU, torch or transformers.
         self.kvforge = module if module is not None else importlib.import_module("kvforge")
@@ -146,6 +154,11 @@ class KvforgeAttention:
         self.exact_prefill = bool(exact_prefill or control is not None)
         self.reports: Dict[int, Any] = {}       # layer -> last kvforge.ControlReport
         self.certificates: Dict[int, Any] = {}  # layer -> [kvforge.HeadCertificate] of the last step
+        # Per-(layer, kv head, group) spherical codebooks, a path or a kvforge.Codebooks.
+        if codebooks is not None and not hasattr(codebooks, "layer"):
+            codebooks = self.kvforge.Codebooks(str(codebooks))
+        self.codebooks = codebooks
+        self._warned_placeholder = False
 
     def reset(self) -> None:
         """Forget every sequence (dropping the caches frees their GPU memory)."""
@@ -166,11 +179,30 @@ class KvforgeAttention:
             order = channel_order(q, k)
             for t in mixed:
                 cache.set_channel_order(t, order)
+        self._set_codebooks(layer, cache)
         if self.certify is not None:
             cache.keep_originals()
         st = {"cache": cache, "seq": cache.add_sequence(), "n": 0}
         self.layers[layer] = st
         return st
+
+    def _set_codebooks(self, layer: int, cache) -> None:
+        """Gives ``cache`` layer ``layer``'s codebooks on every spherical tier they fit;
+        warns once when a spherical tier is left on the spec's uniform placeholder."""
+        cb = self.codebooks
+        if cb is not None:
+            tiers = getattr(cache, "spherical_tiers", {})
+            fits = [t for t, (group, entries) in tiers.items() if (group, entries) == (cb.group, cb.entries)]
+            if not fits:
+                raise ValueError(f"kvforge.hf: codebooks {cb!r} fit no spherical tier of {self.spec} (group and codeword count must match)")
+            for t in fits:
+                cache.set_codebook(t, cb, layer=layer)
+        left = list(getattr(cache, "placeholder_codebook_tiers", ()))
+        if left and not self._warned_placeholder:
+            self._warned_placeholder = True
+            warnings.warn(f"kvforge.hf: spherical tier(s) {', '.join(left)} of {self.spec} use the uniform placeholder codebook "
+                          "(trained on random unit vectors, not keys): expect a large quality loss. Train per-head codebooks on "
+                          "the model's keys (kvforge codebook train --per-head) and pass codebooks=", UserWarning, stacklevel=3)
 
     def attend(self, layer: int, q, k, v, scaling: float):
         check_shapes(q, k, v)
@@ -298,7 +330,7 @@ def register(name: str = ATTN_NAME, fn: Optional[Callable] = None) -> str:
 
 def use_kvforge(model, spec: str = "specs/rdkv.toml", tier: Optional[str] = "b4", root: Optional[str] = None,
                 max_tokens: Optional[int] = None, control: Optional[Control] = None, certify: Any = None,
-                exact_prefill: bool = False) -> KvforgeAttention:
+                exact_prefill: bool = False, codebooks: Any = None) -> KvforgeAttention:
     """Runs every attention layer of ``model`` on kvforge: registers the ``"kvforge"``
     attention, gives each layer (every submodule with a ``layer_idx``) the returned handle and
     sets ``model.config._attn_implementation``. ``spec``/``tier``/``root`` as for
@@ -307,12 +339,14 @@ def use_kvforge(model, spec: str = "specs/rdkv.toml", tier: Optional[str] = "b4"
     model's ``max_position_embeddings`` + 256, at least 1024). ``control``: a :class:`Control`
     applied after every prompt; ``certify``: a ``kvforge.Certifier`` for decode steps;
     ``exact_prefill``: attend prompts exactly (fp32, on the model's K/V) and store them
-    compressed for the tokens that follow (implied by ``control``). Undo with
-    ``handle.detach()``, which restores the previous attention implementation."""
+    compressed for the tokens that follow (implied by ``control``); ``codebooks``: per-(layer,
+    kv head, group) spherical codebooks (a ``kvforge codebook train --per-head`` file or a
+    :class:`kvforge.Codebooks`). Undo with ``handle.detach()``, which restores the previous
+    attention implementation."""
     if max_tokens is None:
         max_tokens = max(1024, int(getattr(model.config, "max_position_embeddings", 8192) or 8192) + 256)
     handle = KvforgeAttention(spec, tier, root=root, max_tokens=max_tokens, control=control, certify=certify,
-                              exact_prefill=exact_prefill)
+                              exact_prefill=exact_prefill, codebooks=codebooks)
     register()
     for m in model.modules():
         if isinstance(getattr(m, "layer_idx", None), int):

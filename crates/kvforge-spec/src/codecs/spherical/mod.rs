@@ -20,7 +20,7 @@ pub mod codebook;
 pub mod reference;
 pub mod sampling;
 
-pub use codebook::{Codebook, CodebookError};
+pub use codebook::{Codebook, CodebookError, HeadCodebooks};
 
 pub const REGISTRATION: Registration = Registration {
     names: &["spherical"],
