@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use kvforge_spec::codecs::rotated::hadamard;
 use kvforge_spec::codecs::spherical::codebook::{HeadCodebooks, PLACEHOLDER_KEY, UNIFORM_ORIGIN};
 use kvforge_spec::Codebook;
 
@@ -144,37 +145,6 @@ fn load_captured(path: &std::path::Path, tensor: Option<&str>) -> anyhow::Result
     Ok(Captured { layers: all.chunks_exact(per).map(<[f32]>::to_vec).collect(), kv_heads, tokens: rows / (nl * kv_heads), head_dim })
 }
 
-/// The random-sign Hadamard rotation of the `rotated` scheme's contract, in place on one row
-/// (length a power of two): signs from a u32 hash of (channel, seed), fast Walsh–Hadamard
-/// transform, 1/√d.
-fn rotate_row(x: &mut [f32], seed: u32) {
-    let d = x.len();
-    for (c, v) in x.iter_mut().enumerate() {
-        let mut h = (c as u32) ^ seed.wrapping_mul(0x9E37_79B9);
-        h ^= h >> 16;
-        h = h.wrapping_mul(0x85EB_CA6B);
-        h ^= h >> 13;
-        h = h.wrapping_mul(0xC2B2_AE35);
-        h ^= h >> 16;
-        if h & 1 == 1 {
-            *v = -*v;
-        }
-    }
-    let mut len = 1;
-    while len < d {
-        for block in (0..d).step_by(2 * len) {
-            for i in block..block + len {
-                let (a, b) = (x[i], x[i + len]);
-                x[i] = a + b;
-                x[i + len] = a - b;
-            }
-        }
-        len *= 2;
-    }
-    let s = 1.0 / (d as f32).sqrt();
-    x.iter_mut().for_each(|v| *v *= s);
-}
-
 struct PerHead {
     group: usize,
     angle_bits: u32,
@@ -188,8 +158,8 @@ fn train_per_head(samples: &std::path::Path, tensor: Option<&str>, o: &PerHead, 
     let (hkv, n, d, g) = (cap.kv_heads, cap.tokens, cap.head_dim, o.group);
     ensure(d % g == 0, || format!("--group {g} does not divide the captured head_dim {d}"))?;
     if let Some(seed) = o.rotate_seed {
-        ensure(d.is_power_of_two(), || format!("--rotate-seed: head_dim {d} is not a power of two"))?;
-        cap.layers.iter_mut().for_each(|l| l.chunks_exact_mut(d).for_each(|row| rotate_row(row, seed)));
+        ensure(hadamard::rotatable(d), || format!("--rotate-seed: head_dim {d} is not a power of two"))?;
+        cap.layers.iter_mut().for_each(|l| hadamard::rotate_rows(seed, d, l));
     }
     let (entries, ng) = (1usize << o.angle_bits, d / g);
     let mut data = Vec::with_capacity(cap.layers.len() * hkv * d * entries);
@@ -255,7 +225,7 @@ pub fn run(cmd: Cmd) -> anyhow::Result<ExitCode> {
 
 #[cfg(test)]
 mod tests {
-    use super::rotate_row;
+    use kvforge_spec::codecs::rotated::hadamard;
 
     #[test]
     fn rotation_is_orthogonal_hadamard_with_the_contract_signs() {
@@ -267,7 +237,7 @@ mod tests {
         for (c, s) in signs.iter().enumerate() {
             let mut e = vec![0f32; d];
             e[c] = 1.0;
-            rotate_row(&mut e, 0x5EED);
+            hadamard::rotate(0x5EED, &mut e);
             assert!((e.iter().map(|x| x * x).sum::<f32>() - 1.0).abs() < 1e-6);
             assert!((e[0] - s / (d as f32).sqrt()).abs() < 1e-6, "channel {c}");
             cols.push(e);
