@@ -202,6 +202,7 @@ pub fn run_variant(dev: &Arc<Device>, spec: &Spec, v: &VariantId, long: bool) ->
         let got = cache.decode_planned(&plan, &qs)?;
         // Reference on the downloaded pages.
         let dtype = spec.geometry.dtype;
+        let basis = spec.basis();
         let mut vmax = 0f64;
         let mut max_abs = 0f64;
         let mut max_ref = 0f64;
@@ -228,8 +229,8 @@ pub fn run_variant(dev: &Arc<Device>, spec: &Spec, v: &VariantId, long: bool) ->
                     };
                     // A rotated spec's pages hold R k and R v; the kernel rotates q and the
                     // output instead, which is the same attention (q·Rᵀk̂ = Rq·k̂).
-                    spec.basis().to_natural(d, &mut k);
-                    spec.basis().to_natural(d, &mut v);
+                    basis.to_natural(d, &mut k);
+                    basis.to_natural(d, &mut v);
                     kk.extend_from_slice(&k[..len * d]);
                     vv.extend_from_slice(&v[..len * d]);
                 }

@@ -154,7 +154,8 @@ pub fn decode_sequence<P: AsRef<[u8]>>(spec: &Spec, d: usize, pages: &[P], rscal
         k.extend_from_slice(&p.k);
         v.extend_from_slice(&p.v);
     }
-    spec.basis().to_natural(d, &mut k);
-    spec.basis().to_natural(d, &mut v);
+    let basis = spec.basis();
+    basis.to_natural(d, &mut k);
+    basis.to_natural(d, &mut v);
     Ok((k, v))
 }

@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use half::{bf16, f16};
-use kvforge_spec::{DType, KeyScheme, PageHeader, Spec, TierId, HEADER_BYTES, TAIL_TIER};
+use kvforge_spec::{Basis, DType, KeyScheme, PageHeader, Spec, TierId, HEADER_BYTES, TAIL_TIER};
 
 use crate::device::Device;
 use crate::engine::Engine;
@@ -74,6 +74,9 @@ pub struct KvCache {
     pub(crate) cert: crate::certified::CertifiedState,
     /// RDR's importance window, once a tracked decode ran ([`KvCache::decode_tracked`]).
     pub(crate) mass_window: Option<crate::mass_window::MassWindow>,
+    /// The spec's storage basis ([`Spec::basis`]), taken once: appends and decode launches read
+    /// it, and deriving it builds every tier's codec.
+    pub(crate) basis: Basis,
 }
 
 fn dense_bytes(dtype: DType, x: f32) -> [u8; 2] {
@@ -109,7 +112,8 @@ impl KvCache {
         let store = PageStore::new(dev.stream.clone(), &spec, d, cfg.num_kv_heads, &cfg.pages)?;
         let side = SideTables::new(&spec, d, cfg.num_kv_heads, &dev.stream)?;
         let engine = Engine::new(dev)?;
-        Ok(KvCache { spec, cfg, store, side, engine, cert: Default::default(), mass_window: None })
+        let basis = spec.basis();
+        Ok(KvCache { spec, cfg, store, side, engine, cert: Default::default(), mass_window: None, basis })
     }
 
     pub fn spec(&self) -> &Spec {
@@ -194,7 +198,7 @@ impl KvCache {
         let n = k.len() / (hkv * d);
         // Every tier stores rows in the spec's basis: rotate them once, here (decode rotates
         // the query and rotates the output back).
-        let basis = self.spec.basis();
+        let basis = self.basis;
         let stored = |x: &[f32]| {
             let mut x = x.to_vec();
             basis.to_stored(d, &mut x);

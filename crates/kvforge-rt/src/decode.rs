@@ -324,7 +324,7 @@ impl KvCache {
             batch: plan.batch as i32,
             num_kv_heads: plan.num_kv_heads as i32,
             num_splits: plan.splits as i32,
-            rot_seed: match self.spec.basis() {
+            rot_seed: match self.basis {
                 kvforge_spec::Basis::Hadamard { seed } => seed,
                 kvforge_spec::Basis::Identity => 0,
             },
