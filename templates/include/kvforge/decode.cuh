@@ -43,13 +43,12 @@ template <class T, class X> struct Dependent { using type = X; };
 // the octet's keys as fp16), and the score accumulators of a lane (head g, score columns 2q, 2q + 1)
 // are exactly its B fragment of P^T in O^T += V^T P^T on m16n8k8, so probabilities never leave
 // registers. Variants whose every tier has fp16, integer or rotated keys and values take it
-// when one of them is an integer or rotated tier (all-fp16 variants keep the block layout,
-// tuned to 0.95 of a copy; kvforge-spec `Codec::prefers_per_warp`),
-// and the schedule has tensor-core values: decided by kvforge-gen schedule.rs (`per_warp`) and
+// when one of them is an integer or rotated tier (kvforge-spec `Codec::prefers_per_warp`) or
+// all are fp16 at head_dim <= 128 (above, the block layout), and the schedule has tensor-core values: decided by kvforge-gen schedule.rs (`per_warp`) and
 // rendered as Cfg::PER_WARP. Query fragments (Cfg::SMEM_BFRAG_OFF): fp16 high and low parts of
 // q, D/4 u32 per lane of the heads (head g = lane / 4, quarter qd = lane % 4). Every key codec
-// of the layout (Key::WARP) pairs channels 2e, 2e + 1. The lanes past the heads take zeros by
-// a select: loading stored zeros instead doubles the fragments' shared-memory wavefronts.
+// of the layout (Key::WARP) pairs channels 2e, 2e + 1. The lanes past the heads take zeros or
+// a real head's fragments (see compute_warp).
 // Block layout: key codecs whose tiers put a variant's values on tensor cores (K::MMA_VALUES;
 // integer keys). Codecs without the flag keep CUDA-core values (see MMA_V).
 template <class K, class = void> struct MmaValues { static constexpr bool value = false; };
@@ -242,7 +241,13 @@ struct DecodeCta {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, qd = lane & 3;
     const bool head = g < GQA;
     constexpr int L4 = 4 * GQA;
-    const uint4* qf = reinterpret_cast<const uint4*>(qfrag_s()) + (head ? lane : 0);
+    // Lanes past the heads either select zero fragments or (K::WARP_SHARED_Q) read those of
+    // head g mod GQA, a broadcast with no extra wavefronts: their score rows are then a real
+    // head's, finite, and their probabilities never reach the accumulators (B column g is
+    // zero below; merge_warps reads heads < GQA only). Where the fragments stay in
+    // registers (fp16 keys) the select cost a MOV per register and octet.
+    constexpr bool SHARED_Q = K::WARP_SHARED_Q;
+    const uint4* qf = reinterpret_cast<const uint4*>(qfrag_s()) + (head ? lane : SHARED_Q ? (g % GQA) * 4 + qd : 0);
     float page_sum = 0.f;
     typename K::template WarpKeys<NPAIR> keys(seg, qd);
 #pragma unroll 1
@@ -261,7 +266,7 @@ struct DecodeCta {
       float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
       for (int j = 0; j < KSW; ++j) {
-        const uint4 q4 = head ? qf[j * L4] : make_uint4(0u, 0u, 0u, 0u);
+        const uint4 q4 = SHARED_Q || head ? qf[j * L4] : make_uint4(0u, 0u, 0u, 0u);
         const u32 a[4] = {q4.x, q4.y, q4.z, q4.w}, b2[2] = {kb[2 * j], kb[2 * j + 1]};
         mma16816<false>(c[j & 1], a, b2);
       }

@@ -99,6 +99,8 @@ struct DenseKey {
   // Per-warp decode (DecodeCta::compute_warp): the B fragments of token t's keys, the
   // thread's channel slice [qd·D/4, (qd + 1)·D/4) as stored, pair e = channels 2e, 2e + 1.
   static constexpr bool WARP = MMA;
+  // Lanes past the heads read a real head's query fragments (DecodeCta::compute_warp).
+  static constexpr bool WARP_SHARED_Q = true;
   template <int NPAIR> struct WarpKeys {
     __device__ __forceinline__ WarpKeys(const u8*, int) {}
     __device__ __forceinline__ void operator()(const u8* seg, int t, int qd, u32 (&b)[NPAIR]) const {

@@ -320,6 +320,10 @@ struct IntKey {
   // which was both slower than the block layout and outside the selftest tolerance
   // (docs/perf/NOTES.md, v11).
   static constexpr bool WARP = BLOCK >= P && D * BITS >= 128;
+  // Lanes past the heads select zero query fragments (DecodeCta::compute_warp): reading a
+  // real head's instead let ptxas recompute address math in the octet loop (int2 27% and
+  // int8 8% slower; docs/perf/NOTES.md, v12).
+  static constexpr bool WARP_SHARED_Q = false;
   // A warp's key reader for one page (constructed per page, called per octet).
   template <int NPAIR> struct WarpKeys {
     u32 s[NPAIR], z[NPAIR];

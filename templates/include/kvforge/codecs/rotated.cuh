@@ -143,6 +143,8 @@ struct RotatedKey {
   static constexpr int SLOT_CODEBOOK = -1, SLOT_RADIUS = -1, SLOT_ORDER = -1;
   // A lane's slice (D/4 channels) is whole 8-channel chunks.
   static constexpr bool WARP = D % 32 == 0;
+  // Lanes past the heads read a real head's query fragments (DecodeCta::compute_warp).
+  static constexpr bool WARP_SHARED_Q = true;
   static constexpr bool TOKEN_SCALE = true;
   __device__ __forceinline__ static float token_scale(const u8* seg, int t) { return Rows::scale(seg + OFF_NORM, t); }
   template <int NPAIR> struct WarpKeys {
