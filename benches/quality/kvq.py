@@ -390,6 +390,8 @@ class TierSim:
             n = t // self.page * self.page
             m = y[:, :n].reshape(h, n // self.page, self.page, d).mean(2, keepdim=True).half().float()
             mu = torch.cat([m.expand(h, n // self.page, self.page, d).reshape(h, n, d), y[:, n:].mean(1, keepdim=True).half().float().expand(h, t - n, d)], dim=1)
+        elif s.get("center") == "sequence":  # sim-only variant: one f32 mean per kv head (no bytes)
+            mu = y.mean(1, keepdim=True)
         return unrotate(rotated_quantize(y - mu, levels, s.get("scale", "lsq")) + mu, self.seed)
 
     def _common(self, x: torch.Tensor, s: dict):
@@ -454,7 +456,8 @@ SIM_ALIASES = {"int8": ("specs/rdkv.toml", "b8"), "int4": ("specs/rdkv.toml", "b
 SIM_TIERS = "benches/quality/sim-tiers.toml"
 SIM_ALIASES.update({n: (SIM_TIERS, n) for n in (
     "fp8", "r4", "r3", "r2", "k3v2", "k4v2", "r2-gauss", "r2-norm", "r2-sink64", "r3-gauss", "r3-norm",
-    "r4-kc-sink64", "r3-kc-sink64", "r2-kc-sink64", "k4v3-kc-sink64", "r4-sink64", "r3-sink64", "r3-kc", "k3v2-kc-sink64")})
+    "r4-kc-sink64", "r3-kc-sink64", "r2-kc-sink64", "k4v3-kc-sink64", "r4-sink64", "r3-sink64", "r3-kc", "k3v2-kc-sink64",
+    "r4-kcs", "r3-kcs", "r2-kcs", "r3-kcs-sink64")})
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,30 +21,45 @@ __device__ __forceinline__ float hadamard_sign(int c, u32 seed) {
 }
 
 // Rotates (INVERSE: rotates back) `rows` rows of D floats in shared memory in place, with all
-// NT threads of the CTA; ends with a barrier. Forward: signs, the butterflies, 1/√D; inverse:
-// the butterflies, 1/√D, signs.
+// NT threads of the CTA, after a barrier that made the rows visible; ends with a barrier.
+// Forward: signs, the butterflies, 1/√D; inverse: the butterflies, 1/√D, signs. Warp w takes
+// rows w, w + NT/32, ...: lane l holds channels l + 32k (k < D/32), the butterflies of span
+// below 32 are shuffles and the wider ones stay in the lane's registers, spans in ascending
+// order as in the reference. (A block-wide version, one barrier per span, cost batch-1 decode
+// ~14%: docs/perf/NOTES.md, v12.)
 template <int D, int NT, bool INVERSE>
 __device__ void hadamard_rows(float* x, int rows, u32 seed) {
-  static_assert((D & (D - 1)) == 0, "the Hadamard transform needs a power-of-two head dim");
-  const int tid = threadIdx.x;
-  if constexpr (!INVERSE) {
-    for (int i = tid; i < rows * D; i += NT) x[i] *= hadamard_sign(i % D, seed);
-  }
-  __syncthreads();
-#pragma unroll 1
-  for (int len = 1; len < D; len <<= 1) {
-    for (int i = tid; i < rows * D / 2; i += NT) {
-      const int r = i / (D / 2), j = i % (D / 2);
-      const int a = r * D + (j / len) * 2 * len + j % len, b = a + len;
-      const float u = x[a], v = x[b];
-      x[a] = u + v;
-      x[b] = u - v;
-    }
-    __syncthreads();
-  }
+  static_assert((D & (D - 1)) == 0 && D >= 32, "the Hadamard transform needs a power-of-two head dim of at least 32");
+  constexpr int V = D / 32;
   constexpr float NORM = D == 64 ? 0.125f : D == 128 ? 0.08838834764831845f : D == 256 ? 0.0625f : 0.f;
   static_assert(NORM > 0.f, "head dims 64, 128 and 256");
-  for (int i = tid; i < rows * D; i += NT) x[i] *= INVERSE ? NORM * hadamard_sign(i % D, seed) : NORM;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = warp; r < rows; r += NT / 32) {
+    float v[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      v[k] = x[r * D + lane + 32 * k];
+      if constexpr (!INVERSE) v[k] *= hadamard_sign(lane + 32 * k, seed);
+    }
+#pragma unroll
+    for (int len = 1; len < 32; len <<= 1)
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const float o = __shfl_xor_sync(0xffffffffu, v[k], len);
+        v[k] = (lane & len) ? o - v[k] : v[k] + o;
+      }
+#pragma unroll
+    for (int len = 1; len < V; len <<= 1)
+#pragma unroll
+      for (int k = 0; k < V; ++k)
+        if ((k & len) == 0) {
+          const float u = v[k], w = v[k + len];
+          v[k] = u + w;
+          v[k + len] = u - w;
+        }
+#pragma unroll
+    for (int k = 0; k < V; ++k) x[r * D + lane + 32 * k] = v[k] * (INVERSE ? NORM * hadamard_sign(lane + 32 * k, seed) : NORM);
+  }
   __syncthreads();
 }
 
