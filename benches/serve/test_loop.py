@@ -1,0 +1,171 @@
+"""CPU tests of the whole serving loop on a tiny Llama (torch; skipped without it): greedy
+outputs of the paged loop with the SDPA backend and with the kvforge backend over a fake
+extension equal a full recomputation; steady-state runs stay inside the budget; the CLI.
+
+    python -m pytest -q benches/serve/
+"""
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from batching import Request  # noqa: E402
+
+torch = pytest.importorskip("torch")
+
+
+def _tiny(layers=2):
+    from model import Llama, LlamaConfig
+
+    return Llama(LlamaConfig.tiny(layers), "cpu", seed=0)
+
+
+def _engine(model, backend, budget_blocks, max_batch=4):
+    from engine import Engine
+
+    budget = budget_blocks * backend.block_bytes() + backend.fixed_bytes(max_batch)
+    return Engine(model, backend, budget, max_batch=max_batch, max_prefill_tokens=64, max_seqs=max_batch)
+
+
+def _requests(model, lens, max_new):
+    g = torch.Generator().manual_seed(5)
+    return [Request(rid=i, prompt_len=n, max_new=max_new, prompt=torch.randint(0, model.cfg.vocab, (n,), generator=g).tolist())
+            for i, n in enumerate(lens)]
+
+
+def _serve(model, backend, lens, max_new=6, budget_blocks=12, max_batch=3):
+    eng = _engine(model, backend, budget_blocks, max_batch)
+    reqs = _requests(model, lens, max_new)
+    eng.add(reqs)
+    peak = 0
+    while not eng.sched.idle:
+        eng.step()
+        peak = max(peak, eng.pool.used)
+        assert eng.pool.used <= eng.pool.num_blocks
+    assert eng.pool.used == 0 and len(eng.sched.finished) == len(lens)
+    return eng, reqs, peak
+
+
+def test_sdpa_loop_matches_full_recompute():
+    from backends import SdpaBackend
+
+    m = _tiny()
+    c = m.cfg
+    be = SdpaBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", block=4)
+    eng, reqs, peak = _serve(m, be, [5, 11, 8, 3, 16], max_new=6, budget_blocks=12, max_batch=3)
+    assert peak <= 12
+    assert eng.sched.step_no > 6  # requests had to wait for blocks / batch slots
+    for r in reqs:
+        assert r.generated == m.reference_greedy(r.prompt, r.max_new), r.rid
+
+
+class _FakeCache:
+    """The subset of ``kvforge.Cache`` the backend uses, exact attention on torch tensors."""
+
+    def __init__(self, spec, head_dim, num_kv_heads, gqa, max_tokens, sequences=1, target=None, root=None, device=0, target_only=False):
+        self.d, self.hkv, self.g, self.max_tokens, self.target = head_dim, num_kv_heads, gqa, max_tokens, target
+        self.page_tokens = 4
+        self.seqs = {}
+        self.next = 0
+
+    def add_sequence(self):
+        s = self.next
+        self.next += 1
+        self.seqs[s] = (torch.zeros(0, self.hkv, self.d, dtype=torch.float16), torch.zeros(0, self.hkv, self.d, dtype=torch.float16))
+        return s
+
+    def remove_sequence(self, s):
+        del self.seqs[s]
+
+    def append(self, s, k, v):
+        assert k.is_contiguous() and k.shape[1:] == (self.hkv, self.d)
+        K, V = self.seqs[s]
+        self.seqs[s] = (torch.cat([K, k]), torch.cat([V, v]))
+        assert sum(x[0].shape[0] for x in self.seqs.values()) <= self.max_tokens + 4 * len(self.seqs)
+
+    def decode(self, q, seqs):
+        from backends import causal_attention
+
+        out = torch.empty_like(q)
+        for b, s in enumerate(seqs):
+            K, V = self.seqs[s]
+            # the query is the last position: causal attention of the last row
+            qq = torch.zeros(K.shape[0], q.shape[1], self.d, dtype=q.dtype)
+            qq[-1] = q[b]
+            out[b] = causal_attention(qq, K, V)[-1]
+        return out, None
+
+    def memory_report(self):
+        full = self.page_tokens * self.hkv * self.d * 2  # "b4"-like: half of fp16
+        return [{"tier": "tail", "pages": self.hkv, "resident_bytes": self.hkv * 4 * full}, {"tier": self.target, "pages": self.hkv, "resident_bytes": self.hkv * full}]
+
+    def tile_sequence(self, s0, batch, length):
+        K, V = self.seqs[s0]
+        ids = [s0]
+        reps = -(-length // K.shape[0])
+        self.seqs[s0] = (K.repeat(reps, 1, 1)[:length], V.repeat(reps, 1, 1)[:length])
+        for _ in range(batch - 1):
+            s = self.add_sequence()
+            self.seqs[s] = self.seqs[s0]
+            ids.append(s)
+        return ids
+
+
+def test_kvforge_backend_glue_on_a_fake_extension(monkeypatch):
+    fake = types.ModuleType("kvforge")
+    fake.Cache = _FakeCache
+    fake.__version__ = "fake"
+    monkeypatch.setitem(sys.modules, "kvforge", fake)
+    from backends import KvforgeBackend, make_backend
+
+    m = _tiny()
+    c = m.cfg
+    be = KvforgeBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", tier="b4")
+    assert be.block_tokens() == 4 and be.page_bytes == 4 * c.d * 2 and be.target_only
+    assert be.block_bytes() == be.page_bytes * c.layers * c.hkv
+    eng, reqs, _ = _serve(m, be, [5, 11, 8, 3, 16], max_new=6, budget_blocks=12, max_batch=3)
+    for r in reqs:
+        assert r.generated == m.reference_greedy(r.prompt, r.max_new), r.rid
+    assert isinstance(make_backend("kvforge:r3", c.layers, c.hq, c.hkv, c.d, "cpu"), KvforgeBackend)
+    # the steady-state fill tiles one template into the batch
+    be2 = KvforgeBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", tier="b4")
+    eng2 = _engine(m, be2, 40, max_batch=3)
+    r = eng2.steady(batch=3, context=10, steps=2, warmup=1, breakdown=1)
+    assert r["batch"] == 3 and r["tokens_per_s"] > 0 and eng2.pool.used == 0 and be2.ids == {}
+
+
+def test_steady_sdpa_budget_and_batch():
+    from backends import SdpaBackend
+
+    m = _tiny()
+    c = m.cfg
+    be = SdpaBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", block=4)
+    eng = _engine(m, be, 30, max_batch=3)
+    r = eng.steady(batch=3, context=20, steps=3, warmup=1, breakdown=1)
+    assert r["batch"] == 3 and r["steps"] == 3 and 0 < r["attn_share"] <= 1
+    assert r["kv_bytes_reserved"] <= 30 * be.block_bytes()
+    with pytest.raises(RuntimeError):
+        eng.steady(batch=4, context=20, steps=1)
+
+
+def test_run_cli_tiny(tmp_path):
+    import json
+
+    import run
+
+    out = tmp_path / "o.json"
+    run.main(["--model", "tiny", "--layers", "2", "--backends", "sdpa", "--contexts", "24", "--budget-gb", "0.00002", "--max-batch", "4",
+              "--steps", "2", "--warmup", "1", "--breakdown", "1", "--device", "cpu", "--out", str(out), "--no-progress"])
+    doc = json.loads(out.read_text())
+    (row,) = doc["results"]
+    assert "error" not in row, row
+    assert row["batch"] >= 1 and row["tokens_per_s"] > 0
+    run.main(["--model", "tiny", "--layers", "2", "--mode", "loop", "--backends", "sdpa", "--requests", "6", "--prompt-lens", "5,9",
+              "--max-new", "3", "--budget-gb", "0.00002", "--max-batch", "3", "--device", "cpu", "--out", str(out), "--no-progress"])
+    (row,) = json.loads(out.read_text())["results"]
+    assert "error" not in row, row
+    assert row["generated"] == 18
