@@ -215,33 +215,49 @@ class FlashInferBackend(_TokenSlots, Backend):
         for c in self.cache:
             fill_random_(c, gen)
 
+    def _store(self, layer, blk, slot, k, v):
+        """cache[blk, 0 / 1, slot] = k / v in the cache dtype (fp8 through a byte view: indexed
+        stores of float8 tensors are not implemented everywhere)."""
+        c = self.cache[layer]
+        if self.kv_dtype == torch.float16:
+            c[:, 0][blk, slot] = k
+            c[:, 1][blk, slot] = v
+        else:
+            cb = c.view(torch.uint8)
+            cb[:, 0][blk, slot] = k.to(self.kv_dtype).view(torch.uint8)
+            cb[:, 1][blk, slot] = v.to(self.kv_dtype).view(torch.uint8)
+
     def write_prompt(self, layer, req, k, v):
         blk, slot = self.slots(req, 0, k.shape[0])
-        c = self.cache[layer]
-        c[:, 0][blk, slot] = k.to(self.kv_dtype)
-        c[:, 1][blk, slot] = v.to(self.kv_dtype)
+        self._store(layer, blk, slot, k, v)
 
     def begin_step(self, reqs):
-        ps = self.page
-        lens = [r.length for r in reqs]
-        npages = [(n + ps - 1) // ps for n in lens]
-        indptr = [0]
-        for n in npages:
-            indptr.append(indptr[-1] + n)
-        indices = [b for r, n in zip(reqs, npages) for b in r.blocks[:n]]
-        last = [n - (p - 1) * ps for n, p in zip(lens, npages)]
-        dev = self.device
-        self.wrapper.plan(torch.tensor(indptr, dtype=torch.int32, device=dev), torch.tensor(indices, dtype=torch.int32, device=dev),
-                          torch.tensor(last, dtype=torch.int32, device=dev), self.hq, self.hkv, self.d, ps,
+        """Plans the step once for every layer. The padded block table of the batch lives on
+        the device and is rebuilt only when the batch changes; per step only the lengths
+        travel."""
+        ps, dev = self.page, self.device
+        key = tuple(r.rid for r in reqs)
+        if getattr(self, "_key", None) != key:
+            width = max(len(r.blocks) for r in reqs)
+            tbl = torch.zeros(len(reqs), width, dtype=torch.int32)
+            for i, r in enumerate(reqs):
+                tbl[i, :len(r.blocks)] = torch.tensor(r.blocks, dtype=torch.int32)
+            self._key, self._tbl = key, tbl.to(dev)
+            self._cols = torch.arange(width, device=dev)
+        lens = torch.tensor([r.length for r in reqs], dtype=torch.int32)
+        npages = (lens + ps - 1) // ps
+        indptr = torch.zeros(len(reqs) + 1, dtype=torch.int32)
+        indptr[1:] = torch.cumsum(npages, 0)
+        last = lens - (npages - 1) * ps
+        indices = self._tbl[self._cols[None, :] < npages.to(dev)[:, None]]
+        self.wrapper.plan(indptr.to(dev), indices, last.to(dev), self.hq, self.hkv, self.d, ps,
                           pos_encoding_mode="NONE", q_data_type=torch.float16, kv_data_type=self.kv_dtype)
         blk, slot = self.step_slots(reqs)
         return {"blk": blk, "slot": slot}
 
     def decode(self, layer, md, q, k, v):
-        c = self.cache[layer]
-        c[:, 0][md["blk"], md["slot"]] = k.to(self.kv_dtype)
-        c[:, 1][md["blk"], md["slot"]] = v.to(self.kv_dtype)
-        return self.wrapper.run(q, c)
+        self._store(layer, md["blk"], md["slot"], k, v)
+        return self.wrapper.run(q, self.cache[layer])
 
     def describe(self):
         return {**super().describe(), "kv_dtype": str(self.kv_dtype).replace("torch.", ""), "tensor_cores": self.tensor_cores,
