@@ -96,13 +96,18 @@ def progress_bar(total, desc, disable):
 
 
 def init_dist():
+    """torchrun's environment → the process group (NCCL on GPUs, gloo on CPU) and this
+    rank's device; None when not launched by torchrun."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         import torch.distributed as dist
 
         local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-        return torch.device("cuda", local)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local)
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+            return torch.device("cuda", local)
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
     return None
 
 

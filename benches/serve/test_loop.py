@@ -215,3 +215,40 @@ def test_flashinfer_backend_page_table_on_a_fake_wrapper(monkeypatch, kv):
     else:  # fp8 K/V: most greedy tokens agree on a tiny random model
         agree = sum(a == b for r, g in zip(reqs, ref) for a, b in zip(r.generated, g))
         assert agree >= 0.6 * sum(len(g) for g in ref)
+
+
+def _tp_worker(rank, world, port, out):
+    import os
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    import torch.distributed as dist
+
+    import run
+
+    run.init_dist()
+    from backends import SdpaBackend
+
+    m = _tiny()
+    assert m.hq == m.cfg.hq // world and m.hkv == m.cfg.hkv // world
+    be = SdpaBackend(m.cfg.layers, m.hq, m.hkv, m.cfg.d, device="cpu", block=4)
+    _, reqs, _ = _serve(m, be, [5, 11, 8], max_new=5, budget_blocks=12, max_batch=3)
+    if rank == 0:
+        Path(out).write_text(repr([r.generated for r in reqs]))
+    dist.destroy_process_group()
+
+
+def test_tensor_parallel_two_ranks_match_one(tmp_path):
+    import random as _r
+
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "tp.txt"
+    mp.spawn(_tp_worker, args=(2, 29500 + _r.randrange(2000), str(out)), nprocs=2, join=True)
+    m = _tiny()
+    from backends import SdpaBackend
+
+    be = SdpaBackend(m.cfg.layers, m.hq, m.hkv, m.cfg.d, device="cpu", block=4)
+    _, reqs, _ = _serve(m, be, [5, 11, 8], max_new=5, budget_blocks=12, max_batch=3)
+    tp = eval(out.read_text())
+    agree = sum(a == b for r, g in zip(reqs, tp) for a, b in zip(r.generated, g))
+    assert agree >= 13, (tp, [r.generated for r in reqs])  # fp16 sums in another order may flip a near tie
