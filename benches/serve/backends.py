@@ -111,6 +111,15 @@ class Backend:
         raise NotImplementedError
 
     def decode(self, layer: int, md, q, k, v):
+        self.write_step(layer, md, k, v)
+        return self.attend(layer, md, q)
+
+    def write_step(self, layer: int, md, k, v) -> None:
+        """The batch's new tokens (one per sequence) into the cache."""
+        raise NotImplementedError
+
+    def attend(self, layer: int, md, q):
+        """One query per sequence against its cache (the new token included)."""
         raise NotImplementedError
 
     def describe(self) -> Dict[str, Any]:
@@ -171,10 +180,12 @@ class SdpaBackend(_TokenSlots, Backend):
         blk, slot = self.step_slots(reqs)
         return {"reqs": reqs, "rows": blk * self._bt + slot, "spans": [(r.blocks[0] * self._bt, r.length) for r in reqs]}
 
-    def decode(self, layer, md, q, k, v):
+    def write_step(self, layer, md, k, v):
+        self.k[layer][md["rows"]] = k
+        self.v[layer][md["rows"]] = v
+
+    def attend(self, layer, md, q):
         kc, vc = self.k[layer], self.v[layer]
-        kc[md["rows"]] = k
-        vc[md["rows"]] = v
         out = torch.empty_like(q)
         for b, (s, n) in enumerate(md["spans"]):
             qb = q[b].view(self.hkv, self.g, self.d)[None]
@@ -255,8 +266,10 @@ class FlashInferBackend(_TokenSlots, Backend):
         blk, slot = self.step_slots(reqs)
         return {"blk": blk, "slot": slot}
 
-    def decode(self, layer, md, q, k, v):
+    def write_step(self, layer, md, k, v):
         self._store(layer, md["blk"], md["slot"], k, v)
+
+    def attend(self, layer, md, q):
         return self.wrapper.run(q, self.cache[layer])
 
     def describe(self):
@@ -354,11 +367,13 @@ class KvforgeBackend(Backend):
     def begin_step(self, reqs):
         return [self.ids[r.rid] for r in reqs]
 
-    def decode(self, layer, md, q, k, v):
+    def write_step(self, layer, md, k, v):
         c = self.caches[layer]
         for b, s in enumerate(md):
             c.append(s, k[b:b + 1], v[b:b + 1])
-        out, _ = c.decode(q.contiguous(), seqs=md)
+
+    def attend(self, layer, md, q):
+        out, _ = self.caches[layer].decode(q.contiguous(), seqs=md)
         return out
 
     def describe(self):

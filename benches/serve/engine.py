@@ -24,21 +24,23 @@ def _sync(device):
 
 
 class Timers:
-    """Wall time of the attention calls (writes + attention) inside a decode step, with a
-    device synchronisation around each: only for breakdown steps, never the timed ones."""
+    """Wall time of the cache writes and of the attention inside decode steps, with a device
+    synchronisation around each: only for breakdown steps, never the timed ones."""
 
     def __init__(self, device):
-        self.device, self.attn_s = device, 0.0
+        self.device, self.write_s, self.attn_s = device, 0.0, 0.0
 
-    def wrap(self, fn):
-        def g(*a):
-            _sync(self.device)
-            t0 = time.perf_counter()
-            r = fn(*a)
-            _sync(self.device)
-            self.attn_s += time.perf_counter() - t0
-            return r
-        return g
+    def decode(self, backend, layer, md, q, k, v):
+        _sync(self.device)
+        t0 = time.perf_counter()
+        backend.write_step(layer, md, k, v)
+        _sync(self.device)
+        t1 = time.perf_counter()
+        out = backend.attend(layer, md, q)
+        _sync(self.device)
+        self.write_s += t1 - t0
+        self.attn_s += time.perf_counter() - t1
+        return out
 
 
 class Engine:
@@ -157,6 +159,8 @@ class Engine:
                 "tokens_per_s": batch * steps / dt, "step_ms": dt / steps * 1e3,
                 "attn_share": (timers.attn_s / tbd) if breakdown else None,
                 "attn_ms_per_step": (timers.attn_s / breakdown * 1e3) if breakdown else None,
+                "kv_write_ms_per_step": (timers.write_s / breakdown * 1e3) if breakdown else None,
+                "breakdown_step_ms": (tbd / breakdown * 1e3) if breakdown else None,
                 "kv_bytes_reserved": len(reqs) * self.pool.blocks_for(context + total + 1) * self.backend.block_bytes()}
 
 

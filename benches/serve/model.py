@@ -170,7 +170,12 @@ class Llama:
         """One token per sequence of the batch: ``tokens [B]`` at positions ``pos [B]``;
         returns logits [B, vocab] (float32)."""
         x = self.w["embed"][tokens]
-        attend = (lambda l, q, k, v: backend.decode(l, md, q, k, v)) if timers is None else timers.wrap(lambda l, q, k, v: backend.decode(l, md, q, k, v))
+        if timers is None:
+            def attend(l, q, k, v):
+                return backend.decode(l, md, q, k, v)
+        else:
+            def attend(l, q, k, v):
+                return timers.decode(backend, l, md, q, k, v)
         for i in range(self.cfg.layers):
             x = self._layer(i, x, pos, attend)
         return self._logits(x).float()

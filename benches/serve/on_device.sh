@@ -19,7 +19,7 @@
 #
 # Carry: .whl (FlashInfer + deps, 22 MiB) and .whl-kvforge (the kvforge wheel with
 # Cache(target_only=) and Cache.tile_sequence: bash crates/kvforge-py/build-wheel.sh).
-# Env: SERVE_LAYERS (8), SERVE_BUDGET_GB (40), SERVE_STEPS (16), SERVE_BACKENDS, SERVE_CONTEXTS.
+# Env: SERVE_LAYERS (8), SERVE_BUDGET_GB (40), SERVE_STEPS (64), SERVE_BACKENDS, SERVE_CONTEXTS.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
@@ -48,8 +48,8 @@ python3 -c "import kvforge; print('kvforge', kvforge.__version__)" || true
 
 L=${SERVE_LAYERS:-8}
 B=${SERVE_BUDGET_GB:-40}
-S=${SERVE_STEPS:-16}
-BACKENDS=${SERVE_BACKENDS:-kvforge:fp16,kvforge:b4,kvforge:r3,flashinfer,flashinfer_fp8,sdpa}
+S=${SERVE_STEPS:-64}  # 64: one kvforge page boundary (a tail encode per sequence and layer) per 64 steps, as in serving
+BACKENDS=${SERVE_BACKENDS:-flashinfer,flashinfer_fp8,sdpa,kvforge:fp16,kvforge:b4,kvforge:r3}
 CTXS=${SERVE_CONTEXTS:-32768,131072}
 R="python3 -u benches/serve/run.py --no-progress"
 t0=$(date +%s)
@@ -58,7 +58,7 @@ for ph in "${PHASES[@]}"; do
   case $ph in
     fi-warm) $R --mode tpot --layers 1 --contexts 1024 --backends flashinfer,flashinfer_fp8 --steps 1 --budget-gb 1 --out "$W/fi-warm.json" ;;
     steady) $R --mode steady --layers "$L" --budget-gb "$B" --contexts "$CTXS" --backends "$BACKENDS" --steps "$S" --out "$W/steady.json" ;;
-    tpot) $R --mode tpot --layers "$L" --budget-gb "$B" --contexts 32768 --backends "$BACKENDS" --steps 32 --out "$W/tpot.json" ;;
+    tpot) $R --mode tpot --layers "$L" --budget-gb "$B" --contexts 32768 --backends "$BACKENDS" --steps "$S" --out "$W/tpot.json" ;;
     loop) $R --mode loop --layers "$L" --budget-gb 8 --requests 48 --prompt-lens 2048,4096,8192 --max-new 64 --max-batch 64 \
             --backends "$BACKENDS" --out "$W/loop.json" ;;
     tp2) torchrun --standalone --nproc-per-node 2 benches/serve/run.py --no-progress --mode steady --layers "$L" --budget-gb "$B" \

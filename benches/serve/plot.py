@@ -20,14 +20,14 @@ def table(doc, name):
           f"budget {doc.get('args', {}).get('budget_gb')} GB\n")
     steady = [r for r in rows if r.get("mode") in ("steady", "tpot")]
     if steady:
-        print("| mode | backend | context | batch | tokens/s | ms/step | attention share | bytes/token |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        print("| mode | backend | context | batch | tokens/s | ms/step | attention ms/step | kv write ms/step | bytes/token |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
         for r in steady:
             if "error" in r:
-                print(f"| {r['mode']} | {r['backend']} | {r['context']} | | error: {r['error'][:80]} | | | |")
+                print(f"| {r['mode']} | {r['backend']} | {r['context']} | | error: {r['error'][:80]} | | | | |")
                 continue
             print(f"| {r['mode']} | {r['backend']} | {r['context']} | {r['batch']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.2f} | "
-                  f"{100 * (r.get('attn_share') or 0):.0f}% | {r['bytes_per_token']:.0f} |")
+                  f"{r.get('attn_ms_per_step') or 0:.2f} | {r.get('kv_write_ms_per_step') or 0:.2f} | {r['bytes_per_token']:.0f} |")
     loop = [r for r in rows if r.get("mode") == "loop"]
     if loop:
         print("| backend | tokens/s | requests | peak blocks | ttft p50 s | tpot p50 ms | tpot p90 ms |")

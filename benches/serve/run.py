@@ -172,7 +172,8 @@ def run_steady(a, model, device, doc, batch1=False):
                 row["kv_blocks"] = eng.pool.num_blocks
                 row["tpot_ms"] = r["step_ms"]
                 log(f"{row['mode']:<6} {name:<18} ctx {ctx:>6} b {b:>4}: {r['tokens_per_s']:9.1f} tok/s  {r['step_ms']:8.2f} ms/step  "
-                    f"attn {100 * (r['attn_share'] or 0):5.1f}%  {row['bytes_per_token']:.0f} B/token")
+                    f"attn {r['attn_ms_per_step'] or 0:7.2f} ms  kv write {r['kv_write_ms_per_step'] or 0:7.2f} ms (synchronised steps)  "
+                    f"{row['bytes_per_token']:.0f} B/token")
             except Exception as e:
                 traceback.print_exc()
                 row["error"] = f"{type(e).__name__}: {e}"[:4000]
