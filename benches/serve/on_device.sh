@@ -37,10 +37,10 @@ shopt -s nullglob
 kw=(.whl-kvforge/kvforge-*.whl)
 if [ ${#kw[@]} -gt 0 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site-kvforge "${kw[@]}" || echo "WARNING: kvforge wheel install failed"
-  export PYTHONPATH="/tmp/site-kvforge:$PYTHONPATH"
-else
-  echo "WARNING: no .whl-kvforge/kvforge-*.whl: the kvforge backends will fail" >&2
+elif [ ! -d /tmp/site-kvforge ]; then
+  echo "WARNING: no .whl-kvforge/kvforge-*.whl and none installed: the kvforge backends will fail" >&2
 fi
+[ -d /tmp/site-kvforge ] && export PYTHONPATH="/tmp/site-kvforge:$PYTHONPATH"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} KVFORGE_ROOT=$ROOT KVFORGE_CACHE_DIR=${KVFORGE_CACHE_DIR:-/tmp/kvc}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PYTHONPATH:$ROOT/.whl-py"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
