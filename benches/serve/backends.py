@@ -261,7 +261,8 @@ class FlashInferBackend(_TokenSlots, Backend):
         indptr[1:] = torch.cumsum(npages, 0)
         last = lens - (npages - 1) * ps
         indices = self._tbl[self._cols[None, :] < npages.to(dev)[:, None]]
-        self.wrapper.plan(indptr.to(dev), indices, last.to(dev), self.hq, self.hkv, self.d, ps,
+        # indptr / last page lengths as host tensors: plan() reads them on the host anyway
+        self.wrapper.plan(indptr, indices, last, self.hq, self.hkv, self.d, ps,
                           pos_encoding_mode="NONE", q_data_type=torch.float16, kv_data_type=self.kv_dtype)
         blk, slot = self.step_slots(reqs)
         return {"blk": blk, "slot": slot}

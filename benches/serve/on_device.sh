@@ -14,6 +14,8 @@
 #            (an nvidia-h100-x2 machine).
 #   quality  SmolLM2-135M real weights (needs /root/m/SmolLM2-135M-Instruct.Q4_1.gguf, see
 #            benches/quality/README.md): greedy outputs of each backend vs sdpa fp16.
+#   smol-loop SmolLM2-135M, 64 requests x 4K prompts, 64 new tokens, budget 8 GB: the loop's
+#            tokens/s per backend on a real model (same model file as quality).
 #   fi-warm  only compile FlashInfer's fp16 and fp8 decode modules (JIT cache in
 #            /tmp/flashinfer-ws, kept while the machine stays warm).
 #
@@ -65,6 +67,8 @@ for ph in "${PHASES[@]}"; do
             --contexts 32768 --backends "$BACKENDS" --steps "$S" --out "$W/steady-tp2.json" ;;
     quality) $R --mode quality --model smollm2 --model-dir /root/m --prompt-lens 512,1024,2048,4096 --max-new 64 --budget-gb 2 \
             --backends "sdpa,flashinfer,flashinfer_fp8,kvforge:fp16,kvforge:b8,kvforge:b4,kvforge:r4,kvforge:r3" --out "$W/quality.json" ;;
+    smol-loop) $R --mode loop --model smollm2 --model-dir /root/m --requests 64 --prompt-lens 4096 --max-new 64 --max-batch 64 \
+            --budget-gb 8 --backends "sdpa,flashinfer,flashinfer_fp8,kvforge:fp16,kvforge:b4,kvforge:r3" --out "$W/smol-loop.json" ;;
     *) echo "unknown phase $ph" ;;
   esac 2>&1 | grep -v 'it/s]' | tee "$W/$ph.log"
 done
