@@ -196,7 +196,7 @@ def run_loop(a, model, device, doc):
             peak_running = 0
             while not eng.sched.idle:
                 info = eng.step()
-                peak_running = max(peak_running, info["running"] + info["decoded"] * 0)
+                peak_running = max(peak_running, info["running"])
                 if bar is not None:
                     bar.update(info["decoded"] + info["admitted"])
                     bar.set_postfix(running=info["running"], waiting=info["waiting"], kv=f"{eng.pool.used}/{eng.pool.num_blocks}")

@@ -252,3 +252,24 @@ def test_tensor_parallel_two_ranks_match_one(tmp_path):
     tp = eval(out.read_text())
     agree = sum(a == b for r, g in zip(reqs, tp) for a, b in zip(r.generated, g))
     assert agree >= 13, (tp, [r.generated for r in reqs])  # fp16 sums in another order may flip a near tie
+
+
+def test_from_hf_matches_transformers_logits():
+    transformers = pytest.importorskip("transformers")
+    from backends import SdpaBackend
+    from model import Llama
+
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    m = Llama.from_hf(hf, "cpu")
+    assert (m.cfg.hq, m.cfg.hkv, m.cfg.d, m.cfg.layers) == (4, 2, 8, 2)
+    ids = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ref = hf(ids).logits[0].float()  # fp32 model
+    be = SdpaBackend(2, 4, 2, 8, device="cpu", block=4)
+    be.allocate(8, 1)
+    r = Request(rid=0, prompt_len=12, max_new=1, prompt=ids[0].tolist(), blocks=[0, 1, 2, 3])
+    got = m.prefill(be, r, ids[0])
+    assert torch.allclose(got, ref[-1], atol=3e-2, rtol=3e-2), (got - ref[-1]).abs().max()
