@@ -63,7 +63,7 @@ for ph in "${PHASES[@]}"; do
     tpot) $R --mode tpot --layers "$L" --budget-gb "$B" --contexts 32768 --backends "$BACKENDS" --steps "$S" --out "$W/tpot.json" ;;
     loop) $R --mode loop --layers "$L" --budget-gb 8 --requests 48 --prompt-lens 2048,4096,8192 --max-new 64 --max-batch 64 \
             --backends "$BACKENDS" --out "$W/loop.json" ;;
-    tp2) torchrun --standalone --nproc-per-node 2 benches/serve/run.py --no-progress --mode steady --layers "$L" --budget-gb "$B" \
+    tp2) python3 -m torch.distributed.run --standalone --nproc-per-node 2 benches/serve/run.py --no-progress --mode steady --layers "$L" --budget-gb "$B" \
             --contexts 32768 --backends "$BACKENDS" --steps "$S" --out "$W/steady-tp2.json" ;;
     quality) $R --mode quality --model smollm2 --model-dir /root/m --prompt-lens 512,1024,2048,4096 --max-new 64 --budget-gb 2 \
             --backends "sdpa,flashinfer,flashinfer_fp8,kvforge:fp16,kvforge:b8,kvforge:b4,kvforge:r4,kvforge:r3" --out "$W/quality.json" ;;
