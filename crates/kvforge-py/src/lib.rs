@@ -517,7 +517,13 @@ impl Cache {
     /// kv head plus `length % page_tokens` tokens, `t` the largest divisor of
     /// `length // page_tokens` up to 16. Benchmarks build large batches with it without
     /// staging every token through the host.
-    fn tile_sequence(&mut self, py: Python<'_>, #[pyo3(from_py_with = crate::nat)] s0: usize, #[pyo3(from_py_with = crate::nat)] batch: usize, #[pyo3(from_py_with = crate::nat)] length: usize) -> PyResult<Vec<usize>> {
+    fn tile_sequence(
+        &mut self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = crate::nat)] s0: usize,
+        #[pyo3(from_py_with = crate::nat)] batch: usize,
+        #[pyo3(from_py_with = crate::nat)] length: usize,
+    ) -> PyResult<Vec<usize>> {
         self.generation += 1;
         guarded(py, || self.inner.tile_sequence(s0, batch, length).or_py(py))
     }
