@@ -8,7 +8,7 @@
 #            32K and 128K, batch = the most sequences the budget admits (cap 256): kvforge fp16 /
 #            rdkv b4 / rotated r3 vs FlashInfer fp16 / fp8 vs torch SDPA. tokens/s, ms/step,
 #            attention share.
-#   tpot     batch 1 x 32K, same backends: time per output token.
+#   tpot     batch 1 x 32K, same backends: time per output token (a 4 GB pool: one sequence).
 #   loop     continuous batching, 48 requests of 2K-8K prompts, 64 new tokens each, budget 8 GB.
 #   tp2      steady at 32K over 2 GPUs (torchrun, kv heads sharded), budget 40 GB per GPU
 #            (an nvidia-h100-x2 machine).
@@ -60,7 +60,7 @@ for ph in "${PHASES[@]}"; do
   case $ph in
     fi-warm) $R --mode tpot --layers 1 --contexts 1024 --backends flashinfer,flashinfer_fp8 --steps 1 --budget-gb 1 --out "$W/fi-warm.json" ;;
     steady) $R --mode steady --layers "$L" --budget-gb "$B" --contexts "$CTXS" --backends "$BACKENDS" --steps "$S" --out "$W/steady.json" ;;
-    tpot) $R --mode tpot --layers "$L" --budget-gb "$B" --contexts 32768 --backends "$BACKENDS" --steps "$S" --out "$W/tpot.json" ;;
+    tpot) $R --mode tpot --layers "$L" --budget-gb 4 --contexts 32768 --backends "$BACKENDS" --steps "$S" --out "$W/tpot.json" ;;
     loop) $R --mode loop --layers "$L" --budget-gb 8 --requests 48 --prompt-lens 2048,4096,8192 --max-new 64 --max-batch 64 \
             --backends "$BACKENDS" --out "$W/loop.json" ;;
     tp2) python3 -m torch.distributed.run --standalone --nproc-per-node 2 benches/serve/run.py --no-progress --mode steady --layers "$L" --budget-gb "$B" \
@@ -72,5 +72,5 @@ for ph in "${PHASES[@]}"; do
     *) echo "unknown phase $ph" ;;
   esac 2>&1 | grep -v 'it/s]' | tee "$W/$ph.log"
 done
-python3 benches/serve/plot.py "$W"/*.json --out "$W/serve.png" 2>&1 | tail -3 || true
+python3 benches/serve/plot.py "$W"/*.json --out "$W/serve.png" 2>&1 | tee "$W/tables.md" || true
 tar -C /tmp/serve-res -czf "$OUT/serve.tgz" serve && echo "wrote $OUT/serve.tgz ($(( $(date +%s) - t0 )) s)"
