@@ -35,13 +35,25 @@ import torch.nn.functional as F
 
 def causal_attention(q, k, v):
     """Exact causal attention of one prompt: q [L, Hq, D], k/v [L, Hkv, D] → [L, Hq, D]
-    (torch SDPA; GQA through ``enable_gqa``, else the kv heads repeated)."""
+    (torch SDPA; GQA through ``enable_gqa``, else the kv heads repeated). On the GPU only the
+    fused kernels may run: the math fallback would materialise L x L scores per head."""
     hq, hkv = q.shape[1], k.shape[1]
     qq, kk, vv = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    g = hq // hkv
+    if q.is_cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+        try:
+            with sdpa_kernel(fused):
+                o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=g > 1)
+        except RuntimeError:  # no fused kernel takes GQA here: repeat the kv heads
+            with sdpa_kernel(fused):
+                o = F.scaled_dot_product_attention(qq, kk.repeat_interleave(g, 1), vv.repeat_interleave(g, 1), is_causal=True)
+        return o[0].transpose(0, 1)
     try:
-        o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=hq != hkv)
+        o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=g > 1)
     except (RuntimeError, TypeError):
-        g = hq // hkv
         o = F.scaled_dot_product_attention(qq, kk.repeat_interleave(g, 1), vv.repeat_interleave(g, 1), is_causal=True)
     return o[0].transpose(0, 1)
 
