@@ -273,3 +273,32 @@ def test_from_hf_matches_transformers_logits():
     r = Request(rid=0, prompt_len=12, max_new=1, prompt=ids[0].tolist(), blocks=[0, 1, 2, 3])
     got = m.prefill(be, r, ids[0])
     assert torch.allclose(got, ref[-1], atol=3e-2, rtol=3e-2), (got - ref[-1]).abs().max()
+
+
+def test_quality_mode_on_a_tiny_transformers_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    import run
+    from model import Llama
+
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+
+    class Tok:
+        def __call__(self, text, add_special_tokens=False):
+            return types.SimpleNamespace(input_ids=[ord(ch) % 50 for ch in text[:20000]])
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    out = tmp_path / "q.json"
+    a = run.parse_args(["--mode", "quality", "--backends", "sdpa", "--prompt-lens", "20,33", "--max-new", "4", "--budget-gb", "0.001",
+                        "--out", str(out)])
+    doc = {"results": []}
+    run.run_quality(a, Llama.from_hf(hf, "cpu"), Tok(), hf, torch.device("cpu"), doc)
+    rows = json.loads(out.read_text())["results"]
+    (row,) = [r for r in rows if r["backend"] == "sdpa"]
+    assert row["against"] == "transformers" and row["prompt_lens"] == [20, 33] and len(row["equal_fraction"]) == 2
