@@ -300,12 +300,16 @@ class KvforgeBackend(Backend):
     kvforge allocates the real ones from its own pool, which the mirror keeps from running dry.
     """
 
-    def __init__(self, *a, spec: str = "specs/rdkv.toml", tier: str = "b4", root: Optional[str] = None, **kw):
+    def __init__(self, *a, spec: str = "specs/rdkv.toml", tier: str = "b4", root: Optional[str] = None, writes: bool = True, **kw):
         super().__init__(*a, **kw)
         import kvforge
 
         self.kvforge, self.spec, self.tier, self.root = kvforge, spec, tier, root
-        self.name = f"kvforge:{tier}"
+        # writes=False (``kvforge:<tier>+nowrite``, steady mode only): decode steps do not
+        # append, so every step attends the same cache: the model + kernels bound a device-side
+        # append would reach, with today's host-staged Cache.append taken out.
+        self.writes = writes
+        self.name = f"kvforge:{tier}" + ("" if writes else "+nowrite")
         self._probe()
 
     def _cache(self, max_tokens: int, sequences: int):
@@ -381,6 +385,8 @@ class KvforgeBackend(Backend):
         return [self.ids[r.rid] for r in reqs]
 
     def write_step(self, layer, md, k, v):
+        if not self.writes:
+            return
         c = self.caches[layer]
         for b, s in enumerate(md):
             c.append(s, k[b:b + 1], v[b:b + 1])
@@ -391,21 +397,23 @@ class KvforgeBackend(Backend):
 
     def describe(self):
         return {**super().describe(), "spec": self.spec, "tier": self.tier, "page_bytes_per_head": self.page_bytes,
-                "tail_page_bytes_per_head": self.tail_bytes, "target_only": self.target_only,
+                "tail_page_bytes_per_head": self.tail_bytes, "target_only": self.target_only, "writes": self.writes,
                 "kvforge": getattr(self.kvforge, "__version__", None)}
 
 
 def make_backend(name: str, layers: int, hq: int, hkv: int, d: int, device, root: Optional[str] = None, fi_tensor_cores: bool = True):
     """``sdpa``, ``flashinfer``, ``flashinfer_fp8``, ``kvforge:<tier>`` (a tier of
     ``specs/rdkv.toml``, ``specs/rotated.toml`` or ``specs/baseline.toml``, found by name) or
-    ``kvforge:<spec.toml>:<tier>``."""
+    ``kvforge:<spec.toml>:<tier>``; a ``+nowrite`` suffix on a kvforge name skips the per-step
+    appends (steady mode: an upper bound without the host-staged writes)."""
     a = (layers, hq, hkv, d)
     if name == "sdpa":
         return SdpaBackend(*a, device=device)
     if name in ("flashinfer", "flashinfer_fp8"):
         return FlashInferBackend(*a, device=device, kv_dtype="fp8" if name.endswith("fp8") else "fp16", tensor_cores=fi_tensor_cores)
     if name.startswith("kvforge:"):
-        parts = name.split(":")[1:]
+        writes = not name.endswith("+nowrite")
+        parts = name.removesuffix("+nowrite").split(":")[1:]
         if len(parts) == 2:
             spec, tier = parts
         else:
@@ -413,5 +421,5 @@ def make_backend(name: str, layers: int, hq: int, hkv: int, d: int, device, root
             spec = {"fp16": "specs/baseline.toml", "b16": "specs/rdkv.toml"}.get(tier)
             if spec is None:
                 spec = "specs/rotated.toml" if tier.startswith(("r", "k3")) else "specs/rdkv.toml"
-        return KvforgeBackend(*a, device=device, spec=spec, tier=tier, root=root)
+        return KvforgeBackend(*a, device=device, spec=spec, tier=tier, root=root, writes=writes)
     raise ValueError(f"unknown backend {name!r} (sdpa, flashinfer, flashinfer_fp8, kvforge:<tier>, kvforge:<spec>:<tier>)")

@@ -7,7 +7,8 @@
 #   steady   Llama-3-8B-shaped stack (8 layers, random fp16 weights), KV budget 40 GB, contexts
 #            32K and 128K, batch = the most sequences the budget admits (cap 256): kvforge fp16 /
 #            rdkv b4 / rotated r3 vs FlashInfer fp16 / fp8 vs torch SDPA. tokens/s, ms/step,
-#            attention share.
+#            attention and cache-write time; kvforge b4 / r3 also without the per-step appends
+#            (+nowrite: the bound once appends stay on the device).
 #   tpot     batch 1 x 32K, same backends: time per output token (a 4 GB pool: one sequence).
 #   loop     continuous batching, 48 requests of 2K-8K prompts, 64 new tokens each, budget 8 GB.
 #   tp2      steady at 32K over 2 GPUs (torchrun, kv heads sharded), budget 40 GB per GPU
@@ -59,7 +60,8 @@ for ph in "${PHASES[@]}"; do
   echo "== $ph ($(( $(date +%s) - t0 )) s)"
   case $ph in
     fi-warm) $R --mode tpot --layers 1 --contexts 1024 --backends flashinfer,flashinfer_fp8 --steps 1 --budget-gb 1 --out "$W/fi-warm.json" ;;
-    steady) $R --mode steady --layers "$L" --budget-gb "$B" --contexts "$CTXS" --backends "$BACKENDS" --steps "$S" --out "$W/steady.json" ;;
+    steady) $R --mode steady --layers "$L" --budget-gb "$B" --contexts "$CTXS" --backends "$BACKENDS,kvforge:b4+nowrite,kvforge:r3+nowrite" \
+            --steps "$S" --out "$W/steady.json" ;;
     tpot) $R --mode tpot --layers "$L" --budget-gb 4 --contexts 32768 --backends "$BACKENDS" --steps "$S" --out "$W/tpot.json" ;;
     loop) $R --mode loop --layers "$L" --budget-gb 8 --requests 48 --prompt-lens 2048,4096,8192 --max-new 64 --max-batch 64 \
             --backends "$BACKENDS" --out "$W/loop.json" ;;

@@ -188,6 +188,8 @@ def run_loop(a, model, device, doc):
         eng = None
         row = {"mode": "loop", "backend": name, "prompt_lens": a.prompt_lens, "max_new": a.max_new, "requests": a.requests}
         try:
+            if name.endswith("+nowrite"):
+                raise ValueError("+nowrite backends skip the cache writes: steady / tpot modes only")
             eng = engine_for(a, model, name, device, a.max_batch)
             reqs = mixed_requests(a.requests, a.prompt_lens, a.max_new, seed=a.seed, arrivals_per_step=a.arrival_rate)
             eng.add(reqs)

@@ -131,6 +131,8 @@ def test_kvforge_backend_glue_on_a_fake_extension(monkeypatch):
     for r in reqs:
         assert r.generated == m.reference_greedy(r.prompt, r.max_new), r.rid
     assert isinstance(make_backend("kvforge:r3", c.layers, c.hq, c.hkv, c.d, "cpu"), KvforgeBackend)
+    nw = make_backend("kvforge:specs/rdkv.toml:b4+nowrite", c.layers, c.hq, c.hkv, c.d, "cpu")
+    assert (nw.spec, nw.tier, nw.writes, nw.name) == ("specs/rdkv.toml", "b4", False, "kvforge:b4+nowrite")
     # the steady-state fill tiles one template into the batch
     be2 = KvforgeBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", tier="b4")
     eng2 = _engine(m, be2, 40, max_batch=3)
