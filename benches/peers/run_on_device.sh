@@ -54,5 +54,7 @@ export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0}
 export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-/tmp/flashinfer-ws}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 mkdir -p "$FLASHINFER_WORKSPACE_BASE"
+# sourced with PEERS_INSTALL_ONLY=1 (benches/serve/on_device.sh): install and set the env only
+if [ -n "${PEERS_INSTALL_ONLY:-}" ]; then return 0 2>/dev/null || exit 0; fi
 echo "python $("$PY" -V 2>&1), nvcc $(nvcc --version 2>/dev/null | tail -1), ninja $(ninja --version 2>/dev/null || echo missing)"
 exec "$PY" -u benches/peers/peers.py "$@"

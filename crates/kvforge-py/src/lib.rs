@@ -450,7 +450,7 @@ impl Cache {
 #[pymethods]
 impl Cache {
     #[new]
-    #[pyo3(signature = (spec, head_dim, num_kv_heads, gqa, max_tokens, sequences = 1, target = None, root = None, device = 0, verify_headers = false))]
+    #[pyo3(signature = (spec, head_dim, num_kv_heads, gqa, max_tokens, sequences = 1, target = None, root = None, device = 0, verify_headers = false, target_only = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -464,6 +464,7 @@ impl Cache {
         root: Option<&str>,
         #[pyo3(from_py_with = crate::nat)] device: usize,
         #[pyo3(from_py_with = crate::flag)] verify_headers: bool,
+        #[pyo3(from_py_with = crate::flag)] target_only: bool,
     ) -> PyResult<Cache> {
         guarded(py, || {
             let path = resolve_spec(spec, root).map_err(|m| py_error(py, "Spec", m))?;
@@ -488,6 +489,16 @@ impl Cache {
             }
             let mut cfg = CacheConfig::new(&s, head_dim, gqa, num_kv_heads, sequences, max_tokens).target(tid);
             cfg.verify_headers = verify_headers;
+            if target_only {
+                // A serving pool of one format: no pages for the other ladder tiers, so the
+                // arena is the tail pages plus `max_tokens` of the target (re-tiering then
+                // runs out of pages).
+                for (t, n) in cfg.pages.iter_mut().enumerate() {
+                    if t != tid as usize && t != TAIL_TIER as usize {
+                        *n = 0;
+                    }
+                }
+            }
             let dev = self::device(py, device)?;
             let inner = KvCache::new(dev, s, cfg).or_py(py)?;
             Ok(Cache { inner, generation: 0, ordinal: device, spec_path: path.display().to_string() })
@@ -498,6 +509,23 @@ impl Cache {
     fn add_sequence(&mut self) -> usize {
         self.generation += 1;
         self.inner.add_sequence()
+    }
+
+    /// Tiles sequence `s0` into `batch` sequences of `length` tokens on the device (the page
+    /// bytes of `s0` repeated: real encoded data, repeating content); returns the ids, `s0`
+    /// first. `s0` must be the only sequence of a fresh cache, appended with `t` full pages per
+    /// kv head plus `length % page_tokens` tokens, `t` the largest divisor of
+    /// `length // page_tokens` up to 16. Benchmarks build large batches with it without
+    /// staging every token through the host.
+    fn tile_sequence(
+        &mut self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = crate::nat)] s0: usize,
+        #[pyo3(from_py_with = crate::nat)] batch: usize,
+        #[pyo3(from_py_with = crate::nat)] length: usize,
+    ) -> PyResult<Vec<usize>> {
+        self.generation += 1;
+        guarded(py, || self.inner.tile_sequence(s0, batch, length).or_py(py))
     }
 
     /// Frees every page of a sequence.

@@ -280,3 +280,11 @@ def test_relative_spec_paths_resolve_under_root_and_env(monkeypatch, tmp_path):
     assert err(cache, spec="specs/rdkv.toml", root=str(REPO)).kind == "NoDriver"
     monkeypatch.setenv("KVFORGE_ROOT", str(REPO))
     assert err(cache, spec="specs/rdkv.toml").kind == "NoDriver"
+
+
+@pytest.mark.skipif(kvforge.driver_present(), reason="a CUDA driver is present")
+def test_serving_additions_are_accepted():
+    # target_only is an argument like the others: checked, then the device is opened
+    assert err(cache, target="b4", target_only=True).kind == "NoDriver"
+    assert err(cache, target="b4", target_only="yes").kind == "BadInput"
+    assert "tile_sequence" in dir(kvforge.Cache) and "Benchmarks build large batches" in kvforge.Cache.tile_sequence.__doc__

@@ -572,6 +572,25 @@ def test_certifier_gpu_and_host_paths_agree():
     assert all(not h.ranking and h.boundary == 0 for h in h0)
 
 
+def test_target_only_pool_and_tiled_sequences_decode_like_the_template():
+    # target_only: the other ladder tiers get no pages (a re-tier into them runs out)
+    c = mk("rdkv", "b4", max_tokens=64 * 40, sequences=4, target_only=True)
+    s0 = c.add_sequence()
+    n = 10 * P  # 10 full pages: a template of 10 (largest divisor of 10 up to 16)
+    k, v = rand(n, HKV, D, seed=1), rand(n, HKV, D, seed=2)
+    c.append(s0, k, v)
+    ids = c.tile_sequence(s0, 3, n)
+    assert ids[0] == s0 and len(set(ids)) == 3 and all(c.seq_len(s) == n for s in ids)
+    q = rand(3, HQ, D, seed=3)
+    out, _ = c.decode(q, seqs=ids)
+    one, _ = c.decode(q, seqs=[s0, s0, s0])
+    close(out, one, 1e-3, 1e-3, "tiled sequences decode as their template")
+    try:
+        c.retier(s0, 0, 0, "b8")
+    except kvforge.KvforgeError:
+        pass  # b8 has no pages in a target-only pool (or is up the ladder): refused, not a crash
+
+
 def main():
     tests = [(n, f) for n, f in sorted(globals().items()) if n.startswith("test_") and callable(f)]
     passed = failed = 0

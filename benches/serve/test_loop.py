@@ -1,0 +1,306 @@
+"""CPU tests of the whole serving loop on a tiny Llama (torch; skipped without it): greedy
+outputs of the paged loop with the SDPA backend and with the kvforge backend over a fake
+extension equal a full recomputation; steady-state runs stay inside the budget; the CLI.
+
+    python -m pytest -q benches/serve/
+"""
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from batching import Request  # noqa: E402
+
+torch = pytest.importorskip("torch")
+
+
+def _tiny(layers=2):
+    from model import Llama, LlamaConfig
+
+    return Llama(LlamaConfig.tiny(layers), "cpu", seed=0)
+
+
+def _engine(model, backend, budget_blocks, max_batch=4):
+    from engine import Engine
+
+    budget = budget_blocks * backend.block_bytes() + backend.fixed_bytes(max_batch)
+    return Engine(model, backend, budget, max_batch=max_batch, max_prefill_tokens=64, max_seqs=max_batch)
+
+
+def _requests(model, lens, max_new):
+    g = torch.Generator().manual_seed(5)
+    return [Request(rid=i, prompt_len=n, max_new=max_new, prompt=torch.randint(0, model.cfg.vocab, (n,), generator=g).tolist())
+            for i, n in enumerate(lens)]
+
+
+def _serve(model, backend, lens, max_new=6, budget_blocks=12, max_batch=3):
+    eng = _engine(model, backend, budget_blocks, max_batch)
+    reqs = _requests(model, lens, max_new)
+    eng.add(reqs)
+    peak = 0
+    while not eng.sched.idle:
+        eng.step()
+        peak = max(peak, eng.pool.used)
+        assert eng.pool.used <= eng.pool.num_blocks
+    assert eng.pool.used == 0 and len(eng.sched.finished) == len(lens)
+    return eng, reqs, peak
+
+
+def test_sdpa_loop_matches_full_recompute():
+    from backends import SdpaBackend
+
+    m = _tiny()
+    c = m.cfg
+    be = SdpaBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", block=4)
+    eng, reqs, peak = _serve(m, be, [5, 11, 8, 3, 16], max_new=6, budget_blocks=12, max_batch=3)
+    assert peak <= 12
+    assert eng.sched.step_no > 6  # requests had to wait for blocks / batch slots
+    for r in reqs:
+        assert r.generated == m.reference_greedy(r.prompt, r.max_new), r.rid
+
+
+class _FakeCache:
+    """The subset of ``kvforge.Cache`` the backend uses, exact attention on torch tensors."""
+
+    def __init__(self, spec, head_dim, num_kv_heads, gqa, max_tokens, sequences=1, target=None, root=None, device=0, target_only=False):
+        self.d, self.hkv, self.g, self.max_tokens, self.target = head_dim, num_kv_heads, gqa, max_tokens, target
+        self.page_tokens = 4
+        self.seqs = {}
+        self.next = 0
+
+    def add_sequence(self):
+        s = self.next
+        self.next += 1
+        self.seqs[s] = (torch.zeros(0, self.hkv, self.d, dtype=torch.float16), torch.zeros(0, self.hkv, self.d, dtype=torch.float16))
+        return s
+
+    def remove_sequence(self, s):
+        del self.seqs[s]
+
+    def append(self, s, k, v):
+        assert k.is_contiguous() and k.shape[1:] == (self.hkv, self.d)
+        K, V = self.seqs[s]
+        self.seqs[s] = (torch.cat([K, k]), torch.cat([V, v]))
+        assert sum(x[0].shape[0] for x in self.seqs.values()) <= self.max_tokens + 4 * len(self.seqs)
+
+    def decode(self, q, seqs):
+        from backends import causal_attention
+
+        out = torch.empty_like(q)
+        for b, s in enumerate(seqs):
+            K, V = self.seqs[s]
+            # the query is the last position: causal attention of the last row
+            qq = torch.zeros(K.shape[0], q.shape[1], self.d, dtype=q.dtype)
+            qq[-1] = q[b]
+            out[b] = causal_attention(qq, K, V)[-1]
+        return out, None
+
+    def memory_report(self):
+        full = self.page_tokens * self.d * 2  # per kv head; "b4"-like: half of fp16 K+V
+        return [{"tier": "tail", "pages": self.hkv, "resident_bytes": self.hkv * 4 * full}, {"tier": self.target, "pages": self.hkv, "resident_bytes": self.hkv * full}]
+
+    def tile_sequence(self, s0, batch, length):
+        K, V = self.seqs[s0]
+        ids = [s0]
+        reps = -(-length // K.shape[0])
+        self.seqs[s0] = (K.repeat(reps, 1, 1)[:length], V.repeat(reps, 1, 1)[:length])
+        for _ in range(batch - 1):
+            s = self.add_sequence()
+            self.seqs[s] = self.seqs[s0]
+            ids.append(s)
+        return ids
+
+
+def test_kvforge_backend_glue_on_a_fake_extension(monkeypatch):
+    fake = types.ModuleType("kvforge")
+    fake.Cache = _FakeCache
+    fake.__version__ = "fake"
+    monkeypatch.setitem(sys.modules, "kvforge", fake)
+    from backends import KvforgeBackend, make_backend
+
+    m = _tiny()
+    c = m.cfg
+    be = KvforgeBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", tier="b4")
+    assert be.block_tokens() == 4 and be.page_bytes == 4 * c.d * 2 and be.target_only
+    assert be.block_bytes() == be.page_bytes * c.layers * c.hkv
+    eng, reqs, _ = _serve(m, be, [5, 11, 8, 3, 16], max_new=6, budget_blocks=12, max_batch=3)
+    for r in reqs:
+        assert r.generated == m.reference_greedy(r.prompt, r.max_new), r.rid
+    assert isinstance(make_backend("kvforge:r3", c.layers, c.hq, c.hkv, c.d, "cpu"), KvforgeBackend)
+    nw = make_backend("kvforge:specs/rdkv.toml:b4+nowrite", c.layers, c.hq, c.hkv, c.d, "cpu")
+    assert (nw.spec, nw.tier, nw.writes, nw.name) == ("specs/rdkv.toml", "b4", False, "kvforge:b4+nowrite")
+    # the steady-state fill tiles one template into the batch
+    be2 = KvforgeBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", tier="b4")
+    eng2 = _engine(m, be2, 40, max_batch=3)
+    r = eng2.steady(batch=3, context=10, steps=2, warmup=1, breakdown=1)
+    assert r["batch"] == 3 and r["tokens_per_s"] > 0 and eng2.pool.used == 0 and be2.ids == {}
+
+
+def test_steady_sdpa_budget_and_batch():
+    from backends import SdpaBackend
+
+    m = _tiny()
+    c = m.cfg
+    be = SdpaBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", block=4)
+    eng = _engine(m, be, 30, max_batch=3)
+    r = eng.steady(batch=3, context=20, steps=3, warmup=1, breakdown=1)
+    assert r["batch"] == 3 and r["steps"] == 3 and 0 < r["attn_share"] <= 1
+    assert r["kv_bytes_reserved"] <= 30 * be.block_bytes()
+    with pytest.raises(RuntimeError):
+        eng.steady(batch=5, context=20, steps=1)  # 5 x 7 blocks > 30
+
+
+def test_run_cli_tiny(tmp_path):
+    import json
+
+    import run
+
+    out = tmp_path / "o.json"
+    run.main(["--model", "tiny", "--layers", "2", "--backends", "sdpa", "--contexts", "24", "--budget-gb", "0.00002", "--max-batch", "4",
+              "--steps", "2", "--warmup", "1", "--breakdown", "1", "--device", "cpu", "--out", str(out), "--no-progress"])
+    doc = json.loads(out.read_text())
+    (row,) = doc["results"]
+    assert "error" not in row, row
+    assert row["batch"] >= 1 and row["tokens_per_s"] > 0
+    run.main(["--model", "tiny", "--layers", "2", "--mode", "loop", "--backends", "sdpa", "--requests", "6", "--prompt-lens", "5,9",
+              "--max-new", "3", "--budget-gb", "0.00002", "--max-batch", "3", "--device", "cpu", "--out", str(out), "--no-progress"])
+    (row,) = json.loads(out.read_text())["results"]
+    assert "error" not in row, row
+    assert row["generated"] == 18
+
+
+class _FakeDecodeWrapper:
+    """FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` on CPU: gathers each sequence's
+    pages from the plan's page table (checks the backend's indptr / indices / last_page_len)."""
+
+    def __init__(self, ws, layout, use_tensor_cores=False):
+        assert layout == "NHD"
+
+    def plan(self, indptr, indices, last_page_len, hq, hkv, d, page, pos_encoding_mode="NONE", q_data_type=None, kv_data_type=None):
+        self.indptr, self.indices, self.last, self.page = indptr.tolist(), indices.tolist(), last_page_len.tolist(), page
+        assert len(self.indices) == self.indptr[-1] and all(1 <= x <= page for x in self.last)
+
+    def run(self, q, cache):
+        from backends import causal_attention
+
+        out = torch.empty_like(q)
+        for b in range(q.shape[0]):
+            pages = self.indices[self.indptr[b]:self.indptr[b + 1]]
+            n = (len(pages) - 1) * self.page + self.last[b]
+            kv = cache[pages].to(torch.float16)  # [P, 2, page, Hkv, D]
+            K = kv[:, 0].reshape(-1, *kv.shape[-2:])[:n]
+            V = kv[:, 1].reshape(-1, *kv.shape[-2:])[:n]
+            qq = torch.zeros(n, *q.shape[1:], dtype=q.dtype)
+            qq[-1] = q[b]
+            out[b] = causal_attention(qq, K, V)[-1]
+        return out
+
+
+@pytest.mark.parametrize("kv", ["fp16", "fp8"])
+def test_flashinfer_backend_page_table_on_a_fake_wrapper(monkeypatch, kv):
+    fake = types.ModuleType("flashinfer")
+    fake.BatchDecodeWithPagedKVCacheWrapper = _FakeDecodeWrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    from backends import FlashInferBackend
+
+    m = _tiny()
+    c = m.cfg
+    be = FlashInferBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", kv_dtype=kv, page=4, workspace_mb=1)
+    eng, reqs, _ = _serve(m, be, [5, 11, 8, 3, 16], max_new=6, budget_blocks=12, max_batch=3)
+    ref = [m.reference_greedy(r.prompt, r.max_new) for r in reqs]
+    if kv == "fp16":
+        assert [r.generated for r in reqs] == ref
+    else:  # fp8 K/V: most greedy tokens agree on a tiny random model
+        agree = sum(a == b for r, g in zip(reqs, ref) for a, b in zip(r.generated, g))
+        assert agree >= 0.6 * sum(len(g) for g in ref)
+
+
+def _tp_worker(rank, world, port, out):
+    import os
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    import torch.distributed as dist
+
+    import run
+
+    run.init_dist()
+    from backends import SdpaBackend
+
+    m = _tiny()
+    assert m.hq == m.cfg.hq // world and m.hkv == m.cfg.hkv // world
+    be = SdpaBackend(m.cfg.layers, m.hq, m.hkv, m.cfg.d, device="cpu", block=4)
+    _, reqs, _ = _serve(m, be, [5, 11, 8], max_new=5, budget_blocks=12, max_batch=3)
+    if rank == 0:
+        Path(out).write_text(repr([r.generated for r in reqs]))
+    dist.destroy_process_group()
+
+
+def test_tensor_parallel_two_ranks_match_one(tmp_path):
+    import random as _r
+
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "tp.txt"
+    mp.spawn(_tp_worker, args=(2, 29500 + _r.randrange(2000), str(out)), nprocs=2, join=True)
+    m = _tiny()
+    from backends import SdpaBackend
+
+    be = SdpaBackend(m.cfg.layers, m.hq, m.hkv, m.cfg.d, device="cpu", block=4)
+    _, reqs, _ = _serve(m, be, [5, 11, 8], max_new=5, budget_blocks=12, max_batch=3)
+    tp = eval(out.read_text())
+    agree = sum(a == b for r, g in zip(reqs, tp) for a, b in zip(r.generated, g))
+    assert agree >= 13, (tp, [r.generated for r in reqs])  # fp16 sums in another order may flip a near tie
+
+
+def test_from_hf_matches_transformers_logits():
+    transformers = pytest.importorskip("transformers")
+    from backends import SdpaBackend
+    from model import Llama
+
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    m = Llama.from_hf(hf, "cpu")
+    assert (m.cfg.hq, m.cfg.hkv, m.cfg.d, m.cfg.layers) == (4, 2, 8, 2)
+    ids = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ref = hf(ids).logits[0].float()  # fp32 model
+    be = SdpaBackend(2, 4, 2, 8, device="cpu", block=4)
+    be.allocate(8, 1)
+    r = Request(rid=0, prompt_len=12, max_new=1, prompt=ids[0].tolist(), blocks=[0, 1, 2, 3])
+    got = m.prefill(be, r, ids[0])
+    assert torch.allclose(got, ref[-1], atol=3e-2, rtol=3e-2), (got - ref[-1]).abs().max()
+
+
+def test_quality_mode_on_a_tiny_transformers_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import json
+
+    import run
+    from model import Llama
+
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+
+    class Tok:
+        def __call__(self, text, add_special_tokens=False):
+            return types.SimpleNamespace(input_ids=[ord(ch) % 50 for ch in text[:20000]])
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    out = tmp_path / "q.json"
+    a = run.parse_args(["--mode", "quality", "--backends", "sdpa", "--prompt-lens", "20,33", "--max-new", "4", "--budget-gb", "0.001",
+                        "--out", str(out)])
+    doc = {"results": []}
+    run.run_quality(a, Llama.from_hf(hf, "cpu"), Tok(), hf, torch.device("cpu"), doc)
+    rows = json.loads(out.read_text())["results"]
+    (row,) = [r for r in rows if r["backend"] == "sdpa"]
+    assert row["against"] == "transformers" and row["prompt_lens"] == [20, 33] and len(row["equal_fraction"]) == 2
