@@ -35,7 +35,7 @@ impl ParisConfig {
         if !(16..=256).contains(&self.head_dim) || !hadamard::rotatable(self.head_dim) {
             return Err(ParisError::HeadDim(self.head_dim));
         }
-        if self.subspaces == 0 || !self.head_dim.is_multiple_of(self.subspaces) || !(4..=8).contains(&(self.head_dim / self.subspaces)) {
+        if self.subspaces == 0 || self.head_dim % self.subspaces != 0 || !(4..=8).contains(&(self.head_dim / self.subspaces)) {
             return Err(ParisError::Subspaces { head_dim: self.head_dim, subspaces: self.subspaces });
         }
         if !(1..=15).contains(&self.tiers) {

@@ -103,7 +103,7 @@ impl Summaries {
     /// when a row is not finite.
     pub fn append(&mut self, keys: &[f32]) -> Result<(), ParisError> {
         let (d, bsub) = (self.config.head_dim, self.config.subspaces);
-        if !keys.len().is_multiple_of(d) {
+        if keys.len() % d != 0 {
             return Err(ParisError::Length { what: "keys", got: keys.len(), want: keys.len().next_multiple_of(d) });
         }
         if let Some(row) = keys.chunks_exact(d).position(|r| r.iter().any(|v| !v.is_finite())) {
