@@ -19,7 +19,7 @@ for d, m, t, g in CONFIGS:
     src = tpl.replace("{{ banner }}", "// test").replace("{{ symbol }}", f"paris_d{d}_m{m}_t{t}_g{g}")
     for k, v in {"d": d, "m": m, "tiers": t, "gqa": g}.items():
         src = src.replace("{{ %s }}" % k, str(v))
-    src = src.replace("{{ d // m }}", str(d // m))
+    src = src.replace("{{ subspaces }}", str(d // m))
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"paris.cu", 0, None, None) == 0
     opts = [b"--gpu-architecture=sm_90", b"--std=c++17", b"-default-device", ("-I" + os.path.join(root, "templates/include")).encode(), ("-I" + os.path.join(cu13, "include")).encode()]

@@ -228,7 +228,7 @@ fn study(source: &str, cfg: ParisConfig, keys: &[f32], queries: &[Vec<f64>], k: 
         "adaptive": {"plan": plan, "result": accs[0].summary()},
         "sweep": sweep,
     });
-    bar.println(format!(
+    let line = format!(
         "{source} D {} n {n}: adaptive (rho {}, beta {}) recall@{k} {:.3} (coarse {:.3}, exact rerank {:.3}); ratio 0.10: {:.3}",
         cfg.head_dim,
         plan.rho,
@@ -237,7 +237,8 @@ fn study(source: &str, cfg: ParisConfig, keys: &[f32], queries: &[Vec<f64>], k: 
         mean(&accs[0].coarse),
         mean(&accs[0].exact_rerank),
         mean(&accs[3].recall)
-    ));
+    );
+    bar.suspend(|| eprintln!("{line}"));
     v
 }
 

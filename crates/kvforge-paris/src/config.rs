@@ -101,11 +101,7 @@ impl Default for Schedule {
     fn default() -> Schedule {
         Schedule {
             dense_below: 2048,
-            points: vec![
-                SchedulePoint { min_len: 0, rho: 0.25, beta: 0.10 },
-                SchedulePoint { min_len: 64 << 10, rho: 0.20, beta: 0.06 },
-                SchedulePoint { min_len: 512 << 10, rho: 0.15, beta: 0.04 },
-            ],
+            points: vec![SchedulePoint { min_len: 0, rho: 0.25, beta: 0.10 }, SchedulePoint { min_len: 64 << 10, rho: 0.20, beta: 0.06 }, SchedulePoint { min_len: 512 << 10, rho: 0.15, beta: 0.04 }],
             min_candidates_per_k: 8,
         }
     }
