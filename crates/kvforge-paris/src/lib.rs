@@ -26,14 +26,17 @@
 //!
 //! - [`summary`]: the per-key summaries (byte layout in its docs);
 //! - [`retrieval`]: vote, top-`C`, rerank (eq. 10), top-`k`, exact top-`k` and recall;
-//! - [`config`]: the geometry and the adaptive `(ρ, β)` schedule.
+//! - [`config`]: the geometry and the adaptive `(ρ, β)` schedule;
+//! - [`window`]: the sinks / retrieval / local / update-buffer regions of a sequence (§4.2.1).
 
 pub mod config;
 pub mod error;
 pub mod retrieval;
 pub mod summary;
+pub mod window;
 
 pub use config::{ParisConfig, RetrievalPlan, Schedule, SchedulePoint, CODE_BITS};
 pub use error::ParisError;
 pub use retrieval::{exact_top_k, recall, retrieve, top_candidates, Query, Retrieval};
 pub use summary::{summarize_key, KeySummary, Summaries};
+pub use window::{Regions, WindowConfig};
