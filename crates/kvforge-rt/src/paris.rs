@@ -104,9 +104,30 @@ struct VoteParams {
     len: u64,
     bonus: u64,
     scores: u64,
+    score_hist: u64,
     cap: i32,
     hkv: i32,
 }
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct BucketParams {
+    scores: u64,
+    hist: u64,
+    n: u64,
+    want: u64,
+    chunk_gt: u64,
+    chunk_eq: u64,
+    out: u64,
+    out_count: u64,
+    cap: i32,
+    stride: i32,
+    hq: i32,
+    chunks: i32,
+}
+
+/// Keys per CTA of the bucket top-C (`BUCKET_PER_THREAD` × 256 threads in paris.cuh).
+const BUCKET_CHUNK: usize = 16 * 256;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -183,7 +204,8 @@ struct AttendParams {
 const _: () = assert!(std::mem::size_of::<IndexRaw>() == 48);
 const _: () = assert!(std::mem::size_of::<EncodeParams>() == 144);
 const _: () = assert!(std::mem::size_of::<BonusParams>() == 64);
-const _: () = assert!(std::mem::size_of::<VoteParams>() == 40);
+const _: () = assert!(std::mem::size_of::<VoteParams>() == 48);
+const _: () = assert!(std::mem::size_of::<BucketParams>() == 80);
 const _: () = assert!(std::mem::size_of::<SelectParams>() == 80);
 const _: () = assert!(std::mem::size_of::<RerankParams>() == 160);
 const _: () = assert!(std::mem::size_of::<FetchParams>() == 80);
@@ -194,6 +216,7 @@ unsafe impl cudarc::driver::DeviceRepr for EncodeParams {}
 unsafe impl cudarc::driver::DeviceRepr for BonusParams {}
 unsafe impl cudarc::driver::DeviceRepr for VoteParams {}
 unsafe impl cudarc::driver::DeviceRepr for SelectParams {}
+unsafe impl cudarc::driver::DeviceRepr for BucketParams {}
 unsafe impl cudarc::driver::DeviceRepr for RerankParams {}
 unsafe impl cudarc::driver::DeviceRepr for FetchParams {}
 unsafe impl cudarc::driver::DeviceRepr for AttendParams {}
@@ -243,6 +266,9 @@ struct Workspace {
     qnorm: CudaSlice<f32>,
     bonus: CudaSlice<u8>,
     scores: CudaSlice<u8>,
+    score_hist: CudaSlice<u32>,
+    chunk_gt: CudaSlice<u32>,
+    chunk_eq: CudaSlice<u32>,
     target: CudaSlice<u32>,
     want_c: CudaSlice<u32>,
     want_k: CudaSlice<u32>,
@@ -326,6 +352,9 @@ impl ParisIndex {
             qnorm: zf(qh, "query norms")?,
             bonus: z8(qh * b * c, "bonus tables")?,
             scores: z8(qh * geo.capacity, "collision scores")?,
+            score_hist: z32(qh * 256, "score histograms")?,
+            chunk_gt: z32(qh * geo.capacity.div_ceil(BUCKET_CHUNK), "bucket counts")?,
+            chunk_eq: z32(qh * geo.capacity.div_ceil(BUCKET_CHUNK), "bucket counts")?,
             target: z32(geo.batch, "vote targets")?,
             want_c: z32(geo.batch, "candidate counts")?,
             want_k: z32(geo.batch, "top-k counts")?,
@@ -537,7 +566,8 @@ impl ParisIndex {
         Ok(())
     }
 
-    fn launch_vote(&self) -> Result<()> {
+    fn launch_vote(&mut self) -> Result<()> {
+        self.st.memset_zeros(&mut self.ws.score_hist).map_err(drv("score histograms"))?;
         let (st, g) = (&self.st, &self.geo);
         let qh = g.batch * g.kv_heads * g.gqa;
         let w = &self.ws;
@@ -554,8 +584,15 @@ impl ParisIndex {
         };
         // SAFETY: params mirror BonusParams; buffers sized [batch][Hq][...] in `new`.
         unsafe { st.launch_builder(&self.funcs["bonus"]).arg(&bp).launch(LaunchConfig { grid_dim: (qh as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }.map_err(drv("launch paris bonus"))?;
-        let vp =
-            VoteParams { ids: self.ids.device_ptr(st).0, len: self.len_d.device_ptr(st).0, bonus: w.bonus.device_ptr(st).0, scores: w.scores.device_ptr(st).0, cap: g.capacity as i32, hkv: g.kv_heads as i32 };
+        let vp = VoteParams {
+            ids: self.ids.device_ptr(st).0,
+            len: self.len_d.device_ptr(st).0,
+            bonus: w.bonus.device_ptr(st).0,
+            scores: w.scores.device_ptr(st).0,
+            score_hist: w.score_hist.device_ptr(st).0,
+            cap: g.capacity as i32,
+            hkv: g.kv_heads as i32,
+        };
         let most = self.len.iter().copied().max().unwrap_or(0).max(1);
         // SAFETY: params mirror VoteParams; threads past a sequence's length return.
         unsafe { st.launch_builder(&self.funcs["vote"]).arg(&vp).launch(LaunchConfig { grid_dim: (most.div_ceil(256) as u32, (g.batch * g.kv_heads) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }
@@ -588,6 +625,36 @@ impl ParisIndex {
         // SAFETY: params mirror SelectParams; select writes at most `stride` candidates per
         // (sequence, query head), top-k at most max_k ≤ 1024.
         unsafe { self.st.launch_builder(f).arg(&p).launch(LaunchConfig { grid_dim: (qh as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 }) }.map_err(drv("launch paris select"))?;
+        Ok(())
+    }
+
+    /// The top-C of the collision scores over many CTAs: per-chunk counts, then each chunk's
+    /// candidates at their index-order positions.
+    fn launch_bucket(&self) -> Result<()> {
+        let (st, g, w) = (&self.st, &self.geo, &self.ws);
+        let qh = g.batch * g.kv_heads * g.gqa;
+        let chunks = g.capacity.div_ceil(BUCKET_CHUNK);
+        let live = self.len.iter().copied().max().unwrap_or(0).div_ceil(BUCKET_CHUNK).max(1);
+        let p = BucketParams {
+            scores: w.scores.device_ptr(st).0,
+            hist: w.score_hist.device_ptr(st).0,
+            n: self.len_d.device_ptr(st).0,
+            want: w.want_c.device_ptr(st).0,
+            chunk_gt: w.chunk_gt.device_ptr(st).0,
+            chunk_eq: w.chunk_eq.device_ptr(st).0,
+            out: w.cand.device_ptr(st).0,
+            out_count: w.cand_count.device_ptr(st).0,
+            cap: g.capacity as i32,
+            stride: g.max_candidates as i32,
+            hq: (g.kv_heads * g.gqa) as i32,
+            chunks: chunks as i32,
+        };
+        let cfg = LaunchConfig { grid_dim: (live as u32, qh as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: params mirror BucketParams; chunk arrays hold `chunks` ≥ `live` entries per
+        // row; emit writes at most min(want, stride) candidates per row.
+        unsafe { st.launch_builder(&self.funcs["bucket_count"]).arg(&p).launch(cfg) }.map_err(drv("launch paris bucket_count"))?;
+        // SAFETY: as above.
+        unsafe { st.launch_builder(&self.funcs["bucket_emit"]).arg(&p).launch(cfg) }.map_err(drv("launch paris bucket_emit"))?;
         Ok(())
     }
 
@@ -675,7 +742,7 @@ impl ParisIndex {
     pub fn retrieve(&mut self, q: &[f16], k: usize, schedule: &Schedule) -> Result<Vec<Vec<u32>>> {
         self.prepare(q, k, schedule)?;
         self.launch_vote()?;
-        self.launch_select(false)?;
+        self.launch_bucket()?;
         self.launch_rerank()?;
         self.launch_select(true)?;
         self.download_top()
@@ -740,7 +807,7 @@ impl ParisIndex {
         mark(0)?;
         self.launch_vote()?;
         mark(1)?;
-        self.launch_select(false)?;
+        self.launch_bucket()?;
         mark(2)?;
         self.launch_rerank()?;
         mark(3)?;

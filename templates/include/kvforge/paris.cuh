@@ -54,7 +54,22 @@ struct VoteParams {
   const u32* len;
   const u8* bonus;  // BonusParams::bonus
   u8* scores;       // [S][Hq][cap] out
+  u32* score_hist;  // [S][Hq][256] out (zeroed before the launch): keys per collision score
   int cap, hkv;
+};
+
+// The integer-bucket top-C over many CTAs: bucket_count then bucket_emit, each over chunks of
+// BUCKET_CHUNK keys of every (sequence, query head).
+struct BucketParams {
+  const u8* scores;  // [S][Hq][cap]
+  const u32* hist;   // [S][Hq][256] (VoteParams::score_hist)
+  const u32* n;      // [S] keys
+  const u32* want;   // [S] candidates to keep
+  u32* chunk_gt;     // [S][Hq][chunks]: keys above the threshold per chunk
+  u32* chunk_eq;     // [S][Hq][chunks]: keys at the threshold per chunk
+  u32* out;          // [S][Hq][stride] out: candidates ascending by key index
+  u32* out_count;    // [S][Hq] out
+  int cap, stride, hq, chunks;
 };
 
 struct SelectParams {
@@ -338,28 +353,135 @@ __device__ void bonus_kernel(const BonusParams& p) {
 }
 
 // Collision scores. Grid (ceil(cap / NT), S * Hkv), NT threads; each thread scores one key for
-// the G query heads of its kv head (the ids are read once).
+// the G query heads of its kv head (the ids are read once), and the CTA adds its keys to each
+// query head's score histogram.
 template <int D, int M, int G, int NT>
 __device__ void vote_kernel(const VoteParams& p) {
   constexpr int B = D / M, C = 1 << M;
-  static_assert(G * B * C <= 48 * 1024, "the bonus tables of a kv head's query heads fit static shared memory");
+  static_assert(G * B * C <= 40 * 1024, "the bonus tables of a kv head's query heads fit static shared memory");
   __shared__ u8 bonus[G * B * C];
+  __shared__ u32 hist[G * 256];
   const int sh = blockIdx.y, s = sh / p.hkv, h = sh % p.hkv;
   const size_t qh0 = size_t(s) * p.hkv * G + size_t(h) * G;
   for (int i = threadIdx.x; i < G * B * C; i += NT) bonus[i] = p.bonus[qh0 * B * C + i];
+  for (int i = threadIdx.x; i < G * 256; i += NT) hist[i] = 0;
   __syncthreads();
   const u32 i = blockIdx.x * NT + threadIdx.x;
-  if (i >= p.len[s]) return;
-  const u8* ids = p.ids + (size_t(sh) * p.cap + i) * B;
-  u8 id[B];
+  if (i < p.len[s]) {
+    const u8* ids = p.ids + (size_t(sh) * p.cap + i) * B;
+    u8 id[B];
+    if constexpr (B % 16 == 0) {
 #pragma unroll
-  for (int b = 0; b < B; ++b) id[b] = ids[b];
+      for (int v = 0; v < B / 16; ++v) *reinterpret_cast<uint4*>(&id[16 * v]) = reinterpret_cast<const uint4*>(ids)[v];
+    } else {
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
-    u32 sc = 0;
+      for (int b = 0; b < B; ++b) id[b] = ids[b];
+    }
 #pragma unroll
-    for (int b = 0; b < B; ++b) sc += bonus[(g * B + b) * C + id[b]];
-    p.scores[(qh0 + g) * p.cap + i] = u8(sc);
+    for (int g = 0; g < G; ++g) {
+      u32 sc = 0;
+#pragma unroll
+      for (int b = 0; b < B; ++b) sc += bonus[(g * B + b) * C + id[b]];
+      p.scores[(qh0 + g) * p.cap + i] = u8(sc);
+      // Warp-aggregated: scores crowd a few values, so lanes with equal scores add once.
+      const u32 peers = __match_any_sync(__activemask(), sc);
+      if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[g * 256 + sc], u32(__popc(peers)));
+    }
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < G * 256; j += NT)
+    if (hist[j]) atomicAdd(&p.score_hist[(qh0 + j / 256) * 256 + j % 256], hist[j]);
+}
+
+// Threshold score t and how many keys scoring exactly t to keep: the reference's top-C rule.
+__device__ __forceinline__ void bucket_threshold(const u32* hist, u32 n, u32 want, u32& t, u32& room) {
+  if (want >= n) {
+    t = 0;
+    room = n;
+    return;
+  }
+  u32 above = 0;
+  int b = 255;
+  while (b > 0 && above + hist[b] < want) above += hist[b--];
+  t = u32(b);
+  room = want - above;
+}
+
+template <int NT>
+__device__ __forceinline__ u32 block_sum(u32 x, u32* smem) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  if (lane == 0) smem[warp] = x;
+  __syncthreads();
+  u32 r = 0;
+  for (int w = 0; w < NT / 32; ++w) r += smem[w];
+  __syncthreads();
+  return r;
+}
+
+constexpr int BUCKET_PER_THREAD = 16;
+
+// Counts, per chunk, the keys above and at the threshold. Grid (chunks, S * Hq).
+template <int NT>
+__device__ void bucket_count_kernel(const BucketParams& p) {
+  constexpr int CHUNK = NT * BUCKET_PER_THREAD;
+  __shared__ u32 red[NT / 32];
+  const int sh = blockIdx.y, s = sh / p.hq;
+  const u32 n = p.n[s], want = cmin(p.want[s], p.stride);
+  u32 t, room;
+  bucket_threshold(p.hist + size_t(sh) * 256, n, want, t, room);
+  const u8* sc = p.scores + size_t(sh) * p.cap;
+  u32 gt = 0, eq = 0;
+  const u32 lo = blockIdx.x * CHUNK, hi = min(lo + CHUNK, n);
+  for (u32 i = lo + threadIdx.x; i < hi; i += NT) {
+    const u32 v = sc[i];
+    gt += v > t;
+    eq += v == t;
+  }
+  gt = block_sum<NT>(gt, red);
+  eq = block_sum<NT>(eq, red);
+  if (threadIdx.x == 0) {
+    p.chunk_gt[size_t(sh) * p.chunks + blockIdx.x] = gt;
+    p.chunk_eq[size_t(sh) * p.chunks + blockIdx.x] = eq;
+  }
+}
+
+// Writes the candidates of each chunk at their index-order positions. Grid (chunks, S * Hq).
+template <int NT>
+__device__ void bucket_emit_kernel(const BucketParams& p) {
+  constexpr int CHUNK = NT * BUCKET_PER_THREAD;
+  __shared__ u32 red[NT / 32];
+  const int sh = blockIdx.y, s = sh / p.hq;
+  const u32 n = p.n[s], want = cmin(p.want[s], p.stride);
+  u32 t, room;
+  bucket_threshold(p.hist + size_t(sh) * 256, n, want, t, room);
+  if (blockIdx.x == 0 && threadIdx.x == 0) p.out_count[sh] = min(want, n);
+  const u32 lo = blockIdx.x * CHUNK;
+  if (lo >= n) return;
+  u32 gt_before = 0, eq_before = 0;
+  for (u32 c = threadIdx.x; c < blockIdx.x; c += NT) {
+    gt_before += p.chunk_gt[size_t(sh) * p.chunks + c];
+    eq_before += p.chunk_eq[size_t(sh) * p.chunks + c];
+  }
+  gt_before = block_sum<NT>(gt_before, red);
+  eq_before = block_sum<NT>(eq_before, red);
+  u32 emitted = gt_before + min(eq_before, room), eq_seen = eq_before;
+  const u8* sc = p.scores + size_t(sh) * p.cap;
+  u32* out = p.out + size_t(sh) * p.stride;
+  const u32 hi = min(lo + CHUNK, n);
+#pragma unroll 1
+  for (u32 base = lo; base < hi; base += NT) {
+    const u32 i = base + threadIdx.x;
+    const u32 v = i < hi ? u32(sc[i]) : 0u;
+    const u32 gt = i < hi && v > t, eq = i < hi && v == t;
+    u32 eq_total, emit_total;
+    const u32 eq_rank = eq_seen + block_exclusive_scan<NT>(eq, red, eq_total);
+    const u32 emit = gt || (eq && eq_rank < room);
+    const u32 pos = emitted + block_exclusive_scan<NT>(emit, red, emit_total);
+    if (emit) out[pos] = i;
+    eq_seen += eq_total;
+    emitted += emit_total;
   }
 }
 
