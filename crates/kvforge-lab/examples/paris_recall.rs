@@ -15,7 +15,7 @@
 //! - channel scales `σ_c = exp(0.4 g)`, and 4 random outlier channels with `σ_c × 6`
 //!   (the massive channels of real keys);
 //! - prefill distribution A: mean `μ_c = σ_c g`, 128 cluster centres `a_j ~ N(0, I)`;
-//!   a key is `μ_c + σ_c (0.9 a_jc + 0.6 g)` with `j` uniform;
+//!   a key is `μ_c + σ_c (0.9 a_jc + 0.6 g)` with `j` uniform (`--mean` scales `μ`);
 //! - decode distribution B (Fig. 1's drift): mean `μ + 0.8 σ ⊙ g`, scales `σ_c · exp(0.25 g)`,
 //!   half the centres replaced by fresh ones;
 //! - the first 75% of the `n` positions are A keys (prefill), the last 25% B keys (generated);
@@ -56,6 +56,13 @@ struct Args {
     /// Queries per (head dim, length) (synthetic) or per head (captured).
     #[arg(long, default_value_t = 32)]
     queries: usize,
+    /// Collision tiers T (1: plain collision counting).
+    #[arg(long, default_value_t = 6)]
+    tiers: u32,
+    /// Scale of the keys' shared mean (synthetic; 1 as documented above, larger: keys crowd
+    /// fewer sign patterns).
+    #[arg(long, default_value_t = 1.0)]
+    mean: f64,
     /// Top-k.
     #[arg(long, default_value_t = 100)]
     k: usize,
@@ -103,14 +110,14 @@ impl Dist {
 }
 
 /// Synthetic keys `[n][d]` and decode queries (module docs).
-fn synthetic(d: usize, n: usize, queries: usize, seed: u64) -> (Vec<f32>, Vec<Vec<f64>>) {
+fn synthetic(d: usize, n: usize, queries: usize, seed: u64, mean_scale: f64) -> (Vec<f32>, Vec<Vec<f64>>) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (d as u64) << 32);
     let mut scale: Vec<f64> = (0..d).map(|_| (0.4 * gauss(&mut rng)).exp()).collect();
     for _ in 0..4 {
         let c = rng.gen_range(0..d);
         scale[c] *= 6.0;
     }
-    let mean: Vec<f64> = (0..d).map(|c| scale[c] * gauss(&mut rng)).collect();
+    let mean: Vec<f64> = (0..d).map(|c| mean_scale * scale[c] * gauss(&mut rng)).collect();
     let centres: Vec<Vec<f64>> = (0..128).map(|_| gvec(&mut rng, d)).collect();
     let a = Dist { mean, scale, centres };
     let b = Dist {
@@ -260,8 +267,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             for &d in &args.head_dims {
                 for &n in &args.lengths {
                     bar.set_message(format!("synthetic D {d} n {n}"));
-                    let (keys, qs) = synthetic(d, n, args.queries, args.seed);
-                    runs.push(study("synthetic-drift", ParisConfig::default_for(d), &keys, &qs, args.k, &bar));
+                    let (keys, qs) = synthetic(d, n, args.queries, args.seed, args.mean);
+                    let mut v = study("synthetic-drift", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, args.k, &bar);
+                    v["mean_scale"] = json!(args.mean);
+                    runs.push(v);
                 }
             }
             bar.finish();
@@ -304,7 +313,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                             let (r, row) = (i / t, &base[(i % t) * d..(i % t + 1) * d]);
                             keys.extend(row.iter().enumerate().map(|(c, &v)| if r == 0 { v } else { (f64::from(v) + 0.05 * std[c] * gauss(&mut rng)) as f32 }));
                         }
-                        let mut v = study("captured-tiled", ParisConfig::default_for(d), &keys, &qs, args.k, &bar);
+                        let mut v = study("captured-tiled", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, args.k, &bar);
                         v["layer"] = json!(l);
                         v["kv_head"] = json!(h);
                         v["captured_tokens"] = json!(t);
