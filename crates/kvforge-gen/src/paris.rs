@@ -10,7 +10,7 @@ use crate::render::RenderError;
 pub const PARIS_TEMPLATE: &str = include_str!("../../../templates/paris.cu.tera");
 
 /// Entry points of a module, as suffixes of [`paris_symbol`].
-pub const PARIS_ENTRIES: &[&str] = &["encode", "bonus", "vote", "select", "bucket_count", "bucket_emit", "rerank", "topk", "fetch", "attend", "attend_fused"];
+pub const PARIS_ENTRIES: &[&str] = &["encode", "bonus", "vote", "select", "bucket_count", "bucket_emit", "rerank", "topk", "topk_staged", "fetch", "attend", "attend_fused"];
 
 /// Symbol prefix of a module: `kvf_paris_d{d}_m{m}_t{tiers}_g{gqa}`; entry `e` is
 /// `{prefix}_{e}`.

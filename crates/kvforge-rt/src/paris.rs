@@ -242,6 +242,8 @@ pub struct ParisIndex {
     geo: ParisGeometry,
     funcs: HashMap<&'static str, CudaFunction>,
     levels: [f32; 16],
+    /// Opt-in shared memory per CTA: top-k stages the estimates there when they fit.
+    max_smem: usize,
     ids: CudaSlice<u8>,
     codes: CudaSlice<u8>,
     weights: CudaSlice<u16>,
@@ -386,6 +388,7 @@ impl ParisIndex {
             geo,
             funcs,
             levels,
+            max_smem: dev.info.max_smem_per_block,
             host_k,
             host_v,
             host_k_ptr,
@@ -621,10 +624,23 @@ impl ParisIndex {
     fn launch_select(&self, topk: bool) -> Result<()> {
         let qh = self.geo.batch * self.geo.kv_heads * self.geo.gqa;
         let p = self.select_params(topk);
-        let f = if topk { &self.funcs["topk"] } else { &self.funcs["select"] };
+        // Top-k stages the estimates in shared memory when a row of them fits (with the
+        // kernel's static 4 KiB and the block-select scratch).
+        let staged_bytes = self.geo.max_candidates * 4;
+        let staged = topk && staged_bytes + 8 * 1024 <= self.max_smem;
+        let f = match (topk, staged) {
+            (false, _) => &self.funcs["select"],
+            (true, false) => &self.funcs["topk"],
+            (true, true) => &self.funcs["topk_staged"],
+        };
+        let smem = if staged { staged_bytes } else { 0 };
+        if smem > 40 * 1024 {
+            f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(drv("paris top-k shared memory"))?;
+        }
         // SAFETY: params mirror SelectParams; select writes at most `stride` candidates per
-        // (sequence, query head), top-k at most max_k ≤ 1024.
-        unsafe { self.st.launch_builder(f).arg(&p).launch(LaunchConfig { grid_dim: (qh as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 }) }.map_err(drv("launch paris select"))?;
+        // (sequence, query head), top-k at most max_k ≤ 1024; the staged top-k's dynamic
+        // shared memory holds max_candidates ≥ count floats.
+        unsafe { self.st.launch_builder(f).arg(&p).launch(LaunchConfig { grid_dim: (qh as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: smem as u32 }) }.map_err(drv("launch paris select"))?;
         Ok(())
     }
 

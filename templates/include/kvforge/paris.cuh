@@ -530,13 +530,23 @@ __device__ void rerank_kernel(const RerankParams& p) {
 }
 
 // Top-k of the rerank estimates: one CTA per (sequence, query head); writes key indices.
-template <int NT>
+// STAGED first copies the row's estimates into dynamic shared memory (cmax floats), so the
+// radix passes and the emission read shared rather than global memory.
+template <int NT, bool STAGED>
 __device__ void topk_kernel(const SelectParams& p) {
+  extern __shared__ float staged[];
   __shared__ u32 pos[1024];
   const int sh = blockIdx.x, s = sh / p.hq;
   const float* est = p.est + size_t(sh) * p.cmax;
   const u32 n = p.count[sh], k = cmin(cmin(p.want[s], p.stride), 1024);
-  const u32 got = block_select<NT, 32>([&](u32 i) { return float_key(est[i]); }, n, k, pos);
+  u32 got;
+  if constexpr (STAGED) {
+    for (u32 i = threadIdx.x; i < n; i += NT) staged[i] = est[i];
+    __syncthreads();
+    got = block_select<NT, 32>([&](u32 i) { return float_key(staged[i]); }, n, k, pos);
+  } else {
+    got = block_select<NT, 32>([&](u32 i) { return float_key(est[i]); }, n, k, pos);
+  }
   __syncthreads();
   for (u32 i = threadIdx.x; i < got; i += NT) p.out[size_t(sh) * p.stride + i] = p.cand[size_t(sh) * p.cmax + pos[i]];
   if (threadIdx.x == 0) p.out_count[sh] = got;
