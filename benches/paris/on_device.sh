@@ -9,6 +9,7 @@
 #     && strip .bin/paris_*
 #
 #   bash benches/paris/on_device.sh gpu       # carry [".bin"]: GPU tests + step timing (~2 min)
+#   bash benches/paris/on_device.sh memcheck  # carry [".bin"]: compute-sanitizer memcheck + racecheck (~3 min)
 #   bash benches/paris/on_device.sh capture   # carry [".model-b", ".whl-py", "data/austen"], after the
 #                                             # call that copied .model-a (benches/quality/README.md)
 #   bash benches/paris/on_device.sh recall    # carry [".bin"]: recall on the captured keys (~2 min)
@@ -27,10 +28,13 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | 
 case "${1:-}" in
   gpu)
     nvidia-smi -L
-    .bin/paris_gpu --ignored --test-threads 1 2>&1 | tee "$OUT/paris-gpu-tests-$GPU-$DATE.log"
-    compute-sanitizer --tool memcheck .bin/paris_gpu --ignored --test-threads 1 attention_matches 2>&1 | tail -20 | tee "$OUT/paris-memcheck-$GPU-$DATE.log" || true
+    .bin/paris_gpu --include-ignored --test-threads 1 2>&1 | tee "$OUT/paris-gpu-tests-$GPU-$DATE.log"
     .bin/paris_bench --lengths 131072,1048576 --batch 1 --kv-heads 8 --gqa 4 --head-dim 128 --iters 20 \
       --out "$OUT/paris-bench-$GPU-$DATE.json" 2>&1 | tee "$OUT/paris-bench.log"
+    ;;
+  memcheck)
+    compute-sanitizer --tool memcheck .bin/paris_gpu --ignored --test-threads 1 attention_matches 2>&1 | tail -20 | tee "$OUT/paris-memcheck-$GPU-$DATE.log"
+    compute-sanitizer --tool racecheck .bin/paris_gpu --ignored --test-threads 1 retrieval_matches 2>&1 | tail -20 | tee "$OUT/paris-racecheck-$GPU-$DATE.log"
     ;;
   capture)
     R=$PWD
@@ -46,7 +50,7 @@ case "${1:-}" in
       --label "SmolLM2-135M emma 8K tokens tiled, $GPU host CPU, $DATE" --out "$OUT/paris-recall-smollm2-$DATE.json" 2>&1 | tee "$OUT/paris-recall.log"
     ;;
   *)
-    echo "usage: $0 gpu|capture|recall" >&2
+    echo "usage: $0 gpu|memcheck|capture|recall" >&2
     exit 2
     ;;
 esac
