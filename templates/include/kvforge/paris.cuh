@@ -369,7 +369,7 @@ __device__ void vote_kernel(const VoteParams& p) {
   const u32 i = blockIdx.x * NT + threadIdx.x;
   if (i < p.len[s]) {
     const u8* ids = p.ids + (size_t(sh) * p.cap + i) * B;
-    u8 id[B];
+    alignas(16) u8 id[B];
     if constexpr (B % 16 == 0) {
 #pragma unroll
       for (int v = 0; v < B / 16; ++v) *reinterpret_cast<uint4*>(&id[16 * v]) = reinterpret_cast<const uint4*>(ids)[v];
