@@ -23,6 +23,8 @@ pub mod tiers;
 
 use std::path::{Path, PathBuf};
 
+pub mod paris;
+pub use paris::{paris_symbol, render_paris, PARIS_ENTRIES};
 pub use render::{launch_shape, render, render_codecs_cuh, LaunchShape, RenderError, CERT_MAX_BLOCKS, CERT_SELECT_THREADS, CODECS_DIR, HEADERS};
 
 use kvforge_spec::{Spec, TierId, VariantId};

@@ -35,6 +35,16 @@ pub enum RtError {
     OutOfPages { tier: String, capacity: usize, page_bytes: usize },
     #[error("out of device memory: asked for {bytes} B for {what}")]
     OutOfMemory { what: String, bytes: usize },
+    /// Pinned host memory for `what` could not be allocated (ParisKV's retrieval-region K/V).
+    #[error("out of pinned host memory: {bytes} B for {what}: {reason}")]
+    PinnedAlloc { what: String, bytes: usize, reason: String },
+    /// More host memory, or more retrieval-region keys, than the budget allows; nothing was
+    /// allocated or offloaded.
+    #[error("{what}: needs {need}, the host budget allows {budget}")]
+    HostBudget { what: String, need: usize, budget: usize },
+    /// A ParisKV configuration or input the retrieval reference rejects.
+    #[error("ParisKV: {0}")]
+    Paris(#[from] kvforge_paris::ParisError),
     #[error("out of pinned host memory: {bytes} B for the fp16 originals (tier 2): {reason}")]
     OutOfPinnedMemory { bytes: usize, reason: String },
     #[error("the fp16 original (tier 2) of page {page} (offset {offset}) is missing: certified decode can neither bound nor recompute it")]
@@ -98,6 +108,8 @@ impl RtError {
                 | RtError::Duplicate { .. }
                 | RtError::NonFinite { .. }
                 | RtError::CapacityExceeded { .. }
+                | RtError::HostBudget { .. }
+                | RtError::Paris(_)
                 | RtError::WrongState { .. }
                 | RtError::NotInSpec { .. }
                 | RtError::NoVariant { .. }

@@ -228,6 +228,19 @@ pub fn compile(variant: &VariantId, source: &str, arch: &str, mode: CompileMode)
     Ok(Compiled { cubin, from_cache: false, seconds, log })
 }
 
+/// Compiles a module that is not a spec variant (the ParisKV retrieval module,
+/// `kvforge_gen::render_paris`) for `arch`, without the disk cache (its source names its
+/// whole geometry; it compiles once per process). `strict`: any diagnostic fails.
+pub fn compile_module(name: &str, source: &str, arch: &str, strict: bool) -> Result<Compiled> {
+    let start = Instant::now();
+    let (cubin, log) = nvrtc_cubin(name, source, arch, false)?;
+    let diag = diagnostics(&log);
+    if strict && !diag.is_empty() {
+        return Err(RtError::CompileWarnings { variant: name.to_string(), log: diag, source_path: None });
+    }
+    Ok(Compiled { cubin, from_cache: false, seconds: start.elapsed().as_secs_f64(), log })
+}
+
 /// Writes the source of a failed compile to `failed/<cache key>.cu` under the kernel cache
 /// (the headers it includes are in the cache's `include-*` directory) and returns the path;
 /// `None` if the cache is not writable, since the compile error matters more than this copy.

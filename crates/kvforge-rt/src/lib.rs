@@ -29,6 +29,7 @@ pub mod jit;
 mod kernels;
 mod mass_window;
 mod moves;
+pub mod paris;
 pub mod params;
 mod pool;
 mod side_tables;

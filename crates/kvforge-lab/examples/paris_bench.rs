@@ -1,0 +1,137 @@
+//! ParisKV decode-step timing on the GPU: one layer's retrieval + attention (`kvforge_rt::paris`)
+//! at a given retrieval-region length, split into vote / top-k / rerank / fetch / attend by
+//! CUDA events (median of `--iters` steps after 3 warm-up steps).
+//!
+//! ```text
+//! cargo build --release -p kvforge-lab --example paris_bench
+//! LD_LIBRARY_PATH=/usr/local/cuda/lib64 .bin/paris_bench --lengths 131072,1048576 --batch 1 --out $OUT/paris-bench.json
+//! ```
+//!
+//! Keys are Gaussian rows around a shared mean direction (fp16), values reuse the keys (the
+//! timing does not depend on them); the dense region (sinks + local) has `--dense` rows.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Parser;
+use half::f16;
+use kvforge_paris::{ParisConfig, Schedule};
+use kvforge_rt::paris::{ParisGeometry, ParisIndex, StepTimes};
+use kvforge_rt::Device;
+use serde_json::json;
+
+#[derive(Parser)]
+struct Args {
+    #[arg(long, value_delimiter = ',', default_value = "131072,1048576")]
+    lengths: Vec<usize>,
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    batch: Vec<usize>,
+    #[arg(long, default_value_t = 8)]
+    kv_heads: usize,
+    #[arg(long, default_value_t = 4)]
+    gqa: usize,
+    #[arg(long, default_value_t = 128)]
+    head_dim: usize,
+    #[arg(long, default_value_t = 100)]
+    k: usize,
+    /// Dense rows per (sequence, kv head): sinks + local window.
+    #[arg(long, default_value_t = 320)]
+    dense: usize,
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    /// Pinned host budget, GiB.
+    #[arg(long, default_value_t = 96)]
+    host_gib: usize,
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+fn fill(buf: &mut [f16], salt: u64, d: usize) {
+    let mut s = salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    for (i, x) in buf.iter_mut().enumerate() {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        // Sum of two uniforms, centred: cheap, roughly bell-shaped.
+        let u = ((s >> 40) as f32 + ((s >> 16) & 0xff_ffff) as f32) / (1u64 << 24) as f32 - 1.0;
+        *x = f16::from_f32(1.5 * ((i % d) as f32 * 0.37).sin() + 1.7 * u);
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let a = Args::parse();
+    let dev = Device::open(0)?;
+    let cfg = ParisConfig::default_for(a.head_dim);
+    let schedule = Schedule::default();
+    let d = a.head_dim;
+    let mut runs = Vec::new();
+    for &batch in &a.batch {
+        for &n in &a.lengths {
+            let plan = schedule.plan(n, a.k);
+            let geo = ParisGeometry {
+                batch,
+                kv_heads: a.kv_heads,
+                gqa: a.gqa,
+                capacity: n,
+                dense_capacity: a.dense,
+                max_candidates: plan.candidates,
+                max_k: a.k.next_power_of_two().min(1024),
+                host_budget_bytes: a.host_gib << 30,
+            };
+            let t0 = Instant::now();
+            let mut ix = ParisIndex::new(&dev, cfg, geo)?;
+            let chunk = 16384;
+            let mut buf = vec![f16::ZERO; chunk * a.kv_heads * d];
+            for s in 0..batch {
+                let mut done = 0;
+                while done < n {
+                    let rows = chunk.min(n - done);
+                    let b = &mut buf[..rows * a.kv_heads * d];
+                    fill(b, (s * n + done) as u64 + 1, d);
+                    ix.append(s, b, b)?;
+                    done += rows;
+                }
+                let mut dense = vec![f16::ZERO; a.dense * a.kv_heads * d];
+                fill(&mut dense, 7 + s as u64, d);
+                ix.set_dense(s, &dense, &dense)?;
+            }
+            let build_s = t0.elapsed().as_secs_f64();
+            let mut q = vec![f16::ZERO; batch * a.kv_heads * a.gqa * d];
+            let mut times: Vec<StepTimes> = Vec::new();
+            for it in 0..a.iters + 3 {
+                fill(&mut q, 1000 + it as u64, d);
+                let (_, t) = ix.step_timed(&q, a.k, &schedule)?;
+                if it >= 3 {
+                    times.push(t);
+                }
+            }
+            let med = |f: fn(&StepTimes) -> f64| median(times.iter().map(f).collect());
+            let total = med(|t| t.vote_us + t.topk_us + t.rerank_us + t.fetch_us + t.attend_us);
+            let v = json!({
+                "n": n, "batch": batch, "kv_heads": a.kv_heads, "gqa": a.gqa, "head_dim": d, "k": a.k, "dense_rows": a.dense,
+                "plan": plan, "config": cfg,
+                "gpu_bytes_per_token_per_kv_head": cfg.summary_bytes(), "fp16_kv_bytes_per_token_per_kv_head": 4 * d,
+                "build_s": build_s,
+                "median_us": {"vote": med(|t| t.vote_us), "topk": med(|t| t.topk_us), "rerank": med(|t| t.rerank_us), "fetch": med(|t| t.fetch_us), "attend": med(|t| t.attend_us), "total": total},
+            });
+            eprintln!("batch {batch} n {n}: {}", v["median_us"]);
+            runs.push(v);
+        }
+    }
+    let out = json!({
+        "what": "ParisKV one-layer decode step on the GPU (kvforge_rt::paris), CUDA events per phase, median",
+        "device": dev.info.name,
+        "runs": runs,
+    });
+    let text = serde_json::to_string_pretty(&out)?;
+    match &a.out {
+        Some(p) => std::fs::write(p, text + "\n")?,
+        None => println!("{text}"),
+    }
+    Ok(())
+}

@@ -1,0 +1,343 @@
+//! ParisKV recall study on the CPU: Recall@k of the retrieval pipeline (`kvforge-paris`, f64
+//! reference) against the exact top-k, on synthetic keys with decode-time drift or on captured
+//! keys and queries tiled to length.
+//!
+//! ```text
+//! cargo run --release -p kvforge-lab --example paris_recall -- \
+//!     --lengths 131072,1048576 --head-dims 128,64 --out benches/results/paris-recall-cpu-DATE.json
+//! # captured SmolLM2 keys/queries (benches/paris/capture_qk.py):
+//! cargo run --release -p kvforge-lab --example paris_recall -- --qk data/keys/qk-emma.safetensors \
+//!     --lengths 131072,1048576 --out ...
+//! ```
+//!
+//! **Synthetic keys with drift** (`--source synthetic`), per head dim `D`, all draws from one
+//! ChaCha8 stream seeded by `--seed`; `g` is a fresh standard normal draw each time it appears:
+//! - channel scales `σ_c = exp(0.4 g)`, and 4 random outlier channels with `σ_c × 6`
+//!   (the massive channels of real keys);
+//! - prefill distribution A: mean `μ_c = σ_c g`, 128 cluster centres `a_j ~ N(0, I)`;
+//!   a key is `μ_c + σ_c (0.9 a_jc + 0.6 g)` with `j` uniform (`--mean` scales `μ`);
+//! - decode distribution B (Fig. 1's drift): mean `μ + 0.8 σ ⊙ g`, scales `σ_c · exp(0.25 g)`,
+//!   half the centres replaced by fresh ones;
+//! - the first 75% of the `n` positions are A keys (prefill), the last 25% B keys (generated);
+//! - queries are decode queries: `μ^q_c + σ^B_c (1.2 b_jc + 0.7 g)` with `b_j` a uniform B
+//!   centre (so half of them aim at centres that prefill keys share) and `μ^q = 0.5 σ ⊙ g`.
+//!
+//! **Captured keys** (`--qk`): tensors `k.LNN` `[Hkv, T, D]` and `q.LNN` `[Hq, T, D]` (fp16). For
+//! each layer and KV head the `T` keys are tiled to `n`: copy `r ≥ 1` of key `t` is
+//! `k_t + 0.05 s ⊙ g` with `s` the per-channel std of that head's keys (so copies do not tie
+//! in the exact top-k); queries are the last `--queries` positions' queries of the group's
+//! query heads (GQA, round robin).
+//!
+//! For every query: the exact top-k (f64), the adaptive schedule's retrieval
+//! ([`Schedule::default`]), and a sweep of fixed `(ρ, β)` with the 4-bit rerank and with an
+//! exact rerank of the same candidates (coarse quality alone, as the seed's Fig. 10 reports).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Parser;
+use half::f16;
+use indicatif::{ProgressBar, ProgressStyle};
+use kvforge_paris::retrieval::top_k_by;
+use kvforge_paris::{exact_top_k, recall, top_candidates, ParisConfig, Query, Schedule, Summaries};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
+use serde_json::{json, Value};
+
+#[derive(Parser)]
+struct Args {
+    /// Retrieval-region lengths (keys).
+    #[arg(long, value_delimiter = ',', default_value = "131072,1048576")]
+    lengths: Vec<usize>,
+    /// Head dims of the synthetic study.
+    #[arg(long, value_delimiter = ',', default_value = "128,64")]
+    head_dims: Vec<usize>,
+    /// Queries per (head dim, length) (synthetic) or per head (captured).
+    #[arg(long, default_value_t = 32)]
+    queries: usize,
+    /// Collision tiers T (1: plain collision counting).
+    #[arg(long, default_value_t = 6)]
+    tiers: u32,
+    /// Scale of the keys' shared mean (synthetic; 1 as documented above, larger: keys crowd
+    /// fewer sign patterns).
+    #[arg(long, default_value_t = 1.0)]
+    mean: f64,
+    /// Top-k.
+    #[arg(long, default_value_t = 100)]
+    k: usize,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Captured keys and queries (benches/paris/capture_qk.py) instead of synthetic ones.
+    #[arg(long)]
+    qk: Option<PathBuf>,
+    /// Layers of the captured file (default: all).
+    #[arg(long, value_delimiter = ',')]
+    layers: Vec<usize>,
+    /// KV heads per layer of the captured file (the first ones).
+    #[arg(long, default_value_t = 2)]
+    heads: usize,
+    /// Where to write the JSON.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// A label for the JSON (machine, date).
+    #[arg(long, default_value = "cpu")]
+    label: String,
+}
+
+fn gauss(rng: &mut ChaCha8Rng) -> f64 {
+    let (u, v): (f64, f64) = (rng.gen::<f64>().max(1e-300), rng.gen());
+    (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+}
+
+fn gvec(rng: &mut ChaCha8Rng, d: usize) -> Vec<f64> {
+    (0..d).map(|_| gauss(rng)).collect()
+}
+
+/// One distribution of keys: mean, channel scales, cluster centres.
+struct Dist {
+    mean: Vec<f64>,
+    scale: Vec<f64>,
+    centres: Vec<Vec<f64>>,
+}
+
+impl Dist {
+    fn key(&self, rng: &mut ChaCha8Rng) -> impl Iterator<Item = f32> + '_ {
+        let j = rng.gen_range(0..self.centres.len());
+        let noise = gvec(rng, self.mean.len());
+        (0..self.mean.len()).map(move |c| (self.mean[c] + self.scale[c] * (0.9 * self.centres[j][c] + 0.6 * noise[c])) as f32)
+    }
+}
+
+/// Synthetic keys `[n][d]` and decode queries (module docs).
+fn synthetic(d: usize, n: usize, queries: usize, seed: u64, mean_scale: f64) -> (Vec<f32>, Vec<Vec<f64>>) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ (d as u64) << 32);
+    let mut scale: Vec<f64> = (0..d).map(|_| (0.4 * gauss(&mut rng)).exp()).collect();
+    for _ in 0..4 {
+        let c = rng.gen_range(0..d);
+        scale[c] *= 6.0;
+    }
+    let mean: Vec<f64> = (0..d).map(|c| mean_scale * scale[c] * gauss(&mut rng)).collect();
+    let centres: Vec<Vec<f64>> = (0..128).map(|_| gvec(&mut rng, d)).collect();
+    let a = Dist { mean, scale, centres };
+    let b = Dist {
+        mean: (0..d).map(|c| a.mean[c] + 0.8 * a.scale[c] * gauss(&mut rng)).collect(),
+        scale: (0..d).map(|c| a.scale[c] * (0.25 * gauss(&mut rng)).exp()).collect(),
+        centres: a.centres.iter().enumerate().map(|(j, c)| if j % 2 == 0 { c.clone() } else { gvec(&mut rng, d) }).collect(),
+    };
+    let prefill = n * 3 / 4;
+    // Keys in parallel chunks, each with its own stream derived from the seed.
+    let chunk = 1 << 14;
+    let keys: Vec<f32> = (0..n.div_ceil(chunk))
+        .into_par_iter()
+        .flat_map_iter(|ci| {
+            let mut r = ChaCha8Rng::seed_from_u64(seed.wrapping_mul(0x9e37_79b9).wrapping_add(ci as u64) ^ (d as u64) << 40);
+            let (lo, hi) = (ci * chunk, ((ci + 1) * chunk).min(n));
+            (lo..hi).flat_map(|i| if i < prefill { a.key(&mut r).collect::<Vec<_>>() } else { b.key(&mut r).collect() }).collect::<Vec<_>>()
+        })
+        .collect();
+    let qmean: Vec<f64> = (0..d).map(|c| 0.5 * a.scale[c] * gauss(&mut rng)).collect();
+    let qs = (0..queries)
+        .map(|_| {
+            let j = rng.gen_range(0..b.centres.len());
+            (0..d).map(|c| qmean[c] + b.scale[c] * (1.2 * b.centres[j][c] + 0.7 * gauss(&mut rng))).collect()
+        })
+        .collect();
+    (keys, qs)
+}
+
+/// The `(ρ, β)` pairs of the sweep.
+const SWEEP: [(f64, f64); 6] = [(0.10, 0.05), (0.20, 0.05), (0.20, 0.10), (0.30, 0.10), (0.10, 0.02), (0.05, 0.02)];
+
+#[derive(Default, Clone)]
+struct Acc {
+    recall: Vec<f64>,
+    coarse: Vec<f64>,
+    exact_rerank: Vec<f64>,
+}
+
+impl Acc {
+    fn summary(&self) -> Value {
+        let stat = |v: &[f64]| {
+            let mut s = v.to_vec();
+            s.sort_by(f64::total_cmp);
+            json!({"mean": s.iter().sum::<f64>() / s.len().max(1) as f64, "min": s.first(), "p10": s.get(s.len() / 10)})
+        };
+        json!({"recall": stat(&self.recall), "coarse_recall": stat(&self.coarse), "exact_rerank_recall": stat(&self.exact_rerank), "queries": self.recall.len()})
+    }
+}
+
+/// One query's numbers: adaptive, then the sweep; each `(recall, coarse, exact rerank)`.
+fn one_query(cfg: &ParisConfig, s: &Summaries, keys: &[f32], q: &[f64], k: usize) -> Vec<(f64, f64, f64)> {
+    let want = exact_top_k(keys, q, k);
+    let qp = Query::new(cfg, q).expect("a finite query");
+    let d = cfg.head_dim;
+    let exact = |i: u32| keys[i as usize * d..(i as usize + 1) * d].iter().zip(q).map(|(&a, b)| f64::from(a) * b).sum::<f64>();
+    let plan = Schedule::default().plan(s.n, k);
+    let runs = std::iter::once((plan.rho, plan.candidates)).chain(SWEEP.iter().map(|&(rho, beta)| (rho, ((beta * s.n as f64).ceil() as usize).max(k))));
+    let mut out = Vec::new();
+    let mut last_rho = f64::NAN;
+    let mut scores = Vec::new();
+    for (rho, c) in runs {
+        if rho != last_rho {
+            scores = qp.vote(s, rho);
+            last_rho = rho;
+        }
+        let cands = top_candidates(&scores, c);
+        let est = top_k_by(cands.iter().map(|&i| (qp.estimate(s, i as usize), i)).collect(), k);
+        let ex = top_k_by(cands.iter().map(|&i| (exact(i), i)).collect(), k);
+        let got: Vec<u32> = est.iter().map(|x| x.1).collect();
+        let gotx: Vec<u32> = ex.iter().map(|x| x.1).collect();
+        out.push((recall(&got, &want), recall(&cands, &want), recall(&gotx, &want)));
+    }
+    out
+}
+
+/// Runs the queries of one (keys, config) and returns its JSON.
+fn study(source: &str, cfg: ParisConfig, keys: &[f32], queries: &[Vec<f64>], k: usize, bar: &ProgressBar) -> Value {
+    let n = keys.len() / cfg.head_dim;
+    let t0 = Instant::now();
+    // Encode in parallel chunks, then concatenate (the histogram adds up).
+    let chunk = 1 << 15;
+    let parts: Vec<Summaries> = keys.par_chunks(chunk * cfg.head_dim).map(|c| Summaries::encode(cfg, c).expect("finite keys")).collect();
+    let mut s = Summaries::new(cfg).expect("a valid config");
+    for p in parts {
+        s.ids.extend(p.ids);
+        s.codes.extend(p.codes);
+        s.weights.extend(p.weights);
+        s.hist.iter_mut().zip(&p.hist).for_each(|(a, b)| *a += b);
+        s.n += p.n;
+    }
+    let encode_s = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let per: Vec<Vec<(f64, f64, f64)>> = queries
+        .par_iter()
+        .map(|q| {
+            let r = one_query(&cfg, &s, keys, q, k);
+            bar.inc(1);
+            r
+        })
+        .collect();
+    let mut accs = vec![Acc::default(); 1 + SWEEP.len()];
+    for r in &per {
+        for (a, &(rc, co, ex)) in accs.iter_mut().zip(r) {
+            a.recall.push(rc);
+            a.coarse.push(co);
+            a.exact_rerank.push(ex);
+        }
+    }
+    let plan = Schedule::default().plan(n, k);
+    let sweep: Vec<Value> = SWEEP.iter().zip(&accs[1..]).map(|(&(rho, beta), a)| json!({"rho": rho, "beta": beta, "candidates": ((beta * n as f64).ceil() as usize).max(k), "result": a.summary()})).collect();
+    let v = json!({
+        "source": source, "head_dim": cfg.head_dim, "n": n, "k": k, "config": cfg,
+        "summary_bytes_per_key": cfg.summary_bytes(), "fp16_kv_bytes_per_key": 4 * cfg.head_dim,
+        "encode_s": encode_s, "query_s": t1.elapsed().as_secs_f64(),
+        "adaptive": {"plan": plan, "result": accs[0].summary()},
+        "sweep": sweep,
+    });
+    let line = format!(
+        "{source} D {} n {n}: adaptive (rho {}, beta {}) recall@{k} {:.3} (coarse {:.3}, exact rerank {:.3}); ratio 0.10: {:.3}",
+        cfg.head_dim,
+        plan.rho,
+        plan.beta,
+        mean(&accs[0].recall),
+        mean(&accs[0].coarse),
+        mean(&accs[0].exact_rerank),
+        mean(&accs[3].recall)
+    );
+    bar.suspend(|| eprintln!("{line}"));
+    v
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+fn f16_rows(t: &safetensors::tensor::TensorView<'_>) -> Vec<f32> {
+    t.data().chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let style = ProgressStyle::with_template("{bar:40} {pos}/{len} queries {elapsed} {msg}")?;
+    let mut runs = Vec::new();
+    match &args.qk {
+        None => {
+            let bar = ProgressBar::new((args.head_dims.len() * args.lengths.len() * args.queries) as u64).with_style(style);
+            for &d in &args.head_dims {
+                for &n in &args.lengths {
+                    bar.set_message(format!("synthetic D {d} n {n}"));
+                    let (keys, qs) = synthetic(d, n, args.queries, args.seed, args.mean);
+                    let mut v = study("synthetic-drift", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, args.k, &bar);
+                    v["mean_scale"] = json!(args.mean);
+                    runs.push(v);
+                }
+            }
+            bar.finish();
+        }
+        Some(path) => {
+            let bytes = std::fs::read(path)?;
+            let st = safetensors::SafeTensors::deserialize(&bytes)?;
+            let mut layers: Vec<usize> = st.names().iter().filter_map(|n| n.strip_prefix("k.L").and_then(|l| l.parse().ok())).collect();
+            layers.sort_unstable();
+            if !args.layers.is_empty() {
+                layers.retain(|l| args.layers.contains(l));
+            }
+            let bar = ProgressBar::new((layers.len() * args.heads * args.lengths.len() * args.queries) as u64).with_style(style);
+            for &l in &layers {
+                let (kt, qt) = (st.tensor(&format!("k.L{l:02}"))?, st.tensor(&format!("q.L{l:02}"))?);
+                let (hkv, t, d) = (kt.shape()[0], kt.shape()[1], kt.shape()[2]);
+                let hq = qt.shape()[0];
+                let (kall, qall) = (f16_rows(&kt), f16_rows(&qt));
+                for h in 0..args.heads.min(hkv) {
+                    let base = &kall[h * t * d..(h + 1) * t * d];
+                    let std: Vec<f64> = (0..d)
+                        .map(|c| {
+                            let m = (0..t).map(|i| f64::from(base[i * d + c])).sum::<f64>() / t as f64;
+                            ((0..t).map(|i| (f64::from(base[i * d + c]) - m).powi(2)).sum::<f64>() / t as f64).sqrt()
+                        })
+                        .collect();
+                    let g = hq / hkv;
+                    let qs: Vec<Vec<f64>> = (0..args.queries)
+                        .map(|j| {
+                            let qh = h * g + j % g;
+                            let pos = t - 1 - j / g;
+                            qall[(qh * t + pos) * d..(qh * t + pos + 1) * d].iter().map(|&v| f64::from(v)).collect()
+                        })
+                        .collect();
+                    for &n in &args.lengths {
+                        bar.set_message(format!("layer {l} head {h} n {n}"));
+                        let mut rng = ChaCha8Rng::seed_from_u64(args.seed ^ ((l * 1000 + h) as u64));
+                        let mut keys = Vec::with_capacity(n * d);
+                        for i in 0..n {
+                            let (r, row) = (i / t, &base[(i % t) * d..(i % t + 1) * d]);
+                            keys.extend(row.iter().enumerate().map(|(c, &v)| if r == 0 { v } else { (f64::from(v) + 0.05 * std[c] * gauss(&mut rng)) as f32 }));
+                        }
+                        let mut v = study("captured-tiled", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, args.k, &bar);
+                        v["layer"] = json!(l);
+                        v["kv_head"] = json!(h);
+                        v["captured_tokens"] = json!(t);
+                        runs.push(v);
+                    }
+                }
+            }
+            bar.finish();
+        }
+    }
+    let out = json!({
+        "what": "ParisKV Recall@k of the kvforge-paris f64 reference vs the exact top-k (crates/kvforge-lab/examples/paris_recall.rs states the data)",
+        "label": args.label,
+        "schedule": Schedule::default(),
+        "quoted_seed_001": {
+            "note": "quoted from seed 001 §5.4 (Fig. 9), not measured here: Recall@100 at candidate ratio 0.10 by KV length, Qwen/Llama keys",
+            "ratio_0.10": {"5K": 0.6104, "10K": 0.6774, "30K": 0.8036, "100K": 0.8376},
+        },
+        "runs": runs,
+    });
+    let text = serde_json::to_string_pretty(&out)?;
+    match &args.out {
+        Some(p) => std::fs::write(p, text + "\n")?,
+        None => println!("{text}"),
+    }
+    Ok(())
+}

@@ -1,0 +1,191 @@
+//! The summary geometry ([`ParisConfig`]) and the adaptive retrieval schedule ([`Schedule`]).
+
+use kvforge_spec::codecs::rotated::hadamard;
+use kvforge_spec::codecs::rotated::levels::{levels, LevelTable};
+use serde::{Deserialize, Serialize};
+
+use crate::error::ParisError;
+
+/// Bits of one direction code: 1 sign + 3 magnitude bits (seed 001 §4.2.2).
+pub const CODE_BITS: u32 = 4;
+
+/// Geometry of the per-key summaries of one KV head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParisConfig {
+    /// Head dim `D` (a power of two, 16 to 256).
+    pub head_dim: usize,
+    /// Subspace count `B`; the subspace dim is `m = D / B`, 4 to 8.
+    pub subspaces: usize,
+    /// Seed of the shared random-sign Hadamard rotation (the rotated tier's `seed`).
+    pub seed: u32,
+    /// Collision bonus tiers `T` (seed 001 §5.4 "multi-tier collision shaping"): a key's
+    /// collision score is in `[0, B · T]`. 1 is plain collision counting.
+    pub tiers: u32,
+}
+
+impl ParisConfig {
+    /// The seed's default geometry at head dim `d`: `m = 8` (256 sign-pattern centroids per
+    /// subspace, `B = d / 8`), the rotated tier's default seed, 6 tiers.
+    pub fn default_for(head_dim: usize) -> ParisConfig {
+        ParisConfig { head_dim, subspaces: head_dim / 8, seed: hadamard::DEFAULT_SEED, tiers: 6 }
+    }
+
+    /// Checks the geometry.
+    pub fn validate(&self) -> Result<(), ParisError> {
+        if !(16..=256).contains(&self.head_dim) || !hadamard::rotatable(self.head_dim) {
+            return Err(ParisError::HeadDim(self.head_dim));
+        }
+        if self.subspaces == 0 || self.head_dim % self.subspaces != 0 || !(4..=8).contains(&(self.head_dim / self.subspaces)) {
+            return Err(ParisError::Subspaces { head_dim: self.head_dim, subspaces: self.subspaces });
+        }
+        if !(1..=15).contains(&self.tiers) {
+            return Err(ParisError::Tiers(self.tiers));
+        }
+        Ok(())
+    }
+
+    /// Subspace dim `m`.
+    pub fn m(&self) -> usize {
+        self.head_dim / self.subspaces
+    }
+
+    /// Centroids per subspace, `|Ω| = 2^m` (eq. 5).
+    pub fn centroids(&self) -> usize {
+        1 << self.m()
+    }
+
+    /// Largest collision score, `B · T`.
+    pub fn max_score(&self) -> usize {
+        self.subspaces * self.tiers as usize
+    }
+
+    /// The Prop. 4.1 level table of the direction codes: the Lloyd–Max quantiser of one
+    /// coordinate of a uniform unit vector in `R^m` (`u_j² ~ Beta(1/2, (m−1)/2)`, eq. 12),
+    /// 16 levels, symmetric, so code `c` is sign `c >> 3` and magnitude `c & 7` mirrored
+    /// (`c ≥ 8` positive). Shared with the rotated tier (`levels(m, 4)`).
+    pub fn levels(&self) -> &'static LevelTable {
+        levels(self.m(), CODE_BITS)
+    }
+
+    /// Bytes of one key's GPU-resident summary: `B` centroid ids, `D/2` code bytes, `B` fp16
+    /// weights.
+    pub fn summary_bytes(&self) -> usize {
+        self.subspaces + self.head_dim / 2 + 2 * self.subspaces
+    }
+}
+
+/// One point of the adaptive schedule: from `min_len` retrieval-region keys on, vote with
+/// `rho` and keep `beta` of the keys as candidates.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SchedulePoint {
+    pub min_len: usize,
+    pub rho: f64,
+    pub beta: f64,
+}
+
+/// Adaptive `(ρ, β)` by length (seed 001 §4.2.2: the required candidate ratio falls as the
+/// context grows, §5.4), and the length below which decode attends densely.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Schedule {
+    /// Below this many retrieval-region keys, attend to all of them (seed Table 1 "Full-thres.").
+    pub dense_below: usize,
+    /// Points by increasing `min_len`; the first must have `min_len` 0.
+    pub points: Vec<SchedulePoint>,
+    /// Candidates are at least `min_candidates_per_k · k`.
+    pub min_candidates_per_k: usize,
+}
+
+impl Default for Schedule {
+    /// Chosen from the CPU recall study (`kvforge-lab` example `paris_recall`,
+    /// `benches/results/paris-recall-cpu-*.json`).
+    fn default() -> Schedule {
+        Schedule {
+            dense_below: 2048,
+            points: vec![SchedulePoint { min_len: 0, rho: 0.25, beta: 0.10 }, SchedulePoint { min_len: 64 << 10, rho: 0.20, beta: 0.06 }, SchedulePoint { min_len: 512 << 10, rho: 0.15, beta: 0.04 }],
+            min_candidates_per_k: 8,
+        }
+    }
+}
+
+/// `(ρ, β, candidates)` for one retrieval: what [`Schedule::plan`] returns.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RetrievalPlan {
+    pub rho: f64,
+    pub beta: f64,
+    /// Candidates kept by the vote, `min(n, max(⌈β n⌉, min_candidates_per_k · k))`.
+    pub candidates: usize,
+    /// Keys retrieved.
+    pub k: usize,
+    /// Whether `n` is below the dense threshold (then nothing is retrieved).
+    pub dense: bool,
+}
+
+impl Schedule {
+    /// Checks the points.
+    pub fn validate(&self) -> Result<(), ParisError> {
+        let Some(first) = self.points.first() else {
+            return Err(ParisError::Schedule("no points".into()));
+        };
+        if first.min_len != 0 {
+            return Err(ParisError::Schedule(format!("the first point starts at {} keys, not 0", first.min_len)));
+        }
+        if self.points.windows(2).any(|w| w[1].min_len <= w[0].min_len) {
+            return Err(ParisError::Schedule("min_len must increase".into()));
+        }
+        for p in &self.points {
+            check_ratios(p.rho, p.beta)?;
+        }
+        Ok(())
+    }
+
+    /// The plan for `n` retrieval-region keys and top-`k`.
+    pub fn plan(&self, n: usize, k: usize) -> RetrievalPlan {
+        let p = self.points.iter().rev().find(|p| p.min_len <= n).copied().unwrap_or(SchedulePoint { min_len: 0, rho: 1.0, beta: 1.0 });
+        let candidates = ((p.beta * n as f64).ceil() as usize).max(self.min_candidates_per_k * k).min(n);
+        RetrievalPlan { rho: p.rho, beta: p.beta, candidates, k: k.min(n), dense: n < self.dense_below }
+    }
+}
+
+/// Checks `0 < β ≤ ρ ≤ 1`.
+pub fn check_ratios(rho: f64, beta: f64) -> Result<(), ParisError> {
+    for (name, value) in [("rho", rho), ("beta", beta)] {
+        if !(value > 0.0 && value <= 1.0) {
+            return Err(ParisError::Ratio { name, value });
+        }
+    }
+    if rho < beta {
+        return Err(ParisError::RhoBelowBeta { rho, beta });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn geometry_is_checked() {
+        assert!(ParisConfig::default_for(128).validate().is_ok());
+        assert!(ParisConfig::default_for(64).validate().is_ok());
+        assert_eq!(ParisConfig::default_for(128).summary_bytes(), 16 + 64 + 32);
+        assert_eq!(ParisConfig { head_dim: 96, ..ParisConfig::default_for(128) }.validate(), Err(ParisError::HeadDim(96)));
+        let c = ParisConfig { subspaces: 8, ..ParisConfig::default_for(128) };
+        assert_eq!(c.validate(), Err(ParisError::Subspaces { head_dim: 128, subspaces: 8 }));
+        assert_eq!(ParisConfig { tiers: 0, ..ParisConfig::default_for(128) }.validate(), Err(ParisError::Tiers(0)));
+        assert!(ParisConfig { subspaces: 32, ..ParisConfig::default_for(128) }.validate().is_ok());
+    }
+
+    #[test]
+    fn schedule_plans_by_length() {
+        let s = Schedule::default();
+        s.validate().unwrap();
+        assert!(s.plan(1000, 100).dense);
+        let p = s.plan(128 << 10, 100);
+        assert_eq!((p.rho, p.beta, p.dense), (0.20, 0.06, false));
+        assert_eq!(p.candidates, (0.06f64 * (128 << 10) as f64).ceil() as usize);
+        assert_eq!(s.plan(5000, 100).candidates, 800);
+        let bad = Schedule { points: vec![SchedulePoint { min_len: 0, rho: 0.05, beta: 0.1 }], ..Schedule::default() };
+        assert_eq!(bad.validate(), Err(ParisError::RhoBelowBeta { rho: 0.05, beta: 0.1 }));
+        assert!(matches!(Schedule { points: vec![], ..Schedule::default() }.validate(), Err(ParisError::Schedule(_))));
+    }
+}

@@ -1,0 +1,262 @@
+//! Decode-time retrieval (seed 001 §4.2.2), f64 reference: collision voting over the
+//! centroid ids, an integer-bucket top-`C` of the collision scores, the 4-bit rerank
+//! estimate (eq. 10) of the candidates, top-`k`.
+//!
+//! **Vote.** The query `q` is normalised and rotated like the keys, `q̃ = R q̂`. In subspace `b`
+//! the `2^m` centroids are ranked by `⟨q̃_b, ω⟩ ∝ Σ_j ±q̃_bj` (descending, ties by id). Walking
+//! them in that order with `before` = keys in the centroids already passed (from the
+//! occupancy histogram), a centroid gets bonus `T − ⌊before · T / ⌈ρ n⌉⌋` while
+//! `before < ⌈ρ n⌉`, else 0: the centroids that hold the `ρ` fraction of keys nearest the
+//! query's direction vote, the nearest in the highest of `T` tiers ("multi-tier collision
+//! shaping", §5.4; `T = 1` is plain collision counting). Ranking by keys rather than by a
+//! fixed count of centroids keeps `ρ` meaningful when real keys crowd a few sign patterns.
+//! A key's score is the sum of its `B` bonuses, in `[0, B·T]`.
+//!
+//! **Top-C.** With `t` the largest score such that at least `C` keys score `≥ t`: every key
+//! scoring `> t`, then the keys scoring exactly `t` in index order until there are `C`
+//! (the device's integer bucket top-k fills the boundary bucket in index order too).
+//!
+//! **Rerank.** `ŝ_i = ‖q‖ Σ_b w_ib Σ_j ℓ_{c_ij} q̃_bj` (eq. 10), top-`k` by `ŝ` descending,
+//! ties by index.
+
+use kvforge_spec::codecs::rotated::hadamard;
+use serde::{Deserialize, Serialize};
+
+use crate::config::{check_ratios, ParisConfig};
+use crate::error::ParisError;
+use crate::summary::Summaries;
+
+/// A query prepared for one head's summaries.
+#[derive(Clone, Debug)]
+pub struct Query {
+    pub config: ParisConfig,
+    /// `‖q‖`.
+    pub norm: f64,
+    /// `q̃ = R q̂`, `[D]`.
+    pub rotated: Vec<f64>,
+    /// `[B][2^m]` centroids by decreasing `⟨q̃_b, ω⟩`.
+    pub order: Vec<u16>,
+    /// `[D][16]`: `ℓ_c · q̃_j`, the rerank's lookup table.
+    lut: Vec<f64>,
+}
+
+impl Query {
+    /// Prepares `q` (`[D]`, finite).
+    pub fn new(config: &ParisConfig, q: &[f64]) -> Result<Query, ParisError> {
+        config.validate()?;
+        let (d, m, cents) = (config.head_dim, config.m(), config.centroids());
+        if q.len() != d {
+            return Err(ParisError::Length { what: "query", got: q.len(), want: d });
+        }
+        if q.iter().any(|v| !v.is_finite()) {
+            return Err(ParisError::NonFinite { what: "query", row: 0 });
+        }
+        let norm = q.iter().map(|v| v * v).sum::<f64>().sqrt();
+        let mut rotated: Vec<f64> = q.iter().map(|v| if norm > 0.0 { v / norm } else { 0.0 }).collect();
+        hadamard::rotate(config.seed, &mut rotated);
+        let mut order = Vec::with_capacity(config.subspaces * cents);
+        for b in 0..config.subspaces {
+            let sub = &rotated[b * m..(b + 1) * m];
+            let score = |w: usize| (0..m).map(|j| if w >> j & 1 == 1 { sub[j] } else { -sub[j] }).sum::<f64>();
+            let mut ws: Vec<(f64, u16)> = (0..cents).map(|w| (score(w), w as u16)).collect();
+            ws.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+            order.extend(ws.into_iter().map(|(_, w)| w));
+        }
+        let levels = &config.levels().levels_f32;
+        let lut = rotated.iter().flat_map(|&qj| levels.iter().map(move |&l| f64::from(l) * qj)).collect();
+        Ok(Query { config: *config, norm, rotated, order, lut })
+    }
+
+    /// Per-subspace bonus of every centroid, `[B][2^m]`, for `n` keys with occupancy `hist`.
+    pub fn bonuses(&self, hist: &[u32], n: usize, rho: f64) -> Vec<u8> {
+        let (cents, tiers) = (self.config.centroids(), u64::from(self.config.tiers));
+        let target = ((rho * n as f64).ceil() as u64).max(1);
+        let mut out = vec![0u8; self.config.subspaces * cents];
+        for b in 0..self.config.subspaces {
+            let mut before = 0u64;
+            for &w in &self.order[b * cents..(b + 1) * cents] {
+                if before >= target {
+                    break;
+                }
+                out[b * cents + w as usize] = (tiers - before * tiers / target) as u8;
+                before += u64::from(hist[b * cents + w as usize]);
+            }
+        }
+        out
+    }
+
+    /// Collision scores of every key (`[n]`).
+    pub fn vote(&self, s: &Summaries, rho: f64) -> Vec<u16> {
+        let (bsub, cents) = (self.config.subspaces, self.config.centroids());
+        let bonus = self.bonuses(&s.hist, s.n, rho);
+        s.ids.chunks_exact(bsub).map(|ids| ids.iter().enumerate().map(|(b, &w)| u16::from(bonus[b * cents + w as usize])).sum()).collect()
+    }
+
+    /// The eq. 10 estimate of `⟨k_i, q⟩`.
+    pub fn estimate(&self, s: &Summaries, i: usize) -> f64 {
+        let (d, m) = (self.config.head_dim, self.config.m());
+        let row = &s.codes[i * d / 2..(i + 1) * d / 2];
+        let mut acc = 0.0;
+        for b in 0..self.config.subspaces {
+            let mut dot = 0.0;
+            for j in b * m..(b + 1) * m {
+                let c = (row[j / 2] >> (4 * (j % 2))) & 15;
+                dot += self.lut[j * 16 + c as usize];
+            }
+            acc += s.weight(i, b) * dot;
+        }
+        self.norm * acc
+    }
+}
+
+/// The `c` keys the vote keeps, ascending by index (module docs, "Top-C").
+pub fn top_candidates(scores: &[u16], c: usize) -> Vec<u32> {
+    let c = c.min(scores.len());
+    if c == 0 {
+        return Vec::new();
+    }
+    let max = scores.iter().copied().max().unwrap_or(0) as usize;
+    let mut hist = vec![0usize; max + 1];
+    scores.iter().for_each(|&s| hist[s as usize] += 1);
+    let (mut t, mut above) = (max, 0usize);
+    while above + hist[t] < c {
+        above += hist[t];
+        t -= 1;
+    }
+    let mut room = c - above;
+    let mut out = Vec::with_capacity(c);
+    for (i, &s) in scores.iter().enumerate() {
+        if s as usize > t {
+            out.push(i as u32);
+        } else if s as usize == t && room > 0 {
+            room -= 1;
+            out.push(i as u32);
+        }
+    }
+    out
+}
+
+/// The `k` largest of `(score, index)` pairs, by score descending then index ascending.
+pub fn top_k_by(mut scored: Vec<(f64, u32)>, k: usize) -> Vec<(f64, u32)> {
+    let k = k.min(scored.len());
+    let cmp = |a: &(f64, u32), b: &(f64, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+    if k < scored.len() && k > 0 {
+        scored.select_nth_unstable_by(k - 1, cmp);
+    }
+    scored.truncate(k);
+    scored.sort_by(cmp);
+    scored
+}
+
+/// What one retrieval found.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Retrieval {
+    /// The vote's candidates, by index.
+    pub candidates: Vec<u32>,
+    /// The top-`k` after the rerank with their estimates, best first.
+    pub top: Vec<(f64, u32)>,
+}
+
+impl Retrieval {
+    /// The retrieved indices, best first.
+    pub fn indices(&self) -> Vec<u32> {
+        self.top.iter().map(|&(_, i)| i).collect()
+    }
+}
+
+/// Vote with `rho`, keep `candidates`, rerank, keep `k`.
+pub fn retrieve(s: &Summaries, q: &Query, rho: f64, candidates: usize, k: usize) -> Result<Retrieval, ParisError> {
+    check_ratios(rho, rho.min(1.0))?;
+    if k > s.n {
+        return Err(ParisError::TopK { k, n: s.n });
+    }
+    let cands = top_candidates(&q.vote(s, rho), candidates.max(k));
+    let scored = cands.iter().map(|&i| (q.estimate(s, i as usize), i)).collect();
+    Ok(Retrieval { top: top_k_by(scored, k), candidates: cands })
+}
+
+/// The exact top-`k` of `[n][D]` keys by `⟨k_i, q⟩` (f64), best first.
+pub fn exact_top_k(keys: &[f32], q: &[f64], k: usize) -> Vec<u32> {
+    let d = q.len();
+    let scored = keys.chunks_exact(d).enumerate().map(|(i, r)| (r.iter().zip(q).map(|(&a, b)| f64::from(a) * b).sum::<f64>(), i as u32)).collect();
+    top_k_by(scored, k).into_iter().map(|(_, i)| i).collect()
+}
+
+/// `|got ∩ want| / |want|`.
+pub fn recall(got: &[u32], want: &[u32]) -> f64 {
+    if want.is_empty() {
+        return 1.0;
+    }
+    let set: std::collections::HashSet<u32> = got.iter().copied().collect();
+    want.iter().filter(|i| set.contains(i)).count() as f64 / want.len() as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    fn gauss(rng: &mut ChaCha8Rng) -> f64 {
+        let (u, v): (f64, f64) = (rng.gen::<f64>().max(1e-300), rng.gen());
+        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+    }
+
+    #[test]
+    fn top_candidates_fills_the_boundary_bucket_in_index_order() {
+        let s = [3u16, 1, 2, 2, 0, 2, 3];
+        assert_eq!(top_candidates(&s, 3), vec![0, 2, 6]);
+        assert_eq!(top_candidates(&s, 5), vec![0, 2, 3, 5, 6]);
+        assert_eq!(top_candidates(&s, 7), (0..7).collect::<Vec<_>>());
+        assert_eq!(top_candidates(&s, 0), Vec::<u32>::new());
+        assert_eq!(top_candidates(&[0, 0, 0], 2), vec![0, 1]);
+    }
+
+    #[test]
+    fn bonuses_cover_rho_of_the_keys_in_tiers() {
+        let cfg = ParisConfig::default_for(64);
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let keys: Vec<f32> = (0..64 * 4000).map(|_| gauss(&mut rng) as f32).collect();
+        let s = Summaries::encode(cfg, &keys).unwrap();
+        let q: Vec<f64> = (0..64).map(|_| gauss(&mut rng)).collect();
+        let qp = Query::new(&cfg, &q).unwrap();
+        let bonus = qp.bonuses(&s.hist, s.n, 0.2);
+        for b in 0..cfg.subspaces {
+            let row = &bonus[b * 256..(b + 1) * 256];
+            let voted: u32 = (0..256).filter(|&w| row[w] > 0).map(|w| s.hist[b * 256 + w]).sum();
+            // At least ρn, and at most ρn plus the last centroid's keys.
+            let last = (0..256).filter(|&w| row[w] > 0).map(|w| s.hist[b * 256 + w]).max().unwrap();
+            assert!(voted >= 800 && voted < 800 + last, "subspace {b}: {voted}");
+            assert_eq!(row[qp.order[b * 256] as usize], cfg.tiers as u8);
+            assert!(row.iter().all(|&x| x <= cfg.tiers as u8));
+        }
+        let scores = qp.vote(&s, 0.2);
+        assert!(scores.iter().all(|&x| x as usize <= cfg.max_score()));
+    }
+
+    /// On isotropic keys with a planted near neighbour set, retrieval finds most of the exact
+    /// top-k with 10% candidates.
+    #[test]
+    fn retrieval_recovers_planted_neighbours() {
+        let d = 128;
+        let cfg = ParisConfig::default_for(d);
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        let n = 20_000;
+        let q: Vec<f64> = (0..d).map(|_| gauss(&mut rng)).collect();
+        let mut keys: Vec<f32> = (0..n * d).map(|_| gauss(&mut rng) as f32).collect();
+        for i in (0..n).step_by(200) {
+            for c in 0..d {
+                keys[i * d + c] = (0.5 * q[c] + 0.8 * gauss(&mut rng)) as f32;
+            }
+        }
+        let s = Summaries::encode(cfg, &keys).unwrap();
+        let qp = Query::new(&cfg, &q).unwrap();
+        let r = retrieve(&s, &qp, 0.25, n / 10, 100).unwrap();
+        let want = exact_top_k(&keys, &q, 100);
+        let rc = recall(&r.indices(), &want);
+        assert!(rc >= 0.9, "recall {rc}");
+        assert_eq!(r.candidates.len(), n / 10);
+        assert!(r.candidates.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(retrieve(&s, &qp, 0.25, 10, n + 1).unwrap_err(), ParisError::TopK { k: n + 1, n });
+    }
+}

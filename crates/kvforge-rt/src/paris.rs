@@ -1,0 +1,842 @@
+//! ParisKV retrieval decode on the device (seed 001 §4; f64 reference: kvforge-paris).
+//!
+//! A [`ParisIndex`] holds, for `batch` sequences × `kv_heads`, the retrieval region of each
+//! sequence: its per-key summaries on the GPU and its fp16 K/V in pinned host memory, read by
+//! the kernels over UVA; and the dense rows each sequence keeps on the GPU (sinks, local
+//! window, update buffer), set with [`ParisIndex::set_dense`]. A decode step is
+//! [`ParisIndex::retrieve`] (bonus + vote, top-C select, rerank, top-k) then
+//! [`ParisIndex::attend`] (fetch + attention over dense and retrieved rows, one softmax);
+//! [`ParisIndex::step_timed`] runs both and splits the device time.
+//!
+//! ```ignore
+//! let dev = Device::open(0)?;
+//! let geo = ParisGeometry { batch: 1, kv_heads: 8, gqa: 4, capacity: 1 << 20, dense_capacity: 1024, max_candidates: 65536, max_k: 256, host_budget_bytes: 40 << 30 };
+//! let mut ix = ParisIndex::new(&dev, ParisConfig::default_for(128), geo)?;
+//! ix.append(0, &keys, &values)?;          // [rows][Hkv][D] fp16 each
+//! ix.set_dense(0, &dense_k, &dense_v)?;   // sinks + local
+//! let top = ix.retrieve(&q, 100, &Schedule::default())?;
+//! let (out, lse) = ix.attend(&q, true)?;
+//! ```
+//!
+//! Not yet wired into [`crate::KvCache`]: the index is its own store (the sliding-window
+//! update that moves rows from the local window into it is the caller's, through
+//! [`ParisIndex::append`]).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUevent_flags, CUfunction_attribute};
+use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice, PushKernelArg};
+use half::f16;
+use kvforge_paris::{ParisConfig, Schedule};
+
+use crate::device::Device;
+use crate::error::{drv, Result, RtError};
+
+/// Sizes of an index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct ParisGeometry {
+    pub batch: usize,
+    pub kv_heads: usize,
+    /// Query heads per kv head.
+    pub gqa: usize,
+    /// Retrieval-region keys per sequence (pinned host K/V and GPU summaries are sized for it).
+    pub capacity: usize,
+    /// Dense rows per (sequence, kv head) on the GPU.
+    pub dense_capacity: usize,
+    /// Most vote candidates per (sequence, query head).
+    pub max_candidates: usize,
+    /// Most retrieved keys per (sequence, query head), at most 1024.
+    pub max_k: usize,
+    /// Pinned host bytes the index may take (K and V of the retrieval region).
+    pub host_budget_bytes: usize,
+}
+
+impl ParisGeometry {
+    /// Pinned host bytes of the retrieval-region K/V.
+    pub fn host_bytes(&self, d: usize) -> usize {
+        2 * self.batch * self.kv_heads * self.capacity * d * 2
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct IndexRaw {
+    ids: u64,
+    codes: u64,
+    weights: u64,
+    hist: u64,
+    len: u64,
+    cap: i32,
+    hkv: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct EncodeParams {
+    ix: IndexRaw,
+    keys: u64,
+    seq_of: u64,
+    pos_of: u64,
+    rows: i32,
+    seed: u32,
+    levels: [f32; 16],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct BonusParams {
+    q: u64,
+    hist: u64,
+    target: u64,
+    qrot: u64,
+    qnorm: u64,
+    bonus: u64,
+    hq: i32,
+    hkv: i32,
+    seed: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct VoteParams {
+    ids: u64,
+    len: u64,
+    bonus: u64,
+    scores: u64,
+    score_hist: u64,
+    cap: i32,
+    hkv: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct BucketParams {
+    scores: u64,
+    hist: u64,
+    n: u64,
+    want: u64,
+    chunk_gt: u64,
+    chunk_eq: u64,
+    out: u64,
+    out_count: u64,
+    cap: i32,
+    stride: i32,
+    hq: i32,
+    chunks: i32,
+}
+
+/// Keys per CTA of the bucket top-C (`BUCKET_PER_THREAD` × 256 threads in paris.cuh).
+const BUCKET_CHUNK: usize = 16 * 256;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct SelectParams {
+    scores: u64,
+    est: u64,
+    cand: u64,
+    n: u64,
+    count: u64,
+    want: u64,
+    out: u64,
+    out_count: u64,
+    cap: i32,
+    cmax: i32,
+    stride: i32,
+    hq: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct RerankParams {
+    ix: IndexRaw,
+    qrot: u64,
+    qnorm: u64,
+    cand: u64,
+    count: u64,
+    est: u64,
+    cmax: i32,
+    hq: i32,
+    levels: [f32; 16],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct FetchParams {
+    host_k: u64,
+    host_v: u64,
+    top: u64,
+    top_count: u64,
+    k_out: u64,
+    v_out: u64,
+    error_flags: u64,
+    len: u64,
+    host_cap: i32,
+    kmax: i32,
+    hq: i32,
+    hkv: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct AttendParams {
+    q: u64,
+    dense_k: u64,
+    dense_v: u64,
+    dense_len: u64,
+    k_rows: u64,
+    v_rows: u64,
+    host_k: u64,
+    host_v: u64,
+    top: u64,
+    top_count: u64,
+    out: u64,
+    lse: u64,
+    scale: f32,
+    dense_cap: i32,
+    host_cap: i32,
+    kmax: i32,
+    hq: i32,
+    hkv: i32,
+}
+
+// The C++ structs of kvforge/paris.cuh, field for field.
+const _: () = assert!(std::mem::size_of::<IndexRaw>() == 48);
+const _: () = assert!(std::mem::size_of::<EncodeParams>() == 144);
+const _: () = assert!(std::mem::size_of::<BonusParams>() == 64);
+const _: () = assert!(std::mem::size_of::<VoteParams>() == 48);
+const _: () = assert!(std::mem::size_of::<BucketParams>() == 80);
+const _: () = assert!(std::mem::size_of::<SelectParams>() == 80);
+const _: () = assert!(std::mem::size_of::<RerankParams>() == 160);
+const _: () = assert!(std::mem::size_of::<FetchParams>() == 80);
+const _: () = assert!(std::mem::size_of::<AttendParams>() == 120);
+
+// SAFETY: plain-old-data mirrors of the kernel parameter structs (asserted sizes above).
+unsafe impl cudarc::driver::DeviceRepr for EncodeParams {}
+unsafe impl cudarc::driver::DeviceRepr for BonusParams {}
+unsafe impl cudarc::driver::DeviceRepr for VoteParams {}
+unsafe impl cudarc::driver::DeviceRepr for SelectParams {}
+unsafe impl cudarc::driver::DeviceRepr for BucketParams {}
+unsafe impl cudarc::driver::DeviceRepr for RerankParams {}
+unsafe impl cudarc::driver::DeviceRepr for FetchParams {}
+unsafe impl cudarc::driver::DeviceRepr for AttendParams {}
+
+/// Device time of one decode step's phases, microseconds (CUDA events).
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct StepTimes {
+    /// Bonus tables and collision vote.
+    pub vote_us: f64,
+    /// Top-C select of the vote scores and top-k of the rerank estimates.
+    pub topk_us: f64,
+    pub rerank_us: f64,
+    /// Gather of the k retrieved K/V rows from pinned host memory.
+    pub fetch_us: f64,
+    pub attend_us: f64,
+}
+
+/// The retrieval index of a batch (module docs).
+pub struct ParisIndex {
+    st: Arc<CudaStream>,
+    ctx: Arc<cudarc::driver::CudaContext>,
+    cfg: ParisConfig,
+    geo: ParisGeometry,
+    funcs: HashMap<&'static str, CudaFunction>,
+    levels: [f32; 16],
+    /// Opt-in shared memory per CTA: top-k stages the estimates there when they fit.
+    max_smem: usize,
+    ids: CudaSlice<u8>,
+    codes: CudaSlice<u8>,
+    weights: CudaSlice<u16>,
+    hist: CudaSlice<u32>,
+    len_d: CudaSlice<u32>,
+    len: Vec<usize>,
+    host_k: PinnedHostSlice<u16>,
+    host_v: PinnedHostSlice<u16>,
+    host_k_ptr: u64,
+    host_v_ptr: u64,
+    dense_k: CudaSlice<u16>,
+    dense_v: CudaSlice<u16>,
+    dense_len_d: CudaSlice<u32>,
+    dense_len: Vec<usize>,
+    ws: Workspace,
+}
+
+/// Per-step buffers.
+struct Workspace {
+    q: CudaSlice<u16>,
+    qrot: CudaSlice<f32>,
+    qnorm: CudaSlice<f32>,
+    bonus: CudaSlice<u8>,
+    scores: CudaSlice<u8>,
+    score_hist: CudaSlice<u32>,
+    chunk_gt: CudaSlice<u32>,
+    chunk_eq: CudaSlice<u32>,
+    target: CudaSlice<u32>,
+    want_c: CudaSlice<u32>,
+    want_k: CudaSlice<u32>,
+    cand: CudaSlice<u32>,
+    cand_count: CudaSlice<u32>,
+    est: CudaSlice<f32>,
+    top: CudaSlice<u32>,
+    top_count: CudaSlice<u32>,
+    k_rows: CudaSlice<u16>,
+    v_rows: CudaSlice<u16>,
+    out: CudaSlice<f32>,
+    lse: CudaSlice<f32>,
+    err: CudaSlice<u32>,
+}
+
+fn bits(x: &[f16]) -> &[u16] {
+    // SAFETY: f16 is a transparent u16.
+    unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u16>(), x.len()) }
+}
+
+impl ParisIndex {
+    /// Compiles the module (NVRTC, once per index) and allocates everything: summaries and
+    /// workspace on the GPU, the retrieval-region K/V in pinned host memory. A geometry over
+    /// the host budget, or pinned memory that cannot be allocated, is a typed error with
+    /// nothing left allocated.
+    pub fn new(dev: &Device, cfg: ParisConfig, geo: ParisGeometry) -> Result<ParisIndex> {
+        cfg.validate()?;
+        let d = cfg.head_dim;
+        if cfg.max_score() > 255 {
+            return Err(RtError::BadInput(format!("ParisKV on the device keeps collision scores in a byte: subspaces × tiers = {} > 255", cfg.max_score())));
+        }
+        if geo.max_k == 0 || geo.max_k > 1024 || geo.max_k > geo.max_candidates || geo.batch == 0 || geo.kv_heads == 0 || geo.gqa == 0 || geo.capacity == 0 {
+            return Err(RtError::BadInput(format!("ParisKV geometry {geo:?}: needs 0 < max_k ≤ min(1024, max_candidates) and non-zero sizes")));
+        }
+        let need = geo.host_bytes(d);
+        if need > geo.host_budget_bytes {
+            return Err(RtError::HostBudget {
+                what: format!("ParisKV retrieval-region K/V ({} keys × {} sequences × {} kv heads, head dim {d})", geo.capacity, geo.batch, geo.kv_heads),
+                need,
+                budget: geo.host_budget_bytes,
+            });
+        }
+        let st = dev.stream.clone();
+        let ctx = dev.ctx.clone();
+        let (m, b, c) = (cfg.m(), cfg.subspaces, cfg.centroids());
+        let symbol = kvforge_gen::paris_symbol(d, m, cfg.tiers, geo.gqa);
+        let source = kvforge_gen::render_paris(d, m, cfg.tiers, geo.gqa).map_err(|e| RtError::BadInput(e.to_string()))?;
+        let compiled = crate::jit::compile_module(&symbol, &source, &dev.info.arch(), false)?;
+        let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin)).map_err(drv(format!("loading {symbol}")))?;
+        let mut funcs = HashMap::new();
+        for e in kvforge_gen::PARIS_ENTRIES {
+            funcs.insert(*e, module.load_function(&format!("{symbol}_{e}")).map_err(drv(format!("symbol {symbol}_{e}")))?);
+        }
+        let mut levels = [0f32; 16];
+        levels.copy_from_slice(&cfg.levels().levels_f32);
+        let half = need / 2;
+        // SAFETY: plain u16 slabs; a row is written by `append` before `len` admits it, and
+        // kernels read only rows below `len`.
+        let host_k = unsafe { ctx.alloc_pinned_with_flags::<u16>(half / 2, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE) }.map_err(|e| RtError::PinnedAlloc {
+            what: "ParisKV retrieval-region keys".into(),
+            bytes: half,
+            reason: e.to_string(),
+        })?;
+        // SAFETY: as above.
+        let host_v = unsafe { ctx.alloc_pinned_with_flags::<u16>(half / 2, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE) }.map_err(|e| RtError::PinnedAlloc {
+            what: "ParisKV retrieval-region values".into(),
+            bytes: half,
+            reason: e.to_string(),
+        })?;
+        let host_k_ptr = host_k.as_ptr().map_err(drv("pinned keys"))? as u64;
+        let host_v_ptr = host_v.as_ptr().map_err(drv("pinned values"))? as u64;
+        let heads = geo.batch * geo.kv_heads;
+        let qh = heads * geo.gqa;
+        let z8 = |n: usize, what: &str| st.alloc_zeros::<u8>(n.max(1)).map_err(drv(what.to_string()));
+        let z16 = |n: usize, what: &str| st.alloc_zeros::<u16>(n.max(1)).map_err(drv(what.to_string()));
+        let z32 = |n: usize, what: &str| st.alloc_zeros::<u32>(n.max(1)).map_err(drv(what.to_string()));
+        let zf = |n: usize, what: &str| st.alloc_zeros::<f32>(n.max(1)).map_err(drv(what.to_string()));
+        let ws = Workspace {
+            q: z16(qh * d, "queries")?,
+            qrot: zf(qh * d, "rotated queries")?,
+            qnorm: zf(qh, "query norms")?,
+            bonus: z8(qh * b * c, "bonus tables")?,
+            scores: z8(qh * geo.capacity, "collision scores")?,
+            score_hist: z32(qh * 256, "score histograms")?,
+            chunk_gt: z32(qh * geo.capacity.div_ceil(BUCKET_CHUNK), "bucket counts")?,
+            chunk_eq: z32(qh * geo.capacity.div_ceil(BUCKET_CHUNK), "bucket counts")?,
+            target: z32(geo.batch, "vote targets")?,
+            want_c: z32(geo.batch, "candidate counts")?,
+            want_k: z32(geo.batch, "top-k counts")?,
+            cand: z32(qh * geo.max_candidates, "candidates")?,
+            cand_count: z32(qh, "candidate counts")?,
+            est: zf(qh * geo.max_candidates, "rerank estimates")?,
+            top: z32(qh * geo.max_k, "top-k")?,
+            top_count: z32(qh, "top-k counts")?,
+            k_rows: z16(qh * geo.max_k * d, "fetched keys")?,
+            v_rows: z16(qh * geo.max_k * d, "fetched values")?,
+            out: zf(qh * d, "output")?,
+            lse: zf(qh, "lse")?,
+            err: z32(1, "error flags")?,
+        };
+        Ok(ParisIndex {
+            ids: z8(heads * geo.capacity * b, "centroid ids")?,
+            codes: z8(heads * geo.capacity * d / 2, "direction codes")?,
+            weights: z16(heads * geo.capacity * b, "weights")?,
+            hist: z32(heads * b * c, "occupancy")?,
+            len_d: z32(geo.batch, "lengths")?,
+            len: vec![0; geo.batch],
+            dense_k: z16(heads * geo.dense_capacity * d, "dense keys")?,
+            dense_v: z16(heads * geo.dense_capacity * d, "dense values")?,
+            dense_len_d: z32(geo.batch, "dense lengths")?,
+            dense_len: vec![0; geo.batch],
+            st,
+            ctx,
+            cfg,
+            geo,
+            funcs,
+            levels,
+            max_smem: dev.info.max_smem_per_block,
+            host_k,
+            host_v,
+            host_k_ptr,
+            host_v_ptr,
+            ws,
+        })
+    }
+
+    pub fn config(&self) -> &ParisConfig {
+        &self.cfg
+    }
+
+    pub fn geometry(&self) -> &ParisGeometry {
+        &self.geo
+    }
+
+    /// Retrieval-region keys of sequence `seq`.
+    pub fn len(&self, seq: usize) -> usize {
+        self.len[seq]
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len.iter().all(|&n| n == 0)
+    }
+
+    /// GPU-resident bytes per retrieval-region key and kv head (the summaries).
+    pub fn device_bytes_per_key(&self) -> usize {
+        self.cfg.summary_bytes()
+    }
+
+    fn raw(&self) -> IndexRaw {
+        let st = &self.st;
+        IndexRaw {
+            ids: self.ids.device_ptr(st).0,
+            codes: self.codes.device_ptr(st).0,
+            weights: self.weights.device_ptr(st).0,
+            hist: self.hist.device_ptr(st).0,
+            len: self.len_d.device_ptr(st).0,
+            cap: self.geo.capacity as i32,
+            hkv: self.geo.kv_heads as i32,
+        }
+    }
+
+    fn check_seq(&self, seq: usize) -> Result<()> {
+        if seq >= self.geo.batch {
+            return Err(RtError::NoSequence(seq));
+        }
+        Ok(())
+    }
+
+    /// Appends `rows` keys and values (`[rows][kv_heads][D]` fp16 each) to the retrieval region
+    /// of `seq`: K/V into pinned host memory, summaries encoded on the GPU. Past the capacity
+    /// (the host budget) it is a typed error and nothing is written.
+    pub fn append(&mut self, seq: usize, keys: &[f16], values: &[f16]) -> Result<()> {
+        self.check_seq(seq)?;
+        let (d, hkv) = (self.cfg.head_dim, self.geo.kv_heads);
+        let row = hkv * d;
+        if keys.len() != values.len() || !keys.len().is_multiple_of(row) {
+            return Err(RtError::BadInput(format!("ParisKV append: keys ({}) and values ({}) must both be [rows][{hkv}][{d}]", keys.len(), values.len())));
+        }
+        if let Some(i) = keys.iter().chain(values).position(|v| !v.is_finite()) {
+            return Err(RtError::BadInput(format!("ParisKV append: element {i} of the keys/values is not finite")));
+        }
+        let rows = keys.len() / row;
+        let (start, end) = (self.len[seq], self.len[seq] + rows);
+        if end > self.geo.capacity {
+            return Err(RtError::HostBudget { what: format!("ParisKV sequence {seq} retrieval region ({start} + {rows} keys)"), need: end, budget: self.geo.capacity });
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        // Host K/V: [S][Hkv][cap][D].
+        let (kp, vp) = (self.host_k.as_mut_ptr().map_err(drv("pinned keys"))?, self.host_v.as_mut_ptr().map_err(drv("pinned values"))?);
+        for r in 0..rows {
+            for h in 0..hkv {
+                let dst = ((seq * hkv + h) * self.geo.capacity + start + r) * d;
+                let src = (r * hkv + h) * d;
+                // SAFETY: dst + d ≤ batch × hkv × capacity × d (end ≤ capacity), the slab's
+                // length; no kernel reads rows at or past `len`, which is raised after.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(bits(&keys[src..src + d]).as_ptr(), kp.add(dst), d);
+                    std::ptr::copy_nonoverlapping(bits(&values[src..src + d]).as_ptr(), vp.add(dst), d);
+                }
+            }
+        }
+        let st = self.st.clone();
+        let kd = st.clone_htod(bits(keys)).map_err(drv("new keys"))?;
+        let seq_of = st.clone_htod(&vec![seq as u32; rows]).map_err(drv("new rows"))?;
+        let pos_of = st.clone_htod(&(start as u32..end as u32).collect::<Vec<_>>()).map_err(drv("new rows"))?;
+        let p = EncodeParams { ix: self.raw(), keys: kd.device_ptr(&st).0, seq_of: seq_of.device_ptr(&st).0, pos_of: pos_of.device_ptr(&st).0, rows: rows as i32, seed: self.cfg.seed, levels: self.levels };
+        let cfg = LaunchConfig { grid_dim: (rows.div_ceil(4) as u32, hkv as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: params mirror EncodeParams; rows index `keys` ([rows][Hkv][D] uploaded above)
+        // and write summaries at positions start..end < capacity of `seq`.
+        unsafe { st.launch_builder(&self.funcs["encode"]).arg(&p).launch(cfg) }.map_err(drv("launch paris encode"))?;
+        self.len[seq] = end;
+        let lens: Vec<u32> = self.len.iter().map(|&n| n as u32).collect();
+        st.memcpy_htod(&lens, &mut self.len_d).map_err(drv("lengths"))?;
+        st.synchronize().map_err(drv("paris encode"))?;
+        Ok(())
+    }
+
+    /// The summaries of (`seq`, kv head `head`) as the reference type (tests compare them
+    /// with `kvforge_paris::Summaries::encode`). Downloads the whole index.
+    pub fn download_summaries(&self, seq: usize, head: usize) -> Result<kvforge_paris::Summaries> {
+        self.check_seq(seq)?;
+        if head >= self.geo.kv_heads {
+            return Err(RtError::NoKvHead { head, heads: self.geo.kv_heads });
+        }
+        let (d, b, c, n) = (self.cfg.head_dim, self.cfg.subspaces, self.cfg.centroids(), self.len[seq]);
+        let sh = seq * self.geo.kv_heads + head;
+        let base = sh * self.geo.capacity;
+        let ids = self.st.clone_dtoh(&self.ids).map_err(drv("centroid ids"))?;
+        let codes = self.st.clone_dtoh(&self.codes).map_err(drv("codes"))?;
+        let weights = self.st.clone_dtoh(&self.weights).map_err(drv("weights"))?;
+        let hist = self.st.clone_dtoh(&self.hist).map_err(drv("occupancy"))?;
+        Ok(kvforge_paris::Summaries {
+            config: self.cfg,
+            n,
+            ids: ids[base * b..(base + n) * b].to_vec(),
+            codes: codes[base * d / 2..(base + n) * d / 2].to_vec(),
+            weights: weights[base * b..(base + n) * b].to_vec(),
+            hist: hist[sh * b * c..(sh + 1) * b * c].to_vec(),
+        })
+    }
+
+    /// Sets the dense rows of `seq` (sinks, local window, update buffer): `[rows][kv_heads][D]`.
+    pub fn set_dense(&mut self, seq: usize, keys: &[f16], values: &[f16]) -> Result<()> {
+        self.check_seq(seq)?;
+        let (d, hkv) = (self.cfg.head_dim, self.geo.kv_heads);
+        if keys.len() != values.len() || !keys.len().is_multiple_of(hkv * d) {
+            return Err(RtError::BadInput("ParisKV set_dense: keys and values must both be [rows][kv_heads][D]".into()));
+        }
+        let rows = keys.len() / (hkv * d);
+        if rows > self.geo.dense_capacity {
+            return Err(RtError::CapacityExceeded { what: "ParisKV dense rows".into(), requested: rows.to_string(), capacity: self.geo.dense_capacity.to_string() });
+        }
+        let mut kh = self.st.clone_dtoh(&self.dense_k).map_err(drv("dense keys"))?;
+        let mut vh = self.st.clone_dtoh(&self.dense_v).map_err(drv("dense values"))?;
+        for r in 0..rows {
+            for h in 0..hkv {
+                let dst = ((seq * hkv + h) * self.geo.dense_capacity + r) * d;
+                let src = (r * hkv + h) * d;
+                kh[dst..dst + d].copy_from_slice(bits(&keys[src..src + d]));
+                vh[dst..dst + d].copy_from_slice(bits(&values[src..src + d]));
+            }
+        }
+        self.st.memcpy_htod(&kh, &mut self.dense_k).map_err(drv("dense keys"))?;
+        self.st.memcpy_htod(&vh, &mut self.dense_v).map_err(drv("dense values"))?;
+        self.dense_len[seq] = rows;
+        let lens: Vec<u32> = self.dense_len.iter().map(|&n| n as u32).collect();
+        self.st.memcpy_htod(&lens, &mut self.dense_len_d).map_err(drv("dense lengths"))?;
+        Ok(())
+    }
+
+    /// Uploads the queries `[batch][kv_heads · gqa][D]` and the per-sequence plan.
+    fn prepare(&mut self, q: &[f16], k: usize, schedule: &Schedule) -> Result<()> {
+        let d = self.cfg.head_dim;
+        let qh = self.geo.batch * self.geo.kv_heads * self.geo.gqa;
+        if q.len() != qh * d {
+            return Err(RtError::ShapeMismatch { what: "ParisKV queries".into(), expected: format!("[{}][{}][{d}]", self.geo.batch, self.geo.kv_heads * self.geo.gqa), got: format!("{} values", q.len()) });
+        }
+        if k == 0 || k > self.geo.max_k {
+            return Err(RtError::BadInput(format!("ParisKV top-k {k}: must be 1 to {}", self.geo.max_k)));
+        }
+        schedule.validate()?;
+        let (mut target, mut want_c, mut want_k) = (Vec::new(), Vec::new(), Vec::new());
+        for &n in &self.len {
+            let plan = schedule.plan(n, k);
+            target.push(((plan.rho * n as f64).ceil() as u32).max(1));
+            want_c.push(plan.candidates.clamp(plan.k, self.geo.max_candidates) as u32);
+            want_k.push(plan.k as u32);
+        }
+        let st = self.st.clone();
+        st.memcpy_htod(bits(q), &mut self.ws.q).map_err(drv("queries"))?;
+        st.memcpy_htod(&target, &mut self.ws.target).map_err(drv("plan"))?;
+        st.memcpy_htod(&want_c, &mut self.ws.want_c).map_err(drv("plan"))?;
+        st.memcpy_htod(&want_k, &mut self.ws.want_k).map_err(drv("plan"))?;
+        Ok(())
+    }
+
+    fn launch_vote(&mut self) -> Result<()> {
+        self.st.memset_zeros(&mut self.ws.score_hist).map_err(drv("score histograms"))?;
+        let (st, g) = (&self.st, &self.geo);
+        let qh = g.batch * g.kv_heads * g.gqa;
+        let w = &self.ws;
+        let bp = BonusParams {
+            q: w.q.device_ptr(st).0,
+            hist: self.hist.device_ptr(st).0,
+            target: w.target.device_ptr(st).0,
+            qrot: w.qrot.device_ptr(st).0,
+            qnorm: w.qnorm.device_ptr(st).0,
+            bonus: w.bonus.device_ptr(st).0,
+            hq: (g.kv_heads * g.gqa) as i32,
+            hkv: g.kv_heads as i32,
+            seed: self.cfg.seed,
+        };
+        // SAFETY: params mirror BonusParams; buffers sized [batch][Hq][...] in `new`.
+        unsafe { st.launch_builder(&self.funcs["bonus"]).arg(&bp).launch(LaunchConfig { grid_dim: (qh as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }.map_err(drv("launch paris bonus"))?;
+        let vp = VoteParams {
+            ids: self.ids.device_ptr(st).0,
+            len: self.len_d.device_ptr(st).0,
+            bonus: w.bonus.device_ptr(st).0,
+            scores: w.scores.device_ptr(st).0,
+            score_hist: w.score_hist.device_ptr(st).0,
+            cap: g.capacity as i32,
+            hkv: g.kv_heads as i32,
+        };
+        let most = self.len.iter().copied().max().unwrap_or(0).max(1);
+        // SAFETY: params mirror VoteParams; threads past a sequence's length return.
+        unsafe { st.launch_builder(&self.funcs["vote"]).arg(&vp).launch(LaunchConfig { grid_dim: (most.div_ceil(256) as u32, (g.batch * g.kv_heads) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }
+            .map_err(drv("launch paris vote"))?;
+        Ok(())
+    }
+
+    fn select_params(&self, topk: bool) -> SelectParams {
+        let (st, g, w) = (&self.st, &self.geo, &self.ws);
+        SelectParams {
+            scores: w.scores.device_ptr(st).0,
+            est: w.est.device_ptr(st).0,
+            cand: w.cand.device_ptr(st).0,
+            n: self.len_d.device_ptr(st).0,
+            count: w.cand_count.device_ptr(st).0,
+            want: if topk { w.want_k.device_ptr(st).0 } else { w.want_c.device_ptr(st).0 },
+            out: if topk { w.top.device_ptr(st).0 } else { w.cand.device_ptr(st).0 },
+            out_count: if topk { w.top_count.device_ptr(st).0 } else { w.cand_count.device_ptr(st).0 },
+            cap: g.capacity as i32,
+            cmax: g.max_candidates as i32,
+            stride: if topk { g.max_k as i32 } else { g.max_candidates as i32 },
+            hq: (g.kv_heads * g.gqa) as i32,
+        }
+    }
+
+    fn launch_select(&self, topk: bool) -> Result<()> {
+        let qh = self.geo.batch * self.geo.kv_heads * self.geo.gqa;
+        let p = self.select_params(topk);
+        // Top-k stages the estimates in shared memory when a row of them fits (with the
+        // kernel's static 4 KiB and the block-select scratch).
+        let staged_bytes = self.geo.max_candidates * 4;
+        let staged = topk && staged_bytes + 8 * 1024 <= self.max_smem;
+        let f = match (topk, staged) {
+            (false, _) => &self.funcs["select"],
+            (true, false) => &self.funcs["topk"],
+            (true, true) => &self.funcs["topk_staged"],
+        };
+        let smem = if staged { staged_bytes } else { 0 };
+        if smem > 40 * 1024 {
+            f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(drv("paris top-k shared memory"))?;
+        }
+        // SAFETY: params mirror SelectParams; select writes at most `stride` candidates per
+        // (sequence, query head), top-k at most max_k ≤ 1024; the staged top-k's dynamic
+        // shared memory holds max_candidates ≥ count floats.
+        unsafe { self.st.launch_builder(f).arg(&p).launch(LaunchConfig { grid_dim: (qh as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: smem as u32 }) }.map_err(drv("launch paris select"))?;
+        Ok(())
+    }
+
+    /// The top-C of the collision scores over many CTAs: per-chunk counts, then each chunk's
+    /// candidates at their index-order positions.
+    fn launch_bucket(&self) -> Result<()> {
+        let (st, g, w) = (&self.st, &self.geo, &self.ws);
+        let qh = g.batch * g.kv_heads * g.gqa;
+        let chunks = g.capacity.div_ceil(BUCKET_CHUNK);
+        let live = self.len.iter().copied().max().unwrap_or(0).div_ceil(BUCKET_CHUNK).max(1);
+        let p = BucketParams {
+            scores: w.scores.device_ptr(st).0,
+            hist: w.score_hist.device_ptr(st).0,
+            n: self.len_d.device_ptr(st).0,
+            want: w.want_c.device_ptr(st).0,
+            chunk_gt: w.chunk_gt.device_ptr(st).0,
+            chunk_eq: w.chunk_eq.device_ptr(st).0,
+            out: w.cand.device_ptr(st).0,
+            out_count: w.cand_count.device_ptr(st).0,
+            cap: g.capacity as i32,
+            stride: g.max_candidates as i32,
+            hq: (g.kv_heads * g.gqa) as i32,
+            chunks: chunks as i32,
+        };
+        let cfg = LaunchConfig { grid_dim: (live as u32, qh as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: params mirror BucketParams; chunk arrays hold `chunks` ≥ `live` entries per
+        // row; emit writes at most min(want, stride) candidates per row.
+        unsafe { st.launch_builder(&self.funcs["bucket_count"]).arg(&p).launch(cfg) }.map_err(drv("launch paris bucket_count"))?;
+        // SAFETY: as above.
+        unsafe { st.launch_builder(&self.funcs["bucket_emit"]).arg(&p).launch(cfg) }.map_err(drv("launch paris bucket_emit"))?;
+        Ok(())
+    }
+
+    fn launch_rerank(&self) -> Result<()> {
+        let (st, g, w) = (&self.st, &self.geo, &self.ws);
+        let qh = g.batch * g.kv_heads * g.gqa;
+        let p = RerankParams {
+            ix: self.raw(),
+            qrot: w.qrot.device_ptr(st).0,
+            qnorm: w.qnorm.device_ptr(st).0,
+            cand: w.cand.device_ptr(st).0,
+            count: w.cand_count.device_ptr(st).0,
+            est: w.est.device_ptr(st).0,
+            cmax: g.max_candidates as i32,
+            hq: (g.kv_heads * g.gqa) as i32,
+            levels: self.levels,
+        };
+        // SAFETY: params mirror RerankParams; threads past a row's candidate count return.
+        unsafe { st.launch_builder(&self.funcs["rerank"]).arg(&p).launch(LaunchConfig { grid_dim: (g.max_candidates.div_ceil(128) as u32, qh as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }) }
+            .map_err(drv("launch paris rerank"))?;
+        Ok(())
+    }
+
+    fn launch_fetch(&self) -> Result<()> {
+        let (st, g, w) = (&self.st, &self.geo, &self.ws);
+        let qh = g.batch * g.kv_heads * g.gqa;
+        let p = FetchParams {
+            host_k: self.host_k_ptr,
+            host_v: self.host_v_ptr,
+            top: w.top.device_ptr(st).0,
+            top_count: w.top_count.device_ptr(st).0,
+            k_out: w.k_rows.device_ptr(st).0,
+            v_out: w.v_rows.device_ptr(st).0,
+            error_flags: w.err.device_ptr(st).0,
+            len: self.len_d.device_ptr(st).0,
+            host_cap: g.capacity as i32,
+            kmax: g.max_k as i32,
+            hq: (g.kv_heads * g.gqa) as i32,
+            hkv: g.kv_heads as i32,
+        };
+        // SAFETY: params mirror FetchParams; host_k/host_v are DEVICEMAP pinned slabs (UVA
+        // addresses), rows past a sequence's length are flagged, not read.
+        unsafe { st.launch_builder(&self.funcs["fetch"]).arg(&p).launch(LaunchConfig { grid_dim: (qh as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }.map_err(drv("launch paris fetch"))?;
+        Ok(())
+    }
+
+    fn launch_attend(&self, fused: bool) -> Result<()> {
+        let (st, g, w) = (&self.st, &self.geo, &self.ws);
+        let qh = g.batch * g.kv_heads * g.gqa;
+        let p = AttendParams {
+            q: w.q.device_ptr(st).0,
+            dense_k: self.dense_k.device_ptr(st).0,
+            dense_v: self.dense_v.device_ptr(st).0,
+            dense_len: self.dense_len_d.device_ptr(st).0,
+            k_rows: w.k_rows.device_ptr(st).0,
+            v_rows: w.v_rows.device_ptr(st).0,
+            host_k: self.host_k_ptr,
+            host_v: self.host_v_ptr,
+            top: w.top.device_ptr(st).0,
+            top_count: w.top_count.device_ptr(st).0,
+            out: w.out.device_ptr(st).0,
+            lse: w.lse.device_ptr(st).0,
+            scale: 1.0 / (self.cfg.head_dim as f32).sqrt(),
+            dense_cap: g.dense_capacity as i32,
+            host_cap: g.capacity as i32,
+            kmax: g.max_k as i32,
+            hq: (g.kv_heads * g.gqa) as i32,
+            hkv: g.kv_heads as i32,
+        };
+        let smem = (g.dense_capacity + g.max_k) * 4;
+        let f = if fused { &self.funcs["attend_fused"] } else { &self.funcs["attend"] };
+        if smem > 40 * 1024 {
+            f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(drv("paris attend shared memory"))?;
+        }
+        // SAFETY: params mirror AttendParams; dynamic shared memory holds dense_cap + max_k
+        // logits; the fused kernel reads retrieved rows at `top` < len (checked by the
+        // retrieval, which selects among indexed keys only).
+        unsafe { st.launch_builder(f).arg(&p).launch(LaunchConfig { grid_dim: (qh as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: smem as u32 }) }.map_err(drv("launch paris attend"))?;
+        Ok(())
+    }
+
+    /// Retrieves the top-`k` keys of every (sequence, query head) for queries `q`
+    /// (`[batch][Hq][D]` fp16) under `schedule`'s `(ρ, β)` for each sequence's length. Returns
+    /// the key indices per (sequence, query head), ascending.
+    pub fn retrieve(&mut self, q: &[f16], k: usize, schedule: &Schedule) -> Result<Vec<Vec<u32>>> {
+        self.prepare(q, k, schedule)?;
+        self.launch_vote()?;
+        self.launch_bucket()?;
+        self.launch_rerank()?;
+        self.launch_select(true)?;
+        self.download_top()
+    }
+
+    fn download_top(&self) -> Result<Vec<Vec<u32>>> {
+        let top = self.st.clone_dtoh(&self.ws.top).map_err(drv("top-k"))?;
+        let count = self.st.clone_dtoh(&self.ws.top_count).map_err(drv("top-k counts"))?;
+        Ok(count
+            .iter()
+            .enumerate()
+            .map(|(i, &c)| {
+                let mut v = top[i * self.geo.max_k..i * self.geo.max_k + c as usize].to_vec();
+                v.sort_unstable();
+                v
+            })
+            .collect())
+    }
+
+    /// The vote's candidates of every (sequence, query head) of the last retrieval, ascending.
+    pub fn candidates(&self) -> Result<Vec<Vec<u32>>> {
+        let cand = self.st.clone_dtoh(&self.ws.cand).map_err(drv("candidates"))?;
+        let count = self.st.clone_dtoh(&self.ws.cand_count).map_err(drv("candidate counts"))?;
+        Ok(count.iter().enumerate().map(|(i, &c)| cand[i * self.geo.max_candidates..i * self.geo.max_candidates + c as usize].to_vec()).collect())
+    }
+
+    /// Attention of the last retrieval's queries over each sequence's dense rows and retrieved
+    /// rows, one softmax (scale 1/√D): `(out [batch][Hq][D], lse [batch][Hq])`. `fused` reads
+    /// the retrieved rows from pinned host memory inside the attention kernel; otherwise a
+    /// fetch kernel stages them on the GPU first.
+    pub fn attend(&mut self, q: &[f16], fused: bool) -> Result<(Vec<f32>, Vec<f32>)> {
+        let st = self.st.clone();
+        st.memcpy_htod(bits(q), &mut self.ws.q).map_err(drv("queries"))?;
+        if !fused {
+            self.launch_fetch()?;
+        }
+        self.launch_attend(fused)?;
+        self.finish()
+    }
+
+    fn finish(&mut self) -> Result<(Vec<f32>, Vec<f32>)> {
+        let out = self.st.clone_dtoh(&self.ws.out).map_err(drv("output"))?;
+        let lse = self.st.clone_dtoh(&self.ws.lse).map_err(drv("lse"))?;
+        let err = self.st.clone_dtoh(&self.ws.err).map_err(drv("error flags"))?;
+        if err[0] != 0 {
+            self.st.memcpy_htod(&[0u32], &mut self.ws.err).map_err(drv("error flags"))?;
+            return Err(RtError::BadInput(format!("ParisKV fetch: a retrieved index lies past its sequence's retrieval region (flags {:#x})", err[0])));
+        }
+        Ok((out, lse))
+    }
+
+    /// One decode step (retrieve, fetch, attend; staged fetch) with CUDA events between the
+    /// phases: the outputs and the device time of each.
+    pub fn step_timed(&mut self, q: &[f16], k: usize, schedule: &Schedule) -> Result<(Vec<f32>, StepTimes)> {
+        self.prepare(q, k, schedule)?;
+        let mut e = Vec::with_capacity(7);
+        for _ in 0..7 {
+            e.push(self.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"))?);
+        }
+        let st = self.st.clone();
+        let mark = |i: usize| e[i].record(&st).map_err(drv("event"));
+        mark(0)?;
+        self.launch_vote()?;
+        mark(1)?;
+        self.launch_bucket()?;
+        mark(2)?;
+        self.launch_rerank()?;
+        mark(3)?;
+        self.launch_select(true)?;
+        mark(4)?;
+        self.launch_fetch()?;
+        mark(5)?;
+        self.launch_attend(false)?;
+        mark(6)?;
+        e[6].synchronize().map_err(drv("event"))?;
+        let us = |a: usize, z: usize| -> Result<f64> { Ok(f64::from(e[a].elapsed_ms(&e[z]).map_err(drv("event"))?) * 1e3) };
+        let t = StepTimes { vote_us: us(0, 1)?, topk_us: us(1, 2)? + us(3, 4)?, rerank_us: us(2, 3)?, fetch_us: us(4, 5)?, attend_us: us(5, 6)? };
+        let (out, _) = self.finish()?;
+        Ok((out, t))
+    }
+}

@@ -1,0 +1,196 @@
+//! ParisKV retrieval on the device against the kvforge-paris f64 reference: summaries,
+//! retrieval (batch 2, GQA 4), attention over dense + retrieved rows (staged and fused UVA
+//! reads), and the typed host-budget errors. Run on the GPU machine with `-- --ignored`; the
+//! NVRTC compile of the module runs on every CPU CI run (`paris_module_compiles`).
+
+use half::f16;
+use kvforge_paris::{exact_top_k, recall, retrieve, ParisConfig, Query, Schedule, Summaries};
+use kvforge_rt::paris::{ParisGeometry, ParisIndex};
+use kvforge_rt::{Device, RtError};
+
+/// Keys / values / queries: a shared mean direction plus noise, from a fixed xorshift stream.
+fn rows(n: usize, d: usize, salt: u64, mean: f64) -> Vec<f16> {
+    let mut s = salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut next = move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 11) as f64 / (1u64 << 53) as f64
+    };
+    (0..n * d)
+        .map(|i| {
+            let (u, v) = (next().max(1e-12), next());
+            let g = (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos();
+            let c = i % d;
+            f16::from_f64(mean * ((c as f64 * 0.37).sin()) + g)
+        })
+        .collect()
+}
+
+/// Rows of kv head `h` out of `[rows][hkv][d]`, as f32.
+fn head_rows(x: &[f16], hkv: usize, d: usize, h: usize) -> Vec<f32> {
+    x.chunks_exact(hkv * d).flat_map(|r| r[h * d..(h + 1) * d].iter().map(|v| v.to_f32())).collect()
+}
+
+fn geometry() -> ParisGeometry {
+    ParisGeometry { batch: 2, kv_heads: 2, gqa: 4, capacity: 24_000, dense_capacity: 96, max_candidates: 8192, max_k: 128, host_budget_bytes: 1 << 30 }
+}
+
+struct Setup {
+    ix: ParisIndex,
+    keys: Vec<Vec<f16>>,
+    values: Vec<Vec<f16>>,
+    dense: Vec<(Vec<f16>, Vec<f16>)>,
+}
+
+fn setup(dev: &Device) -> Setup {
+    let (cfg, geo) = (ParisConfig::default_for(128), geometry());
+    let mut ix = ParisIndex::new(dev, cfg, geo).expect("index");
+    let d = cfg.head_dim;
+    let lens = [20_000, 9_000];
+    let (mut keys, mut values, mut dense) = (Vec::new(), Vec::new(), Vec::new());
+    for (s, &n) in lens.iter().enumerate() {
+        let k = rows(n * geo.kv_heads, d, 11 + s as u64, 1.5);
+        let v = rows(n * geo.kv_heads, d, 23 + s as u64, 0.0);
+        // Two appends: the second continues the first's positions and occupancy.
+        let cut = n / 3 * geo.kv_heads * d;
+        ix.append(s, &k[..cut], &v[..cut]).expect("append");
+        ix.append(s, &k[cut..], &v[cut..]).expect("append");
+        let (dk, dv) = (rows(64 * geo.kv_heads, d, 31 + s as u64, 1.5), rows(64 * geo.kv_heads, d, 37 + s as u64, 0.0));
+        ix.set_dense(s, &dk, &dv).expect("dense");
+        keys.push(k);
+        values.push(v);
+        dense.push((dk, dv));
+    }
+    Setup { ix, keys, values, dense }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn summaries_match_the_reference() {
+    let dev = Device::open(0).expect("device");
+    let s = setup(&dev);
+    let (cfg, geo) = (*s.ix.config(), *s.ix.geometry());
+    for seq in 0..geo.batch {
+        for h in 0..geo.kv_heads {
+            let got = s.ix.download_summaries(seq, h).unwrap();
+            let want = Summaries::encode(cfg, &head_rows(&s.keys[seq], geo.kv_heads, cfg.head_dim, h)).unwrap();
+            assert_eq!(got.n, want.n);
+            assert_eq!(got.hist.iter().sum::<u32>(), want.hist.iter().sum::<u32>());
+            // The device sums |k| in f32 (the reference in f64): a code may sit on the other
+            // side of a threshold in rare rows.
+            let ids = got.ids.iter().zip(&want.ids).filter(|(a, b)| a == b).count() as f64 / want.ids.len() as f64;
+            let codes = got.codes.iter().zip(&want.codes).filter(|(a, b)| a == b).count() as f64 / want.codes.len() as f64;
+            let close = (0..want.n * cfg.subspaces)
+                .filter(|&i| {
+                    let (a, b) = (f16::from_bits(got.weights[i]).to_f64(), f16::from_bits(want.weights[i]).to_f64());
+                    (a - b).abs() <= 2e-3 * b.abs().max(1e-3)
+                })
+                .count() as f64
+                / (want.n * cfg.subspaces) as f64;
+            assert!(ids > 0.999 && codes > 0.999 && close > 0.999, "seq {seq} head {h}: ids {ids}, codes {codes}, weights {close}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn retrieval_matches_the_reference() {
+    let dev = Device::open(0).expect("device");
+    let mut s = setup(&dev);
+    let (cfg, geo) = (*s.ix.config(), *s.ix.geometry());
+    let (d, hq) = (cfg.head_dim, geo.kv_heads * geo.gqa);
+    let q = rows(geo.batch * hq, d, 99, 1.0);
+    let schedule = Schedule { dense_below: 0, ..Schedule::default() };
+    let k = 100;
+    let top = s.ix.retrieve(&q, k, &schedule).unwrap();
+    let (mut agree, mut rec_gpu, mut rec_ref) = (0.0, 0.0, 0.0);
+    for seq in 0..geo.batch {
+        let n = s.ix.len(seq);
+        let plan = schedule.plan(n, k);
+        for qh in 0..hq {
+            let h = qh / geo.gqa;
+            let keys = head_rows(&s.keys[seq], geo.kv_heads, d, h);
+            let sum = Summaries::encode(cfg, &keys).unwrap();
+            let qv: Vec<f64> = q[(seq * hq + qh) * d..(seq * hq + qh + 1) * d].iter().map(|v| v.to_f64()).collect();
+            let r = retrieve(&sum, &Query::new(&cfg, &qv).unwrap(), plan.rho, plan.candidates.min(geo.max_candidates), plan.k).unwrap();
+            let want = exact_top_k(&keys, &qv, k);
+            let got = &top[seq * hq + qh];
+            assert_eq!(got.len(), k);
+            agree += recall(got, &r.indices());
+            rec_gpu += recall(got, &want);
+            rec_ref += recall(&r.indices(), &want);
+        }
+    }
+    let rows = (geo.batch * hq) as f64;
+    let (agree, rec_gpu, rec_ref) = (agree / rows, rec_gpu / rows, rec_ref / rows);
+    assert!(agree > 0.95, "GPU vs reference top-k overlap {agree}");
+    assert!(rec_gpu > rec_ref - 0.03, "GPU recall {rec_gpu} vs reference {rec_ref}");
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn attention_matches_f64_over_the_retrieved_rows() {
+    let dev = Device::open(0).expect("device");
+    let mut s = setup(&dev);
+    let (cfg, geo) = (*s.ix.config(), *s.ix.geometry());
+    let (d, hq, hkv) = (cfg.head_dim, geo.kv_heads * geo.gqa, geo.kv_heads);
+    let q = rows(geo.batch * hq, d, 7, 1.0);
+    let top = s.ix.retrieve(&q, 100, &Schedule::default()).unwrap();
+    let (staged, lse) = s.ix.attend(&q, false).unwrap();
+    let (fused, _) = s.ix.attend(&q, true).unwrap();
+    let scale = 1.0 / (d as f64).sqrt();
+    for seq in 0..geo.batch {
+        for qh in 0..hq {
+            let h = qh / geo.gqa;
+            let row = |x: &[f16], t: usize| -> Vec<f64> { x[(t * hkv + h) * d..(t * hkv + h + 1) * d].iter().map(|v| v.to_f64()).collect() };
+            let mut kv: Vec<(Vec<f64>, Vec<f64>)> = (0..64).map(|t| (row(&s.dense[seq].0, t), row(&s.dense[seq].1, t))).collect();
+            kv.extend(top[seq * hq + qh].iter().map(|&t| (row(&s.keys[seq], t as usize), row(&s.values[seq], t as usize))));
+            let qv: Vec<f64> = q[(seq * hq + qh) * d..(seq * hq + qh + 1) * d].iter().map(|v| v.to_f64()).collect();
+            let logits: Vec<f64> = kv.iter().map(|(k, _)| k.iter().zip(&qv).map(|(a, b)| a * b).sum::<f64>() * scale).collect();
+            let mx = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let sum: f64 = logits.iter().map(|l| (l - mx).exp()).sum();
+            let i = seq * hq + qh;
+            assert!((f64::from(lse[i]) - (mx + sum.ln())).abs() < 1e-3, "lse ({seq}, {qh})");
+            for c in 0..d {
+                let want: f64 = kv.iter().zip(&logits).map(|((_, v), l)| (l - mx).exp() / sum * v[c]).sum();
+                assert!((f64::from(staged[i * d + c]) - want).abs() < 2e-3, "({seq}, {qh}, {c}): {} vs {want}", staged[i * d + c]);
+                assert!((staged[i * d + c] - fused[i * d + c]).abs() < 1e-5, "fused differs at ({seq}, {qh}, {c})");
+            }
+        }
+    }
+    let (out, t) = s.ix.step_timed(&q, 100, &Schedule::default()).unwrap();
+    assert!(out.iter().zip(&staged).all(|(a, b)| (a - b).abs() < 1e-6));
+    assert!(t.vote_us > 0.0 && t.topk_us > 0.0 && t.rerank_us > 0.0 && t.fetch_us > 0.0 && t.attend_us > 0.0, "{t:?}");
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn host_budget_is_a_typed_error() {
+    let dev = Device::open(0).expect("device");
+    let cfg = ParisConfig::default_for(128);
+    let small = ParisGeometry { host_budget_bytes: 1 << 20, ..geometry() };
+    assert!(matches!(ParisIndex::new(&dev, cfg, small), Err(RtError::HostBudget { .. })));
+    let mut ix = ParisIndex::new(&dev, cfg, ParisGeometry { capacity: 1000, ..geometry() }).unwrap();
+    let k = rows(900 * 2, 128, 1, 0.0);
+    ix.append(0, &k, &k).unwrap();
+    let err = ix.append(0, &k[..200 * 2 * 128], &k[..200 * 2 * 128]).unwrap_err();
+    assert!(matches!(err, RtError::HostBudget { .. }) && err.is_input_error(), "{err}");
+    assert_eq!(ix.len(0), 900, "nothing half-offloaded");
+}
+
+/// The module compiles through NVRTC for the shapes the tests and benches use (CPU; skipped,
+/// visibly, without NVRTC or the CUDA headers, as tests/spec_compiles.rs).
+#[test]
+fn paris_module_compiles() {
+    if !kvforge_rt::nvrtc_present() || kvforge_rt::jit::cuda_include_dir().is_err() {
+        assert!(std::env::var("CI").is_err(), "CI needs NVRTC");
+        println!("skipped: no NVRTC or CUDA headers");
+        return;
+    }
+    for (d, m, t, g) in [(128, 8, 6, 4), (64, 8, 6, 3), (128, 4, 3, 1), (128, 8, 6, 8)] {
+        let src = kvforge_gen::render_paris(d, m, t, g).unwrap();
+        let name = kvforge_gen::paris_symbol(d, m, t, g);
+        kvforge_rt::jit::compile_module(&name, &src, "sm_90", true).unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+}
