@@ -133,7 +133,13 @@ fn warp_tier(tier: &Tier, d: usize, p: usize) -> bool {
 pub fn per_warp(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s: &Schedule) -> bool {
     let p = spec.page.tokens;
     let ts: Vec<&Tier> = tiers.iter().map(|&t| &spec.tiers[t as usize]).collect();
-    s.tc_values && gqa <= 8 && p.is_multiple_of(8) && p >= 4 * s.warps && d.is_multiple_of(64) && ts.iter().all(|t| warp_tier(t, d, p)) && (ts.iter().any(|t| t.key.codec().prefers_per_warp()) || (d <= 128 && ts.iter().all(|t| t.key.codec().is_dense() && t.value.codec().is_dense())))
+    s.tc_values
+        && gqa <= 8
+        && p.is_multiple_of(8)
+        && p >= 4 * s.warps
+        && d.is_multiple_of(64)
+        && ts.iter().all(|t| warp_tier(t, d, p))
+        && (ts.iter().any(|t| t.key.codec().prefers_per_warp()) || (d <= 128 && ts.iter().all(|t| t.key.codec().is_dense() && t.value.codec().is_dense())))
 }
 
 /// Floats per page of `DecodeParams::page_warp_lse` that the tracked entry of a decode variant
