@@ -232,7 +232,7 @@ impl KvCache {
         Ok(())
     }
 
-    fn check_all(&self, args: &[(&str, &ExternalTensor, ElemType, Vec<(&str, usize)>)]) -> Result<()> {
+    pub(crate) fn check_all(&self, args: &[(&str, &ExternalTensor, ElemType, Vec<(&str, usize)>)]) -> Result<()> {
         let ordinal = self.engine.dev().ctx.ordinal();
         for (name, t, elem, dims) in args {
             t.check(name, elem, dims, ordinal)?;
