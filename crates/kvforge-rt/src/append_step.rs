@@ -95,7 +95,11 @@ impl KvCache {
         let (hkv, d) = (self.cfg.num_kv_heads, self.cfg.head_dim);
         let want = seqs.len() * hkv * d;
         if k.len() != want || v.len() != want {
-            return Err(RtError::ShapeMismatch { what: "append_step: k/v".into(), expected: format!("{} sequences × {hkv} kv heads × {d} values each ({want})", seqs.len()), got: format!("k {} and v {} values", k.len(), v.len()) });
+            return Err(RtError::ShapeMismatch {
+                what: "append_step: k/v".into(),
+                expected: format!("{} sequences × {hkv} kv heads × {d} values each ({want})", seqs.len()),
+                got: format!("k {} and v {} values", k.len(), v.len()),
+            });
         }
         let (kp, _gk) = k.device_ptr(&st);
         let (vp, _gv) = v.device_ptr(&st);
@@ -113,17 +117,22 @@ impl KvCache {
         let target = self.cfg.target_tier;
         // Every kv head of a sequence holds the same number of tail tokens (appends write
         // all heads); head 0 speaks for them.
-        let tails: Vec<Option<usize>> = seqs.iter().map(|&s| Ok(self.store.page_counts(s, 0)?.1)).collect::<Result<_>>()?;
+        let mut tails: Vec<Option<usize>> = Vec::with_capacity(seqs.len());
+        for &s in seqs {
+            let t = self.store.page_counts(s, 0)?.1;
+            for h in 1..hkv {
+                let th = self.store.page_counts(s, h)?.1;
+                if th != t {
+                    return Err(RtError::BadInput(format!("sequence {s}: kv head {h} holds {th:?} tail tokens, head 0 {t:?}")));
+                }
+            }
+            tails.push(t);
+        }
         let (plans, new_tails, filled) = plan_step(&tails, p);
         let mut need = vec![0usize; self.spec.tiers.len()];
         need[TAIL_TIER as usize] = new_tails * hkv;
         need[target as usize] += filled * hkv;
         self.store.pool().reserve(&need)?;
-        if filled > 0 {
-            if let Some(table) = self.side.missing(target).filter(|_| !self.encode_needs_host(target)) {
-                return Err(RtError::BadTier(target, format!("set its {table} side table before appending into it")));
-            }
-        }
         let kernel = self.engine.kernel(&self.spec, &VariantId::append(&self.spec, d))?;
 
         // Bookkeeping: new tail pages, then every row's page and position.
@@ -131,9 +140,9 @@ impl KvCache {
         let mut rows: Vec<u64> = Vec::with_capacity(2 * seqs.len() * hkv);
         for (&s, plan) in seqs.iter().zip(&plans) {
             for h in 0..hkv {
+                // Tail lengths were checked above: every head has this tail, or none.
                 let page = match self.store.tail_page(s, h)? {
-                    Some((page, len)) if len == plan.tail_len => page,
-                    Some((_, len)) => return Err(RtError::BadInput(format!("sequence {s}: kv head {h} holds {len} tail tokens, head 0 {}", plan.tail_len))),
+                    Some((page, _)) => page,
                     None => self.store.new_device_tail(s, h, seg.page_bytes)?,
                 };
                 rows.push(page.offset);
