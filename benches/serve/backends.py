@@ -27,6 +27,7 @@ per sequence of the batch), the output ``[T, Hq, D]``. Softmax scale 1/sqrt(D).
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -295,7 +296,8 @@ class KvforgeBackend(Backend):
     layer (``target_only=True``: the arena holds the fp16 tail pages and the target tier only),
     sized from the budget. Prompts attend exactly (SDPA on the fresh K/V) and are then
     appended (full pages encoded to the tier); each decode step appends every sequence's new
-    token (``Cache.append``, which stages through the host) and runs one ``Cache.decode`` per
+    token (``Cache.append_step``: one launch per layer for the batch; ``Cache.append`` per
+    sequence, staged through the host, on wheels without it) and runs one ``Cache.decode`` per
     layer for the whole batch. The scheduler's blocks mirror kvforge's full pages (64 tokens);
     kvforge allocates the real ones from its own pool, which the mirror keeps from running dry.
     """
@@ -311,6 +313,10 @@ class KvforgeBackend(Backend):
         self.writes = writes
         self.name = f"kvforge:{tier}" + ("" if writes else "+nowrite")
         self._probe()
+        # Decode steps append on the device (``Cache.append_step``, one launch per layer) where
+        # the wheel has it; ``KVFORGE_SERVE_HOST_APPEND=1`` keeps the host-staged ``Cache.append``
+        # per sequence (to size what the device append saves).
+        self.device_append = hasattr(self.kvforge.Cache, "append_step") and os.environ.get("KVFORGE_SERVE_HOST_APPEND") != "1"
 
     def _cache(self, max_tokens: int, sequences: int):
         kw = dict(head_dim=self.d, num_kv_heads=self.hkv, gqa=self.g, max_tokens=max_tokens, sequences=sequences, target=self.tier,
@@ -388,6 +394,10 @@ class KvforgeBackend(Backend):
         if not self.writes:
             return
         c = self.caches[layer]
+        if self.device_append:
+            # One launch for the batch (issue 29): no host staging per sequence.
+            c.append_step(md, k.contiguous(), v.contiguous())
+            return
         for b, s in enumerate(md):
             c.append(s, k[b:b + 1], v[b:b + 1])
 
@@ -398,6 +408,7 @@ class KvforgeBackend(Backend):
     def describe(self):
         return {**super().describe(), "spec": self.spec, "tier": self.tier, "page_bytes_per_head": self.page_bytes,
                 "tail_page_bytes_per_head": self.tail_bytes, "target_only": self.target_only, "writes": self.writes,
+                "device_append": self.device_append,
                 "kvforge": getattr(self.kvforge, "__version__", None)}
 
 

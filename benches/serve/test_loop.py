@@ -87,6 +87,11 @@ class _FakeCache:
         self.seqs[s] = (torch.cat([K, k]), torch.cat([V, v]))
         assert sum(x[0].shape[0] for x in self.seqs.values()) <= self.max_tokens + 4 * len(self.seqs)
 
+    def append_step(self, seqs, k, v):
+        assert len(set(seqs)) == len(seqs) and k.is_contiguous() and v.is_contiguous() and k.shape == (len(seqs), self.hkv, self.d)
+        for b, s in enumerate(seqs):
+            self.append(s, k[b:b + 1], v[b:b + 1])
+
     def decode(self, q, seqs):
         from backends import causal_attention
 
@@ -127,7 +132,14 @@ def test_kvforge_backend_glue_on_a_fake_extension(monkeypatch):
     be = KvforgeBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", tier="b4")
     assert be.block_tokens() == 4 and be.page_bytes == 4 * c.d * 2 and be.target_only
     assert be.block_bytes() == be.page_bytes * c.layers * c.hkv
+    assert be.device_append  # the fake has append_step: decode steps use it
     eng, reqs, _ = _serve(m, be, [5, 11, 8, 3, 16], max_new=6, budget_blocks=12, max_batch=3)
+    for r in reqs:
+        assert r.generated == m.reference_greedy(r.prompt, r.max_new), r.rid
+    monkeypatch.setenv("KVFORGE_SERVE_HOST_APPEND", "1")
+    host = KvforgeBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", tier="b4")
+    assert not host.device_append
+    eng, reqs, _ = _serve(m, host, [5, 11, 8, 3, 16], max_new=6, budget_blocks=12, max_batch=3)
     for r in reqs:
         assert r.generated == m.reference_greedy(r.prompt, r.max_new), r.rid
     assert isinstance(make_backend("kvforge:r3", c.layers, c.hq, c.hkv, c.d, "cpu"), KvforgeBackend)

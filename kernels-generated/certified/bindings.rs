@@ -190,6 +190,7 @@ pub enum Variant {
     TranscodeTailToKint8c16f32Vint4g16f16D64P64,
     TranscodeKfp16Vfp16ToKint8c16f32Vint4g16f16D64P64,
     CombineD64,
+    AppendD64P64,
     DecodeKfp16Vfp16D128G1P64W8c2s2t,
     DecodeKfp16Vfp16D128G3P64W8c2s2t,
     DecodeKfp16Vfp16D128G4P64W8c2s2t,
@@ -206,6 +207,7 @@ pub enum Variant {
     TranscodeTailToKint8c16f32Vint4g16f16D128P64,
     TranscodeKfp16Vfp16ToKint8c16f32Vint4g16f16D128P64,
     CombineD128,
+    AppendD128P64,
     DecodeKfp16Vfp16D256G1P64W8c2s2t,
     DecodeKfp16Vfp16D256G3P64W8c2s2t,
     DecodeKfp16Vfp16D256G4P64W8c2s2t,
@@ -222,6 +224,7 @@ pub enum Variant {
     TranscodeTailToKint8c16f32Vint4g16f16D256P64,
     TranscodeKfp16Vfp16ToKint8c16f32Vint4g16f16D256P64,
     CombineD256,
+    AppendD256P64,
     MassWindow,
     CertselectG1,
     CertboundG1,
@@ -233,7 +236,7 @@ pub enum Variant {
     CertboundG8,
 }
 impl Variant {
-    pub const ALL: [Variant; 57usize] = [
+    pub const ALL: [Variant; 60usize] = [
         Variant::DecodeKfp16Vfp16D64G1P64W8c2s3t,
         Variant::DecodeKfp16Vfp16D64G3P64W8c2s3t,
         Variant::DecodeKfp16Vfp16D64G4P64W8c2s3t,
@@ -250,6 +253,7 @@ impl Variant {
         Variant::TranscodeTailToKint8c16f32Vint4g16f16D64P64,
         Variant::TranscodeKfp16Vfp16ToKint8c16f32Vint4g16f16D64P64,
         Variant::CombineD64,
+        Variant::AppendD64P64,
         Variant::DecodeKfp16Vfp16D128G1P64W8c2s2t,
         Variant::DecodeKfp16Vfp16D128G3P64W8c2s2t,
         Variant::DecodeKfp16Vfp16D128G4P64W8c2s2t,
@@ -266,6 +270,7 @@ impl Variant {
         Variant::TranscodeTailToKint8c16f32Vint4g16f16D128P64,
         Variant::TranscodeKfp16Vfp16ToKint8c16f32Vint4g16f16D128P64,
         Variant::CombineD128,
+        Variant::AppendD128P64,
         Variant::DecodeKfp16Vfp16D256G1P64W8c2s2t,
         Variant::DecodeKfp16Vfp16D256G3P64W8c2s2t,
         Variant::DecodeKfp16Vfp16D256G4P64W8c2s2t,
@@ -282,6 +287,7 @@ impl Variant {
         Variant::TranscodeTailToKint8c16f32Vint4g16f16D256P64,
         Variant::TranscodeKfp16Vfp16ToKint8c16f32Vint4g16f16D256P64,
         Variant::CombineD256,
+        Variant::AppendD256P64,
         Variant::MassWindow,
         Variant::CertselectG1,
         Variant::CertboundG1,
@@ -296,7 +302,7 @@ impl Variant {
         &INFOS[self as usize]
     }
 }
-static INFOS: [VariantInfo; 57usize] = [
+static INFOS: [VariantInfo; 60usize] = [
     VariantInfo {
         name: "decode_kfp16_vfp16_d64_g1_p64_w8c2s3t",
         symbol: "kvf_certified_decode_kfp16_vfp16_d64_g1_p64_w8c2s3t",
@@ -530,6 +536,20 @@ static INFOS: [VariantInfo; 57usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!("combine_d64.cu"),
+    },
+    VariantInfo {
+        name: "append_d64_p64",
+        symbol: "kvf_certified_append_d64_p64",
+        kind: "append",
+        head_dim: 64usize,
+        gqa: 0usize,
+        tiers: &[],
+        threads: 64usize,
+        smem_bytes: 0usize,
+        ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
+        source: include_str!("append_d64_p64.cu"),
     },
     VariantInfo {
         name: "decode_kfp16_vfp16_d128_g1_p64_w8c2s2t",
@@ -766,6 +786,20 @@ static INFOS: [VariantInfo; 57usize] = [
         source: include_str!("combine_d128.cu"),
     },
     VariantInfo {
+        name: "append_d128_p64",
+        symbol: "kvf_certified_append_d128_p64",
+        kind: "append",
+        head_dim: 128usize,
+        gqa: 0usize,
+        tiers: &[],
+        threads: 128usize,
+        smem_bytes: 0usize,
+        ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
+        source: include_str!("append_d128_p64.cu"),
+    },
+    VariantInfo {
         name: "decode_kfp16_vfp16_d256_g1_p64_w8c2s2t",
         symbol: "kvf_certified_decode_kfp16_vfp16_d256_g1_p64_w8c2s2t",
         kind: "decode",
@@ -998,6 +1032,20 @@ static INFOS: [VariantInfo; 57usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!("combine_d256.cu"),
+    },
+    VariantInfo {
+        name: "append_d256_p64",
+        symbol: "kvf_certified_append_d256_p64",
+        kind: "append",
+        head_dim: 256usize,
+        gqa: 0usize,
+        tiers: &[],
+        threads: 256usize,
+        smem_bytes: 0usize,
+        ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
+        source: include_str!("append_d256_p64.cu"),
     },
     VariantInfo {
         name: "mass_window",

@@ -359,6 +359,7 @@ pub enum Variant {
     TranscodeKint8c64f16Vint8g32f16ToKint2c64f16Vint2g32f16D64P64,
     TranscodeKint4c64f16Vint4g32f16ToKint2c64f16Vint2g32f16D64P64,
     CombineD64,
+    AppendD64P64,
     DecodeKfp16Vfp16D128G1P64W8c2s3t,
     DecodeKfp16Vfp16D128G3P64W8c2s3t,
     DecodeKfp16Vfp16D128G4P64W8c2s3t,
@@ -394,6 +395,7 @@ pub enum Variant {
     TranscodeKint8c64f16Vint8g32f16ToKint2c64f16Vint2g32f16D128P64,
     TranscodeKint4c64f16Vint4g32f16ToKint2c64f16Vint2g32f16D128P64,
     CombineD128,
+    AppendD128P64,
     DecodeKfp16Vfp16D256G1P64W8c2s2t,
     DecodeKfp16Vfp16D256G3P64W8c2s2t,
     DecodeKfp16Vfp16D256G4P64W8c2s2t,
@@ -429,10 +431,11 @@ pub enum Variant {
     TranscodeKint8c64f16Vint8g32f16ToKint2c64f16Vint2g32f16D256P64,
     TranscodeKint4c64f16Vint4g32f16ToKint2c64f16Vint2g32f16D256P64,
     CombineD256,
+    AppendD256P64,
     MassWindow,
 }
 impl Variant {
-    pub const ALL: [Variant; 106usize] = [
+    pub const ALL: [Variant; 109usize] = [
         Variant::DecodeKfp16Vfp16D64G1P64W8c2s6t,
         Variant::DecodeKfp16Vfp16D64G3P64W8c2s6t,
         Variant::DecodeKfp16Vfp16D64G4P64W8c2s6t,
@@ -468,6 +471,7 @@ impl Variant {
         Variant::TranscodeKint8c64f16Vint8g32f16ToKint2c64f16Vint2g32f16D64P64,
         Variant::TranscodeKint4c64f16Vint4g32f16ToKint2c64f16Vint2g32f16D64P64,
         Variant::CombineD64,
+        Variant::AppendD64P64,
         Variant::DecodeKfp16Vfp16D128G1P64W8c2s3t,
         Variant::DecodeKfp16Vfp16D128G3P64W8c2s3t,
         Variant::DecodeKfp16Vfp16D128G4P64W8c2s3t,
@@ -503,6 +507,7 @@ impl Variant {
         Variant::TranscodeKint8c64f16Vint8g32f16ToKint2c64f16Vint2g32f16D128P64,
         Variant::TranscodeKint4c64f16Vint4g32f16ToKint2c64f16Vint2g32f16D128P64,
         Variant::CombineD128,
+        Variant::AppendD128P64,
         Variant::DecodeKfp16Vfp16D256G1P64W8c2s2t,
         Variant::DecodeKfp16Vfp16D256G3P64W8c2s2t,
         Variant::DecodeKfp16Vfp16D256G4P64W8c2s2t,
@@ -538,13 +543,14 @@ impl Variant {
         Variant::TranscodeKint8c64f16Vint8g32f16ToKint2c64f16Vint2g32f16D256P64,
         Variant::TranscodeKint4c64f16Vint4g32f16ToKint2c64f16Vint2g32f16D256P64,
         Variant::CombineD256,
+        Variant::AppendD256P64,
         Variant::MassWindow,
     ];
     pub fn info(self) -> &'static VariantInfo {
         &INFOS[self as usize]
     }
 }
-static INFOS: [VariantInfo; 106usize] = [
+static INFOS: [VariantInfo; 109usize] = [
     VariantInfo {
         name: "decode_kfp16_vfp16_d64_g1_p64_w8c2s6t",
         symbol: "kvf_rdkv_decode_kfp16_vfp16_d64_g1_p64_w8c2s6t",
@@ -1062,6 +1068,20 @@ static INFOS: [VariantInfo; 106usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!("combine_d64.cu"),
+    },
+    VariantInfo {
+        name: "append_d64_p64",
+        symbol: "kvf_rdkv_append_d64_p64",
+        kind: "append",
+        head_dim: 64usize,
+        gqa: 0usize,
+        tiers: &[],
+        threads: 64usize,
+        smem_bytes: 0usize,
+        ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
+        source: include_str!("append_d64_p64.cu"),
     },
     VariantInfo {
         name: "decode_kfp16_vfp16_d128_g1_p64_w8c2s3t",
@@ -1582,6 +1602,20 @@ static INFOS: [VariantInfo; 106usize] = [
         source: include_str!("combine_d128.cu"),
     },
     VariantInfo {
+        name: "append_d128_p64",
+        symbol: "kvf_rdkv_append_d128_p64",
+        kind: "append",
+        head_dim: 128usize,
+        gqa: 0usize,
+        tiers: &[],
+        threads: 128usize,
+        smem_bytes: 0usize,
+        ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
+        source: include_str!("append_d128_p64.cu"),
+    },
+    VariantInfo {
         name: "decode_kfp16_vfp16_d256_g1_p64_w8c2s2t",
         symbol: "kvf_rdkv_decode_kfp16_vfp16_d256_g1_p64_w8c2s2t",
         kind: "decode",
@@ -2098,6 +2132,20 @@ static INFOS: [VariantInfo; 106usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!("combine_d256.cu"),
+    },
+    VariantInfo {
+        name: "append_d256_p64",
+        symbol: "kvf_rdkv_append_d256_p64",
+        kind: "append",
+        head_dim: 256usize,
+        gqa: 0usize,
+        tiers: &[],
+        threads: 256usize,
+        smem_bytes: 0usize,
+        ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
+        source: include_str!("append_d256_p64.cu"),
     },
     VariantInfo {
         name: "mass_window",

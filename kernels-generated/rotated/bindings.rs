@@ -331,6 +331,7 @@ pub enum Variant {
     TranscodeKrot3Vrot3ToKrot2Vrot2D64P64,
     TranscodeKrot3Vrot2ToKrot2Vrot2D64P64,
     CombineD64,
+    AppendD64P64,
     DecodeKrot4Vrot4D128G1P64W4c4s6t,
     DecodeKrot4Vrot4D128G3P64W4c4s6t,
     DecodeKrot4Vrot4D128G4P64W4c4s5t,
@@ -362,6 +363,7 @@ pub enum Variant {
     TranscodeKrot3Vrot3ToKrot2Vrot2D128P64,
     TranscodeKrot3Vrot2ToKrot2Vrot2D128P64,
     CombineD128,
+    AppendD128P64,
     DecodeKrot4Vrot4D256G1P64W4c1s6t,
     DecodeKrot4Vrot4D256G3P64W4c1s6t,
     DecodeKrot4Vrot4D256G4P64W4c1s6t,
@@ -393,10 +395,11 @@ pub enum Variant {
     TranscodeKrot3Vrot3ToKrot2Vrot2D256P64,
     TranscodeKrot3Vrot2ToKrot2Vrot2D256P64,
     CombineD256,
+    AppendD256P64,
     MassWindow,
 }
 impl Variant {
-    pub const ALL: [Variant; 94usize] = [
+    pub const ALL: [Variant; 97usize] = [
         Variant::DecodeKrot4Vrot4D64G1P64W4c4s12t,
         Variant::DecodeKrot4Vrot4D64G3P64W4c4s12t,
         Variant::DecodeKrot4Vrot4D64G4P64W4c4s12t,
@@ -428,6 +431,7 @@ impl Variant {
         Variant::TranscodeKrot3Vrot3ToKrot2Vrot2D64P64,
         Variant::TranscodeKrot3Vrot2ToKrot2Vrot2D64P64,
         Variant::CombineD64,
+        Variant::AppendD64P64,
         Variant::DecodeKrot4Vrot4D128G1P64W4c4s6t,
         Variant::DecodeKrot4Vrot4D128G3P64W4c4s6t,
         Variant::DecodeKrot4Vrot4D128G4P64W4c4s5t,
@@ -459,6 +463,7 @@ impl Variant {
         Variant::TranscodeKrot3Vrot3ToKrot2Vrot2D128P64,
         Variant::TranscodeKrot3Vrot2ToKrot2Vrot2D128P64,
         Variant::CombineD128,
+        Variant::AppendD128P64,
         Variant::DecodeKrot4Vrot4D256G1P64W4c1s6t,
         Variant::DecodeKrot4Vrot4D256G3P64W4c1s6t,
         Variant::DecodeKrot4Vrot4D256G4P64W4c1s6t,
@@ -490,13 +495,14 @@ impl Variant {
         Variant::TranscodeKrot3Vrot3ToKrot2Vrot2D256P64,
         Variant::TranscodeKrot3Vrot2ToKrot2Vrot2D256P64,
         Variant::CombineD256,
+        Variant::AppendD256P64,
         Variant::MassWindow,
     ];
     pub fn info(self) -> &'static VariantInfo {
         &INFOS[self as usize]
     }
 }
-static INFOS: [VariantInfo; 94usize] = [
+static INFOS: [VariantInfo; 97usize] = [
     VariantInfo {
         name: "decode_krot4_vrot4_d64_g1_p64_w4c4s12t",
         symbol: "kvf_rotated_decode_krot4_vrot4_d64_g1_p64_w4c4s12t",
@@ -938,6 +944,20 @@ static INFOS: [VariantInfo; 94usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!("combine_d64.cu"),
+    },
+    VariantInfo {
+        name: "append_d64_p64",
+        symbol: "kvf_rotated_append_d64_p64",
+        kind: "append",
+        head_dim: 64usize,
+        gqa: 0usize,
+        tiers: &[],
+        threads: 64usize,
+        smem_bytes: 0usize,
+        ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
+        source: include_str!("append_d64_p64.cu"),
     },
     VariantInfo {
         name: "decode_krot4_vrot4_d128_g1_p64_w4c4s6t",
@@ -1382,6 +1402,20 @@ static INFOS: [VariantInfo; 94usize] = [
         source: include_str!("combine_d128.cu"),
     },
     VariantInfo {
+        name: "append_d128_p64",
+        symbol: "kvf_rotated_append_d128_p64",
+        kind: "append",
+        head_dim: 128usize,
+        gqa: 0usize,
+        tiers: &[],
+        threads: 128usize,
+        smem_bytes: 0usize,
+        ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
+        source: include_str!("append_d128_p64.cu"),
+    },
+    VariantInfo {
         name: "decode_krot4_vrot4_d256_g1_p64_w4c1s6t",
         symbol: "kvf_rotated_decode_krot4_vrot4_d256_g1_p64_w4c1s6t",
         kind: "decode",
@@ -1822,6 +1856,20 @@ static INFOS: [VariantInfo; 94usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!("combine_d256.cu"),
+    },
+    VariantInfo {
+        name: "append_d256_p64",
+        symbol: "kvf_rotated_append_d256_p64",
+        kind: "append",
+        head_dim: 256usize,
+        gqa: 0usize,
+        tiers: &[],
+        threads: 256usize,
+        smem_bytes: 0usize,
+        ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
+        source: include_str!("append_d256_p64.cu"),
     },
     VariantInfo {
         name: "mass_window",

@@ -255,6 +255,7 @@ pub enum Variant {
     TranscodeKsph16x4b6Vfp16ToKsph32x2b3Vfp16D64P64,
     TranscodeKsph16x4b4Vfp16ToKsph32x2b3Vfp16D64P64,
     CombineD64,
+    AppendD64P64,
     DecodeKsph16x8b6Vfp16D128G1P64W4c4s2t,
     DecodeKsph16x8b6Vfp16D128G3P64W4c4s2t,
     DecodeKsph16x8b6Vfp16D128G4P64W4c4s2t,
@@ -278,6 +279,7 @@ pub enum Variant {
     TranscodeKsph16x8b6Vfp16ToKsph32x4b3Vfp16D128P64,
     TranscodeKsph16x8b4Vfp16ToKsph32x4b3Vfp16D128P64,
     CombineD128,
+    AppendD128P64,
     DecodeKsph16x16b6Vfp16D256G1P64W4c4s2t,
     DecodeKsph16x16b6Vfp16D256G3P64W4c4s2t,
     DecodeKsph16x16b6Vfp16D256G4P64W4c4s2t,
@@ -301,10 +303,11 @@ pub enum Variant {
     TranscodeKsph16x16b6Vfp16ToKsph32x8b3Vfp16D256P64,
     TranscodeKsph16x16b4Vfp16ToKsph32x8b3Vfp16D256P64,
     CombineD256,
+    AppendD256P64,
     MassWindow,
 }
 impl Variant {
-    pub const ALL: [Variant; 70usize] = [
+    pub const ALL: [Variant; 73usize] = [
         Variant::DecodeKsph16x4b6Vfp16D64G1P64W4c4s5t,
         Variant::DecodeKsph16x4b6Vfp16D64G3P64W4c4s5t,
         Variant::DecodeKsph16x4b6Vfp16D64G4P64W4c4s5t,
@@ -328,6 +331,7 @@ impl Variant {
         Variant::TranscodeKsph16x4b6Vfp16ToKsph32x2b3Vfp16D64P64,
         Variant::TranscodeKsph16x4b4Vfp16ToKsph32x2b3Vfp16D64P64,
         Variant::CombineD64,
+        Variant::AppendD64P64,
         Variant::DecodeKsph16x8b6Vfp16D128G1P64W4c4s2t,
         Variant::DecodeKsph16x8b6Vfp16D128G3P64W4c4s2t,
         Variant::DecodeKsph16x8b6Vfp16D128G4P64W4c4s2t,
@@ -351,6 +355,7 @@ impl Variant {
         Variant::TranscodeKsph16x8b6Vfp16ToKsph32x4b3Vfp16D128P64,
         Variant::TranscodeKsph16x8b4Vfp16ToKsph32x4b3Vfp16D128P64,
         Variant::CombineD128,
+        Variant::AppendD128P64,
         Variant::DecodeKsph16x16b6Vfp16D256G1P64W4c4s2t,
         Variant::DecodeKsph16x16b6Vfp16D256G3P64W4c4s2t,
         Variant::DecodeKsph16x16b6Vfp16D256G4P64W4c4s2t,
@@ -374,13 +379,14 @@ impl Variant {
         Variant::TranscodeKsph16x16b6Vfp16ToKsph32x8b3Vfp16D256P64,
         Variant::TranscodeKsph16x16b4Vfp16ToKsph32x8b3Vfp16D256P64,
         Variant::CombineD256,
+        Variant::AppendD256P64,
         Variant::MassWindow,
     ];
     pub fn info(self) -> &'static VariantInfo {
         &INFOS[self as usize]
     }
 }
-static INFOS: [VariantInfo; 70usize] = [
+static INFOS: [VariantInfo; 73usize] = [
     VariantInfo {
         name: "decode_ksph16x4b6_vfp16_d64_g1_p64_w4c4s5t",
         symbol: "kvf_spherical_decode_ksph16x4b6_vfp16_d64_g1_p64_w4c4s5t",
@@ -710,6 +716,20 @@ static INFOS: [VariantInfo; 70usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!("combine_d64.cu"),
+    },
+    VariantInfo {
+        name: "append_d64_p64",
+        symbol: "kvf_spherical_append_d64_p64",
+        kind: "append",
+        head_dim: 64usize,
+        gqa: 0usize,
+        tiers: &[],
+        threads: 64usize,
+        smem_bytes: 0usize,
+        ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
+        source: include_str!("append_d64_p64.cu"),
     },
     VariantInfo {
         name: "decode_ksph16x8b6_vfp16_d128_g1_p64_w4c4s2t",
@@ -1048,6 +1068,20 @@ static INFOS: [VariantInfo; 70usize] = [
         source: include_str!("combine_d128.cu"),
     },
     VariantInfo {
+        name: "append_d128_p64",
+        symbol: "kvf_spherical_append_d128_p64",
+        kind: "append",
+        head_dim: 128usize,
+        gqa: 0usize,
+        tiers: &[],
+        threads: 128usize,
+        smem_bytes: 0usize,
+        ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
+        source: include_str!("append_d128_p64.cu"),
+    },
+    VariantInfo {
         name: "decode_ksph16x16b6_vfp16_d256_g1_p64_w4c4s2t",
         symbol: "kvf_spherical_decode_ksph16x16b6_vfp16_d256_g1_p64_w4c4s2t",
         kind: "decode",
@@ -1382,6 +1416,20 @@ static INFOS: [VariantInfo; 70usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!("combine_d256.cu"),
+    },
+    VariantInfo {
+        name: "append_d256_p64",
+        symbol: "kvf_spherical_append_d256_p64",
+        kind: "append",
+        head_dim: 256usize,
+        gqa: 0usize,
+        tiers: &[],
+        threads: 256usize,
+        smem_bytes: 0usize,
+        ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
+        source: include_str!("append_d256_p64.cu"),
     },
     VariantInfo {
         name: "mass_window",

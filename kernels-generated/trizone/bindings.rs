@@ -381,6 +381,7 @@ pub enum Variant {
     TranscodeKmix16x18x24x32x1c64f16Vint8g32f16ToKmix16x18x24x32x1c64f16Vint2g32f16D64P64,
     TranscodeKmix16x18x24x32x1c64f16Vint4g32f16ToKmix16x18x24x32x1c64f16Vint2g32f16D64P64,
     CombineD64,
+    AppendD64P64,
     DecodeKmix16x18x24x32x1c64f16Vfp16D128G1P64W8c2s4t,
     DecodeKmix16x18x24x32x1c64f16Vfp16D128G3P64W8c2s4t,
     DecodeKmix16x18x24x32x1c64f16Vfp16D128G4P64W8c2s4t,
@@ -404,10 +405,11 @@ pub enum Variant {
     TranscodeKmix16x18x24x32x1c64f16Vint8g32f16ToKmix16x18x24x32x1c64f16Vint2g32f16D128P64,
     TranscodeKmix16x18x24x32x1c64f16Vint4g32f16ToKmix16x18x24x32x1c64f16Vint2g32f16D128P64,
     CombineD128,
+    AppendD128P64,
     MassWindow,
 }
 impl Variant {
-    pub const ALL: [Variant; 47usize] = [
+    pub const ALL: [Variant; 49usize] = [
         Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D64G1P64W8c2s9t,
         Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D64G3P64W8c2s9t,
         Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D64G4P64W8c2s9t,
@@ -431,6 +433,7 @@ impl Variant {
         Variant::TranscodeKmix16x18x24x32x1c64f16Vint8g32f16ToKmix16x18x24x32x1c64f16Vint2g32f16D64P64,
         Variant::TranscodeKmix16x18x24x32x1c64f16Vint4g32f16ToKmix16x18x24x32x1c64f16Vint2g32f16D64P64,
         Variant::CombineD64,
+        Variant::AppendD64P64,
         Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D128G1P64W8c2s4t,
         Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D128G3P64W8c2s4t,
         Variant::DecodeKmix16x18x24x32x1c64f16Vfp16D128G4P64W8c2s4t,
@@ -454,13 +457,14 @@ impl Variant {
         Variant::TranscodeKmix16x18x24x32x1c64f16Vint8g32f16ToKmix16x18x24x32x1c64f16Vint2g32f16D128P64,
         Variant::TranscodeKmix16x18x24x32x1c64f16Vint4g32f16ToKmix16x18x24x32x1c64f16Vint2g32f16D128P64,
         Variant::CombineD128,
+        Variant::AppendD128P64,
         Variant::MassWindow,
     ];
     pub fn info(self) -> &'static VariantInfo {
         &INFOS[self as usize]
     }
 }
-static INFOS: [VariantInfo; 47usize] = [
+static INFOS: [VariantInfo; 49usize] = [
     VariantInfo {
         name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g1_p64_w8c2s9t",
         symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d64_g1_p64_w8c2s9t",
@@ -828,6 +832,20 @@ static INFOS: [VariantInfo; 47usize] = [
         source: include_str!("combine_d64.cu"),
     },
     VariantInfo {
+        name: "append_d64_p64",
+        symbol: "kvf_trizone_append_d64_p64",
+        kind: "append",
+        head_dim: 64usize,
+        gqa: 0usize,
+        tiers: &[],
+        threads: 64usize,
+        smem_bytes: 0usize,
+        ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
+        source: include_str!("append_d64_p64.cu"),
+    },
+    VariantInfo {
         name: "decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g1_p64_w8c2s4t",
         symbol: "kvf_trizone_decode_kmix16x1_8x2_4x3_2x1c64f16_vfp16_d128_g1_p64_w8c2s4t",
         kind: "decode",
@@ -1192,6 +1210,20 @@ static INFOS: [VariantInfo; 47usize] = [
         warp_lse_per_page: 0usize,
         certified_smem_bytes: 0usize,
         source: include_str!("combine_d128.cu"),
+    },
+    VariantInfo {
+        name: "append_d128_p64",
+        symbol: "kvf_trizone_append_d128_p64",
+        kind: "append",
+        head_dim: 128usize,
+        gqa: 0usize,
+        tiers: &[],
+        threads: 128usize,
+        smem_bytes: 0usize,
+        ctas_per_page: 1usize,
+        warp_lse_per_page: 0usize,
+        certified_smem_bytes: 0usize,
+        source: include_str!("append_d128_p64.cu"),
     },
     VariantInfo {
         name: "mass_window",

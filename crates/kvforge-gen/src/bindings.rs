@@ -76,7 +76,7 @@ pub fn tokens(spec: &Spec, mode: SourceMode) -> Result<TokenStream, crate::Rende
         let tiers: Vec<u8> = match &v.family {
             Family::Decode { tiers, .. } => tiers.clone(),
             Family::Transcode { src, dst, .. } => vec![*src, *dst],
-            Family::Combine | Family::MassWindow | Family::CertSelect { .. } | Family::CertBound { .. } => vec![],
+            Family::Combine | Family::Append | Family::MassWindow | Family::CertSelect { .. } | Family::CertBound { .. } => vec![],
         };
         let (threads, smem, ctas_per_page, warp_lse_per_page, cert_smem) = (shape.threads, shape.smem_bytes, shape.ctas_per_page, shape.warp_lse_per_page, shape.certified_smem_bytes);
         let source = match mode {

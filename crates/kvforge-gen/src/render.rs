@@ -16,6 +16,7 @@ pub const TEMPLATES: &[(&str, &str)] = &[
     ("decode.cu.tera", include_str!("../../../templates/decode.cu.tera")),
     ("transcode.cu.tera", include_str!("../../../templates/transcode.cu.tera")),
     ("combine.cu.tera", include_str!("../../../templates/combine.cu.tera")),
+    ("append.cu.tera", include_str!("../../../templates/append.cu.tera")),
     ("mass_window.cu.tera", include_str!("../../../templates/mass_window.cu.tera")),
     ("certify.cu.tera", include_str!("../../../templates/certify.cu.tera")),
 ];
@@ -125,6 +126,9 @@ pub fn launch_shape(spec: &Spec, v: &VariantId) -> LaunchShape {
             }
         }
         Family::Combine => LaunchShape { threads: v.head_dim, smem_bytes: 0, ctas_per_page: 1, warp_lse_per_page: 0, certified_smem_bytes: 0 },
+        // One CTA of head_dim threads per (sequence, kv head) row; the k and v rows in fp32
+        // shared memory (static) when the spec rotates them.
+        Family::Append => LaunchShape { threads: v.head_dim, smem_bytes: 0, ctas_per_page: 1, warp_lse_per_page: 0, certified_smem_bytes: 0 },
         // One CTA per (sequence, kv head): 256 threads hold up to 1024 pages in registers
         // (64K tokens at 64-token pages) and loop beyond.
         Family::MassWindow => LaunchShape { threads: 256, smem_bytes: 0, ctas_per_page: 1, warp_lse_per_page: 0, certified_smem_bytes: 0 },
@@ -244,6 +248,10 @@ pub fn render(spec: &Spec, v: &VariantId) -> Result<String, RenderError> {
             "transcode.cu.tera"
         }
         Family::Combine => "combine.cu.tera",
+        Family::Append => {
+            ctx.insert("rotate", &!spec.basis().is_identity());
+            "append.cu.tera"
+        }
         Family::MassWindow => "mass_window.cu.tera",
         Family::CertSelect { gqa } => {
             ctx.insert("gqa", gqa);

@@ -545,6 +545,21 @@ impl Cache {
         })
     }
 
+    /// Appends one token to every sequence of `seqs` on the GPU, in one kernel launch: k, v
+    /// [len(seqs), num_kv_heads, head_dim] (spec dtype, CUDA, contiguous), row i for seqs[i].
+    /// What `append` of each row does (rotated into the spec's basis where it rotates; a tail
+    /// that fills is encoded into the target tier), without staging through the host: the
+    /// serving loop's per-step write. Runs ordered after torch's current stream and before its
+    /// later work. A sequence may appear once; all or nothing (out of pages changes nothing).
+    fn append_step(&mut self, py: Python<'_>, #[pyo3(from_py_with = crate::nats)] seqs: Vec<usize>, k: &Bound<'_, PyAny>, v: &Bound<'_, PyAny>) -> PyResult<()> {
+        guarded(py, || {
+            let (k, v) = (tensor(py, k, "k")?, tensor(py, v, "v")?);
+            let r = self.on_torch_stream(py, |c| c.append_step_external(&seqs, &k, &v));
+            self.generation += 1;
+            r
+        })
+    }
+
     /// One decode step: q [B, num_q_heads, head_dim] for B = len(seqs) sequences.
     /// Returns (out [B, num_q_heads, head_dim] spec dtype, lse [B, num_q_heads] float32,
     /// natural log). `out` / `lse` may be passed preallocated. `track=True` also folds every

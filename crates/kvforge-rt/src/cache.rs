@@ -77,6 +77,9 @@ pub struct KvCache {
     /// The spec's storage basis ([`Spec::basis`]), taken once: appends and decode launches read
     /// it, and deriving it builds every tier's codec.
     pub(crate) basis: Basis,
+    /// Device rows (page offset, position) of the last decode-step append, grown as needed
+    /// ([`crate::append_step`]).
+    pub(crate) append_rows: Option<cudarc::driver::CudaSlice<u64>>,
 }
 
 fn dense_bytes(dtype: DType, x: f32) -> [u8; 2] {
@@ -113,7 +116,7 @@ impl KvCache {
         let side = SideTables::new(&spec, d, cfg.num_kv_heads, &dev.stream)?;
         let engine = Engine::new(dev)?;
         let basis = spec.basis();
-        Ok(KvCache { spec, cfg, store, side, engine, cert: Default::default(), mass_window: None, basis })
+        Ok(KvCache { spec, cfg, store, side, engine, cert: Default::default(), mass_window: None, basis, append_rows: None })
     }
 
     pub fn spec(&self) -> &Spec {
@@ -207,6 +210,9 @@ impl KvCache {
         let rotated = (!basis.is_identity()).then(|| (stored(k), stored(v)));
         let (k, v) = rotated.as_ref().map_or((k, v), |(k, v)| (k.as_slice(), v.as_slice()));
         let target = self.cfg.target_tier;
+        // A device-side append (append_step) may have written the tail pages since their
+        // mirrors were taken.
+        self.store.refresh_tails(seq)?;
         let tails: Vec<Option<(Vec<u8>, usize)>> = (0..hkv).map(|h| Ok(self.store.tail_bytes(seq, h)?.map(|(b, n)| (b.to_vec(), n)))).collect::<Result<_>>()?;
         let tail_len = tails[0].as_ref().map_or(0, |t| t.1);
         let full_per_head = (tail_len + n) / p;
@@ -277,9 +283,10 @@ impl KvCache {
         self.store.tile_sequence(s0, batch, len, self.cfg.target_tier, self.spec.tiers.len())
     }
 
-    /// The tail page of (seq, head): its bytes (host mirror) and token count.
-    pub(crate) fn tail_bytes(&self, seq: usize, head: usize) -> Result<Option<(&[u8], usize)>> {
-        self.store.tail_bytes(seq, head)
+    /// The tail page of (seq, head): its bytes (the host mirror, or the page downloaded if a
+    /// device append made the mirror stale) and token count.
+    pub(crate) fn tail_bytes(&self, seq: usize, head: usize) -> Result<Option<(std::borrow::Cow<'_, [u8]>, usize)>> {
+        self.store.tail_bytes_current(seq, head)
     }
 
     /// Overwrites bytes of a page (low level: tools and corruption tests).
@@ -300,7 +307,7 @@ impl KvCache {
     /// Spherical tiers need per-(kv head, group) radius scales before the first encode: unless
     /// set with [`KvCache::set_radius_scales`], they are taken from the first pages encoded
     /// (largest radius × headroom / 255; larger radii later clip to code 255).
-    fn ensure_radius_scales(&mut self, tier: TierId, pages: &[(usize, Vec<u8>)], koff: usize) -> Result<()> {
+    pub(crate) fn ensure_radius_scales(&mut self, tier: TierId, pages: &[(usize, Vec<u8>)], koff: usize) -> Result<()> {
         let KeyScheme::Spherical { group, .. } = self.spec.tiers[tier as usize].key else { return Ok(()) };
         if self.side.is_set(tier, RADIUS_SCALE) {
             return Ok(());
@@ -351,7 +358,7 @@ impl KvCache {
 
     /// Encodes full tail-format pages (host bytes) into `target`, in batches that fit the
     /// free tail pages. Returns the new pages in order.
-    fn encode_pages(&mut self, pages: &[(usize, Vec<u8>)], target: TierId) -> Result<Vec<PageRef>> {
+    pub(crate) fn encode_pages(&mut self, pages: &[(usize, Vec<u8>)], target: TierId) -> Result<Vec<PageRef>> {
         let mut out = Vec::with_capacity(pages.len());
         let mut at = 0;
         while at < pages.len() {

@@ -11,7 +11,9 @@
 //! `q` and writes `out` / `lse` through the caller's pointers. Appends stage through the host:
 //! the cache keeps a host mirror of every tail page (cache.rs), which both the encode path and
 //! the spherical radius calibration read, so the new tokens must reach the host anyway; the
-//! copy is of the 16-bit values as they are, so nothing is rounded twice.
+//! copy is of the 16-bit values as they are, so nothing is rounded twice. A decode step's
+//! one token per sequence goes in without the host instead:
+//! [`KvCache::append_step_external`] (`crate::append_step`).
 //!
 //! Prefix attention ([`KvCache::attend_prefix_external`]) evaluates a prompt causally in one
 //! launch: entry `i` of the batch is sequence `seq` cut after `lengths[i]` tokens, i.e. its page
@@ -232,7 +234,7 @@ impl KvCache {
         Ok(())
     }
 
-    fn check_all(&self, args: &[(&str, &ExternalTensor, ElemType, Vec<(&str, usize)>)]) -> Result<()> {
+    pub(crate) fn check_all(&self, args: &[(&str, &ExternalTensor, ElemType, Vec<(&str, usize)>)]) -> Result<()> {
         let ordinal = self.engine.dev().ctx.ordinal();
         for (name, t, elem, dims) in args {
             t.check(name, elem, dims, ordinal)?;

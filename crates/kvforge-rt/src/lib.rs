@@ -16,6 +16,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod append_step;
 mod cache;
 pub mod certified;
 mod channel_order;

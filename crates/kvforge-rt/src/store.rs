@@ -18,6 +18,9 @@ struct Tail {
     page: PageRef,
     bytes: Vec<u8>,
     len: usize,
+    /// The device page changed since `bytes` were taken (a device-side append wrote it): the
+    /// mirror is downloaded again before a host path reads it ([`PageStore::refresh_tails`]).
+    stale: bool,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -238,7 +241,7 @@ impl PageStore {
         self.seq(seq)?;
         let page = self.pool.alloc(TAIL_TIER)?;
         self.upload(page, &bytes)?;
-        self.seq_mut(seq)?.heads[head].tail = Some(Tail { page, bytes, len });
+        self.seq_mut(seq)?.heads[head].tail = Some(Tail { page, bytes, len, stale: false });
         Ok(())
     }
 
@@ -308,6 +311,7 @@ impl PageStore {
         for (i, pg) in region.iter().enumerate() {
             by_head[(i % tmpl_pages.max(1)) / tmpl_full.max(1)].push(*pg);
         }
+        self.refresh_tails(s0)?;
         let tail = self.seqs[s0].as_ref().unwrap().heads.iter().map(|h| h.tail.clone()).collect::<Vec<_>>();
         let mut ids = vec![s0];
         let s0_full: Vec<Vec<PageRef>> = (0..hkv).map(|h| by_head[h][..full].to_vec()).collect();
@@ -330,7 +334,7 @@ impl PageStore {
                     Some(t) => {
                         let page = self.pool.alloc(TAIL_TIER)?;
                         self.upload(page, &t.bytes)?;
-                        Some(Tail { page, bytes: t.bytes.clone(), len: t.len })
+                        Some(Tail { page, bytes: t.bytes.clone(), len: t.len, stale: false })
                     }
                     None => None,
                 };
@@ -343,11 +347,75 @@ impl PageStore {
         Ok(ids)
     }
 
-    /// The tail page of (seq, head): its bytes (host mirror) and token count.
+    /// The tail page of (seq, head): its bytes (host mirror) and token count. Call
+    /// [`refresh_tails`](Self::refresh_tails) first: a stale mirror is an error here.
     pub(crate) fn tail_bytes(&self, seq: usize, head: usize) -> Result<Option<(&[u8], usize)>> {
         let s = self.seq(seq)?;
         let h = s.heads.get(head).ok_or(RtError::NoKvHead { head, heads: s.heads.len() })?;
-        Ok(h.tail.as_ref().map(|t| (t.bytes.as_slice(), t.len)))
+        match &h.tail {
+            Some(t) if t.stale => Err(RtError::BadInput(format!("sequence {seq} head {head}: the tail page's host mirror is stale (refresh_tails first)"))),
+            t => Ok(t.as_ref().map(|t| (t.bytes.as_slice(), t.len))),
+        }
+    }
+
+    /// Like [`tail_bytes`](Self::tail_bytes) from `&self`: a stale mirror's page is downloaded
+    /// into the returned copy (the mirror stays stale).
+    pub(crate) fn tail_bytes_current(&self, seq: usize, head: usize) -> Result<Option<(std::borrow::Cow<'_, [u8]>, usize)>> {
+        let s = self.seq(seq)?;
+        let h = s.heads.get(head).ok_or(RtError::NoKvHead { head, heads: s.heads.len() })?;
+        let Some(t) = &h.tail else { return Ok(None) };
+        if !t.stale {
+            return Ok(Some((std::borrow::Cow::Borrowed(t.bytes.as_slice()), t.len)));
+        }
+        let off = t.page.offset as usize;
+        let bytes = self.stream.clone_dtoh(&self.arena.slice(off..off + t.bytes.len())).map_err(drv("tail page download"))?;
+        Ok(Some((std::borrow::Cow::Owned(bytes), t.len)))
+    }
+
+    /// Downloads the tail pages of `seq` whose host mirror is stale (device-side appends wrote
+    /// them): once per page between a device append and the next host path that reads it.
+    pub(crate) fn refresh_tails(&mut self, seq: usize) -> Result<()> {
+        let stream = self.stream.clone();
+        let s = self.seqs.get_mut(seq).and_then(|s| s.as_mut()).ok_or(RtError::NoSequence(seq))?;
+        for t in s.heads.iter_mut().filter_map(|h| h.tail.as_mut()).filter(|t| t.stale) {
+            let off = t.page.offset as usize;
+            let n = t.bytes.len();
+            t.bytes = stream.clone_dtoh(&self.arena.slice(off..off + n)).map_err(drv("tail page download"))?;
+            t.stale = false;
+        }
+        Ok(())
+    }
+
+    /// `(page, tokens)` of the tail page of (seq, head), if it has one.
+    pub(crate) fn tail_page(&self, seq: usize, head: usize) -> Result<Option<(PageRef, usize)>> {
+        Ok(self.head(seq, head)?.tail.as_ref().map(|t| (t.page, t.len)))
+    }
+
+    /// Gives (seq, head) an empty tail page whose bytes a device append writes (its mirror,
+    /// `page_bytes` long, starts stale). The caller reserved the page.
+    pub(crate) fn new_device_tail(&mut self, seq: usize, head: usize, page_bytes: usize) -> Result<PageRef> {
+        self.head(seq, head)?;
+        let page = self.pool.alloc(TAIL_TIER)?;
+        self.seq_mut(seq)?.heads[head].tail = Some(Tail { page, bytes: vec![0u8; page_bytes], len: 0, stale: true });
+        Ok(page)
+    }
+
+    /// Counts one token written on the device into the tail page of (seq, head): its mirror
+    /// becomes stale. Returns the tail's new length.
+    pub(crate) fn tail_grew_on_device(&mut self, seq: usize, head: usize) -> Result<usize> {
+        let kv_heads = self.kv_heads;
+        let t = self.seq_mut(seq)?.heads.get_mut(head).and_then(|h| h.tail.as_mut()).ok_or(RtError::NoKvHead { head, heads: kv_heads })?;
+        t.len += 1;
+        t.stale = true;
+        Ok(t.len)
+    }
+
+    /// Takes the tail page of (seq, head) out of its table (a filled tail about to be encoded;
+    /// the page is the caller's to free).
+    pub(crate) fn take_tail(&mut self, seq: usize, head: usize) -> Result<Option<PageRef>> {
+        let kv_heads = self.kv_heads;
+        let h = self.seq_mut(seq)?.heads.get_mut(head).ok_or(RtError::NoKvHead { head, heads: kv_heads })?;
+        Ok(h.tail.take().map(|t| t.page))
     }
 
     /// Overwrites bytes of a page (low level: tools and corruption tests).

@@ -194,6 +194,7 @@ impl Spec {
             if self.kernels.split_k {
                 out.push(VariantId::combine(self, d));
             }
+            out.push(VariantId::append(self, d));
         }
         out.push(VariantId::mass_window(self));
         out

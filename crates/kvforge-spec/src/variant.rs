@@ -66,6 +66,9 @@ pub enum Family {
     Transcode { src: TierId, dst: TierId, src_code: TierCode, dst_code: TierCode },
     /// Merge split-K partial outputs.
     Combine,
+    /// Decode-step append: one token per listed sequence, written from device memory into each
+    /// (sequence, kv head)'s tail page (rotated into the spec's basis first where it rotates).
+    Append,
     /// Fold a decode's per-page masses into RDR's importance window on the device (the same
     /// kernel for every head dim, GQA and dtype of a spec: it reads only `page_lse`).
     MassWindow,
@@ -119,6 +122,10 @@ impl VariantId {
     pub fn combine(spec: &Spec, d: usize) -> VariantId {
         VariantId::new(spec, Family::Combine, d)
     }
+    /// The decode-step append kernel of head dim `d` (tail pages only, so no tier codes).
+    pub fn append(spec: &Spec, d: usize) -> VariantId {
+        VariantId::new(spec, Family::Append, d)
+    }
     /// The importance-window kernel of `spec`; its `head_dim` is 0 (it serves all).
     pub fn mass_window(spec: &Spec) -> VariantId {
         VariantId::new(spec, Family::MassWindow, 0)
@@ -151,6 +158,7 @@ impl VariantId {
                 format!("transcode_{src_code}_to_{dst_code}_d{}_p{}{dt}", self.head_dim, self.page_tokens)
             }
             Family::Combine => format!("combine_d{}{dt}", self.head_dim),
+            Family::Append => format!("append_d{}_p{}{dt}", self.head_dim, self.page_tokens),
             Family::MassWindow => "mass_window".to_string(),
             Family::CertSelect { gqa } => format!("certselect_g{gqa}{dt}"),
             Family::CertBound { gqa } => format!("certbound_g{gqa}{dt}"),
@@ -197,6 +205,7 @@ impl VariantId {
             Family::Decode { .. } => "decode",
             Family::Transcode { .. } => "transcode",
             Family::Combine => "combine",
+            Family::Append => "append",
             Family::MassWindow => "mass_window",
             Family::CertSelect { .. } => "certselect",
             Family::CertBound { .. } => "certbound",

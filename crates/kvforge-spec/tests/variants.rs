@@ -44,14 +44,15 @@ fn spherical_names() {
         "transcode_tail_to_ksph16x8b6_vfp16_d128_p64",
         "transcode_ksph16x8b6_vfp16_to_ksph32x4b3_vfp16_d128_p64",
         "combine_d128",
+        "append_d128_p64",
     ] {
         assert!(n.iter().any(|x| x == want), "spherical lacks `{want}`; has:\n{}", n.join("\n"));
     }
     // Nothing serves or transcodes into the drop tier.
     assert!(!n.iter().any(|x| x.contains("drop")), "{n:?}");
-    // 3 head dims x (4 combinations x 4 gqa + 6 transcodes among tail/high/mid/low + combine),
-    // and one importance-window kernel for all of them.
-    assert_eq!(n.len(), 3 * (4 * 4 + 6 + 1) + 1);
+    // 3 head dims x (4 combinations x 4 gqa + 6 transcodes among tail/high/mid/low + combine
+    // + append), and one importance-window kernel for all of them.
+    assert_eq!(n.len(), 3 * (4 * 4 + 6 + 1 + 1) + 1);
     assert!(n.contains(&"mass_window".to_string()));
 }
 

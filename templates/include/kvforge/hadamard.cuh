@@ -1,8 +1,9 @@
 // The rotated basis of a spec whose tiers include a rotating codec (kvforge-spec `Basis`,
 // docs/LAYOUT.md): y = R x with R = H · diag(s) / √D, H the Sylvester Hadamard matrix and s the
-// seeded signs. Stored rows are rotated once, on the host, when they are appended; decode
-// rotates the query in its prologue (q·k = Rq·Rk) and rotates the output back in its epilogue
-// (Σ p v = Rᵀ Σ p Rv), so no stored row is ever rotated on the device.
+// seeded signs. Stored rows are rotated once, when they are appended (on the host, or by the
+// decode-step append kernel, append.cuh); decode rotates the query in its prologue
+// (q·k = Rq·Rk) and rotates the output back in its epilogue (Σ p v = Rᵀ Σ p Rv), so no stored
+// row is rotated again.
 #pragma once
 #include "common.cuh"
 

@@ -1,0 +1,275 @@
+//! Decode-step appends on the device (issue 29): one token per listed sequence, from device
+//! memory, in one kernel launch for the whole batch.
+//!
+//! [`KvCache::append`] is a host path (copy the tail page's mirror, write the rows, upload): in
+//! a serving loop that is one round trip per sequence per layer per step. Here the host only
+//! does the bookkeeping: it checks capacity for the whole batch first (all or nothing), gives
+//! sequences without a tail page a new one, lists each (sequence, kv head)'s page and row, and
+//! launches the append kernel (templates/include/kvforge/append.cuh), which rotates the rows
+//! into the spec's basis where it rotates, writes them and rewrites the page header. The tail
+//! mirrors become stale and are downloaded again only where a host path reads them
+//! ([`crate::store`]). A tail that fills is encoded into the target tier by the transcode
+//! kernel straight from its device page; only where the encode needs the page's bytes on the
+//! host (a spherical tier's first radius calibration, certified decode's originals) is it
+//! downloaded, once per filled page, and encoded by the host path's steps.
+
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use kvforge_spec::{Basis, KeyScheme, VariantId, HEADER_BYTES, TAIL_TIER};
+
+use crate::cache::KvCache;
+use crate::error::{drv, Result, RtError};
+use crate::external::{ElemType, ExternalTensor};
+use crate::pool::PageRef;
+
+/// What a decode step does to one sequence, decided before anything changes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct StepPlan {
+    /// Tokens in the tail pages before the step (0: the sequence gets new tail pages).
+    pub tail_len: usize,
+    /// The step fills the tail pages: they are encoded into the target tier after the launch.
+    pub fills: bool,
+}
+
+/// Plans one step of every sequence from its tail length (`None`: no tail page) at `page`
+/// tokens per page, and the pages it needs: `(new tail pages, new target pages)` per kv head.
+/// Host bookkeeping only, so that it can be tested without a device.
+pub(crate) fn plan_step(tails: &[Option<usize>], page: usize) -> (Vec<StepPlan>, usize, usize) {
+    let mut new_tails = 0;
+    let mut filled = 0;
+    let plans = tails
+        .iter()
+        .map(|t| {
+            let tail_len = t.unwrap_or(0);
+            new_tails += usize::from(t.is_none());
+            let fills = tail_len + 1 == page;
+            filled += usize::from(fills);
+            StepPlan { tail_len, fills }
+        })
+        .collect();
+    (plans, new_tails, filled)
+}
+
+/// Checks that `seqs` names each sequence at most once.
+pub(crate) fn check_distinct(seqs: &[usize]) -> Result<()> {
+    let mut sorted = seqs.to_vec();
+    sorted.sort_unstable();
+    if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+        return Err(RtError::BadInput(format!("append_step: sequence {} is listed twice (one token per sequence per step)", w[0])));
+    }
+    Ok(())
+}
+
+impl KvCache {
+    /// Appends one token to every sequence of `seqs` from device memory: `k`, `v` are
+    /// `[seqs.len()][num_kv_heads][head_dim]` in the spec dtype, row-major, on this cache's
+    /// GPU. The same result as [`KvCache::append`] of each row (byte-identical tail pages for
+    /// specs that do not rotate; rotated ones round the rotation computed on the device), in one
+    /// launch. Either every sequence gets its token or, on out-of-pages or a bad argument,
+    /// nothing changes. Runs on the cache's stream; the launch and any encode of filled tails
+    /// are ordered after what the stream ran before.
+    pub fn append_step_external(&mut self, seqs: &[usize], k: &ExternalTensor, v: &ExternalTensor) -> Result<()> {
+        let (hkv, d) = (self.cfg.num_kv_heads, self.cfg.head_dim);
+        for &s in seqs {
+            self.seq_len(s)?;
+        }
+        check_distinct(seqs)?;
+        k.check_rank("k", 3, "[n_seqs, num_kv_heads, head_dim]")?;
+        v.check_rank("v", 3, "[n_seqs, num_kv_heads, head_dim]")?;
+        let elem = ElemType::of(self.spec.geometry.dtype);
+        let dims = vec![("n_seqs", seqs.len()), ("num_kv_heads", hkv), ("head_dim", d)];
+        self.check_all(&[("k", k, elem.clone(), dims.clone()), ("v", v, elem, dims)])?;
+        if seqs.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: both buffers were checked above to be n·hkv·d elements of the spec dtype in
+        // device memory of this cache's context.
+        unsafe { self.append_step_raw(seqs, k.ptr, v.ptr) }
+    }
+
+    /// [`append_step_external`](Self::append_step_external) from buffers of this cache's
+    /// device: `k`, `v` hold the 16-bit values of `[seqs.len()][num_kv_heads][head_dim]`.
+    pub fn append_step(&mut self, seqs: &[usize], k: &CudaSlice<u16>, v: &CudaSlice<u16>) -> Result<()> {
+        let st = self.engine.dev().stream.clone();
+        let ordinal = self.engine.dev().ctx.ordinal();
+        let elem = ElemType::of(self.spec.geometry.dtype);
+        let (hkv, d) = (self.cfg.num_kv_heads, self.cfg.head_dim);
+        let want = seqs.len() * hkv * d;
+        if k.len() != want || v.len() != want {
+            return Err(RtError::ShapeMismatch {
+                what: "append_step: k/v".into(),
+                expected: format!("{} sequences × {hkv} kv heads × {d} values each ({want})", seqs.len()),
+                got: format!("k {} and v {} values", k.len(), v.len()),
+            });
+        }
+        let (kp, _gk) = k.device_ptr(&st);
+        let (vp, _gv) = v.device_ptr(&st);
+        let shape = [seqs.len(), hkv, d];
+        self.append_step_external(seqs, &ExternalTensor::contiguous(kp, elem.clone(), &shape, ordinal), &ExternalTensor::contiguous(vp, elem, &shape, ordinal))
+    }
+
+    /// The step after the arguments were checked.
+    ///
+    /// # Safety
+    /// `k` and `v` must address `seqs.len() · num_kv_heads · head_dim` 16-bit values of device
+    /// memory of this cache's context, alive until the stream has run the launch.
+    unsafe fn append_step_raw(&mut self, seqs: &[usize], k: u64, v: u64) -> Result<()> {
+        let (hkv, d, p) = (self.cfg.num_kv_heads, self.cfg.head_dim, self.spec.page.tokens);
+        let target = self.cfg.target_tier;
+        // Every kv head of a sequence holds the same number of tail tokens (appends write
+        // all heads); head 0 speaks for them.
+        let mut tails: Vec<Option<usize>> = Vec::with_capacity(seqs.len());
+        for &s in seqs {
+            let t = self.store.page_counts(s, 0)?.1;
+            for h in 1..hkv {
+                let th = self.store.page_counts(s, h)?.1;
+                if th != t {
+                    return Err(RtError::BadInput(format!("sequence {s}: kv head {h} holds {th:?} tail tokens, head 0 {t:?}")));
+                }
+            }
+            tails.push(t);
+        }
+        let (plans, new_tails, filled) = plan_step(&tails, p);
+        let mut need = vec![0usize; self.spec.tiers.len()];
+        need[TAIL_TIER as usize] = new_tails * hkv;
+        need[target as usize] += filled * hkv;
+        self.store.pool().reserve(&need)?;
+        let kernel = self.engine.kernel(&self.spec, &VariantId::append(&self.spec, d))?;
+
+        // Bookkeeping: new tail pages, then every row's page and position.
+        let seg = self.spec.segment(TAIL_TIER, d);
+        let mut rows: Vec<u64> = Vec::with_capacity(2 * seqs.len() * hkv);
+        for (&s, plan) in seqs.iter().zip(&plans) {
+            for h in 0..hkv {
+                // Tail lengths were checked above: every head has this tail, or none.
+                let page = match self.store.tail_page(s, h)? {
+                    Some((page, _)) => page,
+                    None => self.store.new_device_tail(s, h, seg.page_bytes)?,
+                };
+                rows.push(page.offset);
+                rows.push(plan.tail_len as u64);
+            }
+        }
+        let st = self.engine.dev().stream.clone();
+        if self.append_rows.as_ref().is_none_or(|b| b.len() < rows.len()) {
+            self.append_rows = Some(st.alloc_zeros::<u64>(rows.len().next_power_of_two()).map_err(drv("append rows"))?);
+        }
+        let buf = self.append_rows.as_mut().expect("allocated above");
+        st.memcpy_htod(&rows, &mut buf.slice_mut(0..rows.len())).map_err(drv("append rows"))?;
+        let rows_ptr = buf.device_ptr(&st).0;
+        let arena = self.store.arena_ptr();
+        let n_rows = (seqs.len() * hkv) as i32;
+        let (k_off, v_off, page_bytes) = ((HEADER_BYTES + seg.offset("k")) as i32, (HEADER_BYTES + seg.offset("v")) as i32, seg.page_bytes as i32);
+        let seed: u32 = match self.basis {
+            Basis::Hadamard { seed } => seed,
+            Basis::Identity => 0,
+        };
+        let cfg = LaunchConfig { grid_dim: (n_rows as u32, 1, 1), block_dim: (kernel.threads, 1, 1), shared_mem_bytes: 0 };
+        let v_id = VariantId::append(&self.spec, d);
+        crate::kernels::trace_launch(|| v_id.symbol(), &cfg);
+        let mut b = st.launch_builder(&kernel.func);
+        b.arg(&arena).arg(&rows_ptr).arg(&k).arg(&v).arg(&n_rows).arg(&k_off).arg(&v_off).arg(&page_bytes).arg(&seed);
+        // SAFETY: the argument list mirrors append.cu.tera's signature; the arena is this
+        // cache's, every row names a tail page of the pool and a position below the page size
+        // (the plan), the rows were copied above on this stream, and k / v hold n_rows rows of
+        // head_dim 16-bit values (the caller's contract).
+        unsafe { b.launch(cfg) }.map_err(drv(format!("launch {v_id}")))?;
+
+        for &s in seqs {
+            for h in 0..hkv {
+                self.store.tail_grew_on_device(s, h)?;
+            }
+        }
+        let full: Vec<usize> = seqs.iter().zip(&plans).filter(|(_, pl)| pl.fills).map(|(&s, _)| s).collect();
+        if !full.is_empty() {
+            self.encode_filled_tails(&full)?;
+        }
+        for &s in seqs {
+            self.store.grow(s, 1)?;
+        }
+        Ok(())
+    }
+
+    /// Whether encoding into `tier` reads the page's bytes on the host: a spherical tier's
+    /// first pages calibrate its radius scales, and certified decode keeps originals.
+    fn encode_needs_host(&self, tier: kvforge_spec::TierId) -> bool {
+        let spherical_uncalibrated = matches!(self.spec.tiers[tier as usize].key, KeyScheme::Spherical { .. }) && !self.side.is_set(tier, "radius_scale");
+        spherical_uncalibrated || self.cert.keeps_originals()
+    }
+
+    /// Encodes the filled tail pages of `seqs` (every kv head) into the target tier and puts
+    /// them after each head's full pages; the sequences' lengths are not yet grown.
+    fn encode_filled_tails(&mut self, seqs: &[usize]) -> Result<()> {
+        let hkv = self.cfg.num_kv_heads;
+        let target = self.cfg.target_tier;
+        let mut src: Vec<(usize, usize, PageRef)> = Vec::with_capacity(seqs.len() * hkv);
+        for &s in seqs {
+            for h in 0..hkv {
+                let page = self.store.take_tail(s, h)?.ok_or(RtError::NoPage { seq: s, head: h, index: usize::MAX })?;
+                src.push((s, h, page));
+            }
+        }
+        if self.encode_needs_host(target) {
+            // The host path's steps on the downloaded pages (once per filled page).
+            let d = self.cfg.head_dim;
+            let seg = self.spec.segment(TAIL_TIER, d);
+            let mut pages: Vec<(usize, Vec<u8>)> = Vec::with_capacity(src.len());
+            for &(_, h, page) in &src {
+                let mut bytes = self.store.download_page(page)?;
+                bytes.truncate(seg.page_bytes);
+                pages.push((h, bytes));
+                self.store.pool_mut().free(page);
+            }
+            let koff = HEADER_BYTES + seg.offset("k");
+            self.ensure_radius_scales(target, &pages, koff)?;
+            let encoded = self.encode_pages(&pages, target)?;
+            if self.cert.keeps_originals() {
+                self.record_originals(&pages, &encoded)?;
+            }
+            for (i, &s) in seqs.iter().enumerate() {
+                self.store.push_full(s, (0..hkv).zip(encoded[i * hkv..(i + 1) * hkv].iter().copied()))?;
+            }
+            return Ok(());
+        }
+        // Straight from the device pages: the kernel wrote their headers (tier 0, full).
+        let staged: Vec<PageRef> = src.iter().map(|t| t.2).collect();
+        let heads: Vec<u32> = src.iter().map(|t| t.1 as u32).collect();
+        let dst: Vec<PageRef> = (0..src.len()).map(|_| self.store.pool_mut().alloc(target)).collect::<Result<_>>()?;
+        let r = self.transcode(&staged, &dst, &heads, TAIL_TIER, target);
+        for p in staged {
+            self.store.pool_mut().free(p);
+        }
+        if let Err(e) = r {
+            dst.into_iter().for_each(|p| self.store.pool_mut().free(p));
+            return Err(e);
+        }
+        for (i, &s) in seqs.iter().enumerate() {
+            self.store.push_full(s, (0..hkv).zip(dst[i * hkv..(i + 1) * hkv].iter().copied()))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plans_new_filling_and_plain_steps() {
+        let (plans, new_tails, filled) = plan_step(&[None, Some(3), Some(63), Some(62)], 64);
+        assert_eq!(plans, vec![StepPlan { tail_len: 0, fills: false }, StepPlan { tail_len: 3, fills: false }, StepPlan { tail_len: 63, fills: true }, StepPlan { tail_len: 62, fills: false }]);
+        assert_eq!((new_tails, filled), (1, 1));
+    }
+
+    #[test]
+    fn a_one_token_page_fills_on_its_first_row() {
+        let (plans, new_tails, filled) = plan_step(&[None, None], 1);
+        assert!(plans.iter().all(|p| p.fills && p.tail_len == 0));
+        assert_eq!((new_tails, filled), (2, 2));
+    }
+
+    #[test]
+    fn a_sequence_listed_twice_is_rejected() {
+        assert!(check_distinct(&[3, 1, 2]).is_ok());
+        assert!(matches!(check_distinct(&[3, 1, 3]), Err(RtError::BadInput(m)) if m.contains("sequence 3")));
+    }
+}
