@@ -15,7 +15,7 @@
 
 use rayon::prelude::*;
 
-use crate::quant::{group_sq_error, GROUP_OVERHEAD_BITS, MAX_BITS};
+use crate::quant::{add_group_error_changes, group_sq_error, GROUP_OVERHEAD_BITS, MAX_BITS};
 
 /// Group sizes and bit widths the DP may use.
 #[derive(Clone, Debug, PartialEq)]
@@ -117,21 +117,16 @@ impl Dp {
             .into_par_iter()
             .flat_map_iter(|i| {
                 let mut out = vec![f64::INFINITY; ns * nq];
-                let mut buf = Vec::new();
                 for (si, &size) in cfg.group_sizes.iter().enumerate() {
                     if size > i {
                         continue;
                     }
-                    for (qi, &bits) in cfg.bit_widths.iter().enumerate() {
-                        let mut e = 0.0;
-                        for r in 0..rows {
-                            buf.clear();
-                            buf.extend_from_slice(&data[r * comps + i - size..r * comps + i]);
-                            let energy: f64 = buf.iter().map(|x| x * x).sum();
-                            e += group_sq_error(&buf, bits) - energy;
-                        }
-                        out[si * nq + qi] = e * norm;
+                    let acc = &mut out[si * nq..(si + 1) * nq];
+                    acc.fill(0.0);
+                    for r in 0..rows {
+                        add_group_error_changes(&data[r * comps + i - size..r * comps + i], &cfg.bit_widths, acc);
                     }
+                    acc.iter_mut().for_each(|e| *e *= norm);
                 }
                 out
             })
@@ -242,26 +237,33 @@ mod tests {
     /// Least error over every partition of the coordinates into dropped ones and groups of
     /// allowed sizes and widths, within `budget` bits.
     fn brute(data: &[f64], rows: usize, comps: usize, cfg: &DpConfig, budget: usize) -> f64 {
-        fn go(i: usize, left: usize, groups: &mut Vec<Group>, d: &[f64], rows: usize, comps: usize, cfg: &DpConfig, best: &mut f64) {
+        struct Ctx<'a> {
+            d: &'a [f64],
+            rows: usize,
+            comps: usize,
+            cfg: &'a DpConfig,
+        }
+        fn go(i: usize, left: usize, groups: &mut Vec<Group>, c: &Ctx, best: &mut f64) {
+            let (d, rows, comps, cfg) = (c.d, c.rows, c.comps, c.cfg);
             if i == comps {
                 let a = Allocation { budget_bits: u32::MAX, groups: groups.clone(), expected_error: 0.0 };
                 *best = best.min(allocation_error(d, rows, comps, &a));
                 return;
             }
-            go(i + 1, left, groups, d, rows, comps, cfg, best);
+            go(i + 1, left, groups, c, best);
             for &size in &cfg.group_sizes {
                 for &bits in &cfg.bit_widths {
                     let cost = size * bits as usize + GROUP_OVERHEAD_BITS as usize;
                     if i + size <= comps && cost <= left {
                         groups.push(Group { start: i as u32, len: size as u32, bits });
-                        go(i + size, left - cost, groups, d, rows, comps, cfg, best);
+                        go(i + size, left - cost, groups, c, best);
                         groups.pop();
                     }
                 }
             }
         }
         let mut best = f64::INFINITY;
-        go(0, budget, &mut Vec::new(), data, rows, comps, cfg, &mut best);
+        go(0, budget, &mut Vec::new(), &Ctx { d: data, rows, comps, cfg }, &mut best);
         best
     }
 

@@ -199,6 +199,9 @@ pub fn budget_bits(features: usize, ratio: f64) -> usize {
 /// Calibrates keys and values on `dump`; `progress` is told each step's name.
 pub fn calibrate(dump: &KvDump, cfg: &CalibConfig, mut progress: impl FnMut(&str)) -> Result<Calibration> {
     dump.validate()?;
+    if let Some(i) = dump.k.iter().chain(&dump.v).position(|x| !x.is_finite()) {
+        return Err(KvtcError::BadInput(format!("the K/V dump holds a non-finite value (element {i})")));
+    }
     if let Some(r) = cfg.rope {
         if r.dim % 2 != 0 || r.dim > dump.head_dim || r.dim == 0 || !(r.theta > 1.0) {
             return Err(KvtcError::BadInput(format!("rope_dim {} must be even, ≤ head_dim {} and rope_theta {} > 1", r.dim, dump.head_dim, r.theta)));

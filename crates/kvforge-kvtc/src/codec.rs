@@ -84,10 +84,18 @@ fn check_shapes(cal: &Calibration, dump: &KvDump) -> Result<()> {
     Ok(())
 }
 
-/// Decorrelated coordinates of tokens `r` of one side: `(x - mean) · basisᵀ`, `n × comps`.
-pub fn project(dump: &KvDump, cal: &Calibration, side: Side, r: std::ops::Range<usize>, comps: usize) -> Vec<f64> {
+/// The first `comps` basis rows of a side as a `p × comps` matrix (columns = directions), built
+/// once per pack or unpack and shared by every chunk.
+pub fn basis_matrix(s: &SideCalib, p: usize, comps: usize) -> Mat<f64> {
+    Mat::<f64>::from_fn(p, comps, |f, c| s.basis[c * p + f] as f64)
+}
+
+/// Decorrelated coordinates of tokens `r` of one side: `(x - mean) · bt`, `n × comps`, where
+/// `bt` is [`basis_matrix`] of that side.
+pub fn project(dump: &KvDump, cal: &Calibration, side: Side, r: std::ops::Range<usize>, bt: &Mat<f64>) -> Vec<f64> {
     let s = cal.side(side);
     let p = cal.features();
+    let comps = bt.ncols();
     let n = r.len();
     let mut x = Mat::<f64>::zeros(n, p);
     let mut row = vec![0.0; p];
@@ -97,16 +105,15 @@ pub fn project(dump: &KvDump, cal: &Calibration, side: Side, r: std::ops::Range<
             x[(i, f)] = row[f] - s.mean[f] as f64;
         }
     }
-    let bt = Mat::<f64>::from_fn(p, comps, |f, c| s.basis[c * p + f] as f64);
-    let d = &x * &bt;
+    let d = &x * bt;
     (0..n).flat_map(|i| (0..comps).map(move |c| (i, c))).map(|(i, c)| d[(i, c)]).collect()
 }
 
-/// Features of `n` tokens from decorrelated coordinates: `d · basis + mean`, `n × p`.
-pub fn reconstruct(s: &SideCalib, d: &[f64], n: usize, comps: usize, p: usize) -> Vec<f64> {
+/// Features of `n` tokens from decorrelated coordinates: `d · btᵀ + mean`, `n × p`.
+pub fn reconstruct(s: &SideCalib, d: &[f64], n: usize, bt: &Mat<f64>) -> Vec<f64> {
+    let (p, comps) = (bt.nrows(), bt.ncols());
     let dm = Mat::<f64>::from_fn(n, comps, |i, c| d[i * comps + c]);
-    let b = Mat::<f64>::from_fn(comps, p, |c, f| s.basis[c * p + f] as f64);
-    let x = &dm * &b;
+    let x = &dm * bt.transpose();
     (0..n).flat_map(|i| (0..p).map(move |f| (i, f))).map(|(i, f)| x[(i, f)] + s.mean[f] as f64).collect()
 }
 
@@ -171,14 +178,16 @@ pub fn pack_into(dump: &KvDump, cal: &Calibration, opts: &PackOptions, out: &mut
     stats.compressed_tokens = coded.len();
     stats.compressed_fp16_bytes = 4 * dump.features() * coded.len();
     let ranges = chunk_ranges(coded, opts.chunk_tokens);
+    let p = cal.features();
+    let (kbasis, vbasis) = (basis_matrix(&cal.k, p, ka.used_components()), basis_matrix(&cal.v, p, va.used_components()));
     // Code chunks in parallel, a bounded batch at a time, and write them in order.
     for batch in ranges.chunks(rayon::current_num_threads().max(1) * 2) {
         let coded: Vec<[(Vec<u8>, Vec<u8>); 2]> = batch
             .par_iter()
             .map(|r| {
-                [(Side::Keys, ka), (Side::Values, va)].map(|(side, a)| {
+                [(Side::Keys, ka, &kbasis), (Side::Values, va, &vbasis)].map(|(side, a, bt)| {
                     let comps = a.used_components();
-                    let d = project(dump, cal, side, r.clone(), comps);
+                    let d = project(dump, cal, side, r.clone(), bt);
                     let raw = pack::encode(&d, r.len(), comps, a);
                     let stored = opts.entropy.compress(&raw);
                     (raw, stored)
@@ -254,14 +263,14 @@ pub fn unpack_from(input: &mut impl Read, cal: &Calibration) -> Result<KvDump> {
         chunks.push((Side::Values, r.clone(), next(input, Tag::Values, r.start, r.len(), pack::raw_len(r.len(), va))?));
     }
     next(input, Tag::End, 0, 0, 0)?;
+    let (kbm, vbm) = (basis_matrix(&cal.k, p, ka.used_components()), basis_matrix(&cal.v, p, va.used_components()));
     let restored: Vec<Vec<f64>> = chunks
         .par_iter()
         .map(|(side, r, c)| {
-            let a = if *side == Side::Keys { ka } else { va };
+            let (a, bt) = if *side == Side::Keys { (ka, &kbm) } else { (va, &vbm) };
             let raw = decode(c)?;
-            let comps = a.used_components();
-            let d = pack::decode(&raw, r.len(), comps, a);
-            Ok(reconstruct(cal.side(*side), &d, r.len(), comps, p))
+            let d = pack::decode(&raw, r.len(), a.used_components(), a);
+            Ok(reconstruct(cal.side(*side), &d, r.len(), bt))
         })
         .collect::<Result<_>>()?;
     for ((side, r, _), x) in chunks.iter().zip(restored) {

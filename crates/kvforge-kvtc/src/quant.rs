@@ -53,11 +53,16 @@ impl GroupScale {
     pub fn fit(xs: impl Iterator<Item = f64>, bits: u8) -> Self {
         let (mut mn, mut mx) = (f64::INFINITY, f64::NEG_INFINITY);
         for x in xs {
-            let x = if x.is_nan() { 0.0 } else { x.clamp(-F16_MAX, F16_MAX) };
             mn = mn.min(x);
             mx = mx.max(x);
         }
-        if !mn.is_finite() {
+        Self::fit_range(mn, mx, bits)
+    }
+
+    /// [`GroupScale::fit`] from the group's minimum and maximum.
+    pub fn fit_range(mn: f64, mx: f64, bits: u8) -> Self {
+        let (mn, mx) = (if mn.is_nan() { 0.0 } else { mn.clamp(-F16_MAX, F16_MAX) }, if mx.is_nan() { 0.0 } else { mx.clamp(-F16_MAX, F16_MAX) });
+        if !mn.is_finite() || mn > mx {
             return Self { lo: f16::ZERO, scale: f16::ZERO };
         }
         let mut lo = f16::from_f64(mn);
@@ -100,6 +105,36 @@ pub fn group_sq_error(xs: &[f64], bits: u8) -> f64 {
     xs.iter().map(|&x| (g.value(g.code(x, bits)) - x).powi(2)).sum()
 }
 
+/// `out[q] += ` squared error of quantising `xs` with `bit_widths[q]` bits, minus the energy of
+/// `xs` (what coding the group gains over dropping it): the DP's inner loop, with the
+/// min/max found once for every width. Equal to [`group_sq_error`] term by term.
+pub fn add_group_error_changes(xs: &[f64], bit_widths: &[u8], out: &mut [f64]) {
+    let (mut mn, mut mx, mut energy) = (f64::INFINITY, f64::NEG_INFINITY, 0.0);
+    for &x in xs {
+        mn = mn.min(x);
+        mx = mx.max(x);
+        energy += x * x;
+    }
+    for (o, &bits) in out.iter_mut().zip(bit_widths) {
+        let g = GroupScale::fit_range(mn, mx, bits);
+        let (lo, s) = (g.lo.to_f64(), g.scale.to_f64());
+        let e = if s <= 0.0 {
+            xs.iter().map(|&x| (lo - x) * (lo - x)).sum::<f64>()
+        } else {
+            let levels = ((1u32 << bits) - 1) as f64;
+            xs.iter()
+                .map(|&x| {
+                    // the same arithmetic as `code` then `value`
+                    let c = ((x - lo) / s).round().clamp(0.0, levels);
+                    let d = lo + c * s - x;
+                    d * d
+                })
+                .sum::<f64>()
+        };
+        *o += e - energy;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,6 +155,18 @@ mod tests {
                 let e = (g.value(g.code(x, bits)) - x).abs();
                 prop_assert!(e <= 0.5 * s + 1e-9, "x {} err {} step {}", x, e, s);
             }
+        }
+    }
+
+    #[test]
+    fn dp_error_changes_match_group_errors() {
+        let xs: Vec<f64> = (0..37).map(|i| ((i * 7919) % 101) as f64 * 0.31 - 9.0).collect();
+        let widths = [1u8, 2, 3, 5, 8];
+        let mut out = [0.0; 5];
+        add_group_error_changes(&xs, &widths, &mut out);
+        let energy: f64 = xs.iter().map(|x| x * x).sum();
+        for (o, &b) in out.iter().zip(&widths) {
+            assert_eq!(*o, group_sq_error(&xs, b) - energy);
         }
     }
 
