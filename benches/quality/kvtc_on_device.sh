@@ -3,11 +3,14 @@
 # calibrate` -> sizes and reconstruction error per ratio and entropy coder (kvtc_sizes.py) ->
 # perplexity, per-layer error and needle of sim:kvtc-<ratio> (eval.py, schemes group `kvtc`).
 #
-# The lead's calls (README "On the device" layout; the binary travels with the first half):
-#   call 1, carry [".model-a", ".bin"]:
-#     mkdir -p /root/m && cp .model-a/part-a /root/m/part-a && cp .bin/kvforge /root/m/kvforge
-#   call 2, carry [".model-b", ".whl-py", "data/austen"], timeout 600:
+# The lead's calls (one call carries at most 64 MiB with the ~7.6 MB tree: the model halves and
+# the stripped binary (~14 MB, `strip -o .bin/kvforge target/release/kvforge` after
+# `cargo build --release -p kvforge`) travel in three calls, back to back):
+#   call 1, carry [".model-a"]:   mkdir -p /root/m && cp .model-a/part-a /root/m/part-a
+#   call 2, carry [".model-b"]:   cat /root/m/part-a .model-b/part-b > /root/m/SmolLM2-135M-Instruct.Q4_1.gguf && rm /root/m/part-a && cp .model-b/SHA256SUMS /root/m/ && (cd /root/m && sha256sum -c SHA256SUMS)
+#   call 3, carry [".bin", ".whl-py", "data/austen"], timeout 600:
 #     bash benches/quality/kvtc_on_device.sh
+# (If the machine went back between calls, /root/m is gone: start again at call 1.)
 # Knobs (env): TOKENS/WINDOWS (capture, 8192 x 2), SAMPLES (PCA positions, 16000), RATIOS,
 # CONTEXTS (2048), NEEDLE (2048), TEXTS (all five). Results under $OUT.
 set -eo pipefail
@@ -17,12 +20,14 @@ CONTEXTS=${CONTEXTS:-2048}
 RATIOS=${RATIOS:-4,8,16,20,32,64}
 mkdir -p "$OUT"
 M=/root/m
-if [ ! -f $M/SmolLM2-135M-Instruct.Q4_1.gguf ]; then
+if [ ! -f $M/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ -f $M/part-a ] && [ -d .model-b ]; then
   cat $M/part-a .model-b/part-b > $M/SmolLM2-135M-Instruct.Q4_1.gguf && rm $M/part-a && cp .model-b/SHA256SUMS $M/
 fi
+[ -f $M/SHA256SUMS ] || { echo "no model in $M: run calls 1 and 2 first (see the header)"; exit 2; }
 (cd $M && sha256sum -c SHA256SUMS)
 export PYTHONPATH=$R/.whl-py PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-if [ -x "$R/.bin/kvforge" ]; then export KVFORGE_BIN=$R/.bin/kvforge; else export KVFORGE_BIN=$M/kvforge; fi
+export KVFORGE_BIN=${KVFORGE_BIN:-$R/.bin/kvforge}
+[ -x "$KVFORGE_BIN" ] || { echo "no kvforge binary at $KVFORGE_BIN (carry .bin)"; exit 2; }
 W=/tmp/kvtc
 mkdir -p $W
 nvidia-smi -L
