@@ -755,7 +755,7 @@ class KvtcSimBackend:
     def describe(self):
         return {"kind": "sim", "codec": "kvtc", "ratio": self.ratio, "entropy": self.entropy, "calibration": str(self.cal),
                 "bytes_source": "measured: whole .kvtc container (fp16 sinks + window, positions, chunk headers) / (tokens x layers x kv heads)",
-                "pack_stats": self.history[-1] if self.history else None}
+                "pack_stats": self.history}  # the list fills as the scheme runs (describe() comes first)
 
 
 def prepare(model, ids) -> None:

@@ -11,7 +11,7 @@
 #   call 3, carry [".bin", ".whl-py", "data/austen"], timeout 600:
 #     bash benches/quality/kvtc_on_device.sh
 # (If the machine went back between calls, /root/m is gone: start again at call 1.)
-# Knobs (env): TOKENS/WINDOWS (capture, 8192 x 2), SAMPLES (PCA positions, 16000), RATIOS,
+# Knobs (env): TOKENS/WINDOWS (capture, 8192 x 4), SAMPLES (PCA positions, 32000), RATIOS,
 # CONTEXTS (2048), NEEDLE (2048), TEXTS (all five). Results under $OUT.
 set -eo pipefail
 R=$PWD
@@ -32,9 +32,9 @@ W=/tmp/kvtc
 mkdir -p $W
 nvidia-smi -L
 t0=$(date +%s)
-python3 benches/quality/capture_keys.py --model $M --device cuda --tokens ${TOKENS:-8192} --windows ${WINDOWS:-2} --out-dir $W/keys 2>&1 | tail -3
+python3 benches/quality/capture_keys.py --model $M --device cuda --tokens ${TOKENS:-8192} --windows ${WINDOWS:-4} --out-dir $W/keys 2>&1 | tail -3
 $KVFORGE_BIN calibrate --samples $W/keys/kv-emma-per-layer.safetensors --out $W/cal.safetensors \
-  --ratios $RATIOS --max-samples ${SAMPLES:-16000} 2>&1 | tee $OUT/calibrate.log
+  --ratios $RATIOS --max-samples ${SAMPLES:-32000} 2>&1 | tee $OUT/calibrate.log
 echo "capture + calibrate: $(( $(date +%s) - t0 ))s" | tee -a $OUT/calibrate.log
 export KVFORGE_KVTC_CAL=$W/cal.safetensors
 python3 benches/quality/kvtc_sizes.py --model $M --text persuasion --ctx ${CONTEXTS%%,*} --ratios $RATIOS \

@@ -28,6 +28,7 @@ from kvq import log  # noqa: E402
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model")
+    ap.add_argument("--data", type=Path, default=kvq.DATA)
     ap.add_argument("--text", default="persuasion")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--ratios", default="4,8,16,20,32,64")
@@ -38,7 +39,7 @@ def main():
     cal = Path(os.environ["KVFORGE_KVTC_CAL"])
     dtype = torch.float16 if args.device.startswith("cuda") else torch.float32
     model, tok = kvq.load_model(kvq.find_gguf(args.model), args.device, dtype)
-    ids = kvq.book_tokens(tok, args.text)[: args.ctx]
+    ids = kvq.book_tokens(tok, args.text, args.data)[: args.ctx]
     cap = kvq._CaptureAll()
     kvq.set_backend(cap)
     with torch.no_grad():
