@@ -37,7 +37,7 @@ $KVFORGE_BIN calibrate --samples $W/keys/kv-emma-per-layer.safetensors --out $W/
   --ratios $RATIOS --max-samples ${SAMPLES:-32000} 2>&1 | tee $OUT/calibrate.log
 echo "capture + calibrate: $(( $(date +%s) - t0 ))s" | tee -a $OUT/calibrate.log
 export KVFORGE_KVTC_CAL=$W/cal.safetensors
-python3 benches/quality/kvtc_sizes.py --model $M --text persuasion --ctx ${CONTEXTS%%,*} --ratios $RATIOS \
+python3 benches/quality/kvtc_sizes.py --model $M --text persuasion --ctx ${CONTEXTS%%,*} --ratios $RATIOS --entropies deflate,zstd \
   --out $OUT/kvtc-sizes-${CONTEXTS%%,*}.json 2>&1 | grep kvtc | tee $OUT/sizes.log
 python3 benches/quality/eval.py --model $M --schemes fp16,kvtc --contexts $CONTEXTS ${TEXTS:+--texts $TEXTS} \
   --layer-error-contexts ${CONTEXTS%%,*} --needle-contexts ${NEEDLE:-2048} --needle-depths 0.25,0.5,0.75 \
