@@ -121,11 +121,22 @@ fn truncation_names_the_chunk() {
     let (cache, cal) = setup();
     let mut buf = Vec::new();
     pack_into(&cache, &cal, &PackOptions { ratio_index: 1, entropy: Entropy::Deflate, chunk_tokens: 32 }, &mut buf).unwrap();
-    for cut in [0, 5, 83, 84, 90, buf.len() / 2, buf.len() - 1] {
-        let e = unpack_from(&mut &buf[..cut], &cal).unwrap_err();
-        match e {
+    // chunk k spans starts[k]..starts[k+1] (28-byte header + stored length at offset 20)
+    let mut starts = vec![kvforge_kvtc::container::HEADER_LEN];
+    while *starts.last().unwrap() < buf.len() {
+        let at = *starts.last().unwrap();
+        let stored = u32::from_le_bytes(buf[at + 20..at + 24].try_into().unwrap()) as usize;
+        starts.push(at + kvforge_kvtc::container::CHUNK_HEADER_LEN + stored);
+    }
+    assert_eq!(*starts.last().unwrap(), buf.len());
+    for cut in (0..buf.len()).step_by(97).chain([buf.len() - 1]) {
+        match unpack_from(&mut &buf[..cut], &cal).unwrap_err() {
             KvtcError::BadMagic { .. } => assert!(cut < 8),
-            KvtcError::Truncated { chunk, .. } => assert!(cut < 84 || chunk > 0 || cut < 84 + 28 + 200, "cut {cut} chunk {chunk}"),
+            KvtcError::Truncated { chunk, .. } if cut < kvforge_kvtc::container::HEADER_LEN => assert_eq!(chunk, 0),
+            KvtcError::Truncated { chunk, .. } => {
+                let k = starts.iter().rposition(|&s| s <= cut).unwrap();
+                assert_eq!(chunk as usize, k, "cut at byte {cut} falls in chunk {k}");
+            }
             e => panic!("cut {cut}: {e}"),
         }
     }
