@@ -2,7 +2,8 @@
 //! sequence's recent window excluded), take every layer's and head's keys (RoPE undone) or
 //! values of a position as one row of `p = layers · kv_heads · head_dim` features, centre, and
 //! take the principal directions (eigendecomposition of the `p × p` covariance with faer: exact,
-//! and cheaper than a randomised SVD of the `n × p` sample when `n ≫ p`). Then the DP of
+//! and cheaper than a randomised SVD of the `n × p` sample when `n ≫ p`; the `n × n` Gram matrix
+//! when there are fewer positions than features). Then the DP of
 //! App. B.17 ([`crate::alloc`]) on a subsample projected onto that basis gives one allocation
 //! per compression ratio; the basis is kept only as far as the largest allocation uses it.
 
@@ -232,6 +233,48 @@ pub fn calibrate(dump: &KvDump, cfg: &CalibConfig, mut progress: impl FnMut(&str
     Ok(Calibration { layers: dump.layers, kv_heads: dump.kv_heads, head_dim: dump.head_dim, rope: cfg.rope, sinks: cfg.sinks, window: cfg.window, samples: idx.len(), ratios, k, v })
 }
 
+/// Principal directions of the centred rows of `x` (`n × p`) as the columns of a `p × rank`
+/// matrix, with their variances, by decreasing variance. With `n ≥ p` from the `p × p`
+/// covariance; with fewer rows than features from the `n × n` Gram matrix (`v = Xᵀu / √(nλ)`),
+/// which has the same non-zero spectrum at a fraction of the cost. Directions of (numerically)
+/// zero variance are left out.
+pub fn principal_directions(x: &Mat<f64>, max_rank: usize, mut progress: impl FnMut(&str)) -> Result<(Mat<f64>, Vec<f64>)> {
+    let (n, p) = (x.nrows(), x.ncols());
+    let gram = n < p;
+    let m = if gram {
+        progress(&format!("Gram matrix {n} × {n} (fewer positions than features)"));
+        x * x.transpose() * faer::Scale(1.0 / n as f64)
+    } else {
+        progress(&format!("covariance {p} × {p}"));
+        x.transpose() * x * faer::Scale(1.0 / n as f64)
+    };
+    progress("eigendecomposition");
+    let evd = m.self_adjoint_eigen(faer::Side::Lower).map_err(|e| KvtcError::Linalg(format!("{e:?}")))?;
+    let (u, s) = (evd.U(), evd.S().column_vector());
+    let k = m.nrows();
+    // faer sorts eigenvalues ascending: component c is column k-1-c.
+    let top = s[k - 1].max(0.0);
+    let rank = (0..k.min(max_rank)).take_while(|&c| s[k - 1 - c] > 1e-12 * top && s[k - 1 - c] > 0.0).count();
+    let mut basis = Mat::<f64>::zeros(p, rank);
+    let mut variance = Vec::with_capacity(rank);
+    for c in 0..rank {
+        let col = k - 1 - c;
+        variance.push(s[col]);
+        if gram {
+            let v = x.transpose() * u.col(col);
+            let norm = (n as f64 * s[col]).sqrt();
+            for f in 0..p {
+                basis[(f, c)] = v[f] / norm;
+            }
+        } else {
+            for f in 0..p {
+                basis[(f, c)] = u[(f, col)];
+            }
+        }
+    }
+    Ok((basis, variance))
+}
+
 fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], dp_idx: &[usize], ratios: &[f64], progress: &mut impl FnMut(&str)) -> Result<SideCalib> {
     let p = dump.features();
     let n = idx.len();
@@ -250,22 +293,8 @@ fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], d
             x[(i, j)] -= mean[j];
         }
     }
-    progress(&format!("{}: covariance {p} × {p}", side.name()));
-    let cov = x.transpose() * &x * faer::Scale(1.0 / n as f64);
-    progress(&format!("{}: eigendecomposition", side.name()));
-    let evd = cov.self_adjoint_eigen(faer::Side::Lower).map_err(|e| KvtcError::Linalg(format!("{e:?}")))?;
-    let (u, s) = (evd.U(), evd.S().column_vector());
-    // faer sorts eigenvalues ascending: component c is column p-1-c.
-    let rank = cfg.max_rank.min(p).min(n);
-    let mut basis = Mat::<f64>::zeros(p, rank);
-    let mut variance = Vec::with_capacity(rank);
-    for c in 0..rank {
-        let col = p - 1 - c;
-        variance.push(s[col].max(0.0));
-        for f in 0..p {
-            basis[(f, c)] = u[(f, col)];
-        }
-    }
+    let (basis, variance) = principal_directions(&x, cfg.max_rank, |m| progress(&format!("{}: {m}", side.name())))?;
+    let rank = variance.len();
     progress(&format!("{}: DP bit allocation on {} rows, budgets up to {} bits", side.name(), dp_idx.len(), budget_bits(p, ratios[0])));
     let mut xs = Mat::<f64>::zeros(dp_idx.len(), p);
     for (r, &i) in dp_idx.iter().enumerate() {
@@ -280,4 +309,38 @@ fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], d
     let used = allocations.iter().map(Allocation::used_components).max().unwrap_or(0);
     let basis_rows: Vec<f32> = (0..used).flat_map(|c| (0..p).map(move |f| (c, f))).map(|(c, f)| basis[(f, c)] as f32).collect();
     Ok(SideCalib { mean: mean.iter().map(|&m| m as f32).collect(), basis: basis_rows, variance: variance[..used].iter().map(|&v| v as f32).collect(), allocations })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::Rng;
+
+    /// Both paths (covariance for tall samples, Gram matrix for wide ones) give orthonormal
+    /// eigenvectors of the covariance, by decreasing variance.
+    #[test]
+    fn principal_directions_are_covariance_eigenvectors() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        for (n, p) in [(40, 12), (9, 30)] {
+            let mut x = Mat::<f64>::from_fn(n, p, |_, j| rng.gen_range(-1.0..1.0) * (1.0 + j as f64 * 0.3));
+            for j in 0..p {
+                let m = (0..n).map(|i| x[(i, j)]).sum::<f64>() / n as f64;
+                (0..n).for_each(|i| x[(i, j)] -= m);
+            }
+            let (b, var) = principal_directions(&x, usize::MAX, |_| {}).unwrap();
+            assert_eq!(var.len(), n.min(p) - usize::from(n <= p), "rank of {n} centred rows in {p} dims");
+            assert!(var.windows(2).all(|w| w[0] >= w[1]));
+            let cov = x.transpose() * &x * faer::Scale(1.0 / n as f64);
+            let btb = b.transpose() * &b;
+            let cb = &cov * &b;
+            for c in 0..var.len() {
+                for d in 0..var.len() {
+                    assert!((btb[(c, d)] - f64::from(u8::from(c == d))).abs() < 1e-9);
+                }
+                for f in 0..p {
+                    assert!((cb[(f, c)] - var[c] * b[(f, c)]).abs() < 1e-9 * var[0], "n {n} p {p} component {c}");
+                }
+            }
+        }
+    }
 }
