@@ -12,7 +12,8 @@
 #     bash benches/quality/kvtc_on_device.sh
 # (If the machine went back between calls, /root/m is gone: start again at call 1.)
 # Knobs (env): TOKENS/WINDOWS (capture, 8192 x 4), SAMPLES (PCA positions, 32000), RATIOS,
-# CONTEXTS (2048), NEEDLE (2048), TEXTS (all five). Results under $OUT.
+# DP_ROWS (128), CONTEXTS (2048), NEEDLE (2048), TEXTS (all five). Results under $OUT; eval.py
+# writes its JSON after every scheme, so a timeout keeps the ratios finished.
 set -eo pipefail
 R=$PWD
 OUT=${OUT:-/tmp/kvtc-out}
@@ -34,7 +35,7 @@ nvidia-smi -L
 t0=$(date +%s)
 python3 benches/quality/capture_keys.py --model $M --device cuda --tokens ${TOKENS:-8192} --windows ${WINDOWS:-4} --out-dir $W/keys 2>&1 | tail -3
 $KVFORGE_BIN calibrate --samples $W/keys/kv-emma-per-layer.safetensors --out $W/cal.safetensors \
-  --ratios $RATIOS --max-samples ${SAMPLES:-32000} 2>&1 | tee $OUT/calibrate.log
+  --ratios $RATIOS --max-samples ${SAMPLES:-32000} --dp-rows ${DP_ROWS:-128} 2>&1 | tee $OUT/calibrate.log
 echo "capture + calibrate: $(( $(date +%s) - t0 ))s" | tee -a $OUT/calibrate.log
 export KVFORGE_KVTC_CAL=$W/cal.safetensors
 python3 benches/quality/kvtc_sizes.py --model $M --text persuasion --ctx ${CONTEXTS%%,*} --ratios $RATIOS --entropies deflate,zstd \
