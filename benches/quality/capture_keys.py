@@ -13,7 +13,9 @@ Outputs (default ``data/keys/``):
   --samples` reads (first tensor; rows split into groups of --group channels). Metadata says
   what it holds.
 * ``values-emma.safetensors``: ``values``, same layout.
-* ``kv-emma-per-layer.safetensors``: ``k.L00`` ... / ``v.L00`` ... of shape [kv_heads, tokens, head_dim].
+* ``kv-emma-per-layer.safetensors``: ``k.L00`` ... / ``v.L00`` ... of shape [kv_heads, tokens, head_dim],
+  ``positions`` [tokens] (I64: each window starts at 0) and the model's RoPE in the metadata
+  (``rope_theta``, ``rope_dim``): the K/V dump `kvforge calibrate` (kvtc) reads.
 
 Then, for the shipped spherical tiers (specs/spherical.toml: group 16 / 6 bits, 16 / 4, 32 / 3):
 
@@ -90,7 +92,8 @@ def main():
     K = {l: torch.cat(ks[l], dim=1) for l in layers}  # [H, T, D]
     V = {l: torch.cat(vs[l], dim=1) for l in layers}
     h, t, d = K[layers[0]].shape
-    meta = {"text": args.text, "tokens_per_head": str(t), "layers": str(len(layers)), "kv_heads": str(h), "head_dim": str(d),
+    theta, rope_dim = kvq.rope_params(model)
+    meta = {"text": args.text, "tokens_per_head": str(t), "rope_theta": repr(theta), "rope_dim": str(rope_dim), "layers": str(len(layers)), "kv_heads": str(h), "head_dim": str(d),
             "row_layout": "row = (layer*kv_heads + head)*tokens + t", "model": gguf.name,
             "dtype_of_run": str(dtype), "what": "post-RoPE keys as the KV cache stores them"}
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -99,6 +102,7 @@ def main():
     save_file({"keys": keys}, str(args.out_dir / f"keys-{args.text}.safetensors"), metadata=meta)
     save_file({"values": values}, str(args.out_dir / f"values-{args.text}.safetensors"), metadata={**meta, "what": "values"})
     per = {f"k.L{l:02d}": K[l].contiguous() for l in layers} | {f"v.L{l:02d}": V[l].contiguous() for l in layers}
+    per["positions"] = torch.arange(args.tokens, dtype=torch.int64).repeat(args.windows)
     save_file(per, str(args.out_dir / f"kv-{args.text}-per-layer.safetensors"), metadata=meta)
     norms = keys.float().norm(dim=1)
     log(f"wrote {args.out_dir}/keys-{args.text}.safetensors: {tuple(keys.shape)} (key norm mean {norms.mean():.2f}, max {norms.max():.2f})")

@@ -45,6 +45,8 @@ SCHEME_GROUPS = {
     "rotated-sim": ["sim:fp8"] + [f"sim:specs/rotated.toml:{t}" for t in ROTATED_TIERS],
     "rotated-kvforge": [f"kvforge:specs/rotated.toml:{t}" for t in ROTATED_TIERS],
     "rotated-variants": ["sim:k3v2", "sim:k4v2", "sim:r2-gauss", "sim:r2-norm", "sim:r2-sink64"],
+    # kvtc (seed 003): needs $KVFORGE_KVTC_CAL and the kvforge binary (benches/quality/kvtc_on_device.sh)
+    "kvtc": [f"sim:kvtc-{r}" for r in (4, 8, 16, 20, 32, 64)],
 }
 KVFORGE_SCHEMES = [
     "kvforge:specs/baseline.toml:fp16",
@@ -121,6 +123,7 @@ def run_scheme(name, model, tok, args, tokens, hay_ids, device, d):
                 log(f"  {text}: only {len(ids)} tokens after offset {args.offset}; skipped at {ctx}")
                 continue
             kvq.set_backend(backend)
+            kvq.prepare(model, ids)
             row[text] = perplexity(model, ids, device)
             bpt.append(backend.bytes_per_token(d))
         if row:
@@ -139,6 +142,7 @@ def run_scheme(name, model, tok, args, tokens, hay_ids, device, d):
             ids = tokens[text][args.offset: args.offset + ctx]
             cmp = kvq.CompareBackend(kvq.Fp16Backend(), kvq.make_backend(name, max_tokens=ctx + 64))
             kvq.set_backend(cmp)
+            kvq.prepare(model, ids)
             perplexity(model, ids, device)
             le[str(ctx)] = {"text": text, "rel_err_per_layer": [cmp.err[i] for i in sorted(cmp.err)],
                             "rel_err_mean": sum(cmp.err.values()) / len(cmp.err), "rel_err_max": max(cmp.err.values())}
@@ -175,6 +179,7 @@ def run_scheme(name, model, tok, args, tokens, hay_ids, device, d):
                 code = rng.randint(1000, 9999)
                 ids, pos = needle_prompt(tok, hay_ids, ctx, depth, code)
                 kvq.set_backend(backend)
+                kvq.prepare(model, ids)
                 out = needle_trial(model, tok, ids, device)
                 hit = str(code) in re.findall(r"\d+", out)
                 rows.append({"depth": depth, "code": code, "prompt_tokens": len(ids), "needle_token": pos,

@@ -14,6 +14,13 @@ Backends (``make_backend(name)``):
 * ``sim:sph:<codebooks.safetensors>`` spherical keys with one codebook per (layer, kv head,
                                 group) (``kvforge codebook train --per-head``), rotated first
                                 when the file's ``basis`` says ``hadamard:<seed>`` (``sph.py``).
+* ``sim:kvtc-<ratio>[-zstd|-none]`` kvtc (seed 003, crates/kvforge-kvtc): the exact K/V of the
+                                whole input (a capture forward, as a prefill makes them) packed by
+                                the ``kvforge`` binary at that ratio with the calibration
+                                ``$KVFORGE_KVTC_CAL`` and unpacked again (``kvforge pack`` /
+                                ``unpack``: the Rust reference itself, no re-implementation);
+                                attention then reads the restored cache. Bytes are the
+                                container's, measured.
 * ``kvforge:<spec.toml>:<tier>`` the kvforge Python extension: one ``kvforge.Cache`` per layer,
                                 post-RoPE K/V appended (full pages encoded to ``tier``), queries
                                 answered by ``attend_prefix`` (prompt) / ``decode`` (one token).
@@ -631,10 +638,147 @@ class CompareBackend:
         return o_ref
 
 
+def rope_params(model) -> tuple[float, int]:
+    """(rope_theta, rotated channels) of a Llama-family config (transformers 5 keeps them in
+    ``rope_parameters``, older versions on the config); kvtc undoes this RoPE on keys."""
+    c = model.config
+    rp = getattr(c, "rope_parameters", None) or {}
+    theta = rp.get("rope_theta", getattr(c, "rope_theta", None))
+    rtype = rp.get("rope_type", "default")
+    if theta is None or rtype not in ("default", None):
+        raise SystemExit(f"kvtc: RoPE {rtype!r} (theta {theta}) is not the plain rotate_half RoPE kvforge-kvtc implements")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    frac = rp.get("partial_rotary_factor", getattr(c, "partial_rotary_factor", 1.0)) or 1.0
+    return float(theta), int(head_dim * frac)
+
+
+class _CaptureAll(Fp16Backend):
+    """Exact attention that keeps every layer's K and V ([Hkv, S, D])."""
+
+    def __init__(self):
+        self.k, self.v = {}, {}
+
+    def attend(self, layer, q, k, v, scaling):
+        self.k[layer], self.v[layer] = k.detach(), v.detach()
+        return super().attend(layer, q, k, v, scaling)
+
+
+def kvforge_binary() -> str:
+    """``$KVFORGE_BIN``, else ``.bin/kvforge`` (carried to the device), else target/release/kvforge."""
+    for c in (os.environ.get("KVFORGE_BIN"), ROOT / ".bin" / "kvforge", ROOT / "target" / "release" / "kvforge"):
+        if c and Path(c).is_file():
+            return str(c)
+    raise SystemExit("kvtc: no kvforge binary ($KVFORGE_BIN, .bin/kvforge or target/release/kvforge)")
+
+
+def kvtc_roundtrip(k: dict, v: dict, cal: Path, ratio: float, entropy: str = "deflate", workdir: Path | None = None):
+    """Packs layers' K/V ({layer: [Hkv, S, D]}, positions 0..S-1) with the kvforge binary and
+    unpacks them: (restored k dict, restored v dict, pack statistics)."""
+    import json
+    import subprocess
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    layers = sorted(k)
+    s = k[layers[0]].shape[1]
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        tmp = Path(tmp)
+        dump = {f"k.L{i:02d}": k[l].to("cpu", torch.float16).contiguous() for i, l in enumerate(layers)}
+        dump |= {f"v.L{i:02d}": v[l].to("cpu", torch.float16).contiguous() for i, l in enumerate(layers)}
+        dump["positions"] = torch.arange(s, dtype=torch.int64)
+        save_file(dump, str(tmp / "in.safetensors"))
+        exe = kvforge_binary()
+        run = lambda *a: subprocess.run([exe, *map(str, a)], check=True, capture_output=True, text=True)  # noqa: E731
+        try:
+            run("pack", tmp / "in.safetensors", "--calibration", cal, "--ratio", ratio, "--entropy", entropy,
+                "--out", tmp / "c.kvtc", "--json", tmp / "stats.json")
+            run("unpack", tmp / "c.kvtc", "--calibration", cal, "--out", tmp / "out.safetensors")
+        except subprocess.CalledProcessError as e:
+            raise SystemExit(f"kvtc: {' '.join(map(str, e.cmd))} failed ({e.returncode}): {e.stderr.strip()}") from e
+        stats = json.loads((tmp / "stats.json").read_text())
+        out = load_file(str(tmp / "out.safetensors"))
+    dev = k[layers[0]].device
+    rk = {l: out[f"k.L{i:02d}"].to(dev) for i, l in enumerate(layers)}
+    rv = {l: out[f"v.L{i:02d}"].to(dev) for i, l in enumerate(layers)}
+    return rk, rv, stats
+
+
+class KvtcSimBackend:
+    """kvtc as a storage codec (``sim:kvtc-<ratio>[-zstd|-none]``): ``prepare(model, ids)`` runs
+    the input once with exact attention (the prefill that produces the cache), packs and unpacks
+    every layer's K/V with the ``kvforge`` binary (sinks and the recent window stay fp16, as the
+    calibration says), and the forward that follows attends over the restored cache for those
+    positions (tokens generated after them are used as they come). Without ``prepare`` the
+    backend refuses to run, so no result is silently fp16."""
+
+    measured_bytes = True
+
+    def __init__(self, ratio: float, entropy: str, name: str):
+        self.name, self.ratio, self.entropy = name, ratio, entropy
+        self.cal = Path(os.environ.get("KVFORGE_KVTC_CAL", str(DATA / "kvtc" / "calibration-emma.safetensors")))
+        if not self.cal.is_file():
+            raise SystemExit(f"{name}: no calibration {self.cal} (run `kvforge calibrate`, set $KVFORGE_KVTC_CAL)")
+        self.rk = self.rv = None
+        self.stats = None
+        self.history = []
+
+    def reset(self):
+        self.rk = self.rv = None
+
+    def prepare(self, model, ids):
+        global _BACKEND
+        cap, prev = _CaptureAll(), _BACKEND
+        _BACKEND = cap
+        try:
+            with torch.no_grad():
+                dev = next(model.parameters()).device
+                model(input_ids=torch.tensor([ids], device=dev), use_cache=False)
+        finally:
+            _BACKEND = prev
+        self.rk, self.rv, self.stats = kvtc_roundtrip(cap.k, cap.v, self.cal, self.ratio, self.entropy)
+        self.history.append(self.stats)
+
+    def attend(self, layer, q, k, v, scaling):
+        if self.rk is None:
+            raise SystemExit(f"{self.name}: prepare(model, ids) was not called before the forward")
+        rk, rv = self.rk[layer], self.rv[layer]
+        n = rk.shape[1]
+        if k.shape[1] < n:
+            raise SystemExit(f"{self.name}: forward over {k.shape[1]} tokens, the prepared cache has {n}")
+        k = torch.cat([rk.to(k.dtype), k[:, n:]], dim=1)
+        v = torch.cat([rv.to(v.dtype), v[:, n:]], dim=1)
+        return eager_causal(q, k, v, scaling)
+
+    def bytes_per_token(self, d: int) -> float:
+        if self.stats is None:
+            return float("nan")
+        return float(self.stats["bytes_per_token_per_kv_head"])
+
+    def describe(self):
+        return {"kind": "sim", "codec": "kvtc", "ratio": self.ratio, "entropy": self.entropy, "calibration": str(self.cal),
+                "bytes_source": "measured: whole .kvtc container (fp16 sinks + window, positions, chunk headers) / (tokens x layers x kv heads)",
+                "pack_stats": self.history}  # the list fills as the scheme runs (describe() comes first)
+
+
+def prepare(model, ids) -> None:
+    """Lets the current backend (or a compare backend's candidate) see the input before the
+    forward: kvtc compresses the cache that an exact prefill of ``ids`` makes."""
+    for b in (_BACKEND, getattr(_BACKEND, "cand", None), getattr(_BACKEND, "ref", None)):
+        if hasattr(b, "prepare"):
+            b.prepare(model, ids)
+
+
 def make_backend(name: str, max_tokens: int = 8192 + 256):
     if name == "fp16":
         return Fp16Backend()
     kind, _, rest = name.partition(":")
+    if kind == "sim" and rest.startswith("kvtc-"):
+        parts = rest.split("-")
+        entropy = parts[2] if len(parts) > 2 else "deflate"
+        if len(parts) > 3 or entropy not in ("deflate", "zstd", "none"):
+            raise SystemExit(f"unknown kvtc backend `{name}`: sim:kvtc-<ratio>[-deflate|-zstd|-none]")
+        return KvtcSimBackend(float(parts[1]), entropy, name)
     if kind == "sim" and rest.startswith("sph:"):
         return SphSimBackend(rest[4:], name)
     if kind == "sim":

@@ -51,6 +51,12 @@ enum Cmd {
         #[command(subcommand)]
         cmd: commands::codebook::Cmd,
     },
+    /// kvtc: PCA and per-ratio bit allocations from captured K/V (a calibration file).
+    Calibrate(commands::kvtc::CalibrateArgs),
+    /// kvtc: compress a K/V cache dump into a .kvtc container.
+    Pack(commands::kvtc::PackArgs),
+    /// kvtc: restore a .kvtc container into a K/V cache dump.
+    Unpack(commands::kvtc::UnpackArgs),
 }
 
 pub(crate) fn spec_files(root: &Path) -> anyhow::Result<Vec<PathBuf>> {
@@ -172,5 +178,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Cmd::Frontier(a) => commands::frontier::run(&cli.root, a),
         Cmd::Probe => commands::probe(),
         Cmd::Codebook { cmd } => commands::codebook::run(cmd),
+        Cmd::Calibrate(a) => commands::kvtc::calibrate_cmd(a),
+        Cmd::Pack(a) => commands::kvtc::pack_cmd(a),
+        Cmd::Unpack(a) => commands::kvtc::unpack_cmd(a),
     }
 }

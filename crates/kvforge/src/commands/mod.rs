@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod codebook;
 pub mod frontier;
+pub mod kvtc;
 pub mod precompile;
 pub mod selftest;
 

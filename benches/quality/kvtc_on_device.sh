@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# kvtc (seed 003) on the device, one call: capture Emma's K/V (calibration text) -> `kvforge
+# calibrate` -> sizes and reconstruction error per ratio and entropy coder (kvtc_sizes.py) ->
+# perplexity, per-layer error and needle of sim:kvtc-<ratio> (eval.py, schemes group `kvtc`).
+#
+# The lead's calls (one call carries at most 64 MiB with the ~7.6 MB tree: the model halves and
+# the stripped binary (~14 MB, `strip -o .bin/kvforge target/release/kvforge` after
+# `cargo build --release -p kvforge`) travel in three calls, back to back):
+#   call 1, carry [".model-a"]:   mkdir -p /root/m && cp .model-a/part-a /root/m/part-a
+#   call 2, carry [".model-b"]:   cat /root/m/part-a .model-b/part-b > /root/m/SmolLM2-135M-Instruct.Q4_1.gguf && rm /root/m/part-a && cp .model-b/SHA256SUMS /root/m/ && (cd /root/m && sha256sum -c SHA256SUMS)
+#   call 3, carry [".bin", ".whl-py", "data/austen"], timeout 600:
+#     bash benches/quality/kvtc_on_device.sh
+# (If the machine went back between calls, /root/m is gone: start again at call 1.)
+# Knobs (env): TOKENS/WINDOWS (capture, 8192 x 4), SAMPLES (PCA positions, 32000), RATIOS,
+# DP_ROWS (128), CONTEXTS (2048), NEEDLE (2048), TEXTS (all five). Results under $OUT; eval.py
+# writes its JSON after every scheme, so a timeout keeps the ratios finished.
+set -eo pipefail
+R=$PWD
+OUT=${OUT:-/tmp/kvtc-out}
+CONTEXTS=${CONTEXTS:-2048}
+RATIOS=${RATIOS:-4,8,16,20,32,64}
+mkdir -p "$OUT"
+M=/root/m
+if [ ! -f $M/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ -f $M/part-a ] && [ -d .model-b ]; then
+  cat $M/part-a .model-b/part-b > $M/SmolLM2-135M-Instruct.Q4_1.gguf && rm $M/part-a && cp .model-b/SHA256SUMS $M/
+fi
+[ -f $M/SHA256SUMS ] || { echo "no model in $M: run calls 1 and 2 first (see the header)"; exit 2; }
+(cd $M && sha256sum -c SHA256SUMS)
+export PYTHONPATH=$R/.whl-py PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export KVFORGE_BIN=${KVFORGE_BIN:-$R/.bin/kvforge}
+[ -x "$KVFORGE_BIN" ] || { echo "no kvforge binary at $KVFORGE_BIN (carry .bin)"; exit 2; }
+W=/tmp/kvtc
+mkdir -p $W
+nvidia-smi -L
+t0=$(date +%s)
+python3 benches/quality/capture_keys.py --model $M --device cuda --tokens ${TOKENS:-8192} --windows ${WINDOWS:-4} --out-dir $W/keys 2>&1 | tail -3
+$KVFORGE_BIN calibrate --samples $W/keys/kv-emma-per-layer.safetensors --out $W/cal.safetensors \
+  --ratios $RATIOS --max-samples ${SAMPLES:-32000} --dp-rows ${DP_ROWS:-128} 2>&1 | tee $OUT/calibrate.log
+echo "capture + calibrate: $(( $(date +%s) - t0 ))s" | tee -a $OUT/calibrate.log
+export KVFORGE_KVTC_CAL=$W/cal.safetensors
+python3 benches/quality/kvtc_sizes.py --model $M --text persuasion --ctx ${CONTEXTS%%,*} --ratios $RATIOS --entropies deflate,zstd \
+  --out $OUT/kvtc-sizes-${CONTEXTS%%,*}.json 2>&1 | grep kvtc | tee $OUT/sizes.log
+python3 benches/quality/eval.py --model $M --schemes fp16,kvtc --contexts $CONTEXTS ${TEXTS:+--texts $TEXTS} \
+  --layer-error-contexts ${CONTEXTS%%,*} --needle-contexts ${NEEDLE:-2048} --needle-depths 0.25,0.5,0.75 \
+  --out $OUT/quality-kvtc.json 2>&1 | grep -v 'it/s]' | tee $OUT/kvtc.log
+echo "total: $(( $(date +%s) - t0 ))s"

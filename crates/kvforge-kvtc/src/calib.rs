@@ -1,0 +1,346 @@
+//! Calibration (kvtc §3.1, App. B.1): sample token positions (attention sinks and each
+//! sequence's recent window excluded), take every layer's and head's keys (RoPE undone) or
+//! values of a position as one row of `p = layers · kv_heads · head_dim` features, centre, and
+//! take the principal directions (eigendecomposition of the `p × p` covariance with faer: exact,
+//! and cheaper than a randomised SVD of the `n × p` sample when `n ≫ p`; the `n × n` Gram matrix
+//! when there are fewer positions than features). Then the DP of
+//! App. B.17 ([`crate::alloc`]) on a subsample projected onto that basis gives one allocation
+//! per compression ratio; the basis is kept only as far as the largest allocation uses it.
+
+use faer::Mat;
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+
+use crate::alloc::{Allocation, Dp, DpConfig};
+use crate::dump::KvDump;
+use crate::error::{KvtcError, Result};
+use crate::rope::Rope;
+
+/// What [`calibrate`] does.
+#[derive(Clone, Debug)]
+pub struct CalibConfig {
+    /// Leading tokens of a sequence never compressed nor sampled (the paper: 4).
+    pub sinks: usize,
+    /// Trailing tokens of a sequence never compressed nor sampled (the paper: 128).
+    pub window: usize,
+    /// Most positions sampled for the PCA (all eligible ones if fewer).
+    pub max_samples: usize,
+    /// Positions (of the sample) the DP's error tables are computed on.
+    pub dp_rows: usize,
+    /// Most principal components kept before the DP trims them.
+    pub max_rank: usize,
+    /// Compression ratios vs fp16 (before entropy coding) to allocate for, e.g. 4, 8, 16, 32, 64.
+    pub ratios: Vec<f64>,
+    /// RoPE to undo on keys (None: keys are taken as they are).
+    pub rope: Option<Rope>,
+    pub dp: DpConfig,
+    pub seed: u64,
+}
+
+impl Default for CalibConfig {
+    fn default() -> Self {
+        Self { sinks: 4, window: 128, max_samples: 16384, dp_rows: 256, max_rank: usize::MAX, ratios: vec![4.0, 8.0, 16.0, 32.0, 64.0], rope: None, dp: DpConfig::default(), seed: 0 }
+    }
+}
+
+/// The transform of one side (keys or values).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SideCalib {
+    /// Per-feature mean, `p`.
+    pub mean: Vec<f32>,
+    /// Principal directions as rows, `components × p`, by decreasing variance.
+    pub basis: Vec<f32>,
+    /// Variance along each kept direction.
+    pub variance: Vec<f32>,
+    /// One allocation per ratio, in the order of [`Calibration::ratios`].
+    pub allocations: Vec<Allocation>,
+}
+
+impl SideCalib {
+    pub fn components(&self) -> usize {
+        self.variance.len()
+    }
+}
+
+/// A calibration: what `kvforge calibrate` writes and `kvforge pack` / `unpack` read.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Calibration {
+    pub layers: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub rope: Option<Rope>,
+    pub sinks: usize,
+    pub window: usize,
+    /// Positions the PCA was computed on.
+    pub samples: usize,
+    pub ratios: Vec<f64>,
+    pub k: SideCalib,
+    pub v: SideCalib,
+}
+
+/// Which side of the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    Keys,
+    Values,
+}
+
+impl Side {
+    pub fn name(self) -> &'static str {
+        match self {
+            Side::Keys => "keys",
+            Side::Values => "values",
+        }
+    }
+}
+
+impl Calibration {
+    pub fn features(&self) -> usize {
+        self.layers * self.kv_heads * self.head_dim
+    }
+
+    pub fn side(&self, s: Side) -> &SideCalib {
+        match s {
+            Side::Keys => &self.k,
+            Side::Values => &self.v,
+        }
+    }
+
+    /// Index of the allocation for `ratio` (the nearest calibrated one within 1%).
+    pub fn ratio_index(&self, ratio: f64) -> Option<usize> {
+        self.ratios.iter().position(|&r| (r - ratio).abs() <= 0.01 * ratio)
+    }
+
+    /// The calibration's identity: blake3 over a canonical encoding of everything that
+    /// changes what a container decodes to (shapes, RoPE, windows, ratios, means, bases,
+    /// allocations). Containers record it; unpacking with another calibration is refused.
+    pub fn id(&self) -> [u8; 32] {
+        let mut h = blake3::Hasher::new();
+        h.update(b"kvforge-kvtc-calibration/1");
+        for x in [self.layers, self.kv_heads, self.head_dim, self.sinks, self.window] {
+            h.update(&(x as u64).to_le_bytes());
+        }
+        match self.rope {
+            Some(r) => {
+                h.update(&[1]);
+                h.update(&r.theta.to_le_bytes());
+                h.update(&(r.dim as u64).to_le_bytes());
+            }
+            None => {
+                h.update(&[0]);
+            }
+        }
+        for r in &self.ratios {
+            h.update(&r.to_le_bytes());
+        }
+        for s in [&self.k, &self.v] {
+            h.update(&(s.components() as u64).to_le_bytes());
+            for x in s.mean.iter().chain(&s.basis) {
+                h.update(&x.to_le_bytes());
+            }
+            for a in &s.allocations {
+                h.update(&a.budget_bits.to_le_bytes());
+                h.update(&(a.groups.len() as u64).to_le_bytes());
+                for g in &a.groups {
+                    h.update(&g.start.to_le_bytes());
+                    h.update(&g.len.to_le_bytes());
+                    h.update(&[g.bits]);
+                }
+            }
+        }
+        *h.finalize().as_bytes()
+    }
+
+    pub fn id_hex(&self) -> String {
+        self.id().iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+/// Token indices of `positions` that may be sampled: not among the first `sinks` or the last
+/// `window` tokens of their sequence (a sequence ends where positions stop increasing).
+pub fn eligible(positions: &[i64], sinks: usize, window: usize) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut start = 0;
+    for end in 1..=positions.len() {
+        if end == positions.len() || positions[end] <= positions[end - 1] {
+            let n = end - start;
+            if n > sinks + window {
+                out.extend(start + sinks..end - window);
+            }
+            start = end;
+        }
+    }
+    out
+}
+
+/// One token's features of one side, RoPE undone for keys when `rope` is given:
+/// `x[(layer · kv_heads + head) · head_dim + channel]`.
+pub fn features(dump: &KvDump, side: Side, t: usize, rope: Option<Rope>, out: &mut [f64]) {
+    let (hd, src) = (dump.head_dim, if side == Side::Keys { &dump.k } else { &dump.v });
+    for l in 0..dump.layers {
+        for h in 0..dump.kv_heads {
+            let o = (l * dump.kv_heads + h) * hd;
+            let row = &mut out[o..o + hd];
+            let a = dump.at(l, h, t, 0);
+            for (x, &s) in row.iter_mut().zip(&src[a..a + hd]) {
+                *x = s as f64;
+            }
+            if let (Side::Keys, Some(r)) = (side, rope) {
+                r.apply(row, dump.positions[t], -1.0);
+            }
+        }
+    }
+}
+
+/// Budget in bits per token of one side at `ratio` vs fp16.
+pub fn budget_bits(features: usize, ratio: f64) -> usize {
+    (16.0 * features as f64 / ratio).floor() as usize
+}
+
+/// Calibrates keys and values on `dump`; `progress` is told each step's name.
+pub fn calibrate(dump: &KvDump, cfg: &CalibConfig, mut progress: impl FnMut(&str)) -> Result<Calibration> {
+    dump.validate()?;
+    if let Some(i) = dump.k.iter().chain(&dump.v).position(|x| !x.is_finite()) {
+        return Err(KvtcError::BadInput(format!("the K/V dump holds a non-finite value (element {i})")));
+    }
+    if let Some(r) = cfg.rope {
+        if r.dim % 2 != 0 || r.dim > dump.head_dim || r.dim == 0 || !(r.theta > 1.0) {
+            return Err(KvtcError::BadInput(format!("rope_dim {} must be even, ≤ head_dim {} and rope_theta {} > 1", r.dim, dump.head_dim, r.theta)));
+        }
+    }
+    if cfg.ratios.is_empty() || cfg.ratios.iter().any(|&r| !(r >= 1.0)) {
+        return Err(KvtcError::BadInput(format!("ratios {:?}: need at least one, each ≥ 1", cfg.ratios)));
+    }
+    let mut idx = eligible(&dump.positions, cfg.sinks, cfg.window);
+    if idx.len() < 2 {
+        return Err(KvtcError::BadInput(format!("{} tokens leave {} to sample after excluding {} sinks and a window of {} per sequence", dump.tokens, idx.len(), cfg.sinks, cfg.window)));
+    }
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(cfg.seed);
+    if idx.len() > cfg.max_samples {
+        idx.shuffle(&mut rng);
+        idx.truncate(cfg.max_samples);
+        idx.sort_unstable();
+    }
+    let mut dp_idx: Vec<usize> = (0..idx.len()).collect();
+    dp_idx.shuffle(&mut rng);
+    dp_idx.truncate(cfg.dp_rows.max(1));
+    dp_idx.sort_unstable();
+    let mut ratios = cfg.ratios.clone();
+    ratios.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    ratios.dedup();
+    let k = calibrate_side(dump, Side::Keys, cfg, &idx, &dp_idx, &ratios, &mut progress)?;
+    let v = calibrate_side(dump, Side::Values, cfg, &idx, &dp_idx, &ratios, &mut progress)?;
+    Ok(Calibration { layers: dump.layers, kv_heads: dump.kv_heads, head_dim: dump.head_dim, rope: cfg.rope, sinks: cfg.sinks, window: cfg.window, samples: idx.len(), ratios, k, v })
+}
+
+/// Principal directions of the centred rows of `x` (`n × p`) as the columns of a `p × rank`
+/// matrix, with their variances, by decreasing variance. With `n ≥ p` from the `p × p`
+/// covariance; with fewer rows than features from the `n × n` Gram matrix (`v = Xᵀu / √(nλ)`),
+/// which has the same non-zero spectrum at a fraction of the cost. Directions of (numerically)
+/// zero variance are left out.
+pub fn principal_directions(x: &Mat<f64>, max_rank: usize, mut progress: impl FnMut(&str)) -> Result<(Mat<f64>, Vec<f64>)> {
+    let (n, p) = (x.nrows(), x.ncols());
+    let gram = n < p;
+    let m = if gram {
+        progress(&format!("Gram matrix {n} × {n} (fewer positions than features)"));
+        x * x.transpose() * faer::Scale(1.0 / n as f64)
+    } else {
+        progress(&format!("covariance {p} × {p}"));
+        x.transpose() * x * faer::Scale(1.0 / n as f64)
+    };
+    progress("eigendecomposition");
+    let evd = m.self_adjoint_eigen(faer::Side::Lower).map_err(|e| KvtcError::Linalg(format!("{e:?}")))?;
+    let (u, s) = (evd.U(), evd.S().column_vector());
+    let k = m.nrows();
+    // faer sorts eigenvalues ascending: component c is column k-1-c.
+    let top = s[k - 1].max(0.0);
+    let rank = (0..k.min(max_rank)).take_while(|&c| s[k - 1 - c] > 1e-12 * top && s[k - 1 - c] > 0.0).count();
+    let mut basis = Mat::<f64>::zeros(p, rank);
+    let mut variance = Vec::with_capacity(rank);
+    for c in 0..rank {
+        let col = k - 1 - c;
+        variance.push(s[col]);
+        if gram {
+            let v = x.transpose() * u.col(col);
+            let norm = (n as f64 * s[col]).sqrt();
+            for f in 0..p {
+                basis[(f, c)] = v[f] / norm;
+            }
+        } else {
+            for f in 0..p {
+                basis[(f, c)] = u[(f, col)];
+            }
+        }
+    }
+    Ok((basis, variance))
+}
+
+fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], dp_idx: &[usize], ratios: &[f64], progress: &mut impl FnMut(&str)) -> Result<SideCalib> {
+    let p = dump.features();
+    let n = idx.len();
+    progress(&format!("{}: gathering {n} positions × {p} features", side.name()));
+    let mut x = Mat::<f64>::zeros(n, p);
+    let mut row = vec![0.0; p];
+    for (i, &t) in idx.iter().enumerate() {
+        features(dump, side, t, cfg.rope, &mut row);
+        for (j, &v) in row.iter().enumerate() {
+            x[(i, j)] = v;
+        }
+    }
+    let mean: Vec<f64> = (0..p).map(|j| (0..n).map(|i| x[(i, j)]).sum::<f64>() / n as f64).collect();
+    for j in 0..p {
+        for i in 0..n {
+            x[(i, j)] -= mean[j];
+        }
+    }
+    let (basis, variance) = principal_directions(&x, cfg.max_rank, |m| progress(&format!("{}: {m}", side.name())))?;
+    let rank = variance.len();
+    progress(&format!("{}: DP bit allocation on {} rows, budgets up to {} bits", side.name(), dp_idx.len(), budget_bits(p, ratios[0])));
+    let mut xs = Mat::<f64>::zeros(dp_idx.len(), p);
+    for (r, &i) in dp_idx.iter().enumerate() {
+        for f in 0..p {
+            xs[(r, f)] = x[(i, f)];
+        }
+    }
+    let proj = &xs * &basis;
+    let data: Vec<f64> = (0..dp_idx.len()).flat_map(|r| (0..rank).map(move |c| (r, c))).map(|(r, c)| proj[(r, c)]).collect();
+    let dp = Dp::solve(&data, dp_idx.len(), rank, &cfg.dp, budget_bits(p, ratios[0]));
+    let allocations: Vec<Allocation> = ratios.iter().map(|&r| dp.allocation(budget_bits(p, r))).collect();
+    let used = allocations.iter().map(Allocation::used_components).max().unwrap_or(0);
+    let basis_rows: Vec<f32> = (0..used).flat_map(|c| (0..p).map(move |f| (c, f))).map(|(c, f)| basis[(f, c)] as f32).collect();
+    Ok(SideCalib { mean: mean.iter().map(|&m| m as f32).collect(), basis: basis_rows, variance: variance[..used].iter().map(|&v| v as f32).collect(), allocations })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::Rng;
+
+    /// Both paths (covariance for tall samples, Gram matrix for wide ones) give orthonormal
+    /// eigenvectors of the covariance, by decreasing variance.
+    #[test]
+    fn principal_directions_are_covariance_eigenvectors() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        for (n, p) in [(40, 12), (9, 30)] {
+            let mut x = Mat::<f64>::from_fn(n, p, |_, j| rng.gen_range(-1.0..1.0) * (1.0 + j as f64 * 0.3));
+            for j in 0..p {
+                let m = (0..n).map(|i| x[(i, j)]).sum::<f64>() / n as f64;
+                (0..n).for_each(|i| x[(i, j)] -= m);
+            }
+            let (b, var) = principal_directions(&x, usize::MAX, |_| {}).unwrap();
+            assert_eq!(var.len(), n.min(p) - usize::from(n <= p), "rank of {n} centred rows in {p} dims");
+            assert!(var.windows(2).all(|w| w[0] >= w[1]));
+            let cov = x.transpose() * &x * faer::Scale(1.0 / n as f64);
+            let btb = b.transpose() * &b;
+            let cb = &cov * &b;
+            for c in 0..var.len() {
+                for d in 0..var.len() {
+                    assert!((btb[(c, d)] - f64::from(u8::from(c == d))).abs() < 1e-9);
+                }
+                for f in 0..p {
+                    assert!((cb[(f, c)] - var[c] * b[(f, c)]).abs() < 1e-9 * var[0], "n {n} p {p} component {c}");
+                }
+            }
+        }
+    }
+}

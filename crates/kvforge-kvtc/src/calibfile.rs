@@ -1,0 +1,151 @@
+//! The calibration file: safetensors, so that a spec can point at it by path and any tool can
+//! open it. Version 1:
+//!
+//! | tensor | dtype | shape | what |
+//! |---|---|---|---|
+//! | `k.mean`, `v.mean` | F32 | `[p]` | per-feature mean, `p = layers · kv_heads · head_dim`, feature `(layer · kv_heads + head) · head_dim + channel` |
+//! | `k.basis`, `v.basis` | F32 | `[components, p]` | principal directions (rows, orthonormal), by decreasing variance |
+//! | `k.variance`, `v.variance` | F32 | `[components]` | variance along each direction |
+//! | `k.alloc`, `v.alloc` | I32 | `[groups, 4]` | rows `(ratio index, start, len, bits)` of every allocation, in order |
+//!
+//! Metadata (strings): `format` = `kvforge-kvtc-calibration`, `version` = `1`, `layers`,
+//! `kv_heads`, `head_dim`, `rope_theta` and `rope_dim` (absent: keys not de-rotated), `sinks`,
+//! `window`, `samples`, `ratios` (comma-separated), `k.budgets` / `v.budgets` (bits per token
+//! of each ratio, comma-separated), `id` (hex of [`Calibration::id`], checked on load), and any
+//! free-form fields the writer adds (`source`, ...).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use safetensors::{Dtype, SafeTensors};
+
+use crate::alloc::{Allocation, Group};
+use crate::calib::{Calibration, SideCalib};
+use crate::error::{KvtcError, Result};
+use crate::rope::Rope;
+
+pub const FORMAT: &str = "kvforge-kvtc-calibration";
+pub const VERSION: u32 = 1;
+
+impl Calibration {
+    /// Writes the calibration with `extra` metadata.
+    pub fn save(&self, path: &Path, extra: &HashMap<String, String>) -> Result<()> {
+        let mut meta = extra.clone();
+        let mut put = |k: &str, v: String| meta.insert(k.to_string(), v);
+        put("format", FORMAT.into());
+        put("version", VERSION.to_string());
+        put("layers", self.layers.to_string());
+        put("kv_heads", self.kv_heads.to_string());
+        put("head_dim", self.head_dim.to_string());
+        if let Some(r) = self.rope {
+            put("rope_theta", format!("{:?}", r.theta));
+            put("rope_dim", r.dim.to_string());
+        }
+        put("sinks", self.sinks.to_string());
+        put("window", self.window.to_string());
+        put("samples", self.samples.to_string());
+        put("ratios", self.ratios.iter().map(|r| format!("{r:?}")).collect::<Vec<_>>().join(","));
+        for (n, s) in [("k", &self.k), ("v", &self.v)] {
+            put(&format!("{n}.budgets"), s.allocations.iter().map(|a| a.budget_bits.to_string()).collect::<Vec<_>>().join(","));
+        }
+        put("id", self.id_hex());
+        let p = self.features();
+        let f32b = |x: &[f32]| x.iter().flat_map(|a| a.to_le_bytes()).collect::<Vec<u8>>();
+        let mut bufs: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+        for (n, s) in [("k", &self.k), ("v", &self.v)] {
+            let c = s.components();
+            bufs.push((format!("{n}.mean"), Dtype::F32, vec![p], f32b(&s.mean)));
+            bufs.push((format!("{n}.basis"), Dtype::F32, vec![c, p], f32b(&s.basis)));
+            bufs.push((format!("{n}.variance"), Dtype::F32, vec![c], f32b(&s.variance)));
+            let rows: Vec<i32> = s.allocations.iter().enumerate().flat_map(|(i, a)| a.groups.iter().flat_map(move |g| [i as i32, g.start as i32, g.len as i32, g.bits as i32])).collect();
+            bufs.push((format!("{n}.alloc"), Dtype::I32, vec![rows.len() / 4, 4], rows.iter().flat_map(|a| a.to_le_bytes()).collect()));
+        }
+        let views: Vec<(String, safetensors::tensor::TensorView)> =
+            bufs.iter().map(|(n, d, s, b)| Ok((n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).map_err(|e| KvtcError::BadInput(e.to_string()))?))).collect::<Result<_>>()?;
+        let out = safetensors::serialize(views, &Some(meta)).map_err(|e| KvtcError::BadInput(e.to_string()))?;
+        std::fs::write(path, out).map_err(|source| KvtcError::Io { path: path.into(), source })
+    }
+
+    /// Reads and checks a calibration file (shapes, allocations within the basis, the id).
+    pub fn load(path: &Path) -> Result<Self> {
+        let bytes = std::fs::read(path).map_err(|source| KvtcError::Io { path: path.into(), source })?;
+        Self::from_bytes(&bytes).map_err(|message| KvtcError::BadCalibration { path: path.into(), message })
+    }
+
+    fn from_bytes(bytes: &[u8]) -> std::result::Result<Self, String> {
+        let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| e.to_string())?;
+        let meta = header.metadata().clone().unwrap_or_default();
+        let get = |k: &str| meta.get(k).cloned().ok_or_else(|| format!("metadata has no `{k}`"));
+        let num = |k: &str| get(k)?.parse::<usize>().map_err(|e| format!("metadata `{k}`: {e}"));
+        if get("format")? != FORMAT {
+            return Err(format!("metadata `format` is not `{FORMAT}`"));
+        }
+        let version = num("version")?;
+        if version != VERSION as usize {
+            return Err(format!("version {version}; this build reads version {VERSION}"));
+        }
+        let (layers, kv_heads, head_dim) = (num("layers")?, num("kv_heads")?, num("head_dim")?);
+        let rope = match (meta.get("rope_theta"), meta.get("rope_dim")) {
+            (Some(t), Some(d)) => Some(Rope { theta: t.parse().map_err(|e| format!("rope_theta: {e}"))?, dim: d.parse().map_err(|e| format!("rope_dim: {e}"))? }),
+            (None, None) => None,
+            _ => return Err("rope_theta and rope_dim come together".into()),
+        };
+        if let Some(r) = rope {
+            if r.dim % 2 != 0 || r.dim > head_dim || !(r.theta > 1.0) {
+                return Err(format!("rope_dim {} / rope_theta {} invalid for head_dim {head_dim}", r.dim, r.theta));
+            }
+        }
+        let ratios: Vec<f64> = get("ratios")?.split(',').map(|s| s.parse::<f64>().map_err(|e| format!("ratios: {e}"))).collect::<std::result::Result<_, _>>()?;
+        let st = SafeTensors::deserialize(bytes).map_err(|e| e.to_string())?;
+        let p = layers * kv_heads * head_dim;
+        let side = |n: &str| -> std::result::Result<SideCalib, String> {
+            let f32s = |name: &str, shape: Option<&[usize]>| -> std::result::Result<(Vec<f32>, Vec<usize>), String> {
+                let t = st.tensor(name).map_err(|_| format!("missing tensor `{name}`"))?;
+                if t.dtype() != Dtype::F32 {
+                    return Err(format!("`{name}` is {:?}, expected F32", t.dtype()));
+                }
+                if let Some(s) = shape {
+                    if t.shape() != s {
+                        return Err(format!("`{name}` has shape {:?}, expected {s:?}", t.shape()));
+                    }
+                }
+                Ok((t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(), t.shape().to_vec()))
+            };
+            let (mean, _) = f32s(&format!("{n}.mean"), Some(&[p]))?;
+            let (basis, bs) = f32s(&format!("{n}.basis"), None)?;
+            if bs.len() != 2 || bs[1] != p {
+                return Err(format!("`{n}.basis` has shape {bs:?}, expected [components, {p}]"));
+            }
+            let comps = bs[0];
+            let (variance, _) = f32s(&format!("{n}.variance"), Some(&[comps]))?;
+            let at = st.tensor(&format!("{n}.alloc")).map_err(|_| format!("missing tensor `{n}.alloc`"))?;
+            if at.dtype() != Dtype::I32 || at.shape().len() != 2 || at.shape()[1] != 4 {
+                return Err(format!("`{n}.alloc` must be I32 [groups, 4]"));
+            }
+            let rows: Vec<i32> = at.data().chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
+            let budgets: Vec<u32> =
+                get(&format!("{n}.budgets"))?.split(',').filter(|s| !s.is_empty()).map(|s| s.parse::<u32>().map_err(|e| format!("{n}.budgets: {e}"))).collect::<std::result::Result<_, _>>()?;
+            if budgets.len() != ratios.len() {
+                return Err(format!("{n}.budgets has {} entries for {} ratios", budgets.len(), ratios.len()));
+            }
+            let mut allocations: Vec<Allocation> = budgets.iter().map(|&b| Allocation { budget_bits: b, groups: Vec::new(), expected_error: f64::NAN }).collect();
+            for r in rows.chunks_exact(4) {
+                let (i, start, len, bits) = (r[0], r[1], r[2], r[3]);
+                if i < 0 || i as usize >= allocations.len() || start < 0 || len <= 0 || !(1..=16).contains(&bits) {
+                    return Err(format!("`{n}.alloc` row {r:?} is invalid"));
+                }
+                allocations[i as usize].groups.push(Group { start: start as u32, len: len as u32, bits: bits as u8 });
+            }
+            for (i, a) in allocations.iter().enumerate() {
+                a.validate(comps, 16).map_err(|e| format!("{n} allocation {i} (ratio {}): {e}", ratios[i]))?;
+            }
+            Ok(SideCalib { mean, basis, variance, allocations })
+        };
+        let cal = Calibration { layers, kv_heads, head_dim, rope, sinks: num("sinks")?, window: num("window")?, samples: num("samples")?, ratios: ratios.clone(), k: side("k")?, v: side("v")? };
+        let id = get("id")?;
+        if id != cal.id_hex() {
+            return Err(format!("content does not match its id {id} (computed {}): the file was altered", cal.id_hex()));
+        }
+        Ok(cal)
+    }
+}

@@ -1,0 +1,302 @@
+//! Pack (project → quantise → pack → entropy-code) and unpack (the reverse, then RoPE
+//! re-applied to keys): the f64 CPU reference of kvtc, streaming through [`crate::container`].
+//! Chunks are coded and decoded in parallel (rayon); unpacking returns a cache only when every
+//! chunk decoded, so a failure never leaves a partly restored cache behind.
+
+use std::io::{Read, Write};
+
+use faer::Mat;
+use half::f16;
+use rayon::prelude::*;
+
+use crate::alloc::Allocation;
+use crate::calib::{features, Calibration, Side, SideCalib};
+use crate::container::{read_chunk, write_chunk, Chunk, Expect, Header, Tag, VERSION};
+use crate::dump::KvDump;
+use crate::entropy::Entropy;
+use crate::error::{KvtcError, Result};
+use crate::pack;
+
+/// How to pack.
+#[derive(Clone, Copy, Debug)]
+pub struct PackOptions {
+    /// Index into the calibration's ratios (the allocation used for keys and values).
+    pub ratio_index: usize,
+    pub entropy: Entropy,
+    /// Compressed tokens per chunk (the unit of parallelism and of error reporting).
+    pub chunk_tokens: usize,
+}
+
+/// Sizes of one packed cache, in bytes.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PackStats {
+    pub tokens: usize,
+    pub compressed_tokens: usize,
+    /// The cache in fp16 (keys and values).
+    pub fp16_bytes: usize,
+    /// Compressed tokens in fp16.
+    pub compressed_fp16_bytes: usize,
+    /// Coded chunks before entropy coding.
+    pub coded_raw_bytes: usize,
+    /// Coded chunks after entropy coding.
+    pub coded_stored_bytes: usize,
+    /// Kept (sink and window) tokens, after entropy coding.
+    pub kept_stored_bytes: usize,
+    /// The whole container.
+    pub total_bytes: usize,
+}
+
+impl PackStats {
+    /// fp16 bytes of the compressed tokens over their coded bytes before entropy coding.
+    pub fn ratio_before_entropy(&self) -> f64 {
+        self.compressed_fp16_bytes as f64 / self.coded_raw_bytes.max(1) as f64
+    }
+    /// The same after entropy coding.
+    pub fn ratio_after_entropy(&self) -> f64 {
+        self.compressed_fp16_bytes as f64 / self.coded_stored_bytes.max(1) as f64
+    }
+    /// The whole cache in fp16 over the whole container (kept tokens, positions, headers included).
+    pub fn ratio_total(&self) -> f64 {
+        self.fp16_bytes as f64 / self.total_bytes.max(1) as f64
+    }
+}
+
+/// Token indices kept in fp16: the first `sinks` and the last `window` (all when they overlap).
+fn split(tokens: usize, sinks: usize, window: usize) -> (Vec<usize>, std::ops::Range<usize>) {
+    if tokens <= sinks + window {
+        return ((0..tokens).collect(), 0..0);
+    }
+    let kept = (0..sinks).chain(tokens - window..tokens).collect();
+    (kept, sinks..tokens - window)
+}
+
+fn chunk_ranges(r: std::ops::Range<usize>, chunk: usize) -> Vec<std::ops::Range<usize>> {
+    (r.start..r.end).step_by(chunk.max(1)).map(|a| a..(a + chunk).min(r.end)).collect()
+}
+
+fn check_shapes(cal: &Calibration, dump: &KvDump) -> Result<()> {
+    if (cal.layers, cal.kv_heads, cal.head_dim) != (dump.layers, dump.kv_heads, dump.head_dim) {
+        return Err(KvtcError::BadInput(format!(
+            "cache has {} layers × {} kv heads × head_dim {}, the calibration {} × {} × {}",
+            dump.layers, dump.kv_heads, dump.head_dim, cal.layers, cal.kv_heads, cal.head_dim
+        )));
+    }
+    Ok(())
+}
+
+/// The first `comps` basis rows of a side as a `p × comps` matrix (columns = directions), built
+/// once per pack or unpack and shared by every chunk.
+pub fn basis_matrix(s: &SideCalib, p: usize, comps: usize) -> Mat<f64> {
+    Mat::<f64>::from_fn(p, comps, |f, c| s.basis[c * p + f] as f64)
+}
+
+/// Decorrelated coordinates of tokens `r` of one side: `(x - mean) · bt`, `n × comps`, where
+/// `bt` is [`basis_matrix`] of that side.
+pub fn project(dump: &KvDump, cal: &Calibration, side: Side, r: std::ops::Range<usize>, bt: &Mat<f64>) -> Vec<f64> {
+    let s = cal.side(side);
+    let p = cal.features();
+    let comps = bt.ncols();
+    let n = r.len();
+    let mut x = Mat::<f64>::zeros(n, p);
+    let mut row = vec![0.0; p];
+    for (i, t) in r.enumerate() {
+        features(dump, side, t, cal.rope, &mut row);
+        for f in 0..p {
+            x[(i, f)] = row[f] - s.mean[f] as f64;
+        }
+    }
+    let d = &x * bt;
+    (0..n).flat_map(|i| (0..comps).map(move |c| (i, c))).map(|(i, c)| d[(i, c)]).collect()
+}
+
+/// Features of `n` tokens from decorrelated coordinates: `d · btᵀ + mean`, `n × p`.
+pub fn reconstruct(s: &SideCalib, d: &[f64], n: usize, bt: &Mat<f64>) -> Vec<f64> {
+    let (p, comps) = (bt.nrows(), bt.ncols());
+    let dm = Mat::<f64>::from_fn(n, comps, |i, c| d[i * comps + c]);
+    let x = &dm * bt.transpose();
+    (0..n).flat_map(|i| (0..p).map(move |f| (i, f))).map(|(i, f)| x[(i, f)] + s.mean[f] as f64).collect()
+}
+
+fn alloc_for(cal: &Calibration, side: Side, idx: usize) -> &Allocation {
+    &cal.side(side).allocations[idx]
+}
+
+/// Compresses `dump` with `cal` into `out`.
+pub fn pack_into(dump: &KvDump, cal: &Calibration, opts: &PackOptions, out: &mut impl Write) -> Result<PackStats> {
+    dump.validate()?;
+    check_shapes(cal, dump)?;
+    if opts.ratio_index >= cal.ratios.len() {
+        return Err(KvtcError::BadInput(format!("ratio index {} out of {} calibrated ratios", opts.ratio_index, cal.ratios.len())));
+    }
+    if dump.tokens > u32::MAX as usize / 2 || opts.chunk_tokens == 0 {
+        return Err(KvtcError::BadInput("token count or chunk size out of range".into()));
+    }
+    let (ka, va) = (alloc_for(cal, Side::Keys, opts.ratio_index), alloc_for(cal, Side::Values, opts.ratio_index));
+    let header = Header {
+        version: VERSION,
+        entropy: opts.entropy.id(),
+        calibration: cal.id(),
+        layers: dump.layers as u32,
+        kv_heads: dump.kv_heads as u32,
+        head_dim: dump.head_dim as u32,
+        tokens: dump.tokens as u32,
+        sinks: cal.sinks as u32,
+        window: cal.window as u32,
+        chunk_tokens: opts.chunk_tokens as u32,
+        k_budget_bits: ka.budget_bits,
+        v_budget_bits: va.budget_bits,
+    };
+    let mut stats = PackStats { tokens: dump.tokens, fp16_bytes: 4 * dump.features() * dump.tokens, ..Default::default() };
+    let mut total = 0usize;
+    let hb = header.to_bytes();
+    out.write_all(&hb)?;
+    total += hb.len();
+    let mut index = 0u32;
+    let mut emit = |out: &mut dyn Write, tag: Tag, first: usize, count: usize, raw: &[u8], stored: Vec<u8>, total: &mut usize| -> Result<usize> {
+        let c = Chunk { tag, index, first: first as u32, count: count as u32, raw_len: raw.len() as u32, payload: stored };
+        let mut w = out;
+        write_chunk(&mut w, &c)?;
+        index += 1;
+        *total += crate::container::CHUNK_HEADER_LEN + c.payload.len();
+        Ok(c.payload.len())
+    };
+    let pos: Vec<u8> = dump.positions.iter().flat_map(|p| p.to_le_bytes()).collect();
+    emit(out, Tag::Positions, 0, dump.tokens, &pos, opts.entropy.compress(&pos), &mut total)?;
+    let (kept, coded) = split(dump.tokens, cal.sinks, cal.window);
+    let mut kb = Vec::with_capacity(4 * dump.features() * kept.len());
+    for src in [&dump.k, &dump.v] {
+        for l in 0..dump.layers {
+            for h in 0..dump.kv_heads {
+                for &t in &kept {
+                    let a = dump.at(l, h, t, 0);
+                    kb.extend(src[a..a + dump.head_dim].iter().flat_map(|&x| f16::from_f32(x).to_le_bytes()));
+                }
+            }
+        }
+    }
+    stats.kept_stored_bytes = emit(out, Tag::Kept, 0, kept.len(), &kb, opts.entropy.compress(&kb), &mut total)?;
+    stats.compressed_tokens = coded.len();
+    stats.compressed_fp16_bytes = 4 * dump.features() * coded.len();
+    let ranges = chunk_ranges(coded, opts.chunk_tokens);
+    let p = cal.features();
+    let (kbasis, vbasis) = (basis_matrix(&cal.k, p, ka.used_components()), basis_matrix(&cal.v, p, va.used_components()));
+    // Code chunks in parallel, a bounded batch at a time, and write them in order.
+    for batch in ranges.chunks(rayon::current_num_threads().max(1) * 2) {
+        let coded: Vec<[(Vec<u8>, Vec<u8>); 2]> = batch
+            .par_iter()
+            .map(|r| {
+                [(Side::Keys, ka, &kbasis), (Side::Values, va, &vbasis)].map(|(side, a, bt)| {
+                    let comps = a.used_components();
+                    let d = project(dump, cal, side, r.clone(), bt);
+                    let raw = pack::encode(&d, r.len(), comps, a);
+                    let stored = opts.entropy.compress(&raw);
+                    (raw, stored)
+                })
+            })
+            .collect();
+        for (r, [(kr, ks), (vr, vs)]) in batch.iter().zip(coded) {
+            stats.coded_raw_bytes += kr.len() + vr.len();
+            stats.coded_stored_bytes += emit(out, Tag::Keys, r.start, r.len(), &kr, ks, &mut total)?;
+            stats.coded_stored_bytes += emit(out, Tag::Values, r.start, r.len(), &vr, vs, &mut total)?;
+        }
+    }
+    emit(out, Tag::End, 0, 0, &[], Vec::new(), &mut total)?;
+    stats.total_bytes = total;
+    Ok(stats)
+}
+
+/// Largest stored size accepted for a chunk of `raw` bytes (DEFLATE / zstd worst case).
+fn max_stored(raw: usize) -> u32 {
+    (raw + raw / 8 + 1024).min(u32::MAX as usize) as u32
+}
+
+/// Restores a cache packed by [`pack_into`] with the same calibration.
+pub fn unpack_from(input: &mut impl Read, cal: &Calibration) -> Result<KvDump> {
+    let h = Header::read(input)?;
+    if h.calibration != cal.id() {
+        let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+        return Err(KvtcError::CalibrationMismatch { expected: cal.id_hex(), found: hex(&h.calibration) });
+    }
+    let entropy = Entropy::from_id(h.entropy).ok_or_else(|| KvtcError::BadChunk { chunk: 0, message: format!("unknown entropy coder {}", h.entropy) })?;
+    let (layers, kv_heads, head_dim, tokens) = (h.layers as usize, h.kv_heads as usize, h.head_dim as usize, h.tokens as usize);
+    if (layers, kv_heads, head_dim) != (cal.layers, cal.kv_heads, cal.head_dim) || (h.sinks as usize, h.window as usize) != (cal.sinks, cal.window) || h.chunk_tokens == 0 {
+        return Err(KvtcError::BadChunk { chunk: 0, message: "header shapes disagree with the calibration".into() });
+    }
+    let find =
+        |side: Side, bits: u32| cal.side(side).allocations.iter().position(|a| a.budget_bits == bits).ok_or(KvtcError::UnknownAllocation { calibration: cal.id_hex(), side: side.name(), budget_bits: bits });
+    let (ka, va) = (alloc_for(cal, Side::Keys, find(Side::Keys, h.k_budget_bits)?), alloc_for(cal, Side::Values, find(Side::Values, h.v_budget_bits)?));
+    let p = cal.features();
+    let mut index = 0u32;
+    let mut next = |input: &mut dyn Read, tag: Tag, first: usize, count: usize, raw_len: usize| -> Result<Chunk> {
+        let e = Expect { tag, index, first: first as u32, count: count as u32, raw_len: raw_len as u32, max_stored: max_stored(raw_len) };
+        let mut r = input;
+        let c = read_chunk(&mut r, &e)?;
+        index += 1;
+        Ok(c)
+    };
+    let decode = |c: &Chunk| entropy.decompress(&c.payload, c.raw_len as usize).map_err(|message| KvtcError::Entropy { chunk: c.index, message });
+    let c = next(input, Tag::Positions, 0, tokens, 8 * tokens)?;
+    let positions: Vec<i64> = decode(&c)?.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect();
+    let (kept, coded) = split(tokens, cal.sinks, cal.window);
+    let c = next(input, Tag::Kept, 0, kept.len(), 4 * p * kept.len())?;
+    let kb = decode(&c)?;
+    let mut dump = KvDump { layers, kv_heads, head_dim, tokens, positions, k: vec![0.0; p * tokens], v: vec![0.0; p * tokens] };
+    let mut at = 0;
+    for s in 0..2 {
+        for l in 0..layers {
+            for hh in 0..kv_heads {
+                for &t in &kept {
+                    let a = dump.at(l, hh, t, 0);
+                    let dst = if s == 0 { &mut dump.k } else { &mut dump.v };
+                    for ch in 0..head_dim {
+                        dst[a + ch] = f16::from_le_bytes([kb[at], kb[at + 1]]).to_f32();
+                        at += 2;
+                    }
+                }
+            }
+        }
+    }
+    let ranges = chunk_ranges(coded, h.chunk_tokens as usize);
+    let mut chunks = Vec::with_capacity(2 * ranges.len());
+    for r in &ranges {
+        chunks.push((Side::Keys, r.clone(), next(input, Tag::Keys, r.start, r.len(), pack::raw_len(r.len(), ka))?));
+        chunks.push((Side::Values, r.clone(), next(input, Tag::Values, r.start, r.len(), pack::raw_len(r.len(), va))?));
+    }
+    next(input, Tag::End, 0, 0, 0)?;
+    let (kbm, vbm) = (basis_matrix(&cal.k, p, ka.used_components()), basis_matrix(&cal.v, p, va.used_components()));
+    let restored: Vec<Vec<f64>> = chunks
+        .par_iter()
+        .map(|(side, r, c)| {
+            let (a, bt) = if *side == Side::Keys { (ka, &kbm) } else { (va, &vbm) };
+            let raw = decode(c)?;
+            let d = pack::decode(&raw, r.len(), a.used_components(), a);
+            Ok(reconstruct(cal.side(*side), &d, r.len(), bt))
+        })
+        .collect::<Result<_>>()?;
+    for ((side, r, _), x) in chunks.iter().zip(restored) {
+        scatter(&mut dump, cal, *side, r.clone(), &x);
+    }
+    Ok(dump)
+}
+
+/// Writes restored features of tokens `r` into the dump, re-applying RoPE to keys.
+fn scatter(dump: &mut KvDump, cal: &Calibration, side: Side, r: std::ops::Range<usize>, x: &[f64]) {
+    let (hd, p) = (dump.head_dim, cal.features());
+    let mut row = vec![0.0; hd];
+    for (i, t) in r.enumerate() {
+        for l in 0..dump.layers {
+            for h in 0..dump.kv_heads {
+                let o = i * p + (l * dump.kv_heads + h) * hd;
+                row.copy_from_slice(&x[o..o + hd]);
+                if let (Side::Keys, Some(rope)) = (side, cal.rope) {
+                    rope.apply(&mut row, dump.positions[t], 1.0);
+                }
+                let a = dump.at(l, h, t, 0);
+                let dst = if side == Side::Keys { &mut dump.k } else { &mut dump.v };
+                for (d, &s) in dst[a..a + hd].iter_mut().zip(&row) {
+                    *d = s as f32;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! Group quantisation in the decorrelated domain: a group of consecutive PCA coordinates of
+//! one token shares a 16-bit shift (`lo`, fp16) and a 16-bit scale (fp16), and every
+//! coordinate is a `bits`-bit code `round((x - lo) / scale)` (asymmetric min/max, the
+//! microscaling-style grouping of kvtc §3.2). Zero bits means the coordinates are dropped
+//! (restored as 0, i.e. the calibration mean after the inverse projection) and cost nothing.
+
+use half::f16;
+
+/// Bits of side information per group: fp16 shift + fp16 scale.
+pub const GROUP_OVERHEAD_BITS: u32 = 32;
+
+/// Widest code a group may use.
+pub const MAX_BITS: u8 = 16;
+
+/// One group's fp16 shift and scale.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GroupScale {
+    pub lo: f16,
+    pub scale: f16,
+}
+
+fn step_down(x: f16) -> f16 {
+    let b = x.to_bits();
+    if x.is_nan() || x == f16::NEG_INFINITY {
+        x
+    } else if b == 0 || b == 0x8000 {
+        f16::from_bits(0x8001)
+    } else if b & 0x8000 == 0 {
+        f16::from_bits(b - 1)
+    } else {
+        f16::from_bits(b + 1)
+    }
+}
+
+fn step_up(x: f16) -> f16 {
+    let b = x.to_bits();
+    if x.is_nan() || x == f16::INFINITY {
+        x
+    } else if b == 0 || b == 0x8000 {
+        f16::from_bits(0x0001)
+    } else if b & 0x8000 == 0 {
+        f16::from_bits(b + 1)
+    } else {
+        f16::from_bits(b - 1)
+    }
+}
+
+const F16_MAX: f64 = 65504.0;
+
+impl GroupScale {
+    /// Shift and scale covering `xs` with `bits`-bit codes: `lo ≤ min`, `lo + scale·(2^bits-1) ≥ max`
+    /// wherever fp16 can represent it (values are clamped to ±65504 first).
+    pub fn fit(xs: impl Iterator<Item = f64>, bits: u8) -> Self {
+        let (mut mn, mut mx) = (f64::INFINITY, f64::NEG_INFINITY);
+        for x in xs {
+            mn = mn.min(x);
+            mx = mx.max(x);
+        }
+        Self::fit_range(mn, mx, bits)
+    }
+
+    /// [`GroupScale::fit`] from the group's minimum and maximum.
+    pub fn fit_range(mn: f64, mx: f64, bits: u8) -> Self {
+        let (mn, mx) = (if mn.is_nan() { 0.0 } else { mn.clamp(-F16_MAX, F16_MAX) }, if mx.is_nan() { 0.0 } else { mx.clamp(-F16_MAX, F16_MAX) });
+        if !mn.is_finite() || mn > mx {
+            return Self { lo: f16::ZERO, scale: f16::ZERO };
+        }
+        let mut lo = f16::from_f64(mn);
+        if lo.to_f64() > mn {
+            lo = step_down(lo);
+        }
+        let levels = ((1u32 << bits) - 1) as f64;
+        let span = mx - lo.to_f64();
+        if span <= 0.0 {
+            return Self { lo, scale: f16::ZERO };
+        }
+        let mut scale = f16::from_f64((span / levels).min(F16_MAX));
+        if scale.to_f64() * levels + lo.to_f64() < mx && scale.to_f64() < F16_MAX {
+            scale = step_up(scale);
+        }
+        Self { lo, scale }
+    }
+
+    /// The code of `x`.
+    #[inline]
+    pub fn code(&self, x: f64, bits: u8) -> u32 {
+        let s = self.scale.to_f64();
+        if s <= 0.0 || x.is_nan() {
+            return 0;
+        }
+        let levels = ((1u32 << bits) - 1) as f64;
+        ((x - self.lo.to_f64()) / s).round().clamp(0.0, levels) as u32
+    }
+
+    /// The value a code stands for.
+    #[inline]
+    pub fn value(&self, code: u32) -> f64 {
+        self.lo.to_f64() + code as f64 * self.scale.to_f64()
+    }
+}
+
+/// Squared error of quantising `xs` (one group of one token) with `bits` bits.
+pub fn group_sq_error(xs: &[f64], bits: u8) -> f64 {
+    let g = GroupScale::fit(xs.iter().copied(), bits);
+    xs.iter().map(|&x| (g.value(g.code(x, bits)) - x).powi(2)).sum()
+}
+
+/// `out[q] += ` squared error of quantising `xs` with `bit_widths[q]` bits, minus the energy of
+/// `xs` (what coding the group gains over dropping it): the DP's inner loop, with the
+/// min/max found once for every width. Equal to [`group_sq_error`] term by term.
+pub fn add_group_error_changes(xs: &[f64], bit_widths: &[u8], out: &mut [f64]) {
+    let (mut mn, mut mx, mut energy) = (f64::INFINITY, f64::NEG_INFINITY, 0.0);
+    for &x in xs {
+        mn = mn.min(x);
+        mx = mx.max(x);
+        energy += x * x;
+    }
+    for (o, &bits) in out.iter_mut().zip(bit_widths) {
+        let g = GroupScale::fit_range(mn, mx, bits);
+        let (lo, s) = (g.lo.to_f64(), g.scale.to_f64());
+        let e = if s <= 0.0 {
+            xs.iter().map(|&x| (lo - x) * (lo - x)).sum::<f64>()
+        } else {
+            let levels = ((1u32 << bits) - 1) as f64;
+            xs.iter()
+                .map(|&x| {
+                    // the same arithmetic as `code` then `value`
+                    let c = ((x - lo) / s).round().clamp(0.0, levels);
+                    let d = lo + c * s - x;
+                    d * d
+                })
+                .sum::<f64>()
+        };
+        *o += e - energy;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn codes_cover_the_range(xs in proptest::collection::vec(-1000.0f64..1000.0, 1..40), bits in 1u8..=8) {
+            let g = GroupScale::fit(xs.iter().copied(), bits);
+            let mn = xs.iter().cloned().fold(f64::INFINITY, f64::min);
+            let mx = xs.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            prop_assert!(g.lo.to_f64() <= mn);
+            let top = g.value((1 << bits) - 1);
+            prop_assert!(top >= mx || g.scale == f16::ZERO);
+            // every value lands within one step of its code (rounding), plus fp16 slack
+            let s = g.scale.to_f64();
+            for &x in &xs {
+                let e = (g.value(g.code(x, bits)) - x).abs();
+                prop_assert!(e <= 0.5 * s + 1e-9, "x {} err {} step {}", x, e, s);
+            }
+        }
+    }
+
+    #[test]
+    fn dp_error_changes_match_group_errors() {
+        let xs: Vec<f64> = (0..37).map(|i| ((i * 7919) % 101) as f64 * 0.31 - 9.0).collect();
+        let widths = [1u8, 2, 3, 5, 8];
+        let mut out = [0.0; 5];
+        add_group_error_changes(&xs, &widths, &mut out);
+        let energy: f64 = xs.iter().map(|x| x * x).sum();
+        for (o, &b) in out.iter().zip(&widths) {
+            assert_eq!(*o, group_sq_error(&xs, b) - energy);
+        }
+    }
+
+    #[test]
+    fn more_bits_less_error() {
+        let xs: Vec<f64> = (0..64).map(|i| ((i * 7919) % 101) as f64 * 0.13 - 5.0).collect();
+        let errs: Vec<f64> = (1..=8).map(|b| group_sq_error(&xs, b)).collect();
+        for w in errs.windows(2) {
+            assert!(w[1] <= w[0]);
+        }
+        assert!(errs[7] < 1e-2 * errs[0]);
+    }
+}

@@ -1,0 +1,171 @@
+//! End to end on a small synthetic cache with low-rank structure: calibrate, save and load the
+//! calibration, pack, unpack; errors fall with the ratio; corrupted, truncated and
+//! mismatched input gives typed errors naming the chunk, never a panic.
+
+use kvforge_kvtc::{calibrate, pack_into, unpack_from, CalibConfig, Calibration, DpConfig, Entropy, KvDump, KvtcError, PackOptions, Rope};
+use proptest::prelude::*;
+use rand::{Rng, SeedableRng};
+
+const ROPE: Rope = Rope { theta: 10000.0, dim: 16 };
+
+/// Keys built pre-RoPE from a few shared latent factors (so they are low-rank once RoPE is
+/// undone), then rotated to their positions; values low-rank too.
+fn synthetic(layers: usize, heads: usize, hd: usize, tokens: usize, mix_seed: u64, token_seed: u64) -> KvDump {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(mix_seed);
+    let rank = 6;
+    let p = layers * heads * hd;
+    let mix_k: Vec<f64> = (0..rank * p).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let mix_v: Vec<f64> = (0..rank * p).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(token_seed);
+    let mut d = KvDump { layers, kv_heads: heads, head_dim: hd, tokens, positions: (0..tokens as i64).collect(), k: vec![0.0; p * tokens], v: vec![0.0; p * tokens] };
+    for t in 0..tokens {
+        let z: Vec<f64> = (0..rank).map(|r| rng.gen_range(-1.0..1.0) * 4.0 / (1 + r) as f64).collect();
+        for l in 0..layers {
+            for h in 0..heads {
+                let o = (l * heads + h) * hd;
+                let mut kr: Vec<f64> = (0..hd).map(|c| 0.5 + (0..rank).map(|r| z[r] * mix_k[r * p + o + c]).sum::<f64>() + rng.gen_range(-0.01..0.01)).collect();
+                ROPE.apply(&mut kr, t as i64, 1.0);
+                let a = d.at(l, h, t, 0);
+                for c in 0..hd {
+                    d.k[a + c] = kr[c] as f32;
+                    d.v[a + c] = ((0..rank).map(|r| z[r] * mix_v[r * p + o + c]).sum::<f64>() + rng.gen_range(-0.01..0.01)) as f32;
+                }
+            }
+        }
+    }
+    d
+}
+
+fn cfg() -> CalibConfig {
+    CalibConfig {
+        sinks: 2,
+        window: 8,
+        max_samples: 400,
+        dp_rows: 48,
+        ratios: vec![4.0, 16.0, 64.0],
+        rope: Some(ROPE),
+        dp: DpConfig { group_sizes: vec![1, 4, 16], bit_widths: vec![1, 2, 3, 4, 6, 8] },
+        ..CalibConfig::default()
+    }
+}
+
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+fn setup() -> (KvDump, Calibration) {
+    let cal = calibrate(&synthetic(2, 2, 16, 500, 1, 1), &cfg(), |_| {}).unwrap();
+    (synthetic(2, 2, 16, 100, 1, 2), cal)
+}
+
+#[test]
+fn calibrate_pack_unpack_round_trip() {
+    let (cache, cal) = setup();
+    let dir = std::env::temp_dir().join(format!("kvtc-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("cal.safetensors");
+    cal.save(&path, &Default::default()).unwrap();
+    let cal2 = Calibration::load(&path).unwrap();
+    assert_eq!(cal2.id(), cal.id());
+    let mut prev = 0.0;
+    for (i, &ratio) in cal.ratios.iter().enumerate() {
+        for entropy in [Entropy::None, Entropy::Deflate, Entropy::Zstd] {
+            let mut buf = Vec::new();
+            let stats = pack_into(&cache, &cal2, &PackOptions { ratio_index: i, entropy, chunk_tokens: 32 }, &mut buf).unwrap();
+            assert_eq!(stats.total_bytes, buf.len());
+            let got = stats.ratio_before_entropy();
+            assert!(got >= ratio * 0.95, "ratio {ratio}: packed {got:.2}x before entropy");
+            let back = unpack_from(&mut buf.as_slice(), &cal2).unwrap();
+            assert_eq!(back.positions, cache.positions);
+            // sinks and window tokens are fp16-exact
+            for t in (0..2).chain(92..100) {
+                let a = cache.at(1, 1, t, 0);
+                for c in 0..16 {
+                    assert_eq!(back.k[a + c], half::f16::from_f32(cache.k[a + c]).to_f32());
+                }
+            }
+            let (ek, ev) = (rel_err(&cache.k, &back.k), rel_err(&cache.v, &back.v));
+            if entropy == Entropy::None {
+                assert!(ek.max(ev) >= prev * 0.999, "error should grow with the ratio");
+                prev = ek.max(ev);
+            }
+            // 64x of 64 features is 16 bits per token, less than one group's shift and scale:
+            // everything is dropped and restores as the mean.
+            let bound = if ratio <= 16.0 { 0.3 } else { 1.0 };
+            eprintln!("ratio {ratio} {entropy:?}: {:.2}x before entropy, {:.2}x after, keys {ek:.4} values {ev:.4}", got, stats.ratio_after_entropy());
+            assert!(ek < bound && ev < bound, "ratio {ratio}: rel err keys {ek:.4} values {ev:.4}");
+        }
+    }
+    let mut buf = Vec::new();
+    pack_into(&cache, &cal, &PackOptions { ratio_index: 0, entropy: Entropy::Deflate, chunk_tokens: 32 }, &mut buf).unwrap();
+    let back = unpack_from(&mut buf.as_slice(), &cal).unwrap();
+    assert!(rel_err(&cache.k, &back.k) < 0.02, "4x keys rel err {}", rel_err(&cache.k, &back.k));
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn wrong_calibration_is_refused() {
+    let (cache, cal) = setup();
+    let mut other_cfg = cfg();
+    other_cfg.seed = 9;
+    let other = calibrate(&synthetic(2, 2, 16, 500, 3, 3), &other_cfg, |_| {}).unwrap();
+    let mut buf = Vec::new();
+    pack_into(&cache, &cal, &PackOptions { ratio_index: 1, entropy: Entropy::Zstd, chunk_tokens: 32 }, &mut buf).unwrap();
+    assert!(matches!(unpack_from(&mut buf.as_slice(), &other), Err(KvtcError::CalibrationMismatch { .. })));
+}
+
+#[test]
+fn truncation_names_the_chunk() {
+    let (cache, cal) = setup();
+    let mut buf = Vec::new();
+    pack_into(&cache, &cal, &PackOptions { ratio_index: 1, entropy: Entropy::Deflate, chunk_tokens: 32 }, &mut buf).unwrap();
+    // chunk k spans starts[k]..starts[k+1] (28-byte header + stored length at offset 20)
+    let mut starts = vec![kvforge_kvtc::container::HEADER_LEN];
+    while *starts.last().unwrap() < buf.len() {
+        let at = *starts.last().unwrap();
+        let stored = u32::from_le_bytes(buf[at + 20..at + 24].try_into().unwrap()) as usize;
+        starts.push(at + kvforge_kvtc::container::CHUNK_HEADER_LEN + stored);
+    }
+    assert_eq!(*starts.last().unwrap(), buf.len());
+    for cut in (0..buf.len()).step_by(97).chain([buf.len() - 1]) {
+        match unpack_from(&mut &buf[..cut], &cal).unwrap_err() {
+            KvtcError::BadMagic { .. } => assert!(cut < 8),
+            KvtcError::Truncated { chunk, .. } if cut < kvforge_kvtc::container::HEADER_LEN => assert_eq!(chunk, 0),
+            KvtcError::Truncated { chunk, .. } => {
+                let k = starts.iter().rposition(|&s| s <= cut).unwrap();
+                assert_eq!(chunk as usize, k, "cut at byte {cut} falls in chunk {k}");
+            }
+            e => panic!("cut {cut}: {e}"),
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    /// Any single corrupted byte, or arbitrary garbage appended to a valid prefix, gives an
+    /// error (or, for bytes the checksums do not cover, the same cache), never a panic.
+    #[test]
+    fn corrupted_streams_give_typed_errors(pos in any::<prop::sample::Index>(), xor in 1u8..=255, cut in any::<prop::sample::Index>(), junk in proptest::collection::vec(any::<u8>(), 0..64)) {
+        let (cache, cal) = fixture();
+        let mut buf = Vec::new();
+        pack_into(cache, cal, &PackOptions { ratio_index: 1, entropy: Entropy::Deflate, chunk_tokens: 32 }, &mut buf).unwrap();
+        let mut bad = buf.clone();
+        let i = pos.index(bad.len());
+        bad[i] ^= xor;
+        let r = unpack_from(&mut bad.as_slice(), cal);
+        prop_assert!(r.is_err(), "flipping byte {} went unnoticed", i);
+        let mut spliced = buf[..cut.index(buf.len())].to_vec();
+        spliced.extend_from_slice(&junk);
+        let _ = unpack_from(&mut spliced.as_slice(), cal);
+    }
+}
+
+fn fixture() -> (&'static KvDump, &'static Calibration) {
+    use std::sync::OnceLock;
+    static F: OnceLock<(KvDump, Calibration)> = OnceLock::new();
+    let f = F.get_or_init(setup);
+    (&f.0, &f.1)
+}
