@@ -38,6 +38,7 @@ __device__ void append_kernel(u8* arena, const u64* rows, const T* k, const T* v
     __shared__ float x[2 * D];
     x[c] = to_float(ksrc[c]);
     x[D + c] = to_float(vsrc[c]);
+    __syncthreads();  // hadamard_rows reads whole rows per warp
     hadamard_rows<D, D, false>(x, 2, rot_seed);  // ends with a barrier
     kdst[c] = from_float<T>(x[c]);
     vdst[c] = from_float<T>(x[D + c]);
