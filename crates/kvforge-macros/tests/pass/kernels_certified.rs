@@ -16,8 +16,9 @@ fn main() {
     assert_eq!(certified::tiers::q8k4v::d128::K_CODES_OFFSET, 0);
     assert_eq!(certified::tiers::q8k4v::d128::K_CODES_BYTES, 64 * 128);
     // 3 combinations x 3 head dims x 4 gqa decodes, 3 transcodes per head dim, 3 combines,
-    // one importance-window fold, and a certified selector and certificate per gqa.
-    assert_eq!(certified::Variant::ALL.len(), 36 + 9 + 3 + 1 + 8);
+    // one importance-window fold, a certified selector and certificate per gqa, and a
+    // decode-step append per head dim.
+    assert_eq!(certified::Variant::ALL.len(), 36 + 9 + 3 + 1 + 8 + 3);
     assert_eq!(certified::Variant::MassWindow.info().kind, "mass_window");
     for v in certified::Variant::ALL {
         let info = v.info();
