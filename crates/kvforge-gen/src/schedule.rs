@@ -27,13 +27,17 @@ pub fn threads(spec: &Spec) -> usize {
     32 * spec.kernels.warps
 }
 
+/// Whether a tier stores both keys and values dense (fp16/bf16).
+fn is_dense(t: &Tier) -> bool {
+    t.key.codec().is_dense() && t.value.codec().is_dense()
+}
+
 /// Launch shape a decode format takes by default: the spec's `kernels.dense` for formats whose
 /// tiers (the tail aside) are all dense, else `kernels.warps` / `ctas_per_sm`.
 pub fn decode_shape(spec: &Spec, tiers: &[TierId]) -> KernelShape {
-    let dense = |t: &Tier| t.key.codec().is_dense() && t.value.codec().is_dense();
     let mut own = tiers.iter().map(|&t| &spec.tiers[t as usize]).filter(|t| t.id != kvforge_spec::TAIL_TIER).peekable();
     match spec.kernels.dense {
-        Some(shape) if own.peek().is_some() && own.all(dense) => shape,
+        Some(shape) if own.peek().is_some() && own.all(is_dense) => shape,
         _ => KernelShape { warps: spec.kernels.warps, ctas_per_sm: spec.kernels.ctas_per_sm },
     }
 }
@@ -139,7 +143,7 @@ pub fn per_warp(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s: &Schedul
         && p >= 4 * s.warps
         && d.is_multiple_of(64)
         && ts.iter().all(|t| warp_tier(t, d, p))
-        && (ts.iter().any(|t| t.key.codec().prefers_per_warp()) || (d <= 128 && ts.iter().all(|t| t.key.codec().is_dense() && t.value.codec().is_dense())))
+        && (ts.iter().any(|t| t.key.codec().prefers_per_warp()) || (d <= 128 && ts.iter().all(|t| is_dense(t))))
 }
 
 /// Floats per page of `DecodeParams::page_warp_lse` that the tracked entry of a decode variant
