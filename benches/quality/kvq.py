@@ -390,6 +390,12 @@ class TierSim:
     def _rotated(self, x: torch.Tensor, s: dict) -> torch.Tensor:
         lv, _ = lloyd_max_levels(x.shape[-1], int(s["bits"]), s.get("levels", "beta"))
         levels = torch.tensor(lv, dtype=torch.float64).to(torch.float32)
+        if s.get("prescale") == "channel":  # sim-only variant: per-channel mean and RMS (f32, no bytes)
+            x = x.float()
+            mu_c = x.mean(-2, keepdim=True)
+            sigma = (x - mu_c).pow(2).mean(-2, keepdim=True).sqrt().clamp_min(1e-6)
+            y = rotate((x - mu_c) / sigma, self.seed)
+            return unrotate(rotated_quantize(y, levels, s.get("scale", "lsq")), self.seed) * sigma + mu_c
         y = rotate(x.float(), self.seed)
         mu = 0.0
         if s.get("center") == "page":  # sim-only variant: fp16 per-page channel mean subtracted
