@@ -338,6 +338,11 @@ impl KvCache {
                     break;
                 }
             }
+            if take == 0 {
+                // Unreachable after the reserve above (each batch frees its staging pages);
+                // an error rather than a loop that never advances.
+                return Err(self.store.pool().out_of_pages(TAIL_TIER));
+            }
             let batch = &chunks[at..at + take];
             let mut rows: Vec<u64> = Vec::with_capacity(2 * take * hkv);
             let mut staged: Vec<(usize, PageRef)> = Vec::new();
