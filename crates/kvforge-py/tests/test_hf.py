@@ -214,6 +214,7 @@ def test_attend_prefix_then_decode_appends_only_new_tokens(fake, hf):
                            ("decode", 1), ("append_device", 8), ("prefix", 8)]
     assert cache.args == dict(spec="specs/rdkv.toml", head_dim=16, num_kv_heads=2, gqa=3, max_tokens=128,
                               target="b4", root=None, device=0)
+    assert cache.kw == {"target_only": True}
     assert att.bytes_per_token() == 65.0
     # a new sequence (queries cover every key, or fewer keys than held) empties the cache and
     # reuses it (no spherical or mixed-key tiers)

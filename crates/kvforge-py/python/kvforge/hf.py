@@ -273,8 +273,8 @@ class KvforgeAttention:
                   root=self.root)
         if rows > 1:
             kw["sequences"] = rows
-        if self.control is None and self.prefill != "cache":
-            # Serving: pages of the target tier only (a controller re-tiers, so it keeps them all).
+        if self.control is None and self.certify is None:
+            # Pages of the tail and the target tier only: nothing re-tiers without a controller.
             kw["target_only"] = True
         index = getattr(getattr(q, "device", None), "index", None)
         if index:  # device 0 is the Cache's default
@@ -323,6 +323,8 @@ class KvforgeAttention:
         return self.attend_batch(layer, q[None], k[None], v[None], scaling)[0]
 
     def attend_batch(self, layer: int, q, k, v, scaling: float, mask=None):
+        if mask is not None and mask.dim() == 2 and mask.shape[-1] > k.shape[-2]:
+            mask = mask[:, -k.shape[-2]:]  # a mask over more positions than the keys: the last ones
         check_batch_shapes(q, k, v, mask)
         rows, hq, tq, d = q.shape
         s = k.shape[2]
