@@ -34,7 +34,7 @@ def prompts_of(tok, lengths, text_dir: Path, vocab: int):
 
     texts = sorted(text_dir.glob("*.txt")) if text_dir.is_dir() else []
     if texts:
-        ids = tok(texts[0].read_text(encoding="utf-8", errors="replace")[:400_000], add_special_tokens=False)["input_ids"]
+        ids = tok(texts[0].read_text(encoding="utf-8", errors="replace")[:120_000], add_special_tokens=False)["input_ids"]
         out, at = [], 0
         for n in lengths:
             out.append(torch.tensor(ids[at:at + n]))

@@ -242,7 +242,7 @@ class KvforgeAttention:
         after its sequences are removed: per-cache state set from a prompt (spherical radius
         scales, TriZone channel orders, kept originals, a controller's re-tiering) must not leak
         into the next, and the pool must be large enough."""
-        if st is None or self.control is not None or self.certify is not None:
+        if st is None or self.control is not None or self.certify is not None or not hasattr(st["cache"], "remove_sequence"):
             return False
         c = st["cache"]
         if getattr(c, "spherical_tiers", None) or list(getattr(c, "mixed_key_tiers", ())):
@@ -343,7 +343,13 @@ class KvforgeAttention:
         if not prompt and tq == 1 and s == st["n"] + 1:
             # A decode step: every row's one new token (real: generate extends the mask by ones),
             # written on the device in one launch, then one decode launch for the batch.
-            cache.append_step(seqs, k[:, :, -1].contiguous(), v[:, :, -1].contiguous())
+            kk, vv = k[:, :, -1].contiguous(), v[:, :, -1].contiguous()
+            step = getattr(cache, "append_step", None)
+            if step is not None:
+                step(seqs, kk, vv)
+            else:  # a cache object without device appends (tests' stand-ins)
+                for i, seq in enumerate(seqs):
+                    cache.append(seq, kk[i:i + 1], vv[i:i + 1])
             st["n"] = s
             qq = qs[:, :, 0].contiguous()
             if self.certify is not None:
