@@ -56,14 +56,19 @@ def left_pad(prompts, pad: int, device):
     return ids.to(device), mask.to(device)
 
 
-def generate(model, ids, mask, n: int):
+def _sync(t):
     import torch
 
-    torch.cuda.synchronize()
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
+def generate(model, ids, mask, n: int):
+    _sync(ids)
     t0 = time.perf_counter()
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                          pad_token_id=model.config.pad_token_id or 0)
-    torch.cuda.synchronize()
+    _sync(ids)
     return out[:, ids.shape[1]:], time.perf_counter() - t0
 
 
@@ -97,6 +102,7 @@ def main(argv=None):
     ap.add_argument("--backends", default="eager,sdpa,kvforge:fp16,kvforge:b8,kvforge:b4,kvforge:r3")
     ap.add_argument("--alone", default="kvforge:b4", help="backends whose batch rows are also generated one by one")
     ap.add_argument("--out", default="hf-bench.json")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of eager/sdpa (kvforge needs a GPU)")
     args = ap.parse_args(argv)
 
     import torch
@@ -107,15 +113,15 @@ def main(argv=None):
 
     gguf = kvq.find_gguf(args.model_dir)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float16,
-                                                 attn_implementation="eager").cuda().eval()
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float16 if dev.type == "cuda" else torch.float32,
+                                                 attn_implementation="eager").to(dev).eval()
     one, src = prompts_of(tok, [args.prompt_len], ROOT / "data" / "austen", model.config.vocab_size)
     lens = [int(x) for x in args.batch_lens.split(",")]
     many, _ = prompts_of(tok, lens, ROOT / "data" / "austen", model.config.vocab_size)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     runs = {"1": left_pad(one, pad, dev), str(len(lens)): left_pad(many, pad, dev)}
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "kvforge": kvforge.__version__,
+    res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__, "kvforge": kvforge.__version__,
            "transformers": __import__("transformers").__version__, "model": gguf.name, "prompt_source": src,
            "prompt_len": args.prompt_len, "batch_lens": lens, "new_tokens": args.new, "reps": args.reps, "rows": []}
     ref = {}
