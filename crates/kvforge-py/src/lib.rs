@@ -545,6 +545,21 @@ impl Cache {
         })
     }
 
+    /// Appends k, v ([T, num_kv_heads, head_dim], spec dtype, CUDA, contiguous) to `seq` as
+    /// `append` does, written on the GPU without staging through the host: the tokens go into
+    /// tail-format pages in one launch and the full pages are encoded into the target tier in one
+    /// more (a prompt's prefill write). Non-finite values are stored as given (`append` refuses
+    /// them). Where encoding needs the pages on the host (an uncalibrated spherical target,
+    /// `keep_originals`) this is `append`. All or nothing on out-of-pages.
+    fn append_device(&mut self, py: Python<'_>, #[pyo3(from_py_with = crate::nat)] seq: usize, k: &Bound<'_, PyAny>, v: &Bound<'_, PyAny>) -> PyResult<()> {
+        guarded(py, || {
+            let (k, v) = (tensor(py, k, "k")?, tensor(py, v, "v")?);
+            let r = self.on_torch_stream(py, |c| c.append_external_device(seq, &k, &v));
+            self.generation += 1;
+            r
+        })
+    }
+
     /// Appends one token to every sequence of `seqs` on the GPU, in one kernel launch: k, v
     /// [len(seqs), num_kv_heads, head_dim] (spec dtype, CUDA, contiguous), row i for seqs[i].
     /// What `append` of each row does (rotated into the spec's basis where it rotates; a tail

@@ -591,6 +591,33 @@ def test_target_only_pool_and_tiled_sequences_decode_like_the_template():
         pass  # b8 has no pages in a target-only pool (or is up the ladder): refused, not a crash
 
 
+def test_append_device_equals_append():
+    """The prompt written on the GPU (append_device) leaves what append leaves: same pages, same
+    decode (bit-equal where the spec does not rotate); then decode steps (append_step) go on."""
+    for spec, tier in (("baseline", "fp16"), ("rdkv", "b8"), ("rdkv", "b4"), ("rotated", "r3")):
+        a, b = mk(spec, tier, sequences=3), mk(spec, tier, sequences=3)
+        for i, n in enumerate((1, 64, 2 * P + 37)):
+            k, v = rand(n, HKV, D, seed=10 + i), rand(n, HKV, D, seed=20 + i)
+            sa, sb = a.add_sequence(), b.add_sequence()
+            a.append(sa, k, v)
+            b.append_device(sb, k, v)
+            assert a.seq_len(sa) == b.seq_len(sb) == n
+            assert [a.pages(sa, h) for h in range(HKV)] == [b.pages(sb, h) for h in range(HKV)]
+        seqs = [0, 1, 2]
+        for step in range(3):
+            k1, v1 = rand(3, HKV, D, seed=30 + step), rand(3, HKV, D, seed=40 + step)
+            for i in seqs:
+                a.append(i, k1[i:i + 1].contiguous(), v1[i:i + 1].contiguous())
+            b.append_step(seqs, k1, v1)
+        q = rand(3, HQ, D, seed=5)
+        oa, _ = a.decode(q, seqs=seqs)
+        ob, _ = b.decode(q, seqs=seqs)
+        if spec == "rotated":
+            close(ob, oa, 2e-2, 2e-2, f"{spec}:{tier} decode after append_device")
+        else:
+            assert torch.equal(oa, ob), f"{spec}:{tier}: decode after append_device differs"
+
+
 def main():
     tests = [(n, f) for n, f in sorted(globals().items()) if n.startswith("test_") and callable(f)]
     passed = failed = 0

@@ -59,7 +59,8 @@ def test_package_import_kvforge_hf_is_lazy():
 # With torch: a fake extension
 
 class _FakeCache:
-    """kvforge.Cache's API over torch tensors: exact attention (as the fp16 tier stores)."""
+    """kvforge.Cache's API over torch tensors: exact attention (as the fp16 tier stores), one
+    (k, v) pair [Hkv, T, D] per sequence; removed ids are reused, as the real cache does."""
 
     made = []
 
@@ -69,35 +70,58 @@ class _FakeCache:
         self.torch = torch
         self.args = dict(spec=spec, head_dim=head_dim, num_kv_heads=num_kv_heads, gqa=gqa, max_tokens=max_tokens,
                          target=target, root=root, device=device)
-        self.k = self.v = None
+        self.kw = kw
+        self.kv = {}
         self.calls = []
-        self.seqs = 0
         _FakeCache.made.append(self)
 
-    def add_sequence(self):
-        self.seqs += 1
-        return self.seqs - 1
+    @property
+    def k(self):  # sequence 0's keys (None while empty)
+        return self.kv.get(0, (None, None))[0]
 
-    def append(self, seq, k, v):
+    def add_sequence(self):
+        i = next(i for i in range(len(self.kv) + 1) if i not in self.kv)
+        self.kv[i] = (None, None)
+        return i
+
+    def remove_sequence(self, seq):
+        del self.kv[seq]
+        self.calls.append(("remove", seq))
+
+    def _put(self, seq, k, v):
         a = self.args
         assert k.is_contiguous() and v.is_contiguous()
         assert k.dim() == 3 and k.shape[1:] == (a["num_kv_heads"], a["head_dim"]) and v.shape == k.shape
         k, v = k.transpose(0, 1), v.transpose(0, 1)
-        self.k = k.clone() if self.k is None else self.torch.cat([self.k, k], 1)
-        self.v = v.clone() if self.v is None else self.torch.cat([self.v, v], 1)
-        assert self.k.shape[1] <= a["max_tokens"]
-        self.calls.append(("append", k.shape[1]))
+        k0, v0 = self.kv[seq]
+        self.kv[seq] = (k.clone() if k0 is None else self.torch.cat([k0, k], 1), v.clone() if v0 is None else self.torch.cat([v0, v], 1))
+        assert sum(self.seq_len(s) for s in self.kv) <= a["max_tokens"]
 
-    def _attend(self, q, lengths):
+    def append(self, seq, k, v):
+        self._put(seq, k, v)
+        self.calls.append(("append", k.shape[0]))
+
+    def append_device(self, seq, k, v):
+        self._put(seq, k, v)
+        self.calls.append(("append_device", k.shape[0]))
+
+    def append_step(self, seqs, k, v):
+        assert k.shape[0] == len(seqs) == len(set(seqs))
+        for i, seq in enumerate(seqs):
+            self._put(seq, k[i:i + 1].contiguous(), v[i:i + 1].contiguous())
+        self.calls.append(("append_step", len(seqs)))
+
+    def _attend(self, q, seqs, lengths):
         torch = self.torch
         a = self.args
         assert q.is_contiguous() and q.shape[1:] == (a["num_kv_heads"] * a["gqa"], a["head_dim"])
         g = a["gqa"]
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:2], dtype=torch.float32)
-        for i, n in enumerate(lengths):
-            ks = self.k[:, :n].repeat_interleave(g, 0)
-            vs = self.v[:, :n].repeat_interleave(g, 0)
+        for i, (seq, n) in enumerate(zip(seqs, lengths)):
+            k, v = self.kv[seq]
+            ks = k[:, :n].repeat_interleave(g, 0)
+            vs = v[:, :n].repeat_interleave(g, 0)
             w = torch.einsum("hd,htd->ht", q[i].float(), ks.float()) / math.sqrt(a["head_dim"])
             lse[i] = torch.logsumexp(w, -1)
             out[i] = torch.einsum("ht,htd->hd", w.softmax(-1), vs.float()).to(q.dtype)
@@ -105,25 +129,26 @@ class _FakeCache:
 
     def attend_prefix(self, seq, q, lengths=None):
         self.calls.append(("prefix", q.shape[0]))
-        return self._attend(q, lengths)
+        return self._attend(q, [seq] * q.shape[0], lengths)
 
     def decode(self, q, seqs):
-        assert seqs == [0] and q.shape[0] == 1
-        self.calls.append(("decode", 1))
-        return self._attend(q, [self.k.shape[1]])
+        assert q.shape[0] == len(seqs)
+        self.calls.append(("decode", len(seqs)))
+        return self._attend(q, seqs, [self.seq_len(s) for s in seqs])
 
     def bytes_per_token(self):
         return 4.0 * self.args["head_dim"] + 1.0
 
     def seq_len(self, seq):
-        return 0 if self.k is None else self.k.shape[1]
+        k = self.kv[seq][0]
+        return 0 if k is None else k.shape[1]
 
     @property
     def num_kv_heads(self):
         return self.args["num_kv_heads"]
 
     def memory_report(self):
-        n = self.seq_len(0) * self.num_kv_heads
+        n = sum(self.seq_len(s) for s in self.kv) * self.num_kv_heads
         return [{"tier": "fp16", "tokens": n, "resident_bytes": n * self.bytes_per_token()}]
 
 
@@ -185,17 +210,24 @@ def test_attend_prefix_then_decode_appends_only_new_tokens(fake, hf):
     out = att.attend(0, q[:, 92:100], k[:, :100], v[:, :100], 0.3)  # a chunk of 8 queries, other scaling
     assert torch.allclose(out, ref(8, 100, 0.3), atol=1e-5)
     cache = att.layers[0]["cache"]
-    assert cache.calls == [("append", 90), ("prefix", 90), ("append", 1), ("decode", 1), ("append", 1),
-                           ("decode", 1), ("append", 8), ("prefix", 8)]
+    assert cache.calls == [("append_device", 90), ("prefix", 90), ("append_step", 1), ("decode", 1), ("append_step", 1),
+                           ("decode", 1), ("append_device", 8), ("prefix", 8)]
     assert cache.args == dict(spec="specs/rdkv.toml", head_dim=16, num_kv_heads=2, gqa=3, max_tokens=128,
                               target="b4", root=None, device=0)
+    assert cache.kw == {"target_only": True}
     assert att.bytes_per_token() == 65.0
-    # a new sequence (queries cover every key, or fewer keys than held) gets a fresh cache
-    att.attend(0, q[:, :10], k[:, :10], v[:, :10], 0.25)
-    assert att.layers[0]["cache"] is not cache and att.layers[0]["n"] == 10
-    fresh = att.layers[0]["cache"]
-    att.attend(0, q[:, 4:5], k[:, :5], v[:, :5], 0.25)
-    assert att.layers[0]["cache"] is not fresh and att.layers[0]["n"] == 5
+    # a new sequence (queries cover every key, or fewer keys than held) empties the cache and
+    # reuses it (no spherical or mixed-key tiers)
+    out = att.attend(0, q[:, :10], k[:, :10], v[:, :10], 0.25)
+    assert att.layers[0]["cache"] is cache and att.layers[0]["n"] == 10 and cache.seq_len(0) == 10
+    assert cache.calls[8:] == [("remove", 0), ("append_device", 10), ("prefix", 10)]
+    assert torch.allclose(out, ref(10, 10, 0.25), atol=1e-5)
+    out = att.attend(0, q[:, 4:5], k[:, :5], v[:, :5], 0.25)
+    assert att.layers[0]["cache"] is cache and att.layers[0]["n"] == 5 and cache.seq_len(0) == 5
+    k5, v5 = k[:, :5].repeat_interleave(3, 0), v[:, :5].repeat_interleave(3, 0)
+    want = torch.nn.functional.scaled_dot_product_attention(q[:, 4:5], k5, v5, scale=0.25).transpose(0, 1)
+    assert torch.allclose(out, want, atol=1e-5)
+    assert len(_FakeCache.made) == 1
     att.reset()
     assert att.layers == {}
 
@@ -247,24 +279,18 @@ def test_use_kvforge_forward_with_labels_and_generate(fake, hf):
         c = _FakeCache.made[0]
         assert c.args["num_kv_heads"] == 2 and c.args["gqa"] == 3 and c.args["head_dim"] == 16
         assert c.args["max_tokens"] == 1024 + 256 and c.args["root"] == "/repo" and c.args["target"] == "b4"
-        assert c.calls == [("append", 40), ("prefix", 40)]
+        assert c.kw == {"target_only": True}
+        assert c.calls == [("append_device", 40)]  # the prompt: exact SDPA, stored on the device
+        assert kv.prefill == "sdpa"
 
         gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
         assert torch.equal(gen, ref_gen)
-        assert len(_FakeCache.made) == 4  # the new prompt started new caches
-        c = _FakeCache.made[2]
-        assert c.calls[:2] == [("append", 40), ("prefix", 40)]
-        assert c.calls[2:] == [("append", 1), ("decode", 1)] * 5  # 6 new tokens: the last is not attended
+        assert len(_FakeCache.made) == 2  # the new prompt reused the layers' caches
+        assert c.calls[1:3] == [("remove", 0), ("append_device", 40)]
+        assert c.calls[3:] == [("append_step", 1), ("decode", 1)] * 5  # 6 new tokens: the last is not attended
         assert c.k.shape[1] == 45
         assert hf.bytes_per_token(model) == kv.bytes_per_token() == c.bytes_per_token()
         assert set(kv.memory_report()) == {0, 1}
-
-        with pytest.raises(ValueError, match="batch 1"):
-            model(input_ids=ids.repeat(2, 1))
-        mask = torch.ones_like(ids)
-        mask[0, 0] = 0
-        with pytest.raises(ValueError, match="padding"):
-            model(input_ids=ids, attention_mask=mask)
 
         kv.detach()
         assert model.config._attn_implementation == "eager"
@@ -303,7 +329,7 @@ def test_smollm2_example_on_cpu(fake, hf, monkeypatch):
     assert name == "kvforge specs/rdkv.toml:b4"
     assert abs(ppl - ppl_ref) < 1e-3 * ppl_ref and bpt == 4.0 * 64 + 1
     assert gen == gen_ref
-    assert len(_FakeCache.made) == 30 * 2  # per layer: one for the window, one for the generate prompt
+    assert len(_FakeCache.made) == 30  # per layer: one, emptied for the generate prompt
 
 
 def test_exact_attention_matches_eager_and_sums_columns(hf):
@@ -347,13 +373,13 @@ def test_control_attends_the_prompt_exactly_then_applies_per_layer(fake, hf):
     assert len(ctl.applied) == 1 and torch.equal(ctl.applied[0][1], mass)
     assert att.reports[0] == ("report", "rdkv", 40.0)
     c, = _FakeCache.made
-    assert c.calls == [("append", 10)]  # the prompt is stored, not attended through the cache
+    assert c.calls == [("append_device", 10)]  # the prompt is stored, not attended through the cache
     # the next token attends the cache
     q1 = torch.randn(4, 1, 8, generator=g)
     k1 = torch.cat([k, torch.randn(2, 1, 8, generator=g)], 1)
     v1 = torch.cat([v, torch.randn(2, 1, 8, generator=g)], 1)
     att.attend(0, q1, k1, v1, 1 / math.sqrt(8))
-    assert c.calls[-2:] == [("append", 1), ("decode", 1)]
+    assert c.calls[-2:] == [("append_step", 1), ("decode", 1)]
     assert len(ctl.applied) == 1
     assert att.bytes_per_token() == 4.0 * 8 + 1.0
 
@@ -385,7 +411,7 @@ def test_mixed_key_tiers_get_the_prompt_channel_order(fake, hf):
         mixed_key_tiers = ["zb", "za4"]
 
         def set_channel_order(self, tier, order):
-            assert self.k is None, "the order is set before the first append"
+            assert not self.kv, "the order is set before the first append"
             self.calls.append(("order", tier, list(order)))
 
     fake.Cache = _Mixed
@@ -395,7 +421,7 @@ def test_mixed_key_tiers_get_the_prompt_channel_order(fake, hf):
     att.attend(0, q, k, v, 1 / math.sqrt(8))
     calls = att.layers[0]["cache"].calls
     want = hf.channel_order(q, k)
-    assert calls[:2] == [("order", "zb", want), ("order", "za4", want)] and calls[2] == ("append", 12)
+    assert calls[:2] == [("order", "zb", want), ("order", "za4", want)] and calls[2] == ("append_device", 12)
 
 
 class _FakeSphericalCache(_FakeCache):
@@ -444,3 +470,105 @@ def test_spherical_placeholder_warns_once_and_codebooks_go_to_matching_tiers(fak
     assert (tier, cb.path, layer) == ("high", "cb.safetensors", 3)
     with pytest.raises(ValueError, match="fit no spherical tier"):
         hf.KvforgeAttention("specs/spherical.toml", "high", codebooks=_FakeCodebooks("x", group=8)).attend(0, q, k, k, 0.25)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches: one sequence per row, padding free
+
+def test_row_spans_find_left_padding_and_holes(hf):
+    assert hf.row_spans([[1, 1, 1], [0, 0, 1], [0, 0, 0], [True, False, True], [1, 1, 0]]) == [
+        (0, None), (2, None), (3, None), (2, [0, 2]), (2, [0, 1])]
+    assert hf.real_positions((2, None), 5) == [2, 3, 4]
+    assert hf.real_positions((2, [0, 3]), 5) == [0, 3]
+    assert hf.row_spans([]) == []
+
+
+def test_prefill_modes_are_checked(fake, hf):
+    assert hf.KvforgeAttention().prefill == "cache"
+    assert hf.KvforgeAttention(exact_prefill=True).prefill == "exact"
+    assert hf.KvforgeAttention(prefill="sdpa").prefill == "sdpa"
+    with pytest.raises(ValueError, match="one of"):
+        hf.KvforgeAttention(prefill="fast")
+    with pytest.raises(ValueError, match="exact"):
+        hf.KvforgeAttention(control=hf.Control(), prefill="sdpa")
+
+
+def test_mask_function_passes_padding_only(hf):
+    torch = pytest.importorskip("torch")
+    assert hf.no_mask(attention_mask=None) is None
+    assert hf.no_mask(attention_mask=torch.ones(2, 5, dtype=torch.long)) is None
+    m = torch.ones(2, 5, dtype=torch.long)
+    m[1, :2] = 0
+    got = hf.no_mask(attention_mask=m, kv_length=4)
+    assert got.dtype == torch.bool and torch.equal(got, m[:, 1:].bool())
+    assert torch.equal(hf.no_mask(attention_mask=m), m.bool())
+
+
+@pytest.mark.parametrize("prefill", ["sdpa", "cache", "exact"])
+def test_attend_batch_rows_are_their_own_sequences(fake, hf, prefill):
+    """A padded batch (left padding, a row with a hole, an empty row) then two decode steps:
+    every real query gets what it gets alone; padded query positions are zero."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(5)
+    b, hq, hkv, s, d = 4, 6, 2, 12, 8
+    q = torch.randn(b, hq, s + 2, d, generator=g)
+    k = torch.randn(b, hkv, s + 2, d, generator=g)
+    v = torch.randn(b, hkv, s + 2, d, generator=g)
+    mask = torch.ones(b, s + 2, dtype=torch.bool)
+    mask[1, :5] = False          # left padding
+    mask[2, 3] = False           # a hole
+    mask[3, :s] = False          # nothing real in the prompt
+    att = hf.KvforgeAttention(prefill=prefill)
+    if prefill == "exact":
+        mask[2, 3] = True        # exact takes left padding only
+    sc = 1 / math.sqrt(d)
+
+    def alone(row, upto, tq):  # causal attention of the row's real tokens, queries at the last tq positions
+        real = [p for p in range(upto) if mask[row, p]]
+        out = torch.zeros(tq, hq, d)
+        for p in range(upto - tq, upto):
+            if not mask[row, p]:
+                continue
+            seen = [r for r in real if r <= p]
+            ks, vs = k[row, :, seen].repeat_interleave(3, 0), v[row, :, seen].repeat_interleave(3, 0)
+            w = torch.softmax(torch.einsum("hd,htd->ht", q[row, :, p], ks) * sc, -1)
+            out[p - (upto - tq)] = torch.einsum("ht,htd->hd", w, vs)
+        return out
+
+    out = att.attend_batch(0, q[:, :, :s], k[:, :, :s], v[:, :, :s], sc, mask[:, :s])
+    assert out.shape == (b, s, hq, d)
+    for row in range(b):
+        assert torch.allclose(out[row], alone(row, s, s), atol=1e-5), (prefill, row)
+    c = att.layers[0]["cache"]
+    assert [c.seq_len(x) for x in att.layers[0]["seqs"]] == [int(mask[r, :s].sum()) for r in range(b)]
+    for t in (s + 1, s + 2):  # decode steps: one append_step and one decode for the batch
+        out = att.attend_batch(0, q[:, :, t - 1:t], k[:, :, :t], v[:, :, :t], sc, mask[:, :t])
+        assert out.shape == (b, 1, hq, d)
+        for row in range(b):
+            assert torch.allclose(out[row], alone(row, t, 1), atol=1e-5), (prefill, row, t)
+    assert c.calls[-4:] == [("append_step", 4), ("decode", 4)] * 2
+
+
+def test_batch_generate_with_left_padding_matches_one_by_one(fake, hf):
+    model, torch = _tiny_llama()
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 96, (n,), generator=g) for n in (7, 19, 12, 1)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = p
+        mask[i, width - len(p):] = 1
+    with torch.no_grad():
+        eager = [model.generate(input_ids=p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=8,
+                                do_sample=False)[0, len(p):] for p in prompts]
+        kv = hf.use_kvforge(model)
+        alone = [model.generate(input_ids=p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long), max_new_tokens=8,
+                                do_sample=False)[0, len(p):] for p in prompts]
+        batch = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)[:, width:]
+        c = kv.layers[0]["cache"]
+        assert [c.seq_len(x) for x in kv.layers[0]["seqs"]] == [len(p) + 7 for p in prompts]
+        kv.detach()
+    for i in range(len(prompts)):
+        assert torch.equal(alone[i], eager[i]), i
+        assert torch.equal(batch[i], alone[i]), (i, batch[i], alone[i])

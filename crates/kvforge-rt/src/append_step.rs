@@ -12,6 +12,11 @@
 //! kernel straight from its device page; only where the encode needs the page's bytes on the
 //! host (a spherical tier's first radius calibration, certified decode's originals) is it
 //! downloaded, once per filled page, and encoded by the host path's steps.
+//!
+//! A prompt goes in the same way ([`KvCache::append_external_device`]): many tokens of one
+//! sequence, one chunk per (page, kv head) in one launch of the same kernel, then one transcode
+//! launch for every filled page, in batches that fit the free tail pages. The host touches no
+//! token: it lists the chunks and keeps the page tables.
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use kvforge_spec::{Basis, KeyScheme, VariantId, HEADER_BYTES, TAIL_TIER};
@@ -19,6 +24,7 @@ use kvforge_spec::{Basis, KeyScheme, VariantId, HEADER_BYTES, TAIL_TIER};
 use crate::cache::KvCache;
 use crate::error::{drv, Result, RtError};
 use crate::external::{ElemType, ExternalTensor};
+use crate::kernels::Kernel;
 use crate::pool::PageRef;
 
 /// What a decode step does to one sequence, decided before anything changes.
@@ -47,6 +53,47 @@ pub(crate) fn plan_step(tails: &[Option<usize>], page: usize) -> (Vec<StepPlan>,
         })
         .collect();
     (plans, new_tails, filled)
+}
+
+/// A run of a bulk append that lands in one page of every kv head: tokens
+/// `tok0 .. tok0 + count` of the call into rows `pos0 .. pos0 + count`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Chunk {
+    pub pos0: usize,
+    pub count: usize,
+    pub tok0: usize,
+}
+
+impl Chunk {
+    /// The chunk ends its page: the page is encoded into the target tier.
+    pub(crate) fn fills(&self, page: usize) -> bool {
+        self.pos0 + self.count == page
+    }
+}
+
+/// Splits `n` new tokens of a sequence whose tail page holds `tail` tokens (`None`: no tail
+/// page) into page chunks at `page` tokens per page: the first continues the tail (when there
+/// is one), every later one starts a fresh page, and only the last may leave a page partly
+/// filled (the new tail). Host bookkeeping only, tested without a device.
+pub(crate) fn plan_bulk(tail: Option<usize>, n: usize, page: usize) -> Vec<Chunk> {
+    let mut chunks = Vec::with_capacity(n.div_ceil(page.max(1)) + 1);
+    let (mut tok, mut pos) = (0, tail.unwrap_or(0));
+    while tok < n {
+        let count = (page - pos).min(n - tok);
+        chunks.push(Chunk { pos0: pos, count, tok0: tok });
+        tok += count;
+        pos = 0;
+    }
+    chunks
+}
+
+/// The append kernel's chunk word: `pos0` (bits 0..15), `count` (bits 16..31) and the
+/// caller's row of the chunk's first token (bits 32..63), as templates/include/kvforge/append.cuh
+/// unpacks it. The caller keeps every field in range (pages of at most 65535 tokens, fewer
+/// than 2³² rows).
+pub(crate) fn chunk_word(pos0: usize, count: usize, src_row: usize) -> u64 {
+    debug_assert!(pos0 <= 0xffff && count <= 0xffff && src_row <= u32::MAX as usize);
+    pos0 as u64 | (count as u64) << 16 | (src_row as u64) << 32
 }
 
 /// Checks that `seqs` names each sequence at most once.
@@ -115,30 +162,18 @@ impl KvCache {
     unsafe fn append_step_raw(&mut self, seqs: &[usize], k: u64, v: u64) -> Result<()> {
         let (hkv, d, p) = (self.cfg.num_kv_heads, self.cfg.head_dim, self.spec.page.tokens);
         let target = self.cfg.target_tier;
-        // Every kv head of a sequence holds the same number of tail tokens (appends write
-        // all heads); head 0 speaks for them.
-        let mut tails: Vec<Option<usize>> = Vec::with_capacity(seqs.len());
-        for &s in seqs {
-            let t = self.store.page_counts(s, 0)?.1;
-            for h in 1..hkv {
-                let th = self.store.page_counts(s, h)?.1;
-                if th != t {
-                    return Err(RtError::BadInput(format!("sequence {s}: kv head {h} holds {th:?} tail tokens, head 0 {t:?}")));
-                }
-            }
-            tails.push(t);
-        }
+        let tails: Vec<Option<usize>> = seqs.iter().map(|&s| self.uniform_tail(s)).collect::<Result<_>>()?;
         let (plans, new_tails, filled) = plan_step(&tails, p);
         let mut need = vec![0usize; self.spec.tiers.len()];
         need[TAIL_TIER as usize] = new_tails * hkv;
         need[target as usize] += filled * hkv;
         self.store.pool().reserve(&need)?;
+        // Compiled before anything changes, so that a compile error leaves the cache as it was.
         let kernel = self.engine.kernel(&self.spec, &VariantId::append(&self.spec, d))?;
-
         // Bookkeeping: new tail pages, then every row's page and position.
         let seg = self.spec.segment(TAIL_TIER, d);
         let mut rows: Vec<u64> = Vec::with_capacity(2 * seqs.len() * hkv);
-        for (&s, plan) in seqs.iter().zip(&plans) {
+        for (i, (&s, plan)) in seqs.iter().zip(&plans).enumerate() {
             for h in 0..hkv {
                 // Tail lengths were checked above: every head has this tail, or none.
                 let page = match self.store.tail_page(s, h)? {
@@ -146,18 +181,62 @@ impl KvCache {
                     None => self.store.new_device_tail(s, h, seg.page_bytes)?,
                 };
                 rows.push(page.offset);
-                rows.push(plan.tail_len as u64);
+                rows.push(chunk_word(plan.tail_len, 1, i * hkv + h));
             }
         }
+        // SAFETY: every chunk names a tail page of the pool and one row below the page size
+        // (the plan); k / v hold seqs.len() · hkv rows (the caller's contract).
+        unsafe { self.launch_append(&kernel, &rows, k, v) }?;
+
+        for &s in seqs {
+            for h in 0..hkv {
+                self.store.tail_grew_on_device(s, h, 1)?;
+            }
+        }
+        let full: Vec<usize> = seqs.iter().zip(&plans).filter(|(_, pl)| pl.fills).map(|(&s, _)| s).collect();
+        if !full.is_empty() {
+            self.encode_filled_tails(&full)?;
+        }
+        for &s in seqs {
+            self.store.grow(s, 1)?;
+        }
+        Ok(())
+    }
+
+    /// The tail tokens of `seq` (`None`: no tail page). Every kv head of a sequence holds the
+    /// same number (appends write all heads); a mismatch is an error.
+    fn uniform_tail(&self, seq: usize) -> Result<Option<usize>> {
+        let t = self.store.page_counts(seq, 0)?.1;
+        for h in 1..self.cfg.num_kv_heads {
+            let th = self.store.page_counts(seq, h)?.1;
+            if th != t {
+                return Err(RtError::BadInput(format!("sequence {seq}: kv head {h} holds {th:?} tail tokens, head 0 {t:?}")));
+            }
+        }
+        Ok(t)
+    }
+
+    /// Uploads the chunk list `rows` (page offset, [`chunk_word`]) and launches the append
+    /// kernel over it, one CTA per chunk.
+    ///
+    /// # Safety
+    /// Every chunk must name a tail-tier page of this cache's pool and rows below the page
+    /// size; `k` and `v` must address every row the chunks read (`[tokens][num_kv_heads]
+    /// [head_dim]` 16-bit values of this context's device memory), alive until the stream has
+    /// run the launch.
+    unsafe fn launch_append(&mut self, kernel: &Kernel, rows: &[u64], k: u64, v: u64) -> Result<()> {
+        let (hkv, d) = (self.cfg.num_kv_heads, self.cfg.head_dim);
+        let seg = self.spec.segment(TAIL_TIER, d);
         let st = self.engine.dev().stream.clone();
         if self.append_rows.as_ref().is_none_or(|b| b.len() < rows.len()) {
             self.append_rows = Some(st.alloc_zeros::<u64>(rows.len().next_power_of_two()).map_err(drv("append rows"))?);
         }
         let buf = self.append_rows.as_mut().expect("allocated above");
-        st.memcpy_htod(&rows, &mut buf.slice_mut(0..rows.len())).map_err(drv("append rows"))?;
+        st.memcpy_htod(rows, &mut buf.slice_mut(0..rows.len())).map_err(drv("append rows"))?;
         let rows_ptr = buf.device_ptr(&st).0;
         let arena = self.store.arena_ptr();
-        let n_rows = (seqs.len() * hkv) as i32;
+        let n_rows = (rows.len() / 2) as i32;
+        let src_stride = hkv as i32;
         let (k_off, v_off, page_bytes) = ((HEADER_BYTES + seg.offset("k")) as i32, (HEADER_BYTES + seg.offset("v")) as i32, seg.page_bytes as i32);
         let seed: u32 = match self.basis {
             Basis::Hadamard { seed } => seed,
@@ -167,24 +246,155 @@ impl KvCache {
         let v_id = VariantId::append(&self.spec, d);
         crate::kernels::trace_launch(|| v_id.symbol(), &cfg);
         let mut b = st.launch_builder(&kernel.func);
-        b.arg(&arena).arg(&rows_ptr).arg(&k).arg(&v).arg(&n_rows).arg(&k_off).arg(&v_off).arg(&page_bytes).arg(&seed);
+        b.arg(&arena).arg(&rows_ptr).arg(&k).arg(&v).arg(&n_rows).arg(&src_stride).arg(&k_off).arg(&v_off).arg(&page_bytes).arg(&seed);
         // SAFETY: the argument list mirrors append.cu.tera's signature; the arena is this
-        // cache's, every row names a tail page of the pool and a position below the page size
-        // (the plan), the rows were copied above on this stream, and k / v hold n_rows rows of
-        // head_dim 16-bit values (the caller's contract).
-        unsafe { b.launch(cfg) }.map_err(drv(format!("launch {v_id}")))?;
+        // cache's, the chunks were copied above on this stream, and the caller vouches for
+        // the pages, rows and buffers they name.
+        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv(format!("launch {v_id}")))
+    }
 
-        for &s in seqs {
-            for h in 0..hkv {
-                self.store.tail_grew_on_device(s, h)?;
+    /// Appends `k`, `v` (`[T][num_kv_heads][head_dim]` in the spec dtype, device memory of this
+    /// cache's GPU, contiguous) to `seq` without staging them through the host: what
+    /// [`KvCache::append_external`] does (full pages encoded into the target tier, the rest in
+    /// the tail page; rotated specs round the rotation computed on the device, as
+    /// [`append_step_external`](Self::append_step_external)), in one append launch and one
+    /// transcode launch per batch of pages that fits the free tail pages (usually one).
+    /// Non-finite values are stored as given (the host path refuses them). Where encoding
+    /// needs the pages on the host ([`Self::encode_needs_host`]: an uncalibrated spherical
+    /// target, kept originals) this is `append_external`. All or nothing on out-of-pages and
+    /// bad arguments; a device error part way leaves the sequence in an unspecified state.
+    /// Synchronises the cache's stream once per transcode launch (its fault flags).
+    pub fn append_external_device(&mut self, seq: usize, k: &ExternalTensor, v: &ExternalTensor) -> Result<()> {
+        let (hkv, d, p) = (self.cfg.num_kv_heads, self.cfg.head_dim, self.spec.page.tokens);
+        self.seq_len(seq)?;
+        k.check_rank("k", 3, "[T, num_kv_heads, head_dim]")?;
+        let n = k.shape[0];
+        let elem = ElemType::of(self.spec.geometry.dtype);
+        let dims = vec![("T", n), ("num_kv_heads", hkv), ("head_dim", d)];
+        self.check_all(&[("k", k, elem.clone(), dims.clone()), ("v", v, elem, dims)])?;
+        if n == 0 {
+            return Ok(());
+        }
+        if self.encode_needs_host(self.cfg.target_tier) || p > 0xffff {
+            return self.append_external(seq, k, v);
+        }
+        if n.checked_mul(hkv).is_none_or(|rows| rows > u32::MAX as usize) {
+            return Err(RtError::BadInput(format!("append: {n} tokens × {hkv} kv heads is more rows than one device append takes (2^32)")));
+        }
+        // SAFETY: both buffers were checked above to be n·hkv·d elements of the spec dtype in
+        // device memory of this cache's context.
+        unsafe { self.append_device_raw(seq, n, k.ptr, v.ptr) }
+    }
+
+    /// [`append_external_device`](Self::append_external_device) from buffers of this cache's
+    /// device: `k`, `v` hold the 16-bit values of `[T][num_kv_heads][head_dim]`.
+    pub fn append_device(&mut self, seq: usize, k: &CudaSlice<u16>, v: &CudaSlice<u16>) -> Result<()> {
+        let st = self.engine.dev().stream.clone();
+        let ordinal = self.engine.dev().ctx.ordinal();
+        let elem = ElemType::of(self.spec.geometry.dtype);
+        let (hkv, d) = (self.cfg.num_kv_heads, self.cfg.head_dim);
+        if k.len() != v.len() || !k.len().is_multiple_of(hkv * d) {
+            return Err(RtError::ShapeMismatch { what: "append_device: k/v".into(), expected: format!("T × {hkv} kv heads × {d} values each"), got: format!("k {} and v {} values", k.len(), v.len()) });
+        }
+        let (kp, _gk) = k.device_ptr(&st);
+        let (vp, _gv) = v.device_ptr(&st);
+        let shape = [k.len() / (hkv * d), hkv, d];
+        self.append_external_device(seq, &ExternalTensor::contiguous(kp, elem.clone(), &shape, ordinal), &ExternalTensor::contiguous(vp, elem, &shape, ordinal))
+    }
+
+    /// The bulk append after the arguments were checked.
+    ///
+    /// # Safety
+    /// `k` and `v` must address `n · num_kv_heads · head_dim` 16-bit values of device memory of
+    /// this cache's context, alive until the stream has run the launches.
+    unsafe fn append_device_raw(&mut self, seq: usize, n: usize, k: u64, v: u64) -> Result<()> {
+        let (hkv, d, p) = (self.cfg.num_kv_heads, self.cfg.head_dim, self.spec.page.tokens);
+        let target = self.cfg.target_tier;
+        let tail = self.uniform_tail(seq)?;
+        let chunks = plan_bulk(tail, n, p);
+        let filled = chunks.iter().filter(|c| c.fills(p)).count();
+        let fresh = chunks.len() - usize::from(tail.is_some());
+        // Fresh pages are staged a batch at a time in free tail pages; one page per kv head is
+        // enough to make progress (and to hold the new tail).
+        let mut need = vec![0usize; self.spec.tiers.len()];
+        need[TAIL_TIER as usize] = if fresh > 0 { hkv } else { 0 };
+        need[target as usize] += filled * hkv;
+        self.store.pool().reserve(&need)?;
+        let kernel = self.engine.kernel(&self.spec, &VariantId::append(&self.spec, d))?;
+        let seg = self.spec.segment(TAIL_TIER, d);
+        let mut at = 0;
+        while at < chunks.len() {
+            // This batch: the tail's chunk (first batch only), then as many fresh chunks as
+            // there are free tail pages for every kv head.
+            let mut room = self.store.pool().free_pages(TAIL_TIER) / hkv;
+            let mut take = 0;
+            for i in at..chunks.len() {
+                if i == 0 && tail.is_some() {
+                    take += 1;
+                } else if room > 0 {
+                    room -= 1;
+                    take += 1;
+                } else {
+                    break;
+                }
             }
-        }
-        let full: Vec<usize> = seqs.iter().zip(&plans).filter(|(_, pl)| pl.fills).map(|(&s, _)| s).collect();
-        if !full.is_empty() {
-            self.encode_filled_tails(&full)?;
-        }
-        for &s in seqs {
-            self.store.grow(s, 1)?;
+            if take == 0 {
+                // Unreachable after the reserve above (each batch frees its staging pages);
+                // an error rather than a loop that never advances.
+                return Err(self.store.pool().out_of_pages(TAIL_TIER));
+            }
+            let batch = &chunks[at..at + take];
+            let mut rows: Vec<u64> = Vec::with_capacity(2 * take * hkv);
+            let mut staged: Vec<(usize, PageRef)> = Vec::new();
+            for (j, c) in batch.iter().enumerate() {
+                let on_tail = at + j == 0 && tail.is_some();
+                for h in 0..hkv {
+                    let page = if on_tail {
+                        self.store.tail_page(seq, h)?.ok_or(RtError::NoPage { seq, head: h, index: usize::MAX })?.0
+                    } else if c.fills(p) {
+                        self.store.pool_mut().alloc(TAIL_TIER)?
+                    } else {
+                        // The last chunk, partly filling a fresh page: the new tail.
+                        self.store.new_device_tail(seq, h, seg.page_bytes)?
+                    };
+                    rows.push(page.offset);
+                    rows.push(chunk_word(c.pos0, c.count, c.tok0 * hkv + h));
+                    if c.fills(p) {
+                        staged.push((h, page));
+                    }
+                }
+            }
+            // SAFETY: every chunk names a tail page of the pool (the tail, or one allocated
+            // above) and rows pos0 .. pos0 + count ≤ page size (plan_bulk); its source rows lie
+            // below n · hkv (the caller's contract).
+            unsafe { self.launch_append(&kernel, &rows, k, v) }?;
+            for (j, c) in batch.iter().enumerate() {
+                let on_tail = at + j == 0 && tail.is_some();
+                for h in 0..hkv {
+                    if on_tail && c.fills(p) {
+                        self.store.take_tail(seq, h)?;
+                    } else if !c.fills(p) {
+                        self.store.tail_grew_on_device(seq, h, c.count)?;
+                    }
+                }
+            }
+            if !staged.is_empty() {
+                let src: Vec<PageRef> = staged.iter().map(|s| s.1).collect();
+                let heads: Vec<u32> = staged.iter().map(|s| s.0 as u32).collect();
+                let dst: Vec<PageRef> = (0..src.len()).map(|_| self.store.pool_mut().alloc(target)).collect::<Result<_>>()?;
+                let r = self.transcode(&src, &dst, &heads, TAIL_TIER, target);
+                for &page in &src {
+                    self.store.pool_mut().free(page);
+                }
+                if let Err(e) = r {
+                    dst.into_iter().for_each(|page| self.store.pool_mut().free(page));
+                    return Err(e);
+                }
+                // Chunk-major, heads in order: each head's pages follow its last one.
+                self.store.push_full(seq, staged.iter().map(|s| s.0).zip(dst))?;
+            }
+            self.store.grow(seq, batch.iter().map(|c| c.count).sum())?;
+            at += take;
         }
         Ok(())
     }
@@ -265,6 +475,33 @@ mod tests {
         let (plans, new_tails, filled) = plan_step(&[None, None], 1);
         assert!(plans.iter().all(|p| p.fills && p.tail_len == 0));
         assert_eq!((new_tails, filled), (2, 2));
+    }
+
+    #[test]
+    fn bulk_plans_continue_the_tail_then_fill_fresh_pages() {
+        assert_eq!(plan_bulk(None, 0, 64), vec![]);
+        assert_eq!(plan_bulk(Some(5), 0, 64), vec![]);
+        assert_eq!(plan_bulk(None, 1, 64), vec![Chunk { pos0: 0, count: 1, tok0: 0 }]);
+        assert_eq!(plan_bulk(None, 64, 64), vec![Chunk { pos0: 0, count: 64, tok0: 0 }]);
+        assert_eq!(plan_bulk(Some(60), 70, 64), vec![Chunk { pos0: 60, count: 4, tok0: 0 }, Chunk { pos0: 0, count: 64, tok0: 4 }, Chunk { pos0: 0, count: 2, tok0: 68 }]);
+        assert_eq!(plan_bulk(Some(3), 2, 64), vec![Chunk { pos0: 3, count: 2, tok0: 0 }]);
+        for tail in [None, Some(0), Some(1), Some(63)] {
+            for n in [1usize, 2, 63, 64, 65, 127, 128, 129, 2047, 2048] {
+                let c = plan_bulk(tail, n, 64);
+                assert_eq!(c.iter().map(|c| c.count).sum::<usize>(), n);
+                assert!(c.windows(2).all(|w| w[0].fills(64) && w[1].pos0 == 0 && w[1].tok0 == w[0].tok0 + w[0].count));
+                assert!(c.iter().all(|c| c.count > 0 && c.pos0 + c.count <= 64));
+                assert_eq!(c[0].pos0, tail.unwrap_or(0));
+            }
+        }
+    }
+
+    #[test]
+    fn chunk_words_pack_what_the_kernel_unpacks() {
+        let w = chunk_word(63, 1, 7);
+        assert_eq!((w & 0xffff, (w >> 16) & 0xffff, w >> 32), (63, 1, 7));
+        let w = chunk_word(0, 64, u32::MAX as usize);
+        assert_eq!((w & 0xffff, (w >> 16) & 0xffff, w >> 32), (0, 64, u32::MAX as u64));
     }
 
     #[test]

@@ -400,12 +400,12 @@ impl PageStore {
         Ok(page)
     }
 
-    /// Counts one token written on the device into the tail page of (seq, head): its mirror
+    /// Counts `n` tokens written on the device into the tail page of (seq, head): its mirror
     /// becomes stale. Returns the tail's new length.
-    pub(crate) fn tail_grew_on_device(&mut self, seq: usize, head: usize) -> Result<usize> {
+    pub(crate) fn tail_grew_on_device(&mut self, seq: usize, head: usize, n: usize) -> Result<usize> {
         let kv_heads = self.kv_heads;
         let t = self.seq_mut(seq)?.heads.get_mut(head).and_then(|h| h.tail.as_mut()).ok_or(RtError::NoKvHead { head, heads: kv_heads })?;
-        t.len += 1;
+        t.len += n;
         t.stale = true;
         Ok(t.len)
     }

@@ -4,7 +4,8 @@
 //! the same decode within tolerance, where it does), through tails that fill mid-step, new
 //! sequences, sequences skipping steps and host appends in between (stale tail mirrors);
 //! out-of-pages changes nothing and bad arguments are typed errors. Run on the device with
-//! `cargo test -p kvforge-rt --test append_step_gpu -- --ignored`.
+//! `cargo test -p kvforge-rt --test append_step_gpu -- --ignored`. The prompt-sized device append
+//! (`KvCache::append_device`) is checked the same way against per-token host appends.
 
 use std::sync::Arc;
 
@@ -153,4 +154,141 @@ fn append_step_out_of_pages_changes_nothing_and_bad_arguments_are_typed() {
     assert!(matches!(c.append_step(&[9], &row(1, 5), &row(1, 6)), Err(RtError::NoSequence(9))));
     assert_eq!(c.seq_len(0).unwrap(), 1);
     c.verify_pages(&ids).unwrap();
+}
+
+/// Bulk-append cases: dense, integer 8 and 4 bits, rotated 3 and 4 bits, spherical (radius
+/// scales calibrated on both caches by the same first page), TriZone-free.
+const BULK_CASES: &[(&str, &str)] = &[("baseline.toml", "fp16"), ("rdkv.toml", "b8"), ("rdkv.toml", "b4"), ("rotated.toml", "r3"), ("rotated.toml", "r4"), ("spherical.toml", "high")];
+
+/// Checks that two caches hold the same pages for `seqs` (bytes where the spec does not rotate,
+/// tail values within an fp16 step where it does) and decode alike.
+fn same_pages_and_decode(what: &str, want: &mut KvCache, got: &mut KvCache, seqs: &[usize]) -> f32 {
+    let rotates = !want.spec().basis().is_identity();
+    got.verify_pages(seqs).unwrap();
+    for &s in seqs {
+        assert_eq!(want.seq_len(s).unwrap(), got.seq_len(s).unwrap(), "{what}: sequence {s} length");
+        for h in 0..HKV {
+            let (pa, pb) = (want.pages(s, h).unwrap(), got.pages(s, h).unwrap());
+            assert_eq!(pa.len(), pb.len(), "{what}: sequence {s} head {h} pages");
+            for (i, ((x, lx), (y, ly))) in pa.iter().zip(&pb).enumerate() {
+                assert_eq!((x.tier, lx), (y.tier, ly), "{what}: sequence {s} head {h} page {i}");
+                if !rotates {
+                    assert_eq!(want.download_page(*x).unwrap(), got.download_page(*y).unwrap(), "{what}: sequence {s} head {h} page {i} bytes differ");
+                } else if x.tier == TAIL_TIER {
+                    let (a, b) = (tail_values(want, *x, *lx), tail_values(got, *y, *ly));
+                    let worst = a.iter().zip(&b).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                    assert!(worst <= 2e-3, "{what}: sequence {s} head {h} tail differs by {worst}");
+                }
+            }
+        }
+    }
+    let live: Vec<usize> = seqs.iter().copied().filter(|&s| want.seq_len(s).unwrap() > 0).collect();
+    let q = data(live.len() * HQ * D, 3);
+    let (a, b) = (want.decode(&live, &q).unwrap(), got.decode(&live, &q).unwrap());
+    let worst = a.out.iter().zip(&b.out).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    if rotates {
+        assert!(worst <= 2e-2, "{what}: decode after the bulk append differs by {worst}");
+    } else {
+        assert_eq!(a.out, b.out, "{what}: decode after the bulk append differs");
+    }
+    worst
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn append_device_equals_per_token_append() {
+    let dev = kvforge_rt::testing::device();
+    // Per sequence: tokens appended by the host first (an existing tail, or full pages and a
+    // tail), then the bulk append's length: empty, one token, odd lengths, exact pages, a tail
+    // continued, a tail filled exactly, a long prompt.
+    let plan: &[(usize, usize)] = &[(0, 0), (0, 1), (0, 63), (0, 64), (0, 65), (0, 2 * 64 + 61), (10, 54), (10, 200), (70, 1), (63, 1), (0, 2048 + 37)];
+    for &(file, target) in BULK_CASES {
+        let what = format!("{file}/{target}");
+        let mk = || {
+            let s = spec(file);
+            let t = s.tier(target).unwrap().id;
+            let mut cfg = CacheConfig::new(&s, D, GQA, HKV, plan.len() + 1, 8 * 1024).target(t);
+            cfg.verify_headers = true;
+            KvCache::new(dev.clone(), s, cfg).unwrap()
+        };
+        let (mut per_token, mut bulk) = (mk(), mk());
+        // Sequence 0 on both: one host-appended page calibrates spherical radius scales alike.
+        let (k0, v0) = (data(64 * HKV * D, 1), data(64 * HKV * D, 2));
+        for c in [&mut per_token, &mut bulk] {
+            let s0 = c.add_sequence();
+            c.append(s0, &k0, &v0).unwrap();
+        }
+        for (i, &(pre, n)) in plan.iter().enumerate() {
+            let (a, b) = (per_token.add_sequence(), bulk.add_sequence());
+            assert_eq!(a, b);
+            if pre > 0 {
+                let (k, v) = (data(pre * HKV * D, 30 + i as u32), data(pre * HKV * D, 40 + i as u32));
+                per_token.append(a, &k, &v).unwrap();
+                bulk.append(b, &k, &v).unwrap();
+            }
+            let (k, v) = (data(n * HKV * D, 50 + i as u32), data(n * HKV * D, 60 + i as u32));
+            let row = HKV * D;
+            for t in 0..n {
+                per_token.append(a, &k[t * row..(t + 1) * row], &v[t * row..(t + 1) * row]).unwrap();
+            }
+            if n == 0 {
+                // An empty tensor is a no-op (a zero-length slice cannot be uploaded: host path).
+                assert_eq!(bulk.seq_len(b).unwrap(), pre);
+                continue;
+            }
+            bulk.append_device(b, &upload_f16(&dev, &k), &upload_f16(&dev, &v)).unwrap();
+        }
+        let seqs: Vec<usize> = (0..=plan.len()).collect();
+        let worst = same_pages_and_decode(&what, &mut per_token, &mut bulk, &seqs);
+        // A decode step after the bulk append continues the stale tail on the device, and a
+        // host append after it reads the refreshed mirror.
+        let step: Vec<usize> = (1..=plan.len()).collect();
+        let (k, v) = (data(step.len() * HKV * D, 70), data(step.len() * HKV * D, 71));
+        for (j, &s) in step.iter().enumerate() {
+            let r = j * HKV * D..(j + 1) * HKV * D;
+            per_token.append(s, &k[r.clone()], &v[r]).unwrap();
+        }
+        bulk.append_step(&step, &upload_f16(&dev, &k), &upload_f16(&dev, &v)).unwrap();
+        let (k, v) = (data(3 * HKV * D, 72), data(3 * HKV * D, 73));
+        per_token.append(3, &k, &v).unwrap();
+        bulk.append(3, &k, &v).unwrap();
+        same_pages_and_decode(&what, &mut per_token, &mut bulk, &seqs);
+        println!("{what}: bulk append == per-token append (decode max diff {worst:.2e})");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn append_device_batches_through_few_tail_pages_and_out_of_pages_changes_nothing() {
+    let dev = kvforge_rt::testing::device();
+    for &(file, target) in &[("rdkv.toml", "b4"), ("rotated.toml", "r3")] {
+        let what = format!("{file}/{target}");
+        let s = spec(file);
+        let t = s.tier(target).unwrap().id;
+        let mk = |tails: usize, full: usize| {
+            let mut cfg = CacheConfig::new(&s, D, GQA, HKV, 2, 4096).target(t);
+            cfg.pages[TAIL_TIER as usize] = tails * HKV;
+            cfg.pages[t as usize] = full * HKV;
+            cfg.verify_headers = true;
+            KvCache::new(dev.clone(), s.clone(), cfg).unwrap()
+        };
+        // Two tail pages per head: a 10-page prompt goes in five batches or more.
+        let (mut small, mut roomy) = (mk(2, 64), mk(64, 64));
+        let n = 10 * 64 + 17;
+        let (k, v) = (data(n * HKV * D, 5), data(n * HKV * D, 6));
+        let (a, b) = (roomy.add_sequence(), small.add_sequence());
+        roomy.append(a, &k, &v).unwrap();
+        small.append_device(b, &upload_f16(&dev, &k), &upload_f16(&dev, &v)).unwrap();
+        same_pages_and_decode(&what, &mut roomy, &mut small, &[a]);
+        // Too few target pages: nothing changes.
+        let mut tight = mk(4, 3);
+        let s0 = tight.add_sequence();
+        let err = tight.append_device(s0, &upload_f16(&dev, &k), &upload_f16(&dev, &v)).unwrap_err();
+        assert!(matches!(err, RtError::OutOfPages { .. }), "{what}: {err:?}");
+        assert_eq!((tight.seq_len(s0).unwrap(), tight.page_counts(s0, 0).unwrap()), (0, (0, None)));
+        // A wrong shape is typed.
+        let odd = upload_f16(&dev, &data(5 * HKV * D + 1, 7));
+        assert!(matches!(tight.append_device(s0, &odd, &odd), Err(RtError::ShapeMismatch { .. })), "{what}");
+        println!("{what}: bulk append through two tail pages per head == host append");
+    }
 }

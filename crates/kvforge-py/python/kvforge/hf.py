@@ -6,20 +6,25 @@
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float16).cuda().eval()
     kv = kvforge.hf.use_kvforge(model, spec="specs/rdkv.toml", tier="b4")
-    loss = model(input_ids=ids, labels=ids).loss          # prompt: attend_prefix on the int4 cache
-    out = model.generate(input_ids=ids, max_new_tokens=32)  # new tokens: decode
+    out = model.generate(**tok(prompts, return_tensors="pt", padding=True).to("cuda"), max_new_tokens=32)
     kv.bytes_per_token()                                    # resident bytes / token / kv head
 
 ``use_kvforge`` registers an attention function (and a mask function that builds no mask:
 kvforge applies the causal structure itself) with transformers' ``AttentionInterface`` under
 the name ``"kvforge"`` and points ``model.config._attn_implementation`` at it. Every attention
-layer then keeps one :class:`kvforge.Cache` (its kv heads, its GQA group): the layer's new
-post-RoPE K/V are appended (only tokens the cache has not seen: transformers' own cache passes
-all of them each step), full pages are encoded into ``tier``, and the queries are answered by
-``attend_prefix`` (several query tokens, causal) or ``decode`` (one token) on what is stored.
-A forward whose queries cover every key (a new prompt, ``use_cache=False`` or a fresh
-``generate``) starts a new sequence: the layer's cache is rebuilt, so per-cache state such as
-spherical radius scales never leaks from one text into the next.
+layer then keeps one :class:`kvforge.Cache` (its kv heads, its GQA group) with one sequence
+per batch row, holding that row's real tokens only (left padding is skipped: the mask function
+passes the 2D padding mask through). A prompt (queries covering every key: a new text,
+``use_cache=False`` or a fresh ``generate``) is attended exactly with torch SDPA on the fresh
+K/V, as a serving prefill does, and its post-RoPE K/V are written into the cache on the GPU
+(``Cache.append_device``: full pages encoded into ``tier`` in one launch, no host copy); each
+decode step writes every row's new token in one launch (``Cache.append_step``) and answers
+the batch's queries with one ``decode`` on what is stored. ``prefill="cache"`` attends a
+prompt on the compressed cache instead (``attend_prefix``), so that the prompt's own loss
+measures the tier. A new prompt empties the layer's cache (its sequences removed, the pool
+and loaded kernels kept); specs whose caches carry state set from a prompt (spherical radius
+scales, TriZone channel orders) and runs with a controller or certifier get a new cache, so
+that state never leaks from one text into the next.
 
 Controllers and certificates (``use_kvforge(..., control=Control("rdr", budget=64.0))`` or
 ``certify=kvforge.Certifier()``): with a controller, a prompt is attended exactly (as a
@@ -38,8 +43,10 @@ own per-(kv head, group) codebooks from ``kvforge codebook train --per-head`` (a
 :class:`kvforge.Codebooks`), set on every spherical tier whose group and codeword count match
 the file. A spherical tier left on the placeholder raises a ``UserWarning`` once per handle.
 
-Limits: batch 1 without padding, inference only (no dropout, no gradients through the
-cache), no sliding window or logit soft-capping; tensors on CUDA in the spec's dtype (load
+Limits: padding on the left (other padding patterns are gathered row by row, slower);
+``control``/``certify`` run batch 1; the new tokens of a decode step are real (as in
+``generate``); inference only (no dropout, no gradients through the cache), no sliding window
+or logit soft-capping; tensors on CUDA in the spec's dtype (load
 the model with ``dtype=torch.float16`` for the shipped specs). transformers still keeps its
 own fp16 KV cache during ``generate``; kvforge's cache holds the compressed copy the
 attention reads.
@@ -52,7 +59,7 @@ from __future__ import annotations
 import importlib
 import math
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 __all__ = [
     "ATTN_NAME",
@@ -62,6 +69,8 @@ __all__ = [
     "bytes_per_token",
     "no_mask",
     "register",
+    "row_spans",
+    "sdpa_causal",
     "use_kvforge",
 ]
 
@@ -130,28 +139,89 @@ def channel_order(q, k) -> List[int]:
     return order
 
 
-class KvforgeAttention:
-    """Per-model state: one ``kvforge.Cache`` (one sequence) per attention layer.
+def sdpa_causal(q, k, v, scaling: float):
+    """Causal attention of a prompt on its own fresh K/V with torch SDPA in the model dtype (a
+    serving prefill): ``q [B, Hq, T, D]``, ``k, v [B, Hkv, T, D]`` -> ``[B, T, Hq, D]``."""
+    import torch
 
-    ``attend(layer, q, k, v, scaling)`` takes one sequence's tensors as transformers' attention
-    layers hold them: ``q [Hq, Tq, D]`` (the last ``Tq`` positions), ``k, v [Hkv, S, D]``
-    (post-RoPE, every token so far), and returns ``[Tq, Hq, D]``.
+    f = torch.nn.functional.scaled_dot_product_attention
+    g = q.shape[1] // k.shape[1]
+    if g > 1:
+        try:
+            o = f(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+        except TypeError:  # torch < 2.5: no enable_gqa
+            o = f(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), is_causal=True, scale=scaling)
+    else:
+        o = f(q, k, v, is_causal=True, scale=scaling)
+    return o.transpose(1, 2)
+
+
+def row_spans(rows: List[List[Any]]) -> List[Tuple[int, Optional[List[int]]]]:
+    """Per row of a padding mask (truthy = a real token), where its real tokens are:
+    ``(start, None)`` when they are the contiguous run ``start .. len(row) - 1`` (no padding, or
+    left padding: ``start`` pads), else ``(count, positions)``. Pure Python, so that it is tested
+    without torch."""
+    out: List[Tuple[int, Optional[List[int]]]] = []
+    for r in rows:
+        pos = [j for j, x in enumerate(r) if x]
+        start = len(r) - len(pos)
+        if pos == list(range(start, len(r))):
+            out.append((start, None))
+        else:
+            out.append((len(pos), pos))
+    return out
+
+
+def real_positions(span: Tuple[int, Optional[List[int]]], s: int) -> List[int]:
+    """The real positions of one row (a :func:`row_spans` entry over ``s`` positions)."""
+    first, pos = span
+    return list(range(first, s)) if pos is None else pos
+
+
+PREFILL_MODES = ("sdpa", "exact", "cache")
+
+
+class KvforgeAttention:
+    """Per-model state: one ``kvforge.Cache`` per attention layer, one sequence in it per batch row.
+
+    ``attend_batch(layer, q, k, v, scaling, mask)`` takes a batch as transformers' attention
+    layers hold it: ``q [B, Hq, Tq, D]`` (the last ``Tq`` positions), ``k, v [B, Hkv, S, D]``
+    (post-RoPE, every position so far), ``mask`` None or a ``[B, S]`` padding mask (True: a real
+    token), and returns ``[B, Tq, Hq, D]``. Each row is its own sequence in the cache, holding
+    its real tokens only (padding free); rows at padded query positions come back zero.
+    ``attend(layer, q, k, v, scaling)`` is one row without padding: ``q [Hq, Tq, D]``, ``k, v
+    [Hkv, S, D]`` -> ``[Tq, Hq, D]``.
+
+    ``prefill`` says how a new prompt's queries (they cover every key) are answered: ``"sdpa"``
+    attends them exactly with torch SDPA in the model dtype on the fresh K/V, as a serving
+    prefill does; ``"exact"`` in fp32 with the attention column sums a controller weighs
+    (:func:`exact_attention`); ``"cache"`` attends the compressed cache (``attend_prefix``),
+    so the prompt's own loss measures the tier. Either way the prompt's K/V are stored compressed
+    for the tokens that follow. Default: ``"exact"`` with ``control`` or ``exact_prefill``, else
+    ``"cache"``.
     """
 
     def __init__(self, spec: str = "specs/rdkv.toml", tier: Optional[str] = "b4", root: Optional[str] = None,
                  max_tokens: int = 8192 + 256, module: Any = None, control: Optional[Control] = None,
-                 certify: Any = None, exact_prefill: bool = False, codebooks: Any = None):
+                 certify: Any = None, exact_prefill: bool = False, codebooks: Any = None, prefill: Optional[str] = None):
         # The extension is looked up when a handle is made, not when this file is imported:
         # ``import kvforge.hf`` works without a GPU, torch or transformers.
         self.kvforge = module if module is not None else importlib.import_module("kvforge")
         self.spec, self.tier = spec, tier
         self.root = None if root is None else str(root)
         self.max_tokens = int(max_tokens)
-        self.layers: Dict[int, Dict[str, Any]] = {}  # layer -> {"cache", "seq", "n"}
-        self.last_bytes: Dict[int, float] = {}
+        # layer -> {"cache", "seqs" (one per row), "seq" (row 0's), "n" (positions seen), "rows", "cap"}
+        self.layers: Dict[int, Dict[str, Any]] = {}
         # A controller decides from an exact prefill's attention; so can a caller who asks.
         self.control, self.certify = control, certify
-        self.exact_prefill = bool(exact_prefill or control is not None)
+        if prefill is None:
+            prefill = "exact" if (exact_prefill or control is not None) else "cache"
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"kvforge.hf: prefill={prefill!r}; expected one of {', '.join(PREFILL_MODES)}")
+        if control is not None and prefill != "exact":
+            raise ValueError(f"kvforge.hf: a controller weighs the prompt's exact attention (prefill='exact'), got prefill={prefill!r}")
+        self.prefill = prefill
+        self.exact_prefill = prefill != "cache"
         self.reports: Dict[int, Any] = {}       # layer -> last kvforge.ControlReport
         self.certificates: Dict[int, Any] = {}  # layer -> [kvforge.HeadCertificate] of the last step
         # Per-(layer, kv head, group) spherical codebooks, a path or a kvforge.Codebooks.
@@ -159,32 +229,67 @@ class KvforgeAttention:
             codebooks = self.kvforge.Codebooks(str(codebooks))
         self.codebooks = codebooks
         self._warned_placeholder = False
+        self._spans: Tuple[Any, Any] = (None, None)  # (the last padding mask, its row_spans)
 
     def reset(self) -> None:
         """Forget every sequence (dropping the caches frees their GPU memory)."""
         self.layers = {}
         self.reports, self.certificates = {}, {}
+        self._spans = (None, None)
 
-    def _new_cache(self, layer: int, q, k) -> Dict[str, Any]:
-        hq, _, d = q.shape
-        hkv, s, _ = k.shape
-        kw = dict(head_dim=d, num_kv_heads=hkv, gqa=hq // hkv, max_tokens=max(self.max_tokens, s), target=self.tier,
+    def _reusable(self, st: Optional[Dict[str, Any]], rows: int, s: int) -> bool:
+        """Whether a layer's cache can take a new prompt of ``rows`` rows of up to ``s`` tokens
+        after its sequences are removed: per-cache state set from a prompt (spherical radius
+        scales, TriZone channel orders, kept originals, a controller's re-tiering) must not leak
+        into the next, and the pool must be large enough."""
+        if st is None or self.control is not None or self.certify is not None or not hasattr(st["cache"], "remove_sequence"):
+            return False
+        c = st["cache"]
+        if getattr(c, "spherical_tiers", None) or list(getattr(c, "mixed_key_tiers", ())):
+            return False
+        return rows <= st["cap"] and s <= st["max_tokens"]
+
+    def _new_sequences(self, layer: int, q, k, rows: int) -> Dict[str, Any]:
+        """Sequences for a new prompt of ``rows`` rows: the layer's cache emptied where it can be
+        reused (no allocation, kernels already loaded), else a new cache."""
+        s = k.shape[-2]
+        old = self.layers.get(layer)
+        if self._reusable(old, rows, s):
+            cache, cap, max_tokens = old["cache"], old["cap"], old["max_tokens"]
+            for seq in old["seqs"]:
+                cache.remove_sequence(seq)
+        else:
+            cache, cap, max_tokens = self._new_cache(layer, q, k, rows), rows, max(self.max_tokens, s)
+        seqs = [cache.add_sequence() for _ in range(rows)]
+        st = {"cache": cache, "seqs": seqs, "seq": seqs[0], "n": 0, "rows": rows, "cap": cap, "max_tokens": max_tokens}
+        self.layers[layer] = st
+        return st
+
+    def _new_cache(self, layer: int, q, k, rows: int = 1):
+        hq, d = q.shape[-3], q.shape[-1]
+        hkv, s = k.shape[-3], k.shape[-2]
+        per_row = max(self.max_tokens, s)
+        kw = dict(head_dim=d, num_kv_heads=hkv, gqa=hq // hkv, max_tokens=per_row * rows, target=self.tier,
                   root=self.root)
+        if rows > 1:
+            kw["sequences"] = rows
+        if self.control is None and self.certify is None:
+            # Pages of the tail and the target tier only: nothing re-tiers without a controller.
+            kw["target_only"] = True
         index = getattr(getattr(q, "device", None), "index", None)
         if index:  # device 0 is the Cache's default
             kw["device"] = index
         cache = self.kvforge.Cache(self.spec, **kw)
         mixed = list(getattr(cache, "mixed_key_tiers", ()))
         if mixed:  # TriZone: order each head's channels by the prompt's weights before coding
-            order = channel_order(q, k)
+            qq, kk = (q[0], k[0]) if q.dim() == 4 else (q, k)
+            order = channel_order(qq, kk)
             for t in mixed:
                 cache.set_channel_order(t, order)
         self._set_codebooks(layer, cache)
         if self.certify is not None:
             cache.keep_originals()
-        st = {"cache": cache, "seq": cache.add_sequence(), "n": 0}
-        self.layers[layer] = st
-        return st
+        return cache
 
     def _set_codebooks(self, layer: int, cache) -> None:
         """Gives ``cache`` layer ``layer``'s codebooks on every spherical tier they fit;
@@ -204,62 +309,166 @@ class KvforgeAttention:
                           "(trained on random unit vectors, not keys): expect a large quality loss. Train per-head codebooks on "
                           "the model's keys (kvforge codebook train --per-head) and pass codebooks=", UserWarning, stacklevel=3)
 
+    def _row_spans(self, mask, rows: int, s: int) -> List[Tuple[int, Optional[List[int]]]]:
+        """:func:`row_spans` of ``mask`` (one host copy per mask: every layer of a forward gets
+        the same mask object), or every position real without one."""
+        if mask is None:
+            return [(0, None)] * rows
+        if self._spans[0] is not mask:
+            self._spans = (mask, row_spans(mask[:, -s:].tolist()))
+        return self._spans[1]
+
     def attend(self, layer: int, q, k, v, scaling: float):
         check_shapes(q, k, v)
-        hq, tq, d = q.shape
-        hkv, s, _ = k.shape
+        return self.attend_batch(layer, q[None], k[None], v[None], scaling)[0]
+
+    def attend_batch(self, layer: int, q, k, v, scaling: float, mask=None):
+        if mask is not None and mask.dim() == 2 and mask.shape[-1] > k.shape[-2]:
+            mask = mask[:, -k.shape[-2]:]  # a mask over more positions than the keys: the last ones
+        check_batch_shapes(q, k, v, mask)
+        rows, hq, tq, d = q.shape
+        s = k.shape[2]
+        if rows > 1 and (self.control is not None or self.certify is not None):
+            raise ValueError(f"kvforge.hf: control= and certify= run batch 1, got batch {rows}")
         st = self.layers.get(layer)
-        # a new sequence: transformers passed fewer tokens than we hold, or queries for all of them
-        prompt = st is None or st["n"] > s or (tq == s and st["n"] > 0)
+        # a new prompt: other rows, fewer positions than seen, or queries for all of them
+        prompt = st is None or st["rows"] != rows or st["n"] > s or (tq == s and st["n"] > 0)
         if prompt:
-            st = self._new_cache(layer, q, k)
-        cache, seq = st["cache"], st["seq"]
-        if s > st["n"]:  # append only the tokens not seen yet, [T, Hkv, D]
-            kn = k[:, st["n"]:].transpose(0, 1).contiguous()
-            vn = v[:, st["n"]:].transpose(0, 1).contiguous()
-            cache.append(seq, kn, vn)
-            st["n"] = s
-        if prompt and tq == s and self.exact_prefill:
-            out, mass = exact_attention(q, k, v, scaling, column_sums=self.control is not None)
-            if self.control is not None:
-                self.reports[layer] = self.control.make(self.kvforge, cache).apply(cache, seq, token_mass=mass)
-            self.last_bytes[layer] = context_bytes(cache, seq)
-            return out
-        qq = q.transpose(0, 1)  # [Tq, Hq, D]
+            st = self._new_sequences(layer, q, k, rows)
+        cache, seqs = st["cache"], st["seqs"]
         if abs(scaling * math.sqrt(d) - 1.0) > 1e-6:  # kvforge scales scores by 1/sqrt(d)
-            qq = qq * (scaling * math.sqrt(d))
-        qq = qq.contiguous()
-        if tq == 1 and self.certify is not None:
-            out, _, self.certificates[layer] = self.certify.decode(cache, qq, [seq])
-        elif tq == 1:
-            out, _ = cache.decode(qq, seqs=[seq])
-        else:  # query i sits at position s - tq + i and attends tokens 0..s - tq + i
-            lengths = list(range(s - tq + 1, s + 1))
-            out, _ = cache.attend_prefix(seq, qq, lengths)
-        self.last_bytes[layer] = context_bytes(cache, seq)
+            qs = q * (scaling * math.sqrt(d))
+        else:
+            qs = q
+        if not prompt and tq == 1 and s == st["n"] + 1:
+            # A decode step: every row's one new token (real: generate extends the mask by ones),
+            # written on the device in one launch, then one decode launch for the batch.
+            kk, vv = k[:, :, -1].contiguous(), v[:, :, -1].contiguous()
+            step = getattr(cache, "append_step", None)
+            if step is not None:
+                step(seqs, kk, vv)
+            else:  # a cache object without device appends (tests' stand-ins)
+                for i, seq in enumerate(seqs):
+                    cache.append(seq, kk[i:i + 1], vv[i:i + 1])
+            st["n"] = s
+            qq = qs[:, :, 0].contiguous()
+            if self.certify is not None:
+                out, _, self.certificates[layer] = self.certify.decode(cache, qq, seqs)
+            else:
+                out, _ = cache.decode(qq, seqs=seqs)
+            return out.unsqueeze(1)
+        spans = self._row_spans(mask, rows, s)
+        n0 = st["n"]
+        append = getattr(cache, "append_device", None) or cache.append
+        for b, seq in enumerate(seqs):  # the real tokens not seen yet, [T, Hkv, D]
+            first, pos = spans[b]
+            if pos is None:
+                lo = max(first, n0)
+                if lo < s:
+                    append(seq, k[b, :, lo:].transpose(0, 1).contiguous(), v[b, :, lo:].transpose(0, 1).contiguous())
+            else:
+                new = [p for p in pos if p >= n0]
+                if new:
+                    idx = self._index(new, k.device)
+                    append(seq, k[b].index_select(1, idx).transpose(0, 1).contiguous(), v[b].index_select(1, idx).transpose(0, 1).contiguous())
+        st["n"] = s
+        if prompt and tq == s and self.prefill != "cache":
+            return self._exact_prompt(layer, cache, seqs, spans, q, k, v, scaling)
+        return self._attend_cache(cache, seqs, spans, qs, s)
+
+    @staticmethod
+    def _index(positions: List[int], device):
+        import torch
+
+        return torch.tensor(positions, dtype=torch.long, device=device)
+
+    def _exact_prompt(self, layer: int, cache, seqs, spans, q, k, v, scaling: float):
+        """A new prompt's queries attended exactly on the fresh K/V, row by row where rows are
+        padded; the controller (batch 1) then re-tiers the stored prompt."""
+        import torch
+
+        rows, hq, s, d = q.shape
+        if self.prefill == "exact":
+            out = torch.zeros(rows, s, hq, d, dtype=q.dtype, device=q.device)
+            for b, seq in enumerate(seqs):
+                first, pos = spans[b]
+                if pos is not None:
+                    raise ValueError("kvforge.hf: prefill='exact' takes left padding only (real tokens at the end of each row)")
+                if first == s:
+                    continue
+                o, mass = exact_attention(q[b, :, first:], k[b, :, first:], v[b, :, first:], scaling, column_sums=self.control is not None)
+                out[b, first:] = o
+                if self.control is not None:
+                    self.reports[layer] = self.control.make(self.kvforge, cache).apply(cache, seq, token_mass=mass)
+            return out
+        if all(sp == (0, None) for sp in spans):
+            return sdpa_causal(q, k, v, scaling)
+        out = torch.zeros(rows, s, hq, d, dtype=q.dtype, device=q.device)
+        for b in range(rows):
+            first, pos = spans[b]
+            if pos is None:
+                if first < s:
+                    out[b, first:] = sdpa_causal(q[b:b + 1, :, first:], k[b:b + 1, :, first:], v[b:b + 1, :, first:], scaling)[0]
+            elif pos:
+                idx = self._index(pos, q.device)
+                sel = lambda x: x[b:b + 1].index_select(2, idx)  # noqa: E731
+                out[b].index_copy_(0, idx, sdpa_causal(sel(q), sel(k), sel(v), scaling)[0])
+        return out
+
+    def _attend_cache(self, cache, seqs, spans, qs, s: int):
+        """Queries on the cache as stored (``attend_prefix``, causal per row): the query at a real
+        position p attends the row's real tokens up to p; padded query positions give zeros."""
+        import torch
+
+        rows, hq, tq, d = qs.shape
+        out = torch.zeros(rows, tq, hq, d, dtype=qs.dtype, device=qs.device)
+        for b, seq in enumerate(seqs):
+            real = real_positions(spans[b], s)
+            cut = s - tq
+            at = {p: i + 1 for i, p in enumerate(real)}  # position -> real tokens up to it
+            qpos = [p for p in real if p >= cut]
+            if not qpos:
+                continue
+            lengths = [at[p] for p in qpos]
+            if qpos == list(range(qpos[0], s)):
+                qq = qs[b, :, qpos[0] - cut:].transpose(0, 1).contiguous()
+                o, _ = cache.attend_prefix(seq, qq, lengths)
+                out[b, qpos[0] - cut:] = o
+            else:
+                idx = self._index([p - cut for p in qpos], qs.device)
+                qq = qs[b].index_select(1, idx).transpose(0, 1).contiguous()
+                o, _ = cache.attend_prefix(seq, qq, lengths)
+                out[b].index_copy_(0, idx, o)
         return out
 
     def bytes_per_token(self) -> float:
         """Resident bytes per token of the context per kv head (page headers and the fp16 tail
-        page included, dropped positions counted: :func:`context_bytes`), mean over layers, as
-        of each layer's last call; NaN before the first forward."""
-        vals = list(self.last_bytes.values())
+        page included, dropped positions counted: :func:`context_bytes`), mean over layers, of
+        what the caches hold now; NaN before the first forward."""
+        vals = [context_bytes(st["cache"], st["seqs"]) for _, st in sorted(self.layers.items())]
         return sum(vals) / len(vals) if vals else float("nan")
+
+    @property
+    def last_bytes(self) -> Dict[int, float]:
+        """:func:`context_bytes` of every layer's cache, computed when asked (not per step)."""
+        return {layer: context_bytes(st["cache"], st["seqs"]) for layer, st in sorted(self.layers.items())}
 
     def memory_report(self) -> Dict[int, Any]:
         """``Cache.memory_report()`` of every layer's cache."""
         return {layer: st["cache"].memory_report() for layer, st in sorted(self.layers.items())}
 
     def describe(self) -> Dict[str, Any]:
-        return {"kind": "kvforge", "spec": self.spec, "tier": self.tier,
+        return {"kind": "kvforge", "spec": self.spec, "tier": self.tier, "prefill": self.prefill,
                 "kvforge_version": getattr(self.kvforge, "__version__", "?")}
 
 
-def context_bytes(cache, seq: int) -> float:
-    """Resident bytes of ``cache`` per logical token of ``seq`` per kv head (page headers, the
-    fp16 tail page and padding included; dropped positions count as tokens, so eviction
-    lowers it). For a cache without drops this equals ``cache.bytes_per_token()``."""
-    n = cache.seq_len(seq) * cache.num_kv_heads
+def context_bytes(cache, seq) -> float:
+    """Resident bytes of ``cache`` per logical token of ``seq`` (an id or a list of ids: the
+    cache holds no others) per kv head (page headers, the fp16 tail page and padding included;
+    dropped positions count as tokens, so eviction lowers it). For a cache without drops this
+    equals ``cache.bytes_per_token()``."""
+    seqs = [seq] if isinstance(seq, int) else list(seq)
+    n = sum(cache.seq_len(s) for s in seqs) * cache.num_kv_heads
     return sum(u["resident_bytes"] for u in cache.memory_report()) / n if n else 0.0
 
 
@@ -281,6 +490,18 @@ def check_shapes(q, k, v) -> None:
         raise ValueError(f"kvforge attention: q {q.dtype}, k {k.dtype}, v {v.dtype} must share one dtype")
 
 
+def check_batch_shapes(q, k, v, mask=None) -> None:
+    """A batch: q [B, Hq, Tq, D], k/v [B, Hkv, S, D], mask None or [B, S]; per row as
+    :func:`check_shapes`."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"kvforge attention: q, k, v must be [batch, heads, tokens, head_dim] with one batch, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    check_shapes(q[0], k[0], v[0])
+    if mask is not None and (mask.dim() != 2 or tuple(mask.shape) != (k.shape[0], k.shape[2])):
+        raise ValueError(f"kvforge attention: the padding mask must be [batch, keys] = {(k.shape[0], k.shape[2])}, "
+                         f"got {tuple(mask.shape)}")
+
+
 def _handle_of(module):
     h = getattr(module, _HANDLE_ATTR, None)
     if h is None:
@@ -295,26 +516,39 @@ def attention_function(resolve: Callable[[Any], Any] = _handle_of):
     scaling)``. By default the handle is the one ``use_kvforge`` put on the layer."""
 
     def kvforge_attention_forward(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0, **kwargs):
-        if query.shape[0] != 1:
-            raise ValueError(f"kvforge attention runs batch 1 (no padding masks), got batch {query.shape[0]}")
         if dropout:
             raise ValueError("kvforge attention is inference only: put the model in eval() mode (dropout > 0)")
         for name in ("sliding_window", "softcap"):
             if kwargs.get(name) is not None:
                 raise ValueError(f"kvforge attention does not implement {name}={kwargs[name]!r}")
         scaling = module.scaling if scaling is None else scaling
-        out = resolve(module).attend(module.layer_idx, query[0], key[0], value[0], scaling)
+        handle = resolve(module)
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError(f"kvforge attention takes a [batch, keys] padding mask, got shape {tuple(attention_mask.shape)}")
+        if hasattr(handle, "attend_batch"):
+            return handle.attend_batch(module.layer_idx, query, key, value, scaling, attention_mask), None
+        # A backend of one sequence (``attend`` only): batch 1 without padding.
+        if query.shape[0] != 1:
+            raise ValueError(f"kvforge attention backend {type(handle).__name__} runs batch 1, got batch {query.shape[0]}")
+        if attention_mask is not None:
+            raise ValueError(f"kvforge attention backend {type(handle).__name__} does not support padding: attention_mask has masked positions")
+        out = handle.attend(module.layer_idx, query[0], key[0], value[0], scaling)
         return out.unsqueeze(0), None
 
     return kvforge_attention_forward
 
 
 def no_mask(*args, attention_mask=None, **kwargs):
-    """Mask function for kvforge attention: none is built (the cache applies causality).
-    A padding mask with a masked position is refused: batch 1 without padding only."""
-    if attention_mask is not None and getattr(attention_mask, "dim", lambda: 0)() == 2 and not bool(attention_mask.all()):
-        raise ValueError("kvforge attention does not support padding: attention_mask has masked positions")
-    return None
+    """Mask function for kvforge attention: no ``[B, 1, Tq, S]`` mask is built (the cache
+    applies causality). A 2D padding mask with a masked position is passed on as a bool
+    ``[B, S]`` tensor (cut to the last ``kv_length`` columns), from which each row keeps only
+    its real tokens; without one (or with nothing masked) the attention gets None."""
+    if attention_mask is None or getattr(attention_mask, "dim", lambda: 0)() != 2 or bool(attention_mask.all()):
+        return None
+    kv = kwargs.get("kv_length")
+    if isinstance(kv, int) and 0 < kv < attention_mask.shape[-1]:
+        attention_mask = attention_mask[:, -kv:]
+    return attention_mask.bool()
 
 
 def register(name: str = ATTN_NAME, fn: Optional[Callable] = None) -> str:
@@ -330,7 +564,7 @@ def register(name: str = ATTN_NAME, fn: Optional[Callable] = None) -> str:
 
 def use_kvforge(model, spec: str = "specs/rdkv.toml", tier: Optional[str] = "b4", root: Optional[str] = None,
                 max_tokens: Optional[int] = None, control: Optional[Control] = None, certify: Any = None,
-                exact_prefill: bool = False, codebooks: Any = None) -> KvforgeAttention:
+                exact_prefill: bool = False, codebooks: Any = None, prefill: Optional[str] = None) -> KvforgeAttention:
     """Runs every attention layer of ``model`` on kvforge: registers the ``"kvforge"``
     attention, gives each layer (every submodule with a ``layer_idx``) the returned handle and
     sets ``model.config._attn_implementation``. ``spec``/``tier``/``root`` as for
@@ -338,15 +572,20 @@ def use_kvforge(model, spec: str = "specs/rdkv.toml", tier: Optional[str] = "b4"
     working directory); ``max_tokens``: cache capacity per layer and kv head (default the
     model's ``max_position_embeddings`` + 256, at least 1024). ``control``: a :class:`Control`
     applied after every prompt; ``certify``: a ``kvforge.Certifier`` for decode steps;
-    ``exact_prefill``: attend prompts exactly (fp32, on the model's K/V) and store them
-    compressed for the tokens that follow (implied by ``control``); ``codebooks``: per-(layer,
+    ``prefill``: how a new prompt's queries are answered (:class:`KvforgeAttention`): default
+    ``"sdpa"`` (exact, torch SDPA on the fresh K/V, as a serving prefill), ``"exact"`` with
+    ``control`` or ``exact_prefill`` (fp32 with column sums), ``"cache"`` to attend the
+    compressed cache (the prompt's own loss then measures the tier); the prompt is stored
+    compressed for the tokens that follow in every mode; ``codebooks``: per-(layer,
     kv head, group) spherical codebooks (a ``kvforge codebook train --per-head`` file or a
     :class:`kvforge.Codebooks`). Undo with ``handle.detach()``, which restores the previous
     attention implementation."""
     if max_tokens is None:
         max_tokens = max(1024, int(getattr(model.config, "max_position_embeddings", 8192) or 8192) + 256)
+    if prefill is None:
+        prefill = "exact" if (exact_prefill or control is not None) else "sdpa"
     handle = KvforgeAttention(spec, tier, root=root, max_tokens=max_tokens, control=control, certify=certify,
-                              exact_prefill=exact_prefill, codebooks=codebooks)
+                              exact_prefill=exact_prefill, codebooks=codebooks, prefill=prefill)
     register()
     for m in model.modules():
         if isinstance(getattr(m, "layer_idx", None), int):
