@@ -162,12 +162,19 @@ def bonuses(order: torch.Tensor, hist: torch.Tensor, n: torch.Tensor, rho: torch
 
 
 def vote(bonus: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Collision scores ``[..., n]`` of keys with ids ``[n, B]`` under bonuses ``[..., B, 2^m]``."""
+    """Collision scores ``[..., n]`` (int64) of keys with ids ``[n, B]`` under bonuses ``[..., B, 2^m]``."""
     out = None
     for b in range(ids.shape[-1]):
         s = torch.index_select(bonus[..., b, :], -1, ids[:, b].long())
         out = s if out is None else out + s
     return out
+
+
+def one_hot_ids(ids: torch.Tensor, cfg: Config, dtype) -> torch.Tensor:
+    """``[..., n, B]`` ids as ``[..., n, B·2^m]`` one-hot rows: ``bonus_flat @ one_hot.T`` is the
+    vote (integer sums ≤ 255, exact in fp16 and f32)."""
+    oh = torch.zeros(*ids.shape[:-1], cfg.b * cfg.cents, dtype=dtype, device=ids.device)
+    return oh.scatter_(-1, ids.long() + torch.arange(cfg.b, device=ids.device) * cfg.cents, 1)
 
 
 def top_c_mask(scores: torch.Tensor, region: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -192,11 +199,15 @@ def key_estimate_rows(codes: torch.Tensor, weights: torch.Tensor, cfg: Config) -
 
 
 def top_k_mask(est: torch.Tensor, allowed: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """The ``k [...]`` largest ``est [..., n]`` among ``allowed``, ties by lower index."""
+    """The ``k [...]`` largest ``est [..., n]`` among ``allowed`` (the reference breaks exact
+    ties by the lower index; ``torch.topk`` does not promise to, and f64 estimates of distinct
+    keys do not tie)."""
     e = torch.where(allowed, est, torch.full_like(est, -math.inf))
     kmax = int(k.max().item()) if k.numel() else 0
-    order = torch.sort(e, dim=-1, descending=True, stable=True).indices[..., :kmax]
-    keep = torch.arange(kmax, device=est.device) < k[..., None]
+    if kmax == 0:
+        return torch.zeros(est.shape, dtype=torch.bool, device=est.device)
+    order = torch.topk(e, min(kmax, est.shape[-1]), dim=-1).indices
+    keep = torch.arange(order.shape[-1], device=est.device) < k[..., None]
     keep = keep & torch.gather(allowed, -1, order)
     return torch.zeros(est.shape, dtype=torch.bool, device=est.device).scatter(-1, order, keep)
 
@@ -263,40 +274,42 @@ class ParisSimBackend:
         if not bool(retr.any()):
             return kvq.eager_causal(q, k, v, scaling)
         self.stats["retrieval_queries"] += int(retr.sum()) * hq
-        cfg = None
+        ks, vs = k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)
+        kv_of = torch.arange(hq, device=dev) // g
         if not self.oracle:
             cfg, ids, rows = self._summaries(layer, k)
-            onehot = torch.zeros(hkv, s, cfg.b * cfg.cents, dtype=torch.int32, device=dev)
-            onehot.scatter_(2, ids.long() + torch.arange(cfg.b, device=dev) * cfg.cents, 1)
-            prefix = torch.cat([torch.zeros_like(onehot[:, :1]), torch.cumsum(onehot, 1, dtype=torch.int32)], 1)  # [Hkv, S+1, B*2^m]
-            del onehot
-        kv_of = torch.arange(hq, device=dev) // g
+            fdt = torch.float16 if dev.type == "cuda" else torch.float32
+            onehot = one_hot_ids(ids, cfg, torch.int32)  # [Hkv, S, B·2^m]
+            prefix = torch.cat([torch.zeros_like(onehot[:, :1]), torch.cumsum(onehot, 1, dtype=torch.int32)], 1)  # [Hkv, S+1, ..]
+            onehot = onehot.to(fdt)[kv_of]  # [Hq, S, B·2^m]
+            rows = rows[kv_of].transpose(1, 2)  # [Hq, D, S]
         j = torch.arange(s, device=dev)
         out = torch.empty(tq, hq, d, dtype=q.dtype, device=dev)
-        chunk = max(1, (1 << 24) // max(1, hq * s))
+        chunk = max(1, (1 << (26 if dev.type == "cuda" else 22)) // max(1, hq * s))
         rec_sum, rec_n = 0.0, 0
         for a in range(0, tq, chunk):
             z = slice(a, min(a + chunk, tq))
             qc, pc, s0c, rc, nc, tc = q[:, z], pos[z], s0[z], r_end[z], n_reg[z], retr[z]
             causal = j[None, :] <= pc[:, None]  # [Qc, S]
             region = (j[None, :] >= s0c[:, None]) & (j[None, :] < rc[:, None])
-            dense = causal & ~region
-            logits = torch.matmul(qc, k.repeat_interleave(g, dim=0).transpose(1, 2)) * scaling  # [Hq, Qc, S]
             kq = torch.where(tc, torch.clamp(nc, max=self.k), torch.zeros_like(nc)).expand(hq, -1)
-            exact = torch.matmul(qc.float(), k.float().repeat_interleave(g, dim=0).transpose(1, 2))
+            exact = torch.matmul(qc.float(), ks.float().transpose(1, 2))  # [Hq, Qc, S]
             oracle_sel = top_k_mask(exact, region.expand(hq, -1, -1), kq)
+            del exact
             if self.oracle:
                 sel = oracle_sel
             else:
-                sel = self._select(cfg, qc, ids, rows, prefix, kv_of, region, s0c, rc, nc, tc)
+                sel = self._select(cfg, qc, onehot, rows, prefix, kv_of, region, s0c, rc, nc, tc)
                 inter = (sel & oracle_sel).sum(-1).double()
                 rows_r = tc.expand(hq, -1)
                 rec_sum += float((inter / kq.clamp(min=1).double())[rows_r].sum())
                 rec_n += int(rows_r.sum())
-            allowed = torch.where(tc[None, :, None], dense[None] | sel, causal[None])
+            allowed = torch.where(tc[None, :, None], (causal & ~region)[None] | sel, causal[None])
+            del sel, oracle_sel
+            logits = torch.matmul(qc, ks.transpose(1, 2)) * scaling
             logits = logits.masked_fill(~allowed, torch.finfo(logits.dtype).min)
             w = torch.softmax(logits, dim=-1, dtype=torch.float32).to(q.dtype)
-            out[z] = torch.matmul(w, v.repeat_interleave(g, dim=0)).transpose(0, 1)
+            out[z] = torch.matmul(w, vs).transpose(0, 1)
         if rec_n:
             acc = self.recall.setdefault(layer, [0.0, 0])
             acc[0] += rec_sum
@@ -304,26 +317,24 @@ class ParisSimBackend:
             self.stats["recall_vs_exact_topk_by_layer"][str(layer)] = acc[0] / acc[1]
         return out.contiguous()
 
-    def _select(self, cfg, qc, ids, rows, prefix, kv_of, region, s0c, rc, nc, tc):
-        """The ParisKV top-k of each (query head, position) row: ``[Hq, Qc, S]`` bool."""
+    def _select(self, cfg, qc, onehot, rows, prefix, kv_of, region, s0c, rc, nc, tc):
+        """The ParisKV top-k of each (query head, position) row: ``[Hq, Qc, S]`` bool.
+        ``onehot [Hq, S, B·2^m]``, ``rows [Hq, D, S]``, ``prefix [Hkv, S+1, B·2^m]`` (the
+        occupancy histogram of every key prefix)."""
         hq = qc.shape[0]
-        n_list = nc.tolist()
-        plans = [plan(n, self.k, self.dense_below) for n in n_list]
+        tcl = tc.tolist()
+        plans = [plan(n, self.k, self.dense_below) for n in nc.tolist()]
         rho = torch.tensor([p[0] for p in plans], dtype=torch.float64, device=qc.device)
-        cands = torch.tensor([p[2] if t else 0 for p, t in zip(plans, tc.tolist())], device=qc.device)
-        kk = torch.tensor([p[3] if t else 0 for p, t in zip(plans, tc.tolist())], device=qc.device)
+        cands = torch.tensor([p[2] if t else 0 for p, t in zip(plans, tcl)], device=qc.device)
+        kk = torch.tensor([p[3] if t else 0 for p, t in zip(plans, tcl)], device=qc.device)
         nrm, qr, order = prepare_queries(qc, cfg)  # [Hq, Qc], [Hq, Qc, D], [Hq, Qc, B, 2^m]
         hist = (prefix[:, rc] - prefix[:, s0c]).reshape(prefix.shape[0], -1, cfg.b, cfg.cents)[kv_of]  # [Hq, Qc, B, 2^m]
         bonus = bonuses(order, hist, nc.expand(hq, -1), rho.expand(hq, -1), cfg.tiers)
-        sel = torch.zeros(hq, qc.shape[1], rows.shape[1], dtype=torch.bool, device=qc.device)
-        reg = region[None].expand(hq, -1, -1)
-        for h in range(hq):
-            kh = int(kv_of[h])
-            scores = vote(bonus[h], ids[kh])  # [Qc, S]
-            cmask = top_c_mask(scores, reg[h], cands)
-            est = torch.matmul(qr[h] * nrm[h, :, None], rows[kh].transpose(0, 1))
-            sel[h] = top_k_mask(est, cmask, kk)
-        return sel
+        scores = torch.bmm(bonus.reshape(hq, qc.shape[1], -1).to(onehot.dtype), onehot.transpose(1, 2)).round().long()  # [Hq, Qc, S]
+        cmask = top_c_mask(scores, region[None], cands.expand(hq, -1))
+        del scores
+        est = torch.bmm(qr * nrm[..., None], rows)  # [Hq, Qc, S] f64
+        return top_k_mask(est, cmask, kk.expand(hq, -1))
 
     def bytes_per_token(self, d: int) -> float:
         return float(Config(d, self.tiers).summary_bytes())
