@@ -5,9 +5,9 @@
 //! ```text
 //! cargo run --release -p kvforge-lab --example paris_recall -- \
 //!     --lengths 131072,1048576 --head-dims 128,64 --out benches/results/paris-recall-cpu-DATE.json
-//! # captured SmolLM2 keys/queries (benches/paris/capture_qk.py):
+//! # captured SmolLM2 keys/queries (benches/paris/capture_qk.py; benches/paris/on_device.sh smollm2):
 //! cargo run --release -p kvforge-lab --example paris_recall -- --qk data/keys/qk-emma.safetensors \
-//!     --lengths 131072,1048576 --out ...
+//!     --heads 3 --tile rope --lengths 131072,1048576 --out ...
 //! ```
 //!
 //! **Synthetic keys with drift** (`--source synthetic`), per head dim `D`, all draws from one
