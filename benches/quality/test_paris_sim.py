@@ -10,9 +10,10 @@ import math
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
+
+np = pytest.importorskip("numpy")
+torch = pytest.importorskip("torch")
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
