@@ -97,21 +97,8 @@ PY
     compute-sanitizer --tool memcheck .bin/paris_gpu --ignored --test-threads 1 attention_matches 2>&1 | tail -20 | tee "$OUT/paris-memcheck-$GPU-$DATE.log"
     compute-sanitizer --tool racecheck .bin/paris_gpu --ignored --test-threads 1 retrieval_matches 2>&1 | tail -20 | tee "$OUT/paris-racecheck-$GPU-$DATE.log"
     ;;
-  capture)
-    R=$PWD
-    test -f /root/m/SmolLM2-135M-Instruct.Q4_1.gguf || { cat /root/m/part-a .model-b/part-b > /root/m/SmolLM2-135M-Instruct.Q4_1.gguf && rm /root/m/part-a && cp .model-b/SHA256SUMS /root/m/; }
-    (cd /root/m && sha256sum -c SHA256SUMS)
-    PYTHONPATH=$R/.whl-py PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 benches/paris/capture_qk.py --model /root/m --device cuda \
-      --tokens 8192 --layers 3,8,15,22,28 --out "$QK" 2>&1 | grep -v 'it/s]' | tee "$OUT/paris-capture.log"
-    ls -l "$QK"
-    ;;
-  recall)
-    test -f "$QK" || { echo "no $QK: run 'capture' first on this (warm) machine" >&2; exit 1; }
-    .bin/paris_recall --qk "$QK" --lengths 131072,1048576 --heads 2 --queries 32 \
-      --label "SmolLM2-135M emma 8K tokens tiled, $GPU host CPU, $DATE" --out "$OUT/paris-recall-smollm2-$DATE.json" 2>&1 | tee "$OUT/paris-recall.log"
-    ;;
   *)
-    echo "usage: $0 gpu|memcheck|model-a|smollm2|quality|capture|recall" >&2
+    echo "usage: $0 gpu|memcheck|model-a|smollm2|quality" >&2
     exit 2
     ;;
 esac
