@@ -79,7 +79,9 @@ def main():
         out[f"k.L{layer:02d}"] = cap.k[layer].contiguous()
         out[f"q.L{layer:02d}"] = cap.q[layer].contiguous()
     k0 = next(iter(out.values()))
-    meta = {"text": args.text, "start": str(args.start), "tokens": str(args.tokens), "model": gguf.name, "dtype_of_run": str(dtype),
+    theta, rot = kvq.rope_params(model)
+    meta = {"rope_theta": repr(theta), "rope_dims": str(rot), "rope": "rotate_half pairs (i, i + D/2), frequencies theta^(-2i/D)",
+            "text": args.text, "start": str(args.start), "tokens": str(args.tokens), "model": gguf.name, "dtype_of_run": str(dtype),
             "what": "post-RoPE keys k.LNN [Hkv,T,D] and queries q.LNN [Hq,T,D] (fp16)", "head_dim": str(k0.shape[-1])}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save_file(out, str(args.out), metadata=meta)

@@ -10,9 +10,24 @@
 #
 #   bash benches/paris/on_device.sh gpu       # carry [".bin"]: GPU tests + step timing (~2 min)
 #   bash benches/paris/on_device.sh memcheck  # carry [".bin"]: compute-sanitizer memcheck + racecheck (~3 min)
-#   bash benches/paris/on_device.sh capture   # carry [".model-b", ".whl-py", "data/austen"], after the
-#                                             # call that copied .model-a (benches/quality/README.md)
-#   bash benches/paris/on_device.sh recall    # carry [".bin"]: recall on the captured keys (~2 min)
+#
+# SmolLM2 recall and quality: three calls back to back (the model halves travel in two calls,
+# 64 MiB each with the ~8 MB tree; if the machine went back between calls, start at call 1):
+#   call 1, carry [".model-a"], timeout 120:
+#     bash benches/paris/on_device.sh model-a
+#   call 2, carry [".model-b", ".whl-py", "data/austen", ".bin/paris_recall"] (~64 MB with the tree), timeout 600 (~2 min):
+#     bash benches/paris/on_device.sh smollm2  # joins the model, captures q/k of 8K Emma tokens
+#                                             # (torch, GPU), then Recall@100 of the f64 reference
+#                                             # on them tiled to 128K / 1M (host CPU), rope and
+#                                             # noise tilings (paris_recall --tile)
+#   call 3, carry [".whl-py", "data/austen"], timeout 600 (~3 min):
+#     bash benches/paris/on_device.sh quality  # eval.py fp16 + sim:paris-k256 + sim:paris-k256-oracle:
+#                                             # perplexity at 8K on five novels, per-layer error at
+#                                             # 8K, needle at 8K (depths 0.25/0.5/0.75)
+# Only .bin/paris_recall is needed for call 2:
+#   cargo build --release -p kvforge-lab --example paris_recall && mkdir -p .bin && strip -o .bin/paris_recall target/release/examples/paris_recall
+# Knobs (env): LAYERS (capture, 3,8,15,22,28), HEADS (3), QUERIES (32), LENGTHS (131072,1048576),
+# TEXTS (eval texts, all five), SCHEMES (fp16,paris).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
@@ -25,7 +40,53 @@ QK=/tmp/paris-qk-emma.safetensors
 DATE=$(date -u +%F)
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr ' ' '-' | tr 'A-Z' 'a-z' || echo gpu)
 
+M=/root/m
+join_model() {
+  if [ ! -f $M/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ -f $M/part-a ] && [ -d .model-b ]; then
+    cat $M/part-a .model-b/part-b > $M/SmolLM2-135M-Instruct.Q4_1.gguf && rm $M/part-a && cp .model-b/SHA256SUMS $M/
+  fi
+  [ -f $M/SHA256SUMS ] || { echo "no model in $M: run 'model-a' (carry .model-a), then this call with .model-b" >&2; exit 2; }
+  (cd $M && sha256sum -c SHA256SUMS)
+}
+
 case "${1:-}" in
+  model-a)
+    mkdir -p $M && cp .model-a/part-a $M/part-a && ls -l $M
+    ;;
+  smollm2)
+    join_model
+    t0=$(date +%s)
+    PYTHONPATH=$ROOT/.whl-py PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 benches/paris/capture_qk.py --model $M --device cuda \
+      --tokens 8192 --layers "${LAYERS:-3,8,15,22,28}" --out "$QK" 2>&1 | grep -v 'it/s]' | tee "$OUT/paris-capture.log"
+    ls -l "$QK"
+    echo "capture: $(( $(date +%s) - t0 ))s"
+    for tile in rope noise; do
+      .bin/paris_recall --qk "$QK" --tile $tile --lengths "${LENGTHS:-131072,1048576}" --heads "${HEADS:-3}" --queries "${QUERIES:-32}" \
+        --label "SmolLM2-135M Emma 8K tokens tiled ($tile), $GPU host CPU ($(nproc) cores), $DATE" \
+        --out "$OUT/paris-recall-smollm2-$tile-$DATE.json" 2>&1 | tee "$OUT/paris-recall-$tile.log"
+      python3 -c "import json,sys; [print('$tile', r) for r in json.load(open(sys.argv[1]))['summary']]" "$OUT/paris-recall-smollm2-$tile-$DATE.json"
+    done
+    echo "total: $(( $(date +%s) - t0 ))s"
+    ;;
+  quality)
+    join_model
+    t0=$(date +%s)
+    F="$OUT/quality-paris-$GPU-$DATE.json"
+    PYTHONPATH=$ROOT/.whl-py PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 benches/quality/eval.py --model $M --schemes "${SCHEMES:-fp16,paris}" \
+      --contexts 8192 ${TEXTS:+--texts $TEXTS} --layer-error-contexts 8192 --needle-contexts 8192 --needle-depths 0.25,0.5,0.75 \
+      --out "$F" 2>&1 | grep -v 'it/s]' | tee "$OUT/quality-paris.log"
+    python3 - "$F" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))["schemes"]
+base = r.get("fp16", {}).get("perplexity", {}).get("8192", {}).get("mean")
+for name, s in r.items():
+    p = s.get("perplexity", {}).get("8192", {}).get("mean")
+    n = s.get("needle", {}).get("score")
+    ratio = p / base if p and base else None
+    print(f"{name}: ppl@8192 {p} ratio {ratio} needle {n} recall_by_layer {s.get('stats', {}).get('recall_vs_exact_topk_by_layer')}")
+PY
+    echo "total: $(( $(date +%s) - t0 ))s"
+    ;;
   gpu)
     nvidia-smi -L
     .bin/paris_gpu --include-ignored --test-threads 1 2>&1 | tee "$OUT/paris-gpu-tests-$GPU-$DATE.log"
@@ -36,21 +97,8 @@ case "${1:-}" in
     compute-sanitizer --tool memcheck .bin/paris_gpu --ignored --test-threads 1 attention_matches 2>&1 | tail -20 | tee "$OUT/paris-memcheck-$GPU-$DATE.log"
     compute-sanitizer --tool racecheck .bin/paris_gpu --ignored --test-threads 1 retrieval_matches 2>&1 | tail -20 | tee "$OUT/paris-racecheck-$GPU-$DATE.log"
     ;;
-  capture)
-    R=$PWD
-    test -f /root/m/SmolLM2-135M-Instruct.Q4_1.gguf || { cat /root/m/part-a .model-b/part-b > /root/m/SmolLM2-135M-Instruct.Q4_1.gguf && rm /root/m/part-a && cp .model-b/SHA256SUMS /root/m/; }
-    (cd /root/m && sha256sum -c SHA256SUMS)
-    PYTHONPATH=$R/.whl-py PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 python3 benches/paris/capture_qk.py --model /root/m --device cuda \
-      --tokens 8192 --layers 3,8,15,22,28 --out "$QK" 2>&1 | grep -v 'it/s]' | tee "$OUT/paris-capture.log"
-    ls -l "$QK"
-    ;;
-  recall)
-    test -f "$QK" || { echo "no $QK: run 'capture' first on this (warm) machine" >&2; exit 1; }
-    .bin/paris_recall --qk "$QK" --lengths 131072,1048576 --heads 2 --queries 32 \
-      --label "SmolLM2-135M emma 8K tokens tiled, $GPU host CPU, $DATE" --out "$OUT/paris-recall-smollm2-$DATE.json" 2>&1 | tee "$OUT/paris-recall.log"
-    ;;
   *)
-    echo "usage: $0 gpu|memcheck|capture|recall" >&2
+    echo "usage: $0 gpu|memcheck|model-a|smollm2|quality" >&2
     exit 2
     ;;
 esac

@@ -47,6 +47,8 @@ SCHEME_GROUPS = {
     "rotated-variants": ["sim:k3v2", "sim:k4v2", "sim:r2-gauss", "sim:r2-norm", "sim:r2-sink64"],
     # kvtc (seed 003): needs $KVFORGE_KVTC_CAL and the kvforge binary (benches/quality/kvtc_on_device.sh)
     "kvtc": [f"sim:kvtc-{r}" for r in (4, 8, 16, 20, 32, 64)],
+    # ParisKV (seed 001, issue 27): sinks + local + top-256 retrieved, and the exact top-256 (paris_sim.py)
+    "paris": ["sim:paris-k256", "sim:paris-k256-oracle"],
 }
 KVFORGE_SCHEMES = [
     "kvforge:specs/baseline.toml:fp16",

@@ -21,6 +21,11 @@ Backends (``make_backend(name)``):
                                 ``unpack``: the Rust reference itself, no re-implementation);
                                 attention then reads the restored cache. Bytes are the
                                 container's, measured.
+* ``sim:paris-k<k>[-oracle]...`` ParisKV retrieval decode (seed 001, issue 27): every query
+                                position attends over sinks + local + the top-k keys the
+                                ParisKV pipeline retrieves (``paris_sim.py``, a port of
+                                crates/kvforge-paris checked against it); ``-oracle``: the exact
+                                top-k instead.
 * ``kvforge:<spec.toml>:<tier>`` the kvforge Python extension: one ``kvforge.Cache`` per layer,
                                 post-RoPE K/V appended (full pages encoded to ``tier``), queries
                                 answered by ``attend_prefix`` (prompt) / ``decode`` (one token).
@@ -785,6 +790,10 @@ def make_backend(name: str, max_tokens: int = 8192 + 256):
         if len(parts) > 3 or entropy not in ("deflate", "zstd", "none"):
             raise SystemExit(f"unknown kvtc backend `{name}`: sim:kvtc-<ratio>[-deflate|-zstd|-none]")
         return KvtcSimBackend(float(parts[1]), entropy, name)
+    if kind == "sim" and rest.startswith("paris-"):
+        import paris_sim  # ParisKV retrieval (seed 001): sim:paris-k<k>[-oracle]...
+
+        return paris_sim.ParisSimBackend.parse(name)
     if kind == "sim" and rest.startswith("sph:"):
         return SphSimBackend(rest[4:], name)
     if kind == "sim":

@@ -17,6 +17,7 @@ use clap::Parser;
 use half::f16;
 use kvforge_paris::{ParisConfig, Schedule};
 use kvforge_rt::paris::{ParisGeometry, ParisIndex, StepTimes};
+use kvforge_rt::testing::Xorshift;
 use kvforge_rt::Device;
 use serde_json::json;
 
@@ -47,11 +48,9 @@ struct Args {
 }
 
 fn fill(buf: &mut [f16], salt: u64, d: usize) {
-    let mut s = salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    let mut rng = Xorshift::new(salt);
     for (i, x) in buf.iter_mut().enumerate() {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
+        let s = rng.next_u64();
         // Sum of two uniforms, centred: cheap, roughly bell-shaped.
         let u = ((s >> 40) as f32 + ((s >> 16) & 0xff_ffff) as f32) / (1u64 << 24) as f32 - 1.0;
         *x = f16::from_f32(1.5 * ((i % d) as f32 * 0.37).sin() + 1.7 * u);

@@ -5,9 +5,9 @@
 //! ```text
 //! cargo run --release -p kvforge-lab --example paris_recall -- \
 //!     --lengths 131072,1048576 --head-dims 128,64 --out benches/results/paris-recall-cpu-DATE.json
-//! # captured SmolLM2 keys/queries (benches/paris/capture_qk.py):
+//! # captured SmolLM2 keys/queries (benches/paris/capture_qk.py; benches/paris/on_device.sh smollm2):
 //! cargo run --release -p kvforge-lab --example paris_recall -- --qk data/keys/qk-emma.safetensors \
-//!     --lengths 131072,1048576 --out ...
+//!     --heads 3 --tile rope --lengths 131072,1048576 --out ...
 //! ```
 //!
 //! **Synthetic keys with drift** (`--source synthetic`), per head dim `D`, all draws from one
@@ -22,11 +22,20 @@
 //! - queries are decode queries: `μ^q_c + σ^B_c (1.2 b_jc + 0.7 g)` with `b_j` a uniform B
 //!   centre (so half of them aim at centres that prefill keys share) and `μ^q = 0.5 σ ⊙ g`.
 //!
-//! **Captured keys** (`--qk`): tensors `k.LNN` `[Hkv, T, D]` and `q.LNN` `[Hq, T, D]` (fp16). For
-//! each layer and KV head the `T` keys are tiled to `n`: copy `r ≥ 1` of key `t` is
-//! `k_t + 0.05 s ⊙ g` with `s` the per-channel std of that head's keys (so copies do not tie
-//! in the exact top-k); queries are the last `--queries` positions' queries of the group's
-//! query heads (GQA, round robin).
+//! **Captured keys** (`--qk`): tensors `k.LNN` `[Hkv, T, D]` and `q.LNN` `[Hq, T, D]` (fp16,
+//! post-RoPE). For each layer and KV head the `T` keys are tiled to `n` (`--tile`):
+//! - `rope` (default): the text repeated, as if it recurred at positions `rT, rT + 1, …`: copy
+//!   `r` of key `t` is the captured key rotated by RoPE at offset `rT` (`k(p + o) = RoPE(o) k(p)`
+//!   for post-RoPE keys; rotate-half pairs `(i, i + D/2)`, frequencies `θ^(−2i/D)` with `θ` the
+//!   file's metadata `rope_theta`), and every query is rotated by `n − T`, so it sits at the end
+//!   of the tiled context. Copies then score differently by their distance, as repeated text
+//!   does in a long context (the last few keys of the last copy lie after the query);
+//! - `noise`: copy `r ≥ 1` of key `t` is `k_t + 0.05 s ⊙ g` with `s` the per-channel std of that
+//!   head's keys (so copies do not tie in the exact top-k): near-duplicates, whose order the
+//!   4-bit rerank must resolve from 5% noise (the harder, less realistic case).
+//!
+//! Queries are the last `--queries` positions' queries of the group's query heads (GQA, round
+//! robin). The JSON's `summary` holds, per length, the mean over the (layer, kv head) runs.
 //!
 //! For every query: the exact top-k (f64), the adaptive schedule's retrieval
 //! ([`Schedule::default`]), and a sweep of fixed `(ρ, β)` with the 4-bit rerank and with an
@@ -77,6 +86,12 @@ struct Args {
     /// KV heads per layer of the captured file (the first ones).
     #[arg(long, default_value_t = 2)]
     heads: usize,
+    /// How captured keys are tiled to length: `rope` or `noise` (module docs).
+    #[arg(long, default_value = "rope")]
+    tile: String,
+    /// RoPE base for `--tile rope` when the file's metadata has no `rope_theta`.
+    #[arg(long)]
+    rope_theta: Option<f64>,
     /// Where to write the JSON.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -257,6 +272,45 @@ fn f16_rows(t: &safetensors::tensor::TensorView<'_>) -> Vec<f32> {
     t.data().chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
 }
 
+/// Rotates a post-RoPE row `x` (`[D]`) by RoPE at position offset `offset` (rotate-half
+/// pairs `(i, i + D/2)`, angle `offset · θ^(−2i/D)`, f64).
+fn rope_shift(x: &[f32], offset: f64, theta: f64) -> Vec<f64> {
+    let h = x.len() / 2;
+    let mut out = vec![0f64; x.len()];
+    for i in 0..h {
+        let a = offset * theta.powf(-2.0 * i as f64 / x.len() as f64);
+        let (sn, cs) = a.sin_cos();
+        let (x0, x1) = (f64::from(x[i]), f64::from(x[i + h]));
+        out[i] = x0 * cs - x1 * sn;
+        out[i + h] = x1 * cs + x0 * sn;
+    }
+    out
+}
+
+/// Per length, the mean over runs of the adaptive recall, its coarse recall and the recall at
+/// ratio 0.10 (sweep entry 2: ρ 0.20, β 0.10).
+fn summarize_runs(runs: &[Value]) -> Value {
+    let mut lengths: Vec<u64> = runs.iter().filter_map(|r| r["n"].as_u64()).collect();
+    lengths.sort_unstable();
+    lengths.dedup();
+    let rows: Vec<Value> = lengths
+        .iter()
+        .map(|&n| {
+            let of: Vec<&Value> = runs.iter().filter(|r| r["n"].as_u64() == Some(n)).collect();
+            let m = |f: &dyn Fn(&Value) -> Option<f64>| of.iter().filter_map(|r| f(r)).sum::<f64>() / of.len().max(1) as f64;
+            let worst = of.iter().filter_map(|r| r["adaptive"]["result"]["recall"]["mean"].as_f64()).fold(f64::INFINITY, f64::min);
+            json!({
+                "n": n, "runs": of.len(),
+                "adaptive_recall_mean": m(&|r| r["adaptive"]["result"]["recall"]["mean"].as_f64()),
+                "adaptive_coarse_recall_mean": m(&|r| r["adaptive"]["result"]["coarse_recall"]["mean"].as_f64()),
+                "adaptive_recall_worst_run": worst,
+                "ratio_0.10_recall_mean": m(&|r| r["sweep"][2]["result"]["recall"]["mean"].as_f64()),
+            })
+        })
+        .collect();
+    json!(rows)
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let style = ProgressStyle::with_template("{bar:40} {pos}/{len} queries {elapsed} {msg}")?;
@@ -278,6 +332,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         Some(path) => {
             let bytes = std::fs::read(path)?;
             let st = safetensors::SafeTensors::deserialize(&bytes)?;
+            let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes)?;
+            let theta = match (args.tile.as_str(), args.rope_theta) {
+                ("noise", _) => None,
+                ("rope", Some(t)) => Some(t),
+                ("rope", None) => {
+                    Some(meta.metadata().as_ref().and_then(|m| m.get("rope_theta")).and_then(|t| t.parse::<f64>().ok()).ok_or("--tile rope needs rope_theta in the file's metadata or --rope-theta")?)
+                }
+                (other, _) => return Err(format!("--tile {other}: rope or noise").into()),
+            };
             let mut layers: Vec<usize> = st.names().iter().filter_map(|n| n.strip_prefix("k.L").and_then(|l| l.parse().ok())).collect();
             layers.sort_unstable();
             if !args.layers.is_empty() {
@@ -298,25 +361,47 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         })
                         .collect();
                     let g = hq / hkv;
-                    let qs: Vec<Vec<f64>> = (0..args.queries)
-                        .map(|j| {
-                            let qh = h * g + j % g;
-                            let pos = t - 1 - j / g;
-                            qall[(qh * t + pos) * d..(qh * t + pos + 1) * d].iter().map(|&v| f64::from(v)).collect()
-                        })
-                        .collect();
+                    let qrow = |j: usize| {
+                        let qh = h * g + j % g;
+                        let pos = t - 1 - j / g;
+                        &qall[(qh * t + pos) * d..(qh * t + pos + 1) * d]
+                    };
                     for &n in &args.lengths {
                         bar.set_message(format!("layer {l} head {h} n {n}"));
+                        let qs: Vec<Vec<f64>> = (0..args.queries)
+                            .map(|j| match theta {
+                                Some(th) => rope_shift(qrow(j), n.saturating_sub(t) as f64, th),
+                                None => qrow(j).iter().map(|&v| f64::from(v)).collect(),
+                            })
+                            .collect();
                         let mut rng = ChaCha8Rng::seed_from_u64(args.seed ^ ((l * 1000 + h) as u64));
-                        let mut keys = Vec::with_capacity(n * d);
-                        for i in 0..n {
-                            let (r, row) = (i / t, &base[(i % t) * d..(i % t + 1) * d]);
-                            keys.extend(row.iter().enumerate().map(|(c, &v)| if r == 0 { v } else { (f64::from(v) + 0.05 * std[c] * gauss(&mut rng)) as f32 }));
-                        }
+                        let keys: Vec<f32> = match theta {
+                            Some(th) => (0..n)
+                                .into_par_iter()
+                                .flat_map_iter(|i| {
+                                    let (r, row) = (i / t, &base[(i % t) * d..(i % t + 1) * d]);
+                                    if r == 0 {
+                                        row.to_vec()
+                                    } else {
+                                        rope_shift(row, (r * t) as f64, th).into_iter().map(|v| v as f32).collect()
+                                    }
+                                })
+                                .collect(),
+                            None => {
+                                let mut keys = Vec::with_capacity(n * d);
+                                for i in 0..n {
+                                    let (r, row) = (i / t, &base[(i % t) * d..(i % t + 1) * d]);
+                                    keys.extend(row.iter().enumerate().map(|(c, &v)| if r == 0 { v } else { (f64::from(v) + 0.05 * std[c] * gauss(&mut rng)) as f32 }));
+                                }
+                                keys
+                            }
+                        };
                         let mut v = study("captured-tiled", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, args.k, &bar);
                         v["layer"] = json!(l);
                         v["kv_head"] = json!(h);
                         v["captured_tokens"] = json!(t);
+                        v["tile"] = json!(args.tile);
+                        v["rope_theta"] = json!(theta);
                         runs.push(v);
                     }
                 }
@@ -332,6 +417,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "note": "quoted from seed 001 §5.4 (Fig. 9), not measured here: Recall@100 at candidate ratio 0.10 by KV length, Qwen/Llama keys",
             "ratio_0.10": {"5K": 0.6104, "10K": 0.6774, "30K": 0.8036, "100K": 0.8376},
         },
+        "summary": if args.qk.is_some() { summarize_runs(&runs) } else { Value::Null },
         "runs": runs,
     });
     let text = serde_json::to_string_pretty(&out)?;

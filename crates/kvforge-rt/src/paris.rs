@@ -26,7 +26,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::sys::{CUevent_flags, CUfunction_attribute};
-use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice, PushKernelArg};
+use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg};
 use half::f16;
 use kvforge_paris::{ParisConfig, Schedule};
 
@@ -212,14 +212,14 @@ const _: () = assert!(std::mem::size_of::<FetchParams>() == 80);
 const _: () = assert!(std::mem::size_of::<AttendParams>() == 120);
 
 // SAFETY: plain-old-data mirrors of the kernel parameter structs (asserted sizes above).
-unsafe impl cudarc::driver::DeviceRepr for EncodeParams {}
-unsafe impl cudarc::driver::DeviceRepr for BonusParams {}
-unsafe impl cudarc::driver::DeviceRepr for VoteParams {}
-unsafe impl cudarc::driver::DeviceRepr for SelectParams {}
-unsafe impl cudarc::driver::DeviceRepr for BucketParams {}
-unsafe impl cudarc::driver::DeviceRepr for RerankParams {}
-unsafe impl cudarc::driver::DeviceRepr for FetchParams {}
-unsafe impl cudarc::driver::DeviceRepr for AttendParams {}
+unsafe impl DeviceRepr for EncodeParams {}
+unsafe impl DeviceRepr for BonusParams {}
+unsafe impl DeviceRepr for VoteParams {}
+unsafe impl DeviceRepr for SelectParams {}
+unsafe impl DeviceRepr for BucketParams {}
+unsafe impl DeviceRepr for RerankParams {}
+unsafe impl DeviceRepr for FetchParams {}
+unsafe impl DeviceRepr for AttendParams {}
 
 /// Device time of one decode step's phases, microseconds (CUDA events).
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
@@ -439,6 +439,25 @@ impl ParisIndex {
         Ok(())
     }
 
+    /// Launches the module's entry `entry` with its one parameter struct over `grid` CTAs of
+    /// `block` threads and `smem` bytes of dynamic shared memory (opting in to more than the
+    /// default where `smem` passes 40 KiB).
+    ///
+    /// # Safety
+    /// `P` mirrors the entry's C++ parameter struct field for field (the sizes asserted at the
+    /// top of this file), and every buffer it points to is sized for the launch: each caller
+    /// states why.
+    unsafe fn launch<P: DeviceRepr>(&self, entry: &str, params: &P, grid: (u32, u32, u32), block: u32, smem: usize) -> Result<()> {
+        let f = &self.funcs[entry];
+        if smem > 40 * 1024 {
+            f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(drv(format!("paris {entry} shared memory")))?;
+        }
+        let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem as u32 };
+        // SAFETY: the caller's contract above.
+        unsafe { self.st.launch_builder(f).arg(params).launch(cfg) }.map_err(drv(format!("launch paris {entry}")))?;
+        Ok(())
+    }
+
     /// Appends `rows` keys and values (`[rows][kv_heads][D]` fp16 each) to the retrieval region
     /// of `seq`: K/V into pinned host memory, summaries encoded on the GPU. Past the capacity
     /// (the host budget) it is a typed error and nothing is written.
@@ -479,10 +498,9 @@ impl ParisIndex {
         let seq_of = st.clone_htod(&vec![seq as u32; rows]).map_err(drv("new rows"))?;
         let pos_of = st.clone_htod(&(start as u32..end as u32).collect::<Vec<_>>()).map_err(drv("new rows"))?;
         let p = EncodeParams { ix: self.raw(), keys: kd.device_ptr(&st).0, seq_of: seq_of.device_ptr(&st).0, pos_of: pos_of.device_ptr(&st).0, rows: rows as i32, seed: self.cfg.seed, levels: self.levels };
-        let cfg = LaunchConfig { grid_dim: (rows.div_ceil(4) as u32, hkv as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: params mirror EncodeParams; rows index `keys` ([rows][Hkv][D] uploaded above)
-        // and write summaries at positions start..end < capacity of `seq`.
-        unsafe { st.launch_builder(&self.funcs["encode"]).arg(&p).launch(cfg) }.map_err(drv("launch paris encode"))?;
+        // SAFETY: EncodeParams; rows index `keys` ([rows][Hkv][D] uploaded above) and write
+        // summaries at positions start..end < capacity of `seq`.
+        unsafe { self.launch("encode", &p, (rows.div_ceil(4) as u32, hkv as u32, 1), 128, 0) }?;
         self.len[seq] = end;
         let lens: Vec<u32> = self.len.iter().map(|&n| n as u32).collect();
         st.memcpy_htod(&lens, &mut self.len_d).map_err(drv("lengths"))?;
@@ -585,8 +603,8 @@ impl ParisIndex {
             hkv: g.kv_heads as i32,
             seed: self.cfg.seed,
         };
-        // SAFETY: params mirror BonusParams; buffers sized [batch][Hq][...] in `new`.
-        unsafe { st.launch_builder(&self.funcs["bonus"]).arg(&bp).launch(LaunchConfig { grid_dim: (qh as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }.map_err(drv("launch paris bonus"))?;
+        // SAFETY: BonusParams; buffers sized [batch][Hq][...] in `new`.
+        unsafe { self.launch("bonus", &bp, (qh as u32, 1, 1), 256, 0) }?;
         let vp = VoteParams {
             ids: self.ids.device_ptr(st).0,
             len: self.len_d.device_ptr(st).0,
@@ -597,9 +615,8 @@ impl ParisIndex {
             hkv: g.kv_heads as i32,
         };
         let most = self.len.iter().copied().max().unwrap_or(0).max(1);
-        // SAFETY: params mirror VoteParams; threads past a sequence's length return.
-        unsafe { st.launch_builder(&self.funcs["vote"]).arg(&vp).launch(LaunchConfig { grid_dim: (most.div_ceil(256) as u32, (g.batch * g.kv_heads) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }
-            .map_err(drv("launch paris vote"))?;
+        // SAFETY: VoteParams; threads past a sequence's length return.
+        unsafe { self.launch("vote", &vp, (most.div_ceil(256) as u32, (g.batch * g.kv_heads) as u32, 1), 256, 0) }?;
         Ok(())
     }
 
@@ -628,20 +645,16 @@ impl ParisIndex {
         // kernel's static 4 KiB and the block-select scratch).
         let staged_bytes = self.geo.max_candidates * 4;
         let staged = topk && staged_bytes + 8 * 1024 <= self.max_smem;
-        let f = match (topk, staged) {
-            (false, _) => &self.funcs["select"],
-            (true, false) => &self.funcs["topk"],
-            (true, true) => &self.funcs["topk_staged"],
+        let entry = match (topk, staged) {
+            (false, _) => "select",
+            (true, false) => "topk",
+            (true, true) => "topk_staged",
         };
         let smem = if staged { staged_bytes } else { 0 };
-        if smem > 40 * 1024 {
-            f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(drv("paris top-k shared memory"))?;
-        }
-        // SAFETY: params mirror SelectParams; select writes at most `stride` candidates per
-        // (sequence, query head), top-k at most max_k ≤ 1024; the staged top-k's dynamic
-        // shared memory holds max_candidates ≥ count floats.
-        unsafe { self.st.launch_builder(f).arg(&p).launch(LaunchConfig { grid_dim: (qh as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: smem as u32 }) }.map_err(drv("launch paris select"))?;
-        Ok(())
+        // SAFETY: SelectParams; select writes at most `stride` candidates per (sequence, query
+        // head), top-k at most max_k ≤ 1024; the staged top-k's dynamic shared memory holds
+        // max_candidates ≥ count floats.
+        unsafe { self.launch(entry, &p, (qh as u32, 1, 1), 1024, smem) }
     }
 
     /// The top-C of the collision scores over many CTAs: per-chunk counts, then each chunk's
@@ -665,13 +678,13 @@ impl ParisIndex {
             hq: (g.kv_heads * g.gqa) as i32,
             chunks: chunks as i32,
         };
-        let cfg = LaunchConfig { grid_dim: (live as u32, qh as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: params mirror BucketParams; chunk arrays hold `chunks` ≥ `live` entries per
-        // row; emit writes at most min(want, stride) candidates per row.
-        unsafe { st.launch_builder(&self.funcs["bucket_count"]).arg(&p).launch(cfg) }.map_err(drv("launch paris bucket_count"))?;
-        // SAFETY: as above.
-        unsafe { st.launch_builder(&self.funcs["bucket_emit"]).arg(&p).launch(cfg) }.map_err(drv("launch paris bucket_emit"))?;
-        Ok(())
+        let grid = (live as u32, qh as u32, 1);
+        // SAFETY: BucketParams; chunk arrays hold `chunks` ≥ `live` entries per row; emit
+        // writes at most min(want, stride) candidates per row.
+        unsafe {
+            self.launch("bucket_count", &p, grid, 256, 0)?;
+            self.launch("bucket_emit", &p, grid, 256, 0)
+        }
     }
 
     fn launch_rerank(&self) -> Result<()> {
@@ -688,10 +701,8 @@ impl ParisIndex {
             hq: (g.kv_heads * g.gqa) as i32,
             levels: self.levels,
         };
-        // SAFETY: params mirror RerankParams; threads past a row's candidate count return.
-        unsafe { st.launch_builder(&self.funcs["rerank"]).arg(&p).launch(LaunchConfig { grid_dim: (g.max_candidates.div_ceil(128) as u32, qh as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 }) }
-            .map_err(drv("launch paris rerank"))?;
-        Ok(())
+        // SAFETY: RerankParams; threads past a row's candidate count return.
+        unsafe { self.launch("rerank", &p, (g.max_candidates.div_ceil(128) as u32, qh as u32, 1), 128, 0) }
     }
 
     fn launch_fetch(&self) -> Result<()> {
@@ -711,10 +722,9 @@ impl ParisIndex {
             hq: (g.kv_heads * g.gqa) as i32,
             hkv: g.kv_heads as i32,
         };
-        // SAFETY: params mirror FetchParams; host_k/host_v are DEVICEMAP pinned slabs (UVA
-        // addresses), rows past a sequence's length are flagged, not read.
-        unsafe { st.launch_builder(&self.funcs["fetch"]).arg(&p).launch(LaunchConfig { grid_dim: (qh as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }.map_err(drv("launch paris fetch"))?;
-        Ok(())
+        // SAFETY: FetchParams; host_k/host_v are DEVICEMAP pinned slabs (UVA addresses), rows
+        // past a sequence's length are flagged, not read.
+        unsafe { self.launch("fetch", &p, (qh as u32, 1, 1), 256, 0) }
     }
 
     fn launch_attend(&self, fused: bool) -> Result<()> {
@@ -741,15 +751,10 @@ impl ParisIndex {
             hkv: g.kv_heads as i32,
         };
         let smem = (g.dense_capacity + g.max_k) * 4;
-        let f = if fused { &self.funcs["attend_fused"] } else { &self.funcs["attend"] };
-        if smem > 40 * 1024 {
-            f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(drv("paris attend shared memory"))?;
-        }
-        // SAFETY: params mirror AttendParams; dynamic shared memory holds dense_cap + max_k
-        // logits; the fused kernel reads retrieved rows at `top` < len (checked by the
-        // retrieval, which selects among indexed keys only).
-        unsafe { st.launch_builder(f).arg(&p).launch(LaunchConfig { grid_dim: (qh as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: smem as u32 }) }.map_err(drv("launch paris attend"))?;
-        Ok(())
+        // SAFETY: AttendParams; dynamic shared memory holds dense_cap + max_k logits; the fused
+        // kernel reads retrieved rows at `top` < len (checked by the retrieval, which selects
+        // among indexed keys only).
+        unsafe { self.launch(if fused { "attend_fused" } else { "attend" }, &p, (qh as u32, 1, 1), 128, smem) }
     }
 
     /// Retrieves the top-`k` keys of every (sequence, query head) for queries `q`

@@ -38,3 +38,44 @@ pub fn device() -> Arc<Device> {
         Err(e) => panic!("needs a CUDA device: {e}"),
     }
 }
+
+/// `n` test values in `[-1, 1)`, a multiplicative hash of the index and `seed` (cheap,
+/// deterministic, no RNG dependency).
+pub fn data(n: usize, seed: u32) -> Vec<f32> {
+    (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed * 97)) % 2000) as f32 / 1000.0 - 1.0).collect()
+}
+
+/// [`data`] rounded to fp16, so host and device paths see the same numbers.
+pub fn data_f16(n: usize, seed: u32) -> Vec<f32> {
+    data(n, seed).into_iter().map(|v| half::f16::from_f32(v).to_f32()).collect()
+}
+
+/// A xorshift64 stream (shifts 13, 7, 17) seeded with `salt · 0x9e3779b97f4a7c15 | 1`: the
+/// same numbers in every test and in the fixture writers that mirror it.
+#[derive(Clone, Debug)]
+pub struct Xorshift(u64);
+
+impl Xorshift {
+    pub fn new(salt: u64) -> Xorshift {
+        Xorshift(salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let s = &mut self.0;
+        *s ^= *s << 13;
+        *s ^= *s >> 7;
+        *s ^= *s << 17;
+        *s
+    }
+
+    /// Uniform in `[0, 1)`, 53 bits.
+    pub fn uniform(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// Standard normal (Box–Muller, one of the pair).
+    pub fn gauss(&mut self) -> f64 {
+        let (u, v) = (self.uniform().max(1e-12), self.uniform());
+        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+    }
+}

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 use half::f16;
+use kvforge_rt::testing::data_f16 as data;
 use kvforge_rt::{CacheConfig, Device, KvCache, RtError};
 use kvforge_spec::{Spec, HEADER_BYTES, TAIL_TIER};
 
@@ -22,11 +23,6 @@ const SEQS: usize = 4;
 
 /// (spec file, target tier name): dense, integer, spherical, rotated.
 const CASES: &[(&str, &str)] = &[("baseline.toml", "fp16"), ("rdkv.toml", "b4"), ("spherical.toml", "high"), ("rotated.toml", "r4")];
-
-/// Values in [-1, 1) that are exact in fp16 (so host and device paths see the same numbers).
-fn data(n: usize, seed: u32) -> Vec<f32> {
-    (0..n).map(|i| f16::from_f32((((i as u32).wrapping_mul(2654435761).wrapping_add(seed * 97)) % 2000) as f32 / 1000.0 - 1.0).to_f32()).collect()
-}
 
 fn upload_f16(dev: &Device, x: &[f32]) -> CudaSlice<u16> {
     let bits: Vec<u16> = x.iter().map(|&v| f16::from_f32(v).to_bits()).collect();

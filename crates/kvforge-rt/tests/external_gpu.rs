@@ -8,16 +8,12 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::f16;
+use kvforge_rt::testing::data_f16 as data;
 use kvforge_rt::{CacheConfig, Device, ElemType, ExternalTensor, KvCache, RtError};
 use kvforge_spec::{KeyScheme, Spec, HEADER_BYTES};
 
-/// Values in [-1, 1) that are exact in fp16 (so host and device paths see the same numbers).
 fn spec(name: &str) -> Spec {
     kvforge_rt::testing::shipped_spec(name)
-}
-
-fn data(n: usize, seed: u32) -> Vec<f32> {
-    (0..n).map(|i| f16::from_f32((((i as u32).wrapping_mul(2654435761).wrapping_add(seed * 97)) % 2000) as f32 / 1000.0 - 1.0).to_f32()).collect()
 }
 
 fn upload_f16(dev: &Device, x: &[f32]) -> CudaSlice<u16> {

@@ -1,15 +1,12 @@
 //! GPU tests: run on the device with `cargo test -- --ignored`. On a machine without a GPU
 //! they are ignored; forced with `--ignored` they fail ("needs a CUDA device: ...").
 
+use kvforge_rt::testing::data;
 use kvforge_rt::{CacheConfig, KvCache, RtError};
 use kvforge_spec::{mixed_widths, KeyScheme, Spec, VariantId, HEADER_BYTES, TAIL_TIER};
 
 fn spec(name: &str) -> Spec {
     kvforge_rt::testing::shipped_spec(name)
-}
-
-fn data(n: usize, seed: u32) -> Vec<f32> {
-    (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed * 97)) % 2000) as f32 / 1000.0 - 1.0).collect()
 }
 
 #[test]

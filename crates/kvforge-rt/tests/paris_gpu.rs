@@ -6,25 +6,13 @@
 use half::f16;
 use kvforge_paris::{exact_top_k, recall, retrieve, ParisConfig, Query, Schedule, Summaries};
 use kvforge_rt::paris::{ParisGeometry, ParisIndex};
+use kvforge_rt::testing::Xorshift;
 use kvforge_rt::{Device, RtError};
 
 /// Keys / values / queries: a shared mean direction plus noise, from a fixed xorshift stream.
 fn rows(n: usize, d: usize, salt: u64, mean: f64) -> Vec<f16> {
-    let mut s = salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    let mut next = move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        (s >> 11) as f64 / (1u64 << 53) as f64
-    };
-    (0..n * d)
-        .map(|i| {
-            let (u, v) = (next().max(1e-12), next());
-            let g = (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos();
-            let c = i % d;
-            f16::from_f64(mean * ((c as f64 * 0.37).sin()) + g)
-        })
-        .collect()
+    let mut rng = Xorshift::new(salt);
+    (0..n * d).map(|i| f16::from_f64(mean * ((i % d) as f64 * 0.37).sin() + rng.gauss())).collect()
 }
 
 /// Rows of kv head `h` out of `[rows][hkv][d]`, as f32.

@@ -1,0 +1,221 @@
+"""CPU tests of paris_sim.py (pytest): the torch port against the kvforge-paris f64 reference
+(fixtures/paris-reference.json, written by `cargo run --release -p kvforge-paris --example
+paris_fixture`), the batched causal backend against a per-position brute force, and a tiny
+random Llama through the attention interface."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+np = pytest.importorskip("numpy")
+torch = pytest.importorskip("torch")
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import kvq  # noqa: E402
+import paris_sim as ps  # noqa: E402
+
+FIXTURE = HERE / "fixtures" / "paris-reference.json"
+M64 = (1 << 64) - 1
+
+
+class Xorshift:
+    """The fixture's stream (crates/kvforge-paris/examples/paris_fixture.rs)."""
+
+    def __init__(self, salt):
+        self.s = ((salt * 0x9E3779B97F4A7C15) & M64) | 1
+
+    def uniform(self):
+        s = self.s
+        s ^= (s << 13) & M64
+        s ^= s >> 7
+        s ^= (s << 17) & M64
+        self.s = s
+        return (s >> 11) / float(1 << 53)
+
+    def noise(self):
+        a, b, c = self.uniform(), self.uniform(), self.uniform()
+        return a + b + c - 1.5
+
+
+def mean_c(c):
+    return ((37 * c) % 17) / 8.0 - 1.0
+
+
+def cen(j, c):
+    return ((131 * j + 29 * c) % 23) / 11.0 - 1.0
+
+
+def inputs(d, n, salt):
+    rng = Xorshift(salt)
+    keys = np.zeros((n, d), dtype=np.float64)
+    for i in range(n):
+        for c in range(d):
+            v = 1.5 * mean_c(c) + cen(i % 7, c) + 0.8 * rng.noise()
+            keys[i, c] = 0.0 if i == 5 else v
+    queries = [[1.3 * cen(r + 1, c) + 0.5 * rng.noise() + 0.3 * mean_c(c) for c in range(d)] for r in range(3)]
+    return torch.from_numpy(keys.astype(np.float32)), torch.tensor(queries, dtype=torch.float64)
+
+
+def fnv(b: bytes) -> str:
+    h = 0xCBF29CE484222325
+    for x in b:
+        h = ((h ^ x) * 0x100000001B3) & M64
+    return f"{h:016x}"
+
+
+def le(t: torch.Tensor, dtype) -> bytes:
+    return t.cpu().numpy().astype(dtype).tobytes()
+
+
+@pytest.fixture(scope="module")
+def fixture():
+    return json.loads(FIXTURE.read_text())
+
+
+@pytest.mark.parametrize("case_ix", [0, 1])
+def test_port_matches_reference(fixture, case_ix):
+    case = fixture["cases"][case_ix]
+    d, n = case["head_dim"], case["n"]
+    cfg = ps.Config(d)
+    assert cfg.b == case["config"]["subspaces"] and cfg.tiers == case["config"]["tiers"] and cfg.seed == case["config"]["seed"]
+    assert ps.LEVELS[cfg.m] == case["levels_f32"]
+    keys, queries = inputs(d, n, case["salt"])
+    assert keys[:1, :8].flatten().tolist() == case["keys_first"]
+    assert float(keys.double().sum()) == pytest.approx(case["keys_sum"], rel=1e-12)
+    assert queries.tolist() == case["queries"]
+
+    ids, codes, w = ps.summarize(keys, cfg)
+    for i, fk in enumerate(case["first_keys"]):
+        assert ids[i].tolist() == fk["ids"], f"key {i}"
+        assert codes[i].tolist() == fk["codes"], f"key {i}"
+        assert w[i].half().view(torch.int16).numpy().astype(np.uint16).tolist() == fk["weights_f16_bits"], f"key {i}"
+    assert fnv(le(ids, np.uint8)) == case["ids_fnv"]
+    assert fnv(le(ps.pack_codes(codes), np.uint8)) == case["codes_fnv"]
+    assert fnv(w.half().view(torch.int16).numpy().astype("<u2").tobytes()) == case["weights_fnv"]
+    hist = ps.histogram(ids, cfg)
+    assert fnv(le(hist, "<u4")) == case["hist_fnv"]
+
+    rows = ps.key_estimate_rows(codes, w, cfg)
+    everything = torch.ones(n, dtype=torch.bool)
+    for run in case["runs"]:
+        q = queries[run["query"]]
+        nrm, qr, order = ps.prepare_queries(q, cfg)
+        assert float(nrm) == run["norm"]
+        bonus = ps.bonuses(order, hist, torch.tensor(n), torch.tensor(run["rho"], dtype=torch.float64), cfg.tiers)
+        assert fnv(le(bonus, np.uint8)) == run["bonus_fnv"], run
+        scores = ps.vote(bonus, ids)
+        assert int(scores.max()) == run["score_max"]
+        assert fnv(le(scores, "<u2")) == run["scores_fnv"], run
+        cmask = ps.top_c_mask(scores, everything, torch.tensor(run["candidates"]))
+        assert torch.nonzero(cmask).flatten().tolist() == run["candidate_ids"], run
+        est = torch.matmul(qr * nrm, rows.T)
+        sel = ps.top_k_mask(est, cmask, torch.tensor(run["k"]))
+        got = sorted(torch.nonzero(sel).flatten().tolist(), key=lambda i: (-float(est[i]), i))
+        assert got == [i for i, _ in run["top"]], run
+        for i, e in run["top"]:
+            assert float(est[i]) == pytest.approx(e, rel=1e-9, abs=1e-9)
+
+
+def brute_force(be: ps.ParisSimBackend, q, k, v, scaling):
+    """Per query position: the regions, a fresh summary of the region's keys and the
+    single-query pipeline, attention in f64."""
+    hq, tq, d = q.shape
+    hkv, s, _ = k.shape
+    g = hq // hkv
+    cfg = ps.Config(d, be.tiers)
+    out = torch.zeros(tq, hq, d, dtype=torch.float64)
+    for t in range(tq):
+        p = s - tq + t
+        s0 = min(be.sinks, p + 1)
+        r = max(p + 1 - be.local, s0)
+        n = r - s0
+        for h in range(hq):
+            kh = h // g
+            allowed = torch.zeros(s, dtype=torch.bool)
+            allowed[: p + 1] = True
+            if n >= be.dense_below and n > be.k:
+                allowed[s0:r] = False
+                reg = k[kh, s0:r]
+                if be.oracle:
+                    ex = torch.matmul(reg.double(), q[h, t].double())
+                    top = torch.sort(ex, descending=True, stable=True).indices[: be.k]
+                else:
+                    rho, _, c, kk, _ = ps.plan(n, be.k, be.dense_below)
+                    ids, codes, w = ps.summarize(reg, cfg)
+                    nrm, qr, order = ps.prepare_queries(q[h, t], cfg)
+                    bonus = ps.bonuses(order, ps.histogram(ids, cfg), torch.tensor(n), torch.tensor(rho, dtype=torch.float64), cfg.tiers)
+                    cm = ps.top_c_mask(ps.vote(bonus, ids), torch.ones(n, dtype=torch.bool), torch.tensor(c))
+                    est = torch.matmul(qr * nrm, ps.key_estimate_rows(codes, w, cfg).T)
+                    top = torch.nonzero(ps.top_k_mask(est, cm, torch.tensor(kk))).flatten()
+                allowed[s0 + top] = True
+            lg = torch.matmul(k[kh].double(), q[h, t].double()) * scaling
+            lg[~allowed] = -math.inf
+            out[t, h] = torch.matmul(torch.softmax(lg, 0), v[kh].double())
+    return out
+
+
+@pytest.mark.parametrize("oracle", [False, True])
+def test_backend_equals_per_position_brute_force(oracle):
+    torch.manual_seed(0)
+    hq, hkv, s, d = 4, 2, 160, 64
+    k = torch.randn(hkv, s, d) + torch.linspace(-1, 1, d)
+    v = torch.randn(hkv, s, d)
+    q = torch.randn(hq, s, d) * 2
+    be = ps.ParisSimBackend("t", k=6, sinks=4, local=12, dense_below=40, oracle=oracle)
+    be.reset()
+    got = be.attend(0, q, k, v, 0.125)
+    want = brute_force(be, q, k, v, 0.125)
+    assert torch.allclose(got.double(), want, atol=1e-5), (got.double() - want).abs().max()
+    # Decode: one query at a time against the growing cache gives the same rows.
+    be.reset()
+    for t in (150, 159):
+        one = be.attend(0, q[:, t:t + 1], k[:, :t + 1], v[:, :t + 1], 0.125)
+        assert torch.allclose(one[0].double(), want[t], atol=1e-5)
+    if not oracle:
+        rc = be.stats["recall_vs_exact_topk_by_layer"]["0"]
+        assert 0.0 < rc <= 1.0
+
+
+def test_backend_dense_when_short_and_names_parse():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(4, 50, 64), torch.randn(2, 50, 64), torch.randn(2, 50, 64)
+    be = ps.ParisSimBackend.parse("sim:paris-k8-s4-l8-d2048")
+    assert (be.k, be.sinks, be.local, be.dense_below, be.oracle) == (8, 4, 8, 2048, False)
+    assert torch.equal(be.attend(0, q, k, v, 0.125), kvq.eager_causal(q, k, v, 0.125))
+    assert ps.ParisSimBackend.parse("sim:paris-k256-oracle").oracle
+    with pytest.raises(SystemExit):
+        ps.ParisSimBackend.parse("sim:paris-x3")
+    assert isinstance(kvq.make_backend("sim:paris-k256"), ps.ParisSimBackend)
+    assert ps.plan(5000, 100) == (0.25, 0.10, 800, 100, False)
+    assert ps.plan(1000, 100)[4]
+
+
+def test_tiny_llama_runs_with_retrieval():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+    torch.manual_seed(2)
+    kvq.register_attention()
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.config._attn_implementation = kvq.ATTN_NAME
+    ids = torch.randint(0, 97, (1, 200))
+
+    def loss(backend):
+        kvq.set_backend(backend)
+        with torch.no_grad():
+            return float(model(input_ids=ids, labels=ids, use_cache=False).loss)
+
+    ref = loss(kvq.Fp16Backend())
+    assert loss(ps.ParisSimBackend("all", k=8, sinks=4, local=16, dense_below=10_000)) == ref
+    assert loss(ps.ParisSimBackend("wide", k=512, sinks=4, local=16, dense_below=20)) == pytest.approx(ref, abs=1e-6)
+    be = ps.ParisSimBackend("narrow", k=8, sinks=4, local=16, dense_below=20)
+    got = loss(be)
+    assert math.isfinite(got) and got != ref
+    assert set(be.stats["recall_vs_exact_topk_by_layer"]) == {"0", "1"}
+    assert be.stats["retrieval_queries"] > 0
