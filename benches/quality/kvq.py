@@ -472,6 +472,8 @@ SIM_ALIASES = {"int8": ("specs/rdkv.toml", "b8"), "int4": ("specs/rdkv.toml", "b
 # contract's tiers before specs/rotated.toml exists (same tier names: r4 / r3 / r2), plus
 # variants outside the contract; `sim:specs/rotated.toml:r3` simulates the shipped spec.
 SIM_TIERS = "benches/quality/sim-tiers.toml"
+
+
 def _sim_tier_names(path: str = SIM_TIERS) -> list:
     """Every tier name of the sim-tiers spec (so a tier added there is simulated by name)."""
     with open(Path(__file__).resolve().parents[2] / path, "rb") as f:
