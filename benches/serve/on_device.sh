@@ -19,6 +19,12 @@
 #            tokens/s per backend on a real model (same model file as quality).
 #   fi-warm  only compile FlashInfer's fp16 and fp8 decode modules (JIT cache in
 #            /tmp/flashinfer-ws, kept while the machine stays warm).
+#   steady32 steady at 32K only, kvforge b4 and r3 then FlashInfer fp16 (SERVE_BACKENDS32), 64
+#            steps, under `timeout` (STEADY32_TIMEOUT, 225 s): $OUT/serve-steady32.json (written
+#            after each backend) and $OUT/serve-steady32.log, beside the tarball.
+#   host-micro one layer's Cache.decode host time at batch 64 x 32K, re-planned vs the
+#            device-resident plan (benches/serve/host_micro.py, 64 steps each, GPU synchronised
+#            at the end only): $OUT/host-micro.json and .log, under `timeout` (150 s).
 #
 # Carry: .whl (FlashInfer + deps, 22 MiB) and .whl-kvforge (the kvforge wheel with
 # Cache(target_only=) and Cache.tile_sequence: bash crates/kvforge-py/build-wheel.sh).
@@ -59,6 +65,11 @@ t0=$(date +%s)
 for ph in "${PHASES[@]}"; do
   echo "== $ph ($(( $(date +%s) - t0 )) s)"
   case $ph in
+    steady32) timeout -k 10 "${STEADY32_TIMEOUT:-225}" $R --mode steady --layers "$L" --budget-gb "$B" --contexts 32768 \
+            --backends "${SERVE_BACKENDS32:-kvforge:b4,kvforge:r3,flashinfer}" --steps "$S" --out "$OUT/serve-steady32.json" 2>&1 | tee "$OUT/serve-steady32.log"
+            [ -f "$OUT/serve-steady32.json" ] && cp "$OUT/serve-steady32.json" "$W/" ;;
+    host-micro) timeout -k 10 "${HOST_MICRO_TIMEOUT:-150}" python3 -u benches/serve/host_micro.py --batch "${HOST_MICRO_BATCH:-64}" --context 32768 --steps 64 \
+            --out "$OUT/host-micro.json" 2>&1 | tee "$OUT/host-micro.log" ;;
     fi-warm) $R --mode tpot --layers 1 --contexts 1024 --backends flashinfer,flashinfer_fp8 --steps 1 --budget-gb 1 --out "$W/fi-warm.json" ;;
     steady) $R --mode steady --layers "$L" --budget-gb "$B" --contexts "$CTXS" --backends "$BACKENDS,kvforge:b4+nowrite,kvforge:r3+nowrite" \
             --steps "$S" --out "$W/steady.json" ;;

@@ -326,7 +326,12 @@ impl ResidentTable {
         let present: Vec<TierId> = (0..self.tier_pages.len()).filter(|&t| self.tier_pages[t] > 0).map(|t| t as TierId).collect();
         if present != p.tiers {
             let (d, gqa) = (p.head_dim, p.gqa);
-            let combo = choose_combination(spec, &present).ok_or_else(|| RtError::NoVariant { spec: spec.name.clone(), tiers: present.iter().map(|&t| spec.tiers[t as usize].name.clone()).collect(), head_dim: d, gqa })?;
+            let combo = choose_combination(spec, &present).ok_or_else(|| RtError::NoVariant {
+                spec: spec.name.clone(),
+                tiers: present.iter().map(|&t| spec.tiers[t as usize].name.clone()).collect(),
+                head_dim: d,
+                gqa,
+            })?;
             p.variant = kvforge_gen::decode_variant(spec, &combo, d, gqa);
             p.tiers = present;
         }
@@ -761,7 +766,7 @@ mod tests {
                 96..=98 if seqs.len() > 1 => {
                     let i = (rng(&mut state) % seqs.len() as u64) as usize;
                     let q = seqs.remove(i);
-                    if rng(&mut state) % 2 == 0 {
+                    if rng(&mut state).is_multiple_of(2) {
                         src.add(q, 1 + (rng(&mut state) % 90) as usize, b4);
                         seqs.push(q);
                     } else {
@@ -802,6 +807,6 @@ mod tests {
     fn spans_merge_close_ranges() {
         assert_eq!(upload_spans(&[0..1, 3..4, 20..22, 23..24], 2), vec![0..4, 20..24]);
         assert_eq!(upload_spans(&[], 2), Vec::<Range<usize>>::new());
-        assert_eq!(upload_spans(&[5..6], 0), vec![5..6]);
+        assert_eq!(upload_spans(&[5..6, 8..9], 0), vec![5..6, 8..9]);
     }
 }
