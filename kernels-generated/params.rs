@@ -17,7 +17,7 @@ pub struct DecodeParams {
     pub page_offsets: u64,
     ///[batch * num_kv_heads + 1] page ranges of every (sequence, kv head)
     pub page_indptr: u64,
-    ///per page: tier | tokens << 8, from the runtime's page table; sizes the staging copy, checked against the staged header
+    ///per page: tier | tokens << 8, from the runtime's page table (tokens PAGE_LIVE_LENGTH: as many as the header holds); sizes the staging copy, checked against the staged header
     pub page_info: u64,
     ///per tier and slot: the side table the tier's codecs declare at that slot (kvforge-spec `Codec::side_tables`, keys' then values': spherical codebooks [num_kv_heads][groups][entries][group] and radius scales [num_kv_heads][groups], mixed-key channel orders [num_kv_heads][2][head_dim]), null where unset
     pub side: [[u64; 2]; 16],
@@ -185,6 +185,8 @@ pub struct CertBoundParams {
     ///page tokens / 16
     pub blocks_per_page: i32,
 }
+///tokens field of a page_info entry meaning 'as many tokens as the page header holds' (page tokens are at most 128): a device-resident plan's tail entry, whose header the append kernel keeps current, so the plan is not rewritten per token
+pub const PAGE_LIVE_LENGTH: u32 = 255;
 ///tokens of a certification block: the unit of Δ_b, η_b, the masses the selector ranks, promotion and the certificate's sums (seed 004's B)
 pub const CERT_BLOCK: usize = 16;
 ///column of CertBoundParams::head_f64: Δ

@@ -19,6 +19,16 @@
 #            tokens/s per backend on a real model (same model file as quality).
 #   fi-warm  only compile FlashInfer's fp16 and fp8 decode modules (JIT cache in
 #            /tmp/flashinfer-ws, kept while the machine stays warm).
+#   steady32 steady at 32K only, kvforge b4 and r3 then FlashInfer fp16 (SERVE_BACKENDS32), 64
+#            steps, under `timeout` (STEADY32_TIMEOUT, 225 s): $OUT/serve-steady32.json (written
+#            after each backend) and $OUT/serve-steady32.log, beside the tarball.
+#   gpu-tests the resident plan's GPU tests: .bin/resident_gpu and .bin/append_step_gpu (test
+#            binaries built here, stripped, see docs/serving.md) with --ignored, then the Python
+#            tests test_resident_decode_after_append_steps_matches_replan and the tiled-pool one;
+#            logs to $OUT (240 s each under `timeout`).
+#   host-micro one layer's Cache.decode host time at batch 64 x 32K, re-planned vs the
+#            device-resident plan (benches/serve/host_micro.py, 64 steps each, GPU synchronised
+#            at the end only): $OUT/host-micro.json and .log, under `timeout` (150 s).
 #
 # Carry: .whl (FlashInfer + deps, 22 MiB) and .whl-kvforge (the kvforge wheel with
 # Cache(target_only=) and Cache.tile_sequence: bash crates/kvforge-py/build-wheel.sh).
@@ -59,6 +69,17 @@ t0=$(date +%s)
 for ph in "${PHASES[@]}"; do
   echo "== $ph ($(( $(date +%s) - t0 )) s)"
   case $ph in
+    steady32) timeout -k 10 "${STEADY32_TIMEOUT:-225}" $R --mode steady --layers "$L" --budget-gb "$B" --contexts 32768 \
+            --backends "${SERVE_BACKENDS32:-kvforge:b4,kvforge:r3,flashinfer}" --steps "$S" --out "$OUT/serve-steady32.json" 2>&1 | tee "$OUT/serve-steady32.log"
+            [ -f "$OUT/serve-steady32.json" ] && cp "$OUT/serve-steady32.json" "$W/" ;;
+    host-micro) timeout -k 10 "${HOST_MICRO_TIMEOUT:-150}" python3 -u benches/serve/host_micro.py --batch "${HOST_MICRO_BATCH:-64}" --context 32768 --steps 64 \
+            --out "$OUT/host-micro.json" 2>&1 | tee "$OUT/host-micro.log" ;;
+    gpu-tests) for t in .bin/resident_gpu .bin/append_step_gpu; do
+              [ -x "$t" ] && timeout -k 10 240 "$t" --ignored --test-threads 1 2>&1 | tee "$OUT/$(basename "$t").log"
+            done
+            timeout -k 10 240 python3 -u -c "import sys; sys.path.insert(0, 'crates/kvforge-py/tests'); import test_gpu as t
+for n in ['test_resident_decode_after_append_steps_matches_replan', 'test_target_only_pool_and_tiled_sequences_decode_like_the_template']:
+    getattr(t, n)(); print('PASS', n, flush=True)" 2>&1 | tee "$OUT/py-gpu-resident.log" ;;
     fi-warm) $R --mode tpot --layers 1 --contexts 1024 --backends flashinfer,flashinfer_fp8 --steps 1 --budget-gb 1 --out "$W/fi-warm.json" ;;
     steady) $R --mode steady --layers "$L" --budget-gb "$B" --contexts "$CTXS" --backends "$BACKENDS,kvforge:b4+nowrite,kvforge:r3+nowrite" \
             --steps "$S" --out "$W/steady.json" ;;

@@ -38,7 +38,7 @@ pub const PARAMS: &[ParamStruct] = &[
             f("arena", "const u8*", "u64", "page arena base"),
             f("page_offsets", "const u64*", "u64", "byte offset of every page in the arena"),
             f("page_indptr", "const u32*", "u64", "[batch * num_kv_heads + 1] page ranges of every (sequence, kv head)"),
-            f("page_info", "const u32*", "u64", "per page: tier | tokens << 8, from the runtime's page table; sizes the staging copy, checked against the staged header"),
+            f("page_info", "const u32*", "u64", "per page: tier | tokens << 8, from the runtime's page table (tokens PAGE_LIVE_LENGTH: as many as the header holds); sizes the staging copy, checked against the staged header"),
             f("side", "const void* side[MAX_TIERS][SIDE_SLOTS]", "[[u64; 2]; 16]", "per tier and slot: the side table the tier's codecs declare at that slot (kvforge-spec `Codec::side_tables`, keys' then values': spherical codebooks [num_kv_heads][groups][entries][group] and radius scales [num_kv_heads][groups], mixed-key channel orders [num_kv_heads][2][head_dim]), null where unset"),
             f("page_lse", "float*", "u64", "optional per page: log2 Σ_heads Σ_tokens 2^logit, an importance signal for controllers"),
             f("page_head_lse", "float*", "u64", "optional [page][gqa]: log2 Σ_tokens 2^logit per query head"),
@@ -161,6 +161,7 @@ const fn c(name: &'static str, ctype: &'static str, rust: &'static str, value: &
 /// Shared constants: rendered into `params.cuh` (`constexpr`) and `params.rs` (`pub const`),
 /// so the host reads the kernels' outputs by the numbers the kernels were compiled with.
 pub const CONSTANTS: &[Constant] = &[
+    c("PAGE_LIVE_LENGTH", "u32", "u32", "255", "tokens field of a page_info entry meaning 'as many tokens as the page header holds' (page tokens are at most 128): a device-resident plan's tail entry, whose header the append kernel keeps current, so the plan is not rewritten per token"),
     c("CERT_BLOCK", "int", "usize", "16", "tokens of a certification block: the unit of Δ_b, η_b, the masses the selector ranks, promotion and the certificate's sums (seed 004's B)"),
     c("CF_DELTA", "int", "usize", "0", "column of CertBoundParams::head_f64: Δ"),
     c("CF_ALPHA", "int", "usize", "1", "column of head_f64: α̂"),

@@ -581,7 +581,15 @@ impl Cache {
     /// page's share of the step's attention mass into the sequences' importance window on
     /// the GPU (RDR's signal; no transfer): read it with `take_mass_window`, or let
     /// `Controller.apply(..., window=True)` roll it in. A sequence may appear once then.
-    #[pyo3(signature = (q, seqs, out = None, lse = None, track = false))]
+    ///
+    /// Untracked steps go through the cache's device-resident plan: called again with the same
+    /// `seqs` (tokens appended in between, e.g. by `append_step`), only the page-table entries
+    /// that changed are uploaded and nothing waits for the GPU. A fault the kernel flags (a
+    /// corrupt page) is then raised as KvforgeError by a later `decode` or by `synchronize()`,
+    /// one step late at worst unless the host runs further ahead of the GPU. `replan=True`
+    /// plans every page afresh and checks the flags before returning (the previous behaviour).
+    #[pyo3(signature = (q, seqs, out = None, lse = None, track = false, replan = false))]
+    #[allow(clippy::too_many_arguments)]
     fn decode<'py>(
         &mut self,
         py: Python<'py>,
@@ -590,6 +598,7 @@ impl Cache {
         out: Option<Bound<'py, PyAny>>,
         lse: Option<Bound<'py, PyAny>>,
         #[pyo3(from_py_with = crate::flag)] track: bool,
+        #[pyo3(from_py_with = crate::flag)] replan: bool,
     ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
         guarded(py, || {
             let qt = tensor(py, q, "q")?;
@@ -601,11 +610,25 @@ impl Cache {
             let (ot, lt) = (tensor(py, &out, "out")?, tensor(py, &lse, "lse")?);
             if track {
                 self.on_torch_stream(py, |c| c.decode_tracked_external(&seqs, &qt, &ot, &lt))?;
-            } else {
+            } else if replan {
                 self.on_torch_stream(py, |c| c.decode_external(&seqs, &qt, &ot, &lt))?;
+            } else {
+                self.on_torch_stream(py, |c| c.decode_step_external(&seqs, &qt, &ot, &lt))?;
             }
             Ok((out, lse))
         })
+    }
+
+    /// Waits for the cache's GPU work and raises KvforgeError for any fault the kernels
+    /// flagged since the last check (untracked `decode` steps report theirs asynchronously).
+    fn synchronize(&mut self, py: Python<'_>) -> PyResult<()> {
+        guarded(py, || self.inner.synchronize().or_py(py))
+    }
+
+    /// (rebuilds, incremental updates) of the device-resident decode plan so far, or None
+    /// before the first untracked `decode`: a steady batch rebuilds every few pages of tokens.
+    fn resident_stats(&self) -> Option<(u64, u64)> {
+        self.inner.resident_stats()
     }
 
     /// The importance window of `seq` since the last call, and resets it: per kv head, per

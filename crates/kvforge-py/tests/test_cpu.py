@@ -288,3 +288,6 @@ def test_serving_additions_are_accepted():
     assert err(cache, target="b4", target_only=True).kind == "NoDriver"
     assert err(cache, target="b4", target_only="yes").kind == "BadInput"
     assert "tile_sequence" in dir(kvforge.Cache) and "Benchmarks build large batches" in kvforge.Cache.tile_sequence.__doc__
+    # the device-resident decode plan (issue 29): additive API
+    assert "synchronize" in dir(kvforge.Cache) and "resident_stats" in dir(kvforge.Cache)
+    assert "replan=True" in kvforge.Cache.decode.__doc__

@@ -618,6 +618,28 @@ def test_append_device_equals_append():
             assert torch.equal(oa, ob), f"{spec}:{tier}: decode after append_device differs"
 
 
+def test_resident_decode_after_append_steps_matches_replan():
+    # Cache.decode reuses its device-resident plan while seqs stay the same: 130 steps of
+    # append_step (tails filling and reopening) decode like a full re-plan of every page.
+    c = mk("rdkv", "b4", max_tokens=64 * 64, sequences=4)
+    seqs = [c.add_sequence() for _ in range(3)]
+    for i, (s, n) in enumerate(zip(seqs, [63, 10, 3 * P])):
+        c.append(s, rand(n, HKV, D, seed=70 + i), rand(n, HKV, D, seed=80 + i))
+    worst = 0.0
+    for step in range(130):
+        k, v = rand(3, HKV, D, seed=1000 + step), rand(3, HKV, D, seed=2000 + step)
+        c.append_step(seqs, k, v)
+        q = rand(3, HQ, D, seed=3000 + step)
+        fast, fl = c.decode(q, seqs=seqs)
+        slow, sl = c.decode(q, seqs=seqs, replan=True)
+        worst = max(worst, close(fast, slow, 2e-3, 1e-3, f"step {step}"))
+        close(fl, sl, 1e-3, 1e-4, f"lse step {step}")
+    c.synchronize()
+    rebuilds, updates = c.resident_stats()
+    assert updates > 4 * rebuilds, (rebuilds, updates)
+    print(f"   resident vs re-plan: max diff {worst:.2e}, {rebuilds} rebuilds, {updates} incremental steps")
+
+
 def main():
     tests = [(n, f) for n, f in sorted(globals().items()) if n.startswith("test_") and callable(f)]
     passed = failed = 0

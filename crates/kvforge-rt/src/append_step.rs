@@ -444,7 +444,7 @@ impl KvCache {
         let staged: Vec<PageRef> = src.iter().map(|t| t.2).collect();
         let heads: Vec<u32> = src.iter().map(|t| t.1 as u32).collect();
         let dst: Vec<PageRef> = (0..src.len()).map(|_| self.store.pool_mut().alloc(target)).collect::<Result<_>>()?;
-        let r = self.transcode(&staged, &dst, &heads, TAIL_TIER, target);
+        let r = self.transcode_watched(&staged, &dst, &heads, TAIL_TIER, target);
         for p in staged {
             self.store.pool_mut().free(p);
         }

@@ -80,6 +80,8 @@ pub struct KvCache {
     /// Device rows (page offset, position) of the last decode-step append, grown as needed
     /// ([`crate::append_step`]).
     pub(crate) append_rows: Option<cudarc::driver::CudaSlice<u64>>,
+    /// The device-resident plan of [`KvCache::decode_step_external`], from its first call.
+    pub(crate) resident: Option<crate::resident::Resident>,
 }
 
 fn dense_bytes(dtype: DType, x: f32) -> [u8; 2] {
@@ -116,7 +118,7 @@ impl KvCache {
         let side = SideTables::new(&spec, d, cfg.num_kv_heads, &dev.stream)?;
         let engine = Engine::new(dev)?;
         let basis = spec.basis();
-        Ok(KvCache { spec, cfg, store, side, engine, cert: Default::default(), mass_window: None, basis, append_rows: None })
+        Ok(KvCache { spec, cfg, store, side, engine, cert: Default::default(), mass_window: None, basis, append_rows: None, resident: None })
     }
 
     pub fn spec(&self) -> &Spec {

@@ -223,7 +223,7 @@ impl KvCache {
     }
 
     /// CTAs of `v`'s `entry` the device holds at once: occupancy × SMs.
-    fn slots(&self, v: &VariantId, entry: Entry) -> Result<usize> {
+    pub(crate) fn slots(&self, v: &VariantId, entry: Entry) -> Result<usize> {
         let sms = self.engine.dev().info.sm_count;
         let k = self.engine.kernel(&self.spec, v)?;
         let (func, smem) = match (entry, &k.certified) {

@@ -309,23 +309,31 @@ impl KvCache {
     /// dtype, `lse` `[batch][q heads]` f32 (natural log). Does not synchronise; call
     /// [`KvCache::check`] to turn kernel-reported page faults into errors.
     pub fn run_external(&mut self, plan: &DecodePlan, ws: &DecodeWorkspace, q: &ExternalTensor, out: &ExternalTensor, lse: &ExternalTensor) -> Result<()> {
-        if plan.batch > MAX_BATCH {
-            return Err(bad(format!("a decode launch takes at most {MAX_BATCH} entries, the plan has {}", plan.batch)));
+        self.check_decode_io(plan.batch, q, out, lse)?;
+        if ws.page_offsets.len() != plan.page_offsets.len() || ws.page_indptr.len() != plan.page_indptr.len() {
+            return Err(bad("workspace was made for another plan".into()));
         }
-        let hq = plan.num_kv_heads * plan.gqa;
+        self.launch_io(plan, ws, DecodeIo { q: q.ptr, out: out.ptr, lse: lse.ptr })
+    }
+
+    /// Checks a decode launch's tensors for `batch` entries: `q`, `out` `[batch][q heads]
+    /// [head_dim]` in the spec dtype, `lse` `[batch][q heads]` f32, device memory of this
+    /// cache's GPU, pairwise disjoint.
+    pub(crate) fn check_decode_io(&self, batch: usize, q: &ExternalTensor, out: &ExternalTensor, lse: &ExternalTensor) -> Result<()> {
+        if batch > MAX_BATCH {
+            return Err(bad(format!("a decode launch takes at most {MAX_BATCH} entries, the plan has {batch}")));
+        }
+        let hq = self.cfg.num_kv_heads * self.cfg.gqa;
         let elem = ElemType::of(self.spec.geometry.dtype);
-        let rows = vec![("batch", plan.batch), ("num_q_heads", hq), ("head_dim", plan.head_dim)];
-        self.check_all(&[("q", q, elem.clone(), rows.clone()), ("out", out, elem, rows), ("lse", lse, ElemType::F32, vec![("batch", plan.batch), ("num_q_heads", hq)])])?;
+        let rows = vec![("batch", batch), ("num_q_heads", hq), ("head_dim", self.cfg.head_dim)];
+        self.check_all(&[("q", q, elem.clone(), rows.clone()), ("out", out, elem, rows), ("lse", lse, ElemType::F32, vec![("batch", batch), ("num_q_heads", hq)])])?;
         let overlap = |a: &ExternalTensor, b: &ExternalTensor| a.span().0 < b.span().1 && b.span().0 < a.span().1;
         for (x, y, nx, ny) in [(q, out, "q", "out"), (q, lse, "q", "lse"), (out, lse, "out", "lse")] {
             if overlap(x, y) {
                 return Err(bad(format!("`{nx}` and `{ny}` overlap in memory; pass separate tensors")));
             }
         }
-        if ws.page_offsets.len() != plan.page_offsets.len() || ws.page_indptr.len() != plan.page_indptr.len() {
-            return Err(bad("workspace was made for another plan".into()));
-        }
-        self.launch_io(plan, ws, DecodeIo { q: q.ptr, out: out.ptr, lse: lse.ptr })
+        Ok(())
     }
 
     /// Plans, launches and checks one decode step of `seqs` on external tensors.

@@ -33,6 +33,7 @@ mod moves;
 pub mod params;
 pub mod paris;
 mod pool;
+pub mod resident;
 mod side_tables;
 mod store;
 pub mod testing;

@@ -67,7 +67,18 @@ fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(st: &
 impl KvCache {
     /// Launches the `src → dst` transcode kernel over pages (same-length lists) and checks it.
     pub(crate) fn transcode(&mut self, src: &[PageRef], dst: &[PageRef], heads: &[u32], from: TierId, to: TierId) -> Result<()> {
-        match self.run_transcodes(&[Transcode { from, to, src, dst, heads }]).error {
+        match self.run_transcodes(&[Transcode { from, to, src, dst, heads }], false).error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// [`transcode`](Self::transcode) without waiting for the GPU: the kernel raises the
+    /// engine's error-flag word, which is watched asynchronously, so a fault is reported by a
+    /// later [`KvCache::decode_step_external`] or by [`KvCache::synchronize`]. A decode step's
+    /// encode of its filled tails uses it, so that a page boundary does not synchronise.
+    pub(crate) fn transcode_watched(&mut self, src: &[PageRef], dst: &[PageRef], heads: &[u32], from: TierId, to: TierId) -> Result<()> {
+        match self.run_transcodes(&[Transcode { from, to, src, dst, heads }], true).error {
             Some(e) => Err(e),
             None => Ok(()),
         }
@@ -113,8 +124,10 @@ impl KvCache {
     }
 
     /// Uploads every launch's lists in one copy, launches them in order (launch `i` raises
-    /// flag word `i`), then downloads the flags once (the only synchronisation).
-    fn run_transcodes(&mut self, launches: &[Transcode<'_>]) -> Outcome {
+    /// flag word `i`), then downloads the flags once (the only synchronisation). `watched`:
+    /// the launches raise the engine's flag word instead and nothing waits
+    /// ([`transcode_watched`](Self::transcode_watched)).
+    fn run_transcodes(&mut self, launches: &[Transcode<'_>], watched: bool) -> Outcome {
         for l in launches {
             self.warn_placeholder_codebook(l.to);
         }
@@ -137,7 +150,7 @@ impl KvCache {
             return fail(e);
         }
         let base = args.device_ptr(&st).0;
-        let flags = self.engine.move_bufs().flags.as_ref().expect("ensured above").device_ptr(&st).0;
+        let flags = if watched { self.engine.flags_ptr() } else { self.engine.move_bufs().flags.as_ref().expect("ensured above").device_ptr(&st).0 };
         let tp = self.tier_pointers();
         let arena = self.store.arena_ptr();
         let mut launched = 0;
@@ -153,7 +166,8 @@ impl KvCache {
                 }
             };
             let word = |j: usize| base + 8 * (at[i] + j) as u64;
-            let params = TranscodeParams { arena, src_offsets: word(0), dst_offsets: word(n), kv_heads: word(2 * n), side: tp.side, error_flags: flags + 4 * i as u64, num_pages: n as i32 };
+            let error_flags = if watched { flags } else { flags + 4 * i as u64 };
+            let params = TranscodeParams { arena, src_offsets: word(0), dst_offsets: word(n), kv_heads: word(2 * n), side: tp.side, error_flags, num_pages: n as i32 };
             // Each page's work is split over `ctas_per_page` CTAs (transcode.cuh).
             let cfg = LaunchConfig { grid_dim: (n as u32 * k.ctas_per_page, 1, 1), block_dim: (k.threads, 1, 1), shared_mem_bytes: k.smem_bytes };
             // SAFETY: params mirror the kernel's struct (rendered from one field list); the
@@ -166,6 +180,15 @@ impl KvCache {
                 break;
             }
             launched += 1;
+        }
+        if watched {
+            if launched > 0 {
+                let v = VariantId::transcode(&self.spec, launches[launched - 1].from, launches[launched - 1].to, self.cfg.head_dim);
+                if let Err(e) = self.engine.watch_flags(&v) {
+                    return fail(e);
+                }
+            }
+            return Outcome { landed: launched, error: launch_error };
         }
         let flags_buf = self.engine.move_bufs().flags.as_mut().expect("ensured above");
         let raised = match st.clone_dtoh(&flags_buf.slice(0..launched)).map_err(drv("page move flags")) {
@@ -223,7 +246,7 @@ impl KvCache {
             }
         }
         let runs: Vec<Transcode<'_>> = launches.iter().enumerate().map(|(i, (from, to, _))| Transcode { from: *from, to: *to, src: &src[i], dst: &dst[i], heads: &heads[i] }).collect();
-        let out = self.run_transcodes(&runs);
+        let out = self.run_transcodes(&runs, false);
         drop(runs);
         for (i, ((_, _, g), (src, dst))) in launches.iter().zip(src.into_iter().zip(dst)).enumerate() {
             if i >= out.landed {

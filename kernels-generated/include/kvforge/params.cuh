@@ -14,7 +14,7 @@ struct DecodeParams {
   const u8* arena;  // page arena base
   const u64* page_offsets;  // byte offset of every page in the arena
   const u32* page_indptr;  // [batch * num_kv_heads + 1] page ranges of every (sequence, kv head)
-  const u32* page_info;  // per page: tier | tokens << 8, from the runtime's page table; sizes the staging copy, checked against the staged header
+  const u32* page_info;  // per page: tier | tokens << 8, from the runtime's page table (tokens PAGE_LIVE_LENGTH: as many as the header holds); sizes the staging copy, checked against the staged header
   const void* side[MAX_TIERS][SIDE_SLOTS];  // per tier and slot: the side table the tier's codecs declare at that slot (kvforge-spec `Codec::side_tables`, keys' then values': spherical codebooks [num_kv_heads][groups][entries][group] and radius scales [num_kv_heads][groups], mixed-key channel orders [num_kv_heads][2][head_dim]), null where unset
   float* page_lse;  // optional per page: log2 Σ_heads Σ_tokens 2^logit, an importance signal for controllers
   float* page_head_lse;  // optional [page][gqa]: log2 Σ_tokens 2^logit per query head
@@ -108,6 +108,7 @@ struct CertBoundParams {
 };
 
 // Constants shared with the host.
+constexpr u32 PAGE_LIVE_LENGTH = 255;  // tokens field of a page_info entry meaning 'as many tokens as the page header holds' (page tokens are at most 128): a device-resident plan's tail entry, whose header the append kernel keeps current, so the plan is not rewritten per token
 constexpr int CERT_BLOCK = 16;  // tokens of a certification block: the unit of Δ_b, η_b, the masses the selector ranks, promotion and the certificate's sums (seed 004's B)
 constexpr int CF_DELTA = 0;  // column of CertBoundParams::head_f64: Δ
 constexpr int CF_ALPHA = 1;  // column of head_f64: α̂

@@ -841,7 +841,8 @@ struct DecodeCta {
         next_off = p.page_offsets[first + ahead + 1];
         next_info = p.page_info[first + ahead + 1];
       }
-      const int tier = int(info & 0xff), len = int((info >> 8) & 0xff);
+      const int tier = int(info & 0xff);
+      int len = int((info >> 8) & 0xff);
       u32 err = 0;
       PageHeader hd{};
       // Tail pages are read in place from global memory, other pages from their stage.
@@ -850,6 +851,10 @@ struct DecodeCta {
         err = ERR_UNKNOWN_TIER;
       } else {
         hd = load_header(page);
+        // A live entry (a device-resident plan's tail page) reads as many tokens as its header
+        // holds: the append kernel keeps the header current, so the plan does not change per
+        // token. A bad header is caught below all the same (its length must fit a page).
+        if (len == int(PAGE_LIVE_LENGTH)) len = int(hd.length);
         if (hd.magic != PAGE_MAGIC) err = ERR_BAD_MAGIC;
         // The plan may read a prefix of a page (attend_prefix: causal evaluation of a prompt
         // plans page lists cut at every query's position), never more than the page holds.
