@@ -106,6 +106,7 @@ pub fn restore_reference(cal: &Calibration, side: Side, coeff: &[f64], n: usize,
     let width = cal.kv_heads * cal.head_dim;
     let mut out = vec![0.0; n * p];
     let mut x = vec![0.0; p];
+    let basis: Vec<f64> = s.basis[..comps * p].iter().map(|&b| if fp16_operands { h(b as f64) } else { b as f64 }).collect();
     for t in 0..n {
         x.iter_mut().enumerate().for_each(|(f, v)| *v = s.mean[f] as f64);
         for c in 0..comps {
@@ -114,9 +115,8 @@ pub fn restore_reference(cal: &Calibration, side: Side, coeff: &[f64], n: usize,
             if a == 0.0 {
                 continue;
             }
-            let row = &s.basis[c * p..(c + 1) * p];
-            for (v, &b) in x.iter_mut().zip(row) {
-                *v += a * if fp16_operands { h(b as f64) } else { b as f64 };
+            for (v, &b) in x.iter_mut().zip(&basis[c * p..(c + 1) * p]) {
+                *v += a * b;
             }
         }
         for (head, chunk) in x.chunks_mut(cal.head_dim).enumerate() {
@@ -192,6 +192,43 @@ pub fn synthetic_chunk(alloc: &Allocation, n: usize, seed: u64) -> Vec<u8> {
     let comps = alloc.used_components();
     let d: Vec<f64> = (0..n * comps).map(|i| noise(seed, i as u64) * 8.0 / (1.0 + (i % comps.max(1)) as f64).sqrt()).collect();
     crate::pack::encode(&d, n, comps, alloc)
+}
+
+/// A decoded container of `tokens` tokens for `cal` at allocation `ratio_index` (both sides),
+/// built without packing: positions `0..tokens`, random fp16 kept rows, and coded chunks of
+/// `chunk_tokens` from [`synthetic_chunk`], `distinct` different contents per side repeated
+/// (a 128K-token cache costs seconds, not a CPU projection). For restore tests and benches.
+pub fn synthetic_container(cal: &Calibration, ratio_index: usize, tokens: usize, chunk_tokens: usize, distinct: usize, seed: u64) -> crate::DecodedContainer {
+    use rayon::prelude::*;
+    let (ka, va) = (&cal.k.allocations[ratio_index], &cal.v.allocations[ratio_index]);
+    let header = crate::container::Header {
+        version: crate::container::VERSION,
+        entropy: 0,
+        calibration: cal.id(),
+        layers: cal.layers as u32,
+        kv_heads: cal.kv_heads as u32,
+        head_dim: cal.head_dim as u32,
+        tokens: tokens as u32,
+        sinks: cal.sinks as u32,
+        window: cal.window as u32,
+        chunk_tokens: chunk_tokens as u32,
+        k_budget_bits: ka.budget_bits,
+        v_budget_bits: va.budget_bits,
+    };
+    let (kept, coded) = crate::codec::split(tokens, cal.sinks, cal.window);
+    let kept_fp16 = (0..2 * cal.features() * kept.len()).map(|i| f16::from_f64(noise(seed ^ 0x55, i as u64)).to_bits()).collect();
+    let ranges = crate::codec::chunk_ranges(coded.clone(), chunk_tokens);
+    let distinct = distinct.max(1);
+    let make = |a: &Allocation, s: u64, n: usize| -> Vec<Vec<u8>> { (0..distinct).into_par_iter().map(|i| synthetic_chunk(a, n, seed.wrapping_add(s + 2 * i as u64))).collect() };
+    let full = [make(ka, 0, chunk_tokens), make(va, 1, chunk_tokens)];
+    let mut chunks = Vec::with_capacity(2 * ranges.len());
+    for (i, r) in ranges.iter().enumerate() {
+        for (side, s, a) in [(Side::Keys, 0usize, ka), (Side::Values, 1, va)] {
+            let raw = if r.len() == chunk_tokens { full[s][i % distinct].clone() } else { synthetic_chunk(a, r.len(), seed.wrapping_add(999 + s as u64)) };
+            chunks.push(crate::DecodedChunk { index: (2 + 2 * i + s) as u32, side, tokens: r.clone(), raw });
+        }
+    }
+    crate::DecodedContainer { header, k_alloc: ratio_index, v_alloc: ratio_index, positions: (0..tokens as i64).collect(), kept, kept_fp16, coded, chunks }
 }
 
 #[cfg(test)]

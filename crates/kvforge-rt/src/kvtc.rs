@@ -377,3 +377,48 @@ impl From<GroupDesc> for GroupRaw {
 
 // SAFETY: repr(C) of three i32 and a u32, mirrored by the device struct.
 unsafe impl cudarc::driver::DeviceRepr for GroupRaw {}
+
+/// Appends a restored sequence to a new sequence of every layer's cache (`caches[l]` holds layer
+/// `l`), full pages encoded into `tier`, and returns the new sequence ids. The rows go through
+/// [`KvCache::append`] (staged through the host: the cache has no device bulk encode from fp16
+/// rows); the restore before it ran on the device. All or nothing: on any error every sequence
+/// added here is removed again and each cache's target tier is left as it was.
+pub fn load_sequence(caches: &mut [&mut crate::KvCache], restored: &RestoredKv, tier: kvforge_spec::TierId) -> Result<Vec<usize>> {
+    if caches.len() != restored.layers {
+        return Err(RtError::ShapeMismatch { what: "kvtc load: caches".into(), expected: format!("{} (one per layer)", restored.layers), got: caches.len().to_string() });
+    }
+    for c in caches.iter() {
+        let t = c.spec.tiers.get(tier as usize).ok_or_else(|| RtError::BadTier(tier, "no such tier".into()))?;
+        if t.is_drop() || t.id == kvforge_spec::TAIL_TIER {
+            return Err(RtError::BadTier(tier, format!("`{}` cannot hold encoded pages", t.name)));
+        }
+        if c.cfg.num_kv_heads * c.cfg.head_dim != restored.width {
+            return Err(RtError::ShapeMismatch { what: "kvtc load: cache rows".into(), expected: format!("{} values (kv_heads × head_dim)", restored.width), got: (c.cfg.num_kv_heads * c.cfg.head_dim).to_string() });
+        }
+    }
+    let mut added: Vec<usize> = Vec::with_capacity(caches.len());
+    let mut fill = |added: &mut Vec<usize>| -> Result<()> {
+        for (l, c) in caches.iter_mut().enumerate() {
+            let st = c.engine.dev().stream.clone();
+            let f = |x: Vec<u16>| -> Vec<f32> { x.into_iter().map(|b| half::f16::from_bits(b).to_f32()).collect() };
+            let (k, v) = (f(restored.download_layer(&st, Side::Keys, l)?), f(restored.download_layer(&st, Side::Values, l)?));
+            let seq = c.add_sequence();
+            added.push(seq);
+            let before = c.cfg.target_tier;
+            c.cfg.target_tier = tier;
+            let r = c.append(seq, &k, &v);
+            c.cfg.target_tier = before;
+            r?;
+        }
+        Ok(())
+    };
+    match fill(&mut added) {
+        Ok(()) => Ok(added),
+        Err(e) => {
+            for (c, &seq) in caches.iter_mut().zip(&added) {
+                let _ = c.remove_sequence(seq);
+            }
+            Err(e)
+        }
+    }
+}
