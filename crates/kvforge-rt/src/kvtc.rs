@@ -422,3 +422,76 @@ pub fn load_sequence(caches: &mut [&mut crate::KvCache], restored: &RestoredKv, 
         }
     }
 }
+
+/// Packs sequence `seq` of every layer's cache (`caches[l]` holds layer `l`) with `cal` into
+/// `out`. The pages are read back on the host with the f64 reference decoders
+/// (`kvforge_ref::decode_page`, every tier the reference knows, radius scales included) and
+/// mapped out of the spec's storage basis, so what is packed is what decode attends to (the
+/// cache's own reconstruction, not the rows first appended); RoPE positions are the tokens'
+/// logical positions (dropped pages leave gaps). A tier the reference cannot decode, or layers
+/// and heads that disagree on the sequence's tokens, is a typed error and nothing is written.
+pub fn save_sequence(caches: &[&crate::KvCache], seq: usize, cal: &Calibration, opts: &kvforge_kvtc::PackOptions, out: &mut impl std::io::Write) -> Result<kvforge_kvtc::PackStats> {
+    let dump = read_sequence(caches, seq, cal)?;
+    let mut bytes = Vec::new();
+    let stats = kvforge_kvtc::pack_into(&dump, cal, opts, &mut bytes)?;
+    out.write_all(&bytes).map_err(|e| RtError::Kvtc(kvforge_kvtc::KvtcError::Stream(e)))?;
+    Ok(stats)
+}
+
+/// Sequence `seq` of every layer's cache as a kvtc dump (f32), decoded by the f64 reference.
+pub fn read_sequence(caches: &[&crate::KvCache], seq: usize, cal: &Calibration) -> Result<kvforge_kvtc::KvDump> {
+    if caches.len() != cal.layers {
+        return Err(RtError::ShapeMismatch { what: "kvtc save: caches".into(), expected: format!("{} (one per calibrated layer)", cal.layers), got: caches.len().to_string() });
+    }
+    let (hkv, d) = (cal.kv_heads, cal.head_dim);
+    let mut positions: Option<Vec<i64>> = None;
+    let mut rows: Vec<(Vec<f32>, Vec<f32>)> = Vec::with_capacity(cal.layers * hkv);
+    for (l, c) in caches.iter().enumerate() {
+        if (c.cfg.num_kv_heads, c.cfg.head_dim) != (hkv, d) {
+            return Err(RtError::ShapeMismatch { what: format!("kvtc save: layer {l}"), expected: format!("{hkv} kv heads × head_dim {d}"), got: format!("{} × {}", c.cfg.num_kv_heads, c.cfg.head_dim) });
+        }
+        let basis = c.spec.basis();
+        for h in 0..hkv {
+            let (mut k, mut v, mut pos) = (Vec::new(), Vec::new(), Vec::new());
+            for (page, len, first) in c.positioned_pages(seq, h)? {
+                let bytes = c.download_page(page)?;
+                let bad = |e: kvforge_ref::PageError| RtError::BadInput(format!("kvtc save: layer {l} head {h} page at token {first}: {e}"));
+                let tier = kvforge_ref::page_tier(&c.spec, &bytes).map_err(bad)?;
+                let scales = c.radius_scales(tier.id)?.unwrap_or_default();
+                let per = scales.len() / hkv;
+                let page = kvforge_ref::decode_page(tier, d, &c.spec.page, &bytes, &scales[h * per..(h + 1) * per]).map_err(bad)?;
+                let (mut pk, mut pv) = (page.k, page.v);
+                basis.to_natural(d, &mut pk);
+                basis.to_natural(d, &mut pv);
+                k.extend(pk.iter().map(|&x| x as f32));
+                v.extend(pv.iter().map(|&x| x as f32));
+                pos.extend((first..first + len).map(|p| p as i64));
+            }
+            match &positions {
+                None => positions = Some(pos),
+                Some(p) if *p == pos => {}
+                Some(_) => return Err(RtError::BadInput(format!("kvtc save: layer {l} head {h} holds other tokens of sequence {seq} than layer 0 head 0"))),
+            }
+            rows.push((k, v));
+        }
+    }
+    let positions = positions.unwrap_or_default();
+    let tokens = positions.len();
+    let p = cal.features();
+    let mut dump = kvforge_kvtc::KvDump { layers: cal.layers, kv_heads: hkv, head_dim: d, tokens, positions, k: vec![0.0; p * tokens], v: vec![0.0; p * tokens] };
+    for (i, (k, v)) in rows.into_iter().enumerate() {
+        // [layer][head][token][channel]: head i's rows are one contiguous block
+        dump.k[i * tokens * d..(i + 1) * tokens * d].copy_from_slice(&k);
+        dump.v[i * tokens * d..(i + 1) * tokens * d].copy_from_slice(&v);
+    }
+    Ok(dump)
+}
+
+/// Reads a container packed with `cal`, restores it on the device with `restorer` and appends it
+/// to a new sequence of every layer's cache in `tier` ([`load_sequence`]); returns the sequence
+/// ids. Truncated, corrupted or mismatched input fails before anything reaches a cache.
+pub fn load_container(caches: &mut [&mut crate::KvCache], input: &mut impl std::io::Read, cal: &Calibration, restorer: &KvtcRestorer, tier: kvforge_spec::TierId) -> Result<Vec<usize>> {
+    let dc = kvforge_kvtc::decode_container(input, cal)?;
+    let kv = restorer.restore(&dc)?;
+    load_sequence(caches, &kv, tier)
+}

@@ -65,7 +65,9 @@ fn check_restore(dev: &Device, r: &KvtcRestorer, cal: &Calibration, dc: &Decoded
 fn restore_matches_reference_on_random_shapes() {
     let dev = Device::open(0).unwrap();
     let shapes = [(2, 2, 16, Some(Rope { theta: 10000.0, dim: 16 })), (3, 2, 64, Some(Rope { theta: 100000.0, dim: 64 })), (2, 4, 128, None), (4, 8, 128, Some(Rope { theta: 500000.0, dim: 96 }))];
-    for (si, (layers, heads, hd, rope)) in shapes.into_iter().enumerate() {
+    // KVTC_TEST_SMALL (compute-sanitizer runs): the two small shapes only
+    let take = if std::env::var("KVTC_TEST_SMALL").is_ok() { 2 } else { shapes.len() };
+    for (si, (layers, heads, hd, rope)) in shapes.into_iter().take(take).enumerate() {
         let cal = synthetic_calibration(layers, heads, hd, rope, &[4.0, 16.0, 64.0], 11 + si as u64);
         let r = KvtcRestorer::new(&dev, &cal).unwrap();
         for (ri, (tokens, chunk)) in [(4 + 128 + 1, 1), (4 + 128 + 37, 16), (4 + 128 + 301, 256), (4 + 128 + 7, 3), (100, 256)].into_iter().enumerate() {
@@ -130,7 +132,7 @@ fn restore_of_a_packed_cache_matches_cpu_unpack() {
                         for c in 0..cal.head_dim {
                             let got = half::f16::from_bits(rows[t * width + h * cal.head_dim + c]).to_f32();
                             let exp = w[want.at(l, h, t, c)];
-                            assert!((got - exp).abs() <= 2e-3 * exp.abs().max(1.0), "ratio {ratio} {side:?} l {l} t {t} h {h} c {c}: {got} vs {exp}");
+                            assert!((got - exp).abs() <= 5e-3 * exp.abs().max(1.0), "ratio {ratio} {side:?} l {l} t {t} h {h} c {c}: {got} vs {exp}");
                         }
                     }
                 }
@@ -142,4 +144,98 @@ fn restore_of_a_packed_cache_matches_cpu_unpack() {
         bad[at] ^= 0x5a;
         assert!(decode_container(&mut bad.as_slice(), &cal).is_err());
     }
+}
+
+/// The cache round trip: a sequence appended to every layer's cache (fp16 tier) → saved as a
+/// kvtc container → restored on the device into a new sequence → decode over it matches decode
+/// over the original within the codec's error; failures (corrupt input, a layer out of pages)
+/// leave no sequence behind.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn save_load_decode_round_trip() {
+    use kvforge_kvtc::{calibrate, unpack_from, CalibConfig, DpConfig, Entropy, KvDump, PackOptions};
+    use kvforge_rt::kvtc::{load_container, save_sequence};
+    use kvforge_rt::{CacheConfig, KvCache};
+    use rand::{Rng, SeedableRng};
+    let dev = kvforge_rt::testing::device();
+    let (layers, hkv, d, gqa) = (2usize, 2usize, 64usize, 3usize);
+    let rope = Rope { theta: 10000.0, dim: d };
+    let p = layers * hkv * d;
+    let synth = |tokens: usize, seed: u64| {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+        let mix: Vec<f64> = (0..8 * p).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let mut x = KvDump { layers, kv_heads: hkv, head_dim: d, tokens, positions: (0..tokens as i64).collect(), k: vec![0.0; p * tokens], v: vec![0.0; p * tokens] };
+        for t in 0..tokens {
+            let z: Vec<f64> = (0..8).map(|r| rng.gen_range(-1.0..1.0) * 2.0 / (1 + r) as f64).collect();
+            for l in 0..layers {
+                for h in 0..hkv {
+                    let o = (l * hkv + h) * d;
+                    let mut kr: Vec<f64> = (0..d).map(|c| 0.3 + (0..8).map(|r| z[r] * mix[r * p + o + c]).sum::<f64>()).collect();
+                    rope.apply(&mut kr, t as i64, 1.0);
+                    let a = x.at(l, h, t, 0);
+                    for c in 0..d {
+                        x.k[a + c] = kr[c] as f32;
+                        x.v[a + c] = (0..8).map(|r| z[r] * mix[r * p + o + c] * 0.5).sum::<f64>() as f32;
+                    }
+                }
+            }
+        }
+        x
+    };
+    let cfg = CalibConfig { sinks: 4, window: 16, max_samples: 600, dp_rows: 48, ratios: vec![4.0, 8.0], rope: Some(rope), dp: DpConfig { group_sizes: vec![1, 16, 64], bit_widths: vec![2, 3, 4, 6, 8] }, ..CalibConfig::default() };
+    let cal = calibrate(&synth(800, 1), &cfg, |_| {}).unwrap();
+    let x = synth(301, 2);
+    let spec = kvforge_rt::testing::shipped_spec("baseline.toml");
+    let tier = spec.tier("fp16").unwrap().id;
+    let mut caches: Vec<KvCache> = (0..layers).map(|_| KvCache::new(dev.clone(), spec.clone(), CacheConfig::new(&spec, d, gqa, hkv, 4, 2048).target(tier)).unwrap()).collect();
+    // rows [n][hkv][d] of layer l
+    let rows = |src: &[f32], l: usize| -> Vec<f32> { (0..x.tokens).flat_map(|t| (0..hkv).flat_map(move |h| (0..d).map(move |c| (t, h, c)))).map(|(t, h, c)| src[x.at(l, h, t, c)]).collect() };
+    for (l, c) in caches.iter_mut().enumerate() {
+        let s = c.add_sequence();
+        c.append(s, &rows(&x.k, l), &rows(&x.v, l)).unwrap();
+    }
+    let opts = PackOptions { ratio_index: 0, entropy: Entropy::Deflate, chunk_tokens: 64 };
+    let mut bytes = Vec::new();
+    let stats = save_sequence(&caches.iter().collect::<Vec<_>>(), 0, &cal, &opts, &mut bytes).unwrap();
+    assert_eq!(stats.tokens, x.tokens);
+    let restored = unpack_from(&mut bytes.as_slice(), &cal).unwrap();
+    let rel = |a: &[f32], b: &[f32]| (a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum::<f64>() / a.iter().map(|x| (*x as f64).powi(2)).sum::<f64>()).sqrt();
+    let codec_err = rel(&x.k, &restored.k).max(rel(&x.v, &restored.v));
+    println!("codec relative error (keys, values): {} {} ratio {:.2}", rel(&x.k, &restored.k), rel(&x.v, &restored.v), stats.ratio_total());
+    let restorer = KvtcRestorer::new(&dev, &cal).unwrap();
+    let ids = {
+        let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+        load_container(&mut refs, &mut bytes.as_slice(), &cal, &restorer, tier).unwrap()
+    };
+    assert_eq!(ids, vec![1, 1]);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+    for c in caches.iter_mut() {
+        assert_eq!(c.seq_len(1).unwrap(), x.tokens);
+        let q: Vec<f32> = (0..hkv * gqa * d).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let (a, b) = (c.decode(&[0], &q).unwrap(), c.decode(&[1], &q).unwrap());
+        let diff = rel(&a.out, &b.out);
+        println!("decode relative difference original vs restored: {diff}");
+        assert!(diff <= 2.0 * codec_err + 2e-3, "decode differs by {diff}, codec error {codec_err}");
+    }
+    // corrupt input: typed error naming a chunk, no sequence added
+    let mut bad = bytes.clone();
+    let at = bad.len() / 2;
+    bad[at] ^= 0x40;
+    {
+        let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+        let e = load_container(&mut refs, &mut bad.as_slice(), &cal, &restorer, tier).unwrap_err();
+        assert!(e.to_string().contains("chunk"), "{e}");
+    }
+    assert!(caches.iter().all(|c| c.seq_len(2).is_err()));
+    // a layer out of pages: the layer appended before it is rolled back
+    let mut small_cfg = CacheConfig::new(&spec, d, gqa, hkv, 1, 64).target(tier);
+    small_cfg.pages = vec![2; spec.tiers.len()];
+    let mut small = KvCache::new(dev.clone(), spec.clone(), small_cfg).unwrap();
+    let mut big = KvCache::new(dev.clone(), spec.clone(), CacheConfig::new(&spec, d, gqa, hkv, 4, 2048).target(tier)).unwrap();
+    {
+        let mut refs: Vec<&mut KvCache> = vec![&mut big, &mut small];
+        assert!(load_container(&mut refs, &mut bytes.as_slice(), &cal, &restorer, tier).is_err());
+    }
+    assert!(big.seq_len(0).is_err() && small.seq_len(0).is_err());
 }
