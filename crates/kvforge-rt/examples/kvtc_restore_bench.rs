@@ -55,10 +55,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let m = stored.len();
             let run = || {
                 pool.install(|| {
-                    (0..dc.chunks.len()).into_par_iter().map(|i| {
-                        let j = if dc.chunks[i].raw.len() == lens[i % m] { i % m } else { usize::MAX };
-                        if j == usize::MAX { dc.chunks[i].raw.len() } else { e.decompress(&stored[j], lens[j]).expect("round trip").len() }
-                    }).sum::<usize>()
+                    (0..dc.chunks.len())
+                        .into_par_iter()
+                        .map(|i| {
+                            let j = if dc.chunks[i].raw.len() == lens[i % m] { i % m } else { usize::MAX };
+                            if j == usize::MAX {
+                                dc.chunks[i].raw.len()
+                            } else {
+                                e.decompress(&stored[j], lens[j]).expect("round trip").len()
+                            }
+                        })
+                        .sum::<usize>()
                 })
             };
             run();
@@ -67,11 +74,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let s = t.elapsed().as_secs_f64();
             let stored_total: usize = stored.iter().map(Vec::len).sum();
             let fp16_coded = 4 * p * dc.coded.len();
-            host.insert(e.name().into(), serde_json::json!({
-                "seconds": s, "raw_bytes": bytes, "raw_gb_per_s": bytes as f64 / s / 1e9,
-                "fp16_equivalent_gb_per_s": fp16_coded as f64 / s / 1e9,
-                "entropy_gain": lens.iter().sum::<usize>() as f64 / stored_total as f64,
-            }));
+            host.insert(
+                e.name().into(),
+                serde_json::json!({
+                    "seconds": s, "raw_bytes": bytes, "raw_gb_per_s": bytes as f64 / s / 1e9,
+                    "fp16_equivalent_gb_per_s": fp16_coded as f64 / s / 1e9,
+                    "entropy_gain": lens.iter().sum::<usize>() as f64 / stored_total as f64,
+                }),
+            );
         }
         eprintln!("ratio {ratio}: host entropy decode {}", serde_json::Value::Object(host.clone()));
         if gpu.is_none() {

@@ -153,12 +153,7 @@ impl KvtcRestorer {
             let mut b = vec![0u16; rows * p];
             let have = s.components().min(rows);
             b[..have * p].copy_from_slice(&to_f16_bits(&s.basis[..have * p]));
-            Ok(SideDev {
-                basis: st.clone_htod(&b).map_err(drv("kvtc basis upload"))?,
-                rows,
-                mean: st.clone_htod(&s.mean).map_err(drv("kvtc mean upload"))?,
-                allocations: s.allocations.clone(),
-            })
+            Ok(SideDev { basis: st.clone_htod(&b).map_err(drv("kvtc basis upload"))?, rows, mean: st.clone_htod(&s.mean).map_err(drv("kvtc mean upload"))?, allocations: s.allocations.clone() })
         };
         let sides = [side(Side::Keys)?, side(Side::Values)?];
         let rope_dim = cal.rope.map_or(0, |r| r.dim);
@@ -393,7 +388,11 @@ pub fn load_sequence(caches: &mut [&mut crate::KvCache], restored: &RestoredKv, 
             return Err(RtError::BadTier(tier, format!("`{}` cannot hold encoded pages", t.name)));
         }
         if c.cfg.num_kv_heads * c.cfg.head_dim != restored.width {
-            return Err(RtError::ShapeMismatch { what: "kvtc load: cache rows".into(), expected: format!("{} values (kv_heads × head_dim)", restored.width), got: (c.cfg.num_kv_heads * c.cfg.head_dim).to_string() });
+            return Err(RtError::ShapeMismatch {
+                what: "kvtc load: cache rows".into(),
+                expected: format!("{} values (kv_heads × head_dim)", restored.width),
+                got: (c.cfg.num_kv_heads * c.cfg.head_dim).to_string(),
+            });
         }
     }
     let mut added: Vec<usize> = Vec::with_capacity(caches.len());

@@ -111,7 +111,16 @@ fn restore_of_a_packed_cache_matches_cpu_unpack() {
         }
         d
     };
-    let cfg = CalibConfig { sinks: 2, window: 8, max_samples: 400, dp_rows: 48, ratios: vec![4.0, 16.0], rope: Some(rope), dp: DpConfig { group_sizes: vec![1, 4, 16], bit_widths: vec![1, 2, 3, 4, 6, 8] }, ..CalibConfig::default() };
+    let cfg = CalibConfig {
+        sinks: 2,
+        window: 8,
+        max_samples: 400,
+        dp_rows: 48,
+        ratios: vec![4.0, 16.0],
+        rope: Some(rope),
+        dp: DpConfig { group_sizes: vec![1, 4, 16], bit_widths: vec![1, 2, 3, 4, 6, 8] },
+        ..CalibConfig::default()
+    };
     let cal = calibrate(&synth(500, 1), &cfg, |_| {}).unwrap();
     let dump = synth(203, 2);
     let r = KvtcRestorer::new(&dev, &cal).unwrap();
@@ -183,7 +192,16 @@ fn save_load_decode_round_trip() {
         }
         x
     };
-    let cfg = CalibConfig { sinks: 4, window: 16, max_samples: 600, dp_rows: 48, ratios: vec![4.0, 8.0], rope: Some(rope), dp: DpConfig { group_sizes: vec![1, 16, 64], bit_widths: vec![2, 3, 4, 6, 8] }, ..CalibConfig::default() };
+    let cfg = CalibConfig {
+        sinks: 4,
+        window: 16,
+        max_samples: 600,
+        dp_rows: 48,
+        ratios: vec![4.0, 8.0],
+        rope: Some(rope),
+        dp: DpConfig { group_sizes: vec![1, 16, 64], bit_widths: vec![2, 3, 4, 6, 8] },
+        ..CalibConfig::default()
+    };
     let cal = calibrate(&synth(800, 1), &cfg, |_| {}).unwrap();
     let x = synth(301, 2);
     let spec = kvforge_rt::testing::shipped_spec("baseline.toml");
