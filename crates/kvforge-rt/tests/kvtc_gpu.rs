@@ -234,7 +234,8 @@ fn save_load_decode_round_trip() {
         let (a, b) = (c.decode(&[0], &q).unwrap(), c.decode(&[1], &q).unwrap());
         let diff = rel(&a.out, &b.out);
         println!("decode relative difference original vs restored: {diff}");
-        assert!(diff <= 2.0 * codec_err + 2e-3, "decode differs by {diff}, codec error {codec_err}");
+        // key errors move the softmax weights too: a few times the rows' relative error
+        assert!(diff <= 4.0 * codec_err + 5e-3, "decode differs by {diff}, codec error {codec_err}");
     }
     // corrupt input: typed error naming a chunk, no sequence added
     let mut bad = bytes.clone();
