@@ -13,7 +13,8 @@
 #      layer: SDPA causal Hq 32 / Hkv 8 / d 128 + QKV/O projections + MLP, random weights),
 #      times 32 layers; then $OUT/kvtc-restore-vs-prefill.json puts them side by side.
 # Writes under $OUT: kvtc-tests.log, kvtc-memcheck.log, kvtc-restore.json (+ .log),
-# prefill-128k.json, kvtc-restore-vs-prefill.json. Expected runtime: about 2 minutes.
+# prefill-128k.json, kvtc-restore-vs-prefill.json. Expected runtime: about 2-3 minutes; PARTS
+# (default "tests memcheck bench") picks steps, e.g. PARTS=bench (3 and 4) in a second call.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
@@ -26,12 +27,19 @@ nvidia-smi -L | tee "$OUT/device.txt"
 if [ ! -x $B/kvtc_gpu ] || [ ! -x $B/kvtc_restore_bench ]; then
   echo "no $B/kvtc_gpu or $B/kvtc_restore_bench (run benches/kvtc/build.sh and carry .bin-kvtc)"; exit 2
 fi
+PARTS=${PARTS:-tests memcheck bench}
+has() { case " $PARTS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+if has tests; then
 echo "== 1. GPU tests"
 timeout 150 $B/kvtc_gpu --include-ignored --test-threads 1 --nocapture 2>&1 | tee "$OUT/kvtc-tests.log" | tail -15
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has memcheck; then
 echo "== 2. compute-sanitizer memcheck (small shapes)"
 KVTC_TEST_SMALL=1 timeout 150 compute-sanitizer --tool memcheck --error-exitcode 3 $B/kvtc_gpu --ignored --test-threads 1 2>&1 | tee "$OUT/kvtc-memcheck.log" | tail -8
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if has bench; then
 echo "== 3. restore throughput, 128K tokens x 32 layers x 8 kv heads x d 128"
 timeout 240 $B/kvtc_restore_bench --tokens 131072 --layers 32 --kv-heads 8 --head-dim 128 --ratios 16,64 --threads 16 --reps 3 \
   --json "$OUT/kvtc-restore.json" > /dev/null 2> >(tee "$OUT/kvtc-restore.log" >&2)
@@ -64,4 +72,5 @@ summary = {"what": "restore of a 128K-token Llama-8B-shaped cache (synthetic cal
 json.dump(summary, open(f"{out}/kvtc-restore-vs-prefill.json", "w"), indent=1)
 print(json.dumps(summary, indent=1))
 PY
+fi
 exit $status
