@@ -23,7 +23,9 @@ pub mod tiers;
 
 use std::path::{Path, PathBuf};
 
+pub mod kvtc;
 pub mod paris;
+pub use kvtc::{render_kvtc, KVTC_DEQUANT_THREADS, KVTC_ENTRIES, KVTC_FILE, KVTC_SYMBOL};
 pub use paris::{paris_symbol, render_paris, PARIS_ENTRIES};
 pub use render::{launch_shape, render, render_codecs_cuh, LaunchShape, RenderError, CERT_MAX_BLOCKS, CERT_SELECT_THREADS, CODECS_DIR, HEADERS};
 
@@ -65,6 +67,7 @@ pub fn render_common() -> Vec<GeneratedFile> {
         GeneratedFile { path: "include/kvforge/codecs.cuh".into(), contents: render_codecs_cuh() },
         GeneratedFile { path: "include/kvforge/params.cuh".into(), contents: params::render_cuda() },
         GeneratedFile { path: "params.rs".into(), contents: params::render_rust() },
+        GeneratedFile { path: KVTC_FILE.into(), contents: render_kvtc().expect("the kvtc template renders (tested)") },
     ]
 }
 

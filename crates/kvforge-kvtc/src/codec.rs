@@ -61,8 +61,9 @@ impl PackStats {
     }
 }
 
-/// Token indices kept in fp16: the first `sinks` and the last `window` (all when they overlap).
-fn split(tokens: usize, sinks: usize, window: usize) -> (Vec<usize>, std::ops::Range<usize>) {
+/// Token indices kept in fp16: the first `sinks` and the last `window` (all when they overlap),
+/// and the range coded in chunks.
+pub fn split(tokens: usize, sinks: usize, window: usize) -> (Vec<usize>, std::ops::Range<usize>) {
     if tokens <= sinks + window {
         return ((0..tokens).collect(), 0..0);
     }
@@ -70,7 +71,7 @@ fn split(tokens: usize, sinks: usize, window: usize) -> (Vec<usize>, std::ops::R
     (kept, sinks..tokens - window)
 }
 
-fn chunk_ranges(r: std::ops::Range<usize>, chunk: usize) -> Vec<std::ops::Range<usize>> {
+pub fn chunk_ranges(r: std::ops::Range<usize>, chunk: usize) -> Vec<std::ops::Range<usize>> {
     (r.start..r.end).step_by(chunk.max(1)).map(|a| a..(a + chunk).min(r.end)).collect()
 }
 
@@ -210,8 +211,46 @@ fn max_stored(raw: usize) -> u32 {
     (raw + raw / 8 + 1024).min(u32::MAX as usize) as u32
 }
 
-/// Restores a cache packed by [`pack_into`] with the same calibration.
-pub fn unpack_from(input: &mut impl Read, cal: &Calibration) -> Result<KvDump> {
+/// One coded chunk of a container after entropy decoding: the packed bytes of `tokens` of one
+/// side ([`crate::pack`] layout), what the GPU restore uploads.
+#[derive(Clone, Debug)]
+pub struct DecodedChunk {
+    /// Stream index of the chunk (what errors name).
+    pub index: u32,
+    pub side: Side,
+    pub tokens: std::ops::Range<usize>,
+    pub raw: Vec<u8>,
+}
+
+/// A container read, checked and entropy-decoded, before any reconstruction: the common front
+/// of the CPU [`unpack_from`] and the GPU restore (kvforge-rt `kvtc`).
+#[derive(Clone, Debug)]
+pub struct DecodedContainer {
+    pub header: Header,
+    /// Allocation indices of keys and values in the calibration.
+    pub k_alloc: usize,
+    pub v_alloc: usize,
+    pub positions: Vec<i64>,
+    /// Token indices kept in fp16 (sinks, then the recent window).
+    pub kept: Vec<usize>,
+    /// Kept tokens' fp16 bits, keys `[layer][head][kept][channel]` then values.
+    pub kept_fp16: Vec<u16>,
+    /// Tokens coded in chunks.
+    pub coded: std::ops::Range<usize>,
+    /// Coded chunks in stream order (per token run: keys, then values).
+    pub chunks: Vec<DecodedChunk>,
+}
+
+impl DecodedContainer {
+    pub fn tokens(&self) -> usize {
+        self.header.tokens as usize
+    }
+}
+
+/// Reads every chunk of a container packed with `cal` (checksums, order, sizes), then
+/// entropy-decodes the chunks on all rayon threads. Fails, naming the chunk, on anything
+/// truncated, corrupted or packed with another calibration.
+pub fn decode_container(input: &mut impl Read, cal: &Calibration) -> Result<DecodedContainer> {
     let h = Header::read(input)?;
     if h.calibration != cal.id() {
         let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
@@ -224,7 +263,8 @@ pub fn unpack_from(input: &mut impl Read, cal: &Calibration) -> Result<KvDump> {
     }
     let find =
         |side: Side, bits: u32| cal.side(side).allocations.iter().position(|a| a.budget_bits == bits).ok_or(KvtcError::UnknownAllocation { calibration: cal.id_hex(), side: side.name(), budget_bits: bits });
-    let (ka, va) = (alloc_for(cal, Side::Keys, find(Side::Keys, h.k_budget_bits)?), alloc_for(cal, Side::Values, find(Side::Values, h.v_budget_bits)?));
+    let (k_alloc, v_alloc) = (find(Side::Keys, h.k_budget_bits)?, find(Side::Values, h.v_budget_bits)?);
+    let (ka, va) = (alloc_for(cal, Side::Keys, k_alloc), alloc_for(cal, Side::Values, v_alloc));
     let p = cal.features();
     let mut index = 0u32;
     let mut next = |input: &mut dyn Read, tag: Tag, first: usize, count: usize, raw_len: usize| -> Result<Chunk> {
@@ -239,42 +279,52 @@ pub fn unpack_from(input: &mut impl Read, cal: &Calibration) -> Result<KvDump> {
     let positions: Vec<i64> = decode(&c)?.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect();
     let (kept, coded) = split(tokens, cal.sinks, cal.window);
     let c = next(input, Tag::Kept, 0, kept.len(), 4 * p * kept.len())?;
-    let kb = decode(&c)?;
-    let mut dump = KvDump { layers, kv_heads, head_dim, tokens, positions, k: vec![0.0; p * tokens], v: vec![0.0; p * tokens] };
+    let kept_fp16: Vec<u16> = decode(&c)?.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+    let ranges = chunk_ranges(coded.clone(), h.chunk_tokens as usize);
+    let mut stored = Vec::with_capacity(2 * ranges.len());
+    for r in &ranges {
+        stored.push((Side::Keys, r.clone(), next(input, Tag::Keys, r.start, r.len(), pack::raw_len(r.len(), ka))?));
+        stored.push((Side::Values, r.clone(), next(input, Tag::Values, r.start, r.len(), pack::raw_len(r.len(), va))?));
+    }
+    next(input, Tag::End, 0, 0, 0)?;
+    let chunks = stored.par_iter().map(|(side, r, c)| Ok(DecodedChunk { index: c.index, side: *side, tokens: r.clone(), raw: decode(c)? })).collect::<Result<Vec<_>>>()?;
+    Ok(DecodedContainer { header: h, k_alloc, v_alloc, positions, kept, kept_fp16, coded, chunks })
+}
+
+/// Restores a cache packed by [`pack_into`] with the same calibration.
+pub fn unpack_from(input: &mut impl Read, cal: &Calibration) -> Result<KvDump> {
+    let dc = decode_container(input, cal)?;
+    let (layers, kv_heads, head_dim, tokens) = (cal.layers, cal.kv_heads, cal.head_dim, dc.tokens());
+    let p = cal.features();
+    let (ka, va) = (alloc_for(cal, Side::Keys, dc.k_alloc), alloc_for(cal, Side::Values, dc.v_alloc));
+    let mut dump = KvDump { layers, kv_heads, head_dim, tokens, positions: dc.positions.clone(), k: vec![0.0; p * tokens], v: vec![0.0; p * tokens] };
     let mut at = 0;
     for s in 0..2 {
         for l in 0..layers {
             for hh in 0..kv_heads {
-                for &t in &kept {
+                for &t in &dc.kept {
                     let a = dump.at(l, hh, t, 0);
                     let dst = if s == 0 { &mut dump.k } else { &mut dump.v };
                     for ch in 0..head_dim {
-                        dst[a + ch] = f16::from_le_bytes([kb[at], kb[at + 1]]).to_f32();
-                        at += 2;
+                        dst[a + ch] = f16::from_bits(dc.kept_fp16[at]).to_f32();
+                        at += 1;
                     }
                 }
             }
         }
     }
-    let ranges = chunk_ranges(coded, h.chunk_tokens as usize);
-    let mut chunks = Vec::with_capacity(2 * ranges.len());
-    for r in &ranges {
-        chunks.push((Side::Keys, r.clone(), next(input, Tag::Keys, r.start, r.len(), pack::raw_len(r.len(), ka))?));
-        chunks.push((Side::Values, r.clone(), next(input, Tag::Values, r.start, r.len(), pack::raw_len(r.len(), va))?));
-    }
-    next(input, Tag::End, 0, 0, 0)?;
     let (kbm, vbm) = (basis_matrix(&cal.k, p, ka.used_components()), basis_matrix(&cal.v, p, va.used_components()));
-    let restored: Vec<Vec<f64>> = chunks
+    let restored: Vec<Vec<f64>> = dc
+        .chunks
         .par_iter()
-        .map(|(side, r, c)| {
-            let (a, bt) = if *side == Side::Keys { (ka, &kbm) } else { (va, &vbm) };
-            let raw = decode(c)?;
-            let d = pack::decode(&raw, r.len(), a.used_components(), a);
-            Ok(reconstruct(cal.side(*side), &d, r.len(), bt))
+        .map(|c| {
+            let (a, bt) = if c.side == Side::Keys { (ka, &kbm) } else { (va, &vbm) };
+            let d = pack::decode(&c.raw, c.tokens.len(), a.used_components(), a);
+            reconstruct(cal.side(c.side), &d, c.tokens.len(), bt)
         })
-        .collect::<Result<_>>()?;
-    for ((side, r, _), x) in chunks.iter().zip(restored) {
-        scatter(&mut dump, cal, *side, r.clone(), &x);
+        .collect();
+    for (c, x) in dc.chunks.iter().zip(restored) {
+        scatter(&mut dump, cal, c.side, c.tokens.clone(), &x);
     }
     Ok(dump)
 }

@@ -32,11 +32,12 @@ pub mod entropy;
 pub mod error;
 pub mod pack;
 pub mod quant;
+pub mod restore;
 pub mod rope;
 
 pub use alloc::{Allocation, DpConfig, Group};
 pub use calib::{calibrate, CalibConfig, Calibration, Side};
-pub use codec::{pack_into, unpack_from, PackOptions, PackStats};
+pub use codec::{decode_container, pack_into, unpack_from, DecodedChunk, DecodedContainer, PackOptions, PackStats};
 pub use dump::KvDump;
 pub use entropy::Entropy;
 pub use error::KvtcError;

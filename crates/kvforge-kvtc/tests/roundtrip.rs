@@ -169,3 +169,39 @@ fn fixture() -> (&'static KvDump, &'static Calibration) {
     let f = F.get_or_init(setup);
     (&f.0, &f.1)
 }
+
+/// The GPU restore's f64 mirror (group table → dequant → coefficients · basis + mean → RoPE,
+/// rows per layer) reproduces the CPU unpack, odd and one-token chunks included.
+#[test]
+fn restore_reference_equals_unpack() {
+    use kvforge_kvtc::restore::{dequant_reference, group_table, padded_components, restore_reference};
+    use kvforge_kvtc::{decode_container, Side};
+    let (dump, cal) = setup();
+    for (ratio, chunk_tokens) in [(4.0, 7), (16.0, 1), (64.0, 256)] {
+        let opts = PackOptions { ratio_index: cal.ratio_index(ratio).unwrap(), entropy: Entropy::Deflate, chunk_tokens };
+        let mut bytes = Vec::new();
+        pack_into(&dump, &cal, &opts, &mut bytes).unwrap();
+        let want = unpack_from(&mut bytes.as_slice(), &cal).unwrap();
+        let dc = decode_container(&mut bytes.as_slice(), &cal).unwrap();
+        assert!(!dc.chunks.is_empty());
+        let (hd, hkv) = (cal.head_dim, cal.kv_heads);
+        for c in &dc.chunks {
+            let a = &cal.side(c.side).allocations[if c.side == Side::Keys { dc.k_alloc } else { dc.v_alloc }];
+            let (n, ldc) = (c.tokens.len(), padded_components(a));
+            let coeff = dequant_reference(&c.raw, n, &group_table(a, n, ldc), ldc);
+            let x = restore_reference(&cal, c.side, &coeff, n, ldc, &dc.positions[c.tokens.clone()], false);
+            let w = if c.side == Side::Keys { &want.k } else { &want.v };
+            for l in 0..cal.layers {
+                for (i, t) in c.tokens.clone().enumerate() {
+                    for h in 0..hkv {
+                        for ch in 0..hd {
+                            let got = x[(l * n + i) * hkv * hd + h * hd + ch];
+                            let exp = w[want.at(l, h, t, ch)] as f64;
+                            assert!((got - exp).abs() <= 1e-5 * exp.abs().max(1.0), "ratio {ratio} {:?} l {l} t {t} h {h} ch {ch}: {got} vs {exp}", c.side);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

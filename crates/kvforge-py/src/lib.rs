@@ -18,6 +18,7 @@
 
 mod certified;
 mod control;
+mod kvtc;
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -987,6 +988,9 @@ fn kvforge_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<control::ControlReport>()?;
     m.add_class::<certified::Certifier>()?;
     m.add_class::<certified::HeadCert>()?;
+    m.add_class::<kvtc::KvtcCalibration>()?;
+    m.add_function(wrap_pyfunction!(kvtc::kvtc_save, m)?)?;
+    m.add_function(wrap_pyfunction!(kvtc::kvtc_load, m)?)?;
     m.add_function(wrap_pyfunction!(device_info, m)?)?;
     m.add_function(wrap_pyfunction!(driver_present, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_present, m)?)?;

@@ -291,3 +291,12 @@ def test_serving_additions_are_accepted():
     # the device-resident decode plan (issue 29): additive API
     assert "synchronize" in dir(kvforge.Cache) and "resident_stats" in dir(kvforge.Cache)
     assert "replan=True" in kvforge.Cache.decode.__doc__
+
+
+def test_kvtc_calibration_errors_are_typed(tmp_path):
+    assert err(kvforge.KvtcCalibration, str(tmp_path / "missing.safetensors")).kind == "Kvtc"
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a calibration")
+    assert err(kvforge.KvtcCalibration, str(junk)).kind == "Kvtc"
+    # Cache.save / Cache.load wrap kvtc_save / kvtc_load for one-layer calibrations
+    assert "kvtc container" in kvforge.Cache.save.__doc__ and "kvtc container" in kvforge.Cache.load.__doc__

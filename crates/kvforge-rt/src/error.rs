@@ -45,6 +45,9 @@ pub enum RtError {
     /// A ParisKV configuration or input the retrieval reference rejects.
     #[error("ParisKV: {0}")]
     Paris(#[from] kvforge_paris::ParisError),
+    /// A kvtc container, calibration or restore input the codec rejects (names the chunk).
+    #[error("kvtc: {0}")]
+    Kvtc(#[from] kvforge_kvtc::KvtcError),
     #[error("out of pinned host memory: {bytes} B for the fp16 originals (tier 2): {reason}")]
     OutOfPinnedMemory { bytes: usize, reason: String },
     #[error("the fp16 original (tier 2) of page {page} (offset {offset}) is missing: certified decode can neither bound nor recompute it")]

@@ -27,6 +27,7 @@ mod engine;
 mod error;
 pub mod external;
 pub mod jit;
+pub mod kvtc;
 mod kernels;
 mod mass_window;
 mod moves;

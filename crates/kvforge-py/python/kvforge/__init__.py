@@ -46,10 +46,13 @@ from ._native import (
     ControlReport,
     Controller,
     HeadCertificate,
+    KvtcCalibration,
     Plan,
     __version__,
     check_tensor,
     device_info,
+    kvtc_load,
+    kvtc_save,
     enable_logs,
     driver_present,
     nvrtc_present,
@@ -64,15 +67,34 @@ __all__ = [
     "Controller",
     "HeadCertificate",
     "KvforgeError",
+    "KvtcCalibration",
     "Plan",
     "__version__",
     "check_tensor",
     "device_info",
     "enable_logs",
     "hf",
+    "kvtc_load",
+    "kvtc_save",
     "driver_present",
     "nvrtc_present",
 ]
+
+
+def _cache_save(self, seq, path, calibration, ratio=16.0, entropy="deflate", chunk_tokens=256):
+    """Saves sequence ``seq`` of this cache as a kvtc container (a one-layer calibration; a
+    model's caches, one per layer: :func:`kvtc_save`). Returns the sizes."""
+    return kvtc_save([self], seq, path, calibration, ratio=ratio, entropy=entropy, chunk_tokens=chunk_tokens)
+
+
+def _cache_load(self, path, calibration, tier=None):
+    """Restores a kvtc container on the GPU into a new sequence of this cache (full pages in
+    ``tier``; one-layer calibration; several layers: :func:`kvtc_load`). Returns its id."""
+    return kvtc_load([self], path, calibration, tier=tier)[0]
+
+
+Cache.save = _cache_save
+Cache.load = _cache_load
 
 
 def _logs_from_env():

@@ -1,0 +1,268 @@
+//! What the GPU restore (`templates/include/kvforge/kvtc.cuh`, launched by kvforge-rt `kvtc`)
+//! computes, in f64 and in the kernels' order of operations, so the device tests compare
+//! against it and a CPU test ties it to [`crate::unpack_from`]:
+//!
+//! 1. dequant: the allocation as a table of [`GroupDesc`] covering components `0..ldc`
+//!    ([`group_table`]; gaps and the padding to a multiple of [`BK`] are zero-bit groups),
+//!    every code of a chunk turned into `shift + code · scale`, an `n × ldc` coefficient matrix
+//!    ([`dequant_reference`]; the device stores it in fp16).
+//! 2. restore: `coefficients · basis + mean` (the device: fp16 operands, fp32 accumulation),
+//!    RoPE re-applied to keys at each token's position, rows written per layer:
+//!    `out[layer][token][kv_head · head_dim + channel]` ([`restore_reference`]).
+
+use half::f16;
+
+use crate::alloc::Allocation;
+use crate::calib::{Calibration, Side};
+
+/// Components per k-tile of the device matmul: coefficient rows and basis rows are padded to
+/// a multiple of it.
+pub const BK: usize = 32;
+
+/// Column tile of the device matmul: a head must not straddle two tiles (RoPE pairs channels
+/// of one head), so `head_dim` must divide it.
+pub const BN: usize = 128;
+
+/// Coefficient columns (and basis rows) the device uses for `alloc`: its used components
+/// rounded up to [`BK`], at least one tile.
+pub fn padded_components(alloc: &Allocation) -> usize {
+    alloc.used_components().div_ceil(BK).max(1) * BK
+}
+
+/// One group as the dequant kernel reads it (`kvforge::kvtc::GroupDesc`, same field order):
+/// components `start..start+len`, `bits` per code (0: written as zeros), the group's planes at
+/// byte `offset` of a chunk of `n` tokens (fp16 shift/scale pairs, then codes at `offset + 4n`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GroupDesc {
+    pub start: i32,
+    pub len: i32,
+    pub bits: i32,
+    pub offset: u32,
+}
+
+/// The allocation's groups for chunks of `n` tokens, with zero-bit groups filling every
+/// component of `0..ldc` no group codes (the device writes each coefficient exactly once).
+pub fn group_table(alloc: &Allocation, n: usize, ldc: usize) -> Vec<GroupDesc> {
+    let mut out = Vec::with_capacity(2 * alloc.groups.len() + 1);
+    let (mut next, mut offset) = (0usize, 0usize);
+    let gap = |out: &mut Vec<GroupDesc>, from: usize, to: usize| {
+        // zero-bit groups of at most 1024 components, so no CTA gets a huge one
+        let mut a = from;
+        while a < to {
+            let len = (to - a).min(1024);
+            out.push(GroupDesc { start: a as i32, len: len as i32, bits: 0, offset: 0 });
+            a += len;
+        }
+    };
+    for g in &alloc.groups {
+        let (s, len, bits) = (g.start as usize, g.len as usize, g.bits as usize);
+        gap(&mut out, next, s);
+        out.push(GroupDesc { start: s as i32, len: len as i32, bits: bits as i32, offset: offset as u32 });
+        offset += 4 * n + (n * len * bits).div_ceil(8);
+        next = s + len;
+    }
+    gap(&mut out, next, ldc);
+    out
+}
+
+/// The dequant kernel in f64: `n × ldc` coefficients of a packed chunk (`raw`, [`crate::pack`]
+/// layout) through `table` ([`group_table`]).
+pub fn dequant_reference(raw: &[u8], n: usize, table: &[GroupDesc], ldc: usize) -> Vec<f64> {
+    let mut d = vec![0.0; n * ldc];
+    for g in table.iter().filter(|g| g.bits > 0) {
+        let (len, bits, base) = (g.len as usize, g.bits as usize, g.offset as usize);
+        for t in 0..n {
+            let s = &raw[base + 4 * t..base + 4 * t + 4];
+            let (lo, scale) = (f16::from_le_bytes([s[0], s[1]]).to_f64(), f16::from_le_bytes([s[2], s[3]]).to_f64());
+            for j in 0..len {
+                let bit = (t * len + j) * bits;
+                let (first, last) = (bit / 8, (bit + bits - 1) / 8);
+                let mut w = 0u32;
+                for (k, b) in raw[base + 4 * n + first..=base + 4 * n + last].iter().enumerate() {
+                    w |= (*b as u32) << (8 * k);
+                }
+                let code = (w >> (bit % 8)) & ((1u32 << bits) - 1);
+                d[t * ldc + g.start as usize + j] = lo + code as f64 * scale;
+            }
+        }
+    }
+    d
+}
+
+/// `f16` rounding of an f64, as the device rounds its operands.
+fn h(x: f64) -> f64 {
+    f16::from_f64(x).to_f64()
+}
+
+/// The restore kernel in f64: features of `n` tokens from `n × ldc` coefficients, the mean
+/// added and RoPE applied to keys at `positions`, as `[layer][token][kv_head · head_dim + channel]`.
+/// `fp16_operands`: round coefficients and basis to fp16 first, as the device does (off, the
+/// result is the CPU unpack's up to summation order).
+pub fn restore_reference(cal: &Calibration, side: Side, coeff: &[f64], n: usize, ldc: usize, positions: &[i64], fp16_operands: bool) -> Vec<f64> {
+    let s = cal.side(side);
+    let p = cal.features();
+    let comps = ldc.min(s.components());
+    let width = cal.kv_heads * cal.head_dim;
+    let mut out = vec![0.0; n * p];
+    let mut x = vec![0.0; p];
+    let basis: Vec<f64> = s.basis[..comps * p].iter().map(|&b| if fp16_operands { h(b as f64) } else { b as f64 }).collect();
+    for t in 0..n {
+        x.iter_mut().enumerate().for_each(|(f, v)| *v = s.mean[f] as f64);
+        for c in 0..comps {
+            let a = coeff[t * ldc + c];
+            let a = if fp16_operands { h(a) } else { a };
+            if a == 0.0 {
+                continue;
+            }
+            for (v, &b) in x.iter_mut().zip(&basis[c * p..(c + 1) * p]) {
+                *v += a * b;
+            }
+        }
+        for (head, chunk) in x.chunks_mut(cal.head_dim).enumerate() {
+            if let (Side::Keys, Some(r)) = (side, cal.rope) {
+                r.apply(chunk, positions[t], 1.0);
+            }
+            let (l, within) = (head / cal.kv_heads, (head % cal.kv_heads) * cal.head_dim);
+            out[(l * n + t) * width + within..][..cal.head_dim].copy_from_slice(chunk);
+        }
+    }
+    out
+}
+
+/// A cheap deterministic stream of roughly normal numbers (sum of uniforms), for synthetic data.
+fn noise(seed: u64, i: u64) -> f64 {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i.wrapping_mul(0xD1B5_4A32_D192_ED03);
+    let mut acc = 0.0;
+    for _ in 0..4 {
+        x ^= x >> 31;
+        x = x.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x ^= x >> 29;
+        acc += (x >> 11) as f64 / (1u64 << 53) as f64 - 0.5;
+    }
+    acc * 1.7320508
+}
+
+/// An allocation for `budget_bits` per token: 16 single components at 8 bits, then groups of 64
+/// at 4 bits while the budget lasts (the shape of a real 8–64× allocation, not a solved one).
+pub fn synthetic_allocation(budget_bits: usize, components: usize) -> Allocation {
+    let mut groups = Vec::new();
+    let (mut used, mut start) = (0usize, 0usize);
+    for _ in 0..16 {
+        if used + 40 > budget_bits || start >= components {
+            break;
+        }
+        groups.push(crate::alloc::Group { start: start as u32, len: 1, bits: 8 });
+        used += 40;
+        start += 1;
+    }
+    while used + 64 * 4 + 32 <= budget_bits && start + 64 <= components {
+        groups.push(crate::alloc::Group { start: start as u32, len: 64, bits: 4 });
+        used += 64 * 4 + 32;
+        start += 64;
+    }
+    Allocation { budget_bits: budget_bits as u32, groups, expected_error: f64::NAN }
+}
+
+/// A calibration of the right shape with random directions (not orthonormal) and means, and
+/// one [`synthetic_allocation`] per ratio: for restore throughput and device tests, where only
+/// the arithmetic matters. Real quality needs [`crate::calibrate`].
+pub fn synthetic_calibration(layers: usize, kv_heads: usize, head_dim: usize, rope: Option<crate::Rope>, ratios: &[f64], seed: u64) -> Calibration {
+    use rayon::prelude::*;
+    let p = layers * kv_heads * head_dim;
+    let allocs: Vec<Allocation> = ratios.iter().map(|&r| synthetic_allocation(crate::calib::budget_bits(p, r), p)).collect();
+    let comps = allocs.iter().map(|a| a.used_components()).max().unwrap_or(1).max(1);
+    let side = |k: u64| {
+        let scale = 1.0 / (p as f64).sqrt();
+        let mut basis = vec![0f32; comps * p];
+        basis.par_chunks_mut(p).enumerate().for_each(|(c, row)| row.iter_mut().enumerate().for_each(|(f, b)| *b = (noise(seed + k, (c * p + f) as u64) * scale) as f32));
+        crate::calib::SideCalib {
+            mean: (0..p).map(|f| (0.1 * noise(seed + k + 7, f as u64)) as f32).collect(),
+            basis,
+            variance: (0..comps).map(|c| 1.0 / (1.0 + c as f32)).collect(),
+            allocations: allocs.clone(),
+        }
+    };
+    Calibration { layers, kv_heads, head_dim, rope, sinks: 4, window: 128, samples: 0, ratios: ratios.to_vec(), k: side(1), v: side(2) }
+}
+
+/// A packed chunk of `n` tokens for `alloc`: random coefficients with variance falling as
+/// `1 / (1 + component)`, quantised and packed as [`crate::pack_into`] does.
+pub fn synthetic_chunk(alloc: &Allocation, n: usize, seed: u64) -> Vec<u8> {
+    let comps = alloc.used_components();
+    let d: Vec<f64> = (0..n * comps).map(|i| noise(seed, i as u64) * 8.0 / (1.0 + (i % comps.max(1)) as f64).sqrt()).collect();
+    crate::pack::encode(&d, n, comps, alloc)
+}
+
+/// A decoded container of `tokens` tokens for `cal` at allocation `ratio_index` (both sides),
+/// built without packing: positions `0..tokens`, random fp16 kept rows, and coded chunks of
+/// `chunk_tokens` from [`synthetic_chunk`], `distinct` different contents per side repeated
+/// (a 128K-token cache costs seconds, not a CPU projection). For restore tests and benches.
+pub fn synthetic_container(cal: &Calibration, ratio_index: usize, tokens: usize, chunk_tokens: usize, distinct: usize, seed: u64) -> crate::DecodedContainer {
+    use rayon::prelude::*;
+    let (ka, va) = (&cal.k.allocations[ratio_index], &cal.v.allocations[ratio_index]);
+    let header = crate::container::Header {
+        version: crate::container::VERSION,
+        entropy: 0,
+        calibration: cal.id(),
+        layers: cal.layers as u32,
+        kv_heads: cal.kv_heads as u32,
+        head_dim: cal.head_dim as u32,
+        tokens: tokens as u32,
+        sinks: cal.sinks as u32,
+        window: cal.window as u32,
+        chunk_tokens: chunk_tokens as u32,
+        k_budget_bits: ka.budget_bits,
+        v_budget_bits: va.budget_bits,
+    };
+    let (kept, coded) = crate::codec::split(tokens, cal.sinks, cal.window);
+    let kept_fp16 = (0..2 * cal.features() * kept.len()).map(|i| f16::from_f64(noise(seed ^ 0x55, i as u64)).to_bits()).collect();
+    let ranges = crate::codec::chunk_ranges(coded.clone(), chunk_tokens);
+    let distinct = distinct.max(1);
+    let make = |a: &Allocation, s: u64, n: usize| -> Vec<Vec<u8>> { (0..distinct).into_par_iter().map(|i| synthetic_chunk(a, n, seed.wrapping_add(s + 2 * i as u64))).collect() };
+    let full = [make(ka, 0, chunk_tokens), make(va, 1, chunk_tokens)];
+    let mut chunks = Vec::with_capacity(2 * ranges.len());
+    for (i, r) in ranges.iter().enumerate() {
+        for (side, s, a) in [(Side::Keys, 0usize, ka), (Side::Values, 1, va)] {
+            let raw = if r.len() == chunk_tokens { full[s][i % distinct].clone() } else { synthetic_chunk(a, r.len(), seed.wrapping_add(999 + s as u64)) };
+            chunks.push(crate::DecodedChunk { index: (2 + 2 * i + s) as u32, side, tokens: r.clone(), raw });
+        }
+    }
+    crate::DecodedContainer { header, k_alloc: ratio_index, v_alloc: ratio_index, positions: (0..tokens as i64).collect(), kept, kept_fp16, coded, chunks }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::alloc::Group;
+    use crate::pack;
+
+    #[test]
+    fn group_table_covers_every_component_once_and_dequant_matches_decode() {
+        let alloc = Allocation {
+            budget_bits: 100_000,
+            expected_error: 0.0,
+            groups: vec![Group { start: 0, len: 1, bits: 8 }, Group { start: 1, len: 16, bits: 3 }, Group { start: 20, len: 16, bits: 1 }, Group { start: 36, len: 1, bits: 13 }],
+        };
+        let ldc = padded_components(&alloc);
+        assert_eq!(ldc, 64);
+        for n in [1usize, 5, 256] {
+            let table = group_table(&alloc, n, ldc);
+            let mut seen = vec![0; ldc];
+            for g in &table {
+                (g.start..g.start + g.len).for_each(|c| seen[c as usize] += 1);
+            }
+            assert!(seen.iter().all(|&k| k == 1), "{seen:?}");
+            let comps = alloc.used_components();
+            let d: Vec<f64> = (0..n * comps).map(|k| (((k as u64 * 2654435761) % 1000) as f64 - 500.0) / 37.0).collect();
+            let raw = pack::encode(&d, n, comps, &alloc);
+            let want = pack::decode(&raw, n, comps, &alloc);
+            let got = dequant_reference(&raw, n, &table, ldc);
+            for t in 0..n {
+                for c in 0..ldc {
+                    assert_eq!(got[t * ldc + c], if c < comps { want[t * comps + c] } else { 0.0 });
+                }
+            }
+        }
+    }
+}
