@@ -350,7 +350,13 @@ impl KvCache {
                 let on_tail = at + j == 0 && tail.is_some();
                 for h in 0..hkv {
                     let page = if on_tail {
-                        self.store.tail_page(seq, h)?.ok_or(RtError::NoPage { seq, head: h, index: usize::MAX })?.0
+                        let page = self.store.tail_page(seq, h)?.ok_or(RtError::NoPage { seq, head: h, index: usize::MAX })?.0;
+                        // A tail this batch fills leaves the table now: the batch's last chunk
+                        // may put a new tail in its place below.
+                        if c.fills(p) {
+                            self.store.take_tail(seq, h)?;
+                        }
+                        page
                     } else if c.fills(p) {
                         self.store.pool_mut().alloc(TAIL_TIER)?
                     } else {
@@ -368,12 +374,9 @@ impl KvCache {
             // above) and rows pos0 .. pos0 + count ≤ page size (plan_bulk); its source rows lie
             // below n · hkv (the caller's contract).
             unsafe { self.launch_append(&kernel, &rows, k, v) }?;
-            for (j, c) in batch.iter().enumerate() {
-                let on_tail = at + j == 0 && tail.is_some();
-                for h in 0..hkv {
-                    if on_tail && c.fills(p) {
-                        self.store.take_tail(seq, h)?;
-                    } else if !c.fills(p) {
+            for c in batch {
+                if !c.fills(p) {
+                    for h in 0..hkv {
                         self.store.tail_grew_on_device(seq, h, c.count)?;
                     }
                 }

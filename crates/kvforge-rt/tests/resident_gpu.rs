@@ -164,5 +164,5 @@ fn a_corrupt_page_is_reported_by_the_next_step_or_synchronize() {
     c.decode_step_external(&[s], &qt, &ot, &lt).unwrap();
     dev.stream.synchronize().unwrap();
     let e = c.decode_step_external(&[s], &qt, &ot, &lt).unwrap_err();
-    assert!(matches!(&e, RtError::KernelFault { variant, .. } if variant.starts_with("decode_")), "{e}");
+    assert!(matches!(&e, RtError::KernelFault { variant, .. } if variant.contains("decode_")), "{e}");
 }
