@@ -265,13 +265,8 @@ impl KvCache {
     /// bad arguments; a device error part way leaves the sequence in an unspecified state.
     /// Synchronises the cache's stream once per transcode launch (its fault flags).
     pub fn append_external_device(&mut self, seq: usize, k: &ExternalTensor, v: &ExternalTensor) -> Result<()> {
-        let (hkv, d, p) = (self.cfg.num_kv_heads, self.cfg.head_dim, self.spec.page.tokens);
-        self.seq_len(seq)?;
-        k.check_rank("k", 3, "[T, num_kv_heads, head_dim]")?;
-        let n = k.shape[0];
-        let elem = ElemType::of(self.spec.geometry.dtype);
-        let dims = vec![("T", n), ("num_kv_heads", hkv), ("head_dim", d)];
-        self.check_all(&[("k", k, elem.clone(), dims.clone()), ("v", v, elem, dims)])?;
+        let (hkv, p) = (self.cfg.num_kv_heads, self.spec.page.tokens);
+        let n = self.check_append(seq, k, v)?;
         if n == 0 {
             return Ok(());
         }

@@ -245,17 +245,24 @@ impl KvCache {
         Ok(())
     }
 
+    /// Checks an append's arguments (`seq` exists; `k`, `v` are `[T][num_kv_heads][head_dim]`
+    /// in the spec dtype on this cache's device) and returns T.
+    pub(crate) fn check_append(&self, seq: usize, k: &ExternalTensor, v: &ExternalTensor) -> Result<usize> {
+        self.seq_len(seq)?;
+        k.check_rank("k", 3, "[T, num_kv_heads, head_dim]")?;
+        let n = k.shape[0];
+        let elem = ElemType::of(self.spec.geometry.dtype);
+        let dims = vec![("T", n), ("num_kv_heads", self.cfg.num_kv_heads), ("head_dim", self.cfg.head_dim)];
+        self.check_all(&[("k", k, elem.clone(), dims.clone()), ("v", v, elem, dims)])?;
+        Ok(n)
+    }
+
     /// Appends `k`, `v` (`[n][num_kv_heads][head_dim]` in the spec dtype, device memory) to
     /// `seq`; the same semantics as [`KvCache::append`] (all or nothing; full pages are
     /// encoded into the target tier). Synchronises the cache's stream.
     pub fn append_external(&mut self, seq: usize, k: &ExternalTensor, v: &ExternalTensor) -> Result<()> {
         let (hkv, d) = (self.cfg.num_kv_heads, self.cfg.head_dim);
-        self.seq_len(seq)?;
-        k.check_rank("k", 3, "[T, num_kv_heads, head_dim]")?;
-        let n = k.shape[0];
-        let elem = ElemType::of(self.spec.geometry.dtype);
-        let dims = vec![("T", n), ("num_kv_heads", hkv), ("head_dim", d)];
-        self.check_all(&[("k", k, elem.clone(), dims.clone()), ("v", v, elem, dims)])?;
+        let n = self.check_append(seq, k, v)?;
         if n == 0 {
             return Ok(());
         }

@@ -22,19 +22,9 @@
 //! Integer weights make every sum independent of its order, so a parallel reduction and this
 //! sequential loop agree exactly; only ties below 2⁻³¹ of a head's mass resolve by index.
 
-/// Number of blocks explored: ⌈frac · blocks⌉, at most the tail (the reference ladder's rule;
-/// a test compares the two).
-pub fn explore_count(frac: f64, blocks: usize, tail: usize) -> usize {
-    ((frac * blocks as f64).ceil() as usize).min(tail)
-}
-
-/// SplitMix64 finaliser (Steele, Lea, Flood 2014), the counter hash `certify.cuh` uses too.
-pub fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+/// The exploration count (⌈frac · blocks⌉, at most the tail) and the SplitMix64 finaliser, the
+/// counter hash `certify.cuh` uses too: the reference ladder's own, so the two cannot drift.
+pub use kvforge_ref::certified::select::{explore_count, splitmix64};
 
 /// Fixed-point bits of a block weight (the heaviest block of a head weighs 2^WEIGHT_BITS).
 pub const WEIGHT_BITS: i32 = 32;
@@ -255,15 +245,5 @@ mod tests {
             s.state.iter().enumerate().filter(|(_, &x)| x == EXPLORED).for_each(|(i, _)| seen[i] = true);
         }
         assert!(seen.iter().all(|&x| x), "{seen:?}");
-    }
-
-    #[test]
-    fn hash_and_count_are_the_reference_ladders() {
-        for x in [0u64, 1, 42, u64::MAX, 0x9E37_79B9_7F4A_7C15] {
-            assert_eq!(splitmix64(x), kvforge_ref::certified::select::splitmix64(x));
-        }
-        for (frac, blocks, tail) in [(0.0, 10, 10), (0.02, 300, 200), (0.3, 7, 2), (1.0, 64, 64)] {
-            assert_eq!(explore_count(frac, blocks, tail), kvforge_ref::certified::select::explore_count(frac, blocks, tail));
-        }
     }
 }
