@@ -385,7 +385,11 @@ class KvforgeBackend(Backend):
         self.ids = {r.rid: i for r, i in zip(reqs, ids)}
 
     def write_prompt(self, layer, req, k, v):
-        self.caches[layer].append(self.ids[req.rid], k.contiguous(), v.contiguous())
+        # The prompt is written on the device (``Cache.append_device``: one append launch and one
+        # encode launch per batch of pages) where the wheel has it, else staged through the host.
+        c = self.caches[layer]
+        write = c.append_device if self.device_append and hasattr(c, "append_device") else c.append
+        write(self.ids[req.rid], k.contiguous(), v.contiguous())
 
     def begin_step(self, reqs):
         return [self.ids[r.rid] for r in reqs]
