@@ -32,7 +32,8 @@
 #
 # Carry: .whl (FlashInfer + deps, 22 MiB) and .whl-kvforge (the kvforge wheel with
 # Cache(target_only=) and Cache.tile_sequence: bash crates/kvforge-py/build-wheel.sh).
-# Env: SERVE_LAYERS (8), SERVE_BUDGET_GB (40), SERVE_STEPS (64), SERVE_BACKENDS, SERVE_CONTEXTS.
+# Env: SERVE_LAYERS (8), SERVE_BUDGET_GB (40), SERVE_STEPS (64), SERVE_BACKENDS, SERVE_CONTEXTS,
+# SERVE_MAX_BATCH (256: the cap on the batch the budget admits, read by run.py).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"

@@ -60,7 +60,7 @@ def parse_args(argv=None):
     ap.add_argument("--backends", default="sdpa,flashinfer,flashinfer_fp8,kvforge:fp16,kvforge:b4,kvforge:r3")
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--budget-gb", type=float, default=40.0, help="KV budget per GPU, GB (1e9 bytes)")
-    ap.add_argument("--max-batch", type=int, default=256)
+    ap.add_argument("--max-batch", type=int, default=int(os.environ.get("SERVE_MAX_BATCH", "256")))
     ap.add_argument("--batch", type=int, default=0, help="fixed batch (0: the largest the budget admits)")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=3)
