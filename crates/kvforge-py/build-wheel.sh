@@ -4,21 +4,7 @@
 #   pip install --no-deps --target /tmp/py .whl-kvforge/*.whl
 #   usage: crates/kvforge-py/build-wheel.sh [python]   (default: $ROOT/.venv/bin/python)
 set -euo pipefail
-HERE="$(cd "$(dirname "$0")" && pwd)"
-ROOT="$(cd "$HERE/../.." && pwd)"
-PY=${1:-$ROOT/.venv/bin/python}
-# A fresh clone has no .venv (`.ci/run` makes one): create it, or say what to install.
-if [ ! -x "$PY" ]; then
-  if [ -n "${1:-}" ]; then
-    echo "error: $PY is not an executable python" >&2
-    exit 2
-  fi
-  echo "creating $ROOT/.venv (python3 -m venv)" >&2
-  python3 -m venv "$ROOT/.venv" || {
-    echo "error: python3 -m venv failed: install python3 and python3-venv (Debian/Ubuntu: apt install python3-venv), or pass a python: $0 /path/to/python" >&2
-    exit 2
-  }
-fi
+source "$(dirname "$0")/python-env.sh"
 # Linked with zig against glibc 2.28 (manylinux_2_28, the floor PyTorch's wheels set), so the
 # wheel installs on the GPU machine whatever newer glibc this machine has. The first zig build
 # compiles every dependency again (~15 min on 2 cores); later ones are incremental.
