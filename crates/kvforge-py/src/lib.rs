@@ -19,6 +19,7 @@
 mod certified;
 mod control;
 mod kvtc;
+mod paris;
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -989,6 +990,7 @@ fn kvforge_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<certified::Certifier>()?;
     m.add_class::<certified::HeadCert>()?;
     m.add_class::<kvtc::KvtcCalibration>()?;
+    m.add_class::<paris::ParisIndex>()?;
     m.add_function(wrap_pyfunction!(kvtc::kvtc_save, m)?)?;
     m.add_function(wrap_pyfunction!(kvtc::kvtc_load, m)?)?;
     m.add_function(wrap_pyfunction!(device_info, m)?)?;

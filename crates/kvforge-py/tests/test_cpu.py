@@ -300,3 +300,21 @@ def test_kvtc_calibration_errors_are_typed(tmp_path):
     assert err(kvforge.KvtcCalibration, str(junk)).kind == "Kvtc"
     # Cache.save / Cache.load wrap kvtc_save / kvtc_load for one-layer calibrations
     assert "kvtc container" in kvforge.Cache.save.__doc__ and "kvtc container" in kvforge.Cache.load.__doc__
+
+
+def test_paris_index_arguments_are_typed_errors():
+    # bad sizes are KvforgeErrors naming the argument; a valid index gets as far as the device
+    assert err(kvforge.ParisIndex, 64, 3, 3, -1).kind == "BadInput"
+    assert err(kvforge.ParisIndex, 64, 3, 3, 1024, host_budget_gb=0.0).kind == "BadInput"
+    if not kvforge.driver_present():
+        assert err(kvforge.ParisIndex, 64, 3, 3, 1024).kind == "NoDriver"
+    assert "retrieve" in dir(kvforge.ParisIndex) and "one softmax" in kvforge.ParisIndex.decode.__doc__
+
+
+def test_retrieval_window_arguments_are_checked():
+    import kvforge.retrieval
+
+    for kw in (dict(k=0), dict(local=0), dict(update=0), dict(local=16, update=32), dict(sinks=-1)):
+        with pytest.raises(ValueError, match="kvforge.retrieval"):
+            kvforge.retrieval.ParisAttention(module=object(), **kw)
+    assert callable(kvforge.retrieval.use_retrieval)

@@ -640,6 +640,118 @@ def test_resident_decode_after_append_steps_matches_replan():
     print(f"   resident vs re-plan: max diff {worst:.2e}, {rebuilds} rebuilds, {updates} incremental steps")
 
 
+# --------------------------------------------------------------------------------------------
+# ParisKV retrieval (kvforge.ParisIndex, kvforge.retrieval)
+
+
+def _f16_bytes(x):
+    return x.detach().to("cpu", torch.float16).contiguous().numpy().tobytes()
+
+
+def _from_bytes(b, *shape, dtype=torch.float32):
+    return torch.frombuffer(bytearray(b), dtype=dtype).view(*shape)
+
+
+def _attend_rows(q, k, v):
+    """fp32 attention of q [Hq, D] over k, v [N, Hkv, D] (all rows), scale 1/sqrt(D): [Hq, D], lse [Hq]."""
+    hq, d = q.shape
+    g = hq // k.shape[1]
+    kk, vv = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)  # [N, Hq, D]
+    s = torch.einsum("hd,nhd->hn", q.float(), kk) / math.sqrt(d)
+    return torch.einsum("hn,nhd->hd", torch.softmax(s, -1), vv), torch.logsumexp(s, -1)
+
+
+def test_paris_index_decode_is_attention_over_dense_and_retrieved_rows():
+    # The index's decode attends the dense rows plus exactly the keys retrieve() returns (read
+    # from pinned host memory), one softmax: compared with fp32 attention over those rows.
+    d, hkv, gqa, n, dense, k = 64, 2, 3, 4096, 40, 64
+    ix = kvforge.ParisIndex(d, hkv, gqa, n + 16, dense_capacity=64, max_k=k, max_candidates=4096, host_budget_gb=1.0)
+    keys, vals = rand(n, hkv, d, seed=11), rand(n, hkv, d, seed=12)
+    ix.append(0, _f16_bytes(keys[: n // 2]), _f16_bytes(vals[: n // 2]))
+    ix.append(0, _f16_bytes(keys[n // 2:]), _f16_bytes(vals[n // 2:]))
+    assert ix.len(0) == n and ix.device_bytes_per_key > 0
+    dk, dv = rand(dense, hkv, d, seed=13), rand(dense, hkv, d, seed=14)
+    ix.set_dense(0, _f16_bytes(dk), _f16_bytes(dv))
+    q = rand(hkv * gqa, d, seed=15)
+    q[0] = keys[77, 0] * 4  # a head whose best key is plain: it must be retrieved
+    top = ix.retrieve(_f16_bytes(q), k)
+    assert len(top) == hkv * gqa and all(len(t) == k for t in top), [len(t) for t in top]
+    assert 77 in top[0], top[0][:16]
+    out, lse = ix.decode(_f16_bytes(q), k)
+    out, lse = _from_bytes(out, hkv * gqa, d), _from_bytes(lse, hkv * gqa)
+    for h in range(hkv * gqa):
+        kv = h // gqa
+        rows = torch.tensor(top[h], dtype=torch.long)
+        kk = torch.cat([dk[:, kv:kv + 1].cpu(), keys[rows, kv:kv + 1].cpu()])
+        vv = torch.cat([dv[:, kv:kv + 1].cpu(), vals[rows, kv:kv + 1].cpu()])
+        want, want_lse = _attend_rows(q[h:h + 1].cpu(), kk, vv)
+        close(out[h:h + 1], want, 2e-3, 2e-3, f"ParisIndex decode head {h}")
+    e = raises(ix.append, 0, _f16_bytes(keys[:32]), _f16_bytes(vals[:16]))
+    assert "append" in str(e), e
+
+
+class _FakeParisIndex:
+    """kvforge.ParisIndex in torch that 'retrieves' every key: decode is exact attention over
+    the retrieval region and the dense rows, so kvforge.retrieval's region bookkeeping must
+    give exact attention over every position, each exactly once."""
+
+    dense_below = 0
+    device_bytes_per_key = 0
+
+    def __init__(self, d, hkv, gqa, capacity, dense_capacity=1024, max_k=256, max_candidates=65536, host_budget_gb=1.0):
+        self.d, self.hkv, self.hq, self.cap, self.dense_cap = d, hkv, hkv * gqa, capacity, dense_capacity
+        self.region_k, self.region_v = [], []
+        self.dense = None
+
+    def _rows(self, b):
+        return _from_bytes(b, -1, self.hkv, self.d, dtype=torch.float16)
+
+    def len(self, seq):
+        return sum(x.shape[0] for x in self.region_k)
+
+    def append(self, seq, k, v):
+        self.region_k.append(self._rows(k))
+        self.region_v.append(self._rows(v))
+        assert self.len(0) <= self.cap
+
+    def set_dense(self, seq, k, v):
+        self.dense = (self._rows(k), self._rows(v))
+        assert self.dense[0].shape[0] <= self.dense_cap, (self.dense[0].shape, self.dense_cap)
+
+    def decode(self, q, k):
+        keys = torch.cat(self.region_k + [self.dense[0]])
+        vals = torch.cat(self.region_v + [self.dense[1]])
+        o, lse = _attend_rows(_from_bytes(q, self.hq, self.d, dtype=torch.float16), keys, vals)
+        return o.contiguous().numpy().tobytes(), lse.contiguous().numpy().tobytes()
+
+
+def test_retrieval_regions_cover_every_position_once():
+    # kvforge.retrieval with an index that retrieves everything equals exact attention: the
+    # prompt split (sinks / region / local) and every sliding-window update keep each position
+    # in exactly one of region and dense rows, in order.
+    import types
+    import kvforge.retrieval
+
+    fake = types.SimpleNamespace(ParisIndex=_FakeParisIndex)
+    att = kvforge.retrieval.ParisAttention(k=8, sinks=16, local=64, update=16, capacity=2048, module=fake)
+    d, hkv, gqa, s0, steps = 64, 2, 3, 300, 90
+    hq = hkv * gqa
+    k, v = rand(1, hkv, s0 + steps, d, seed=21), rand(1, hkv, s0 + steps, d, seed=22)
+    qp = rand(1, hq, s0, d, seed=23)
+    out = att.attend_batch(0, qp, k[:, :, :s0], v[:, :, :s0], 1 / math.sqrt(d))
+    assert out.shape == (1, s0, hq, d)
+    for t in range(steps):
+        s = s0 + t + 1
+        q = rand(1, hq, 1, d, seed=100 + t)
+        got = att.attend_batch(0, q, k[:, :, :s], v[:, :, :s], 1 / math.sqrt(d))
+        want, _ = _attend_rows(q[0, :, 0].cpu(), k[0, :, :s].transpose(0, 1).cpu(), v[0, :, :s].transpose(0, 1).cpu())
+        close(got[0, 0].cpu(), want, 2e-3, 2e-3, f"retrieval step {t}")
+        ix = att.layers[0]["ix"]
+        assert ix.len(0) + ix.dense[0].shape[0] == s, (t, ix.len(0), ix.dense[0].shape)
+    st = att.stats()
+    assert st["retrieved_layer_steps"] == steps and st["region_keys"] >= s0 - 16 - 64, st
+
+
 def main():
     tests = [(n, f) for n, f in sorted(globals().items()) if n.startswith("test_") and callable(f)]
     passed = failed = 0

@@ -36,6 +36,8 @@ and launches on stderr; ``kvforge.enable_logs("debug")`` does the same at run ti
 
 :mod:`kvforge.hf` runs a transformers model's attention on these caches
 (``kvforge.hf.use_kvforge(model, spec, tier)``); it imports torch and transformers only when used.
+:mod:`kvforge.retrieval` decodes with ParisKV retrieval instead (``use_retrieval(model, k=256)``:
+sinks + local window + the top-k keys retrieved on the GPU, the rest's K/V in pinned host memory).
 """
 
 from ._errors import KvforgeError
@@ -47,6 +49,7 @@ from ._native import (
     Controller,
     HeadCertificate,
     KvtcCalibration,
+    ParisIndex,
     Plan,
     __version__,
     check_tensor,
@@ -57,7 +60,7 @@ from ._native import (
     driver_present,
     nvrtc_present,
 )
-from . import hf
+from . import hf, retrieval
 
 __all__ = [
     "Cache",
@@ -68,6 +71,7 @@ __all__ = [
     "HeadCertificate",
     "KvforgeError",
     "KvtcCalibration",
+    "ParisIndex",
     "Plan",
     "__version__",
     "check_tensor",
@@ -78,6 +82,7 @@ __all__ = [
     "kvtc_save",
     "driver_present",
     "nvrtc_present",
+    "retrieval",
 ]
 
 

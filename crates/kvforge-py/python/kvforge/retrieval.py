@@ -1,0 +1,176 @@
+"""ParisKV retrieval decode (seed 001) for a transformers model: decode steps attend the sinks,
+the local window and the top-``k`` keys of the rest, retrieved on the GPU from compact
+summaries, with the rest's fp16 K/V kept in pinned host memory.
+
+::
+
+    import torch, kvforge.retrieval
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float16).cuda().eval()
+    r = kvforge.retrieval.use_retrieval(model, k=256, sinks=64, local=256)
+    out = model.generate(**tok(prompt, return_tensors="pt").to("cuda"), max_new_tokens=16)
+    r.stats()   # retrieval-region keys, GPU-resident summary bytes per key, steps retrieved
+
+Every attention layer keeps one :class:`kvforge.ParisIndex`. A prompt is attended exactly (torch
+SDPA, as a serving prefill); its positions are split into sinks ``[0, sinks)``, the retrieval
+region and the last ``local`` positions (seed 001 §4.2.1). The region's K/V go to pinned host
+memory and their summaries are encoded on the GPU. Each decode token joins the local window;
+once ``update`` tokens wait past it, the oldest ``update`` local tokens move into the region
+(summaries encoded, K/V offloaded). A decode query retrieves the region's top-``k`` keys per
+query head (collision vote, top-C, 4-bit rerank, top-k) and attends over sinks + local +
+retrieved rows with one softmax; while the region holds fewer than ``dense_below`` keys
+(``ParisIndex.dense_below``, 2048) the step attends every key exactly instead.
+
+Limits: batch 1 without padding; inference only; the index takes host byte strings, so every
+layer's step synchronises the GPU once (this path measures quality and retrieval, not speed:
+``kvforge_rt::paris`` and ``benches/paris`` time the kernels). transformers keeps its own fp16
+cache during ``generate``; the dense rows are read from it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Any, Dict, Optional
+
+from .hf import _HANDLE_ATTR, ATTN_NAME, register, sdpa_causal
+
+__all__ = ["ParisAttention", "use_retrieval"]
+
+
+def _bytes(x) -> bytes:
+    """fp16 bytes of a tensor, row-major."""
+    import torch
+
+    return x.detach().to("cpu", torch.float16).contiguous().numpy().tobytes()
+
+
+def _rows(x, lo: int, hi: int):
+    """``x [Hkv, S, D]`` positions ``[lo, hi)`` as ``[rows][Hkv][D]``."""
+    return x[:, lo:hi].transpose(0, 1)
+
+
+def _attend_all(q, k, v, scaling: float):
+    """One decode query per row on every key (no mask): ``q [B, Hq, 1, D]``, ``k, v
+    [B, Hkv, S, D]`` -> ``[B, 1, Hq, D]``."""
+    import torch
+
+    g = q.shape[1] // k.shape[1]
+    o = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), scale=scaling)
+    return o.transpose(1, 2)
+
+
+class ParisAttention:
+    """Per-model state of retrieval decode: one :class:`kvforge.ParisIndex` per layer (module
+    docs). ``attend_batch(layer, q [1, Hq, Tq, D], k, v [1, Hkv, S, D], scaling, mask)`` ->
+    ``[1, Tq, Hq, D]``."""
+
+    def __init__(self, k: int = 256, sinks: int = 64, local: int = 256, update: int = 64,
+                 capacity: int = 8192 + 256, host_budget_gb: float = 8.0, module: Any = None):
+        if k < 1 or sinks < 0 or local < 1 or not 1 <= update <= local:
+            raise ValueError(f"kvforge.retrieval: need k >= 1, sinks >= 0, local >= 1 and 1 <= update <= local; got k={k}, sinks={sinks}, local={local}, update={update}")
+        self.kvforge = module if module is not None else importlib.import_module("kvforge")
+        self.k, self.sinks, self.local, self.update = int(k), int(sinks), int(local), int(update)
+        self.capacity, self.host_budget_gb = int(capacity), float(host_budget_gb)
+        # layer -> {"ix", "n" (positions seen), "sinks", "r_end" (end of the retrieval region)}
+        self.layers: Dict[int, Dict[str, Any]] = {}
+        self.retrieved_steps = 0
+        self.dense_steps = 0
+
+    def reset(self) -> None:
+        """Forget every sequence (dropping the indexes frees their GPU and pinned memory)."""
+        self.layers = {}
+
+    def _new_index(self, layer: int, hkv: int, gqa: int, d: int) -> Dict[str, Any]:
+        """A fresh index for a new prompt (the previous prompt's regions are stale)."""
+        ix = self.kvforge.ParisIndex(d, hkv, gqa, self.capacity, dense_capacity=self.sinks + self.local + self.update,
+                                     max_k=max(self.k, 8), max_candidates=max(65536, 8 * self.k), host_budget_gb=self.host_budget_gb)
+        st = self.layers[layer] = {"ix": ix}
+        return st
+
+    def _set_dense(self, st, k, v) -> None:
+        """Sinks and everything after the retrieval region, from the model's own K/V."""
+        import torch
+
+        n, s0, r = st["n"], st["sinks"], st["r_end"]
+        dk = torch.cat([_rows(k, 0, s0), _rows(k, r, n)])
+        dv = torch.cat([_rows(v, 0, s0), _rows(v, r, n)])
+        st["ix"].set_dense(0, _bytes(dk), _bytes(dv))
+
+    def attend_batch(self, layer: int, q, k, v, scaling: float, mask=None):
+        import torch
+
+        if q.shape[0] != 1:
+            raise ValueError(f"kvforge.retrieval runs batch 1, got batch {q.shape[0]}")
+        if mask is not None and not bool(mask.all()):
+            raise ValueError("kvforge.retrieval does not support padding")
+        _, hq, tq, d = q.shape
+        hkv, s = k.shape[1], k.shape[2]
+        q0, k0, v0 = q[0], k[0], v[0]
+        st = self.layers.get(layer)
+        if st is None or st["n"] >= s or tq == s:
+            # A prompt: exact attention; split its positions and index the retrieval region.
+            st = self._new_index(layer, hkv, hq // hkv, d)
+            st["n"], st["sinks"] = s, min(self.sinks, s)
+            st["r_end"] = max(s - self.local, st["sinks"])
+            if st["r_end"] > st["sinks"]:
+                st["ix"].append(0, _bytes(_rows(k0, st["sinks"], st["r_end"])), _bytes(_rows(v0, st["sinks"], st["r_end"])))
+            self._set_dense(st, k0, v0)
+            return sdpa_causal(q, k, v, scaling)
+        if tq != 1 or s != st["n"] + 1:
+            raise ValueError(f"kvforge.retrieval: a decode step adds one token (had {st['n']} positions, got {s} with {tq} queries)")
+        st["n"] = s
+        if s - st["r_end"] >= self.local + self.update:
+            # The update buffer is full: the oldest `update` local tokens join the region.
+            lo, hi = st["r_end"], st["r_end"] + self.update
+            st["ix"].append(0, _bytes(_rows(k0, lo, hi)), _bytes(_rows(v0, lo, hi)))
+            st["r_end"] = hi
+        self._set_dense(st, k0, v0)
+        ix = st["ix"]
+        if ix.len(0) < ix.dense_below:
+            self.dense_steps += 1
+            return _attend_all(q, k, v, scaling)
+        self.retrieved_steps += 1
+        qs = q0[:, 0] * (scaling * math.sqrt(d))  # the index scales scores by 1/sqrt(d)
+        out, _ = ix.decode(_bytes(qs), self.k)
+        o = torch.frombuffer(bytearray(out), dtype=torch.float32).view(1, 1, hq, d)
+        return o.to(device=q.device, dtype=q.dtype)
+
+    def stats(self) -> Dict[str, Any]:
+        """Retrieval-region keys (layer 0), GPU summary bytes per key and kv head, and how many
+        layer steps retrieved vs attended densely."""
+        st = self.layers.get(min(self.layers)) if self.layers else None
+        return {
+            "region_keys": st["ix"].len(0) if st else 0,
+            "summary_bytes_per_key": st["ix"].device_bytes_per_key if st else None,
+            "retrieved_layer_steps": self.retrieved_steps,
+            "dense_layer_steps": self.dense_steps,
+            "k": self.k, "sinks": self.sinks, "local": self.local, "update": self.update,
+        }
+
+
+def use_retrieval(model, k: int = 256, sinks: int = 64, local: int = 256, update: int = 64,
+                  capacity: Optional[int] = None, host_budget_gb: float = 8.0) -> ParisAttention:
+    """Runs every attention layer of ``model`` with ParisKV retrieval decode (module docs):
+    registers the ``"kvforge"`` attention (as :func:`kvforge.hf.use_kvforge` does) with a
+    :class:`ParisAttention` handle on every layer. ``capacity``: retrieval-region keys per
+    layer (default the model's ``max_position_embeddings`` + 256). Undo with
+    ``handle.detach()``."""
+    if capacity is None:
+        capacity = max(1024, int(getattr(model.config, "max_position_embeddings", 8192) or 8192) + 256)
+    handle = ParisAttention(k=k, sinks=sinks, local=local, update=update, capacity=capacity, host_budget_gb=host_budget_gb)
+    register()
+    for m in model.modules():
+        if isinstance(getattr(m, "layer_idx", None), int):
+            object.__setattr__(m, _HANDLE_ATTR, handle)
+    previous = model.config._attn_implementation
+
+    def detach():
+        model.config._attn_implementation = previous
+        for m in model.modules():
+            if getattr(m, _HANDLE_ATTR, None) is handle:
+                object.__delattr__(m, _HANDLE_ATTR)
+        handle.reset()
+
+    handle.detach = detach
+    model.config._attn_implementation = ATTN_NAME
+    return handle
