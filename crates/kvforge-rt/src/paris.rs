@@ -369,7 +369,8 @@ impl ParisIndex {
             q: z16(qh * d, "queries")?,
             qrot: zf(qh * d, "rotated queries")?,
             qnorm: zf(qh, "query norms")?,
-            bonus: z8(qh * b * c, "bonus tables")?,
+            // Packed 4 query heads to a 32-bit word per (kv head, subspace, centroid).
+            bonus: z8(heads * geo.gqa.div_ceil(4) * 4 * b * c, "bonus tables")?,
             scores: z8(qh * score_stride(geo.capacity), "collision scores")?,
             score_hist: z32(qh * 256, "score histograms")?,
             chunk_gt: z32(qh * geo.capacity.div_ceil(BUCKET_CHUNK), "bucket counts")?,

@@ -44,7 +44,8 @@ struct BonusParams {
   const u32* target;  // [S] ceil(rho * n), at least 1
   float* qrot;      // [S][Hq][D] out: R q / |q|
   float* qnorm;     // [S][Hq] out
-  u8* bonus;        // [S][Hq][B][2^M] out
+  u8* bonus;        // [S][Hkv][W][B][2^M] 32-bit words out, W = ceil(G / 4): query head g of a
+                    // kv head in byte g % 4 of word g / 4 (bytes of absent heads stay zero)
   u32* score_hist;  // [S][Hq][256] zeroed here for the vote
   int hq, hkv;
   u32 seed;
@@ -53,7 +54,7 @@ struct BonusParams {
 struct VoteParams {
   const u8* ids;
   const u32* len;
-  const u8* bonus;  // BonusParams::bonus
+  const u8* bonus;  // BonusParams::bonus (packed)
   u8* scores;       // [S][Hq][sstride] out
   u32* score_hist;  // [S][Hq][256] out (zeroed by the bonus kernel): keys per collision score
   int cap, hkv;
@@ -379,13 +380,14 @@ __device__ void bonus_kernel(const BonusParams& p) {
       before += (so > mine || (so == mine && o < w)) ? occ[o] : 0u;
     }
     const u64 target = p.target[s];
-    p.bonus[(size_t(sh) * B + b) * C + w] = before < target ? u8(TIERS - before * TIERS / target) : u8(0);
+    const int G = p.hq / p.hkv, g = hq % G, W = (G + 3) / 4;
+    p.bonus[((((size_t(s) * p.hkv + h) * W + g / 4) * B + b) * C + w) * 4 + g % 4] = before < target ? u8(TIERS - before * TIERS / target) : u8(0);
   }
 }
 
 // Collision scores. Grid (ceil(len / VOTE_CHUNK), S * Hkv), NT threads, VOTE_CHUNK keys per
 // CTA (each thread 4 consecutive keys per step, VOTE_CHUNK / (4 NT) steps). The G query heads'
-// bonus tables sit in shared memory packed 4 heads to a word (byte g % 4 of word g / 4): one
+// bonus tables, written packed by the bonus kernel, sit in shared memory 4 heads to a word: one
 // lookup per (key, subspace) serves 4 heads and the byte sums cannot carry (B T <= 255). Each
 // key's scores go to each query head's row (4 keys, one 32-bit store) and to the CTA's score
 // histogram, flushed with one global add per non-empty bin.
@@ -396,20 +398,15 @@ __device__ void vote_kernel(const VoteParams& p) {
   constexpr int B = D / M, C = 1 << M, W = (G + 3) / 4, STEPS = VOTE_CHUNK / (4 * NT);
   static_assert(VOTE_CHUNK % (4 * NT) == 0, "whole steps");
   static_assert(W * B * C * 4 + G * 256 * 4 <= 48 * 1024, "the packed bonus tables of a kv head's query heads fit static shared memory");
-  __shared__ u32 bonus[W * B * C];
+  __shared__ __align__(16) u32 bonus[W * B * C];
   __shared__ u32 hist[G * 256];
   const int sh = blockIdx.y, s = sh / p.hkv, h = sh % p.hkv;
   const size_t qh0 = size_t(s) * p.hkv * G + size_t(h) * G;
   const u32 n = p.len[s], lo = blockIdx.x * VOTE_CHUNK;
   if (lo >= n) return;
-  for (int i = threadIdx.x; i < W * B * C; i += NT) {
-    const int wd = i / (B * C), bc = i % (B * C);
-    u32 x = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      if (4 * wd + j < G) x |= u32(p.bonus[(qh0 + 4 * wd + j) * B * C + bc]) << (8 * j);
-    bonus[i] = x;
-  }
+  static_assert((W * B * C) % 4 == 0, "16-byte copies of the tables");
+  const uint4* tables = reinterpret_cast<const uint4*>(p.bonus + size_t(sh) * W * B * C * 4);
+  for (int i = threadIdx.x; i < W * B * C / 4; i += NT) reinterpret_cast<uint4*>(bonus)[i] = tables[i];
   for (int i = threadIdx.x; i < G * 256; i += NT) hist[i] = 0;
   __syncthreads();
   const u8* ids_base = p.ids + size_t(sh) * p.cap * B;
