@@ -8,6 +8,10 @@
 #     && cp "$(ls -t target/release/deps/paris_gpu-* | grep -v '\.d$' | head -1)" .bin/paris_gpu \
 #     && strip .bin/paris_*
 #
+#   bash benches/paris/on_device.sh speed     # carry [".bin"], timeout 300: ONE call (~2-3 min): the GPU
+#                                             # tests, compute-sanitizer memcheck of the attention
+#                                             # test, step timing at 128K and 1M x batch 1 and at
+#                                             # 128K x batch 8 / 32 / 64 (BATCHES), JSON under $OUT
 #   bash benches/paris/on_device.sh gpu       # carry [".bin"]: GPU tests + step timing (~2 min)
 #   bash benches/paris/on_device.sh memcheck  # carry [".bin"]: compute-sanitizer memcheck + racecheck (~3 min)
 #
@@ -93,12 +97,26 @@ PY
     .bin/paris_bench --lengths 131072,1048576 --batch 1 --kv-heads 8 --gqa 4 --head-dim 128 --iters 20 \
       --out "$OUT/paris-bench-$GPU-$DATE.json" 2>&1 | tee "$OUT/paris-bench.log"
     ;;
+  speed)
+    nvidia-smi -L
+    t0=$(date +%s)
+    .bin/paris_gpu --include-ignored --test-threads 1 2>&1 | tee "$OUT/paris-gpu-tests-$GPU-$DATE.log"
+    echo "tests: $(( $(date +%s) - t0 ))s"
+    compute-sanitizer --tool memcheck .bin/paris_gpu --ignored --test-threads 1 attention_matches 2>&1 | tail -20 | tee "$OUT/paris-memcheck-$GPU-$DATE.log"
+    echo "memcheck: $(( $(date +%s) - t0 ))s"
+    .bin/paris_bench --lengths 131072,1048576 --batch 1 --kv-heads 8 --gqa 4 --head-dim 128 --iters 20 \
+      --out "$OUT/paris-bench-$GPU-$DATE.json" 2>&1 | tee "$OUT/paris-bench.log"
+    echo "bench batch 1: $(( $(date +%s) - t0 ))s"
+    .bin/paris_bench --lengths 131072 --batch "${BATCHES:-8,32,64}" --kv-heads 8 --gqa 4 --head-dim 128 --iters 20 --host-gib 48 \
+      --out "$OUT/paris-bench-batch-$GPU-$DATE.json" 2>&1 | tee -a "$OUT/paris-bench.log"
+    echo "total: $(( $(date +%s) - t0 ))s"
+    ;;
   memcheck)
     compute-sanitizer --tool memcheck .bin/paris_gpu --ignored --test-threads 1 attention_matches 2>&1 | tail -20 | tee "$OUT/paris-memcheck-$GPU-$DATE.log"
     compute-sanitizer --tool racecheck .bin/paris_gpu --ignored --test-threads 1 retrieval_matches 2>&1 | tail -20 | tee "$OUT/paris-racecheck-$GPU-$DATE.log"
     ;;
   *)
-    echo "usage: $0 gpu|memcheck|model-a|smollm2|quality" >&2
+    echo "usage: $0 speed|gpu|memcheck|model-a|smollm2|quality" >&2
     exit 2
     ;;
 esac

@@ -8,7 +8,11 @@
 //! ```
 //!
 //! Keys are Gaussian rows around a shared mean direction (fp16), values reuse the keys (the
-//! timing does not depend on them); the dense region (sinks + local) has `--dense` rows.
+//! timing does not depend on them); the dense region (sinks + local) has `--dense` rows. The
+//! keys cycle through `--pool` distinct 16K-row chunks, so that building a large batch is
+//! bound by the appends, not by the random numbers. `--batch` takes a list: one index per
+//! (batch, length), each row of the JSON with its throughput (sequences × steps per second of
+//! this layer) and the GPU bytes per sequence (to size the largest batch of a GPU budget).
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -43,6 +47,9 @@ struct Args {
     /// Pinned host budget, GiB.
     #[arg(long, default_value_t = 96)]
     host_gib: usize,
+    /// Distinct key chunks the build cycles through.
+    #[arg(long, default_value_t = 8)]
+    pool: usize,
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -85,13 +92,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let t0 = Instant::now();
             let mut ix = ParisIndex::new(&dev, cfg, geo)?;
             let chunk = 16384;
-            let mut buf = vec![f16::ZERO; chunk * a.kv_heads * d];
+            let pool: Vec<Vec<f16>> = (0..a.pool.max(1))
+                .map(|i| {
+                    let mut b = vec![f16::ZERO; chunk * a.kv_heads * d];
+                    fill(&mut b, i as u64 + 1, d);
+                    b
+                })
+                .collect();
+            let mut next = 0;
             for s in 0..batch {
                 let mut done = 0;
                 while done < n {
                     let rows = chunk.min(n - done);
-                    let b = &mut buf[..rows * a.kv_heads * d];
-                    fill(b, (s * n + done) as u64 + 1, d);
+                    let b = &pool[next % pool.len()][..rows * a.kv_heads * d];
+                    next += 1;
                     ix.append(s, b, b)?;
                     done += rows;
                 }
@@ -111,12 +125,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             let med = |f: fn(&StepTimes) -> f64| median(times.iter().map(f).collect());
             let total = med(|t| t.vote_us + t.topk_us + t.rerank_us + t.fetch_us + t.attend_us);
+            let total_fused = med(|t| t.vote_us + t.topk_us + t.rerank_us + t.attend_fused_us);
             let v = json!({
                 "n": n, "batch": batch, "kv_heads": a.kv_heads, "gqa": a.gqa, "head_dim": d, "k": a.k, "dense_rows": a.dense,
                 "plan": plan, "config": cfg,
                 "gpu_bytes_per_token_per_kv_head": cfg.summary_bytes(), "fp16_kv_bytes_per_token_per_kv_head": 4 * d,
+                "gpu_bytes_per_sequence": ix.device_bytes_per_sequence(), "fp16_kv_bytes_per_sequence": 4 * d * a.kv_heads * n,
                 "build_s": build_s,
-                "median_us": {"vote": med(|t| t.vote_us), "topk": med(|t| t.topk_us), "rerank": med(|t| t.rerank_us), "fetch": med(|t| t.fetch_us), "attend": med(|t| t.attend_us), "total": total},
+                "median_us": {"vote": med(|t| t.vote_us), "topk": med(|t| t.topk_us), "rerank": med(|t| t.rerank_us), "fetch": med(|t| t.fetch_us), "attend": med(|t| t.attend_us), "total": total,
+                              "attend_fused": med(|t| t.attend_fused_us), "total_fused": total_fused},
+                "sequences_per_s": batch as f64 / total * 1e6,
             });
             eprintln!("batch {batch} n {n}: {}", v["median_us"]);
             runs.push(v);

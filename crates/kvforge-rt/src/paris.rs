@@ -92,6 +92,7 @@ struct BonusParams {
     qrot: u64,
     qnorm: u64,
     bonus: u64,
+    score_hist: u64,
     hq: i32,
     hkv: i32,
     seed: u32,
@@ -107,6 +108,7 @@ struct VoteParams {
     score_hist: u64,
     cap: i32,
     hkv: i32,
+    sstride: i32,
 }
 
 #[repr(C)]
@@ -128,6 +130,18 @@ struct BucketParams {
 
 /// Keys per CTA of the bucket top-C (`BUCKET_PER_THREAD` × 256 threads in paris.cuh).
 const BUCKET_CHUNK: usize = 16 * 256;
+/// Keys per CTA of the vote (`VOTE_CHUNK` in paris.cuh).
+const VOTE_CHUNK: usize = 4096;
+/// Candidates per CTA of the rerank (`RERANK_CHUNK` in paris.cuh).
+const RERANK_CHUNK: usize = 2048;
+/// 16-byte loads per thread of the fetch (`FETCH_UNROLL` in paris.cuh), 256 threads a CTA.
+const FETCH_PER_CTA: usize = 8 * 256;
+
+/// Score row stride: the capacity rounded up to 16 keys (the bucket kernels read 16 scores with
+/// one load, the vote writes 4 with one store).
+fn score_stride(capacity: usize) -> usize {
+    capacity.div_ceil(16) * 16
+}
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -203,8 +217,8 @@ struct AttendParams {
 // The C++ structs of kvforge/paris.cuh, field for field.
 const _: () = assert!(std::mem::size_of::<IndexRaw>() == 48);
 const _: () = assert!(std::mem::size_of::<EncodeParams>() == 144);
-const _: () = assert!(std::mem::size_of::<BonusParams>() == 64);
-const _: () = assert!(std::mem::size_of::<VoteParams>() == 48);
+const _: () = assert!(std::mem::size_of::<BonusParams>() == 72);
+const _: () = assert!(std::mem::size_of::<VoteParams>() == 56);
 const _: () = assert!(std::mem::size_of::<BucketParams>() == 80);
 const _: () = assert!(std::mem::size_of::<SelectParams>() == 80);
 const _: () = assert!(std::mem::size_of::<RerankParams>() == 160);
@@ -232,6 +246,9 @@ pub struct StepTimes {
     /// Gather of the k retrieved K/V rows from pinned host memory.
     pub fetch_us: f64,
     pub attend_us: f64,
+    /// The alternative to fetch + attend: attention reading the retrieved rows from pinned host
+    /// memory itself (`attend_fused`), timed after the step (not part of it).
+    pub attend_fused_us: f64,
 }
 
 /// The retrieval index of a batch (module docs).
@@ -352,8 +369,9 @@ impl ParisIndex {
             q: z16(qh * d, "queries")?,
             qrot: zf(qh * d, "rotated queries")?,
             qnorm: zf(qh, "query norms")?,
-            bonus: z8(qh * b * c, "bonus tables")?,
-            scores: z8(qh * geo.capacity, "collision scores")?,
+            // Packed 4 query heads to a 32-bit word per (kv head, subspace, centroid).
+            bonus: z8(heads * geo.gqa.div_ceil(4) * 4 * b * c, "bonus tables")?,
+            scores: z8(qh * score_stride(geo.capacity), "collision scores")?,
             score_hist: z32(qh * 256, "score histograms")?,
             chunk_gt: z32(qh * geo.capacity.div_ceil(BUCKET_CHUNK), "bucket counts")?,
             chunk_eq: z32(qh * geo.capacity.div_ceil(BUCKET_CHUNK), "bucket counts")?,
@@ -417,6 +435,18 @@ impl ParisIndex {
     /// GPU-resident bytes per retrieval-region key and kv head (the summaries).
     pub fn device_bytes_per_key(&self) -> usize {
         self.cfg.summary_bytes()
+    }
+
+    /// GPU bytes the index holds for one sequence: summaries, occupancy, dense rows and the
+    /// per-step workspace (scores, candidates, estimates, staged rows), for batch sizing.
+    pub fn device_bytes_per_sequence(&self) -> usize {
+        let (g, d) = (&self.geo, self.cfg.head_dim);
+        let (b, c) = (self.cfg.subspaces, self.cfg.centroids());
+        let hq = g.kv_heads * g.gqa;
+        let summaries = g.kv_heads * (g.capacity * self.cfg.summary_bytes() + b * c * 4);
+        let dense = 2 * g.kv_heads * g.dense_capacity * d * 2;
+        let work = hq * (score_stride(g.capacity) + 8 * g.max_candidates + g.max_k * (4 + 4 * d) + b * c + 256 * 4 + 2 * g.capacity.div_ceil(BUCKET_CHUNK) * 4 + d * 10 + 12);
+        summaries + dense + work
     }
 
     fn raw(&self) -> IndexRaw {
@@ -588,7 +618,6 @@ impl ParisIndex {
     }
 
     fn launch_vote(&mut self) -> Result<()> {
-        self.st.memset_zeros(&mut self.ws.score_hist).map_err(drv("score histograms"))?;
         let (st, g) = (&self.st, &self.geo);
         let qh = g.batch * g.kv_heads * g.gqa;
         let w = &self.ws;
@@ -599,12 +628,14 @@ impl ParisIndex {
             qrot: w.qrot.device_ptr(st).0,
             qnorm: w.qnorm.device_ptr(st).0,
             bonus: w.bonus.device_ptr(st).0,
+            score_hist: w.score_hist.device_ptr(st).0,
             hq: (g.kv_heads * g.gqa) as i32,
             hkv: g.kv_heads as i32,
             seed: self.cfg.seed,
         };
-        // SAFETY: BonusParams; buffers sized [batch][Hq][...] in `new`.
-        unsafe { self.launch("bonus", &bp, (qh as u32, 1, 1), 256, 0) }?;
+        // SAFETY: BonusParams; buffers sized [batch][Hq][...] in `new`; a CTA per (sequence,
+        // query head, subspace).
+        unsafe { self.launch("bonus", &bp, (qh as u32, self.cfg.subspaces as u32, 1), 256, 0) }?;
         let vp = VoteParams {
             ids: self.ids.device_ptr(st).0,
             len: self.len_d.device_ptr(st).0,
@@ -613,10 +644,12 @@ impl ParisIndex {
             score_hist: w.score_hist.device_ptr(st).0,
             cap: g.capacity as i32,
             hkv: g.kv_heads as i32,
+            sstride: score_stride(g.capacity) as i32,
         };
         let most = self.len.iter().copied().max().unwrap_or(0).max(1);
-        // SAFETY: VoteParams; threads past a sequence's length return.
-        unsafe { self.launch("vote", &vp, (most.div_ceil(256) as u32, (g.batch * g.kv_heads) as u32, 1), 256, 0) }?;
+        // SAFETY: VoteParams; CTAs and keys past a sequence's length return; score rows are
+        // `sstride` (a multiple of 16) long, so the 4-key stores stay in their row.
+        unsafe { self.launch("vote", &vp, (most.div_ceil(VOTE_CHUNK) as u32, (g.batch * g.kv_heads) as u32, 1), 256, 0) }?;
         Ok(())
     }
 
@@ -631,7 +664,7 @@ impl ParisIndex {
             want: if topk { w.want_k.device_ptr(st).0 } else { w.want_c.device_ptr(st).0 },
             out: if topk { w.top.device_ptr(st).0 } else { w.cand.device_ptr(st).0 },
             out_count: if topk { w.top_count.device_ptr(st).0 } else { w.cand_count.device_ptr(st).0 },
-            cap: g.capacity as i32,
+            cap: score_stride(g.capacity) as i32,
             cmax: g.max_candidates as i32,
             stride: if topk { g.max_k as i32 } else { g.max_candidates as i32 },
             hq: (g.kv_heads * g.gqa) as i32,
@@ -673,7 +706,7 @@ impl ParisIndex {
             chunk_eq: w.chunk_eq.device_ptr(st).0,
             out: w.cand.device_ptr(st).0,
             out_count: w.cand_count.device_ptr(st).0,
-            cap: g.capacity as i32,
+            cap: score_stride(g.capacity) as i32,
             stride: g.max_candidates as i32,
             hq: (g.kv_heads * g.gqa) as i32,
             chunks: chunks as i32,
@@ -701,8 +734,8 @@ impl ParisIndex {
             hq: (g.kv_heads * g.gqa) as i32,
             levels: self.levels,
         };
-        // SAFETY: RerankParams; threads past a row's candidate count return.
-        unsafe { self.launch("rerank", &p, (g.max_candidates.div_ceil(128) as u32, qh as u32, 1), 128, 0) }
+        // SAFETY: RerankParams; CTAs and threads past a row's candidate count return.
+        unsafe { self.launch("rerank", &p, (g.max_candidates.div_ceil(RERANK_CHUNK) as u32, qh as u32, 1), 256, 0) }
     }
 
     fn launch_fetch(&self) -> Result<()> {
@@ -722,9 +755,11 @@ impl ParisIndex {
             hq: (g.kv_heads * g.gqa) as i32,
             hkv: g.kv_heads as i32,
         };
+        // 16-byte pieces of the k rows' K and V per (sequence, query head).
+        let pieces = 2 * g.max_k * self.cfg.head_dim * 2 / 16;
         // SAFETY: FetchParams; host_k/host_v are DEVICEMAP pinned slabs (UVA addresses), rows
-        // past a sequence's length are flagged, not read.
-        unsafe { self.launch("fetch", &p, (qh as u32, 1, 1), 256, 0) }
+        // past a sequence's length are flagged, not read; pieces past the row's count skip.
+        unsafe { self.launch("fetch", &p, (qh as u32, pieces.div_ceil(FETCH_PER_CTA) as u32, 1), 256, 0) }
     }
 
     fn launch_attend(&self, fused: bool) -> Result<()> {
@@ -754,7 +789,7 @@ impl ParisIndex {
         // SAFETY: AttendParams; dynamic shared memory holds dense_cap + max_k logits; the fused
         // kernel reads retrieved rows at `top` < len (checked by the retrieval, which selects
         // among indexed keys only).
-        unsafe { self.launch(if fused { "attend_fused" } else { "attend" }, &p, (qh as u32, 1, 1), 128, smem) }
+        unsafe { self.launch(if fused { "attend_fused" } else { "attend" }, &p, (qh as u32, 1, 1), 256, smem) }
     }
 
     /// Retrieves the top-`k` keys of every (sequence, query head) for queries `q`
@@ -816,11 +851,12 @@ impl ParisIndex {
     }
 
     /// One decode step (retrieve, fetch, attend; staged fetch) with CUDA events between the
-    /// phases: the outputs and the device time of each.
+    /// phases: the outputs and the device time of each; then, timed alone, the fused attention
+    /// that reads the retrieved rows from host memory itself.
     pub fn step_timed(&mut self, q: &[f16], k: usize, schedule: &Schedule) -> Result<(Vec<f32>, StepTimes)> {
         self.prepare(q, k, schedule)?;
-        let mut e = Vec::with_capacity(7);
-        for _ in 0..7 {
+        let mut e = Vec::with_capacity(9);
+        for _ in 0..9 {
             e.push(self.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"))?);
         }
         let st = self.st.clone();
@@ -838,10 +874,13 @@ impl ParisIndex {
         mark(5)?;
         self.launch_attend(false)?;
         mark(6)?;
-        e[6].synchronize().map_err(drv("event"))?;
-        let us = |a: usize, z: usize| -> Result<f64> { Ok(f64::from(e[a].elapsed_ms(&e[z]).map_err(drv("event"))?) * 1e3) };
-        let t = StepTimes { vote_us: us(0, 1)?, topk_us: us(1, 2)? + us(3, 4)?, rerank_us: us(2, 3)?, fetch_us: us(4, 5)?, attend_us: us(5, 6)? };
         let (out, _) = self.finish()?;
+        mark(7)?;
+        self.launch_attend(true)?;
+        mark(8)?;
+        e[8].synchronize().map_err(drv("event"))?;
+        let us = |a: usize, z: usize| -> Result<f64> { Ok(f64::from(e[a].elapsed_ms(&e[z]).map_err(drv("event"))?) * 1e3) };
+        let t = StepTimes { vote_us: us(0, 1)?, topk_us: us(1, 2)? + us(3, 4)?, rerank_us: us(2, 3)?, fetch_us: us(4, 5)?, attend_us: us(5, 6)?, attend_fused_us: us(7, 8)? };
         Ok((out, t))
     }
 }

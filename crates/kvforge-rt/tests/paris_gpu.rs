@@ -179,6 +179,8 @@ fn paris_module_compiles() {
     for (d, m, t, g) in [(128, 8, 6, 4), (64, 8, 6, 3), (128, 4, 3, 1), (128, 8, 6, 8)] {
         let src = kvforge_gen::render_paris(d, m, t, g).unwrap();
         let name = kvforge_gen::paris_symbol(d, m, t, g);
-        kvforge_rt::jit::compile_module(&name, &src, "sm_90", true).unwrap_or_else(|e| panic!("{name}: {e}"));
+        for arch in ["sm_90", "sm_80"] {
+            kvforge_rt::jit::compile_module(&name, &src, arch, true).unwrap_or_else(|e| panic!("{name} at {arch}: {e}"));
+        }
     }
 }

@@ -44,7 +44,9 @@ struct BonusParams {
   const u32* target;  // [S] ceil(rho * n), at least 1
   float* qrot;      // [S][Hq][D] out: R q / |q|
   float* qnorm;     // [S][Hq] out
-  u8* bonus;        // [S][Hq][B][2^M] out
+  u8* bonus;        // [S][Hkv][W][B][2^M] 32-bit words out, W = ceil(G / 4): query head g of a
+                    // kv head in byte g % 4 of word g / 4 (bytes of absent heads stay zero)
+  u32* score_hist;  // [S][Hq][256] zeroed here for the vote
   int hq, hkv;
   u32 seed;
 };
@@ -52,16 +54,17 @@ struct BonusParams {
 struct VoteParams {
   const u8* ids;
   const u32* len;
-  const u8* bonus;  // BonusParams::bonus
-  u8* scores;       // [S][Hq][cap] out
-  u32* score_hist;  // [S][Hq][256] out (zeroed before the launch): keys per collision score
+  const u8* bonus;  // BonusParams::bonus (packed)
+  u8* scores;       // [S][Hq][sstride] out
+  u32* score_hist;  // [S][Hq][256] out (zeroed by the bonus kernel): keys per collision score
   int cap, hkv;
+  int sstride;      // score row stride: cap rounded up to 16 keys
 };
 
 // The integer-bucket top-C over many CTAs: bucket_count then bucket_emit, each over chunks of
 // BUCKET_CHUNK keys of every (sequence, query head).
 struct BucketParams {
-  const u8* scores;  // [S][Hq][cap]
+  const u8* scores;  // [S][Hq][cap] (cap: VoteParams::sstride)
   const u32* hist;   // [S][Hq][256] (VoteParams::score_hist)
   const u32* n;      // [S] keys
   const u32* want;   // [S] candidates to keep
@@ -73,7 +76,7 @@ struct BucketParams {
 };
 
 struct SelectParams {
-  const u8* scores;  // [S][Hq][cap] (select) or unused (top-k)
+  const u8* scores;  // [S][Hq][cap] (select; cap: VoteParams::sstride) or unused (top-k)
   const float* est;  // [S][Hq][cmax] (top-k) or unused (select)
   const u32* cand;   // [S][Hq][cmax] (top-k: maps positions back to key indices)
   const u32* n;      // [S] values per row: keys (select) or unused (top-k reads count)
@@ -180,59 +183,88 @@ __device__ __forceinline__ u32 float_key(float f) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+// Radix-select step: given the 256-bin histogram `hist` (in shared memory) of the keys still in
+// play, the bin holding the `room`-th largest key, and how many of that bin's keys to keep
+// (`room` minus the keys in higher bins). One block scan over the bins read from the top; NT ≥
+// 256. Returns through shared `s_bin` / `s_room` (valid after the call, for every thread).
+template <int NT>
+__device__ __forceinline__ void block_pick_bin(const u32* hist, u32 room, u32* warp_sums, u32* s_bin, u32* s_room) {
+  static_assert(NT >= 256, "one thread per bin");
+  const u32 t = threadIdx.x, x = t < 256 ? hist[255 - t] : 0u;
+  if (t == 0) {
+    *s_bin = 0;
+    *s_room = room;
+  }
+  u32 total;
+  const u32 above = block_exclusive_scan<NT>(x, warp_sums, total);
+  // Bin 255 - t holds the room-th key: fewer than `room` keys above it, at least `room` with it.
+  if (t < 256 && above < room && above + x >= room) {
+    *s_bin = 255 - t;
+    *s_room = room - above;
+  }
+  __syncthreads();
+}
+
 // Keeps the `want` largest of `n` keys `key(i)` (KEY_BITS wide), ties in index order, writing
 // their positions ascending to out[0..]; returns the count. Radix select from the top bits (8
-// per pass), then one emission pass with two block scans per tile. kvforge-paris
-// `top_candidates` / `top_k_by` define the same set.
+// per pass; the shared histogram's adds are warp-aggregated, since the top bits of float keys
+// crowd one or two bins), then one emission over contiguous per-thread segments with two block
+// scans. kvforge-paris `top_candidates` / `top_k_by` define the same set.
 template <int NT, int KEY_BITS, class Key>
 __device__ u32 block_select(const Key& key, u32 n, u32 want, u32* out) {
   __shared__ u32 hist[256];
   __shared__ u32 warp_sums[NT / 32];
-  __shared__ u32 s_prefix, s_room;
+  __shared__ u32 s_bin, s_room;
   if (want >= n) {
     for (u32 i = threadIdx.x; i < n; i += NT) out[i] = i;
     return n;
   }
   if (want == 0) return 0;
+  const u32 lane = threadIdx.x & 31;
   u32 prefix = 0, mask = 0, room = want;
 #pragma unroll 1
   for (int shift = KEY_BITS - 8; shift >= 0; shift -= 8) {
     for (int b = threadIdx.x; b < 256; b += NT) hist[b] = 0;
     __syncthreads();
-    for (u32 i = threadIdx.x; i < n; i += NT) {
-      const u32 k = key(i);
-      if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255u], 1u);
+    // Uniform trip count per thread: every lane of a warp reaches the match.
+    for (u32 base = 0; base < n; base += NT) {
+      const u32 i = base + threadIdx.x;
+      const u32 k = i < n ? key(i) : 0u;
+      const bool in = i < n && (k & mask) == prefix;
+      const u32 bin = (k >> shift) & 255u;
+      const u32 peers = __match_any_sync(0xffffffffu, in ? bin : 256u + lane);
+      if (in && lane == u32(__ffs(peers) - 1)) atomicAdd(&hist[bin], u32(__popc(peers)));
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      u32 above = 0;
-      int b = 255;
-      while (above + hist[b] < room) above += hist[b--];
-      s_prefix = prefix | (u32(b) << shift);
-      s_room = room - above;
-    }
-    __syncthreads();
-    prefix = s_prefix;
+    block_pick_bin<NT>(hist, room, warp_sums, &s_bin, &s_room);
+    prefix |= s_bin << shift;
     room = s_room;
     mask |= 255u << shift;
     __syncthreads();
   }
-  // prefix is the threshold key t: keep every key > t and the first `room` keys == t.
-  u32 emitted = 0, eq_seen = 0;
-#pragma unroll 1
-  for (u32 base = 0; base < n; base += NT) {
-    const u32 i = base + threadIdx.x;
-    const u32 k = i < n ? key(i) : 0u;
-    const u32 gt = i < n && k > prefix, eq = i < n && k == prefix;
-    u32 eq_total, emit_total;
-    const u32 eq_rank = eq_seen + block_exclusive_scan<NT>(eq, warp_sums, eq_total);
-    const u32 emit = gt || (eq && eq_rank < room);
-    const u32 pos = emitted + block_exclusive_scan<NT>(emit, warp_sums, emit_total);
-    if (emit) out[pos] = i;
-    eq_seen += eq_total;
-    emitted += emit_total;
+  // prefix is the threshold key t: keep every key > t and the first `room` keys == t. Thread
+  // j owns positions [j·per, (j+1)·per): count, scan, emit.
+  const u32 per = (n + NT - 1) / NT, lo = min(n, threadIdx.x * per), hi = min(n, lo + per);
+  u32 gt = 0, eq = 0;
+  for (u32 i = lo; i < hi; ++i) {
+    const u32 k = key(i);
+    gt += k > prefix;
+    eq += k == prefix;
   }
-  return emitted;
+  u32 eq_total, emit_total;
+  const u32 eq_before = block_exclusive_scan<NT>(eq, warp_sums, eq_total);
+  const u32 eq_keep = eq_before < room ? min(eq, room - eq_before) : 0u;
+  u32 pos = block_exclusive_scan<NT>(gt + eq_keep, warp_sums, emit_total);
+  u32 eq_left = eq_keep;
+  for (u32 i = lo; i < hi; ++i) {
+    const u32 k = key(i);
+    if (k > prefix || (k == prefix && eq_left > 0)) {
+      eq_left -= k == prefix;
+      out[pos++] = i;
+    }
+  }
+  __syncthreads();
+  return emit_total;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -299,10 +331,11 @@ __device__ void encode_kernel(const EncodeParams& p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Vote. Bonus tables: one CTA of 256 threads per (sequence, query head) rotates the query and
-// ranks each subspace's 2^M centroids by <q_b, w> (ties by id); a centroid gets
+// Vote. Bonus tables: one CTA of 256 threads per (sequence, query head, subspace) rotates the
+// query and ranks the subspace's 2^M centroids by <q_b, w> (ties by id); a centroid gets
 // T - floor(before * T / target) while the keys of the centroids ranked before it number
-// fewer than target = ceil(rho * n).
+// fewer than target = ceil(rho * n). The subspace-0 CTA also writes the rotated query and its
+// norm and zeroes the query head's score histogram for the vote.
 
 template <int D, int M, int TIERS>
 __device__ void bonus_kernel(const BonusParams& p) {
@@ -311,10 +344,12 @@ __device__ void bonus_kernel(const BonusParams& p) {
   static_assert(B * TIERS <= 255, "collision scores are bytes");
   __shared__ float q[D];
   __shared__ float score[C];
-  __shared__ u32 rank[C];
+  __shared__ u32 occ[C];
   __shared__ float red[NT / 32];
-  const int sh = blockIdx.x, s = sh / p.hq, hq = sh % p.hq, h = hq / (p.hq / p.hkv);
+  const int sh = blockIdx.x, b = blockIdx.y, s = sh / p.hq, hq = sh % p.hq, h = hq / (p.hq / p.hkv);
+  const u32* hist = p.hist + (size_t(s * p.hkv + h) * B + b) * C;
   for (int c = threadIdx.x; c < D; c += NT) q[c] = __half2float(p.q[size_t(sh) * D + c]);
+  for (int c = threadIdx.x; c < C; c += NT) occ[c] = hist[c];
   __syncthreads();
   float v = 0.f;
   for (int c = threadIdx.x; c < D; c += NT) v += q[c] * q[c];
@@ -323,69 +358,101 @@ __device__ void bonus_kernel(const BonusParams& p) {
   for (int c = threadIdx.x; c < D; c += NT) q[c] *= inv;
   __syncthreads();
   hadamard_rows<D, NT, false>(q, 1, p.seed);
-  for (int c = threadIdx.x; c < D; c += NT) p.qrot[size_t(sh) * D + c] = q[c];
-  if (threadIdx.x == 0) p.qnorm[sh] = norm;
-  const u64 target = p.target[s];
-  const u32* hist = p.hist + size_t(s * p.hkv + h) * B * C;
-#pragma unroll 1
-  for (int b = 0; b < B; ++b) {
-    const int w = threadIdx.x;
-    if (w < C) {
-      float sc = 0.f;
+  if (b == 0) {
+    for (int c = threadIdx.x; c < D; c += NT) p.qrot[size_t(sh) * D + c] = q[c];
+    if (threadIdx.x == 0) p.qnorm[sh] = norm;
+    for (int c = threadIdx.x; c < 256; c += NT) p.score_hist[size_t(sh) * 256 + c] = 0;
+  }
+  const int w = threadIdx.x;
+  if (w < C) {
+    float sc = 0.f;
 #pragma unroll
-      for (int j = 0; j < M; ++j) sc += (w >> j & 1) ? q[b * M + j] : -q[b * M + j];
-      score[w] = sc;
+    for (int j = 0; j < M; ++j) sc += (w >> j & 1) ? q[b * M + j] : -q[b * M + j];
+    score[w] = sc;
+  }
+  __syncthreads();
+  if (w < C) {
+    // Keys of the centroids ranked before w (higher score, or equal score and lower id).
+    const float mine = score[w];
+    u64 before = 0;
+    for (int o = 0; o < C; ++o) {
+      const float so = score[o];
+      before += (so > mine || (so == mine && o < w)) ? occ[o] : 0u;
     }
-    __syncthreads();
-    if (w < C) {
-      u32 rk = 0;
-      for (int o = 0; o < C; ++o) rk += (score[o] > score[w] || (score[o] == score[w] && o < w)) ? 1u : 0u;
-      rank[w] = rk;
-    }
-    __syncthreads();
-    if (w < C) {
-      u64 before = 0;
-      for (int o = 0; o < C; ++o) before += rank[o] < rank[w] ? hist[b * C + o] : 0u;
-      p.bonus[(size_t(sh) * B + b) * C + w] = before < target ? u8(TIERS - before * TIERS / target) : u8(0);
-    }
-    __syncthreads();
+    const u64 target = p.target[s];
+    const int G = p.hq / p.hkv, g = hq % G, W = (G + 3) / 4;
+    p.bonus[((((size_t(s) * p.hkv + h) * W + g / 4) * B + b) * C + w) * 4 + g % 4] = before < target ? u8(TIERS - before * TIERS / target) : u8(0);
   }
 }
 
-// Collision scores. Grid (ceil(cap / NT), S * Hkv), NT threads; each thread scores one key for
-// the G query heads of its kv head (the ids are read once), and the CTA adds its keys to each
-// query head's score histogram.
+// Collision scores. Grid (ceil(len / VOTE_CHUNK), S * Hkv), NT threads, VOTE_CHUNK keys per
+// CTA (each thread 4 consecutive keys per step, VOTE_CHUNK / (4 NT) steps). The G query heads'
+// bonus tables, written packed by the bonus kernel, sit in shared memory 4 heads to a word: one
+// lookup per (key, subspace) serves 4 heads and the byte sums cannot carry (B T <= 255). Each
+// key's scores go to each query head's row (4 keys, one 32-bit store) and to the CTA's score
+// histogram, flushed with one global add per non-empty bin.
+constexpr int VOTE_CHUNK = 4096;
+
 template <int D, int M, int G, int NT>
 __device__ void vote_kernel(const VoteParams& p) {
-  constexpr int B = D / M, C = 1 << M;
-  static_assert(G * B * C <= 40 * 1024, "the bonus tables of a kv head's query heads fit static shared memory");
-  __shared__ u8 bonus[G * B * C];
+  constexpr int B = D / M, C = 1 << M, W = (G + 3) / 4, STEPS = VOTE_CHUNK / (4 * NT);
+  static_assert(VOTE_CHUNK % (4 * NT) == 0, "whole steps");
+  static_assert(W * B * C * 4 + G * 256 * 4 <= 48 * 1024, "the packed bonus tables of a kv head's query heads fit static shared memory");
+  __shared__ __align__(16) u32 bonus[W * B * C];
   __shared__ u32 hist[G * 256];
   const int sh = blockIdx.y, s = sh / p.hkv, h = sh % p.hkv;
   const size_t qh0 = size_t(s) * p.hkv * G + size_t(h) * G;
-  for (int i = threadIdx.x; i < G * B * C; i += NT) bonus[i] = p.bonus[qh0 * B * C + i];
+  const u32 n = p.len[s], lo = blockIdx.x * VOTE_CHUNK;
+  if (lo >= n) return;
+  static_assert((W * B * C) % 4 == 0, "16-byte copies of the tables");
+  const uint4* tables = reinterpret_cast<const uint4*>(p.bonus + size_t(sh) * W * B * C * 4);
+  for (int i = threadIdx.x; i < W * B * C / 4; i += NT) reinterpret_cast<uint4*>(bonus)[i] = tables[i];
   for (int i = threadIdx.x; i < G * 256; i += NT) hist[i] = 0;
   __syncthreads();
-  const u32 i = blockIdx.x * NT + threadIdx.x;
-  if (i < p.len[s]) {
-    const u8* ids = p.ids + (size_t(sh) * p.cap + i) * B;
-    alignas(16) u8 id[B];
-    if constexpr (B % 16 == 0) {
+  const u8* ids_base = p.ids + size_t(sh) * p.cap * B;
+#pragma unroll 1
+  for (int step = 0; step < STEPS; ++step) {
+    const u32 i0 = lo + (step * NT + threadIdx.x) * 4;
+    if (i0 >= n) break;
+    u32 sc[4][W];
 #pragma unroll
-      for (int v = 0; v < B / 16; ++v) *reinterpret_cast<uint4*>(&id[16 * v]) = reinterpret_cast<const uint4*>(ids)[v];
-    } else {
+    for (int r = 0; r < 4; ++r) {
+      alignas(16) u8 id[B];
+      const u32 i = i0 + r;
+      if (i < n) {
+        const u8* ids = ids_base + size_t(i) * B;
+        if constexpr (B % 16 == 0) {
 #pragma unroll
-      for (int b = 0; b < B; ++b) id[b] = ids[b];
+          for (int v = 0; v < B / 16; ++v) *reinterpret_cast<uint4*>(&id[16 * v]) = reinterpret_cast<const uint4*>(ids)[v];
+        } else if constexpr (B % 8 == 0) {
+#pragma unroll
+          for (int v = 0; v < B / 8; ++v) *reinterpret_cast<uint2*>(&id[8 * v]) = reinterpret_cast<const uint2*>(ids)[v];
+        } else {
+#pragma unroll
+          for (int b = 0; b < B; ++b) id[b] = ids[b];
+        }
+      }
+#pragma unroll
+      for (int wd = 0; wd < W; ++wd) {
+        u32 x = 0;
+        if (i < n) {
+#pragma unroll
+          for (int b = 0; b < B; ++b) x += bonus[(wd * B + b) * C + id[b]];
+        }
+        sc[r][wd] = x;
+      }
     }
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      u32 sc = 0;
+      u32 packed = 0;
 #pragma unroll
-      for (int b = 0; b < B; ++b) sc += bonus[(g * B + b) * C + id[b]];
-      p.scores[(qh0 + g) * p.cap + i] = u8(sc);
-      // Warp-aggregated: scores crowd a few values, so lanes with equal scores add once.
-      const u32 peers = __match_any_sync(__activemask(), sc);
-      if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[g * 256 + sc], u32(__popc(peers)));
+      for (int r = 0; r < 4; ++r) {
+        const u32 v = (sc[r][g / 4] >> (8 * (g % 4))) & 255u;
+        packed |= v << (8 * r);
+        if (i0 + r < n) atomicAdd(&hist[g * 256 + v], 1u);
+      }
+      // Rows are padded to a multiple of 16 keys (sstride), so the 4-key word stays in the row.
+      *reinterpret_cast<u32*>(p.scores + (qh0 + g) * p.sstride + i0) = packed;
     }
   }
   __syncthreads();
@@ -393,18 +460,21 @@ __device__ void vote_kernel(const VoteParams& p) {
     if (hist[j]) atomicAdd(&p.score_hist[(qh0 + j / 256) * 256 + j % 256], hist[j]);
 }
 
-// Threshold score t and how many keys scoring exactly t to keep: the reference's top-C rule.
-__device__ __forceinline__ void bucket_threshold(const u32* hist, u32 n, u32 want, u32& t, u32& room) {
+// Threshold score t and how many keys scoring exactly t to keep (the reference's top-C rule),
+// from the row's score histogram, by the whole CTA (NT = 256: a thread per score).
+template <int NT>
+__device__ __forceinline__ void bucket_threshold(const u32* hist, u32 n, u32 want, u32* warp_sums, u32& t, u32& room) {
+  __shared__ u32 s_bin, s_room, h[256];
   if (want >= n) {
     t = 0;
     room = n;
     return;
   }
-  u32 above = 0;
-  int b = 255;
-  while (b > 0 && above + hist[b] < want) above += hist[b--];
-  t = u32(b);
-  room = want - above;
+  for (int b = threadIdx.x; b < 256; b += NT) h[b] = hist[b];
+  __syncthreads();
+  block_pick_bin<NT>(h, want, warp_sums, &s_bin, &s_room);
+  t = s_bin;
+  room = s_room;
 }
 
 template <int NT>
@@ -420,24 +490,41 @@ __device__ __forceinline__ u32 block_sum(u32 x, u32* smem) {
   return r;
 }
 
+// Keys per thread of the bucket top-C: one 16-byte load of scores (rows padded to 16 keys).
 constexpr int BUCKET_PER_THREAD = 16;
+
+// The 16 scores of keys [i0, i0 + 16) of a row (keys at or past n read as `none`: they are
+// neither above nor at any threshold the caller compares with).
+__device__ __forceinline__ void load_scores16(const u8* row, u32 i0, u32 n, u32 none, u32 (&v)[16]) {
+  uint4 x = make_uint4(0, 0, 0, 0);
+  if (i0 < n) x = *reinterpret_cast<const uint4*>(row + i0);
+  const u32 w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int j = 0; j < 16; ++j) v[j] = i0 + j < n ? (w[j / 4] >> (8 * (j % 4))) & 255u : none;
+}
 
 // Counts, per chunk, the keys above and at the threshold. Grid (chunks, S * Hq).
 template <int NT>
 __device__ void bucket_count_kernel(const BucketParams& p) {
   constexpr int CHUNK = NT * BUCKET_PER_THREAD;
+  static_assert(NT == 256, "a thread per score in bucket_threshold");
   __shared__ u32 red[NT / 32];
   const int sh = blockIdx.y, s = sh / p.hq;
   const u32 n = p.n[s], want = cmin(p.want[s], p.stride);
   u32 t, room;
-  bucket_threshold(p.hist + size_t(sh) * 256, n, want, t, room);
+  bucket_threshold<NT>(p.hist + size_t(sh) * 256, n, want, red, t, room);
   const u8* sc = p.scores + size_t(sh) * p.cap;
+  const u32 i0 = blockIdx.x * CHUNK + threadIdx.x * BUCKET_PER_THREAD;
+  u32 v[16];
+  // A score of 256 is never >= t.
+  load_scores16(sc, i0, n, 256u, v);
   u32 gt = 0, eq = 0;
-  const u32 lo = blockIdx.x * CHUNK, hi = min(lo + CHUNK, n);
-  for (u32 i = lo + threadIdx.x; i < hi; i += NT) {
-    const u32 v = sc[i];
-    gt += v > t;
-    eq += v == t;
+  if (want < n) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      gt += v[j] != 256u && v[j] > t;
+      eq += v[j] == t;
+    }
   }
   gt = block_sum<NT>(gt, red);
   eq = block_sum<NT>(eq, red);
@@ -447,18 +534,26 @@ __device__ void bucket_count_kernel(const BucketParams& p) {
   }
 }
 
-// Writes the candidates of each chunk at their index-order positions. Grid (chunks, S * Hq).
+// Writes the candidates of each chunk at their index-order positions. Grid (chunks, S * Hq);
+// thread j owns keys [16 j, 16 j + 16) of the chunk: count, two block scans, emit.
 template <int NT>
 __device__ void bucket_emit_kernel(const BucketParams& p) {
   constexpr int CHUNK = NT * BUCKET_PER_THREAD;
+  static_assert(NT == 256, "a thread per score in bucket_threshold");
   __shared__ u32 red[NT / 32];
   const int sh = blockIdx.y, s = sh / p.hq;
   const u32 n = p.n[s], want = cmin(p.want[s], p.stride);
-  u32 t, room;
-  bucket_threshold(p.hist + size_t(sh) * 256, n, want, t, room);
+  u32* out = p.out + size_t(sh) * p.stride;
   if (blockIdx.x == 0 && threadIdx.x == 0) p.out_count[sh] = min(want, n);
   const u32 lo = blockIdx.x * CHUNK;
   if (lo >= n) return;
+  if (want >= n) {
+    // Every key is a candidate (want <= stride).
+    for (u32 i = lo + threadIdx.x; i < min(lo + CHUNK, n); i += NT) out[i] = i;
+    return;
+  }
+  u32 t, room;
+  bucket_threshold<NT>(p.hist + size_t(sh) * 256, n, want, red, t, room);
   u32 gt_before = 0, eq_before = 0;
   for (u32 c = threadIdx.x; c < blockIdx.x; c += NT) {
     gt_before += p.chunk_gt[size_t(sh) * p.chunks + c];
@@ -466,22 +561,27 @@ __device__ void bucket_emit_kernel(const BucketParams& p) {
   }
   gt_before = block_sum<NT>(gt_before, red);
   eq_before = block_sum<NT>(eq_before, red);
-  u32 emitted = gt_before + min(eq_before, room), eq_seen = eq_before;
-  const u8* sc = p.scores + size_t(sh) * p.cap;
-  u32* out = p.out + size_t(sh) * p.stride;
-  const u32 hi = min(lo + CHUNK, n);
-#pragma unroll 1
-  for (u32 base = lo; base < hi; base += NT) {
-    const u32 i = base + threadIdx.x;
-    const u32 v = i < hi ? u32(sc[i]) : 0u;
-    const u32 gt = i < hi && v > t, eq = i < hi && v == t;
-    u32 eq_total, emit_total;
-    const u32 eq_rank = eq_seen + block_exclusive_scan<NT>(eq, red, eq_total);
-    const u32 emit = gt || (eq && eq_rank < room);
-    const u32 pos = emitted + block_exclusive_scan<NT>(emit, red, emit_total);
-    if (emit) out[pos] = i;
-    eq_seen += eq_total;
-    emitted += emit_total;
+  const u32 i0 = lo + threadIdx.x * BUCKET_PER_THREAD;
+  u32 v[16];
+  load_scores16(p.scores + size_t(sh) * p.cap, i0, n, 256u, v);
+  u32 gt = 0, eq = 0;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    gt += v[j] != 256u && v[j] > t;
+    eq += v[j] == t;
+  }
+  u32 eq_total, emit_total;
+  const u32 eq_rank = eq_before + block_exclusive_scan<NT>(eq, red, eq_total);
+  const u32 eq_keep = eq_rank < room ? min(eq, room - eq_rank) : 0u;
+  u32 pos = gt_before + min(eq_before, room) + block_exclusive_scan<NT>(gt + eq_keep, red, emit_total);
+  u32 eq_left = eq_keep;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const bool g = v[j] != 256u && v[j] > t, e = v[j] == t && eq_left > 0;
+    if (g || e) {
+      eq_left -= e && !g;
+      out[pos++] = i0 + j;
+    }
   }
 }
 
@@ -498,35 +598,57 @@ __device__ void select_kernel(const SelectParams& p) {
 }
 
 // Rerank (eq. 10): est = |q| sum_b w_b sum_j l[c_j] q_bj for every candidate. Grid
-// (ceil(cmax / NT), S * Hq), one thread per candidate.
+// (ceil(cmax / RERANK_CHUNK), S * Hq), NT threads, a thread per candidate over RERANK_CHUNK
+// candidates per CTA (the [D][16] lookup of l_c q_j is built once per CTA). The lookups of a
+// warp's lanes share the channel, so its 16 entries sit in 16 banks: no conflicts.
+constexpr int RERANK_CHUNK = 2048;
+
 template <int D, int M, int G, int NT>
 __device__ void rerank_kernel(const RerankParams& p) {
   constexpr int B = D / M;
   __shared__ float lut[D * 16];
+  __shared__ float qs[D];
   const int sh = blockIdx.y, s = sh / p.hq, h = (sh % p.hq) / G;
-  for (int i = threadIdx.x; i < D * 16; i += NT) lut[i] = p.levels[i % 16] * p.qrot[size_t(sh) * D + i / 16];
+  const u32 count = p.count[sh], lo = blockIdx.x * RERANK_CHUNK;
+  if (lo >= count) return;
+  for (int i = threadIdx.x; i < D; i += NT) qs[i] = p.qrot[size_t(sh) * D + i];
   __syncthreads();
-  const u32 c = blockIdx.x * NT + threadIdx.x;
-  if (c >= p.count[sh]) return;
-  const size_t key = size_t(s * p.ix.hkv + h) * p.ix.cap + p.cand[size_t(sh) * p.cmax + c];
-  const uint4* row = reinterpret_cast<const uint4*>(p.ix.codes + key * (D / 2));
-  const __half* w = p.ix.weights + key * B;
-  float acc = 0.f, dot = 0.f;
+  for (int i = threadIdx.x; i < D * 16; i += NT) lut[i] = p.levels[i % 16] * qs[i / 16];
+  __syncthreads();
+  const float qn = p.qnorm[sh];
+  const u32 hi = min(count, lo + RERANK_CHUNK);
+  const size_t base = size_t(s * p.ix.hkv + h) * p.ix.cap;
+#pragma unroll 1
+  for (u32 c = lo + threadIdx.x; c < hi; c += NT) {
+    const size_t key = base + p.cand[size_t(sh) * p.cmax + c];
+    const uint4* row = reinterpret_cast<const uint4*>(p.ix.codes + key * (D / 2));
+    uint4 r[D / 32];
 #pragma unroll
-  for (int v = 0; v < D / 32; ++v) {
-    const uint4 r = row[v];
-    const u32 words[4] = {r.x, r.y, r.z, r.w};
+    for (int v = 0; v < D / 32; ++v) r[v] = row[v];
+    alignas(16) __half w[B];
+    if constexpr ((B * 2) % 16 == 0) {
 #pragma unroll
-    for (int k = 0; k < 32; ++k) {
-      const int ch = v * 32 + k;
-      dot += lut[ch * 16 + ((words[k / 8] >> (4 * (k % 8))) & 15u)];
-      if ((ch + 1) % M == 0) {
-        acc += __half2float(w[ch / M]) * dot;
-        dot = 0.f;
+      for (int v = 0; v < B * 2 / 16; ++v) reinterpret_cast<uint4*>(w)[v] = reinterpret_cast<const uint4*>(p.ix.weights + key * B)[v];
+    } else {
+#pragma unroll
+      for (int b = 0; b < B; ++b) w[b] = p.ix.weights[key * B + b];
+    }
+    float acc = 0.f, dot = 0.f;
+#pragma unroll
+    for (int v = 0; v < D / 32; ++v) {
+      const u32 words[4] = {r[v].x, r[v].y, r[v].z, r[v].w};
+#pragma unroll
+      for (int k = 0; k < 32; ++k) {
+        const int ch = v * 32 + k;
+        dot += lut[ch * 16 + ((words[k / 8] >> (4 * (k % 8))) & 15u)];
+        if ((ch + 1) % M == 0) {
+          acc += __half2float(w[ch / M]) * dot;
+          dot = 0.f;
+        }
       }
     }
+    p.est[size_t(sh) * p.cmax + c] = qn * acc;
   }
-  p.est[size_t(sh) * p.cmax + c] = p.qnorm[sh] * acc;
 }
 
 // Top-k of the rerank estimates: one CTA per (sequence, query head); writes key indices.
@@ -553,56 +675,116 @@ __device__ void topk_kernel(const SelectParams& p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Fetch: the k retrieved K/V rows from pinned host memory (UVA) into device staging. One CTA of
-// NT threads per (sequence, query head), 16-byte loads.
+// Fetch: the k retrieved K/V rows from pinned host memory (UVA) into device staging. Grid
+// (S * Hq, ceil(2 kmax D / 8 / (NT FETCH_UNROLL))), NT threads, 16-byte loads: each thread
+// issues its FETCH_UNROLL loads before the first store, so a CTA has NT * FETCH_UNROLL reads in
+// flight over the bus instead of one round trip per row.
+constexpr int FETCH_UNROLL = 8;
+
 template <int D, int G, int NT>
 __device__ void fetch_kernel(const FetchParams& p) {
   constexpr int V = D * 2 / 16;  // uint4 per row
   const int sh = blockIdx.x, s = sh / p.hq, h = (sh % p.hq) / G;
-  const u32 k = p.top_count[sh];
-  for (u32 i = threadIdx.x; i < k * V; i += NT) {
-    const u32 r = i / V, v = i % V, t = p.top[size_t(sh) * p.kmax + r];
-    if (t >= p.len[s]) {
+  const u32 k = p.top_count[sh], total = 2 * k * V, len = p.len[s];
+  const u32* top = p.top + size_t(sh) * p.kmax;
+  const uint4* hk = reinterpret_cast<const uint4*>(p.host_k) + size_t(s * p.hkv + h) * p.host_cap * V;
+  const uint4* hv = reinterpret_cast<const uint4*>(p.host_v) + size_t(s * p.hkv + h) * p.host_cap * V;
+  uint4* ko = reinterpret_cast<uint4*>(p.k_out) + size_t(sh) * p.kmax * V;
+  uint4* vo = reinterpret_cast<uint4*>(p.v_out) + size_t(sh) * p.kmax * V;
+  uint4 x[FETCH_UNROLL];
+  const u32 lo = blockIdx.y * NT * FETCH_UNROLL + threadIdx.x;
+#pragma unroll
+  for (int u = 0; u < FETCH_UNROLL; ++u) {
+    // Element e: row e / (2V), K for the first V of the row's 2V, V for the rest.
+    const u32 e = lo + u * NT, r = e / (2 * V), c = e % (2 * V);
+    x[u] = make_uint4(0, 0, 0, 0);
+    if (e < total) {
+      const u32 t = top[r];
+      if (t < len) x[u] = c < V ? hk[size_t(t) * V + c] : hv[size_t(t) * V + c - V];
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < FETCH_UNROLL; ++u) {
+    const u32 e = lo + u * NT, r = e / (2 * V), c = e % (2 * V);
+    if (e >= total) continue;
+    if (top[r] >= len) {
       atomicOr(p.error_flags, ERR_TOP_RANGE);
       continue;
     }
-    const size_t src = (size_t(s * p.hkv + h) * p.host_cap + t) * V + v, dst = (size_t(sh) * p.kmax + r) * V + v;
-    reinterpret_cast<uint4*>(p.k_out)[dst] = reinterpret_cast<const uint4*>(p.host_k)[src];
-    reinterpret_cast<uint4*>(p.v_out)[dst] = reinterpret_cast<const uint4*>(p.host_v)[src];
+    if (c < V)
+      ko[size_t(r) * V + c] = x[u];
+    else
+      vo[size_t(r) * V + c - V] = x[u];
   }
 }
 
 // Attention over the dense rows (sinks + local + update buffer) and the k retrieved rows with
 // one softmax. One CTA of NT threads per (sequence, query head); dynamic shared memory holds
-// dense_cap + kmax logits. FUSED reads the retrieved rows from host memory through `top`.
+// dense_cap + kmax logits. D / 8 lanes own a row (16-byte loads, ATTEND_UNROLL rows in flight
+// per lane group), NT * 8 / D rows per step. FUSED reads the retrieved rows from host memory
+// through `top`.
+constexpr int ATTEND_UNROLL = 4;
+
 template <int D, int G, int NT, bool FUSED>
 __device__ void attend_kernel(const AttendParams& p) {
+  constexpr int L = D / 8, RG = NT / L;  // lanes per row, rows per step
+  static_assert(L <= 32 && 32 % L == 0 && NT % L == 0, "a row's lanes sit in one warp");
   extern __shared__ float logit[];
-  __shared__ float q[D];
   __shared__ float red[NT / 32];
-  __shared__ float acc[NT / D > 0 ? NT / D : 1][D];
+  __shared__ float acc[RG][D];
   const int sh = blockIdx.x, s = sh / p.hq, h = (sh % p.hq) / G;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int c = threadIdx.x; c < D; c += NT) q[c] = __half2float(p.q[size_t(sh) * D + c]) * p.scale;
-  __syncthreads();
-  const u32 nd = p.dense_len[s], nk = p.top_count[sh], n = nd + nk;
-  auto krow = [&](u32 r) -> const __half* {
-    if (r < nd) return p.dense_k + (size_t(s * p.hkv + h) * p.dense_cap + r) * D;
-    if (FUSED) return p.host_k + (size_t(s * p.hkv + h) * p.host_cap + p.top[size_t(sh) * p.kmax + r - nd]) * D;
-    return p.k_rows + (size_t(sh) * p.kmax + r - nd) * D;
-  };
-  auto vrow = [&](u32 r) -> const __half* {
-    if (r < nd) return p.dense_v + (size_t(s * p.hkv + h) * p.dense_cap + r) * D;
-    if (FUSED) return p.host_v + (size_t(s * p.hkv + h) * p.host_cap + p.top[size_t(sh) * p.kmax + r - nd]) * D;
-    return p.v_rows + (size_t(sh) * p.kmax + r - nd) * D;
-  };
-  for (u32 r = warp; r < n; r += NT / 32) {
-    const __half* k = krow(r);
-    float d = 0.f;
-    for (int c = lane; c < D; c += 32) d += q[c] * __half2float(k[c]);
+  const int sub = threadIdx.x % L, grp = threadIdx.x / L;
+  float q[8];
+  {
+    const uint4 x = reinterpret_cast<const uint4*>(p.q + size_t(sh) * D)[sub];
+    const __half2* hx = reinterpret_cast<const __half2*>(&x);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
-    if (lane == 0) logit[r] = d;
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __half22float2(hx[j]);
+      q[2 * j] = f.x * p.scale;
+      q[2 * j + 1] = f.y * p.scale;
+    }
+  }
+  const u32 nd = p.dense_len[s], nk = p.top_count[sh], n = nd + nk;
+  const size_t dense0 = size_t(s * p.hkv + h) * p.dense_cap, host0 = size_t(s * p.hkv + h) * p.host_cap;
+  // The 16 bytes of row r this lane reads (channels 8 sub .. 8 sub + 7).
+  auto load = [&](const __half* dense, const __half* staged, const __half* host, u32 r) -> uint4 {
+    const __half* row;
+    if (r < nd)
+      row = dense + (dense0 + r) * D;
+    else if (FUSED)
+      row = host + (host0 + p.top[size_t(sh) * p.kmax + r - nd]) * D;
+    else
+      row = staged + (size_t(sh) * p.kmax + r - nd) * D;
+    return reinterpret_cast<const uint4*>(row)[sub];
+  };
+  auto dot8 = [&](const uint4& x) {
+    const __half2* hx = reinterpret_cast<const __half2*>(&x);
+    float d = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __half22float2(hx[j]);
+      d += q[2 * j] * f.x + q[2 * j + 1] * f.y;
+    }
+    return d;
+  };
+  // Logits. The loop's trip count is uniform per warp (the shuffles need every lane).
+#pragma unroll 1
+  for (u32 r0 = 0; r0 < n; r0 += RG * ATTEND_UNROLL) {
+    uint4 x[ATTEND_UNROLL];
+#pragma unroll
+    for (int u = 0; u < ATTEND_UNROLL; ++u) {
+      const u32 r = r0 + u * RG + grp;
+      x[u] = r < n ? load(p.dense_k, p.k_rows, p.host_k, r) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < ATTEND_UNROLL; ++u) {
+      float d = dot8(x[u]);
+#pragma unroll
+      for (int o = L / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
+      const u32 r = r0 + u * RG + grp;
+      if (sub == 0 && r < n) logit[r] = d;
+    }
   }
   __syncthreads();
   float mx = NEG_INF;
@@ -616,19 +798,37 @@ __device__ void attend_kernel(const AttendParams& p) {
   }
   sum = block_reduce<NT>(sum, red, false);
   __syncthreads();
-  // NT / D row groups, each thread one channel of its group's rows.
-  constexpr int GROUPS = NT / D > 0 ? NT / D : 1;
-  const int c = threadIdx.x % D, grp = threadIdx.x / D;
-  float o = 0.f;
-  if (grp < GROUPS)
-    for (u32 r = grp; r < n; r += GROUPS) o += logit[r] * __half2float(vrow(r)[c]);
-  if (grp < GROUPS) acc[grp][c] = o;
+  // Values: lane group grp accumulates channels 8 sub .. 8 sub + 7 of rows grp, grp + RG, ...
+  float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+  for (u32 r0 = 0; r0 < n; r0 += RG * ATTEND_UNROLL) {
+    uint4 x[ATTEND_UNROLL];
+#pragma unroll
+    for (int u = 0; u < ATTEND_UNROLL; ++u) {
+      const u32 r = r0 + u * RG + grp;
+      x[u] = r < n ? load(p.dense_v, p.v_rows, p.host_v, r) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < ATTEND_UNROLL; ++u) {
+      const u32 r = r0 + u * RG + grp;
+      const float e = r < n ? logit[r] : 0.f;
+      const __half2* hx = reinterpret_cast<const __half2*>(&x[u]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __half22float2(hx[j]);
+        o[2 * j] += e * f.x;
+        o[2 * j + 1] += e * f.y;
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[grp][8 * sub + j] = o[j];
   __syncthreads();
-  if (threadIdx.x < D) {
+  for (int c = threadIdx.x; c < D; c += NT) {
     float t = 0.f;
 #pragma unroll
-    for (int g = 0; g < GROUPS; ++g) t += acc[g][threadIdx.x];
-    p.out[size_t(sh) * D + threadIdx.x] = n > 0 ? t / sum : 0.f;
+    for (int g = 0; g < RG; ++g) t += acc[g][c];
+    p.out[size_t(sh) * D + c] = n > 0 ? t / sum : 0.f;
   }
   if (threadIdx.x == 0) p.lse[sh] = n > 0 ? mx + __logf(sum) : NEG_INF;
 }
