@@ -6,10 +6,10 @@ Compiles generated decode kernels (kernels-generated/<spec>/decode_*.cu) with NV
 (the runtime's flags, headers from templates/include and kernels-generated/include), disassembles
 the plain entry with nvdisasm, and finds the innermost loops (a backward branch) that hold
 HMMA: compute_warp's token loop, once per tier of the variant. For each it prints the static
-instruction count of the loop body, the count on the common path (forward branches inside the
-loop that skip a region are taken to skip it: the rescale after a new maximum and the
-tail-page mask are rare), the tokens per iteration (8 per HMMA.1688 group of KSW), those per
-token, and the opcodes. Also ptxas' registers and spills (`--ptxas-options=-v`).
+instruction count of the loop body, the count on the common path (the loop without the two
+rare regions a guarded forward branch skips: the rescale after a new maximum and the
+tail-page mask), the tokens per iteration (8 per D/16 HMMA.1688), those per token, and the
+opcodes. Also ptxas' registers and spills (`--ptxas-options=-v`).
 
 Usage (NVRTC 13 from /work/venv; see docs/perf/NOTES.md v13):
   CU13=$(/work/venv/bin/python -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13"))')
@@ -136,7 +136,13 @@ def common_path(insns, s, e):
         if not m or m.group(1) not in at:
             continue
         t = at[m.group(1)]
-        if i < t <= e + 1 and text.startswith("@"):
+        region = [insns[k][1] for k in range(i + 1, t)]
+        # Rare regions only: the rescale after a new maximum (its SHFL.IDX of alpha) and the
+        # tail-page mask (LOP3 ANDs with one mask). Other guarded regions (a divergent branch
+        # on the head lanes, say) are issued by the warp all the same.
+        rescale = any(opcode(x) == "SHFL.IDX" for x in region)
+        mask = sum(1 for x in region if opcode(x) == "LOP3.LUT" and x.endswith("0xc0, !PT")) * 2 >= len(region) > 0
+        if i < t <= e + 1 and text.startswith("@") and (rescale or mask):
             for k in range(i + 1, t):
                 skip[k] = True
     return [i for i in range(s, e + 1) if not skip[i]]
@@ -188,18 +194,19 @@ def main():
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--json")
     ap.add_argument("--ops", action="store_true", help="print the common path's opcode histogram")
-    ap.add_argument("--dump", help="write the plain entry's SASS of the first variant here")
+    ap.add_argument("--root", default=ROOT, help="tree holding templates/ and kernels-generated/ (e.g. `git archive e5cf01c templates kernels-generated | tar -x -C DIR`)")
     a = ap.parse_args()
+    root = a.root
     lib = ctypes.CDLL(os.path.join(cu13(), "lib", "libnvrtc.so.13"))
     # One include tree, as the runtime writes it (decode.cuh includes "codecs.cuh" beside it).
     tree = tempfile.mkdtemp(prefix="sass_loop-")
-    shutil.copytree(os.path.join(ROOT, "templates/include"), tree, dirs_exist_ok=True)
-    shutil.copytree(os.path.join(ROOT, "kernels-generated/include"), tree, dirs_exist_ok=True)
+    shutil.copytree(os.path.join(root, "templates/include"), tree, dirs_exist_ok=True)
+    shutil.copytree(os.path.join(root, "kernels-generated/include"), tree, dirs_exist_ok=True)
     inc = [tree, os.path.join(cu13(), "include")]
-    files = sorted(glob.glob(os.path.join(ROOT, "kernels-generated/*/decode_*.cu")))
+    files = sorted(glob.glob(os.path.join(root, "kernels-generated/*/decode_*.cu")))
     rows = []
     for sub in a.variants or DEFAULT:
-        hits = [f for f in files if sub in os.path.relpath(f, os.path.join(ROOT, "kernels-generated"))]
+        hits = [f for f in files if sub in os.path.relpath(f, os.path.join(root, "kernels-generated"))]
         if len(hits) != 1:
             sys.exit(f"{sub}: {len(hits)} variants match")
         fn, regs, spill, ls = analyse(hits[0], a.arch, lib, inc)

@@ -335,12 +335,14 @@ struct DecodeCta {
       // anything, keep p = 0).
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        u32 b;
+        // Every lane computes its fragment and lanes past the heads then select zero: a
+        // conditional computation compiled to a divergent branch around the scale loads.
+        float p0 = pr[r][0], p1 = pr[r][1];
         if constexpr (TokenScaled<V>::value) {
-          b = head ? pack2<false>(ta[r] < len ? pr[r][0] * V::token_scale(seg, ta[r]) : 0.f, tb[r] < len ? pr[r][1] * V::token_scale(seg, tb[r]) : 0.f) : 0u;
-        } else {
-          b = head ? pack2<false>(pr[r][0], pr[r][1]) : 0u;
+          p0 = ta[r] < len ? p0 * V::token_scale(seg, ta[r]) : 0.f;
+          p1 = tb[r] < len ? p1 * V::token_scale(seg, tb[r]) : 0.f;
         }
+        const u32 b = head ? pack2<false>(p0, p1) : 0u;
         u32 vp[CV];
         V::template token_pairs<CV>(seg, ta[r], tb[r], g * CV, vp);
         if ((o + r * NW) * 8 + 8 > len) {
