@@ -321,10 +321,9 @@ struct IntKey {
   // (docs/perf/NOTES.md, v11).
   static constexpr bool WARP = BLOCK >= P && D * BITS >= 128;
   // Lanes past the heads read a real head's query fragments (DecodeCta::compute_warp). With
-  // one octet per softmax round this let ptxas recompute address math in the loop (int2 27%
-  // and int8 8% slower; docs/perf/NOTES.md, v12); with two octets per round the zero select
-  // is the dearer one (a predicated load, two register clears and the select per k-step:
-  // 9 more SASS instructions per 16 tokens; v13).
+  // one octet per softmax round this let ptxas recompute address math in the loop
+  // (docs/perf/NOTES.md, v12); with two octets per round the zero select is the dearer one (a
+  // predicated load, two register clears and the select per k-step; v13).
   static constexpr bool WARP_SHARED_Q = true;
   // A warp's key reader for one page (constructed per page, called per octet).
   template <int NPAIR> struct WarpKeys {
