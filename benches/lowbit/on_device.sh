@@ -9,14 +9,19 @@
 # The kernels are JIT-compiled from the headers each binary embeds (separate NVRTC caches).
 #
 # phases:
-#   selftest  kvforge-new selftest on specs/rdkv.toml and specs/rotated.toml (every decode variant
-#             of both against the f64 reference): $OUT/selftest-new.json, .log
+#   selftest  kvforge-new precompile (sm_90, every core: fills the NVRTC cache, $OUT/precompile-new.json
+#             has registers and spills), then kvforge-new selftest on specs/rdkv.toml and
+#             specs/rotated.toml (every decode variant of both against the f64 reference):
+#             $OUT/selftest-new.json, .log
 #   bench     kvforge bench of rdkv b8/b4/b2 and rotated r4/r3/r2 at 128K x 64, 128K x 1, 32K x 8,
 #             32K x 1, old and new binaries alternating (old, new, new, old):
 #             $OUT/bench-{old,new}-{1,2}-{128k,32k}.json, then a summary table $OUT/ab.md
 #   ncu       one launch each of b4 and r3 at 8 x 128K under ncu, old and new: executed warp
 #             instructions, issue-slot and DRAM use ($OUT/ncu-{old,new}.json)
-# Env: LOWBIT_RUNS (bench --runs, 20).
+# Env: LOWBIT_RUNS (bench --runs, 20), LOWBIT_SELFTEST_FILTER (selftest --filter, e.g. d128).
+# One phase per call keeps each well under 4 minutes: `on_device.sh selftest`, `on_device.sh bench`,
+# `on_device.sh ncu` (selftest alone: precompile <= 100 s, selftest <= 130 s; the precompile fills
+# /tmp/kvc-lowbit-new, which a later call on the same warm machine reuses).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 cd "$ROOT"
@@ -39,9 +44,14 @@ kv() { local b=$1; shift; KVFORGE_CACHE_DIR=/tmp/kvc-lowbit-$b .bin-lowbit/kvfor
 for ph in "${PHASES[@]}"; do
   case $ph in
     selftest)
-      timeout 150 bash -c "KVFORGE_CACHE_DIR=/tmp/kvc-lowbit-new .bin-lowbit/kvforge-new selftest specs/rdkv.toml specs/rotated.toml --json $OUT/selftest-new.json" \
+      # selftest compiles variant after variant; precompile fills the NVRTC cache on every core
+      # first (and reports registers and spills of every kernel).
+      timeout 100 bash -c "KVFORGE_CACHE_DIR=/tmp/kvc-lowbit-new .bin-lowbit/kvforge-new precompile --arch sm_90 --report $OUT/precompile-new.json specs/rdkv.toml specs/rotated.toml" \
+        > "$OUT/precompile-new.log" 2>&1
+      echo "precompile rc=$? ($(( $(date +%s) - T0 )) s)"; tail -3 "$OUT/precompile-new.log"
+      timeout 130 bash -c "KVFORGE_CACHE_DIR=/tmp/kvc-lowbit-new .bin-lowbit/kvforge-new selftest ${LOWBIT_SELFTEST_FILTER:+--filter $LOWBIT_SELFTEST_FILTER} specs/rdkv.toml specs/rotated.toml --json $OUT/selftest-new.json" \
         > "$OUT/selftest-new.log" 2>&1
-      echo "selftest rc=$? ($(( $(date +%s) - T0 )) s)"; tail -5 "$OUT/selftest-new.log"
+      echo "selftest rc=$? ($(( $(date +%s) - T0 )) s)"; tail -3 "$OUT/selftest-new.log"; grep -E 'FAIL' "$OUT/selftest-new.log" | head -20
       ;;
     bench)
       # Warm both JIT caches first (the compile is not what is timed, but it takes the budget).
