@@ -128,6 +128,11 @@ struct DecodeCta {
   static constexpr int TAIL_PAGE_BYTES = HEADER_BYTES + tail_seg(typename Cfg::Tiers{});
   static_assert(!PW || (NPAIR % 4 == 0 && P >= 4 * NW), "per-warp layout: whole uint4 query chunks, stats fit the score region");
   static constexpr int ACC_R = PW ? KSW : MMA_V ? MTV : GQA, ACC_C = PW || MMA_V ? 4 : 8;
+  // Per-warp layout: octets per online-softmax round (compute_warp). Two when a page's octets
+  // are whole rounds of the warps (P / 8 a multiple of 2·NW), so that the round's second
+  // octet, o + NW, lies in the page: one maximum, rescale test and query-fragment load per 16
+  // tokens instead of per 8.
+  static constexpr int R = (P / 8) % (2 * NW) == 0 ? 2 : 1;
 
   u8* smem;
   const DecodeParams& p;
@@ -251,40 +256,71 @@ struct DecodeCta {
     float page_sum = 0.f;
     typename K::template WarpKeys<NPAIR> keys(seg, qd);
 #pragma unroll 1
-    for (int o = warp; o * 8 < len; o += NW) {
-      // Score column n of the octet is token t0 + (n even ? n / 2 : 4 + (n / 2 ^ 1)), so that a
+    for (int o = warp; o * 8 < len; o += R * NW) {
+      // Score column n of an octet is token t0 + (n even ? n / 2 : 4 + (n / 2 ^ 1)), so that a
       // lane's value tokens ta, tb (columns 2qd, 2qd + 1) lie one row apart across qd rather
       // than two: int4 value rows are 64 bytes, and rows 2qd hit the same banks four ways
-      // (two ways now); key rows of lanes g, g + 1 stay an odd number of rows apart.
-      const int t0 = o * 8, ta = t0 + qd, tb = t0 + 4 + (qd ^ 1);
-      const int tk = t0 + ((g & 1) ? 4 + ((g >> 1) ^ 1) : g >> 1);
+      // (two ways now); key rows of lanes g, g + 1 stay an odd number of rows apart. Octet r
+      // of the round is o + r·NW (R = 2: in the page, see R).
+      int ta[R], tb[R];
+      u32 kb[R][NPAIR];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int t0 = (o + r * NW) * 8;
+        ta[r] = t0 + qd;
+        tb[r] = t0 + 4 + (qd ^ 1);
+        keys(seg, t0 + ((g & 1) ? 4 + ((g >> 1) ^ 1) : g >> 1), qd, kb[r]);
+      }
       // Scores of head g, tokens ta and tb: C rows g hold the high parts' products, rows
-      // g + 8 the low parts'; two accumulator chains (even and odd k-steps) halve the mma
-      // dependency chain.
-      u32 kb[NPAIR];
-      keys(seg, tk, qd, kb);
+      // g + 8 the low parts'. Two accumulator chains halve the mma dependency chain: the
+      // round's two octets (R = 2, which also share each query fragment load), else the even
+      // and odd k-steps of the one.
       float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
       for (int j = 0; j < KSW; ++j) {
         const uint4 q4 = SHARED_Q || head ? qf[j * L4] : make_uint4(0u, 0u, 0u, 0u);
-        const u32 a[4] = {q4.x, q4.y, q4.z, q4.w}, b2[2] = {kb[2 * j], kb[2 * j + 1]};
-        mma16816<false>(c[j & 1], a, b2);
+        const u32 a[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const u32 b2[2] = {kb[r][2 * j], kb[r][2 * j + 1]};
+          mma16816<false>(c[R == 2 ? r : j & 1], a, b2);
+        }
       }
-      // Online softmax of head g over the octet (token t0 < len scores finitely, so m_new is).
-      float s0, s1;
-      if constexpr (TokenScaled<K>::value) {
-        s0 = ta < len ? ((c[0][0] + c[0][2]) + (c[1][0] + c[1][2])) * K::token_scale(seg, ta) : NEG_INF;
-        s1 = tb < len ? ((c[0][1] + c[0][3]) + (c[1][1] + c[1][3])) * K::token_scale(seg, tb) : NEG_INF;
-      } else {
-        s0 = ta < len ? (c[0][0] + c[0][2]) + (c[1][0] + c[1][2]) : NEG_INF;
-        s1 = tb < len ? (c[0][1] + c[0][3]) + (c[1][1] + c[1][3]) : NEG_INF;
+      // Online softmax of head g over the round (token t0 < len of its first octet scores
+      // finitely, so m_new is).
+      float s[R][2];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        float x0, x1;
+        if constexpr (R == 2) {
+          x0 = c[r][0] + c[r][2];
+          x1 = c[r][1] + c[r][3];
+        } else {
+          x0 = (c[0][0] + c[0][2]) + (c[1][0] + c[1][2]);
+          x1 = (c[0][1] + c[0][3]) + (c[1][1] + c[1][3]);
+        }
+        if constexpr (TokenScaled<K>::value) {
+          x0 *= K::token_scale(seg, ta[r]);
+          x1 *= K::token_scale(seg, tb[r]);
+        }
+        s[r][0] = ta[r] < len ? x0 : NEG_INF;
+        s[r][1] = tb[r] < len ? x1 : NEG_INF;
       }
-      const float mx = group_max<4>(fmaxf(s0, s1));
+      float mx = fmaxf(s[0][0], s[0][1]);
+#pragma unroll
+      for (int r = 1; r < R; ++r) mx = fmaxf(mx, fmaxf(s[r][0], s[r][1]));
+      mx = group_max<4>(mx);
       const float m_new = fmaxf(pw_m, mx);
       const float alpha = exp2f(pw_m - m_new);
-      const float p0 = exp2f(s0 - m_new), p1 = exp2f(s1 - m_new);
-      pw_l = pw_l * alpha + (p0 + p1);
-      page_sum = page_sum * alpha + (p0 + p1);
+      float pr[R][2], psum = 0.f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        pr[r][0] = exp2f(s[r][0] - m_new);
+        pr[r][1] = exp2f(s[r][1] - m_new);
+        psum += pr[r][0] + pr[r][1];
+      }
+      pw_l = pw_l * alpha + psum;
+      page_sum = page_sum * alpha + psum;
       pw_m = m_new;
       // Accumulator columns are heads 2qd and 2qd + 1, whose statistics live in lanes 8qd and
       // 8qd + 4; once a head's maximum settles, its pages skip the rescale. (A lazy rescale,
@@ -297,25 +333,30 @@ struct DecodeCta {
       // O^T += V^T P^T: the probabilities are this lane's B fragment as they stand (times the
       // tokens' value scales for token-scaled values; tokens past `len`, whose scales may be
       // anything, keep p = 0).
-      u32 b;
-      if constexpr (TokenScaled<V>::value) {
-        b = head ? pack2<false>(ta < len ? p0 * V::token_scale(seg, ta) : 0.f, tb < len ? p1 * V::token_scale(seg, tb) : 0.f) : 0u;
-      } else {
-        b = head ? pack2<false>(p0, p1) : 0u;
-      }
-      u32 vp[CV];
-      V::template token_pairs<CV>(seg, ta, tb, g * CV, vp);
-      if (t0 + 8 > len) {
-        // Rows past `len` may hold anything (a tail page's unwritten rows): p = 0 must not
-        // meet a NaN.
-        const u32 m = (ta < len ? 0xffffu : 0u) | (tb < len ? 0xffff0000u : 0u);
 #pragma unroll
-        for (int k = 0; k < CV; ++k) vp[k] &= m;
-      }
+      for (int r = 0; r < R; ++r) {
+        // Every lane computes its fragment and lanes past the heads then select zero: a
+        // conditional computation compiled to a divergent branch around the scale loads.
+        float p0 = pr[r][0], p1 = pr[r][1];
+        if constexpr (TokenScaled<V>::value) {
+          p0 = ta[r] < len ? p0 * V::token_scale(seg, ta[r]) : 0.f;
+          p1 = tb[r] < len ? p1 * V::token_scale(seg, tb[r]) : 0.f;
+        }
+        const u32 b = head ? pack2<false>(p0, p1) : 0u;
+        u32 vp[CV];
+        V::template token_pairs<CV>(seg, ta[r], tb[r], g * CV, vp);
+        if ((o + r * NW) * 8 + 8 > len) {
+          // Rows past `len` may hold anything (a tail page's unwritten rows): p = 0 must not
+          // meet a NaN.
+          const u32 m = (ta[r] < len ? 0xffffu : 0u) | (tb[r] < len ? 0xffff0000u : 0u);
 #pragma unroll
-      for (int i = 0; i < KSW; ++i) {
-        const u32 a[2] = {vp[2 * i], vp[2 * i + 1]};
-        mma1688(acc[i], a, b);
+          for (int k = 0; k < CV; ++k) vp[k] &= m;
+        }
+#pragma unroll
+        for (int i = 0; i < KSW; ++i) {
+          const u32 a[2] = {vp[2 * i], vp[2 * i + 1]};
+          mma1688(acc[i], a, b);
+        }
       }
     }
     if constexpr (WARP_TRACKING) {

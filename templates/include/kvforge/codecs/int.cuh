@@ -320,10 +320,11 @@ struct IntKey {
   // which was both slower than the block layout and outside the selftest tolerance
   // (docs/perf/NOTES.md, v11).
   static constexpr bool WARP = BLOCK >= P && D * BITS >= 128;
-  // Lanes past the heads select zero query fragments (DecodeCta::compute_warp): reading a
-  // real head's instead let ptxas recompute address math in the octet loop (int2 27% and
-  // int8 8% slower; docs/perf/NOTES.md, v12).
-  static constexpr bool WARP_SHARED_Q = false;
+  // Lanes past the heads read a real head's query fragments (DecodeCta::compute_warp). With
+  // one octet per softmax round this let ptxas recompute address math in the loop
+  // (docs/perf/NOTES.md, v12); with two octets per round the zero select is the dearer one (a
+  // predicated load, two register clears and the select per k-step; v13).
+  static constexpr bool WARP_SHARED_Q = true;
   // A warp's key reader for one page (constructed per page, called per octet).
   template <int NPAIR> struct WarpKeys {
     u32 s[NPAIR], z[NPAIR];
@@ -444,8 +445,17 @@ struct IntValue {
 #pragma unroll
     for (int ci = 0; ci < N / CCV; ++ci) {
       const u32 x = __byte_perm(wa[ci / 2], wb[ci / 2], (ci & 1) ? 0x7632 : 0x5410);
+      // Code k sits at bit k·BITS of each half: the codes of the low byte are read in place,
+      // those of the high byte after one shift by 8, each with the magic 2^(10 - p) whose
+      // mantissa unit is bit p (p = (k·BITS) mod 8): one shift per chunk rather than per code.
+      const u32 xh = x >> 8;
 #pragma unroll
-      for (int k = 0; k < CCV; ++k) out[ci * CCV + k] = h2_fma(h2_codes(x >> (k * BITS), MASK), s2, z2);
+      for (int k = 0; k < CCV; ++k) {
+        constexpr int PER_BYTE = 8 / BITS > 0 ? 8 / BITS : 1;
+        const int pos = (k % PER_BYTE) * BITS;
+        const u32 magic = u32(25 - pos) << 10 | u32(25 - pos) << 26;
+        out[ci * CCV + k] = h2_fma(h2_codes(k < PER_BYTE ? x : xh, MASK << pos, magic), s2, z2);
+      }
     }
   }
   // lo[k] = (v̂[t][c0+k], v̂[t+1][c0+k]), hi[k] = (v̂[t+2][c0+k], v̂[t+3][c0+k]).
