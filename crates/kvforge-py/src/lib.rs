@@ -12,7 +12,11 @@
 //! launches, makes PyTorch's current stream wait for it, so the outputs are ordered for
 //! whatever PyTorch runs next. (cudarc can wrap a borrowed stream, but the cache's kernels,
 //! page uploads and error-flag reads are issued on one stream that it owns for its lifetime;
-//! event joins at the boundary keep that invariant and cost no host synchronisation.)
+//! event joins at the boundary keep that invariant and cost no host synchronisation.) The one
+//! exception is `Cache.graph_launch`, which launches a prepared decode step straight on the
+//! stream it is given (torch's capturing stream) with no join, so that a CUDA graph holds it.
+//! A caller that has torch's current `cuda_stream` at hand may pass it as `stream=` to the
+//! per-step calls (`step`, `graph_prepare`, `graph_commit`) to save the lookup.
 //! PyTorch and kvforge share the device's primary context: cudarc's `CudaContext::new` retains
 //! it, as the CUDA runtime under PyTorch does.
 

@@ -51,6 +51,11 @@ the model with ``dtype=torch.float16`` for the shipped specs). transformers stil
 own fp16 KV cache during ``generate``; kvforge's cache holds the compressed copy the
 attention reads.
 
+Decode steps through :func:`generate` (instead of ``model.generate``) hand each layer the new
+token's key/value only (:class:`PassKV`: transformers keeps no KV copy) and make one
+``Cache.step`` call per layer; ``cuda_graph=True`` captures the whole decode step as one CUDA
+graph and replays it (``Cache.graph_prepare`` / ``graph_launch`` / ``graph_commit``).
+
 ``import kvforge.hf`` needs neither torch nor transformers; they are imported when used.
 """
 
