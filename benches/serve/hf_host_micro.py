@@ -13,7 +13,7 @@ GPU is synchronised only after the ``steps`` steps; wall time per step beside it
   around ``Cache.step``: shape checks, slicing, dispatch).
 - ``graph``: one captured CUDA graph of every layer's ``graph_launch`` replayed per step, with
   each layer's ``graph_prepare`` and ``graph_commit`` around it (host µs per layer = those two
-  calls plus the replay call / layers).
+  calls plus the replay call / layers); a step that fills a tail page runs as ``step``.
 
     python3 benches/serve/hf_host_micro.py [--layers 30] [--batch 1] [--context 2048] [--steps 64] --out hf-host-micro.json
 """
@@ -97,6 +97,13 @@ def run(a, mode, dev):
             t = time.perf_counter()
             keys = [st["cache"].graph_prepare(st["seqs"], stream=stream) for st in layers]
             prep = time.perf_counter() - t
+            if any(k is None for k in keys):  # a tail fills: a plain step
+                t = time.perf_counter()
+                for st, (o, l) in zip(layers, outs):
+                    st["cache"].step(st["seqs"], kv, kv, q, out=o, lse=l, stream=stream)
+                times.append((prep + time.perf_counter() - t) / len(layers))
+                graph["plain"] = graph.get("plain", 0) + 1
+                return
             if graph["g"] is None or keys != graph["keys"]:
                 cg, cs = torch.cuda.CUDAGraph(), graph["cs"]
                 cs.wait_stream(torch.cuda.current_stream(dev))
@@ -125,7 +132,7 @@ def run(a, mode, dev):
     row = {"mode": mode, "layers": a.layers, "batch": b, "context": a.context, "steps": a.steps, "tier": a.tier,
            "host_us_per_layer_mean": 1e6 * sum(ts) / len(ts), "host_us_per_layer_median": 1e6 * ts[len(ts) // 2],
            "host_loop_ms_per_step": 1e3 * (t_sync - t_wall) / a.steps, "wall_ms_per_step": 1e3 * wall / a.steps,
-           "captures": graph["captures"] if mode == "graph" else None}
+           "captures": graph["captures"] if mode == "graph" else None, "plain_steps": graph.get("plain", 0) if mode == "graph" else None}
     print(json.dumps(row), flush=True)
     del layers, h
     torch.cuda.empty_cache()

@@ -671,11 +671,13 @@ impl Cache {
     /// where needed, the resident page table brought up to date, the append chunk list
     /// written, every kernel loaded. Returns an int key: a graph captured after a
     /// `graph_prepare` that returned the same key replays this step correctly; capture again
-    /// when it changes (a page filled into a larger table, another split count). Raises
+    /// when it changes (a page filled into a larger table, another split count). Returns None,
+    /// changing nothing, when the step fills a tail page: run that step with `step` (the page
+    /// is encoded before the decode reads it, which a replay cannot do). Raises
     /// KvforgeError where the step cannot run in a graph (out of pages, a full tail, a target
     /// tier that encodes on the host). Ordered after torch's current stream.
     #[pyo3(signature = (seqs, stream = None))]
-    fn graph_prepare(&mut self, py: Python<'_>, #[pyo3(from_py_with = crate::nats)] seqs: Vec<usize>, stream: Option<u64>) -> PyResult<u64> {
+    fn graph_prepare(&mut self, py: Python<'_>, #[pyo3(from_py_with = crate::nats)] seqs: Vec<usize>, stream: Option<u64>) -> PyResult<Option<u64>> {
         guarded(py, || self.on_stream(py, stream, |c| c.graph_prepare(&seqs)))
     }
 
@@ -707,9 +709,8 @@ impl Cache {
         })
     }
 
-    /// The host side of one replayed graph step of `seqs`: lengths grown, a tail the step
-    /// filled encoded into the target tier (ordered after torch's current stream, where the
-    /// replay was queued).
+    /// The host side of one replayed graph step of `seqs`: lengths grown (ordered after
+    /// torch's current stream, where the replay was queued).
     #[pyo3(signature = (seqs, stream = None))]
     fn graph_commit(&mut self, py: Python<'_>, #[pyo3(from_py_with = crate::nats)] seqs: Vec<usize>, stream: Option<u64>) -> PyResult<()> {
         guarded(py, || {

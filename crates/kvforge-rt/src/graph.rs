@@ -17,9 +17,11 @@
 //!   variant, another chunk list size) changes the [`GraphKey`] that `graph_prepare` returns:
 //!   the caller captures again when it changes.
 //!
-//! The host bookkeeping of a replayed step (tail and sequence lengths, encoding a tail the
-//! step filled into the target tier) is [`KvCache::graph_commit`], after the replay was
-//! queued. Faults the decode kernel flags are reported by the next
+//! A step that fills a tail page is not a graph step: the plain path encodes the page into
+//! the target tier before the step's decode reads it, which a replayed graph cannot do, so
+//! `graph_prepare` answers None and the caller runs that step plainly ([`KvCache::step_external`]),
+//! once per page of tokens per sequence. The host bookkeeping of a replayed step (tail and
+//! sequence lengths) is [`KvCache::graph_commit`], after the replay was queued. Faults the decode kernel flags are reported by the next
 //! [`KvCache::synchronize`] (a captured step queues no flag copy).
 
 use std::hash::{Hash, Hasher};
@@ -67,7 +69,7 @@ pub(crate) fn graph_rows(tails: &[u64], hkv: usize) -> Vec<u64> {
 
 /// Checks that a step of one token fits every tail (`tails[i]`: tokens in sequence i's tail
 /// page, None without one) at `page` tokens per page; returns (sequences that need a new tail
-/// page, sequences whose tail the step fills).
+/// page, sequences whose tail the step fills: not a graph step).
 pub(crate) fn graph_room(tails: &[Option<usize>], page: usize) -> Result<(usize, usize)> {
     let (mut fresh, mut fills) = (0, 0);
     for (i, t) in tails.iter().enumerate() {
@@ -94,23 +96,25 @@ impl KvCache {
     /// graph: gives sequences without a tail page a fresh one, syncs the device-resident page
     /// table and uploads what changed, writes the append chunk list, and loads every kernel
     /// the step launches. Returns the [`GraphKey`] of the step's launches: capture again when
-    /// it differs from the one the graph was captured with. Host work and copies on the
-    /// cache's stream only, nothing waits for the GPU.
+    /// it differs from the one the graph was captured with; or None, changing nothing, when the
+    /// step fills a sequence's tail page (run it with [`step_external`](Self::step_external):
+    /// the plain path encodes the page before the decode reads it). Host work and copies on
+    /// the cache's stream only, nothing waits for the GPU.
     ///
     /// Errors (nothing launched): a missing or repeated sequence, a tail left full, out of
     /// pages for the step (a new tail, the encode of a tail it fills), a target tier whose
     /// encode reads pages on the host (an uncalibrated spherical tier, kept originals), a
     /// cache without a free page for the resident table's null page.
-    pub fn graph_prepare(&mut self, seqs: &[usize]) -> Result<GraphKey> {
+    pub fn graph_prepare(&mut self, seqs: &[usize]) -> Result<Option<GraphKey>> {
         self.engine.poll_flags()?;
         let r = self.try_graph_prepare(seqs);
-        if r.is_err() {
+        if !matches!(r, Ok(Some(_))) {
             self.graph.get_or_insert_with(Default::default).ready = None;
         }
         r
     }
 
-    fn try_graph_prepare(&mut self, seqs: &[usize]) -> Result<GraphKey> {
+    fn try_graph_prepare(&mut self, seqs: &[usize]) -> Result<Option<GraphKey>> {
         let (hkv, d, p) = (self.cfg.num_kv_heads, self.cfg.head_dim, self.spec.page.tokens);
         if seqs.is_empty() {
             return Err(RtError::BadInput("graph step of an empty batch".into()));
@@ -128,11 +132,14 @@ impl KvCache {
         }
         let tails: Vec<Option<usize>> = seqs.iter().map(|&s| self.uniform_tail(s)).collect::<Result<_>>()?;
         let (fresh, fills) = graph_room(&tails, p)?;
+        if fills > 0 {
+            return Ok(None);
+        }
         let mut need = vec![0usize; self.spec.tiers.len()];
         need[TAIL_TIER as usize] = fresh * hkv;
-        need[target as usize] += fills * hkv;
         self.store.pool().reserve(&need)?;
-        let append = self.engine.kernel(&self.spec, &VariantId::append(&self.spec, d))?;
+        // Loaded before the capture (a module load inside one would break it).
+        self.engine.kernel(&self.spec, &VariantId::append(&self.spec, d))?;
         if self.resident.is_none() {
             self.resident = Some(self.make_resident()?.ok_or_else(|| self.store.pool().out_of_pages(TAIL_TIER))?);
         }
@@ -151,6 +158,8 @@ impl KvCache {
         let synced = self.resident_sync(&mut r, seqs);
         let plan_key = synced.and_then(|_| {
             let plan = r.table.plan();
+            // Loaded now: a module load inside a capture would break it.
+            self.engine.kernel(&self.spec, &plan.variant)?;
             let combine = match &plan.combine {
                 Some(cv) => Some(self.engine.kernel(&self.spec, cv)?),
                 None => None,
@@ -172,6 +181,7 @@ impl KvCache {
             }
         }
         let rows = graph_rows(&offsets, hkv);
+        let (arena, side) = (self.store.arena_ptr(), self.tier_pointers().side);
         let st = self.engine.dev().stream.clone();
         let g = self.graph.get_or_insert_with(Default::default);
         if g.rows.as_ref().is_none_or(|b| b.len() < rows.len()) {
@@ -185,8 +195,7 @@ impl KvCache {
         }
         let rows_ptr = buf.device_ptr(&st).0;
         g.ready = Some(seqs.to_vec());
-        let _ = append;
-        Ok(key_of(&(plan_key, rows_ptr, g.mirror.len(), self.store.arena_ptr(), self.tier_pointers().side)))
+        Ok(Some(key_of(&(plan_key, rows_ptr, g.mirror.len(), arena, side))))
     }
 
     /// Launches the step [`graph_prepare`](Self::graph_prepare) prepared for `seqs` on
@@ -232,8 +241,8 @@ impl KvCache {
     }
 
     /// The host side of one run of a graph step of `seqs` (after it was queued): every
-    /// sequence one token longer, and a tail the step filled encoded into the target tier
-    /// (a transcode launch on the cache's stream, ordered after what it ran before).
+    /// sequence one token longer (a tail left full, which `graph_prepare` never plans, would
+    /// be encoded into the target tier here).
     pub fn graph_commit(&mut self, seqs: &[usize]) -> Result<()> {
         let (hkv, p) = (self.cfg.num_kv_heads, self.spec.page.tokens);
         for &s in seqs {
@@ -269,6 +278,9 @@ impl KvCache {
     pub fn step_external(&mut self, seqs: &[usize], k: &ExternalTensor, v: &ExternalTensor, q: &ExternalTensor, out: &ExternalTensor, lse: &ExternalTensor) -> Result<()> {
         // Decode arguments first: a bad output must not leave the token appended.
         self.check_decode_io(seqs.len(), q, out, lse)?;
+        if let Some(g) = self.graph.as_mut() {
+            g.ready = None;
+        }
         self.append_step_external(seqs, k, v)?;
         self.decode_step_external(seqs, q, out, lse)
     }

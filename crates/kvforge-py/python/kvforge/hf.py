@@ -405,7 +405,8 @@ class KvforgeAttention:
         cache, seqs = st["cache"], st["seqs"]
         kk, vv = k[:, :, -1].contiguous(), v[:, :, -1].contiguous()
         qq = qs[:, :, 0].contiguous()
-        st["n"] = n
+        if self._capture is None:  # a captured step is counted by each replay's graph_commit
+            st["n"] = n
         if self.certify is None and hasattr(cache, "step"):
             out, lse = self._outputs(st, qs)
             if self._capture is not None:
@@ -710,7 +711,8 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, cu
     one ``graph_prepare`` and one ``graph_commit`` per layer (page bookkeeping, no tensor
     work) and one replay. The graph is captured again when a layer's launches change (a page
     filled and its table outgrew its buffers, another split count): a few times per
-    generation. Where a step cannot run in a graph (``graph_prepare`` raises: out of pages,
+    generation. A step that fills a layer's tail page runs without the graph (the page is
+    encoded before that step's decode reads it, as without a graph), once per page of tokens. Where a step cannot run in a graph (``graph_prepare`` raises: out of pages,
     a tier that encodes on the host, controllers and certifiers) the generation warns once and
     goes on without it. Kernel faults of replayed steps are raised by ``Cache.synchronize()``.
     """
@@ -739,25 +741,34 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, cu
         out[:, :1].copy_(ids)
         nxt = pos[:, -1:] + 1
         layers = [h.layers[i] for i in sorted(h.layers)]
-        seqs = layers[0]["seqs"]
         cur = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
         h._step_mode = True
         try:
             h._stream = cur.cuda_stream if cur is not None else None
             graph = _StepGraph(model, pkv, ids, nxt, rows, dev) if cuda_graph else None
             for i in range(1, max_new_tokens):
+                if graph is not None and not graph.warm:
+                    # The first decode step runs plainly on the capture stream (torch's advice:
+                    # lazily made per-stream state, e.g. cuBLAS workspaces, exists before a capture).
+                    graph.warm_step(h, cur)
+                    out[:, i:i + 1].copy_(graph.ids)
+                    continue
                 if graph is not None:
                     try:
-                        keys = [st["cache"].graph_prepare(seqs, stream=h._stream) for st in layers]
+                        keys = [st["cache"].graph_prepare(st["seqs"], stream=h._stream) for st in layers]
                     except Exception as e:  # noqa: BLE001 - any reason the step cannot run in a graph
                         warnings.warn(f"kvforge.hf.generate: decoding without a CUDA graph from token {i}: {e}", UserWarning, stacklevel=2)
                         ids, nxt = graph.ids.clone(), graph.pos.clone()
                         graph = None
                     else:
-                        graph.run(h, keys)
-                        for st in layers:
-                            st["cache"].graph_commit(seqs, stream=h._stream)
-                            st["n"] += 1
+                        if any(key is None for key in keys):
+                            # The step fills a tail page: a plain step encodes it before its decode.
+                            graph.plain_step()
+                        else:
+                            graph.run(h, keys)
+                            for st in layers:
+                                st["cache"].graph_commit(st["seqs"], stream=h._stream)
+                                st["n"] += 1
                         out[:, i:i + 1].copy_(graph.ids)
                         continue
                 logits = model(input_ids=ids, position_ids=nxt, past_key_values=pkv, use_cache=True, logits_to_keep=1).logits
@@ -783,6 +794,25 @@ class _StepGraph:
         self.stream = torch.cuda.Stream(dev)
         self.pool = None
         self.captures = 0
+        self.warm = False
+
+    def warm_step(self, h: KvforgeAttention, cur) -> None:
+        """One decode step without the graph, on the capture stream (``ids``, ``pos`` advanced)."""
+        import torch
+
+        self.stream.wait_stream(cur)
+        with torch.cuda.stream(self.stream):
+            h._stream = self.stream.cuda_stream
+            try:
+                self._step()
+            finally:
+                h._stream = cur.cuda_stream
+        cur.wait_stream(self.stream)
+        self.warm = True
+
+    def plain_step(self) -> None:
+        """One decode step without the graph on the current stream (``ids``, ``pos`` advanced)."""
+        self._step()
 
     def _step(self):
         logits = self.model(input_ids=self.ids, position_ids=self.pos, past_key_values=self.pkv, use_cache=True, logits_to_keep=1).logits
