@@ -44,7 +44,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/hf-be
 python3 -c "import kvforge, torch, transformers; print('kvforge', kvforge.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" 2>&1 | tee -a "$OUT/hf-bench.log"
 t0=$(date +%s)
 if [ "${HF_TESTS:-1}" != 0 ]; then
-  KVFORGE_HF_MODEL_DIR=$M timeout 90 python3 -u -c "
+  KVFORGE_HF_MODEL_DIR=$M timeout 120 python3 -u -c "
 import sys, traceback; sys.path.insert(0, 'crates/kvforge-py/tests'); import test_gpu as t
 bad = 0
 for n in ['test_step_equals_append_step_then_decode', 'test_graph_launch_needs_graph_prepare', 'test_graph_replayed_steps_equal_plain_steps',

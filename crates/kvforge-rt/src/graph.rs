@@ -46,13 +46,22 @@ pub const GRAPH_POS: usize = 0xffff;
 pub type GraphKey = u64;
 
 /// The captured step's chunk list and the sequences it was prepared for.
-#[derive(Default)]
 pub(crate) struct GraphStep {
+    /// Unique per cache in the process: a key never matches one from a dropped cache, whose
+    /// kernel modules a graph captured from it would still name.
+    id: u64,
     rows: Option<CudaSlice<u64>>,
     /// Host copy of what `rows` holds.
     mirror: Vec<u64>,
     /// The sequence list of the last `graph_prepare` (None: not prepared).
     ready: Option<Vec<usize>>,
+}
+
+impl Default for GraphStep {
+    fn default() -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        GraphStep { id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed), rows: None, mirror: Vec::new(), ready: None }
+    }
 }
 
 /// The chunk list of a graph step: per sequence `i` and kv head `h` its tail page's offset and
@@ -195,7 +204,7 @@ impl KvCache {
         }
         let rows_ptr = buf.device_ptr(&st).0;
         g.ready = Some(seqs.to_vec());
-        Ok(Some(key_of(&(plan_key, rows_ptr, g.mirror.len(), arena, side))))
+        Ok(Some(key_of(&(g.id, plan_key, rows_ptr, g.mirror.len(), arena, side))))
     }
 
     /// Launches the step [`graph_prepare`](Self::graph_prepare) prepared for `seqs` on

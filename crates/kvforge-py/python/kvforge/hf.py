@@ -247,10 +247,15 @@ class KvforgeAttention:
         self._stream: Optional[int] = None
         self._capture: Optional[int] = None
         self.cuda_graph = False
+        # layer -> (out, lse) of decode steps, kept across prompts (a captured graph writes them)
+        self._bufs: Dict[int, Tuple[Any, Any]] = {}
+        # batch rows -> the last generate()'s captured step, replayed again while its keys hold
+        self._graphs: Dict[int, Any] = {}
 
     def reset(self) -> None:
         """Forget every sequence (dropping the caches frees their GPU memory)."""
         self._step_mode, self._stream, self._capture = False, None, None
+        self._graphs, self._bufs = {}, {}
         self.layers = {}
         self.reports, self.certificates = {}, {}
         self._spans = (None, None)
@@ -385,17 +390,19 @@ class KvforgeAttention:
             return self._exact_prompt(layer, cache, seqs, spans, q, k, v, scaling)
         return self._attend_cache(cache, seqs, spans, qs, s)
 
-    def _outputs(self, st: Dict[str, Any], q):
+    def _outputs(self, layer: int, q):
         """The layer's decode outputs (out [B, Hq, D], lse [B, Hq] float32), made once per
-        batch shape and reused every step: the model consumes a layer's output before the
-        layer's next step writes it (one stream)."""
+        batch shape and reused every step and prompt: the model consumes a layer's output
+        before the layer's next step writes it (one stream), and a captured graph keeps
+        writing the same ones."""
         import torch
 
         rows, hq, _, d = q.shape
-        bufs = st.get("bufs")
-        if bufs is None or bufs[0].shape[0] != rows or bufs[0].dtype != q.dtype or bufs[0].device != q.device:
+        bufs = self._bufs.get(layer)
+        if bufs is None or tuple(bufs[0].shape) != (rows, hq, d) or bufs[0].dtype != q.dtype or bufs[0].device != q.device:
             bufs = (torch.empty(rows, hq, d, dtype=q.dtype, device=q.device), torch.empty(rows, hq, dtype=torch.float32, device=q.device))
-            st["bufs"] = bufs
+            self._bufs[layer] = bufs
+            self._graphs = {}  # graphs captured with the old buffers write those
         return bufs
 
     def _decode_step(self, layer: int, st: Dict[str, Any], qs, k, v, n: int):
@@ -408,7 +415,7 @@ class KvforgeAttention:
         if self._capture is None:  # a captured step is counted by each replay's graph_commit
             st["n"] = n
         if self.certify is None and hasattr(cache, "step"):
-            out, lse = self._outputs(st, qs)
+            out, lse = self._outputs(layer, qs)
             if self._capture is not None:
                 cache.graph_launch(seqs, kk, vv, qq, out, lse, self._capture)
             else:
@@ -711,7 +718,8 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, cu
     one ``graph_prepare`` and one ``graph_commit`` per layer (page bookkeeping, no tensor
     work) and one replay. The graph is captured again when a layer's launches change (a page
     filled and its table outgrew its buffers, another split count): a few times per
-    generation. A step that fills a layer's tail page runs without the graph (the page is
+    generation; the next ``generate`` of the same batch size replays the same graph while the
+    keys hold (same prompt length class, reused caches). A step that fills a layer's tail page runs without the graph (the page is
     encoded before that step's decode reads it, as without a graph), once per page of tokens. Where a step cannot run in a graph (``graph_prepare`` raises: out of pages,
     a tier that encodes on the host, controllers and certifiers) the generation warns once and
     goes on without it. Kernel faults of replayed steps are raised by ``Cache.synchronize()``.
@@ -745,7 +753,17 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, cu
         h._step_mode = True
         try:
             h._stream = cur.cuda_stream if cur is not None else None
-            graph = _StepGraph(model, pkv, ids, nxt, rows, dev) if cuda_graph else None
+            graph = None
+            if cuda_graph:
+                # The last generate()'s graph of this batch size replays again while every
+                # layer's graph_prepare key is the one it was captured with.
+                graph = h._graphs.get(rows)
+                if graph is not None and graph.model is model:
+                    graph.ids.copy_(ids)
+                    graph.pos.copy_(nxt)
+                else:
+                    graph = _StepGraph(model, pkv, ids, nxt, rows, dev)
+                h._graphs[rows] = graph
             for i in range(1, max_new_tokens):
                 if graph is not None and not graph.warm:
                     # The first decode step runs plainly on the capture stream (torch's advice:
@@ -759,6 +777,7 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, cu
                     except Exception as e:  # noqa: BLE001 - any reason the step cannot run in a graph
                         warnings.warn(f"kvforge.hf.generate: decoding without a CUDA graph from token {i}: {e}", UserWarning, stacklevel=2)
                         ids, nxt = graph.ids.clone(), graph.pos.clone()
+                        h._graphs.pop(rows, None)
                         graph = None
                     else:
                         if any(key is None for key in keys):
