@@ -4,6 +4,10 @@ ms/token of ``model.generate`` with transformers' eager and sdpa attention and w
 lengths, left padded), and greedy token agreement: every backend against eager, and each
 kvforge batch row against the same prompt generated alone.
 
+Backends ``kvgen:<tier>`` and ``kvgraph:<tier>`` time ``kvforge.hf.generate`` (no transformers KV
+cache; ``kvgraph`` replays each decode step from a CUDA graph, captures included in the time)
+instead of ``model.generate``.
+
 Timing: prefill = ``generate(max_new_tokens=1)`` (the prompt's forward and one token); decode
 ms/token = (``generate(max_new_tokens=N + 1)`` - prefill) / N, ``min_new_tokens`` = max so no
 row stops early; median of ``--reps`` after one warm-up (kernel compiles, allocator).
@@ -63,22 +67,29 @@ def _sync(t):
         torch.cuda.synchronize(t.device)
 
 
-def generate(model, ids, mask, n: int):
+def generate(model, ids, mask, n: int, mode=None):
+    """``model.generate`` (mode None), or ``kvforge.hf.generate`` without (``"plain"``) or with
+    (``"graph"``) a CUDA graph: (new tokens [B, n], seconds)."""
     _sync(ids)
     t0 = time.perf_counter()
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         pad_token_id=model.config.pad_token_id or 0)
+    if mode is None:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=model.config.pad_token_id or 0)[:, ids.shape[1]:]
+    else:
+        import kvforge.hf
+
+        out = kvforge.hf.generate(model, ids, mask, max_new_tokens=n, cuda_graph=mode == "graph")
     _sync(ids)
-    return out[:, ids.shape[1]:], time.perf_counter() - t0
+    return out, time.perf_counter() - t0
 
 
-def timed(model, ids, mask, new: int, reps: int):
+def timed(model, ids, mask, new: int, reps: int, mode=None):
     """(tokens [B, new], prefill s, decode ms/token): medians over reps after a warm-up."""
-    generate(model, ids, mask, new + 1)  # warm-up: compiles, allocations
+    generate(model, ids, mask, new + 1, mode)  # warm-up: compiles, allocations
     pre, full, toks = [], [], None
     for _ in range(reps):
-        pre.append(generate(model, ids, mask, 1)[1])
-        toks, t = generate(model, ids, mask, new + 1)
+        pre.append(generate(model, ids, mask, 1, mode)[1])
+        toks, t = generate(model, ids, mask, new + 1, mode)
         full.append(t)
     p, f = statistics.median(pre), statistics.median(full)
     return toks[:, :new], p, (f - p) / new * 1e3
@@ -99,7 +110,9 @@ def main(argv=None):
     ap.add_argument("--batch-lens", default="2048,1536,1024,517", help="prompt lengths of the batch run (left padded)")
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2)
-    ap.add_argument("--backends", default="eager,sdpa,kvforge:fp16,kvforge:b8,kvforge:b4,kvforge:r3")
+    ap.add_argument("--backends", default="eager,sdpa,kvforge:fp16,kvforge:b8,kvforge:b4,kvforge:r3",
+                    help="eager, sdpa, kvforge:<tier> (model.generate), kvgen:<tier> (kvforge.hf.generate), "
+                         "kvgraph:<tier> (kvforge.hf.generate with a CUDA graph); tiers: " + ", ".join(TIERS))
     ap.add_argument("--alone", default="kvforge:b4", help="backends whose batch rows are also generated one by one")
     ap.add_argument("--out", default="hf-bench.json")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of eager/sdpa (kvforge needs a GPU)")
@@ -127,7 +140,7 @@ def main(argv=None):
     ref = {}
     t_start = time.time()
     for name in args.backends.split(","):
-        handle = None
+        handle, mode = None, {"kvgen": "plain", "kvgraph": "graph"}.get(name.split(":", 1)[0])
         if name in ("eager", "sdpa"):
             model.config._attn_implementation = name
         else:
@@ -135,7 +148,7 @@ def main(argv=None):
             handle = kvforge.hf.use_kvforge(model, spec=spec, tier=tier, root=str(ROOT))
         try:
             for b, (ids, mask) in runs.items():
-                toks, pre, dec = timed(model, ids, mask, args.new, args.reps)
+                toks, pre, dec = timed(model, ids, mask, args.new, args.reps, mode)
                 row = {"backend": name, "batch": int(b), "prefill_s": pre, "decode_ms_per_token": dec}
                 if name == "eager":
                     ref[b] = toks
@@ -144,7 +157,7 @@ def main(argv=None):
                 if int(b) > 1 and name in args.alone.split(","):
                     alone = []
                     for i, p in enumerate(many):
-                        t1, _ = generate(model, *left_pad([p], pad, dev), args.new)
+                        t1, _ = generate(model, *left_pad([p], pad, dev), args.new, mode)
                         alone.append(agreement(toks[i], t1[0]))
                     row["batch_vs_alone"] = alone
                 if handle is not None:

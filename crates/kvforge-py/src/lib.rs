@@ -12,7 +12,11 @@
 //! launches, makes PyTorch's current stream wait for it, so the outputs are ordered for
 //! whatever PyTorch runs next. (cudarc can wrap a borrowed stream, but the cache's kernels,
 //! page uploads and error-flag reads are issued on one stream that it owns for its lifetime;
-//! event joins at the boundary keep that invariant and cost no host synchronisation.)
+//! event joins at the boundary keep that invariant and cost no host synchronisation.) The one
+//! exception is `Cache.graph_launch`, which launches a prepared decode step straight on the
+//! stream it is given (torch's capturing stream) with no join, so that a CUDA graph holds it.
+//! A caller that has torch's current `cuda_stream` at hand may pass it as `stream=` to the
+//! per-step calls (`step`, `graph_prepare`, `graph_commit`) to save the lookup.
 //! PyTorch and kvforge share the device's primary context: cudarc's `CudaContext::new` retains
 //! it, as the CUDA runtime under PyTorch does.
 
@@ -419,7 +423,17 @@ impl Cache {
 
     /// Runs `f` between the two stream joins of the module docs.
     fn on_torch_stream<T>(&mut self, py: Python<'_>, f: impl FnOnce(&mut KvCache) -> Result<T, RtError>) -> PyResult<T> {
-        let s = torch_stream(py, self.ordinal)?;
+        self.on_stream(py, None, f)
+    }
+
+    /// [`Cache::on_torch_stream`] with torch's current stream given by the caller (its
+    /// `cuda_stream`), which saves looking it up; None looks it up. No join at all where it is
+    /// the cache's own stream.
+    fn on_stream<T>(&mut self, py: Python<'_>, stream: Option<u64>, f: impl FnOnce(&mut KvCache) -> Result<T, RtError>) -> PyResult<T> {
+        let s = match stream {
+            Some(s) => s,
+            None => torch_stream(py, self.ordinal)?,
+        };
         // SAFETY: `s` is PyTorch's current stream of this device, alive during the call; it
         // belongs to the primary context the cache uses.
         unsafe { self.inner.wait_for_stream(s) }.or_py(py)?;
@@ -618,6 +632,92 @@ impl Cache {
                 self.on_torch_stream(py, |c| c.decode_step_external(&seqs, &qt, &ot, &lt))?;
             }
             Ok((out, lse))
+        })
+    }
+
+    /// One decode step of a layer in one call: `append_step(seqs, k, v)` then
+    /// `decode(q, seqs)` (the device-resident plan), with one stream join around both.
+    /// k, v [B, num_kv_heads, head_dim], q [B, num_q_heads, head_dim] for B = len(seqs);
+    /// returns (out, lse) as `decode` does, into `out` / `lse` where given (a caller that
+    /// keeps them per layer saves two allocations per step). `stream`: torch's current
+    /// stream's `cuda_stream` if the caller has it (saves a lookup per call).
+    #[pyo3(signature = (seqs, k, v, q, out = None, lse = None, stream = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn step<'py>(
+        &mut self,
+        py: Python<'py>,
+        #[pyo3(from_py_with = crate::nats)] seqs: Vec<usize>,
+        k: &Bound<'py, PyAny>,
+        v: &Bound<'py, PyAny>,
+        q: &Bound<'py, PyAny>,
+        out: Option<Bound<'py, PyAny>>,
+        lse: Option<Bound<'py, PyAny>>,
+        stream: Option<u64>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        guarded(py, || {
+            let (kt, vt, qt) = (tensor(py, k, "k")?, tensor(py, v, "v")?, tensor(py, q, "q")?);
+            self.check_q(py, &qt, "[B, num_q_heads, head_dim]")?;
+            if qt.shape[0] != seqs.len() {
+                return Err(bad(py, format!("`q` has {} rows but {} sequences were given", qt.shape[0], seqs.len())));
+            }
+            let (out, lse) = self.outputs(py, q, seqs.len(), out, lse)?;
+            let (ot, lt) = (tensor(py, &out, "out")?, tensor(py, &lse, "lse")?);
+            let r = self.on_stream(py, stream, |c| c.step_external(&seqs, &kt, &vt, &qt, &ot, &lt));
+            self.generation += 1;
+            r.map(|_| (out, lse))
+        })
+    }
+
+    /// Prepares the next CUDA-graph decode step of `seqs` (see `graph_launch`): new tail pages
+    /// where needed, the resident page table brought up to date, the append chunk list
+    /// written, every kernel loaded. Returns an int key: a graph captured after a
+    /// `graph_prepare` that returned the same key replays this step correctly; capture again
+    /// when it changes (a page filled into a larger table, another split count). Returns None,
+    /// changing nothing, when the step fills a tail page: run that step with `step` (the page
+    /// is encoded before the decode reads it, which a replay cannot do). Raises
+    /// KvforgeError where the step cannot run in a graph (out of pages, a full tail, a target
+    /// tier that encodes on the host). Ordered after torch's current stream.
+    #[pyo3(signature = (seqs, stream = None))]
+    fn graph_prepare(&mut self, py: Python<'_>, #[pyo3(from_py_with = crate::nats)] seqs: Vec<usize>, stream: Option<u64>) -> PyResult<Option<u64>> {
+        guarded(py, || self.on_stream(py, stream, |c| c.graph_prepare(&seqs)))
+    }
+
+    /// Launches the prepared step's append of k, v [B, num_kv_heads, head_dim] and decode of
+    /// q [B, num_q_heads, head_dim] into out [B, num_q_heads, head_dim] and lse [B, num_q_heads]
+    /// (float32) directly on `stream` (torch's capturing stream's `cuda_stream`): no host copy,
+    /// allocation, synchronisation or stream join, so `torch.cuda.graph` can capture it. The
+    /// tensors must stay alive at their addresses while the graph is replayed. After each run
+    /// (every replay) call `graph_commit(seqs)`, and `graph_prepare(seqs)` before the next.
+    #[pyo3(signature = (seqs, k, v, q, out, lse, stream))]
+    #[allow(clippy::too_many_arguments)]
+    fn graph_launch(
+        &mut self,
+        py: Python<'_>,
+        #[pyo3(from_py_with = crate::nats)] seqs: Vec<usize>,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+        q: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        lse: &Bound<'_, PyAny>,
+        stream: u64,
+    ) -> PyResult<()> {
+        guarded(py, || {
+            let (kt, vt, qt) = (tensor(py, k, "k")?, tensor(py, v, "v")?, tensor(py, q, "q")?);
+            let (ot, lt) = (tensor(py, out, "out")?, tensor(py, lse, "lse")?);
+            // SAFETY: `stream` is torch's stream of this device (the caller's contract, as for
+            // every torch stream this module joins); the tensors are the caller's to keep.
+            unsafe { self.inner.graph_launch(stream, &seqs, &kt, &vt, &qt, &ot, &lt) }.or_py(py)
+        })
+    }
+
+    /// The host side of one replayed graph step of `seqs`: lengths grown (ordered after
+    /// torch's current stream, where the replay was queued).
+    #[pyo3(signature = (seqs, stream = None))]
+    fn graph_commit(&mut self, py: Python<'_>, #[pyo3(from_py_with = crate::nats)] seqs: Vec<usize>, stream: Option<u64>) -> PyResult<()> {
+        guarded(py, || {
+            let r = self.on_stream(py, stream, |c| c.graph_commit(&seqs));
+            self.generation += 1;
+            r
         })
     }
 

@@ -751,6 +751,143 @@ def test_retrieval_regions_cover_every_position_once():
     st = att.stats()
     assert st["retrieved_layer_steps"] == steps and st["region_keys"] >= s0 - 16 - 64, st
 
+def test_step_equals_append_step_then_decode():
+    # Cache.step (one call per layer) stores and answers what append_step + decode do.
+    a, b = mk("rdkv", "b4", max_tokens=64 * 32, sequences=3), mk("rdkv", "b4", max_tokens=64 * 32, sequences=3)
+    sa, sb = [a.add_sequence() for _ in range(2)], [b.add_sequence() for _ in range(2)]
+    for c, seqs in ((a, sa), (b, sb)):
+        for i, (s, n) in enumerate(zip(seqs, [62, 100])):
+            c.append(s, rand(n, HKV, D, seed=90 + i), rand(n, HKV, D, seed=95 + i))
+    out, lse = torch.empty(2, HQ, D, dtype=torch.float16, device=DEV), torch.empty(2, HQ, dtype=torch.float32, device=DEV)
+    stream = torch.cuda.current_stream().cuda_stream
+    for step in range(70):
+        k, v, q = rand(2, HKV, D, seed=400 + step), rand(2, HKV, D, seed=500 + step), rand(2, HQ, D, seed=600 + step)
+        o, l = a.step(sa, k, v, q, out=out, lse=lse, stream=stream)
+        assert o.data_ptr() == out.data_ptr() and l.data_ptr() == lse.data_ptr()
+        b.append_step(sb, k, v)
+        want, wl = b.decode(q, seqs=sb)
+        close(o, want, 0.0, 0.0, f"step {step}")
+        close(l, wl, 0.0, 0.0, f"lse step {step}")
+    assert [a.seq_len(s) for s in sa] == [b.seq_len(s) for s in sb] == [132, 170]
+    a.synchronize()
+
+
+def graph_steps(c, seqs, steps, seed, stream):
+    """``steps`` decode steps of ``seqs`` replayed from a captured CUDA graph (captured again
+    when graph_prepare's key changes; a step that fills a tail runs as Cache.step); returns the
+    outputs per step, the capture count and the plain steps."""
+    n = len(seqs)
+    k, v = torch.empty(n, HKV, D, dtype=torch.float16, device=DEV), torch.empty(n, HKV, D, dtype=torch.float16, device=DEV)
+    q = torch.empty(n, HQ, D, dtype=torch.float16, device=DEV)
+    out, lse = torch.empty(n, HQ, D, dtype=torch.float16, device=DEV), torch.empty(n, HQ, dtype=torch.float32, device=DEV)
+    cs = torch.cuda.Stream()
+    g, key, captures, plain, outs = None, None, 0, 0, []
+    for step in range(steps):
+        k.copy_(rand(n, HKV, D, seed=seed + step))
+        v.copy_(rand(n, HKV, D, seed=seed + 1000 + step))
+        q.copy_(rand(n, HQ, D, seed=seed + 2000 + step))
+        kk = c.graph_prepare(seqs)
+        if kk is None:
+            c.step(seqs, k, v, q, out=out, lse=lse)
+            outs.append((out.clone(), lse.clone()))
+            plain += 1
+            continue
+        if g is None or kk != key:
+            g = torch.cuda.CUDAGraph()
+            cs.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.graph(g, stream=cs):
+                c.graph_launch(seqs, k, v, q, out, lse, cs.cuda_stream)
+            key, captures = kk, captures + 1
+        g.replay()
+        c.graph_commit(seqs)
+        outs.append((out.clone(), lse.clone()))
+    return outs, captures, plain
+
+
+def test_graph_replayed_steps_equal_plain_steps():
+    # 150 steps from 62 / 100 / 0-token tails (pages fill, new tails open, the table grows):
+    # replays of a captured graph store and answer what Cache.step does, per tier family; the
+    # steps that fill a tail (graph_prepare answers None) run as Cache.step.
+    for spec, tier in (("baseline", "fp16"), ("rdkv", "b4"), ("rotated", "r3")):
+        a, b = mk(spec, tier, max_tokens=64 * 64, sequences=4), mk(spec, tier, max_tokens=64 * 64, sequences=4)
+        sa, sb = [a.add_sequence() for _ in range(3)], [b.add_sequence() for _ in range(3)]
+        for c, seqs in ((a, sa), (b, sb)):
+            for i, (s, n) in enumerate(zip(seqs, [62, 100, 2 * P])):
+                c.append(s, rand(n, HKV, D, seed=190 + i), rand(n, HKV, D, seed=195 + i))
+        outs, captures, plain = graph_steps(a, sa, 150, 7000, None)
+        for step, (o, l) in enumerate(outs):
+            k, v, q = rand(3, HKV, D, seed=7000 + step), rand(3, HKV, D, seed=8000 + step), rand(3, HQ, D, seed=9000 + step)
+            want, wl = b.step(sb, k, v, q)
+            close(o, want, 0.0, 0.0, f"{tier} step {step}")
+            close(l, wl, 0.0, 0.0, f"{tier} lse step {step}")
+        assert [a.seq_len(s) for s in sa] == [b.seq_len(s) for s in sb] == [212, 250, 278]
+        tiers = lambda c, seqs: [[p[0] for p in c.pages(s, h)] for s in seqs for h in range(HKV)]  # noqa: E731
+        assert tiers(a, sa) == tiers(b, sb)
+        a.synchronize()
+        assert captures < 30 and 6 <= plain <= 9, (captures, plain)
+        print(f"   {tier}: 150 steps, {150 - plain} replayed, {plain} plain (a tail fills), {captures} captures")
+
+
+def test_graph_launch_needs_graph_prepare():
+    c = mk("rdkv", "b4")
+    s = c.add_sequence()
+    c.append(s, rand(10, HKV, D, seed=1), rand(10, HKV, D, seed=2))
+    k, q = rand(1, HKV, D, seed=3), rand(1, HQ, D, seed=4)
+    out, lse = torch.empty(1, HQ, D, dtype=torch.float16, device=DEV), torch.empty(1, HQ, dtype=torch.float32, device=DEV)
+    err = raises(c.graph_launch, [s], k, k, q, out, lse, torch.cuda.current_stream().cuda_stream)
+    assert "graph_prepare" in str(err), err
+    c.graph_prepare([s])
+    raises(c.graph_prepare, [s, s])
+
+
+def _smollm2():
+    """SmolLM2-135M from $KVFORGE_HF_MODEL_DIR (default /root/m, as benches/serve/hf_on_device.sh
+    puts it), or None."""
+    d = Path(os.environ.get("KVFORGE_HF_MODEL_DIR", "/root/m"))
+    ggufs = sorted(d.glob("*.gguf")) if d.is_dir() else []
+    if not ggufs:
+        return None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=ggufs[0].name)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=ggufs[0].name, dtype=torch.float16, attn_implementation="eager").to(DEV).eval()
+    return tok, model
+
+
+def test_hf_generate_with_a_cuda_graph_matches_without():
+    # SmolLM2-135M, a 2K-token prompt, 64 greedy tokens: kvforge.hf.generate replaying a CUDA
+    # graph gives the tokens it gives without one; on the fp16 tier, those of eager attention.
+    got = _smollm2()
+    if got is None:
+        print("   skipped: no SmolLM2 gguf in $KVFORGE_HF_MODEL_DIR (/root/m)")
+        return
+    tok, model = got
+    texts = sorted(Path(ROOT, "data", "austen").glob("*.txt"))
+    if texts:
+        ids = tok(texts[0].read_text(encoding="utf-8", errors="replace")[:60_000], add_special_tokens=False)["input_ids"][:2048]
+        ids = torch.tensor([ids], device=DEV)
+    else:
+        ids = torch.randint(100, model.config.vocab_size - 100, (1, 2048), generator=torch.Generator().manual_seed(0)).to(DEV)
+    n = 64
+    with torch.inference_mode():
+        eager = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               pad_token_id=model.config.pad_token_id or 0)[:, ids.shape[1]:]
+    for spec, tier in (("baseline", "fp16"), ("rdkv", "b4"), ("rotated", "r3")):
+        h = kvforge.hf.use_kvforge(model, spec=f"specs/{spec}.toml", tier=tier, root=ROOT)
+        try:
+            plain = kvforge.hf.generate(model, ids, max_new_tokens=n)
+            graphed = kvforge.hf.generate(model, ids, max_new_tokens=n, cuda_graph=True)
+            for st in h.layers.values():
+                st["cache"].synchronize()
+            same = int((plain == graphed).sum())
+            vs_eager = int((plain == eager).sum())
+            print(f"   {tier}: graph vs plain {same}/{n}, plain vs eager {vs_eager}/{n}")
+            assert torch.equal(plain, graphed), (tier, plain, graphed)
+            if tier == "fp16":
+                assert torch.equal(plain, eager), (plain, eager)
+        finally:
+            h.detach()
+
 
 def main():
     tests = [(n, f) for n, f in sorted(globals().items()) if n.startswith("test_") and callable(f)]

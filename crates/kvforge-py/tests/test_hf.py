@@ -572,3 +572,33 @@ def test_batch_generate_with_left_padding_matches_one_by_one(fake, hf):
     for i in range(len(prompts)):
         assert torch.equal(alone[i], eager[i]), i
         assert torch.equal(batch[i], alone[i]), (i, batch[i], alone[i])
+
+
+def test_generate_sends_each_layer_its_new_token_only(fake, hf):
+    # kvforge.hf.generate: one prompt forward, then decode forwards whose attention gets the
+    # step's own token (PassKV: transformers keeps no KV copy); the same greedy tokens as
+    # model.generate, alone and in a left-padded batch.
+    model, torch = _tiny_llama()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 96, (1, 40), generator=g)
+    prompts = [torch.randint(3, 96, (n,), generator=g) for n in (7, 19, 1)]
+    width = max(len(p) for p in prompts)
+    batch = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(batch)
+    for i, p in enumerate(prompts):
+        batch[i, width - len(p):] = p
+        mask[i, width - len(p):] = 1
+    with torch.no_grad():
+        kv = hf.use_kvforge(model)
+        ref = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)[:, 40:]
+        ref_batch = model.generate(input_ids=batch, attention_mask=mask, max_new_tokens=5, do_sample=False)[:, width:]
+        got = hf.generate(model, ids, max_new_tokens=6)
+        c = kv.layers[0]["cache"]
+        assert c.calls[-10:] == [("append_step", 1), ("decode", 1)] * 5
+        assert c.k.shape[1] == 45 and kv.layers[0]["n"] == 45
+        got_batch = hf.generate(model, batch, mask, max_new_tokens=5)
+        assert hf.handle_of(model) is kv and not kv._step_mode
+        kv.detach()
+    assert torch.equal(got, ref), (got, ref)
+    assert torch.equal(got_batch, ref_batch), (got_batch, ref_batch)
+    assert hf.prompt_positions(mask).tolist()[2] == [1] * (width - 1) + [0]

@@ -205,7 +205,7 @@ impl KvCache {
 
     /// The tail tokens of `seq` (`None`: no tail page). Every kv head of a sequence holds the
     /// same number (appends write all heads); a mismatch is an error.
-    fn uniform_tail(&self, seq: usize) -> Result<Option<usize>> {
+    pub(crate) fn uniform_tail(&self, seq: usize) -> Result<Option<usize>> {
         let t = self.store.page_counts(seq, 0)?.1;
         for h in 1..self.cfg.num_kv_heads {
             let th = self.store.page_counts(seq, h)?.1;
@@ -225,8 +225,6 @@ impl KvCache {
     /// [head_dim]` 16-bit values of this context's device memory), alive until the stream has
     /// run the launch.
     unsafe fn launch_append(&mut self, kernel: &Kernel, rows: &[u64], k: u64, v: u64) -> Result<()> {
-        let (hkv, d) = (self.cfg.num_kv_heads, self.cfg.head_dim);
-        let seg = self.spec.segment(TAIL_TIER, d);
         let st = self.engine.dev().stream.clone();
         if self.append_rows.as_ref().is_none_or(|b| b.len() < rows.len()) {
             self.append_rows = Some(st.alloc_zeros::<u64>(rows.len().next_power_of_two()).map_err(drv("append rows"))?);
@@ -234,8 +232,23 @@ impl KvCache {
         let buf = self.append_rows.as_mut().expect("allocated above");
         st.memcpy_htod(rows, &mut buf.slice_mut(0..rows.len())).map_err(drv("append rows"))?;
         let rows_ptr = buf.device_ptr(&st).0;
+        // SAFETY: the chunk list was copied above on this stream; the caller vouches for it.
+        unsafe { self.launch_append_at(kernel, rows_ptr, rows.len() / 2, k, v) }
+    }
+
+    /// Launches the append kernel over `n_rows` chunks already in device memory at `rows_ptr`
+    /// (page offset, [`chunk_word`] pairs), on [`Engine::launch_stream`](crate::engine::Engine)
+    /// and with no host copy (a CUDA graph may be capturing it).
+    ///
+    /// # Safety
+    /// As [`Self::launch_append`], for the chunks at `rows_ptr`, which must stay alive and
+    /// unchanged until the stream has run the launch (or every replay of a captured graph).
+    pub(crate) unsafe fn launch_append_at(&mut self, kernel: &Kernel, rows_ptr: u64, n_rows: usize, k: u64, v: u64) -> Result<()> {
+        let (hkv, d) = (self.cfg.num_kv_heads, self.cfg.head_dim);
+        let seg = self.spec.segment(TAIL_TIER, d);
+        let st = self.engine.launch_stream();
         let arena = self.store.arena_ptr();
-        let n_rows = (rows.len() / 2) as i32;
+        let n_rows = n_rows as i32;
         let src_stride = hkv as i32;
         let (k_off, v_off, page_bytes) = ((HEADER_BYTES + seg.offset("k")) as i32, (HEADER_BYTES + seg.offset("v")) as i32, seg.page_bytes as i32);
         let seed: u32 = match self.basis {
@@ -248,8 +261,8 @@ impl KvCache {
         let mut b = st.launch_builder(&kernel.func);
         b.arg(&arena).arg(&rows_ptr).arg(&k).arg(&v).arg(&n_rows).arg(&src_stride).arg(&k_off).arg(&v_off).arg(&page_bytes).arg(&seed);
         // SAFETY: the argument list mirrors append.cu.tera's signature; the arena is this
-        // cache's, the chunks were copied above on this stream, and the caller vouches for
-        // the pages, rows and buffers they name.
+        // cache's, and the caller vouches for the chunks, the pages and rows they name and the
+        // buffers.
         unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv(format!("launch {v_id}")))
     }
 
@@ -399,14 +412,14 @@ impl KvCache {
 
     /// Whether encoding into `tier` reads the page's bytes on the host: a spherical tier's
     /// first pages calibrate its radius scales, and certified decode keeps originals.
-    fn encode_needs_host(&self, tier: kvforge_spec::TierId) -> bool {
+    pub(crate) fn encode_needs_host(&self, tier: kvforge_spec::TierId) -> bool {
         let spherical_uncalibrated = matches!(self.spec.tiers[tier as usize].key, KeyScheme::Spherical { .. }) && !self.side.is_set(tier, "radius_scale");
         spherical_uncalibrated || self.cert.keeps_originals()
     }
 
     /// Encodes the filled tail pages of `seqs` (every kv head) into the target tier and puts
     /// them after each head's full pages; the sequences' lengths are not yet grown.
-    fn encode_filled_tails(&mut self, seqs: &[usize]) -> Result<()> {
+    pub(crate) fn encode_filled_tails(&mut self, seqs: &[usize]) -> Result<()> {
         let hkv = self.cfg.num_kv_heads;
         let target = self.cfg.target_tier;
         let mut src: Vec<(usize, usize, PageRef)> = Vec::with_capacity(seqs.len() * hkv);

@@ -82,6 +82,8 @@ pub struct KvCache {
     pub(crate) append_rows: Option<cudarc::driver::CudaSlice<u64>>,
     /// The device-resident plan of [`KvCache::decode_step_external`], from its first call.
     pub(crate) resident: Option<crate::resident::Resident>,
+    /// The chunk list of CUDA-graph decode steps ([`crate::graph`]), from the first one.
+    pub(crate) graph: Option<crate::graph::GraphStep>,
 }
 
 fn dense_bytes(dtype: DType, x: f32) -> [u8; 2] {
@@ -118,7 +120,7 @@ impl KvCache {
         let side = SideTables::new(&spec, d, cfg.num_kv_heads, &dev.stream)?;
         let engine = Engine::new(dev)?;
         let basis = spec.basis();
-        Ok(KvCache { spec, cfg, store, side, engine, cert: Default::default(), mass_window: None, basis, append_rows: None, resident: None })
+        Ok(KvCache { spec, cfg, store, side, engine, cert: Default::default(), mass_window: None, basis, append_rows: None, resident: None, graph: None })
     }
 
     pub fn spec(&self) -> &Spec {

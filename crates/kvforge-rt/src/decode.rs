@@ -186,6 +186,34 @@ pub struct DecodeWorkspace {
     pub window: Option<crate::mass_window::WindowFold>,
 }
 
+impl DecodeWorkspace {
+    /// Zeroed buffers of a decode over `entries` page-table entries and `indptr` range
+    /// pointers, `rows` query rows of `head_dim` values and `splits` splits (the split-K
+    /// partials only where `splits` > 1); no page-mass buffers, no importance window. Every
+    /// buffer holds at least one element. The one constructor of planned
+    /// ([`KvCache::workspace`]) and device-resident ([`crate::resident`]) launches.
+    pub fn zeroed(st: &std::sync::Arc<cudarc::driver::CudaStream>, entries: usize, indptr: usize, rows: usize, head_dim: usize, splits: usize) -> Result<DecodeWorkspace> {
+        let n = |x: usize| x.max(1);
+        Ok(DecodeWorkspace {
+            page_offsets: st.alloc_zeros(n(entries)).map_err(drv("page table"))?,
+            page_indptr: st.alloc_zeros(n(indptr)).map_err(drv("page table"))?,
+            page_info: st.alloc_zeros(n(entries)).map_err(drv("page table"))?,
+            q: st.alloc_zeros(n(rows * head_dim)).map_err(drv("queries"))?,
+            out: st.alloc_zeros(n(rows * head_dim)).map_err(drv("output"))?,
+            partial_out: st.alloc_zeros(if splits > 1 { splits * rows * head_dim } else { 1 }).map_err(drv("split partials"))?,
+            partial_lse: st.alloc_zeros(n(splits * rows)).map_err(drv("split lse"))?,
+            lse: st.alloc_zeros(n(rows)).map_err(drv("lse"))?,
+            page_lse: None,
+            page_head_lse: None,
+            block_delta: None,
+            block_head_lse: None,
+            promoted_offsets: None,
+            page_warp_lse: None,
+            window: None,
+        })
+    }
+}
+
 impl KvCache {
     /// Plans decode of one query token for each of `seqs`.
     pub fn plan(&self, seqs: &[usize]) -> Result<DecodePlan> {
@@ -237,24 +265,11 @@ impl KvCache {
     pub fn workspace(&self, plan: &DecodePlan) -> Result<DecodeWorkspace> {
         let st = &self.engine.dev().stream;
         let rows = plan.batch * plan.num_kv_heads * plan.gqa;
-        let d = plan.head_dim;
-        Ok(DecodeWorkspace {
-            page_offsets: st.clone_htod(&plan.page_offsets).map_err(drv("page table"))?,
-            page_indptr: st.clone_htod(&plan.page_indptr).map_err(drv("page table"))?,
-            page_info: st.clone_htod(&plan.page_info).map_err(drv("page table"))?,
-            q: st.alloc_zeros(rows * d).map_err(drv("queries"))?,
-            out: st.alloc_zeros(rows * d).map_err(drv("output"))?,
-            partial_out: st.alloc_zeros(if plan.splits > 1 { plan.splits * rows * d } else { 1 }).map_err(drv("split partials"))?,
-            partial_lse: st.alloc_zeros(plan.splits * rows).map_err(drv("split lse"))?,
-            lse: st.alloc_zeros(rows).map_err(drv("lse"))?,
-            page_lse: None,
-            page_head_lse: None,
-            block_delta: None,
-            block_head_lse: None,
-            promoted_offsets: None,
-            page_warp_lse: None,
-            window: None,
-        })
+        let mut ws = DecodeWorkspace::zeroed(st, plan.page_offsets.len(), plan.page_indptr.len(), rows, plan.head_dim, plan.splits)?;
+        st.memcpy_htod(&plan.page_offsets, &mut ws.page_offsets.slice_mut(0..plan.page_offsets.len())).map_err(drv("page table"))?;
+        st.memcpy_htod(&plan.page_indptr, &mut ws.page_indptr.slice_mut(0..plan.page_indptr.len())).map_err(drv("page table"))?;
+        st.memcpy_htod(&plan.page_info, &mut ws.page_info.slice_mut(0..plan.page_info.len())).map_err(drv("page table"))?;
+        Ok(ws)
     }
 
     /// The scratch a launch of `plan` that records page masses needs beside `page_lse` /
@@ -279,7 +294,7 @@ impl KvCache {
     pub(crate) fn launch_io(&mut self, plan: &DecodePlan, ws: &DecodeWorkspace, io: DecodeIo) -> Result<()> {
         let _span = tracing::debug_span!("launch", variant = %plan.variant, batch = plan.batch, splits = plan.splits).entered();
         let k = self.engine.kernel(&self.spec, &plan.variant)?;
-        let st = self.engine.dev().stream.clone();
+        let st = self.engine.launch_stream();
         let tp = self.tier_pointers();
         let rows = plan.batch * plan.num_kv_heads * plan.gqa;
         for (i, t) in plan.tiers.iter().enumerate() {

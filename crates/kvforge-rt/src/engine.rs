@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr, PinnedHostSlice};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, DevicePtr, PinnedHostSlice};
 use kvforge_spec::{Spec, VariantId};
 
 use crate::device::Device;
@@ -26,6 +26,10 @@ pub(crate) struct Engine {
     pdl: bool,
     /// The error-flag word's asynchronous watch ([`Engine::watch_flags`]), made at first use.
     watch: Option<FlagWatch>,
+    /// While set, decode and append launches go to this stream (a caller's, e.g. one that a
+    /// CUDA graph is being captured on) instead of the device's, without programmatic
+    /// dependent launch ([`crate::graph`]).
+    launch_stream: Option<Arc<CudaStream>>,
 }
 
 /// A copy of the error-flag word into pinned host memory, queued behind launches, and the
@@ -41,7 +45,7 @@ impl Engine {
     pub(crate) fn new(dev: Arc<Device>) -> Result<Engine> {
         let flags = dev.stream.alloc_zeros::<u32>(1).map_err(drv("error flags"))?;
         let pdl = dev.info.compute_capability.0 >= 9 && std::env::var_os("KVFORGE_NO_PDL").is_none();
-        Ok(Engine { dev, kernels: KernelCache::default(), flags, move_bufs: Default::default(), pdl, watch: None })
+        Ok(Engine { dev, kernels: KernelCache::default(), flags, move_bufs: Default::default(), pdl, watch: None, launch_stream: None })
     }
 
     pub(crate) fn dev(&self) -> &Arc<Device> {
@@ -58,9 +62,21 @@ impl Engine {
         self.flags.device_ptr(&self.dev.stream).0
     }
 
-    /// Whether the split-K combine launches with programmatic dependent launch.
+    /// Whether the split-K combine launches with programmatic dependent launch (never on a
+    /// caller's launch stream: a captured graph gets plain edges).
     pub(crate) fn pdl(&self) -> bool {
-        self.pdl
+        self.pdl && self.launch_stream.is_none()
+    }
+
+    /// The stream decode and append kernels launch on: the caller's while one is set
+    /// ([`Engine::set_launch_stream`]), else the device's.
+    pub(crate) fn launch_stream(&self) -> Arc<CudaStream> {
+        self.launch_stream.clone().unwrap_or_else(|| self.dev.stream.clone())
+    }
+
+    /// Sets (or with None clears) the stream of [`Engine::launch_stream`].
+    pub(crate) fn set_launch_stream(&mut self, s: Option<Arc<CudaStream>>) {
+        self.launch_stream = s;
     }
 
     pub(crate) fn move_bufs(&mut self) -> &mut MoveBuffers {

@@ -25,6 +25,7 @@ mod decode;
 mod device;
 mod engine;
 mod error;
+pub mod graph;
 pub mod external;
 pub mod jit;
 mod kernels;

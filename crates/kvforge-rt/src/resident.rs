@@ -387,8 +387,8 @@ pub fn upload_spans(dirty: &[Range<usize>], gap: usize) -> Vec<Range<usize>> {
 /// A cache's resident decode state: the table, its device buffers (grown, never shrunk) and
 /// the null page its pads point at.
 pub(crate) struct Resident {
-    table: ResidentTable,
-    ws: DecodeWorkspace,
+    pub(crate) table: ResidentTable,
+    pub(crate) ws: DecodeWorkspace,
     /// CTAs per variant the GPU holds at once (an occupancy query per variant, once).
     slots: HashMap<VariantId, usize>,
 }
@@ -460,7 +460,7 @@ impl KvCache {
         self.resident.as_ref().map(|r| &r.table)
     }
 
-    fn make_resident(&mut self) -> Result<Option<Resident>> {
+    pub(crate) fn make_resident(&mut self) -> Result<Option<Resident>> {
         if self.store.pool().free_pages(TAIL_TIER) == 0 {
             return Ok(None);
         }
@@ -470,25 +470,7 @@ impl KvCache {
             self.store.pool_mut().free(null);
             return Err(e);
         }
-        let st = self.engine.dev().stream.clone();
-        let z32 = || st.alloc_zeros::<f32>(1).map_err(drv("resident workspace"));
-        let ws = DecodeWorkspace {
-            page_offsets: st.alloc_zeros(1).map_err(drv("resident page table"))?,
-            page_info: st.alloc_zeros(1).map_err(drv("resident page table"))?,
-            page_indptr: st.alloc_zeros(1).map_err(drv("resident page table"))?,
-            q: st.alloc_zeros(1).map_err(drv("resident workspace"))?,
-            out: st.alloc_zeros(1).map_err(drv("resident workspace"))?,
-            partial_out: z32()?,
-            partial_lse: z32()?,
-            lse: z32()?,
-            page_lse: None,
-            page_head_lse: None,
-            block_delta: None,
-            block_head_lse: None,
-            promoted_offsets: None,
-            page_warp_lse: None,
-            window: None,
-        };
+        let ws = DecodeWorkspace::zeroed(&self.engine.dev().stream, 1, 1, 1, 1, 1)?;
         let table = ResidentTable::new(&self.spec, self.cfg.head_dim, self.cfg.gqa, self.cfg.num_kv_heads, null.offset);
         Ok(Some(Resident { table, ws, slots: HashMap::new() }))
     }
@@ -496,6 +478,16 @@ impl KvCache {
     fn resident_step(&mut self, r: &mut Resident, seqs: &[usize], q: &ExternalTensor, out: &ExternalTensor, lse: &ExternalTensor) -> Result<()> {
         // Arguments first: nothing changes on a bad tensor.
         self.check_decode_io(seqs.len(), q, out, lse)?;
+        self.resident_sync(r, seqs)?;
+        let io = DecodeIo { q: q.ptr, out: out.ptr, lse: lse.ptr };
+        self.launch_io(r.table.plan(), &r.ws, io)?;
+        self.engine.watch_flags(&r.table.plan().variant)
+    }
+
+    /// Brings `r` up to date for a decode of `seqs`: the table synced and shaped, the changed
+    /// entries uploaded and the buffers grown to the plan. After it a launch of the plan on
+    /// `r.ws` needs no host copy and no allocation.
+    pub(crate) fn resident_sync(&mut self, r: &mut Resident, seqs: &[usize]) -> Result<()> {
         let sync = r.table.sync(&self.store, seqs)?;
         if self.cfg.verify_headers {
             self.verify_pages(seqs)?;
@@ -538,9 +530,7 @@ impl KvCache {
             grow(&st, &mut ws.partial_out, plan.splits * rows * plan.head_dim, "split partials")?;
         }
         grow(&st, &mut ws.partial_lse, plan.splits * rows, "split lse")?;
-        let io = DecodeIo { q: q.ptr, out: out.ptr, lse: lse.ptr };
-        self.launch_io(plan, ws, io)?;
-        self.engine.watch_flags(&plan.variant)
+        Ok(())
     }
 }
 

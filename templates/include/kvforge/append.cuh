@@ -14,11 +14,17 @@
 // `Basis::to_stored` does. A chunk starting a page (pos0 0) first zeroes the rest of the page,
 // so it holds what the host path uploads. The header (tier 0, length pos0 + count, FNV-1a
 // checksum) is rewritten last.
+//
+// pos0 = POS_FROM_HEADER (0xffff) reads the position from the page header's length instead:
+// a CUDA-graph-captured decode step replays the same chunk list every step, and the token
+// lands after the ones the page holds now (a header without kvforge's magic writes nothing).
 #pragma once
 #include "common.cuh"
 #include "hadamard.cuh"
 
 namespace kvforge {
+
+constexpr int POS_FROM_HEADER = 0xffff;
 
 template <class T, int D, int P, bool ROTATE>
 __device__ void append_kernel(u8* arena, const u64* rows, const T* k, const T* v, int n_rows, int src_stride, int k_off, int v_off, int page_bytes, u32 rot_seed) {
@@ -27,8 +33,20 @@ __device__ void append_kernel(u8* arena, const u64* rows, const T* k, const T* v
   if (r >= n_rows) return;
   u8* page = arena + rows[2 * r];
   const u64 w = rows[2 * r + 1];
-  const int pos0 = int(w & 0xffffu), count = int((w >> 16) & 0xffffu);
+  int pos0 = int(w & 0xffffu);
+  const int count = int((w >> 16) & 0xffffu);
   const size_t src_row = size_t(w >> 32);
+  if (pos0 == POS_FROM_HEADER) {
+    // Thread 0 reads, every thread takes it after the barrier: thread 0 rewrites the header
+    // at the end, which no other warp may read first.
+    __shared__ int from_header;
+    if (c == 0) {
+      const PageHeader h = load_header(page);
+      from_header = h.magic == PAGE_MAGIC ? int(h.length) : P;
+    }
+    __syncthreads();
+    pos0 = from_header;
+  }
   if (count <= 0 || pos0 + count > P) return;  // the host never asks for this; never write past the page
   if (pos0 == 0) {
     // A fresh page: everything after the header reads as zero, as on the host path.

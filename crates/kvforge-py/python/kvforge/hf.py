@@ -51,6 +51,11 @@ the model with ``dtype=torch.float16`` for the shipped specs). transformers stil
 own fp16 KV cache during ``generate``; kvforge's cache holds the compressed copy the
 attention reads.
 
+Decode steps through :func:`generate` (instead of ``model.generate``) hand each layer the new
+token's key/value only (:class:`PassKV`: transformers keeps no KV copy) and make one
+``Cache.step`` call per layer; ``cuda_graph=True`` captures the whole decode step as one CUDA
+graph and replays it (``Cache.graph_prepare`` / ``graph_launch`` / ``graph_commit``).
+
 ``import kvforge.hf`` needs neither torch nor transformers; they are imported when used.
 """
 
@@ -67,7 +72,11 @@ __all__ = [
     "KvforgeAttention",
     "attention_function",
     "bytes_per_token",
+    "generate",
+    "handle_of",
     "no_mask",
+    "PassKV",
+    "prompt_positions",
     "register",
     "row_spans",
     "sdpa_causal",
@@ -230,9 +239,23 @@ class KvforgeAttention:
         self.codebooks = codebooks
         self._warned_placeholder = False
         self._spans: Tuple[Any, Any] = (None, None)  # (the last padding mask, its row_spans)
+        # Set by :func:`generate` for its decode steps: each layer's key/value hold the step's
+        # own token only (no transformers cache), ``_stream`` is torch's current stream handle
+        # (looked up once per step, not per layer), ``_capture`` the stream a CUDA graph is
+        # being captured on (the layers then launch there through ``Cache.graph_launch``).
+        self._step_mode = False
+        self._stream: Optional[int] = None
+        self._capture: Optional[int] = None
+        self.cuda_graph = False
+        # layer -> (out, lse) of decode steps, kept across prompts (a captured graph writes them)
+        self._bufs: Dict[int, Tuple[Any, Any]] = {}
+        # batch rows -> the last generate()'s captured step, replayed again while its keys hold
+        self._graphs: Dict[int, Any] = {}
 
     def reset(self) -> None:
         """Forget every sequence (dropping the caches frees their GPU memory)."""
+        self._step_mode, self._stream, self._capture = False, None, None
+        self._graphs, self._bufs = {}, {}
         self.layers = {}
         self.reports, self.certificates = {}, {}
         self._spans = (None, None)
@@ -331,6 +354,10 @@ class KvforgeAttention:
         if rows > 1 and (self.control is not None or self.certify is not None):
             raise ValueError(f"kvforge.hf: control= and certify= run batch 1, got batch {rows}")
         st = self.layers.get(layer)
+        if self._step_mode and st is not None and tq == 1 and s == 1 and st["rows"] == rows and st["n"] > 0:
+            # generate()'s decode step: key/value hold the new token only.
+            qs = q * (scaling * math.sqrt(d)) if abs(scaling * math.sqrt(d) - 1.0) > 1e-6 else q
+            return self._decode_step(layer, st, qs, k, v, st["n"] + 1)
         # a new prompt: other rows, fewer positions than seen, or queries for all of them
         prompt = st is None or st["rows"] != rows or st["n"] > s or (tq == s and st["n"] > 0)
         if prompt:
@@ -343,20 +370,7 @@ class KvforgeAttention:
         if not prompt and tq == 1 and s == st["n"] + 1:
             # A decode step: every row's one new token (real: generate extends the mask by ones),
             # written on the device in one launch, then one decode launch for the batch.
-            kk, vv = k[:, :, -1].contiguous(), v[:, :, -1].contiguous()
-            step = getattr(cache, "append_step", None)
-            if step is not None:
-                step(seqs, kk, vv)
-            else:  # a cache object without device appends (tests' stand-ins)
-                for i, seq in enumerate(seqs):
-                    cache.append(seq, kk[i:i + 1], vv[i:i + 1])
-            st["n"] = s
-            qq = qs[:, :, 0].contiguous()
-            if self.certify is not None:
-                out, _, self.certificates[layer] = self.certify.decode(cache, qq, seqs)
-            else:
-                out, _ = cache.decode(qq, seqs=seqs)
-            return out.unsqueeze(1)
+            return self._decode_step(layer, st, qs, k, v, s)
         spans = self._row_spans(mask, rows, s)
         n0 = st["n"]
         append = getattr(cache, "append_device", None) or cache.append
@@ -375,6 +389,49 @@ class KvforgeAttention:
         if prompt and tq == s and self.prefill != "cache":
             return self._exact_prompt(layer, cache, seqs, spans, q, k, v, scaling)
         return self._attend_cache(cache, seqs, spans, qs, s)
+
+    def _outputs(self, layer: int, q):
+        """The layer's decode outputs (out [B, Hq, D], lse [B, Hq] float32), made once per
+        batch shape and reused every step and prompt: the model consumes a layer's output
+        before the layer's next step writes it (one stream), and a captured graph keeps
+        writing the same ones."""
+        import torch
+
+        rows, hq, _, d = q.shape
+        bufs = self._bufs.get(layer)
+        if bufs is None or tuple(bufs[0].shape) != (rows, hq, d) or bufs[0].dtype != q.dtype or bufs[0].device != q.device:
+            bufs = (torch.empty(rows, hq, d, dtype=q.dtype, device=q.device), torch.empty(rows, hq, dtype=torch.float32, device=q.device))
+            self._bufs[layer] = bufs
+            self._graphs = {}  # graphs captured with the old buffers write those
+        return bufs
+
+    def _decode_step(self, layer: int, st: Dict[str, Any], qs, k, v, n: int):
+        """One token per row: appended and attended in one call where the cache has ``step``
+        (``graph_launch`` while a CUDA graph is being captured), else ``append_step`` then
+        ``decode``. ``n``: the positions seen after the step."""
+        cache, seqs = st["cache"], st["seqs"]
+        kk, vv = k[:, :, -1].contiguous(), v[:, :, -1].contiguous()
+        qq = qs[:, :, 0].contiguous()
+        if self._capture is None:  # a captured step is counted by each replay's graph_commit
+            st["n"] = n
+        if self.certify is None and hasattr(cache, "step"):
+            out, lse = self._outputs(layer, qs)
+            if self._capture is not None:
+                cache.graph_launch(seqs, kk, vv, qq, out, lse, self._capture)
+            else:
+                cache.step(seqs, kk, vv, qq, out=out, lse=lse, stream=self._stream)
+            return out.unsqueeze(1)
+        step = getattr(cache, "append_step", None)
+        if step is not None:
+            step(seqs, kk, vv)
+        else:  # a cache object without device appends (tests' stand-ins)
+            for i, seq in enumerate(seqs):
+                cache.append(seq, kk[i:i + 1], vv[i:i + 1])
+        if self.certify is not None:
+            out, _, self.certificates[layer] = self.certify.decode(cache, qq, seqs)
+        else:
+            out, _ = cache.decode(qq, seqs=seqs)
+        return out.unsqueeze(1)
 
     @staticmethod
     def _index(positions: List[int], device):
@@ -564,7 +621,8 @@ def register(name: str = ATTN_NAME, fn: Optional[Callable] = None) -> str:
 
 def use_kvforge(model, spec: str = "specs/rdkv.toml", tier: Optional[str] = "b4", root: Optional[str] = None,
                 max_tokens: Optional[int] = None, control: Optional[Control] = None, certify: Any = None,
-                exact_prefill: bool = False, codebooks: Any = None, prefill: Optional[str] = None) -> KvforgeAttention:
+                exact_prefill: bool = False, codebooks: Any = None, prefill: Optional[str] = None,
+                cuda_graph: bool = False) -> KvforgeAttention:
     """Runs every attention layer of ``model`` on kvforge: registers the ``"kvforge"``
     attention, gives each layer (every submodule with a ``layer_idx``) the returned handle and
     sets ``model.config._attn_implementation``. ``spec``/``tier``/``root`` as for
@@ -578,14 +636,16 @@ def use_kvforge(model, spec: str = "specs/rdkv.toml", tier: Optional[str] = "b4"
     compressed cache (the prompt's own loss then measures the tier); the prompt is stored
     compressed for the tokens that follow in every mode; ``codebooks``: per-(layer,
     kv head, group) spherical codebooks (a ``kvforge codebook train --per-head`` file or a
-    :class:`kvforge.Codebooks`). Undo with ``handle.detach()``, which restores the previous
-    attention implementation."""
+    :class:`kvforge.Codebooks`); ``cuda_graph``: :func:`generate`'s default (decode steps
+    captured and replayed as one CUDA graph; ``model.generate`` itself never uses one). Undo
+    with ``handle.detach()``, which restores the previous attention implementation."""
     if max_tokens is None:
         max_tokens = max(1024, int(getattr(model.config, "max_position_embeddings", 8192) or 8192) + 256)
     if prefill is None:
         prefill = "exact" if (exact_prefill or control is not None) else "sdpa"
     handle = KvforgeAttention(spec, tier, root=root, max_tokens=max_tokens, control=control, certify=certify,
                               exact_prefill=exact_prefill, codebooks=codebooks, prefill=prefill)
+    handle.cuda_graph = bool(cuda_graph)
     register()
     for m in model.modules():
         if isinstance(getattr(m, "layer_idx", None), int):
@@ -602,6 +662,204 @@ def use_kvforge(model, spec: str = "specs/rdkv.toml", tier: Optional[str] = "b4"
     handle.detach = detach
     model.config._attn_implementation = ATTN_NAME
     return handle
+
+
+class PassKV:
+    """A stand-in for transformers' KV cache that keeps nothing: ``update`` hands a layer its
+    step's own key/value back. :func:`generate` passes it as ``past_key_values``, so that a
+    decode step's attention sees the new token only (kvforge's caches hold the context), no
+    fp16 copy of the context grows, and transformers builds no mask (the mask sizes are the
+    step's own)."""
+
+    is_compileable = False
+
+    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length, layer_idx: int = 0):
+        n = query_length if isinstance(query_length, int) else int(query_length.shape[0])
+        return n, 0
+
+
+def handle_of(model) -> KvforgeAttention:
+    """The :class:`KvforgeAttention` ``use_kvforge`` put on ``model``'s layers."""
+    for m in model.modules():
+        h = getattr(m, _HANDLE_ATTR, None)
+        if h is not None:
+            return h
+    raise RuntimeError("model does not run on kvforge attention: call kvforge.hf.use_kvforge(model)")
+
+
+def prompt_positions(mask):
+    """Position ids of a left-padded batch as transformers' ``generate`` makes them: the real
+    tokens count from 0, padding gets 1. ``mask`` [B, S] (1: a real token) -> [B, S] long."""
+    pos = mask.long().cumsum(-1) - 1
+    return pos.masked_fill(mask == 0, 1)
+
+
+def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, cuda_graph: Optional[bool] = None,
+             handle: Optional[KvforgeAttention] = None):
+    """Greedy decoding of ``input_ids`` [B, S] (left padded, ``attention_mask`` [B, S] or None)
+    on kvforge attention: returns the ``max_new_tokens`` new tokens [B, N] (no early stop at
+    an end-of-sequence token). ``model`` must run on kvforge (:func:`use_kvforge`).
+
+    The prompt is one forward (``prefill`` as ``use_kvforge`` set it, the K/V written into the
+    caches), then one forward per token whose attention layers get the step's own key/value
+    only (:class:`PassKV`: transformers keeps no KV copy): each layer appends and attends in
+    one call (``Cache.step``). With ``cuda_graph=True`` (default: what ``use_kvforge`` was
+    given) a decode step — embedding, every layer, the logits and the next token's argmax —
+    is captured once with ``torch.cuda.CUDAGraph`` and replayed: each step then costs the host
+    one ``graph_prepare`` and one ``graph_commit`` per layer (page bookkeeping, no tensor
+    work) and one replay. The graph is captured again when a layer's launches change (a page
+    filled and its table outgrew its buffers, another split count): a few times per
+    generation; the next ``generate`` of the same batch size replays the same graph while the
+    keys hold (same prompt length class, reused caches). A step that fills a layer's tail page runs without the graph (the page is
+    encoded before that step's decode reads it, as without a graph), once per page of tokens. Where a step cannot run in a graph (``graph_prepare`` raises: out of pages,
+    a tier that encodes on the host, controllers and certifiers) the generation warns once and
+    goes on without it. Kernel faults of replayed steps are raised by ``Cache.synchronize()``.
+    """
+    import torch
+
+    h = handle if handle is not None else handle_of(model)
+    if cuda_graph is None:
+        cuda_graph = h.cuda_graph
+    if cuda_graph and (h.control is not None or h.certify is not None):
+        warnings.warn("kvforge.hf.generate: control= and certify= run without a CUDA graph", UserWarning, stacklevel=2)
+        cuda_graph = False
+    rows, width = input_ids.shape
+    dev = input_ids.device
+    if attention_mask is not None and bool(attention_mask.all()):
+        attention_mask = None
+    pos = prompt_positions(attention_mask) if attention_mask is not None else torch.arange(width, device=dev).expand(rows, width)
+    out = torch.empty(rows, max_new_tokens, dtype=torch.long, device=dev)
+    if max_new_tokens <= 0:
+        return out
+    pkv = PassKV()
+    h._step_mode = False
+    with torch.inference_mode():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, past_key_values=pkv, use_cache=True,
+                       logits_to_keep=1).logits
+        ids = logits[:, -1].argmax(-1, keepdim=True)
+        out[:, :1].copy_(ids)
+        nxt = pos[:, -1:] + 1
+        layers = [h.layers[i] for i in sorted(h.layers)]
+        cur = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
+        h._step_mode = True
+        try:
+            h._stream = cur.cuda_stream if cur is not None else None
+            graph = None
+            if cuda_graph:
+                # The last generate()'s graph of this batch size replays again while every
+                # layer's graph_prepare key is the one it was captured with.
+                graph = h._graphs.get(rows)
+                if graph is not None and graph.model is model:
+                    graph.ids.copy_(ids)
+                    graph.pos.copy_(nxt)
+                else:
+                    graph = _StepGraph(model, pkv, ids, nxt, rows, dev)
+                h._graphs[rows] = graph
+            for i in range(1, max_new_tokens):
+                if graph is not None and not graph.warm:
+                    # The first decode step runs plainly on the capture stream (torch's advice:
+                    # lazily made per-stream state, e.g. cuBLAS workspaces, exists before a capture).
+                    graph.warm_step(h, cur)
+                    out[:, i:i + 1].copy_(graph.ids)
+                    continue
+                if graph is not None:
+                    try:
+                        keys = [st["cache"].graph_prepare(st["seqs"], stream=h._stream) for st in layers]
+                    except Exception as e:  # noqa: BLE001 - any reason the step cannot run in a graph
+                        warnings.warn(f"kvforge.hf.generate: decoding without a CUDA graph from token {i}: {e}", UserWarning, stacklevel=2)
+                        ids, nxt = graph.ids.clone(), graph.pos.clone()
+                        h._graphs.pop(rows, None)
+                        graph = None
+                    else:
+                        if any(key is None for key in keys):
+                            # The step fills a tail page: a plain step encodes it before its decode.
+                            graph.plain_step()
+                        else:
+                            graph.run(h, keys)
+                            for st in layers:
+                                st["cache"].graph_commit(st["seqs"], stream=h._stream)
+                                st["n"] += 1
+                        out[:, i:i + 1].copy_(graph.ids)
+                        continue
+                logits = model(input_ids=ids, position_ids=nxt, past_key_values=pkv, use_cache=True, logits_to_keep=1).logits
+                ids = logits[:, -1].argmax(-1, keepdim=True)
+                out[:, i:i + 1].copy_(ids)
+                nxt = nxt + 1
+        finally:
+            h._step_mode, h._stream, h._capture = False, None, None
+    return out
+
+
+class _StepGraph:
+    """One decode step of the whole model captured as a CUDA graph: static token and position
+    inputs, which the graph itself advances (the argmax written into ``ids``, ``pos`` + 1)."""
+
+    def __init__(self, model, pkv, ids, pos, rows: int, dev):
+        import torch
+
+        self.model, self.pkv = model, pkv
+        self.ids, self.pos = ids.clone(), pos.clone()
+        self.graph = None
+        self.keys: Optional[List[int]] = None
+        self.stream = torch.cuda.Stream(dev)
+        self.pool = None
+        self.captures = 0
+        self.warm = False
+
+    def warm_step(self, h: KvforgeAttention, cur) -> None:
+        """One decode step without the graph, on the capture stream (``ids``, ``pos`` advanced)."""
+        import torch
+
+        self.stream.wait_stream(cur)
+        with torch.cuda.stream(self.stream):
+            h._stream = self.stream.cuda_stream
+            try:
+                self._step()
+            finally:
+                h._stream = cur.cuda_stream
+        cur.wait_stream(self.stream)
+        self.warm = True
+
+    def plain_step(self) -> None:
+        """One decode step without the graph on the current stream (``ids``, ``pos`` advanced)."""
+        self._step()
+
+    def _step(self):
+        logits = self.model(input_ids=self.ids, position_ids=self.pos, past_key_values=self.pkv, use_cache=True, logits_to_keep=1).logits
+        self.ids.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        self.pos.add_(1)
+
+    def run(self, h: KvforgeAttention, keys: List[int]) -> None:
+        """Replays the step, capturing it first where ``keys`` (every layer's
+        ``graph_prepare``) differ from the captured ones."""
+        import torch
+
+        if self.graph is None or keys != self.keys:
+            g = torch.cuda.CUDAGraph()
+            cur = torch.cuda.current_stream()
+            self.stream.wait_stream(cur)
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            self.graph = None  # the old graph's memory goes back to the pool first
+            with torch.cuda.graph(g, pool=self.pool, stream=self.stream):
+                h._capture = self.stream.cuda_stream
+                try:
+                    self._step()
+                finally:
+                    h._capture = None
+            cur.wait_stream(self.stream)
+            self.graph, self.keys = g, keys
+            self.captures += 1
+        self.graph.replay()
 
 
 def bytes_per_token(model) -> float:
