@@ -751,6 +751,7 @@ def test_retrieval_regions_cover_every_position_once():
     st = att.stats()
     assert st["retrieved_layer_steps"] == steps and st["region_keys"] >= s0 - 16 - 64, st
 
+
 def test_step_equals_append_step_then_decode():
     # Cache.step (one call per layer) stores and answers what append_step + decode do.
     a, b = mk("rdkv", "b4", max_tokens=64 * 32, sequences=3), mk("rdkv", "b4", max_tokens=64 * 32, sequences=3)
