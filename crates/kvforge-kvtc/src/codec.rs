@@ -88,7 +88,14 @@ fn check_shapes(cal: &Calibration, dump: &KvDump) -> Result<()> {
 /// The first `comps` basis rows of a side as a `p × comps` matrix (columns = directions), built
 /// once per pack or unpack and shared by every chunk.
 pub fn basis_matrix(s: &SideCalib, p: usize, comps: usize) -> Mat<f64> {
-    Mat::<f64>::from_fn(p, comps, |f, c| s.basis[c * p + f] as f64)
+    let mut m = Mat::<f64>::zeros(p, comps);
+    for c in 0..comps {
+        let (f0, row) = s.basis_row(c);
+        for (j, &b) in row.iter().enumerate() {
+            m[(f0 + j, c)] = b as f64;
+        }
+    }
+    m
 }
 
 /// Decorrelated coordinates of tokens `r` of one side: `(x - mean) · bt`, `n × comps`, where
