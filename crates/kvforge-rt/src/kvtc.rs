@@ -34,6 +34,9 @@ use crate::error::{drv, Result, RtError};
 /// `MAX_BATCH_TOKENS × components` fp16).
 pub const MAX_BATCH_TOKENS: usize = 32768;
 
+/// Tokens per segment of the pipelined restore [`load_container`] runs.
+pub const LOAD_SEGMENT_TOKENS: usize = 16384;
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct DequantParams {
@@ -700,9 +703,10 @@ pub fn read_sequence(caches: &[&crate::KvCache], seq: usize, cal: &Calibration) 
 
 /// Reads a container packed with `cal`, restores it on the device with `restorer` and appends it
 /// to a new sequence of every layer's cache in `tier` ([`load_sequence`]); returns the sequence
-/// ids. Truncated, corrupted or mismatched input fails before anything reaches a cache.
+/// ids. Truncated, corrupted or mismatched input fails before anything reaches a cache. The
+/// restore is [`KvtcRestorer::restore_pipelined`] in segments of [`LOAD_SEGMENT_TOKENS`].
 pub fn load_container(caches: &mut [&mut crate::KvCache], input: &mut impl std::io::Read, cal: &Calibration, restorer: &KvtcRestorer, tier: kvforge_spec::TierId) -> Result<Vec<usize>> {
-    let dc = kvforge_kvtc::decode_container(input, cal)?;
-    let kv = restorer.restore(&dc)?;
+    let sc = kvforge_kvtc::read_container(input, cal)?;
+    let (kv, _) = restorer.restore_pipelined(&sc, LOAD_SEGMENT_TOKENS)?;
     load_sequence(caches, &kv, tier)
 }
