@@ -174,7 +174,7 @@ impl Calibration {
             }
             for (i, a) in allocations.iter().enumerate() {
                 a.validate(comps, 16).map_err(|e| format!("{n} allocation {i} (ratio {}): {e}", ratios[i]))?;
-                if let Some(g) = a.groups.iter().find(|g| blocks.iter().any(|b| g.start < b.components.start as u32 && b.components.start as u32 <= g.start + g.len - 1)) {
+                if let Some(g) = a.groups.iter().find(|g| blocks.iter().any(|b| g.start < b.components.start as u32 && (b.components.start as u32) < g.start + g.len)) {
                     return Err(format!("{n} allocation {i}: group at {} crosses a basis block", g.start));
                 }
             }

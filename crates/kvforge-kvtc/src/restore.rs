@@ -220,7 +220,14 @@ pub fn synthetic_calibration(layers: usize, kv_heads: usize, head_dim: usize, ro
     let nb = fblocks.len();
     let multi = nb > 1;
     let cap = |w: usize| if multi { w.div_ceil(crate::calib::BLOCK_ALIGN) * crate::calib::BLOCK_ALIGN } else { w };
-    let starts: Vec<usize> = fblocks.iter().scan(0, |c, f| { let s = *c; *c += cap(f.len()); Some(s) }).collect();
+    let starts: Vec<usize> = fblocks
+        .iter()
+        .scan(0, |c, f| {
+            let s = *c;
+            *c += cap(f.len());
+            Some(s)
+        })
+        .collect();
     let allocs: Vec<Allocation> = ratios
         .iter()
         .map(|&r| {

@@ -209,34 +209,34 @@ fn restore_reference_equals_unpack() {
     use kvforge_kvtc::restore::{dequant_reference, device_layout, group_table, restore_reference};
     use kvforge_kvtc::{decode_container, Side};
     for scope in [0, 1] {
-    let (dump, cal) = setup_scoped(scope);
-    for (ratio, chunk_tokens) in [(4.0, 7), (16.0, 1), (64.0, 256)] {
-        let opts = PackOptions { ratio_index: cal.ratio_index(ratio).unwrap(), entropy: Entropy::Deflate, chunk_tokens };
-        let mut bytes = Vec::new();
-        pack_into(&dump, &cal, &opts, &mut bytes).unwrap();
-        let want = unpack_from(&mut bytes.as_slice(), &cal).unwrap();
-        let dc = decode_container(&mut bytes.as_slice(), &cal).unwrap();
-        assert!(!dc.chunks.is_empty());
-        let (hd, hkv) = (cal.head_dim, cal.kv_heads);
-        for c in &dc.chunks {
-            let a = &cal.side(c.side).allocations[if c.side == Side::Keys { dc.k_alloc } else { dc.v_alloc }];
-            let (n, layout) = (c.tokens.len(), device_layout(cal.side(c.side), a));
-            let coeff = dequant_reference(&c.raw, n, &group_table(cal.side(c.side), a, &layout, n), layout.ldc);
-            let x = restore_reference(&cal, c.side, &coeff, n, &layout, &dc.positions[c.tokens.clone()], false);
-            let w = if c.side == Side::Keys { &want.k } else { &want.v };
-            for l in 0..cal.layers {
-                for (i, t) in c.tokens.clone().enumerate() {
-                    for h in 0..hkv {
-                        for ch in 0..hd {
-                            let got = x[(l * n + i) * hkv * hd + h * hd + ch];
-                            let exp = w[want.at(l, h, t, ch)] as f64;
-                            assert!((got - exp).abs() <= 1e-5 * exp.abs().max(1.0), "scope {scope} ratio {ratio} {:?} l {l} t {t} h {h} ch {ch}: {got} vs {exp}", c.side);
+        let (dump, cal) = setup_scoped(scope);
+        for (ratio, chunk_tokens) in [(4.0, 7), (16.0, 1), (64.0, 256)] {
+            let opts = PackOptions { ratio_index: cal.ratio_index(ratio).unwrap(), entropy: Entropy::Deflate, chunk_tokens };
+            let mut bytes = Vec::new();
+            pack_into(&dump, &cal, &opts, &mut bytes).unwrap();
+            let want = unpack_from(&mut bytes.as_slice(), &cal).unwrap();
+            let dc = decode_container(&mut bytes.as_slice(), &cal).unwrap();
+            assert!(!dc.chunks.is_empty());
+            let (hd, hkv) = (cal.head_dim, cal.kv_heads);
+            for c in &dc.chunks {
+                let a = &cal.side(c.side).allocations[if c.side == Side::Keys { dc.k_alloc } else { dc.v_alloc }];
+                let (n, layout) = (c.tokens.len(), device_layout(cal.side(c.side), a));
+                let coeff = dequant_reference(&c.raw, n, &group_table(cal.side(c.side), a, &layout, n), layout.ldc);
+                let x = restore_reference(&cal, c.side, &coeff, n, &layout, &dc.positions[c.tokens.clone()], false);
+                let w = if c.side == Side::Keys { &want.k } else { &want.v };
+                for l in 0..cal.layers {
+                    for (i, t) in c.tokens.clone().enumerate() {
+                        for h in 0..hkv {
+                            for ch in 0..hd {
+                                let got = x[(l * n + i) * hkv * hd + h * hd + ch];
+                                let exp = w[want.at(l, h, t, ch)] as f64;
+                                assert!((got - exp).abs() <= 1e-5 * exp.abs().max(1.0), "scope {scope} ratio {ratio} {:?} l {l} t {t} h {h} ch {ch}: {got} vs {exp}", c.side);
+                            }
                         }
                     }
                 }
             }
         }
-    }
     }
 }
 

@@ -298,7 +298,8 @@ impl KvtcRestorer {
             }
         }
         // SAFETY: pinned staging, written by the host before each copy reads it.
-        let mut pinned = [unsafe { self.ctx.alloc_pinned_with_flags::<u8>(slab, 0) }.map_err(drv("kvtc pinned staging"))?, unsafe { self.ctx.alloc_pinned_with_flags::<u8>(slab, 0) }.map_err(drv("kvtc pinned staging"))?];
+        let mut pinned =
+            [unsafe { self.ctx.alloc_pinned_with_flags::<u8>(slab, 0) }.map_err(drv("kvtc pinned staging"))?, unsafe { self.ctx.alloc_pinned_with_flags::<u8>(slab, 0) }.map_err(drv("kvtc pinned staging"))?];
         // SAFETY: written by the copies before the kernels read it.
         let mut dev = [unsafe { st.alloc::<u8>(slab) }.map_err(drv("kvtc packed segment"))?, unsafe { st.alloc::<u8>(slab) }.map_err(drv("kvtc packed segment"))?];
         st.synchronize().map_err(drv("kvtc restore setup"))?;
@@ -356,7 +357,17 @@ impl KvtcRestorer {
                     }
                     let chunk_bytes = sc.chunks[list[a]].2.raw_len as usize;
                     let (gt, ng) = &tables[&(s_i, n)];
-                    let br = BatchRef { packed: base + off as u64, groups: gt.device_ptr(st).0, n_groups: *ng, chunks: b - a, n, chunk_bytes, layout: &layouts[s_i], rows: (b - a) * n, first: sc.chunks[list[a]].1.start };
+                    let br = BatchRef {
+                        packed: base + off as u64,
+                        groups: gt.device_ptr(st).0,
+                        n_groups: *ng,
+                        chunks: b - a,
+                        n,
+                        chunk_bytes,
+                        layout: &layouts[s_i],
+                        rows: (b - a) * n,
+                        first: sc.chunks[list[a]].1.start,
+                    };
                     let out = if *side == Side::Keys { &mut k } else { &mut v };
                     self.launch_raw(*side, &br, &positions, &mut coeff, out, tokens)?;
                     times.coded_output_bytes += 2 * br.rows * self.features();
@@ -463,7 +474,14 @@ impl KvtcRestorer {
         let mut coeff = unsafe { self.st.alloc::<u16>(b.rows * b.layout.ldc) }.map_err(drv("kvtc coefficients"))?;
         let packed = b.packed.device_ptr(&self.st).0;
         let groups = b.groups.device_ptr(&self.st).0;
-        self.launch_raw(side, &BatchRef { packed, groups, n_groups: b.n_groups, chunks: b.chunks, n: b.n, chunk_bytes: b.chunk_bytes, layout: &b.layout, rows: b.rows, first: b.first }, positions, &mut coeff, out, out_rows)
+        self.launch_raw(
+            side,
+            &BatchRef { packed, groups, n_groups: b.n_groups, chunks: b.chunks, n: b.n, chunk_bytes: b.chunk_bytes, layout: &b.layout, rows: b.rows, first: b.first },
+            positions,
+            &mut coeff,
+            out,
+            out_rows,
+        )
     }
 
     /// Dequant of one batch into `coeff` (at least `rows × ldc`), then one restore launch per
@@ -510,8 +528,7 @@ impl KvtcRestorer {
             // SAFETY: RestoreParams mirrors the device struct; coeff holds rows × ldc with this
             // block's kdim columns from col0, its basis kdim × features (kdim ≤ its rows), the
             // mean its features, out layers × out_rows × width with rows first..first+rows.
-            unsafe { st.launch_builder(&self.restore).arg(&rp).launch(LaunchConfig { grid_dim: (grid as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }
-                .map_err(drv("launch kvtc restore"))?;
+            unsafe { st.launch_builder(&self.restore).arg(&rp).launch(LaunchConfig { grid_dim: (grid as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }.map_err(drv("launch kvtc restore"))?;
         }
         Ok(())
     }

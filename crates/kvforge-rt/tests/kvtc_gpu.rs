@@ -69,7 +69,12 @@ fn check_restore(dev: &Device, r: &KvtcRestorer, cal: &Calibration, dc: &Decoded
         let (pk, times) = r.restore_pipelined(&sc, seg).unwrap_or_else(|e| panic!("{what} pipelined: {e}"));
         for side in [Side::Keys, Side::Values] {
             for l in 0..cal.layers {
-                assert_eq!(pk.download_layer(&dev.stream, side, l).unwrap(), kv.download_layer(&dev.stream, side, l).unwrap(), "{what}: pipelined restore differs ({side:?} layer {l}, {} segments)", times.segments);
+                assert_eq!(
+                    pk.download_layer(&dev.stream, side, l).unwrap(),
+                    kv.download_layer(&dev.stream, side, l).unwrap(),
+                    "{what}: pipelined restore differs ({side:?} layer {l}, {} segments)",
+                    times.segments
+                );
             }
         }
     }
@@ -137,38 +142,38 @@ fn restore_of_a_packed_cache_matches_cpu_unpack() {
     let rope = Rope { theta: 10000.0, dim: 16 };
     let dp = DpConfig { group_sizes: vec![1, 4, 16], bit_widths: vec![1, 2, 3, 4, 6, 8] };
     for lpb in [0, 1] {
-    let cal = small_calibration(&low_rank_dump(2, 2, 16, 6, rope, 500, 1), rope, 2, 8, &[4.0, 16.0], dp.clone(), lpb);
-    let dump = low_rank_dump(2, 2, 16, 6, rope, 203, 2);
-    let r = KvtcRestorer::new(&dev, &cal).unwrap();
-    for (ratio, chunk) in [(4.0, 1), (16.0, 64)] {
-        let opts = PackOptions { ratio_index: cal.ratio_index(ratio).unwrap(), entropy: Entropy::Deflate, chunk_tokens: chunk };
-        let mut bytes = Vec::new();
-        pack_into(&dump, &cal, &opts, &mut bytes).unwrap();
-        let want = unpack_from(&mut bytes.as_slice(), &cal).unwrap();
-        let dc = decode_container(&mut bytes.as_slice(), &cal).unwrap();
-        check_restore(&dev, &r, &cal, &dc, &format!("packed ratio {ratio} layers/basis {lpb}"));
-        let kv = r.restore(&dc).unwrap();
-        let width = cal.kv_heads * cal.head_dim;
-        for (side, w) in [(Side::Keys, &want.k), (Side::Values, &want.v)] {
-            for l in 0..cal.layers {
-                let rows = kv.download_layer(&dev.stream, side, l).unwrap();
-                for t in 0..dump.tokens {
-                    for h in 0..cal.kv_heads {
-                        for c in 0..cal.head_dim {
-                            let got = half::f16::from_bits(rows[t * width + h * cal.head_dim + c]).to_f32();
-                            let exp = w[want.at(l, h, t, c)];
-                            assert!((got - exp).abs() <= 5e-3 * exp.abs().max(1.0), "ratio {ratio} layers/basis {lpb} {side:?} l {l} t {t} h {h} c {c}: {got} vs {exp}");
+        let cal = small_calibration(&low_rank_dump(2, 2, 16, 6, rope, 500, 1), rope, 2, 8, &[4.0, 16.0], dp.clone(), lpb);
+        let dump = low_rank_dump(2, 2, 16, 6, rope, 203, 2);
+        let r = KvtcRestorer::new(&dev, &cal).unwrap();
+        for (ratio, chunk) in [(4.0, 1), (16.0, 64)] {
+            let opts = PackOptions { ratio_index: cal.ratio_index(ratio).unwrap(), entropy: Entropy::Deflate, chunk_tokens: chunk };
+            let mut bytes = Vec::new();
+            pack_into(&dump, &cal, &opts, &mut bytes).unwrap();
+            let want = unpack_from(&mut bytes.as_slice(), &cal).unwrap();
+            let dc = decode_container(&mut bytes.as_slice(), &cal).unwrap();
+            check_restore(&dev, &r, &cal, &dc, &format!("packed ratio {ratio} layers/basis {lpb}"));
+            let kv = r.restore(&dc).unwrap();
+            let width = cal.kv_heads * cal.head_dim;
+            for (side, w) in [(Side::Keys, &want.k), (Side::Values, &want.v)] {
+                for l in 0..cal.layers {
+                    let rows = kv.download_layer(&dev.stream, side, l).unwrap();
+                    for t in 0..dump.tokens {
+                        for h in 0..cal.kv_heads {
+                            for c in 0..cal.head_dim {
+                                let got = half::f16::from_bits(rows[t * width + h * cal.head_dim + c]).to_f32();
+                                let exp = w[want.at(l, h, t, c)];
+                                assert!((got - exp).abs() <= 5e-3 * exp.abs().max(1.0), "ratio {ratio} layers/basis {lpb} {side:?} l {l} t {t} h {h} c {c}: {got} vs {exp}");
+                            }
                         }
                     }
                 }
             }
+            // a corrupted chunk is refused before anything reaches the device
+            let mut bad = bytes.clone();
+            let at = bad.len() - 40;
+            bad[at] ^= 0x5a;
+            assert!(decode_container(&mut bad.as_slice(), &cal).is_err());
         }
-        // a corrupted chunk is refused before anything reaches the device
-        let mut bad = bytes.clone();
-        let at = bad.len() - 40;
-        bad[at] ^= 0x5a;
-        assert!(decode_container(&mut bad.as_slice(), &cal).is_err());
-    }
     }
 }
 
