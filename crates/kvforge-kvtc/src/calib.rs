@@ -390,11 +390,18 @@ fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], d
     }
     let breaks: Vec<usize> = blocks.iter().skip(1).map(|b| b.components.start).collect();
     progress(&format!("{}: DP bit allocation on {} rows, {} blocks, budgets up to {} bits", side.name(), dp_idx.len(), blocks.len(), budget_bits(p, ratios[0])));
+    // With several blocks the DP weighs each block's error by the inverse of the block's
+    // variance (its coordinates scaled by `sqrt(mean block variance / block variance)`): every
+    // run of layers then gets about the same *relative* error. Unweighted, the squared error is
+    // smallest when low-variance layers are dropped whole, which their attention does not survive.
+    let block_var: Vec<f64> = parts.iter().map(|p| p.1.iter().sum::<f64>()).collect();
+    let mean_var = block_var.iter().sum::<f64>() / block_var.len() as f64;
     let mut data = vec![0.0; dp_idx.len() * rank];
-    for (b, part) in blocks.iter().zip(&parts) {
+    for ((b, part), &bv) in blocks.iter().zip(&parts).zip(&block_var) {
+        let w = if multi && bv > 0.0 { (mean_var / bv).sqrt() } else { 1.0 };
         for r in 0..dp_idx.len() {
             for j in 0..part.1.len() {
-                data[r * rank + b.components.start + j] = part.2[(r, j)];
+                data[r * rank + b.components.start + j] = w * part.2[(r, j)];
             }
         }
     }
