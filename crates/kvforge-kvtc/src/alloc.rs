@@ -106,8 +106,11 @@ pub struct Dp {
 
 impl Dp {
     /// Solves the DP on `rows` calibration rows of `comps` decorrelated coordinates
-    /// (`data[row * comps + j]`), for every budget up to `max_budget` bits per token.
-    pub fn solve(data: &[f64], rows: usize, comps: usize, cfg: &DpConfig, max_budget: usize) -> Self {
+    /// (`data[row * comps + j]`), for every budget up to `max_budget` bits per token. No group
+    /// crosses a coordinate of `breaks` (the first coordinates of a block-diagonal basis's
+    /// blocks: a group's codes share one shift and scale and the restore reads each block's
+    /// coefficients apart).
+    pub fn solve(data: &[f64], rows: usize, comps: usize, cfg: &DpConfig, max_budget: usize, breaks: &[usize]) -> Self {
         assert_eq!(data.len(), rows * comps);
         assert!(cfg.group_sizes.len() * cfg.bit_widths.len() < 255);
         let (ns, nq) = (cfg.group_sizes.len(), cfg.bit_widths.len());
@@ -118,7 +121,7 @@ impl Dp {
             .flat_map_iter(|i| {
                 let mut out = vec![f64::INFINITY; ns * nq];
                 for (si, &size) in cfg.group_sizes.iter().enumerate() {
-                    if size > i {
+                    if size > i || breaks.iter().any(|&b| i - size < b && b < i) {
                         continue;
                     }
                     let acc = &mut out[si * nq..(si + 1) * nq];
@@ -159,7 +162,7 @@ impl Dp {
                                 if cost > b {
                                     continue;
                                 }
-                                let cand = e[si * nq + qi] + from[b - cost];
+                                let cand = e[si * nq + qi] + from[b - cost]; // infinite across a break
                                 if cand < best {
                                     best = cand;
                                     pick = 1 + (si * nq + qi) as u8;
@@ -274,7 +277,7 @@ mod tests {
             let (rows, comps) = (5, 6);
             let d = data(rows, comps, seed);
             let max_b = 6 * 4 + 3 * 32;
-            let dp = Dp::solve(&d, rows, comps, &cfg, max_b);
+            let dp = Dp::solve(&d, rows, comps, &cfg, max_b, &[]);
             for budget in (0..=max_b).step_by(3) {
                 let want = brute(&d, rows, comps, &cfg, budget);
                 let got = dp.best_error(budget);
@@ -293,7 +296,7 @@ mod tests {
         let (rows, comps) = (16, 40);
         let d = data(rows, comps, 7);
         let cfg = DpConfig { group_sizes: vec![1, 16], bit_widths: vec![1, 2, 3, 4, 8] };
-        let dp = Dp::solve(&d, rows, comps, &cfg, 400);
+        let dp = Dp::solve(&d, rows, comps, &cfg, 400, &[]);
         let mut prev = f64::INFINITY;
         for budget in [0, 33, 48, 100, 200, 400] {
             let a = dp.allocation(budget);

@@ -35,30 +35,75 @@ pub struct CalibConfig {
     pub rope: Option<Rope>,
     pub dp: DpConfig,
     pub seed: u64,
+    /// Layers sharing one basis (0: all layers, one PCA over `layers · kv_heads · head_dim`
+    /// features). With `n`, each run of `n` layers gets its own PCA: the basis is block
+    /// diagonal, which divides the restore's matmul FLOPs by the number of blocks.
+    pub layers_per_basis: usize,
 }
 
 impl Default for CalibConfig {
     fn default() -> Self {
-        Self { sinks: 4, window: 128, max_samples: 16384, dp_rows: 256, max_rank: usize::MAX, ratios: vec![4.0, 8.0, 16.0, 32.0, 64.0], rope: None, dp: DpConfig::default(), seed: 0 }
+        Self { sinks: 4, window: 128, max_samples: 16384, dp_rows: 256, max_rank: usize::MAX, ratios: vec![4.0, 8.0, 16.0, 32.0, 64.0], rope: None, dp: DpConfig::default(), seed: 0, layers_per_basis: 0 }
     }
 }
+
+/// One diagonal block of a side's basis: its `components` span only its `features` (a run of
+/// whole layers). A basis over all layers is one block.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BasisBlock {
+    pub features: std::ops::Range<usize>,
+    pub components: std::ops::Range<usize>,
+}
+
+/// Components of a block of a multi-block basis come in multiples of this (zero rows of zero
+/// variance pad a block's PCA), so every block's coefficients start on a whole k-tile of the
+/// device matmul ([`crate::restore::BK`]).
+pub const BLOCK_ALIGN: usize = 32;
 
 /// The transform of one side (keys or values).
 #[derive(Clone, Debug, PartialEq)]
 pub struct SideCalib {
     /// Per-feature mean, `p`.
     pub mean: Vec<f32>,
-    /// Principal directions as rows, `components × p`, by decreasing variance.
+    /// Principal directions, block after block; within block `b` its components' rows of
+    /// `b.features.len()` values (one block over all features: `components × p`), by
+    /// decreasing variance within the block.
     pub basis: Vec<f32>,
     /// Variance along each kept direction.
     pub variance: Vec<f32>,
     /// One allocation per ratio, in the order of [`Calibration::ratios`].
     pub allocations: Vec<Allocation>,
+    /// The blocks, in order: features tile `0..p`, components tile `0..components()`.
+    pub blocks: Vec<BasisBlock>,
 }
 
 impl SideCalib {
     pub fn components(&self) -> usize {
         self.variance.len()
+    }
+
+    /// The block holding component `c`.
+    pub fn block_of(&self, c: usize) -> usize {
+        self.blocks.iter().position(|b| b.components.contains(&c)).unwrap_or(self.blocks.len().saturating_sub(1))
+    }
+
+    /// Where block `b`'s rows start in [`SideCalib::basis`].
+    pub fn block_offset(&self, b: usize) -> usize {
+        self.blocks[..b].iter().map(|k| k.components.len() * k.features.len()).sum()
+    }
+
+    /// Component `c`'s direction: its block's first feature and its values over the block's features.
+    pub fn basis_row(&self, c: usize) -> (usize, &[f32]) {
+        let b = self.block_of(c);
+        let k = &self.blocks[b];
+        let w = k.features.len();
+        let o = self.block_offset(b) + (c - k.components.start) * w;
+        (k.features.start, &self.basis[o..o + w])
+    }
+
+    /// First components of the blocks after the first (no allocation group crosses one).
+    pub fn breaks(&self) -> Vec<usize> {
+        self.blocks.iter().skip(1).map(|b| b.components.start).collect()
     }
 }
 
@@ -134,6 +179,14 @@ impl Calibration {
             h.update(&r.to_le_bytes());
         }
         for s in [&self.k, &self.v] {
+            if s.blocks.len() > 1 {
+                h.update(b"blocks");
+                for b in &s.blocks {
+                    for x in [b.features.start, b.features.end, b.components.start, b.components.end] {
+                        h.update(&(x as u64).to_le_bytes());
+                    }
+                }
+            }
             h.update(&(s.components() as u64).to_le_bytes());
             for x in s.mean.iter().chain(&s.basis) {
                 h.update(&x.to_le_bytes());
@@ -208,6 +261,9 @@ pub fn calibrate(dump: &KvDump, cfg: &CalibConfig, mut progress: impl FnMut(&str
             return Err(KvtcError::BadInput(format!("rope_dim {} must be even, ≤ head_dim {} and rope_theta {} > 1", r.dim, dump.head_dim, r.theta)));
         }
     }
+    if cfg.layers_per_basis > dump.layers {
+        return Err(KvtcError::BadInput(format!("layers_per_basis {} > the dump's {} layers", cfg.layers_per_basis, dump.layers)));
+    }
     if cfg.ratios.is_empty() || cfg.ratios.iter().any(|&r| !(r >= 1.0)) {
         return Err(KvtcError::BadInput(format!("ratios {:?}: need at least one, each ≥ 1", cfg.ratios)));
     }
@@ -275,6 +331,12 @@ pub fn principal_directions(x: &Mat<f64>, max_rank: usize, mut progress: impl Fn
     Ok((basis, variance))
 }
 
+/// Feature ranges of the basis blocks: runs of `layers_per_basis` layers (0: one block).
+pub fn block_features(layers: usize, layer_width: usize, layers_per_basis: usize) -> Vec<std::ops::Range<usize>> {
+    let per = if layers_per_basis == 0 { layers.max(1) } else { layers_per_basis };
+    (0..layers.max(1)).step_by(per).map(|l| l * layer_width..(l + per).min(layers.max(1)) * layer_width).collect()
+}
+
 fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], dp_idx: &[usize], ratios: &[f64], progress: &mut impl FnMut(&str)) -> Result<SideCalib> {
     let p = dump.features();
     let n = idx.len();
@@ -293,22 +355,71 @@ fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], d
             x[(i, j)] -= mean[j];
         }
     }
-    let (basis, variance) = principal_directions(&x, cfg.max_rank, |m| progress(&format!("{}: {m}", side.name())))?;
-    let rank = variance.len();
-    progress(&format!("{}: DP bit allocation on {} rows, budgets up to {} bits", side.name(), dp_idx.len(), budget_bits(p, ratios[0])));
+    let fblocks = block_features(dump.layers, dump.kv_heads * dump.head_dim, cfg.layers_per_basis);
+    let multi = fblocks.len() > 1;
     let mut xs = Mat::<f64>::zeros(dp_idx.len(), p);
     for (r, &i) in dp_idx.iter().enumerate() {
         for f in 0..p {
             xs[(r, f)] = x[(i, f)];
         }
     }
-    let proj = &xs * &basis;
-    let data: Vec<f64> = (0..dp_idx.len()).flat_map(|r| (0..rank).map(move |c| (r, c))).map(|(r, c)| proj[(r, c)]).collect();
-    let dp = Dp::solve(&data, dp_idx.len(), rank, &cfg.dp, budget_bits(p, ratios[0]));
+    // per block: its basis (features × components, padded with zero columns in a multi-block
+    // basis) and the DP rows' coordinates on it
+    let mut parts: Vec<(Mat<f64>, Vec<f64>, Mat<f64>)> = Vec::with_capacity(fblocks.len());
+    for (bi, fr) in fblocks.iter().enumerate() {
+        let sub = x.subcols(fr.start, fr.len()).to_owned();
+        let tag = if multi { format!("{} block {bi} (features {}..{})", side.name(), fr.start, fr.end) } else { side.name().to_string() };
+        let (basis, mut variance) = principal_directions(&sub, cfg.max_rank, |m| progress(&format!("{tag}: {m}")))?;
+        let comps = if multi { variance.len().div_ceil(BLOCK_ALIGN) * BLOCK_ALIGN } else { variance.len() };
+        let mut b = Mat::<f64>::zeros(fr.len(), comps);
+        for c in 0..variance.len() {
+            for f in 0..fr.len() {
+                b[(f, c)] = basis[(f, c)];
+            }
+        }
+        variance.resize(comps, 0.0);
+        let proj = xs.subcols(fr.start, fr.len()) * &b;
+        parts.push((b, variance, proj));
+    }
+    let rank: usize = parts.iter().map(|p| p.1.len()).sum();
+    let mut blocks = Vec::with_capacity(parts.len());
+    let mut c0 = 0;
+    for (fr, part) in fblocks.iter().zip(&parts) {
+        blocks.push(BasisBlock { features: fr.clone(), components: c0..c0 + part.1.len() });
+        c0 += part.1.len();
+    }
+    let breaks: Vec<usize> = blocks.iter().skip(1).map(|b| b.components.start).collect();
+    progress(&format!("{}: DP bit allocation on {} rows, {} blocks, budgets up to {} bits", side.name(), dp_idx.len(), blocks.len(), budget_bits(p, ratios[0])));
+    // With several blocks the DP weighs each block's error by the inverse of the block's
+    // variance (its coordinates scaled by `sqrt(mean block variance / block variance)`): every
+    // run of layers then gets about the same *relative* error. Unweighted, the squared error is
+    // smallest when low-variance layers are dropped whole, which their attention does not survive.
+    let block_var: Vec<f64> = parts.iter().map(|p| p.1.iter().sum::<f64>()).collect();
+    let mean_var = block_var.iter().sum::<f64>() / block_var.len() as f64;
+    let mut data = vec![0.0; dp_idx.len() * rank];
+    for ((b, part), &bv) in blocks.iter().zip(&parts).zip(&block_var) {
+        let w = if multi && bv > 0.0 { (mean_var / bv).sqrt() } else { 1.0 };
+        for r in 0..dp_idx.len() {
+            for j in 0..part.1.len() {
+                data[r * rank + b.components.start + j] = w * part.2[(r, j)];
+            }
+        }
+    }
+    let dp = Dp::solve(&data, dp_idx.len(), rank, &cfg.dp, budget_bits(p, ratios[0]), &breaks);
     let allocations: Vec<Allocation> = ratios.iter().map(|&r| dp.allocation(budget_bits(p, r))).collect();
+    // keep the basis only as far as the largest allocation uses it
     let used = allocations.iter().map(Allocation::used_components).max().unwrap_or(0);
-    let basis_rows: Vec<f32> = (0..used).flat_map(|c| (0..p).map(move |f| (c, f))).map(|(c, f)| basis[(f, c)] as f32).collect();
-    Ok(SideCalib { mean: mean.iter().map(|&m| m as f32).collect(), basis: basis_rows, variance: variance[..used].iter().map(|&v| v as f32).collect(), allocations })
+    let mut basis_rows = Vec::new();
+    let mut variance = Vec::with_capacity(used);
+    for (b, part) in blocks.iter_mut().zip(&parts) {
+        let keep = b.components.end.min(used).saturating_sub(b.components.start);
+        b.components = b.components.start.min(used)..b.components.start.min(used) + keep;
+        for c in 0..keep {
+            basis_rows.extend((0..b.features.len()).map(|f| part.0[(f, c)] as f32));
+            variance.push(part.1[c] as f32);
+        }
+    }
+    Ok(SideCalib { mean: mean.iter().map(|&m| m as f32).collect(), basis: basis_rows, variance, allocations, blocks })
 }
 
 #[cfg(test)]

@@ -7,6 +7,10 @@
 //! | `k.basis`, `v.basis` | F32 | `[components, p]` | principal directions (rows, orthonormal), by decreasing variance |
 //! | `k.variance`, `v.variance` | F32 | `[components]` | variance along each direction |
 //! | `k.alloc`, `v.alloc` | I32 | `[groups, 4]` | rows `(ratio index, start, len, bits)` of every allocation, in order |
+//! | `k.blocks`, `v.blocks` | I32 | `[blocks, 4]` | version 2 only: rows `(first feature, features, first component, components)` of a block-diagonal basis ([`crate::calib::BasisBlock`]); `k.basis` is then flat, `[Σ components · features]`, block after block |
+//!
+//! Version 1 is a basis over all features (one block); a multi-block basis
+//! (`layers_per_basis`) is written as version 2, which this build also reads.
 //!
 //! Metadata (strings): `format` = `kvforge-kvtc-calibration`, `version` = `1`, `layers`,
 //! `kv_heads`, `head_dim`, `rope_theta` and `rope_dim` (absent: keys not de-rotated), `sinks`,
@@ -20,12 +24,12 @@ use std::path::Path;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::alloc::{Allocation, Group};
-use crate::calib::{Calibration, SideCalib};
+use crate::calib::{BasisBlock, Calibration, SideCalib, BLOCK_ALIGN};
 use crate::error::{KvtcError, Result};
 use crate::rope::Rope;
 
 pub const FORMAT: &str = "kvforge-kvtc-calibration";
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 
 impl Calibration {
     /// Writes the calibration with `extra` metadata.
@@ -33,7 +37,8 @@ impl Calibration {
         let mut meta = extra.clone();
         let mut put = |k: &str, v: String| meta.insert(k.to_string(), v);
         put("format", FORMAT.into());
-        put("version", VERSION.to_string());
+        let multi = self.k.blocks.len() > 1 || self.v.blocks.len() > 1;
+        put("version", if multi { VERSION } else { 1 }.to_string());
         put("layers", self.layers.to_string());
         put("kv_heads", self.kv_heads.to_string());
         put("head_dim", self.head_dim.to_string());
@@ -55,7 +60,13 @@ impl Calibration {
         for (n, s) in [("k", &self.k), ("v", &self.v)] {
             let c = s.components();
             bufs.push((format!("{n}.mean"), Dtype::F32, vec![p], f32b(&s.mean)));
-            bufs.push((format!("{n}.basis"), Dtype::F32, vec![c, p], f32b(&s.basis)));
+            if multi {
+                bufs.push((format!("{n}.basis"), Dtype::F32, vec![s.basis.len()], f32b(&s.basis)));
+                let rows: Vec<i32> = s.blocks.iter().flat_map(|b| [b.features.start as i32, b.features.len() as i32, b.components.start as i32, b.components.len() as i32]).collect();
+                bufs.push((format!("{n}.blocks"), Dtype::I32, vec![s.blocks.len(), 4], rows.iter().flat_map(|a| a.to_le_bytes()).collect()));
+            } else {
+                bufs.push((format!("{n}.basis"), Dtype::F32, vec![c, p], f32b(&s.basis)));
+            }
             bufs.push((format!("{n}.variance"), Dtype::F32, vec![c], f32b(&s.variance)));
             let rows: Vec<i32> = s.allocations.iter().enumerate().flat_map(|(i, a)| a.groups.iter().flat_map(move |g| [i as i32, g.start as i32, g.len as i32, g.bits as i32])).collect();
             bufs.push((format!("{n}.alloc"), Dtype::I32, vec![rows.len() / 4, 4], rows.iter().flat_map(|a| a.to_le_bytes()).collect()));
@@ -81,8 +92,8 @@ impl Calibration {
             return Err(format!("metadata `format` is not `{FORMAT}`"));
         }
         let version = num("version")?;
-        if version != VERSION as usize {
-            return Err(format!("version {version}; this build reads version {VERSION}"));
+        if version != 1 && version != VERSION as usize {
+            return Err(format!("version {version}; this build reads versions 1 and {VERSION}"));
         }
         let (layers, kv_heads, head_dim) = (num("layers")?, num("kv_heads")?, num("head_dim")?);
         let rope = match (meta.get("rope_theta"), meta.get("rope_dim")) {
@@ -113,10 +124,35 @@ impl Calibration {
             };
             let (mean, _) = f32s(&format!("{n}.mean"), Some(&[p]))?;
             let (basis, bs) = f32s(&format!("{n}.basis"), None)?;
-            if bs.len() != 2 || bs[1] != p {
-                return Err(format!("`{n}.basis` has shape {bs:?}, expected [components, {p}]"));
-            }
-            let comps = bs[0];
+            let blocks: Vec<BasisBlock> = match st.tensor(&format!("{n}.blocks")) {
+                Err(_) => {
+                    if bs.len() != 2 || bs[1] != p {
+                        return Err(format!("`{n}.basis` has shape {bs:?}, expected [components, {p}]"));
+                    }
+                    vec![BasisBlock { features: 0..p, components: 0..bs[0] }]
+                }
+                Ok(t) => {
+                    if version < 2 || t.dtype() != Dtype::I32 || t.shape().len() != 2 || t.shape()[1] != 4 || t.shape()[0] == 0 {
+                        return Err(format!("`{n}.blocks` must be I32 [blocks, 4] in a version 2 file"));
+                    }
+                    let rows: Vec<i64> = t.data().chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64).collect();
+                    let (mut f, mut c, mut total) = (0i64, 0i64, 0i64);
+                    let mut out = Vec::new();
+                    for r in rows.chunks_exact(4) {
+                        if r[0] != f || r[1] <= 0 || r[2] != c || r[3] < 0 || r[3] > (r[1] + BLOCK_ALIGN as i64 - 1) / BLOCK_ALIGN as i64 * BLOCK_ALIGN as i64 {
+                            return Err(format!("`{n}.blocks` row {r:?}: blocks must tile the features and components in order"));
+                        }
+                        out.push(BasisBlock { features: r[0] as usize..(r[0] + r[1]) as usize, components: r[2] as usize..(r[2] + r[3]) as usize });
+                        total += r[1] * r[3];
+                        (f, c) = (r[0] + r[1], r[2] + r[3]);
+                    }
+                    if f as usize != p || bs.len() != 1 || bs[0] as i64 != total {
+                        return Err(format!("`{n}.blocks` cover {f} of {p} features, `{n}.basis` has shape {bs:?} for {total} values"));
+                    }
+                    out
+                }
+            };
+            let comps = blocks.last().map_or(0, |b| b.components.end);
             let (variance, _) = f32s(&format!("{n}.variance"), Some(&[comps]))?;
             let at = st.tensor(&format!("{n}.alloc")).map_err(|_| format!("missing tensor `{n}.alloc`"))?;
             if at.dtype() != Dtype::I32 || at.shape().len() != 2 || at.shape()[1] != 4 {
@@ -138,8 +174,11 @@ impl Calibration {
             }
             for (i, a) in allocations.iter().enumerate() {
                 a.validate(comps, 16).map_err(|e| format!("{n} allocation {i} (ratio {}): {e}", ratios[i]))?;
+                if let Some(g) = a.groups.iter().find(|g| blocks.iter().any(|b| g.start < b.components.start as u32 && (b.components.start as u32) < g.start + g.len)) {
+                    return Err(format!("{n} allocation {i}: group at {} crosses a basis block", g.start));
+                }
             }
-            Ok(SideCalib { mean, basis, variance, allocations })
+            Ok(SideCalib { mean, basis, variance, allocations, blocks })
         };
         let cal = Calibration { layers, kv_heads, head_dim, rope, sinks: num("sinks")?, window: num("window")?, samples: num("samples")?, ratios: ratios.clone(), k: side("k")?, v: side("v")? };
         let id = get("id")?;

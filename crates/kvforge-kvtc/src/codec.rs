@@ -88,7 +88,14 @@ fn check_shapes(cal: &Calibration, dump: &KvDump) -> Result<()> {
 /// The first `comps` basis rows of a side as a `p × comps` matrix (columns = directions), built
 /// once per pack or unpack and shared by every chunk.
 pub fn basis_matrix(s: &SideCalib, p: usize, comps: usize) -> Mat<f64> {
-    Mat::<f64>::from_fn(p, comps, |f, c| s.basis[c * p + f] as f64)
+    let mut m = Mat::<f64>::zeros(p, comps);
+    for c in 0..comps {
+        let (f0, row) = s.basis_row(c);
+        for (j, &b) in row.iter().enumerate() {
+            m[(f0 + j, c)] = b as f64;
+        }
+    }
+    m
 }
 
 /// Decorrelated coordinates of tokens `r` of one side: `(x - mean) · bt`, `n × comps`, where
@@ -247,10 +254,47 @@ impl DecodedContainer {
     }
 }
 
-/// Reads every chunk of a container packed with `cal` (checksums, order, sizes), then
-/// entropy-decodes the chunks on all rayon threads. Fails, naming the chunk, on anything
-/// truncated, corrupted or packed with another calibration.
-pub fn decode_container(input: &mut impl Read, cal: &Calibration) -> Result<DecodedContainer> {
+/// A container read and checked (header, checksums, order, sizes) with its small chunks
+/// (positions, kept tokens) decoded and its coded chunks still entropy-coded: the input of a
+/// restore that decodes chunks while earlier ones are uploaded and restored (kvforge-rt
+/// `KvtcRestorer::restore_pipelined`).
+#[derive(Clone, Debug)]
+pub struct StoredContainer {
+    pub header: Header,
+    pub entropy: Entropy,
+    pub k_alloc: usize,
+    pub v_alloc: usize,
+    pub positions: Vec<i64>,
+    pub kept: Vec<usize>,
+    pub kept_fp16: Vec<u16>,
+    pub coded: std::ops::Range<usize>,
+    /// Coded chunks in stream order (per token run: keys, then values), entropy-coded.
+    pub chunks: Vec<(Side, std::ops::Range<usize>, Chunk)>,
+}
+
+impl StoredContainer {
+    pub fn tokens(&self) -> usize {
+        self.header.tokens as usize
+    }
+
+    /// Entropy-decodes coded chunk `i` (of [`StoredContainer::chunks`]).
+    pub fn decode_chunk(&self, i: usize) -> Result<DecodedChunk> {
+        let (side, r, c) = &self.chunks[i];
+        let raw = self.entropy.decompress(&c.payload, c.raw_len as usize).map_err(|message| KvtcError::Entropy { chunk: c.index, message })?;
+        Ok(DecodedChunk { index: c.index, side: *side, tokens: r.clone(), raw })
+    }
+
+    /// Entropy-decodes every coded chunk on all rayon threads.
+    pub fn decode(self) -> Result<DecodedContainer> {
+        let chunks = (0..self.chunks.len()).into_par_iter().map(|i| self.decode_chunk(i)).collect::<Result<Vec<_>>>()?;
+        Ok(DecodedContainer { header: self.header, k_alloc: self.k_alloc, v_alloc: self.v_alloc, positions: self.positions, kept: self.kept, kept_fp16: self.kept_fp16, coded: self.coded, chunks })
+    }
+}
+
+/// Reads every chunk of a container packed with `cal` (checksums, order, sizes), decoding the
+/// positions and kept tokens and leaving the coded chunks entropy-coded. Fails, naming the
+/// chunk, on anything truncated, corrupted or packed with another calibration.
+pub fn read_container(input: &mut impl Read, cal: &Calibration) -> Result<StoredContainer> {
     let h = Header::read(input)?;
     if h.calibration != cal.id() {
         let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
@@ -281,14 +325,45 @@ pub fn decode_container(input: &mut impl Read, cal: &Calibration) -> Result<Deco
     let c = next(input, Tag::Kept, 0, kept.len(), 4 * p * kept.len())?;
     let kept_fp16: Vec<u16> = decode(&c)?.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
     let ranges = chunk_ranges(coded.clone(), h.chunk_tokens as usize);
-    let mut stored = Vec::with_capacity(2 * ranges.len());
+    let mut chunks = Vec::with_capacity(2 * ranges.len());
     for r in &ranges {
-        stored.push((Side::Keys, r.clone(), next(input, Tag::Keys, r.start, r.len(), pack::raw_len(r.len(), ka))?));
-        stored.push((Side::Values, r.clone(), next(input, Tag::Values, r.start, r.len(), pack::raw_len(r.len(), va))?));
+        chunks.push((Side::Keys, r.clone(), next(input, Tag::Keys, r.start, r.len(), pack::raw_len(r.len(), ka))?));
+        chunks.push((Side::Values, r.clone(), next(input, Tag::Values, r.start, r.len(), pack::raw_len(r.len(), va))?));
     }
     next(input, Tag::End, 0, 0, 0)?;
-    let chunks = stored.par_iter().map(|(side, r, c)| Ok(DecodedChunk { index: c.index, side: *side, tokens: r.clone(), raw: decode(c)? })).collect::<Result<Vec<_>>>()?;
-    Ok(DecodedContainer { header: h, k_alloc, v_alloc, positions, kept, kept_fp16, coded, chunks })
+    Ok(StoredContainer { header: h, entropy, k_alloc, v_alloc, positions, kept, kept_fp16, coded, chunks })
+}
+
+/// Reads every chunk of a container packed with `cal` (checksums, order, sizes), then
+/// entropy-decodes the chunks on all rayon threads. Fails, naming the chunk, on anything
+/// truncated, corrupted or packed with another calibration.
+pub fn decode_container(input: &mut impl Read, cal: &Calibration) -> Result<DecodedContainer> {
+    read_container(input, cal)?.decode()
+}
+
+/// Writes a container from already packed chunks (`dc`, e.g. a restore benchmark's synthetic
+/// one), entropy-coding them with `entropy` on all rayon threads; returns the bytes written.
+pub fn write_container(dc: &DecodedContainer, entropy: Entropy, out: &mut impl Write) -> Result<usize> {
+    let header = Header { entropy: entropy.id(), ..dc.header.clone() };
+    let hb = header.to_bytes();
+    out.write_all(&hb)?;
+    let mut total = hb.len();
+    let mut emit = |out: &mut dyn Write, c: Chunk| -> Result<()> {
+        let mut w = out;
+        total += crate::container::CHUNK_HEADER_LEN + c.payload.len();
+        write_chunk(&mut w, &c)
+    };
+    let pos: Vec<u8> = dc.positions.iter().flat_map(|p| p.to_le_bytes()).collect();
+    emit(out, Chunk { tag: Tag::Positions, index: 0, first: 0, count: dc.tokens() as u32, raw_len: pos.len() as u32, payload: entropy.compress(&pos) })?;
+    let kb: Vec<u8> = dc.kept_fp16.iter().flat_map(|x| x.to_le_bytes()).collect();
+    emit(out, Chunk { tag: Tag::Kept, index: 1, first: 0, count: dc.kept.len() as u32, raw_len: kb.len() as u32, payload: entropy.compress(&kb) })?;
+    let stored: Vec<Vec<u8>> = dc.chunks.par_iter().map(|c| entropy.compress(&c.raw)).collect();
+    for (c, payload) in dc.chunks.iter().zip(stored) {
+        let tag = if c.side == Side::Keys { Tag::Keys } else { Tag::Values };
+        emit(out, Chunk { tag, index: c.index, first: c.tokens.start as u32, count: c.tokens.len() as u32, raw_len: c.raw.len() as u32, payload })?;
+    }
+    emit(out, Chunk { tag: Tag::End, index: 2 + dc.chunks.len() as u32, first: 0, count: 0, raw_len: 0, payload: Vec::new() })?;
+    Ok(total)
 }
 
 /// Restores a cache packed by [`pack_into`] with the same calibration.

@@ -13,7 +13,7 @@
 use half::f16;
 
 use crate::alloc::Allocation;
-use crate::calib::{Calibration, Side};
+use crate::calib::{Calibration, Side, SideCalib};
 
 /// Components per k-tile of the device matmul: coefficient rows and basis rows are padded to
 /// a multiple of it.
@@ -23,14 +23,50 @@ pub const BK: usize = 32;
 /// of one head), so `head_dim` must divide it.
 pub const BN: usize = 128;
 
-/// Coefficient columns (and basis rows) the device uses for `alloc`: its used components
-/// rounded up to [`BK`], at least one tile.
-pub fn padded_components(alloc: &Allocation) -> usize {
-    alloc.used_components().div_ceil(BK).max(1) * BK
+/// Where each basis block's coefficients sit in the device's coefficient matrix for one
+/// allocation: block `b` has columns `cols[b].0 .. cols[b].0 + cols[b].1`, its used components
+/// (up to its last coded one) rounded up to [`BK`]; `ldc` is their sum, at least one tile. A
+/// block with no coded component has no columns (its features are the mean). The restore runs
+/// one matmul per block: `2 · tokens · cols[b].1 · features(b)` FLOP.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceLayout {
+    pub ldc: usize,
+    pub cols: Vec<(usize, usize)>,
+}
+
+impl DeviceLayout {
+    /// Multiply-adds per token of the restore's matmuls (times 2 for FLOP).
+    pub fn macs_per_token(&self, s: &SideCalib) -> usize {
+        s.blocks.iter().zip(&self.cols).map(|(b, c)| c.1 * b.features.len()).sum()
+    }
+}
+
+/// The [`DeviceLayout`] of `alloc` over `s`'s blocks.
+pub fn device_layout(s: &SideCalib, alloc: &Allocation) -> DeviceLayout {
+    let mut cols = Vec::with_capacity(s.blocks.len());
+    let mut at = 0;
+    for b in &s.blocks {
+        let used = alloc.groups.iter().filter(|g| b.components.contains(&(g.start as usize))).map(|g| (g.start + g.len) as usize - b.components.start).max().unwrap_or(0);
+        let w = used.div_ceil(BK) * BK;
+        cols.push((at, w));
+        at += w;
+    }
+    if at == 0 {
+        if let Some(c) = cols.first_mut() {
+            c.1 = BK;
+        }
+        at = BK;
+    }
+    DeviceLayout { ldc: at, cols }
+}
+
+/// Coefficient columns the device uses for `alloc` over `s` ([`DeviceLayout::ldc`]).
+pub fn padded_components(s: &SideCalib, alloc: &Allocation) -> usize {
+    device_layout(s, alloc).ldc
 }
 
 /// One group as the dequant kernel reads it (`kvforge::kvtc::GroupDesc`, same field order):
-/// components `start..start+len`, `bits` per code (0: written as zeros), the group's planes at
+/// device columns `start..start+len`, `bits` per code (0: written as zeros), the group's planes at
 /// byte `offset` of a chunk of `n` tokens (fp16 shift/scale pairs, then codes at `offset + 4n`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -41,11 +77,12 @@ pub struct GroupDesc {
     pub offset: u32,
 }
 
-/// The allocation's groups for chunks of `n` tokens, with zero-bit groups filling every
-/// component of `0..ldc` no group codes (the device writes each coefficient exactly once).
-pub fn group_table(alloc: &Allocation, n: usize, ldc: usize) -> Vec<GroupDesc> {
-    let mut out = Vec::with_capacity(2 * alloc.groups.len() + 1);
-    let (mut next, mut offset) = (0usize, 0usize);
+/// The allocation's groups for chunks of `n` tokens in the device columns of `layout`
+/// ([`device_layout`]), with zero-bit groups filling every column no group codes (the device
+/// writes each coefficient exactly once).
+pub fn group_table(s: &SideCalib, alloc: &Allocation, layout: &DeviceLayout, n: usize) -> Vec<GroupDesc> {
+    let mut out = Vec::with_capacity(2 * alloc.groups.len() + s.blocks.len() + 1);
+    let mut offset = 0usize;
     let gap = |out: &mut Vec<GroupDesc>, from: usize, to: usize| {
         // zero-bit groups of at most 1024 components, so no CTA gets a huge one
         let mut a = from;
@@ -55,14 +92,17 @@ pub fn group_table(alloc: &Allocation, n: usize, ldc: usize) -> Vec<GroupDesc> {
             a += len;
         }
     };
-    for g in &alloc.groups {
-        let (s, len, bits) = (g.start as usize, g.len as usize, g.bits as usize);
-        gap(&mut out, next, s);
-        out.push(GroupDesc { start: s as i32, len: len as i32, bits: bits as i32, offset: offset as u32 });
-        offset += 4 * n + (n * len * bits).div_ceil(8);
-        next = s + len;
+    for (b, &(col0, width)) in s.blocks.iter().zip(&layout.cols) {
+        let mut next = col0;
+        for g in alloc.groups.iter().filter(|g| b.components.contains(&(g.start as usize))) {
+            let (c, len, bits) = (col0 + g.start as usize - b.components.start, g.len as usize, g.bits as usize);
+            gap(&mut out, next, c);
+            out.push(GroupDesc { start: c as i32, len: len as i32, bits: bits as i32, offset: offset as u32 });
+            offset += 4 * n + (n * len * bits).div_ceil(8);
+            next = c + len;
+        }
+        gap(&mut out, next, col0 + width);
     }
-    gap(&mut out, next, ldc);
     out
 }
 
@@ -95,28 +135,31 @@ fn h(x: f64) -> f64 {
     f16::from_f64(x).to_f64()
 }
 
-/// The restore kernel in f64: features of `n` tokens from `n × ldc` coefficients, the mean
-/// added and RoPE applied to keys at `positions`, as `[layer][token][kv_head · head_dim + channel]`.
-/// `fp16_operands`: round coefficients and basis to fp16 first, as the device does (off, the
-/// result is the CPU unpack's up to summation order).
-pub fn restore_reference(cal: &Calibration, side: Side, coeff: &[f64], n: usize, ldc: usize, positions: &[i64], fp16_operands: bool) -> Vec<f64> {
+/// The restore kernel in f64: features of `n` tokens from `n × layout.ldc` coefficients (block
+/// `b`'s components in its columns of `layout`), the mean added and RoPE applied to keys at
+/// `positions`, as `[layer][token][kv_head · head_dim + channel]`. `fp16_operands`: round
+/// coefficients and basis to fp16 first, as the device does (off, the result is the CPU
+/// unpack's up to summation order).
+pub fn restore_reference(cal: &Calibration, side: Side, coeff: &[f64], n: usize, layout: &DeviceLayout, positions: &[i64], fp16_operands: bool) -> Vec<f64> {
     let s = cal.side(side);
     let p = cal.features();
-    let comps = ldc.min(s.components());
+    let ldc = layout.ldc;
     let width = cal.kv_heads * cal.head_dim;
+    let round = |x: f64| if fp16_operands { h(x) } else { x };
     let mut out = vec![0.0; n * p];
     let mut x = vec![0.0; p];
-    let basis: Vec<f64> = s.basis[..comps * p].iter().map(|&b| if fp16_operands { h(b as f64) } else { b as f64 }).collect();
     for t in 0..n {
         x.iter_mut().enumerate().for_each(|(f, v)| *v = s.mean[f] as f64);
-        for c in 0..comps {
-            let a = coeff[t * ldc + c];
-            let a = if fp16_operands { h(a) } else { a };
-            if a == 0.0 {
-                continue;
-            }
-            for (v, &b) in x.iter_mut().zip(&basis[c * p..(c + 1) * p]) {
-                *v += a * b;
+        for (b, &(col0, w)) in s.blocks.iter().zip(&layout.cols) {
+            for j in 0..w.min(b.components.len()) {
+                let a = round(coeff[t * ldc + col0 + j]);
+                if a == 0.0 {
+                    continue;
+                }
+                let (f0, row) = s.basis_row(b.components.start + j);
+                for (v, &r) in x[f0..f0 + row.len()].iter_mut().zip(row) {
+                    *v += a * round(r as f64);
+                }
             }
         }
         for (head, chunk) in x.chunks_mut(cal.head_dim).enumerate() {
@@ -143,21 +186,22 @@ fn noise(seed: u64, i: u64) -> f64 {
     acc * 1.7320508
 }
 
-/// An allocation for `budget_bits` per token: 16 single components at 8 bits, then groups of 64
-/// at 4 bits while the budget lasts (the shape of a real 8–64× allocation, not a solved one).
-pub fn synthetic_allocation(budget_bits: usize, components: usize) -> Allocation {
+/// An allocation for `budget_bits` per token over components `first..first + components`:
+/// `singles` single components at 8 bits, then groups of 64 at 4 bits while the budget lasts
+/// (the shape of a real 8–64× allocation, not a solved one).
+pub fn synthetic_allocation(budget_bits: usize, first: usize, components: usize, singles: usize) -> Allocation {
     let mut groups = Vec::new();
     let (mut used, mut start) = (0usize, 0usize);
-    for _ in 0..16 {
+    for _ in 0..singles {
         if used + 40 > budget_bits || start >= components {
             break;
         }
-        groups.push(crate::alloc::Group { start: start as u32, len: 1, bits: 8 });
+        groups.push(crate::alloc::Group { start: (first + start) as u32, len: 1, bits: 8 });
         used += 40;
         start += 1;
     }
     while used + 64 * 4 + 32 <= budget_bits && start + 64 <= components {
-        groups.push(crate::alloc::Group { start: start as u32, len: 64, bits: 4 });
+        groups.push(crate::alloc::Group { start: (first + start) as u32, len: 64, bits: 4 });
         used += 64 * 4 + 32;
         start += 64;
     }
@@ -165,22 +209,57 @@ pub fn synthetic_allocation(budget_bits: usize, components: usize) -> Allocation
 }
 
 /// A calibration of the right shape with random directions (not orthonormal) and means, and
-/// one [`synthetic_allocation`] per ratio: for restore throughput and device tests, where only
-/// the arithmetic matters. Real quality needs [`crate::calibrate`].
-pub fn synthetic_calibration(layers: usize, kv_heads: usize, head_dim: usize, rope: Option<crate::Rope>, ratios: &[f64], seed: u64) -> Calibration {
+/// per ratio an allocation of [`synthetic_allocation`]s, one per basis block with an equal share
+/// of the budget (16 single components over all, spread over the blocks), for restore
+/// throughput and device tests, where only the arithmetic matters. `layers_per_basis`: as
+/// [`crate::CalibConfig::layers_per_basis`] (0: one block). Real quality needs [`crate::calibrate`].
+pub fn synthetic_calibration(layers: usize, kv_heads: usize, head_dim: usize, rope: Option<crate::Rope>, ratios: &[f64], layers_per_basis: usize, seed: u64) -> Calibration {
     use rayon::prelude::*;
     let p = layers * kv_heads * head_dim;
-    let allocs: Vec<Allocation> = ratios.iter().map(|&r| synthetic_allocation(crate::calib::budget_bits(p, r), p)).collect();
-    let comps = allocs.iter().map(|a| a.used_components()).max().unwrap_or(1).max(1);
+    let fblocks = crate::calib::block_features(layers, kv_heads * head_dim, layers_per_basis);
+    let nb = fblocks.len();
+    let multi = nb > 1;
+    let cap = |w: usize| if multi { w.div_ceil(crate::calib::BLOCK_ALIGN) * crate::calib::BLOCK_ALIGN } else { w };
+    let starts: Vec<usize> = fblocks
+        .iter()
+        .scan(0, |c, f| {
+            let s = *c;
+            *c += cap(f.len());
+            Some(s)
+        })
+        .collect();
+    let allocs: Vec<Allocation> = ratios
+        .iter()
+        .map(|&r| {
+            let budget = crate::calib::budget_bits(p, r);
+            let mut groups = Vec::new();
+            for (f, &c0) in fblocks.iter().zip(&starts) {
+                let share = budget * f.len() / p;
+                groups.extend(synthetic_allocation(share, c0, cap(f.len()), 16usize.div_ceil(nb)).groups);
+            }
+            Allocation { budget_bits: budget as u32, groups, expected_error: f64::NAN }
+        })
+        .collect();
+    // one block: kept as far as the largest allocation uses it; several: whole
+    let blocks: Vec<crate::calib::BasisBlock> = if multi {
+        fblocks.iter().zip(&starts).map(|(f, &c0)| crate::calib::BasisBlock { features: f.clone(), components: c0..c0 + cap(f.len()) }).collect()
+    } else {
+        let used = allocs.iter().map(Allocation::used_components).max().unwrap_or(0).max(1);
+        vec![crate::calib::BasisBlock { features: 0..p, components: 0..used }]
+    };
+    let c = blocks.last().map_or(0, |b| b.components.end);
+    let comps = c;
     let side = |k: u64| {
-        let scale = 1.0 / (p as f64).sqrt();
-        let mut basis = vec![0f32; comps * p];
-        basis.par_chunks_mut(p).enumerate().for_each(|(c, row)| row.iter_mut().enumerate().for_each(|(f, b)| *b = (noise(seed + k, (c * p + f) as u64) * scale) as f32));
+        let total: usize = blocks.iter().map(|b| b.components.len() * b.features.len()).sum();
+        let mut basis = vec![0f32; total];
+        let scale = 1.0 / (blocks[0].features.len() as f64).sqrt();
+        basis.par_chunks_mut(1 << 16).enumerate().for_each(|(ci, ch)| ch.iter_mut().enumerate().for_each(|(i, b)| *b = (noise(seed + k, (ci * (1 << 16) + i) as u64) * scale) as f32));
         crate::calib::SideCalib {
             mean: (0..p).map(|f| (0.1 * noise(seed + k + 7, f as u64)) as f32).collect(),
             basis,
             variance: (0..comps).map(|c| 1.0 / (1.0 + c as f32)).collect(),
             allocations: allocs.clone(),
+            blocks: blocks.clone(),
         }
     };
     Calibration { layers, kv_heads, head_dim, rope, sinks: 4, window: 128, samples: 0, ratios: ratios.to_vec(), k: side(1), v: side(2) }
@@ -237,30 +316,50 @@ mod tests {
     use crate::alloc::Group;
     use crate::pack;
 
+    fn side(blocks: Vec<crate::calib::BasisBlock>) -> SideCalib {
+        let comps = blocks.last().unwrap().components.end;
+        SideCalib { mean: vec![], basis: vec![], variance: vec![0.0; comps], allocations: vec![], blocks }
+    }
+
     #[test]
-    fn group_table_covers_every_component_once_and_dequant_matches_decode() {
-        let alloc = Allocation {
-            budget_bits: 100_000,
-            expected_error: 0.0,
-            groups: vec![Group { start: 0, len: 1, bits: 8 }, Group { start: 1, len: 16, bits: 3 }, Group { start: 20, len: 16, bits: 1 }, Group { start: 36, len: 1, bits: 13 }],
-        };
-        let ldc = padded_components(&alloc);
-        assert_eq!(ldc, 64);
-        for n in [1usize, 5, 256] {
-            let table = group_table(&alloc, n, ldc);
-            let mut seen = vec![0; ldc];
-            for g in &table {
-                (g.start..g.start + g.len).for_each(|c| seen[c as usize] += 1);
-            }
-            assert!(seen.iter().all(|&k| k == 1), "{seen:?}");
-            let comps = alloc.used_components();
-            let d: Vec<f64> = (0..n * comps).map(|k| (((k as u64 * 2654435761) % 1000) as f64 - 500.0) / 37.0).collect();
-            let raw = pack::encode(&d, n, comps, &alloc);
-            let want = pack::decode(&raw, n, comps, &alloc);
-            let got = dequant_reference(&raw, n, &table, ldc);
-            for t in 0..n {
-                for c in 0..ldc {
-                    assert_eq!(got[t * ldc + c], if c < comps { want[t * comps + c] } else { 0.0 });
+    fn group_table_covers_every_column_once_and_dequant_matches_decode() {
+        use crate::calib::BasisBlock;
+        let one = side(vec![BasisBlock { features: 0..64, components: 0..64 }]);
+        let two = side(vec![BasisBlock { features: 0..64, components: 0..64 }, BasisBlock { features: 64..128, components: 64..128 }]);
+        let groups = vec![Group { start: 0, len: 1, bits: 8 }, Group { start: 1, len: 16, bits: 3 }, Group { start: 20, len: 16, bits: 1 }, Group { start: 36, len: 1, bits: 13 }];
+        let mut groups2 = groups.clone();
+        groups2.push(Group { start: 64, len: 16, bits: 2 });
+        groups2.push(Group { start: 100, len: 1, bits: 5 });
+        for (s, groups, want_cols) in [(&one, groups, vec![(0, 64)]), (&two, groups2, vec![(0, 64), (64, 64)])] {
+            let alloc = Allocation { budget_bits: 100_000, expected_error: 0.0, groups };
+            let layout = device_layout(s, &alloc);
+            assert_eq!(layout.cols, want_cols);
+            let ldc = layout.ldc;
+            // component -> device column
+            let col = |c: usize| {
+                let b = s.block_of(c);
+                layout.cols[b].0 + c - s.blocks[b].components.start
+            };
+            for n in [1usize, 5, 256] {
+                let table = group_table(s, &alloc, &layout, n);
+                let mut seen = vec![0; ldc];
+                for g in &table {
+                    (g.start..g.start + g.len).for_each(|c| seen[c as usize] += 1);
+                }
+                assert!(seen.iter().all(|&k| k == 1), "{seen:?}");
+                let comps = alloc.used_components();
+                let d: Vec<f64> = (0..n * comps).map(|k| (((k as u64 * 2654435761) % 1000) as f64 - 500.0) / 37.0).collect();
+                let raw = pack::encode(&d, n, comps, &alloc);
+                let want = pack::decode(&raw, n, comps, &alloc);
+                let got = dequant_reference(&raw, n, &table, ldc);
+                for t in 0..n {
+                    let mut expect = vec![0.0; ldc];
+                    for c in 0..comps {
+                        if col(c) < ldc {
+                            expect[col(c)] = want[t * comps + c];
+                        }
+                    }
+                    assert_eq!(&got[t * ldc..(t + 1) * ldc], &expect[..]);
                 }
             }
         }

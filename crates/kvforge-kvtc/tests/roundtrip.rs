@@ -56,14 +56,43 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
 }
 
 fn setup() -> (KvDump, Calibration) {
-    let cal = calibrate(&synthetic(2, 2, 16, 500, 1, 1), &cfg(), |_| {}).unwrap();
+    setup_scoped(0)
+}
+
+/// The fixture with a basis per `layers_per_basis` layers (0: one over all layers).
+fn setup_scoped(layers_per_basis: usize) -> (KvDump, Calibration) {
+    let cal = calibrate(&synthetic(2, 2, 16, 500, 1, 1), &CalibConfig { layers_per_basis, ..cfg() }, |_| {}).unwrap();
     (synthetic(2, 2, 16, 100, 1, 2), cal)
+}
+
+/// A per-layer basis is block diagonal: two blocks, each a whole layer, components padded to
+/// the block alignment, and no allocation group crossing a block.
+#[test]
+fn per_layer_basis_is_block_diagonal() {
+    let (_, cal) = setup_scoped(1);
+    for s in [&cal.k, &cal.v] {
+        assert_eq!(s.blocks.len(), 2);
+        assert_eq!(s.blocks[0].features, 0..32);
+        assert_eq!(s.blocks[1].features, 32..64);
+        assert_eq!(s.blocks[1].components.start % kvforge_kvtc::calib::BLOCK_ALIGN, 0);
+        assert_eq!(s.basis.len(), s.blocks.iter().map(|b| b.components.len() * 32).sum::<usize>());
+        for a in &s.allocations {
+            for g in &a.groups {
+                assert!(s.block_of(g.start as usize) == s.block_of((g.start + g.len - 1) as usize), "{g:?} crosses a block");
+            }
+        }
+    }
 }
 
 #[test]
 fn calibrate_pack_unpack_round_trip() {
-    let (cache, cal) = setup();
-    let dir = std::env::temp_dir().join(format!("kvtc-test-{}", std::process::id()));
+    round_trip(0);
+    round_trip(1);
+}
+
+fn round_trip(layers_per_basis: usize) {
+    let (cache, cal) = setup_scoped(layers_per_basis);
+    let dir = std::env::temp_dir().join(format!("kvtc-test-{}-{layers_per_basis}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("cal.safetensors");
     cal.save(&path, &Default::default()).unwrap();
@@ -93,7 +122,10 @@ fn calibrate_pack_unpack_round_trip() {
             }
             // 64x of 64 features is 16 bits per token, less than one group's shift and scale:
             // everything is dropped and restores as the mean.
-            let bound = if ratio <= 16.0 { 0.3 } else { 1.0 };
+            // A per-layer basis codes the latent factors the layers share once per layer, and
+            // pays a shift and scale per group in each: at 16x of 32 features per block that
+            // leaves little, so only 4x is bounded tightly there.
+            let bound = if ratio <= 4.0 || (ratio <= 16.0 && layers_per_basis == 0) { 0.3 } else { 1.0 };
             eprintln!("ratio {ratio} {entropy:?}: {:.2}x before entropy, {:.2}x after, keys {ek:.4} values {ev:.4}", got, stats.ratio_after_entropy());
             assert!(ek < bound && ev < bound, "ratio {ratio}: rel err keys {ek:.4} values {ev:.4}");
         }
@@ -174,34 +206,56 @@ fn fixture() -> (&'static KvDump, &'static Calibration) {
 /// rows per layer) reproduces the CPU unpack, odd and one-token chunks included.
 #[test]
 fn restore_reference_equals_unpack() {
-    use kvforge_kvtc::restore::{dequant_reference, group_table, padded_components, restore_reference};
+    use kvforge_kvtc::restore::{dequant_reference, device_layout, group_table, restore_reference};
     use kvforge_kvtc::{decode_container, Side};
-    let (dump, cal) = setup();
-    for (ratio, chunk_tokens) in [(4.0, 7), (16.0, 1), (64.0, 256)] {
-        let opts = PackOptions { ratio_index: cal.ratio_index(ratio).unwrap(), entropy: Entropy::Deflate, chunk_tokens };
-        let mut bytes = Vec::new();
-        pack_into(&dump, &cal, &opts, &mut bytes).unwrap();
-        let want = unpack_from(&mut bytes.as_slice(), &cal).unwrap();
-        let dc = decode_container(&mut bytes.as_slice(), &cal).unwrap();
-        assert!(!dc.chunks.is_empty());
-        let (hd, hkv) = (cal.head_dim, cal.kv_heads);
-        for c in &dc.chunks {
-            let a = &cal.side(c.side).allocations[if c.side == Side::Keys { dc.k_alloc } else { dc.v_alloc }];
-            let (n, ldc) = (c.tokens.len(), padded_components(a));
-            let coeff = dequant_reference(&c.raw, n, &group_table(a, n, ldc), ldc);
-            let x = restore_reference(&cal, c.side, &coeff, n, ldc, &dc.positions[c.tokens.clone()], false);
-            let w = if c.side == Side::Keys { &want.k } else { &want.v };
-            for l in 0..cal.layers {
-                for (i, t) in c.tokens.clone().enumerate() {
-                    for h in 0..hkv {
-                        for ch in 0..hd {
-                            let got = x[(l * n + i) * hkv * hd + h * hd + ch];
-                            let exp = w[want.at(l, h, t, ch)] as f64;
-                            assert!((got - exp).abs() <= 1e-5 * exp.abs().max(1.0), "ratio {ratio} {:?} l {l} t {t} h {h} ch {ch}: {got} vs {exp}", c.side);
+    for scope in [0, 1] {
+        let (dump, cal) = setup_scoped(scope);
+        for (ratio, chunk_tokens) in [(4.0, 7), (16.0, 1), (64.0, 256)] {
+            let opts = PackOptions { ratio_index: cal.ratio_index(ratio).unwrap(), entropy: Entropy::Deflate, chunk_tokens };
+            let mut bytes = Vec::new();
+            pack_into(&dump, &cal, &opts, &mut bytes).unwrap();
+            let want = unpack_from(&mut bytes.as_slice(), &cal).unwrap();
+            let dc = decode_container(&mut bytes.as_slice(), &cal).unwrap();
+            assert!(!dc.chunks.is_empty());
+            let (hd, hkv) = (cal.head_dim, cal.kv_heads);
+            for c in &dc.chunks {
+                let a = &cal.side(c.side).allocations[if c.side == Side::Keys { dc.k_alloc } else { dc.v_alloc }];
+                let (n, layout) = (c.tokens.len(), device_layout(cal.side(c.side), a));
+                let coeff = dequant_reference(&c.raw, n, &group_table(cal.side(c.side), a, &layout, n), layout.ldc);
+                let x = restore_reference(&cal, c.side, &coeff, n, &layout, &dc.positions[c.tokens.clone()], false);
+                let w = if c.side == Side::Keys { &want.k } else { &want.v };
+                for l in 0..cal.layers {
+                    for (i, t) in c.tokens.clone().enumerate() {
+                        for h in 0..hkv {
+                            for ch in 0..hd {
+                                let got = x[(l * n + i) * hkv * hd + h * hd + ch];
+                                let exp = w[want.at(l, h, t, ch)] as f64;
+                                assert!((got - exp).abs() <= 1e-5 * exp.abs().max(1.0), "scope {scope} ratio {ratio} {:?} l {l} t {t} h {h} ch {ch}: {got} vs {exp}", c.side);
+                            }
                         }
                     }
                 }
             }
+        }
+    }
+}
+
+/// A container rewritten from its decoded chunks (what a restore benchmark saves) is the same
+/// bytes, for each entropy coder; the stored form decodes to the same chunks.
+#[test]
+fn write_container_reproduces_packed_bytes() {
+    let (cache, cal) = fixture();
+    for entropy in [Entropy::None, Entropy::Deflate, Entropy::Zstd] {
+        let mut buf = Vec::new();
+        pack_into(cache, cal, &PackOptions { ratio_index: 1, entropy, chunk_tokens: 32 }, &mut buf).unwrap();
+        let dc = kvforge_kvtc::decode_container(&mut buf.as_slice(), cal).unwrap();
+        let mut again = Vec::new();
+        let n = kvforge_kvtc::write_container(&dc, entropy, &mut again).unwrap();
+        assert_eq!(n, again.len());
+        assert_eq!(again, buf, "{entropy:?}");
+        let sc = kvforge_kvtc::read_container(&mut buf.as_slice(), cal).unwrap();
+        for (i, c) in dc.chunks.iter().enumerate() {
+            assert_eq!(sc.decode_chunk(i).unwrap().raw, c.raw);
         }
     }
 }

@@ -23,8 +23,9 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
-use kvforge_kvtc::restore::{group_table, padded_components, GroupDesc, BN};
-use kvforge_kvtc::{Allocation, Calibration, DecodedContainer, Side};
+use kvforge_kvtc::calib::SideCalib;
+use kvforge_kvtc::restore::{device_layout, group_table, DeviceLayout, GroupDesc, BN};
+use kvforge_kvtc::{Calibration, DecodedContainer, Side};
 
 use crate::device::Device;
 use crate::error::{drv, Result, RtError};
@@ -32,6 +33,9 @@ use crate::error::{drv, Result, RtError};
 /// Most coded tokens one dequant + restore launch pair covers (bounds the coefficient buffer to
 /// `MAX_BATCH_TOKENS × components` fp16).
 pub const MAX_BATCH_TOKENS: usize = 32768;
+
+/// Tokens per segment of the pipelined restore [`load_container`] runs.
+pub const LOAD_SEGMENT_TOKENS: usize = 16384;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -57,7 +61,9 @@ struct RestoreParams {
     out: u64,
     rows: i32,
     ldc: i32,
+    kdim: i32,
     p: i32,
+    feat0: i32,
     layer_width: i32,
     head_dim: i32,
     rope_dim: i32,
@@ -72,11 +78,22 @@ unsafe impl cudarc::driver::DeviceRepr for RestoreParams {}
 
 /// One side's calibration on the device.
 struct SideDev {
-    /// `[rows][p]` fp16, rows = the largest allocation's padded components (zero past the basis).
+    /// The blocks' bases back to back, block `b` `[blocks[b].rows][its features]` fp16, rows =
+    /// the largest allocation's columns of the block (zero past the calibration's components).
     basis: CudaSlice<u16>,
-    rows: usize,
+    blocks: Vec<BlockDev>,
     mean: CudaSlice<f32>,
-    allocations: Vec<Allocation>,
+    /// The side's blocks and allocations (no basis): what [`device_layout`] and [`group_table`] read.
+    shape: SideCalib,
+}
+
+/// One basis block on the device.
+struct BlockDev {
+    /// Where its rows start in [`SideDev::basis`] (elements).
+    offset: usize,
+    rows: usize,
+    feat0: usize,
+    features: usize,
 }
 
 /// Both sides of a restored sequence on the device: `[layer][token][kv_head · head_dim + channel]` fp16 bits.
@@ -149,11 +166,22 @@ impl KvtcRestorer {
         let (dequant, restore) = (f("dequant")?, f("restore")?);
         let side = |side: Side| -> Result<SideDev> {
             let s = cal.side(side);
-            let rows = s.allocations.iter().map(padded_components).max().unwrap_or(kvforge_kvtc::restore::BK);
-            let mut b = vec![0u16; rows * p];
-            let have = s.components().min(rows);
-            b[..have * p].copy_from_slice(&to_f16_bits(&s.basis[..have * p]));
-            Ok(SideDev { basis: st.clone_htod(&b).map_err(drv("kvtc basis upload"))?, rows, mean: st.clone_htod(&s.mean).map_err(drv("kvtc mean upload"))?, allocations: s.allocations.clone() })
+            let shape = SideCalib { mean: Vec::new(), basis: Vec::new(), variance: Vec::new(), allocations: s.allocations.clone(), blocks: s.blocks.clone() };
+            let layouts: Vec<DeviceLayout> = s.allocations.iter().map(|a| device_layout(s, a)).collect();
+            let mut blocks = Vec::with_capacity(s.blocks.len());
+            let mut host: Vec<u16> = Vec::new();
+            for (bi, b) in s.blocks.iter().enumerate() {
+                let rows = layouts.iter().map(|l| l.cols[bi].1).max().unwrap_or(0);
+                let w = b.features.len();
+                let offset = host.len();
+                host.resize(offset + rows * w, 0);
+                let have = rows.min(b.components.len());
+                let o = s.block_offset(bi);
+                host[offset..offset + have * w].copy_from_slice(&to_f16_bits(&s.basis[o..o + have * w]));
+                blocks.push(BlockDev { offset, rows, feat0: b.features.start, features: w });
+            }
+            host.resize(host.len().max(1), 0);
+            Ok(SideDev { basis: st.clone_htod(&host).map_err(drv("kvtc basis upload"))?, blocks, mean: st.clone_htod(&s.mean).map_err(drv("kvtc mean upload"))?, shape })
         };
         let sides = [side(Side::Keys)?, side(Side::Values)?];
         let rope_dim = cal.rope.map_or(0, |r| r.dim);
@@ -193,7 +221,7 @@ impl KvtcRestorer {
         let mut k = unsafe { st.alloc::<u16>((layers * tokens * width).max(1)) }.map_err(drv("kvtc restored keys"))?;
         // SAFETY: as above.
         let mut v = unsafe { st.alloc::<u16>((layers * tokens * width).max(1)) }.map_err(drv("kvtc restored values"))?;
-        self.upload_kept(dc, &mut k, &mut v)?;
+        self.upload_kept(KeptRows { tokens, kept: &dc.kept, kept_fp16: &dc.kept_fp16 }, &mut k, &mut v)?;
         let positions = st.clone_htod(&dc.positions).map_err(drv("kvtc positions"))?;
         let staged = [Side::Keys, Side::Values].map(|side| self.stage(dc, side));
         let staged: Vec<Vec<Batch>> = staged.into_iter().collect::<Result<_>>()?;
@@ -213,9 +241,158 @@ impl KvtcRestorer {
         Ok((RestoredKv { k, v, tokens, layers, width }, times))
     }
 
+    /// Restores a container read with [`kvforge_kvtc::read_container`] (coded chunks still
+    /// entropy-coded) in a pipeline of segments of about `segment_tokens` tokens: the host
+    /// entropy-decodes segment `i + 1` (all rayon threads) straight into one of two pinned
+    /// buffers while a copy stream uploads segment `i` and the restorer's stream runs segment
+    /// `i − 1`'s kernels, so the load takes about its slowest stage rather than their sum.
+    /// Synchronises both streams; the result is the same as [`KvtcRestorer::restore`]'s.
+    pub fn restore_pipelined(&self, sc: &kvforge_kvtc::StoredContainer, segment_tokens: usize) -> Result<(RestoredKv, PipelineTimes)> {
+        use rayon::prelude::*;
+        if sc.header.calibration != self.calibration {
+            return Err(RtError::BadInput("kvtc restore: the container was read with another calibration than this restorer's".into()));
+        }
+        let (tokens, width, layers) = (sc.tokens(), self.kv_heads * self.head_dim, self.layers);
+        let st = &self.st;
+        let cs = self.ctx.new_stream().map_err(drv("kvtc copy stream"))?;
+        // SAFETY: fully written below: kept tokens by copies, coded tokens by the restore kernel.
+        let mut k = unsafe { st.alloc::<u16>((layers * tokens * width).max(1)) }.map_err(drv("kvtc restored keys"))?;
+        // SAFETY: as above.
+        let mut v = unsafe { st.alloc::<u16>((layers * tokens * width).max(1)) }.map_err(drv("kvtc restored values"))?;
+        self.upload_kept(KeptRows { tokens, kept: &sc.kept, kept_fp16: &sc.kept_fp16 }, &mut k, &mut v)?;
+        let positions = st.clone_htod(&sc.positions).map_err(drv("kvtc positions"))?;
+        // segments: runs of whole (keys, values) chunk pairs; within one, keys' chunks first
+        let mut segs: Vec<std::ops::Range<usize>> = Vec::new();
+        let mut i = 0;
+        while i < sc.chunks.len() {
+            let (start, mut n) = (i, 0);
+            while i < sc.chunks.len() && (n < segment_tokens.max(1) || i == start) {
+                n += sc.chunks[i].1.len();
+                i += 2;
+            }
+            segs.push(start..i.min(sc.chunks.len()));
+        }
+        let order = |r: &std::ops::Range<usize>| -> Vec<usize> { r.clone().step_by(2).chain(r.clone().skip(1).step_by(2)).collect() };
+        let bytes_of = |r: &std::ops::Range<usize>| -> usize { r.clone().map(|j| sc.chunks[j].2.raw_len as usize).sum() };
+        let slab = segs.iter().map(bytes_of).max().unwrap_or(0).max(1);
+        let sides = [Side::Keys, Side::Values];
+        let allocs = [sc.k_alloc, sc.v_alloc];
+        let mut layouts = Vec::with_capacity(2);
+        for (s, &ai) in sides.iter().zip(&allocs) {
+            let sd = &self.sides[*s as usize];
+            let a = sd.shape.allocations.get(ai).ok_or_else(|| RtError::BadInput(format!("kvtc: allocation {ai} not in the calibration")))?;
+            layouts.push(device_layout(&sd.shape, a));
+        }
+        let max_rows = segs.iter().map(|r| r.clone().step_by(2).map(|j| sc.chunks[j].1.len()).sum::<usize>()).max().unwrap_or(0);
+        // SAFETY: written by the dequant kernel before each restore reads it.
+        let mut coeff = unsafe { st.alloc::<u16>((max_rows * layouts.iter().map(|l| l.ldc).max().unwrap_or(0)).max(1)) }.map_err(drv("kvtc coefficients"))?;
+        // group tables per (side, chunk tokens), uploaded once
+        let mut tables: std::collections::HashMap<(usize, usize), (CudaSlice<GroupRaw>, usize)> = std::collections::HashMap::new();
+        for (_, r, _) in &sc.chunks {
+            for (si, s) in sides.iter().enumerate() {
+                if let std::collections::hash_map::Entry::Vacant(e) = tables.entry((si, r.len())) {
+                    let sd = &self.sides[*s as usize];
+                    let t: Vec<GroupRaw> = group_table(&sd.shape, &sd.shape.allocations[allocs[si]], &layouts[si], r.len()).into_iter().map(GroupRaw::from).collect();
+                    e.insert((st.clone_htod(&t).map_err(drv("kvtc group table"))?, t.len()));
+                }
+            }
+        }
+        // SAFETY: pinned staging, written by the host before each copy reads it.
+        let mut pinned =
+            [unsafe { self.ctx.alloc_pinned_with_flags::<u8>(slab, 0) }.map_err(drv("kvtc pinned staging"))?, unsafe { self.ctx.alloc_pinned_with_flags::<u8>(slab, 0) }.map_err(drv("kvtc pinned staging"))?];
+        // SAFETY: written by the copies before the kernels read it.
+        let mut dev = [unsafe { st.alloc::<u8>(slab) }.map_err(drv("kvtc packed segment"))?, unsafe { st.alloc::<u8>(slab) }.map_err(drv("kvtc packed segment"))?];
+        st.synchronize().map_err(drv("kvtc restore setup"))?;
+        let ev = || self.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"));
+        let (copied, consumed) = ([ev()?, ev()?], [ev()?, ev()?]);
+        let mut marks: Vec<[cudarc::driver::CudaEvent; 4]> = Vec::with_capacity(segs.len());
+        let mut times = PipelineTimes { segments: segs.len(), ..Default::default() };
+        let t_start = std::time::Instant::now();
+        for (si, seg) in segs.iter().enumerate() {
+            let slot = si % 2;
+            let ord = order(seg);
+            let bytes = bytes_of(seg);
+            // entropy decode into the pinned slot (waits for the copy that last read it)
+            let td = std::time::Instant::now();
+            {
+                let buf = pinned[slot].as_mut_slice().map_err(drv("kvtc pinned staging"))?;
+                let mut parts: Vec<(usize, &mut [u8])> = Vec::with_capacity(ord.len());
+                let mut rest = &mut buf[..bytes];
+                for &j in &ord {
+                    let (a, b) = rest.split_at_mut(sc.chunks[j].2.raw_len as usize);
+                    parts.push((j, a));
+                    rest = b;
+                }
+                parts.into_par_iter().try_for_each(|(j, out)| -> Result<()> {
+                    let c = sc.decode_chunk(j)?;
+                    if c.raw.len() != out.len() {
+                        return Err(RtError::Kvtc(kvforge_kvtc::KvtcError::BadChunk { chunk: c.index, message: format!("{} bytes after decoding, expected {}", c.raw.len(), out.len()) }));
+                    }
+                    out.copy_from_slice(&c.raw);
+                    Ok(())
+                })?;
+            }
+            times.decode_ms += td.elapsed().as_secs_f64() * 1e3;
+            let m = [ev()?, ev()?, ev()?, ev()?];
+            if si >= 2 {
+                cs.wait(&consumed[slot]).map_err(drv("kvtc copy wait"))?;
+            }
+            m[0].record(&cs).map_err(drv("event"))?;
+            cs.memcpy_htod(&pinned[slot], &mut dev[slot]).map_err(drv("kvtc segment upload"))?;
+            m[1].record(&cs).map_err(drv("event"))?;
+            copied[slot].record(&cs).map_err(drv("event"))?;
+            times.copied_bytes += slab;
+            st.wait(&copied[slot]).map_err(drv("kvtc restore wait"))?;
+            m[2].record(st).map_err(drv("event"))?;
+            let base = dev[slot].device_ptr(st).0;
+            let mut off = 0usize;
+            for (s_i, side) in sides.iter().enumerate() {
+                let list: Vec<usize> = seg.clone().skip(s_i).step_by(2).collect();
+                let mut a = 0;
+                while a < list.len() {
+                    let n = sc.chunks[list[a]].1.len();
+                    let mut b = a;
+                    while b < list.len() && sc.chunks[list[b]].1.len() == n {
+                        b += 1;
+                    }
+                    let chunk_bytes = sc.chunks[list[a]].2.raw_len as usize;
+                    let (gt, ng) = &tables[&(s_i, n)];
+                    let br = BatchRef {
+                        packed: base + off as u64,
+                        groups: gt.device_ptr(st).0,
+                        n_groups: *ng,
+                        chunks: b - a,
+                        n,
+                        chunk_bytes,
+                        layout: &layouts[s_i],
+                        rows: (b - a) * n,
+                        first: sc.chunks[list[a]].1.start,
+                    };
+                    let out = if *side == Side::Keys { &mut k } else { &mut v };
+                    self.launch_raw(*side, &br, &positions, &mut coeff, out, tokens)?;
+                    times.coded_output_bytes += 2 * br.rows * self.features();
+                    off += (b - a) * chunk_bytes;
+                    a = b;
+                }
+            }
+            m[3].record(st).map_err(drv("event"))?;
+            consumed[slot].record(st).map_err(drv("event"))?;
+            marks.push(m);
+        }
+        st.synchronize().map_err(drv("kvtc restore"))?;
+        cs.synchronize().map_err(drv("kvtc restore"))?;
+        times.wall_ms = t_start.elapsed().as_secs_f64() * 1e3;
+        for m in &marks {
+            times.copy_ms += f64::from(m[0].elapsed_ms(&m[1]).map_err(drv("event"))?);
+            times.kernels_ms += f64::from(m[2].elapsed_ms(&m[3]).map_err(drv("event"))?);
+        }
+        Ok((RestoredKv { k, v, tokens, layers, width }, times))
+    }
+
     /// Copies the kept tokens' fp16 rows into their places.
-    fn upload_kept(&self, dc: &DecodedContainer, k: &mut CudaSlice<u16>, v: &mut CudaSlice<u16>) -> Result<()> {
-        let (tokens, width, d, hkv, nk) = (dc.tokens(), self.kv_heads * self.head_dim, self.head_dim, self.kv_heads, dc.kept.len());
+    fn upload_kept(&self, kd: KeptRows, k: &mut CudaSlice<u16>, v: &mut CudaSlice<u16>) -> Result<()> {
+        let dc = kd;
+        let (tokens, width, d, hkv, nk) = (dc.tokens, self.kv_heads * self.head_dim, self.head_dim, self.kv_heads, dc.kept.len());
         if nk == 0 {
             return Ok(());
         }
@@ -254,8 +431,8 @@ impl KvtcRestorer {
     fn stage(&self, dc: &DecodedContainer, side: Side) -> Result<Vec<Batch>> {
         let alloc_idx = if side == Side::Keys { dc.k_alloc } else { dc.v_alloc };
         let sd = &self.sides[side as usize];
-        let alloc = sd.allocations.get(alloc_idx).ok_or_else(|| RtError::BadInput(format!("kvtc: allocation {alloc_idx} not in the calibration")))?;
-        let ldc = padded_components(alloc);
+        let alloc = sd.shape.allocations.get(alloc_idx).ok_or_else(|| RtError::BadInput(format!("kvtc: allocation {alloc_idx} not in the calibration")))?;
+        let layout = device_layout(&sd.shape, alloc);
         let chunks: Vec<_> = dc.chunks.iter().filter(|c| c.side == side).collect();
         let mut out = Vec::new();
         let mut i = 0;
@@ -274,7 +451,7 @@ impl KvtcRestorer {
                 }
                 packed.extend_from_slice(&c.raw);
             }
-            let table: Vec<GroupRaw> = group_table(alloc, n, ldc).into_iter().map(GroupRaw::from).collect();
+            let table: Vec<GroupRaw> = group_table(&sd.shape, alloc, &layout, n).into_iter().map(GroupRaw::from).collect();
             out.push(Batch {
                 packed: self.st.clone_htod(&packed).map_err(drv("kvtc packed chunks"))?,
                 groups: self.st.clone_htod(&table).map_err(drv("kvtc group table"))?,
@@ -282,7 +459,7 @@ impl KvtcRestorer {
                 chunks: j - i,
                 n,
                 chunk_bytes: bytes,
-                ldc,
+                layout: layout.clone(),
                 rows: (j - i) * n,
                 first: chunks[i].tokens.start,
             });
@@ -293,52 +470,107 @@ impl KvtcRestorer {
 
     /// Dequant + restore of one batch into `out` (`[layer][out_rows][width]`).
     fn launch(&self, side: Side, b: &Batch, positions: &CudaSlice<i64>, out: &mut CudaSlice<u16>, out_rows: usize) -> Result<()> {
+        // SAFETY: every element is written by the dequant kernel (the group table covers 0..ldc).
+        let mut coeff = unsafe { self.st.alloc::<u16>(b.rows * b.layout.ldc) }.map_err(drv("kvtc coefficients"))?;
+        let packed = b.packed.device_ptr(&self.st).0;
+        let groups = b.groups.device_ptr(&self.st).0;
+        self.launch_raw(
+            side,
+            &BatchRef { packed, groups, n_groups: b.n_groups, chunks: b.chunks, n: b.n, chunk_bytes: b.chunk_bytes, layout: &b.layout, rows: b.rows, first: b.first },
+            positions,
+            &mut coeff,
+            out,
+            out_rows,
+        )
+    }
+
+    /// Dequant of one batch into `coeff` (at least `rows × ldc`), then one restore launch per
+    /// basis block, on the restorer's stream.
+    fn launch_raw(&self, side: Side, b: &BatchRef, positions: &CudaSlice<i64>, coeff: &mut CudaSlice<u16>, out: &mut CudaSlice<u16>, out_rows: usize) -> Result<()> {
         let st = &self.st;
         let sd = &self.sides[side as usize];
-        if b.ldc > sd.rows {
-            return Err(RtError::BadInput(format!("kvtc: allocation needs {} basis rows, {} uploaded", b.ldc, sd.rows)));
+        let ldc = b.layout.ldc;
+        if coeff.len() < b.rows * ldc {
+            return Err(RtError::BadInput(format!("kvtc: coefficient buffer of {} for {} × {ldc}", coeff.len(), b.rows)));
         }
-        // SAFETY: every element is written by the dequant kernel (the group table covers 0..ldc).
-        let coeff = unsafe { st.alloc::<u16>(b.rows * b.ldc) }.map_err(drv("kvtc coefficients"))?;
-        let dp = DequantParams {
-            packed: b.packed.device_ptr(st).0,
-            groups: b.groups.device_ptr(st).0,
-            coeff: coeff.device_ptr(st).0,
-            chunks: b.chunks as i32,
-            n: b.n as i32,
-            chunk_bytes: b.chunk_bytes as u32,
-            n_groups: b.n_groups as i32,
-            ldc: b.ldc as i32,
-        };
+        let coeff_ptr = coeff.device_ptr(st).0;
+        let dp = DequantParams { packed: b.packed, groups: b.groups, coeff: coeff_ptr, chunks: b.chunks as i32, n: b.n as i32, chunk_bytes: b.chunk_bytes as u32, n_groups: b.n_groups as i32, ldc: ldc as i32 };
         let threads = kvforge_gen::KVTC_DEQUANT_THREADS;
-        // SAFETY: DequantParams mirrors the device struct; every pointer is a live allocation of the sizes the kernel reads.
+        // SAFETY: DequantParams mirrors the device struct; packed holds chunks × chunk_bytes, the
+        // group table n_groups entries covering 0..ldc, coeff rows × ldc.
         unsafe { st.launch_builder(&self.dequant).arg(&dp).launch(LaunchConfig { grid_dim: (b.n_groups as u32, b.chunks as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }) }
             .map_err(drv("launch kvtc dequant"))?;
-        let p = self.features();
         let rope = side == Side::Keys && self.rope_dim > 0;
-        let rp = RestoreParams {
-            coeff: coeff.device_ptr(st).0,
-            basis: sd.basis.device_ptr(st).0,
-            mean: sd.mean.device_ptr(st).0,
-            inv_freq: self.inv_freq.device_ptr(st).0,
-            positions: positions.device_ptr(st).0 + 8 * b.first as u64,
-            out: out.device_ptr(st).0,
-            rows: b.rows as i32,
-            ldc: b.ldc as i32,
-            p: p as i32,
-            layer_width: (self.kv_heads * self.head_dim) as i32,
-            head_dim: self.head_dim as i32,
-            rope_dim: if rope { self.rope_dim as i32 } else { 0 },
-            out_rows: out_rows as i32,
-            out_row0: b.first as i32,
-        };
-        let grid = b.rows.div_ceil(128) * p.div_ceil(BN);
-        // SAFETY: RestoreParams mirrors the device struct; coeff is rows × ldc, the basis ldc × p
-        // (ldc ≤ its rows), out holds layers × out_rows × width and rows first..first+rows exist.
-        unsafe { st.launch_builder(&self.restore).arg(&rp).launch(LaunchConfig { grid_dim: (grid as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }.map_err(drv("launch kvtc restore"))?;
-        drop(coeff);
+        let (basis, mean, out_ptr) = (sd.basis.device_ptr(st).0, sd.mean.device_ptr(st).0, out.device_ptr(st).0);
+        for (blk, &(col0, kdim)) in sd.blocks.iter().zip(&b.layout.cols) {
+            if kdim > blk.rows {
+                return Err(RtError::BadInput(format!("kvtc: allocation needs {kdim} basis rows of a block, {} uploaded", blk.rows)));
+            }
+            let rp = RestoreParams {
+                coeff: coeff_ptr + 2 * col0 as u64,
+                basis: basis + 2 * blk.offset as u64,
+                mean: mean + 4 * blk.feat0 as u64,
+                inv_freq: self.inv_freq.device_ptr(st).0,
+                positions: positions.device_ptr(st).0 + 8 * b.first as u64,
+                out: out_ptr,
+                rows: b.rows as i32,
+                ldc: ldc as i32,
+                kdim: kdim as i32,
+                p: blk.features as i32,
+                feat0: blk.feat0 as i32,
+                layer_width: (self.kv_heads * self.head_dim) as i32,
+                head_dim: self.head_dim as i32,
+                rope_dim: if rope { self.rope_dim as i32 } else { 0 },
+                out_rows: out_rows as i32,
+                out_row0: b.first as i32,
+            };
+            let grid = b.rows.div_ceil(128) * blk.features.div_ceil(BN);
+            // SAFETY: RestoreParams mirrors the device struct; coeff holds rows × ldc with this
+            // block's kdim columns from col0, its basis kdim × features (kdim ≤ its rows), the
+            // mean its features, out layers × out_rows × width with rows first..first+rows.
+            unsafe { st.launch_builder(&self.restore).arg(&rp).launch(LaunchConfig { grid_dim: (grid as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }.map_err(drv("launch kvtc restore"))?;
+        }
         Ok(())
     }
+}
+
+/// The kept (sink and window) tokens of a container.
+struct KeptRows<'a> {
+    tokens: usize,
+    kept: &'a [usize],
+    kept_fp16: &'a [u16],
+}
+
+/// Times of a pipelined restore ([`KvtcRestorer::restore_pipelined`]).
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct PipelineTimes {
+    /// Host wall clock from the first entropy decode to the last kernel done: the load's time
+    /// after reading the container's bytes.
+    pub wall_ms: f64,
+    /// Host time spent entropy-decoding segments into pinned buffers (all rayon threads at once).
+    pub decode_ms: f64,
+    /// Device time of the host-to-device copies of the segments (copy stream), summed.
+    pub copy_ms: f64,
+    /// Device time of the dequant and restore kernels (compute stream), summed.
+    pub kernels_ms: f64,
+    /// Bytes copied to the device (packed chunks).
+    pub copied_bytes: usize,
+    pub segments: usize,
+    /// fp16 bytes of the coded tokens written by the kernels (both sides).
+    pub coded_output_bytes: usize,
+}
+
+/// A batch's launch geometry with raw device pointers (its packed chunks and group table).
+struct BatchRef<'a> {
+    packed: u64,
+    groups: u64,
+    n_groups: usize,
+    chunks: usize,
+    n: usize,
+    chunk_bytes: usize,
+    layout: &'a DeviceLayout,
+    rows: usize,
+    first: usize,
 }
 
 /// One launch pair's input on the device: equal-size consecutive chunks of one side.
@@ -349,7 +581,7 @@ struct Batch {
     chunks: usize,
     n: usize,
     chunk_bytes: usize,
-    ldc: usize,
+    layout: DeviceLayout,
     rows: usize,
     first: usize,
 }
@@ -488,9 +720,10 @@ pub fn read_sequence(caches: &[&crate::KvCache], seq: usize, cal: &Calibration) 
 
 /// Reads a container packed with `cal`, restores it on the device with `restorer` and appends it
 /// to a new sequence of every layer's cache in `tier` ([`load_sequence`]); returns the sequence
-/// ids. Truncated, corrupted or mismatched input fails before anything reaches a cache.
+/// ids. Truncated, corrupted or mismatched input fails before anything reaches a cache. The
+/// restore is [`KvtcRestorer::restore_pipelined`] in segments of [`LOAD_SEGMENT_TOKENS`].
 pub fn load_container(caches: &mut [&mut crate::KvCache], input: &mut impl std::io::Read, cal: &Calibration, restorer: &KvtcRestorer, tier: kvforge_spec::TierId) -> Result<Vec<usize>> {
-    let dc = kvforge_kvtc::decode_container(input, cal)?;
-    let kv = restorer.restore(&dc)?;
+    let sc = kvforge_kvtc::read_container(input, cal)?;
+    let (kv, _) = restorer.restore_pipelined(&sc, LOAD_SEGMENT_TOKENS)?;
     load_sequence(caches, &kv, tier)
 }

@@ -8,7 +8,9 @@
 //            (crates/kvforge-kvtc/src/pack.rs layout) into an fp16 coefficient matrix
 //            coeff[rows][ldc] (row = chunk * n + token, column = principal component; gaps of the
 //            allocation and the padding to a multiple of BK are groups of zero bits: written 0).
-//   restore: out = coeff · basis + mean, then RoPE for keys, as a tiled tensor-core matmul
+//   restore: out = coeff · basis + mean, then RoPE for keys, as a tiled tensor-core matmul, one
+//            launch per block of a block-diagonal basis (a run of whole layers: its kdim
+//            coefficient columns times its own [kdim][p] basis, written at feature feat0)
 //            (mma.sync m16n8k16, fp16 in, fp32 accumulate; 128 x 128 x 32 CTA tiles, 3-stage
 //            cp.async pipeline, XOR-swizzled shared memory read with ldmatrix). The epilogue
 //            stages each 64-row half of the tile in shared memory (fp32), adds the mean, rotates
@@ -17,8 +19,9 @@
 // Dequantising once into a matrix rather than per output tile: every coefficient feeds all
 // p / 128 column tiles, so unpacking it in each would repeat the bit work p / 128 times.
 //
-// Requirements (checked by the host): p % 8 == 0, head_dim divides BN, ldc % BK == 0, the basis
-// has ldc rows (zero past the calibration's components), bits <= 16.
+// Requirements (checked by the host): p % 8 == 0, head_dim divides BN, kdim % BK == 0, ldc % 8 == 0,
+// the basis has kdim rows (zero past the calibration's components), feat0 a multiple of
+// layer_width, bits <= 16.
 #pragma once
 #include "common.cuh"
 
@@ -49,15 +52,17 @@ struct DequantParams {
 };
 
 struct RestoreParams {
-  const __half* coeff;          // [rows][ldc]
-  const __half* basis;          // [ldc][p], row = component
-  const float* mean;            // [p]
+  const __half* coeff;          // [rows][ldc], this block's kdim columns from the pointer on
+  const __half* basis;          // [kdim][p], row = component of this block
+  const float* mean;            // [p], this block's features
   const double* inv_freq;       // [rope_dim / 2]
   const long long* positions;   // [rows], RoPE position of each row (keys)
   __half* out;                  // [layers][out_rows][layer_width]
   int rows;
   int ldc;
-  int p;
+  int kdim;   // components of this block (a multiple of BK; 0: the mean alone)
+  int p;      // features of this block
+  int feat0;  // first feature of this block (whole layers)
   int layer_width;  // kv_heads * head_dim
   int head_dim;
   int rope_dim;     // 0: no RoPE (values, or keys without it)
@@ -166,7 +171,7 @@ __device__ void restore_kernel(const RestoreParams& p) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) acc[i][j][k] = 0.f;
 
-  const int ktiles = p.ldc / BK;
+  const int ktiles = p.kdim / BK;
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < ktiles) load_tile(sm, s, p, m0, n0, s);
@@ -228,7 +233,7 @@ __device__ void restore_kernel(const RestoreParams& p) {
       const int r = v / (BN / 8), c0 = (v % (BN / 8)) * 8;
       const int row = m0 + h * (BM / 2) + r, f0 = n0 + c0;
       if (row >= p.rows || f0 >= p.p) continue;
-      const int layer = f0 / p.layer_width, within = f0 - layer * p.layer_width;
+      const int layer = (p.feat0 + f0) / p.layer_width, within = p.feat0 + f0 - layer * p.layer_width;
       const int ch0 = f0 % p.head_dim;
       const double pos = p.rope_dim > 0 ? (double)p.positions[row] : 0.0;
       u32 packed[4];

@@ -36,9 +36,13 @@ pub struct CalibrateArgs {
     /// Positions the bit-allocation DP measures errors on.
     #[arg(long, default_value_t = 256)]
     pub dp_rows: usize,
-    /// Most principal components kept (default: all).
+    /// Most principal components kept (default: all; per basis block).
     #[arg(long)]
     pub max_rank: Option<usize>,
+    /// Layers sharing one basis: 0 (default) one PCA over all layers; n: one per run of n
+    /// layers (block-diagonal basis, fewer restore FLOPs).
+    #[arg(long, default_value_t = 0)]
+    pub layers_per_basis: usize,
     /// The model's RoPE base (`rope_theta`; SmolLM2: 100000), undone on keys before the PCA.
     /// Default: the dump's `rope_theta` metadata.
     #[arg(long)]
@@ -134,6 +138,7 @@ pub fn calibrate_cmd(a: CalibrateArgs) -> anyhow::Result<ExitCode> {
         ratios: a.ratios.clone(),
         rope,
         seed: a.seed,
+        layers_per_basis: a.layers_per_basis,
         ..CalibConfig::default()
     };
     eprintln!(
