@@ -253,7 +253,9 @@ fn python_scripts_check_their_python_first() {
         let out = Command::new("bash").arg(root().join(script)).arg("/nonexistent/python").output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{script}: {out:?}");
         assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/python is not an executable python"), "{script}: {out:?}");
+        // The venv is made by the python-env.sh both scripts source.
         let text = std::fs::read_to_string(root().join(script)).unwrap();
-        assert!(text.contains("python3 -m venv"), "{script} creates the venv a fresh clone lacks");
+        let env = std::fs::read_to_string(root().join("crates/kvforge-py/python-env.sh")).unwrap();
+        assert!(text.contains("source \"$(dirname \"$0\")/python-env.sh\"") && env.contains("python3 -m venv"), "{script} creates the venv a fresh clone lacks");
     }
 }

@@ -70,6 +70,7 @@ __all__ = [
     "ATTN_NAME",
     "Control",
     "KvforgeAttention",
+    "attach",
     "attention_function",
     "bytes_per_token",
     "generate",
@@ -646,6 +647,14 @@ def use_kvforge(model, spec: str = "specs/rdkv.toml", tier: Optional[str] = "b4"
     handle = KvforgeAttention(spec, tier, root=root, max_tokens=max_tokens, control=control, certify=certify,
                               exact_prefill=exact_prefill, codebooks=codebooks, prefill=prefill)
     handle.cuda_graph = bool(cuda_graph)
+    return attach(model, handle)
+
+
+def attach(model, handle):
+    """Points every attention layer of ``model`` (each submodule with an int ``layer_idx``) at
+    ``handle`` through the registered ``"kvforge"`` attention, and gives the handle
+    ``detach()``, which restores the previous attention implementation and calls
+    ``handle.reset()``. Returns ``handle``."""
     register()
     for m in model.modules():
         if isinstance(getattr(m, "layer_idx", None), int):

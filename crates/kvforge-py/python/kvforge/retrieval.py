@@ -32,7 +32,7 @@ import importlib
 import math
 from typing import Any, Dict, Optional
 
-from .hf import _HANDLE_ATTR, ATTN_NAME, register, sdpa_causal
+from .hf import attach, sdpa_causal
 
 __all__ = ["ParisAttention", "use_retrieval"]
 
@@ -158,19 +158,4 @@ def use_retrieval(model, k: int = 256, sinks: int = 64, local: int = 256, update
     if capacity is None:
         capacity = max(1024, int(getattr(model.config, "max_position_embeddings", 8192) or 8192) + 256)
     handle = ParisAttention(k=k, sinks=sinks, local=local, update=update, capacity=capacity, host_budget_gb=host_budget_gb)
-    register()
-    for m in model.modules():
-        if isinstance(getattr(m, "layer_idx", None), int):
-            object.__setattr__(m, _HANDLE_ATTR, handle)
-    previous = model.config._attn_implementation
-
-    def detach():
-        model.config._attn_implementation = previous
-        for m in model.modules():
-            if getattr(m, _HANDLE_ATTR, None) is handle:
-                object.__delattr__(m, _HANDLE_ATTR)
-        handle.reset()
-
-    handle.detach = detach
-    model.config._attn_implementation = ATTN_NAME
-    return handle
+    return attach(model, handle)
