@@ -134,15 +134,21 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 pool.install(|| kvforge_kvtc::write_container(&dc, e, &mut bytes))?;
                 let save_s = t.elapsed().as_secs_f64();
                 let mut walls = Vec::new();
+                let mut reads = Vec::new();
                 let mut last = None;
                 for rep in 0..2 {
                     let t = Instant::now();
                     // on this thread (the CUDA context's); the decode runs on the global pool of `--threads`
                     let sc = kvforge_kvtc::read_container(&mut bytes.as_slice(), &cal)?;
+                    let read_s = t.elapsed().as_secs_f64();
                     let (kv, pt) = r.restore_pipelined(&sc, segment)?;
                     let wall = t.elapsed().as_secs_f64();
+                    let t_drop = Instant::now();
                     drop(kv);
+                    drop(sc);
+                    eprintln!("  load rep {rep}: read {read_s:.3} s, restore {:.3} s (setup {:.1} ms, pipeline {:.1} ms), drop {:.3} s", wall - read_s, pt.setup_ms, pt.wall_ms, t_drop.elapsed().as_secs_f64());
                     if rep > 0 {
+                        reads.push(read_s);
                         walls.push(wall);
                         last = Some(pt);
                     }
@@ -152,7 +158,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 load.insert(
                     e.name().into(),
                     serde_json::json!({
-                        "container_bytes": bytes.len(), "save_s": save_s, "load_wall_s": wall,
+                        "container_bytes": bytes.len(), "save_s": save_s, "load_wall_s": wall, "read_s": reads.iter().copied().fold(f64::INFINITY, f64::min),
                         "load_gb_per_s_fp16": 4.0 * p as f64 * tokens as f64 / wall / 1e9,
                         "pipeline": pt,
                         "stage_sum_s": (pt.decode_ms + pt.copy_ms + pt.kernels_ms) / 1e3,

@@ -254,6 +254,7 @@ impl KvtcRestorer {
         }
         let (tokens, width, layers) = (sc.tokens(), self.kv_heads * self.head_dim, self.layers);
         let st = &self.st;
+        let t_setup = std::time::Instant::now();
         let cs = self.ctx.new_stream().map_err(drv("kvtc copy stream"))?;
         // SAFETY: fully written below: kept tokens by copies, coded tokens by the restore kernel.
         let mut k = unsafe { st.alloc::<u16>((layers * tokens * width).max(1)) }.map_err(drv("kvtc restored keys"))?;
@@ -306,7 +307,7 @@ impl KvtcRestorer {
         let ev = || self.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"));
         let (copied, consumed) = ([ev()?, ev()?], [ev()?, ev()?]);
         let mut marks: Vec<[cudarc::driver::CudaEvent; 4]> = Vec::with_capacity(segs.len());
-        let mut times = PipelineTimes { segments: segs.len(), ..Default::default() };
+        let mut times = PipelineTimes { segments: segs.len(), setup_ms: t_setup.elapsed().as_secs_f64() * 1e3, ..Default::default() };
         let t_start = std::time::Instant::now();
         for (si, seg) in segs.iter().enumerate() {
             let slot = si % 2;
@@ -547,6 +548,9 @@ pub struct PipelineTimes {
     /// Host wall clock from the first entropy decode to the last kernel done: the load's time
     /// after reading the container's bytes.
     pub wall_ms: f64,
+    /// Host wall clock before the pipeline starts: output and staging allocations (device and
+    /// pinned), the kept rows' upload, the group tables.
+    pub setup_ms: f64,
     /// Host time spent entropy-decoding segments into pinned buffers (all rayon threads at once).
     pub decode_ms: f64,
     /// Device time of the host-to-device copies of the segments (copy stream), summed.
