@@ -8,7 +8,8 @@
 #            32K and 128K, batch = the most sequences the budget admits (cap 256): kvforge fp16 /
 #            rdkv b4 / rotated r3 vs FlashInfer fp16 / fp8 vs torch SDPA. tokens/s, ms/step,
 #            attention and cache-write time; kvforge b4 / r3 also without the per-step appends
-#            (+nowrite: the bound once appends stay on the device).
+#            (+nowrite: the bound once appends stay on the device; SERVE_NOWRITE=0 leaves them out).
+#            Writes $W/steady-l<layers>-<context>.json.
 #   tpot     batch 1 x 32K, same backends: time per output token (a 4 GB pool: one sequence).
 #   loop     continuous batching, 48 requests of 2K-8K prompts, 64 new tokens each, budget 8 GB.
 #   tp2      steady at 32K over 2 GPUs (torchrun, kv heads sharded), budget 40 GB per GPU
@@ -82,8 +83,12 @@ for ph in "${PHASES[@]}"; do
 for n in ['test_resident_decode_after_append_steps_matches_replan', 'test_target_only_pool_and_tiled_sequences_decode_like_the_template']:
     getattr(t, n)(); print('PASS', n, flush=True)" 2>&1 | tee "$OUT/py-gpu-resident.log" ;;
     fi-warm) $R --mode tpot --layers 1 --contexts 1024 --backends flashinfer,flashinfer_fp8 --steps 1 --budget-gb 1 --out "$W/fi-warm.json" ;;
-    steady) $R --mode steady --layers "$L" --budget-gb "$B" --contexts "$CTXS" --backends "$BACKENDS,kvforge:b4+nowrite,kvforge:r3+nowrite" \
-            --steps "$S" --out "$W/steady.json" ;;
+    steady) NW=""; [ "${SERVE_NOWRITE:-1}" = 1 ] && NW=",kvforge:b4+nowrite,kvforge:r3+nowrite"
+            # one process per context: a fresh allocator for each budget-filling set of runs
+            for ctx in ${CTXS//,/ }; do
+              $R --mode steady --layers "$L" --budget-gb "$B" --contexts "$ctx" --backends "$BACKENDS$NW" \
+                --steps "$S" --out "$W/steady-l$L-$ctx.json"
+            done ;;
     tpot) $R --mode tpot --layers "$L" --budget-gb 4 --contexts 32768 --backends "$BACKENDS" --steps "$S" --out "$W/tpot.json" ;;
     loop) $R --mode loop --layers "$L" --budget-gb 8 --requests 48 --prompt-lens 2048,4096,8192 --max-new 64 --max-batch 64 \
             --backends "$BACKENDS" --out "$W/loop.json" ;;

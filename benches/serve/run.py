@@ -132,10 +132,19 @@ def engine_for(a, model, name, device, max_seqs):
 
 
 def free_engine(eng):
+    """Drops a backend's caches and returns their memory to the driver: kvforge's freed pages
+    sit in the device's memory pool (where PyTorch cannot allocate) until ``kvforge.empty_cache``."""
+    kv = eng is not None and eng.backend.name.startswith("kvforge")
     if eng is not None:
         eng.backend.__dict__.clear()
     gc.collect()
     if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        if kv:
+            import kvforge
+
+            if hasattr(kvforge, "empty_cache"):
+                kvforge.empty_cache(torch.cuda.current_device())
         torch.cuda.empty_cache()
 
 

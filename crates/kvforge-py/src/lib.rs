@@ -236,6 +236,17 @@ fn empty<'py>(py: Python<'py>, shape: &[usize], like: &Bound<'py, PyAny>, f32: b
 
 #[pyfunction]
 #[pyo3(signature = (device = 0))]
+/// Waits for kvforge's work on GPU `device`, then returns the memory of dropped caches to the
+/// driver (like ``torch.cuda.empty_cache()`` for kvforge): freed pages stay in the device's
+/// memory pool until a synchronisation, where PyTorch cannot allocate them. Call it after
+/// ``del cache`` when PyTorch allocates next.
+fn empty_cache(py: Python<'_>, device: usize) -> PyResult<()> {
+    let d = self::device(py, device)?;
+    guarded(py, || d.release_free_memory().or_py(py))
+}
+
+#[pyfunction]
+#[pyo3(signature = (device = 0))]
 /// Facts about GPU `device` as a dict (name, arch, compute_capability, sm_count, total_mem,
 /// l2_bytes, max_smem_per_block); raises KvforgeError (kind NoDriver / NoDevice) without one.
 fn device_info(py: Python<'_>, #[pyo3(from_py_with = crate::nat)] device: usize) -> PyResult<Py<PyDict>> {
@@ -1094,6 +1105,7 @@ fn kvforge_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kvtc::kvtc_save, m)?)?;
     m.add_function(wrap_pyfunction!(kvtc::kvtc_load, m)?)?;
     m.add_function(wrap_pyfunction!(device_info, m)?)?;
+    m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(driver_present, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_present, m)?)?;
     m.add_function(wrap_pyfunction!(check_tensor, m)?)?;

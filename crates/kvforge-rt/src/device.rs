@@ -67,4 +67,19 @@ impl Device {
         tracing::info!(name = %info.name, arch = %info.arch(), sms = info.sm_count, "opened device");
         Ok(Device { ctx, stream, info })
     }
+
+    /// Waits for the device's work, then returns the memory that dropped caches freed to the
+    /// driver. Freed device memory goes back to the device's default memory pool, which keeps it
+    /// until a later synchronisation; other allocators in the process (PyTorch's) cannot use it
+    /// until then. Call this after dropping large caches when another library allocates next.
+    pub fn release_free_memory(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(drv("bind context"))?;
+        self.ctx.synchronize().map_err(drv("synchronize"))?;
+        let mut pool: cudarc::driver::sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: `pool` is a valid out-pointer and the device handle comes from the open context.
+        unsafe { cudarc::driver::sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) }.result().map_err(drv("default memory pool"))?;
+        // SAFETY: `pool` is the device's default pool; trimming to 0 only releases unused memory.
+        unsafe { cudarc::driver::sys::cuMemPoolTrimTo(pool, 0) }.result().map_err(drv("trim memory pool"))?;
+        Ok(())
+    }
 }
