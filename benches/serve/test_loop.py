@@ -301,11 +301,13 @@ def test_run_cli_tiny(tmp_path):
 
     out = tmp_path / "o.json"
     run.main(["--model", "tiny", "--layers", "2", "--backends", "sdpa", "--contexts", "24", "--budget-gb", "0.00002", "--max-batch", "4",
-              "--steps", "2", "--warmup", "1", "--breakdown", "1", "--device", "cpu", "--out", str(out), "--no-progress"])
+              "--steps", "2", "--warmup", "1", "--breakdown", "1", "--device", "cpu", "--out", str(out), "--no-progress", "--cuda-graph"])
     doc = json.loads(out.read_text())
     (row,) = doc["results"]
     assert "error" not in row, row
     assert row["batch"] >= 1 and row["tokens_per_s"] > 0
+    # asked for, recorded, not applied (a CPU device; SDPA is never captured)
+    assert doc["args"]["cuda_graph"] and row["cuda_graph_asked"] and not row["cuda_graph"]
     run.main(["--model", "tiny", "--layers", "2", "--mode", "loop", "--backends", "sdpa", "--requests", "6", "--prompt-lens", "5,9",
               "--max-new", "3", "--budget-gb", "0.00002", "--max-batch", "3", "--device", "cpu", "--out", str(out), "--no-progress"])
     (row,) = json.loads(out.read_text())["results"]
