@@ -205,6 +205,8 @@ class Engine:
         """One decode step through the step graph; None where it runs eagerly (the caller
         then runs it): the backend refused the step or the graph failed (the reason kept in
         ``graph_error``, later steps eager)."""
+        if self.graph_error is not None:
+            return None
         g = self.graph
         if g is None or g.batch != len(reqs):
             g = self.graph = StepGraph(self.model, self.backend, len(reqs), self.device)

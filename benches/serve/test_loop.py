@@ -251,6 +251,39 @@ def test_steady_through_the_step_graph_protocol_matches_eager(monkeypatch):
     assert tokens[True] == tokens[False]
 
 
+def test_a_failing_graph_step_falls_back_to_eager_for_good(monkeypatch):
+    """A backend whose graph_prepare raises: the error is recorded once, every later step runs
+    eagerly, the tokens are the eager path's."""
+    fake = types.ModuleType("kvforge")
+    fake.Cache = _FakeCache
+    fake.__version__ = "fake"
+    monkeypatch.setitem(sys.modules, "kvforge", fake)
+    import engine
+    from backends import KvforgeBackend
+
+    m = _tiny()
+    c = m.cfg
+    monkeypatch.setattr(engine.Engine, "graph_ready", lambda self: self.cuda_graph)
+    monkeypatch.setattr(engine, "StepGraph", _CpuStepGraph)
+    tried = []
+
+    def refuse(self, seqs, stream=None):
+        tried.append(1)
+        raise RuntimeError("out of pages")
+
+    monkeypatch.setattr(_FakeCache, "graph_prepare", refuse)
+    out = {}
+    for graph in (False, True):
+        be = KvforgeBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", tier="b4")
+        eng = _engine(m, be, 40, max_batch=2)
+        eng.cuda_graph = graph
+        out[graph] = (eng, eng.steady(batch=2, context=10, steps=5, warmup=2, breakdown=0, seed=3))
+    (eng, row), (eager, _) = out[True], out[False]
+    assert len(tried) == 1 and eng.graph_error == "RuntimeError: out of pages"
+    assert not row["cuda_graph"] and row["cuda_graph_asked"] and row["cuda_graph_error"] == eng.graph_error
+    assert eng.decode_steps == eager.decode_steps == 7
+
+
 def _recording(decode, out):
     def wrapped(self, reqs, timers=None, graph=False):
         logits = decode(self, reqs, timers, graph)
