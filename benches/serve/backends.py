@@ -20,6 +20,24 @@ The interface follows vLLM's ``AttentionBackend`` / ``AttentionImpl`` split and 
   ``reshape_and_cache``), then one query per sequence attends its cache (vLLM: ``forward``
   with a decode batch; SGLang: ``forward_decode``).
 
+CUDA graphs (``run.py --cuda-graph``, steady and tpot modes: a fixed batch): the engine
+captures the whole model's decode step once with ``torch.cuda.CUDAGraph`` and replays it
+(``engine.StepGraph``); a backend that can run inside one says so (``graph_capable``) and
+splits a step into host work before the replay and launches the graph holds:
+
+* ``graph_prepare(reqs)`` → a key, or None: the step's metadata written into fixed device
+  buffers (FlashInfer: ``plan`` of a ``use_cuda_graph=True`` wrapper, the write slots;
+  kvforge: ``Cache.graph_prepare`` per layer). The engine captures again when the key differs
+  from the one the graph was captured with; None: this step must run without the graph
+  (kvforge: it fills a tail page, which is encoded before the step's decode reads it);
+* ``graph_decode(layer, q, k, v, stream)``: what ``decode`` does, as launches a capture on
+  ``stream`` can record (no host copy, allocation or synchronisation);
+* ``graph_commit(reqs)``: the host bookkeeping of a replayed step (kvforge's lengths).
+
+vLLM and SGLang do the same for their decode batches (captured per batch size, metadata
+rewritten into the captured buffers before each replay: SGLang's
+``init_forward_metadata_replay_cuda_graph``).
+
 Tensors: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` in fp16 (T tokens of one prompt, or one token
 per sequence of the batch), the output ``[T, Hq, D]``. Softmax scale 1/sqrt(D).
 """
@@ -135,6 +153,20 @@ class Backend:
         """One query per sequence against its cache (the new token included)."""
         raise NotImplementedError
 
+    # CUDA graphs ----------------------------------------------------------------------
+    def graph_capable(self) -> bool:
+        """Whether a decode step of this backend can be captured (module docs)."""
+        return False
+
+    def graph_prepare(self, reqs) -> Optional[Any]:
+        raise NotImplementedError
+
+    def graph_decode(self, layer: int, q, k, v, stream: int):
+        raise NotImplementedError
+
+    def graph_commit(self, reqs) -> None:
+        pass
+
     def describe(self) -> Dict[str, Any]:
         return {"backend": self.name, "bytes_per_token": self.bytes_per_token(), "block_tokens": self.block_tokens()}
 
@@ -231,9 +263,11 @@ class FlashInferBackend(_TokenSlots, Backend):
         import flashinfer
 
         self.fi = flashinfer
+        self.num_blocks = num_blocks
         self.cache = [torch.zeros(num_blocks, 2, self.page, self.hkv, self.d, dtype=self.kv_dtype, device=self.device) for _ in range(self.layers)]
         self.ws = torch.zeros(self.workspace_mb << 20, dtype=torch.uint8, device=self.device)
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.ws, "NHD", use_tensor_cores=self.tensor_cores)
+        self._gw = None  # the CUDA-graph wrapper, made for the first captured batch size
 
     def fill_synthetic(self, reqs, length, gen):
         for c in self.cache:
@@ -255,10 +289,10 @@ class FlashInferBackend(_TokenSlots, Backend):
         blk, slot = self.slots(req, 0, k.shape[0])
         self._store(layer, blk, slot, k, v)
 
-    def begin_step(self, reqs):
-        """Plans the step once for every layer. The padded block table of the batch lives on
-        the device and is rebuilt only when the batch changes; per step only the lengths
-        travel."""
+    def _page_table(self, reqs):
+        """(indptr, indices, last page lengths) of the step. The padded block table of the batch
+        lives on the device and is rebuilt only when the batch changes; per step only the
+        lengths travel."""
         ps, dev = self.page, self.device
         key = tuple(r.rid for r in reqs)
         if getattr(self, "_key", None) != key:
@@ -275,8 +309,16 @@ class FlashInferBackend(_TokenSlots, Backend):
         last = lens - (npages - 1) * ps
         indices = self._tbl[self._cols[None, :] < npages.to(dev)[:, None]]
         # indptr / last page lengths as host tensors: plan() reads them on the host anyway
-        self.wrapper.plan(indptr, indices, last, self.hq, self.hkv, self.d, ps,
-                          pos_encoding_mode="NONE", q_data_type=torch.float16, kv_data_type=self.kv_dtype)
+        return indptr, indices, last
+
+    def _plan(self, wrapper, reqs):
+        indptr, indices, last = self._page_table(reqs)
+        wrapper.plan(indptr, indices, last, self.hq, self.hkv, self.d, self.page,
+                     pos_encoding_mode="NONE", q_data_type=torch.float16, kv_data_type=self.kv_dtype)
+
+    def begin_step(self, reqs):
+        """Plans the step once for every layer."""
+        self._plan(self.wrapper, reqs)
         blk, slot = self.step_slots(reqs)
         return {"blk": blk, "slot": slot}
 
@@ -285,6 +327,46 @@ class FlashInferBackend(_TokenSlots, Backend):
 
     def attend(self, layer, md, q):
         return self.wrapper.run(q, self.cache[layer])
+
+    # CUDA graphs: a ``use_cuda_graph=True`` wrapper over fixed page-table buffers (planned
+    # before every replay, as SGLang's FlashInfer backend does), the write slots in fixed
+    # index tensors.
+    def graph_capable(self):
+        return self.device.type == "cuda"
+
+    def _graph_wrapper(self, batch: int):
+        if self._gw is None or self._gw_batch != batch:
+            i32, dev = torch.int32, self.device
+            self._g_indptr = torch.zeros(batch + 1, dtype=i32, device=dev)
+            self._g_indices = torch.zeros(max(1, self.num_blocks), dtype=i32, device=dev)
+            self._g_last = torch.zeros(batch, dtype=i32, device=dev)
+            self._g_blk = torch.zeros(batch, dtype=torch.long, device=dev)
+            self._g_slot = torch.zeros(batch, dtype=torch.long, device=dev)
+            self._g_ws = torch.zeros(self.workspace_mb << 20, dtype=torch.uint8, device=dev)
+            self._gw = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._g_ws, "NHD", use_cuda_graph=True, use_tensor_cores=self.tensor_cores, paged_kv_indptr_buffer=self._g_indptr,
+                paged_kv_indices_buffer=self._g_indices, paged_kv_last_page_len_buffer=self._g_last)
+            self._gw_batch = batch
+        return self._gw
+
+    def graph_prepare(self, reqs):
+        gw = self._graph_wrapper(len(reqs))
+        self._plan(gw, reqs)
+        blk, slot = self.step_slots(reqs)
+        self._g_blk.copy_(blk)
+        self._g_slot.copy_(slot)
+        # The plan's scalars are kernel arguments of the captured launch: a change (FlashInfer
+        # keeps them fixed for a cuda-graph wrapper of one batch size) means capture again.
+        info = getattr(gw, "_plan_info", None)
+        try:
+            info = tuple(int(x) for x in info)
+        except (TypeError, ValueError):
+            info = None
+        return ("flashinfer", len(reqs), info)
+
+    def graph_decode(self, layer, q, k, v, stream):
+        self._store(layer, self._g_blk, self._g_slot, k, v)
+        return self._gw.run(q, self.cache[layer])
 
     def describe(self):
         return {**super().describe(), "kv_dtype": str(self.kv_dtype).replace("torch.", ""), "tensor_cores": self.tensor_cores,
@@ -295,11 +377,16 @@ class KvforgeBackend(Backend):
     """kvforge's paged, tiered cache through the Python package: one ``kvforge.Cache`` per
     layer (``target_only=True``: the arena holds the fp16 tail pages and the target tier only),
     sized from the budget. Prompts attend exactly (SDPA on the fresh K/V) and are then
-    appended (full pages encoded to the tier); each decode step appends every sequence's new
-    token (``Cache.append_step``: one launch per layer for the batch; ``Cache.append`` per
-    sequence, staged through the host, on wheels without it) and runs one ``Cache.decode`` per
-    layer for the whole batch. The scheduler's blocks mirror kvforge's full pages (64 tokens);
-    kvforge allocates the real ones from its own pool, which the mirror keeps from running dry.
+    appended on the device (``Cache.append_device``: full pages encoded to the tier). A decode
+    step is one ``Cache.step`` call per layer: every sequence's new token appended (one
+    launch) and the batch's queries decoded on the device-resident plan, into output buffers
+    kept per layer, with torch's stream looked up once per step; wheels without ``step`` make
+    two calls (``append_step``, ``decode``), wheels without ``append_step`` stage each token
+    through the host (``Cache.append``). With ``--cuda-graph`` a step is
+    ``Cache.graph_prepare`` / ``graph_launch`` (captured) / ``graph_commit`` per layer, as
+    ``kvforge.hf.generate(cuda_graph=True)`` does. The scheduler's blocks mirror kvforge's full
+    pages (64 tokens); kvforge allocates the real ones from its own pool, which the mirror keeps
+    from running dry.
     """
 
     def __init__(self, *a, spec: str = "specs/rdkv.toml", tier: str = "b4", root: Optional[str] = None, writes: bool = True, **kw):
@@ -317,6 +404,11 @@ class KvforgeBackend(Backend):
         # the wheel has it; ``KVFORGE_SERVE_HOST_APPEND=1`` keeps the host-staged ``Cache.append``
         # per sequence (to size what the device append saves).
         self.device_append = hasattr(self.kvforge.Cache, "append_step") and os.environ.get("KVFORGE_SERVE_HOST_APPEND") != "1"
+        # One call per layer and step (``Cache.step``: append + decode, outputs given) where the
+        # wheel has it; ``KVFORGE_SERVE_SPLIT_STEP=1`` keeps the two calls (to size the saving).
+        self.one_call = self.device_append and hasattr(self.kvforge.Cache, "step") and os.environ.get("KVFORGE_SERVE_SPLIT_STEP") != "1"
+        self._bufs: Dict[int, Tuple[Any, Any]] = {}
+        self._stream: Optional[int] = None
 
     def _cache(self, max_tokens: int, sequences: int):
         kw = dict(head_dim=self.d, num_kv_heads=self.hkv, gqa=self.g, max_tokens=max_tokens, sequences=sequences, target=self.tier,
@@ -392,7 +484,27 @@ class KvforgeBackend(Backend):
         write(self.ids[req.rid], k.contiguous(), v.contiguous())
 
     def begin_step(self, reqs):
+        # torch's current stream, looked up once per step for every layer's call
+        self._stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else None
         return [self.ids[r.rid] for r in reqs]
+
+    def _outputs(self, layer, q):
+        """The layer's (out [B, Hq, D], lse [B, Hq] float32), made once per batch size and
+        reused: the model consumes a layer's output before its next step writes it (one
+        stream), and a captured graph keeps writing the same ones."""
+        b = q.shape[0]
+        bufs = self._bufs.get(layer)
+        if bufs is None or bufs[0].shape[0] != b:
+            bufs = (torch.empty(b, self.hq, self.d, dtype=q.dtype, device=q.device), torch.empty(b, self.hq, dtype=torch.float32, device=q.device))
+            self._bufs[layer] = bufs
+        return bufs
+
+    def decode(self, layer, md, q, k, v):
+        if self.writes and self.one_call:
+            out, lse = self._outputs(layer, q)
+            self.caches[layer].step(md, k.contiguous(), v.contiguous(), q.contiguous(), out=out, lse=lse, stream=self._stream)
+            return out
+        return super().decode(layer, md, q, k, v)
 
     def write_step(self, layer, md, k, v):
         if not self.writes:
@@ -409,10 +521,38 @@ class KvforgeBackend(Backend):
         out, _ = self.caches[layer].decode(q.contiguous(), seqs=md)
         return out
 
+    # CUDA graphs: Cache.graph_prepare / graph_launch / graph_commit (crates/kvforge-rt/src/graph.rs)
+    def graph_capable(self):
+        return self.device.type == "cuda" and self.writes and self.one_call and hasattr(self.kvforge.Cache, "graph_launch")
+
+    def graph_prepare(self, reqs):
+        """Every layer's ``graph_prepare`` (new tail pages, the resident table synced, the
+        append chunk list written): the tuple of their keys, or None where a layer's step
+        fills a tail page (every layer then, as they hold the same lengths)."""
+        seqs = self.begin_step(reqs)
+        self._gseqs = seqs
+        keys = tuple(c.graph_prepare(seqs, stream=self._stream) for c in self.caches)
+        return None if any(k is None for k in keys) else keys
+
+    def graph_decode(self, layer, q, k, v, stream):
+        out, lse = self._outputs(layer, q)
+        self.caches[layer].graph_launch(self._gseqs, k, v, q, out, lse, stream)
+        return out
+
+    def graph_commit(self, reqs):
+        for c in self.caches:
+            c.graph_commit(self._gseqs, stream=self._stream)
+
+    def synchronize(self):
+        """Raises the faults kernels flagged asynchronously (decode steps, replayed graphs)."""
+        for c in getattr(self, "caches", []):
+            if hasattr(c, "synchronize"):
+                c.synchronize()
+
     def describe(self):
         return {**super().describe(), "spec": self.spec, "tier": self.tier, "page_bytes_per_head": self.page_bytes,
                 "tail_page_bytes_per_head": self.tail_bytes, "target_only": self.target_only, "writes": self.writes,
-                "device_append": self.device_append,
+                "device_append": self.device_append, "one_call_step": self.writes and self.one_call,
                 "kvforge": getattr(self.kvforge, "__version__", None)}
 
 

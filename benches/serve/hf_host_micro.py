@@ -14,13 +14,16 @@ GPU is synchronised only after the ``steps`` steps; wall time per step beside it
 - ``graph``: one captured CUDA graph of every layer's ``graph_launch`` replayed per step, with
   each layer's ``graph_prepare`` and ``graph_commit`` around it (host µs per layer = those two
   calls plus the replay call / layers); a step that fills a tail page runs as ``step``.
+- ``prefill``: each layer's sequences removed and a new ``context``-token prompt written per
+  row with ``Cache.append_device`` (what ``kvforge.hf``'s prefill does per layer): host µs per
+  layer, and the wall time of all layers (the GPU synchronised once per step), so that tiers
+  compare on the prompt write alone and a synchronisation inside the call shows as host time.
 
     python3 benches/serve/hf_host_micro.py [--layers 30] [--batch 1] [--context 2048] [--steps 64] --out hf-host-micro.json
 """
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -28,6 +31,7 @@ import torch
 
 import kvforge
 import kvforge.hf
+from micro import run_modes, summary
 
 ROOT = str(Path(__file__).resolve().parents[2])
 HKV, GQA, D = 3, 3, 64
@@ -41,7 +45,7 @@ def parse(argv=None):
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--modes", default="split,step,attend,graph")
+    ap.add_argument("--modes", default="split,step,attend,graph", help="split, step, attend, graph, prefill")
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
 
@@ -73,9 +77,20 @@ def run(a, mode, dev):
     h = kvforge.hf.KvforgeAttention(spec=a.spec, tier=a.tier, root=ROOT)
     h.layers = dict(enumerate(layers))
     graph = {"g": None, "keys": None, "captures": 0, "cs": torch.cuda.Stream(dev)}
+    prompt = torch.randn(a.context, HKV, D, device=dev, dtype=torch.float16, generator=g) if mode == "prefill" else None
 
     def one_step(times):
-        if mode == "split":
+        if mode == "prefill":
+            for st in layers:
+                t = time.perf_counter()
+                c = st["cache"]
+                for s in st["seqs"]:
+                    c.remove_sequence(s)
+                st["seqs"] = [c.add_sequence() for _ in range(b)]
+                for s in st["seqs"]:
+                    c.append_device(s, prompt, prompt)
+                times.append(time.perf_counter() - t)
+        elif mode == "split":
             for st in layers:
                 t = time.perf_counter()
                 st["cache"].append_step(st["seqs"], kv, kv)
@@ -128,9 +143,7 @@ def run(a, mode, dev):
     wall = time.perf_counter() - t_wall
     for st in layers:
         st["cache"].synchronize()
-    ts = sorted(times)
-    row = {"mode": mode, "layers": a.layers, "batch": b, "context": a.context, "steps": a.steps, "tier": a.tier,
-           "host_us_per_layer_mean": 1e6 * sum(ts) / len(ts), "host_us_per_layer_median": 1e6 * ts[len(ts) // 2],
+    row = {"mode": mode, "layers": a.layers, "batch": b, "context": a.context, "steps": a.steps, "tier": a.tier, **summary(times, 1e6, "host_us_per_layer"),
            "host_loop_ms_per_step": 1e3 * (t_sync - t_wall) / a.steps, "wall_ms_per_step": 1e3 * wall / a.steps,
            "captures": graph["captures"] if mode == "graph" else None, "plain_steps": graph.get("plain", 0) if mode == "graph" else None}
     print(json.dumps(row), flush=True)
@@ -142,20 +155,8 @@ def run(a, mode, dev):
 def main(argv=None):
     a = parse(argv)
     dev = torch.device("cuda")
-    doc = {"device": torch.cuda.get_device_name(dev), "kvforge": getattr(kvforge, "__version__", None), "torch": torch.__version__,
-           "args": vars(a), "results": []}
-    for mode in a.modes.split(","):
-        try:
-            doc["results"].append(run(a, mode, dev))
-        except Exception as e:  # keep the other modes' numbers
-            doc["results"].append({"mode": mode, "error": f"{type(e).__name__}: {e}"})
-            print(f"{mode}: ERROR {type(e).__name__}: {e}", flush=True)
-        if a.out:
-            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-            tmp = a.out + ".tmp"
-            Path(tmp).write_text(json.dumps(doc, indent=1))
-            os.replace(tmp, a.out)
-    return doc
+    header = {"device": torch.cuda.get_device_name(dev), "kvforge": getattr(kvforge, "__version__", None), "torch": torch.__version__}
+    return run_modes(a, a.modes.split(","), lambda mode: run(a, mode, dev), header)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 # model.generate (kvforge:<tier>), kvforge.hf.generate (kvgen:<tier>) and kvforge.hf.generate
 # replaying a CUDA graph (kvgraph:<tier>), batch 1 (2K prompt) and batch 4 (2048/1536/1024/517,
 # left padded), 64 new tokens, greedy agreement vs eager; then the host µs per layer call
-# (benches/serve/hf_host_micro.py), and the Rust append tests / test_hf.py where carried.
+# (benches/serve/hf_host_micro.py) and the prompt write alone per tier (its prefill mode), and
+# the Rust append tests / test_hf.py where carried.
 # Results and logs under $OUT; expected runtime about 3-4 minutes.
 #
 # Build here first: `bash crates/kvforge-py/build-wheel.sh` (.whl-kvforge). Optional:
@@ -65,6 +66,13 @@ rc=${PIPESTATUS[0]}
 echo "bench: $(( $(date +%s) - t1 )) s (rc $rc)" | tee -a "$OUT/hf-bench.log"
 timeout 40 python3 -u benches/serve/hf_host_micro.py --out "$OUT/hf-host-micro.json" > "$OUT/hf-host-micro.log" 2>&1
 echo "host micro: rc $?" | tee -a "$OUT/hf-bench.log"; cat "$OUT/hf-host-micro.log" | tee -a "$OUT/hf-bench.log"
+# The prompt write alone per tier (30 layers x a 2K prompt through Cache.append_device): host µs
+# per layer call and wall ms for all layers, fp16 / b4 / r3.
+for t in "specs/baseline.toml fp16" "specs/rdkv.toml b4" "specs/rotated.toml r3"; do
+  set -- $t
+  timeout 40 python3 -u benches/serve/hf_host_micro.py --spec "$1" --tier "$2" --modes prefill --steps 16 \
+    --out "$OUT/hf-prefill-micro-$2.json" 2>&1 | tee -a "$OUT/hf-bench.log"
+done
 if [ -x .bin-append/append_step_gpu ]; then
   timeout 50 .bin-append/append_step_gpu --ignored --test-threads 1 --nocapture > "$OUT/append-tests.log" 2>&1
   echo "rust append tests: rc $? ($(grep -E '^test result' "$OUT/append-tests.log" | tail -1))" | tee -a "$OUT/hf-bench.log"

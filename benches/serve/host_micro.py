@@ -15,13 +15,13 @@ call) and ``resident`` (the default ``decode``). JSON to ``--out``.
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 
 import kvforge
+from micro import run_modes, summary
 
 ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -89,10 +89,8 @@ def run(a, mode, dev, hkv=8, gqa=4, d=128):
     wall = time.perf_counter() - t_wall
     if not replan:
         c.synchronize()  # raises any kernel fault the steps flagged
-    hd = sorted(host_decode)
-    row = {"mode": mode, "batch": b, "context": a.context, "steps": a.steps, "tier": a.tier,
-           "decode_host_ms_mean": 1e3 * sum(hd) / len(hd), "decode_host_ms_median": 1e3 * hd[len(hd) // 2], "decode_host_ms_max": 1e3 * hd[-1],
-           "append_host_ms_mean": 1e3 * sum(host_append) / len(host_append),
+    row = {"mode": mode, "batch": b, "context": a.context, "steps": a.steps, "tier": a.tier, **summary(host_decode, 1e3, "decode_host_ms"),
+           "append_host_ms_mean": summary(host_append, 1e3, "a")["a_mean"],
            "wall_ms_per_step": 1e3 * wall / a.steps, "host_loop_ms_per_step": 1e3 * (t_sync - t_wall) / a.steps,
            "final_sync_ms": 1e3 * (time.perf_counter() - t_sync), "setup_s": setup_s,
            "resident_stats": c.resident_stats()}
@@ -105,19 +103,8 @@ def run(a, mode, dev, hkv=8, gqa=4, d=128):
 def main():
     a = parse()
     dev = torch.device("cuda")
-    doc = {"device": torch.cuda.get_device_name(dev), "kvforge": getattr(kvforge, "__version__", None), "torch": torch.__version__,
-           "args": vars(a), "results": []}
-    for mode in a.modes.split(","):
-        try:
-            doc["results"].append(run(a, mode, dev))
-        except Exception as e:  # keep the other mode's numbers
-            doc["results"].append({"mode": mode, "error": f"{type(e).__name__}: {e}"})
-            print(f"{mode}: ERROR {type(e).__name__}: {e}", flush=True)
-        if a.out:
-            Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-            tmp = a.out + ".tmp"
-            Path(tmp).write_text(json.dumps(doc, indent=1))
-            os.replace(tmp, a.out)
+    header = {"device": torch.cuda.get_device_name(dev), "kvforge": getattr(kvforge, "__version__", None), "torch": torch.__version__}
+    return run_modes(a, a.modes.split(","), lambda mode: run(a, mode, dev), header)
 
 
 if __name__ == "__main__":

@@ -169,13 +169,19 @@ class Llama:
     def decode(self, backend, md, tokens: torch.Tensor, pos: torch.Tensor, timers=None) -> torch.Tensor:
         """One token per sequence of the batch: ``tokens [B]`` at positions ``pos [B]``;
         returns logits [B, vocab] (float32)."""
-        x = self.w["embed"][tokens]
         if timers is None:
             def attend(l, q, k, v):
                 return backend.decode(l, md, q, k, v)
         else:
             def attend(l, q, k, v):
                 return timers.decode(backend, l, md, q, k, v)
+        return self.decode_with(attend, tokens, pos)
+
+    @torch.inference_mode()
+    def decode_with(self, attend, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """``decode`` with the attention given as ``attend(layer, q, k, v) -> out`` (a CUDA
+        graph capture passes the backend's ``graph_decode``)."""
+        x = self.w["embed"][tokens]
         for i in range(self.cfg.layers):
             x = self._layer(i, x, pos, attend)
         return self._logits(x).float()

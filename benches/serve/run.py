@@ -8,6 +8,12 @@ Modes (``--mode``):
   (no prefill), then ``--steps`` decode steps of the whole model: tokens/s, ms per step, the
   attention share of a step (from ``--breakdown`` synchronised steps).
 * ``tpot``: ``steady`` at batch 1: time per output token.
+
+``--cuda-graph`` (steady and tpot; default off): every backend that can be captured
+(FlashInfer, kvforge) replays the whole model's decode step from one CUDA graph
+(engine.StepGraph); SDPA runs eagerly. Each row records ``cuda_graph`` (whether its steps ran
+in a graph), the captures and eager steps inside the timed window and
+``tokens_per_s_excl_capture``.
 * ``loop``: continuous batching: ``--requests`` prompts with lengths drawn from
   ``--prompt-lens`` arrive (``--arrival-rate`` per step, 0: all at once), are prefilled
   (exact attention), decode ``--max-new`` tokens and leave; tokens/s over the run and
@@ -71,6 +77,8 @@ def parse_args(argv=None):
     ap.add_argument("--arrival-rate", type=float, default=0.0)
     ap.add_argument("--max-prefill-tokens", type=int, default=16384)
     ap.add_argument("--fi-variant", choices=["tc", "cc"], default="tc")
+    ap.add_argument("--cuda-graph", action="store_true", help="steady / tpot: replay each decode step of the whole model from a CUDA graph "
+                    "(FlashInfer and kvforge backends; SDPA stays eager)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-progress", action="store_true")
@@ -128,7 +136,8 @@ def build_model(a, device):
 def engine_for(a, model, name, device, max_seqs):
     c = model.cfg
     be = make_backend(name, c.layers, model.hq, model.hkv, c.d, device, root=str(ROOT), fi_tensor_cores=a.fi_variant == "tc")
-    return Engine(model, be, a.budget_gb * 1e9, max_batch=max_seqs, max_prefill_tokens=a.max_prefill_tokens, max_seqs=max_seqs)
+    return Engine(model, be, a.budget_gb * 1e9, max_batch=max_seqs, max_prefill_tokens=a.max_prefill_tokens, max_seqs=max_seqs,
+                  cuda_graph=a.cuda_graph and a.mode in ("steady", "tpot"))
 
 
 def free_engine(eng):
@@ -180,9 +189,14 @@ def run_steady(a, model, device, doc, batch1=False):
                 row["kv_budget_bytes"] = a.budget_gb * 1e9
                 row["kv_blocks"] = eng.pool.num_blocks
                 row["tpot_ms"] = r["step_ms"]
+                graph = ""
+                if r.get("cuda_graph"):
+                    graph = f"  graph: {r.get('graph_captures', 0)} captures ({r.get('graph_capture_s', 0) * 1e3:.1f} ms), {r.get('graph_eager_steps', 0)} eager steps"
+                elif r.get("cuda_graph_asked"):
+                    graph = "  graph: not used" + (f" ({r['cuda_graph_error']})" if r.get("cuda_graph_error") else "")
                 log(f"{row['mode']:<6} {name:<18} ctx {ctx:>6} b {b:>4}: {r['tokens_per_s']:9.1f} tok/s  {r['step_ms']:8.2f} ms/step  "
                     f"attn {r['attn_ms_per_step'] or 0:7.2f} ms  kv write {r['kv_write_ms_per_step'] or 0:7.2f} ms (synchronised steps)  "
-                    f"{row['bytes_per_token']:.0f} B/token")
+                    f"{row['bytes_per_token']:.0f} B/token{graph}")
             except Exception as e:
                 traceback.print_exc()
                 row["error"] = f"{type(e).__name__}: {e}"[:4000]

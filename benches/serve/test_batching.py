@@ -113,6 +113,48 @@ def test_simulated_serving_never_exceeds_budget(contiguous):
     assert [r.rid for r in sorted(s.finished, key=lambda r: r.admitted_step)] == sorted(r.rid for r in s.finished)  # FCFS
 
 
+def test_fcfs_head_of_line_waits_for_blocks_and_is_admitted_first():
+    """A request at the head that does not fit keeps the smaller ones behind it waiting (no
+    overtaking), and is admitted first once finished requests return their blocks."""
+    pool = PagePool(6, 16)
+    s = Scheduler(pool, max_batch=8)
+    s.add(Request(rid=0, prompt_len=60, max_new=4))  # 4 blocks
+    s.add(Request(rid=1, prompt_len=60, max_new=4))  # 4 blocks: waits
+    s.add(Request(rid=2, prompt_len=10, max_new=2))  # 1 block: would fit, but is behind rid 1
+    assert [r.rid for r in s.admit()] == [0] and pool.used == 4
+    assert s.admit() == [] and [r.rid for r in s.waiting] == [1, 2]
+    s.running[0].generated = [0] * 4
+    assert [r.rid for r in s.retire()] == [0] and pool.used == 0
+    assert [r.rid for r in s.admit()] == [1, 2] and pool.used == 5
+
+
+def test_retire_frees_only_finished_requests_once():
+    pool = PagePool(20, 16)
+    s = Scheduler(pool, max_batch=8)
+    for i in range(3):
+        s.add(Request(rid=i, prompt_len=20, max_new=3))  # 2 blocks each
+    reqs = s.admit()
+    reqs[1].generated = [0, 0, 0]
+    reqs[2].generated = [0, 0]  # not done: keeps its blocks
+    assert [r.rid for r in s.retire()] == [1] and pool.used == 4
+    assert s.retire() == [] and pool.used == 4  # nothing freed twice
+    assert sorted(b for r in s.running for b in r.blocks) == sorted(set(b for r in s.running for b in r.blocks))
+    assert [r.rid for r in s.finished] == [1] and reqs[1].finished_step == 0
+
+
+def test_reserved_blocks_cover_every_token_a_request_will_hold():
+    """Admission reserves prompt + token budget up front, so a running request never needs a
+    block it does not hold (nothing is preempted) and the pool never over-commits."""
+    pool = PagePool(50, 8)
+    s = Scheduler(pool, max_batch=50)
+    for i, (n, new) in enumerate([(1, 1), (7, 1), (8, 1), (9, 8), (15, 2), (16, 17)]):
+        s.add(Request(rid=i, prompt_len=n, max_new=new))
+    for r in s.admit():
+        assert len(r.blocks) == -(-(r.prompt_len + r.max_new) // 8)
+        assert len(r.blocks) * 8 >= r.prompt_len + r.max_new - 1  # the last token is never written back
+    assert s.reserved_tokens() == pool.used * 8 <= pool.num_blocks * 8
+
+
 def test_max_batch_for():
     assert max_batch_for(100, 16, 33) == 33  # 3 blocks each
     assert max_batch_for(100, 64, 64 * 10 + 1) == 9

@@ -71,6 +71,7 @@ class _FakeCache:
         self.page_tokens = 4
         self.seqs = {}
         self.next = 0
+        self.calls = {}
 
     def add_sequence(self):
         s = self.next
@@ -104,6 +105,33 @@ class _FakeCache:
             out[b] = causal_attention(qq, K, V)[-1]
         return out, None
 
+    def step(self, seqs, k, v, q, out=None, lse=None, stream=None):
+        """append_step then decode in one call, into the caller's outputs."""
+        self.calls["step"] = self.calls.get("step", 0) + 1
+        self.append_step(seqs, k, v)
+        o, _ = self.decode(q, seqs)
+        out.copy_(o)
+        return out, lse
+
+    # The CUDA-graph protocol (kvforge-rt graph.rs): prepare refuses a step that fills a tail
+    # page (None); a "replayed" launch appends and decodes; commit counts.
+    def graph_prepare(self, seqs, stream=None):
+        self.calls["prepare"] = self.calls.get("prepare", 0) + 1
+        if any((self.seqs[s][0].shape[0] + 1) % self.page_tokens == 0 for s in seqs):
+            return None
+        self._prepared = list(seqs)
+        return 7
+
+    def graph_launch(self, seqs, k, v, q, out, lse, stream):
+        assert list(seqs) == self._prepared and stream == 99, "graph_launch without its graph_prepare, or off the capture stream"
+        self.calls["launch"] = self.calls.get("launch", 0) + 1
+        self.append_step(seqs, k, v)
+        out.copy_(self.decode(q, seqs)[0])
+
+    def graph_commit(self, seqs, stream=None):
+        assert list(seqs) == self._prepared
+        self.calls["commit"] = self.calls.get("commit", 0) + 1
+
     def memory_report(self):
         full = self.page_tokens * self.d * 2  # per kv head; "b4"-like: half of fp16 K+V
         return [{"tier": "tail", "pages": self.hkv, "resident_bytes": self.hkv * 4 * full}, {"tier": self.target, "pages": self.hkv, "resident_bytes": self.hkv * full}]
@@ -132,10 +160,19 @@ def test_kvforge_backend_glue_on_a_fake_extension(monkeypatch):
     be = KvforgeBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", tier="b4")
     assert be.block_tokens() == 4 and be.page_bytes == 4 * c.d * 2 and be.target_only
     assert be.block_bytes() == be.page_bytes * c.layers * c.hkv
-    assert be.device_append  # the fake has append_step: decode steps use it
+    assert be.device_append and be.one_call  # the fake has append_step and step: a decode step is one call per layer
     eng, reqs, _ = _serve(m, be, [5, 11, 8, 3, 16], max_new=6, budget_blocks=12, max_batch=3)
     for r in reqs:
         assert r.generated == m.reference_greedy(r.prompt, r.max_new), r.rid
+    assert be.caches[0].calls["step"] == eng.decode_steps and not be.graph_capable()  # no graphs on CPU
+    monkeypatch.setenv("KVFORGE_SERVE_SPLIT_STEP", "1")
+    split = KvforgeBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", tier="b4")
+    assert split.device_append and not split.one_call
+    eng, reqs, _ = _serve(m, split, [5, 11, 8], max_new=4, budget_blocks=12, max_batch=3)
+    assert "step" not in split.caches[0].calls
+    for r in reqs:
+        assert r.generated == m.reference_greedy(r.prompt, r.max_new), r.rid
+    monkeypatch.delenv("KVFORGE_SERVE_SPLIT_STEP")
     monkeypatch.setenv("KVFORGE_SERVE_HOST_APPEND", "1")
     host = KvforgeBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", tier="b4")
     assert not host.device_append
@@ -150,6 +187,130 @@ def test_kvforge_backend_glue_on_a_fake_extension(monkeypatch):
     eng2 = _engine(m, be2, 40, max_batch=3)
     r = eng2.steady(batch=3, context=10, steps=2, warmup=1, breakdown=1)
     assert r["batch"] == 3 and r["tokens_per_s"] > 0 and eng2.pool.used == 0 and be2.ids == {}
+
+
+class _CpuStepGraph:
+    """engine.StepGraph without CUDA: "capturing" records the key, a "replay" runs the model
+    with the backend's graph_decode (what the captured launches do)."""
+
+    def __init__(self, model, backend, batch, device):
+        self.model, self.backend, self.batch = model, backend, batch
+        self.warm, self.key, self.captures, self.eager_steps, self.replays, self.capture_s = False, None, 0, 0, 0, 0.0
+
+    def warm_step(self, grown, toks, pos):
+        self.warm = True
+        self.eager_steps += 1
+        return self.model.decode(self.backend, self.backend.begin_step(grown), toks, pos)
+
+    def replay(self, key, toks, pos):
+        if key != self.key:
+            self.key, self.captures = key, self.captures + 1
+        self.replays += 1
+        return self.model.decode_with(lambda l, q, k, v: self.backend.graph_decode(l, q, k, v, 99), toks, pos)
+
+    def stats(self):
+        return {"graph_captures": self.captures, "graph_capture_s": self.capture_s, "graph_eager_steps": self.eager_steps,
+                "graph_replays": self.replays}
+
+
+def test_steady_through_the_step_graph_protocol_matches_eager(monkeypatch):
+    """The engine's CUDA-graph path with the kvforge backend on a fake extension: prepare /
+    launch / commit per layer and step, a warm eager step first, eager steps where a tail page
+    fills, and the same greedy tokens as the eager path."""
+    fake = types.ModuleType("kvforge")
+    fake.Cache = _FakeCache
+    fake.__version__ = "fake"
+    monkeypatch.setitem(sys.modules, "kvforge", fake)
+    import engine
+    from backends import KvforgeBackend
+
+    m = _tiny()
+    c = m.cfg
+    monkeypatch.setattr(engine.Engine, "graph_ready", lambda self: self.cuda_graph)
+    monkeypatch.setattr(engine, "StepGraph", _CpuStepGraph)
+    tokens, results, calls = {}, {}, {}
+    decode = engine.Engine._decode
+    for graph in (False, True):
+        got = []
+        monkeypatch.setattr(engine.Engine, "_decode", _recording(decode, got))
+        be = KvforgeBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", tier="b4")
+        eng = _engine(m, be, 40, max_batch=2)
+        eng.cuda_graph = graph
+        results[graph] = eng.steady(batch=2, context=10, steps=8, warmup=2, breakdown=1, seed=3)
+        tokens[graph], calls[graph] = got, be.caches[0].calls
+        assert all(cc.calls == be.caches[0].calls for cc in be.caches)  # every layer alike
+    # Eager: 10 steps of one Cache.step per layer (the breakdown step: append_step + decode).
+    assert calls[False].get("step") == 10 and "launch" not in calls[False] and not results[False]["cuda_graph"]
+    # Graph: step 1 warms up eagerly; steps 2-10 prepare; those that fill a 4-token page
+    # (cache 11 -> 12, 15 -> 16, 19 -> 20) run eagerly, the other 6 replay and commit.
+    g = calls[True]
+    assert (g["step"], g["prepare"], g["launch"], g["commit"]) == (4, 9, 6, 6)
+    r = results[True]
+    assert r["cuda_graph"] and (r["graph_replays"], r["graph_eager_steps"], r["graph_captures"]) == (6, 2, 1)
+    assert r["tokens_per_s_excl_capture"] > 0
+    assert tokens[True] == tokens[False]
+
+
+def test_a_failing_graph_step_falls_back_to_eager_for_good(monkeypatch):
+    """A backend whose graph_prepare raises: the error is recorded once, every later step runs
+    eagerly, the tokens are the eager path's."""
+    fake = types.ModuleType("kvforge")
+    fake.Cache = _FakeCache
+    fake.__version__ = "fake"
+    monkeypatch.setitem(sys.modules, "kvforge", fake)
+    import engine
+    from backends import KvforgeBackend
+
+    m = _tiny()
+    c = m.cfg
+    monkeypatch.setattr(engine.Engine, "graph_ready", lambda self: self.cuda_graph)
+    monkeypatch.setattr(engine, "StepGraph", _CpuStepGraph)
+    tried = []
+
+    def refuse(self, seqs, stream=None):
+        tried.append(1)
+        raise RuntimeError("out of pages")
+
+    monkeypatch.setattr(_FakeCache, "graph_prepare", refuse)
+    out = {}
+    for graph in (False, True):
+        be = KvforgeBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", tier="b4")
+        eng = _engine(m, be, 40, max_batch=2)
+        eng.cuda_graph = graph
+        out[graph] = (eng, eng.steady(batch=2, context=10, steps=5, warmup=2, breakdown=0, seed=3))
+    (eng, row), (eager, _) = out[True], out[False]
+    assert len(tried) == 1 and eng.graph_error == "RuntimeError: out of pages"
+    assert not row["cuda_graph"] and row["cuda_graph_asked"] and row["cuda_graph_error"] == eng.graph_error
+    assert eng.decode_steps == eager.decode_steps == 7
+
+
+def _recording(decode, out):
+    def wrapped(self, reqs, timers=None, graph=False):
+        logits = decode(self, reqs, timers, graph)
+        out.append([r.generated[-1] for r in reqs])
+        return logits
+    return wrapped
+
+
+def test_backend_capacity_stays_inside_the_budget(monkeypatch):
+    """blocks x block bytes + fixed bytes never exceed the budget, for every backend kind."""
+    fake = types.ModuleType("kvforge")
+    fake.Cache = _FakeCache
+    fake.__version__ = "fake"
+    monkeypatch.setitem(sys.modules, "kvforge", fake)
+    from backends import FlashInferBackend, KvforgeBackend, SdpaBackend
+
+    c = _tiny().cfg
+    for be in (SdpaBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", block=4),
+               FlashInferBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", kv_dtype="fp8", page=4),
+               KvforgeBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", tier="b4")):
+        for budget in (1e4, 3.3e5, 1e7):
+            for seqs in (1, 3, 17):
+                bt, nb = be.capacity(budget, seqs)
+                assert nb >= 0 and bt == be.block_tokens()
+                if nb:
+                    assert nb * be.block_bytes() + be.fixed_bytes(seqs) <= budget, (be.name, budget, seqs)
+                    assert (nb + 1) * be.block_bytes() + be.fixed_bytes(seqs) > budget  # and uses it
 
 
 def test_steady_sdpa_budget_and_batch():
@@ -173,11 +334,13 @@ def test_run_cli_tiny(tmp_path):
 
     out = tmp_path / "o.json"
     run.main(["--model", "tiny", "--layers", "2", "--backends", "sdpa", "--contexts", "24", "--budget-gb", "0.00002", "--max-batch", "4",
-              "--steps", "2", "--warmup", "1", "--breakdown", "1", "--device", "cpu", "--out", str(out), "--no-progress"])
+              "--steps", "2", "--warmup", "1", "--breakdown", "1", "--device", "cpu", "--out", str(out), "--no-progress", "--cuda-graph"])
     doc = json.loads(out.read_text())
     (row,) = doc["results"]
     assert "error" not in row, row
     assert row["batch"] >= 1 and row["tokens_per_s"] > 0
+    # asked for, recorded, not applied (a CPU device; SDPA is never captured)
+    assert doc["args"]["cuda_graph"] and row["cuda_graph_asked"] and not row["cuda_graph"]
     run.main(["--model", "tiny", "--layers", "2", "--mode", "loop", "--backends", "sdpa", "--requests", "6", "--prompt-lens", "5,9",
               "--max-new", "3", "--budget-gb", "0.00002", "--max-batch", "3", "--device", "cpu", "--out", str(out), "--no-progress"])
     (row,) = json.loads(out.read_text())["results"]
@@ -189,8 +352,11 @@ class _FakeDecodeWrapper:
     """FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` on CPU: gathers each sequence's
     pages from the plan's page table (checks the backend's indptr / indices / last_page_len)."""
 
-    def __init__(self, ws, layout, use_tensor_cores=False):
+    def __init__(self, ws, layout, use_tensor_cores=False, use_cuda_graph=False, paged_kv_indptr_buffer=None,
+                 paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None):
         assert layout == "NHD"
+        assert not use_cuda_graph or None not in (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        self.graph = use_cuda_graph
 
     def plan(self, indptr, indices, last_page_len, hq, hkv, d, page, pos_encoding_mode="NONE", q_data_type=None, kv_data_type=None):
         self.indptr, self.indices, self.last, self.page = indptr.tolist(), indices.tolist(), last_page_len.tolist(), page
@@ -229,6 +395,36 @@ def test_flashinfer_backend_page_table_on_a_fake_wrapper(monkeypatch, kv):
     else:  # fp8 K/V: most greedy tokens agree on a tiny random model
         agree = sum(a == b for r, g in zip(reqs, ref) for a, b in zip(r.generated, g))
         assert agree >= 0.6 * sum(len(g) for g in ref)
+
+
+def test_flashinfer_step_graph_protocol_matches_eager(monkeypatch):
+    """FlashInfer's graph path (a use_cuda_graph wrapper planned before each replay, the write
+    slots in fixed tensors) gives the eager path's tokens; every step replays."""
+    fake = types.ModuleType("flashinfer")
+    fake.BatchDecodeWithPagedKVCacheWrapper = _FakeDecodeWrapper
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    import engine
+    from backends import FlashInferBackend
+
+    m = _tiny()
+    c = m.cfg
+    monkeypatch.setattr(engine.Engine, "graph_ready", lambda self: self.cuda_graph)
+    monkeypatch.setattr(engine, "StepGraph", _CpuStepGraph)
+    decode = engine.Engine._decode
+    tokens, res = {}, {}
+    for graph in (False, True):
+        got = []
+        monkeypatch.setattr(engine.Engine, "_decode", _recording(decode, got))
+        be = FlashInferBackend(c.layers, c.hq, c.hkv, c.d, device="cpu", page=4, workspace_mb=1)
+        eng = _engine(m, be, 40, max_batch=2)
+        eng.cuda_graph = graph
+        res[graph] = eng.steady(batch=2, context=10, steps=6, warmup=2, breakdown=1, seed=3)
+        tokens[graph] = got
+        if graph:
+            assert be._gw.graph and not be.wrapper.graph
+    assert tokens[True] == tokens[False]
+    # captured in the second warm-up step; every timed step replays it
+    assert (res[True]["graph_replays"], res[True]["graph_eager_steps"], res[True]["graph_captures"]) == (6, 0, 0)
 
 
 def _tp_worker(rank, world, port, out):

@@ -577,7 +577,9 @@ impl Cache {
     /// tail-format pages in one launch and the full pages are encoded into the target tier in one
     /// more (a prompt's prefill write). Non-finite values are stored as given (`append` refuses
     /// them). Where encoding needs the pages on the host (an uncalibrated spherical target,
-    /// `keep_originals`) this is `append`. All or nothing on out-of-pages.
+    /// `keep_originals`) this is `append`. All or nothing on out-of-pages. Nothing waits for
+    /// the GPU: a fault the encode kernel flags is raised by a later `decode` / `step` or by
+    /// `synchronize()`.
     fn append_device(&mut self, py: Python<'_>, #[pyo3(from_py_with = crate::nat)] seq: usize, k: &Bound<'_, PyAny>, v: &Bound<'_, PyAny>) -> PyResult<()> {
         guarded(py, || {
             let (k, v) = (tensor(py, k, "k")?, tensor(py, v, "v")?);

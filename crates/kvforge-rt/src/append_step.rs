@@ -16,7 +16,8 @@
 //! A prompt goes in the same way ([`KvCache::append_external_device`]): many tokens of one
 //! sequence, one chunk per (page, kv head) in one launch of the same kernel, then one transcode
 //! launch for every filled page, in batches that fit the free tail pages. The host touches no
-//! token: it lists the chunks and keeps the page tables.
+//! token: it lists the chunks and keeps the page tables, and waits for nothing (the encode's
+//! fault flags are read asynchronously).
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use kvforge_spec::{Basis, KeyScheme, VariantId, HEADER_BYTES, TAIL_TIER};
@@ -276,7 +277,11 @@ impl KvCache {
     /// needs the pages on the host ([`Self::encode_needs_host`]: an uncalibrated spherical
     /// target, kept originals) this is `append_external`. All or nothing on out-of-pages and
     /// bad arguments; a device error part way leaves the sequence in an unspecified state.
-    /// Synchronises the cache's stream once per transcode launch (its fault flags).
+    /// Nothing waits for the GPU: the transcode kernel's fault flags are watched
+    /// asynchronously, as a decode step's encode of its filled tails is, so a fault (a staged
+    /// page not in the tail tier) is raised by a later decode or by [`KvCache::synchronize`].
+    /// A prompt written into every layer of a model therefore costs the host no
+    /// synchronisation per layer, and the host queues the next layer while the GPU encodes.
     pub fn append_external_device(&mut self, seq: usize, k: &ExternalTensor, v: &ExternalTensor) -> Result<()> {
         let (hkv, p) = (self.cfg.num_kv_heads, self.spec.page.tokens);
         let n = self.check_append(seq, k, v)?;
@@ -393,7 +398,7 @@ impl KvCache {
                 let src: Vec<PageRef> = staged.iter().map(|s| s.1).collect();
                 let heads: Vec<u32> = staged.iter().map(|s| s.0 as u32).collect();
                 let dst: Vec<PageRef> = (0..src.len()).map(|_| self.store.pool_mut().alloc(target)).collect::<Result<_>>()?;
-                let r = self.transcode(&src, &dst, &heads, TAIL_TIER, target);
+                let r = self.transcode_watched(&src, &dst, &heads, TAIL_TIER, target);
                 for &page in &src {
                     self.store.pool_mut().free(page);
                 }
