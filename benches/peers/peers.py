@@ -12,7 +12,14 @@ Systems (--systems):
                   [batch, heads, ctx, d] cache, one variant per SDPA backend
 Variants:
   flashinfer*: tc = use_tensor_cores=True (FA2 prefill kernels), cc = CUDA-core
-               decode kernel (use_tensor_cores=False); --fi-variants
+               decode kernel (use_tensor_cores=False), xqa =
+               flashinfer.decode.xqa_batch_decode_with_kv_cache (TensorRT-LLM's XQA
+               kernels: on sm_90 an fp8 cache runs the Hopper GMMA/TMA kernel
+               mha_sm90.cu, an fp16 cache the mma.sync kernel mha.cu),
+               xqa_gmma = the same JIT module called with the Hopper kernel forced
+               for an fp16 cache too (mha_sm90.cu compiles an fp16-cache case,
+               IS_SUPPORTED_F16_CASE, that the public API never selects; fp16
+               system only); --fi-variants
   sdpa:        gqa:<backend> (q [B,32,1,d], k/v [B,8,S,d], enable_gqa=True) and
                fold:<backend> (the 4 query heads of a group folded into the query
                length: q [B,8,4,d], no mask needed for decode, no GQA support
@@ -48,6 +55,7 @@ HQ, HKV, D = 32, 8, 128
 GROUP = HQ // HKV
 DEFAULT_CONTEXTS = [4096, 16384, 32768, 131072]
 DEFAULT_BATCHES = [1, 8, 32, 64]
+FI_VARIANTS = ["tc", "cc", "xqa", "xqa_gmma"]
 SDPA_VARIANTS = ["gqa:flash", "gqa:cudnn", "gqa:efficient", "fold:flash", "fold:cudnn", "fold:efficient"]
 
 
@@ -60,13 +68,16 @@ def parse_args():
     ap.add_argument("--out", default="peers.json")
     ap.add_argument("--quick", action="store_true", help="contexts 4096,32768 x batches 1,32 (overrides --contexts/--batches)")
     ap.add_argument("--systems", default="flashinfer,flashinfer_fp8,sdpa")
-    ap.add_argument("--fi-variants", default="tc,cc", help="comma list of tc (tensor cores) / cc (CUDA cores)")
+    ap.add_argument("--fi-variants", default="tc,cc",
+                    help="comma list of tc (tensor cores) / cc (CUDA cores) / xqa (XQA decode) / xqa_gmma (XQA, Hopper kernel forced)")
     ap.add_argument("--sdpa-variants", default=",".join(SDPA_VARIANTS))
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--page-order", choices=["contiguous", "shuffled"], default="contiguous",
                     help="order of a sequence's pages in the pool (shuffled = random permutation)")
     ap.add_argument("--max-kv-gb", type=float, default=60.0, help="skip cases whose fp16 K+V exceeds this (GB)")
     ap.add_argument("--workspace-mb", type=int, default=512, help="FlashInfer float workspace")
+    ap.add_argument("--xqa-workspace-mb", type=int, default=128,
+                    help="XQA workspace (its own zeroed buffer: the first 8 MB are semaphores, the rest scratch)")
     ap.add_argument("--flush-mb", type=int, default=256)
     ap.add_argument("--spin-cycles", type=int, default=400_000,
                     help="GPU spin (torch.cuda._sleep) after each flush, before the start event")
@@ -79,6 +90,9 @@ def parse_args():
         a.contexts, a.batches = [4096, 32768], [1, 32]
     a.systems = [s for s in a.systems.split(",") if s]
     a.fi_variants = [v for v in a.fi_variants.split(",") if v]
+    bad = [v for v in a.fi_variants if v not in FI_VARIANTS]
+    if bad:
+        ap.error(f"--fi-variants: unknown {bad}; known {FI_VARIANTS}")
     a.sdpa_variants = [v for v in a.sdpa_variants.split(",") if v]
     return a
 
@@ -208,7 +222,7 @@ def rel_err(torch, o, ref):
 class FlashInferCase:
     """A paged KV cache for (ctx, batch) and one wrapper per variant."""
 
-    def __init__(self, torch, fi, args, ctx, batch, kv_dtype, gen, workspace):
+    def __init__(self, torch, fi, args, ctx, batch, kv_dtype, gen, workspace, xqa_workspace=None):
         self.torch, self.fi, self.args = torch, fi, args
         ps = args.page_size
         self.kv_dtype = kv_dtype
@@ -225,11 +239,16 @@ class FlashInferCase:
         self.last_page_len = torch.full((batch,), ctx - (pages_per_seq - 1) * ps, dtype=torch.int32, device="cuda")
         self.q = torch.randn(batch, HQ, D, dtype=torch.float16, device="cuda", generator=gen)
         self.out = torch.empty(batch, HQ, D, dtype=torch.float16, device="cuda")
-        self.workspace = workspace
+        self.workspace, self.xqa_workspace = workspace, xqa_workspace
         self.ctx, self.batch, self.pages_per_seq = ctx, batch, pages_per_seq
 
     def wrapper(self, variant):
+        """An object with run(q, paged_kv, out=out): a planned FlashInfer wrapper, or an XqaRun."""
         torch, fi = self.torch, self.fi
+        if variant in ("xqa", "xqa_gmma"):
+            return XqaRun(self, force_gmma=(variant == "xqa_gmma"))
+        if variant not in ("tc", "cc"):
+            raise ValueError(f"unknown flashinfer variant {variant}")
         w = fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=(variant == "tc"))
         w.plan(
             self.indptr, self.indices, self.last_page_len,
@@ -249,6 +268,62 @@ class FlashInferCase:
         k = pages[:, :, 0].reshape(self.batch, -1, HKV, D)[:, : self.ctx]
         v = pages[:, :, 1].reshape(self.batch, -1, HKV, D)[:, : self.ctx]
         return k, v
+
+
+class XqaRun:
+    """FlashInfer's XQA decode on a FlashInferCase's cache (no plan step: tables go in the call).
+
+    The public entry, flashinfer.decode.xqa_batch_decode_with_kv_cache, takes the same
+    [pages, 2, page_size, Hkv, D] NHD cache (it unbinds K and V, strides preserved), a
+    [batch, pages_per_seq] int32 block table (the case's page indices) and uint32
+    sequence lengths. bmm1_scale is the whole QK scale (1/sqrt(D)), bmm2_scale the V
+    scale (1). On sm_90 flashinfer.xqa.xqa runs mha_sm90.cu (GMMA + TMA) only for an
+    fp8 cache and mha.cu (mma.sync) otherwise; force_gmma calls the same JIT module's
+    op with that choice forced to the Hopper kernel (which compiles an fp16-cache case).
+    """
+
+    def __init__(self, case, force_gmma=False):
+        torch, fi = case.torch, case.fi
+        if case.xqa_workspace is None:
+            raise RuntimeError("XQA needs its own zeroed workspace (xqa_workspace)")
+        major = torch.cuda.get_device_capability()[0]
+        fp8 = case.kv_dtype == torch.float8_e4m3fn
+        if force_gmma:
+            if major != 9:
+                raise RuntimeError("xqa_gmma: the Hopper XQA kernel needs sm_90")
+            if fp8:
+                raise RuntimeError("xqa_gmma: an fp8 cache already runs the Hopper kernel in variant xqa")
+        self.case, self.force_gmma = case, force_gmma
+        self.block_tables = case.indices.view(case.batch, case.pages_per_seq)
+        lens = torch.full((case.batch,), case.ctx, dtype=torch.int32, device="cuda")
+        self.seq_lens = lens.view(torch.uint32) if hasattr(torch, "uint32") else lens
+        self.max_seq_len = case.pages_per_seq * case.args.page_size
+        self.scale = 1.0 / math.sqrt(D)
+        gmma = force_gmma or (fp8 and major == 9)
+        self.resolved_backend = "xqa:mha_sm90" if gmma else "xqa:mha"
+        if force_gmma:
+            from flashinfer.xqa import get_xqa_module
+            from flashinfer.utils import device_support_pdl, get_device_sm_count
+            # the arguments flashinfer.xqa.xqa would pass, for one query token, no window/sinks
+            self.module = get_xqa_module(torch.float16, case.kv_dtype, case.args.page_size, D, GROUP, False,
+                                         torch.float16, 1)
+            self.sm_count = get_device_sm_count(case.q.device)
+            self.pdl = device_support_pdl(case.q.device)
+            ws = case.xqa_workspace.view(torch.uint8)
+            self.semaphores, self.scratch = ws[: 8 * 2**20], ws[8 * 2**20:]
+        else:
+            self.xqa_decode = fi.decode.xqa_batch_decode_with_kv_cache
+
+    def run(self, q, paged_kv, out):
+        if not self.force_gmma:
+            return self.xqa_decode(q, paged_kv, self.case.xqa_workspace, self.block_tables, self.seq_lens,
+                                   self.max_seq_len, bmm1_scale=self.scale, bmm2_scale=1.0, out=out, kv_layout="NHD")
+        k, v = paged_kv.unbind(dim=1)
+        # q_scale = bmm1_scale / kv_scale * sqrt(D) = 1, kv_scale = 1 (as xqa_batch_decode_with_kv_cache computes)
+        self.module.xqa(True, self.sm_count, HKV, 0, 1.0, out.unsqueeze(1), 1.0, q.unsqueeze(1), None, k, v,
+                        None, None, self.block_tables, self.max_seq_len, self.seq_lens.unsqueeze(1), q.shape[0],
+                        1.0, self.semaphores, self.scratch, self.pdl, 1, None, None)
+        return out
 
 
 # ---------------------------------------------------------------- SDPA
@@ -307,7 +382,7 @@ def err_row(system, variant, ctx, batch, e):
     return {"system": system, "variant": variant, "context": ctx, "batch": batch, "error": msg[:20000]}
 
 
-def correctness(torch, fi, args, gen, workspace, fi_err):
+def correctness(torch, fi, args, gen, workspace, fi_err, xqa_workspace=None):
     """Every peer variant vs a float64 reference on one small case (ragged last page)."""
     ctx, batch = 1000, 3
     out = []
@@ -319,18 +394,25 @@ def correctness(torch, fi, args, gen, workspace, fi_err):
                     if fi is None:
                         raise RuntimeError(f"flashinfer import failed: {fi_err}")
                     t0 = time.time()
-                    c = FlashInferCase(torch, fi, args, ctx, batch, kv_dtype, gen, workspace)
-                    w = c.wrapper(var)  # first plan() of a dtype/variant JIT-compiles its module
+                    c = FlashInferCase(torch, fi, args, ctx, batch, kv_dtype, gen, workspace, xqa_workspace)
+                    w = c.wrapper(var)  # first plan() of a dtype/variant JIT-compiles its module (XQA: first run)
                     o = c.run_fn(w)()
                     torch.cuda.synchronize()
                     k, v = c.dense_kv()
                     r = {"system": system, "variant": var, **rel_err(torch, o, reference(torch, c.q, k, v)),
                          "plan_and_first_run_s": round(time.time() - t0, 1)}
+                    if getattr(w, "resolved_backend", None):
+                        r["backend"] = w.resolved_backend
                 except Exception as e:
                     traceback.print_exc()
                     r = err_row(system, var, ctx, batch, e)
                 log("check", r)
                 out.append(r)
+                if "error" in r:  # a sticky CUDA error (e.g. a kernel trap) would poison every later case
+                    try:
+                        torch.cuda.synchronize()
+                    except Exception as e:
+                        log(f"CUDA context lost after {system}/{var}: {type(e).__name__}: {e}")
         elif system == "sdpa":
             for var in args.sdpa_variants:
                 try:
@@ -436,6 +518,7 @@ def main():
             "num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim": D, "page_size": args.page_size,
             "page_order": args.page_order, "runs": args.runs, "warmup": args.warmup,
             "flush_mb": args.flush_mb, "spin_cycles": args.spin_cycles, "workspace_mb": args.workspace_mb,
+            "fi_variants": args.fi_variants, "xqa_workspace_mb": args.xqa_workspace_mb,
             "env": {k: os.environ.get(k) for k in ("FLASHINFER_CUDA_ARCH_LIST", "FLASHINFER_WORKSPACE_BASE", "CUDA_HOME")},
         },
         "results": [],
@@ -448,9 +531,12 @@ def main():
     log(f"copy_gbps {doc['copy_gbps']:.1f}")
     timer = Timer(torch, args.flush_mb, args.warmup, args.runs, args.spin_cycles)
     workspace = torch.zeros(args.workspace_mb * 2**20, dtype=torch.uint8, device="cuda")
+    xqa_workspace = None
+    if any(v.startswith("xqa") for v in args.fi_variants) and any(s.startswith("flashinfer") for s in args.systems):
+        xqa_workspace = torch.zeros(args.xqa_workspace_mb * 2**20, dtype=torch.uint8, device="cuda")
 
     if not args.no_check:
-        doc["correctness"] = correctness(torch, fi, args, gen, workspace, fi_err)
+        doc["correctness"] = correctness(torch, fi, args, gen, workspace, fi_err, xqa_workspace)
         write_json(args.out, doc)
 
     results = []
@@ -479,7 +565,7 @@ def main():
                         if fi is None:
                             raise RuntimeError(f"flashinfer import failed: {fi_err}")
                         kv_dtype = torch.float8_e4m3fn if system == "flashinfer_fp8" else torch.float16
-                        case = FlashInferCase(torch, fi, args, ctx, batch, kv_dtype, gen, workspace)
+                        case = FlashInferCase(torch, fi, args, ctx, batch, kv_dtype, gen, workspace, xqa_workspace)
                         for var in variants:
                             try:
                                 w = case.wrapper(var)

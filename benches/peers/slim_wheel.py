@@ -16,8 +16,10 @@ What is kept (everything else is dropped):
   * non-.py files outside data/ only in directories that keep a .py module.
   * data/include (the whole flashinfer header tree), every top-level file of
     data/csrc (batch_decode*, batch_prefill*, page*, tvm_ffi_utils.h, jinja
-    templates, ...; all subdirectories of csrc hold MoE/GEMM/KDA/... sources
-    and are dropped), data/cutlass/include, data/cutlass/tools/util/include,
+    templates, ...; the subdirectories of csrc hold MoE/GEMM/KDA/... sources
+    and are dropped, except csrc/xqa: the XQA decode kernels (mha.cu,
+    mha_sm90.cu, tensorMap.cpp and their headers) that gen_xqa_module
+    compiles; its MLA-only mla_sm120.* go), data/cutlass/include, data/cutlass/tools/util/include,
     data/spdlog/include, data/cccl/{cub,thrust,libcudacxx/include} (the JIT
     puts all of these on the include path), data/*.py, and *.dist-info.
 
@@ -46,6 +48,11 @@ DATA_KEEP_PREFIXES = (
     "data/cccl/libcudacxx/include/",
 )
 EXTRA_SEED_DIRS = ("jit", "cudnn")
+# csrc subdirectories kept whole (minus CSRC_SUBDIR_DROP): flashinfer/jit/xqa.py
+# gen_xqa_module compiles xqa/{mha.cu,mha_sm90.cu,tensorMap.cpp,xqa_wrapper.cu},
+# which include only headers of the same directory and ../tvm_ffi_utils.h
+CSRC_KEEP_SUBDIRS = ("xqa",)
+CSRC_SUBDIR_DROP = ("xqa/mla_sm120.cu", "xqa/mla_sm120.cuh")  # gen_xqa_module_mla (SM120) only
 
 
 def _modfile(root, mod):
@@ -161,7 +168,10 @@ def main():
                 if rel.count("/") == 1:  # data/*.py
                     return True
                 if rel.startswith("data/csrc/"):
-                    return rel.count("/") == 2  # top-level csrc files only
+                    sub = rel[len("data/csrc/") :]
+                    if sub.count("/") == 0:  # top-level csrc files
+                        return True
+                    return sub.count("/") == 1 and sub.split("/")[0] in CSRC_KEEP_SUBDIRS and sub not in CSRC_SUBDIR_DROP
                 return rel.startswith(DATA_KEEP_PREFIXES)
             if rel.endswith(".py"):
                 return rel in py_keep

@@ -24,8 +24,10 @@ DEPS=(packaging==26.3 requests==2.34.2 urllib3==2.8.0 idna==3.20 certifi==2026.1
 NUMPY=numpy==2.5.5
 
 mkdir -p .whl .whl-numpy "$DL"
+# git rev-parse: in a linked worktree .git is a file and info/exclude lives in the common dir
+EXCLUDE=$(git rev-parse --git-path info/exclude 2>/dev/null || echo .git/info/exclude)
 for p in /.whl/ /.whl-numpy/; do
-  grep -qxF "$p" .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo "$p" >> .git/info/exclude; }
+  grep -qxF "$p" "$EXCLUDE" 2>/dev/null || { mkdir -p "$(dirname "$EXCLUDE")"; echo "$p" >> "$EXCLUDE"; }
 done
 
 pdl() {
@@ -47,7 +49,8 @@ cp "$DL"/numpy-2.5.5-cp312-*.whl .whl-numpy/
 # sanity: the slimmed wheel installs
 T=$(mktemp -d)
 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$T" .whl/flashinfer_python-*.whl
-test -f "$T/flashinfer/decode.py" -a -f "$T/flashinfer/data/csrc/batch_decode.cu" -a -f "$T/flashinfer/data/include/flashinfer/attention/decode.cuh"
+test -f "$T/flashinfer/decode.py" -a -f "$T/flashinfer/data/csrc/batch_decode.cu" -a -f "$T/flashinfer/data/include/flashinfer/attention/decode.cuh" \
+  -a -f "$T/flashinfer/data/csrc/xqa/mha_sm90.cu" -a -f "$T/flashinfer/data/csrc/flashinfer_xqa_binding.cu"
 rm -rf "$T"
 
 ls -l .whl .whl-numpy
