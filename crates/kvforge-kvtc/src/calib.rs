@@ -208,9 +208,14 @@ impl Calibration {
     }
 }
 
-/// Feeds `xs` to `h` as their little-endian bytes, a block at a time: the same stream as one
-/// `update` per value, without a hasher call per value (a basis holds tens of millions).
+/// Feeds `xs` to `h` as their little-endian bytes: the same stream as one `update` per value,
+/// hashed in parallel (a basis holds tens of millions of values and a container read checks the
+/// calibration's id).
 fn hash_f32s(h: &mut blake3::Hasher, xs: &[f32]) {
+    if cfg!(target_endian = "little") {
+        h.update_rayon(bytemuck::cast_slice(xs));
+        return;
+    }
     let mut buf = [0u8; 4 * 4096];
     for block in xs.chunks(4096) {
         for (o, x) in buf.chunks_exact_mut(4).zip(block) {
