@@ -12,11 +12,12 @@
 #     && strip .bin/paris_* && grep -c topk_hist_kernel .bin/paris_gpu .bin/paris_bench   # both >= 1
 #
 #   bash benches/paris/on_device.sh speed     # carry [".bin"], timeout 300: ONE call (~3-4 min): the GPU
-#                                             # tests, compute-sanitizer memcheck of the retrieval,
-#                                             # ties and attention tests (every changed kernel), step
-#                                             # timing at 128K and 1M x batch 1 (per kv head, and per
-#                                             # query head for comparison) and at 128K x batch 8 / 32
-#                                             # / 64 (BATCHES), JSON under $OUT
+#                                             # tests, step timing at 128K and 1M x batch 1,
+#                                             # compute-sanitizer memcheck of the retrieval, ties and
+#                                             # attention tests (every changed kernel), timing at 128K
+#                                             # x batch 8 / 32 / 64 (BATCHES), then 1M x 1 per query
+#                                             # head for comparison (COMPARE=0 skips); JSON under $OUT,
+#                                             # each step's files written as it ends
 #   bash benches/paris/on_device.sh gpu       # carry [".bin"]: GPU tests + step timing (~2 min)
 #   bash benches/paris/on_device.sh memcheck  # carry [".bin"]: compute-sanitizer memcheck + racecheck (~3 min)
 #
@@ -106,20 +107,21 @@ PY
   speed)
     nvidia-smi -L
     t0=$(date +%s)
-    .bin/paris_gpu --include-ignored --test-threads 1 --nocapture 2>&1 | tee "$OUT/paris-gpu-tests-$GPU-$DATE.log"
+    # A failing test or sanitizer report must not skip the timings: reported, then on.
+    .bin/paris_gpu --include-ignored --test-threads 1 --nocapture 2>&1 | tee "$OUT/paris-gpu-tests-$GPU-$DATE.log" || echo "GPU TESTS FAILED"
     echo "tests: $(( $(date +%s) - t0 ))s"
     .bin/paris_bench --lengths 131072,1048576 --batch 1 --kv-heads 8 --gqa 4 --head-dim 128 --iters 20 \
       --out "$OUT/paris-bench-$GPU-$DATE.json" 2>&1 | tee "$OUT/paris-bench.log"
     echo "bench batch 1: $(( $(date +%s) - t0 ))s"
+    compute-sanitizer --tool memcheck .bin/paris_gpu --ignored --test-threads 1 retrieval_matches ties_keep attention_matches 2>&1 | tail -20 | tee "$OUT/paris-memcheck-$GPU-$DATE.log" || echo "MEMCHECK FAILED"
+    echo "memcheck: $(( $(date +%s) - t0 ))s"
     .bin/paris_bench --lengths 131072 --batch "${BATCHES:-8,32,64}" --kv-heads 8 --gqa 4 --head-dim 128 --iters 10 --host-gib 48 \
       --out "$OUT/paris-bench-batch-$GPU-$DATE.json" 2>&1 | tee -a "$OUT/paris-bench.log"
     echo "bench batches: $(( $(date +%s) - t0 ))s"
     if [ "${COMPARE:-1}" = 1 ]; then
-      .bin/paris_bench --lengths 131072,1048576 --batch 1 --kv-heads 8 --gqa 4 --head-dim 128 --iters 10 --per-query-head \
+      .bin/paris_bench --lengths 1048576 --batch 1 --kv-heads 8 --gqa 4 --head-dim 128 --iters 10 --per-query-head \
         --out "$OUT/paris-bench-per-query-head-$GPU-$DATE.json" 2>&1 | tee -a "$OUT/paris-bench.log"
-      echo "bench per query head: $(( $(date +%s) - t0 ))s"
     fi
-    compute-sanitizer --tool memcheck .bin/paris_gpu --ignored --test-threads 1 retrieval_matches ties_keep attention_matches 2>&1 | tail -20 | tee "$OUT/paris-memcheck-$GPU-$DATE.log"
     echo "total: $(( $(date +%s) - t0 ))s"
     ;;
   memcheck)
