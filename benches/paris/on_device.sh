@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # ParisKV on the GPU machine (no cargo there): binaries built here, carried in .bin/.
 #
-# Build here (dev machine):
+# Build here (dev machine). A target/ copied from another checkout may embed that checkout's
+# device headers (kvforge-gen's build script lists them by absolute path): touch
+# crates/kvforge-gen/build.rs first, and check the binaries (last line below):
+#   touch crates/kvforge-gen/build.rs
 #   cargo build --release -p kvforge-lab --example paris_recall --example paris_bench
 #   cargo test --release -p kvforge-rt --test paris_gpu --no-run      # prints the test binary path
 #   mkdir -p .bin && cp target/release/examples/paris_{recall,bench} .bin/ \
 #     && cp "$(ls -t target/release/deps/paris_gpu-* | grep -v '\.d$' | head -1)" .bin/paris_gpu \
-#     && strip .bin/paris_*
+#     && strip .bin/paris_* && grep -c topk_hist_kernel .bin/paris_gpu .bin/paris_bench   # both >= 1
 #
-#   bash benches/paris/on_device.sh speed     # carry [".bin"], timeout 300: ONE call (~2-3 min): the GPU
-#                                             # tests, compute-sanitizer memcheck of the attention
-#                                             # test, step timing at 128K and 1M x batch 1 and at
-#                                             # 128K x batch 8 / 32 / 64 (BATCHES), JSON under $OUT
+#   bash benches/paris/on_device.sh speed     # carry [".bin"], timeout 300: ONE call (~3-4 min): the GPU
+#                                             # tests, step timing at 128K and 1M x batch 1,
+#                                             # compute-sanitizer memcheck of the retrieval, ties and
+#                                             # attention tests (every changed kernel), timing at 128K
+#                                             # x batch 8 / 32 / 64 (BATCHES), then 1M x 1 per query
+#                                             # head for comparison (COMPARE=0 skips); JSON under $OUT,
+#                                             # each step's files written as it ends
 #   bash benches/paris/on_device.sh gpu       # carry [".bin"]: GPU tests + step timing (~2 min)
 #   bash benches/paris/on_device.sh memcheck  # carry [".bin"]: compute-sanitizer memcheck + racecheck (~3 min)
 #
@@ -31,6 +37,7 @@
 # Only .bin/paris_recall is needed for call 2:
 #   cargo build --release -p kvforge-lab --example paris_recall && mkdir -p .bin && strip -o .bin/paris_recall target/release/examples/paris_recall
 # Knobs (env): LAYERS (capture, 3,8,15,22,28), HEADS (3), QUERIES (32), LENGTHS (131072,1048576),
+# GROUP (kv: one retrieval per kv head for the summed group query; head: per query head),
 # TEXTS (eval texts, all five), SCHEMES (fp16,paris).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -65,7 +72,7 @@ case "${1:-}" in
     ls -l "$QK"
     echo "capture: $(( $(date +%s) - t0 ))s"
     for tile in rope noise; do
-      .bin/paris_recall --qk "$QK" --tile $tile --lengths "${LENGTHS:-131072,1048576}" --heads "${HEADS:-3}" --queries "${QUERIES:-32}" \
+      .bin/paris_recall --qk "$QK" --tile $tile --group "${GROUP:-kv}" --lengths "${LENGTHS:-131072,1048576}" --heads "${HEADS:-3}" --queries "${QUERIES:-32}" \
         --label "SmolLM2-135M Emma 8K tokens tiled ($tile), $GPU host CPU ($(nproc) cores), $DATE" \
         --out "$OUT/paris-recall-smollm2-$tile-$DATE.json" 2>&1 | tee "$OUT/paris-recall-$tile.log"
       python3 -c "import json,sys; [print('$tile', r) for r in json.load(open(sys.argv[1]))['summary']]" "$OUT/paris-recall-smollm2-$tile-$DATE.json"
@@ -100,19 +107,25 @@ PY
   speed)
     nvidia-smi -L
     t0=$(date +%s)
-    .bin/paris_gpu --include-ignored --test-threads 1 2>&1 | tee "$OUT/paris-gpu-tests-$GPU-$DATE.log"
+    # A failing test or sanitizer report must not skip the timings: reported, then on.
+    .bin/paris_gpu --include-ignored --test-threads 1 --nocapture 2>&1 | tee "$OUT/paris-gpu-tests-$GPU-$DATE.log" || echo "GPU TESTS FAILED"
     echo "tests: $(( $(date +%s) - t0 ))s"
-    compute-sanitizer --tool memcheck .bin/paris_gpu --ignored --test-threads 1 attention_matches 2>&1 | tail -20 | tee "$OUT/paris-memcheck-$GPU-$DATE.log"
-    echo "memcheck: $(( $(date +%s) - t0 ))s"
     .bin/paris_bench --lengths 131072,1048576 --batch 1 --kv-heads 8 --gqa 4 --head-dim 128 --iters 20 \
       --out "$OUT/paris-bench-$GPU-$DATE.json" 2>&1 | tee "$OUT/paris-bench.log"
     echo "bench batch 1: $(( $(date +%s) - t0 ))s"
-    .bin/paris_bench --lengths 131072 --batch "${BATCHES:-8,32,64}" --kv-heads 8 --gqa 4 --head-dim 128 --iters 20 --host-gib 48 \
+    compute-sanitizer --tool memcheck .bin/paris_gpu --ignored --test-threads 1 retrieval_matches ties_keep attention_matches 2>&1 | tail -20 | tee "$OUT/paris-memcheck-$GPU-$DATE.log" || echo "MEMCHECK FAILED"
+    echo "memcheck: $(( $(date +%s) - t0 ))s"
+    .bin/paris_bench --lengths 131072 --batch "${BATCHES:-8,32,64}" --kv-heads 8 --gqa 4 --head-dim 128 --iters 10 --host-gib 48 \
       --out "$OUT/paris-bench-batch-$GPU-$DATE.json" 2>&1 | tee -a "$OUT/paris-bench.log"
+    echo "bench batches: $(( $(date +%s) - t0 ))s"
+    if [ "${COMPARE:-1}" = 1 ]; then
+      .bin/paris_bench --lengths 1048576 --batch 1 --kv-heads 8 --gqa 4 --head-dim 128 --iters 10 --per-query-head \
+        --out "$OUT/paris-bench-per-query-head-$GPU-$DATE.json" 2>&1 | tee -a "$OUT/paris-bench.log"
+    fi
     echo "total: $(( $(date +%s) - t0 ))s"
     ;;
   memcheck)
-    compute-sanitizer --tool memcheck .bin/paris_gpu --ignored --test-threads 1 attention_matches 2>&1 | tail -20 | tee "$OUT/paris-memcheck-$GPU-$DATE.log"
+    compute-sanitizer --tool memcheck .bin/paris_gpu --ignored --test-threads 1 retrieval_matches ties_keep attention_matches 2>&1 | tail -20 | tee "$OUT/paris-memcheck-$GPU-$DATE.log"
     compute-sanitizer --tool racecheck .bin/paris_gpu --ignored --test-threads 1 retrieval_matches 2>&1 | tail -20 | tee "$OUT/paris-racecheck-$GPU-$DATE.log"
     ;;
   *)

@@ -35,6 +35,9 @@ struct Args {
     kv_heads: usize,
     #[arg(long, default_value_t = 4)]
     gqa: usize,
+    /// One retrieval per query head (default: one per kv head for its group's summed query).
+    #[arg(long)]
+    per_query_head: bool,
     #[arg(long, default_value_t = 128)]
     head_dim: usize,
     #[arg(long, default_value_t = 100)]
@@ -83,6 +86,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 batch,
                 kv_heads: a.kv_heads,
                 gqa: a.gqa,
+                per_query_head: a.per_query_head,
                 capacity: n,
                 dense_capacity: a.dense,
                 max_candidates: plan.candidates,
@@ -126,8 +130,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let med = |f: fn(&StepTimes) -> f64| median(times.iter().map(f).collect());
             let total = med(|t| t.vote_us + t.topk_us + t.rerank_us + t.fetch_us + t.attend_us);
             let total_fused = med(|t| t.vote_us + t.topk_us + t.rerank_us + t.attend_fused_us);
+            let mode = if a.per_query_head { "per query head" } else { "per kv head (summed group query)" };
             let v = json!({
-                "n": n, "batch": batch, "kv_heads": a.kv_heads, "gqa": a.gqa, "head_dim": d, "k": a.k, "dense_rows": a.dense,
+                "n": n, "batch": batch, "kv_heads": a.kv_heads, "gqa": a.gqa, "retrieval": mode, "head_dim": d, "k": a.k, "dense_rows": a.dense,
                 "plan": plan, "config": cfg,
                 "gpu_bytes_per_token_per_kv_head": cfg.summary_bytes(), "fp16_kv_bytes_per_token_per_kv_head": 4 * d,
                 "gpu_bytes_per_sequence": ix.device_bytes_per_sequence(), "fp16_kv_bytes_per_sequence": 4 * d * a.kv_heads * n,

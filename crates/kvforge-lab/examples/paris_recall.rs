@@ -34,8 +34,13 @@
 //!   head's keys (so copies do not tie in the exact top-k): near-duplicates, whose order the
 //!   4-bit rerank must resolve from 5% noise (the harder, less realistic case).
 //!
-//! Queries are the last `--queries` positions' queries of the group's query heads (GQA, round
-//! robin). The JSON's `summary` holds, per length, the mean over the (layer, kv head) runs.
+//! Queries (`--group kv`, default): one retrieval per kv head and position, as the runtime
+//! does: the query of the last `--queries` positions is the sum of the group's query heads
+//! (`kvforge_paris::group_query`), and Recall@k is measured against the exact top-k of that
+//! summed query (the exact top-k of the group's aggregated scores). `--group head`: the last
+//! positions' queries of the group's query heads one by one (round robin), each its own
+//! retrieval. The JSON's `summary` holds, per length, the mean over the (layer, kv head) runs.
+//! Synthetic queries have no GQA group: each is its own retrieval.
 //!
 //! For every query: the exact top-k (f64), the adaptive schedule's retrieval
 //! ([`Schedule::default`]), and a sweep of fixed `(ρ, β)` with the 4-bit rerank and with an
@@ -48,7 +53,7 @@ use clap::Parser;
 use half::f16;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvforge_paris::retrieval::top_k_by;
-use kvforge_paris::{exact_top_k, recall, top_candidates, ParisConfig, Query, Schedule, Summaries};
+use kvforge_paris::{exact_top_k, group_query, recall, top_candidates, ParisConfig, Query, Schedule, Summaries};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -86,6 +91,10 @@ struct Args {
     /// KV heads per layer of the captured file (the first ones).
     #[arg(long, default_value_t = 2)]
     heads: usize,
+    /// Captured queries: `kv` (one retrieval per kv head for the sum of its query heads) or
+    /// `head` (one per query head) (module docs).
+    #[arg(long, default_value = "kv")]
+    group: String,
     /// How captured keys are tiled to length: `rope` or `noise` (module docs).
     #[arg(long, default_value = "rope")]
     tile: String,
@@ -361,16 +370,27 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         })
                         .collect();
                     let g = hq / hkv;
-                    let qrow = |j: usize| {
-                        let qh = h * g + j % g;
-                        let pos = t - 1 - j / g;
-                        &qall[(qh * t + pos) * d..(qh * t + pos + 1) * d]
+                    let per_head = match args.group.as_str() {
+                        "head" => true,
+                        "kv" => false,
+                        other => return Err(format!("--group {other}: kv or head").into()),
+                    };
+                    let head_row = |qh: usize, pos: usize| &qall[(qh * t + pos) * d..(qh * t + pos + 1) * d];
+                    // Query j: query head h g + j % g at position t - 1 - j / g, or the sum of the
+                    // group's heads at position t - 1 - j.
+                    let qrow = |j: usize| -> Vec<f32> {
+                        if per_head {
+                            head_row(h * g + j % g, t - 1 - j / g).to_vec()
+                        } else {
+                            let heads: Vec<f64> = (0..g).flat_map(|i| head_row(h * g + i, t - 1 - j).iter().map(|&v| f64::from(v))).collect();
+                            group_query(&heads, d).into_iter().map(|v| v as f32).collect()
+                        }
                     };
                     for &n in &args.lengths {
                         bar.set_message(format!("layer {l} head {h} n {n}"));
                         let qs: Vec<Vec<f64>> = (0..args.queries)
                             .map(|j| match theta {
-                                Some(th) => rope_shift(qrow(j), n.saturating_sub(t) as f64, th),
+                                Some(th) => rope_shift(&qrow(j), n.saturating_sub(t) as f64, th),
                                 None => qrow(j).iter().map(|&v| f64::from(v)).collect(),
                             })
                             .collect();
@@ -401,6 +421,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         v["kv_head"] = json!(h);
                         v["captured_tokens"] = json!(t);
                         v["tile"] = json!(args.tile);
+                        v["group"] = json!(if per_head { "query head" } else { "kv head (summed group query)" });
                         v["rope_theta"] = json!(theta);
                         runs.push(v);
                     }

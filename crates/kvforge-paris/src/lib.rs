@@ -25,7 +25,8 @@
 //! levels (`codecs::rotated::levels` at the subspace dim `m`).
 //!
 //! - [`summary`]: the per-key summaries (byte layout in its docs);
-//! - [`retrieval`]: vote, top-`C`, rerank (eq. 10), top-`k`, exact top-`k` and recall;
+//! - [`retrieval`]: vote, top-`C`, rerank (eq. 10), top-`k`, exact top-`k` and recall; one
+//!   retrieval per GQA group ([`group_query`]);
 //! - [`config`]: the geometry and the adaptive `(ρ, β)` schedule;
 //! - [`window`]: the sinks / retrieval / local / update-buffer regions of a sequence (§4.2.1).
 
@@ -37,6 +38,6 @@ pub mod window;
 
 pub use config::{ParisConfig, RetrievalPlan, Schedule, SchedulePoint, CODE_BITS};
 pub use error::ParisError;
-pub use retrieval::{exact_top_k, recall, retrieve, top_candidates, Query, Retrieval};
+pub use retrieval::{exact_top_k, group_query, recall, retrieve, top_candidates, Query, Retrieval};
 pub use summary::{summarize_key, KeySummary, Summaries};
 pub use window::{Regions, WindowConfig};

@@ -38,7 +38,10 @@ fn f32_bytes<'py>(py: Python<'py>, x: &[f32]) -> Bound<'py, PyBytes> {
 /// The retrieval index of one attention layer for `batch` sequences (module docs).
 ///
 /// ParisIndex(head_dim, kv_heads, gqa, capacity, batch=1, dense_capacity=1024, max_k=256,
-///            max_candidates=65536, host_budget_gb=64.0, device=0)
+///            max_candidates=65536, host_budget_gb=64.0, device=0, per_query_head=False)
+///
+/// The `gqa` query heads of a kv head share one retrieval (for the sum of their queries) and
+/// one fetch of the rows; `per_query_head=True` retrieves for each query head.
 #[pyclass(module = "kvforge", name = "ParisIndex", unsendable)]
 pub struct ParisIndex {
     inner: Index,
@@ -48,7 +51,7 @@ pub struct ParisIndex {
 #[pymethods]
 impl ParisIndex {
     #[new]
-    #[pyo3(signature = (head_dim, kv_heads, gqa, capacity, batch = 1, dense_capacity = 1024, max_k = 256, max_candidates = 65536, host_budget_gb = 64.0, device = 0))]
+    #[pyo3(signature = (head_dim, kv_heads, gqa, capacity, batch = 1, dense_capacity = 1024, max_k = 256, max_candidates = 65536, host_budget_gb = 64.0, device = 0, per_query_head = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -62,13 +65,14 @@ impl ParisIndex {
         #[pyo3(from_py_with = crate::nat)] max_candidates: usize,
         #[pyo3(from_py_with = crate::real)] host_budget_gb: f64,
         #[pyo3(from_py_with = crate::nat)] device: usize,
+        per_query_head: bool,
     ) -> PyResult<Self> {
         if !(host_budget_gb > 0.0) {
             return Err(bad(py, format!("host_budget_gb must be positive, got {host_budget_gb}")));
         }
         guarded(py, || {
             let dev = crate::device(py, device)?;
-            let geo = ParisGeometry { batch, kv_heads, gqa, capacity, dense_capacity, max_candidates, max_k, host_budget_bytes: (host_budget_gb * 1e9) as usize };
+            let geo = ParisGeometry { batch, kv_heads, gqa, per_query_head, capacity, dense_capacity, max_candidates, max_k, host_budget_bytes: (host_budget_gb * 1e9) as usize };
             let inner = Index::new(&dev, ParisConfig::default_for(head_dim), geo).or_py(py)?;
             Ok(ParisIndex { inner, schedule: Schedule::default() })
         })
@@ -105,8 +109,9 @@ impl ParisIndex {
         guarded(py, || self.inner.set_dense(seq, &k, &v).or_py(py))
     }
 
-    /// The top-`k` retrieval-region keys of every (sequence, query head) for `q`
-    /// (`[batch][Hq][head_dim]` fp16 bytes), ascending.
+    /// The top-`k` retrieval-region keys each (sequence, query head) attends for `q`
+    /// (`[batch][Hq][head_dim]` fp16 bytes), ascending: one list per kv head, repeated for its
+    /// query heads (unless `per_query_head`).
     fn retrieve(&mut self, py: Python<'_>, q: &[u8], #[pyo3(from_py_with = crate::nat)] k: usize) -> PyResult<Vec<Vec<u32>>> {
         let q = halves(py, q, "q")?;
         guarded(py, || self.inner.retrieve(&q, k, &self.schedule).or_py(py))

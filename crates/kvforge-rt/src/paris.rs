@@ -8,9 +8,15 @@
 //! [`ParisIndex::attend`] (fetch + attention over dense and retrieved rows, one softmax);
 //! [`ParisIndex::step_timed`] runs both and splits the device time.
 //!
+//! GQA: by default the `gqa` query heads of a kv head share one retrieval — one vote, top-`C`,
+//! rerank, top-`k` and one fetch of the rows from host memory — for the sum of their queries
+//! (`kvforge_paris::group_query`: the group's summed logits); each head then attends its own
+//! softmax over those rows. [`ParisGeometry::per_query_head`] retrieves for every query head
+//! instead (`gqa`× the vote / rerank / top-`k` work and host reads).
+//!
 //! ```ignore
 //! let dev = Device::open(0)?;
-//! let geo = ParisGeometry { batch: 1, kv_heads: 8, gqa: 4, capacity: 1 << 20, dense_capacity: 1024, max_candidates: 65536, max_k: 256, host_budget_bytes: 40 << 30 };
+//! let geo = ParisGeometry { batch: 1, kv_heads: 8, gqa: 4, per_query_head: false, capacity: 1 << 20, dense_capacity: 1024, max_candidates: 65536, max_k: 256, host_budget_bytes: 40 << 30 };
 //! let mut ix = ParisIndex::new(&dev, ParisConfig::default_for(128), geo)?;
 //! ix.append(0, &keys, &values)?;          // [rows][Hkv][D] fp16 each
 //! ix.set_dense(0, &dense_k, &dense_v)?;   // sinks + local
@@ -40,13 +46,16 @@ pub struct ParisGeometry {
     pub kv_heads: usize,
     /// Query heads per kv head.
     pub gqa: usize,
+    /// One retrieval per query head instead of one per kv head for its group's summed query
+    /// (module docs).
+    pub per_query_head: bool,
     /// Retrieval-region keys per sequence (pinned host K/V and GPU summaries are sized for it).
     pub capacity: usize,
     /// Dense rows per (sequence, kv head) on the GPU.
     pub dense_capacity: usize,
-    /// Most vote candidates per (sequence, query head).
+    /// Most vote candidates per retrieval (sequence and kv head, or query head).
     pub max_candidates: usize,
-    /// Most retrieved keys per (sequence, query head), at most 1024.
+    /// Most retrieved keys per retrieval, at most 1024.
     pub max_k: usize,
     /// Pinned host bytes the index may take (K and V of the retrieval region).
     pub host_budget_bytes: usize,
@@ -56,6 +65,20 @@ impl ParisGeometry {
     /// Pinned host bytes of the retrieval-region K/V.
     pub fn host_bytes(&self, d: usize) -> usize {
         2 * self.batch * self.kv_heads * self.capacity * d * 2
+    }
+
+    /// Retrievals per kv head: 1, or `gqa` with [`ParisGeometry::per_query_head`].
+    pub fn rows_per_kv_head(&self) -> usize {
+        if self.per_query_head {
+            self.gqa
+        } else {
+            1
+        }
+    }
+
+    /// Retrievals per sequence (`kv_heads` × [`ParisGeometry::rows_per_kv_head`]).
+    pub fn rows_per_sequence(&self) -> usize {
+        self.kv_heads * self.rows_per_kv_head()
     }
 }
 
@@ -93,7 +116,10 @@ struct BonusParams {
     qnorm: u64,
     bonus: u64,
     score_hist: u64,
-    hq: i32,
+    est_hist: u64,
+    nr: i32,
+    rg: i32,
+    share: i32,
     hkv: i32,
     seed: u32,
 }
@@ -124,7 +150,7 @@ struct BucketParams {
     out_count: u64,
     cap: i32,
     stride: i32,
-    hq: i32,
+    nr: i32,
     chunks: i32,
 }
 
@@ -132,10 +158,12 @@ struct BucketParams {
 const BUCKET_CHUNK: usize = 16 * 256;
 /// Keys per CTA of the vote (`VOTE_CHUNK` in paris.cuh).
 const VOTE_CHUNK: usize = 4096;
+/// Bins of the rerank estimates' histogram per retrieval row (`EST_BINS` in paris.cuh).
+const EST_BINS: usize = 1 << 16;
 /// Candidates per CTA of the rerank (`RERANK_CHUNK` in paris.cuh).
 const RERANK_CHUNK: usize = 2048;
-/// 16-byte loads per thread of the fetch (`FETCH_UNROLL` in paris.cuh), 256 threads a CTA.
-const FETCH_PER_CTA: usize = 8 * 256;
+/// 16-byte loads per thread of the fetch (`FETCH_UNROLL` in paris.cuh), 128 threads a CTA.
+const FETCH_PER_CTA: usize = 4 * 128;
 
 /// Score row stride: the capacity rounded up to 16 keys (the bucket kernels read 16 scores with
 /// one load, the vote writes 4 with one store).
@@ -154,10 +182,11 @@ struct SelectParams {
     want: u64,
     out: u64,
     out_count: u64,
+    est_hist: u64,
     cap: i32,
     cmax: i32,
     stride: i32,
-    hq: i32,
+    nr: i32,
 }
 
 #[repr(C)]
@@ -169,8 +198,10 @@ struct RerankParams {
     cand: u64,
     count: u64,
     est: u64,
+    est_hist: u64,
     cmax: i32,
-    hq: i32,
+    nr: i32,
+    rg: i32,
     levels: [f32; 16],
 }
 
@@ -187,7 +218,8 @@ struct FetchParams {
     len: u64,
     host_cap: i32,
     kmax: i32,
-    hq: i32,
+    nr: i32,
+    rg: i32,
     hkv: i32,
 }
 
@@ -212,18 +244,19 @@ struct AttendParams {
     kmax: i32,
     hq: i32,
     hkv: i32,
+    share: i32,
 }
 
 // The C++ structs of kvforge/paris.cuh, field for field.
 const _: () = assert!(std::mem::size_of::<IndexRaw>() == 48);
 const _: () = assert!(std::mem::size_of::<EncodeParams>() == 144);
-const _: () = assert!(std::mem::size_of::<BonusParams>() == 72);
+const _: () = assert!(std::mem::size_of::<BonusParams>() == 88);
 const _: () = assert!(std::mem::size_of::<VoteParams>() == 56);
 const _: () = assert!(std::mem::size_of::<BucketParams>() == 80);
-const _: () = assert!(std::mem::size_of::<SelectParams>() == 80);
-const _: () = assert!(std::mem::size_of::<RerankParams>() == 160);
-const _: () = assert!(std::mem::size_of::<FetchParams>() == 80);
-const _: () = assert!(std::mem::size_of::<AttendParams>() == 120);
+const _: () = assert!(std::mem::size_of::<SelectParams>() == 88);
+const _: () = assert!(std::mem::size_of::<RerankParams>() == 176);
+const _: () = assert!(std::mem::size_of::<FetchParams>() == 88);
+const _: () = assert!(std::mem::size_of::<AttendParams>() == 128);
 
 // SAFETY: plain-old-data mirrors of the kernel parameter structs (asserted sizes above).
 unsafe impl DeviceRepr for EncodeParams {}
@@ -261,6 +294,8 @@ pub struct ParisIndex {
     levels: [f32; 16],
     /// Opt-in shared memory per CTA: top-k stages the estimates there when they fit.
     max_smem: usize,
+    /// Top-k by the radix select over the estimates instead of the one-pass histogram top-k.
+    radix_topk: bool,
     ids: CudaSlice<u8>,
     codes: CudaSlice<u8>,
     weights: CudaSlice<u16>,
@@ -286,6 +321,7 @@ struct Workspace {
     bonus: CudaSlice<u8>,
     scores: CudaSlice<u8>,
     score_hist: CudaSlice<u32>,
+    est_hist: CudaSlice<u32>,
     chunk_gt: CudaSlice<u32>,
     chunk_eq: CudaSlice<u32>,
     target: CudaSlice<u32>,
@@ -361,30 +397,33 @@ impl ParisIndex {
         let host_v_ptr = host_v.as_ptr().map_err(drv("pinned values"))? as u64;
         let heads = geo.batch * geo.kv_heads;
         let qh = heads * geo.gqa;
+        // Retrieval rows.
+        let nr = geo.batch * geo.rows_per_sequence();
         let z8 = |n: usize, what: &str| st.alloc_zeros::<u8>(n.max(1)).map_err(drv(what.to_string()));
         let z16 = |n: usize, what: &str| st.alloc_zeros::<u16>(n.max(1)).map_err(drv(what.to_string()));
         let z32 = |n: usize, what: &str| st.alloc_zeros::<u32>(n.max(1)).map_err(drv(what.to_string()));
         let zf = |n: usize, what: &str| st.alloc_zeros::<f32>(n.max(1)).map_err(drv(what.to_string()));
         let ws = Workspace {
             q: z16(qh * d, "queries")?,
-            qrot: zf(qh * d, "rotated queries")?,
-            qnorm: zf(qh, "query norms")?,
-            // Packed 4 query heads to a 32-bit word per (kv head, subspace, centroid).
-            bonus: z8(heads * geo.gqa.div_ceil(4) * 4 * b * c, "bonus tables")?,
-            scores: z8(qh * score_stride(geo.capacity), "collision scores")?,
-            score_hist: z32(qh * 256, "score histograms")?,
-            chunk_gt: z32(qh * geo.capacity.div_ceil(BUCKET_CHUNK), "bucket counts")?,
-            chunk_eq: z32(qh * geo.capacity.div_ceil(BUCKET_CHUNK), "bucket counts")?,
+            qrot: zf(nr * d, "rotated queries")?,
+            qnorm: zf(nr, "query norms")?,
+            // Packed 4 retrieval rows to a 32-bit word per (kv head, subspace, centroid).
+            bonus: z8(heads * geo.rows_per_kv_head().div_ceil(4) * 4 * b * c, "bonus tables")?,
+            scores: z8(nr * score_stride(geo.capacity), "collision scores")?,
+            score_hist: z32(nr * 256, "score histograms")?,
+            est_hist: z32(nr * EST_BINS, "estimate histograms")?,
+            chunk_gt: z32(nr * geo.capacity.div_ceil(BUCKET_CHUNK), "bucket counts")?,
+            chunk_eq: z32(nr * geo.capacity.div_ceil(BUCKET_CHUNK), "bucket counts")?,
             target: z32(geo.batch, "vote targets")?,
             want_c: z32(geo.batch, "candidate counts")?,
             want_k: z32(geo.batch, "top-k counts")?,
-            cand: z32(qh * geo.max_candidates, "candidates")?,
-            cand_count: z32(qh, "candidate counts")?,
-            est: zf(qh * geo.max_candidates, "rerank estimates")?,
-            top: z32(qh * geo.max_k, "top-k")?,
-            top_count: z32(qh, "top-k counts")?,
-            k_rows: z16(qh * geo.max_k * d, "fetched keys")?,
-            v_rows: z16(qh * geo.max_k * d, "fetched values")?,
+            cand: z32(nr * geo.max_candidates, "candidates")?,
+            cand_count: z32(nr, "candidate counts")?,
+            est: zf(nr * geo.max_candidates, "rerank estimates")?,
+            top: z32(nr * geo.max_k, "top-k")?,
+            top_count: z32(nr, "top-k counts")?,
+            k_rows: z16(nr * geo.max_k * d, "fetched keys")?,
+            v_rows: z16(nr * geo.max_k * d, "fetched values")?,
             out: zf(qh * d, "output")?,
             lse: zf(qh, "lse")?,
             err: z32(1, "error flags")?,
@@ -407,12 +446,20 @@ impl ParisIndex {
             funcs,
             levels,
             max_smem: dev.info.max_smem_per_block,
+            radix_topk: false,
             host_k,
             host_v,
             host_k_ptr,
             host_v_ptr,
             ws,
         })
+    }
+
+    /// Selects the top-k of the rerank estimates by the radix select (four passes over them)
+    /// instead of the default one-pass top-k over the rerank's histogram; both keep the same set
+    /// (ties in index order). For comparisons and as a fallback.
+    pub fn set_radix_topk(&mut self, on: bool) {
+        self.radix_topk = on;
     }
 
     pub fn config(&self) -> &ParisConfig {
@@ -442,11 +489,12 @@ impl ParisIndex {
     pub fn device_bytes_per_sequence(&self) -> usize {
         let (g, d) = (&self.geo, self.cfg.head_dim);
         let (b, c) = (self.cfg.subspaces, self.cfg.centroids());
-        let hq = g.kv_heads * g.gqa;
+        let (hq, nr) = (g.kv_heads * g.gqa, g.rows_per_sequence());
         let summaries = g.kv_heads * (g.capacity * self.cfg.summary_bytes() + b * c * 4);
         let dense = 2 * g.kv_heads * g.dense_capacity * d * 2;
-        let work = hq * (score_stride(g.capacity) + 8 * g.max_candidates + g.max_k * (4 + 4 * d) + b * c + 256 * 4 + 2 * g.capacity.div_ceil(BUCKET_CHUNK) * 4 + d * 10 + 12);
-        summaries + dense + work
+        let bonus = g.kv_heads * g.rows_per_kv_head().div_ceil(4) * 4 * b * c;
+        let rows = nr * (score_stride(g.capacity) + 8 * g.max_candidates + g.max_k * (4 + 4 * d) + (256 + EST_BINS) * 4 + 2 * g.capacity.div_ceil(BUCKET_CHUNK) * 4 + d * 4 + 12);
+        summaries + dense + bonus + rows + hq * (d * 6 + 4)
     }
 
     fn raw(&self) -> IndexRaw {
@@ -619,7 +667,7 @@ impl ParisIndex {
 
     fn launch_vote(&mut self) -> Result<()> {
         let (st, g) = (&self.st, &self.geo);
-        let qh = g.batch * g.kv_heads * g.gqa;
+        let nr = g.batch * g.rows_per_sequence();
         let w = &self.ws;
         let bp = BonusParams {
             q: w.q.device_ptr(st).0,
@@ -629,13 +677,16 @@ impl ParisIndex {
             qnorm: w.qnorm.device_ptr(st).0,
             bonus: w.bonus.device_ptr(st).0,
             score_hist: w.score_hist.device_ptr(st).0,
-            hq: (g.kv_heads * g.gqa) as i32,
+            est_hist: w.est_hist.device_ptr(st).0,
+            nr: g.rows_per_sequence() as i32,
+            rg: g.rows_per_kv_head() as i32,
+            share: (g.gqa / g.rows_per_kv_head()) as i32,
             hkv: g.kv_heads as i32,
             seed: self.cfg.seed,
         };
-        // SAFETY: BonusParams; buffers sized [batch][Hq][...] in `new`; a CTA per (sequence,
-        // query head, subspace).
-        unsafe { self.launch("bonus", &bp, (qh as u32, self.cfg.subspaces as u32, 1), 256, 0) }?;
+        // SAFETY: BonusParams; buffers sized [batch][NR][...] in `new` (queries [batch][Hq][D],
+        // NR × share = Hq); a CTA per (sequence, retrieval row, subspace).
+        unsafe { self.launch("bonus", &bp, (nr as u32, self.cfg.subspaces as u32, 1), 256, 0) }?;
         let vp = VoteParams {
             ids: self.ids.device_ptr(st).0,
             len: self.len_d.device_ptr(st).0,
@@ -649,7 +700,8 @@ impl ParisIndex {
         let most = self.len.iter().copied().max().unwrap_or(0).max(1);
         // SAFETY: VoteParams; CTAs and keys past a sequence's length return; score rows are
         // `sstride` (a multiple of 16) long, so the 4-key stores stay in their row.
-        unsafe { self.launch("vote", &vp, (most.div_ceil(VOTE_CHUNK) as u32, (g.batch * g.kv_heads) as u32, 1), 256, 0) }?;
+        let entry = if g.per_query_head { "vote_heads" } else { "vote" };
+        unsafe { self.launch(entry, &vp, (most.div_ceil(VOTE_CHUNK) as u32, (g.batch * g.kv_heads) as u32, 1), 256, 0) }?;
         Ok(())
     }
 
@@ -664,37 +716,40 @@ impl ParisIndex {
             want: if topk { w.want_k.device_ptr(st).0 } else { w.want_c.device_ptr(st).0 },
             out: if topk { w.top.device_ptr(st).0 } else { w.cand.device_ptr(st).0 },
             out_count: if topk { w.top_count.device_ptr(st).0 } else { w.cand_count.device_ptr(st).0 },
+            est_hist: w.est_hist.device_ptr(st).0,
             cap: score_stride(g.capacity) as i32,
             cmax: g.max_candidates as i32,
             stride: if topk { g.max_k as i32 } else { g.max_candidates as i32 },
-            hq: (g.kv_heads * g.gqa) as i32,
+            nr: g.rows_per_sequence() as i32,
         }
     }
 
     fn launch_select(&self, topk: bool) -> Result<()> {
-        let qh = self.geo.batch * self.geo.kv_heads * self.geo.gqa;
+        let nr = self.geo.batch * self.geo.rows_per_sequence();
         let p = self.select_params(topk);
-        // Top-k stages the estimates in shared memory when a row of them fits (with the
-        // kernel's static 4 KiB and the block-select scratch).
+        // The one-pass top-k reads the rerank's histogram; the radix top-k stages the estimates
+        // in shared memory when a row of them fits (with the kernel's static 4 KiB and the
+        // block-select scratch).
         let staged_bytes = self.geo.max_candidates * 4;
-        let staged = topk && staged_bytes + 8 * 1024 <= self.max_smem;
-        let entry = match (topk, staged) {
-            (false, _) => "select",
-            (true, false) => "topk",
-            (true, true) => "topk_staged",
+        let staged = topk && self.radix_topk && staged_bytes + 8 * 1024 <= self.max_smem;
+        let entry = match (topk, self.radix_topk, staged) {
+            (false, _, _) => "select",
+            (true, false, _) => "topk_hist",
+            (true, true, false) => "topk",
+            (true, true, true) => "topk_staged",
         };
         let smem = if staged { staged_bytes } else { 0 };
         // SAFETY: SelectParams; select writes at most `stride` candidates per (sequence, query
         // head), top-k at most max_k ≤ 1024; the staged top-k's dynamic shared memory holds
         // max_candidates ≥ count floats.
-        unsafe { self.launch(entry, &p, (qh as u32, 1, 1), 1024, smem) }
+        unsafe { self.launch(entry, &p, (nr as u32, 1, 1), 1024, smem) }
     }
 
     /// The top-C of the collision scores over many CTAs: per-chunk counts, then each chunk's
     /// candidates at their index-order positions.
     fn launch_bucket(&self) -> Result<()> {
         let (st, g, w) = (&self.st, &self.geo, &self.ws);
-        let qh = g.batch * g.kv_heads * g.gqa;
+        let nr = g.batch * g.rows_per_sequence();
         let chunks = g.capacity.div_ceil(BUCKET_CHUNK);
         let live = self.len.iter().copied().max().unwrap_or(0).div_ceil(BUCKET_CHUNK).max(1);
         let p = BucketParams {
@@ -708,10 +763,10 @@ impl ParisIndex {
             out_count: w.cand_count.device_ptr(st).0,
             cap: score_stride(g.capacity) as i32,
             stride: g.max_candidates as i32,
-            hq: (g.kv_heads * g.gqa) as i32,
+            nr: g.rows_per_sequence() as i32,
             chunks: chunks as i32,
         };
-        let grid = (live as u32, qh as u32, 1);
+        let grid = (live as u32, nr as u32, 1);
         // SAFETY: BucketParams; chunk arrays hold `chunks` ≥ `live` entries per row; emit
         // writes at most min(want, stride) candidates per row.
         unsafe {
@@ -722,7 +777,7 @@ impl ParisIndex {
 
     fn launch_rerank(&self) -> Result<()> {
         let (st, g, w) = (&self.st, &self.geo, &self.ws);
-        let qh = g.batch * g.kv_heads * g.gqa;
+        let nr = g.batch * g.rows_per_sequence();
         let p = RerankParams {
             ix: self.raw(),
             qrot: w.qrot.device_ptr(st).0,
@@ -730,17 +785,19 @@ impl ParisIndex {
             cand: w.cand.device_ptr(st).0,
             count: w.cand_count.device_ptr(st).0,
             est: w.est.device_ptr(st).0,
+            est_hist: w.est_hist.device_ptr(st).0,
             cmax: g.max_candidates as i32,
-            hq: (g.kv_heads * g.gqa) as i32,
+            nr: g.rows_per_sequence() as i32,
+            rg: g.rows_per_kv_head() as i32,
             levels: self.levels,
         };
         // SAFETY: RerankParams; CTAs and threads past a row's candidate count return.
-        unsafe { self.launch("rerank", &p, (g.max_candidates.div_ceil(RERANK_CHUNK) as u32, qh as u32, 1), 256, 0) }
+        unsafe { self.launch("rerank", &p, (g.max_candidates.div_ceil(RERANK_CHUNK) as u32, nr as u32, 1), 256, 0) }
     }
 
     fn launch_fetch(&self) -> Result<()> {
         let (st, g, w) = (&self.st, &self.geo, &self.ws);
-        let qh = g.batch * g.kv_heads * g.gqa;
+        let nr = g.batch * g.rows_per_sequence();
         let p = FetchParams {
             host_k: self.host_k_ptr,
             host_v: self.host_v_ptr,
@@ -752,14 +809,15 @@ impl ParisIndex {
             len: self.len_d.device_ptr(st).0,
             host_cap: g.capacity as i32,
             kmax: g.max_k as i32,
-            hq: (g.kv_heads * g.gqa) as i32,
+            nr: g.rows_per_sequence() as i32,
+            rg: g.rows_per_kv_head() as i32,
             hkv: g.kv_heads as i32,
         };
-        // 16-byte pieces of the k rows' K and V per (sequence, query head).
+        // 16-byte pieces of the k rows' K and V per retrieval row.
         let pieces = 2 * g.max_k * self.cfg.head_dim * 2 / 16;
         // SAFETY: FetchParams; host_k/host_v are DEVICEMAP pinned slabs (UVA addresses), rows
         // past a sequence's length are flagged, not read; pieces past the row's count skip.
-        unsafe { self.launch("fetch", &p, (qh as u32, pieces.div_ceil(FETCH_PER_CTA) as u32, 1), 256, 0) }
+        unsafe { self.launch("fetch", &p, (nr as u32, pieces.div_ceil(FETCH_PER_CTA) as u32, 1), 128, 0) }
     }
 
     fn launch_attend(&self, fused: bool) -> Result<()> {
@@ -784,6 +842,7 @@ impl ParisIndex {
             kmax: g.max_k as i32,
             hq: (g.kv_heads * g.gqa) as i32,
             hkv: g.kv_heads as i32,
+            share: (g.gqa / g.rows_per_kv_head()) as i32,
         };
         let smem = (g.dense_capacity + g.max_k) * 4;
         // SAFETY: AttendParams; dynamic shared memory holds dense_cap + max_k logits; the fused
@@ -792,9 +851,11 @@ impl ParisIndex {
         unsafe { self.launch(if fused { "attend_fused" } else { "attend" }, &p, (qh as u32, 1, 1), 256, smem) }
     }
 
-    /// Retrieves the top-`k` keys of every (sequence, query head) for queries `q`
-    /// (`[batch][Hq][D]` fp16) under `schedule`'s `(ρ, β)` for each sequence's length. Returns
-    /// the key indices per (sequence, query head), ascending.
+    /// Retrieves the top-`k` keys for queries `q` (`[batch][Hq][D]` fp16) under `schedule`'s
+    /// `(ρ, β)` for each sequence's length: one retrieval per (sequence, kv head) for the sum of
+    /// its query heads, or per query head ([`ParisGeometry::per_query_head`]). Returns the key
+    /// indices each (sequence, query head) attends, ascending (the query heads of a kv head get
+    /// the same list unless per query head).
     pub fn retrieve(&mut self, q: &[f16], k: usize, schedule: &Schedule) -> Result<Vec<Vec<u32>>> {
         self.prepare(q, k, schedule)?;
         self.launch_vote()?;
@@ -807,7 +868,8 @@ impl ParisIndex {
     fn download_top(&self) -> Result<Vec<Vec<u32>>> {
         let top = self.st.clone_dtoh(&self.ws.top).map_err(drv("top-k"))?;
         let count = self.st.clone_dtoh(&self.ws.top_count).map_err(drv("top-k counts"))?;
-        Ok(count
+        let share = self.geo.gqa / self.geo.rows_per_kv_head();
+        let rows: Vec<Vec<u32>> = count
             .iter()
             .enumerate()
             .map(|(i, &c)| {
@@ -815,10 +877,13 @@ impl ParisIndex {
                 v.sort_unstable();
                 v
             })
-            .collect())
+            .collect();
+        // Query head j of a sequence attends retrieval row j / share.
+        Ok((0..rows.len() * share).map(|j| rows[j / share].clone()).collect())
     }
 
-    /// The vote's candidates of every (sequence, query head) of the last retrieval, ascending.
+    /// The vote's candidates of every retrieval row (`[batch][rows_per_sequence]`) of the last
+    /// retrieval, ascending.
     pub fn candidates(&self) -> Result<Vec<Vec<u32>>> {
         let cand = self.st.clone_dtoh(&self.ws.cand).map_err(drv("candidates"))?;
         let count = self.st.clone_dtoh(&self.ws.cand_count).map_err(drv("candidate counts"))?;

@@ -6,6 +6,12 @@
 // the subspace dim M (`levels(M, 4)`), passed in the params.
 //
 // Shapes: S sequences, Hkv kv heads, Hq = G * Hkv query heads, head dim D = B * M.
+// Retrieval rows: a retrieval (bonus, vote, top-C, rerank, top-k, fetch) runs once per retrieval
+// row, NR = Hkv * RG rows per sequence. By default RG = 1: one row per kv head, whose query is the
+// sum of its G query heads (kvforge-paris `group_query`: the group's summed logits, whose eq. 10
+// estimate is the sum of the heads' estimates), so the G heads share one top-k and one fetch.
+// RG = G is the per-query-head option (each row the query of one head). Row r of a sequence
+// belongs to kv head r / RG and sums query heads r * SH .. r * SH + SH - 1, SH = G / RG.
 // Summaries per (sequence, kv head), `cap` keys each: ids [cap][B] u8, codes [cap][D/2] u8
 // (channel c in byte c/2, low nibble for even c), weights [cap][B] fp16, hist [B][2^M] u32.
 // Full-precision K/V of the retrieval region: fp16 [S][Hkv][host_cap][D] in pinned host memory,
@@ -42,12 +48,13 @@ struct BonusParams {
   const __half* q;  // [S][Hq][D]
   const u32* hist;  // Index::hist
   const u32* target;  // [S] ceil(rho * n), at least 1
-  float* qrot;      // [S][Hq][D] out: R q / |q|
-  float* qnorm;     // [S][Hq] out
-  u8* bonus;        // [S][Hkv][W][B][2^M] 32-bit words out, W = ceil(G / 4): query head g of a
-                    // kv head in byte g % 4 of word g / 4 (bytes of absent heads stay zero)
-  u32* score_hist;  // [S][Hq][256] zeroed here for the vote
-  int hq, hkv;
+  float* qrot;      // [S][NR][D] out: R q / |q| of each row's summed query
+  float* qnorm;     // [S][NR] out
+  u8* bonus;        // [S][Hkv][W][B][2^M] 32-bit words out, W = ceil(RG / 4): row g of a kv head
+                    // in byte g % 4 of word g / 4 (bytes of absent rows stay zero)
+  u32* score_hist;  // [S][NR][256] zeroed here for the vote
+  u32* est_hist;    // [S][NR][EST_BINS] zeroed here for the rerank
+  int nr, rg, share, hkv;  // rows per sequence, rows per kv head, query heads per row, kv heads
   u32 seed;
 };
 
@@ -55,59 +62,61 @@ struct VoteParams {
   const u8* ids;
   const u32* len;
   const u8* bonus;  // BonusParams::bonus (packed)
-  u8* scores;       // [S][Hq][sstride] out
-  u32* score_hist;  // [S][Hq][256] out (zeroed by the bonus kernel): keys per collision score
+  u8* scores;       // [S][NR][sstride] out
+  u32* score_hist;  // [S][NR][256] out (zeroed by the bonus kernel): keys per collision score
   int cap, hkv;
   int sstride;      // score row stride: cap rounded up to 16 keys
 };
 
 // The integer-bucket top-C over many CTAs: bucket_count then bucket_emit, each over chunks of
-// BUCKET_CHUNK keys of every (sequence, query head).
+// BUCKET_CHUNK keys of every (sequence, retrieval row).
 struct BucketParams {
-  const u8* scores;  // [S][Hq][cap] (cap: VoteParams::sstride)
-  const u32* hist;   // [S][Hq][256] (VoteParams::score_hist)
+  const u8* scores;  // [S][NR][cap] (cap: VoteParams::sstride)
+  const u32* hist;   // [S][NR][256] (VoteParams::score_hist)
   const u32* n;      // [S] keys
   const u32* want;   // [S] candidates to keep
-  u32* chunk_gt;     // [S][Hq][chunks]: keys above the threshold per chunk
-  u32* chunk_eq;     // [S][Hq][chunks]: keys at the threshold per chunk
-  u32* out;          // [S][Hq][stride] out: candidates ascending by key index
-  u32* out_count;    // [S][Hq] out
-  int cap, stride, hq, chunks;
+  u32* chunk_gt;     // [S][NR][chunks]: keys above the threshold per chunk
+  u32* chunk_eq;     // [S][NR][chunks]: keys at the threshold per chunk
+  u32* out;          // [S][NR][stride] out: candidates ascending by key index
+  u32* out_count;    // [S][NR] out
+  int cap, stride, nr, chunks;
 };
 
 struct SelectParams {
-  const u8* scores;  // [S][Hq][cap] (select; cap: VoteParams::sstride) or unused (top-k)
-  const float* est;  // [S][Hq][cmax] (top-k) or unused (select)
-  const u32* cand;   // [S][Hq][cmax] (top-k: maps positions back to key indices)
+  const u8* scores;  // [S][NR][cap] (select; cap: VoteParams::sstride) or unused (top-k)
+  const float* est;  // [S][NR][cmax] (top-k) or unused (select)
+  const u32* cand;   // [S][NR][cmax] (top-k: maps positions back to key indices)
   const u32* n;      // [S] values per row: keys (select) or unused (top-k reads count)
-  const u32* count;  // [S][Hq] candidates found (top-k)
+  const u32* count;  // [S][NR] candidates found (top-k)
   const u32* want;   // [S] how many to keep
-  u32* out;          // [S][Hq][stride] out: kept key indices, ascending (select) / by position (top-k)
-  u32* out_count;    // [S][Hq] out
-  int cap, cmax, stride, hq;
+  u32* out;          // [S][NR][stride] out: kept key indices, ascending (select) / by position (top-k)
+  u32* out_count;    // [S][NR] out
+  const u32* est_hist;  // [S][NR][EST_BINS] (one-pass top-k): estimates per top-16-bit key bin
+  int cap, cmax, stride, nr;
 };
 
 struct RerankParams {
   Index ix;
-  const float* qrot;
+  const float* qrot;  // [S][NR][D]
   const float* qnorm;
-  const u32* cand;   // [S][Hq][cmax]
-  const u32* count;  // [S][Hq]
-  float* est;        // [S][Hq][cmax] out
-  int cmax, hq;
+  const u32* cand;   // [S][NR][cmax]
+  const u32* count;  // [S][NR]
+  float* est;        // [S][NR][cmax] out
+  u32* est_hist;     // [S][NR][EST_BINS] out (zeroed by the bonus kernel)
+  int cmax, nr, rg;
   float levels[16];
 };
 
 struct FetchParams {
   const __half* host_k;  // [S][Hkv][host_cap][D], pinned host memory (device pointer, UVA)
   const __half* host_v;
-  const u32* top;        // [S][Hq][kmax]
-  const u32* top_count;  // [S][Hq]
-  __half* k_out;         // [S][Hq][kmax][D]
+  const u32* top;        // [S][NR][kmax]
+  const u32* top_count;  // [S][NR]
+  __half* k_out;         // [S][NR][kmax][D]
   __half* v_out;
   u32* error_flags;
   const u32* len;        // [S] retrieval-region keys
-  int host_cap, kmax, hq, hkv;
+  int host_cap, kmax, nr, rg, hkv;
 };
 
 struct AttendParams {
@@ -115,21 +124,28 @@ struct AttendParams {
   const __half* dense_k;  // [S][Hkv][dense_cap][D]: sinks, local window, update buffer on the GPU
   const __half* dense_v;
   const u32* dense_len;   // [S]
-  // Retrieved rows: staged by paris_fetch (k_rows/v_rows [S][Hq][kmax][D]) or, fused, read from
-  // pinned host memory through `top` (host_k/host_v as in FetchParams).
+  // Retrieved rows of the query head's retrieval row (query head / share): staged by paris_fetch
+  // (k_rows/v_rows [S][NR][kmax][D]) or, fused, read from pinned host memory through `top`
+  // (host_k/host_v as in FetchParams).
   const __half* k_rows;
   const __half* v_rows;
   const __half* host_k;
   const __half* host_v;
-  const u32* top;
-  const u32* top_count;   // [S][Hq]
+  const u32* top;         // [S][NR][kmax]
+  const u32* top_count;   // [S][NR]
   float* out;             // [S][Hq][D]
   float* lse;             // [S][Hq] natural-log sum of exp of the scaled logits
   float scale;
-  int dense_cap, host_cap, kmax, hq, hkv;
+  int dense_cap, host_cap, kmax, hq, hkv, share;
 };
 
 constexpr u32 ERR_TOP_RANGE = 1u;  // a retrieved index is past the retrieval region
+
+// The one-pass top-k of the rerank estimates: the rerank counts every estimate in the bin of the
+// top EST_BITS bits of its order key (float_key), so the top-k's threshold bin is known before
+// the estimates are read; keys of that bin (at most TIE_CAP, else the radix select) are
+// resolved on their low bits in shared memory.
+constexpr int EST_BITS = 16, EST_BINS = 1 << EST_BITS, TIE_CAP = 4096;
 
 // ---------------------------------------------------------------------------------------------
 // Block helpers
@@ -331,11 +347,11 @@ __device__ void encode_kernel(const EncodeParams& p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Vote. Bonus tables: one CTA of 256 threads per (sequence, query head, subspace) rotates the
-// query and ranks the subspace's 2^M centroids by <q_b, w> (ties by id); a centroid gets
-// T - floor(before * T / target) while the keys of the centroids ranked before it number
-// fewer than target = ceil(rho * n). The subspace-0 CTA also writes the rotated query and its
-// norm and zeroes the query head's score histogram for the vote.
+// Vote. Bonus tables: one CTA of 256 threads per (sequence, retrieval row, subspace) sums the
+// row's query heads, rotates the sum and ranks the subspace's 2^M centroids by <q_b, w> (ties
+// by id); a centroid gets T - floor(before * T / target) while the keys of the centroids ranked
+// before it number fewer than target = ceil(rho * n). The subspace-0 CTA also writes the
+// rotated query and its norm and zeroes the row's score histogram for the vote.
 
 template <int D, int M, int TIERS>
 __device__ void bonus_kernel(const BonusParams& p) {
@@ -346,9 +362,15 @@ __device__ void bonus_kernel(const BonusParams& p) {
   __shared__ float score[C];
   __shared__ u32 occ[C];
   __shared__ float red[NT / 32];
-  const int sh = blockIdx.x, b = blockIdx.y, s = sh / p.hq, hq = sh % p.hq, h = hq / (p.hq / p.hkv);
+  const int sh = blockIdx.x, b = blockIdx.y, s = sh / p.nr, r = sh % p.nr, h = r / p.rg;
   const u32* hist = p.hist + (size_t(s * p.hkv + h) * B + b) * C;
-  for (int c = threadIdx.x; c < D; c += NT) q[c] = __half2float(p.q[size_t(sh) * D + c]);
+  // The row's query: the sum of its `share` query heads (f32, in head order).
+  const __half* qh = p.q + (size_t(s) * p.nr + r) * p.share * D;
+  for (int c = threadIdx.x; c < D; c += NT) {
+    float x = 0.f;
+    for (int j = 0; j < p.share; ++j) x += __half2float(qh[size_t(j) * D + c]);
+    q[c] = x;
+  }
   for (int c = threadIdx.x; c < C; c += NT) occ[c] = hist[c];
   __syncthreads();
   float v = 0.f;
@@ -362,6 +384,12 @@ __device__ void bonus_kernel(const BonusParams& p) {
     for (int c = threadIdx.x; c < D; c += NT) p.qrot[size_t(sh) * D + c] = q[c];
     if (threadIdx.x == 0) p.qnorm[sh] = norm;
     for (int c = threadIdx.x; c < 256; c += NT) p.score_hist[size_t(sh) * 256 + c] = 0;
+  }
+  {
+    // Subspace b's CTA zeroes bins [b, b + 1) * EST_BINS / B of the row's estimate histogram.
+    static_assert(EST_BINS % (4 * B) == 0, "whole 16-byte stores");
+    uint4* eh = reinterpret_cast<uint4*>(p.est_hist + size_t(sh) * EST_BINS + size_t(b) * (EST_BINS / B));
+    for (int c = threadIdx.x; c < EST_BINS / B / 4; c += NT) eh[c] = make_uint4(0, 0, 0, 0);
   }
   const int w = threadIdx.x;
   if (w < C) {
@@ -380,17 +408,17 @@ __device__ void bonus_kernel(const BonusParams& p) {
       before += (so > mine || (so == mine && o < w)) ? occ[o] : 0u;
     }
     const u64 target = p.target[s];
-    const int G = p.hq / p.hkv, g = hq % G, W = (G + 3) / 4;
+    const int g = r % p.rg, W = (p.rg + 3) / 4;
     p.bonus[((((size_t(s) * p.hkv + h) * W + g / 4) * B + b) * C + w) * 4 + g % 4] = before < target ? u8(TIERS - before * TIERS / target) : u8(0);
   }
 }
 
 // Collision scores. Grid (ceil(len / VOTE_CHUNK), S * Hkv), NT threads, VOTE_CHUNK keys per
-// CTA (each thread 4 consecutive keys per step, VOTE_CHUNK / (4 NT) steps). The G query heads'
-// bonus tables, written packed by the bonus kernel, sit in shared memory 4 heads to a word: one
-// lookup per (key, subspace) serves 4 heads and the byte sums cannot carry (B T <= 255). Each
-// key's scores go to each query head's row (4 keys, one 32-bit store) and to the CTA's score
-// histogram, flushed with one global add per non-empty bin.
+// CTA (each thread 4 consecutive keys per step, VOTE_CHUNK / (4 NT) steps). The G = RG
+// retrieval rows' bonus tables of the kv head, written packed by the bonus kernel, sit in shared
+// memory 4 rows to a word: one lookup per (key, subspace) serves 4 rows and the byte sums cannot
+// carry (B T <= 255). Each key's scores go to each row's scores (4 keys, one 32-bit store) and to
+// the CTA's score histogram, flushed with one global add per non-empty bin.
 constexpr int VOTE_CHUNK = 4096;
 
 template <int D, int M, int G, int NT>
@@ -509,7 +537,7 @@ __device__ void bucket_count_kernel(const BucketParams& p) {
   constexpr int CHUNK = NT * BUCKET_PER_THREAD;
   static_assert(NT == 256, "a thread per score in bucket_threshold");
   __shared__ u32 red[NT / 32];
-  const int sh = blockIdx.y, s = sh / p.hq;
+  const int sh = blockIdx.y, s = sh / p.nr;
   const u32 n = p.n[s], want = cmin(p.want[s], p.stride);
   u32 t, room;
   bucket_threshold<NT>(p.hist + size_t(sh) * 256, n, want, red, t, room);
@@ -541,7 +569,7 @@ __device__ void bucket_emit_kernel(const BucketParams& p) {
   constexpr int CHUNK = NT * BUCKET_PER_THREAD;
   static_assert(NT == 256, "a thread per score in bucket_threshold");
   __shared__ u32 red[NT / 32];
-  const int sh = blockIdx.y, s = sh / p.hq;
+  const int sh = blockIdx.y, s = sh / p.nr;
   const u32 n = p.n[s], want = cmin(p.want[s], p.stride);
   u32* out = p.out + size_t(sh) * p.stride;
   if (blockIdx.x == 0 && threadIdx.x == 0) p.out_count[sh] = min(want, n);
@@ -585,11 +613,11 @@ __device__ void bucket_emit_kernel(const BucketParams& p) {
   }
 }
 
-// Integer-bucket top-C of the collision scores: one CTA of NT threads per (sequence, query
-// head); candidates ascending by key index.
+// Integer-bucket top-C of the collision scores: one CTA of NT threads per (sequence, retrieval
+// row); candidates ascending by key index.
 template <int NT>
 __device__ void select_kernel(const SelectParams& p) {
-  const int sh = blockIdx.x, s = sh / p.hq;
+  const int sh = blockIdx.x, s = sh / p.nr;
   const u8* sc = p.scores + size_t(sh) * p.cap;
   u32* out = p.out + size_t(sh) * p.stride;
   const u32 n = p.n[s];
@@ -598,17 +626,17 @@ __device__ void select_kernel(const SelectParams& p) {
 }
 
 // Rerank (eq. 10): est = |q| sum_b w_b sum_j l[c_j] q_bj for every candidate. Grid
-// (ceil(cmax / RERANK_CHUNK), S * Hq), NT threads, a thread per candidate over RERANK_CHUNK
+// (ceil(cmax / RERANK_CHUNK), S * NR), NT threads, a thread per candidate over RERANK_CHUNK
 // candidates per CTA (the [D][16] lookup of l_c q_j is built once per CTA). The lookups of a
 // warp's lanes share the channel, so its 16 entries sit in 16 banks: no conflicts.
 constexpr int RERANK_CHUNK = 2048;
 
-template <int D, int M, int G, int NT>
+template <int D, int M, int NT>
 __device__ void rerank_kernel(const RerankParams& p) {
   constexpr int B = D / M;
   __shared__ float lut[D * 16];
   __shared__ float qs[D];
-  const int sh = blockIdx.y, s = sh / p.hq, h = (sh % p.hq) / G;
+  const int sh = blockIdx.y, s = sh / p.nr, h = (sh % p.nr) / p.rg;
   const u32 count = p.count[sh], lo = blockIdx.x * RERANK_CHUNK;
   if (lo >= count) return;
   for (int i = threadIdx.x; i < D; i += NT) qs[i] = p.qrot[size_t(sh) * D + i];
@@ -647,18 +675,20 @@ __device__ void rerank_kernel(const RerankParams& p) {
         }
       }
     }
-    p.est[size_t(sh) * p.cmax + c] = qn * acc;
+    const float e = qn * acc;
+    p.est[size_t(sh) * p.cmax + c] = e;
+    atomicAdd(&p.est_hist[size_t(sh) * EST_BINS + (float_key(e) >> (32 - EST_BITS))], 1u);
   }
 }
 
-// Top-k of the rerank estimates: one CTA per (sequence, query head); writes key indices.
+// Top-k of the rerank estimates: one CTA per (sequence, retrieval row); writes key indices.
 // STAGED first copies the row's estimates into dynamic shared memory (cmax floats), so the
 // radix passes and the emission read shared rather than global memory.
 template <int NT, bool STAGED>
 __device__ void topk_kernel(const SelectParams& p) {
   extern __shared__ float staged[];
   __shared__ u32 pos[1024];
-  const int sh = blockIdx.x, s = sh / p.hq;
+  const int sh = blockIdx.x, s = sh / p.nr;
   const float* est = p.est + size_t(sh) * p.cmax;
   const u32 n = p.count[sh], k = cmin(cmin(p.want[s], p.stride), 1024);
   u32 got;
@@ -674,17 +704,122 @@ __device__ void topk_kernel(const SelectParams& p) {
   if (threadIdx.x == 0) p.out_count[sh] = got;
 }
 
-// ---------------------------------------------------------------------------------------------
-// Fetch: the k retrieved K/V rows from pinned host memory (UVA) into device staging. Grid
-// (S * Hq, ceil(2 kmax D / 8 / (NT FETCH_UNROLL))), NT threads, 16-byte loads: each thread
-// issues its FETCH_UNROLL loads before the first store, so a CTA has NT * FETCH_UNROLL reads in
-// flight over the bus instead of one round trip per row.
-constexpr int FETCH_UNROLL = 8;
+// One-pass top-k of the rerank estimates: one CTA of NT = 1024 threads per (sequence, retrieval
+// row). The threshold bin t and its room come from the rerank's histogram (a block scan over
+// 64 bins per thread), then ONE pass over the estimates in tiles of 8 per thread, with one block
+// scan per tile (above and at-threshold counts packed in a word) writes the keys of bins above t
+// to the output and the keys of bin t, in index order, to shared memory; the radix select on
+// their low 16 bits keeps `room` of them (ties in index order: the same set as kvforge-paris
+// `top_k_by` and the radix topk_kernel). A threshold bin of more than TIE_CAP keys falls back to
+// the radix select over the whole row.
+template <int NT>
+__device__ void topk_hist_kernel(const SelectParams& p) {
+  constexpr int PER = 8, TILE = NT * PER, BPT = EST_BINS / NT;
+  static_assert(EST_BINS % NT == 0 && BPT % 4 == 0 && TILE < 65536, "packed tile counts");
+  __shared__ u32 tie_key[TIE_CAP];
+  __shared__ u32 tie_pos[TIE_CAP];
+  __shared__ u32 pos[1024];
+  __shared__ u32 warp_sums[NT / 32];
+  __shared__ u32 s_bin, s_room;
+  const int sh = blockIdx.x, s = sh / p.nr;
+  const float* est = p.est + size_t(sh) * p.cmax;
+  const u32* cand = p.cand + size_t(sh) * p.cmax;
+  u32* out = p.out + size_t(sh) * p.stride;
+  const u32 n = p.count[sh], k = cmin(cmin(p.want[s], p.stride), 1024);
+  if (k >= n || k == 0) {
+    const u32 got = k == 0 ? 0u : n;
+    for (u32 i = threadIdx.x; i < got; i += NT) out[i] = cand[i];
+    if (threadIdx.x == 0) p.out_count[sh] = got;
+    return;
+  }
+  // Thread j owns bins EST_BINS - 1 - BPT j down to EST_BINS - BPT (j + 1), read from the top.
+  const u32* hist = p.est_hist + size_t(sh) * EST_BINS;
+  const u32 top_bin = EST_BINS - 1 - threadIdx.x * BPT;
+  u32 mine = 0;
+  {
+    const uint4* h4 = reinterpret_cast<const uint4*>(hist + top_bin + 1 - BPT);
+#pragma unroll 4
+    for (int v = 0; v < BPT / 4; ++v) {
+      const uint4 x = h4[v];
+      mine += x.x + x.y + x.z + x.w;
+    }
+  }
+  if (threadIdx.x == 0) {
+    s_bin = 0;
+    s_room = k;
+  }
+  u32 total;
+  u32 above = block_exclusive_scan<NT>(mine, warp_sums, total);
+  if (above < k && above + mine >= k) {
+    for (int j = 0; j < BPT; ++j) {
+      const u32 c = hist[top_bin - j];
+      if (above + c >= k) {
+        s_bin = top_bin - j;
+        s_room = k - above;
+        break;
+      }
+      above += c;
+    }
+  }
+  __syncthreads();
+  const u32 t = s_bin, room = s_room, ties = hist[t];
+  if (ties > TIE_CAP) {
+    const u32 got = block_select<NT, 32>([&](u32 i) { return float_key(est[i]); }, n, k, pos);
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < got; i += NT) out[i] = cand[pos[i]];
+    if (threadIdx.x == 0) p.out_count[sh] = got;
+    return;
+  }
+  u32 gt_off = 0, eq_off = 0;
+#pragma unroll 1
+  for (u32 base = 0; base < n; base += TILE) {
+    u32 key[PER];
+    u32 g = 0, e = 0;
+    const u32 i0 = base + threadIdx.x * PER;
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      key[u] = i0 + u < n ? float_key(est[i0 + u]) : 0u;
+      const u32 bin = key[u] >> (32 - EST_BITS);
+      g += i0 + u < n && bin > t;
+      e += i0 + u < n && bin == t;
+    }
+    u32 tile_total;
+    const u32 before = block_exclusive_scan<NT>((g << 16) | e, warp_sums, tile_total);
+    u32 gp = gt_off + (before >> 16), ep = eq_off + (before & 0xffffu);
+#pragma unroll
+    for (int u = 0; u < PER; ++u) {
+      if (i0 + u >= n) break;
+      const u32 bin = key[u] >> (32 - EST_BITS);
+      if (bin > t) {
+        out[gp++] = cand[i0 + u];
+      } else if (bin == t) {
+        tie_key[ep] = key[u] & (EST_BINS - 1u);
+        tie_pos[ep++] = i0 + u;
+      }
+    }
+    gt_off += tile_total >> 16;
+    eq_off += tile_total & 0xffffu;
+  }
+  __syncthreads();
+  // gt_off == k - room keys above the bin are written; keep `room` of the bin's `ties` keys.
+  const u32 got = block_select<NT, 16>([&](u32 i) { return tie_key[i]; }, ties, room, pos);
+  __syncthreads();
+  for (u32 i = threadIdx.x; i < got; i += NT) out[gt_off + i] = cand[tie_pos[pos[i]]];
+  if (threadIdx.x == 0) p.out_count[sh] = gt_off + got;
+}
 
-template <int D, int G, int NT>
+// ---------------------------------------------------------------------------------------------
+// Fetch: the k retrieved K/V rows of each retrieval row from pinned host memory (UVA) into
+// device staging, once for the query heads that share the row. Grid (S * NR, ceil(2 kmax D / 8 /
+// (NT FETCH_UNROLL))), NT threads, 16-byte loads: each thread issues its FETCH_UNROLL loads
+// before the first store, so a CTA has NT * FETCH_UNROLL reads in flight over the bus instead of
+// one round trip per row; small CTAs, so that even one sequence's few rows spread over many SMs.
+constexpr int FETCH_UNROLL = 4;
+
+template <int D, int NT>
 __device__ void fetch_kernel(const FetchParams& p) {
   constexpr int V = D * 2 / 16;  // uint4 per row
-  const int sh = blockIdx.x, s = sh / p.hq, h = (sh % p.hq) / G;
+  const int sh = blockIdx.x, s = sh / p.nr, h = (sh % p.nr) / p.rg;
   const u32 k = p.top_count[sh], total = 2 * k * V, len = p.len[s];
   const u32* top = p.top + size_t(sh) * p.kmax;
   const uint4* hk = reinterpret_cast<const uint4*>(p.host_k) + size_t(s * p.hkv + h) * p.host_cap * V;
@@ -718,8 +853,9 @@ __device__ void fetch_kernel(const FetchParams& p) {
   }
 }
 
-// Attention over the dense rows (sinks + local + update buffer) and the k retrieved rows with
-// one softmax. One CTA of NT threads per (sequence, query head); dynamic shared memory holds
+// Attention over the dense rows (sinks + local + update buffer) and the k retrieved rows of the
+// query head's retrieval row with one softmax. One CTA of NT threads per (sequence, query head);
+// dynamic shared memory holds
 // dense_cap + kmax logits. D / 8 lanes own a row (16-byte loads, ATTEND_UNROLL rows in flight
 // per lane group), NT * 8 / D rows per step. FUSED reads the retrieved rows from host memory
 // through `top`.
@@ -745,18 +881,20 @@ __device__ void attend_kernel(const AttendParams& p) {
       q[2 * j + 1] = f.y * p.scale;
     }
   }
-  const u32 nd = p.dense_len[s], nk = p.top_count[sh], n = nd + nk;
+  // The retrieval row whose top-k this query head attends.
+  const size_t row = size_t(s) * (p.hq / p.share) + (sh % p.hq) / p.share;
+  const u32 nd = p.dense_len[s], nk = p.top_count[row], n = nd + nk;
   const size_t dense0 = size_t(s * p.hkv + h) * p.dense_cap, host0 = size_t(s * p.hkv + h) * p.host_cap;
   // The 16 bytes of row r this lane reads (channels 8 sub .. 8 sub + 7).
   auto load = [&](const __half* dense, const __half* staged, const __half* host, u32 r) -> uint4 {
-    const __half* row;
+    const __half* src;
     if (r < nd)
-      row = dense + (dense0 + r) * D;
+      src = dense + (dense0 + r) * D;
     else if (FUSED)
-      row = host + (host0 + p.top[size_t(sh) * p.kmax + r - nd]) * D;
+      src = host + (host0 + p.top[row * p.kmax + r - nd]) * D;
     else
-      row = staged + (size_t(sh) * p.kmax + r - nd) * D;
-    return reinterpret_cast<const uint4*>(row)[sub];
+      src = staged + (row * p.kmax + r - nd) * D;
+    return reinterpret_cast<const uint4*>(src)[sub];
   };
   auto dot8 = [&](const uint4& x) {
     const __half2* hx = reinterpret_cast<const __half2*>(&x);
