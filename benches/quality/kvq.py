@@ -726,7 +726,9 @@ class KvtcSimBackend:
     every layer's K/V with the ``kvforge`` binary (sinks and the recent window stay fp16, as the
     calibration says), and the forward that follows attends over the restored cache for those
     positions (tokens generated after them are used as they come). Without ``prepare`` the
-    backend refuses to run, so no result is silently fp16."""
+    backend refuses to run, so no result is silently fp16. ``$KVFORGE_KVTC_SIDES`` (``k`` or
+    ``v``; default both) attends over the restored keys or values only and the exact other side:
+    which side a ratio's loss comes from (bytes are still the whole container's)."""
 
     measured_bytes = True
 
@@ -738,6 +740,9 @@ class KvtcSimBackend:
         self.rk = self.rv = None
         self.stats = None
         self.history = []
+        self.sides = os.environ.get("KVFORGE_KVTC_SIDES", "kv")
+        if self.sides not in ("k", "v", "kv"):
+            raise SystemExit(f"{name}: $KVFORGE_KVTC_SIDES={self.sides!r}, expected k, v or kv")
 
     def reset(self):
         self.rk = self.rv = None
@@ -753,6 +758,10 @@ class KvtcSimBackend:
         finally:
             _BACKEND = prev
         self.rk, self.rv, self.stats = kvtc_roundtrip(cap.k, cap.v, self.cal, self.ratio, self.entropy)
+        if "k" not in self.sides:
+            self.rk = {l: cap.k[l] for l in cap.k}
+        if "v" not in self.sides:
+            self.rv = {l: cap.v[l] for l in cap.v}
         self.history.append(self.stats)
 
     def attend(self, layer, q, k, v, scaling):
@@ -772,7 +781,7 @@ class KvtcSimBackend:
         return float(self.stats["bytes_per_token_per_kv_head"])
 
     def describe(self):
-        return {"kind": "sim", "codec": "kvtc", "ratio": self.ratio, "entropy": self.entropy, "calibration": str(self.cal),
+        return {"kind": "sim", "codec": "kvtc", "ratio": self.ratio, "entropy": self.entropy, "calibration": str(self.cal), "restored_sides": self.sides,
                 "bytes_source": "measured: whole .kvtc container (fp16 sinks + window, positions, chunk headers) / (tokens x layers x kv heads)",
                 "pack_stats": self.history}  # the list fills as the scheme runs (describe() comes first)
 

@@ -35,7 +35,8 @@ nvidia-smi -L
 t0=$(date +%s)
 python3 benches/quality/capture_keys.py --model $M --device cuda --tokens ${TOKENS:-8192} --windows ${WINDOWS:-4} --out-dir $W/keys 2>&1 | tail -3
 $KVFORGE_BIN calibrate --samples $W/keys/kv-emma-per-layer.safetensors --out $W/cal.safetensors \
-  --ratios $RATIOS --max-samples ${SAMPLES:-32000} --dp-rows ${DP_ROWS:-128} 2>&1 | tee $OUT/calibrate.log
+  --ratios $RATIOS --max-samples ${SAMPLES:-32000} --dp-rows ${DP_ROWS:-128} \
+  --weights $W/keys/kv-emma-weights.safetensors --key-share ${KEY_SHARE:-0.3} 2>&1 | tee $OUT/calibrate.log
 echo "capture + calibrate: $(( $(date +%s) - t0 ))s" | tee -a $OUT/calibrate.log
 export KVFORGE_KVTC_CAL=$W/cal.safetensors
 python3 benches/quality/kvtc_sizes.py --model $M --text persuasion --ctx ${CONTEXTS%%,*} --ratios $RATIOS --entropies deflate,zstd \

@@ -39,11 +39,33 @@ pub struct CalibConfig {
     /// features). With `n`, each run of `n` layers gets its own PCA: the basis is block
     /// diagonal, which divides the restore's matmul FLOPs by the number of blocks.
     pub layers_per_basis: usize,
+    /// Importance of each feature's squared error, per side (`p` values, feature order as
+    /// [`features`]; None: all equal). Features are scaled by `sqrt(weight / mean weight)`
+    /// before the PCA, so the PCA and the DP minimise the weighted error: for keys the mean
+    /// query energy of each (pre-RoPE) channel pair makes it the logits' error, for values the
+    /// `o_proj` column energy the attention output's. See [`SideCalib::scale`].
+    pub weights: [Option<Vec<f64>>; 2],
+    /// Share of the two sides' joint budget (`2 · 16 · p / ratio` bits per token) that keys get;
+    /// 0.5 splits it evenly. The ratio vs fp16 of keys and values together is unchanged.
+    pub key_share: f64,
 }
 
 impl Default for CalibConfig {
     fn default() -> Self {
-        Self { sinks: 4, window: 128, max_samples: 16384, dp_rows: 256, max_rank: usize::MAX, ratios: vec![4.0, 8.0, 16.0, 32.0, 64.0], rope: None, dp: DpConfig::default(), seed: 0, layers_per_basis: 0 }
+        Self {
+            sinks: 4,
+            window: 128,
+            max_samples: 16384,
+            dp_rows: 256,
+            max_rank: usize::MAX,
+            ratios: vec![4.0, 8.0, 16.0, 32.0, 64.0],
+            rope: None,
+            dp: DpConfig::default(),
+            seed: 0,
+            layers_per_basis: 0,
+            weights: [None, None],
+            key_share: 0.5,
+        }
     }
 }
 
@@ -75,6 +97,11 @@ pub struct SideCalib {
     pub allocations: Vec<Allocation>,
     /// The blocks, in order: features tile `0..p`, components tile `0..components()`.
     pub blocks: Vec<BasisBlock>,
+    /// Per-feature scale `s` of a weighted calibration (`p` values; empty: none). The PCA ran
+    /// on `(x − mean) ⊙ s`; `basis` holds its orthonormal directions divided by `s` (`u ⊘ s`),
+    /// so the restore is unchanged, `coefficients · basis + mean`, and projecting is
+    /// `(x − mean) ⊙ s² · basisᵀ` ([`SideCalib::project_scale`]).
+    pub scale: Vec<f32>,
 }
 
 impl SideCalib {
@@ -99,6 +126,12 @@ impl SideCalib {
         let w = k.features.len();
         let o = self.block_offset(b) + (c - k.components.start) * w;
         (k.features.start, &self.basis[o..o + w])
+    }
+
+    /// What [`crate::codec::project`] multiplies the centred features by before the basis:
+    /// `s²` of a weighted calibration, None for an orthonormal basis.
+    pub fn project_scale(&self) -> Option<Vec<f64>> {
+        (!self.scale.is_empty()).then(|| self.scale.iter().map(|&s| s as f64 * s as f64).collect())
     }
 
     /// First components of the blocks after the first (no allocation group crosses one).
@@ -187,6 +220,12 @@ impl Calibration {
                     }
                 }
             }
+            if !s.scale.is_empty() {
+                h.update(b"scale");
+                for x in &s.scale {
+                    h.update(&x.to_le_bytes());
+                }
+            }
             h.update(&(s.components() as u64).to_le_bytes());
             hash_f32s(&mut h, &s.mean);
             hash_f32s(&mut h, &s.basis);
@@ -266,6 +305,25 @@ pub fn budget_bits(features: usize, ratio: f64) -> usize {
     (16.0 * features as f64 / ratio).floor() as usize
 }
 
+/// Budget of `side` at `ratio` when keys get `key_share` of both sides' `2 · budget_bits`
+/// (rounded down; values get the rest, so the two add up to it exactly).
+pub fn side_budget_bits(features: usize, ratio: f64, side: Side, key_share: f64) -> usize {
+    let total = 2 * budget_bits(features, ratio);
+    let keys = ((total as f64 * key_share).floor() as usize).min(total);
+    if side == Side::Keys {
+        keys
+    } else {
+        total - keys
+    }
+}
+
+/// The scale `sqrt(w / mean w)` of feature weights `w` (a weight below 1e-6 of the mean is
+/// taken as 1e-6 of it, so no feature is scaled to nothing).
+pub fn weight_scale(w: &[f64]) -> Vec<f64> {
+    let mean = w.iter().sum::<f64>() / w.len().max(1) as f64;
+    w.iter().map(|&x| (x.max(1e-6 * mean) / mean).sqrt()).collect()
+}
+
 /// Calibrates keys and values on `dump`; `progress` is told each step's name.
 pub fn calibrate(dump: &KvDump, cfg: &CalibConfig, mut progress: impl FnMut(&str)) -> Result<Calibration> {
     dump.validate()?;
@@ -279,6 +337,16 @@ pub fn calibrate(dump: &KvDump, cfg: &CalibConfig, mut progress: impl FnMut(&str
     }
     if cfg.layers_per_basis > dump.layers {
         return Err(KvtcError::BadInput(format!("layers_per_basis {} > the dump's {} layers", cfg.layers_per_basis, dump.layers)));
+    }
+    for (w, side) in cfg.weights.iter().zip(["keys", "values"]) {
+        if let Some(w) = w {
+            if w.len() != dump.features() || w.iter().any(|x| !(x.is_finite() && *x >= 0.0)) || !w.iter().any(|&x| x > 0.0) {
+                return Err(KvtcError::BadInput(format!("{side} weights: need {} finite, non-negative values, not all zero (got {})", dump.features(), w.len())));
+            }
+        }
+    }
+    if !(cfg.key_share > 0.0 && cfg.key_share < 1.0) {
+        return Err(KvtcError::BadInput(format!("key_share {} must lie strictly between 0 and 1", cfg.key_share)));
     }
     if cfg.ratios.is_empty() || cfg.ratios.iter().any(|&r| !(r >= 1.0)) {
         return Err(KvtcError::BadInput(format!("ratios {:?}: need at least one, each ≥ 1", cfg.ratios)));
@@ -366,9 +434,11 @@ fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], d
         }
     }
     let mean: Vec<f64> = (0..p).map(|j| (0..n).map(|i| x[(i, j)]).sum::<f64>() / n as f64).collect();
+    let scale = cfg.weights[usize::from(side == Side::Values)].as_deref().map(weight_scale);
     for j in 0..p {
+        let s = scale.as_ref().map_or(1.0, |s| s[j]);
         for i in 0..n {
-            x[(i, j)] -= mean[j];
+            x[(i, j)] = (x[(i, j)] - mean[j]) * s;
         }
     }
     let fblocks = block_features(dump.layers, dump.kv_heads * dump.head_dim, cfg.layers_per_basis);
@@ -405,7 +475,8 @@ fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], d
         c0 += part.1.len();
     }
     let breaks: Vec<usize> = blocks.iter().skip(1).map(|b| b.components.start).collect();
-    progress(&format!("{}: DP bit allocation on {} rows, {} blocks, budgets up to {} bits", side.name(), dp_idx.len(), blocks.len(), budget_bits(p, ratios[0])));
+    let budget = |r: f64| side_budget_bits(p, r, side, cfg.key_share);
+    progress(&format!("{}: DP bit allocation on {} rows, {} blocks, budgets up to {} bits", side.name(), dp_idx.len(), blocks.len(), budget(ratios[0])));
     // With several blocks the DP weighs each block's error by the inverse of the block's
     // variance (its coordinates scaled by `sqrt(mean block variance / block variance)`): every
     // run of layers then gets about the same *relative* error. Unweighted, the squared error is
@@ -421,8 +492,8 @@ fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], d
             }
         }
     }
-    let dp = Dp::solve(&data, dp_idx.len(), rank, &cfg.dp, budget_bits(p, ratios[0]), &breaks);
-    let allocations: Vec<Allocation> = ratios.iter().map(|&r| dp.allocation(budget_bits(p, r))).collect();
+    let dp = Dp::solve(&data, dp_idx.len(), rank, &cfg.dp, budget(ratios[0]), &breaks);
+    let allocations: Vec<Allocation> = ratios.iter().map(|&r| dp.allocation(budget(r))).collect();
     // keep the basis only as far as the largest allocation uses it
     let used = allocations.iter().map(Allocation::used_components).max().unwrap_or(0);
     let mut basis_rows = Vec::new();
@@ -431,11 +502,13 @@ fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], d
         let keep = b.components.end.min(used).saturating_sub(b.components.start);
         b.components = b.components.start.min(used)..b.components.start.min(used) + keep;
         for c in 0..keep {
-            basis_rows.extend((0..b.features.len()).map(|f| part.0[(f, c)] as f32));
+            let f0 = b.features.start;
+            basis_rows.extend((0..b.features.len()).map(|f| (part.0[(f, c)] / scale.as_ref().map_or(1.0, |s| s[f0 + f])) as f32));
             variance.push(part.1[c] as f32);
         }
     }
-    Ok(SideCalib { mean: mean.iter().map(|&m| m as f32).collect(), basis: basis_rows, variance, allocations, blocks })
+    let scale = scale.map_or(Vec::new(), |s| s.iter().map(|&x| x as f32).collect());
+    Ok(SideCalib { mean: mean.iter().map(|&m| m as f32).collect(), basis: basis_rows, variance, allocations, blocks, scale })
 }
 
 #[cfg(test)]

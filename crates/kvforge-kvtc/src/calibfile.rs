@@ -7,10 +7,12 @@
 //! | `k.basis`, `v.basis` | F32 | `[components, p]` | principal directions (rows, orthonormal), by decreasing variance |
 //! | `k.variance`, `v.variance` | F32 | `[components]` | variance along each direction |
 //! | `k.alloc`, `v.alloc` | I32 | `[groups, 4]` | rows `(ratio index, start, len, bits)` of every allocation, in order |
-//! | `k.blocks`, `v.blocks` | I32 | `[blocks, 4]` | version 2 only: rows `(first feature, features, first component, components)` of a block-diagonal basis ([`crate::calib::BasisBlock`]); `k.basis` is then flat, `[Σ components · features]`, block after block |
+//! | `k.blocks`, `v.blocks` | I32 | `[blocks, 4]` | version ≥ 2 only: rows `(first feature, features, first component, components)` of a block-diagonal basis ([`crate::calib::BasisBlock`]); `k.basis` is then flat, `[Σ components · features]`, block after block |
+//! | `k.scale`, `v.scale` | F32 | `[p]` | version 3 only, optional per side: per-feature scale `s` of a weighted calibration ([`SideCalib::scale`]); `k.basis` then holds `u ⊘ s` (restore unchanged), projecting multiplies the centred features by `s²` |
 //!
 //! Version 1 is a basis over all features (one block); a multi-block basis
-//! (`layers_per_basis`) is written as version 2, which this build also reads.
+//! (`layers_per_basis`) is written as version 2 and a weighted one (either side has a scale) as
+//! version 3; this build reads all three.
 //!
 //! Metadata (strings): `format` = `kvforge-kvtc-calibration`, `version` = `1`, `layers`,
 //! `kv_heads`, `head_dim`, `rope_theta` and `rope_dim` (absent: keys not de-rotated), `sinks`,
@@ -29,7 +31,7 @@ use crate::error::{KvtcError, Result};
 use crate::rope::Rope;
 
 pub const FORMAT: &str = "kvforge-kvtc-calibration";
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 
 impl Calibration {
     /// Writes the calibration with `extra` metadata.
@@ -38,7 +40,18 @@ impl Calibration {
         let mut put = |k: &str, v: String| meta.insert(k.to_string(), v);
         put("format", FORMAT.into());
         let multi = self.k.blocks.len() > 1 || self.v.blocks.len() > 1;
-        put("version", if multi { VERSION } else { 1 }.to_string());
+        let weighted = !self.k.scale.is_empty() || !self.v.scale.is_empty();
+        put(
+            "version",
+            if weighted {
+                VERSION
+            } else if multi {
+                2
+            } else {
+                1
+            }
+            .to_string(),
+        );
         put("layers", self.layers.to_string());
         put("kv_heads", self.kv_heads.to_string());
         put("head_dim", self.head_dim.to_string());
@@ -68,6 +81,9 @@ impl Calibration {
                 bufs.push((format!("{n}.basis"), Dtype::F32, vec![c, p], f32b(&s.basis)));
             }
             bufs.push((format!("{n}.variance"), Dtype::F32, vec![c], f32b(&s.variance)));
+            if !s.scale.is_empty() {
+                bufs.push((format!("{n}.scale"), Dtype::F32, vec![p], f32b(&s.scale)));
+            }
             let rows: Vec<i32> = s.allocations.iter().enumerate().flat_map(|(i, a)| a.groups.iter().flat_map(move |g| [i as i32, g.start as i32, g.len as i32, g.bits as i32])).collect();
             bufs.push((format!("{n}.alloc"), Dtype::I32, vec![rows.len() / 4, 4], rows.iter().flat_map(|a| a.to_le_bytes()).collect()));
         }
@@ -92,8 +108,8 @@ impl Calibration {
             return Err(format!("metadata `format` is not `{FORMAT}`"));
         }
         let version = num("version")?;
-        if version != 1 && version != VERSION as usize {
-            return Err(format!("version {version}; this build reads versions 1 and {VERSION}"));
+        if !(1..=VERSION as usize).contains(&version) {
+            return Err(format!("version {version}; this build reads versions 1 to {VERSION}"));
         }
         let (layers, kv_heads, head_dim) = (num("layers")?, num("kv_heads")?, num("head_dim")?);
         let rope = match (meta.get("rope_theta"), meta.get("rope_dim")) {
@@ -133,7 +149,7 @@ impl Calibration {
                 }
                 Ok(t) => {
                     if version < 2 || t.dtype() != Dtype::I32 || t.shape().len() != 2 || t.shape()[1] != 4 || t.shape()[0] == 0 {
-                        return Err(format!("`{n}.blocks` must be I32 [blocks, 4] in a version 2 file"));
+                        return Err(format!("`{n}.blocks` must be I32 [blocks, 4] in a version ≥ 2 file"));
                     }
                     let rows: Vec<i64> = t.data().chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64).collect();
                     let (mut f, mut c, mut total) = (0i64, 0i64, 0i64);
@@ -178,7 +194,18 @@ impl Calibration {
                     return Err(format!("{n} allocation {i}: group at {} crosses a basis block", g.start));
                 }
             }
-            Ok(SideCalib { mean, basis, variance, allocations, blocks })
+            let scale = match st.tensor(&format!("{n}.scale")) {
+                Err(_) => Vec::new(),
+                Ok(_) if version < 3 => return Err(format!("`{n}.scale` in a version {version} file (a weighted calibration is version 3)")),
+                Ok(_) => {
+                    let (s, _) = f32s(&format!("{n}.scale"), Some(&[p]))?;
+                    if s.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
+                        return Err(format!("`{n}.scale` must be finite and positive"));
+                    }
+                    s
+                }
+            };
+            Ok(SideCalib { mean, basis, variance, allocations, blocks, scale })
         };
         let cal = Calibration { layers, kv_heads, head_dim, rope, sinks: num("sinks")?, window: num("window")?, samples: num("samples")?, ratios: ratios.clone(), k: side("k")?, v: side("v")? };
         let id = get("id")?;

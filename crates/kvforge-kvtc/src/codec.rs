@@ -98,7 +98,8 @@ pub fn basis_matrix(s: &SideCalib, p: usize, comps: usize) -> Mat<f64> {
     m
 }
 
-/// Decorrelated coordinates of tokens `r` of one side: `(x - mean) · bt`, `n × comps`, where
+/// Decorrelated coordinates of tokens `r` of one side: `(x - mean) ⊙ s² · bt` (`s²` of a
+/// weighted calibration, [`SideCalib::project_scale`]; 1 otherwise), `n × comps`, where
 /// `bt` is [`basis_matrix`] of that side.
 pub fn project(dump: &KvDump, cal: &Calibration, side: Side, r: std::ops::Range<usize>, bt: &Mat<f64>) -> Vec<f64> {
     let s = cal.side(side);
@@ -107,10 +108,11 @@ pub fn project(dump: &KvDump, cal: &Calibration, side: Side, r: std::ops::Range<
     let n = r.len();
     let mut x = Mat::<f64>::zeros(n, p);
     let mut row = vec![0.0; p];
+    let sq = s.project_scale();
     for (i, t) in r.enumerate() {
         features(dump, side, t, cal.rope, &mut row);
         for f in 0..p {
-            x[(i, f)] = row[f] - s.mean[f] as f64;
+            x[(i, f)] = (row[f] - s.mean[f] as f64) * sq.as_ref().map_or(1.0, |q| q[f]);
         }
     }
     let d = &x * bt;
@@ -229,10 +231,22 @@ pub struct DecodedChunk {
     pub raw: Vec<u8>,
 }
 
-/// A container read, checked and entropy-decoded, before any reconstruction: the common front
-/// of the CPU [`unpack_from`] and the GPU restore (kvforge-rt `kvtc`).
+/// One coded chunk of a container as stored (checked, still entropy-coded).
 #[derive(Clone, Debug)]
-pub struct DecodedContainer {
+pub struct StoredChunk {
+    pub side: Side,
+    pub tokens: std::ops::Range<usize>,
+    pub chunk: Chunk,
+}
+
+/// A container read and checked (header, checksums, order, sizes), its small chunks
+/// (positions, kept tokens) decoded; its coded chunks are `C`: [`StoredChunk`] still
+/// entropy-coded ([`StoredContainer`], the input of a restore that decodes chunks while earlier
+/// ones are uploaded and restored, kvforge-rt `KvtcRestorer::restore_pipelined`) or
+/// [`DecodedChunk`] ([`DecodedContainer`], the common front of the CPU [`unpack_from`] and the
+/// GPU restore).
+#[derive(Clone, Debug)]
+pub struct Container<C> {
     pub header: Header,
     /// Allocation indices of keys and values in the calibration.
     pub k_alloc: usize,
@@ -245,49 +259,37 @@ pub struct DecodedContainer {
     /// Tokens coded in chunks.
     pub coded: std::ops::Range<usize>,
     /// Coded chunks in stream order (per token run: keys, then values).
-    pub chunks: Vec<DecodedChunk>,
+    pub chunks: Vec<C>,
 }
 
-impl DecodedContainer {
+/// A container with its coded chunks entropy-decoded.
+pub type DecodedContainer = Container<DecodedChunk>;
+/// A container with its coded chunks still entropy-coded.
+pub type StoredContainer = Container<StoredChunk>;
+
+impl<C> Container<C> {
     pub fn tokens(&self) -> usize {
         self.header.tokens as usize
     }
-}
-
-/// A container read and checked (header, checksums, order, sizes) with its small chunks
-/// (positions, kept tokens) decoded and its coded chunks still entropy-coded: the input of a
-/// restore that decodes chunks while earlier ones are uploaded and restored (kvforge-rt
-/// `KvtcRestorer::restore_pipelined`).
-#[derive(Clone, Debug)]
-pub struct StoredContainer {
-    pub header: Header,
-    pub entropy: Entropy,
-    pub k_alloc: usize,
-    pub v_alloc: usize,
-    pub positions: Vec<i64>,
-    pub kept: Vec<usize>,
-    pub kept_fp16: Vec<u16>,
-    pub coded: std::ops::Range<usize>,
-    /// Coded chunks in stream order (per token run: keys, then values), entropy-coded.
-    pub chunks: Vec<(Side, std::ops::Range<usize>, Chunk)>,
 }
 
 impl StoredContainer {
-    pub fn tokens(&self) -> usize {
-        self.header.tokens as usize
+    /// The entropy coder the header names.
+    pub fn entropy(&self) -> Result<Entropy> {
+        Entropy::from_id(self.header.entropy).ok_or_else(|| KvtcError::BadChunk { chunk: 0, message: format!("unknown entropy coder {}", self.header.entropy) })
     }
 
-    /// Entropy-decodes coded chunk `i` (of [`StoredContainer::chunks`]).
+    /// Entropy-decodes coded chunk `i` (of [`Container::chunks`]).
     pub fn decode_chunk(&self, i: usize) -> Result<DecodedChunk> {
-        let (side, r, c) = &self.chunks[i];
-        let raw = self.entropy.decompress(&c.payload, c.raw_len as usize).map_err(|message| KvtcError::Entropy { chunk: c.index, message })?;
-        Ok(DecodedChunk { index: c.index, side: *side, tokens: r.clone(), raw })
+        let StoredChunk { side, tokens, chunk: c } = &self.chunks[i];
+        let raw = self.entropy()?.decompress(&c.payload, c.raw_len as usize).map_err(|message| KvtcError::Entropy { chunk: c.index, message })?;
+        Ok(DecodedChunk { index: c.index, side: *side, tokens: tokens.clone(), raw })
     }
 
     /// Entropy-decodes every coded chunk on all rayon threads.
     pub fn decode(self) -> Result<DecodedContainer> {
         let chunks = (0..self.chunks.len()).into_par_iter().map(|i| self.decode_chunk(i)).collect::<Result<Vec<_>>>()?;
-        Ok(DecodedContainer { header: self.header, k_alloc: self.k_alloc, v_alloc: self.v_alloc, positions: self.positions, kept: self.kept, kept_fp16: self.kept_fp16, coded: self.coded, chunks })
+        Ok(Container { header: self.header, k_alloc: self.k_alloc, v_alloc: self.v_alloc, positions: self.positions, kept: self.kept, kept_fp16: self.kept_fp16, coded: self.coded, chunks })
     }
 }
 
@@ -327,11 +329,11 @@ pub fn read_container(input: &mut impl Read, cal: &Calibration) -> Result<Stored
     let ranges = chunk_ranges(coded.clone(), h.chunk_tokens as usize);
     let mut chunks = Vec::with_capacity(2 * ranges.len());
     for r in &ranges {
-        chunks.push((Side::Keys, r.clone(), next(input, Tag::Keys, r.start, r.len(), pack::raw_len(r.len(), ka))?));
-        chunks.push((Side::Values, r.clone(), next(input, Tag::Values, r.start, r.len(), pack::raw_len(r.len(), va))?));
+        chunks.push(StoredChunk { side: Side::Keys, tokens: r.clone(), chunk: next(input, Tag::Keys, r.start, r.len(), pack::raw_len(r.len(), ka))? });
+        chunks.push(StoredChunk { side: Side::Values, tokens: r.clone(), chunk: next(input, Tag::Values, r.start, r.len(), pack::raw_len(r.len(), va))? });
     }
     next(input, Tag::End, 0, 0, 0)?;
-    Ok(StoredContainer { header: h, entropy, k_alloc, v_alloc, positions, kept, kept_fp16, coded, chunks })
+    Ok(Container { header: h, k_alloc, v_alloc, positions, kept, kept_fp16, coded, chunks })
 }
 
 /// Reads every chunk of a container packed with `cal` (checksums, order, sizes), then

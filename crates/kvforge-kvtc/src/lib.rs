@@ -36,8 +36,8 @@ pub mod restore;
 pub mod rope;
 
 pub use alloc::{Allocation, DpConfig, Group};
-pub use calib::{calibrate, BasisBlock, CalibConfig, Calibration, Side};
-pub use codec::{decode_container, pack_into, read_container, unpack_from, write_container, DecodedChunk, DecodedContainer, PackOptions, PackStats, StoredContainer};
+pub use calib::{calibrate, BasisBlock, CalibConfig, Calibration, Side, SideCalib};
+pub use codec::{decode_container, pack_into, read_container, unpack_from, write_container, Container, DecodedChunk, DecodedContainer, PackOptions, PackStats, StoredChunk, StoredContainer};
 pub use dump::KvDump;
 pub use entropy::Entropy;
 pub use error::KvtcError;

@@ -260,6 +260,7 @@ pub fn synthetic_calibration(layers: usize, kv_heads: usize, head_dim: usize, ro
             variance: (0..comps).map(|c| 1.0 / (1.0 + c as f32)).collect(),
             allocations: allocs.clone(),
             blocks: blocks.clone(),
+            scale: Vec::new(),
         }
     };
     Calibration { layers, kv_heads, head_dim, rope, sinks: 4, window: 128, samples: 0, ratios: ratios.to_vec(), k: side(1), v: side(2) }
@@ -318,7 +319,7 @@ mod tests {
 
     fn side(blocks: Vec<crate::calib::BasisBlock>) -> SideCalib {
         let comps = blocks.last().unwrap().components.end;
-        SideCalib { mean: vec![], basis: vec![], variance: vec![0.0; comps], allocations: vec![], blocks }
+        SideCalib { mean: vec![], basis: vec![], variance: vec![0.0; comps], allocations: vec![], blocks, scale: vec![] }
     }
 
     #[test]

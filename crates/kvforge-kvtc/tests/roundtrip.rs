@@ -259,3 +259,101 @@ fn write_container_reproduces_packed_bytes() {
         }
     }
 }
+
+/// Feature weights of the fixture's shape: a few heavy channels per head, the rest light (as
+/// query energy is over key channel pairs), deterministic.
+fn skewed_weights(p: usize, seed: u64) -> Vec<f64> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    (0..p).map(|f| if f % 16 < 3 { 50.0 } else { rng.gen_range(0.05..1.0) }).collect()
+}
+
+fn weighted_err(a: &[f32], b: &[f32], w: &[f64], d: &KvDump) -> f64 {
+    let mut num = 0.0;
+    for l in 0..d.layers {
+        for h in 0..d.kv_heads {
+            for t in 0..d.tokens {
+                for c in 0..d.head_dim {
+                    let i = d.at(l, h, t, c);
+                    num += w[(l * d.kv_heads + h) * d.head_dim + c] * ((a[i] - b[i]) as f64).powi(2);
+                }
+            }
+        }
+    }
+    num
+}
+
+/// A weighted calibration (version 3: per-feature scale, basis `u ⊘ s`) saves and loads with
+/// its id, spends the budgets `key_share` gives each side, lowers the *weighted* error against
+/// the unweighted calibration at the same ratio, and its GPU mirror (restore reference: the
+/// unchanged `coefficients · basis + mean`) equals the CPU unpack.
+#[test]
+fn weighted_calibration() {
+    use kvforge_kvtc::restore::{dequant_reference, device_layout, group_table, restore_reference};
+    use kvforge_kvtc::{decode_container, Side};
+    let train = synthetic(2, 2, 16, 500, 1, 1);
+    let (cache, p) = (synthetic(2, 2, 16, 100, 1, 2), train.features());
+    // key weights equal within each RoPE pair (channel c and c + 8 of a head), as query energy
+    // is: the weighted error is then the same before and after RoPE
+    let wk: Vec<f64> = {
+        let w = skewed_weights(p, 3);
+        (0..p).map(|f| w[f - f % 16 + f % 8]).collect()
+    };
+    let wv = skewed_weights(p, 4);
+    let plain = calibrate(&train, &CalibConfig { key_share: 0.4, ..cfg() }, |_| {}).unwrap();
+    let cal = calibrate(&train, &CalibConfig { weights: [Some(wk.clone()), Some(wv.clone())], key_share: 0.4, ..cfg() }, |_| {}).unwrap();
+    assert_eq!(cal.k.scale.len(), p);
+    for (i, &r) in cal.ratios.iter().enumerate() {
+        let b = kvforge_kvtc::calib::budget_bits(p, r);
+        assert_eq!(cal.k.allocations[i].budget_bits as usize, (2.0 * b as f64 * 0.4).floor() as usize);
+        assert_eq!(cal.k.allocations[i].budget_bits + cal.v.allocations[i].budget_bits, 2 * b as u32);
+        for a in [&cal.k.allocations[i], &cal.v.allocations[i]] {
+            assert!(a.cost_bits() <= u64::from(a.budget_bits), "ratio {r}: {} of {} bits", a.cost_bits(), a.budget_bits);
+        }
+    }
+    let dir = std::env::temp_dir().join(format!("kvtc-test-{}-weighted", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("cal.safetensors");
+    cal.save(&path, &Default::default()).unwrap();
+    let cal2 = Calibration::load(&path).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(cal2.id(), cal.id());
+    assert!(cal2.k.scale == cal.k.scale && cal2.v.scale == cal.v.scale && cal2.k.basis == cal.k.basis && cal2.v.basis == cal.v.basis);
+    let restore = |c: &Calibration, ratio: f64| {
+        let mut buf = Vec::new();
+        pack_into(&cache, c, &PackOptions { ratio_index: c.ratio_index(ratio).unwrap(), entropy: Entropy::Deflate, chunk_tokens: 32 }, &mut buf).unwrap();
+        (unpack_from(&mut buf.as_slice(), c).unwrap(), buf)
+    };
+    for r in [4.0, 16.0] {
+        let (a, b) = (restore(&plain, r).0, restore(&cal2, r).0);
+        let (pk, qk) = (weighted_err(&cache.k, &a.k, &wk, &cache), weighted_err(&cache.k, &b.k, &wk, &cache));
+        let (pv, qv) = (weighted_err(&cache.v, &a.v, &wv, &cache), weighted_err(&cache.v, &b.v, &wv, &cache));
+        eprintln!("{r}x weighted error: unweighted calibration keys {pk:.4} values {pv:.4}, weighted keys {qk:.4} values {qv:.4}");
+        assert!(qk < pk && qv < pv, "{r}x: weighting should lower the weighted errors: keys {qk} vs {pk}, values {qv} vs {pv}");
+    }
+    let (back, bytes) = restore(&cal2, 4.0);
+    assert!(rel_err(&cache.k, &back.k) < 0.05 && rel_err(&cache.v, &back.v) < 0.05, "4x: keys {} values {}", rel_err(&cache.k, &back.k), rel_err(&cache.v, &back.v));
+    let dc = decode_container(&mut bytes.as_slice(), &cal2).unwrap();
+    for c in &dc.chunks {
+        let s = cal2.side(c.side);
+        let al = &s.allocations[if c.side == Side::Keys { dc.k_alloc } else { dc.v_alloc }];
+        let (n, layout) = (c.tokens.len(), device_layout(s, al));
+        let coeff = dequant_reference(&c.raw, n, &group_table(s, al, &layout, n), layout.ldc);
+        let x = restore_reference(&cal2, c.side, &coeff, n, &layout, &dc.positions[c.tokens.clone()], false);
+        // the device's fp16 operands (basis `u ⊘ s`, weighted-domain coefficients) stay within
+        // the GPU test's tolerance of the CPU unpack
+        let x16 = restore_reference(&cal2, c.side, &coeff, n, &layout, &dc.positions[c.tokens.clone()], true);
+        let w = if c.side == Side::Keys { &back.k } else { &back.v };
+        for l in 0..cal2.layers {
+            for (i, t) in c.tokens.clone().enumerate() {
+                for h in 0..cal2.kv_heads {
+                    for ch in 0..cal2.head_dim {
+                        let at = (l * n + i) * cal2.kv_heads * cal2.head_dim + h * cal2.head_dim + ch;
+                        let (got, exp) = (x[at], w[back.at(l, h, t, ch)] as f64);
+                        assert!((got - exp).abs() <= 1e-5 * exp.abs().max(1.0), "{:?} l {l} t {t} h {h} ch {ch}: {got} vs {exp}", c.side);
+                        assert!((x16[at] - exp).abs() <= 5e-3 * exp.abs().max(1.0), "fp16 operands {:?} l {l} t {t} h {h} ch {ch}: {} vs {exp}", c.side, x16[at]);
+                    }
+                }
+            }
+        }
+    }
+}

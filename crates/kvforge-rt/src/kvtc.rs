@@ -166,7 +166,7 @@ impl KvtcRestorer {
         let (dequant, restore) = (f("dequant")?, f("restore")?);
         let side = |side: Side| -> Result<SideDev> {
             let s = cal.side(side);
-            let shape = SideCalib { mean: Vec::new(), basis: Vec::new(), variance: Vec::new(), allocations: s.allocations.clone(), blocks: s.blocks.clone() };
+            let shape = SideCalib { mean: Vec::new(), basis: Vec::new(), variance: Vec::new(), allocations: s.allocations.clone(), blocks: s.blocks.clone(), scale: Vec::new() };
             let layouts: Vec<DeviceLayout> = s.allocations.iter().map(|a| device_layout(s, a)).collect();
             let mut blocks = Vec::with_capacity(s.blocks.len());
             let mut host: Vec<u16> = Vec::new();
@@ -268,13 +268,13 @@ impl KvtcRestorer {
         while i < sc.chunks.len() {
             let (start, mut n) = (i, 0);
             while i < sc.chunks.len() && (n < segment_tokens.max(1) || i == start) {
-                n += sc.chunks[i].1.len();
+                n += sc.chunks[i].tokens.len();
                 i += 2;
             }
             segs.push(start..i.min(sc.chunks.len()));
         }
         let order = |r: &std::ops::Range<usize>| -> Vec<usize> { r.clone().step_by(2).chain(r.clone().skip(1).step_by(2)).collect() };
-        let bytes_of = |r: &std::ops::Range<usize>| -> usize { r.clone().map(|j| sc.chunks[j].2.raw_len as usize).sum() };
+        let bytes_of = |r: &std::ops::Range<usize>| -> usize { r.clone().map(|j| sc.chunks[j].chunk.raw_len as usize).sum() };
         let slab = segs.iter().map(bytes_of).max().unwrap_or(0).max(1);
         let sides = [Side::Keys, Side::Values];
         let allocs = [sc.k_alloc, sc.v_alloc];
@@ -284,12 +284,12 @@ impl KvtcRestorer {
             let a = sd.shape.allocations.get(ai).ok_or_else(|| RtError::BadInput(format!("kvtc: allocation {ai} not in the calibration")))?;
             layouts.push(device_layout(&sd.shape, a));
         }
-        let max_rows = segs.iter().map(|r| r.clone().step_by(2).map(|j| sc.chunks[j].1.len()).sum::<usize>()).max().unwrap_or(0);
+        let max_rows = segs.iter().map(|r| r.clone().step_by(2).map(|j| sc.chunks[j].tokens.len()).sum::<usize>()).max().unwrap_or(0);
         // SAFETY: written by the dequant kernel before each restore reads it.
         let mut coeff = unsafe { st.alloc::<u16>((max_rows * layouts.iter().map(|l| l.ldc).max().unwrap_or(0)).max(1)) }.map_err(drv("kvtc coefficients"))?;
         // group tables per (side, chunk tokens), uploaded once
         let mut tables: std::collections::HashMap<(usize, usize), (CudaSlice<GroupRaw>, usize)> = std::collections::HashMap::new();
-        for (_, r, _) in &sc.chunks {
+        for r in sc.chunks.iter().map(|c| &c.tokens) {
             for (si, s) in sides.iter().enumerate() {
                 if let std::collections::hash_map::Entry::Vacant(e) = tables.entry((si, r.len())) {
                     let sd = &self.sides[*s as usize];
@@ -320,7 +320,7 @@ impl KvtcRestorer {
                 let mut parts: Vec<(usize, &mut [u8])> = Vec::with_capacity(ord.len());
                 let mut rest = &mut buf[..bytes];
                 for &j in &ord {
-                    let (a, b) = rest.split_at_mut(sc.chunks[j].2.raw_len as usize);
+                    let (a, b) = rest.split_at_mut(sc.chunks[j].chunk.raw_len as usize);
                     parts.push((j, a));
                     rest = b;
                 }
@@ -351,12 +351,12 @@ impl KvtcRestorer {
                 let list: Vec<usize> = seg.clone().skip(s_i).step_by(2).collect();
                 let mut a = 0;
                 while a < list.len() {
-                    let n = sc.chunks[list[a]].1.len();
+                    let n = sc.chunks[list[a]].tokens.len();
                     let mut b = a;
-                    while b < list.len() && sc.chunks[list[b]].1.len() == n {
+                    while b < list.len() && sc.chunks[list[b]].tokens.len() == n {
                         b += 1;
                     }
-                    let chunk_bytes = sc.chunks[list[a]].2.raw_len as usize;
+                    let chunk_bytes = sc.chunks[list[a]].chunk.raw_len as usize;
                     let (gt, ng) = &tables[&(s_i, n)];
                     let br = BatchRef {
                         packed: base + off as u64,
@@ -367,7 +367,7 @@ impl KvtcRestorer {
                         chunk_bytes,
                         layout: &layouts[s_i],
                         rows: (b - a) * n,
-                        first: sc.chunks[list[a]].1.start,
+                        first: sc.chunks[list[a]].tokens.start,
                     };
                     let out = if *side == Side::Keys { &mut k } else { &mut v };
                     self.launch_raw(*side, &br, &positions, &mut coeff, out, tokens)?;

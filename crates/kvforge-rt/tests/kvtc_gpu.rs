@@ -56,6 +56,26 @@ fn small_calibration(dump: &KvDump, rope: Rope, sinks: usize, window: usize, rat
     kvforge_kvtc::calibrate(dump, &cfg, |_| {}).unwrap()
 }
 
+/// [`small_calibration`] weighted (per-feature scale folded into the basis, keys 40% of the
+/// budget): skewed weights, a few heavy channels per head as query energy has.
+fn weighted_calibration(dump: &KvDump, rope: Rope, ratios: &[f64], dp: DpConfig, layers_per_basis: usize) -> Calibration {
+    let w = |seed: usize| -> Vec<f64> { (0..dump.features()).map(|f| if (f + seed) % 16 < 3 { 40.0 } else { 0.1 + ((f * 7919 + seed) % 97) as f64 / 97.0 }).collect() };
+    let cfg = CalibConfig {
+        sinks: 2,
+        window: 8,
+        max_samples: 600,
+        dp_rows: 48,
+        ratios: ratios.to_vec(),
+        rope: Some(rope),
+        dp,
+        layers_per_basis,
+        weights: [Some(w(0)), Some(w(5))],
+        key_share: 0.4,
+        ..CalibConfig::default()
+    };
+    kvforge_kvtc::calibrate(dump, &cfg, |_| {}).unwrap()
+}
+
 /// Checks every row of a restore against the f64 mirror of the kernels (fp16 operands): kept
 /// rows bit-exact, coded rows within fp32 accumulation plus fp16 output rounding.
 /// The pipelined restore (segments of a few chunks, so several) gives the same rows, bit for bit.
@@ -141,8 +161,9 @@ fn restore_of_a_packed_cache_matches_cpu_unpack() {
     let dev = Device::open(0).unwrap();
     let rope = Rope { theta: 10000.0, dim: 16 };
     let dp = DpConfig { group_sizes: vec![1, 4, 16], bit_widths: vec![1, 2, 3, 4, 6, 8] };
-    for lpb in [0, 1] {
-        let cal = small_calibration(&low_rank_dump(2, 2, 16, 6, rope, 500, 1), rope, 2, 8, &[4.0, 16.0], dp.clone(), lpb);
+    for (lpb, weighted) in [(0, false), (1, false), (0, true), (1, true)] {
+        let train = low_rank_dump(2, 2, 16, 6, rope, 500, 1);
+        let cal = if weighted { weighted_calibration(&train, rope, &[4.0, 16.0], dp.clone(), lpb) } else { small_calibration(&train, rope, 2, 8, &[4.0, 16.0], dp.clone(), lpb) };
         let dump = low_rank_dump(2, 2, 16, 6, rope, 203, 2);
         let r = KvtcRestorer::new(&dev, &cal).unwrap();
         for (ratio, chunk) in [(4.0, 1), (16.0, 64)] {
@@ -151,7 +172,7 @@ fn restore_of_a_packed_cache_matches_cpu_unpack() {
             pack_into(&dump, &cal, &opts, &mut bytes).unwrap();
             let want = unpack_from(&mut bytes.as_slice(), &cal).unwrap();
             let dc = decode_container(&mut bytes.as_slice(), &cal).unwrap();
-            check_restore(&dev, &r, &cal, &dc, &format!("packed ratio {ratio} layers/basis {lpb}"));
+            check_restore(&dev, &r, &cal, &dc, &format!("packed ratio {ratio} layers/basis {lpb} weighted {weighted}"));
             let kv = r.restore(&dc).unwrap();
             let width = cal.kv_heads * cal.head_dim;
             for (side, w) in [(Side::Keys, &want.k), (Side::Values, &want.v)] {

@@ -55,6 +55,16 @@ pub struct CalibrateArgs {
     pub no_rope: bool,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Feature weights (.safetensors): `k.weight` and/or `v.weight` of shape [layers, kv_heads,
+    /// head_dim], the importance of each feature's squared error (capture_keys.py writes
+    /// kv-emma-weights.safetensors: mean query energy per key channel pair, o_proj column
+    /// energy per value channel). The PCA and the DP then minimise the weighted error; the
+    /// file is version 3.
+    #[arg(long)]
+    pub weights: Option<PathBuf>,
+    /// Share of keys in the joint bit budget of keys and values (0.5: equal).
+    #[arg(long, default_value_t = 0.5)]
+    pub key_share: f64,
 }
 
 #[derive(clap::Args)]
@@ -129,7 +139,26 @@ pub fn calibrate_cmd(a: CalibrateArgs) -> anyhow::Result<ExitCode> {
         ensure(dim.is_multiple_of(2) && dim <= dump.head_dim && dim > 0, || format!("--rope-dim {dim}: must be even and ≤ head_dim {}", dump.head_dim))?;
         Some(Rope { theta, dim })
     };
+    let weights = match &a.weights {
+        None => [None, None],
+        Some(path) => {
+            let bytes = std::fs::read(path).map_err(|e| bad_input(format!("{}: {e}", path.display())))?;
+            let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| bad_input(format!("{}: {e}", path.display())))?;
+            let shape = [dump.layers, dump.kv_heads, dump.head_dim];
+            let side = |name: &str| -> anyhow::Result<Option<Vec<f64>>> {
+                let Ok(t) = st.tensor(name) else { return Ok(None) };
+                ensure(t.dtype() == safetensors::Dtype::F32 && t.shape() == shape, || format!("{}: `{name}` must be F32 {shape:?}, is {:?} {:?}", path.display(), t.dtype(), t.shape()))?;
+                Ok(Some(t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap()) as f64).collect()))
+            };
+            let w = [side("k.weight")?, side("v.weight")?];
+            ensure(w.iter().any(Option::is_some), || format!("{}: neither `k.weight` nor `v.weight`", path.display()))?;
+            w
+        }
+    };
+    ensure(a.key_share > 0.0 && a.key_share < 1.0, || format!("--key-share {}: must lie strictly between 0 and 1", a.key_share))?;
     let cfg = CalibConfig {
+        weights,
+        key_share: a.key_share,
         sinks: a.sinks,
         window: a.window,
         max_samples: a.max_samples,
