@@ -13,7 +13,7 @@
 use half::f16;
 use kvforge_spec::{KeyScheme, ScaleDType, Tier, ValueScheme};
 
-use crate::bits::{code_row_bytes, unpack_code};
+use crate::bits::{code_row_bytes, unpack_code, unpack_key_code};
 use crate::error::{CertError, RefError};
 use crate::quant::{self, int_dequant, load_scale, IntArrays, IntStep};
 
@@ -180,7 +180,7 @@ impl CertifiedHead {
         let row = code_row_bytes(d, f.key_bits);
         let mut k = Vec::with_capacity(f.block * d);
         for r in key.codes.chunks_exact(row) {
-            k.extend(steps.iter().enumerate().map(|(c, &s)| int_dequant(unpack_code(f.key_bits, r, c), s)));
+            k.extend(steps.iter().enumerate().map(|(c, &s)| quant::key_dequant(f.key_bits, unpack_key_code(f.key_bits, r, c), s)));
         }
         k
     }

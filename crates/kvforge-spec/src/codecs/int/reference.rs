@@ -20,7 +20,7 @@
 use crate::ScaleDType;
 use half::f16;
 
-use crate::codecs::bits::{pack_codes, unpack_code};
+use crate::codecs::bits::{pack_codes, pack_key_codes, unpack_code, unpack_key_code};
 
 /// Scale and zero of one quantisation group, as stored (already rounded to the scale dtype).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -98,6 +98,48 @@ pub fn int_error_bound(bits: u32, mn: f32, mx: f32, step: IntStep) -> f64 {
     inside.max(below).max(above) + 4.0 * U64 * magnitude
 }
 
+/// Code bias of per-channel key codes: 4-bit keys store the *biased* zero
+/// `z̃ = S(zero − 64·scale)` and decode as `k̂ = (code + 64)·scale + z̃` (64 + code is what one LOP3
+/// makes of a code at fp16 mantissa bits 4-7 with the exponent of 64, so the per-warp decode
+/// dequantises a key pair with LOP3 + HFMA2: `templates/include/kvforge/codecs/int.cuh`,
+/// `key_bias`). 8- and 2-bit keys: 0.
+pub fn key_bias(bits: u32) -> f32 {
+    if bits == 4 {
+        64.0
+    } else {
+        0.0
+    }
+}
+
+/// The stored scale and (biased, [`key_bias`]) zero of a key channel's block with range
+/// `[mn, mx]`.
+pub fn key_step(bits: u32, mn: f32, mx: f32, dtype: ScaleDType) -> IntStep {
+    let s = int_step(bits, mn, mx, dtype);
+    // bias·scale is exact (a power of two times the scale).
+    IntStep { scale: s.scale, zero: round_scale(dtype, mn - key_bias(bits) * s.scale) }
+}
+
+/// The grid a key's codes are rounded on: the stored step with the effective zero
+/// `z̃ + bias·scale` (f32, as the encode kernel computes it). Use it for [`int_code`] and
+/// [`int_error_bound`]; [`key_dequant`] decodes from the stored step.
+pub fn key_grid(bits: u32, stored: IntStep) -> IntStep {
+    IntStep { scale: stored.scale, zero: stored.zero + key_bias(bits) * stored.scale }
+}
+
+/// Worst-case |k − k̂| of a key channel's block with range `[mn, mx]` and stored step: the
+/// [`int_error_bound`] of its grid ([`key_grid`]) plus the f32 rounding of the effective zero
+/// (the grid's zero against the exact `z̃ + bias·scale` that [`key_dequant`] decodes with).
+pub fn key_error_bound(bits: u32, mn: f32, mx: f32, stored: IntStep) -> f64 {
+    let grid = key_grid(bits, stored);
+    let exact = f64::from(stored.zero) + f64::from(key_bias(bits)) * f64::from(stored.scale);
+    int_error_bound(bits, mn, mx, grid) + (f64::from(grid.zero) - exact).abs()
+}
+
+/// Decoded key of `code` with the stored step, in f64: `(code + bias)·scale + z̃`, exact.
+pub fn key_dequant(bits: u32, code: u8, stored: IntStep) -> f64 {
+    (f64::from(code) + f64::from(key_bias(bits))) * f64::from(stored.scale) + f64::from(stored.zero)
+}
+
 /// Writes `x` as the scale dtype, little endian.
 pub fn store_scale(dtype: ScaleDType, x: f32, out: &mut [u8]) {
     match dtype {
@@ -139,7 +181,9 @@ impl IntArrays {
 }
 
 /// Per-channel keys: one step per channel per block of `block` tokens. `k` is `[tokens][d]`;
-/// `tokens` is a multiple of `block`. Scale and zero arrays are `[tokens/block][d]`.
+/// `tokens` is a multiple of `block`. Scale and zero arrays are `[tokens/block][d]`; the zero
+/// is biased for 4-bit keys ([`key_step`]) and the codes in the key order
+/// ([`crate::codecs::bits::pack_key_codes`]).
 pub fn encode_keys(bits: u32, block: usize, dtype: ScaleDType, d: usize, tokens: usize, k: &[f32]) -> IntArrays {
     let row = d * bits as usize / 8;
     let blocks = tokens / block;
@@ -151,17 +195,18 @@ pub fn encode_keys(bits: u32, block: usize, dtype: ScaleDType, d: usize, tokens:
         for c in 0..d {
             let at = |t: usize| k[(b * block + t) * d + c];
             let (mn, mx) = min_max((0..block).map(at));
-            let step = int_step(bits, mn, mx, dtype);
+            let step = key_step(bits, mn, mx, dtype);
             let i = b * d + c;
             store_scale(dtype, step.scale, &mut out.scale[i * sb..(i + 1) * sb]);
             store_scale(dtype, step.zero, &mut out.zero[i * sb..(i + 1) * sb]);
+            let grid = key_grid(bits, step);
             for t in 0..block {
-                all[(b * block + t) * d + c] = int_code(bits, at(t), step);
+                all[(b * block + t) * d + c] = int_code(bits, at(t), grid);
             }
         }
     }
     for (t, r) in out.codes.chunks_exact_mut(row).enumerate() {
-        pack_codes(bits, &all[t * d..(t + 1) * d], r);
+        pack_key_codes(bits, &all[t * d..(t + 1) * d], r);
     }
     out
 }
@@ -176,7 +221,7 @@ pub fn decode_keys(bits: u32, block: usize, dtype: ScaleDType, d: usize, tokens:
         for c in 0..d {
             let i = (t / block) * d + c;
             let step = IntStep { scale: load_scale(dtype, scale, i), zero: load_scale(dtype, zero, i) };
-            k.push(int_dequant(unpack_code(bits, r, c), step));
+            k.push(key_dequant(bits, unpack_key_code(bits, r, c), step));
         }
     }
     k
