@@ -85,8 +85,8 @@ fn sequences_page_into_full_pages_and_a_tail() {
                 }
                 let page = t / p;
                 let (mn, mx) = min_max((0..p).map(|u| k[(page * p + u) * d + c]));
-                let step = quant::key_step(bits, mn, mx, ScaleDType::Fp16);
-                assert!((x - kh[t * d + c]).abs() <= quant::key_error_bound(bits, mn, mx, step));
+                let step = quant::biased_step(bits, mn, mx, ScaleDType::Fp16);
+                assert!((x - kh[t * d + c]).abs() <= quant::biased_error_bound(bits, mn, mx, step));
             }
         }
     }

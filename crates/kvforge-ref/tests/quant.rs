@@ -28,7 +28,7 @@ fn bits() -> impl Strategy<Value = u32> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(96))]
 
-    /// Per-channel keys over blocks: |k − k̂| ≤ key_error_bound(block's mn, mx, stored step).
+    /// Per-channel keys over blocks: |k − k̂| ≤ biased_error_bound(block's mn, mx, stored step).
     #[test]
     fn int_keys_within_bound(kbits in bits(), fp16 in any::<bool>(), d8 in 1usize..9, block in prop_oneof![Just(1usize), Just(2), Just(4), Just(16), Just(64)],
                              blocks in 1usize..4, offset in -300f32..300.0, spread in prop_oneof![Just(0f32), 1e-4f32..1e-2, 0.1f32..100.0], seed in any::<u64>()) {
@@ -43,8 +43,8 @@ proptest! {
             for c in 0..d {
                 let (mn, mx) = min_max((0..block).map(|t| k[(b * block + t) * d + c]));
                 let step = step_at(&lay, &seg, "k_scale", "k_zero", dt, b * d + c);
-                prop_assert_eq!(step, kvforge_ref::quant::key_step(kbits, mn, mx, dt), "stored step of block {} channel {}", b, c);
-                let bound = kvforge_ref::quant::key_error_bound(kbits, mn, mx, step);
+                prop_assert_eq!(step, kvforge_ref::quant::biased_step(kbits, mn, mx, dt), "stored step of block {} channel {}", b, c);
+                let bound = kvforge_ref::quant::biased_error_bound(kbits, mn, mx, step);
                 for t in b * block..(b + 1) * block {
                     let e = (f64::from(k[t * d + c]) - kh[t * d + c]).abs();
                     prop_assert!(e <= bound, "token {} channel {}: error {} > bound {} (step {:?}, mn {}, mx {})", t, c, e, bound, step, mn, mx);
@@ -69,7 +69,8 @@ proptest! {
                 let xs = &v[t * d + j * group..t * d + (j + 1) * group];
                 let (mn, mx) = min_max(xs.iter().copied());
                 let step = step_at(&lay, &seg, "v_scale", "v_zero", dt, t * groups + j);
-                let bound = int_error_bound(vbits, mn, mx, step);
+                prop_assert_eq!(step, kvforge_ref::quant::biased_step(vbits, mn, mx, dt));
+                let bound = kvforge_ref::quant::biased_error_bound(vbits, mn, mx, step);
                 for c in 0..group {
                     let e = (f64::from(xs[c]) - vh[t * d + j * group + c]).abs();
                     prop_assert!(e <= bound, "token {} group {}: error {} > bound {}", t, j, e, bound);

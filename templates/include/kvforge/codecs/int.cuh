@@ -29,14 +29,14 @@ __host__ __device__ constexpr int key_channel(int s) {
   return BITS == 4 ? (s & ~7) | ((s & 3) << 1) | ((s & 7) >> 2) : s;
 }
 static_assert(key_slot<4>(1) == 4 && key_slot<4>(6) == 3 && key_channel<4>(key_slot<4>(13)) == 13, "4-bit key code order");
-// Code bias of integer key codes: 4-bit keys store the *biased* zero z̃ = zero − 64·scale
-// (rounded to the scale dtype) and decode as k̂ = (code + 64)·scale + z̃, exactly (in f64; one
-// HFMA2 rounds it once). 64 + code is what one LOP3 makes of a code at mantissa bits 4-7 with
-// the exponent of 64, so the per-warp key dequantisation is LOP3 + HFMA2 per pair, without
-// the HSUB2 that took the magic off. The encoder codes on the effective zero z̃ + 64·scale.
-// 8 and 2 bits: no bias (kvforge-spec int::reference::key_bias).
+// Code bias of integer codes (keys and values): 4-bit groups store the *biased* zero
+// z̃ = zero − 64·scale (rounded to the scale dtype) and decode as x̂ = (code + 64)·scale + z̃,
+// exactly (in f64; one HFMA2 rounds it once). 64 + code is what one LOP3 makes of a code at
+// mantissa bits 4-7 with the exponent of 64, so the tensor-core paths dequantise a pair with
+// LOP3 + HFMA2, without the HSUB2 that took the magic off. The encoders code on the
+// effective zero z̃ + 64·scale. 8 and 2 bits: no bias (kvforge-spec int::reference::code_bias).
 template <int BITS>
-__host__ __device__ constexpr float key_bias() {
+__host__ __device__ constexpr float code_bias() {
   return BITS == 4 ? 64.f : 0.f;
 }
 
@@ -65,7 +65,7 @@ __device__ __forceinline__ int quantize(float x, float scale, float zero) {
 template <int BITS, int BLOCK, class S, int N, int P, int OFF_CODES, int OFF_SCALE, int OFF_ZERO>
 struct ChannelCodes {
   static constexpr int NBLK = P / BLOCK, ROW = N * BITS / 8;
-  static constexpr float BIAS = key_bias<BITS>();
+  static constexpr float BIAS = code_bias<BITS>();
   __device__ __forceinline__ static float dequant(const u8* seg, int t, int c) {
     const int b = t / BLOCK;
     return (float(code_at<BITS>(seg + OFF_CODES + t * ROW, key_slot<BITS>(c))) + BIAS) * load_scale<S>(seg + OFF_SCALE, b * N + c) + load_scale<S>(seg + OFF_ZERO, b * N + c);
@@ -240,7 +240,7 @@ struct IntKey {
       for (unsigned k = 0; k < CPP; k += 2) {
         const float2 qv = *reinterpret_cast<const float2*>(q_s + h * D + c + k);
         const float2 sv = make_float2(to_float(scale[blk * D + c + k]), to_float(scale[blk * D + c + k + 1]));
-        constexpr float BIAS = key_bias<BITS>();  // the effective zero z̃ + bias·scale
+        constexpr float BIAS = code_bias<BITS>();  // the effective zero z̃ + bias·scale
         const float2 zv = make_float2(to_float(zero[blk * D + c + k]) + BIAS * sv.x, to_float(zero[blk * D + c + k + 1]) + BIAS * sv.y);
         z = fmaf(qv.x, zv.x, z);
         z = fmaf(qv.y, zv.y, z);
@@ -309,7 +309,7 @@ struct IntKey {
         load_floats<S, CPT>(seg + OFF_SCALE + (blk * D + c0) * int(sizeof(S)), sv);
         load_floats<S, CPT>(seg + OFF_ZERO + (blk * D + c0) * int(sizeof(S)), zv);
 #pragma unroll
-        for (int i = 0; i < CPT; ++i) z = fmaf(qv[i], zv[i] + key_bias<BITS>() * sv[i], z);
+        for (int i = 0; i < CPT; ++i) z = fmaf(qv[i], zv[i] + code_bias<BITS>() * sv[i], z);
 #pragma unroll
         for (int e = 0; e < NPAIR; ++e) {
           const int ca = M::pair_lo(e), cb = M::pair_hi(e);
@@ -374,7 +374,7 @@ struct IntKey {
     }
     __device__ __forceinline__ void operator()(const u8* seg, int t, int qd, u32 (&b)[NPAIR]) {
       static_assert(WARP && 2 * NPAIR * BITS / 8 >= 4, "whole code words per slice");
-      // 4 bits: the pairs are 64 + code, and z the biased zero (key_bias).
+      // 4 bits: the pairs are 64 + code, and z the biased zero (code_bias).
       adjacent_pairs<NPAIR>(seg + OFF_CODES + t * ROW + qd * 2 * NPAIR * BITS / 8, b);
 #pragma unroll
       for (int e = 0; e < NPAIR; ++e) b[e] = h2_fma(b[e], s[e], z[e]);
@@ -383,7 +383,7 @@ struct IntKey {
   // The codes of channels 2e, 2e + 1 of a row slice as exact fp16 pairs. 8 bits: the two code
   // bytes beside the exponent byte 0x64 (1024 + c). 4 bits (key_slot order): pair e of a word
   // at nibble e of both halves, moved to mantissa bits 4-7 (a shift by 4 left, none, 4 right
-  // or 8 right) and left biased, 64 + c (key_bias: the biased zero takes the 64 off).
+  // or 8 right) and left biased, 64 + c (code_bias: the biased zero takes the 64 off).
   // 2 bits: one byte holds two pairs; its four codes sit at bits 8-9 (4 + c) and 2-3 (256 + c)
   // for pair 2j, at 4-5 (64 + c) and 6-7 (16 + c) for pair 2j + 1. HSUB2 of the magic leaves
   // the codes.
@@ -453,14 +453,16 @@ struct IntValue {
   static constexpr int ROW = D * BITS / 8;
   static constexpr int NGRP = D / GROUP;
   static constexpr bool BF16 = false;
+  static constexpr float BIAS = code_bias<BITS>();
 
   // Transposed fp16 pairs for tensor-core value accumulation (see DenseValue::token_pairs):
   // out[k] = (v̂[ta][c0 + k], v̂[tb][c0 + k]), the N channels inside one value group. The codes
   // of the two tokens are interleaved by one PRMT per 16-bit chunk, each pair is pulled out by
-  // one LOP3 as (1024 + c, 1024 + c'), and one HSUB2 + one HFMA2 with the two tokens' (scale,
-  // zero) pairs give code · scale + zero rounded once to fp16. (Folding the code's bias into
-  // the zero, zero − bias · scale in fp16, saves the HSUB2 but rounds that term, and rdkv int2
-  // then misses the 2^-10 reference tolerance.) The per-warp layout needs the
+  // one LOP3 as (M + c, M + c'), and one HSUB2 + one HFMA2 with the two tokens' (scale,
+  // zero) pairs give code · scale + zero rounded once to fp16. 4 bits store the zero biased
+  // (code_bias), so that the LOP3's 64 + c goes straight into the HFMA2 (no HSUB2), exact;
+  // folding the bias into the zero in the kernel (zero − bias · scale rounded to fp16) had
+  // rounded that term, and rdkv int2 then missed the 2^-10 reference tolerance. The per-warp layout needs the
   // channels of a lane (head_dim / 8) inside one group.
   static constexpr bool WARP = GROUP % (D / 8) == 0;
   template <int N>
@@ -488,16 +490,27 @@ struct IntValue {
 #pragma unroll
     for (int ci = 0; ci < N / CCV; ++ci) {
       const u32 x = __byte_perm(wa[ci / 2], wb[ci / 2], (ci & 1) ? 0x7632 : 0x5410);
-      // Code k sits at bit k·BITS of each half: the codes of the low byte are read in place,
-      // those of the high byte after one shift by 8, each with the magic 2^(10 - p) whose
-      // mantissa unit is bit p (p = (k·BITS) mod 8): one shift per chunk rather than per code.
-      const u32 xh = x >> 8;
+      if constexpr (BITS == 4) {
+        // Biased codes (code_bias): each code moved to mantissa bits 4-7 (a shift by 4 left,
+        // none, 4 right, 8 right), 64 + code after one LOP3, and the biased zero takes the 64
+        // off in the HFMA2.
 #pragma unroll
-      for (int k = 0; k < CCV; ++k) {
-        constexpr int PER_BYTE = 8 / BITS > 0 ? 8 / BITS : 1;
-        const int pos = (k % PER_BYTE) * BITS;
-        const u32 magic = u32(25 - pos) << 10 | u32(25 - pos) << 26;
-        out[ci * CCV + k] = h2_fma(h2_codes(k < PER_BYTE ? x : xh, MASK << pos, magic), s2, z2);
+        for (int k = 0; k < CCV; ++k) {
+          const u32 xk = k == 0 ? x << 4 : k == 1 ? x : k == 2 ? x >> 4 : x >> 8;
+          out[ci * CCV + k] = h2_fma(h2_biased(xk, 0x00f000f0u, 0x54005400u), s2, z2);
+        }
+      } else {
+        // Code k sits at bit k·BITS of each half: the codes of the low byte are read in place,
+        // those of the high byte after one shift by 8, each with the magic 2^(10 - p) whose
+        // mantissa unit is bit p (p = (k·BITS) mod 8): one shift per chunk rather than per code.
+        const u32 xh = x >> 8;
+#pragma unroll
+        for (int k = 0; k < CCV; ++k) {
+          constexpr int PER_BYTE = 8 / BITS > 0 ? 8 / BITS : 1;
+          const int pos = (k % PER_BYTE) * BITS;
+          const u32 magic = u32(25 - pos) << 10 | u32(25 - pos) << 26;
+          out[ci * CCV + k] = h2_fma(h2_codes(k < PER_BYTE ? x : xh, MASK << pos, magic), s2, z2);
+        }
       }
     }
   }
@@ -520,7 +533,7 @@ struct IntValue {
     } else if constexpr (BITS == 4) {
       const u32 w = reinterpret_cast<const u32*>(row)[c8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = fmaf(u2f((w >> (4 * i)) & 0xf), sc, zr);
+      for (int i = 0; i < 8; ++i) v[i] = fmaf(u2f((w >> (4 * i)) & 0xf) + BIAS, sc, zr);
     } else {
       const u32 w = reinterpret_cast<const u16*>(row)[c8];
 #pragma unroll
@@ -530,7 +543,7 @@ struct IntValue {
 
   __device__ __forceinline__ static float dequant(const u8* seg, int t, int c) {
     const int grp = c / GROUP;
-    return float(code_at<BITS>(seg + OFF_CODES + t * ROW, c)) * load_scale<S>(seg + OFF_SCALE, t * NGRP + grp) + load_scale<S>(seg + OFF_ZERO, t * NGRP + grp);
+    return (float(code_at<BITS>(seg + OFF_CODES + t * ROW, c)) + BIAS) * load_scale<S>(seg + OFF_SCALE, t * NGRP + grp) + load_scale<S>(seg + OFF_ZERO, t * NGRP + grp);
   }
 
   // Codes tokens [t0, t0 + ROWS) of a transcode slice from x [ROWS][D]. L lanes share each
@@ -548,13 +561,13 @@ struct IntValue {
       lanes_minmax<L>(mn, mx);
       if (!on) return;
       const S s_st = from_float<S>((mx - mn) / float((1 << BITS) - 1));
-      const S z_st = from_float<S>(mn);
+      const S z_st = from_float<S>(mn - BIAS * to_float(s_st));  // biased zero (code_bias)
       const int t = s.t0 + tt;
       if (lane == 0) {
         reinterpret_cast<S*>(seg + OFF_SCALE)[t * NGRP + grp] = s_st;
         reinterpret_cast<S*>(seg + OFF_ZERO)[t * NGRP + grp] = z_st;
       }
-      const float sc = to_float(s_st), zr = to_float(z_st);
+      const float sc = to_float(s_st), zr = to_float(z_st) + BIAS * sc;  // the effective zero
       u8* out = seg + OFF_CODES + t * ROW + grp * GBYTES;
       for (int byte = lane; byte < GBYTES; byte += L)
         out[byte] = pack_byte<BITS>(byte, [&](int c) { return quantize<BITS>(xs[c], sc, zr); });

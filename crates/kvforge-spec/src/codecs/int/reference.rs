@@ -98,12 +98,14 @@ pub fn int_error_bound(bits: u32, mn: f32, mx: f32, step: IntStep) -> f64 {
     inside.max(below).max(above) + 4.0 * U64 * magnitude
 }
 
-/// Code bias of per-channel key codes: 4-bit keys store the *biased* zero
-/// `z̃ = S(zero − 64·scale)` and decode as `k̂ = (code + 64)·scale + z̃` (64 + code is what one LOP3
-/// makes of a code at fp16 mantissa bits 4-7 with the exponent of 64, so the per-warp decode
-/// dequantises a key pair with LOP3 + HFMA2: `templates/include/kvforge/codecs/int.cuh`,
-/// `key_bias`). 8- and 2-bit keys: 0.
-pub fn key_bias(bits: u32) -> f32 {
+/// Code bias of integer codes, keys and values: 4-bit groups store the *biased* zero
+/// `z̃ = S(zero − 64·scale)` and decode as `x̂ = (code + 64)·scale + z̃`, exactly (64 + code is
+/// what one LOP3 makes of a code at fp16 mantissa bits 4-7 with the exponent of 64, so the
+/// per-warp decode dequantises a pair with LOP3 + HFMA2: `templates/include/kvforge/codecs/int.cuh`,
+/// `code_bias`). 8 and 2 bits: 0. The effective zero `z̃ + 64·scale` is within half an fp16 ulp
+/// of `64·scale` of the group minimum; `64·scale` must stay below 65504 for fp16 scales (groups
+/// with a range below about 15000).
+pub fn code_bias(bits: u32) -> f32 {
     if bits == 4 {
         64.0
     } else {
@@ -111,33 +113,32 @@ pub fn key_bias(bits: u32) -> f32 {
     }
 }
 
-/// The stored scale and (biased, [`key_bias`]) zero of a key channel's block with range
-/// `[mn, mx]`.
-pub fn key_step(bits: u32, mn: f32, mx: f32, dtype: ScaleDType) -> IntStep {
+/// The stored scale and (biased, [`code_bias`]) zero of a group with range `[mn, mx]`.
+pub fn biased_step(bits: u32, mn: f32, mx: f32, dtype: ScaleDType) -> IntStep {
     let s = int_step(bits, mn, mx, dtype);
     // bias·scale is exact (a power of two times the scale).
-    IntStep { scale: s.scale, zero: round_scale(dtype, mn - key_bias(bits) * s.scale) }
+    IntStep { scale: s.scale, zero: round_scale(dtype, mn - code_bias(bits) * s.scale) }
 }
 
-/// The grid a key's codes are rounded on: the stored step with the effective zero
+/// The grid a group's codes are rounded on: the stored step with the effective zero
 /// `z̃ + bias·scale` (f32, as the encode kernel computes it). Use it for [`int_code`] and
-/// [`int_error_bound`]; [`key_dequant`] decodes from the stored step.
-pub fn key_grid(bits: u32, stored: IntStep) -> IntStep {
-    IntStep { scale: stored.scale, zero: stored.zero + key_bias(bits) * stored.scale }
+/// [`int_error_bound`]; [`biased_dequant`] decodes from the stored step.
+pub fn code_grid(bits: u32, stored: IntStep) -> IntStep {
+    IntStep { scale: stored.scale, zero: stored.zero + code_bias(bits) * stored.scale }
 }
 
-/// Worst-case |k − k̂| of a key channel's block with range `[mn, mx]` and stored step: the
-/// [`int_error_bound`] of its grid ([`key_grid`]) plus the f32 rounding of the effective zero
-/// (the grid's zero against the exact `z̃ + bias·scale` that [`key_dequant`] decodes with).
-pub fn key_error_bound(bits: u32, mn: f32, mx: f32, stored: IntStep) -> f64 {
-    let grid = key_grid(bits, stored);
-    let exact = f64::from(stored.zero) + f64::from(key_bias(bits)) * f64::from(stored.scale);
+/// Worst-case |x − x̂| of a group with range `[mn, mx]` and stored step: the
+/// [`int_error_bound`] of its grid ([`code_grid`]) plus the f32 rounding of the effective zero
+/// (the grid's zero against the exact `z̃ + bias·scale` that [`biased_dequant`] decodes with).
+pub fn biased_error_bound(bits: u32, mn: f32, mx: f32, stored: IntStep) -> f64 {
+    let grid = code_grid(bits, stored);
+    let exact = f64::from(stored.zero) + f64::from(code_bias(bits)) * f64::from(stored.scale);
     int_error_bound(bits, mn, mx, grid) + (f64::from(grid.zero) - exact).abs()
 }
 
-/// Decoded key of `code` with the stored step, in f64: `(code + bias)·scale + z̃`, exact.
-pub fn key_dequant(bits: u32, code: u8, stored: IntStep) -> f64 {
-    (f64::from(code) + f64::from(key_bias(bits))) * f64::from(stored.scale) + f64::from(stored.zero)
+/// Decoded value of `code` with the stored step, in f64: `(code + bias)·scale + z̃`, exact.
+pub fn biased_dequant(bits: u32, code: u8, stored: IntStep) -> f64 {
+    (f64::from(code) + f64::from(code_bias(bits))) * f64::from(stored.scale) + f64::from(stored.zero)
 }
 
 /// Writes `x` as the scale dtype, little endian.
@@ -182,7 +183,7 @@ impl IntArrays {
 
 /// Per-channel keys: one step per channel per block of `block` tokens. `k` is `[tokens][d]`;
 /// `tokens` is a multiple of `block`. Scale and zero arrays are `[tokens/block][d]`; the zero
-/// is biased for 4-bit keys ([`key_step`]) and the codes in the key order
+/// is biased for 4-bit keys ([`biased_step`]) and their codes in the key order
 /// ([`crate::codecs::bits::pack_key_codes`]).
 pub fn encode_keys(bits: u32, block: usize, dtype: ScaleDType, d: usize, tokens: usize, k: &[f32]) -> IntArrays {
     let row = d * bits as usize / 8;
@@ -195,11 +196,11 @@ pub fn encode_keys(bits: u32, block: usize, dtype: ScaleDType, d: usize, tokens:
         for c in 0..d {
             let at = |t: usize| k[(b * block + t) * d + c];
             let (mn, mx) = min_max((0..block).map(at));
-            let step = key_step(bits, mn, mx, dtype);
+            let step = biased_step(bits, mn, mx, dtype);
             let i = b * d + c;
             store_scale(dtype, step.scale, &mut out.scale[i * sb..(i + 1) * sb]);
             store_scale(dtype, step.zero, &mut out.zero[i * sb..(i + 1) * sb]);
-            let grid = key_grid(bits, step);
+            let grid = code_grid(bits, step);
             for t in 0..block {
                 all[(b * block + t) * d + c] = int_code(bits, at(t), grid);
             }
@@ -221,14 +222,15 @@ pub fn decode_keys(bits: u32, block: usize, dtype: ScaleDType, d: usize, tokens:
         for c in 0..d {
             let i = (t / block) * d + c;
             let step = IntStep { scale: load_scale(dtype, scale, i), zero: load_scale(dtype, zero, i) };
-            k.push(key_dequant(bits, unpack_key_code(bits, r, c), step));
+            k.push(biased_dequant(bits, unpack_key_code(bits, r, c), step));
         }
     }
     k
 }
 
 /// Per-token values: one step per token per group of `group` channels. `v` is `[tokens][d]`;
-/// scale and zero arrays are `[tokens][d/group]`.
+/// scale and zero arrays are `[tokens][d/group]`; the zero is biased for 4-bit values
+/// ([`biased_step`]).
 pub fn encode_values(bits: u32, group: usize, dtype: ScaleDType, d: usize, tokens: usize, v: &[f32]) -> IntArrays {
     let row = d * bits as usize / 8;
     let groups = d / group;
@@ -239,12 +241,13 @@ pub fn encode_values(bits: u32, group: usize, dtype: ScaleDType, d: usize, token
         for j in 0..groups {
             let xs = &v[t * d + j * group..t * d + (j + 1) * group];
             let (mn, mx) = min_max(xs.iter().copied());
-            let step = int_step(bits, mn, mx, dtype);
+            let step = biased_step(bits, mn, mx, dtype);
             let i = t * groups + j;
             store_scale(dtype, step.scale, &mut out.scale[i * sb..(i + 1) * sb]);
             store_scale(dtype, step.zero, &mut out.zero[i * sb..(i + 1) * sb]);
+            let grid = code_grid(bits, step);
             for (c, &x) in xs.iter().enumerate() {
-                codes[j * group + c] = int_code(bits, x, step);
+                codes[j * group + c] = int_code(bits, x, grid);
             }
         }
         pack_codes(bits, &codes, &mut out.codes[t * row..(t + 1) * row]);
@@ -263,7 +266,7 @@ pub fn decode_values(bits: u32, group: usize, dtype: ScaleDType, d: usize, token
         for c in 0..d {
             let i = t * groups + c / group;
             let step = IntStep { scale: load_scale(dtype, scale, i), zero: load_scale(dtype, zero, i) };
-            v.push(int_dequant(unpack_code(bits, r, c), step));
+            v.push(biased_dequant(bits, unpack_code(bits, r, c), step));
         }
     }
     v
