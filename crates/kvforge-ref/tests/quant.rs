@@ -44,7 +44,7 @@ proptest! {
                 let (mn, mx) = min_max((0..block).map(|t| k[(b * block + t) * d + c]));
                 let step = step_at(&lay, &seg, "k_scale", "k_zero", dt, b * d + c);
                 prop_assert_eq!(step, kvforge_ref::quant::biased_step(kbits, mn, mx, dt), "stored step of block {} channel {}", b, c);
-                let bound = kvforge_ref::quant::biased_error_bound(kbits, mn, mx, step);
+                let bound = kvforge_ref::quant::biased_error_bound(kbits, dt, mn, mx, step);
                 for t in b * block..(b + 1) * block {
                     let e = (f64::from(k[t * d + c]) - kh[t * d + c]).abs();
                     prop_assert!(e <= bound, "token {} channel {}: error {} > bound {} (step {:?}, mn {}, mx {})", t, c, e, bound, step, mn, mx);
@@ -70,7 +70,7 @@ proptest! {
                 let (mn, mx) = min_max(xs.iter().copied());
                 let step = step_at(&lay, &seg, "v_scale", "v_zero", dt, t * groups + j);
                 prop_assert_eq!(step, kvforge_ref::quant::biased_step(vbits, mn, mx, dt));
-                let bound = kvforge_ref::quant::biased_error_bound(vbits, mn, mx, step);
+                let bound = kvforge_ref::quant::biased_error_bound(vbits, dt, mn, mx, step);
                 for c in 0..group {
                     let e = (f64::from(xs[c]) - vh[t * d + j * group + c]).abs();
                     prop_assert!(e <= bound, "token {} group {}: error {} > bound {}", t, j, e, bound);

@@ -37,8 +37,9 @@ pub fn key_channel_error_bound(bits: u32, step: IntStep) -> f64 {
     let q = f64::from(qmax(bits));
     // |σ|: a corrupted (negative) scale must not shrink the bound below zero.
     let (s, z) = (f64::from(step.scale).abs(), f64::from(step.zero));
-    // 4-bit keys decode as (code + bias)·σ + z̃ (biased zero, `quant::code_bias`).
-    let b = f64::from(crate::quant::code_bias(bits));
+    // 4-bit keys decode as (code + bias)·σ + z̃ (biased zero, `quant::code_bias`; certified
+    // keys have fp32 scales).
+    let b = f64::from(crate::quant::code_bias(bits, kvforge_spec::ScaleDType::Fp32));
     s * (0.5 + 4.0 * U32 * (q + 2.0)) + 4.0 * U64 * (z.abs() + (q + b) * s)
 }
 

@@ -29,15 +29,17 @@ __host__ __device__ constexpr int key_channel(int s) {
   return BITS == 4 ? (s & ~7) | ((s & 3) << 1) | ((s & 7) >> 2) : s;
 }
 static_assert(key_slot<4>(1) == 4 && key_slot<4>(6) == 3 && key_channel<4>(key_slot<4>(13)) == 13, "4-bit key code order");
-// Code bias of integer codes (keys and values): 4-bit groups store the *biased* zero
-// z̃ = zero − 64·scale (rounded to the scale dtype) and decode as x̂ = (code + 64)·scale + z̃,
-// exactly (in f64; one HFMA2 rounds it once). 64 + code is what one LOP3 makes of a code at
-// mantissa bits 4-7 with the exponent of 64, so the tensor-core paths dequantise a pair with
-// LOP3 + HFMA2, without the HSUB2 that took the magic off. The encoders code on the
-// effective zero z̃ + 64·scale. 8 and 2 bits: no bias (kvforge-spec int::reference::code_bias).
-template <int BITS>
+// Code bias B of integer codes (keys and values, kvforge-spec int::reference::code_bias):
+// groups with a bias store the *biased* zero z̃ = zero − B·scale (rounded to the scale dtype)
+// and decode as x̂ = (code + B)·scale + z̃, exactly (in f64; one HFMA2 rounds it once). B + code
+// is what one LOP3 (4 bits, B = 64: a code at mantissa bits 4-7 with the exponent of 64) or
+// one PRMT (8 bits with fp16 scales, B = 1024: a code byte beside the exponent byte 0x64)
+// makes of a code, so the tensor-core paths dequantise a pair with it and one HFMA2, without
+// the HSUB2 that took the magic off. The encoders code on the effective zero z̃ + B·scale.
+// 2 bits and 8 bits with fp32 scales (the certified keys): no bias.
+template <int BITS, class S>
 __host__ __device__ constexpr float code_bias() {
-  return BITS == 4 ? 64.f : 0.f;
+  return BITS == 4 ? 64.f : BITS == 8 && sizeof(S) == 2 ? 1024.f : 0.f;
 }
 
 // Packs the codes of channels [byte*PER, byte*PER + PER) of one row into one byte.
@@ -65,10 +67,11 @@ __device__ __forceinline__ int quantize(float x, float scale, float zero) {
 template <int BITS, int BLOCK, class S, int N, int P, int OFF_CODES, int OFF_SCALE, int OFF_ZERO>
 struct ChannelCodes {
   static constexpr int NBLK = P / BLOCK, ROW = N * BITS / 8;
-  static constexpr float BIAS = code_bias<BITS>();
+  static constexpr float BIAS = code_bias<BITS, S>();
   __device__ __forceinline__ static float dequant(const u8* seg, int t, int c) {
     const int b = t / BLOCK;
-    return (float(code_at<BITS>(seg + OFF_CODES + t * ROW, key_slot<BITS>(c))) + BIAS) * load_scale<S>(seg + OFF_SCALE, b * N + c) + load_scale<S>(seg + OFF_ZERO, b * N + c);
+    const float code = float(code_at<BITS>(seg + OFF_CODES + t * ROW, key_slot<BITS>(c)));
+    return (BIAS != 0.f ? code + BIAS : code) * load_scale<S>(seg + OFF_SCALE, b * N + c) + load_scale<S>(seg + OFF_ZERO, b * N + c);
   }
   // Codes channels [n0, n0 + nc) of the N (whole bytes of codes: n0 and nc multiples of 8)
   // from columns [xc0, xc0 + nc) of x ([P][ldx] floats in shared memory), all P tokens;
@@ -90,11 +93,11 @@ struct ChannelCodes {
       lanes_minmax<L>(mn, mx);
       if (on && lane == 0) {
         const S s_st = from_float<S>((mx - mn) / float((1 << BITS) - 1));
-        const S z_st = from_float<S>(mn - BIAS * to_float(s_st));  // BIAS·s is exact
+        const S z_st = from_float<S>(BIAS == 0.f ? mn : mn - BIAS * to_float(s_st));  // BIAS·s is exact
         reinterpret_cast<S*>(seg + OFF_SCALE)[b * N + n0 + c] = s_st;
         reinterpret_cast<S*>(seg + OFF_ZERO)[b * N + n0 + c] = z_st;
         sc[i] = to_float(s_st);
-        zr[i] = to_float(z_st) + BIAS * sc[i];  // the effective zero the codes are rounded on
+        zr[i] = BIAS == 0.f ? to_float(z_st) : to_float(z_st) + BIAS * sc[i];  // the effective zero the codes are rounded on
       }
     });
     __syncthreads();
@@ -118,7 +121,8 @@ struct ChannelCodes {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       sc[i] = load_scale<S>(seg + OFF_SCALE, b * N + c + i);
-      zr[i] = load_scale<S>(seg + OFF_ZERO, b * N + c + i) + BIAS * sc[i];
+      zr[i] = load_scale<S>(seg + OFF_ZERO, b * N + c + i);
+      if constexpr (BIAS != 0.f) zr[i] += BIAS * sc[i];
     }
 #pragma unroll
     for (int h = 0; h < GQA; ++h) {
@@ -240,8 +244,9 @@ struct IntKey {
       for (unsigned k = 0; k < CPP; k += 2) {
         const float2 qv = *reinterpret_cast<const float2*>(q_s + h * D + c + k);
         const float2 sv = make_float2(to_float(scale[blk * D + c + k]), to_float(scale[blk * D + c + k + 1]));
-        constexpr float BIAS = code_bias<BITS>();  // the effective zero z̃ + bias·scale
-        const float2 zv = make_float2(to_float(zero[blk * D + c + k]) + BIAS * sv.x, to_float(zero[blk * D + c + k + 1]) + BIAS * sv.y);
+        constexpr float BIAS = code_bias<BITS, S>();  // the effective zero z̃ + bias·scale
+        float2 zv = make_float2(to_float(zero[blk * D + c + k]), to_float(zero[blk * D + c + k + 1]));
+        if constexpr (BIAS != 0.f) { zv.x += BIAS * sv.x; zv.y += BIAS * sv.y; }
         z = fmaf(qv.x, zv.x, z);
         z = fmaf(qv.y, zv.y, z);
         const float x[2] = {qv.x * sv.x, qv.y * sv.y};
@@ -309,7 +314,7 @@ struct IntKey {
         load_floats<S, CPT>(seg + OFF_SCALE + (blk * D + c0) * int(sizeof(S)), sv);
         load_floats<S, CPT>(seg + OFF_ZERO + (blk * D + c0) * int(sizeof(S)), zv);
 #pragma unroll
-        for (int i = 0; i < CPT; ++i) z = fmaf(qv[i], zv[i] + code_bias<BITS>() * sv[i], z);
+        for (int i = 0; i < CPT; ++i) z = fmaf(qv[i], code_bias<BITS, S>() != 0.f ? zv[i] + code_bias<BITS, S>() * sv[i] : zv[i], z);
 #pragma unroll
         for (int e = 0; e < NPAIR; ++e) {
           const int ca = M::pair_lo(e), cb = M::pair_hi(e);
@@ -374,14 +379,15 @@ struct IntKey {
     }
     __device__ __forceinline__ void operator()(const u8* seg, int t, int qd, u32 (&b)[NPAIR]) {
       static_assert(WARP && 2 * NPAIR * BITS / 8 >= 4, "whole code words per slice");
-      // 4 bits: the pairs are 64 + code, and z the biased zero (code_bias).
+      // Biased codes (code_bias: 4 bits, 8 bits with fp16 scales): the pairs are B + code, and
+      // z the biased zero.
       adjacent_pairs<NPAIR>(seg + OFF_CODES + t * ROW + qd * 2 * NPAIR * BITS / 8, b);
 #pragma unroll
       for (int e = 0; e < NPAIR; ++e) b[e] = h2_fma(b[e], s[e], z[e]);
     }
   };
   // The codes of channels 2e, 2e + 1 of a row slice as exact fp16 pairs. 8 bits: the two code
-  // bytes beside the exponent byte 0x64 (1024 + c). 4 bits (key_slot order): pair e of a word
+  // bytes beside the exponent byte 0x64 (1024 + c, left biased with fp16 scales). 4 bits (key_slot order): pair e of a word
   // at nibble e of both halves, moved to mantissa bits 4-7 (a shift by 4 left, none, 4 right
   // or 8 right) and left biased, 64 + c (code_bias: the biased zero takes the 64 off).
   // 2 bits: one byte holds two pairs; its four codes sit at bits 8-9 (4 + c) and 2-3 (256 + c)
@@ -395,7 +401,8 @@ struct IntKey {
 #pragma unroll
     for (int e = 0; e < N; ++e) {
       if constexpr (BITS == 8) {
-        out[e] = h2_unbias(__byte_perm(w[e / 2], 0x64646464u, (e & 1) ? 0x4342 : 0x4140), 0x64006400u);
+        const u32 x = __byte_perm(w[e / 2], 0x64646464u, (e & 1) ? 0x4342 : 0x4140);  // 1024 + c
+        out[e] = code_bias<BITS, S>() != 0.f ? x : h2_unbias(x, 0x64006400u);
       } else if constexpr (BITS == 4) {
         const u32 v = w[e / 4];
         const u32 x = e % 4 == 0 ? v << 4 : e % 4 == 1 ? v : e % 4 == 2 ? v >> 4 : v >> 8;
@@ -453,7 +460,7 @@ struct IntValue {
   static constexpr int ROW = D * BITS / 8;
   static constexpr int NGRP = D / GROUP;
   static constexpr bool BF16 = false;
-  static constexpr float BIAS = code_bias<BITS>();
+  static constexpr float BIAS = code_bias<BITS, S>();
 
   // Transposed fp16 pairs for tensor-core value accumulation (see DenseValue::token_pairs):
   // out[k] = (v̂[ta][c0 + k], v̂[tb][c0 + k]), the N channels inside one value group. The codes
@@ -509,7 +516,9 @@ struct IntValue {
           constexpr int PER_BYTE = 8 / BITS > 0 ? 8 / BITS : 1;
           const int pos = (k % PER_BYTE) * BITS;
           const u32 magic = u32(25 - pos) << 10 | u32(25 - pos) << 26;
-          out[ci * CCV + k] = h2_fma(h2_codes(k < PER_BYTE ? x : xh, MASK << pos, magic), s2, z2);
+          // 8 bits with fp16 scales: biased (code_bias), 1024 + c goes into the HFMA2 as it is.
+          const u32 xk = k < PER_BYTE ? x : xh;
+          out[ci * CCV + k] = h2_fma(BIAS != 0.f ? h2_biased(xk, MASK << pos, magic) : h2_codes(xk, MASK << pos, magic), s2, z2);
         }
       }
     }
@@ -529,7 +538,7 @@ struct IntValue {
     if constexpr (BITS == 8) {
       const uint2 w = reinterpret_cast<const uint2*>(row)[c8];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) { v[i] = fmaf(u2f((w.x >> (8 * i)) & 0xff), sc, zr); v[4 + i] = fmaf(u2f((w.y >> (8 * i)) & 0xff), sc, zr); }
+      for (int i = 0; i < 4; ++i) { v[i] = fmaf(u2f((w.x >> (8 * i)) & 0xff) + BIAS, sc, zr); v[4 + i] = fmaf(u2f((w.y >> (8 * i)) & 0xff) + BIAS, sc, zr); }
     } else if constexpr (BITS == 4) {
       const u32 w = reinterpret_cast<const u32*>(row)[c8];
 #pragma unroll
@@ -543,7 +552,8 @@ struct IntValue {
 
   __device__ __forceinline__ static float dequant(const u8* seg, int t, int c) {
     const int grp = c / GROUP;
-    return (float(code_at<BITS>(seg + OFF_CODES + t * ROW, c)) + BIAS) * load_scale<S>(seg + OFF_SCALE, t * NGRP + grp) + load_scale<S>(seg + OFF_ZERO, t * NGRP + grp);
+    const float code = float(code_at<BITS>(seg + OFF_CODES + t * ROW, c));
+    return (BIAS != 0.f ? code + BIAS : code) * load_scale<S>(seg + OFF_SCALE, t * NGRP + grp) + load_scale<S>(seg + OFF_ZERO, t * NGRP + grp);
   }
 
   // Codes tokens [t0, t0 + ROWS) of a transcode slice from x [ROWS][D]. L lanes share each
@@ -561,13 +571,13 @@ struct IntValue {
       lanes_minmax<L>(mn, mx);
       if (!on) return;
       const S s_st = from_float<S>((mx - mn) / float((1 << BITS) - 1));
-      const S z_st = from_float<S>(mn - BIAS * to_float(s_st));  // biased zero (code_bias)
+      const S z_st = from_float<S>(BIAS == 0.f ? mn : mn - BIAS * to_float(s_st));  // biased zero (code_bias)
       const int t = s.t0 + tt;
       if (lane == 0) {
         reinterpret_cast<S*>(seg + OFF_SCALE)[t * NGRP + grp] = s_st;
         reinterpret_cast<S*>(seg + OFF_ZERO)[t * NGRP + grp] = z_st;
       }
-      const float sc = to_float(s_st), zr = to_float(z_st) + BIAS * sc;  // the effective zero
+      const float sc = to_float(s_st), zr = BIAS == 0.f ? to_float(z_st) : to_float(z_st) + BIAS * sc;  // the effective zero
       u8* out = seg + OFF_CODES + t * ROW + grp * GBYTES;
       for (int byte = lane; byte < GBYTES; byte += L)
         out[byte] = pack_byte<BITS>(byte, [&](int c) { return quantize<BITS>(xs[c], sc, zr); });

@@ -98,47 +98,59 @@ pub fn int_error_bound(bits: u32, mn: f32, mx: f32, step: IntStep) -> f64 {
     inside.max(below).max(above) + 4.0 * U64 * magnitude
 }
 
-/// Code bias of integer codes, keys and values: 4-bit groups store the *biased* zero
-/// `z̃ = S(zero − 64·scale)` and decode as `x̂ = (code + 64)·scale + z̃`, exactly (64 + code is
-/// what one LOP3 makes of a code at fp16 mantissa bits 4-7 with the exponent of 64, so the
-/// per-warp decode dequantises a pair with LOP3 + HFMA2: `templates/include/kvforge/codecs/int.cuh`,
-/// `code_bias`). 8 and 2 bits: 0. The effective zero `z̃ + 64·scale` is within half an fp16 ulp
-/// of `64·scale` of the group minimum; `64·scale` must stay below 65504 for fp16 scales (groups
-/// with a range below about 15000).
-pub fn code_bias(bits: u32) -> f32 {
-    if bits == 4 {
-        64.0
-    } else {
-        0.0
+/// Code bias of integer codes, keys and values: groups with a bias B store the *biased* zero
+/// `z̃ = S(zero − B·scale)` and decode as `x̂ = (code + B)·scale + z̃`, exactly. B + code is what
+/// one LOP3 (4 bits: a code at fp16 mantissa bits 4-7 with the exponent of 64) or one PRMT
+/// (8 bits: a code byte beside the exponent byte of 1024) makes of a code, so the per-warp
+/// decode dequantises a pair with that one instruction and one HFMA2, without an HSUB2
+/// (`templates/include/kvforge/codecs/int.cuh`, `code_bias`). B = 64 for 4 bits, 1024 for 8 bits
+/// with fp16 scales, 0 otherwise (2 bits; 8 bits with fp32 scales, the certified tiers' keys,
+/// whose bounds read the zero as the block minimum). The effective zero `z̃ + B·scale` is within
+/// half an ulp of `B·scale` of the group minimum (at most scale/2 for 8 bits, scale/32 for 4);
+/// `B·scale` must stay below 65504 for fp16 scales (a group range below about 15000 at 4 bits,
+/// 16000 at 8).
+pub fn code_bias(bits: u32, dtype: ScaleDType) -> f32 {
+    match (bits, dtype) {
+        (4, _) => 64.0,
+        (8, ScaleDType::Fp16) => 1024.0,
+        _ => 0.0,
     }
 }
 
 /// The stored scale and (biased, [`code_bias`]) zero of a group with range `[mn, mx]`.
 pub fn biased_step(bits: u32, mn: f32, mx: f32, dtype: ScaleDType) -> IntStep {
     let s = int_step(bits, mn, mx, dtype);
+    let bias = code_bias(bits, dtype);
+    if bias == 0.0 {
+        return s;
+    }
     // bias·scale is exact (a power of two times the scale).
-    IntStep { scale: s.scale, zero: round_scale(dtype, mn - code_bias(bits) * s.scale) }
+    IntStep { scale: s.scale, zero: round_scale(dtype, mn - bias * s.scale) }
 }
 
 /// The grid a group's codes are rounded on: the stored step with the effective zero
 /// `z̃ + bias·scale` (f32, as the encode kernel computes it). Use it for [`int_code`] and
 /// [`int_error_bound`]; [`biased_dequant`] decodes from the stored step.
-pub fn code_grid(bits: u32, stored: IntStep) -> IntStep {
-    IntStep { scale: stored.scale, zero: stored.zero + code_bias(bits) * stored.scale }
+pub fn code_grid(bits: u32, dtype: ScaleDType, stored: IntStep) -> IntStep {
+    let bias = code_bias(bits, dtype);
+    if bias == 0.0 {
+        return stored;
+    }
+    IntStep { scale: stored.scale, zero: stored.zero + bias * stored.scale }
 }
 
 /// Worst-case |x − x̂| of a group with range `[mn, mx]` and stored step: the
 /// [`int_error_bound`] of its grid ([`code_grid`]) plus the f32 rounding of the effective zero
 /// (the grid's zero against the exact `z̃ + bias·scale` that [`biased_dequant`] decodes with).
-pub fn biased_error_bound(bits: u32, mn: f32, mx: f32, stored: IntStep) -> f64 {
-    let grid = code_grid(bits, stored);
-    let exact = f64::from(stored.zero) + f64::from(code_bias(bits)) * f64::from(stored.scale);
+pub fn biased_error_bound(bits: u32, dtype: ScaleDType, mn: f32, mx: f32, stored: IntStep) -> f64 {
+    let grid = code_grid(bits, dtype, stored);
+    let exact = f64::from(stored.zero) + f64::from(code_bias(bits, dtype)) * f64::from(stored.scale);
     int_error_bound(bits, mn, mx, grid) + (f64::from(grid.zero) - exact).abs()
 }
 
 /// Decoded value of `code` with the stored step, in f64: `(code + bias)·scale + z̃`, exact.
-pub fn biased_dequant(bits: u32, code: u8, stored: IntStep) -> f64 {
-    (f64::from(code) + f64::from(code_bias(bits))) * f64::from(stored.scale) + f64::from(stored.zero)
+pub fn biased_dequant(bits: u32, dtype: ScaleDType, code: u8, stored: IntStep) -> f64 {
+    (f64::from(code) + f64::from(code_bias(bits, dtype))) * f64::from(stored.scale) + f64::from(stored.zero)
 }
 
 /// Writes `x` as the scale dtype, little endian.
@@ -200,7 +212,7 @@ pub fn encode_keys(bits: u32, block: usize, dtype: ScaleDType, d: usize, tokens:
             let i = b * d + c;
             store_scale(dtype, step.scale, &mut out.scale[i * sb..(i + 1) * sb]);
             store_scale(dtype, step.zero, &mut out.zero[i * sb..(i + 1) * sb]);
-            let grid = code_grid(bits, step);
+            let grid = code_grid(bits, dtype, step);
             for t in 0..block {
                 all[(b * block + t) * d + c] = int_code(bits, at(t), grid);
             }
@@ -222,7 +234,7 @@ pub fn decode_keys(bits: u32, block: usize, dtype: ScaleDType, d: usize, tokens:
         for c in 0..d {
             let i = (t / block) * d + c;
             let step = IntStep { scale: load_scale(dtype, scale, i), zero: load_scale(dtype, zero, i) };
-            k.push(biased_dequant(bits, unpack_key_code(bits, r, c), step));
+            k.push(biased_dequant(bits, dtype, unpack_key_code(bits, r, c), step));
         }
     }
     k
@@ -245,7 +257,7 @@ pub fn encode_values(bits: u32, group: usize, dtype: ScaleDType, d: usize, token
             let i = t * groups + j;
             store_scale(dtype, step.scale, &mut out.scale[i * sb..(i + 1) * sb]);
             store_scale(dtype, step.zero, &mut out.zero[i * sb..(i + 1) * sb]);
-            let grid = code_grid(bits, step);
+            let grid = code_grid(bits, dtype, step);
             for (c, &x) in xs.iter().enumerate() {
                 codes[j * group + c] = int_code(bits, x, grid);
             }
@@ -266,7 +278,7 @@ pub fn decode_values(bits: u32, group: usize, dtype: ScaleDType, d: usize, token
         for c in 0..d {
             let i = t * groups + c / group;
             let step = IntStep { scale: load_scale(dtype, scale, i), zero: load_scale(dtype, zero, i) };
-            v.push(biased_dequant(bits, unpack_code(bits, r, c), step));
+            v.push(biased_dequant(bits, dtype, unpack_code(bits, r, c), step));
         }
     }
     v
