@@ -351,8 +351,10 @@ struct IntKey {
   // the same bit of a word's two halves (key_slot), one LOP3 puts them into the halves'
   // mantissas (adjacent_pairs; nibbles 2 and 3 of the halves after one shift by 8 per word);
   // 8 and 2 bits: they lie in one code byte (two for 8 bits), one PRMT puts them there. The
-  // pair's (scale, zero) are the u32s as they lie in memory. The plain 4-bit order (a pair in
-  // one byte) took a PRMT per pair: 64 → 52 instructions per octet and lane. The order with codes 4
+  // pair's (scale, zero) are the u32s as they lie in memory. With the biased zero
+  // (code_bias) a pair is then that one LOP3 or PRMT and one HFMA2. The plain 4-bit order (a
+  // pair in one byte) and the unbiased zero took a PRMT, a LOP3, an HSUB2 and an HFMA2 per
+  // pair: int4 keys 64 → 44 instructions per octet and lane, int8 48 → 32. The order with codes 4
   // (16 / bits) channels apart took a shift per pair and a PRMT per scale pair and per zero
   // pair: 92 → 64 instructions per octet and lane for int4 keys. Dequantising the 8 tokens a
   // warp scores costs fewer instructions than folding the block's scales into its query (the
