@@ -10,6 +10,10 @@
 //! x̂       = code · scale_s + zero_s
 //! ```
 //!
+//! As stored (layout version 2), 4-bit groups and 8-bit groups with fp16 scales keep a
+//! *biased* zero and their codes are rounded on the grid it implies: see [`code_bias`],
+//! [`biased_step`], [`code_grid`], [`biased_dequant`]. The formulas above are the unbiased case.
+//!
 //! **Arithmetic.** Encoding runs in f32, operation for operation as the CUDA encode kernel
 //! does (`(mx - mn) / qmax`, `(x - zero) / scale`, `floorf(c + 0.5f)`), so that CPU and GPU
 //! store the same scale, zero and code bytes. The codes are then computed with the *stored*
