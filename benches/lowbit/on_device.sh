@@ -9,7 +9,7 @@
 # The kernels are JIT-compiled from the headers each binary embeds (separate NVRTC caches).
 #
 # phases:
-#   selftest  kvforge-new precompile (sm_90, every core: fills the NVRTC cache, $OUT/precompile-new.json
+#   selftest  kvforge-new precompile --strict (sm_90, every core: fills the NVRTC cache, $OUT/precompile-new.json
 #             has registers and spills), then kvforge-new selftest on $LOWBIT_SELFTEST_SPECS
 #             (default specs/rdkv.toml specs/trizone.toml specs/certified.toml: every spec with
 #             integer codes, whose 4-bit layout changed in KVF2; every decode variant against
@@ -52,7 +52,7 @@ for ph in "${PHASES[@]}"; do
     selftest)
       # selftest compiles variant after variant; precompile fills the NVRTC cache on every core
       # first (and reports registers and spills of every kernel).
-      timeout ${LOWBIT_PRECOMPILE_TIMEOUT:-120} bash -c "KVFORGE_CACHE_DIR=/tmp/kvc-lowbit-new .bin-lowbit/kvforge-new precompile --arch sm_90 --report $OUT/precompile-new.json $SPECS" \
+      timeout ${LOWBIT_PRECOMPILE_TIMEOUT:-120} bash -c "KVFORGE_CACHE_DIR=/tmp/kvc-lowbit-new .bin-lowbit/kvforge-new precompile --arch sm_90 --strict --report $OUT/precompile-new.json $SPECS" \
         > "$OUT/precompile-new.log" 2>&1
       echo "precompile rc=$? ($(( $(date +%s) - T0 )) s)"; tail -3 "$OUT/precompile-new.log"
       timeout ${LOWBIT_SELFTEST_TIMEOUT:-170} bash -c "KVFORGE_CACHE_DIR=/tmp/kvc-lowbit-new .bin-lowbit/kvforge-new selftest ${LOWBIT_SELFTEST_FILTER:+--filter $LOWBIT_SELFTEST_FILTER} $SPECS --json $OUT/selftest-new.json" \
