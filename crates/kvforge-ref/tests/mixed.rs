@@ -58,7 +58,7 @@ proptest! {
                         0 => prop_assert_eq!(y, 0.0, "dropped channel {} decodes to 0", c),
                         16 => prop_assert_eq!(y, f64::from(f16::from_f32(k[t * d + c]).to_f32())),
                         bits => {
-                            let bound = quant::biased_error_bound(bits, scale, mn, mx, quant::biased_step(bits, mn, mx, scale));
+                            let bound = quant::biased_error_bound(bits, quant::key_bias(bits, scale), mn, mx, quant::biased_step(bits, quant::key_bias(bits, scale), mn, mx, scale));
                             prop_assert!((x - y).abs() <= bound, "channel {} ({} bits) token {}: |{} - {}| > {}", c, bits, t, x, y, bound);
                         }
                     }

@@ -85,8 +85,9 @@ fn sequences_page_into_full_pages_and_a_tail() {
                 }
                 let page = t / p;
                 let (mn, mx) = min_max((0..p).map(|u| k[(page * p + u) * d + c]));
-                let step = quant::biased_step(bits, mn, mx, ScaleDType::Fp16);
-                assert!((x - kh[t * d + c]).abs() <= quant::biased_error_bound(bits, ScaleDType::Fp16, mn, mx, step));
+                let bias = quant::key_bias(bits, ScaleDType::Fp16);
+                let step = quant::biased_step(bits, bias, mn, mx, ScaleDType::Fp16);
+                assert!((x - kh[t * d + c]).abs() <= quant::biased_error_bound(bits, bias, mn, mx, step));
             }
         }
     }

@@ -43,8 +43,9 @@ proptest! {
             for c in 0..d {
                 let (mn, mx) = min_max((0..block).map(|t| k[(b * block + t) * d + c]));
                 let step = step_at(&lay, &seg, "k_scale", "k_zero", dt, b * d + c);
-                prop_assert_eq!(step, kvforge_ref::quant::biased_step(kbits, mn, mx, dt), "stored step of block {} channel {}", b, c);
-                let bound = kvforge_ref::quant::biased_error_bound(kbits, dt, mn, mx, step);
+                let bias = kvforge_ref::quant::key_bias(kbits, dt);
+                prop_assert_eq!(step, kvforge_ref::quant::biased_step(kbits, bias, mn, mx, dt), "stored step of block {} channel {}", b, c);
+                let bound = kvforge_ref::quant::biased_error_bound(kbits, bias, mn, mx, step);
                 for t in b * block..(b + 1) * block {
                     let e = (f64::from(k[t * d + c]) - kh[t * d + c]).abs();
                     prop_assert!(e <= bound, "token {} channel {}: error {} > bound {} (step {:?}, mn {}, mx {})", t, c, e, bound, step, mn, mx);
@@ -69,8 +70,9 @@ proptest! {
                 let xs = &v[t * d + j * group..t * d + (j + 1) * group];
                 let (mn, mx) = min_max(xs.iter().copied());
                 let step = step_at(&lay, &seg, "v_scale", "v_zero", dt, t * groups + j);
-                prop_assert_eq!(step, kvforge_ref::quant::biased_step(vbits, mn, mx, dt));
-                let bound = kvforge_ref::quant::biased_error_bound(vbits, dt, mn, mx, step);
+                let bias = kvforge_ref::quant::value_bias(vbits, dt);
+                prop_assert_eq!(step, kvforge_ref::quant::biased_step(vbits, bias, mn, mx, dt));
+                let bound = kvforge_ref::quant::biased_error_bound(vbits, bias, mn, mx, step);
                 for c in 0..group {
                     let e = (f64::from(xs[c]) - vh[t * d + j * group + c]).abs();
                     prop_assert!(e <= bound, "token {} group {}: error {} > bound {}", t, j, e, bound);

@@ -8,8 +8,8 @@ use crate::spec::Tier;
 /// Bytes of the fixed page header.
 pub const HEADER_BYTES: usize = 16;
 /// `"KVF2"` read as a little-endian u32. The digit is the layout version: 2 stores 4-bit integer
-/// key codes in the key order (`codecs::bits::key_code_slot`) and the zeros of 4-bit and
-/// fp16-scaled 8-bit integer codes biased (`codecs::int::reference::code_bias`); 1 had both plain.
+/// key codes in the key order (`codecs::bits::key_code_slot`) and the zeros of 4-bit integer codes
+/// and fp16-scaled 8-bit value codes biased (`codecs::int::reference::key_bias`, `value_bias`); 1 had both plain.
 pub const PAGE_MAGIC: u32 = u32::from_le_bytes(*b"KVF2");
 
 /// The fixed page header: `magic u32 | tier u8 | flags u8 | reserved u16 | length u32 |

@@ -25,7 +25,7 @@ const U64: f64 = 1.0 / (1u64 << 53) as f64;
 /// [`crate::quant::encode_keys`] (`bits`-bit codes):
 ///
 /// ```text
-/// e = σ·(1/2 + 4u₃₂(qmax + 2)) + 4u₆₄·(|z| + (qmax + bias)·σ)      bias: quant::code_bias
+/// e = σ·(1/2 + 4u₃₂(qmax + 2)) + 4u₆₄·(|z| + (qmax + bias)·σ)      bias: quant::key_bias
 /// ```
 ///
 /// The first term is [`crate::quant::int_error_bound`]'s in-grid case (f32 rounding of the
@@ -37,9 +37,9 @@ pub fn key_channel_error_bound(bits: u32, step: IntStep) -> f64 {
     let q = f64::from(qmax(bits));
     // |σ|: a corrupted (negative) scale must not shrink the bound below zero.
     let (s, z) = (f64::from(step.scale).abs(), f64::from(step.zero));
-    // 4-bit keys decode as (code + bias)·σ + z̃ (biased zero, `quant::code_bias`; certified
+    // 4-bit keys decode as (code + bias)·σ + z̃ (biased zero, `quant::key_bias`; certified
     // keys have fp32 scales).
-    let b = f64::from(crate::quant::code_bias(bits, kvforge_spec::ScaleDType::Fp32));
+    let b = f64::from(crate::quant::key_bias(bits, kvforge_spec::ScaleDType::Fp32));
     s * (0.5 + 4.0 * U32 * (q + 2.0)) + 4.0 * U64 * (z.abs() + (q + b) * s)
 }
 

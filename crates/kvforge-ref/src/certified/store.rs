@@ -180,7 +180,7 @@ impl CertifiedHead {
         let row = code_row_bytes(d, f.key_bits);
         let mut k = Vec::with_capacity(f.block * d);
         for r in key.codes.chunks_exact(row) {
-            k.extend(steps.iter().enumerate().map(|(c, &s)| quant::biased_dequant(f.key_bits, ScaleDType::Fp32, unpack_key_code(f.key_bits, r, c), s)));
+            k.extend(steps.iter().enumerate().map(|(c, &s)| quant::biased_dequant(quant::key_bias(f.key_bits, ScaleDType::Fp32), unpack_key_code(f.key_bits, r, c), s)));
         }
         k
     }
@@ -220,7 +220,7 @@ fn decode_values(f: &CertFormat, d: usize, value: &IntArrays) -> Vec<f64> {
         for j in 0..d / g {
             let i = t * (d / g) + j;
             let s = IntStep { scale: load_scale(f.value_scale, &value.scale, i), zero: load_scale(f.value_scale, &value.zero, i) };
-            v.extend((j * g..(j + 1) * g).map(|c| quant::biased_dequant(f.value_bits, f.value_scale, unpack_code(f.value_bits, r, c), s)));
+            v.extend((j * g..(j + 1) * g).map(|c| quant::biased_dequant(quant::value_bias(f.value_bits, f.value_scale), unpack_code(f.value_bits, r, c), s)));
         }
     }
     v

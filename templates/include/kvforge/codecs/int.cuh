@@ -29,17 +29,23 @@ __host__ __device__ constexpr int key_channel(int s) {
   return BITS == 4 ? (s & ~7) | ((s & 3) << 1) | ((s & 7) >> 2) : s;
 }
 static_assert(key_slot<4>(1) == 4 && key_slot<4>(6) == 3 && key_channel<4>(key_slot<4>(13)) == 13, "4-bit key code order");
-// Code bias B of integer codes (keys and values, kvforge-spec int::reference::code_bias):
+// Code bias B of integer codes (kvforge-spec int::reference::value_bias / key_bias):
 // groups with a bias store the *biased* zero z̃ = zero − B·scale (rounded to the scale dtype)
 // and decode as x̂ = (code + B)·scale + z̃, exactly (in f64; one HFMA2 rounds it once). B + code
 // is what one LOP3 (4 bits, B = 64: a code at mantissa bits 4-7 with the exponent of 64) or
 // one PRMT (8 bits with fp16 scales, B = 1024: a code byte beside the exponent byte 0x64)
 // makes of a code, so the tensor-core paths dequantise a pair with it and one HFMA2, without
 // the HSUB2 that took the magic off. The encoders code on the effective zero z̃ + B·scale.
-// 2 bits and 8 bits with fp32 scales (the certified keys): no bias.
+// 2 bits and 8 bits with fp32 scales: no bias; keys are biased at 4 bits only (key_bias).
 template <int BITS, class S>
-__host__ __device__ constexpr float code_bias() {
+__host__ __device__ constexpr float value_bias() {
   return BITS == 4 ? 64.f : BITS == 8 && sizeof(S) == 2 ? 1024.f : 0.f;
+}
+// Keys: 4 bits only (biasing 8-bit keys as well pushed the tracked entry of a multi-tier rdkv
+// decode variant, d 128 gqa 3, past its 128 registers: 8 bytes of spill).
+template <int BITS, class S>
+__host__ __device__ constexpr float key_bias() {
+  return BITS == 4 ? 64.f : 0.f;
 }
 
 // Packs the codes of channels [byte*PER, byte*PER + PER) of one row into one byte.
@@ -67,7 +73,7 @@ __device__ __forceinline__ int quantize(float x, float scale, float zero) {
 template <int BITS, int BLOCK, class S, int N, int P, int OFF_CODES, int OFF_SCALE, int OFF_ZERO>
 struct ChannelCodes {
   static constexpr int NBLK = P / BLOCK, ROW = N * BITS / 8;
-  static constexpr float BIAS = code_bias<BITS, S>();
+  static constexpr float BIAS = key_bias<BITS, S>();
   __device__ __forceinline__ static float dequant(const u8* seg, int t, int c) {
     const int b = t / BLOCK;
     const float code = float(code_at<BITS>(seg + OFF_CODES + t * ROW, key_slot<BITS>(c)));
@@ -244,7 +250,7 @@ struct IntKey {
       for (unsigned k = 0; k < CPP; k += 2) {
         const float2 qv = *reinterpret_cast<const float2*>(q_s + h * D + c + k);
         const float2 sv = make_float2(to_float(scale[blk * D + c + k]), to_float(scale[blk * D + c + k + 1]));
-        constexpr float BIAS = code_bias<BITS, S>();  // the effective zero z̃ + bias·scale
+        constexpr float BIAS = key_bias<BITS, S>();  // the effective zero z̃ + bias·scale
         float2 zv = make_float2(to_float(zero[blk * D + c + k]), to_float(zero[blk * D + c + k + 1]));
         if constexpr (BIAS != 0.f) { zv.x += BIAS * sv.x; zv.y += BIAS * sv.y; }
         z = fmaf(qv.x, zv.x, z);
@@ -314,7 +320,7 @@ struct IntKey {
         load_floats<S, CPT>(seg + OFF_SCALE + (blk * D + c0) * int(sizeof(S)), sv);
         load_floats<S, CPT>(seg + OFF_ZERO + (blk * D + c0) * int(sizeof(S)), zv);
 #pragma unroll
-        for (int i = 0; i < CPT; ++i) z = fmaf(qv[i], code_bias<BITS, S>() != 0.f ? zv[i] + code_bias<BITS, S>() * sv[i] : zv[i], z);
+        for (int i = 0; i < CPT; ++i) z = fmaf(qv[i], key_bias<BITS, S>() != 0.f ? zv[i] + key_bias<BITS, S>() * sv[i] : zv[i], z);
 #pragma unroll
         for (int e = 0; e < NPAIR; ++e) {
           const int ca = M::pair_lo(e), cb = M::pair_hi(e);
@@ -352,9 +358,9 @@ struct IntKey {
   // mantissas (adjacent_pairs; nibbles 2 and 3 of the halves after one shift by 8 per word);
   // 8 and 2 bits: they lie in one code byte (two for 8 bits), one PRMT puts them there. The
   // pair's (scale, zero) are the u32s as they lie in memory. With the biased zero
-  // (code_bias) a pair is then that one LOP3 or PRMT and one HFMA2. The plain 4-bit order (a
+  // (key_bias, 4 bits) a pair is then that one LOP3 and one HFMA2. The plain 4-bit order (a
   // pair in one byte) and the unbiased zero took a PRMT, a LOP3, an HSUB2 and an HFMA2 per
-  // pair: int4 keys 64 → 44 instructions per octet and lane, int8 48 → 32. The order with codes 4
+  // pair: int4 keys 64 → 44 instructions per octet and lane. The order with codes 4
   // (16 / bits) channels apart took a shift per pair and a PRMT per scale pair and per zero
   // pair: 92 → 64 instructions per octet and lane for int4 keys. Dequantising the 8 tokens a
   // warp scores costs fewer instructions than folding the block's scales into its query (the
@@ -381,17 +387,16 @@ struct IntKey {
     }
     __device__ __forceinline__ void operator()(const u8* seg, int t, int qd, u32 (&b)[NPAIR]) {
       static_assert(WARP && 2 * NPAIR * BITS / 8 >= 4, "whole code words per slice");
-      // Biased codes (code_bias: 4 bits, 8 bits with fp16 scales): the pairs are B + code, and
-      // z the biased zero.
+      // Biased codes (key_bias: 4 bits): the pairs are 64 + code, and z the biased zero.
       adjacent_pairs<NPAIR>(seg + OFF_CODES + t * ROW + qd * 2 * NPAIR * BITS / 8, b);
 #pragma unroll
       for (int e = 0; e < NPAIR; ++e) b[e] = h2_fma(b[e], s[e], z[e]);
     }
   };
   // The codes of channels 2e, 2e + 1 of a row slice as exact fp16 pairs. 8 bits: the two code
-  // bytes beside the exponent byte 0x64 (1024 + c, left biased with fp16 scales). 4 bits (key_slot order): pair e of a word
+  // bytes beside the exponent byte 0x64 (1024 + c, less the magic). 4 bits (key_slot order): pair e of a word
   // at nibble e of both halves, moved to mantissa bits 4-7 (a shift by 4 left, none, 4 right
-  // or 8 right) and left biased, 64 + c (code_bias: the biased zero takes the 64 off).
+  // or 8 right) and left biased, 64 + c (key_bias: the biased zero takes the 64 off).
   // 2 bits: one byte holds two pairs; its four codes sit at bits 8-9 (4 + c) and 2-3 (256 + c)
   // for pair 2j, at 4-5 (64 + c) and 6-7 (16 + c) for pair 2j + 1. HSUB2 of the magic leaves
   // the codes.
@@ -404,7 +409,7 @@ struct IntKey {
     for (int e = 0; e < N; ++e) {
       if constexpr (BITS == 8) {
         const u32 x = __byte_perm(w[e / 2], 0x64646464u, (e & 1) ? 0x4342 : 0x4140);  // 1024 + c
-        out[e] = code_bias<BITS, S>() != 0.f ? x : h2_unbias(x, 0x64006400u);
+        out[e] = key_bias<BITS, S>() != 0.f ? x : h2_unbias(x, 0x64006400u);
       } else if constexpr (BITS == 4) {
         const u32 v = w[e / 4];
         const u32 x = e % 4 == 0 ? v << 4 : e % 4 == 1 ? v : e % 4 == 2 ? v >> 4 : v >> 8;
@@ -462,14 +467,14 @@ struct IntValue {
   static constexpr int ROW = D * BITS / 8;
   static constexpr int NGRP = D / GROUP;
   static constexpr bool BF16 = false;
-  static constexpr float BIAS = code_bias<BITS, S>();
+  static constexpr float BIAS = value_bias<BITS, S>();
 
   // Transposed fp16 pairs for tensor-core value accumulation (see DenseValue::token_pairs):
   // out[k] = (v̂[ta][c0 + k], v̂[tb][c0 + k]), the N channels inside one value group. The codes
   // of the two tokens are interleaved by one PRMT per 16-bit chunk, each pair is pulled out by
   // one LOP3 as (M + c, M + c'), and one HSUB2 + one HFMA2 with the two tokens' (scale,
   // zero) pairs give code · scale + zero rounded once to fp16. 4 bits store the zero biased
-  // (code_bias), so that the LOP3's 64 + c goes straight into the HFMA2 (no HSUB2), exact;
+  // (value_bias), so that the LOP3's 64 + c goes straight into the HFMA2 (no HSUB2), exact;
   // folding the bias into the zero in the kernel (zero − bias · scale rounded to fp16) had
   // rounded that term, and rdkv int2 then missed the 2^-10 reference tolerance. The per-warp layout needs the
   // channels of a lane (head_dim / 8) inside one group.
@@ -500,7 +505,7 @@ struct IntValue {
     for (int ci = 0; ci < N / CCV; ++ci) {
       const u32 x = __byte_perm(wa[ci / 2], wb[ci / 2], (ci & 1) ? 0x7632 : 0x5410);
       if constexpr (BITS == 4) {
-        // Biased codes (code_bias): each code moved to mantissa bits 4-7 (a shift by 4 left,
+        // Biased codes (value_bias): each code moved to mantissa bits 4-7 (a shift by 4 left,
         // none, 4 right, 8 right), 64 + code after one LOP3, and the biased zero takes the 64
         // off in the HFMA2.
 #pragma unroll
@@ -518,7 +523,7 @@ struct IntValue {
           constexpr int PER_BYTE = 8 / BITS > 0 ? 8 / BITS : 1;
           const int pos = (k % PER_BYTE) * BITS;
           const u32 magic = u32(25 - pos) << 10 | u32(25 - pos) << 26;
-          // 8 bits with fp16 scales: biased (code_bias), 1024 + c goes into the HFMA2 as it is.
+          // 8 bits with fp16 scales: biased (value_bias), 1024 + c goes into the HFMA2 as it is.
           const u32 xk = k < PER_BYTE ? x : xh;
           out[ci * CCV + k] = h2_fma(BIAS != 0.f ? h2_biased(xk, MASK << pos, magic) : h2_codes(xk, MASK << pos, magic), s2, z2);
         }
@@ -573,7 +578,7 @@ struct IntValue {
       lanes_minmax<L>(mn, mx);
       if (!on) return;
       const S s_st = from_float<S>((mx - mn) / float((1 << BITS) - 1));
-      const S z_st = from_float<S>(BIAS == 0.f ? mn : mn - BIAS * to_float(s_st));  // biased zero (code_bias)
+      const S z_st = from_float<S>(BIAS == 0.f ? mn : mn - BIAS * to_float(s_st));  // biased zero (value_bias)
       const int t = s.t0 + tt;
       if (lane == 0) {
         reinterpret_cast<S*>(seg + OFF_SCALE)[t * NGRP + grp] = s_st;

@@ -11,7 +11,7 @@
 //! ```
 //!
 //! As stored (layout version 2), 4-bit groups and 8-bit groups with fp16 scales keep a
-//! *biased* zero and their codes are rounded on the grid it implies: see [`code_bias`],
+//! *biased* zero and their codes are rounded on the grid it implies: see [`value_bias`] / [`key_bias`],
 //! [`biased_step`], [`code_grid`], [`biased_dequant`]. The formulas above are the unbiased case.
 //!
 //! **Arithmetic.** Encoding runs in f32, operation for operation as the CUDA encode kernel
@@ -102,18 +102,17 @@ pub fn int_error_bound(bits: u32, mn: f32, mx: f32, step: IntStep) -> f64 {
     inside.max(below).max(above) + 4.0 * U64 * magnitude
 }
 
-/// Code bias of integer codes, keys and values: groups with a bias B store the *biased* zero
+/// Code bias of per-token value codes: groups with a bias B store the *biased* zero
 /// `z̃ = S(zero − B·scale)` and decode as `x̂ = (code + B)·scale + z̃`, exactly. B + code is what
 /// one LOP3 (4 bits: a code at fp16 mantissa bits 4-7 with the exponent of 64) or one PRMT
 /// (8 bits: a code byte beside the exponent byte of 1024) makes of a code, so the per-warp
 /// decode dequantises a pair with that one instruction and one HFMA2, without an HSUB2
-/// (`templates/include/kvforge/codecs/int.cuh`, `code_bias`). B = 64 for 4 bits, 1024 for 8 bits
-/// with fp16 scales, 0 otherwise (2 bits; 8 bits with fp32 scales, the certified tiers' keys,
-/// whose bounds read the zero as the block minimum). The effective zero `z̃ + B·scale` is within
+/// (`templates/include/kvforge/codecs/int.cuh`, `value_bias`). B = 64 for 4 bits, 1024 for 8 bits
+/// with fp16 scales, 0 otherwise (2 bits, 8 bits with fp32 scales). Keys: [`key_bias`]. The effective zero `z̃ + B·scale` is within
 /// half an ulp of `B·scale` of the group minimum (at most scale/2 for 8 bits, scale/32 for 4);
 /// `B·scale` must stay below 65504 for fp16 scales (a group range below about 15000 at 4 bits,
 /// 16000 at 8).
-pub fn code_bias(bits: u32, dtype: ScaleDType) -> f32 {
+pub fn value_bias(bits: u32, dtype: ScaleDType) -> f32 {
     match (bits, dtype) {
         (4, _) => 64.0,
         (8, ScaleDType::Fp16) => 1024.0,
@@ -121,10 +120,20 @@ pub fn code_bias(bits: u32, dtype: ScaleDType) -> f32 {
     }
 }
 
-/// The stored scale and (biased, [`code_bias`]) zero of a group with range `[mn, mx]`.
-pub fn biased_step(bits: u32, mn: f32, mx: f32, dtype: ScaleDType) -> IntStep {
+/// Code bias of per-channel key codes: 64 for 4 bits, 0 otherwise (see [`value_bias`]; 8-bit
+/// keys stay unbiased: biasing them too pushed a tracked multi-tier decode entry past its
+/// register cap).
+pub fn key_bias(bits: u32, _dtype: ScaleDType) -> f32 {
+    if bits == 4 {
+        64.0
+    } else {
+        0.0
+    }
+}
+
+/// The stored scale and (biased, [`value_bias`] / [`key_bias`]) zero of a group with range `[mn, mx]`.
+pub fn biased_step(bits: u32, bias: f32, mn: f32, mx: f32, dtype: ScaleDType) -> IntStep {
     let s = int_step(bits, mn, mx, dtype);
-    let bias = code_bias(bits, dtype);
     if bias == 0.0 {
         return s;
     }
@@ -135,8 +144,7 @@ pub fn biased_step(bits: u32, mn: f32, mx: f32, dtype: ScaleDType) -> IntStep {
 /// The grid a group's codes are rounded on: the stored step with the effective zero
 /// `z̃ + bias·scale` (f32, as the encode kernel computes it). Use it for [`int_code`] and
 /// [`int_error_bound`]; [`biased_dequant`] decodes from the stored step.
-pub fn code_grid(bits: u32, dtype: ScaleDType, stored: IntStep) -> IntStep {
-    let bias = code_bias(bits, dtype);
+pub fn code_grid(bias: f32, stored: IntStep) -> IntStep {
     if bias == 0.0 {
         return stored;
     }
@@ -146,15 +154,15 @@ pub fn code_grid(bits: u32, dtype: ScaleDType, stored: IntStep) -> IntStep {
 /// Worst-case |x − x̂| of a group with range `[mn, mx]` and stored step: the
 /// [`int_error_bound`] of its grid ([`code_grid`]) plus the f32 rounding of the effective zero
 /// (the grid's zero against the exact `z̃ + bias·scale` that [`biased_dequant`] decodes with).
-pub fn biased_error_bound(bits: u32, dtype: ScaleDType, mn: f32, mx: f32, stored: IntStep) -> f64 {
-    let grid = code_grid(bits, dtype, stored);
-    let exact = f64::from(stored.zero) + f64::from(code_bias(bits, dtype)) * f64::from(stored.scale);
+pub fn biased_error_bound(bits: u32, bias: f32, mn: f32, mx: f32, stored: IntStep) -> f64 {
+    let grid = code_grid(bias, stored);
+    let exact = f64::from(stored.zero) + f64::from(bias) * f64::from(stored.scale);
     int_error_bound(bits, mn, mx, grid) + (f64::from(grid.zero) - exact).abs()
 }
 
 /// Decoded value of `code` with the stored step, in f64: `(code + bias)·scale + z̃`, exact.
-pub fn biased_dequant(bits: u32, dtype: ScaleDType, code: u8, stored: IntStep) -> f64 {
-    (f64::from(code) + f64::from(code_bias(bits, dtype))) * f64::from(stored.scale) + f64::from(stored.zero)
+pub fn biased_dequant(bias: f32, code: u8, stored: IntStep) -> f64 {
+    (f64::from(code) + f64::from(bias)) * f64::from(stored.scale) + f64::from(stored.zero)
 }
 
 /// Writes `x` as the scale dtype, little endian.
@@ -212,11 +220,11 @@ pub fn encode_keys(bits: u32, block: usize, dtype: ScaleDType, d: usize, tokens:
         for c in 0..d {
             let at = |t: usize| k[(b * block + t) * d + c];
             let (mn, mx) = min_max((0..block).map(at));
-            let step = biased_step(bits, mn, mx, dtype);
+            let step = biased_step(bits, key_bias(bits, dtype), mn, mx, dtype);
             let i = b * d + c;
             store_scale(dtype, step.scale, &mut out.scale[i * sb..(i + 1) * sb]);
             store_scale(dtype, step.zero, &mut out.zero[i * sb..(i + 1) * sb]);
-            let grid = code_grid(bits, dtype, step);
+            let grid = code_grid(key_bias(bits, dtype), step);
             for t in 0..block {
                 all[(b * block + t) * d + c] = int_code(bits, at(t), grid);
             }
@@ -238,7 +246,7 @@ pub fn decode_keys(bits: u32, block: usize, dtype: ScaleDType, d: usize, tokens:
         for c in 0..d {
             let i = (t / block) * d + c;
             let step = IntStep { scale: load_scale(dtype, scale, i), zero: load_scale(dtype, zero, i) };
-            k.push(biased_dequant(bits, dtype, unpack_key_code(bits, r, c), step));
+            k.push(biased_dequant(key_bias(bits, dtype), unpack_key_code(bits, r, c), step));
         }
     }
     k
@@ -257,11 +265,11 @@ pub fn encode_values(bits: u32, group: usize, dtype: ScaleDType, d: usize, token
         for j in 0..groups {
             let xs = &v[t * d + j * group..t * d + (j + 1) * group];
             let (mn, mx) = min_max(xs.iter().copied());
-            let step = biased_step(bits, mn, mx, dtype);
+            let step = biased_step(bits, value_bias(bits, dtype), mn, mx, dtype);
             let i = t * groups + j;
             store_scale(dtype, step.scale, &mut out.scale[i * sb..(i + 1) * sb]);
             store_scale(dtype, step.zero, &mut out.zero[i * sb..(i + 1) * sb]);
-            let grid = code_grid(bits, dtype, step);
+            let grid = code_grid(value_bias(bits, dtype), step);
             for (c, &x) in xs.iter().enumerate() {
                 codes[j * group + c] = int_code(bits, x, grid);
             }
@@ -282,7 +290,7 @@ pub fn decode_values(bits: u32, group: usize, dtype: ScaleDType, d: usize, token
         for c in 0..d {
             let i = t * groups + c / group;
             let step = IntStep { scale: load_scale(dtype, scale, i), zero: load_scale(dtype, zero, i) };
-            v.push(biased_dequant(bits, dtype, unpack_code(bits, r, c), step));
+            v.push(biased_dequant(value_bias(bits, dtype), unpack_code(bits, r, c), step));
         }
     }
     v
