@@ -10,7 +10,7 @@
 //! x̂       = code · scale_s + zero_s
 //! ```
 //!
-//! As stored (layout version 2), 4-bit groups and 8-bit groups with fp16 scales keep a
+//! As stored (layout version 2), 4-bit groups and 8-bit value groups with fp16 scales keep a
 //! *biased* zero and their codes are rounded on the grid it implies: see [`value_bias`] / [`key_bias`],
 //! [`biased_step`], [`code_grid`], [`biased_dequant`]. The formulas above are the unbiased case.
 //!
