@@ -1,24 +1,29 @@
 #!/usr/bin/env bash
-# Issue 25 / 26 A/B of the low-bit per-warp decode (docs/perf/NOTES.md v13), on the GPU machine.
+# Issue 25 / 26 A/B of the low-bit per-warp decode (docs/perf/NOTES.md v13, v14: the KVF2 integer layout), on the GPU machine.
 #
 #   bash benches/lowbit/on_device.sh [phase ...]        (default: selftest bench ncu)
 #
 # Binaries (built on the dev machine, stripped, carried in .bin-lowbit/):
 #   .bin-lowbit/kvforge-new  this branch's `cargo build --release -p kvforge`
-#   .bin-lowbit/kvforge-old  the same built from main at e5cf01c
+#   .bin-lowbit/kvforge-old  the same built from main's HEAD (the baseline of the A/B)
 # The kernels are JIT-compiled from the headers each binary embeds (separate NVRTC caches).
 #
 # phases:
-#   selftest  kvforge-new precompile (sm_90, every core: fills the NVRTC cache, $OUT/precompile-new.json
-#             has registers and spills), then kvforge-new selftest on specs/rdkv.toml and
-#             specs/rotated.toml (every decode variant of both against the f64 reference):
-#             $OUT/selftest-new.json, .log
+#   selftest  kvforge-new precompile --strict (sm_90, every core: fills the NVRTC cache, $OUT/precompile-new.json
+#             has registers and spills), then kvforge-new selftest on $LOWBIT_SELFTEST_SPECS
+#             (default specs/rdkv.toml specs/trizone.toml specs/certified.toml: every spec with
+#             integer codes, whose 4-bit layout changed in KVF2; every decode variant against
+#             the f64 reference): $OUT/selftest-new.json, .log
 #   bench     kvforge bench of rdkv b8/b4/b2 and rotated r4/r3/r2 at 128K x 64, 128K x 1, 32K x 8,
 #             32K x 1, old and new binaries alternating (old, new, new, old):
 #             $OUT/bench-{old,new}-{1,2}-{128k,32k}.json, then a summary table $OUT/ab.md
 #   ncu       one launch each of b4 and r3 at 8 x 128K under ncu, old and new: executed warp
 #             instructions, issue-slot and DRAM use ($OUT/ncu-{old,new}.json)
-# Env: LOWBIT_RUNS (bench --runs, 20), LOWBIT_SELFTEST_FILTER (selftest --filter, e.g. d128).
+# Env: LOWBIT_RUNS (bench --runs, 20), LOWBIT_SELFTEST_FILTER (selftest --filter, e.g. d128),
+# LOWBIT_SELFTEST_SPECS (the selftest's and precompile's spec files), LOWBIT_PRECOMPILE_TIMEOUT (120 s),
+# LOWBIT_SELFTEST_TIMEOUT (170 s). Where the three specs do not fit one call, run the selftest phase
+# twice on the same warm machine: LOWBIT_SELFTEST_SPECS=specs/rdkv.toml, then
+# LOWBIT_SELFTEST_SPECS="specs/trizone.toml specs/certified.toml" (each call keeps its own $OUT).
 # One phase per call keeps each well under 4 minutes: `on_device.sh selftest`, `on_device.sh bench`,
 # `on_device.sh ncu` (selftest alone: precompile <= 100 s, selftest <= 130 s; the precompile fills
 # /tmp/kvc-lowbit-new, which a later call on the same warm machine reuses).
@@ -31,6 +36,7 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 PHASES=("$@")
 [ ${#PHASES[@]} -eq 0 ] && PHASES=(selftest bench ncu)
 RUNS=${LOWBIT_RUNS:-20}
+SPECS=${LOWBIT_SELFTEST_SPECS:-specs/rdkv.toml specs/trizone.toml specs/certified.toml}
 TIERS=rdkv:b8,rdkv:b4,rdkv:b2,rotated:r4,rotated:r3,rotated:r2
 T0=$(date +%s)
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader | tee "$OUT/device.txt"
@@ -46,10 +52,10 @@ for ph in "${PHASES[@]}"; do
     selftest)
       # selftest compiles variant after variant; precompile fills the NVRTC cache on every core
       # first (and reports registers and spills of every kernel).
-      timeout 100 bash -c "KVFORGE_CACHE_DIR=/tmp/kvc-lowbit-new .bin-lowbit/kvforge-new precompile --arch sm_90 --report $OUT/precompile-new.json specs/rdkv.toml specs/rotated.toml" \
+      timeout ${LOWBIT_PRECOMPILE_TIMEOUT:-120} bash -c "KVFORGE_CACHE_DIR=/tmp/kvc-lowbit-new .bin-lowbit/kvforge-new precompile --arch sm_90 --strict --report $OUT/precompile-new.json $SPECS" \
         > "$OUT/precompile-new.log" 2>&1
       echo "precompile rc=$? ($(( $(date +%s) - T0 )) s)"; tail -3 "$OUT/precompile-new.log"
-      timeout 130 bash -c "KVFORGE_CACHE_DIR=/tmp/kvc-lowbit-new .bin-lowbit/kvforge-new selftest ${LOWBIT_SELFTEST_FILTER:+--filter $LOWBIT_SELFTEST_FILTER} specs/rdkv.toml specs/rotated.toml --json $OUT/selftest-new.json" \
+      timeout ${LOWBIT_SELFTEST_TIMEOUT:-170} bash -c "KVFORGE_CACHE_DIR=/tmp/kvc-lowbit-new .bin-lowbit/kvforge-new selftest ${LOWBIT_SELFTEST_FILTER:+--filter $LOWBIT_SELFTEST_FILTER} $SPECS --json $OUT/selftest-new.json" \
         > "$OUT/selftest-new.log" 2>&1
       echo "selftest rc=$? ($(( $(date +%s) - T0 )) s)"; tail -3 "$OUT/selftest-new.log"; grep -E 'FAIL' "$OUT/selftest-new.log" | head -20
       ;;

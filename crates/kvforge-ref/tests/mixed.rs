@@ -7,8 +7,8 @@ mod common;
 use common::{data, dot};
 use half::f16;
 use kvforge_ref::mixed::{check_order, identity_order, to_natural, to_stored};
-use kvforge_ref::quant::{int_step, min_max};
-use kvforge_ref::{decode_segment, encode_segment, int_error_bound};
+use kvforge_ref::quant::{self, min_max};
+use kvforge_ref::{decode_segment, encode_segment};
 use kvforge_spec::{mixed_widths, ChannelSegment, DType, KeyScheme, ScaleDType, Tier, ValueScheme};
 use proptest::prelude::*;
 use rand::seq::SliceRandom;
@@ -58,7 +58,7 @@ proptest! {
                         0 => prop_assert_eq!(y, 0.0, "dropped channel {} decodes to 0", c),
                         16 => prop_assert_eq!(y, f64::from(f16::from_f32(k[t * d + c]).to_f32())),
                         bits => {
-                            let bound = int_error_bound(bits, mn, mx, int_step(bits, mn, mx, scale));
+                            let bound = quant::biased_error_bound(bits, quant::key_bias(bits, scale), mn, mx, quant::biased_step(bits, quant::key_bias(bits, scale), mn, mx, scale));
                             prop_assert!((x - y).abs() <= bound, "channel {} ({} bits) token {}: |{} - {}| > {}", c, bits, t, x, y, bound);
                         }
                     }

@@ -5,7 +5,7 @@ mod common;
 
 use common::data;
 use kvforge_ref::quant::{self, min_max};
-use kvforge_ref::{decode_page, decode_sequence, encode_page, encode_sequence, int_error_bound, PageError, RefError};
+use kvforge_ref::{decode_page, decode_sequence, encode_page, encode_sequence, PageError, RefError};
 use kvforge_spec::{KeyScheme, PageHeader, ScaleDType, HEADER_BYTES, TAIL_TIER};
 use proptest::prelude::*;
 
@@ -85,8 +85,9 @@ fn sequences_page_into_full_pages_and_a_tail() {
                 }
                 let page = t / p;
                 let (mn, mx) = min_max((0..p).map(|u| k[(page * p + u) * d + c]));
-                let step = quant::int_step(bits, mn, mx, ScaleDType::Fp16);
-                assert!((x - kh[t * d + c]).abs() <= int_error_bound(bits, mn, mx, step));
+                let bias = quant::key_bias(bits, ScaleDType::Fp16);
+                let step = quant::biased_step(bits, bias, mn, mx, ScaleDType::Fp16);
+                assert!((x - kh[t * d + c]).abs() <= quant::biased_error_bound(bits, bias, mn, mx, step));
             }
         }
     }

@@ -4,7 +4,7 @@
 mod common;
 
 use common::{data, int_tier, scale_dtype};
-use kvforge_ref::bits::{pack_codes, pack_indices, unpack_code, unpack_index};
+use kvforge_ref::bits::{key_code_slot, pack_codes, pack_indices, pack_key_codes, unpack_code, unpack_index, unpack_key_code};
 use kvforge_ref::quant::{self, load_scale, min_max, qmax, IntStep};
 use kvforge_ref::segment::layout;
 use kvforge_ref::{decode_segment, encode_segment, int_error_bound};
@@ -28,7 +28,7 @@ fn bits() -> impl Strategy<Value = u32> {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(96))]
 
-    /// Per-channel keys over blocks: |k − k̂| ≤ int_error_bound(block's mn, mx, stored step).
+    /// Per-channel keys over blocks: |k − k̂| ≤ biased_error_bound(block's mn, mx, stored step).
     #[test]
     fn int_keys_within_bound(kbits in bits(), fp16 in any::<bool>(), d8 in 1usize..9, block in prop_oneof![Just(1usize), Just(2), Just(4), Just(16), Just(64)],
                              blocks in 1usize..4, offset in -300f32..300.0, spread in prop_oneof![Just(0f32), 1e-4f32..1e-2, 0.1f32..100.0], seed in any::<u64>()) {
@@ -43,8 +43,9 @@ proptest! {
             for c in 0..d {
                 let (mn, mx) = min_max((0..block).map(|t| k[(b * block + t) * d + c]));
                 let step = step_at(&lay, &seg, "k_scale", "k_zero", dt, b * d + c);
-                prop_assert_eq!(step, kvforge_ref::int_step(kbits, mn, mx, dt), "stored step of block {} channel {}", b, c);
-                let bound = int_error_bound(kbits, mn, mx, step);
+                let bias = kvforge_ref::quant::key_bias(kbits, dt);
+                prop_assert_eq!(step, kvforge_ref::quant::biased_step(kbits, bias, mn, mx, dt), "stored step of block {} channel {}", b, c);
+                let bound = kvforge_ref::quant::biased_error_bound(kbits, bias, mn, mx, step);
                 for t in b * block..(b + 1) * block {
                     let e = (f64::from(k[t * d + c]) - kh[t * d + c]).abs();
                     prop_assert!(e <= bound, "token {} channel {}: error {} > bound {} (step {:?}, mn {}, mx {})", t, c, e, bound, step, mn, mx);
@@ -69,7 +70,9 @@ proptest! {
                 let xs = &v[t * d + j * group..t * d + (j + 1) * group];
                 let (mn, mx) = min_max(xs.iter().copied());
                 let step = step_at(&lay, &seg, "v_scale", "v_zero", dt, t * groups + j);
-                let bound = int_error_bound(vbits, mn, mx, step);
+                let bias = kvforge_ref::quant::value_bias(vbits, dt);
+                prop_assert_eq!(step, kvforge_ref::quant::biased_step(vbits, bias, mn, mx, dt));
+                let bound = kvforge_ref::quant::biased_error_bound(vbits, bias, mn, mx, step);
                 for c in 0..group {
                     let e = (f64::from(xs[c]) - vh[t * d + j * group + c]).abs();
                     prop_assert!(e <= bound, "token {} group {}: error {} > bound {}", t, j, e, bound);
@@ -118,6 +121,21 @@ proptest! {
     }
 
     #[test]
+    fn key_code_packing_round_trips(b in bits(), n8 in 1usize..33, seed in any::<u64>()) {
+        let n = 8 * n8;
+        let codes: Vec<u8> = data(n, 0.0, (1u32 << b) as f32, seed).iter().map(|&x| x as u8).collect();
+        let mut row = vec![0u8; n * b as usize / 8];
+        pack_key_codes(b, &codes, &mut row);
+        for (c, &code) in codes.iter().enumerate() {
+            prop_assert_eq!(unpack_key_code(b, &row, c), code);
+            // 4 bits: channels 2e, 2e + 1 of a word at the same bit of its two halves.
+            if b == 4 && c % 2 == 1 {
+                prop_assert_eq!(key_code_slot(b, c), key_code_slot(b, c - 1) + 4);
+            }
+        }
+    }
+
+    #[test]
     fn index_packing_round_trips(b in 1u32..9, n in 1usize..33, seed in any::<u64>()) {
         let idx: Vec<u32> = data(n, 0.0, (1u32 << b) as f32, seed).iter().map(|&x| x as u32).collect();
         let mut row = vec![0xffu8; (n * b as usize).div_ceil(8)];
@@ -135,7 +153,8 @@ proptest! {
 
 #[test]
 fn codes_sit_where_the_layout_says() {
-    // 4-bit keys, one block of 2 tokens, d = 8: channel c of token t in byte t*4 + c/2.
+    // 4-bit keys, one block of 2 tokens, d = 8: token t's row is bytes t*4 ..; the even channels
+    // fill the word's low half, the odd ones its high half (bits::key_code_slot).
     let tier = int_tier(4, 2, kvforge_spec::ScaleDType::Fp32, 2, 8, kvforge_spec::ScaleDType::Fp32);
     let d = 8;
     let k: Vec<f32> = (0..16).map(|i| if i < 8 { 0.0 } else { 15.0 * (i % 2) as f32 }).collect();
@@ -144,7 +163,7 @@ fn codes_sit_where_the_layout_says() {
     let lay = layout(&tier, d, 2);
     let codes = lay.array("k_codes").unwrap();
     // Token 0 all at the block minimum (0); token 1 alternates 0, 15: odd channels code 15.
-    assert_eq!(&seg[codes.offset..codes.offset + 8], &[0, 0, 0, 0, 0xf0, 0xf0, 0xf0, 0xf0]);
+    assert_eq!(&seg[codes.offset..codes.offset + 8], &[0, 0, 0, 0, 0, 0, 0xff, 0xff]);
     // Values 0,1,2,3 per group of 8: 2-bit codes 0,1,2,3 -> byte 0b11_10_01_00.
     let vc = lay.array("v_codes").unwrap();
     assert_eq!(&seg[vc.offset..vc.offset + 4], &[0xe4, 0xe4, 0xe4, 0xe4]);

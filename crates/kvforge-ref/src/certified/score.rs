@@ -25,19 +25,22 @@ const U64: f64 = 1.0 / (1u64 << 53) as f64;
 /// [`crate::quant::encode_keys`] (`bits`-bit codes):
 ///
 /// ```text
-/// e = σ·(1/2 + 4u₃₂(qmax + 2)) + 4u₆₄·(|z| + qmax·σ)
+/// e = σ·(1/2 + 4u₃₂(qmax + 2)) + 4u₆₄·(|z| + (qmax + bias)·σ)      bias: quant::key_bias
 /// ```
 ///
 /// The first term is [`crate::quant::int_error_bound`]'s in-grid case (f32 rounding of the
 /// code). With an fp32 scale dtype the stored zero *is* the block minimum (no clamp-below
 /// case) and the stored scale is fl(fl(mx − mn)/qmax) ≥ (mx − mn)(1 − u)²/qmax, so the
 /// clamp-above case is at most 2u₃₂(mx − mn) ≤ σ/2. The second term covers the f64
-/// evaluation of k̂ = code·σ + z. It needs only what the GPU has (σ, z), not mn/mx.
+/// evaluation of k̂ = (code + bias)·σ + z. It needs only what the GPU has (σ, z), not mn/mx.
 pub fn key_channel_error_bound(bits: u32, step: IntStep) -> f64 {
     let q = f64::from(qmax(bits));
     // |σ|: a corrupted (negative) scale must not shrink the bound below zero.
     let (s, z) = (f64::from(step.scale).abs(), f64::from(step.zero));
-    s * (0.5 + 4.0 * U32 * (q + 2.0)) + 4.0 * U64 * (z.abs() + q * s)
+    // 4-bit keys decode as (code + bias)·σ + z̃ (biased zero, `quant::key_bias`; certified
+    // keys have fp32 scales).
+    let b = f64::from(crate::quant::key_bias(bits, kvforge_spec::ScaleDType::Fp32));
+    s * (0.5 + 4.0 * U32 * (q + 2.0)) + 4.0 * U64 * (z.abs() + (q + b) * s)
 }
 
 /// Δ_b: the largest |s_t − ŝ_t| over the tokens of a block whose channels have error bounds

@@ -13,9 +13,9 @@
 use half::f16;
 use kvforge_spec::{KeyScheme, ScaleDType, Tier, ValueScheme};
 
-use crate::bits::{code_row_bytes, unpack_code};
+use crate::bits::{code_row_bytes, unpack_code, unpack_key_code};
 use crate::error::{CertError, RefError};
-use crate::quant::{self, int_dequant, load_scale, IntArrays, IntStep};
+use crate::quant::{self, load_scale, IntArrays, IntStep};
 
 /// The certified tier's coding: keys per channel per block of `block` tokens with fp32
 /// scale/zero, values per token per group of `value_group` channels.
@@ -180,7 +180,7 @@ impl CertifiedHead {
         let row = code_row_bytes(d, f.key_bits);
         let mut k = Vec::with_capacity(f.block * d);
         for r in key.codes.chunks_exact(row) {
-            k.extend(steps.iter().enumerate().map(|(c, &s)| int_dequant(unpack_code(f.key_bits, r, c), s)));
+            k.extend(steps.iter().enumerate().map(|(c, &s)| quant::biased_dequant(quant::key_bias(f.key_bits, ScaleDType::Fp32), unpack_key_code(f.key_bits, r, c), s)));
         }
         k
     }
@@ -220,7 +220,7 @@ fn decode_values(f: &CertFormat, d: usize, value: &IntArrays) -> Vec<f64> {
         for j in 0..d / g {
             let i = t * (d / g) + j;
             let s = IntStep { scale: load_scale(f.value_scale, &value.scale, i), zero: load_scale(f.value_scale, &value.zero, i) };
-            v.extend((j * g..(j + 1) * g).map(|c| int_dequant(unpack_code(f.value_bits, r, c), s)));
+            v.extend((j * g..(j + 1) * g).map(|c| quant::biased_dequant(quant::value_bias(f.value_bits, f.value_scale), unpack_code(f.value_bits, r, c), s)));
         }
     }
     v

@@ -3,6 +3,12 @@
 //! * Integer codes ([`pack_codes`]): `8 / bits` codes per byte, channel `c` in byte
 //!   `c * bits / 8` at bit `bits * (c % (8 / bits))` (4-bit: even channels in the low nibble).
 //!   A row is `d * bits / 8` bytes; `bits` is 8, 4 or 2.
+//! * Integer *key* codes ([`pack_key_codes`]): as integer codes, but 4-bit rows keep the even
+//!   channels of each 8-channel (32-bit) word in its low half and the odd ones in its high half:
+//!   channel `c` at code slot [`key_code_slot`] (`8·(c / 8) + 4·(c mod 2) + (c mod 8) / 2`). Channels
+//!   2e, 2e + 1 then sit at the same bit of the word's two 16-bit halves, where one LOP3 makes
+//!   them an fp16 pair (`templates/include/kvforge/codecs/int.cuh`, `key_slot`). 8- and 2-bit
+//!   key rows are plain.
 //! * Codeword indices ([`pack_indices`]): one little-endian bit stream per token row, index `j`
 //!   in bits `j * bits .. j * bits + bits - 1`, LSB first; indices may straddle bytes. A row is
 //!   `ceil(G * bits / 8)` bytes, the unused high bits of the last byte are zero.
@@ -30,6 +36,34 @@ pub fn unpack_code(bits: u32, row: &[u8], c: usize) -> u8 {
     let per = 8 / bits as usize;
     let mask = ((1u32 << bits) - 1) as u8;
     (row[c / per] >> ((c % per) * bits as usize)) & mask
+}
+
+/// Code slot of key channel `c` in a row of `bits`-bit key codes (see the module doc).
+pub fn key_code_slot(bits: u32, c: usize) -> usize {
+    if bits == 4 {
+        (c & !7) | ((c & 1) << 2) | ((c & 7) >> 1)
+    } else {
+        c
+    }
+}
+
+/// Packs the key codes of one token row (`codes` per channel) in the key order: channel `c` at
+/// slot [`key_code_slot`]. 4-bit rows hold whole 8-channel words.
+pub fn pack_key_codes(bits: u32, codes: &[u8], row: &mut [u8]) {
+    if bits != 4 {
+        return pack_codes(bits, codes, row);
+    }
+    assert!(codes.len().is_multiple_of(8), "4-bit key rows are whole 8-channel words, not {} channels", codes.len());
+    let mut slots = vec![0u8; codes.len()];
+    for (c, &code) in codes.iter().enumerate() {
+        slots[key_code_slot(bits, c)] = code;
+    }
+    pack_codes(bits, &slots, row);
+}
+
+/// Code of key channel `c` in a row packed by [`pack_key_codes`].
+pub fn unpack_key_code(bits: u32, row: &[u8], c: usize) -> u8 {
+    unpack_code(bits, row, key_code_slot(bits, c))
 }
 
 /// Bytes of a row of `n` indices of `bits` bits, bit-packed.

@@ -13,6 +13,41 @@ __device__ __forceinline__ int code_at(const u8* row, int c) {
   else return (row[c >> 2] >> ((c & 3) * 2)) & 0x3;
 }
 
+// Key code order (ChannelCodes: integer keys and the integer segments of mixed keys). 4-bit
+// keys keep the even channels of each 8-channel word in its low half and the odd ones in its
+// high half: channel c of a word at nibble (c & 1)·4 + (c >> 1). Adjacent channels 2e, 2e + 1
+// then lie at the same bit of the two halves, so one LOP3 (after one shift by 8 per word for
+// nibbles 2 and 3 of a half) makes them an fp16 pair, where the plain order took a PRMT per
+// pair. 8 and 2 bits keep the plain order (one PRMT already serves one or two pairs).
+// `key_slot` maps a channel to its code slot, `key_channel` a slot to its channel.
+template <int BITS>
+__host__ __device__ constexpr int key_slot(int c) {
+  return BITS == 4 ? (c & ~7) | ((c & 1) << 2) | ((c & 7) >> 1) : c;
+}
+template <int BITS>
+__host__ __device__ constexpr int key_channel(int s) {
+  return BITS == 4 ? (s & ~7) | ((s & 3) << 1) | ((s & 7) >> 2) : s;
+}
+static_assert(key_slot<4>(1) == 4 && key_slot<4>(6) == 3 && key_channel<4>(key_slot<4>(13)) == 13, "4-bit key code order");
+// Code bias B of integer codes (kvforge-spec int::reference::value_bias / key_bias):
+// groups with a bias store the *biased* zero z̃ = zero − B·scale (rounded to the scale dtype)
+// and decode as x̂ = (code + B)·scale + z̃, exactly (in f64; one HFMA2 rounds it once). B + code
+// is what one LOP3 (4 bits, B = 64: a code at mantissa bits 4-7 with the exponent of 64) or
+// one PRMT (8 bits with fp16 scales, B = 1024: a code byte beside the exponent byte 0x64)
+// makes of a code, so the tensor-core paths dequantise a pair with it and one HFMA2, without
+// the HSUB2 that took the magic off. The encoders code on the effective zero z̃ + B·scale.
+// 2 bits and 8 bits with fp32 scales: no bias; keys are biased at 4 bits only (key_bias).
+template <int BITS, class S>
+__host__ __device__ constexpr float value_bias() {
+  return BITS == 4 ? 64.f : BITS == 8 && sizeof(S) == 2 ? 1024.f : 0.f;
+}
+// Keys: 4 bits only (biasing 8-bit keys as well pushed the tracked entry of a multi-tier rdkv
+// decode variant, d 128 gqa 3, past its 128 registers: 8 bytes of spill).
+template <int BITS, class S>
+__host__ __device__ constexpr float key_bias() {
+  return BITS == 4 ? 64.f : 0.f;
+}
+
 // Packs the codes of channels [byte*PER, byte*PER + PER) of one row into one byte.
 template <int BITS, class F>
 __device__ __forceinline__ u8 pack_byte(int byte, F code_of) {
@@ -38,9 +73,11 @@ __device__ __forceinline__ int quantize(float x, float scale, float zero) {
 template <int BITS, int BLOCK, class S, int N, int P, int OFF_CODES, int OFF_SCALE, int OFF_ZERO>
 struct ChannelCodes {
   static constexpr int NBLK = P / BLOCK, ROW = N * BITS / 8;
+  static constexpr float BIAS = key_bias<BITS, S>();
   __device__ __forceinline__ static float dequant(const u8* seg, int t, int c) {
     const int b = t / BLOCK;
-    return float(code_at<BITS>(seg + OFF_CODES + t * ROW, c)) * load_scale<S>(seg + OFF_SCALE, b * N + c) + load_scale<S>(seg + OFF_ZERO, b * N + c);
+    const float code = float(code_at<BITS>(seg + OFF_CODES + t * ROW, key_slot<BITS>(c)));
+    return (BIAS != 0.f ? code + BIAS : code) * load_scale<S>(seg + OFF_SCALE, b * N + c) + load_scale<S>(seg + OFF_ZERO, b * N + c);
   }
   // Codes channels [n0, n0 + nc) of the N (whole bytes of codes: n0 and nc multiples of 8)
   // from columns [xc0, xc0 + nc) of x ([P][ldx] floats in shared memory), all P tokens;
@@ -62,11 +99,11 @@ struct ChannelCodes {
       lanes_minmax<L>(mn, mx);
       if (on && lane == 0) {
         const S s_st = from_float<S>((mx - mn) / float((1 << BITS) - 1));
-        const S z_st = from_float<S>(mn);
+        const S z_st = from_float<S>(BIAS == 0.f ? mn : mn - BIAS * to_float(s_st));  // BIAS·s is exact
         reinterpret_cast<S*>(seg + OFF_SCALE)[b * N + n0 + c] = s_st;
         reinterpret_cast<S*>(seg + OFF_ZERO)[b * N + n0 + c] = z_st;
         sc[i] = to_float(s_st);
-        zr[i] = to_float(z_st);
+        zr[i] = BIAS == 0.f ? to_float(z_st) : to_float(z_st) + BIAS * sc[i];  // the effective zero the codes are rounded on
       }
     });
     __syncthreads();
@@ -74,7 +111,11 @@ struct ChannelCodes {
     u8* codes = seg + OFF_CODES + n0 * BITS / 8;
     for (int i = threadIdx.x; i < P * bytes; i += NTHREADS) {
       const int t = i / bytes, byte = i % bytes, b = t / BLOCK;
-      codes[t * ROW + byte] = pack_byte<BITS>(byte, [&](int c) { return quantize<BITS>(x[t * ldx + xc0 + c], sc[b * nc + c], zr[b * nc + c]); });
+      // Slot `k` of the slice's row holds channel key_channel(k) (n0 is a multiple of 8).
+      codes[t * ROW + byte] = pack_byte<BITS>(byte, [&](int k) {
+        const int c = key_channel<BITS>(k);
+        return quantize<BITS>(x[t * ldx + xc0 + c], sc[b * nc + c], zr[b * nc + c]);
+      });
     }
     __syncthreads();
   }
@@ -87,6 +128,7 @@ struct ChannelCodes {
     for (int i = 0; i < 8; ++i) {
       sc[i] = load_scale<S>(seg + OFF_SCALE, b * N + c + i);
       zr[i] = load_scale<S>(seg + OFF_ZERO, b * N + c + i);
+      if constexpr (BIAS != 0.f) zr[i] += BIAS * sc[i];
     }
 #pragma unroll
     for (int h = 0; h < GQA; ++h) {
@@ -111,7 +153,7 @@ struct ChannelCodes {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       if constexpr (BITS == 8) k[i] = u2f(((i < 4 ? lo : hi) >> (8 * (i & 3))) & 0xff);
-      else k[i] = u2f((lo >> (BITS * i)) & ((1u << BITS) - 1));
+      else k[i] = u2f((lo >> (BITS * key_slot<BITS>(i))) & ((1u << BITS) - 1));
     }
 #pragma unroll
     for (int h = 0; h < GQA; ++h) {
@@ -150,8 +192,9 @@ struct IntKey {
   // Warp w scores tokens [16·mt, 16·mt + 16) of channel part kp (mt = w % MT, kp = w / MT);
   // with KP = 2 parts the second part's partial scores go to `sc1` and the softmax adds them.
   // The channel order inside a thread's slice is free (A and B use the same one): pair e of a
-  // thread's CPT codes holds the codes of channels pair_lo(e) and pair_lo(e) + CC, which is what
-  // one shift and one LOP3 pull out of a 32-bit word.
+  // thread's CPT codes holds the codes of channels pair_lo(e) and pair_hi(e), which is what
+  // one shift and one LOP3 pull out of a 32-bit word (the same bit of its two halves): channels
+  // 2e, 2e + 1 in the 4-bit key order (key_slot), else channels CC apart.
   static constexpr bool CHANNEL_PARALLEL = false, OUTLINE_SCORER = false;
   static constexpr bool MMA = true;
   // Block-layout variants with integer-key tiers accumulate values on tensor cores (decode.cuh
@@ -164,8 +207,10 @@ struct IntKey {
     static constexpr int BYTES = CPT * BITS / 8;
     static constexpr int CC = BYTES == 2 ? 4 : 16 / BITS;  // codes per half of a pair word
     static constexpr int NWORD = BYTES >= 4 ? BYTES / 4 : 1;
-    __device__ static constexpr int pair_lo(int e) { return (e / CC) * 2 * CC + e % CC; }
+    __device__ static constexpr int pair_lo(int e) { return BITS == 4 ? 2 * e : (e / CC) * 2 * CC + e % CC; }
+    __device__ static constexpr int pair_hi(int e) { return BITS == 4 ? 2 * e + 1 : pair_lo(e) + CC; }
     static_assert(P % 16 == 0 && BLOCK % 16 == 0 && CH % 16 == 0, "mma tiles");
+    static_assert(BITS != 4 || CPT % 8 == 0, "4-bit key slices are whole 8-channel words");
     // When a key block spans several m-tiles (BLOCK ≥ 32) the warps that score it would fold
     // the same B; all threads fold it once per page into shared memory instead (COOP).
     static constexpr bool COOP = BLOCK >= 32;
@@ -205,7 +250,9 @@ struct IntKey {
       for (unsigned k = 0; k < CPP; k += 2) {
         const float2 qv = *reinterpret_cast<const float2*>(q_s + h * D + c + k);
         const float2 sv = make_float2(to_float(scale[blk * D + c + k]), to_float(scale[blk * D + c + k + 1]));
-        const float2 zv = make_float2(to_float(zero[blk * D + c + k]), to_float(zero[blk * D + c + k + 1]));
+        constexpr float BIAS = key_bias<BITS, S>();  // the effective zero z̃ + bias·scale
+        float2 zv = make_float2(to_float(zero[blk * D + c + k]), to_float(zero[blk * D + c + k + 1]));
+        if constexpr (BIAS != 0.f) { zv.x += BIAS * sv.x; zv.y += BIAS * sv.y; }
         z = fmaf(qv.x, zv.x, z);
         z = fmaf(qv.y, zv.y, z);
         const float x[2] = {qv.x * sv.x, qv.y * sv.y};
@@ -213,9 +260,9 @@ struct IntKey {
         for (unsigned j = 0; j < 2; ++j) {
           const __half xh = __float2half_rn(x[j]);
           const __half xl = __float2half_rn(x[j] - __half2float(xh));
-          // Position of channel o in the thread's pair_lo order: pair e, half `half`.
+          // Position of channel o in the thread's pair order (pair_lo / pair_hi): pair e, half `half`.
           const unsigned o = o0 + k + j, r = o % (2 * CC);
-          const unsigned e = (o / (2 * CC)) * CC + r % CC, half = r / CC;
+          const unsigned e = BITS == 4 ? o / 2 : (o / (2 * CC)) * CC + r % CC, half = BITS == 4 ? o % 2 : r / CC;
           hi16[base + 2 * e + half] = __half_as_ushort(xh);
           lo16[base + 2 * e + half] = __half_as_ushort(xl);
         }
@@ -229,7 +276,7 @@ struct IntKey {
   template <int GQA, int NWARPS, int NT>
   __device__ static void mma_scores(const u8* seg, int len, const float* q_s, float* sc0, float* sc1, u8* bf) {
     using M = Mma<NWARPS>;
-    constexpr int CPT = M::CPT, NPAIR = M::NPAIR, CC = M::CC;
+    constexpr int CPT = M::CPT, NPAIR = M::NPAIR;
     constexpr u32 MASK = ((1u << BITS) - 1) * 0x00010001u;
     static_assert(GQA <= 8, "one mma column per query head");
     if constexpr (M::COOP) fold_page<GQA, NWARPS, NT>(seg, q_s, bf);
@@ -273,10 +320,10 @@ struct IntKey {
         load_floats<S, CPT>(seg + OFF_SCALE + (blk * D + c0) * int(sizeof(S)), sv);
         load_floats<S, CPT>(seg + OFF_ZERO + (blk * D + c0) * int(sizeof(S)), zv);
 #pragma unroll
-        for (int i = 0; i < CPT; ++i) z = fmaf(qv[i], zv[i], z);
+        for (int i = 0; i < CPT; ++i) z = fmaf(qv[i], key_bias<BITS, S>() != 0.f ? zv[i] + key_bias<BITS, S>() * sv[i] : zv[i], z);
 #pragma unroll
         for (int e = 0; e < NPAIR; ++e) {
-          const int ca = M::pair_lo(e), cb = ca + CC;
+          const int ca = M::pair_lo(e), cb = M::pair_hi(e);
           split_h2(qv[ca] * sv[ca], qv[cb] * sv[cb], bhi[e], blo[e]);
         }
       } else {
@@ -306,9 +353,14 @@ struct IntKey {
   // Per-warp decode (DecodeCta::compute_warp): the B fragments of token t's keys dequantised
   // to fp16 (code · scale + zero, one rounding: far below the code step), the thread's channel
   // slice [qd·D/4, (qd + 1)·D/4) with pair e = channels 2e, 2e + 1 (the fp16 keys' order, so
-  // every tier of a variant shares one set of query fragments). A pair's codes lie in one code
-  // byte (two for 8 bits): one PRMT puts them into the two halves' mantissas (adjacent_pairs),
-  // and the pair's (scale, zero) are the u32s as they lie in memory. The order with codes 4
+  // every tier of a variant shares one set of query fragments). 4 bits: a pair's codes lie at
+  // the same bit of a word's two halves (key_slot), one LOP3 puts them into the halves'
+  // mantissas (adjacent_pairs; nibbles 2 and 3 of the halves after one shift by 8 per word);
+  // 8 and 2 bits: they lie in one code byte (two for 8 bits), one PRMT puts them there. The
+  // pair's (scale, zero) are the u32s as they lie in memory. With the biased zero
+  // (key_bias, 4 bits) a pair is then that one LOP3 and one HFMA2. The plain 4-bit order (a
+  // pair in one byte) and the unbiased zero took a PRMT, a LOP3, an HSUB2 and an HFMA2 per
+  // pair: int4 keys 64 → 44 instructions per octet and lane. The order with codes 4
   // (16 / bits) channels apart took a shift per pair and a PRMT per scale pair and per zero
   // pair: 92 → 64 instructions per octet and lane for int4 keys. Dequantising the 8 tokens a
   // warp scores costs fewer instructions than folding the block's scales into its query (the
@@ -335,14 +387,16 @@ struct IntKey {
     }
     __device__ __forceinline__ void operator()(const u8* seg, int t, int qd, u32 (&b)[NPAIR]) {
       static_assert(WARP && 2 * NPAIR * BITS / 8 >= 4, "whole code words per slice");
+      // Biased codes (key_bias: 4 bits): the pairs are 64 + code, and z the biased zero.
       adjacent_pairs<NPAIR>(seg + OFF_CODES + t * ROW + qd * 2 * NPAIR * BITS / 8, b);
 #pragma unroll
       for (int e = 0; e < NPAIR; ++e) b[e] = h2_fma(b[e], s[e], z[e]);
     }
   };
   // The codes of channels 2e, 2e + 1 of a row slice as exact fp16 pairs. 8 bits: the two code
-  // bytes beside the exponent byte 0x64 (1024 + c). 4 bits: the code byte in both halves, the
-  // low code at mantissa bits 0-3 (1024 + c), the high one at 4-7 of the upper half (64 + c).
+  // bytes beside the exponent byte 0x64 (1024 + c, less the magic). 4 bits (key_slot order): pair e of a word
+  // at nibble e of both halves, moved to mantissa bits 4-7 (a shift by 4 left, none, 4 right
+  // or 8 right) and left biased, 64 + c (key_bias: the biased zero takes the 64 off).
   // 2 bits: one byte holds two pairs; its four codes sit at bits 8-9 (4 + c) and 2-3 (256 + c)
   // for pair 2j, at 4-5 (64 + c) and 6-7 (16 + c) for pair 2j + 1. HSUB2 of the magic leaves
   // the codes.
@@ -354,9 +408,12 @@ struct IntKey {
 #pragma unroll
     for (int e = 0; e < N; ++e) {
       if constexpr (BITS == 8) {
-        out[e] = h2_unbias(__byte_perm(w[e / 2], 0x64646464u, (e & 1) ? 0x4342 : 0x4140), 0x64006400u);
+        const u32 x = __byte_perm(w[e / 2], 0x64646464u, (e & 1) ? 0x4342 : 0x4140);  // 1024 + c
+        out[e] = key_bias<BITS, S>() != 0.f ? x : h2_unbias(x, 0x64006400u);
       } else if constexpr (BITS == 4) {
-        out[e] = h2_codes(__byte_perm(w[e / 4], 0u, (e % 4) * 0x1111), 0x00f0000fu, 0x54006400u);
+        const u32 v = w[e / 4];
+        const u32 x = e % 4 == 0 ? v << 4 : e % 4 == 1 ? v : e % 4 == 2 ? v >> 4 : v >> 8;
+        out[e] = h2_biased(x, 0x00f000f0u, 0x54005400u);
       } else {
         const u32 x = __byte_perm(w[e / 8], 0u, ((e / 2) % 4) * 0x1111);
         out[e] = (e & 1) ? h2_codes(x, 0x00c00030u, 0x4c005400u) : h2_codes(x, 0x000c0300u, 0x5c004400u);
@@ -410,14 +467,16 @@ struct IntValue {
   static constexpr int ROW = D * BITS / 8;
   static constexpr int NGRP = D / GROUP;
   static constexpr bool BF16 = false;
+  static constexpr float BIAS = value_bias<BITS, S>();
 
   // Transposed fp16 pairs for tensor-core value accumulation (see DenseValue::token_pairs):
   // out[k] = (v̂[ta][c0 + k], v̂[tb][c0 + k]), the N channels inside one value group. The codes
   // of the two tokens are interleaved by one PRMT per 16-bit chunk, each pair is pulled out by
-  // one LOP3 as (1024 + c, 1024 + c'), and one HSUB2 + one HFMA2 with the two tokens' (scale,
-  // zero) pairs give code · scale + zero rounded once to fp16. (Folding the code's bias into
-  // the zero, zero − bias · scale in fp16, saves the HSUB2 but rounds that term, and rdkv int2
-  // then misses the 2^-10 reference tolerance.) The per-warp layout needs the
+  // one LOP3 as (M + c, M + c'), and one HSUB2 + one HFMA2 with the two tokens' (scale,
+  // zero) pairs give code · scale + zero rounded once to fp16. 4 bits store the zero biased
+  // (value_bias), so that the LOP3's 64 + c goes straight into the HFMA2 (no HSUB2), exact;
+  // folding the bias into the zero in the kernel (zero − bias · scale rounded to fp16) had
+  // rounded that term, and rdkv int2 then missed the 2^-10 reference tolerance. The per-warp layout needs the
   // channels of a lane (head_dim / 8) inside one group.
   static constexpr bool WARP = GROUP % (D / 8) == 0;
   template <int N>
@@ -445,16 +504,29 @@ struct IntValue {
 #pragma unroll
     for (int ci = 0; ci < N / CCV; ++ci) {
       const u32 x = __byte_perm(wa[ci / 2], wb[ci / 2], (ci & 1) ? 0x7632 : 0x5410);
-      // Code k sits at bit k·BITS of each half: the codes of the low byte are read in place,
-      // those of the high byte after one shift by 8, each with the magic 2^(10 - p) whose
-      // mantissa unit is bit p (p = (k·BITS) mod 8): one shift per chunk rather than per code.
-      const u32 xh = x >> 8;
+      if constexpr (BITS == 4) {
+        // Biased codes (value_bias): each code moved to mantissa bits 4-7 (a shift by 4 left,
+        // none, 4 right, 8 right), 64 + code after one LOP3, and the biased zero takes the 64
+        // off in the HFMA2.
 #pragma unroll
-      for (int k = 0; k < CCV; ++k) {
-        constexpr int PER_BYTE = 8 / BITS > 0 ? 8 / BITS : 1;
-        const int pos = (k % PER_BYTE) * BITS;
-        const u32 magic = u32(25 - pos) << 10 | u32(25 - pos) << 26;
-        out[ci * CCV + k] = h2_fma(h2_codes(k < PER_BYTE ? x : xh, MASK << pos, magic), s2, z2);
+        for (int k = 0; k < CCV; ++k) {
+          const u32 xk = k == 0 ? x << 4 : k == 1 ? x : k == 2 ? x >> 4 : x >> 8;
+          out[ci * CCV + k] = h2_fma(h2_biased(xk, 0x00f000f0u, 0x54005400u), s2, z2);
+        }
+      } else {
+        // Code k sits at bit k·BITS of each half: the codes of the low byte are read in place,
+        // those of the high byte after one shift by 8, each with the magic 2^(10 - p) whose
+        // mantissa unit is bit p (p = (k·BITS) mod 8): one shift per chunk rather than per code.
+        const u32 xh = x >> 8;
+#pragma unroll
+        for (int k = 0; k < CCV; ++k) {
+          constexpr int PER_BYTE = 8 / BITS > 0 ? 8 / BITS : 1;
+          const int pos = (k % PER_BYTE) * BITS;
+          const u32 magic = u32(25 - pos) << 10 | u32(25 - pos) << 26;
+          // 8 bits with fp16 scales: biased (value_bias), 1024 + c goes into the HFMA2 as it is.
+          const u32 xk = k < PER_BYTE ? x : xh;
+          out[ci * CCV + k] = h2_fma(BIAS != 0.f ? h2_biased(xk, MASK << pos, magic) : h2_codes(xk, MASK << pos, magic), s2, z2);
+        }
       }
     }
   }
@@ -473,11 +545,11 @@ struct IntValue {
     if constexpr (BITS == 8) {
       const uint2 w = reinterpret_cast<const uint2*>(row)[c8];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) { v[i] = fmaf(u2f((w.x >> (8 * i)) & 0xff), sc, zr); v[4 + i] = fmaf(u2f((w.y >> (8 * i)) & 0xff), sc, zr); }
+      for (int i = 0; i < 4; ++i) { v[i] = fmaf(u2f((w.x >> (8 * i)) & 0xff) + BIAS, sc, zr); v[4 + i] = fmaf(u2f((w.y >> (8 * i)) & 0xff) + BIAS, sc, zr); }
     } else if constexpr (BITS == 4) {
       const u32 w = reinterpret_cast<const u32*>(row)[c8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = fmaf(u2f((w >> (4 * i)) & 0xf), sc, zr);
+      for (int i = 0; i < 8; ++i) v[i] = fmaf(u2f((w >> (4 * i)) & 0xf) + BIAS, sc, zr);
     } else {
       const u32 w = reinterpret_cast<const u16*>(row)[c8];
 #pragma unroll
@@ -487,7 +559,8 @@ struct IntValue {
 
   __device__ __forceinline__ static float dequant(const u8* seg, int t, int c) {
     const int grp = c / GROUP;
-    return float(code_at<BITS>(seg + OFF_CODES + t * ROW, c)) * load_scale<S>(seg + OFF_SCALE, t * NGRP + grp) + load_scale<S>(seg + OFF_ZERO, t * NGRP + grp);
+    const float code = float(code_at<BITS>(seg + OFF_CODES + t * ROW, c));
+    return (BIAS != 0.f ? code + BIAS : code) * load_scale<S>(seg + OFF_SCALE, t * NGRP + grp) + load_scale<S>(seg + OFF_ZERO, t * NGRP + grp);
   }
 
   // Codes tokens [t0, t0 + ROWS) of a transcode slice from x [ROWS][D]. L lanes share each
@@ -505,13 +578,13 @@ struct IntValue {
       lanes_minmax<L>(mn, mx);
       if (!on) return;
       const S s_st = from_float<S>((mx - mn) / float((1 << BITS) - 1));
-      const S z_st = from_float<S>(mn);
+      const S z_st = from_float<S>(BIAS == 0.f ? mn : mn - BIAS * to_float(s_st));  // biased zero (value_bias)
       const int t = s.t0 + tt;
       if (lane == 0) {
         reinterpret_cast<S*>(seg + OFF_SCALE)[t * NGRP + grp] = s_st;
         reinterpret_cast<S*>(seg + OFF_ZERO)[t * NGRP + grp] = z_st;
       }
-      const float sc = to_float(s_st), zr = to_float(z_st);
+      const float sc = to_float(s_st), zr = BIAS == 0.f ? to_float(z_st) : to_float(z_st) + BIAS * sc;  // the effective zero
       u8* out = seg + OFF_CODES + t * ROW + grp * GBYTES;
       for (int byte = lane; byte < GBYTES; byte += L)
         out[byte] = pack_byte<BITS>(byte, [&](int c) { return quantize<BITS>(xs[c], sc, zr); });

@@ -10,6 +10,10 @@
 //! x̂       = code · scale_s + zero_s
 //! ```
 //!
+//! As stored (layout version 2), 4-bit groups and 8-bit value groups with fp16 scales keep a
+//! *biased* zero and their codes are rounded on the grid it implies: see [`value_bias`] / [`key_bias`],
+//! [`biased_step`], [`code_grid`], [`biased_dequant`]. The formulas above are the unbiased case.
+//!
 //! **Arithmetic.** Encoding runs in f32, operation for operation as the CUDA encode kernel
 //! does (`(mx - mn) / qmax`, `(x - zero) / scale`, `floorf(c + 0.5f)`), so that CPU and GPU
 //! store the same scale, zero and code bytes. The codes are then computed with the *stored*
@@ -20,7 +24,7 @@
 use crate::ScaleDType;
 use half::f16;
 
-use crate::codecs::bits::{pack_codes, unpack_code};
+use crate::codecs::bits::{pack_codes, pack_key_codes, unpack_code, unpack_key_code};
 
 /// Scale and zero of one quantisation group, as stored (already rounded to the scale dtype).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -98,6 +102,69 @@ pub fn int_error_bound(bits: u32, mn: f32, mx: f32, step: IntStep) -> f64 {
     inside.max(below).max(above) + 4.0 * U64 * magnitude
 }
 
+/// Code bias of per-token value codes: groups with a bias B store the *biased* zero
+/// `z̃ = S(zero − B·scale)` and decode as `x̂ = (code + B)·scale + z̃`, exactly. B + code is what
+/// one LOP3 (4 bits: a code at fp16 mantissa bits 4-7 with the exponent of 64) or one PRMT
+/// (8 bits: a code byte beside the exponent byte of 1024) makes of a code, so the per-warp
+/// decode dequantises a pair with that one instruction and one HFMA2, without an HSUB2
+/// (`templates/include/kvforge/codecs/int.cuh`, `value_bias`). B = 64 for 4 bits, 1024 for 8 bits
+/// with fp16 scales, 0 otherwise (2 bits, 8 bits with fp32 scales). Keys: [`key_bias`]. The effective zero `z̃ + B·scale` is within
+/// half an ulp of `B·scale` of the group minimum (at most scale/2 for 8 bits, scale/32 for 4);
+/// `B·scale` must stay below 65504 for fp16 scales (a group range below about 15000 at 4 bits,
+/// 16000 at 8).
+pub fn value_bias(bits: u32, dtype: ScaleDType) -> f32 {
+    match (bits, dtype) {
+        (4, _) => 64.0,
+        (8, ScaleDType::Fp16) => 1024.0,
+        _ => 0.0,
+    }
+}
+
+/// Code bias of per-channel key codes: 64 for 4 bits, 0 otherwise (see [`value_bias`]; 8-bit
+/// keys stay unbiased: biasing them too pushed a tracked multi-tier decode entry past its
+/// register cap).
+pub fn key_bias(bits: u32, _dtype: ScaleDType) -> f32 {
+    if bits == 4 {
+        64.0
+    } else {
+        0.0
+    }
+}
+
+/// The stored scale and (biased, [`value_bias`] / [`key_bias`]) zero of a group with range `[mn, mx]`.
+pub fn biased_step(bits: u32, bias: f32, mn: f32, mx: f32, dtype: ScaleDType) -> IntStep {
+    let s = int_step(bits, mn, mx, dtype);
+    if bias == 0.0 {
+        return s;
+    }
+    // bias·scale is exact (a power of two times the scale).
+    IntStep { scale: s.scale, zero: round_scale(dtype, mn - bias * s.scale) }
+}
+
+/// The grid a group's codes are rounded on: the stored step with the effective zero
+/// `z̃ + bias·scale` (f32, as the encode kernel computes it). Use it for [`int_code`] and
+/// [`int_error_bound`]; [`biased_dequant`] decodes from the stored step.
+pub fn code_grid(bias: f32, stored: IntStep) -> IntStep {
+    if bias == 0.0 {
+        return stored;
+    }
+    IntStep { scale: stored.scale, zero: stored.zero + bias * stored.scale }
+}
+
+/// Worst-case |x − x̂| of a group with range `[mn, mx]` and stored step: the
+/// [`int_error_bound`] of its grid ([`code_grid`]) plus the f32 rounding of the effective zero
+/// (the grid's zero against the exact `z̃ + bias·scale` that [`biased_dequant`] decodes with).
+pub fn biased_error_bound(bits: u32, bias: f32, mn: f32, mx: f32, stored: IntStep) -> f64 {
+    let grid = code_grid(bias, stored);
+    let exact = f64::from(stored.zero) + f64::from(bias) * f64::from(stored.scale);
+    int_error_bound(bits, mn, mx, grid) + (f64::from(grid.zero) - exact).abs()
+}
+
+/// Decoded value of `code` with the stored step, in f64: `(code + bias)·scale + z̃`, exact.
+pub fn biased_dequant(bias: f32, code: u8, stored: IntStep) -> f64 {
+    (f64::from(code) + f64::from(bias)) * f64::from(stored.scale) + f64::from(stored.zero)
+}
+
 /// Writes `x` as the scale dtype, little endian.
 pub fn store_scale(dtype: ScaleDType, x: f32, out: &mut [u8]) {
     match dtype {
@@ -139,7 +206,9 @@ impl IntArrays {
 }
 
 /// Per-channel keys: one step per channel per block of `block` tokens. `k` is `[tokens][d]`;
-/// `tokens` is a multiple of `block`. Scale and zero arrays are `[tokens/block][d]`.
+/// `tokens` is a multiple of `block`. Scale and zero arrays are `[tokens/block][d]`; the zero
+/// is biased for 4-bit keys ([`biased_step`]) and their codes in the key order
+/// ([`crate::codecs::bits::pack_key_codes`]).
 pub fn encode_keys(bits: u32, block: usize, dtype: ScaleDType, d: usize, tokens: usize, k: &[f32]) -> IntArrays {
     let row = d * bits as usize / 8;
     let blocks = tokens / block;
@@ -151,17 +220,18 @@ pub fn encode_keys(bits: u32, block: usize, dtype: ScaleDType, d: usize, tokens:
         for c in 0..d {
             let at = |t: usize| k[(b * block + t) * d + c];
             let (mn, mx) = min_max((0..block).map(at));
-            let step = int_step(bits, mn, mx, dtype);
+            let step = biased_step(bits, key_bias(bits, dtype), mn, mx, dtype);
             let i = b * d + c;
             store_scale(dtype, step.scale, &mut out.scale[i * sb..(i + 1) * sb]);
             store_scale(dtype, step.zero, &mut out.zero[i * sb..(i + 1) * sb]);
+            let grid = code_grid(key_bias(bits, dtype), step);
             for t in 0..block {
-                all[(b * block + t) * d + c] = int_code(bits, at(t), step);
+                all[(b * block + t) * d + c] = int_code(bits, at(t), grid);
             }
         }
     }
     for (t, r) in out.codes.chunks_exact_mut(row).enumerate() {
-        pack_codes(bits, &all[t * d..(t + 1) * d], r);
+        pack_key_codes(bits, &all[t * d..(t + 1) * d], r);
     }
     out
 }
@@ -176,14 +246,15 @@ pub fn decode_keys(bits: u32, block: usize, dtype: ScaleDType, d: usize, tokens:
         for c in 0..d {
             let i = (t / block) * d + c;
             let step = IntStep { scale: load_scale(dtype, scale, i), zero: load_scale(dtype, zero, i) };
-            k.push(int_dequant(unpack_code(bits, r, c), step));
+            k.push(biased_dequant(key_bias(bits, dtype), unpack_key_code(bits, r, c), step));
         }
     }
     k
 }
 
 /// Per-token values: one step per token per group of `group` channels. `v` is `[tokens][d]`;
-/// scale and zero arrays are `[tokens][d/group]`.
+/// scale and zero arrays are `[tokens][d/group]`; the zero is biased for 4-bit values
+/// ([`biased_step`]).
 pub fn encode_values(bits: u32, group: usize, dtype: ScaleDType, d: usize, tokens: usize, v: &[f32]) -> IntArrays {
     let row = d * bits as usize / 8;
     let groups = d / group;
@@ -194,12 +265,13 @@ pub fn encode_values(bits: u32, group: usize, dtype: ScaleDType, d: usize, token
         for j in 0..groups {
             let xs = &v[t * d + j * group..t * d + (j + 1) * group];
             let (mn, mx) = min_max(xs.iter().copied());
-            let step = int_step(bits, mn, mx, dtype);
+            let step = biased_step(bits, value_bias(bits, dtype), mn, mx, dtype);
             let i = t * groups + j;
             store_scale(dtype, step.scale, &mut out.scale[i * sb..(i + 1) * sb]);
             store_scale(dtype, step.zero, &mut out.zero[i * sb..(i + 1) * sb]);
+            let grid = code_grid(value_bias(bits, dtype), step);
             for (c, &x) in xs.iter().enumerate() {
-                codes[j * group + c] = int_code(bits, x, step);
+                codes[j * group + c] = int_code(bits, x, grid);
             }
         }
         pack_codes(bits, &codes, &mut out.codes[t * row..(t + 1) * row]);
@@ -218,7 +290,7 @@ pub fn decode_values(bits: u32, group: usize, dtype: ScaleDType, d: usize, token
         for c in 0..d {
             let i = t * groups + c / group;
             let step = IntStep { scale: load_scale(dtype, scale, i), zero: load_scale(dtype, zero, i) };
-            v.push(int_dequant(unpack_code(bits, r, c), step));
+            v.push(biased_dequant(value_bias(bits, dtype), unpack_code(bits, r, c), step));
         }
     }
     v
