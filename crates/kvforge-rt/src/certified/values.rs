@@ -61,20 +61,23 @@ fn load_scale(dt: ScaleDType, bytes: &[u8], i: usize) -> f64 {
     }
 }
 
-/// `code · scale + zero` per channel; codes are packed LSB-first, `8 / bits` per byte.
+/// `(code + B) · scale + zero` per channel, B the layout's value code bias
+/// ([`kvforge_spec::codecs::int::value_bias`]: the stored zero is biased); codes are packed
+/// LSB-first, `8 / bits` per byte.
 #[allow(clippy::too_many_arguments)]
 fn int(bits: u32, group: usize, dt: ScaleDType, d: usize, tokens: usize, codes: &[u8], scale: &[u8], zero: &[u8]) -> Result<Vec<f64>, String> {
     if !matches!(bits, 2 | 4 | 8) || group == 0 || !d.is_multiple_of(group) {
         return Err(format!("int values of {bits} bits in groups of {group} do not fit head_dim {d}"));
     }
     let (row, groups, per, mask) = (d * bits as usize / 8, d / group, 8 / bits as usize, ((1u32 << bits) - 1) as u8);
+    let bias = f64::from(kvforge_spec::codecs::int::value_bias(bits, dt));
     let mut v = Vec::with_capacity(tokens * d);
     for t in 0..tokens {
         let r = &codes[t * row..(t + 1) * row];
         for c in 0..d {
             let i = t * groups + c / group;
             let code = (r[c / per] >> ((c % per) * bits as usize)) & mask;
-            v.push(f64::from(code) * load_scale(dt, scale, i) + load_scale(dt, zero, i));
+            v.push((f64::from(code) + bias) * load_scale(dt, scale, i) + load_scale(dt, zero, i));
         }
     }
     Ok(v)

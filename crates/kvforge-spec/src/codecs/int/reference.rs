@@ -102,34 +102,7 @@ pub fn int_error_bound(bits: u32, mn: f32, mx: f32, step: IntStep) -> f64 {
     inside.max(below).max(above) + 4.0 * U64 * magnitude
 }
 
-/// Code bias of per-token value codes: groups with a bias B store the *biased* zero
-/// `z̃ = S(zero − B·scale)` and decode as `x̂ = (code + B)·scale + z̃`, exactly. B + code is what
-/// one LOP3 (4 bits: a code at fp16 mantissa bits 4-7 with the exponent of 64) or one PRMT
-/// (8 bits: a code byte beside the exponent byte of 1024) makes of a code, so the per-warp
-/// decode dequantises a pair with that one instruction and one HFMA2, without an HSUB2
-/// (`templates/include/kvforge/codecs/int.cuh`, `value_bias`). B = 64 for 4 bits, 1024 for 8 bits
-/// with fp16 scales, 0 otherwise (2 bits, 8 bits with fp32 scales). Keys: [`key_bias`]. The effective zero `z̃ + B·scale` is within
-/// half an ulp of `B·scale` of the group minimum (at most scale/2 for 8 bits, scale/32 for 4);
-/// `B·scale` must stay below 65504 for fp16 scales (a group range below about 15000 at 4 bits,
-/// 16000 at 8).
-pub fn value_bias(bits: u32, dtype: ScaleDType) -> f32 {
-    match (bits, dtype) {
-        (4, _) => 64.0,
-        (8, ScaleDType::Fp16) => 1024.0,
-        _ => 0.0,
-    }
-}
-
-/// Code bias of per-channel key codes: 64 for 4 bits, 0 otherwise (see [`value_bias`]; 8-bit
-/// keys stay unbiased: biasing them too pushed a tracked multi-tier decode entry past its
-/// register cap).
-pub fn key_bias(bits: u32, _dtype: ScaleDType) -> f32 {
-    if bits == 4 {
-        64.0
-    } else {
-        0.0
-    }
-}
+pub use super::{key_bias, value_bias};
 
 /// The stored scale and (biased, [`value_bias`] / [`key_bias`]) zero of a group with range `[mn, mx]`.
 pub fn biased_step(bits: u32, bias: f32, mn: f32, mx: f32, dtype: ScaleDType) -> IntStep {
