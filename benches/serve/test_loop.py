@@ -148,11 +148,28 @@ class _FakeCache:
         return ids
 
 
-def test_kvforge_backend_glue_on_a_fake_extension(monkeypatch):
+def _fake_kvforge(monkeypatch):
+    """Installs `_FakeCache` as the `kvforge` extension for this test."""
     fake = types.ModuleType("kvforge")
     fake.Cache = _FakeCache
     fake.__version__ = "fake"
     monkeypatch.setitem(sys.modules, "kvforge", fake)
+
+
+def _fake_graph_engine(monkeypatch):
+    """The engine module on the fake extension, its CUDA-graph path on the CPU step graph;
+    returns (engine, KvforgeBackend)."""
+    _fake_kvforge(monkeypatch)
+    import engine
+    from backends import KvforgeBackend
+
+    monkeypatch.setattr(engine.Engine, "graph_ready", lambda self: self.cuda_graph)
+    monkeypatch.setattr(engine, "StepGraph", _CpuStepGraph)
+    return engine, KvforgeBackend
+
+
+def test_kvforge_backend_glue_on_a_fake_extension(monkeypatch):
+    _fake_kvforge(monkeypatch)
     from backends import KvforgeBackend, make_backend
 
     m = _tiny()
@@ -217,17 +234,9 @@ def test_steady_through_the_step_graph_protocol_matches_eager(monkeypatch):
     """The engine's CUDA-graph path with the kvforge backend on a fake extension: prepare /
     launch / commit per layer and step, a warm eager step first, eager steps where a tail page
     fills, and the same greedy tokens as the eager path."""
-    fake = types.ModuleType("kvforge")
-    fake.Cache = _FakeCache
-    fake.__version__ = "fake"
-    monkeypatch.setitem(sys.modules, "kvforge", fake)
-    import engine
-    from backends import KvforgeBackend
-
+    engine, KvforgeBackend = _fake_graph_engine(monkeypatch)
     m = _tiny()
     c = m.cfg
-    monkeypatch.setattr(engine.Engine, "graph_ready", lambda self: self.cuda_graph)
-    monkeypatch.setattr(engine, "StepGraph", _CpuStepGraph)
     tokens, results, calls = {}, {}, {}
     decode = engine.Engine._decode
     for graph in (False, True):
@@ -254,17 +263,9 @@ def test_steady_through_the_step_graph_protocol_matches_eager(monkeypatch):
 def test_a_failing_graph_step_falls_back_to_eager_for_good(monkeypatch):
     """A backend whose graph_prepare raises: the error is recorded once, every later step runs
     eagerly, the tokens are the eager path's."""
-    fake = types.ModuleType("kvforge")
-    fake.Cache = _FakeCache
-    fake.__version__ = "fake"
-    monkeypatch.setitem(sys.modules, "kvforge", fake)
-    import engine
-    from backends import KvforgeBackend
-
+    engine, KvforgeBackend = _fake_graph_engine(monkeypatch)
     m = _tiny()
     c = m.cfg
-    monkeypatch.setattr(engine.Engine, "graph_ready", lambda self: self.cuda_graph)
-    monkeypatch.setattr(engine, "StepGraph", _CpuStepGraph)
     tried = []
 
     def refuse(self, seqs, stream=None):
@@ -294,10 +295,7 @@ def _recording(decode, out):
 
 def test_backend_capacity_stays_inside_the_budget(monkeypatch):
     """blocks x block bytes + fixed bytes never exceed the budget, for every backend kind."""
-    fake = types.ModuleType("kvforge")
-    fake.Cache = _FakeCache
-    fake.__version__ = "fake"
-    monkeypatch.setitem(sys.modules, "kvforge", fake)
+    _fake_kvforge(monkeypatch)
     from backends import FlashInferBackend, KvforgeBackend, SdpaBackend
 
     c = _tiny().cfg
