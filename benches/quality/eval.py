@@ -49,6 +49,8 @@ SCHEME_GROUPS = {
     "kvtc": [f"sim:kvtc-{r}" for r in (4, 8, 16, 20, 32, 64)],
     # ParisKV (seed 001, issue 27): sinks + local + top-256 retrieved, and the exact top-256 (paris_sim.py)
     "paris": ["sim:paris-k256", "sim:paris-k256-oracle"],
+    # the same, one retrieval per query head (paris_sim.py -qhead; the default is per kv head)
+    "paris-qhead": ["sim:paris-k256-qhead", "sim:paris-k256-qhead-oracle"],
 }
 KVFORGE_SCHEMES = [
     "kvforge:specs/baseline.toml:fp16",

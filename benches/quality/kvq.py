@@ -23,9 +23,10 @@ Backends (``make_backend(name)``):
                                 container's, measured.
 * ``sim:paris-k<k>[-oracle]...`` ParisKV retrieval decode (seed 001, issue 27): every query
                                 position attends over sinks + local + the top-k keys the
-                                ParisKV pipeline retrieves (``paris_sim.py``, a port of
-                                crates/kvforge-paris checked against it); ``-oracle``: the exact
-                                top-k instead.
+                                ParisKV pipeline retrieves per kv head for the GQA group's
+                                summed query (``paris_sim.py``, a port of crates/kvforge-paris
+                                checked against it); ``-oracle``: the exact top-k instead;
+                                ``-qhead``: one retrieval per query head.
 * ``kvforge:<spec.toml>:<tier>`` the kvforge Python extension: one ``kvforge.Cache`` per layer,
                                 post-RoPE K/V appended (full pages encoded to ``tier``), queries
                                 answered by ``attend_prefix`` (prompt) / ``decode`` (one token).

@@ -9,7 +9,7 @@ top-k. ``test_paris_sim.py`` checks it against the reference on the fixture
 paris_fixture``): summaries bit for bit, bonus tables and scores bit for bit, candidates and
 top-k index for index, estimates to 1e-9.
 
-The attention backend ``sim:paris-k<k>[-oracle][-s<sinks>][-l<local>][-d<dense_below>]``
+The attention backend ``sim:paris-k<k>[-oracle][-qhead][-s<sinks>][-l<local>][-d<dense_below>]``
 (``ParisSimBackend``; defaults k 256, sinks 64, local 256, dense below 2048 retrieval-region
 keys, ``Schedule::default``'s (ρ, β), 6 tiers) treats **every query position as a decode step**
 (causal, teacher forced): the query at position ``p`` sees the regions a ParisKV cache of
@@ -21,9 +21,18 @@ all of them, as the runtime's schedule does. This is stricter than the system, w
 dense: here the prompt's own positions are decoded with retrieval too (their K/V, in later
 layers, then carry the retrieval error forward, as generated tokens' do).
 
-``-oracle`` selects the exact top-k of the retrieval region by the true score ``q·k`` instead,
-which separates the retrieval's error from the truncation to k keys. The non-oracle backend
-also records, per layer, the mean Recall@k of its selection against that exact top-k.
+**Retrieval per kv head** (the runtime's default, ``ParisGeometry::per_query_head`` false): the
+``G`` query heads of a kv head share one retrieval whose query is the sum of theirs
+(``group_queries``, ``kvforge_paris::group_query``: f64, heads added in order), so a key's
+score is the sum of the heads' logits; the group shares one vote, top-C, rerank and top-k, and
+each query head still attends its own softmax over the shared rows. ``-qhead`` retrieves per
+query head instead (the runtime's ``per_query_head``, the first version of this backend).
+
+``-oracle`` selects the exact top-k of the retrieval region by the true score instead (per kv
+head: ``Σ_g q_g · k``, the summed query's; with ``-qhead``: each head's ``q·k``), which
+separates the retrieval's error from the truncation to k keys. The non-oracle backend also
+records, per layer, the mean Recall@k of its selection against that exact top-k (per
+retrieval: per kv head and position, or per query head and position with ``-qhead``).
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ LEVELS = {8: [-0.7648350596427917, -0.6193476319313049, -0.5030220746994019, -0.
               0.2152012139558792, 0.3053238093852997, 0.4002712666988373, 0.5030220746994019, 0.6193476319313049,
               0.7648350596427917]}
 # Schedule::default: (min_len, rho, beta), dense below, candidates >= 8 k.
-SCHEDULE = [(0, 0.25, 0.10), (64 << 10, 0.20, 0.06), (512 << 10, 0.15, 0.04)]
+SCHEDULE = [(0, 0.25, 0.10), (64 << 10, 0.20, 0.10), (512 << 10, 0.20, 0.08)]
 DENSE_BELOW = 2048
 MIN_CANDIDATES_PER_K = 8
 
@@ -70,6 +79,17 @@ def plan(n: int, k: int, dense_below: int = DENSE_BELOW):
     rho, beta = next((r, b) for m, r, b in reversed(SCHEDULE) if m <= n)
     cands = min(max(math.ceil(beta * n), MIN_CANDIDATES_PER_K * k), n)
     return rho, beta, cands, min(k, n), n < dense_below
+
+
+def group_queries(q: torch.Tensor, g: int) -> torch.Tensor:
+    """``group_query`` for queries ``[Hq, ..., D]``: ``[Hq/g, ..., D]`` f64, the ``g``
+    consecutive query heads of each kv head summed in order (``((0 + q₀) + q₁) + …``, the
+    reference's f64 order)."""
+    q64 = q.double().reshape(q.shape[0] // g, g, *q.shape[1:])
+    acc = torch.zeros_like(q64[:, 0])
+    for i in range(g):
+        acc = acc + q64[:, i]
+    return acc
 
 
 def _seq_sum_sq(x64: torch.Tensor) -> torch.Tensor:
@@ -218,16 +238,16 @@ class ParisSimBackend:
     measured_bytes = False
 
     def __init__(self, name: str, k: int = 256, sinks: int = 64, local: int = 256, dense_below: int = DENSE_BELOW,
-                 oracle: bool = False, tiers: int = 6):
+                 oracle: bool = False, tiers: int = 6, per_query_head: bool = False):
         self.name, self.k, self.sinks, self.local, self.dense_below = name, k, sinks, local, dense_below
-        self.oracle, self.tiers = oracle, tiers
+        self.oracle, self.tiers, self.per_query_head = oracle, tiers, per_query_head
         self.cache = {}
         self.recall = {}  # layer -> [sum of Recall@k, retrieval queries]
         self.stats = {"recall_vs_exact_topk_by_layer": {}, "retrieval_queries": 0, "dense_queries": 0}
 
     @staticmethod
     def parse(name: str) -> "ParisSimBackend":
-        """``sim:paris-k256-oracle-s64-l256-d2048-t6`` (any order after ``paris``)."""
+        """``sim:paris-k256-oracle-qhead-s64-l256-d2048-t6`` (any order after ``paris``)."""
         rest = name.partition(":")[2]
         parts = rest.split("-")
         kw = {}
@@ -235,10 +255,12 @@ class ParisSimBackend:
         for p in parts[1:]:
             if p == "oracle":
                 kw["oracle"] = True
+            elif p == "qhead":
+                kw["per_query_head"] = True
             elif p[:1] in keys and p[1:].isdigit():
                 kw[keys[p[:1]]] = int(p[1:])
             else:
-                raise SystemExit(f"unknown ParisKV backend `{name}`: sim:paris-k<k>[-oracle][-s<sinks>][-l<local>][-d<dense_below>][-t<tiers>]")
+                raise SystemExit(f"unknown ParisKV backend `{name}`: sim:paris-k<k>[-oracle][-qhead][-s<sinks>][-l<local>][-d<dense_below>][-t<tiers>]")
         return ParisSimBackend(name, **kw)
 
     def reset(self):
@@ -275,35 +297,42 @@ class ParisSimBackend:
             return kvq.eager_causal(q, k, v, scaling)
         self.stats["retrieval_queries"] += int(retr.sum()) * hq
         ks, vs = k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)
-        kv_of = torch.arange(hq, device=dev) // g
+        # Retrieval rows: one per kv head (its group's summed query) or one per query head.
+        nr, share = (hq, 1) if self.per_query_head else (hkv, g)
+        kv_of = torch.arange(nr, device=dev) // (g // share)  # retrieval row -> kv head
+        row_of = torch.arange(hq, device=dev) // share  # query head -> retrieval row
+        kr = ks if self.per_query_head else k  # [NR, S, D]
         if not self.oracle:
             cfg, ids, rows = self._summaries(layer, k)
             fdt = torch.float16 if dev.type == "cuda" else torch.float32
             onehot = one_hot_ids(ids, cfg, torch.int32)  # [Hkv, S, B·2^m]
             prefix = torch.cat([torch.zeros_like(onehot[:, :1]), torch.cumsum(onehot, 1, dtype=torch.int32)], 1)  # [Hkv, S+1, ..]
-            onehot = onehot.to(fdt)[kv_of]  # [Hq, S, B·2^m]
-            rows = rows[kv_of].transpose(1, 2)  # [Hq, D, S]
+            onehot = onehot.to(fdt)[kv_of]  # [NR, S, B·2^m]
+            rows = rows[kv_of].transpose(1, 2)  # [NR, D, S]
         j = torch.arange(s, device=dev)
         out = torch.empty(tq, hq, d, dtype=q.dtype, device=dev)
         chunk = max(1, (1 << (26 if dev.type == "cuda" else 22)) // max(1, hq * s))
+        qf = q.float() if self.per_query_head else group_queries(q, g).float()  # [NR, Tq, D], the exact top-k's queries
         rec_sum, rec_n = 0.0, 0
         for a in range(0, tq, chunk):
             z = slice(a, min(a + chunk, tq))
             qc, pc, s0c, rc, nc, tc = q[:, z], pos[z], s0[z], r_end[z], n_reg[z], retr[z]
             causal = j[None, :] <= pc[:, None]  # [Qc, S]
             region = (j[None, :] >= s0c[:, None]) & (j[None, :] < rc[:, None])
-            kq = torch.where(tc, torch.clamp(nc, max=self.k), torch.zeros_like(nc)).expand(hq, -1)
-            exact = torch.matmul(qc.float(), ks.float().transpose(1, 2))  # [Hq, Qc, S]
-            oracle_sel = top_k_mask(exact, region.expand(hq, -1, -1), kq)
+            kq = torch.where(tc, torch.clamp(nc, max=self.k), torch.zeros_like(nc)).expand(nr, -1)
+            exact = torch.matmul(qf[:, z], kr.float().transpose(1, 2))  # [NR, Qc, S]
+            oracle_sel = top_k_mask(exact, region.expand(nr, -1, -1), kq)
             del exact
             if self.oracle:
                 sel = oracle_sel
             else:
-                sel = self._select(cfg, qc, onehot, rows, prefix, kv_of, region, s0c, rc, nc, tc)
+                qrow = qc if self.per_query_head else group_queries(qc, g)
+                sel = self._select(cfg, qrow, onehot, rows, prefix, kv_of, region, s0c, rc, nc, tc)
                 inter = (sel & oracle_sel).sum(-1).double()
-                rows_r = tc.expand(hq, -1)
+                rows_r = tc.expand(nr, -1)
                 rec_sum += float((inter / kq.clamp(min=1).double())[rows_r].sum())
                 rec_n += int(rows_r.sum())
+            sel = sel[row_of]  # [Hq, Qc, S]: a kv head's rows for each of its query heads
             allowed = torch.where(tc[None, :, None], (causal & ~region)[None] | sel, causal[None])
             del sel, oracle_sel
             logits = torch.matmul(qc, ks.transpose(1, 2)) * scaling
@@ -318,23 +347,24 @@ class ParisSimBackend:
         return out.contiguous()
 
     def _select(self, cfg, qc, onehot, rows, prefix, kv_of, region, s0c, rc, nc, tc):
-        """The ParisKV top-k of each (query head, position) row: ``[Hq, Qc, S]`` bool.
-        ``onehot [Hq, S, B·2^m]``, ``rows [Hq, D, S]``, ``prefix [Hkv, S+1, B·2^m]`` (the
-        occupancy histogram of every key prefix)."""
-        hq = qc.shape[0]
+        """The ParisKV top-k of each (retrieval row, position): ``[NR, Qc, S]`` bool, for the
+        retrieval queries ``qc [NR, Qc, D]`` (a query head's, or a kv head's summed query).
+        ``onehot [NR, S, B·2^m]``, ``rows [NR, D, S]``, ``kv_of [NR]`` the kv head of each row,
+        ``prefix [Hkv, S+1, B·2^m]`` (the occupancy histogram of every key prefix)."""
+        nr = qc.shape[0]
         tcl = tc.tolist()
         plans = [plan(n, self.k, self.dense_below) for n in nc.tolist()]
         rho = torch.tensor([p[0] for p in plans], dtype=torch.float64, device=qc.device)
         cands = torch.tensor([p[2] if t else 0 for p, t in zip(plans, tcl)], device=qc.device)
         kk = torch.tensor([p[3] if t else 0 for p, t in zip(plans, tcl)], device=qc.device)
-        nrm, qr, order = prepare_queries(qc, cfg)  # [Hq, Qc], [Hq, Qc, D], [Hq, Qc, B, 2^m]
-        hist = (prefix[:, rc] - prefix[:, s0c]).reshape(prefix.shape[0], -1, cfg.b, cfg.cents)[kv_of]  # [Hq, Qc, B, 2^m]
-        bonus = bonuses(order, hist, nc.expand(hq, -1), rho.expand(hq, -1), cfg.tiers)
-        scores = torch.bmm(bonus.reshape(hq, qc.shape[1], -1).to(onehot.dtype), onehot.transpose(1, 2)).round().long()  # [Hq, Qc, S]
-        cmask = top_c_mask(scores, region[None], cands.expand(hq, -1))
+        nrm, qr, order = prepare_queries(qc, cfg)  # [NR, Qc], [NR, Qc, D], [NR, Qc, B, 2^m]
+        hist = (prefix[:, rc] - prefix[:, s0c]).reshape(prefix.shape[0], -1, cfg.b, cfg.cents)[kv_of]  # [NR, Qc, B, 2^m]
+        bonus = bonuses(order, hist, nc.expand(nr, -1), rho.expand(nr, -1), cfg.tiers)
+        scores = torch.bmm(bonus.reshape(nr, qc.shape[1], -1).to(onehot.dtype), onehot.transpose(1, 2)).round().long()  # [NR, Qc, S]
+        cmask = top_c_mask(scores, region[None], cands.expand(nr, -1))
         del scores
-        est = torch.bmm(qr * nrm[..., None], rows)  # [Hq, Qc, S] f64
-        return top_k_mask(est, cmask, kk.expand(hq, -1))
+        est = torch.bmm(qr * nrm[..., None], rows)  # [NR, Qc, S] f64
+        return top_k_mask(est, cmask, kk.expand(nr, -1))
 
     def bytes_per_token(self, d: int) -> float:
         return float(Config(d, self.tiers).summary_bytes())
@@ -342,6 +372,7 @@ class ParisSimBackend:
     def describe(self):
         return {"kind": "sim", "codec": "paris", "k": self.k, "sinks": self.sinks, "local": self.local,
                 "dense_below": self.dense_below, "tiers": self.tiers, "oracle": self.oracle,
+                "retrieval": "per query head" if self.per_query_head else "per kv head (summed query of the GQA group)",
                 "schedule": {"points_min_len_rho_beta": SCHEDULE, "min_candidates_per_k": MIN_CANDIDATES_PER_K},
                 "semantics": "every query position decoded with retrieval (causal, teacher forced): sinks + local + top-k of "
                              "the retrieval region, exact fp16 K/V, one softmax (benches/quality/paris_sim.py)",

@@ -1,7 +1,8 @@
 """CPU tests of paris_sim.py (pytest): the torch port against the kvforge-paris f64 reference
 (fixtures/paris-reference.json, written by `cargo run --release -p kvforge-paris --example
-paris_fixture`), the batched causal backend against a per-position brute force, and a tiny
-random Llama through the attention interface."""
+paris_fixture`; per query and for the GQA group's summed query), the batched causal backend
+against a per-position brute force (per kv head and per query head), and a tiny random Llama
+through the attention interface."""
 
 from __future__ import annotations
 
@@ -89,6 +90,8 @@ def test_port_matches_reference(fixture, case_ix):
     assert keys[:1, :8].flatten().tolist() == case["keys_first"]
     assert float(keys.double().sum()) == pytest.approx(case["keys_sum"], rel=1e-12)
     assert queries.tolist() == case["queries"]
+    group = ps.group_queries(queries, 3)[0]  # the reference's group_query of the three, bit for bit
+    assert group.tolist() == case["group_query"]
 
     ids, codes, w = ps.summarize(keys, cfg)
     for i, fk in enumerate(case["first_keys"]):
@@ -103,8 +106,9 @@ def test_port_matches_reference(fixture, case_ix):
 
     rows = ps.key_estimate_rows(codes, w, cfg)
     everything = torch.ones(n, dtype=torch.bool)
+    assert {r["query"] for r in case["runs"]} == {0, 1, 2, "group"}
     for run in case["runs"]:
-        q = queries[run["query"]]
+        q = group if run["query"] == "group" else queries[run["query"]]
         nrm, qr, order = ps.prepare_queries(q, cfg)
         assert float(nrm) == run["norm"]
         bonus = ps.bonuses(order, hist, torch.tensor(n), torch.tensor(run["rho"], dtype=torch.float64), cfg.tiers)
@@ -124,7 +128,8 @@ def test_port_matches_reference(fixture, case_ix):
 
 def brute_force(be: ps.ParisSimBackend, q, k, v, scaling):
     """Per query position: the regions, a fresh summary of the region's keys and the
-    single-query pipeline, attention in f64."""
+    single-query pipeline for each retrieval (a query head's query, or per kv head the sum of
+    its group's, which every head of the group then attends), attention in f64."""
     hq, tq, d = q.shape
     hkv, s, _ = k.shape
     g = hq // hkv
@@ -142,13 +147,14 @@ def brute_force(be: ps.ParisSimBackend, q, k, v, scaling):
             if n >= be.dense_below and n > be.k:
                 allowed[s0:r] = False
                 reg = k[kh, s0:r]
+                qr_in = q[h, t].double() if be.per_query_head else sum((q[kh * g + i, t].double() for i in range(g)), torch.zeros(d, dtype=torch.float64))
                 if be.oracle:
-                    ex = torch.matmul(reg.double(), q[h, t].double())
+                    ex = torch.matmul(reg.double(), qr_in)
                     top = torch.sort(ex, descending=True, stable=True).indices[: be.k]
                 else:
                     rho, _, c, kk, _ = ps.plan(n, be.k, be.dense_below)
                     ids, codes, w = ps.summarize(reg, cfg)
-                    nrm, qr, order = ps.prepare_queries(q[h, t], cfg)
+                    nrm, qr, order = ps.prepare_queries(qr_in, cfg)
                     bonus = ps.bonuses(order, ps.histogram(ids, cfg), torch.tensor(n), torch.tensor(rho, dtype=torch.float64), cfg.tiers)
                     cm = ps.top_c_mask(ps.vote(bonus, ids), torch.ones(n, dtype=torch.bool), torch.tensor(c))
                     est = torch.matmul(qr * nrm, ps.key_estimate_rows(codes, w, cfg).T)
@@ -160,14 +166,15 @@ def brute_force(be: ps.ParisSimBackend, q, k, v, scaling):
     return out
 
 
+@pytest.mark.parametrize("per_query_head", [False, True])
 @pytest.mark.parametrize("oracle", [False, True])
-def test_backend_equals_per_position_brute_force(oracle):
+def test_backend_equals_per_position_brute_force(oracle, per_query_head):
     torch.manual_seed(0)
     hq, hkv, s, d = 4, 2, 160, 64
     k = torch.randn(hkv, s, d) + torch.linspace(-1, 1, d)
     v = torch.randn(hkv, s, d)
     q = torch.randn(hq, s, d) * 2
-    be = ps.ParisSimBackend("t", k=6, sinks=4, local=12, dense_below=40, oracle=oracle)
+    be = ps.ParisSimBackend("t", k=6, sinks=4, local=12, dense_below=40, oracle=oracle, per_query_head=per_query_head)
     be.reset()
     got = be.attend(0, q, k, v, 0.125)
     want = brute_force(be, q, k, v, 0.125)
@@ -186,14 +193,40 @@ def test_backend_dense_when_short_and_names_parse():
     torch.manual_seed(1)
     q, k, v = torch.randn(4, 50, 64), torch.randn(2, 50, 64), torch.randn(2, 50, 64)
     be = ps.ParisSimBackend.parse("sim:paris-k8-s4-l8-d2048")
-    assert (be.k, be.sinks, be.local, be.dense_below, be.oracle) == (8, 4, 8, 2048, False)
+    assert (be.k, be.sinks, be.local, be.dense_below, be.oracle, be.per_query_head) == (8, 4, 8, 2048, False, False)
     assert torch.equal(be.attend(0, q, k, v, 0.125), kvq.eager_causal(q, k, v, 0.125))
     assert ps.ParisSimBackend.parse("sim:paris-k256-oracle").oracle
+    qh = ps.ParisSimBackend.parse("sim:paris-k256-qhead-oracle")
+    assert qh.per_query_head and qh.oracle and qh.describe()["retrieval"] == "per query head"
+    assert ps.ParisSimBackend.parse("sim:paris-k256").describe()["retrieval"].startswith("per kv head")
     with pytest.raises(SystemExit):
         ps.ParisSimBackend.parse("sim:paris-x3")
     assert isinstance(kvq.make_backend("sim:paris-k256"), ps.ParisSimBackend)
     assert ps.plan(5000, 100) == (0.25, 0.10, 800, 100, False)
     assert ps.plan(1000, 100)[4]
+    # Schedule::default (crates/kvforge-paris config.rs, its test schedule_plans_by_length).
+    assert ps.plan(128 << 10, 100)[:3] == (0.20, 0.10, math.ceil(0.10 * (128 << 10)))
+    assert ps.plan(1 << 20, 100)[:3] == (0.20, 0.08, math.ceil(0.08 * (1 << 20)))
+
+
+def test_group_of_one_is_per_query_head_and_groups_share_rows():
+    """With GQA 1 the per-kv-head backend is the per-query-head one; with GQA 2 a group's heads
+    attend the same retrieved rows (same selection, so equal outputs for equal queries)."""
+    torch.manual_seed(3)
+    s, d = 120, 64
+    k = torch.randn(2, s, d) + torch.linspace(-1, 1, d)
+    v = torch.randn(2, s, d)
+    q = torch.randn(2, s, d) * 2
+    kw = dict(k=6, sinks=4, local=12, dense_below=40)
+    a = ps.ParisSimBackend("kv", **kw).attend(0, q, k, v, 0.125)
+    b = ps.ParisSimBackend("qh", per_query_head=True, **kw).attend(0, q, k, v, 0.125)
+    assert torch.equal(a, b)
+    # GQA 2, both heads of kv head 0 carrying the same query: per kv head their summed query
+    # is 2q (same direction, same selection as q alone), so they match the per-head run.
+    q2 = torch.stack([q[0], q[0], q[1], q[1]])
+    c = ps.ParisSimBackend("kv", **kw).attend(0, q2, k, v, 0.125)
+    assert torch.equal(c[:, 0], c[:, 1]) and torch.equal(c[:, 2], c[:, 3])
+    assert torch.allclose(c[:, 0], b[:, 0], atol=1e-6) and torch.allclose(c[:, 2], b[:, 1], atol=1e-6)
 
 
 def test_tiny_llama_runs_with_retrieval():

@@ -11,14 +11,16 @@
 //! key `i`, channel `c`: `mean_c = ((37c) mod 17)/8 − 1`, `cen_j(c) = ((131j + 29c) mod 23)/11 − 1`
 //! with `j = i mod 7`, `noise = u₁ + u₂ + u₃ − 1.5` (three draws, in order), and
 //! `k_ic = f32(1.5 mean_c + cen_j(c) + 0.8 noise)`; key 5 is zero. Query `r`:
-//! `q_c = 1.3 cen_{r+1}(c) + 0.5 noise + 0.3 mean_c` (f64), drawn after all keys.
+//! `q_c = 1.3 cen_{r+1}(c) + 0.5 noise + 0.3 mean_c` (f64), drawn after all keys. The runs
+//! retrieve for each query and for the GQA group's summed query of all three
+//! (`group_query`: `((q₀ + q₁) + q₂)` in f64, the per-kv-head retrieval of the runtime).
 //!
 //! Integer arrays are compared by their FNV-1a 64 hash of the little-endian bytes (the file
 //! stays small); the first keys' summaries, the candidates and the top-k are listed.
 
 use half::f16;
 use kvforge_paris::retrieval::top_k_by;
-use kvforge_paris::{summarize_key, top_candidates, ParisConfig, Query, Summaries};
+use kvforge_paris::{group_query, summarize_key, top_candidates, ParisConfig, Query, Summaries};
 use serde_json::{json, Value};
 
 struct Xorshift(u64);
@@ -78,7 +80,11 @@ fn case(d: usize, n: usize, salt: u64) -> Value {
         })
         .collect();
     let mut runs = Vec::new();
-    for (qi, q) in queries.iter().enumerate() {
+    // Per query head (`query` 0, 1, 2), then the GQA group's shared retrieval (module docs of
+    // kvforge-paris, "GQA"): the summed query of heads 0..3 (`query` "group", `group_query`).
+    let group: Vec<f64> = group_query(&queries.concat(), d);
+    let all: Vec<(Value, &[f64])> = queries.iter().enumerate().map(|(qi, q)| (json!(qi), q.as_slice())).chain(std::iter::once((json!("group"), group.as_slice()))).collect();
+    for (qi, q) in all {
         let qp = Query::new(&cfg, q).expect("a finite query");
         for &(rho, c, k) in &[(0.25, 300usize, 40usize), (0.10, 150, 20)] {
             let bonus = qp.bonuses(&s.hist, s.n, rho);
@@ -101,6 +107,7 @@ fn case(d: usize, n: usize, salt: u64) -> Value {
         "keys_sum": keys.iter().map(|&v| f64::from(v)).sum::<f64>(),
         "keys_first": &keys[..8],
         "queries": queries,
+        "group_query": group,
         "ids_fnv": fnv(s.ids.iter().copied()),
         "codes_fnv": fnv(s.codes.iter().copied()),
         "weights_fnv": fnv(s.weights.iter().flat_map(|w| w.to_le_bytes())),
