@@ -9,7 +9,7 @@ top-k. ``test_paris_sim.py`` checks it against the reference on the fixture
 paris_fixture``): summaries bit for bit, bonus tables and scores bit for bit, candidates and
 top-k index for index, estimates to 1e-9.
 
-The attention backend ``sim:paris-k<k>[-oracle][-qhead][-s<sinks>][-l<local>][-d<dense_below>]``
+The attention backend ``sim:paris-k<k>[-oracle][-qhead|-hmax][-s<sinks>][-l<local>][-d<dense_below>]``
 (``ParisSimBackend``; defaults k 256, sinks 64, local 256, dense below 2048 retrieval-region
 keys, ``Schedule::default``'s (ρ, β), 6 tiers) treats **every query position as a decode step**
 (causal, teacher forced): the query at position ``p`` sees the regions a ParisKV cache of
@@ -27,6 +27,9 @@ layers, then carry the retrieval error forward, as generated tokens' do).
 score is the sum of the heads' logits; the group shares one vote, top-C, rerank and top-k, and
 each query head still attends its own softmax over the shared rows. ``-qhead`` retrieves per
 query head instead (the runtime's ``per_query_head``, the first version of this backend).
+``-hmax`` (sim only, no runtime path yet) keeps the kv head's shared vote and top-C but ranks the
+candidates by the largest of the ``G`` heads' own estimates (the oracle: by the largest head
+logit), so a key that one head attends to is not averaged away by the others.
 
 ``-oracle`` selects the exact top-k of the retrieval region by the true score instead (per kv
 head: ``Σ_g q_g · k``, the summed query's; with ``-qhead``: each head's ``q·k``), which
@@ -238,9 +241,11 @@ class ParisSimBackend:
     measured_bytes = False
 
     def __init__(self, name: str, k: int = 256, sinks: int = 64, local: int = 256, dense_below: int = DENSE_BELOW,
-                 oracle: bool = False, tiers: int = 6, per_query_head: bool = False):
+                 oracle: bool = False, tiers: int = 6, per_query_head: bool = False, head_max: bool = False):
         self.name, self.k, self.sinks, self.local, self.dense_below = name, k, sinks, local, dense_below
         self.oracle, self.tiers, self.per_query_head = oracle, tiers, per_query_head
+        # per kv head, ranked by the largest of the group's heads' estimates (sim only)
+        self.head_max = head_max and not per_query_head
         self.cache = {}
         self.recall = {}  # layer -> [sum of Recall@k, retrieval queries]
         self.stats = {"recall_vs_exact_topk_by_layer": {}, "retrieval_queries": 0, "dense_queries": 0}
@@ -257,10 +262,12 @@ class ParisSimBackend:
                 kw["oracle"] = True
             elif p == "qhead":
                 kw["per_query_head"] = True
+            elif p == "hmax":
+                kw["head_max"] = True
             elif p[:1] in keys and p[1:].isdigit():
                 kw[keys[p[:1]]] = int(p[1:])
             else:
-                raise SystemExit(f"unknown ParisKV backend `{name}`: sim:paris-k<k>[-oracle][-qhead][-s<sinks>][-l<local>][-d<dense_below>][-t<tiers>]")
+                raise SystemExit(f"unknown ParisKV backend `{name}`: sim:paris-k<k>[-oracle][-qhead|-hmax][-s<sinks>][-l<local>][-d<dense_below>][-t<tiers>]")
         return ParisSimBackend(name, **kw)
 
     def reset(self):
@@ -320,14 +327,18 @@ class ParisSimBackend:
             causal = j[None, :] <= pc[:, None]  # [Qc, S]
             region = (j[None, :] >= s0c[:, None]) & (j[None, :] < rc[:, None])
             kq = torch.where(tc, torch.clamp(nc, max=self.k), torch.zeros_like(nc)).expand(nr, -1)
-            exact = torch.matmul(qf[:, z], kr.float().transpose(1, 2))  # [NR, Qc, S]
+            if self.head_max:  # the largest of the group's heads' exact scores
+                exact = torch.matmul(q[:, z].float(), ks.float().transpose(1, 2))
+                exact = exact.reshape(nr, g, *exact.shape[1:]).amax(1)
+            else:
+                exact = torch.matmul(qf[:, z], kr.float().transpose(1, 2))  # [NR, Qc, S]
             oracle_sel = top_k_mask(exact, region.expand(nr, -1, -1), kq)
             del exact
             if self.oracle:
                 sel = oracle_sel
             else:
                 qrow = qc if self.per_query_head else group_queries(qc, g)
-                sel = self._select(cfg, qrow, onehot, rows, prefix, kv_of, region, s0c, rc, nc, tc)
+                sel = self._select(cfg, qrow, onehot, rows, prefix, kv_of, region, s0c, rc, nc, tc, qc if self.head_max else None)
                 inter = (sel & oracle_sel).sum(-1).double()
                 rows_r = tc.expand(nr, -1)
                 rec_sum += float((inter / kq.clamp(min=1).double())[rows_r].sum())
@@ -346,7 +357,7 @@ class ParisSimBackend:
             self.stats["recall_vs_exact_topk_by_layer"][str(layer)] = acc[0] / acc[1]
         return out.contiguous()
 
-    def _select(self, cfg, qc, onehot, rows, prefix, kv_of, region, s0c, rc, nc, tc):
+    def _select(self, cfg, qc, onehot, rows, prefix, kv_of, region, s0c, rc, nc, tc, qheads=None):
         """The ParisKV top-k of each (retrieval row, position): ``[NR, Qc, S]`` bool, for the
         retrieval queries ``qc [NR, Qc, D]`` (a query head's, or a kv head's summed query).
         ``onehot [NR, S, B·2^m]``, ``rows [NR, D, S]``, ``kv_of [NR]`` the kv head of each row,
@@ -363,7 +374,13 @@ class ParisSimBackend:
         scores = torch.bmm(bonus.reshape(nr, qc.shape[1], -1).to(onehot.dtype), onehot.transpose(1, 2)).round().long()  # [NR, Qc, S]
         cmask = top_c_mask(scores, region[None], cands.expand(nr, -1))
         del scores
-        est = torch.bmm(qr * nrm[..., None], rows)  # [NR, Qc, S] f64
+        if qheads is None:
+            est = torch.bmm(qr * nrm[..., None], rows)  # [NR, Qc, S] f64
+        else:  # `head_max`: each of the g query heads' estimate, the largest per key
+            g = qheads.shape[0] // nr
+            nh, qh, _ = prepare_queries(qheads, cfg)
+            est = torch.bmm(qh * nh[..., None], rows.repeat_interleave(g, 0))
+            est = est.reshape(nr, g, *est.shape[1:]).amax(1)
         return top_k_mask(est, cmask, kk.expand(nr, -1))
 
     def bytes_per_token(self, d: int) -> float:
@@ -372,7 +389,8 @@ class ParisSimBackend:
     def describe(self):
         return {"kind": "sim", "codec": "paris", "k": self.k, "sinks": self.sinks, "local": self.local,
                 "dense_below": self.dense_below, "tiers": self.tiers, "oracle": self.oracle,
-                "retrieval": "per query head" if self.per_query_head else "per kv head (summed query of the GQA group)",
+                "retrieval": "per query head" if self.per_query_head else ("per kv head, vote by the summed query, ranked by the largest head estimate"
+                                                                           if self.head_max else "per kv head (summed query of the GQA group)"),
                 "schedule": {"points_min_len_rho_beta": SCHEDULE, "min_candidates_per_k": MIN_CANDIDATES_PER_K},
                 "semantics": "every query position decoded with retrieval (causal, teacher forced): sinks + local + top-k of "
                              "the retrieval region, exact fp16 K/V, one softmax (benches/quality/paris_sim.py)",
