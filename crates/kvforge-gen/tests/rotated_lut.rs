@@ -9,7 +9,7 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::process::Command;
 
-use kvforge_spec::codecs::rotated::levels;
+use kvforge_spec::codecs::rotated::{group3_nibbles, group3_pack, levels, GROUP3_CHANNELS};
 
 const HEADER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../templates/include/kvforge/codecs/rotated_lut.cuh");
 
@@ -48,43 +48,77 @@ fn compiler() -> Option<String> {
 /// Code streams per configuration.
 const CASES: usize = 400;
 
+/// 3-bit configurations also check the kernels' group packing against kvforge-spec's.
+const GROUP_CHECK: &str = r#"for (int c = 0; c < {CASES}; ++c) {
+      kvforge::u32 n[4], g[3];
+      for (auto& x : n) x = next() & kvforge::ROTATED_NIB3;
+      kvforge::rotated_group3_pack(n, g);
+      printf("G 3 {d} %08x %08x %08x %08x : %08x %08x %08x\n", n[0], n[1], n[2], n[3], g[0], g[1], g[2]);
+    }"#;
+
 /// One configuration: `bits`, head dim `d`; key slices of d/32 chunks, value slices of d/64.
+/// 3-bit slices of fewer than 4 chunks are a part of one group: the driver draws the whole
+/// group and the part's position, builds the two words the kernels load with `form` and
+/// prints the group and the position (`@ pos`); other slices print their stream and `@ 0`.
 fn driver(bits: u32, d: usize, lv: &[u32]) -> String {
     let lvs = lv.iter().map(|l| format!("{l:#010x}u")).collect::<Vec<_>>().join(", ");
     let kch = d / 32;
     let vch = d / 64;
-    let words = |nch: usize| (nch * bits as usize).div_ceil(4);
+    let part = |nch: usize| bits == 3 && nch < 4;
+    let words = |nch: usize| if part(nch) { 3 } else { (nch * bits as usize).div_ceil(4) };
+    // Input words `src` of one slice to the Lut's stream `dst` at position `pos`.
+    let load = |nch: usize, src: &[&str], dst: &[&str]| {
+        let mut o = if part(nch) { format!("int pos = next() % {};", 4 / nch) } else { "int pos = 0;".to_string() };
+        for (s, t) in src.iter().zip(dst) {
+            if part(nch) {
+                write!(o, " kvforge::u32 {t}[2]; Lut::form<{nch}>({s}[pos * {nch} / 2], {s}[2], pos, {t});").unwrap();
+            } else {
+                write!(o, " kvforge::u32 (&{t})[{w}] = {s};", w = words(nch)).unwrap();
+            }
+        }
+        o
+    };
     format!(
         r#"
   {{
     using Lut = kvforge::RotatedLut<{bits}, {lvs}>;
     for (int c = 0; c < {CASES}; ++c) {{
-      kvforge::u32 w[{kw}], out[{kp}];
-      for (auto& x : w) x = next();
-      Lut::adjacent<{kch}>(w, out);
-      printf("K {bits} {d}");
-      for (auto x : w) printf(" %08x", x);
-      printf(" :");
-      for (auto x : out) printf(" %08x", x);
-      printf("\n");
-      kvforge::u32 a[{vw}], b[{vw}], o[{vp}];
-      for (auto& x : a) x = next();
-      for (auto& x : b) x = next();
-      Lut::transposed<{vch}>(a, b, o);
-      printf("V {bits} {d}");
-      for (auto x : a) printf(" %08x", x);
-      printf(" |");
-      for (auto x : b) printf(" %08x", x);
-      printf(" :");
-      for (auto x : o) printf(" %08x", x);
-      printf("\n");
+      {{
+        kvforge::u32 w[{kw}], out[{kp}];
+        for (auto& x : w) x = next();
+        {kload}
+        Lut::adjacent<{kch}>(s, out);
+        printf("K {bits} {d}");
+        for (auto x : w) printf(" %08x", x);
+        printf(" @ %d :", pos);
+        for (auto x : out) printf(" %08x", x);
+        printf("\n");
+      }}
+      {{
+        kvforge::u32 a[{vw}], b[{vw}], o[{vp}];
+        for (auto& x : a) x = next();
+        for (auto& x : b) x = next();
+        {vload}
+        Lut::transposed<{vch}>(sa, sb, o);
+        printf("V {bits} {d}");
+        for (auto x : a) printf(" %08x", x);
+        printf(" |");
+        for (auto x : b) printf(" %08x", x);
+        printf(" @ %d :", pos);
+        for (auto x : o) printf(" %08x", x);
+        printf("\n");
+      }}
     }}
+    {group}
   }}
 "#,
         kw = words(kch),
         kp = 4 * kch,
         vw = words(vch),
         vp = 8 * vch,
+        kload = load(kch, &["w"], &["s"]),
+        vload = load(vch, &["a", "b"], &["sa", "sb"]),
+        group = if bits == 3 { GROUP_CHECK.replace("{d}", &d.to_string()).replace("{CASES}", &CASES.to_string()) } else { String::new() },
     )
 }
 
@@ -92,8 +126,14 @@ fn hex(s: &str) -> Vec<u32> {
     s.split_whitespace().map(|x| u32::from_str_radix(x, 16).unwrap()).collect()
 }
 
-/// Code of channel `c` of a little-endian stream of `bits`-bit codes.
+/// Code of channel `c` of a stream of `bits`-bit codes: 4 and 2 bits little-endian chunks,
+/// 3 bits groups of 3 words (kvforge-spec's `group3_nibbles`).
 fn code(w: &[u32], bits: u32, c: usize) -> usize {
+    if bits == 3 {
+        let g = c / GROUP3_CHANNELS;
+        let n = group3_nibbles([w[3 * g], w[3 * g + 1], w[3 * g + 2]]);
+        return ((n[(c / 8) % 4] >> (4 * (c % 8))) & 7) as usize;
+    }
     let bit = c * bits as usize;
     let lo = w[bit / 32] as u64 | (w.get(bit / 32 + 1).copied().unwrap_or(0) as u64) << 32;
     ((lo >> (bit % 32)) & ((1 << bits) - 1)) as usize
@@ -136,18 +176,28 @@ fn lookup_matches_levels_rounded_to_fp16() {
         let half = |c: usize| half::f16::from_f32(levels(d, bits).levels_f32[c]).to_bits() as u32;
         let (input, got) = body.split_once(':').unwrap();
         let got = hex(got);
+        if side == "G" {
+            // The kernels' encode packs a group as kvforge-spec does.
+            let n = hex(input);
+            assert_eq!(got, group3_pack([n[0], n[1], n[2], n[3]]), "group of {n:08x?}");
+            continue;
+        }
+        let (input, pos) = input.split_once('@').unwrap();
+        let pos: usize = pos.trim().parse().unwrap();
         if side == "K" {
             let w = hex(input);
+            let c0 = pos * d / 4;
             for (e, &g) in got.iter().enumerate() {
-                let want = half(code(&w, bits, 2 * e)) | half(code(&w, bits, 2 * e + 1)) << 16;
-                assert_eq!(g, want, "keys, {bits} bits, d {d}, pair {e}, stream {w:08x?}");
+                let want = half(code(&w, bits, c0 + 2 * e)) | half(code(&w, bits, c0 + 2 * e + 1)) << 16;
+                assert_eq!(g, want, "keys, {bits} bits, d {d}, pair {e}, stream {w:08x?} at {pos}");
             }
         } else {
             let (a, b) = input.split_once('|').unwrap();
             let (a, b) = (hex(a), hex(b));
+            let c0 = pos * d / 8;
             for (k, &g) in got.iter().enumerate() {
-                let want = half(code(&a, bits, k)) | half(code(&b, bits, k)) << 16;
-                assert_eq!(g, want, "values, {bits} bits, d {d}, channel {k}, streams {a:08x?} {b:08x?}");
+                let want = half(code(&a, bits, c0 + k)) | half(code(&b, bits, c0 + k)) << 16;
+                assert_eq!(g, want, "values, {bits} bits, d {d}, channel {k}, streams {a:08x?} {b:08x?} at {pos}");
             }
         }
         checked += 1;

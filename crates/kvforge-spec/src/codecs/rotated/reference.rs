@@ -58,23 +58,44 @@ pub fn code_row(table: &LevelTable, x: &[f32]) -> (Vec<u8>, f32) {
     (codes, gamma)
 }
 
-/// Packs one token's codes (each `< 2^bits`, `codes.len()` a multiple of 8) into `row`
-/// (`codes.len() · bits / 8` bytes): chunk `c/8` of `bits` bytes, slot `c%8`, little endian.
+/// Packs one token's codes (each `< 2^bits`, `codes.len()` a multiple of 8, of 32 at 3 bits)
+/// into `row` (`codes.len() · bits / 8` bytes). 4 and 2 bits: chunk `c/8` of `bits` bytes,
+/// slot `c%8`, little endian. 3 bits: groups of 32 codes in 3 little-endian words
+/// ([`super::group3_pack`]).
 pub fn pack_row(bits: u32, codes: &[u8], row: &mut [u8]) {
     let b = bits as usize;
     assert_eq!(row.len() * 8, codes.len() * b, "a row of {} {bits}-bit codes is {} bytes", codes.len(), codes.len() * b / 8);
+    debug_assert!(codes.iter().all(|&c| u32::from(c) < (1 << bits)));
+    if bits == 3 {
+        assert!(codes.len().is_multiple_of(super::GROUP3_CHANNELS), "3-bit rows are whole groups of {} codes", super::GROUP3_CHANNELS);
+        for (group, cs) in row.chunks_exact_mut(12).zip(codes.chunks_exact(super::GROUP3_CHANNELS)) {
+            let n: [u32; 4] = std::array::from_fn(|j| nibbles(&cs[8 * j..8 * j + 8]));
+            for (dst, w) in group.chunks_exact_mut(4).zip(super::group3_pack(n)) {
+                dst.copy_from_slice(&w.to_le_bytes());
+            }
+        }
+        return;
+    }
     for (chunk, cs) in row.chunks_exact_mut(b).zip(codes.chunks_exact(8)) {
-        let w = cs.iter().enumerate().fold(0u32, |w, (i, &c)| {
-            debug_assert!(u32::from(c) < (1 << bits));
-            w | (u32::from(c) << (b * i))
-        });
+        let w = cs.iter().enumerate().fold(0u32, |w, (i, &c)| w | (u32::from(c) << (b * i)));
         chunk.copy_from_slice(&w.to_le_bytes()[..b]);
     }
+}
+
+/// 8 codes one per nibble, code `i` at bits `4i`.
+fn nibbles(cs: &[u8]) -> u32 {
+    cs.iter().enumerate().fold(0u32, |w, (i, &c)| w | (u32::from(c) << (4 * i)))
 }
 
 /// Code of channel `c` in a packed row.
 pub fn unpack_code(bits: u32, row: &[u8], c: usize) -> u8 {
     let b = bits as usize;
+    if bits == 3 {
+        let g = c / super::GROUP3_CHANNELS;
+        let word = |i: usize| u32::from_le_bytes(row[12 * g + 4 * i..12 * g + 4 * i + 4].try_into().unwrap());
+        let n = super::group3_nibbles([word(0), word(1), word(2)]);
+        return ((n[(c / 8) % 4] >> (4 * (c % 8))) & 7) as u8;
+    }
     let chunk = &row[(c / 8) * b..(c / 8 + 1) * b];
     let w = chunk.iter().rev().fold(0u32, |w, &byte| (w << 8) | u32::from(byte));
     ((w >> (b * (c % 8))) & ((1 << bits) - 1)) as u8
@@ -130,13 +151,6 @@ mod tests {
 
     #[test]
     fn packing_follows_the_chunk_layout() {
-        // 3 bits: channels 0..8 in bytes 0..3, channel c at bit 3c of the little-endian word.
-        let codes: Vec<u8> = (0..16).map(|c| (c % 8) as u8).collect();
-        let mut row = [0u8; 6];
-        pack_row(3, &codes, &mut row);
-        let w = 0o76543210u32;
-        assert_eq!(&row[..3], &w.to_le_bytes()[..3]);
-        assert_eq!(&row[3..], &w.to_le_bytes()[..3]);
         for bits in [2, 3, 4] {
             let n = 64;
             let codes: Vec<u8> = (0..n).map(|c| ((c * 7 + 3) % (1 << bits)) as u8).collect();
@@ -149,6 +163,30 @@ mod tests {
         let mut row = [0u8; 2];
         pack_row(2, &[1, 2, 3, 0, 0, 0, 0, 1], &mut row);
         assert_eq!(row, [0b00_11_10_01, 0b01_00_00_00]);
+    }
+
+    #[test]
+    fn three_bit_groups_decode_as_the_kernel_computes() {
+        // Chunk j's codes 0o0..0o7 shifted by j: the words are what group3_pack defines, and
+        // the decode's formulas (rotated_lut.cuh) give back every chunk.
+        let codes: Vec<u8> = (0..32).map(|c| ((c % 8 + c / 8) % 8) as u8).collect();
+        let mut row = [0u8; 12];
+        pack_row(3, &codes, &mut row);
+        let w: [u32; 3] = std::array::from_fn(|i| u32::from_le_bytes(row[4 * i..4 * i + 4].try_into().unwrap()));
+        let m = 0x7777_7777u32;
+        let n = [w[0] & m, ((w[0] >> 1) ^ w[2]) & m, w[1] & m, ((w[1] >> 1) ^ (w[2] >> 2)) & m];
+        for (j, nj) in n.iter().enumerate() {
+            assert_eq!(*nj, (0..8).fold(0u32, |x, k| x | (((k + j as u32) % 8) << (4 * k))), "chunk {j}");
+        }
+        // Every 96-bit group is the image of exactly one set of codes: random words round trip.
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..1000 {
+            let w: [u32; 3] = std::array::from_fn(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (s >> 32) as u32
+            });
+            assert_eq!(crate::codecs::rotated::group3_pack(crate::codecs::rotated::group3_nibbles(w)), w);
+        }
     }
 
     #[test]
