@@ -57,21 +57,24 @@ const GROUP_CHECK: &str = r#"for (int c = 0; c < {CASES}; ++c) {
     }"#;
 
 /// One configuration: `bits`, head dim `d`; key slices of d/32 chunks, value slices of d/64.
-/// 3-bit slices of fewer than 4 chunks are a part of one group: the driver draws the whole
-/// group and the part's position, builds the two words the kernels load with `form` and
-/// prints the group and the position (`@ pos`); other slices print their stream and `@ 0`.
+/// 3-bit slices of fewer than 4 chunks are a part of one group (2-bit slices of one chunk of
+/// one word): the driver draws the whole group and the part's position, builds the words the
+/// kernels load with `form` and prints the group and the position (`@ pos`); other slices
+/// print their stream and `@ 0`.
 fn driver(bits: u32, d: usize, lv: &[u32]) -> String {
     let lvs = lv.iter().map(|l| format!("{l:#010x}u")).collect::<Vec<_>>().join(", ");
     let kch = d / 32;
     let vch = d / 64;
-    let part = |nch: usize| bits == 3 && nch < 4;
-    let words = |nch: usize| if part(nch) { 3 } else { (nch * bits as usize).div_ceil(4) };
+    // Chunks and words of a group (3 bits) or word (2 bits).
+    let (gch, gw) = if bits == 3 { (4, 3) } else { (2, 1) };
+    let part = |nch: usize| bits != 4 && nch < gch;
+    let words = |nch: usize| if part(nch) { gw } else { (nch * bits as usize).div_ceil(4) };
     // Input words `src` of one slice to the Lut's stream `dst` at position `pos`.
     let load = |nch: usize, src: &[&str], dst: &[&str]| {
-        let mut o = if part(nch) { format!("int pos = next() % {};", 4 / nch) } else { "int pos = 0;".to_string() };
+        let mut o = if part(nch) { format!("int pos = next() % {};", gch / nch) } else { "int pos = 0;".to_string() };
         for (s, t) in src.iter().zip(dst) {
             if part(nch) {
-                write!(o, " kvforge::u32 {t}[2]; Lut::form<{nch}>({s}[pos * {nch} / 2], {s}[2], pos, {t});").unwrap();
+                write!(o, " kvforge::u32 {t}[{fw}]; Lut::form<{nch}>({s}[pos * {nch} / 2 % {gw}], {s}[{gw} - 1], pos, {t});", fw = gw.min(2)).unwrap();
             } else {
                 write!(o, " kvforge::u32 (&{t})[{w}] = {s};", w = words(nch)).unwrap();
             }
@@ -126,17 +129,19 @@ fn hex(s: &str) -> Vec<u32> {
     s.split_whitespace().map(|x| u32::from_str_radix(x, 16).unwrap()).collect()
 }
 
-/// Code of channel `c` of a stream of `bits`-bit codes: 4 and 2 bits little-endian chunks,
+/// Code of channel `c` of a stream of `bits`-bit codes (docs/LAYOUT.md): 4 bits one chunk per
+/// word, code k in nibble k; 2 bits two chunks per word, at bits 0-1 and 2-3 of the nibbles;
 /// 3 bits groups of 3 words (kvforge-spec's `group3_nibbles`).
 fn code(w: &[u32], bits: u32, c: usize) -> usize {
-    if bits == 3 {
-        let g = c / GROUP3_CHANNELS;
-        let n = group3_nibbles([w[3 * g], w[3 * g + 1], w[3 * g + 2]]);
-        return ((n[(c / 8) % 4] >> (4 * (c % 8))) & 7) as usize;
+    match bits {
+        3 => {
+            let g = c / GROUP3_CHANNELS;
+            let n = group3_nibbles([w[3 * g], w[3 * g + 1], w[3 * g + 2]]);
+            ((n[(c / 8) % 4] >> (4 * (c % 8))) & 7) as usize
+        }
+        2 => ((w[c / 16] >> (4 * (c % 8) + 2 * ((c / 8) % 2))) & 3) as usize,
+        _ => ((w[c / 8] >> (4 * (c % 8))) & 15) as usize,
     }
-    let bit = c * bits as usize;
-    let lo = w[bit / 32] as u64 | (w.get(bit / 32 + 1).copied().unwrap_or(0) as u64) << 32;
-    ((lo >> (bit % 32)) & ((1 << bits) - 1)) as usize
 }
 
 #[test]

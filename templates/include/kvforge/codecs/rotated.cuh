@@ -64,31 +64,38 @@ struct RotatedRows {
   static_assert(BITS >= 2 && BITS <= 4 && sizeof...(L) == E, "2-4 bit codes with one level each");
   static_assert(D % 8 == 0, "rows code whole 8-channel chunks");
   static_assert(BITS != 3 || D % 32 == 0, "3-bit rows are whole groups of 4 chunks");
+  static_assert(BITS != 2 || D % 16 == 0, "2-bit rows are whole words of 2 chunks");
   static constexpr int ROW = D * BITS / 8;  // code bytes of a token
-  // Bits per code in `chunk`'s word: 3-bit codes come one per nibble.
-  static constexpr int SLOT = BITS == 3 ? 4 : BITS;
+  // Bits per code in `chunk`'s word: one code per nibble.
+  static constexpr int SLOT = 4;
   __device__ __forceinline__ static float level(u32 i) { return __uint_as_float(__ldg(&rotated_levels<L...>[i])); }
-  // The 8 codes of chunk c8 of token t, code i at bits [SLOT·i, SLOT·i + BITS): 4 and 2 bits,
-  // the chunk's BITS bytes, little-endian; 3 bits, read from its group (rotated_group3_pack).
+  // The 8 codes of chunk c8 of token t, code i in nibble i (docs/LAYOUT.md): 4 bits, the
+  // chunk's word; 2 bits, bits 0-1 or 2-3 of the nibbles of its pair's word; 3 bits, read from
+  // its group (rotated_group3_pack).
   __device__ __forceinline__ static u32 chunk(const u8* codes, int t, int c8) {
     if constexpr (BITS == 3) {
       const u32* g = reinterpret_cast<const u32*>(codes + t * ROW + (c8 / 4) * 12);
       const int j = c8 % 4;
       const u32 l = g[j / 2];
       return j & 1 ? ((l >> 1) ^ (g[2] >> (j & 2))) & ROTATED_NIB3 : l & ROTATED_NIB3;
+    } else if constexpr (BITS == 2) {
+      return (reinterpret_cast<const u32*>(codes + t * ROW)[c8 / 2] >> (2 * (c8 & 1))) & ROTATED_NIB2;
     } else {
-      const u8* b = codes + t * ROW + c8 * BITS;
-      if constexpr (BITS == 4) return *reinterpret_cast<const u32*>(b);
-      else return *reinterpret_cast<const u16*>(b);
+      return reinterpret_cast<const u32*>(codes + t * ROW)[c8];
     }
   }
   // A slice of NCH chunks from chunk c8 of token t (c8 a multiple of NCH) as the code stream
   // RotatedLut::adjacent / transposed read: BYTES bytes, whose offset in the row is a multiple
-  // of A; 3-bit slices of one or two chunks as RotatedLut::form of their group's two words.
+  // of A; 3-bit slices of one or two chunks and 2-bit slices of one as RotatedLut::form of
+  // their group's words.
   template <int NCH> static constexpr int SLICE_WORDS = BITS == 3 && NCH < 4 ? 2 : (NCH * BITS + 3) / 4;
   template <int NCH, int BYTES, int A>
   __device__ __forceinline__ static void slice(const u8* codes, int t, int c8, u32 (&w)[SLICE_WORDS<NCH>]) {
-    if constexpr (BITS == 3 && NCH < 4) {
+    if constexpr (BITS == 2 && NCH == 1) {
+      u32 f[1];
+      RotatedLut<BITS, L...>::template form<1>(reinterpret_cast<const u32*>(codes + t * ROW)[c8 / 2], 0u, c8 & 1, f);
+      w[0] = f[0];
+    } else if constexpr (BITS == 3 && NCH < 4) {
       const int pos = (c8 % 4) / NCH;
       const u32* g = reinterpret_cast<const u32*>(codes + t * ROW + (c8 / 4) * 12);
       u32 f[2];
@@ -156,6 +163,10 @@ struct RotatedRows {
         rotated_group3_pack(n, g);
         const int i = lane & 3;
         if (on && i < 3) reinterpret_cast<u32*>(codes + t * ROW + (lane / 4) * 12)[i] = i == 0 ? g[0] : i == 1 ? g[1] : g[2];
+      } else if constexpr (BITS == 2) {
+        // Lane 2q stores the word of chunks 2q (bits 0-1 of each nibble) and 2q + 1 (bits 2-3).
+        const u32 odd = __shfl_down_sync(0xffffffffu, w, 1);
+        if (on && !(lane & 1)) reinterpret_cast<u32*>(codes + t * ROW)[lane / 2] = w | (odd << 2);
       } else if (on) {
         u8* b = codes + t * ROW + lane * BITS;
 #pragma unroll

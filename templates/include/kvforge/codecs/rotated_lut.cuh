@@ -6,8 +6,9 @@
 // emulated __byte_perm) checks the very code the kernels run.
 //
 // A chunk's 8 codes are first brought to one code per nibble (nibble k = code of channel k):
-// 4-bit chunks are that already, 2-bit ones are spread, and 3-bit groups (4 chunks in 3 words,
-// docs/LAYOUT.md) give each chunk's nibbles in one to three instructions (rotated_group3_pack).
+// 4-bit chunks are that already, a 2-bit word holds two chunks at bits 0-1 and 2-3 of its
+// nibbles (one shift and one mask), and 3-bit groups (4 chunks in 3 words, docs/LAYOUT.md) give
+// each chunk's nibbles in one to three instructions (rotated_group3_pack).
 // The table (at most 8 entries) is held as two PRMT pools of 8 bytes: the low bytes of the
 // entries' fp16 bits and their high bytes. One PRMT per pool gives the low (high) bytes of 4
 // channels from 4 nibble selectors; one more PRMT per pair interleaves a low and a high byte
@@ -49,8 +50,8 @@ __host__ __device__ constexpr u32 rotated_half_bits(u32 f) {
   return sign | h;
 }
 
-// Bit-3-clear nibbles: the PRMT selector bits of a 3-bit chunk's nibble word.
-constexpr u32 ROTATED_NIB3 = 0x77777777u;
+// The PRMT selector bits of a 3-bit (2-bit) chunk's nibble word; bit 3 stays clear.
+constexpr u32 ROTATED_NIB3 = 0x77777777u, ROTATED_NIB2 = 0x33333333u;
 
 // PTX shr.b32 with a register amount: amounts from 32 give 0 (C++ >> would be undefined).
 __host__ __device__ __forceinline__ u32 rotated_shr(u32 x, u32 s) {
@@ -94,22 +95,6 @@ struct RotatedLut {
   }
   static constexpr u32 LO0 = pool(false, 0), LO1 = pool(false, 1), HI0 = pool(true, 0), HI1 = pool(true, 1);
 
-  // The 8 codes of a chunk (4 bits: nibbles already; 2 bits: see below) as nibbles, code k in
-  // nibble k. (3-bit chunks come from their group's words: chunk.)
-  __host__ __device__ static u32 spread(u32 x) {
-    static_assert(BITS != 3, "3-bit chunks are read from their group (chunk)");
-    if constexpr (BITS == 4) {
-      return x;
-    } else {
-      // The chunk's two bytes in bytes 0 and 2 (the caller's PRMT, bytes 1 and 3 clear):
-      // codes 2-3 (6-7) up by 4 bits, then the odd codes up by 2.
-      u32 t = x & 0x00f000f0u;
-      x += t * 15u;
-      t = x & 0x0c0c0c0cu;
-      return x + t * 3u;
-    }
-  }
-
   // Four fp16 pairs from a nibble word `x` of 8 codes (its nibble k the code of item k):
   // out[0], out[1] from items 0-3 by interleave selector S01 (bytes of the low / high lookups:
   // 0-3 / 4-7), out[2], out[3] likewise from items 4-7 (S01 for out[2], S23 for out[3]).
@@ -141,14 +126,18 @@ struct RotatedLut {
     out[3] = rotated_prmt(lo1, h1, S1);
   }
 
-  // 3-bit codes of a slice of NCH < 4 chunks of one group, as two words `f` (the form the
-  // loaders build from the two group words the slice needs): NCH = 2, chunks 2p, 2p + 1 of the
-  // group: f = {w_p, w2 >> 2p}; NCH = 1, chunk j: f = {w_(j/2) >> (j & 1), j odd ? w2 >> (j & 2)
-  // : 0}. `l` is the group word w_(pos·NCH/2), `w2` its third word, `pos` p or j.
+  // A slice of NCH chunks that is part of a 3-bit group (NCH < 4) or of a 2-bit word (NCH = 1),
+  // as the words `f` the lookup reads (the loaders build them from the group words the slice
+  // needs). 3 bits, NCH = 2, chunks 2p, 2p + 1 of the group: f = {w_p, w2 >> 2p}; NCH = 1,
+  // chunk j: f = {w_(j/2) >> (j & 1), j odd ? w2 >> (j & 2) : 0}; `l` is the group word
+  // w_(pos·NCH/2), `w2` its third word, `pos` p or j. 2 bits, chunk j of word `l`:
+  // f = {l >> 2j} (`w2` unused).
   template <int NCH>
-  __host__ __device__ static void form(u32 l, u32 w2, int pos, u32 (&f)[2]) {
-    static_assert(BITS == 3 && (NCH == 1 || NCH == 2), "a part of a 3-bit group");
-    if constexpr (NCH == 2) {
+  __host__ __device__ static void form(u32 l, u32 w2, int pos, u32 (&f)[BITS == 3 ? 2 : 1]) {
+    static_assert((BITS == 3 && (NCH == 1 || NCH == 2)) || (BITS == 2 && NCH == 1), "a part of a 3-bit group or 2-bit word");
+    if constexpr (BITS == 2) {
+      f[0] = l >> (2 * pos);
+    } else if constexpr (NCH == 2) {
       f[0] = l;
       f[1] = w2 >> (2 * pos);
     } else {
@@ -157,15 +146,18 @@ struct RotatedLut {
     }
   }
 
-  // Chunk j of a code stream `w` of NCH chunks as a nibble word: 4 and 2 bits, chunk j is BITS
-  // bytes at byte BITS·j, little endian; 3 bits, NCH / 4 whole groups of 3 words (chunk j:
-  // group j / 4, see rotated_group3_pack), or for NCH < 4 the two words of `form`.
+  // Chunk j of a code stream `w` of NCH chunks as a nibble word: 4 bits, chunk j is word j;
+  // 2 bits, bits 0-1 (j even) or 2-3 (j odd) of word j / 2's nibbles, or for NCH = 1 the word
+  // of `form`; 3 bits, NCH / 4 whole groups of 3 words (chunk j: group j / 4, see
+  // rotated_group3_pack), or for NCH < 4 the two words of `form`.
   template <int J, int NCH, int NW>
   __host__ __device__ static u32 chunk(const u32 (&w)[NW]) {
     if constexpr (BITS == 4) {
       return w[J];
     } else if constexpr (BITS == 2) {
-      return spread(rotated_prmt(w[J / 2], 0u, (J & 1) ? 0x4342u : 0x4140u));
+      if constexpr (NCH == 1) return w[0] & ROTATED_NIB2;
+      else if constexpr (J % 2 == 0) return w[J / 2] & ROTATED_NIB2;
+      else return (w[J / 2] >> 2) & ROTATED_NIB2;
     } else if constexpr (NCH == 1) {
       return (w[0] ^ w[1]) & ROTATED_NIB3;
     } else if constexpr (NCH == 2) {

@@ -14,10 +14,12 @@
 //!
 //! Arrays: `k_norm` `[P]` fp16 (γ) and `k_codes` `[P][d·bits/8]` (`v_norm`, `v_codes` for
 //! values). A token's code row is `d/8` chunks of 8 channels; channel `c` is in chunk `c/8` at
-//! slot `c%8`. 4 and 2 bits: chunk `c/8` is `bits` bytes at byte `bits·(c/8)`; read as a
-//! little-endian integer `w`, `code_c = (w >> (bits · (c%8))) & (E − 1)`. 3 bits: groups of 4
-//! chunks in 3 little-endian u32 words ([`group3_pack`], [`group3_nibbles`]), laid out so that
-//! the decode's lookup gets a chunk's codes one per nibble in one to three instructions. No side tables: the levels are constants of the
+//! slot `k = c%8`, and the decode's lookup wants a chunk's codes one per nibble (code `k` in
+//! nibble `k`). 4 bits: chunk `c/8` is the little-endian u32 at byte `4·(c/8)`, code
+//! `(w >> 4k) & 15`. 2 bits: chunks `2q`, `2q + 1` share the little-endian u32 at byte `4q`,
+//! code `(w >> (4k + 2·(c/8 mod 2))) & 3` (one shift and one mask per chunk). 3 bits: groups of
+//! 4 chunks in 3 little-endian u32 words ([`group3_pack`], [`group3_nibbles`]: one to three
+//! instructions per chunk). No side tables: the levels are constants of the
 //! C++ type (`RotatedKey<BITS, D, P, OFF_NORM, OFF_CODES, L...>`, `L...` the f32 bit patterns
 //! of the `E` levels, ascending) in `codecs/rotated.cuh`; f64 reference in [`reference`].
 
@@ -58,8 +60,9 @@ fn parse(ctx: &ParseCtx<'_>) -> Result<(u32, u32), SpecError> {
         v @ 2..=4 => v as u32,
         v => return ctx.err(b.span(), "bits", format!("bits {v} is not supported for `rotated`; valid: 4, 3, 2")),
     };
-    if let Some(&d) = ctx.head_dims.iter().find(|&&d| bits == 3 && !d.is_multiple_of(GROUP3_CHANNELS)) {
-        return ctx.err(b.span(), "bits", format!("3-bit rotated codes pack {GROUP3_CHANNELS} channels per group; head_dim {d} is not a multiple of {GROUP3_CHANNELS} (use 4 or 2 bits)"));
+    let unit = row_unit(bits);
+    if let Some(&d) = ctx.head_dims.iter().find(|&&d| !d.is_multiple_of(unit)) {
+        return ctx.err(b.span(), "bits", format!("{bits}-bit rotated codes are packed {unit} channels at a time; head_dim {d} is not a multiple of {unit} (4-bit codes need a multiple of 8)"));
     }
     let seed = match ctx.int("seed")? {
         None => DEFAULT_SEED,
@@ -123,6 +126,18 @@ pub fn code_row_bytes(d: usize, bits: u32) -> usize {
 /// Channels of one 3-bit group: 4 chunks of 8 codes in 12 bytes.
 pub const GROUP3_CHANNELS: usize = 32;
 
+/// Channels of one 2-bit word: 2 chunks of 8 codes in 4 bytes.
+pub const WORD2_CHANNELS: usize = 16;
+
+/// Channels a row's length must be a multiple of at `bits`: the packing's unit.
+pub fn row_unit(bits: u32) -> usize {
+    match bits {
+        3 => GROUP3_CHANNELS,
+        2 => WORD2_CHANNELS,
+        _ => 8,
+    }
+}
+
 /// Bit-3-clear nibbles of a u32 (the PRMT selector bits the decode uses).
 const NIB3: u32 = 0x7777_7777;
 
@@ -174,8 +189,8 @@ fn check(d: usize, bits: u32) -> Result<(), RefError> {
     if d < 8 || !d.is_multiple_of(8) {
         return Err(RefError::Geometry(format!("rotated codes pack 8 channels per chunk; head_dim {d} is not a positive multiple of 8")));
     }
-    if bits == 3 && !d.is_multiple_of(GROUP3_CHANNELS) {
-        return Err(RefError::Geometry(format!("3-bit rotated codes pack {GROUP3_CHANNELS} channels per group; head_dim {d} is not a multiple of {GROUP3_CHANNELS}")));
+    if !d.is_multiple_of(row_unit(bits)) {
+        return Err(RefError::Geometry(format!("{bits}-bit rotated codes are packed {} channels at a time; head_dim {d} is not a multiple of that", row_unit(bits))));
     }
     Ok(())
 }

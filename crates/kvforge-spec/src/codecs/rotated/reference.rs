@@ -58,10 +58,11 @@ pub fn code_row(table: &LevelTable, x: &[f32]) -> (Vec<u8>, f32) {
     (codes, gamma)
 }
 
-/// Packs one token's codes (each `< 2^bits`, `codes.len()` a multiple of 8, of 32 at 3 bits)
-/// into `row` (`codes.len() · bits / 8` bytes). 4 and 2 bits: chunk `c/8` of `bits` bytes,
-/// slot `c%8`, little endian. 3 bits: groups of 32 codes in 3 little-endian words
-/// ([`super::group3_pack`]).
+/// Packs one token's codes (each `< 2^bits`, `codes.len()` a multiple of
+/// [`super::row_unit`]) into `row` (`codes.len() · bits / 8` bytes), as [`super`] states:
+/// 4 bits, chunk `c/8` a little-endian u32, code `k` in nibble `k`; 2 bits, chunks `2q`, `2q + 1`
+/// at bits 0-1 and 2-3 of the nibbles of u32 `q`; 3 bits, groups of 32 codes in 3
+/// little-endian words ([`super::group3_pack`]).
 pub fn pack_row(bits: u32, codes: &[u8], row: &mut [u8]) {
     let b = bits as usize;
     assert_eq!(row.len() * 8, codes.len() * b, "a row of {} {bits}-bit codes is {} bytes", codes.len(), codes.len() * b / 8);
@@ -76,9 +77,15 @@ pub fn pack_row(bits: u32, codes: &[u8], row: &mut [u8]) {
         }
         return;
     }
+    if bits == 2 {
+        assert!(codes.len().is_multiple_of(super::WORD2_CHANNELS), "2-bit rows are whole words of {} codes", super::WORD2_CHANNELS);
+        for (word, cs) in row.chunks_exact_mut(4).zip(codes.chunks_exact(super::WORD2_CHANNELS)) {
+            word.copy_from_slice(&(nibbles(&cs[..8]) | nibbles(&cs[8..]) << 2).to_le_bytes());
+        }
+        return;
+    }
     for (chunk, cs) in row.chunks_exact_mut(b).zip(codes.chunks_exact(8)) {
-        let w = cs.iter().enumerate().fold(0u32, |w, (i, &c)| w | (u32::from(c) << (b * i)));
-        chunk.copy_from_slice(&w.to_le_bytes()[..b]);
+        chunk.copy_from_slice(&nibbles(cs).to_le_bytes());
     }
 }
 
@@ -96,9 +103,11 @@ pub fn unpack_code(bits: u32, row: &[u8], c: usize) -> u8 {
         let n = super::group3_nibbles([word(0), word(1), word(2)]);
         return ((n[(c / 8) % 4] >> (4 * (c % 8))) & 7) as u8;
     }
-    let chunk = &row[(c / 8) * b..(c / 8 + 1) * b];
-    let w = chunk.iter().rev().fold(0u32, |w, &byte| (w << 8) | u32::from(byte));
-    ((w >> (b * (c % 8))) & ((1 << bits) - 1)) as u8
+    // 2 bits: chunk pairs share a word; 4 bits: one chunk per word.
+    let (per_word, stride) = if bits == 2 { (super::WORD2_CHANNELS, 2) } else { (8, 0) };
+    let w = u32::from_le_bytes(row[4 * (c / per_word)..4 * (c / per_word) + 4].try_into().unwrap());
+    debug_assert!(b == 2 || b == 4);
+    ((w >> (4 * (c % 8) + stride * ((c / 8) % 2))) & ((1 << bits) - 1)) as u8
 }
 
 /// Codes `[tokens][d]` rows `x` (rotated basis) with `bits`-bit levels for head dim `d`.
@@ -158,11 +167,13 @@ mod tests {
             pack_row(bits, &codes, &mut row);
             assert!((0..n).all(|c| unpack_code(bits, &row, c) == codes[c]), "{bits} bits");
         }
-        // 2 and 4 bits coincide with the int codes' packing (channel c at bit bits·(c%8) of
-        // its little-endian chunk).
-        let mut row = [0u8; 2];
-        pack_row(2, &[1, 2, 3, 0, 0, 0, 0, 1], &mut row);
-        assert_eq!(row, [0b00_11_10_01, 0b01_00_00_00]);
+        // 4 bits: code k in nibble k; 2 bits: the even chunk at bits 0-1 of the nibbles, the
+        // odd one at bits 2-3.
+        let mut row = [0u8; 4];
+        pack_row(4, &[1, 2, 3, 4, 5, 6, 7, 15], &mut row);
+        assert_eq!(u32::from_le_bytes(row), 0xf765_4321);
+        pack_row(2, &[1, 2, 3, 0, 0, 0, 0, 1, 3, 0, 1, 2, 0, 0, 0, 3], &mut row);
+        assert_eq!(u32::from_le_bytes(row), 0xd000_872d);
     }
 
     #[test]
