@@ -8,7 +8,8 @@ use crate::spec::Tier;
 /// Bytes of the fixed page header.
 pub const HEADER_BYTES: usize = 16;
 /// `"KVF3"` read as a little-endian u32. The digit is the layout version: 3 stores 3-bit rotated
-/// codes in groups of 4 chunks (`codecs::rotated::group3_pack`; 2 had them as 3-byte chunks); 2
+/// codes in groups of 4 chunks (`codecs::rotated::group3_pack`) and 2-bit rotated codes two
+/// chunks per word (2 had chunks of 3 and 2 bytes); 2
 /// stores 4-bit integer key codes in the key order (`codecs::bits::key_code_slot`) and the zeros
 /// of 4-bit integer codes and fp16-scaled 8-bit value codes biased (`codecs::int::reference::key_bias`,
 /// `value_bias`); 1 had both plain.
