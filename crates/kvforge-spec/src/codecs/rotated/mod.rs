@@ -60,6 +60,8 @@ fn parse(ctx: &ParseCtx<'_>) -> Result<(u32, u32), SpecError> {
         v @ 2..=4 => v as u32,
         v => return ctx.err(b.span(), "bits", format!("bits {v} is not supported for `rotated`; valid: 4, 3, 2")),
     };
+    // Every head dim the spec accepts today (64, 128, 256) is a whole number of units; this
+    // guards a future one.
     let unit = row_unit(bits);
     if let Some(&d) = ctx.head_dims.iter().find(|&&d| !d.is_multiple_of(unit)) {
         return ctx.err(b.span(), "bits", format!("{bits}-bit rotated codes are packed {unit} channels at a time; head_dim {d} is not a multiple of {unit} (4-bit codes need a multiple of 8)"));
