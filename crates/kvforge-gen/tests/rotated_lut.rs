@@ -1,9 +1,11 @@
 //! The rotated codec's register-only level lookup (templates/include/kvforge/codecs/rotated_lut.cuh)
 //! run on the host: the header is compiled with the system C++ compiler and an emulation of
-//! PTX `prmt.b32` (sign replication included, so a selector nibble with bit 3 set would show)
-//! and `shf.r.wrap`, fed random code streams at every bit width and head dim the rotated spec
-//! builds, and its fp16 pairs compared with the levels of kvforge-spec rounded to fp16. Skipped
-//! (with a message) where no C++ compiler is found.
+//! PTX `prmt.b32` (sign replication included, so a selector nibble with bit 3 set would show),
+//! fed random code streams (every 3-bit group and 2-bit word is valid) at every bit width and
+//! head dim the rotated spec builds, slices that are part of a group at every position, and its
+//! fp16 pairs compared with the levels of kvforge-spec rounded to fp16; 3-bit configurations
+//! also compare the kernels' group packing with kvforge-spec's. Skipped (with a message) where
+//! no C++ compiler is found.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -35,9 +37,6 @@ static inline kvforge::u32 __byte_perm(kvforge::u32 a, kvforge::u32 b, kvforge::
     r |= byte << (8 * n);
   }
   return r;
-}
-static inline kvforge::u32 __funnelshift_r(kvforge::u32 lo, kvforge::u32 hi, kvforge::u32 s) {
-  return (kvforge::u32)((((unsigned long long)hi << 32) | lo) >> (s & 31));
 }
 "#;
 
