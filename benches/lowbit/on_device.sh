@@ -13,7 +13,8 @@
 #             has registers and spills), then kvforge-new selftest on $LOWBIT_SELFTEST_SPECS
 #             (default specs/rdkv.toml specs/trizone.toml specs/certified.toml: every spec with
 #             integer codes, whose 4-bit layout changed in KVF2; every decode variant against
-#             the f64 reference): $OUT/selftest-new.json, .log
+#             the f64 reference): $OUT/selftest-new.json, .log. The rotated layout 3 (KVF3, NOTES
+#             v15) is checked with LOWBIT_SELFTEST_SPECS=specs/rotated.toml.
 #   bench     kvforge bench of rdkv b8/b4/b2 and rotated r4/r3/r2 at 128K x 64, 128K x 1, 32K x 8,
 #             32K x 1, old and new binaries alternating (old, new, new, old):
 #             $OUT/bench-{old,new}-{1,2}-{128k,32k}.json, then a summary table $OUT/ab.md

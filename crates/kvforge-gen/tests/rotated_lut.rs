@@ -1,15 +1,17 @@
 //! The rotated codec's register-only level lookup (templates/include/kvforge/codecs/rotated_lut.cuh)
 //! run on the host: the header is compiled with the system C++ compiler and an emulation of
-//! PTX `prmt.b32` (sign replication included, so a selector nibble with bit 3 set would show)
-//! and `shf.r.wrap`, fed random code streams at every bit width and head dim the rotated spec
-//! builds, and its fp16 pairs compared with the levels of kvforge-spec rounded to fp16. Skipped
-//! (with a message) where no C++ compiler is found.
+//! PTX `prmt.b32` (sign replication included, so a selector nibble with bit 3 set would show),
+//! fed random code streams (every 3-bit group and 2-bit word is valid) at every bit width and
+//! head dim the rotated spec builds, slices that are part of a group at every position, and its
+//! fp16 pairs compared with the levels of kvforge-spec rounded to fp16; 3-bit configurations
+//! also compare the kernels' group packing with kvforge-spec's. Skipped (with a message) where
+//! no C++ compiler is found.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::process::Command;
 
-use kvforge_spec::codecs::rotated::levels;
+use kvforge_spec::codecs::rotated::{group3_nibbles, group3_pack, levels, GROUP3_CHANNELS};
 
 const HEADER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../templates/include/kvforge/codecs/rotated_lut.cuh");
 
@@ -36,9 +38,6 @@ static inline kvforge::u32 __byte_perm(kvforge::u32 a, kvforge::u32 b, kvforge::
   }
   return r;
 }
-static inline kvforge::u32 __funnelshift_r(kvforge::u32 lo, kvforge::u32 hi, kvforge::u32 s) {
-  return (kvforge::u32)((((unsigned long long)hi << 32) | lo) >> (s & 31));
-}
 "#;
 
 fn compiler() -> Option<String> {
@@ -48,43 +47,80 @@ fn compiler() -> Option<String> {
 /// Code streams per configuration.
 const CASES: usize = 400;
 
+/// 3-bit configurations also check the kernels' group packing against kvforge-spec's.
+const GROUP_CHECK: &str = r#"for (int c = 0; c < {CASES}; ++c) {
+      kvforge::u32 n[4], g[3];
+      for (auto& x : n) x = next() & kvforge::ROTATED_NIB3;
+      kvforge::rotated_group3_pack(n, g);
+      printf("G 3 {d} %08x %08x %08x %08x : %08x %08x %08x\n", n[0], n[1], n[2], n[3], g[0], g[1], g[2]);
+    }"#;
+
 /// One configuration: `bits`, head dim `d`; key slices of d/32 chunks, value slices of d/64.
+/// 3-bit slices of fewer than 4 chunks are a part of one group (2-bit slices of one chunk of
+/// one word): the driver draws the whole group and the part's position, builds the words the
+/// kernels load with `form` and prints the group and the position (`@ pos`); other slices
+/// print their stream and `@ 0`.
 fn driver(bits: u32, d: usize, lv: &[u32]) -> String {
     let lvs = lv.iter().map(|l| format!("{l:#010x}u")).collect::<Vec<_>>().join(", ");
     let kch = d / 32;
     let vch = d / 64;
-    let words = |nch: usize| (nch * bits as usize).div_ceil(4);
+    // Chunks and words of a group (3 bits) or word (2 bits).
+    let (gch, gw) = if bits == 3 { (4, 3) } else { (2, 1) };
+    let part = |nch: usize| bits != 4 && nch < gch;
+    let words = |nch: usize| if part(nch) { gw } else { (nch * bits as usize).div_ceil(4) };
+    // Input words `src` of one slice to the Lut's stream `dst` at position `pos`.
+    let load = |nch: usize, src: &[&str], dst: &[&str]| {
+        let mut o = if part(nch) { format!("int pos = next() % {};", gch / nch) } else { "int pos = 0;".to_string() };
+        for (s, t) in src.iter().zip(dst) {
+            if part(nch) {
+                write!(o, " kvforge::u32 {t}[{fw}]; Lut::form<{nch}>({s}[pos * {nch} / 2 % {gw}], {s}[{gw} - 1], pos, {t});", fw = gw.min(2)).unwrap();
+            } else {
+                write!(o, " kvforge::u32 (&{t})[{w}] = {s};", w = words(nch)).unwrap();
+            }
+        }
+        o
+    };
     format!(
         r#"
   {{
     using Lut = kvforge::RotatedLut<{bits}, {lvs}>;
     for (int c = 0; c < {CASES}; ++c) {{
-      kvforge::u32 w[{kw}], out[{kp}];
-      for (auto& x : w) x = next();
-      Lut::adjacent<{kch}>(w, out);
-      printf("K {bits} {d}");
-      for (auto x : w) printf(" %08x", x);
-      printf(" :");
-      for (auto x : out) printf(" %08x", x);
-      printf("\n");
-      kvforge::u32 a[{vw}], b[{vw}], o[{vp}];
-      for (auto& x : a) x = next();
-      for (auto& x : b) x = next();
-      Lut::transposed<{vch}>(a, b, o);
-      printf("V {bits} {d}");
-      for (auto x : a) printf(" %08x", x);
-      printf(" |");
-      for (auto x : b) printf(" %08x", x);
-      printf(" :");
-      for (auto x : o) printf(" %08x", x);
-      printf("\n");
+      {{
+        kvforge::u32 w[{kw}], out[{kp}];
+        for (auto& x : w) x = next();
+        {kload}
+        Lut::adjacent<{kch}>(s, out);
+        printf("K {bits} {d}");
+        for (auto x : w) printf(" %08x", x);
+        printf(" @ %d :", pos);
+        for (auto x : out) printf(" %08x", x);
+        printf("\n");
+      }}
+      {{
+        kvforge::u32 a[{vw}], b[{vw}], o[{vp}];
+        for (auto& x : a) x = next();
+        for (auto& x : b) x = next();
+        {vload}
+        Lut::transposed<{vch}>(sa, sb, o);
+        printf("V {bits} {d}");
+        for (auto x : a) printf(" %08x", x);
+        printf(" |");
+        for (auto x : b) printf(" %08x", x);
+        printf(" @ %d :", pos);
+        for (auto x : o) printf(" %08x", x);
+        printf("\n");
+      }}
     }}
+    {group}
   }}
 "#,
         kw = words(kch),
         kp = 4 * kch,
         vw = words(vch),
         vp = 8 * vch,
+        kload = load(kch, &["w"], &["s"]),
+        vload = load(vch, &["a", "b"], &["sa", "sb"]),
+        group = if bits == 3 { GROUP_CHECK.replace("{d}", &d.to_string()).replace("{CASES}", &CASES.to_string()) } else { String::new() },
     )
 }
 
@@ -92,11 +128,19 @@ fn hex(s: &str) -> Vec<u32> {
     s.split_whitespace().map(|x| u32::from_str_radix(x, 16).unwrap()).collect()
 }
 
-/// Code of channel `c` of a little-endian stream of `bits`-bit codes.
+/// Code of channel `c` of a stream of `bits`-bit codes (docs/LAYOUT.md): 4 bits one chunk per
+/// word, code k in nibble k; 2 bits two chunks per word, at bits 0-1 and 2-3 of the nibbles;
+/// 3 bits groups of 3 words (kvforge-spec's `group3_nibbles`).
 fn code(w: &[u32], bits: u32, c: usize) -> usize {
-    let bit = c * bits as usize;
-    let lo = w[bit / 32] as u64 | (w.get(bit / 32 + 1).copied().unwrap_or(0) as u64) << 32;
-    ((lo >> (bit % 32)) & ((1 << bits) - 1)) as usize
+    match bits {
+        3 => {
+            let g = c / GROUP3_CHANNELS;
+            let n = group3_nibbles([w[3 * g], w[3 * g + 1], w[3 * g + 2]]);
+            ((n[(c / 8) % 4] >> (4 * (c % 8))) & 7) as usize
+        }
+        2 => ((w[c / 16] >> (4 * (c % 8) + 2 * ((c / 8) % 2))) & 3) as usize,
+        _ => ((w[c / 8] >> (4 * (c % 8))) & 15) as usize,
+    }
 }
 
 #[test]
@@ -136,18 +180,28 @@ fn lookup_matches_levels_rounded_to_fp16() {
         let half = |c: usize| half::f16::from_f32(levels(d, bits).levels_f32[c]).to_bits() as u32;
         let (input, got) = body.split_once(':').unwrap();
         let got = hex(got);
+        if side == "G" {
+            // The kernels' encode packs a group as kvforge-spec does.
+            let n = hex(input);
+            assert_eq!(got, group3_pack([n[0], n[1], n[2], n[3]]), "group of {n:08x?}");
+            continue;
+        }
+        let (input, pos) = input.split_once('@').unwrap();
+        let pos: usize = pos.trim().parse().unwrap();
         if side == "K" {
             let w = hex(input);
+            let c0 = pos * d / 4;
             for (e, &g) in got.iter().enumerate() {
-                let want = half(code(&w, bits, 2 * e)) | half(code(&w, bits, 2 * e + 1)) << 16;
-                assert_eq!(g, want, "keys, {bits} bits, d {d}, pair {e}, stream {w:08x?}");
+                let want = half(code(&w, bits, c0 + 2 * e)) | half(code(&w, bits, c0 + 2 * e + 1)) << 16;
+                assert_eq!(g, want, "keys, {bits} bits, d {d}, pair {e}, stream {w:08x?} at {pos}");
             }
         } else {
             let (a, b) = input.split_once('|').unwrap();
             let (a, b) = (hex(a), hex(b));
+            let c0 = pos * d / 8;
             for (k, &g) in got.iter().enumerate() {
-                let want = half(code(&a, bits, k)) | half(code(&b, bits, k)) << 16;
-                assert_eq!(g, want, "values, {bits} bits, d {d}, channel {k}, streams {a:08x?} {b:08x?}");
+                let want = half(code(&a, bits, c0 + k)) | half(code(&b, bits, c0 + k)) << 16;
+                assert_eq!(g, want, "values, {bits} bits, d {d}, channel {k}, streams {a:08x?} {b:08x?} at {pos}");
             }
         }
         checked += 1;

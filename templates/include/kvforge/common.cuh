@@ -17,7 +17,7 @@ constexpr int SIDE_SLOTS = 2;
 // -inf without <math.h> (NVRTC has no host headers).
 #define NEG_INF (__int_as_float(0xff800000u))
 constexpr int HEADER_BYTES = 16;
-constexpr u32 PAGE_MAGIC = 0x3246564Bu;  // "KVF2" little endian (kvforge-spec PAGE_MAGIC: the layout version)
+constexpr u32 PAGE_MAGIC = 0x3346564Bu;  // "KVF3" little endian (kvforge-spec PAGE_MAGIC: the layout version)
 
 // Error bits a kernel ORs into `error_flags`; the runtime turns them into typed errors.
 constexpr u32 ERR_UNKNOWN_TIER = 1u;   // a page's tier is not served by this variant

@@ -63,24 +63,58 @@ struct RotatedRows {
   static constexpr int E = 1 << BITS;
   static_assert(BITS >= 2 && BITS <= 4 && sizeof...(L) == E, "2-4 bit codes with one level each");
   static_assert(D % 8 == 0, "rows code whole 8-channel chunks");
+  static_assert(BITS != 3 || D % 32 == 0, "3-bit rows are whole groups of 4 chunks");
+  static_assert(BITS != 2 || D % 16 == 0, "2-bit rows are whole words of 2 chunks");
   static constexpr int ROW = D * BITS / 8;  // code bytes of a token
+  // Bits per code in `chunk`'s word: one code per nibble.
+  static constexpr int SLOT = 4;
   __device__ __forceinline__ static float level(u32 i) { return __uint_as_float(__ldg(&rotated_levels<L...>[i])); }
-  // The 8 codes of chunk c8 of token t: BITS bytes, little-endian, code i at bits [BITS·i, BITS·i + BITS).
+  // The 8 codes of chunk c8 of token t, code i in nibble i (docs/LAYOUT.md): 4 bits, the
+  // chunk's word; 2 bits, bits 0-1 or 2-3 of the nibbles of its pair's word; 3 bits, read from
+  // its group (rotated_group3_pack).
   __device__ __forceinline__ static u32 chunk(const u8* codes, int t, int c8) {
-    const u8* b = codes + t * ROW + c8 * BITS;
-    if constexpr (BITS == 4) return *reinterpret_cast<const u32*>(b);
-    else if constexpr (BITS == 2) return *reinterpret_cast<const u16*>(b);
-    else return u32(b[0]) | u32(b[1]) << 8 | u32(b[2]) << 16;
+    if constexpr (BITS == 3) {
+      const u32* g = reinterpret_cast<const u32*>(codes + t * ROW + (c8 / 4) * 12);
+      const int j = c8 % 4;
+      const u32 l = g[j / 2];
+      return j & 1 ? ((l >> 1) ^ (g[2] >> (j & 2))) & ROTATED_NIB3 : l & ROTATED_NIB3;
+    } else if constexpr (BITS == 2) {
+      return (reinterpret_cast<const u32*>(codes + t * ROW)[c8 / 2] >> (2 * (c8 & 1))) & ROTATED_NIB2;
+    } else {
+      return reinterpret_cast<const u32*>(codes + t * ROW)[c8];
+    }
+  }
+  // A slice of NCH chunks from chunk c8 of token t (c8 a multiple of NCH) as the code stream
+  // RotatedLut::adjacent / transposed read: BYTES bytes, whose offset in the row is a multiple
+  // of A; 3-bit slices of one or two chunks and 2-bit slices of one as RotatedLut::form of
+  // their group's words.
+  template <int NCH> static constexpr int SLICE_WORDS = BITS == 3 && NCH < 4 ? 2 : (NCH * BITS + 3) / 4;
+  template <int NCH, int BYTES, int A>
+  __device__ __forceinline__ static void slice(const u8* codes, int t, int c8, u32 (&w)[SLICE_WORDS<NCH>]) {
+    if constexpr (BITS == 2 && NCH == 1) {
+      u32 f[1];
+      RotatedLut<BITS, L...>::template form<1>(reinterpret_cast<const u32*>(codes + t * ROW)[c8 / 2], 0u, c8 & 1, f);
+      w[0] = f[0];
+    } else if constexpr (BITS == 3 && NCH < 4) {
+      const int pos = (c8 % 4) / NCH;
+      const u32* g = reinterpret_cast<const u32*>(codes + t * ROW + (c8 / 4) * 12);
+      u32 f[2];
+      RotatedLut<BITS, L...>::template form<NCH>(g[(c8 % 4) / 2], g[2], pos, f);
+      w[0] = f[0];
+      w[1] = f[1];
+    } else {
+      rotated_stream<BYTES, A>(codes + t * ROW + c8 * BITS, w);
+    }
   }
   __device__ __forceinline__ static float scale(const u8* norms, int t) { return __half2float(reinterpret_cast<const __half*>(norms)[t]); }
   __device__ __forceinline__ static void load8(const u8* norms, const u8* codes, int t, int c8, float (&v)[8]) {
     const u32 w = chunk(codes, t, c8);
     const float g = scale(norms, t);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = g * level((w >> (BITS * i)) & (E - 1));
+    for (int i = 0; i < 8; ++i) v[i] = g * level((w >> (SLOT * i)) & (E - 1));
   }
   __device__ __forceinline__ static float dequant(const u8* norms, const u8* codes, int t, int c) {
-    return scale(norms, t) * level((chunk(codes, t, c / 8) >> (BITS * (c % 8))) & (E - 1));
+    return scale(norms, t) * level((chunk(codes, t, c / 8) >> (SLOT * (c % 8))) & (E - 1));
   }
 
   // Codes tokens [t0, t0 + ROWS) of a transcode slice x [ROWS][D] (rows in the rotated basis):
@@ -116,12 +150,24 @@ struct RotatedRows {
         const float l = on ? level(code) : 0.f;
         xl = fmaf(xv[i], l, xl);
         ll = fmaf(l, l, ll);
-        w |= code << (BITS * i);
+        w |= code << (SLOT * i);
       }
       xl = warp_sum(xl);
       ll = warp_sum(ll);
       const int t = t0 + tt;
-      if (on) {
+      if constexpr (BITS == 3) {
+        // Lanes 4q..4q + 3 hold group q's chunks; lane 4q + i < 4q + 3 stores its word i.
+        u32 n[4], g[3];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) n[i] = __shfl_sync(0xffffffffu, w, (lane & ~3) + i);
+        rotated_group3_pack(n, g);
+        const int i = lane & 3;
+        if (on && i < 3) reinterpret_cast<u32*>(codes + t * ROW + (lane / 4) * 12)[i] = i == 0 ? g[0] : i == 1 ? g[1] : g[2];
+      } else if constexpr (BITS == 2) {
+        // Lane 2q stores the word of chunks 2q (bits 0-1 of each nibble) and 2q + 1 (bits 2-3).
+        const u32 odd = __shfl_down_sync(0xffffffffu, w, 1);
+        if (on && !(lane & 1)) reinterpret_cast<u32*>(codes + t * ROW)[lane / 2] = w | (odd << 2);
+      } else if (on) {
         u8* b = codes + t * ROW + lane * BITS;
 #pragma unroll
         for (int k = 0; k < BITS; ++k) b[k] = u8(w >> (8 * k));
@@ -154,8 +200,8 @@ struct RotatedKey {
     // Pair e = channels 2e, 2e + 1 of the slice [qd·2·NPAIR, (qd + 1)·2·NPAIR) of token t.
     __device__ __forceinline__ void operator()(const u8* seg, int t, int qd, u32 (&b)[NPAIR]) const {
       static_assert(NPAIR % 4 == 0 && 8 * NPAIR == D, "whole chunks per slice");
-      u32 w[(BYTES + 3) / 4];
-      rotated_stream<BYTES, (A < 16 ? A : 16)>(seg + OFF_CODES + t * Rows::ROW + qd * BYTES, w);
+      u32 w[Rows::template SLICE_WORDS<NCH>];
+      Rows::template slice<NCH, BYTES, (A < 16 ? A : 16)>(seg + OFF_CODES, t, qd * NCH, w);
       Lut::template adjacent<NCH>(w, b);
     }
   };
@@ -220,10 +266,9 @@ struct RotatedValue {
       constexpr int NCH = N / 8, BYTES = NCH * BITS;
       constexpr int A0 = rotated_lowbit(Rows::ROW) < rotated_lowbit(BYTES) ? rotated_lowbit(Rows::ROW) : rotated_lowbit(BYTES);
       constexpr int A = A0 < 16 ? A0 : 16;
-      u32 wa[(BYTES + 3) / 4], wb[(BYTES + 3) / 4];
-      const u8* codes = seg + OFF_CODES + (c0 / 8) * BITS;
-      rotated_stream<BYTES, A>(codes + ta * Rows::ROW, wa);
-      rotated_stream<BYTES, A>(codes + tb * Rows::ROW, wb);
+      u32 wa[Rows::template SLICE_WORDS<NCH>], wb[Rows::template SLICE_WORDS<NCH>];
+      Rows::template slice<NCH, BYTES, A>(seg + OFF_CODES, ta, c0 / 8, wa);
+      Rows::template slice<NCH, BYTES, A>(seg + OFF_CODES, tb, c0 / 8, wb);
       Lut::template transposed<NCH>(wa, wb, out);
     } else {
 #pragma unroll
@@ -232,7 +277,7 @@ struct RotatedValue {
   }
   // The level of token t, channel c (no scale).
   __device__ __forceinline__ static float level(const u8* seg, int t, int c) {
-    return Rows::level((Rows::chunk(seg + OFF_CODES, t, c / 8) >> (BITS * (c % 8))) & (Rows::E - 1));
+    return Rows::level((Rows::chunk(seg + OFF_CODES, t, c / 8) >> (Rows::SLOT * (c % 8))) & (Rows::E - 1));
   }
   template <int N>
   __device__ __forceinline__ static void pairs(const u8* seg, int t, int c0, u32 (&lo)[N], u32 (&hi)[N]) {

@@ -5,7 +5,10 @@
 // test (crates/kvforge-gen/tests/rotated_lut.rs compiles this file with a C++ compiler and an
 // emulated __byte_perm) checks the very code the kernels run.
 //
-// A chunk's 8 codes are first spread to one code per nibble (nibble k = code of channel k).
+// A chunk's 8 codes are first brought to one code per nibble (nibble k = code of channel k):
+// 4-bit chunks are that already, a 2-bit word holds two chunks at bits 0-1 and 2-3 of its
+// nibbles (one shift and one mask), and 3-bit groups (4 chunks in 3 words, docs/LAYOUT.md) give
+// each chunk's nibbles in one to three instructions (rotated_group3_pack).
 // The table (at most 8 entries) is held as two PRMT pools of 8 bytes: the low bytes of the
 // entries' fp16 bits and their high bytes. One PRMT per pool gives the low (high) bytes of 4
 // channels from 4 nibble selectors; one more PRMT per pair interleaves a low and a high byte
@@ -47,6 +50,31 @@ __host__ __device__ constexpr u32 rotated_half_bits(u32 f) {
   return sign | h;
 }
 
+// The PRMT selector bits of a 3-bit (2-bit) chunk's nibble word; bit 3 stays clear.
+constexpr u32 ROTATED_NIB3 = 0x77777777u, ROTATED_NIB2 = 0x33333333u;
+
+// PTX shr.b32 with a register amount: amounts from 32 give 0 (C++ >> would be undefined).
+__host__ __device__ __forceinline__ u32 rotated_shr(u32 x, u32 s) {
+#ifdef __CUDA_ARCH__
+  u32 r;
+  asm("shr.b32 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(s));
+  return r;
+#else
+  return s >= 32 ? 0u : x >> s;
+#endif
+}
+
+// The 3 words of a 3-bit group (4 chunks of 8 codes; kvforge-spec `group3_pack` defines the
+// format) from its chunks as nibble words n[j] (code k of chunk j at bits 4k..4k + 2, bit
+// 4k + 3 clear). The decode reads them back as
+//   n0 = w0 & 0x77777777,                   n2 = w1 & 0x77777777,
+//   n1 = ((w0 >> 1) ^ w2) & 0x77777777,     n3 = ((w1 >> 1) ^ (w2 >> 2)) & 0x77777777.
+__host__ __device__ __forceinline__ void rotated_group3_pack(const u32 (&n)[4], u32 (&w)[3]) {
+  w[2] = ((n[1] ^ (n[0] >> 1)) & 0x33333333u) | (((n[3] ^ (n[2] >> 1)) << 2) & 0xccccccccu);
+  w[0] = n[0] | (((n[1] ^ w[2]) << 1) & 0x88888888u);
+  w[1] = n[2] | (((n[3] ^ (w[2] >> 2)) << 1) & 0x88888888u);
+}
+
 template <int BITS, u32... L>
 struct RotatedLut {
   static constexpr int E = 1 << BITS;
@@ -66,30 +94,6 @@ struct RotatedLut {
     return x;
   }
   static constexpr u32 LO0 = pool(false, 0), LO1 = pool(false, 1), HI0 = pool(true, 0), HI1 = pool(true, 1);
-
-  // The 8 codes of a chunk (BITS-bit fields at bits BITS·k of `x`, above them anything; 2 bits:
-  // see below) as nibbles, code k in nibble k.
-  __host__ __device__ static u32 spread(u32 x) {
-    if constexpr (BITS == 4) {
-      return x;
-    } else if constexpr (BITS == 3) {
-      // 24 bits: codes 4-7 up by 4 bits, then 2-3 (6-7) up by 2, then the odd codes up by 1;
-      // each move is x + t·(2^s − 1) with t the moved bits (no carries: the targets are clear).
-      u32 t = x & 0x00fff000u;
-      x = (x & 0xfffu) + t * 16u;
-      t = x & 0x0fc00fc0u;
-      x += t * 3u;
-      t = x & 0x38383838u;
-      return x + t;
-    } else {
-      // The chunk's two bytes in bytes 0 and 2 (the caller's PRMT, bytes 1 and 3 clear):
-      // codes 2-3 (6-7) up by 4 bits, then the odd codes up by 2.
-      u32 t = x & 0x00f000f0u;
-      x += t * 15u;
-      t = x & 0x0c0c0c0cu;
-      return x + t * 3u;
-    }
-  }
 
   // Four fp16 pairs from a nibble word `x` of 8 codes (its nibble k the code of item k):
   // out[0], out[1] from items 0-3 by interleave selector S01 (bytes of the low / high lookups:
@@ -122,19 +126,49 @@ struct RotatedLut {
     out[3] = rotated_prmt(lo1, h1, S1);
   }
 
-  // Chunk j (8 codes, BITS bytes at byte BITS·j) of a little-endian code stream `w` as a
-  // nibble word.
-  template <int J, int NW>
+  // A slice of NCH chunks that is part of a 3-bit group (NCH < 4) or of a 2-bit word (NCH = 1),
+  // as the words `f` the lookup reads (the loaders build them from the group words the slice
+  // needs). 3 bits, NCH = 2, chunks 2p, 2p + 1 of the group: f = {w_p, w2 >> 2p}; NCH = 1,
+  // chunk j: f = {w_(j/2) >> (j & 1), j odd ? w2 >> (j & 2) : 0}; `l` is the group word
+  // w_(pos·NCH/2), `w2` its third word, `pos` p or j. 2 bits, chunk j of word `l`:
+  // f = {l >> 2j} (`w2` unused).
+  template <int NCH>
+  __host__ __device__ static void form(u32 l, u32 w2, int pos, u32 (&f)[BITS == 3 ? 2 : 1]) {
+    static_assert((BITS == 3 && (NCH == 1 || NCH == 2)) || (BITS == 2 && NCH == 1), "a part of a 3-bit group or 2-bit word");
+    if constexpr (BITS == 2) {
+      f[0] = l >> (2 * pos);
+    } else if constexpr (NCH == 2) {
+      f[0] = l;
+      f[1] = w2 >> (2 * pos);
+    } else {
+      f[0] = l >> (pos & 1);
+      f[1] = rotated_shr(w2, (pos & 1) ? u32(pos & 2) : 32u);
+    }
+  }
+
+  // Chunk j of a code stream `w` of NCH chunks as a nibble word: 4 bits, chunk j is word j;
+  // 2 bits, bits 0-1 (j even) or 2-3 (j odd) of word j / 2's nibbles, or for NCH = 1 the word
+  // of `form`; 3 bits, NCH / 4 whole groups of 3 words (chunk j: group j / 4, see
+  // rotated_group3_pack), or for NCH < 4 the two words of `form`.
+  template <int J, int NCH, int NW>
   __host__ __device__ static u32 chunk(const u32 (&w)[NW]) {
     if constexpr (BITS == 4) {
       return w[J];
     } else if constexpr (BITS == 2) {
-      return spread(rotated_prmt(w[J / 2], 0u, (J & 1) ? 0x4342u : 0x4140u));
+      if constexpr (NCH == 1) return w[0] & ROTATED_NIB2;
+      else if constexpr (J % 2 == 0) return w[J / 2] & ROTATED_NIB2;
+      else return (w[J / 2] >> 2) & ROTATED_NIB2;
+    } else if constexpr (NCH == 1) {
+      return (w[0] ^ w[1]) & ROTATED_NIB3;
+    } else if constexpr (NCH == 2) {
+      if constexpr (J == 0) return w[0] & ROTATED_NIB3;
+      else return ((w[0] >> 1) ^ w[1]) & ROTATED_NIB3;
     } else {
-      constexpr int BIT = 24 * J, K = BIT / 32, S = BIT % 32;
-      if constexpr (S == 0) return spread(w[K]);
-      else if constexpr (S + 24 <= 32) return spread(w[K] >> S);
-      else return spread(__funnelshift_r(w[K], w[K + 1], S));
+      constexpr int G = 3 * (J / 4), K = J % 4;
+      if constexpr (K == 0) return w[G] & ROTATED_NIB3;
+      else if constexpr (K == 2) return w[G + 1] & ROTATED_NIB3;
+      else if constexpr (K == 1) return ((w[G] >> 1) ^ w[G + 2]) & ROTATED_NIB3;
+      else return ((w[G + 1] >> 1) ^ (w[G + 2] >> 2)) & ROTATED_NIB3;
     }
   }
 
@@ -145,7 +179,7 @@ struct RotatedLut {
 #pragma unroll
     for (int j = 0; j < NCH; ++j) {
       u32 q[4];
-      quad<0x5140u, 0x7362u>(chunk_at<NW>(w, j), q);
+      quad<0x5140u, 0x7362u>(chunk_at<NCH, NW>(w, j), q);
 #pragma unroll
       for (int k = 0; k < 4; ++k) out[4 * j + k] = q[k];
     }
@@ -156,7 +190,7 @@ struct RotatedLut {
   __host__ __device__ static void transposed(const u32 (&wa)[NW], const u32 (&wb)[NW], u32 (&out)[8 * NCH]) {
 #pragma unroll
     for (int j = 0; j < NCH; ++j) {
-      const u32 na = chunk_at<NW>(wa, j), nb = chunk_at<NW>(wb, j);
+      const u32 na = chunk_at<NCH, NW>(wa, j), nb = chunk_at<NCH, NW>(wb, j);
       u32 q0[4], q1[4];
       // Nibbles a0 a1 b0 b1 a2 a3 b2 b3, then a4 a5 b4 b5 a6 a7 b6 b7.
       quad<0x6240u, 0x7351u>(rotated_prmt(na, nb, 0x5140), q0);
@@ -172,17 +206,17 @@ struct RotatedLut {
     }
   }
   // chunk<J> for a loop index the unroller makes constant.
-  template <int NW>
+  template <int NCH, int NW>
   __host__ __device__ static u32 chunk_at(const u32 (&w)[NW], int j) {
     u32 r = 0;
-    at<0, NW>(w, j, r);
+    at<0, NCH, NW>(w, j, r);
     return r;
   }
-  template <int J, int NW>
+  template <int J, int NCH, int NW>
   __host__ __device__ static void at(const u32 (&w)[NW], int j, u32& r) {
-    if constexpr (J * BITS / 4 < NW && (BITS != 3 || (24 * J) / 32 + ((24 * J) % 32 + 24 > 32 ? 1 : 0) < NW)) {
-      if (j == J) r = chunk<J, NW>(w);
-      at<J + 1, NW>(w, j, r);
+    if constexpr (J < NCH) {
+      if (j == J) r = chunk<J, NCH, NW>(w);
+      at<J + 1, NCH, NW>(w, j, r);
     }
   }
 };

@@ -13,9 +13,13 @@
 //!   quantised direction), stored fp16 (round to nearest); `x̂_c = γ · ℓ_{code_c}`.
 //!
 //! Arrays: `k_norm` `[P]` fp16 (γ) and `k_codes` `[P][d·bits/8]` (`v_norm`, `v_codes` for
-//! values). A token's code row is `d/8` chunks of `bits` bytes; channel `c` is in chunk `c/8`
-//! at slot `c%8`: reading the chunk as a little-endian integer `w`,
-//! `code_c = (w >> (bits · (c%8))) & (E − 1)`. No side tables: the levels are constants of the
+//! values). A token's code row is `d/8` chunks of 8 channels; channel `c` is in chunk `c/8` at
+//! slot `k = c%8`, and the decode's lookup wants a chunk's codes one per nibble (code `k` in
+//! nibble `k`). 4 bits: chunk `c/8` is the little-endian u32 at byte `4·(c/8)`, code
+//! `(w >> 4k) & 15`. 2 bits: chunks `2q`, `2q + 1` share the little-endian u32 at byte `4q`,
+//! code `(w >> (4k + 2·(c/8 mod 2))) & 3` (one shift and one mask per chunk). 3 bits: groups of
+//! 4 chunks in 3 little-endian u32 words ([`group3_pack`], [`group3_nibbles`]: one to three
+//! instructions per chunk). No side tables: the levels are constants of the
 //! C++ type (`RotatedKey<BITS, D, P, OFF_NORM, OFF_CODES, L...>`, `L...` the f32 bit patterns
 //! of the `E` levels, ascending) in `codecs/rotated.cuh`; f64 reference in [`reference`].
 
@@ -56,6 +60,12 @@ fn parse(ctx: &ParseCtx<'_>) -> Result<(u32, u32), SpecError> {
         v @ 2..=4 => v as u32,
         v => return ctx.err(b.span(), "bits", format!("bits {v} is not supported for `rotated`; valid: 4, 3, 2")),
     };
+    // Every head dim the spec accepts today (64, 128, 256) is a whole number of units; this
+    // guards a future one.
+    let unit = row_unit(bits);
+    if let Some(&d) = ctx.head_dims.iter().find(|&&d| !d.is_multiple_of(unit)) {
+        return ctx.err(b.span(), "bits", format!("{bits}-bit rotated codes are packed {unit} channels at a time; head_dim {d} is not a multiple of {unit} (4-bit codes need a multiple of 8)"));
+    }
     let seed = match ctx.int("seed")? {
         None => DEFAULT_SEED,
         Some(s) => match u32::try_from(*s.get_ref()) {
@@ -115,6 +125,46 @@ pub fn code_row_bytes(d: usize, bits: u32) -> usize {
     d * bits as usize / 8
 }
 
+/// Channels of one 3-bit group: 4 chunks of 8 codes in 12 bytes.
+pub const GROUP3_CHANNELS: usize = 32;
+
+/// Channels of one 2-bit word: 2 chunks of 8 codes in 4 bytes.
+pub const WORD2_CHANNELS: usize = 16;
+
+/// Channels a row's length must be a multiple of at `bits`: the packing's unit.
+pub fn row_unit(bits: u32) -> usize {
+    match bits {
+        3 => GROUP3_CHANNELS,
+        2 => WORD2_CHANNELS,
+        _ => 8,
+    }
+}
+
+/// Bit-3-clear nibbles of a u32 (the PRMT selector bits the decode uses).
+const NIB3: u32 = 0x7777_7777;
+
+/// The 3 words of a 3-bit group from its 4 chunks as nibble words (`n[j]`: code `k` of chunk
+/// `j` at bits `4k..4k + 3`, bit `4k + 3` clear). The words are defined by what the decode
+/// computes from them ([`group3_nibbles`]):
+/// `n0 = w0 & 0x77777777`, `n2 = w1 & 0x77777777`,
+/// `n1 = ((w0 >> 1) ^ w2) & 0x77777777`, `n3 = ((w1 >> 1) ^ (w2 >> 2)) & 0x77777777`:
+/// chunks 0 and 2 stand in bits 0-2 of each nibble of w0 and w1; chunks 1 and 3 are xor-ed
+/// into w2 against the shifted w0 / w1, and the nibbles' bit 3 of w0 and w1 carry the bits
+/// that a shift moves into bit 2. Every one of the 96 bits is used and the map is one to one.
+pub fn group3_pack(n: [u32; 4]) -> [u32; 3] {
+    debug_assert!(n.iter().all(|&x| x & !NIB3 == 0));
+    // w2's bits 0-1 of each nibble serve chunk 1, bits 2-3 chunk 3.
+    let w2 = ((n[1] ^ (n[0] >> 1)) & 0x3333_3333) | (((n[3] ^ (n[2] >> 1)) << 2) & 0xcccc_cccc);
+    let w0 = n[0] | (((n[1] ^ w2) << 1) & 0x8888_8888);
+    let w1 = n[2] | (((n[3] ^ (w2 >> 2)) << 1) & 0x8888_8888);
+    [w0, w1, w2]
+}
+
+/// The 4 chunks of a 3-bit group as nibble words (inverse of [`group3_pack`]).
+pub fn group3_nibbles(w: [u32; 3]) -> [u32; 4] {
+    [w[0] & NIB3, ((w[0] >> 1) ^ w[2]) & NIB3, w[1] & NIB3, ((w[1] >> 1) ^ (w[2] >> 2)) & NIB3]
+}
+
 fn arrays(side: Side, d: usize, tokens: usize, bits: u32) -> Vec<ArraySpec> {
     let (norm, codes) = names(side);
     vec![ArraySpec { name: norm, rows: tokens, row_bytes: 2 }, ArraySpec { name: codes, rows: tokens, row_bytes: code_row_bytes(d, bits) }]
@@ -140,6 +190,9 @@ fn check(d: usize, bits: u32) -> Result<(), RefError> {
     }
     if d < 8 || !d.is_multiple_of(8) {
         return Err(RefError::Geometry(format!("rotated codes pack 8 channels per chunk; head_dim {d} is not a positive multiple of 8")));
+    }
+    if !d.is_multiple_of(row_unit(bits)) {
+        return Err(RefError::Geometry(format!("{bits}-bit rotated codes are packed {} channels at a time; head_dim {d} is not a multiple of that", row_unit(bits))));
     }
     Ok(())
 }

@@ -58,26 +58,56 @@ pub fn code_row(table: &LevelTable, x: &[f32]) -> (Vec<u8>, f32) {
     (codes, gamma)
 }
 
-/// Packs one token's codes (each `< 2^bits`, `codes.len()` a multiple of 8) into `row`
-/// (`codes.len() · bits / 8` bytes): chunk `c/8` of `bits` bytes, slot `c%8`, little endian.
+/// Packs one token's codes (each `< 2^bits`, `codes.len()` a multiple of
+/// [`super::row_unit`]) into `row` (`codes.len() · bits / 8` bytes), as [`super`] states:
+/// 4 bits, chunk `c/8` a little-endian u32, code `k` in nibble `k`; 2 bits, chunks `2q`, `2q + 1`
+/// at bits 0-1 and 2-3 of the nibbles of u32 `q`; 3 bits, groups of 32 codes in 3
+/// little-endian words ([`super::group3_pack`]).
 pub fn pack_row(bits: u32, codes: &[u8], row: &mut [u8]) {
     let b = bits as usize;
     assert_eq!(row.len() * 8, codes.len() * b, "a row of {} {bits}-bit codes is {} bytes", codes.len(), codes.len() * b / 8);
-    for (chunk, cs) in row.chunks_exact_mut(b).zip(codes.chunks_exact(8)) {
-        let w = cs.iter().enumerate().fold(0u32, |w, (i, &c)| {
-            debug_assert!(u32::from(c) < (1 << bits));
-            w | (u32::from(c) << (b * i))
-        });
-        chunk.copy_from_slice(&w.to_le_bytes()[..b]);
+    debug_assert!(codes.iter().all(|&c| u32::from(c) < (1 << bits)));
+    if bits == 3 {
+        assert!(codes.len().is_multiple_of(super::GROUP3_CHANNELS), "3-bit rows are whole groups of {} codes", super::GROUP3_CHANNELS);
+        for (group, cs) in row.chunks_exact_mut(12).zip(codes.chunks_exact(super::GROUP3_CHANNELS)) {
+            let n: [u32; 4] = std::array::from_fn(|j| nibbles(&cs[8 * j..8 * j + 8]));
+            for (dst, w) in group.chunks_exact_mut(4).zip(super::group3_pack(n)) {
+                dst.copy_from_slice(&w.to_le_bytes());
+            }
+        }
+        return;
     }
+    if bits == 2 {
+        assert!(codes.len().is_multiple_of(super::WORD2_CHANNELS), "2-bit rows are whole words of {} codes", super::WORD2_CHANNELS);
+        for (word, cs) in row.chunks_exact_mut(4).zip(codes.chunks_exact(super::WORD2_CHANNELS)) {
+            word.copy_from_slice(&(nibbles(&cs[..8]) | nibbles(&cs[8..]) << 2).to_le_bytes());
+        }
+        return;
+    }
+    for (chunk, cs) in row.chunks_exact_mut(b).zip(codes.chunks_exact(8)) {
+        chunk.copy_from_slice(&nibbles(cs).to_le_bytes());
+    }
+}
+
+/// 8 codes one per nibble, code `i` at bits `4i`.
+fn nibbles(cs: &[u8]) -> u32 {
+    cs.iter().enumerate().fold(0u32, |w, (i, &c)| w | (u32::from(c) << (4 * i)))
 }
 
 /// Code of channel `c` in a packed row.
 pub fn unpack_code(bits: u32, row: &[u8], c: usize) -> u8 {
     let b = bits as usize;
-    let chunk = &row[(c / 8) * b..(c / 8 + 1) * b];
-    let w = chunk.iter().rev().fold(0u32, |w, &byte| (w << 8) | u32::from(byte));
-    ((w >> (b * (c % 8))) & ((1 << bits) - 1)) as u8
+    if bits == 3 {
+        let g = c / super::GROUP3_CHANNELS;
+        let word = |i: usize| u32::from_le_bytes(row[12 * g + 4 * i..12 * g + 4 * i + 4].try_into().unwrap());
+        let n = super::group3_nibbles([word(0), word(1), word(2)]);
+        return ((n[(c / 8) % 4] >> (4 * (c % 8))) & 7) as u8;
+    }
+    // 2 bits: chunk pairs share a word; 4 bits: one chunk per word.
+    let (per_word, stride) = if bits == 2 { (super::WORD2_CHANNELS, 2) } else { (8, 0) };
+    let w = u32::from_le_bytes(row[4 * (c / per_word)..4 * (c / per_word) + 4].try_into().unwrap());
+    debug_assert!(b == 2 || b == 4);
+    ((w >> (4 * (c % 8) + stride * ((c / 8) % 2))) & ((1 << bits) - 1)) as u8
 }
 
 /// Codes `[tokens][d]` rows `x` (rotated basis) with `bits`-bit levels for head dim `d`.
@@ -130,13 +160,6 @@ mod tests {
 
     #[test]
     fn packing_follows_the_chunk_layout() {
-        // 3 bits: channels 0..8 in bytes 0..3, channel c at bit 3c of the little-endian word.
-        let codes: Vec<u8> = (0..16).map(|c| (c % 8) as u8).collect();
-        let mut row = [0u8; 6];
-        pack_row(3, &codes, &mut row);
-        let w = 0o76543210u32;
-        assert_eq!(&row[..3], &w.to_le_bytes()[..3]);
-        assert_eq!(&row[3..], &w.to_le_bytes()[..3]);
         for bits in [2, 3, 4] {
             let n = 64;
             let codes: Vec<u8> = (0..n).map(|c| ((c * 7 + 3) % (1 << bits)) as u8).collect();
@@ -144,11 +167,37 @@ mod tests {
             pack_row(bits, &codes, &mut row);
             assert!((0..n).all(|c| unpack_code(bits, &row, c) == codes[c]), "{bits} bits");
         }
-        // 2 and 4 bits coincide with the int codes' packing (channel c at bit bits·(c%8) of
-        // its little-endian chunk).
-        let mut row = [0u8; 2];
-        pack_row(2, &[1, 2, 3, 0, 0, 0, 0, 1], &mut row);
-        assert_eq!(row, [0b00_11_10_01, 0b01_00_00_00]);
+        // 4 bits: code k in nibble k; 2 bits: the even chunk at bits 0-1 of the nibbles, the
+        // odd one at bits 2-3.
+        let mut row = [0u8; 4];
+        pack_row(4, &[1, 2, 3, 4, 5, 6, 7, 15], &mut row);
+        assert_eq!(u32::from_le_bytes(row), 0xf765_4321);
+        pack_row(2, &[1, 2, 3, 0, 0, 0, 0, 1, 3, 0, 1, 2, 0, 0, 0, 3], &mut row);
+        assert_eq!(u32::from_le_bytes(row), 0xd000_872d);
+    }
+
+    #[test]
+    fn three_bit_groups_decode_as_the_kernel_computes() {
+        // Chunk j's codes 0o0..0o7 shifted by j: the words are what group3_pack defines, and
+        // the decode's formulas (rotated_lut.cuh) give back every chunk.
+        let codes: Vec<u8> = (0..32).map(|c| ((c % 8 + c / 8) % 8) as u8).collect();
+        let mut row = [0u8; 12];
+        pack_row(3, &codes, &mut row);
+        let w: [u32; 3] = std::array::from_fn(|i| u32::from_le_bytes(row[4 * i..4 * i + 4].try_into().unwrap()));
+        let m = 0x7777_7777u32;
+        let n = [w[0] & m, ((w[0] >> 1) ^ w[2]) & m, w[1] & m, ((w[1] >> 1) ^ (w[2] >> 2)) & m];
+        for (j, nj) in n.iter().enumerate() {
+            assert_eq!(*nj, (0..8).fold(0u32, |x, k| x | (((k + j as u32) % 8) << (4 * k))), "chunk {j}");
+        }
+        // Every 96-bit group is the image of exactly one set of codes: random words round trip.
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..1000 {
+            let w: [u32; 3] = std::array::from_fn(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (s >> 32) as u32
+            });
+            assert_eq!(crate::codecs::rotated::group3_pack(crate::codecs::rotated::group3_nibbles(w)), w);
+        }
     }
 
     #[test]
