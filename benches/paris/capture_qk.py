@@ -31,8 +31,8 @@ class QKBackend(capture_keys.CaptureBackend):
 
     name = "capture-qk"
 
-    def __init__(self, layers):
-        super().__init__()
+    def __init__(self, layers, rope_dim: int):
+        super().__init__(rope_dim)
         self.layers = layers
         self.q = {}
 
@@ -68,7 +68,7 @@ def main():
     ids = kvq.book_tokens(tok, args.text, args.data)[args.start:args.start + args.tokens]
     if len(ids) < args.tokens:
         raise SystemExit(f"{args.text} has only {args.start + len(ids)} tokens")
-    cap = QKBackend(layers)
+    cap = QKBackend(layers, kvq.rope_params(model)[1])
     kvq.set_backend(cap)
     t0 = time.time()
     with torch.no_grad():
