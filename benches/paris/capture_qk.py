@@ -68,8 +68,7 @@ def main():
     ids = kvq.book_tokens(tok, args.text, args.data)[args.start:args.start + args.tokens]
     if len(ids) < args.tokens:
         raise SystemExit(f"{args.text} has only {args.start + len(ids)} tokens")
-    theta, rot = kvq.rope_params(model)
-    cap = QKBackend(layers, rot)
+    cap = QKBackend(layers, kvq.rope_params(model)[1])
     kvq.set_backend(cap)
     t0 = time.time()
     with torch.no_grad():
@@ -80,6 +79,7 @@ def main():
         out[f"k.L{layer:02d}"] = cap.k[layer].contiguous()
         out[f"q.L{layer:02d}"] = cap.q[layer].contiguous()
     k0 = next(iter(out.values()))
+    theta, rot = kvq.rope_params(model)
     meta = {"rope_theta": repr(theta), "rope_dims": str(rot), "rope": "rotate_half pairs (i, i + D/2), frequencies theta^(-2i/D)",
             "text": args.text, "start": str(args.start), "tokens": str(args.tokens), "model": gguf.name, "dtype_of_run": str(dtype),
             "what": "post-RoPE keys k.LNN [Hkv,T,D] and queries q.LNN [Hq,T,D] (fp16)", "head_dim": str(k0.shape[-1])}

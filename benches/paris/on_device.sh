@@ -9,7 +9,7 @@
 #   cargo test --release -p kvforge-rt --test paris_gpu --no-run      # prints the test binary path
 #   mkdir -p .bin && cp target/release/examples/paris_{recall,bench} .bin/ \
 #     && cp "$(ls -t target/release/deps/paris_gpu-* | grep -v '\.d$' | head -1)" .bin/paris_gpu \
-#     && strip .bin/paris_* && grep -c topk_hist_kernel .bin/paris_gpu .bin/paris_bench   # both >= 1
+#     && strip .bin/paris_* && grep -c host_stride .bin/paris_gpu .bin/paris_bench   # both >= 1 (the current paris.cuh)
 #
 #   bash benches/paris/on_device.sh speed     # carry [".bin"], timeout 300: ONE call (~3-4 min): the GPU
 #                                             # tests, step timing at 128K and 1M x batch 1,
@@ -20,6 +20,9 @@
 #                                             # each step's files written as it ends
 #   bash benches/paris/on_device.sh gpu       # carry [".bin"]: GPU tests + step timing (~2 min)
 #   bash benches/paris/on_device.sh memcheck  # carry [".bin"]: compute-sanitizer memcheck + racecheck (~3 min)
+#   bash benches/paris/on_device.sh uva       # carry [".bin"] (.bin/uva_read: cargo build --release -p
+#                                             # kvforge-lab --example uva_read, strip into .bin/): pinned
+#                                             # host read GB/s by run size, region and order (~1 min)
 #
 # SmolLM2 recall and quality: three calls back to back (the model halves travel in two calls,
 # 64 MiB each with the ~8 MB tree; if the machine went back between calls, start at call 1):
@@ -123,6 +126,16 @@ PY
         --out "$OUT/paris-bench-per-query-head-$GPU-$DATE.json" 2>&1 | tee -a "$OUT/paris-bench.log"
     fi
     echo "total: $(( $(date +%s) - t0 ))s"
+    ;;
+  uva)
+    # Pinned-host read throughput over UVA by pattern (kvforge-lab example uva_read): random runs
+    # of 256 B (a K row), 512 B (a token's K and V, the interleaved slab) and 4 KiB over 0.25 /
+    # 8 / 32 GiB, index-sorted and sequential beside them. Tells whether the fetch is bound by
+    # 4 KiB page translations or by the bus (docs/paris.md, "The UVA fetch"). ~1 min.
+    nvidia-smi -L
+    .bin/uva_read --region-gib "${REGIONS:-0.25,8,32}" --run-bytes 256,512,4096 --total-mib 26 \
+      --out "$OUT/uva-read-$GPU-$DATE.json" 2>&1 | tee "$OUT/uva-read.log"
+    .bin/uva_read --region-gib 32 --run-bytes 512 --total-mib 26 --unroll 2 2>&1 | tee -a "$OUT/uva-read.log"
     ;;
   memcheck)
     compute-sanitizer --tool memcheck .bin/paris_gpu --ignored --test-threads 1 retrieval_matches ties_keep attention_matches 2>&1 | tail -20 | tee "$OUT/paris-memcheck-$GPU-$DATE.log"

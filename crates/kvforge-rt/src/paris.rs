@@ -162,8 +162,20 @@ const VOTE_CHUNK: usize = 4096;
 const EST_BINS: usize = 1 << 16;
 /// Candidates per CTA of the rerank (`RERANK_CHUNK` in paris.cuh).
 const RERANK_CHUNK: usize = 2048;
-/// 16-byte loads per thread of the fetch (`FETCH_UNROLL` in paris.cuh), 128 threads a CTA.
-const FETCH_PER_CTA: usize = 4 * 128;
+/// 16-byte loads per thread of the fetch (`FETCH_UNROLL` in paris.cuh).
+const FETCH_UNROLL: usize = 8;
+/// Threads per CTA of the fetch (the entry's launch bounds).
+const FETCH_THREADS: usize = 128;
+
+/// 16-byte pieces per CTA of the fetch for `pieces` per retrieval row and `rows` rows: the most a
+/// CTA takes (`FETCH_THREADS · FETCH_UNROLL`), or fewer, in whole CTAs of threads, so that the
+/// grid has at least two CTAs per SM (at batch 1 the few rows still spread over every SM, each
+/// with its own outstanding host reads).
+fn fetch_per_cta(pieces: usize, rows: usize, sms: usize) -> usize {
+    let most = FETCH_THREADS * FETCH_UNROLL;
+    let spread = (pieces * rows).div_ceil(2 * sms.max(1)).next_multiple_of(FETCH_THREADS);
+    spread.clamp(FETCH_THREADS, most)
+}
 
 /// Score row stride: the capacity rounded up to 16 keys (the bucket kernels read 16 scores with
 /// one load, the vote writes 4 with one store).
@@ -221,6 +233,8 @@ struct FetchParams {
     nr: i32,
     rg: i32,
     hkv: i32,
+    host_stride: i32,
+    per_cta: i32,
 }
 
 #[repr(C)]
@@ -245,6 +259,7 @@ struct AttendParams {
     hq: i32,
     hkv: i32,
     share: i32,
+    host_stride: i32,
 }
 
 // The C++ structs of kvforge/paris.cuh, field for field.
@@ -255,7 +270,7 @@ const _: () = assert!(std::mem::size_of::<VoteParams>() == 56);
 const _: () = assert!(std::mem::size_of::<BucketParams>() == 80);
 const _: () = assert!(std::mem::size_of::<SelectParams>() == 88);
 const _: () = assert!(std::mem::size_of::<RerankParams>() == 176);
-const _: () = assert!(std::mem::size_of::<FetchParams>() == 88);
+const _: () = assert!(std::mem::size_of::<FetchParams>() == 96);
 const _: () = assert!(std::mem::size_of::<AttendParams>() == 128);
 
 // SAFETY: plain-old-data mirrors of the kernel parameter structs (asserted sizes above).
@@ -302,8 +317,9 @@ pub struct ParisIndex {
     hist: CudaSlice<u32>,
     len_d: CudaSlice<u32>,
     len: Vec<usize>,
-    host_k: PinnedHostSlice<u16>,
-    host_v: PinnedHostSlice<u16>,
+    /// Retrieval-region K/V, `[S][Hkv][capacity][K | V]` fp16: a token's rows side by side
+    /// (one run of `4 D` bytes, one host page), read over UVA by the fetch and the fused attend.
+    host_kv: PinnedHostSlice<u16>,
     host_k_ptr: u64,
     host_v_ptr: u64,
     dense_k: CudaSlice<u16>,
@@ -311,6 +327,8 @@ pub struct ParisIndex {
     dense_len_d: CudaSlice<u32>,
     dense_len: Vec<usize>,
     ws: Workspace,
+    /// SMs of the device (the fetch's grid).
+    sms: usize,
 }
 
 /// Per-step buffers.
@@ -379,22 +397,16 @@ impl ParisIndex {
         }
         let mut levels = [0f32; 16];
         levels.copy_from_slice(&cfg.levels().levels_f32);
-        let half = need / 2;
-        // SAFETY: plain u16 slabs; a row is written by `append` before `len` admits it, and
+        // SAFETY: a plain u16 slab; a row is written by `append` before `len` admits it, and
         // kernels read only rows below `len`.
-        let host_k = unsafe { ctx.alloc_pinned_with_flags::<u16>(half / 2, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE) }.map_err(|e| RtError::PinnedAlloc {
-            what: "ParisKV retrieval-region keys".into(),
-            bytes: half,
+        let host_kv = unsafe { ctx.alloc_pinned_with_flags::<u16>(need / 2, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE) }.map_err(|e| RtError::PinnedAlloc {
+            what: "ParisKV retrieval-region keys and values".into(),
+            bytes: need,
             reason: e.to_string(),
         })?;
-        // SAFETY: as above.
-        let host_v = unsafe { ctx.alloc_pinned_with_flags::<u16>(half / 2, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE) }.map_err(|e| RtError::PinnedAlloc {
-            what: "ParisKV retrieval-region values".into(),
-            bytes: half,
-            reason: e.to_string(),
-        })?;
-        let host_k_ptr = host_k.as_ptr().map_err(drv("pinned keys"))? as u64;
-        let host_v_ptr = host_v.as_ptr().map_err(drv("pinned values"))? as u64;
+        // Keys at the start of each token's 2 D halves, values D halves on (`host_stride` 2 D).
+        let host_k_ptr = host_kv.as_ptr().map_err(drv("pinned keys and values"))? as u64;
+        let host_v_ptr = host_k_ptr + (d * 2) as u64;
         let heads = geo.batch * geo.kv_heads;
         let qh = heads * geo.gqa;
         // Retrieval rows.
@@ -446,9 +458,9 @@ impl ParisIndex {
             funcs,
             levels,
             max_smem: dev.info.max_smem_per_block,
+            sms: dev.info.sm_count,
             radix_topk: false,
-            host_k,
-            host_v,
+            host_kv,
             host_k_ptr,
             host_v_ptr,
             ws,
@@ -557,17 +569,17 @@ impl ParisIndex {
         if rows == 0 {
             return Ok(());
         }
-        // Host K/V: [S][Hkv][cap][D].
-        let (kp, vp) = (self.host_k.as_mut_ptr().map_err(drv("pinned keys"))?, self.host_v.as_mut_ptr().map_err(drv("pinned values"))?);
+        // Host K/V: [S][Hkv][cap][K | V].
+        let kp = self.host_kv.as_mut_ptr().map_err(drv("pinned keys and values"))?;
         for r in 0..rows {
             for h in 0..hkv {
-                let dst = ((seq * hkv + h) * self.geo.capacity + start + r) * d;
+                let dst = ((seq * hkv + h) * self.geo.capacity + start + r) * 2 * d;
                 let src = (r * hkv + h) * d;
-                // SAFETY: dst + d ≤ batch × hkv × capacity × d (end ≤ capacity), the slab's
+                // SAFETY: dst + 2 d ≤ batch × hkv × capacity × 2 d (end ≤ capacity), the slab's
                 // length; no kernel reads rows at or past `len`, which is raised after.
                 unsafe {
                     std::ptr::copy_nonoverlapping(bits(&keys[src..src + d]).as_ptr(), kp.add(dst), d);
-                    std::ptr::copy_nonoverlapping(bits(&values[src..src + d]).as_ptr(), vp.add(dst), d);
+                    std::ptr::copy_nonoverlapping(bits(&values[src..src + d]).as_ptr(), kp.add(dst + d), d);
                 }
             }
         }
@@ -812,12 +824,18 @@ impl ParisIndex {
             nr: g.rows_per_sequence() as i32,
             rg: g.rows_per_kv_head() as i32,
             hkv: g.kv_heads as i32,
+            host_stride: (2 * self.cfg.head_dim) as i32,
+            per_cta: 0,
         };
         // 16-byte pieces of the k rows' K and V per retrieval row.
         let pieces = 2 * g.max_k * self.cfg.head_dim * 2 / 16;
-        // SAFETY: FetchParams; host_k/host_v are DEVICEMAP pinned slabs (UVA addresses), rows
-        // past a sequence's length are flagged, not read; pieces past the row's count skip.
-        unsafe { self.launch("fetch", &p, (nr as u32, pieces.div_ceil(FETCH_PER_CTA) as u32, 1), 128, 0) }
+        let per_cta = fetch_per_cta(pieces, nr, self.sms);
+        let p = FetchParams { per_cta: per_cta as i32, ..p };
+        // SAFETY: FetchParams; host_k/host_v point into the DEVICEMAP pinned slab (UVA
+        // addresses) at stride host_stride; rows past a sequence's length are flagged, not read;
+        // pieces past the row's count skip; per_cta is a multiple of the CTA's threads and at
+        // most FETCH_THREADS × FETCH_UNROLL.
+        unsafe { self.launch("fetch", &p, (nr as u32, pieces.div_ceil(per_cta) as u32, 1), FETCH_THREADS as u32, 0) }
     }
 
     fn launch_attend(&self, fused: bool) -> Result<()> {
@@ -843,11 +861,12 @@ impl ParisIndex {
             hq: (g.kv_heads * g.gqa) as i32,
             hkv: g.kv_heads as i32,
             share: (g.gqa / g.rows_per_kv_head()) as i32,
+            host_stride: (2 * self.cfg.head_dim) as i32,
         };
-        let smem = (g.dense_capacity + g.max_k) * 4;
-        // SAFETY: AttendParams; dynamic shared memory holds dense_cap + max_k logits; the fused
-        // kernel reads retrieved rows at `top` < len (checked by the retrieval, which selects
-        // among indexed keys only).
+        let smem = (g.dense_capacity + g.max_k) * 4 + if fused { g.max_k * 4 } else { 0 };
+        // SAFETY: AttendParams; dynamic shared memory holds dense_cap + max_k logits (fused: and
+        // max_k indices); the fused kernel reads retrieved rows at `top` < len (checked by the
+        // retrieval, which selects among indexed keys only) at stride host_stride.
         unsafe { self.launch(if fused { "attend_fused" } else { "attend" }, &p, (qh as u32, 1, 1), 256, smem) }
     }
 
@@ -947,5 +966,25 @@ impl ParisIndex {
         let us = |a: usize, z: usize| -> Result<f64> { Ok(f64::from(e[a].elapsed_ms(&e[z]).map_err(drv("event"))?) * 1e3) };
         let t = StepTimes { vote_us: us(0, 1)?, topk_us: us(1, 2)? + us(3, 4)?, rerank_us: us(2, 3)?, fetch_us: us(4, 5)?, attend_us: us(5, 6)?, attend_fused_us: us(7, 8)? };
         Ok((out, t))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fetch_grid_spreads_small_batches_and_caps_large_ones() {
+        // 1M × batch 1 at D 128, max_k 128: 8 rows of 4096 pieces on 132 SMs: one piece per
+        // thread, 256 CTAs (two per SM) instead of 32 full ones.
+        let pieces = 2 * 128 * 128 * 2 / 16;
+        assert_eq!(fetch_per_cta(pieces, 8, 132), FETCH_THREADS);
+        // Batch 64: full CTAs.
+        assert_eq!(fetch_per_cta(pieces, 512, 132), FETCH_THREADS * FETCH_UNROLL);
+        for rows in [1, 3, 8, 40, 100, 512] {
+            let c = fetch_per_cta(pieces, rows, 132);
+            assert!(c % FETCH_THREADS == 0 && (FETCH_THREADS..=FETCH_THREADS * FETCH_UNROLL).contains(&c), "{rows}: {c}");
+        }
+        assert_eq!(fetch_per_cta(pieces, 8, 0), FETCH_THREADS * FETCH_UNROLL);
     }
 }

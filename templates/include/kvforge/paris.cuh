@@ -14,8 +14,10 @@
 // belongs to kv head r / RG and sums query heads r * SH .. r * SH + SH - 1, SH = G / RG.
 // Summaries per (sequence, kv head), `cap` keys each: ids [cap][B] u8, codes [cap][D/2] u8
 // (channel c in byte c/2, low nibble for even c), weights [cap][B] fp16, hist [B][2^M] u32.
-// Full-precision K/V of the retrieval region: fp16 [S][Hkv][host_cap][D] in pinned host memory,
-// read over UVA.
+// Full-precision K/V of the retrieval region: fp16 rows in pinned host memory, read over UVA:
+// row t of (sequence s, kv head h) at host_k + ((s Hkv + h) host_cap + t) host_stride (halves),
+// likewise host_v. The runtime interleaves them (host_stride = 2 D, host_v = host_k + D: [S][Hkv]
+// [host_cap][K | V]), so that a token's K and V rows are one 4 D-byte run in one host page.
 #pragma once
 #include "common.cuh"
 #include "hadamard.cuh"
@@ -117,6 +119,9 @@ struct FetchParams {
   u32* error_flags;
   const u32* len;        // [S] retrieval-region keys
   int host_cap, kmax, nr, rg, hkv;
+  int host_stride;       // halves from one host row to the next (D, or 2 D interleaved)
+  int per_cta;           // 16-byte pieces per CTA: a multiple of the CTA's threads, at most
+                         // threads * FETCH_UNROLL
 };
 
 struct AttendParams {
@@ -137,6 +142,7 @@ struct AttendParams {
   float* lse;             // [S][Hq] natural-log sum of exp of the scaled logits
   float scale;
   int dense_cap, host_cap, kmax, hq, hkv, share;
+  int host_stride;        // as FetchParams::host_stride
 };
 
 constexpr u32 ERR_TOP_RANGE = 1u;  // a retrieved index is past the retrieval region
@@ -811,38 +817,51 @@ __device__ void topk_hist_kernel(const SelectParams& p) {
 // ---------------------------------------------------------------------------------------------
 // Fetch: the k retrieved K/V rows of each retrieval row from pinned host memory (UVA) into
 // device staging, once for the query heads that share the row. Grid (S * NR, ceil(2 kmax D / 8 /
-// (NT FETCH_UNROLL))), NT threads, 16-byte loads: each thread issues its FETCH_UNROLL loads
-// before the first store, so a CTA has NT * FETCH_UNROLL reads in flight over the bus instead of
-// one round trip per row; small CTAs, so that even one sequence's few rows spread over many SMs.
-constexpr int FETCH_UNROLL = 4;
+// per_cta)), NT threads, 16-byte pieces: piece e of a row is token e / (2V)'s K (its first V
+// pieces) or V (the rest), and CTA y copies pieces [y per_cta, (y + 1) per_cta). The runtime
+// picks per_cta (a multiple of NT, at most NT * FETCH_UNROLL) so that the grid covers every SM
+// even when few rows are fetched. A thread first loads the token indices of all its pieces
+// (independent loads from device memory), then issues every host read (FETCH_UNROLL 16-byte
+// UVA loads in flight per thread, none waiting on another), then stores. A warp's 32 pieces
+// are one token's K and V rows at D 128: one run of 4 D bytes in host memory when interleaved.
+constexpr int FETCH_UNROLL = 8;
 
 template <int D, int NT>
 __device__ void fetch_kernel(const FetchParams& p) {
   constexpr int V = D * 2 / 16;  // uint4 per row
   const int sh = blockIdx.x, s = sh / p.nr, h = (sh % p.nr) / p.rg;
-  const u32 k = p.top_count[sh], total = 2 * k * V, len = p.len[s];
+  const u32 first = blockIdx.y * u32(p.per_cta), lo = first + threadIdx.x;
+  // The row's count, the sequence's length and the token indices are loaded side by side (the
+  // indices of the whole top buffer row, kmax of them, before the count says how many are
+  // used), so that each host read waits on one round trip to device memory, not three.
+  const u32 cap_end = min(2 * u32(p.kmax) * V, first + u32(p.per_cta));
   const u32* top = p.top + size_t(sh) * p.kmax;
-  const uint4* hk = reinterpret_cast<const uint4*>(p.host_k) + size_t(s * p.hkv + h) * p.host_cap * V;
-  const uint4* hv = reinterpret_cast<const uint4*>(p.host_v) + size_t(s * p.hkv + h) * p.host_cap * V;
+  u32 t[FETCH_UNROLL];
+#pragma unroll
+  for (int u = 0; u < FETCH_UNROLL; ++u) {
+    const u32 e = lo + u * NT;
+    t[u] = e < cap_end ? __ldg(top + e / (2 * V)) : 0u;
+  }
+  const u32 total = 2 * __ldg(p.top_count + sh) * V, len = __ldg(p.len + s);
+  const u32 end = min(total, first + u32(p.per_cta));
+  if (lo >= end) return;
+  const size_t sv = size_t(p.host_stride) / 8;  // uint4 from one host row to the next
+  const uint4* hk = reinterpret_cast<const uint4*>(p.host_k) + size_t(s * p.hkv + h) * p.host_cap * sv;
+  const uint4* hv = reinterpret_cast<const uint4*>(p.host_v) + size_t(s * p.hkv + h) * p.host_cap * sv;
   uint4* ko = reinterpret_cast<uint4*>(p.k_out) + size_t(sh) * p.kmax * V;
   uint4* vo = reinterpret_cast<uint4*>(p.v_out) + size_t(sh) * p.kmax * V;
   uint4 x[FETCH_UNROLL];
-  const u32 lo = blockIdx.y * NT * FETCH_UNROLL + threadIdx.x;
 #pragma unroll
   for (int u = 0; u < FETCH_UNROLL; ++u) {
-    // Element e: row e / (2V), K for the first V of the row's 2V, V for the rest.
-    const u32 e = lo + u * NT, r = e / (2 * V), c = e % (2 * V);
+    const u32 e = lo + u * NT, c = e % (2 * V);
     x[u] = make_uint4(0, 0, 0, 0);
-    if (e < total) {
-      const u32 t = top[r];
-      if (t < len) x[u] = c < V ? hk[size_t(t) * V + c] : hv[size_t(t) * V + c - V];
-    }
+    if (e < end && t[u] < len) x[u] = c < V ? hk[size_t(t[u]) * sv + c] : hv[size_t(t[u]) * sv + c - V];
   }
 #pragma unroll
   for (int u = 0; u < FETCH_UNROLL; ++u) {
     const u32 e = lo + u * NT, r = e / (2 * V), c = e % (2 * V);
-    if (e >= total) continue;
-    if (top[r] >= len) {
+    if (e >= end) continue;
+    if (t[u] >= len) {
       atomicOr(p.error_flags, ERR_TOP_RANGE);
       continue;
     }
@@ -856,16 +875,21 @@ __device__ void fetch_kernel(const FetchParams& p) {
 // Attention over the dense rows (sinks + local + update buffer) and the k retrieved rows of the
 // query head's retrieval row with one softmax. One CTA of NT threads per (sequence, query head);
 // dynamic shared memory holds
-// dense_cap + kmax logits. D / 8 lanes own a row (16-byte loads, ATTEND_UNROLL rows in flight
-// per lane group), NT * 8 / D rows per step. FUSED reads the retrieved rows from host memory
-// through `top`.
+// dense_cap + kmax logits (FUSED: and the row's kmax top indices). D / 8 lanes own a row
+// (16-byte loads, ATTEND_UNROLL rows in flight per lane group; FUSED twice as many, the rows
+// being host reads), NT * 8 / D rows per step. FUSED reads the retrieved rows from host memory
+// through `top`, staged in shared memory first so that no host read waits on an index load.
+// Every lane group accumulates its rows in ascending order whatever the unroll: the staged and
+// fused results are the same bits.
 constexpr int ATTEND_UNROLL = 4;
 
 template <int D, int G, int NT, bool FUSED>
 __device__ void attend_kernel(const AttendParams& p) {
   constexpr int L = D / 8, RG = NT / L;  // lanes per row, rows per step
+  constexpr int UNROLL = FUSED ? 2 * ATTEND_UNROLL : ATTEND_UNROLL;
   static_assert(L <= 32 && 32 % L == 0 && NT % L == 0, "a row's lanes sit in one warp");
   extern __shared__ float logit[];
+  u32* top_s = reinterpret_cast<u32*>(logit + p.dense_cap + p.kmax);  // FUSED: [kmax]
   __shared__ float red[NT / 32];
   __shared__ float acc[RG][D];
   const int sh = blockIdx.x, s = sh / p.hq, h = (sh % p.hq) / G;
@@ -885,13 +909,17 @@ __device__ void attend_kernel(const AttendParams& p) {
   const size_t row = size_t(s) * (p.hq / p.share) + (sh % p.hq) / p.share;
   const u32 nd = p.dense_len[s], nk = p.top_count[row], n = nd + nk;
   const size_t dense0 = size_t(s * p.hkv + h) * p.dense_cap, host0 = size_t(s * p.hkv + h) * p.host_cap;
+  if (FUSED) {
+    for (u32 i = threadIdx.x; i < nk; i += NT) top_s[i] = p.top[row * p.kmax + i];
+    __syncthreads();
+  }
   // The 16 bytes of row r this lane reads (channels 8 sub .. 8 sub + 7).
   auto load = [&](const __half* dense, const __half* staged, const __half* host, u32 r) -> uint4 {
     const __half* src;
     if (r < nd)
       src = dense + (dense0 + r) * D;
     else if (FUSED)
-      src = host + (host0 + p.top[row * p.kmax + r - nd]) * D;
+      src = host + (host0 + top_s[r - nd]) * size_t(p.host_stride);
     else
       src = staged + (row * p.kmax + r - nd) * D;
     return reinterpret_cast<const uint4*>(src)[sub];
@@ -908,15 +936,15 @@ __device__ void attend_kernel(const AttendParams& p) {
   };
   // Logits. The loop's trip count is uniform per warp (the shuffles need every lane).
 #pragma unroll 1
-  for (u32 r0 = 0; r0 < n; r0 += RG * ATTEND_UNROLL) {
-    uint4 x[ATTEND_UNROLL];
+  for (u32 r0 = 0; r0 < n; r0 += RG * UNROLL) {
+    uint4 x[UNROLL];
 #pragma unroll
-    for (int u = 0; u < ATTEND_UNROLL; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const u32 r = r0 + u * RG + grp;
       x[u] = r < n ? load(p.dense_k, p.k_rows, p.host_k, r) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int u = 0; u < ATTEND_UNROLL; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       float d = dot8(x[u]);
 #pragma unroll
       for (int o = L / 2; o > 0; o >>= 1) d += __shfl_xor_sync(0xffffffffu, d, o);
@@ -939,15 +967,15 @@ __device__ void attend_kernel(const AttendParams& p) {
   // Values: lane group grp accumulates channels 8 sub .. 8 sub + 7 of rows grp, grp + RG, ...
   float o[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll 1
-  for (u32 r0 = 0; r0 < n; r0 += RG * ATTEND_UNROLL) {
-    uint4 x[ATTEND_UNROLL];
+  for (u32 r0 = 0; r0 < n; r0 += RG * UNROLL) {
+    uint4 x[UNROLL];
 #pragma unroll
-    for (int u = 0; u < ATTEND_UNROLL; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const u32 r = r0 + u * RG + grp;
       x[u] = r < n ? load(p.dense_v, p.v_rows, p.host_v, r) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int u = 0; u < ATTEND_UNROLL; ++u) {
+    for (int u = 0; u < UNROLL; ++u) {
       const u32 r = r0 + u * RG + grp;
       const float e = r < n ? logit[r] : 0.f;
       const __half2* hx = reinterpret_cast<const __half2*>(&x[u]);
