@@ -21,7 +21,8 @@
 # 2048 (depths 0.25/0.5/0.75). Writes $OUT/calibrate-grid.log, kvtc-grid-16x.json,
 # kvtc-grid-best.json, kvtc-grid-summary.json (kvtc_grid.py: ratios to fp16 per point, the best,
 # whether <= 1.01 at 16x with the needle 3/3 holds). Knobs: SHARES, ROWS, SAMPLES, TOKENS,
-# WINDOWS, RATIOS, BEST_RATIOS, TEXTS; for a dry run on CPU: DEVICE=cpu MODEL_DIR DATA_DIR WORK
+# WINDOWS, GRID_RATIOS (16,20,32,64: the DP's table grows with the largest budget, 4x would
+# quadruple it), BEST_RATIOS, TEXTS; for a dry run on CPU: DEVICE=cpu MODEL_DIR DATA_DIR WORK
 # PYTHON KVFORGE_BIN (and small TOKENS, WINDOWS, SAMPLES, TEXTS, CONTEXTS).
 # Knobs (env): TOKENS/WINDOWS (capture, 8192 x 4), SAMPLES (PCA positions, 32000), RATIOS,
 # DP_ROWS (128), CONTEXTS (2048), NEEDLE (2048), TEXTS (all five). Results under $OUT; eval.py
@@ -54,7 +55,7 @@ if [ "${1:-}" = grid ]; then
   $PY benches/quality/capture_keys.py --model $M --device $DEV $DATA_ARG --tokens ${TOKENS:-8192} --windows ${WINDOWS:-6} --out-dir $W/keys 2>&1 | grep -v 'it/s]' | tail -3
   echo "capture: $(( $(date +%s) - t0 ))s"
   $KVFORGE_BIN calibrate --samples $W/keys/kv-emma-per-layer.safetensors --out $W/cal.safetensors \
-    --ratios $RATIOS --max-samples ${SAMPLES:-40000} --dp-rows $ROWS \
+    --ratios ${GRID_RATIOS:-16,20,32,64} --max-samples ${SAMPLES:-40000} --dp-rows $ROWS \
     --weights $W/keys/kv-emma-weights.safetensors --key-share $SHARES 2>&1 | tee $OUT/calibrate-grid.log
   echo "capture + calibrate: $(( $(date +%s) - t0 ))s" | tee -a $OUT/calibrate-grid.log
   rm -f $W/keys/keys-emma.safetensors $W/keys/values-emma.safetensors

@@ -11,7 +11,7 @@ use faer::Mat;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
-use crate::alloc::{Allocation, Dp, DpConfig};
+use crate::alloc::{Allocation, Dp, DpConfig, RowThinning};
 use crate::dump::KvDump;
 use crate::error::{KvtcError, Result};
 use crate::rope::Rope;
@@ -392,7 +392,18 @@ pub fn calibrate_grid(dump: &KvDump, cfg: &CalibConfig, key_shares: &[f64], dp_r
     let v = calibrate_side(dump, Side::Values, cfg, &idx, &dp_sets, key_shares, &ratios, &mut progress)?;
     Ok(k.into_iter()
         .zip(v)
-        .map(|(k, v)| Calibration { layers: dump.layers, kv_heads: dump.kv_heads, head_dim: dump.head_dim, rope: cfg.rope, sinks: cfg.sinks, window: cfg.window, samples: idx.len(), ratios: ratios.clone(), k, v })
+        .map(|(k, v)| Calibration {
+            layers: dump.layers,
+            kv_heads: dump.kv_heads,
+            head_dim: dump.head_dim,
+            rope: cfg.rope,
+            sinks: cfg.sinks,
+            window: cfg.window,
+            samples: idx.len(),
+            ratios: ratios.clone(),
+            k,
+            v,
+        })
         .collect())
 }
 
@@ -521,7 +532,7 @@ fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], d
                 }
             }
         }
-        let dp = Dp::solve(&data, dp_idx.len(), rank, &cfg.dp, max_budget, &breaks);
+        let dp = Dp::solve_thinned(&data, dp_idx.len(), rank, &cfg.dp, max_budget, &breaks, RowThinning::CALIBRATION);
         for &ks in key_shares {
             let allocations: Vec<Allocation> = ratios.iter().map(|&r| dp.allocation(budget(r, ks))).collect();
             out.push(trimmed_side(&mean, scale.as_deref(), &blocks, &parts, allocations));

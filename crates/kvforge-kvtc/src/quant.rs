@@ -81,15 +81,14 @@ impl GroupScale {
         Self { lo, scale }
     }
 
-    /// The code of `x`.
+    /// The code of `x`: `(x − lo) / scale` rounded half up, clamped to `0 ..= 2^bits − 1`.
     #[inline]
     pub fn code(&self, x: f64, bits: u8) -> u32 {
         let s = self.scale.to_f64();
         if s <= 0.0 || x.is_nan() {
             return 0;
         }
-        let levels = ((1u32 << bits) - 1) as f64;
-        ((x - self.lo.to_f64()) / s).round().clamp(0.0, levels) as u32
+        code_of(x, self.lo.to_f64(), 1.0 / s, ((1u32 << bits) - 1) as f64) as u32
     }
 
     /// The value a code stands for.
@@ -112,6 +111,15 @@ pub fn clip_fractions(bits: u8) -> &'static [f64] {
     }
 }
 
+/// The code of `x` as a float: `(x − lo) · inv + ½` truncated after clamping to `[0, levels + ½]`
+/// (round half up, then clamp). Truncation instead of `round` keeps the DP's inner loop free of
+/// library calls; [`GroupScale::code`] and [`sq_error_with`] share it, so the DP's errors are
+/// the encoder's exactly.
+#[inline(always)]
+fn code_of(x: f64, lo: f64, inv: f64, levels: f64) -> f64 {
+    ((x - lo) * inv + 0.5).max(0.0).min(levels + 0.5) as u32 as f64
+}
+
 /// Squared error of `xs` quantised with `g` (the same arithmetic as `code` then `value`).
 #[inline]
 fn sq_error_with(xs: &[f64], g: GroupScale, bits: u8) -> f64 {
@@ -119,11 +127,10 @@ fn sq_error_with(xs: &[f64], g: GroupScale, bits: u8) -> f64 {
     if s <= 0.0 {
         return xs.iter().map(|&x| (lo - x) * (lo - x)).sum::<f64>();
     }
-    let levels = ((1u32 << bits) - 1) as f64;
+    let (inv, levels) = (1.0 / s, ((1u32 << bits) - 1) as f64);
     xs.iter()
         .map(|&x| {
-            let c = ((x - lo) / s).round().clamp(0.0, levels);
-            let d = lo + c * s - x;
+            let d = lo + code_of(x, lo, inv, levels) * s - x;
             d * d
         })
         .sum::<f64>()
