@@ -24,6 +24,8 @@
 # WINDOWS, GRID_RATIOS (16,20,32,64: the DP's table grows with the largest budget, 4x would
 # quadruple it), BEST_RATIOS, TEXTS; for a dry run on CPU: DEVICE=cpu MODEL_DIR DATA_DIR WORK
 # PYTHON KVFORGE_BIN (and small TOKENS, WINDOWS, SAMPLES, TEXTS, CONTEXTS).
+# Then the frontier (4x..64x) with the best point, the plain mode: e.g. KEY_SHARE=0.35 DP_ROWS=256
+# WINDOWS=6 SAMPLES=40000 bash benches/quality/kvtc_on_device.sh
 # Knobs (env): TOKENS/WINDOWS (capture, 8192 x 4), SAMPLES (PCA positions, 32000), RATIOS,
 # DP_ROWS (128), CONTEXTS (2048), NEEDLE (2048), TEXTS (all five). Results under $OUT; eval.py
 # writes its JSON after every scheme, so a timeout keeps the ratios finished.
