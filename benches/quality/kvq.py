@@ -14,13 +14,15 @@ Backends (``make_backend(name)``):
 * ``sim:sph:<codebooks.safetensors>`` spherical keys with one codebook per (layer, kv head,
                                 group) (``kvforge codebook train --per-head``), rotated first
                                 when the file's ``basis`` says ``hadamard:<seed>`` (``sph.py``).
-* ``sim:kvtc-<ratio>[-zstd|-none]`` kvtc (seed 003, crates/kvforge-kvtc): the exact K/V of the
+* ``sim:kvtc-<ratio>[-zstd|-none][@<tag>]`` kvtc (seed 003, crates/kvforge-kvtc): the exact K/V of the
                                 whole input (a capture forward, as a prefill makes them) packed by
                                 the ``kvforge`` binary at that ratio with the calibration
                                 ``$KVFORGE_KVTC_CAL`` and unpacked again (``kvforge pack`` /
                                 ``unpack``: the Rust reference itself, no re-implementation);
                                 attention then reads the restored cache. Bytes are the
-                                container's, measured.
+                                container's, measured. ``@<tag>`` takes one point of a
+                                ``kvforge calibrate`` grid instead: ``<stem>-<tag><ext>`` beside
+                                ``$KVFORGE_KVTC_CAL`` (e.g. ``@ks0.35-dp256``).
 * ``sim:paris-k<k>[-oracle]...`` ParisKV retrieval decode (seed 001, issue 27): every query
                                 position attends over sinks + local + the top-k keys the
                                 ParisKV pipeline retrieves per kv head for the GQA group's
@@ -47,6 +49,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 import sys
 import tomllib
 from pathlib import Path
@@ -733,9 +736,11 @@ class KvtcSimBackend:
 
     measured_bytes = True
 
-    def __init__(self, ratio: float, entropy: str, name: str):
+    def __init__(self, ratio: float, entropy: str, name: str, tag: str = ""):
         self.name, self.ratio, self.entropy = name, ratio, entropy
         self.cal = Path(os.environ.get("KVFORGE_KVTC_CAL", str(DATA / "kvtc" / "calibration-emma.safetensors")))
+        if tag:  # one point of a `kvforge calibrate` grid: <stem>-<tag><ext> beside $KVFORGE_KVTC_CAL
+            self.cal = self.cal.with_name(f"{self.cal.stem}-{tag}{self.cal.suffix}")
         if not self.cal.is_file():
             raise SystemExit(f"{name}: no calibration {self.cal} (run `kvforge calibrate`, set $KVFORGE_KVTC_CAL)")
         self.rk = self.rv = None
@@ -800,11 +805,12 @@ def make_backend(name: str, max_tokens: int = 8192 + 256):
         return Fp16Backend()
     kind, _, rest = name.partition(":")
     if kind == "sim" and rest.startswith("kvtc-"):
-        parts = rest.split("-")
+        spec, _, tag = rest.partition("@")
+        parts = spec.split("-")
         entropy = parts[2] if len(parts) > 2 else "deflate"
-        if len(parts) > 3 or entropy not in ("deflate", "zstd", "none"):
-            raise SystemExit(f"unknown kvtc backend `{name}`: sim:kvtc-<ratio>[-deflate|-zstd|-none]")
-        return KvtcSimBackend(float(parts[1]), entropy, name)
+        if len(parts) > 3 or entropy not in ("deflate", "zstd", "none") or not re.fullmatch(r"[0-9.]+", parts[1]) or not re.fullmatch(r"[A-Za-z0-9._-]*", tag):
+            raise SystemExit(f"unknown kvtc backend `{name}`: sim:kvtc-<ratio>[-deflate|-zstd|-none][@<grid tag, e.g. ks0.3-dp64>]")
+        return KvtcSimBackend(float(parts[1]), entropy, name, tag)
     if kind == "sim" and rest.startswith("paris-"):
         import paris_sim  # ParisKV retrieval (seed 001): sim:paris-k<k>[-oracle]...
 

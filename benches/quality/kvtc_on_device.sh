@@ -11,6 +11,21 @@
 #   call 3, carry [".bin", ".whl-py", "data/austen"], timeout 600:
 #     bash benches/quality/kvtc_on_device.sh
 # (If the machine went back between calls, /root/m is gone: start again at call 1.)
+#
+# Grid mode, call 3 instead: `bash benches/quality/kvtc_on_device.sh grid` (same carry, timeout
+# 600; about 5-6 minutes): capture 8192 x 6 Emma tokens on the GPU, ONE `kvforge calibrate` for
+# the grid key share {0.3,0.35,0.4} x DP rows {64,256} (one PCA per side over 40000 positions, one
+# DP per side and row count; files /tmp/kvtc/cal-ks<share>-dp<rows>.safetensors), eval.py at 16x
+# for every point (sim:kvtc-16@ks<share>-dp<rows>, fp16 once; perplexity at 2048 on the five
+# texts), then the best point at BEST_RATIOS (16,20,32) with per-layer error and the needle at
+# 2048 (depths 0.25/0.5/0.75). Writes $OUT/calibrate-grid.log, kvtc-grid-16x.json,
+# kvtc-grid-best.json, kvtc-grid-summary.json (kvtc_grid.py: ratios to fp16 per point, the best,
+# whether <= 1.01 at 16x with the needle 3/3 holds). Knobs: SHARES, ROWS, SAMPLES, TOKENS,
+# WINDOWS, GRID_RATIOS (16,20,32,64: the DP's table grows with the largest budget, 4x would
+# quadruple it), BEST_RATIOS, TEXTS; for a dry run on CPU: DEVICE=cpu MODEL_DIR DATA_DIR WORK
+# PYTHON KVFORGE_BIN (and small TOKENS, WINDOWS, SAMPLES, TEXTS, CONTEXTS).
+# Then the frontier (4x..64x) with the best point, the plain mode: e.g. KEY_SHARE=0.35 DP_ROWS=256
+# WINDOWS=6 SAMPLES=40000 bash benches/quality/kvtc_on_device.sh
 # Knobs (env): TOKENS/WINDOWS (capture, 8192 x 4), SAMPLES (PCA positions, 32000), RATIOS,
 # DP_ROWS (128), CONTEXTS (2048), NEEDLE (2048), TEXTS (all five). Results under $OUT; eval.py
 # writes its JSON after every scheme, so a timeout keeps the ratios finished.
@@ -20,7 +35,10 @@ OUT=${OUT:-/tmp/kvtc-out}
 CONTEXTS=${CONTEXTS:-2048}
 RATIOS=${RATIOS:-4,8,16,20,32,64}
 mkdir -p "$OUT"
-M=/root/m
+M=${MODEL_DIR:-/root/m}
+DEV=${DEVICE:-cuda}
+PY=${PYTHON:-python3}
+DATA_ARG=${DATA_DIR:+--data $DATA_DIR}
 if [ ! -f $M/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ -f $M/part-a ] && [ -d .model-b ]; then
   cat $M/part-a .model-b/part-b > $M/SmolLM2-135M-Instruct.Q4_1.gguf && rm $M/part-a && cp .model-b/SHA256SUMS $M/
 fi
@@ -29,10 +47,38 @@ fi
 export PYTHONPATH=$R/.whl-py PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export KVFORGE_BIN=${KVFORGE_BIN:-$R/.bin/kvforge}
 [ -x "$KVFORGE_BIN" ] || { echo "no kvforge binary at $KVFORGE_BIN (carry .bin)"; exit 2; }
-W=/tmp/kvtc
+W=${WORK:-/tmp/kvtc}
 mkdir -p $W
-nvidia-smi -L
+nvidia-smi -L || true
 t0=$(date +%s)
+if [ "${1:-}" = grid ]; then
+  SHARES=${SHARES:-0.3,0.35,0.4}
+  ROWS=${ROWS:-64,256}
+  $PY benches/quality/capture_keys.py --model $M --device $DEV $DATA_ARG --tokens ${TOKENS:-8192} --windows ${WINDOWS:-6} --out-dir $W/keys 2>&1 | grep -v 'it/s]' | tail -3
+  echo "capture: $(( $(date +%s) - t0 ))s"
+  $KVFORGE_BIN calibrate --samples $W/keys/kv-emma-per-layer.safetensors --out $W/cal.safetensors \
+    --ratios ${GRID_RATIOS:-16,20,32,64} --max-samples ${SAMPLES:-40000} --dp-rows $ROWS \
+    --weights $W/keys/kv-emma-weights.safetensors --key-share $SHARES 2>&1 | tee $OUT/calibrate-grid.log
+  echo "capture + calibrate: $(( $(date +%s) - t0 ))s" | tee -a $OUT/calibrate-grid.log
+  rm -f $W/keys/keys-emma.safetensors $W/keys/values-emma.safetensors
+  export KVFORGE_KVTC_CAL=$W/cal.safetensors
+  schemes=fp16
+  for r in ${ROWS//,/ }; do for k in ${SHARES//,/ }; do schemes+=",sim:kvtc-16@ks$k-dp$r"; done; done
+  $PY benches/quality/eval.py --model $M --device $DEV $DATA_ARG --schemes $schemes --contexts ${CONTEXTS%%,*} ${TEXTS:+--texts $TEXTS} \
+    --layer-error-contexts '' --needle-contexts '' --out $OUT/kvtc-grid-16x.json 2>&1 | grep -v 'it/s]' | tee $OUT/kvtc-grid.log
+  echo "sweep: $(( $(date +%s) - t0 ))s"
+  best=$($PY benches/quality/kvtc_grid.py best $OUT/kvtc-grid-16x.json)
+  echo "best at 16x: $best"
+  schemes=
+  BEST_RATIOS=${BEST_RATIOS:-16,20,32}
+  for r in ${BEST_RATIOS//,/ }; do schemes+="${schemes:+,}sim:kvtc-$r@$best"; done
+  $PY benches/quality/eval.py --model $M --device $DEV $DATA_ARG --schemes $schemes --contexts ${CONTEXTS%%,*} ${TEXTS:+--texts $TEXTS} \
+    --layer-error-contexts ${CONTEXTS%%,*} --needle-contexts ${NEEDLE:-2048} --needle-depths 0.25,0.5,0.75 \
+    --out $OUT/kvtc-grid-best.json 2>&1 | grep -v 'it/s]' | tee -a $OUT/kvtc-grid.log || echo "BEST RUN FAILED"
+  $PY benches/quality/kvtc_grid.py summary $OUT/kvtc-grid-16x.json $OUT/kvtc-grid-best.json $OUT/calibrate-grid.log $OUT/kvtc-grid-summary.json
+  echo "total: $(( $(date +%s) - t0 ))s"
+  exit 0
+fi
 python3 benches/quality/capture_keys.py --model $M --device cuda --tokens ${TOKENS:-8192} --windows ${WINDOWS:-4} --out-dir $W/keys 2>&1 | tail -3
 $KVFORGE_BIN calibrate --samples $W/keys/kv-emma-per-layer.safetensors --out $W/cal.safetensors \
   --ratios $RATIOS --max-samples ${SAMPLES:-32000} --dp-rows ${DP_ROWS:-128} \

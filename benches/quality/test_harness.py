@@ -283,3 +283,18 @@ def test_sim_key_centring_variant():
     err = lambda x: ((x - k).norm() / k.norm()).item()
     assert err(cent) < 0.1 * err(plain)
     assert kvq.TierSim(kvq.ROOT / kvq.SIM_TIERS, "r3-kc-sink64").payload_bytes_per_token(64) == 24 + 2 + 2 + 24 + 2
+
+
+def test_kvtc_grid_tag_picks_the_grid_file(tmp_path, monkeypatch):
+    base = tmp_path / "cal.safetensors"
+    base.write_bytes(b"x")
+    (tmp_path / "cal-ks0.35-dp256.safetensors").write_bytes(b"x")
+    monkeypatch.setenv("KVFORGE_KVTC_CAL", str(base))
+    assert kvq.make_backend("sim:kvtc-16").cal == base
+    b = kvq.make_backend("sim:kvtc-16@ks0.35-dp256")
+    assert (b.cal, b.ratio, b.entropy) == (tmp_path / "cal-ks0.35-dp256.safetensors", 16.0, "deflate")
+    assert kvq.make_backend("sim:kvtc-20-zstd@ks0.35-dp256").entropy == "zstd"
+    with pytest.raises(SystemExit, match="no calibration"):
+        kvq.make_backend("sim:kvtc-16@ks0.4-dp256")
+    with pytest.raises(SystemExit, match="unknown kvtc backend"):
+        kvq.make_backend("sim:kvtc-16@../x")

@@ -104,6 +104,34 @@ pub struct Dp {
     choice: Vec<u8>,
 }
 
+/// Which of the calibration rows the DP measures a group of each size on. A group's expected
+/// error is a mean over rows × its coordinates, so a large group needs fewer rows for the same
+/// number of samples, and measuring a group of 1024 on every row at every start costs 64× a
+/// group of 16: groups larger than `above` are measured on every `stride`-th row, about
+/// `rows · above / size` of them but at least `min_rows` (all rows when fewer).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowThinning {
+    pub above: usize,
+    pub min_rows: usize,
+}
+
+impl RowThinning {
+    /// Every row for every group size.
+    pub const NONE: Self = Self { above: usize::MAX, min_rows: usize::MAX };
+    /// What calibration uses: every group gets at least `16 · rows` samples (all rows for
+    /// groups ≤ 16) and at least 16 rows.
+    pub const CALIBRATION: Self = Self { above: 16, min_rows: 16 };
+
+    /// Step between the rows a group of `size` is measured on.
+    pub fn stride(&self, rows: usize, size: usize) -> usize {
+        if size <= self.above || rows <= self.min_rows {
+            return 1;
+        }
+        let want = (rows * self.above).div_ceil(size).max(self.min_rows).min(rows);
+        (rows / want).max(1)
+    }
+}
+
 impl Dp {
     /// Solves the DP on `rows` calibration rows of `comps` decorrelated coordinates
     /// (`data[row * comps + j]`), for every budget up to `max_budget` bits per token. No group
@@ -111,10 +139,21 @@ impl Dp {
     /// blocks: a group's codes share one shift and scale and the restore reads each block's
     /// coefficients apart).
     pub fn solve(data: &[f64], rows: usize, comps: usize, cfg: &DpConfig, max_budget: usize, breaks: &[usize]) -> Self {
+        Self::solve_thinned(data, rows, comps, cfg, max_budget, breaks, RowThinning::NONE)
+    }
+
+    /// [`Dp::solve`] with each group size measured on the rows `thin` gives it (the error
+    /// tables are then means over those rows; [`allocation_error_thinned`] is the same measure).
+    pub fn solve_thinned(data: &[f64], rows: usize, comps: usize, cfg: &DpConfig, max_budget: usize, breaks: &[usize], thin: RowThinning) -> Self {
         assert_eq!(data.len(), rows * comps);
         assert!(cfg.group_sizes.len() * cfg.bit_widths.len() < 255);
         let (ns, nq) = (cfg.group_sizes.len(), cfg.bit_widths.len());
         let norm = 1.0 / rows.max(1) as f64;
+        // col_prefix[j]: energy of coordinates 0..j summed over all rows
+        let mut col_prefix = vec![0.0; comps + 1];
+        for j in 0..comps {
+            col_prefix[j + 1] = col_prefix[j] + (0..rows).map(|r| data[r * comps + j] * data[r * comps + j]).sum::<f64>();
+        }
         // err[(i-1)*ns*nq + s*nq + q]: error change per token of coding coordinates i-size..i.
         let err: Vec<f64> = (1..=comps)
             .into_par_iter()
@@ -126,10 +165,18 @@ impl Dp {
                     }
                     let acc = &mut out[si * nq..(si + 1) * nq];
                     acc.fill(0.0);
-                    for r in 0..rows {
-                        add_group_error_changes(&data[r * comps + i - size..r * comps + i], &cfg.bit_widths, acc);
+                    let stride = thin.stride(rows, size);
+                    let mut sub_energy = 0.0;
+                    for r in (0..rows).step_by(stride) {
+                        let xs = &data[r * comps + i - size..r * comps + i];
+                        add_group_error_changes(xs, &cfg.bit_widths, acc);
+                        sub_energy += xs.iter().map(|x| x * x).sum::<f64>();
                     }
-                    acc.iter_mut().for_each(|e| *e *= norm);
+                    // the quantisation error from the measured rows, the energy it replaces from
+                    // all rows (a noisy energy would let the DP pick groups by their sample)
+                    let used = rows.div_ceil(stride).max(1) as f64;
+                    let all_energy = (col_prefix[i] - col_prefix[i - size]) * norm;
+                    acc.iter_mut().for_each(|e| *e = (*e + sub_energy) / used - all_energy);
                 }
                 out
             })
@@ -209,22 +256,25 @@ impl Dp {
     }
 }
 
-/// Squared error per token of `alloc` on the rows (what the DP minimises).
+/// Squared error per token of `alloc` on the rows (what [`Dp::solve`] minimises).
 pub fn allocation_error(data: &[f64], rows: usize, comps: usize, alloc: &Allocation) -> f64 {
+    allocation_error_thinned(data, rows, comps, alloc, RowThinning::NONE)
+}
+
+/// What [`Dp::solve_thinned`] minimises: the energy per token of the dropped coordinates (over
+/// all rows) plus each group's quantisation error per token over the rows it is measured on.
+pub fn allocation_error_thinned(data: &[f64], rows: usize, comps: usize, alloc: &Allocation, thin: RowThinning) -> f64 {
     let mut coded = vec![false; comps];
     let mut e = 0.0;
-    for r in 0..rows {
-        let row = &data[r * comps..(r + 1) * comps];
-        for g in &alloc.groups {
-            let s = g.start as usize..(g.start + g.len) as usize;
-            e += group_sq_error(&row[s.clone()], g.bits);
-            if r == 0 {
-                s.for_each(|j| coded[j] = true);
-            }
-        }
-        e += row.iter().zip(&coded).filter(|(_, &c)| !c).map(|(x, _)| x * x).sum::<f64>();
+    for g in &alloc.groups {
+        let s = g.start as usize..(g.start + g.len) as usize;
+        s.clone().for_each(|j| coded[j] = true);
+        let stride = thin.stride(rows, g.len as usize);
+        let q: f64 = (0..rows).step_by(stride).map(|r| group_sq_error(&data[r * comps..(r + 1) * comps][s.clone()], g.bits)).sum();
+        e += q / rows.div_ceil(stride).max(1) as f64;
     }
-    e / rows.max(1) as f64
+    let dropped: f64 = (0..rows).map(|r| data[r * comps..(r + 1) * comps].iter().zip(&coded).filter(|(_, &c)| !c).map(|(x, _)| x * x).sum::<f64>()).sum();
+    e + dropped / rows.max(1) as f64
 }
 
 #[cfg(test)]
@@ -239,18 +289,19 @@ mod tests {
 
     /// Least error over every partition of the coordinates into dropped ones and groups of
     /// allowed sizes and widths, within `budget` bits.
-    fn brute(data: &[f64], rows: usize, comps: usize, cfg: &DpConfig, budget: usize) -> f64 {
+    fn brute(data: &[f64], rows: usize, comps: usize, cfg: &DpConfig, budget: usize, thin: RowThinning) -> f64 {
         struct Ctx<'a> {
             d: &'a [f64],
             rows: usize,
             comps: usize,
             cfg: &'a DpConfig,
+            thin: RowThinning,
         }
         fn go(i: usize, left: usize, groups: &mut Vec<Group>, c: &Ctx, best: &mut f64) {
             let (d, rows, comps, cfg) = (c.d, c.rows, c.comps, c.cfg);
             if i == comps {
                 let a = Allocation { budget_bits: u32::MAX, groups: groups.clone(), expected_error: 0.0 };
-                *best = best.min(allocation_error(d, rows, comps, &a));
+                *best = best.min(allocation_error_thinned(d, rows, comps, &a, c.thin));
                 return;
             }
             go(i + 1, left, groups, c, best);
@@ -266,29 +317,36 @@ mod tests {
             }
         }
         let mut best = f64::INFINITY;
-        go(0, budget, &mut Vec::new(), &Ctx { d: data, rows, comps, cfg }, &mut best);
+        go(0, budget, &mut Vec::new(), &Ctx { d: data, rows, comps, cfg, thin }, &mut best);
         best
     }
 
     #[test]
     fn dp_is_optimal_against_exhaustive_search() {
         let cfg = DpConfig { group_sizes: vec![1, 2, 4], bit_widths: vec![1, 2, 4] };
-        for seed in 0..3 {
-            let (rows, comps) = (5, 6);
+        // every row, then groups of 2 on every 2nd of 8 rows and of 4 on every 4th
+        let thinned = RowThinning { above: 1, min_rows: 2 };
+        assert_eq!((thinned.stride(8, 1), thinned.stride(8, 2), thinned.stride(8, 4)), (1, 2, 4));
+        for (seed, rows, thin) in [(0, 5, RowThinning::NONE), (1, 5, RowThinning::NONE), (2, 5, RowThinning::NONE), (3, 8, thinned), (4, 8, thinned)] {
+            let comps = 6;
             let d = data(rows, comps, seed);
             let max_b = 6 * 4 + 3 * 32;
-            let dp = Dp::solve(&d, rows, comps, &cfg, max_b, &[]);
+            let dp = Dp::solve_thinned(&d, rows, comps, &cfg, max_b, &[], thin);
             for budget in (0..=max_b).step_by(3) {
-                let want = brute(&d, rows, comps, &cfg, budget);
+                let want = brute(&d, rows, comps, &cfg, budget, thin);
                 let got = dp.best_error(budget);
                 assert!((want - got).abs() <= 1e-9 * want.max(1.0), "seed {seed} budget {budget}: dp {got} brute {want}");
+                assert!(got >= -1e-9, "an expected error below zero: {got}");
                 let a = dp.allocation(budget);
                 a.validate(comps, 16).unwrap();
                 assert!(a.cost_bits() <= budget as u64);
-                let e = allocation_error(&d, rows, comps, &a);
+                let e = allocation_error_thinned(&d, rows, comps, &a, thin);
                 assert!((e - got).abs() <= 1e-9 * got.max(1.0), "backtracked allocation error {e} vs table {got}");
             }
         }
+        // calibration's thinning: groups ≤ 16 on every row, 1024 on 16 of 256 rows, never fewer than 16
+        let c = RowThinning::CALIBRATION;
+        assert_eq!((c.stride(256, 16), c.stride(256, 64), c.stride(256, 1024), c.stride(64, 1024), c.stride(12, 1024)), (1, 4, 16, 4, 1));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use faer::Mat;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 
-use crate::alloc::{Allocation, Dp, DpConfig};
+use crate::alloc::{Allocation, Dp, DpConfig, RowThinning};
 use crate::dump::KvDump;
 use crate::error::{KvtcError, Result};
 use crate::rope::Rope;
@@ -325,7 +325,21 @@ pub fn weight_scale(w: &[f64]) -> Vec<f64> {
 }
 
 /// Calibrates keys and values on `dump`; `progress` is told each step's name.
-pub fn calibrate(dump: &KvDump, cfg: &CalibConfig, mut progress: impl FnMut(&str)) -> Result<Calibration> {
+pub fn calibrate(dump: &KvDump, cfg: &CalibConfig, progress: impl FnMut(&str)) -> Result<Calibration> {
+    let mut all = calibrate_grid(dump, cfg, &[cfg.key_share], &[cfg.dp_rows], progress)?;
+    Ok(all.remove(0))
+}
+
+/// [`calibrate`] for every `dp_rows` × `key_shares` (in that order, key shares varying
+/// fastest; `cfg.key_share` and `cfg.dp_rows` are ignored) at the cost of one PCA per side:
+/// only the DP depends on the rows it measures (one solve per side and row count, the first
+/// rows of one shuffle, so each count's rows are those [`calibrate`] would take) and only the
+/// budgets on the key share (one table serves all budgets). Each calibration equals what
+/// [`calibrate`] gives for that point.
+pub fn calibrate_grid(dump: &KvDump, cfg: &CalibConfig, key_shares: &[f64], dp_rows: &[usize], mut progress: impl FnMut(&str)) -> Result<Vec<Calibration>> {
+    if key_shares.is_empty() || dp_rows.is_empty() {
+        return Err(KvtcError::BadInput("a calibration grid needs at least one key share and one DP row count".into()));
+    }
     dump.validate()?;
     if let Some(i) = dump.k.iter().chain(&dump.v).position(|x| !x.is_finite()) {
         return Err(KvtcError::BadInput(format!("the K/V dump holds a non-finite value (element {i})")));
@@ -345,8 +359,8 @@ pub fn calibrate(dump: &KvDump, cfg: &CalibConfig, mut progress: impl FnMut(&str
             }
         }
     }
-    if !(cfg.key_share > 0.0 && cfg.key_share < 1.0) {
-        return Err(KvtcError::BadInput(format!("key_share {} must lie strictly between 0 and 1", cfg.key_share)));
+    if let Some(ks) = key_shares.iter().find(|&&ks| !(ks > 0.0 && ks < 1.0)) {
+        return Err(KvtcError::BadInput(format!("key_share {ks} must lie strictly between 0 and 1")));
     }
     if cfg.ratios.is_empty() || cfg.ratios.iter().any(|&r| !(r >= 1.0)) {
         return Err(KvtcError::BadInput(format!("ratios {:?}: need at least one, each ≥ 1", cfg.ratios)));
@@ -361,16 +375,36 @@ pub fn calibrate(dump: &KvDump, cfg: &CalibConfig, mut progress: impl FnMut(&str
         idx.truncate(cfg.max_samples);
         idx.sort_unstable();
     }
-    let mut dp_idx: Vec<usize> = (0..idx.len()).collect();
-    dp_idx.shuffle(&mut rng);
-    dp_idx.truncate(cfg.dp_rows.max(1));
-    dp_idx.sort_unstable();
+    let mut perm: Vec<usize> = (0..idx.len()).collect();
+    perm.shuffle(&mut rng);
+    let dp_sets: Vec<Vec<usize>> = dp_rows
+        .iter()
+        .map(|&r| {
+            let mut d = perm[..r.clamp(1, perm.len())].to_vec();
+            d.sort_unstable();
+            d
+        })
+        .collect();
     let mut ratios = cfg.ratios.clone();
     ratios.sort_by(|a, b| a.partial_cmp(b).unwrap());
     ratios.dedup();
-    let k = calibrate_side(dump, Side::Keys, cfg, &idx, &dp_idx, &ratios, &mut progress)?;
-    let v = calibrate_side(dump, Side::Values, cfg, &idx, &dp_idx, &ratios, &mut progress)?;
-    Ok(Calibration { layers: dump.layers, kv_heads: dump.kv_heads, head_dim: dump.head_dim, rope: cfg.rope, sinks: cfg.sinks, window: cfg.window, samples: idx.len(), ratios, k, v })
+    let k = calibrate_side(dump, Side::Keys, cfg, &idx, &dp_sets, key_shares, &ratios, &mut progress)?;
+    let v = calibrate_side(dump, Side::Values, cfg, &idx, &dp_sets, key_shares, &ratios, &mut progress)?;
+    Ok(k.into_iter()
+        .zip(v)
+        .map(|(k, v)| Calibration {
+            layers: dump.layers,
+            kv_heads: dump.kv_heads,
+            head_dim: dump.head_dim,
+            rope: cfg.rope,
+            sinks: cfg.sinks,
+            window: cfg.window,
+            samples: idx.len(),
+            ratios: ratios.clone(),
+            k,
+            v,
+        })
+        .collect())
 }
 
 /// Principal directions of the centred rows of `x` (`n × p`) as the columns of a `p × rank`
@@ -421,7 +455,9 @@ pub fn block_features(layers: usize, layer_width: usize, layers_per_basis: usize
     (0..layers.max(1)).step_by(per).map(|l| l * layer_width..(l + per).min(layers.max(1)) * layer_width).collect()
 }
 
-fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], dp_idx: &[usize], ratios: &[f64], progress: &mut impl FnMut(&str)) -> Result<SideCalib> {
+/// One side's calibrations of the grid: for each row set of `dp_sets`, for each key share.
+#[allow(clippy::too_many_arguments)]
+fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], dp_sets: &[Vec<usize>], key_shares: &[f64], ratios: &[f64], progress: &mut impl FnMut(&str)) -> Result<Vec<SideCalib>> {
     let p = dump.features();
     let n = idx.len();
     progress(&format!("{}: gathering {n} positions × {p} features", side.name()));
@@ -443,15 +479,9 @@ fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], d
     }
     let fblocks = block_features(dump.layers, dump.kv_heads * dump.head_dim, cfg.layers_per_basis);
     let multi = fblocks.len() > 1;
-    let mut xs = Mat::<f64>::zeros(dp_idx.len(), p);
-    for (r, &i) in dp_idx.iter().enumerate() {
-        for f in 0..p {
-            xs[(r, f)] = x[(i, f)];
-        }
-    }
     // per block: its basis (features × components, padded with zero columns in a multi-block
-    // basis) and the DP rows' coordinates on it
-    let mut parts: Vec<(Mat<f64>, Vec<f64>, Mat<f64>)> = Vec::with_capacity(fblocks.len());
+    // basis) and variances
+    let mut parts: Vec<(Mat<f64>, Vec<f64>)> = Vec::with_capacity(fblocks.len());
     for (bi, fr) in fblocks.iter().enumerate() {
         let sub = x.subcols(fr.start, fr.len()).to_owned();
         let tag = if multi { format!("{} block {bi} (features {}..{})", side.name(), fr.start, fr.end) } else { side.name().to_string() };
@@ -464,8 +494,7 @@ fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], d
             }
         }
         variance.resize(comps, 0.0);
-        let proj = xs.subcols(fr.start, fr.len()) * &b;
-        parts.push((b, variance, proj));
+        parts.push((b, variance));
     }
     let rank: usize = parts.iter().map(|p| p.1.len()).sum();
     let mut blocks = Vec::with_capacity(parts.len());
@@ -475,40 +504,60 @@ fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], d
         c0 += part.1.len();
     }
     let breaks: Vec<usize> = blocks.iter().skip(1).map(|b| b.components.start).collect();
-    let budget = |r: f64| side_budget_bits(p, r, side, cfg.key_share);
-    progress(&format!("{}: DP bit allocation on {} rows, {} blocks, budgets up to {} bits", side.name(), dp_idx.len(), blocks.len(), budget(ratios[0])));
+    let budget = |r: f64, ks: f64| side_budget_bits(p, r, side, ks);
+    let max_budget = key_shares.iter().map(|&ks| budget(ratios[0], ks)).max().unwrap_or(0);
     // With several blocks the DP weighs each block's error by the inverse of the block's
     // variance (its coordinates scaled by `sqrt(mean block variance / block variance)`): every
     // run of layers then gets about the same *relative* error. Unweighted, the squared error is
     // smallest when low-variance layers are dropped whole, which their attention does not survive.
     let block_var: Vec<f64> = parts.iter().map(|p| p.1.iter().sum::<f64>()).collect();
     let mean_var = block_var.iter().sum::<f64>() / block_var.len() as f64;
-    let mut data = vec![0.0; dp_idx.len() * rank];
-    for ((b, part), &bv) in blocks.iter().zip(&parts).zip(&block_var) {
-        let w = if multi && bv > 0.0 { (mean_var / bv).sqrt() } else { 1.0 };
-        for r in 0..dp_idx.len() {
-            for j in 0..part.1.len() {
-                data[r * rank + b.components.start + j] = w * part.2[(r, j)];
+    let mut out = Vec::with_capacity(dp_sets.len() * key_shares.len());
+    for dp_idx in dp_sets {
+        progress(&format!("{}: DP bit allocation on {} rows, {} blocks, budgets up to {max_budget} bits", side.name(), dp_idx.len(), blocks.len()));
+        let mut xs = Mat::<f64>::zeros(dp_idx.len(), p);
+        for (r, &i) in dp_idx.iter().enumerate() {
+            for f in 0..p {
+                xs[(r, f)] = x[(i, f)];
             }
         }
+        let mut data = vec![0.0; dp_idx.len() * rank];
+        for ((b, part), &bv) in blocks.iter().zip(&parts).zip(&block_var) {
+            let fr = &b.features;
+            let proj = xs.subcols(fr.start, fr.len()) * &part.0;
+            let w = if multi && bv > 0.0 { (mean_var / bv).sqrt() } else { 1.0 };
+            for r in 0..dp_idx.len() {
+                for j in 0..part.1.len() {
+                    data[r * rank + b.components.start + j] = w * proj[(r, j)];
+                }
+            }
+        }
+        let dp = Dp::solve_thinned(&data, dp_idx.len(), rank, &cfg.dp, max_budget, &breaks, RowThinning::CALIBRATION);
+        for &ks in key_shares {
+            let allocations: Vec<Allocation> = ratios.iter().map(|&r| dp.allocation(budget(r, ks))).collect();
+            out.push(trimmed_side(&mean, scale.as_deref(), &blocks, &parts, allocations));
+        }
     }
-    let dp = Dp::solve(&data, dp_idx.len(), rank, &cfg.dp, budget(ratios[0]), &breaks);
-    let allocations: Vec<Allocation> = ratios.iter().map(|&r| dp.allocation(budget(r))).collect();
-    // keep the basis only as far as the largest allocation uses it
+    Ok(out)
+}
+
+/// A side's calibration with the basis kept only as far as the largest allocation uses it.
+fn trimmed_side(mean: &[f64], scale: Option<&[f64]>, blocks: &[BasisBlock], parts: &[(Mat<f64>, Vec<f64>)], allocations: Vec<Allocation>) -> SideCalib {
     let used = allocations.iter().map(Allocation::used_components).max().unwrap_or(0);
+    let mut blocks = blocks.to_vec();
     let mut basis_rows = Vec::new();
     let mut variance = Vec::with_capacity(used);
-    for (b, part) in blocks.iter_mut().zip(&parts) {
+    for (b, part) in blocks.iter_mut().zip(parts) {
         let keep = b.components.end.min(used).saturating_sub(b.components.start);
         b.components = b.components.start.min(used)..b.components.start.min(used) + keep;
         for c in 0..keep {
             let f0 = b.features.start;
-            basis_rows.extend((0..b.features.len()).map(|f| (part.0[(f, c)] / scale.as_ref().map_or(1.0, |s| s[f0 + f])) as f32));
+            basis_rows.extend((0..b.features.len()).map(|f| (part.0[(f, c)] / scale.map_or(1.0, |s| s[f0 + f])) as f32));
             variance.push(part.1[c] as f32);
         }
     }
     let scale = scale.map_or(Vec::new(), |s| s.iter().map(|&x| x as f32).collect());
-    Ok(SideCalib { mean: mean.iter().map(|&m| m as f32).collect(), basis: basis_rows, variance, allocations, blocks, scale })
+    SideCalib { mean: mean.iter().map(|&m| m as f32).collect(), basis: basis_rows, variance, allocations, blocks, scale }
 }
 
 #[cfg(test)]

@@ -36,7 +36,7 @@ pub mod restore;
 pub mod rope;
 
 pub use alloc::{Allocation, DpConfig, Group};
-pub use calib::{calibrate, BasisBlock, CalibConfig, Calibration, Side, SideCalib};
+pub use calib::{calibrate, calibrate_grid, BasisBlock, CalibConfig, Calibration, Side, SideCalib};
 pub use codec::{decode_container, pack_into, read_container, unpack_from, write_container, Container, DecodedChunk, DecodedContainer, PackOptions, PackStats, StoredChunk, StoredContainer};
 pub use dump::KvDump;
 pub use entropy::Entropy;

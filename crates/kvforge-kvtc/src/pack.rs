@@ -13,7 +13,7 @@
 use half::f16;
 
 use crate::alloc::Allocation;
-use crate::quant::GroupScale;
+use crate::quant::{fit_group, GroupScale};
 
 /// Bytes of a chunk of `n` tokens coded with `alloc`.
 pub fn raw_len(n: usize, alloc: &Allocation) -> usize {
@@ -51,7 +51,7 @@ pub fn encode(d: &[f64], n: usize, comps: usize, alloc: &Allocation) -> Vec<u8> 
         let (s, e) = (g.start as usize, (g.start + g.len) as usize);
         scales.clear();
         for t in 0..n {
-            let gs = GroupScale::fit(d[t * comps + s..t * comps + e].iter().copied(), g.bits);
+            let gs = fit_group(&d[t * comps + s..t * comps + e], g.bits);
             out.extend_from_slice(&gs.lo.to_le_bytes());
             out.extend_from_slice(&gs.scale.to_le_bytes());
             scales.push(gs);
@@ -122,7 +122,7 @@ mod tests {
             for t in 0..n {
                 for g in &alloc.groups {
                     let s = g.start as usize..(g.start + g.len) as usize;
-                    let gs = GroupScale::fit(d[t * comps..][s.clone()].iter().copied(), g.bits);
+                    let gs = fit_group(&d[t * comps..][s.clone()], g.bits);
                     for j in s {
                         prop_assert_eq!(back[t * comps + j], gs.value(gs.code(d[t * comps + j], g.bits)));
                     }

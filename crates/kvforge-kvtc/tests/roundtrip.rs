@@ -357,3 +357,25 @@ fn weighted_calibration() {
         }
     }
 }
+
+/// A calibration grid (one PCA per side, one DP per row count, allocations per key share)
+/// gives, point for point, what `calibrate` gives for that key share and row count, in the
+/// order row counts × key shares; an empty grid or a key share outside (0, 1) is refused.
+#[test]
+fn calibration_grid_equals_single_calibrations() {
+    use kvforge_kvtc::calibrate_grid;
+    let train = synthetic(2, 2, 16, 300, 1, 1);
+    let (shares, rows) = ([0.3, 0.5], [16, 48]);
+    let grid = calibrate_grid(&train, &cfg(), &shares, &rows, |_| {}).unwrap();
+    assert_eq!(grid.len(), 4);
+    for (i, &r) in rows.iter().enumerate() {
+        for (j, &ks) in shares.iter().enumerate() {
+            let one = calibrate(&train, &CalibConfig { key_share: ks, dp_rows: r, ..cfg() }, |_| {}).unwrap();
+            assert_eq!(grid[i * shares.len() + j], one, "dp rows {r} key share {ks}");
+            assert_eq!(grid[i * shares.len() + j].id(), one.id());
+        }
+    }
+    assert_ne!(grid[0].k.allocations, grid[1].k.allocations, "the key share moves the key budget");
+    assert!(matches!(calibrate_grid(&train, &cfg(), &[], &rows, |_| {}), Err(KvtcError::BadInput(_))));
+    assert!(matches!(calibrate_grid(&train, &cfg(), &[0.3, 1.0], &rows, |_| {}), Err(KvtcError::BadInput(_))));
+}

@@ -118,3 +118,30 @@ fn calibrate_without_rope_says_how() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("--rope-theta"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Several --key-share and --dp-rows values write one calibration per point, named
+/// `<stem>-ks<share>-dp<rows>.<ext>`, each usable for packing; a share outside (0, 1) exits 2.
+#[test]
+fn calibrate_grid_writes_one_file_per_point() {
+    let dir = workdir("grid");
+    let samples = dir.join("s.safetensors");
+    let mut meta = std::collections::HashMap::new();
+    meta.insert("rope_theta".to_string(), "10000.0".to_string());
+    dump(600, 1).save(&samples, meta).unwrap();
+    let cal = dir.join("cal.safetensors");
+    let o = kvforge(&["calibrate", "--samples", s(&samples), "--out", s(&cal), "--ratios", "4,8", "--sinks", "2", "--window", "16", "--dp-rows", "16,32", "--key-share", "0.3,0.5"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!cal.exists());
+    let cache = dir.join("cache.safetensors");
+    dump(100, 9).save(&cache, Default::default()).unwrap();
+    for name in ["cal-ks0.3-dp16", "cal-ks0.5-dp16", "cal-ks0.3-dp32", "cal-ks0.5-dp32"] {
+        let c = dir.join(format!("{name}.safetensors"));
+        assert!(c.exists(), "{name}: {}", String::from_utf8_lossy(&o.stdout));
+        let o = kvforge(&["pack", s(&cache), "--calibration", s(&c), "--ratio", "8", "--out", s(&dir.join("c.kvtc"))]);
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    }
+    let o = kvforge(&["calibrate", "--samples", s(&samples), "--out", s(&cal), "--key-share", "0.3,1.2"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--key-share"));
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
-use kvforge_kvtc::{calibrate, pack_into, unpack_from, CalibConfig, Calibration, Entropy, KvDump, KvtcError, PackOptions, Rope};
+use kvforge_kvtc::{calibrate_grid, pack_into, unpack_from, CalibConfig, Calibration, Entropy, KvDump, KvtcError, PackOptions, Rope};
 
 use crate::exit::{bad_input, ensure, output_path};
 
@@ -33,9 +33,11 @@ pub struct CalibrateArgs {
     /// Most token positions sampled for the PCA.
     #[arg(long, default_value_t = 16384)]
     pub max_samples: usize,
-    /// Positions the bit-allocation DP measures errors on.
-    #[arg(long, default_value_t = 256)]
-    pub dp_rows: usize,
+    /// Positions the bit-allocation DP measures errors on. Several (comma-separated), or several
+    /// --key-share values, calibrate a grid with one PCA: one file per point, named
+    /// `<out stem>-ks<share>-dp<rows>.<ext>`.
+    #[arg(long, value_delimiter = ',', default_value = "256")]
+    pub dp_rows: Vec<usize>,
     /// Most principal components kept (default: all; per basis block).
     #[arg(long)]
     pub max_rank: Option<usize>,
@@ -62,9 +64,10 @@ pub struct CalibrateArgs {
     /// file is version 3.
     #[arg(long)]
     pub weights: Option<PathBuf>,
-    /// Share of keys in the joint bit budget of keys and values (0.5: equal).
-    #[arg(long, default_value_t = 0.5)]
-    pub key_share: f64,
+    /// Share of keys in the joint bit budget of keys and values (0.5: equal); several
+    /// (comma-separated) calibrate a grid (see --dp-rows).
+    #[arg(long, value_delimiter = ',', default_value = "0.5")]
+    pub key_share: Vec<f64>,
 }
 
 #[derive(clap::Args)]
@@ -155,14 +158,15 @@ pub fn calibrate_cmd(a: CalibrateArgs) -> anyhow::Result<ExitCode> {
             w
         }
     };
-    ensure(a.key_share > 0.0 && a.key_share < 1.0, || format!("--key-share {}: must lie strictly between 0 and 1", a.key_share))?;
+    ensure(!a.key_share.is_empty() && a.key_share.iter().all(|&k| k > 0.0 && k < 1.0), || format!("--key-share {:?}: each must lie strictly between 0 and 1", a.key_share))?;
+    ensure(!a.dp_rows.is_empty() && a.dp_rows.iter().all(|&r| r > 0), || format!("--dp-rows {:?}: each must be > 0", a.dp_rows))?;
     let cfg = CalibConfig {
         weights,
-        key_share: a.key_share,
+        key_share: a.key_share[0],
         sinks: a.sinks,
         window: a.window,
         max_samples: a.max_samples,
-        dp_rows: a.dp_rows,
+        dp_rows: a.dp_rows[0],
         max_rank: a.max_rank.unwrap_or(usize::MAX),
         ratios: a.ratios.clone(),
         rope,
@@ -184,7 +188,7 @@ pub fn calibrate_cmd(a: CalibrateArgs) -> anyhow::Result<ExitCode> {
     bar.set_style(indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} {elapsed} {msg}").unwrap());
     let t0 = Instant::now();
     let mut steps: Vec<(String, Instant)> = Vec::new();
-    let cal = calibrate(&dump, &cfg, |step| {
+    let cals = calibrate_grid(&dump, &cfg, &a.key_share, &a.dp_rows, |step| {
         bar.inc(1);
         bar.set_message(step.to_string());
         steps.push((step.to_string(), Instant::now()));
@@ -201,24 +205,41 @@ pub fn calibrate_cmd(a: CalibrateArgs) -> anyhow::Result<ExitCode> {
     if let Some(m) = meta.get("model") {
         extra.insert("model".into(), m.clone());
     }
-    write_atomically(&a.out, |tmp| cal.save(tmp, &extra).map_err(classify))?;
-    println!("calibration {} ({} samples, {:.1}s) -> {}", &cal.id_hex()[..16], cal.samples, t0.elapsed().as_secs_f64(), a.out.display());
-    for (i, r) in cal.ratios.iter().enumerate() {
-        for (name, s) in [("keys", &cal.k), ("values", &cal.v)] {
-            let al = &s.allocations[i];
-            let var: f64 = s.variance.iter().map(|&v| v as f64).sum();
-            println!(
-                "  {r:>5}x {name:<6}: {:>6} bits/token of {:>6}, {:>4} groups over {:>5} components, expected error {:.4} of {:.4} (kept variance)",
-                al.cost_bits(),
-                al.budget_bits,
-                al.groups.len(),
-                al.used_components(),
-                al.expected_error,
-                var
-            );
+    let grid = cals.len() > 1;
+    let points = a.dp_rows.iter().flat_map(|&r| a.key_share.iter().map(move |&k| (k, r)));
+    for (cal, (ks, rows)) in cals.iter().zip(points) {
+        let out = if grid { grid_path(&a.out, ks, rows) } else { a.out.clone() };
+        extra.insert("key_share".into(), ks.to_string());
+        extra.insert("dp_rows".into(), rows.to_string());
+        write_atomically(&out, |tmp| cal.save(tmp, &extra).map_err(classify))?;
+        println!("calibration {} (key share {ks}, {rows} DP rows, {} samples, {:.1}s) -> {}", &cal.id_hex()[..16], cal.samples, t0.elapsed().as_secs_f64(), out.display());
+        for (i, r) in cal.ratios.iter().enumerate() {
+            for (name, s) in [("keys", &cal.k), ("values", &cal.v)] {
+                let al = &s.allocations[i];
+                let var: f64 = s.variance.iter().map(|&v| v as f64).sum();
+                println!(
+                    "  {r:>5}x {name:<6}: {:>6} bits/token of {:>6}, {:>4} groups over {:>5} components, expected error {:.4} of {:.4} (kept variance)",
+                    al.cost_bits(),
+                    al.budget_bits,
+                    al.groups.len(),
+                    al.used_components(),
+                    al.expected_error,
+                    var
+                );
+            }
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// File of one grid point: `<stem>-ks<share>-dp<rows>.<ext>` beside `out`.
+pub fn grid_path(out: &Path, key_share: f64, dp_rows: usize) -> PathBuf {
+    let stem = out.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = match out.extension() {
+        Some(e) => format!("{stem}-ks{key_share}-dp{dp_rows}.{}", e.to_string_lossy()),
+        None => format!("{stem}-ks{key_share}-dp{dp_rows}"),
+    };
+    out.with_file_name(name)
 }
 
 pub fn pack_cmd(a: PackArgs) -> anyhow::Result<ExitCode> {
