@@ -983,7 +983,7 @@ mod tests {
         assert_eq!(fetch_per_cta(pieces, 512, 132), FETCH_THREADS * FETCH_UNROLL);
         for rows in [1, 3, 8, 40, 100, 512] {
             let c = fetch_per_cta(pieces, rows, 132);
-            assert!(c % FETCH_THREADS == 0 && (FETCH_THREADS..=FETCH_THREADS * FETCH_UNROLL).contains(&c), "{rows}: {c}");
+            assert!(c.is_multiple_of(FETCH_THREADS) && (FETCH_THREADS..=FETCH_THREADS * FETCH_UNROLL).contains(&c), "{rows}: {c}");
         }
         assert_eq!(fetch_per_cta(pieces, 8, 0), FETCH_THREADS * FETCH_UNROLL);
     }
