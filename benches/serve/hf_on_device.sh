@@ -18,7 +18,7 @@
 # The lead's calls (the model halves travel in two calls, as benches/quality/kvtc_on_device.sh):
 #   call 1, carry [".model-a"]:   mkdir -p /root/m && cp .model-a/part-a /root/m/part-a
 #   call 2, carry [".model-b"]:   cat /root/m/part-a .model-b/part-b > /root/m/SmolLM2-135M-Instruct.Q4_1.gguf && rm /root/m/part-a && cp .model-b/SHA256SUMS /root/m/ && (cd /root/m && sha256sum -c SHA256SUMS)
-#   call 3, carry [".whl-kvforge", "data/austen"] (+ ".bin-append", ".bin-hf" if built), timeout 300:
+#   call 3, carry [".whl-kvforge", ".whl-py", "data/austen"] (+ ".bin-append", ".bin-hf" if built), timeout 300:
 #     bash benches/serve/hf_on_device.sh
 # (If the machine went back between calls, /root/m is gone: start again at call 1.) Env:
 # HF_BACKENDS, HF_NEW (64), HF_REPS (2), HF_LIMIT (the bench's inner timeout, 170 s),
@@ -39,7 +39,8 @@ if [ ${#kw[@]} -gt 0 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site-kvforge "${kw[@]}" || echo "WARNING: kvforge wheel install failed"
 fi
 [ -d /tmp/site-kvforge ] || { echo "no kvforge wheel: carry .whl-kvforge (bash crates/kvforge-py/build-wheel.sh)"; exit 2; }
-export PYTHONPATH="/tmp/site-kvforge:${PYTHONPATH:-}" LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+# gguf (transformers' GGUF loader needs it; the image may lack it) travels in .whl-py
+export PYTHONPATH="/tmp/site-kvforge:$ROOT/.whl-py:${PYTHONPATH:-}" LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export KVFORGE_ROOT=$ROOT KVFORGE_CACHE_DIR=${KVFORGE_CACHE_DIR:-/tmp/kvc} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/hf-bench.log"
 python3 -c "import kvforge, torch, transformers; print('kvforge', kvforge.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" 2>&1 | tee -a "$OUT/hf-bench.log"
