@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--sinks", type=int, default=64)
     ap.add_argument("--local", type=int, default=256)
     ap.add_argument("--update", type=int, default=64)
+    ap.add_argument("--per-kv-head", action="store_true", help="one retrieval per kv head (summed group query) instead of per query head")
     ap.add_argument("--agree-tokens", type=int, default=32, help="greedy tokens compared with eager on an 8K Austen prompt")
     ap.add_argument("--out", default="paris-hf-needle.json")
     a = ap.parse_args()
@@ -78,7 +79,8 @@ def main() -> None:
     t0 = time.time()
     base_hits, base_answers, base_tokens, _ = run("eager", lambda: None)
     doc["needle"]["eager"] = {"hits": sum(base_hits), "trials": len(base_hits), "answers": base_answers}
-    attach = lambda: kvforge.retrieval.use_retrieval(model, k=a.k, sinks=a.sinks, local=a.local, update=a.update)  # noqa: E731
+    attach = lambda: kvforge.retrieval.use_retrieval(model, k=a.k, sinks=a.sinks, local=a.local, update=a.update,
+                                                           per_query_head=not a.per_kv_head)  # noqa: E731
     hits, answers, tokens, stats = run(f"paris-k{a.k}", attach)
     same = next((i for i, (p, q) in enumerate(zip(base_tokens, tokens)) if p != q), len(tokens))
     doc["needle"][f"paris-k{a.k}"] = {"hits": sum(hits), "trials": len(hits), "answers": answers, "stats": stats}
