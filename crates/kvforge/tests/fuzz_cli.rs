@@ -8,6 +8,8 @@
 //! case starts real work (`frontier` finds no rdkv spec, `precompile` no NVRTC, `selftest`
 //! and `bench` no device). `KVFORGE_FUZZ_CASES` sets the number of cases (default 200).
 
+mod common;
+
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -15,21 +17,9 @@ use std::time::{Duration, Instant};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
-const SPEC: &str = r#"[spec]
-name = "fuzz"
-
-[geometry]
-head_dims = [64]
-gqa = [1]
-
-[page]
-tokens = 32
-
-[[tier]]
-name = "q8"
-key = { scheme = "int", bits = 8, block = 32 }
-value = { scheme = "int", bits = 8, group = 32 }
-"#;
+fn spec() -> String {
+    common::small_spec("fuzz")
+}
 
 /// A case's time limit: far above what any refusal takes, far below a hang.
 const LIMIT: Duration = Duration::from_secs(30);
@@ -133,9 +123,9 @@ fn argv() -> impl Strategy<Value = Vec<String>> {
 
 fn spec_bytes() -> impl Strategy<Value = Vec<u8>> {
     prop_oneof![
-        3 => Just(SPEC.as_bytes().to_vec()),
+        3 => Just(spec().into_bytes()),
         3 => (prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..4)).prop_map(|edits| {
-            let mut b = SPEC.as_bytes().to_vec();
+            let mut b = spec().into_bytes();
             for (i, x) in edits {
                 let at = i.index(b.len());
                 b[at] = x;

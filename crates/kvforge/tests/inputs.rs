@@ -2,6 +2,8 @@
 //! documented exit code (0 ok, 1 failure, 2 bad input, 3 no GPU) and before any work. Runs
 //! the built binary.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -55,36 +57,21 @@ fn temp(name: &str) -> PathBuf {
     d
 }
 
-const SMALL: &str = r#"[spec]
-name = "small"
-
-[geometry]
-head_dims = [64]
-gqa = [1]
-
-[page]
-tokens = 32
-
-[[tier]]
-name = "q8"
-key = { scheme = "int", bits = 8, block = 32 }
-value = { scheme = "int", bits = 8, group = 32 }
-
-[kernels]
-warps = 8
-"#;
+fn small() -> String {
+    common::small_spec("small")
+}
 
 // Point 7: `kvforge check FILE` validates.
 #[test]
 fn check_validates_the_files_it_is_given() {
     let d = temp("check");
     let good = d.join("good.toml");
-    std::fs::write(&good, SMALL).unwrap();
+    std::fs::write(&good, small()).unwrap();
     let out = kvforge(&["check", good.to_str().unwrap()]);
     expect(&out, 0, &[]);
     assert!(String::from_utf8_lossy(&out.stdout).contains("ok"), "{out:?}");
     let bad = d.join("bad.toml");
-    std::fs::write(&bad, SMALL.replace("tokens = 32", "tokens = 33")).unwrap();
+    std::fs::write(&bad, small().replace("tokens = 32", "tokens = 33")).unwrap();
     expect(&kvforge(&["check", good.to_str().unwrap(), bad.to_str().unwrap()]), 2, &["bad.toml:9:10", "page.tokens", "valid: 16, 32, 64, 128"]);
 }
 
@@ -93,9 +80,9 @@ fn check_validates_the_files_it_is_given() {
 fn check_refuses_specs_whose_kernels_do_not_compile() {
     let d = temp("compile");
     let f = d.join("p16.toml");
-    std::fs::write(&f, SMALL.replace("tokens = 32", "tokens = 16").replace("block = 32", "block = 16")).unwrap();
+    std::fs::write(&f, small().replace("tokens = 32", "tokens = 16").replace("block = 32", "block = 16")).unwrap();
     expect(&kvforge(&["check", f.to_str().unwrap()]), 2, &["p16.toml:9:10", "`page.tokens`", "head_dim 64", "tensor-core value tiles", "kernels.warps` = 4"]);
-    std::fs::write(&f, SMALL.replace("tokens = 32", "tokens = 128").replace("block = 32", "block = 128")).unwrap();
+    std::fs::write(&f, small().replace("tokens = 32", "tokens = 128").replace("block = 32", "block = 128")).unwrap();
     expect(&kvforge(&["check", f.to_str().unwrap()]), 2, &["`page.tokens`", "valid page.tokens at head_dim 64: 32, 64"]);
 }
 
@@ -216,13 +203,13 @@ fn codebook_train_names_the_bad_argument() {
 fn spec_messages_say_what_a_user_wrote() {
     let d = temp("messages");
     let f = d.join("m.toml");
-    std::fs::write(&f, SMALL.replace(r#"key = { scheme = "int", bits = 8, block = 32 }"#, r#"key = "fp16""#)).unwrap();
+    std::fs::write(&f, small().replace(r#"key = { scheme = "int", bits = 8, block = 32 }"#, r#"key = "fp16""#)).unwrap();
     let err = expect(&kvforge(&["check", f.to_str().unwrap()]), 2, &["tier[0].key", "a scheme is a table like { scheme = \"fp16\" }"]);
     assert!(!err.contains("RawScheme"), "{err}");
-    std::fs::write(&f, SMALL.replace("tokens = 32", "tokens = 100000000000000000000000")).unwrap();
+    std::fs::write(&f, small().replace("tokens = 32", "tokens = 100000000000000000000000")).unwrap();
     let err = expect(&kvforge(&["check", f.to_str().unwrap()]), 2, &["m.toml:9:"]);
     assert!(!err.contains("i128"), "{err}");
-    std::fs::write(&f, format!("{}\nx = {}{}\n", SMALL, "[".repeat(100_000), "]".repeat(100_000))).unwrap();
+    std::fs::write(&f, format!("{}\nx = {}{}\n", small(), "[".repeat(100_000), "]".repeat(100_000))).unwrap();
     let err = expect(&kvforge(&["check", f.to_str().unwrap()]), 2, &["m.toml:"]);
     assert!(err.len() < 2000, "a short message, not {} bytes", err.len());
 }
