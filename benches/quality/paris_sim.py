@@ -319,7 +319,8 @@ class ParisSimBackend:
         j = torch.arange(s, device=dev)
         out = torch.empty(tq, hq, d, dtype=q.dtype, device=dev)
         chunk = max(1, (1 << (26 if dev.type == "cuda" else 22)) // max(1, hq * s))
-        qf = q.float() if self.per_query_head else group_queries(q, g).float()  # [NR, Tq, D], the exact top-k's queries
+        qg = None if self.per_query_head else group_queries(q, g)  # [Hkv, Tq, D] f64, the summed queries
+        qf = q.float() if qg is None else qg.float()  # [NR, Tq, D], the exact top-k's queries
         rec_sum, rec_n = 0.0, 0
         for a in range(0, tq, chunk):
             z = slice(a, min(a + chunk, tq))
@@ -328,7 +329,7 @@ class ParisSimBackend:
             region = (j[None, :] >= s0c[:, None]) & (j[None, :] < rc[:, None])
             kq = torch.where(tc, torch.clamp(nc, max=self.k), torch.zeros_like(nc)).expand(nr, -1)
             if self.head_max:  # the largest of the group's heads' exact scores
-                exact = torch.matmul(q[:, z].float(), ks.float().transpose(1, 2))
+                exact = torch.matmul(qc.float(), ks.float().transpose(1, 2))
                 exact = exact.reshape(nr, g, *exact.shape[1:]).amax(1)
             else:
                 exact = torch.matmul(qf[:, z], kr.float().transpose(1, 2))  # [NR, Qc, S]
@@ -337,7 +338,7 @@ class ParisSimBackend:
             if self.oracle:
                 sel = oracle_sel
             else:
-                qrow = qc if self.per_query_head else group_queries(qc, g)
+                qrow = qc if qg is None else qg[:, z]
                 sel = self._select(cfg, qrow, onehot, rows, prefix, kv_of, region, s0c, rc, nc, tc, qc if self.head_max else None)
                 inter = (sel & oracle_sel).sum(-1).double()
                 rows_r = tc.expand(nr, -1)

@@ -15,7 +15,7 @@
 
 use rayon::prelude::*;
 
-use crate::quant::{add_group_error_changes, group_sq_error, GROUP_OVERHEAD_BITS, MAX_BITS};
+use crate::quant::{add_group_errors, group_sq_error, GROUP_OVERHEAD_BITS, MAX_BITS};
 
 /// Group sizes and bit widths the DP may use.
 #[derive(Clone, Debug, PartialEq)]
@@ -166,17 +166,14 @@ impl Dp {
                     let acc = &mut out[si * nq..(si + 1) * nq];
                     acc.fill(0.0);
                     let stride = thin.stride(rows, size);
-                    let mut sub_energy = 0.0;
                     for r in (0..rows).step_by(stride) {
-                        let xs = &data[r * comps + i - size..r * comps + i];
-                        add_group_error_changes(xs, &cfg.bit_widths, acc);
-                        sub_energy += xs.iter().map(|x| x * x).sum::<f64>();
+                        add_group_errors(&data[r * comps + i - size..r * comps + i], &cfg.bit_widths, acc);
                     }
                     // the quantisation error from the measured rows, the energy it replaces from
                     // all rows (a noisy energy would let the DP pick groups by their sample)
                     let used = rows.div_ceil(stride).max(1) as f64;
                     let all_energy = (col_prefix[i] - col_prefix[i - size]) * norm;
-                    acc.iter_mut().for_each(|e| *e = (*e + sub_energy) / used - all_energy);
+                    acc.iter_mut().for_each(|e| *e = *e / used - all_energy);
                 }
                 out
             })

@@ -810,6 +810,9 @@ impl ParisIndex {
     fn launch_fetch(&self) -> Result<()> {
         let (st, g, w) = (&self.st, &self.geo, &self.ws);
         let nr = g.batch * g.rows_per_sequence();
+        // 16-byte pieces of the k rows' K and V per retrieval row.
+        let pieces = 2 * g.max_k * self.cfg.head_dim * 2 / 16;
+        let per_cta = fetch_per_cta(pieces, nr, self.sms);
         let p = FetchParams {
             host_k: self.host_k_ptr,
             host_v: self.host_v_ptr,
@@ -825,12 +828,8 @@ impl ParisIndex {
             rg: g.rows_per_kv_head() as i32,
             hkv: g.kv_heads as i32,
             host_stride: (2 * self.cfg.head_dim) as i32,
-            per_cta: 0,
+            per_cta: per_cta as i32,
         };
-        // 16-byte pieces of the k rows' K and V per retrieval row.
-        let pieces = 2 * g.max_k * self.cfg.head_dim * 2 / 16;
-        let per_cta = fetch_per_cta(pieces, nr, self.sms);
-        let p = FetchParams { per_cta: per_cta as i32, ..p };
         // SAFETY: FetchParams; host_k/host_v point into the DEVICEMAP pinned slab (UVA
         // addresses) at stride host_stride; rows past a sequence's length are flagged, not read;
         // pieces past the row's count skip; per_cta is a multiple of the CTA's threads and at
