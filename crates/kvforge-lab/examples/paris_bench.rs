@@ -53,6 +53,9 @@ struct Args {
     /// Distinct key chunks the build cycles through.
     #[arg(long, default_value_t = 8)]
     pool: usize,
+    /// Chunk counts of the pipelined step to time (those ≤ the batch).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    chunks: Vec<usize>,
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -127,6 +130,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     times.push(t);
                 }
             }
+            // The pipelined step (fetch + attend of one span beside the retrieval of the next)
+            // for each chunk count that splits this batch.
+            let mut pipelined = serde_json::Map::new();
+            for &chunks in a.chunks.iter().filter(|&&c| c <= batch) {
+                let mut us = Vec::new();
+                for it in 0..a.iters + 3 {
+                    fill(&mut q, 1000 + it as u64, d);
+                    let (_, t) = ix.step_pipelined_timed(&q, a.k, &schedule, chunks)?;
+                    if it >= 3 {
+                        us.push(t);
+                    }
+                }
+                pipelined.insert(chunks.to_string(), json!(median(us)));
+            }
             let med = |f: fn(&StepTimes) -> f64| median(times.iter().map(f).collect());
             let total = med(|t| t.vote_us + t.topk_us + t.rerank_us + t.fetch_us + t.attend_us);
             let total_fused = med(|t| t.vote_us + t.topk_us + t.rerank_us + t.attend_fused_us);
@@ -140,6 +157,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "median_us": {"vote": med(|t| t.vote_us), "topk": med(|t| t.topk_us), "rerank": med(|t| t.rerank_us), "fetch": med(|t| t.fetch_us), "attend": med(|t| t.attend_us), "total": total,
                               "attend_fused": med(|t| t.attend_fused_us), "total_fused": total_fused},
                 "sequences_per_s": batch as f64 / total * 1e6,
+                "pipelined_total_us_by_chunks": pipelined,
+                "sequences_per_s_pipelined": pipelined.values().filter_map(|v| v.as_f64()).fold(f64::INFINITY, f64::min).recip() * batch as f64 * 1e6,
             });
             eprintln!("batch {batch} n {n}: {}", v["median_us"]);
             runs.push(v);

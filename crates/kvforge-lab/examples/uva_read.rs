@@ -42,6 +42,9 @@ struct Args {
     unroll: u32,
     #[arg(long, default_value_t = 20)]
     iters: usize,
+    /// The slab on huge pages (kvforge_rt::host_slab) instead of cuMemHostAlloc's 4 KiB pages.
+    #[arg(long)]
+    huge: bool,
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -101,9 +104,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let t0 = std::time::Instant::now();
     // SAFETY: a plain u8 slab; the kernel reads bytes below slab_bytes only (starts are drawn
     // within each region ≤ the slab), whatever they hold.
-    let slab = unsafe { ctx.alloc_pinned_with_flags::<u8>(slab_bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE) }?;
-    let host = slab.as_ptr()? as u64;
-    eprintln!("pinned {:.1} GiB in {:.1} s", slab_bytes as f64 / (1u64 << 30) as f64, t0.elapsed().as_secs_f64());
+    let (_pinned, _slab, host, backing) = if a.huge {
+        let slab = kvforge_rt::host_slab::HostSlab::new(&ctx, slab_bytes, "uva_read slab")?;
+        let host = slab.device_ptr()?;
+        let backing = format!("{:?}, {:.1} GiB on huge pages", slab.backing(), slab.huge_bytes().unwrap_or(0) as f64 / (1u64 << 30) as f64);
+        (None, Some(slab), host, backing)
+    } else {
+        let pinned = unsafe { ctx.alloc_pinned_with_flags::<u8>(slab_bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE) }?;
+        let host = pinned.as_ptr()? as u64;
+        (Some(pinned), None, host, "cuMemHostAlloc".to_string())
+    };
+    eprintln!("pinned {:.1} GiB in {:.1} s ({backing})", slab_bytes as f64 / (1u64 << 30) as f64, t0.elapsed().as_secs_f64());
     let total = ((a.total_mib * (1 << 20) as f64) as usize).next_multiple_of(4096);
     let out = st.alloc_zeros::<u8>(total)?;
     let mut runs = Vec::new();
@@ -146,7 +157,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let doc = json!({
         "what": "pinned host memory read over UVA by a kernel (kvforge-lab example uva_read): median of timed launches",
-        "device": dev.info.name, "unroll": a.unroll, "threads_per_cta": 128, "runs": runs,
+        "device": dev.info.name, "backing": backing, "unroll": a.unroll, "threads_per_cta": 128, "runs": runs,
     });
     if let Some(p) = a.out {
         std::fs::write(p, serde_json::to_string_pretty(&doc)?)?;

@@ -27,6 +27,7 @@ mod engine;
 mod error;
 pub mod external;
 pub mod graph;
+pub mod host_slab;
 pub mod jit;
 mod kernels;
 pub mod kvtc;

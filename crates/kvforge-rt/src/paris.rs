@@ -32,12 +32,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::sys::{CUevent_flags, CUfunction_attribute};
-use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use half::f16;
 use kvforge_paris::{ParisConfig, Schedule};
 
 use crate::device::Device;
 use crate::error::{drv, Result, RtError};
+use crate::host_slab::HostSlab;
 
 /// Sizes of an index.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -159,13 +160,16 @@ const BUCKET_CHUNK: usize = 16 * 256;
 /// Keys per CTA of the vote (`VOTE_CHUNK` in paris.cuh).
 const VOTE_CHUNK: usize = 4096;
 /// Bins of the rerank estimates' histogram per retrieval row (`EST_BINS` in paris.cuh).
-const EST_BINS: usize = 1 << 16;
+const EST_BINS: usize = 1 << 14;
 /// Candidates per CTA of the rerank (`RERANK_CHUNK` in paris.cuh).
 const RERANK_CHUNK: usize = 2048;
 /// 16-byte loads per thread of the fetch (`FETCH_UNROLL` in paris.cuh).
 const FETCH_UNROLL: usize = 8;
 /// Threads per CTA of the fetch (the entry's launch bounds).
 const FETCH_THREADS: usize = 128;
+/// Most fetch CTAs per SM: the host link bounds a large fetch, and fewer resident CTAs leave SM
+/// slots to the retrieval kernels of the pipelined step (the fetch kernel strides over its work).
+const FETCH_CTAS_PER_SM: usize = 2;
 
 /// 16-byte pieces per CTA of the fetch for `pieces` per retrieval row and `rows` rows: the most a
 /// CTA takes (`FETCH_THREADS · FETCH_UNROLL`), or fewer, in whole CTAs of threads, so that the
@@ -235,6 +239,7 @@ struct FetchParams {
     hkv: i32,
     host_stride: i32,
     per_cta: i32,
+    rows: i32,
 }
 
 #[repr(C)]
@@ -299,9 +304,28 @@ pub struct StepTimes {
     pub attend_fused_us: f64,
 }
 
+/// Sequences `[s0, s0 + n)` of the batch: what one launch covers. Every device buffer is
+/// sequence-major (`[S][...]`), so a span's launch passes each pointer advanced by `s0`
+/// sequences and sizes its grid for `n`: no kernel knows about spans.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Span {
+    s0: usize,
+    n: usize,
+}
+
+/// Splits `batch` sequences into `chunks` spans of near-equal size (at most `batch` of them).
+fn spans(batch: usize, chunks: usize) -> Vec<Span> {
+    let chunks = chunks.clamp(1, batch.max(1));
+    (0..chunks).map(|c| Span { s0: c * batch / chunks, n: (c + 1) * batch / chunks - c * batch / chunks }).filter(|s| s.n > 0).collect()
+}
+
 /// The retrieval index of a batch (module docs).
 pub struct ParisIndex {
     st: Arc<CudaStream>,
+    /// The pipelined step's second stream: fetch + attend of one span while `st` retrieves the
+    /// next (host-link reads beside HBM-bound kernels). Higher priority, so that its CTAs take
+    /// SM slots ahead of the queued retrieval CTAs.
+    fetch_st: Arc<CudaStream>,
     ctx: Arc<cudarc::driver::CudaContext>,
     cfg: ParisConfig,
     geo: ParisGeometry,
@@ -319,7 +343,7 @@ pub struct ParisIndex {
     len: Vec<usize>,
     /// Retrieval-region K/V, `[S][Hkv][capacity][K | V]` fp16: a token's rows side by side
     /// (one run of `4 D` bytes, one host page), read over UVA by the fetch and the fused attend.
-    host_kv: PinnedHostSlice<u16>,
+    host_kv: HostSlab,
     host_k_ptr: u64,
     host_v_ptr: u64,
     dense_k: CudaSlice<u16>,
@@ -397,15 +421,12 @@ impl ParisIndex {
         }
         let mut levels = [0f32; 16];
         levels.copy_from_slice(&cfg.levels().levels_f32);
-        // SAFETY: a plain u16 slab; a row is written by `append` before `len` admits it, and
-        // kernels read only rows below `len`.
-        let host_kv = unsafe { ctx.alloc_pinned_with_flags::<u16>(need / 2, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE) }.map_err(|e| RtError::PinnedAlloc {
-            what: "ParisKV retrieval-region keys and values".into(),
-            bytes: need,
-            reason: e.to_string(),
-        })?;
+        // Huge pages where the host grants them: the fetch's scattered row reads are bound by
+        // host page translations on 4 KiB pages (docs/paris.md). Zeroed; a row is written by
+        // `append` before `len` admits it, and kernels read only rows below `len`.
+        let host_kv = HostSlab::new(&ctx, need, "ParisKV retrieval-region keys and values")?;
         // Keys at the start of each token's 2 D halves, values D halves on (`host_stride` 2 D).
-        let host_k_ptr = host_kv.as_ptr().map_err(drv("pinned keys and values"))? as u64;
+        let host_k_ptr = host_kv.device_ptr()?;
         let host_v_ptr = host_k_ptr + (d * 2) as u64;
         let heads = geo.batch * geo.kv_heads;
         let qh = heads * geo.gqa;
@@ -440,7 +461,10 @@ impl ParisIndex {
             lse: zf(qh, "lse")?,
             err: z32(1, "error flags")?,
         };
+        let (_, greatest) = cudarc::driver::result::stream::get_priority_range().map_err(drv("stream priorities"))?;
+        let fetch_st = ctx.new_stream_with_priority(greatest).map_err(drv("ParisKV fetch stream"))?;
         Ok(ParisIndex {
+            fetch_st,
             ids: z8(heads * geo.capacity * b, "centroid ids")?,
             codes: z8(heads * geo.capacity * d / 2, "direction codes")?,
             weights: z16(heads * geo.capacity * b, "weights")?,
@@ -509,14 +533,29 @@ impl ParisIndex {
         summaries + dense + bonus + rows + hq * (d * 6 + 4)
     }
 
-    fn raw(&self) -> IndexRaw {
-        let st = &self.st;
+    /// Every sequence of the batch.
+    fn all(&self) -> Span {
+        Span { s0: 0, n: self.geo.batch }
+    }
+
+    /// Device address of sequence `span.s0`'s part of the sequence-major buffer `buf`.
+    fn at<T>(&self, buf: &CudaSlice<T>, span: Span) -> u64 {
+        let per_seq = buf.len() / self.geo.batch;
+        buf.device_ptr(&self.st).0 + (span.s0 * per_seq * std::mem::size_of::<T>()) as u64
+    }
+
+    /// The most keys any sequence of `span` holds (at least 1).
+    fn most(&self, span: Span) -> usize {
+        self.len[span.s0..span.s0 + span.n].iter().copied().max().unwrap_or(0).max(1)
+    }
+
+    fn raw(&self, span: Span) -> IndexRaw {
         IndexRaw {
-            ids: self.ids.device_ptr(st).0,
-            codes: self.codes.device_ptr(st).0,
-            weights: self.weights.device_ptr(st).0,
-            hist: self.hist.device_ptr(st).0,
-            len: self.len_d.device_ptr(st).0,
+            ids: self.at(&self.ids, span),
+            codes: self.at(&self.codes, span),
+            weights: self.at(&self.weights, span),
+            hist: self.at(&self.hist, span),
+            len: self.at(&self.len_d, span),
             cap: self.geo.capacity as i32,
             hkv: self.geo.kv_heads as i32,
         }
@@ -538,13 +577,22 @@ impl ParisIndex {
     /// top of this file), and every buffer it points to is sized for the launch: each caller
     /// states why.
     unsafe fn launch<P: DeviceRepr>(&self, entry: &str, params: &P, grid: (u32, u32, u32), block: u32, smem: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.launch_on(&self.st, entry, params, grid, block, smem) }
+    }
+
+    /// [`ParisIndex::launch`] on stream `st`.
+    ///
+    /// # Safety
+    /// As [`ParisIndex::launch`].
+    unsafe fn launch_on<P: DeviceRepr>(&self, st: &CudaStream, entry: &str, params: &P, grid: (u32, u32, u32), block: u32, smem: usize) -> Result<()> {
         let f = &self.funcs[entry];
         if smem > 40 * 1024 {
             f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).map_err(drv(format!("paris {entry} shared memory")))?;
         }
         let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem as u32 };
         // SAFETY: the caller's contract above.
-        unsafe { self.st.launch_builder(f).arg(params).launch(cfg) }.map_err(drv(format!("launch paris {entry}")))?;
+        unsafe { st.launch_builder(f).arg(params).launch(cfg) }.map_err(drv(format!("launch paris {entry}")))?;
         Ok(())
     }
 
@@ -570,7 +618,7 @@ impl ParisIndex {
             return Ok(());
         }
         // Host K/V: [S][Hkv][cap][K | V].
-        let kp = self.host_kv.as_mut_ptr().map_err(drv("pinned keys and values"))?;
+        let kp = self.host_kv.as_mut_ptr().cast::<u16>();
         for r in 0..rows {
             for h in 0..hkv {
                 let dst = ((seq * hkv + h) * self.geo.capacity + start + r) * 2 * d;
@@ -587,7 +635,15 @@ impl ParisIndex {
         let kd = st.clone_htod(bits(keys)).map_err(drv("new keys"))?;
         let seq_of = st.clone_htod(&vec![seq as u32; rows]).map_err(drv("new rows"))?;
         let pos_of = st.clone_htod(&(start as u32..end as u32).collect::<Vec<_>>()).map_err(drv("new rows"))?;
-        let p = EncodeParams { ix: self.raw(), keys: kd.device_ptr(&st).0, seq_of: seq_of.device_ptr(&st).0, pos_of: pos_of.device_ptr(&st).0, rows: rows as i32, seed: self.cfg.seed, levels: self.levels };
+        let p = EncodeParams {
+            ix: self.raw(self.all()),
+            keys: kd.device_ptr(&st).0,
+            seq_of: seq_of.device_ptr(&st).0,
+            pos_of: pos_of.device_ptr(&st).0,
+            rows: rows as i32,
+            seed: self.cfg.seed,
+            levels: self.levels,
+        };
         // SAFETY: EncodeParams; rows index `keys` ([rows][Hkv][D] uploaded above) and write
         // summaries at positions start..end < capacity of `seq`.
         unsafe { self.launch("encode", &p, (rows.div_ceil(4) as u32, hkv as u32, 1), 128, 0) }?;
@@ -677,19 +733,19 @@ impl ParisIndex {
         Ok(())
     }
 
-    fn launch_vote(&mut self) -> Result<()> {
-        let (st, g) = (&self.st, &self.geo);
-        let nr = g.batch * g.rows_per_sequence();
+    fn launch_vote(&self, span: Span) -> Result<()> {
+        let g = &self.geo;
+        let nr = span.n * g.rows_per_sequence();
         let w = &self.ws;
         let bp = BonusParams {
-            q: w.q.device_ptr(st).0,
-            hist: self.hist.device_ptr(st).0,
-            target: w.target.device_ptr(st).0,
-            qrot: w.qrot.device_ptr(st).0,
-            qnorm: w.qnorm.device_ptr(st).0,
-            bonus: w.bonus.device_ptr(st).0,
-            score_hist: w.score_hist.device_ptr(st).0,
-            est_hist: w.est_hist.device_ptr(st).0,
+            q: self.at(&w.q, span),
+            hist: self.at(&self.hist, span),
+            target: self.at(&w.target, span),
+            qrot: self.at(&w.qrot, span),
+            qnorm: self.at(&w.qnorm, span),
+            bonus: self.at(&w.bonus, span),
+            score_hist: self.at(&w.score_hist, span),
+            est_hist: self.at(&w.est_hist, span),
             nr: g.rows_per_sequence() as i32,
             rg: g.rows_per_kv_head() as i32,
             share: (g.gqa / g.rows_per_kv_head()) as i32,
@@ -700,35 +756,36 @@ impl ParisIndex {
         // NR × share = Hq); a CTA per (sequence, retrieval row, subspace).
         unsafe { self.launch("bonus", &bp, (nr as u32, self.cfg.subspaces as u32, 1), 256, 0) }?;
         let vp = VoteParams {
-            ids: self.ids.device_ptr(st).0,
-            len: self.len_d.device_ptr(st).0,
-            bonus: w.bonus.device_ptr(st).0,
-            scores: w.scores.device_ptr(st).0,
-            score_hist: w.score_hist.device_ptr(st).0,
+            ids: self.at(&self.ids, span),
+            len: self.at(&self.len_d, span),
+            bonus: self.at(&w.bonus, span),
+            scores: self.at(&w.scores, span),
+            score_hist: self.at(&w.score_hist, span),
             cap: g.capacity as i32,
             hkv: g.kv_heads as i32,
             sstride: score_stride(g.capacity) as i32,
         };
-        let most = self.len.iter().copied().max().unwrap_or(0).max(1);
+        let most = self.most(span);
         // SAFETY: VoteParams; CTAs and keys past a sequence's length return; score rows are
         // `sstride` (a multiple of 16) long, so the 4-key stores stay in their row.
-        let entry = if g.per_query_head { "vote_heads" } else { "vote" };
-        unsafe { self.launch(entry, &vp, (most.div_ceil(VOTE_CHUNK) as u32, (g.batch * g.kv_heads) as u32, 1), 256, 0) }?;
+        // One row per kv head reads the byte tables the bonus kernel writes when RG = 1.
+        let entry = if g.rows_per_kv_head() == 1 { "vote" } else { "vote_heads" };
+        unsafe { self.launch(entry, &vp, (most.div_ceil(VOTE_CHUNK) as u32, (span.n * g.kv_heads) as u32, 1), 256, 0) }?;
         Ok(())
     }
 
-    fn select_params(&self, topk: bool) -> SelectParams {
-        let (st, g, w) = (&self.st, &self.geo, &self.ws);
+    fn select_params(&self, topk: bool, span: Span) -> SelectParams {
+        let (g, w) = (&self.geo, &self.ws);
         SelectParams {
-            scores: w.scores.device_ptr(st).0,
-            est: w.est.device_ptr(st).0,
-            cand: w.cand.device_ptr(st).0,
-            n: self.len_d.device_ptr(st).0,
-            count: w.cand_count.device_ptr(st).0,
-            want: if topk { w.want_k.device_ptr(st).0 } else { w.want_c.device_ptr(st).0 },
-            out: if topk { w.top.device_ptr(st).0 } else { w.cand.device_ptr(st).0 },
-            out_count: if topk { w.top_count.device_ptr(st).0 } else { w.cand_count.device_ptr(st).0 },
-            est_hist: w.est_hist.device_ptr(st).0,
+            scores: self.at(&w.scores, span),
+            est: self.at(&w.est, span),
+            cand: self.at(&w.cand, span),
+            n: self.at(&self.len_d, span),
+            count: self.at(&w.cand_count, span),
+            want: if topk { self.at(&w.want_k, span) } else { self.at(&w.want_c, span) },
+            out: if topk { self.at(&w.top, span) } else { self.at(&w.cand, span) },
+            out_count: if topk { self.at(&w.top_count, span) } else { self.at(&w.cand_count, span) },
+            est_hist: self.at(&w.est_hist, span),
             cap: score_stride(g.capacity) as i32,
             cmax: g.max_candidates as i32,
             stride: if topk { g.max_k as i32 } else { g.max_candidates as i32 },
@@ -736,9 +793,9 @@ impl ParisIndex {
         }
     }
 
-    fn launch_select(&self, topk: bool) -> Result<()> {
-        let nr = self.geo.batch * self.geo.rows_per_sequence();
-        let p = self.select_params(topk);
+    fn launch_select(&self, topk: bool, span: Span) -> Result<()> {
+        let nr = span.n * self.geo.rows_per_sequence();
+        let p = self.select_params(topk, span);
         // The one-pass top-k reads the rerank's histogram; the radix top-k stages the estimates
         // in shared memory when a row of them fits (with the kernel's static 4 KiB and the
         // block-select scratch).
@@ -759,20 +816,20 @@ impl ParisIndex {
 
     /// The top-C of the collision scores over many CTAs: per-chunk counts, then each chunk's
     /// candidates at their index-order positions.
-    fn launch_bucket(&self) -> Result<()> {
-        let (st, g, w) = (&self.st, &self.geo, &self.ws);
-        let nr = g.batch * g.rows_per_sequence();
+    fn launch_bucket(&self, span: Span) -> Result<()> {
+        let (g, w) = (&self.geo, &self.ws);
+        let nr = span.n * g.rows_per_sequence();
         let chunks = g.capacity.div_ceil(BUCKET_CHUNK);
-        let live = self.len.iter().copied().max().unwrap_or(0).div_ceil(BUCKET_CHUNK).max(1);
+        let live = self.most(span).div_ceil(BUCKET_CHUNK);
         let p = BucketParams {
-            scores: w.scores.device_ptr(st).0,
-            hist: w.score_hist.device_ptr(st).0,
-            n: self.len_d.device_ptr(st).0,
-            want: w.want_c.device_ptr(st).0,
-            chunk_gt: w.chunk_gt.device_ptr(st).0,
-            chunk_eq: w.chunk_eq.device_ptr(st).0,
-            out: w.cand.device_ptr(st).0,
-            out_count: w.cand_count.device_ptr(st).0,
+            scores: self.at(&w.scores, span),
+            hist: self.at(&w.score_hist, span),
+            n: self.at(&self.len_d, span),
+            want: self.at(&w.want_c, span),
+            chunk_gt: self.at(&w.chunk_gt, span),
+            chunk_eq: self.at(&w.chunk_eq, span),
+            out: self.at(&w.cand, span),
+            out_count: self.at(&w.cand_count, span),
             cap: score_stride(g.capacity) as i32,
             stride: g.max_candidates as i32,
             nr: g.rows_per_sequence() as i32,
@@ -787,17 +844,17 @@ impl ParisIndex {
         }
     }
 
-    fn launch_rerank(&self) -> Result<()> {
-        let (st, g, w) = (&self.st, &self.geo, &self.ws);
-        let nr = g.batch * g.rows_per_sequence();
+    fn launch_rerank(&self, span: Span) -> Result<()> {
+        let (g, w) = (&self.geo, &self.ws);
+        let nr = span.n * g.rows_per_sequence();
         let p = RerankParams {
-            ix: self.raw(),
-            qrot: w.qrot.device_ptr(st).0,
-            qnorm: w.qnorm.device_ptr(st).0,
-            cand: w.cand.device_ptr(st).0,
-            count: w.cand_count.device_ptr(st).0,
-            est: w.est.device_ptr(st).0,
-            est_hist: w.est_hist.device_ptr(st).0,
+            ix: self.raw(span),
+            qrot: self.at(&w.qrot, span),
+            qnorm: self.at(&w.qnorm, span),
+            cand: self.at(&w.cand, span),
+            count: self.at(&w.cand_count, span),
+            est: self.at(&w.est, span),
+            est_hist: self.at(&w.est_hist, span),
             cmax: g.max_candidates as i32,
             nr: g.rows_per_sequence() as i32,
             rg: g.rows_per_kv_head() as i32,
@@ -807,21 +864,22 @@ impl ParisIndex {
         unsafe { self.launch("rerank", &p, (g.max_candidates.div_ceil(RERANK_CHUNK) as u32, nr as u32, 1), 256, 0) }
     }
 
-    fn launch_fetch(&self) -> Result<()> {
-        let (st, g, w) = (&self.st, &self.geo, &self.ws);
-        let nr = g.batch * g.rows_per_sequence();
+    fn launch_fetch(&self, st: &CudaStream, span: Span) -> Result<()> {
+        let (g, w) = (&self.geo, &self.ws);
+        let nr = span.n * g.rows_per_sequence();
+        let host_off = (span.s0 * g.kv_heads * g.capacity * 2 * self.cfg.head_dim * 2) as u64;
         // 16-byte pieces of the k rows' K and V per retrieval row.
         let pieces = 2 * g.max_k * self.cfg.head_dim * 2 / 16;
         let per_cta = fetch_per_cta(pieces, nr, self.sms);
         let p = FetchParams {
-            host_k: self.host_k_ptr,
-            host_v: self.host_v_ptr,
-            top: w.top.device_ptr(st).0,
-            top_count: w.top_count.device_ptr(st).0,
-            k_out: w.k_rows.device_ptr(st).0,
-            v_out: w.v_rows.device_ptr(st).0,
-            error_flags: w.err.device_ptr(st).0,
-            len: self.len_d.device_ptr(st).0,
+            host_k: self.host_k_ptr + host_off,
+            host_v: self.host_v_ptr + host_off,
+            top: self.at(&w.top, span),
+            top_count: self.at(&w.top_count, span),
+            k_out: self.at(&w.k_rows, span),
+            v_out: self.at(&w.v_rows, span),
+            error_flags: w.err.device_ptr(&self.st).0,
+            len: self.at(&self.len_d, span),
             host_cap: g.capacity as i32,
             kmax: g.max_k as i32,
             nr: g.rows_per_sequence() as i32,
@@ -829,30 +887,34 @@ impl ParisIndex {
             hkv: g.kv_heads as i32,
             host_stride: (2 * self.cfg.head_dim) as i32,
             per_cta: per_cta as i32,
+            rows: nr as i32,
         };
+        let items = nr * pieces.div_ceil(per_cta);
+        let ctas = items.min(FETCH_CTAS_PER_SM * self.sms.max(1));
         // SAFETY: FetchParams; host_k/host_v point into the DEVICEMAP pinned slab (UVA
         // addresses) at stride host_stride; rows past a sequence's length are flagged, not read;
         // pieces past the row's count skip; per_cta is a multiple of the CTA's threads and at
         // most FETCH_THREADS × FETCH_UNROLL.
-        unsafe { self.launch("fetch", &p, (nr as u32, pieces.div_ceil(per_cta) as u32, 1), FETCH_THREADS as u32, 0) }
+        unsafe { self.launch_on(st, "fetch", &p, (ctas as u32, 1, 1), FETCH_THREADS as u32, 0) }
     }
 
-    fn launch_attend(&self, fused: bool) -> Result<()> {
-        let (st, g, w) = (&self.st, &self.geo, &self.ws);
-        let qh = g.batch * g.kv_heads * g.gqa;
+    fn launch_attend(&self, st: &CudaStream, fused: bool, span: Span) -> Result<()> {
+        let (g, w) = (&self.geo, &self.ws);
+        let qh = span.n * g.kv_heads * g.gqa;
+        let host_off = (span.s0 * g.kv_heads * g.capacity * 2 * self.cfg.head_dim * 2) as u64;
         let p = AttendParams {
-            q: w.q.device_ptr(st).0,
-            dense_k: self.dense_k.device_ptr(st).0,
-            dense_v: self.dense_v.device_ptr(st).0,
-            dense_len: self.dense_len_d.device_ptr(st).0,
-            k_rows: w.k_rows.device_ptr(st).0,
-            v_rows: w.v_rows.device_ptr(st).0,
-            host_k: self.host_k_ptr,
-            host_v: self.host_v_ptr,
-            top: w.top.device_ptr(st).0,
-            top_count: w.top_count.device_ptr(st).0,
-            out: w.out.device_ptr(st).0,
-            lse: w.lse.device_ptr(st).0,
+            q: self.at(&w.q, span),
+            dense_k: self.at(&self.dense_k, span),
+            dense_v: self.at(&self.dense_v, span),
+            dense_len: self.at(&self.dense_len_d, span),
+            k_rows: self.at(&w.k_rows, span),
+            v_rows: self.at(&w.v_rows, span),
+            host_k: self.host_k_ptr + host_off,
+            host_v: self.host_v_ptr + host_off,
+            top: self.at(&w.top, span),
+            top_count: self.at(&w.top_count, span),
+            out: self.at(&w.out, span),
+            lse: self.at(&w.lse, span),
             scale: 1.0 / (self.cfg.head_dim as f32).sqrt(),
             dense_cap: g.dense_capacity as i32,
             host_cap: g.capacity as i32,
@@ -866,7 +928,7 @@ impl ParisIndex {
         // SAFETY: AttendParams; dynamic shared memory holds dense_cap + max_k logits (fused: and
         // max_k indices); the fused kernel reads retrieved rows at `top` < len (checked by the
         // retrieval, which selects among indexed keys only) at stride host_stride.
-        unsafe { self.launch(if fused { "attend_fused" } else { "attend" }, &p, (qh as u32, 1, 1), 256, smem) }
+        unsafe { self.launch_on(st, if fused { "attend_fused" } else { "attend" }, &p, (qh as u32, 1, 1), 256, smem) }
     }
 
     /// Retrieves the top-`k` keys for queries `q` (`[batch][Hq][D]` fp16) under `schedule`'s
@@ -876,11 +938,53 @@ impl ParisIndex {
     /// the same list unless per query head).
     pub fn retrieve(&mut self, q: &[f16], k: usize, schedule: &Schedule) -> Result<Vec<Vec<u32>>> {
         self.prepare(q, k, schedule)?;
-        self.launch_vote()?;
-        self.launch_bucket()?;
-        self.launch_rerank()?;
-        self.launch_select(true)?;
+        self.launch_retrieval(self.all())?;
         self.download_top()
+    }
+
+    /// Bonus + vote, top-C, rerank and top-k of the sequences of `span`, on the main stream.
+    fn launch_retrieval(&self, span: Span) -> Result<()> {
+        self.launch_vote(span)?;
+        self.launch_bucket(span)?;
+        self.launch_rerank(span)?;
+        self.launch_select(true, span)
+    }
+
+    /// One whole decode step (retrieval, staged fetch, attention) pipelined over `chunks` spans
+    /// of the batch: while the main stream retrieves span `c + 1` (HBM-bound kernels), the fetch
+    /// stream reads span `c`'s rows over the host link and attends it. The outputs are those of
+    /// [`ParisIndex::retrieve`] then [`ParisIndex::attend`] (`fused = false`), bit for bit:
+    /// every kernel sees the same inputs, only the order of launches across spans changes.
+    /// `(out [batch][Hq][D], lse [batch][Hq])`.
+    pub fn step(&mut self, q: &[f16], k: usize, schedule: &Schedule, chunks: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+        self.prepare(q, k, schedule)?;
+        self.launch_step(chunks)?;
+        self.finish()
+    }
+
+    fn launch_step(&self, chunks: usize) -> Result<()> {
+        for span in spans(self.geo.batch, chunks) {
+            self.launch_retrieval(span)?;
+            let ready = self.st.record_event(None).map_err(drv("event"))?;
+            self.fetch_st.wait(&ready).map_err(drv("event"))?;
+            self.launch_fetch(&self.fetch_st, span)?;
+            self.launch_attend(&self.fetch_st, false, span)?;
+        }
+        let done = self.fetch_st.record_event(None).map_err(drv("event"))?;
+        self.st.wait(&done).map_err(drv("event"))
+    }
+
+    /// [`ParisIndex::step`] timed by CUDA events around the whole pipelined step: the outputs
+    /// and the device time in microseconds.
+    pub fn step_pipelined_timed(&mut self, q: &[f16], k: usize, schedule: &Schedule, chunks: usize) -> Result<(Vec<f32>, f64)> {
+        self.prepare(q, k, schedule)?;
+        let t0 = self.st.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"))?;
+        self.launch_step(chunks)?;
+        let t1 = self.st.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"))?;
+        t1.synchronize().map_err(drv("event"))?;
+        let us = f64::from(t0.elapsed_ms(&t1).map_err(drv("event"))?) * 1e3;
+        let (out, _) = self.finish()?;
+        Ok((out, us))
     }
 
     fn download_top(&self) -> Result<Vec<Vec<u32>>> {
@@ -916,9 +1020,9 @@ impl ParisIndex {
         let st = self.st.clone();
         st.memcpy_htod(bits(q), &mut self.ws.q).map_err(drv("queries"))?;
         if !fused {
-            self.launch_fetch()?;
+            self.launch_fetch(&self.st, self.all())?;
         }
-        self.launch_attend(fused)?;
+        self.launch_attend(&self.st, fused, self.all())?;
         self.finish()
     }
 
@@ -944,22 +1048,23 @@ impl ParisIndex {
         }
         let st = self.st.clone();
         let mark = |i: usize| e[i].record(&st).map_err(drv("event"));
+        let all = self.all();
         mark(0)?;
-        self.launch_vote()?;
+        self.launch_vote(all)?;
         mark(1)?;
-        self.launch_bucket()?;
+        self.launch_bucket(all)?;
         mark(2)?;
-        self.launch_rerank()?;
+        self.launch_rerank(all)?;
         mark(3)?;
-        self.launch_select(true)?;
+        self.launch_select(true, all)?;
         mark(4)?;
-        self.launch_fetch()?;
+        self.launch_fetch(&self.st, all)?;
         mark(5)?;
-        self.launch_attend(false)?;
+        self.launch_attend(&self.st, false, all)?;
         mark(6)?;
         let (out, _) = self.finish()?;
         mark(7)?;
-        self.launch_attend(true)?;
+        self.launch_attend(&self.st, true, all)?;
         mark(8)?;
         e[8].synchronize().map_err(drv("event"))?;
         let us = |a: usize, z: usize| -> Result<f64> { Ok(f64::from(e[a].elapsed_ms(&e[z]).map_err(drv("event"))?) * 1e3) };
@@ -971,6 +1076,25 @@ impl ParisIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spans_cover_the_batch_once_in_order() {
+        for batch in [1, 2, 7, 8, 64] {
+            for chunks in [0, 1, 2, 3, 8, 100] {
+                let v = spans(batch, chunks);
+                assert_eq!(v.len(), chunks.clamp(1, batch), "{batch} {chunks}");
+                let mut next = 0;
+                for s in &v {
+                    assert_eq!(s.s0, next);
+                    assert!(s.n > 0);
+                    next += s.n;
+                }
+                assert_eq!(next, batch);
+                let (lo, hi) = (v.iter().map(|s| s.n).min().unwrap(), v.iter().map(|s| s.n).max().unwrap());
+                assert!(hi - lo <= 1, "{batch} {chunks}: {v:?}");
+            }
+        }
+    }
 
     #[test]
     fn fetch_grid_spreads_small_batches_and_caps_large_ones() {

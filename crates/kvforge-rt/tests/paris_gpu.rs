@@ -204,6 +204,16 @@ fn attention_matches_f64_over_the_retrieved_rows() {
     }
     let (out, t) = s.ix.step_timed(&q, 100, &Schedule::default()).unwrap();
     assert!(out.iter().zip(&staged).all(|(a, b)| (a - b).abs() < 1e-6));
+    // The pipelined step (one span per sequence, fetch and attend on the second stream) gives
+    // the same bits as retrieve + attend over the whole batch.
+    for chunks in [1, 2] {
+        let (piped, piped_lse) = s.ix.step(&q, 100, &Schedule::default(), chunks).unwrap();
+        assert_eq!(piped, staged, "pipelined step, {chunks} chunks");
+        assert_eq!(piped_lse, lse, "pipelined step lse, {chunks} chunks");
+    }
+    let (piped, us) = s.ix.step_pipelined_timed(&q, 100, &Schedule::default(), 2).unwrap();
+    assert_eq!(piped, staged);
+    assert!(us > 0.0);
     assert!(t.vote_us > 0.0 && t.topk_us > 0.0 && t.rerank_us > 0.0 && t.fetch_us > 0.0 && t.attend_us > 0.0, "{t:?}");
 }
 

@@ -93,7 +93,7 @@ struct SelectParams {
   const u32* want;   // [S] how many to keep
   u32* out;          // [S][NR][stride] out: kept key indices, ascending (select) / by position (top-k)
   u32* out_count;    // [S][NR] out
-  const u32* est_hist;  // [S][NR][EST_BINS] (one-pass top-k): estimates per top-16-bit key bin
+  const u32* est_hist;  // [S][NR][EST_BINS] (one-pass top-k): estimates per top-EST_BITS key bin
   int cap, cmax, stride, nr;
 };
 
@@ -120,8 +120,9 @@ struct FetchParams {
   const u32* len;        // [S] retrieval-region keys
   int host_cap, kmax, nr, rg, hkv;
   int host_stride;       // halves from one host row to the next (D, or 2 D interleaved)
-  int per_cta;           // 16-byte pieces per CTA: a multiple of the CTA's threads, at most
-                         // threads * FETCH_UNROLL
+  int per_cta;           // 16-byte pieces per work item: a multiple of the CTA's threads, at
+                         // most threads * FETCH_UNROLL
+  int rows;              // retrieval rows of the launch (S * NR)
 };
 
 struct AttendParams {
@@ -151,7 +152,7 @@ constexpr u32 ERR_TOP_RANGE = 1u;  // a retrieved index is past the retrieval re
 // top EST_BITS bits of its order key (float_key), so the top-k's threshold bin is known before
 // the estimates are read; keys of that bin (at most TIE_CAP, else the radix select) are
 // resolved on their low bits in shared memory.
-constexpr int EST_BITS = 16, EST_BINS = 1 << EST_BITS, TIE_CAP = 4096;
+constexpr int EST_BITS = 14, EST_BINS = 1 << EST_BITS, TIE_CAP = 4096;
 
 // ---------------------------------------------------------------------------------------------
 // Block helpers
@@ -405,17 +406,41 @@ __device__ void bonus_kernel(const BonusParams& p) {
     score[w] = sc;
   }
   __syncthreads();
-  if (w < C) {
-    // Keys of the centroids ranked before w (higher score, or equal score and lower id).
-    const float mine = score[w];
-    u64 before = 0;
-    for (int o = 0; o < C; ++o) {
-      const float so = score[o];
-      before += (so > mine || (so == mine && o < w)) ? occ[o] : 0u;
+  // Rank the centroids (higher score first, ties by lower id) with a bitonic sort of
+  // (score key, id) pairs, then an exclusive scan of their key counts in rank order: the keys
+  // of the centroids ranked before each one. O(C log² C) work instead of every pair.
+  __shared__ u64 order[NT];
+  order[w] = w < C ? (u64(float_key(score[w])) << 32) | u64(0xffffffffu - u32(w)) : 0ull;
+  __syncthreads();
+  for (int k = 2; k <= NT; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      const int o = w ^ j;
+      if (o > w) {
+        const u64 a = order[w], c = order[o];
+        // Descending within blocks whose bit k is clear, ascending otherwise.
+        if (((w & k) == 0) == (a < c)) {
+          order[w] = c;
+          order[o] = a;
+        }
+      }
+      __syncthreads();
     }
+  }
+  const u32 ranked = 0xffffffffu - u32(order[w]);  // the centroid at rank w (w < C)
+  const u32 cnt = w < C ? occ[ranked] : 0u;
+  // Counts reach n ≤ 2^32 - 1 keys in total: the scan's 32-bit sums do not wrap.
+  u32 total;
+  const u32 before = block_exclusive_scan<NT>(cnt, reinterpret_cast<u32*>(red), total);
+  if (w < C) {
     const u64 target = p.target[s];
-    const int g = r % p.rg, W = (p.rg + 3) / 4;
-    p.bonus[((((size_t(s) * p.hkv + h) * W + g / 4) * B + b) * C + w) * 4 + g % 4] = before < target ? u8(TIERS - before * TIERS / target) : u8(0);
+    const u8 bonus = u64(before) < target ? u8(TIERS - u64(before) * TIERS / target) : u8(0);
+    if (p.rg == 1) {
+      // One retrieval row per kv head: a byte table [S][Hkv][B][C] (the row vote's layout).
+      p.bonus[((size_t(s) * p.hkv + h) * B + b) * C + ranked] = bonus;
+    } else {
+      const int g = r % p.rg, W = (p.rg + 3) / 4;
+      p.bonus[((((size_t(s) * p.hkv + h) * W + g / 4) * B + b) * C + ranked) * 4 + g % 4] = bonus;
+    }
   }
 }
 
@@ -492,6 +517,103 @@ __device__ void vote_kernel(const VoteParams& p) {
   __syncthreads();
   for (int j = threadIdx.x; j < G * 256; j += NT)
     if (hist[j]) atomicAdd(&p.score_hist[(qh0 + j / 256) * 256 + j % 256], hist[j]);
+}
+
+// The vote of one retrieval row per kv head (RG = 1). Grid and keys per thread as vote_kernel.
+// The bonus tables are bytes ([B][C], B C bytes of shared memory): a warp's 32 lookups of a
+// subspace fall on at most two words per bank (a 256-byte table is 64 words), where 32-bit
+// entries (256 words) cost three to four passes. The score histogram is counted per thread
+// without atomics: thread t owns byte `bin % 4` of word `(bin / 4) NT + t` (its own bank; a
+// CTA gives a thread VOTE_CHUNK / NT ≤ 255 keys, so bytes do not wrap), and the warps sum the
+// columns with redux at the end, two bins to a word.
+template <int D, int M, int TIERS, int NT>
+__device__ void vote_row_kernel(const VoteParams& p) {
+  constexpr int B = D / M, C = 1 << M, BINS = B * TIERS + 1, WORDS = (BINS + 3) / 4, STEPS = VOTE_CHUNK / (4 * NT);
+  static_assert(VOTE_CHUNK % (4 * NT) == 0 && VOTE_CHUNK / NT <= 255, "whole steps; byte counters");
+  static_assert(B % 4 == 0 && (B * C) % 16 == 0, "ids and tables in whole words");
+  static_assert(BINS <= 256, "collision scores are bytes");
+  // Per-thread counters where they fit beside the tables (D ≤ 128 at M = 8); else shared
+  // atomics on the CTA's histogram.
+  constexpr bool PRIVATE = B * C + WORDS * NT * 4 <= 40 * 1024;
+  __shared__ __align__(16) u8 table[B * C];
+  __shared__ u32 counts[PRIVATE ? WORDS * NT : 1];
+  __shared__ u32 hist[BINS];
+  const int sh = blockIdx.y, s = sh / p.hkv;
+  const u32 n = p.len[s], lo = blockIdx.x * VOTE_CHUNK;
+  if (lo >= n) return;
+  {
+    const uint4* src = reinterpret_cast<const uint4*>(p.bonus + size_t(sh) * B * C);
+    for (int i = threadIdx.x; i < B * C / 16; i += NT) reinterpret_cast<uint4*>(table)[i] = src[i];
+  }
+  if constexpr (PRIVATE)
+    for (int i = threadIdx.x; i < WORDS * NT; i += NT) counts[i] = 0;
+  for (int i = threadIdx.x; i < BINS; i += NT) hist[i] = 0;
+  __syncthreads();
+  u8* mine = reinterpret_cast<u8*>(counts) + 4 * threadIdx.x;
+  const u8* ids_base = p.ids + size_t(sh) * p.cap * B;
+#pragma unroll 1
+  for (int step = 0; step < STEPS; ++step) {
+    const u32 i0 = lo + (step * NT + threadIdx.x) * 4;
+    if (i0 >= n) break;
+    u32 word[4][B / 4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const u32* ids = reinterpret_cast<const u32*>(ids_base + size_t(i0 + r) * B);
+      if (i0 + r >= n) {
+#pragma unroll
+        for (int v = 0; v < B / 4; ++v) word[r][v] = 0;
+      } else {
+        if constexpr (B % 16 == 0) {
+#pragma unroll
+          for (int v = 0; v < B / 16; ++v) {
+            const uint4 x = reinterpret_cast<const uint4*>(ids)[v];
+            word[r][4 * v] = x.x;
+            word[r][4 * v + 1] = x.y;
+            word[r][4 * v + 2] = x.z;
+            word[r][4 * v + 3] = x.w;
+          }
+        } else {
+#pragma unroll
+          for (int v = 0; v < B / 4; ++v) word[r][v] = ids[v];
+        }
+      }
+    }
+    u32 packed = 0;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      u32 sc = 0;
+#pragma unroll
+      for (int v = 0; v < B / 4; ++v)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) sc += table[(4 * v + j) * C + ((word[r][v] >> (8 * j)) & 255u)];
+      if (i0 + r < n) {
+        packed |= sc << (8 * r);
+        if constexpr (PRIVATE)
+          mine[(sc >> 2) * (4 * NT) + (sc & 3)] += 1;
+        else
+          atomicAdd(&hist[sc], 1u);
+      }
+    }
+    // Rows are padded to a multiple of 16 keys (sstride), so the 4-key word stays in the row.
+    *reinterpret_cast<u32*>(p.scores + size_t(sh) * p.sstride + i0) = packed;
+  }
+  __syncthreads();
+  // Column sums: bytes 0 and 2 (bins 4 w, 4 w + 2) and bytes 1 and 3 in 16-bit halves; a
+  // warp's 32 threads add at most 32 × 255 per half.
+  const int lane = threadIdx.x & 31;
+  for (int w = 0; w < (PRIVATE ? WORDS : 0); ++w) {
+    const u32 x = counts[w * NT + threadIdx.x];
+    const u32 even = __reduce_add_sync(0xffffffffu, x & 0x00ff00ffu), odd = __reduce_add_sync(0xffffffffu, (x >> 8) & 0x00ff00ffu);
+    if (lane == 0) {
+      const u32 c[4] = {even & 0xffffu, odd & 0xffffu, even >> 16, odd >> 16};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        if (c[j] && 4 * w + j < BINS) atomicAdd(&hist[4 * w + j], c[j]);
+    }
+  }
+  __syncthreads();
+  for (int j = threadIdx.x; j < BINS; j += NT)
+    if (hist[j]) atomicAdd(&p.score_hist[size_t(sh) * 256 + j], hist[j]);
 }
 
 // Threshold score t and how many keys scoring exactly t to keep (the reference's top-C rule),
@@ -635,7 +757,7 @@ __device__ void select_kernel(const SelectParams& p) {
 // (ceil(cmax / RERANK_CHUNK), S * NR), NT threads, a thread per candidate over RERANK_CHUNK
 // candidates per CTA (the [D][16] lookup of l_c q_j is built once per CTA). The lookups of a
 // warp's lanes share the channel, so its 16 entries sit in 16 banks: no conflicts.
-constexpr int RERANK_CHUNK = 2048;
+constexpr int RERANK_CHUNK = 2048, RERANK_UNROLL = 2;
 
 template <int D, int M, int NT>
 __device__ void rerank_kernel(const RerankParams& p) {
@@ -652,38 +774,50 @@ __device__ void rerank_kernel(const RerankParams& p) {
   const float qn = p.qnorm[sh];
   const u32 hi = min(count, lo + RERANK_CHUNK);
   const size_t base = size_t(s * p.ix.hkv + h) * p.ix.cap;
+  // RERANK_UNROLL candidates per thread and iteration, their codes and weights loaded before
+  // any is scored: several gathers in flight per thread.
 #pragma unroll 1
-  for (u32 c = lo + threadIdx.x; c < hi; c += NT) {
-    const size_t key = base + p.cand[size_t(sh) * p.cmax + c];
-    const uint4* row = reinterpret_cast<const uint4*>(p.ix.codes + key * (D / 2));
-    uint4 r[D / 32];
+  for (u32 c0 = lo + threadIdx.x; c0 < hi; c0 += RERANK_UNROLL * NT) {
+    uint4 r[RERANK_UNROLL][D / 32];
+    alignas(16) __half w[RERANK_UNROLL][B];
 #pragma unroll
-    for (int v = 0; v < D / 32; ++v) r[v] = row[v];
-    alignas(16) __half w[B];
-    if constexpr ((B * 2) % 16 == 0) {
+    for (int u = 0; u < RERANK_UNROLL; ++u) {
+      const u32 c = c0 + u * NT;
+      if (c >= hi) break;
+      const size_t key = base + p.cand[size_t(sh) * p.cmax + c];
+      const uint4* row = reinterpret_cast<const uint4*>(p.ix.codes + key * (D / 2));
 #pragma unroll
-      for (int v = 0; v < B * 2 / 16; ++v) reinterpret_cast<uint4*>(w)[v] = reinterpret_cast<const uint4*>(p.ix.weights + key * B)[v];
-    } else {
+      for (int v = 0; v < D / 32; ++v) r[u][v] = row[v];
+      if constexpr ((B * 2) % 16 == 0) {
 #pragma unroll
-      for (int b = 0; b < B; ++b) w[b] = p.ix.weights[key * B + b];
-    }
-    float acc = 0.f, dot = 0.f;
+        for (int v = 0; v < B * 2 / 16; ++v) reinterpret_cast<uint4*>(w[u])[v] = reinterpret_cast<const uint4*>(p.ix.weights + key * B)[v];
+      } else {
 #pragma unroll
-    for (int v = 0; v < D / 32; ++v) {
-      const u32 words[4] = {r[v].x, r[v].y, r[v].z, r[v].w};
-#pragma unroll
-      for (int k = 0; k < 32; ++k) {
-        const int ch = v * 32 + k;
-        dot += lut[ch * 16 + ((words[k / 8] >> (4 * (k % 8))) & 15u)];
-        if ((ch + 1) % M == 0) {
-          acc += __half2float(w[ch / M]) * dot;
-          dot = 0.f;
-        }
+        for (int bb = 0; bb < B; ++bb) w[u][bb] = p.ix.weights[key * B + bb];
       }
     }
-    const float e = qn * acc;
-    p.est[size_t(sh) * p.cmax + c] = e;
-    atomicAdd(&p.est_hist[size_t(sh) * EST_BINS + (float_key(e) >> (32 - EST_BITS))], 1u);
+#pragma unroll
+    for (int u = 0; u < RERANK_UNROLL; ++u) {
+      const u32 c = c0 + u * NT;
+      if (c >= hi) break;
+      float acc = 0.f, dot = 0.f;
+#pragma unroll
+      for (int v = 0; v < D / 32; ++v) {
+        const u32 words[4] = {r[u][v].x, r[u][v].y, r[u][v].z, r[u][v].w};
+#pragma unroll
+        for (int k = 0; k < 32; ++k) {
+          const int ch = v * 32 + k;
+          dot += lut[ch * 16 + ((words[k / 8] >> (4 * (k % 8))) & 15u)];
+          if ((ch + 1) % M == 0) {
+            acc += __half2float(w[u][ch / M]) * dot;
+            dot = 0.f;
+          }
+        }
+      }
+      const float e = qn * acc;
+      p.est[size_t(sh) * p.cmax + c] = e;
+      atomicAdd(&p.est_hist[size_t(sh) * EST_BINS + (float_key(e) >> (32 - EST_BITS))], 1u);
+    }
   }
 }
 
@@ -712,10 +846,10 @@ __device__ void topk_kernel(const SelectParams& p) {
 
 // One-pass top-k of the rerank estimates: one CTA of NT = 1024 threads per (sequence, retrieval
 // row). The threshold bin t and its room come from the rerank's histogram (a block scan over
-// 64 bins per thread), then ONE pass over the estimates in tiles of 8 per thread, with one block
+// EST_BINS / NT bins per thread), then ONE pass over the estimates in tiles of 8 per thread, with one block
 // scan per tile (above and at-threshold counts packed in a word) writes the keys of bins above t
 // to the output and the keys of bin t, in index order, to shared memory; the radix select on
-// their low 16 bits keeps `room` of them (ties in index order: the same set as kvforge-paris
+// their low bits keeps `room` of them (ties in index order: the same set as kvforge-paris
 // `top_k_by` and the radix topk_kernel). A threshold bin of more than TIE_CAP keys falls back to
 // the radix select over the whole row.
 template <int NT>
@@ -799,7 +933,7 @@ __device__ void topk_hist_kernel(const SelectParams& p) {
       if (bin > t) {
         out[gp++] = cand[i0 + u];
       } else if (bin == t) {
-        tie_key[ep] = key[u] & (EST_BINS - 1u);
+        tie_key[ep] = key[u] & ((1u << (32 - EST_BITS)) - 1u);
         tie_pos[ep++] = i0 + u;
       }
     }
@@ -807,8 +941,10 @@ __device__ void topk_hist_kernel(const SelectParams& p) {
     eq_off += tile_total & 0xffffu;
   }
   __syncthreads();
-  // gt_off == k - room keys above the bin are written; keep `room` of the bin's `ties` keys.
-  const u32 got = block_select<NT, 16>([&](u32 i) { return tie_key[i]; }, ties, room, pos);
+  // gt_off == k - room keys above the bin are written; keep `room` of the bin's `ties` keys
+  // (their low 32 - EST_BITS bits, selected as 24-bit keys: whole 8-bit radix passes).
+  static_assert(32 - EST_BITS <= 24, "tie keys fit the 24-bit select");
+  const u32 got = block_select<NT, 24>([&](u32 i) { return tie_key[i]; }, ties, room, pos);
   __syncthreads();
   for (u32 i = threadIdx.x; i < got; i += NT) out[gt_off + i] = cand[tie_pos[pos[i]]];
   if (threadIdx.x == 0) p.out_count[sh] = gt_off + got;
@@ -816,62 +952,72 @@ __device__ void topk_hist_kernel(const SelectParams& p) {
 
 // ---------------------------------------------------------------------------------------------
 // Fetch: the k retrieved K/V rows of each retrieval row from pinned host memory (UVA) into
-// device staging, once for the query heads that share the row. Grid (S * NR, ceil(2 kmax D / 8 /
-// per_cta)), NT threads, 16-byte pieces: piece e of a row is token e / (2V)'s K (its first V
-// pieces) or V (the rest), and CTA y copies pieces [y per_cta, (y + 1) per_cta). The runtime
-// picks per_cta (a multiple of NT, at most NT * FETCH_UNROLL) so that the grid covers every SM
-// even when few rows are fetched. A thread first loads the token indices of all its pieces
-// (independent loads from device memory), then issues every host read (FETCH_UNROLL 16-byte
-// UVA loads in flight per thread, none waiting on another), then stores. A warp's 32 pieces
-// are one token's K and V rows at D 128: one run of 4 D bytes in host memory when interleaved.
+// device staging, once for the query heads that share the row. 16-byte pieces: piece e of a
+// row is token e / (2V)'s K (its first V pieces) or V (the rest). A work item is one row's
+// pieces [y per_cta, (y + 1) per_cta); a 1-D grid of NT-thread CTAs strides over the S * NR *
+// ceil(2 kmax V / per_cta) items. The runtime picks per_cta (a multiple of NT, at most NT *
+// FETCH_UNROLL) so that few rows still cover every SM, and caps the grid at a few CTAs per SM:
+// the host link, not the SMs, bounds a large fetch, and the pipelined step runs retrieval
+// kernels beside it. A thread first loads the token indices of all its pieces (independent
+// loads from device memory), then issues every host read (FETCH_UNROLL 16-byte UVA loads in
+// flight per thread, none waiting on another), then stores. A warp's 32 pieces are one token's
+// K and V rows at D 128: one run of 4 D bytes in host memory when interleaved.
 constexpr int FETCH_UNROLL = 8;
 
 template <int D, int NT>
 __device__ void fetch_kernel(const FetchParams& p) {
   constexpr int V = D * 2 / 16;  // uint4 per row
-  const int sh = blockIdx.x, s = sh / p.nr, h = (sh % p.nr) / p.rg;
-  const u32 first = blockIdx.y * u32(p.per_cta), lo = first + threadIdx.x;
-  // The row's count, the sequence's length and the token indices are loaded side by side (the
-  // indices of the whole top buffer row, kmax of them, before the count says how many are
-  // used), so that each host read waits on one round trip to device memory, not three.
-  const u32 cap_end = min(2 * u32(p.kmax) * V, first + u32(p.per_cta));
-  const u32* top = p.top + size_t(sh) * p.kmax;
-  u32 t[FETCH_UNROLL];
+  // Work item w = (retrieval row w / ychunks, its share w % ychunks of the row's pieces); the
+  // grid may be smaller than the items (a grid-stride loop), so that a large batch's fetch,
+  // bound by the host link, leaves SM slots to kernels on another stream.
+  const u32 ychunks = (2 * u32(p.kmax) * V + u32(p.per_cta) - 1) / u32(p.per_cta), items = u32(p.rows) * ychunks;
+#pragma unroll 1
+  for (u32 item = blockIdx.x; item < items; item += gridDim.x) {
+    const int sh = int(item / ychunks), s = sh / p.nr, h = (sh % p.nr) / p.rg;
+    const u32 first = (item % ychunks) * u32(p.per_cta), lo = first + threadIdx.x;
+    // The row's count, the sequence's length and the token indices are loaded side by side (the
+    // indices of the whole top buffer row, kmax of them, before the count says how many are
+    // used), so that each host read waits on one round trip to device memory, not three.
+    const u32 cap_end = min(2 * u32(p.kmax) * V, first + u32(p.per_cta));
+    const u32* top = p.top + size_t(sh) * p.kmax;
+    u32 t[FETCH_UNROLL];
 #pragma unroll
-  for (int u = 0; u < FETCH_UNROLL; ++u) {
-    const u32 e = lo + u * NT;
-    t[u] = e < cap_end ? __ldg(top + e / (2 * V)) : 0u;
-  }
-  const u32 total = 2 * __ldg(p.top_count + sh) * V, len = __ldg(p.len + s);
-  const u32 end = min(total, first + u32(p.per_cta));
-  if (lo >= end) return;
-  const size_t sv = size_t(p.host_stride) / 8;  // uint4 from one host row to the next
-  const uint4* hk = reinterpret_cast<const uint4*>(p.host_k) + size_t(s * p.hkv + h) * p.host_cap * sv;
-  const uint4* hv = reinterpret_cast<const uint4*>(p.host_v) + size_t(s * p.hkv + h) * p.host_cap * sv;
-  uint4* ko = reinterpret_cast<uint4*>(p.k_out) + size_t(sh) * p.kmax * V;
-  uint4* vo = reinterpret_cast<uint4*>(p.v_out) + size_t(sh) * p.kmax * V;
-  uint4 x[FETCH_UNROLL];
-#pragma unroll
-  for (int u = 0; u < FETCH_UNROLL; ++u) {
-    const u32 e = lo + u * NT, c = e % (2 * V);
-    x[u] = make_uint4(0, 0, 0, 0);
-    if (e < end && t[u] < len) x[u] = c < V ? hk[size_t(t[u]) * sv + c] : hv[size_t(t[u]) * sv + c - V];
-  }
-#pragma unroll
-  for (int u = 0; u < FETCH_UNROLL; ++u) {
-    const u32 e = lo + u * NT, r = e / (2 * V), c = e % (2 * V);
-    if (e >= end) continue;
-    if (t[u] >= len) {
-      atomicOr(p.error_flags, ERR_TOP_RANGE);
-      continue;
+    for (int u = 0; u < FETCH_UNROLL; ++u) {
+      const u32 e = lo + u * NT;
+      t[u] = e < cap_end ? __ldg(top + e / (2 * V)) : 0u;
     }
-    if (c < V)
-      ko[size_t(r) * V + c] = x[u];
-    else
-      vo[size_t(r) * V + c - V] = x[u];
+    const u32 total = 2 * __ldg(p.top_count + sh) * V, len = __ldg(p.len + s);
+    const u32 end = min(total, first + u32(p.per_cta));
+    if (lo >= end) continue;
+    const size_t sv = size_t(p.host_stride) / 8;  // uint4 from one host row to the next
+    const uint4* hk = reinterpret_cast<const uint4*>(p.host_k) + size_t(s * p.hkv + h) * p.host_cap * sv;
+    const uint4* hv = reinterpret_cast<const uint4*>(p.host_v) + size_t(s * p.hkv + h) * p.host_cap * sv;
+    uint4* ko = reinterpret_cast<uint4*>(p.k_out) + size_t(sh) * p.kmax * V;
+    uint4* vo = reinterpret_cast<uint4*>(p.v_out) + size_t(sh) * p.kmax * V;
+    uint4 x[FETCH_UNROLL];
+#pragma unroll
+    for (int u = 0; u < FETCH_UNROLL; ++u) {
+      const u32 e = lo + u * NT, c = e % (2 * V);
+      x[u] = make_uint4(0, 0, 0, 0);
+      if (e < end && t[u] < len) x[u] = c < V ? hk[size_t(t[u]) * sv + c] : hv[size_t(t[u]) * sv + c - V];
+    }
+#pragma unroll
+    for (int u = 0; u < FETCH_UNROLL; ++u) {
+      const u32 e = lo + u * NT, r = e / (2 * V), c = e % (2 * V);
+      if (e >= end) continue;
+      if (t[u] >= len) {
+        atomicOr(p.error_flags, ERR_TOP_RANGE);
+        continue;
+      }
+      if (c < V)
+        ko[size_t(r) * V + c] = x[u];
+      else
+        vo[size_t(r) * V + c - V] = x[u];
+    }
   }
 }
 
+// ---------------------------------------------------------------------------------------------
 // Attention over the dense rows (sinks + local + update buffer) and the k retrieved rows of the
 // query head's retrieval row with one softmax. One CTA of NT threads per (sequence, query head);
 // dynamic shared memory holds
