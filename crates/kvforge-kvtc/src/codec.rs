@@ -162,8 +162,8 @@ pub fn pack_into(dump: &KvDump, cal: &Calibration, opts: &PackOptions, out: &mut
     out.write_all(&hb)?;
     total += hb.len();
     let mut index = 0u32;
-    let mut emit = |out: &mut dyn Write, tag: Tag, first: usize, count: usize, raw: &[u8], stored: Vec<u8>, total: &mut usize| -> Result<usize> {
-        let c = Chunk { tag, index, first: first as u32, count: count as u32, raw_len: raw.len() as u32, payload: stored };
+    let mut emit = |out: &mut dyn Write, tag: Tag, first: usize, count: usize, raw: &[u8], (stored, stored_raw): (Vec<u8>, bool), total: &mut usize| -> Result<usize> {
+        let c = Chunk { tag, index, first: first as u32, count: count as u32, raw_len: raw.len() as u32, stored_raw, payload: stored };
         let mut w = out;
         write_chunk(&mut w, &c)?;
         index += 1;
@@ -171,7 +171,7 @@ pub fn pack_into(dump: &KvDump, cal: &Calibration, opts: &PackOptions, out: &mut
         Ok(c.payload.len())
     };
     let pos: Vec<u8> = dump.positions.iter().flat_map(|p| p.to_le_bytes()).collect();
-    emit(out, Tag::Positions, 0, dump.tokens, &pos, opts.entropy.compress(&pos), &mut total)?;
+    emit(out, Tag::Positions, 0, dump.tokens, &pos, opts.entropy.code(&pos), &mut total)?;
     let (kept, coded) = split(dump.tokens, cal.sinks, cal.window);
     let mut kb = Vec::with_capacity(4 * dump.features() * kept.len());
     for src in [&dump.k, &dump.v] {
@@ -184,7 +184,7 @@ pub fn pack_into(dump: &KvDump, cal: &Calibration, opts: &PackOptions, out: &mut
             }
         }
     }
-    stats.kept_stored_bytes = emit(out, Tag::Kept, 0, kept.len(), &kb, opts.entropy.compress(&kb), &mut total)?;
+    stats.kept_stored_bytes = emit(out, Tag::Kept, 0, kept.len(), &kb, opts.entropy.code(&kb), &mut total)?;
     stats.compressed_tokens = coded.len();
     stats.compressed_fp16_bytes = 4 * dump.features() * coded.len();
     let ranges = chunk_ranges(coded, opts.chunk_tokens);
@@ -192,14 +192,14 @@ pub fn pack_into(dump: &KvDump, cal: &Calibration, opts: &PackOptions, out: &mut
     let (kbasis, vbasis) = (basis_matrix(&cal.k, p, ka.used_components()), basis_matrix(&cal.v, p, va.used_components()));
     // Code chunks in parallel, a bounded batch at a time, and write them in order.
     for batch in ranges.chunks(rayon::current_num_threads().max(1) * 2) {
-        let coded: Vec<[(Vec<u8>, Vec<u8>); 2]> = batch
+        let coded: Vec<[(Vec<u8>, (Vec<u8>, bool)); 2]> = batch
             .par_iter()
             .map(|r| {
                 [(Side::Keys, ka, &kbasis), (Side::Values, va, &vbasis)].map(|(side, a, bt)| {
                     let comps = a.used_components();
                     let d = project(dump, cal, side, r.clone(), bt);
                     let raw = pack::encode(&d, r.len(), comps, a);
-                    let stored = opts.entropy.compress(&raw);
+                    let stored = opts.entropy.code(&raw);
                     (raw, stored)
                 })
             })
@@ -210,9 +210,18 @@ pub fn pack_into(dump: &KvDump, cal: &Calibration, opts: &PackOptions, out: &mut
             stats.coded_stored_bytes += emit(out, Tag::Values, r.start, r.len(), &vr, vs, &mut total)?;
         }
     }
-    emit(out, Tag::End, 0, 0, &[], Vec::new(), &mut total)?;
+    emit(out, Tag::End, 0, 0, &[], (Vec::new(), false), &mut total)?;
     stats.total_bytes = total;
     Ok(stats)
+}
+
+/// The coder that decodes chunk `c` of a container coded with `entropy`.
+fn coder(entropy: Entropy, c: &Chunk) -> Entropy {
+    if c.stored_raw {
+        Entropy::None
+    } else {
+        entropy
+    }
 }
 
 /// Largest stored size accepted for a chunk of `raw` bytes (DEFLATE / zstd worst case).
@@ -282,8 +291,17 @@ impl StoredContainer {
     /// Entropy-decodes coded chunk `i` (of [`Container::chunks`]).
     pub fn decode_chunk(&self, i: usize) -> Result<DecodedChunk> {
         let StoredChunk { side, tokens, chunk: c } = &self.chunks[i];
-        let raw = self.entropy()?.decompress(&c.payload, c.raw_len as usize).map_err(|message| KvtcError::Entropy { chunk: c.index, message })?;
+        let raw = coder(self.entropy()?, c).decompress(&c.payload, c.raw_len as usize).map_err(|message| KvtcError::Entropy { chunk: c.index, message })?;
         Ok(DecodedChunk { index: c.index, side: *side, tokens: tokens.clone(), raw })
+    }
+
+    /// Entropy-decodes coded chunk `i` into `out`, which must be exactly its `raw_len` bytes.
+    pub fn decode_chunk_into(&self, i: usize, out: &mut [u8]) -> Result<()> {
+        let c = &self.chunks[i].chunk;
+        if out.len() != c.raw_len as usize {
+            return Err(KvtcError::BadChunk { chunk: c.index, message: format!("{} output bytes for a chunk of {}", out.len(), c.raw_len) });
+        }
+        coder(self.entropy()?, c).decompress_into(&c.payload, out).map_err(|message| KvtcError::Entropy { chunk: c.index, message })
     }
 
     /// Entropy-decodes every coded chunk on all rayon threads.
@@ -320,7 +338,7 @@ pub fn read_container(input: &mut impl Read, cal: &Calibration) -> Result<Stored
         index += 1;
         Ok(c)
     };
-    let decode = |c: &Chunk| entropy.decompress(&c.payload, c.raw_len as usize).map_err(|message| KvtcError::Entropy { chunk: c.index, message });
+    let decode = |c: &Chunk| coder(entropy, c).decompress(&c.payload, c.raw_len as usize).map_err(|message| KvtcError::Entropy { chunk: c.index, message });
     let c = next(input, Tag::Positions, 0, tokens, 8 * tokens)?;
     let positions: Vec<i64> = decode(&c)?.chunks_exact(8).map(|b| i64::from_le_bytes(b.try_into().unwrap())).collect();
     let (kept, coded) = split(tokens, cal.sinks, cal.window);
@@ -356,15 +374,17 @@ pub fn write_container(dc: &DecodedContainer, entropy: Entropy, out: &mut impl W
         write_chunk(&mut w, &c)
     };
     let pos: Vec<u8> = dc.positions.iter().flat_map(|p| p.to_le_bytes()).collect();
-    emit(out, Chunk { tag: Tag::Positions, index: 0, first: 0, count: dc.tokens() as u32, raw_len: pos.len() as u32, payload: entropy.compress(&pos) })?;
+    let (payload, stored_raw) = entropy.code(&pos);
+    emit(out, Chunk { tag: Tag::Positions, index: 0, first: 0, count: dc.tokens() as u32, raw_len: pos.len() as u32, stored_raw, payload })?;
     let kb: Vec<u8> = dc.kept_fp16.iter().flat_map(|x| x.to_le_bytes()).collect();
-    emit(out, Chunk { tag: Tag::Kept, index: 1, first: 0, count: dc.kept.len() as u32, raw_len: kb.len() as u32, payload: entropy.compress(&kb) })?;
-    let stored: Vec<Vec<u8>> = dc.chunks.par_iter().map(|c| entropy.compress(&c.raw)).collect();
-    for (c, payload) in dc.chunks.iter().zip(stored) {
+    let (payload, stored_raw) = entropy.code(&kb);
+    emit(out, Chunk { tag: Tag::Kept, index: 1, first: 0, count: dc.kept.len() as u32, raw_len: kb.len() as u32, stored_raw, payload })?;
+    let stored: Vec<(Vec<u8>, bool)> = dc.chunks.par_iter().map(|c| entropy.code(&c.raw)).collect();
+    for (c, (payload, stored_raw)) in dc.chunks.iter().zip(stored) {
         let tag = if c.side == Side::Keys { Tag::Keys } else { Tag::Values };
-        emit(out, Chunk { tag, index: c.index, first: c.tokens.start as u32, count: c.tokens.len() as u32, raw_len: c.raw.len() as u32, payload })?;
+        emit(out, Chunk { tag, index: c.index, first: c.tokens.start as u32, count: c.tokens.len() as u32, raw_len: c.raw.len() as u32, stored_raw, payload })?;
     }
-    emit(out, Chunk { tag: Tag::End, index: 2 + dc.chunks.len() as u32, first: 0, count: 0, raw_len: 0, payload: Vec::new() })?;
+    emit(out, Chunk { tag: Tag::End, index: 2 + dc.chunks.len() as u32, first: 0, count: 0, raw_len: 0, stored_raw: false, payload: Vec::new() })?;
     Ok(total)
 }
 

@@ -6,7 +6,7 @@
 //! | offset | bytes | field |
 //! |---:|---:|---|
 //! | 0 | 8 | magic `KVTC\0\r\n\x1a` |
-//! | 8 | 2 | version (1) |
+//! | 8 | 2 | version (2; version 1 files, which never store a chunk raw, are read too) |
 //! | 10 | 1 | entropy coder: 0 none, 1 DEFLATE, 2 zstd |
 //! | 11 | 1 | reserved, 0 |
 //! | 12 | 32 | calibration id (blake3, [`crate::Calibration::id`]) |
@@ -18,7 +18,8 @@
 //! | offset | bytes | field |
 //! |---:|---:|---|
 //! | 0 | 1 | tag: 1 positions, 2 kept tokens, 3 coded keys, 4 coded values, 0xEE end |
-//! | 1 | 3 | reserved, 0 |
+//! | 1 | 1 | flags: bit 0 set = payload stored raw (coding it saved less than [`crate::entropy::MIN_GAIN`]) |
+//! | 2 | 2 | reserved, 0 |
 //! | 4 | 4 | chunk index (0, 1, 2, … in stream order) |
 //! | 8 | 4 | first token |
 //! | 12 | 4 | token count |
@@ -38,7 +39,9 @@ use std::io::{Read, Write};
 use crate::error::{KvtcError, Result};
 
 pub const MAGIC: [u8; 8] = *b"KVTC\0\r\n\x1a";
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
+/// Oldest version read.
+pub const OLDEST_VERSION: u16 = 1;
 pub const HEADER_LEN: usize = 84;
 pub const CHUNK_HEADER_LEN: usize = 28;
 
@@ -109,7 +112,7 @@ impl Header {
             return Err(KvtcError::Truncated { chunk: 0, what: "the container header" });
         }
         let version = u16::from_le_bytes([b[8], b[9]]);
-        if version != VERSION {
+        if !(OLDEST_VERSION..=VERSION).contains(&version) {
             return Err(KvtcError::UnsupportedVersion { found: version, supported: VERSION });
         }
         if crc32fast::hash(&b[..80]) != u32::from_le_bytes(b[80..84].try_into().unwrap()) {
@@ -155,12 +158,15 @@ pub struct Chunk {
     pub first: u32,
     pub count: u32,
     pub raw_len: u32,
+    /// The payload is the raw bytes, not the container's entropy coder's output.
+    pub stored_raw: bool,
     pub payload: Vec<u8>,
 }
 
-fn chunk_header(tag: Tag, index: u32, first: u32, count: u32, raw_len: u32, stored_len: u32) -> [u8; 24] {
+fn chunk_header(tag: Tag, index: u32, first: u32, count: u32, raw_len: u32, stored_len: u32, stored_raw: bool) -> [u8; 24] {
     let mut h = [0u8; 24];
     h[0] = tag as u8;
+    h[1] = u8::from(stored_raw);
     for (i, x) in [index, first, count, raw_len, stored_len].iter().enumerate() {
         h[4 + 4 * i..8 + 4 * i].copy_from_slice(&x.to_le_bytes());
     }
@@ -169,7 +175,7 @@ fn chunk_header(tag: Tag, index: u32, first: u32, count: u32, raw_len: u32, stor
 
 /// Writes one chunk.
 pub fn write_chunk(w: &mut impl Write, c: &Chunk) -> Result<()> {
-    let h = chunk_header(c.tag, c.index, c.first, c.count, c.raw_len, c.payload.len() as u32);
+    let h = chunk_header(c.tag, c.index, c.first, c.count, c.raw_len, c.payload.len() as u32, c.stored_raw);
     let mut crc = crc32fast::Hasher::new();
     crc.update(&h);
     crc.update(&c.payload);
@@ -218,8 +224,15 @@ pub fn read_chunk(r: &mut impl Read, e: &Expect) -> Result<Chunk> {
         return Err(KvtcError::ChunkChecksum { chunk, stored: stored_crc, computed });
     }
     let tag = Tag::from_u8(h[0]).ok_or_else(|| bad(format!("unknown tag {:#04x}", h[0])))?;
-    if tag != e.tag || index != e.index || first != e.first || count != e.count || raw_len != e.raw_len || h[1..4] != [0, 0, 0] {
+    if h[1] > 1 || h[2..4] != [0, 0] {
+        return Err(bad(format!("unknown flags {:#04x} {:#04x} {:#04x}", h[1], h[2], h[3])));
+    }
+    let stored_raw = h[1] == 1;
+    if stored_raw && stored_len != raw_len {
+        return Err(bad(format!("stored raw, yet {stored_len} stored bytes for {raw_len} raw")));
+    }
+    if tag != e.tag || index != e.index || first != e.first || count != e.count || raw_len != e.raw_len {
         return Err(bad(format!("is {tag:?} #{index} tokens {first}+{count} raw {raw_len}, expected {:?} #{} tokens {}+{} raw {}", e.tag, e.index, e.first, e.count, e.raw_len)));
     }
-    Ok(Chunk { tag, index, first, count, raw_len, payload })
+    Ok(Chunk { tag, index, first, count, raw_len, stored_raw, payload })
 }

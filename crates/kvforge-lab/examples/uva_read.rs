@@ -45,6 +45,10 @@ struct Args {
     /// The slab on huge pages (kvforge_rt::host_slab) instead of cuMemHostAlloc's 4 KiB pages.
     #[arg(long)]
     huge: bool,
+    /// The slab from the virtual memory API: host-located pinned memory (`cuMemCreate`, location
+    /// host) mapped at its allocation granularity (`cuMemMap`), read by the device only.
+    #[arg(long)]
+    vmm: bool,
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -104,7 +108,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let t0 = std::time::Instant::now();
     // SAFETY: a plain u8 slab; the kernel reads bytes below slab_bytes only (starts are drawn
     // within each region ≤ the slab), whatever they hold.
-    let (_pinned, _slab, host, backing) = if a.huge {
+    let (_pinned, _slab, host, backing) = if a.vmm {
+        let (ptr, what) = vmm_host(&ctx, slab_bytes)?;
+        (None, None, ptr, what)
+    } else if a.huge {
         let slab = kvforge_rt::host_slab::HostSlab::new(&ctx, slab_bytes, "uva_read slab")?;
         let host = slab.device_ptr()?;
         let backing = format!("{:?}, {:.1} GiB on huge pages", slab.backing(), slab.huge_bytes().unwrap_or(0) as f64 / (1u64 << 30) as f64);
@@ -163,4 +170,52 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         std::fs::write(p, serde_json::to_string_pretty(&doc)?)?;
     }
     Ok(())
+}
+
+/// Host-located pinned memory from the virtual memory API, mapped for device 0 (never freed:
+/// the example exits after the measurement). Returns the device address and a description.
+fn vmm_host(ctx: &std::sync::Arc<cudarc::driver::CudaContext>, bytes: usize) -> Result<(u64, String), Box<dyn std::error::Error>> {
+    ctx.bind_to_thread()?;
+    let ok = |rc: sys::CUresult, what: &str| -> Result<(), Box<dyn std::error::Error>> {
+        if rc == sys::cudaError_enum::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(format!("{what}: {rc:?}").into())
+        }
+    };
+    let mut last = String::new();
+    for (kind, name) in [(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, "host"), (sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST_NUMA, "host NUMA 0")] {
+        // SAFETY: plain C structs, zero is a valid start; every call's result is checked.
+        unsafe {
+            let mut prop: sys::CUmemAllocationProp = std::mem::zeroed();
+            prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+            prop.location.type_ = kind;
+            prop.location.id = 0;
+            let mut gran = 0usize;
+            if let Err(e) = ok(sys::cuMemGetAllocationGranularity(&mut gran, &prop, sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "granularity") {
+                last = format!("{name}: {e}");
+                continue;
+            }
+            let size = bytes.next_multiple_of(gran.max(1));
+            let mut handle: sys::CUmemGenericAllocationHandle = 0;
+            if let Err(e) = ok(sys::cuMemCreate(&mut handle, size, &prop, 0), "cuMemCreate") {
+                last = format!("{name}: {e}");
+                continue;
+            }
+            let mut ptr: sys::CUdeviceptr = 0;
+            ok(sys::cuMemAddressReserve(&mut ptr, size, gran, 0, 0), "cuMemAddressReserve")?;
+            ok(sys::cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")?;
+            let mut desc: sys::CUmemAccessDesc = std::mem::zeroed();
+            desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+            desc.location.id = 0;
+            desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            ok(sys::cuMemSetAccess(ptr, size, &desc, 1), "cuMemSetAccess (device)")?;
+            // CPU access as well, where the driver allows it (not needed for the reads timed).
+            let mut cpu = desc;
+            cpu.location.type_ = kind;
+            let cpu_rc = sys::cuMemSetAccess(ptr, size, &cpu, 1);
+            return Ok((ptr, format!("VMM {name}, granularity {} KiB, CPU access {cpu_rc:?}", gran >> 10)));
+        }
+    }
+    Err(format!("no host-located VMM allocation: {last}").into())
 }
