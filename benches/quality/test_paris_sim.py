@@ -206,7 +206,7 @@ def test_backend_dense_when_short_and_names_parse():
     assert ps.plan(1000, 100)[4]
     # Schedule::default (crates/kvforge-paris config.rs, its test schedule_plans_by_length).
     assert ps.plan(128 << 10, 100)[:3] == (0.20, 0.10, math.ceil(0.10 * (128 << 10)))
-    assert ps.plan(1 << 20, 100)[:3] == (0.20, 0.08, math.ceil(0.08 * (1 << 20)))
+    assert ps.plan(1 << 20, 100)[:3] == (0.20, 0.05, math.ceil(0.05 * (1 << 20)))
 
 
 def test_group_of_one_is_per_query_head_and_groups_share_rows():
