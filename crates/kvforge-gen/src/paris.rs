@@ -42,7 +42,7 @@ mod tests {
         for e in PARIS_ENTRIES {
             assert!(s.contains(&format!("kvf_paris_d128_m8_t6_g4_{e}(")), "{e}");
         }
-        assert!(s.contains("encode_kernel<128, 8, 128>") && s.contains("bonus_kernel<128, 8, 6>") && s.contains("vote_kernel<128, 8, 1, 256>") && s.contains("vote_kernel<128, 8, 4, 256>"));
+        assert!(s.contains("encode_kernel<128, 8, 128>") && s.contains("bonus_kernel<128, 8, 6>") && s.contains("vote_row_kernel<128, 8, 6, 256>") && s.contains("vote_kernel<128, 8, 4, 256>"));
         assert!(s.contains("(16 subspaces)"));
     }
 }
