@@ -171,8 +171,10 @@ def windowed_causal(q, kq, vq, kr, vr, scaling, window: int):
     (kr, vr) and every older one from (kq, vq): query i (queries are the last Tq of S
     positions) scores key j with q·kr_j if i - window < j <= i, else q·kq_j, and mixes the
     values of the same set. One softmax over both sets, in one pass: the logits are chosen per
-    (i, j) by a position mask, so the result is exactly what a decode step sees when a cache
-    keeps its last ``window`` tokens unquantised (KIVI's residual) and the rest in a tier.
+    (i, j) by a position mask, so row i is what a one-token decode step at position i sees
+    when a cache keeps its last ``window`` tokens unquantised (KIVI's residual) and the rest
+    in a tier (up to statistics the tier takes over a whole page or sequence, which the
+    prompt's later tokens enter).
     q [Hq,Tq,D], k*/v* [Hkv,S,D] in the model dtype; returns [Tq,Hq,D]."""
     hq, tq, _ = q.shape
     hkv, s, _ = kq.shape
