@@ -137,6 +137,8 @@ def run_scheme(name, model, tok, args, tokens, hay_ids, device, d):
     res["perplexity"] = ppl
     res["bytes_per_token_per_kv_head"] = (sum(bpt) / len(bpt)) if bpt else backend.bytes_per_token(d)
     res["bytes_fraction_of_fp16"] = res["bytes_per_token_per_kv_head"] / (4.0 * d)
+    if hasattr(backend, "bytes_per_token_at"):  # fp16 sinks / recent window amortised over a context
+        res["bytes_per_token_per_kv_head_at"] = {str(c): backend.bytes_per_token_at(d, c) for c in sorted(set(args.contexts) | {2048, 8192})}
 
     # Per-layer attention-output error against fp16 on identical inputs
     if name != "fp16" and args.layer_error_contexts:

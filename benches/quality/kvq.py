@@ -11,6 +11,11 @@ Backends (``make_backend(name)``):
                                 ``rotated_quantize``).
 * ``sim:fp8|r4|r3|r2|...``      tiers of benches/quality/sim-tiers.toml: FlashInfer's fp8 e4m3 KV
                                 cache, the rotated contract's tiers and variants outside it.
+* ``sim:<tier>[-sink<N>][-win<W>]`` any sim tier with its first N tokens (attention sinks) and,
+                                per query, its W most recent tokens kept at the tail's precision
+                                (fp16; KIVI's full-precision residual), the rest in the tier:
+                                sim-only ``sink_tokens`` / ``window_tokens`` (``sim_target``,
+                                ``windowed_causal``), e.g. ``sim:r3-kcs-sink64-win128``.
 * ``sim:sph:<codebooks.safetensors>`` spherical keys with one codebook per (layer, kv head,
                                 group) (``kvforge codebook train --per-head``), rotated first
                                 when the file's ``basis`` says ``hadamard:<seed>`` (``sph.py``).
@@ -159,6 +164,34 @@ def eager_causal(q, k, v, scaling):
         w = w.masked_fill(j > i, torch.finfo(w.dtype).min)
     w = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(w, vs).transpose(0, 1).contiguous()
+
+
+def windowed_causal(q, kq, vq, kr, vr, scaling, window: int):
+    """Causal attention where every query reads its ``window`` most recent positions from
+    (kr, vr) and every older one from (kq, vq): query i (queries are the last Tq of S
+    positions) scores key j with q·kr_j if i - window < j <= i, else q·kq_j, and mixes the
+    values of the same set. One softmax over both sets, in one pass: the logits are chosen per
+    (i, j) by a position mask, so row i is what a one-token decode step at position i sees
+    when a cache keeps its last ``window`` tokens unquantised (KIVI's residual) and the rest
+    in a tier (up to statistics the tier takes over a whole page or sequence, which the
+    prompt's later tokens enter).
+    q [Hq,Tq,D], k*/v* [Hkv,S,D] in the model dtype; returns [Tq,Hq,D]."""
+    hq, tq, _ = q.shape
+    hkv, s, _ = kq.shape
+    g = hq // hkv
+    i = torch.arange(tq, device=q.device)[:, None] + (s - tq)
+    j = torch.arange(s, device=q.device)[None, :]
+    recent = (j <= i) & (j > i - window)
+    wq = torch.matmul(q, kq.repeat_interleave(g, dim=0).transpose(1, 2))
+    wr = torch.matmul(q, kr.repeat_interleave(g, dim=0).transpose(1, 2))
+    w = torch.where(recent, wr, wq) * scaling
+    del wq, wr
+    w = w.masked_fill(j > i, torch.finfo(w.dtype).min)
+    p = torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    del w
+    pr = p * recent
+    out = torch.matmul(p - pr, vq.repeat_interleave(g, dim=0)) + torch.matmul(pr, vr.repeat_interleave(g, dim=0))
+    return out.transpose(0, 1).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,7 +387,7 @@ def fp8_e4m3(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
 class TierSim:
     """Simulates one tier of a spec (keys and values) on [H, T, D] tensors of full pages."""
 
-    def __init__(self, spec_path: Path, tier_name: str):
+    def __init__(self, spec_path: Path, tier_name: str, sink: int | None = None, window: int | None = None):
         spec_path = Path(spec_path)
         if not spec_path.is_absolute() and not spec_path.exists():
             spec_path = ROOT / spec_path
@@ -364,7 +397,11 @@ class TierSim:
         tiers = {t["name"]: t for t in spec["tier"]}
         if tier_name not in tiers:
             raise SystemExit(f"{spec_path}: no tier `{tier_name}` (tiers: {list(tiers)})")
-        self.tier = tiers[tier_name]
+        self.tier = dict(tiers[tier_name])
+        if sink is not None:
+            self.tier["sink_tokens"] = sink
+        if window is not None:
+            self.tier["window_tokens"] = window
         self.page = int(spec.get("page", {}).get("tokens", 64))
         self.spec_name = spec["spec"]["name"]
         self.codebook = None
@@ -378,6 +415,11 @@ class TierSim:
         self.seed = seeds.pop() if seeds else None
         # sim-only: the first sink_tokens tokens stay at the tail's precision (a variant)
         self.sink = int(self.tier.get("sink_tokens", 0))
+        # sim-only: each query sees its window_tokens most recent keys/values at the tail's
+        # precision too (KIVI's full-precision residual; see SimBackend.attend)
+        self.window = int(self.tier.get("window_tokens", 0))
+        if self.sink < 0 or self.window < 0:
+            raise SystemExit(f"{spec_path}: tier `{tier_name}`: sink_tokens / window_tokens must be >= 0")
         self.all_tokens = self.tier["key"]["scheme"] == "fp8"  # FlashInfer's fp8 cache has no fp16 tail
         key = self.tier["key"]
         if key["scheme"] == "spherical":
@@ -449,6 +491,13 @@ class TierSim:
         """Bytes per token per kv head of K + V payload and metadata (no page headers)."""
         return _part_bytes(self.tier["key"], d, self.page, True) + _part_bytes(self.tier["value"], d, self.page, False)
 
+    def bytes_per_token_at(self, d: int, tokens: int) -> float:
+        """Bytes per token per kv head of a ``tokens``-token cache when its sinks and its most
+        recent window are fp16 (4·d each) and every other token is in the tier: the fp16 part
+        amortised over the context (no page headers; the tail page is taken as inside the window)."""
+        fp16 = min(tokens, self.sink + self.window)
+        return (fp16 * 4.0 * d + (tokens - fp16) * self.payload_bytes_per_token(d)) / tokens
+
 
 def _part_bytes(s: dict, d: int, page: int, is_key: bool) -> float:
     sb = 2 if s.get("scale_dtype", "fp16") == "fp16" else 4
@@ -509,27 +558,55 @@ class Fp16Backend:
         return {"kind": "fp16", "bytes_source": "computed: fp16 K+V payload"}
 
 
+_SIM_SUFFIX = re.compile(r"(?P<base>.+?)(?:-sink(?P<sink>[0-9]+))?(?:-win(?P<window>[0-9]+))?")
+
+
+def sim_target(rest: str) -> tuple[str, str, dict]:
+    """(spec, tier, overrides) of a ``sim:`` backend name without its ``sim:``: a sim-tiers.toml
+    name or alias (``r3-kcs``), else ``<spec.toml>:<tier>``. A name that is neither may end in
+    ``-sink<N>`` and/or ``-win<W>`` (in that order) after one that is: the tier with
+    ``sink_tokens = N`` / ``window_tokens = W`` set (``sim:r3-kcs-sink64-win128``,
+    ``sim:specs/rotated.toml:r3-win64``), so every (tier, sinks, window) point of a screen
+    needs no tier of its own in sim-tiers.toml."""
+    if rest in SIM_ALIASES:
+        return (*SIM_ALIASES[rest], {})
+    m = _SIM_SUFFIX.fullmatch(rest)
+    over = {}
+    if m and (m["sink"] or m["window"]):
+        rest = m["base"]
+        over = {k: int(m[k]) for k in ("sink", "window") if m[k]}
+    if rest in SIM_ALIASES:
+        return (*SIM_ALIASES[rest], over)
+    spec, _, tier = rest.rpartition(":")
+    return spec, tier, over
+
+
 class SimBackend:
-    """Dequantised K/V of every full page (tail page fp16), then eager attention."""
+    """Dequantised K/V of every full page (tail page fp16), then eager attention. ``sink`` /
+    ``window`` override the tier's sim-only ``sink_tokens`` / ``window_tokens``."""
 
     measured_bytes = False
 
-    def __init__(self, spec: str, tier: str, name: str):
+    def __init__(self, spec: str, tier: str, name: str, sink: int | None = None, window: int | None = None):
         self.name = name
         self.spec, self.tier_name = spec, tier
-        self.sim = TierSim(Path(spec), tier)
+        self.sim = TierSim(Path(spec), tier, sink=sink, window=window)
         self.rscale = {}
 
     def reset(self):
         self.rscale = {}
 
     def attend(self, layer, q, k, v, scaling):
+        """The stored cache (full pages in the tier, sinks and the tail page fp16) attended
+        causally; with a window (``window_tokens`` W > 0) query i reads keys/values
+        i-W+1..i at the tail's precision instead (``windowed_causal``)."""
         s = k.shape[1]
         full = s if self.sim.all_tokens else (s // self.sim.page) * self.sim.page
         if full == 0:
             if self.sim.rotated:
                 k, v = self.sim.tail(k).to(k.dtype), self.sim.tail(v).to(v.dtype)
             return eager_causal(q, k, v, scaling)
+        k0, v0 = k, v
         if self.sim.rotated:
             k = torch.cat([k[:, :full], self.sim.tail(k[:, full:]).to(k.dtype)], dim=1)
             v = torch.cat([v[:, :full], self.sim.tail(v[:, full:]).to(v.dtype)], dim=1)
@@ -538,8 +615,11 @@ class SimBackend:
             kq, vq = self._quantised(layer, k[:, sink:], v[:, sink:], full - sink)
             kq = torch.cat([self.sim.tail(k[:, :sink]).to(k.dtype), kq], dim=1)
             vq = torch.cat([self.sim.tail(v[:, :sink]).to(v.dtype), vq], dim=1)
-            return eager_causal(q, kq, vq, scaling)
-        kq, vq = self._quantised(layer, k, v, full)
+        else:
+            kq, vq = self._quantised(layer, k, v, full)
+        if self.sim.window:
+            kr, vr = self.sim.tail(k0).to(k0.dtype), self.sim.tail(v0).to(v0.dtype)
+            return windowed_causal(q, kq, vq, kr, vr, scaling, self.sim.window)
         return eager_causal(q, kq, vq, scaling)
 
     def _quantised(self, layer, k, v, full):
@@ -556,6 +636,9 @@ class SimBackend:
 
     def bytes_per_token(self, d: int) -> float:
         return self.sim.payload_bytes_per_token(d)
+
+    def bytes_per_token_at(self, d: int, tokens: int) -> float:
+        return self.sim.bytes_per_token_at(d, tokens)
 
     def describe(self):
         return {"kind": "sim", "spec": self.spec, "tier": self.tier_name, "tier_def": self.sim.tier,
@@ -818,11 +901,8 @@ def make_backend(name: str, max_tokens: int = 8192 + 256):
     if kind == "sim" and rest.startswith("sph:"):
         return SphSimBackend(rest[4:], name)
     if kind == "sim":
-        if rest in SIM_ALIASES:
-            spec, tier = SIM_ALIASES[rest]
-        else:
-            spec, _, tier = rest.rpartition(":")
-        return SimBackend(spec, tier, name)
+        spec, tier, over = sim_target(rest)
+        return SimBackend(spec, tier, name, **over)
     if kind == "kvforge":
         spec, _, tier = rest.rpartition(":")
         if rest in SIM_ALIASES:

@@ -298,3 +298,73 @@ def test_kvtc_grid_tag_picks_the_grid_file(tmp_path, monkeypatch):
         kvq.make_backend("sim:kvtc-16@ks0.4-dp256")
     with pytest.raises(SystemExit, match="unknown kvtc backend"):
         kvq.make_backend("sim:kvtc-16@../x")
+
+
+# ---------------------------------------------------------------------------------------------
+# Recent window at fp16 (sim-only `window_tokens`, `-win<W>` names)
+
+def _windowed_reference(q, kq, vq, kr, vr, scaling, window):
+    """One query at a time: its cache is kq/vq up to i - window and kr/vr after (causal)."""
+    hq, tq, _ = q.shape
+    s = kq.shape[1]
+    g = hq // kq.shape[0]
+    out = torch.empty(tq, hq, q.shape[2], dtype=q.dtype)
+    for t in range(tq):
+        i = s - tq + t
+        recent = torch.arange(i + 1) > i - window
+        k = torch.where(recent[None, :, None], kr[:, : i + 1], kq[:, : i + 1]).repeat_interleave(g, 0)
+        v = torch.where(recent[None, :, None], vr[:, : i + 1], vq[:, : i + 1]).repeat_interleave(g, 0)
+        w = torch.einsum("hd,htd->ht", q[:, t], k) * scaling
+        out[t] = torch.einsum("ht,htd->hd", w.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("window", [1, 5, 64, 500])
+def test_windowed_causal_matches_per_query_reference(window):
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(6, 40, 16, generator=g, dtype=torch.float64)
+    kq, vq, kr, vr = (torch.randn(2, 90, 16, generator=g, dtype=torch.float64) for _ in range(4))
+    out = kvq.windowed_causal(q, kq, vq, kr, vr, 0.25, window)  # queries: the last 40 of 90
+    assert torch.allclose(out, _windowed_reference(q, kq, vq, kr, vr, 0.25, window), atol=1e-6)  # f32 softmax
+    if window >= 90:  # every visible key is recent: plain causal attention over kr / vr
+        assert torch.allclose(out, kvq.eager_causal(q, kr, vr, 0.25), atol=1e-12)
+    same = kvq.windowed_causal(q, kq, vq, kq, vq, 0.25, window)
+    assert torch.allclose(same, kvq.eager_causal(q, kq, vq, 0.25), atol=1e-12)
+
+
+def test_sim_window_names_and_bytes():
+    assert kvq.sim_target("r3-kcs") == (kvq.SIM_TIERS, "r3-kcs", {})
+    assert kvq.sim_target("r3-kcs-sink64-win128") == (kvq.SIM_TIERS, "r3-kcs-sink64-win128", {})  # a tier of its own
+    assert kvq.sim_target("r2-kcs-sink64-win256") == (kvq.SIM_TIERS, "r2-kcs", {"sink": 64, "window": 256})
+    assert kvq.sim_target("r3-kc-sink64-win64") == (kvq.SIM_TIERS, "r3-kc", {"sink": 64, "window": 64})
+    assert kvq.sim_target("int4-win128") == ("specs/rdkv.toml", "b4", {"window": 128})
+    assert kvq.sim_target("specs/rotated.toml:r3-win64") == ("specs/rotated.toml", "r3", {"window": 64})
+    be = kvq.make_backend("sim:r3-kcs-sink64-win128")
+    alias = kvq.make_backend("sim:r3-kcs-win128")
+    assert (be.sim.sink, be.sim.window, alias.sim.sink, alias.sim.window) == (64, 128, 0, 128)
+    p = be.sim.payload_bytes_per_token(64)  # 24 + 2 per side
+    assert p == 52
+    assert be.bytes_per_token_at(64, 2048) == pytest.approx((192 * 256 + (2048 - 192) * p) / 2048)
+    assert be.bytes_per_token_at(64, 100) == 256
+    assert kvq.make_backend("sim:r3").bytes_per_token_at(64, 2048) == p
+
+
+def test_sim_window_prompt_matches_decode():
+    # the prompt's query i sees what a one-token decode step at position i sees (per-token codes:
+    # a token's code does not depend on the tokens after it, so the two caches agree on it)
+    be = kvq.make_backend("sim:r3-sink64-win100")
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(3, 200, 64, generator=g)
+    v = torch.randn(3, 200, 64, generator=g)
+    q = torch.randn(9, 200, 64, generator=g)
+    be.reset()
+    full = be.attend(0, q, k, v, 0.125)
+    for i in (170, 199):  # sinks 0..63 fp16, keys 64..i-100 in the tier, i-99..i fp16
+        step = be.attend(0, q[:, i:i + 1], k[:, : i + 1], v[:, : i + 1], 0.125)
+        assert torch.allclose(step[0], full[i], atol=1e-5)
+    # the window helps: closer to exact attention than the same tiers without it
+    ref = kvq.eager_causal(q, k, v, 0.125)
+    err = lambda o: ((o - ref).norm() / ref.norm()).item()  # noqa: E731
+    assert err(full) < err(kvq.make_backend("sim:r3-sink64").attend(0, q, k, v, 0.125))
+    kcs = kvq.make_backend("sim:r3-kcs-sink64-win128")
+    assert err(kcs.attend(0, q, k, v, 0.125)) < err(kvq.make_backend("sim:r3-kcs-sink64").attend(0, q, k, v, 0.125))
