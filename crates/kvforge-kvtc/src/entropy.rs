@@ -105,22 +105,10 @@ impl Entropy {
         Ok(())
     }
 
-    /// Decompresses to exactly `raw_len` bytes; anything else (corrupt data, a stream that is
-    /// shorter or would be longer) is an error message.
+    /// Decompresses to exactly `raw_len` bytes ([`Entropy::decompress_into`] a new buffer).
     pub fn decompress(self, stored: &[u8], raw_len: usize) -> Result<Vec<u8>, String> {
-        let out = match self {
-            Entropy::None => stored.to_vec(),
-            Entropy::Deflate => {
-                let mut out = Vec::with_capacity(raw_len);
-                let mut d = flate2::read::DeflateDecoder::new(stored).take(raw_len as u64 + 1);
-                d.read_to_end(&mut out).map_err(|e| e.to_string())?;
-                out
-            }
-            Entropy::Zstd => zstd::bulk::decompress(stored, raw_len).map_err(|e| e.to_string())?,
-        };
-        if out.len() != raw_len {
-            return Err(format!("decodes to {} bytes, the chunk header says {raw_len}", out.len()));
-        }
+        let mut out = vec![0u8; raw_len];
+        self.decompress_into(stored, &mut out)?;
         Ok(out)
     }
 }

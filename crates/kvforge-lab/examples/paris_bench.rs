@@ -70,6 +70,19 @@ fn fill(buf: &mut [f16], salt: u64, d: usize) {
     }
 }
 
+/// `step`'s results for `iters` fresh queries after 3 warm-up steps (queries `[..]` refilled per step).
+fn timed<T>(iters: usize, q: &mut [f16], d: usize, mut step: impl FnMut(&[f16]) -> Result<T, Box<dyn std::error::Error>>) -> Result<Vec<T>, Box<dyn std::error::Error>> {
+    let mut out = Vec::with_capacity(iters);
+    for it in 0..iters + 3 {
+        fill(q, 1000 + it as u64, d);
+        let t = step(q)?;
+        if it >= 3 {
+            out.push(t);
+        }
+    }
+    Ok(out)
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -122,26 +135,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             let build_s = t0.elapsed().as_secs_f64();
             let mut q = vec![f16::ZERO; batch * a.kv_heads * a.gqa * d];
-            let mut times: Vec<StepTimes> = Vec::new();
-            for it in 0..a.iters + 3 {
-                fill(&mut q, 1000 + it as u64, d);
-                let (_, t) = ix.step_timed(&q, a.k, &schedule)?;
-                if it >= 3 {
-                    times.push(t);
-                }
-            }
+            let times = timed(a.iters, &mut q, d, |q| Ok(ix.step_timed(q, a.k, &schedule)?.1))?;
             // The pipelined step (fetch + attend of one span beside the retrieval of the next)
             // for each chunk count that splits this batch.
             let mut pipelined = serde_json::Map::new();
             for &chunks in a.chunks.iter().filter(|&&c| c <= batch) {
-                let mut us = Vec::new();
-                for it in 0..a.iters + 3 {
-                    fill(&mut q, 1000 + it as u64, d);
-                    let (_, t) = ix.step_pipelined_timed(&q, a.k, &schedule, chunks)?;
-                    if it >= 3 {
-                        us.push(t);
-                    }
-                }
+                let us = timed(a.iters, &mut q, d, |q| Ok(ix.step_pipelined_timed(q, a.k, &schedule, chunks)?.1))?;
                 pipelined.insert(chunks.to_string(), json!(median(us)));
             }
             let med = |f: fn(&StepTimes) -> f64| median(times.iter().map(f).collect());

@@ -106,8 +106,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let most = a.region_gib.iter().copied().fold(0.0, f64::max);
     let slab_bytes = ((most * (1u64 << 30) as f64) as usize).next_multiple_of(1 << 21);
     let t0 = std::time::Instant::now();
-    // SAFETY: a plain u8 slab; the kernel reads bytes below slab_bytes only (starts are drawn
-    // within each region ≤ the slab), whatever they hold.
+    // The kernel reads bytes below slab_bytes only (starts are drawn within each region ≤ the
+    // slab), whatever they hold.
     let (_pinned, _slab, host, backing) = if a.vmm {
         let (ptr, what) = vmm_host(&ctx, slab_bytes)?;
         (None, None, ptr, what)
@@ -117,6 +117,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let backing = format!("{:?}, {:.1} GiB on huge pages", slab.backing(), slab.huge_bytes().unwrap_or(0) as f64 / (1u64 << 30) as f64);
         (None, Some(slab), host, backing)
     } else {
+        // SAFETY: a plain u8 slab, read as bytes whatever they hold.
         let pinned = unsafe { ctx.alloc_pinned_with_flags::<u8>(slab_bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE) }?;
         let host = pinned.as_ptr()? as u64;
         (Some(pinned), None, host, "cuMemHostAlloc".to_string())

@@ -544,6 +544,11 @@ impl ParisIndex {
         buf.device_ptr(&self.st).0 + (span.s0 * per_seq * std::mem::size_of::<T>()) as u64
     }
 
+    /// Bytes from the pinned slab's start to sequence `span.s0`'s K/V (`[S][Hkv][capacity][K | V]`).
+    fn host_offset(&self, span: Span) -> u64 {
+        (span.s0 * self.geo.kv_heads * self.geo.capacity * 2 * self.cfg.head_dim * 2) as u64
+    }
+
     /// The most keys any sequence of `span` holds (at least 1).
     fn most(&self, span: Span) -> usize {
         self.len[span.s0..span.s0 + span.n].iter().copied().max().unwrap_or(0).max(1)
@@ -867,7 +872,7 @@ impl ParisIndex {
     fn launch_fetch(&self, st: &CudaStream, span: Span) -> Result<()> {
         let (g, w) = (&self.geo, &self.ws);
         let nr = span.n * g.rows_per_sequence();
-        let host_off = (span.s0 * g.kv_heads * g.capacity * 2 * self.cfg.head_dim * 2) as u64;
+        let host_off = self.host_offset(span);
         // 16-byte pieces of the k rows' K and V per retrieval row.
         let pieces = 2 * g.max_k * self.cfg.head_dim * 2 / 16;
         let per_cta = fetch_per_cta(pieces, nr, self.sms);
@@ -901,7 +906,7 @@ impl ParisIndex {
     fn launch_attend(&self, st: &CudaStream, fused: bool, span: Span) -> Result<()> {
         let (g, w) = (&self.geo, &self.ws);
         let qh = span.n * g.kv_heads * g.gqa;
-        let host_off = (span.s0 * g.kv_heads * g.capacity * 2 * self.cfg.head_dim * 2) as u64;
+        let host_off = self.host_offset(span);
         let p = AttendParams {
             q: self.at(&w.q, span),
             dense_k: self.at(&self.dense_k, span),
