@@ -19,7 +19,7 @@ Backends (``make_backend(name)``):
 * ``sim:sph:<codebooks.safetensors>`` spherical keys with one codebook per (layer, kv head,
                                 group) (``kvforge codebook train --per-head``), rotated first
                                 when the file's ``basis`` says ``hadamard:<seed>`` (``sph.py``).
-* ``sim:kvtc-<ratio>[-zstd|-none][@<tag>]`` kvtc (seed 003, crates/kvforge-kvtc): the exact K/V of the
+* ``sim:kvtc-<ratio>[-zstd|-rans|-none][@<tag>]`` kvtc (seed 003, crates/kvforge-kvtc): the exact K/V of the
                                 whole input (a capture forward, as a prefill makes them) packed by
                                 the ``kvforge`` binary at that ratio with the calibration
                                 ``$KVFORGE_KVTC_CAL`` and unpacked again (``kvforge pack`` /
@@ -891,8 +891,8 @@ def make_backend(name: str, max_tokens: int = 8192 + 256):
         spec, _, tag = rest.partition("@")
         parts = spec.split("-")
         entropy = parts[2] if len(parts) > 2 else "deflate"
-        if len(parts) > 3 or entropy not in ("deflate", "zstd", "none") or not re.fullmatch(r"[0-9.]+", parts[1]) or not re.fullmatch(r"[A-Za-z0-9._-]*", tag):
-            raise SystemExit(f"unknown kvtc backend `{name}`: sim:kvtc-<ratio>[-deflate|-zstd|-none][@<grid tag, e.g. ks0.3-dp64>]")
+        if len(parts) > 3 or entropy not in ("deflate", "zstd", "rans", "none") or not re.fullmatch(r"[0-9.]+", parts[1]) or not re.fullmatch(r"[A-Za-z0-9._-]*", tag):
+            raise SystemExit(f"unknown kvtc backend `{name}`: sim:kvtc-<ratio>[-deflate|-zstd|-rans|-none][@<grid tag, e.g. ks0.3-dp64>]")
         return KvtcSimBackend(float(parts[1]), entropy, name, tag)
     if kind == "sim" and rest.startswith("paris-"):
         import paris_sim  # ParisKV retrieval (seed 001): sim:paris-k<k>[-oracle]...

@@ -17,7 +17,7 @@ import json
 import re
 import sys
 
-SCHEME = re.compile(r"^sim:kvtc-(?P<ratio>[0-9.]+)(?:-(?P<entropy>deflate|zstd|none))?@(?P<tag>[A-Za-z0-9._-]+)$")
+SCHEME = re.compile(r"^sim:kvtc-(?P<ratio>[0-9.]+)(?:-(?P<entropy>deflate|zstd|rans|none))?@(?P<tag>[A-Za-z0-9._-]+)$")
 
 
 def rows(result: dict, ref: dict | None = None) -> list[dict]:

@@ -26,6 +26,10 @@
 # PYTHON KVFORGE_BIN (and small TOKENS, WINDOWS, SAMPLES, TEXTS, CONTEXTS).
 # Then the frontier (4x..64x) with the best point, the plain mode: e.g. KEY_SHARE=0.35 DP_ROWS=256
 # WINDOWS=6 SAMPLES=40000 bash benches/quality/kvtc_on_device.sh
+# Coded (the `rans` coder, ratios after entropy coding): CODED=1 RATIOS=16,18,20,22 KEY_SHARE=0.4
+# DP_ROWS=64 WINDOWS=6 SAMPLES=40000 bash benches/quality/kvtc_on_device.sh: `calibrate --coded`,
+# sizes with rans/deflate/zstd, eval.py of sim:kvtc-<r>-rans per ratio; BASELINE=16,20 adds the
+# fixed-width calibration of the same capture at those ratios (sim:kvtc-<r>@fixed, DEFLATE).
 # Knobs (env): TOKENS/WINDOWS (capture, 8192 x 4), SAMPLES (PCA positions, 32000), RATIOS,
 # DP_ROWS (128), CONTEXTS (2048), NEEDLE (2048), TEXTS (all five). Results under $OUT; eval.py
 # writes its JSON after every scheme, so a timeout keeps the ratios finished.
@@ -81,13 +85,25 @@ if [ "${1:-}" = grid ]; then
 fi
 python3 benches/quality/capture_keys.py --model $M --device cuda --tokens ${TOKENS:-8192} --windows ${WINDOWS:-4} --out-dir $W/keys 2>&1 | tail -3
 $KVFORGE_BIN calibrate --samples $W/keys/kv-emma-per-layer.safetensors --out $W/cal.safetensors \
-  --ratios $RATIOS --max-samples ${SAMPLES:-32000} --dp-rows ${DP_ROWS:-128} \
+  --ratios $RATIOS --max-samples ${SAMPLES:-32000} --dp-rows ${DP_ROWS:-128} ${CODED:+--coded} \
   --weights $W/keys/kv-emma-weights.safetensors --key-share ${KEY_SHARE:-0.3} 2>&1 | tee $OUT/calibrate.log
 echo "capture + calibrate: $(( $(date +%s) - t0 ))s" | tee -a $OUT/calibrate.log
 export KVFORGE_KVTC_CAL=$W/cal.safetensors
-python3 benches/quality/kvtc_sizes.py --model $M --text persuasion --ctx ${CONTEXTS%%,*} --ratios $RATIOS --entropies deflate,zstd \
+python3 benches/quality/kvtc_sizes.py --model $M --text persuasion --ctx ${CONTEXTS%%,*} --ratios $RATIOS --entropies ${CODED:+rans,}deflate,zstd \
   --out $OUT/kvtc-sizes-${CONTEXTS%%,*}.json 2>&1 | grep kvtc | tee $OUT/sizes.log
-python3 benches/quality/eval.py --model $M --schemes fp16,kvtc --contexts $CONTEXTS ${TEXTS:+--texts $TEXTS} \
+if [ -n "${CODED:-}" ]; then
+  schemes=fp16
+  for r in ${RATIOS//,/ }; do schemes+=",sim:kvtc-$r-rans"; done
+  if [ -n "${BASELINE:-}" ]; then  # the fixed-width allocation of the same capture, e.g. BASELINE=16,20
+    $KVFORGE_BIN calibrate --samples $W/keys/kv-emma-per-layer.safetensors --out $W/cal-fixed.safetensors \
+      --ratios $BASELINE --max-samples ${SAMPLES:-32000} --dp-rows ${DP_ROWS:-128} \
+      --weights $W/keys/kv-emma-weights.safetensors --key-share ${KEY_SHARE:-0.3} 2>&1 | tee $OUT/calibrate-fixed.log
+    for r in ${BASELINE//,/ }; do schemes+=",sim:kvtc-$r@fixed"; done
+  fi
+else
+  schemes=fp16,kvtc
+fi
+python3 benches/quality/eval.py --model $M --schemes $schemes --contexts $CONTEXTS ${TEXTS:+--texts $TEXTS} \
   --layer-error-contexts ${CONTEXTS%%,*} --needle-contexts ${NEEDLE:-2048} --needle-depths 0.25,0.5,0.75 \
   --out $OUT/quality-kvtc.json 2>&1 | grep -v 'it/s]' | tee $OUT/kvtc.log
 echo "total: $(( $(date +%s) - t0 ))s"

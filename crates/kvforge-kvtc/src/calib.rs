@@ -237,6 +237,16 @@ impl Calibration {
                     h.update(&g.len.to_le_bytes());
                     h.update(&[g.bits]);
                 }
+                // coded allocations only, so the ids of fixed-width calibrations stay as they were
+                if a.coded() {
+                    h.update(b"coded");
+                    for (g, m) in a.groups.iter().zip(&a.models) {
+                        h.update(&[g.fit.id()]);
+                        m.iter().for_each(|p| {
+                            h.update(&p.to_le_bytes());
+                        });
+                    }
+                }
             }
         }
         *h.finalize().as_bytes()
@@ -534,7 +544,17 @@ fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], d
         }
         let dp = Dp::solve_thinned(&data, dp_idx.len(), rank, &cfg.dp, max_budget, &breaks, RowThinning::CALIBRATION);
         for &ks in key_shares {
-            let allocations: Vec<Allocation> = ratios.iter().map(|&r| dp.allocation(budget(r, ks))).collect();
+            let allocations: Vec<Allocation> = ratios
+                .iter()
+                .map(|&r| {
+                    let a = dp.allocation(budget(r, ks));
+                    if cfg.dp.coded {
+                        a.with_models(&data, dp_idx.len(), rank)
+                    } else {
+                        a
+                    }
+                })
+                .collect();
             out.push(trimmed_side(&mean, scale.as_deref(), &blocks, &parts, allocations));
         }
     }

@@ -10,9 +10,12 @@
 //! | `k.blocks`, `v.blocks` | I32 | `[blocks, 4]` | version ≥ 2 only: rows `(first feature, features, first component, components)` of a block-diagonal basis ([`crate::calib::BasisBlock`]); `k.basis` is then flat, `[Σ components · features]`, block after block |
 //! | `k.scale`, `v.scale` | F32 | `[p]` | version 3 only, optional per side: per-feature scale `s` of a weighted calibration ([`SideCalib::scale`]); `k.basis` then holds `u ⊘ s` (restore unchanged), projecting multiplies the centred features by `s²` |
 //!
+//! | `k.models`, `v.models` | U16 | `[Σ 2^bits]` | version 4 only: the code models of a coded calibration ([`crate::model`]), every group of every allocation in order, `2^bits` probabilities each; `k.alloc` then has a fifth column, the group's range choice ([`crate::quant::Fit`] id) |
+//!
 //! Version 1 is a basis over all features (one block); a multi-block basis
-//! (`layers_per_basis`) is written as version 2 and a weighted one (either side has a scale) as
-//! version 3; this build reads all three.
+//! (`layers_per_basis`) is written as version 2, a weighted one (either side has a scale) as
+//! version 3 and a coded one (`--coded`: allocations with code models) as version 4; this build
+//! reads all four.
 //!
 //! Metadata (strings): `format` = `kvforge-kvtc-calibration`, `version` = `1`, `layers`,
 //! `kv_heads`, `head_dim`, `rope_theta` and `rope_dim` (absent: keys not de-rotated), `sinks`,
@@ -26,12 +29,13 @@ use std::path::Path;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::alloc::{Allocation, Group};
+use crate::quant::Fit;
 use crate::calib::{BasisBlock, Calibration, SideCalib, BLOCK_ALIGN};
 use crate::error::{KvtcError, Result};
 use crate::rope::Rope;
 
 pub const FORMAT: &str = "kvforge-kvtc-calibration";
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 
 impl Calibration {
     /// Writes the calibration with `extra` metadata.
@@ -41,10 +45,13 @@ impl Calibration {
         put("format", FORMAT.into());
         let multi = self.k.blocks.len() > 1 || self.v.blocks.len() > 1;
         let weighted = !self.k.scale.is_empty() || !self.v.scale.is_empty();
+        let coded = [&self.k, &self.v].iter().any(|s| s.allocations.iter().any(Allocation::coded));
         put(
             "version",
-            if weighted {
-                VERSION
+            if coded {
+                4
+            } else if weighted {
+                3
             } else if multi {
                 2
             } else {
@@ -84,8 +91,18 @@ impl Calibration {
             if !s.scale.is_empty() {
                 bufs.push((format!("{n}.scale"), Dtype::F32, vec![p], f32b(&s.scale)));
             }
-            let rows: Vec<i32> = s.allocations.iter().enumerate().flat_map(|(i, a)| a.groups.iter().flat_map(move |g| [i as i32, g.start as i32, g.len as i32, g.bits as i32])).collect();
-            bufs.push((format!("{n}.alloc"), Dtype::I32, vec![rows.len() / 4, 4], rows.iter().flat_map(|a| a.to_le_bytes()).collect()));
+            let cols = if coded { 5 } else { 4 };
+            let rows: Vec<i32> = s
+                .allocations
+                .iter()
+                .enumerate()
+                .flat_map(|(i, a)| a.groups.iter().flat_map(move |g| [i as i32, g.start as i32, g.len as i32, g.bits as i32, g.fit.id() as i32].into_iter().take(cols)))
+                .collect();
+            bufs.push((format!("{n}.alloc"), Dtype::I32, vec![rows.len() / cols, cols], rows.iter().flat_map(|a| a.to_le_bytes()).collect()));
+            if coded {
+                let m: Vec<u8> = s.allocations.iter().flat_map(|a| a.models.iter().flatten()).flat_map(|p| p.to_le_bytes()).collect();
+                bufs.push((format!("{n}.models"), Dtype::U16, vec![m.len() / 2], m));
+            }
         }
         let views: Vec<(String, safetensors::tensor::TensorView)> =
             bufs.iter().map(|(n, d, s, b)| Ok((n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).map_err(|e| KvtcError::BadInput(e.to_string()))?))).collect::<Result<_>>()?;
@@ -171,8 +188,9 @@ impl Calibration {
             let comps = blocks.last().map_or(0, |b| b.components.end);
             let (variance, _) = f32s(&format!("{n}.variance"), Some(&[comps]))?;
             let at = st.tensor(&format!("{n}.alloc")).map_err(|_| format!("missing tensor `{n}.alloc`"))?;
-            if at.dtype() != Dtype::I32 || at.shape().len() != 2 || at.shape()[1] != 4 {
-                return Err(format!("`{n}.alloc` must be I32 [groups, 4]"));
+            let cols = if version >= 4 { 5 } else { 4 };
+            if at.dtype() != Dtype::I32 || at.shape().len() != 2 || at.shape()[1] != cols {
+                return Err(format!("`{n}.alloc` must be I32 [groups, {cols}] in a version {version} file"));
             }
             let rows: Vec<i32> = at.data().chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
             let budgets: Vec<u32> =
@@ -180,13 +198,33 @@ impl Calibration {
             if budgets.len() != ratios.len() {
                 return Err(format!("{n}.budgets has {} entries for {} ratios", budgets.len(), ratios.len()));
             }
-            let mut allocations: Vec<Allocation> = budgets.iter().map(|&b| Allocation { budget_bits: b, groups: Vec::new(), expected_error: f64::NAN }).collect();
-            for r in rows.chunks_exact(4) {
+            let mut allocations: Vec<Allocation> = budgets.iter().map(|&b| Allocation { budget_bits: b, groups: Vec::new(), expected_error: f64::NAN, models: Vec::new() }).collect();
+            for r in rows.chunks_exact(cols) {
                 let (i, start, len, bits) = (r[0], r[1], r[2], r[3]);
-                if i < 0 || i as usize >= allocations.len() || start < 0 || len <= 0 || !(1..=16).contains(&bits) {
+                let fit = if cols == 5 { u8::try_from(r[4]).ok().and_then(Fit::from_id) } else { Some(Fit::Clip) };
+                let Some(fit) = fit.filter(|_| !(i < 0 || i as usize >= allocations.len() || start < 0 || len <= 0 || !(1..=16).contains(&bits))) else {
                     return Err(format!("`{n}.alloc` row {r:?} is invalid"));
+                };
+                allocations[i as usize].groups.push(Group { start: start as u32, len: len as u32, bits: bits as u8, fit });
+            }
+            if let Ok(t) = st.tensor(&format!("{n}.models")) {
+                if version < 4 || t.dtype() != Dtype::U16 || t.shape().len() != 1 {
+                    return Err(format!("`{n}.models` must be U16 [entries] in a version 4 file"));
                 }
-                allocations[i as usize].groups.push(Group { start: start as u32, len: len as u32, bits: bits as u8 });
+                let probs: Vec<u16> = t.data().chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+                let need: usize = allocations.iter().flat_map(|a| &a.groups).map(|g| 1usize << g.bits.min(16)).sum();
+                if probs.len() != need {
+                    return Err(format!("`{n}.models` holds {} probabilities, the groups need {need}", probs.len()));
+                }
+                let mut at = 0;
+                for a in &mut allocations {
+                    let mut models = Vec::with_capacity(a.groups.len());
+                    for g in &a.groups {
+                        models.push(probs[at..at + (1usize << g.bits)].to_vec());
+                        at += 1usize << g.bits;
+                    }
+                    a.models = models;
+                }
             }
             for (i, a) in allocations.iter().enumerate() {
                 a.validate(comps, 16).map_err(|e| format!("{n} allocation {i} (ratio {}): {e}", ratios[i]))?;

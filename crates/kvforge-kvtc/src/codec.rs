@@ -142,6 +142,9 @@ pub fn pack_into(dump: &KvDump, cal: &Calibration, opts: &PackOptions, out: &mut
         return Err(KvtcError::BadInput("token count or chunk size out of range".into()));
     }
     let (ka, va) = (alloc_for(cal, Side::Keys, opts.ratio_index), alloc_for(cal, Side::Values, opts.ratio_index));
+    if opts.entropy == Entropy::Rans && !(ka.codable() && va.codable()) {
+        return Err(KvtcError::BadInput(format!("entropy `rans` needs a coded calibration (`kvforge calibrate --coded`); calibration {} has no code models", cal.id_hex())));
+    }
     let header = Header {
         version: VERSION,
         entropy: opts.entropy.id(),
@@ -192,18 +195,25 @@ pub fn pack_into(dump: &KvDump, cal: &Calibration, opts: &PackOptions, out: &mut
     let (kbasis, vbasis) = (basis_matrix(&cal.k, p, ka.used_components()), basis_matrix(&cal.v, p, va.used_components()));
     // Code chunks in parallel, a bounded batch at a time, and write them in order.
     for batch in ranges.chunks(rayon::current_num_threads().max(1) * 2) {
-        let coded: Vec<[(Vec<u8>, (Vec<u8>, bool)); 2]> = batch
+        let coded: Vec<[(Vec<u8>, std::result::Result<(Vec<u8>, bool), String>); 2]> = batch
             .par_iter()
             .map(|r| {
                 [(Side::Keys, ka, &kbasis), (Side::Values, va, &vbasis)].map(|(side, a, bt)| {
                     let comps = a.used_components();
                     let d = project(dump, cal, side, r.clone(), bt);
                     let raw = pack::encode(&d, r.len(), comps, a);
-                    let stored = opts.entropy.code(&raw);
+                    let stored = opts.entropy.code_chunk(&raw, r.len(), a);
                     (raw, stored)
                 })
             })
             .collect();
+        let coded = coded
+            .into_iter()
+            .map(|sides| {
+                let [(kr, ks), (vr, vs)] = sides;
+                Ok([(kr, ks.map_err(KvtcError::BadInput)?), (vr, vs.map_err(KvtcError::BadInput)?)])
+            })
+            .collect::<Result<Vec<_>>>()?;
         for (r, [(kr, ks), (vr, vs)]) in batch.iter().zip(coded) {
             stats.coded_raw_bytes += kr.len() + vr.len();
             stats.coded_stored_bytes += emit(out, Tag::Keys, r.start, r.len(), &kr, ks, &mut total)?;
@@ -269,6 +279,9 @@ pub struct Container<C> {
     pub coded: std::ops::Range<usize>,
     /// Coded chunks in stream order (per token run: keys, then values).
     pub chunks: Vec<C>,
+    /// The key and value allocations the chunks were packed with (the `rans` coder's models);
+    /// None for a container built without a calibration (chunks then byte-coded only).
+    pub allocs: Option<std::sync::Arc<[Allocation; 2]>>,
 }
 
 /// A container with its coded chunks entropy-decoded.
@@ -291,7 +304,8 @@ impl StoredContainer {
     /// Entropy-decodes coded chunk `i` (of [`Container::chunks`]).
     pub fn decode_chunk(&self, i: usize) -> Result<DecodedChunk> {
         let StoredChunk { side, tokens, chunk: c } = &self.chunks[i];
-        let raw = coder(self.entropy()?, c).decompress(&c.payload, c.raw_len as usize).map_err(|message| KvtcError::Entropy { chunk: c.index, message })?;
+        let mut raw = vec![0u8; c.raw_len as usize];
+        self.decode_chunk_into(i, &mut raw)?;
         Ok(DecodedChunk { index: c.index, side: *side, tokens: tokens.clone(), raw })
     }
 
@@ -301,13 +315,19 @@ impl StoredContainer {
         if out.len() != c.raw_len as usize {
             return Err(KvtcError::BadChunk { chunk: c.index, message: format!("{} output bytes for a chunk of {}", out.len(), c.raw_len) });
         }
-        coder(self.entropy()?, c).decompress_into(&c.payload, out).map_err(|message| KvtcError::Entropy { chunk: c.index, message })
+        let e = coder(self.entropy()?, c);
+        let r = match (&self.allocs, e) {
+            (Some(a), Entropy::Rans) => e.decompress_chunk_into(&c.payload, c.count as usize, &a[usize::from(self.chunks[i].side == Side::Values)], out),
+            (None, Entropy::Rans) => Err("a `rans` container read without its calibration".into()),
+            _ => e.decompress_into(&c.payload, out),
+        };
+        r.map_err(|message| KvtcError::Entropy { chunk: c.index, message })
     }
 
     /// Entropy-decodes every coded chunk on all rayon threads.
     pub fn decode(self) -> Result<DecodedContainer> {
         let chunks = (0..self.chunks.len()).into_par_iter().map(|i| self.decode_chunk(i)).collect::<Result<Vec<_>>>()?;
-        Ok(Container { header: self.header, k_alloc: self.k_alloc, v_alloc: self.v_alloc, positions: self.positions, kept: self.kept, kept_fp16: self.kept_fp16, coded: self.coded, chunks })
+        Ok(Container { header: self.header, k_alloc: self.k_alloc, v_alloc: self.v_alloc, positions: self.positions, kept: self.kept, kept_fp16: self.kept_fp16, coded: self.coded, chunks, allocs: self.allocs })
     }
 }
 
@@ -351,7 +371,8 @@ pub fn read_container(input: &mut impl Read, cal: &Calibration) -> Result<Stored
         chunks.push(StoredChunk { side: Side::Values, tokens: r.clone(), chunk: next(input, Tag::Values, r.start, r.len(), pack::raw_len(r.len(), va))? });
     }
     next(input, Tag::End, 0, 0, 0)?;
-    Ok(Container { header: h, k_alloc, v_alloc, positions, kept, kept_fp16, coded, chunks })
+    let allocs = Some(std::sync::Arc::new([ka.clone(), va.clone()]));
+    Ok(Container { header: h, k_alloc, v_alloc, positions, kept, kept_fp16, coded, chunks, allocs })
 }
 
 /// Reads every chunk of a container packed with `cal` (checksums, order, sizes), then
@@ -379,7 +400,15 @@ pub fn write_container(dc: &DecodedContainer, entropy: Entropy, out: &mut impl W
     let kb: Vec<u8> = dc.kept_fp16.iter().flat_map(|x| x.to_le_bytes()).collect();
     let (payload, stored_raw) = entropy.code(&kb);
     emit(out, Chunk { tag: Tag::Kept, index: 1, first: 0, count: dc.kept.len() as u32, raw_len: kb.len() as u32, stored_raw, payload })?;
-    let stored: Vec<(Vec<u8>, bool)> = dc.chunks.par_iter().map(|c| entropy.code(&c.raw)).collect();
+    let stored: Vec<(Vec<u8>, bool)> = dc
+        .chunks
+        .par_iter()
+        .map(|c| match (&dc.allocs, entropy) {
+            (Some(a), _) => entropy.code_chunk(&c.raw, c.tokens.len(), &a[usize::from(c.side == Side::Values)]).map_err(KvtcError::BadInput),
+            (None, Entropy::Rans) => Err(KvtcError::BadInput("entropy `rans` needs the container's allocations".into())),
+            (None, _) => Ok(entropy.code(&c.raw)),
+        })
+        .collect::<Result<_>>()?;
     for (c, (payload, stored_raw)) in dc.chunks.iter().zip(stored) {
         let tag = if c.side == Side::Keys { Tag::Keys } else { Tag::Values };
         emit(out, Chunk { tag, index: c.index, first: c.tokens.start as u32, count: c.tokens.len() as u32, raw_len: c.raw.len() as u32, stored_raw, payload })?;

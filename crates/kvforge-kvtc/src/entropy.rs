@@ -1,4 +1,6 @@
-//! Lossless stage: DEFLATE (as the paper; `flate2`) or zstd over each chunk's packed bytes.
+//! Lossless stage: DEFLATE (as the paper; `flate2`) or zstd over each chunk's packed bytes, or
+//! `rans`: each code range-coded against its group's model ([`crate::model`]; coded
+//! allocations only).
 
 use std::io::{Read, Write};
 
@@ -15,6 +17,9 @@ pub enum Entropy {
     Deflate,
     /// zstd, level 3.
     Zstd,
+    /// Codes range-coded against the allocation's per-group models ([`crate::model`]); the
+    /// chunks without codes (positions, fp16 tokens) are zstd-coded.
+    Rans,
 }
 
 impl Entropy {
@@ -23,6 +28,7 @@ impl Entropy {
             Entropy::None => 0,
             Entropy::Deflate => 1,
             Entropy::Zstd => 2,
+            Entropy::Rans => 3,
         }
     }
 
@@ -31,6 +37,7 @@ impl Entropy {
             0 => Entropy::None,
             1 => Entropy::Deflate,
             2 => Entropy::Zstd,
+            3 => Entropy::Rans,
             _ => return None,
         })
     }
@@ -40,11 +47,12 @@ impl Entropy {
             Entropy::None => "none",
             Entropy::Deflate => "deflate",
             Entropy::Zstd => "zstd",
+            Entropy::Rans => "rans",
         }
     }
 
     pub fn parse(s: &str) -> Option<Self> {
-        [Entropy::None, Entropy::Deflate, Entropy::Zstd].into_iter().find(|e| e.name() == s)
+        [Entropy::None, Entropy::Deflate, Entropy::Zstd, Entropy::Rans].into_iter().find(|e| e.name() == s)
     }
 
     /// A chunk's payload: the coder's output, or the raw bytes (`true`) where coding saves less
@@ -55,7 +63,10 @@ impl Entropy {
         if self == Entropy::None {
             return (raw.to_vec(), false);
         }
-        let coded = self.compress(raw);
+        Self::keep_if_gain(raw, self.compress(raw))
+    }
+
+    fn keep_if_gain(raw: &[u8], coded: Vec<u8>) -> (Vec<u8>, bool) {
         if (coded.len() as f64) > raw.len() as f64 * (1.0 - MIN_GAIN) {
             (raw.to_vec(), true)
         } else {
@@ -63,15 +74,41 @@ impl Entropy {
         }
     }
 
-    pub fn compress(self, raw: &[u8]) -> Vec<u8> {
+    /// [`Entropy::code`] for a chunk of codes: `raw` is `n` tokens packed with `alloc`, which
+    /// `rans` needs (and must carry models: a coded calibration).
+    pub fn code_chunk(self, raw: &[u8], n: usize, alloc: &crate::Allocation) -> Result<(Vec<u8>, bool), String> {
         match self {
+            Entropy::Rans => Ok(Self::keep_if_gain(raw, crate::model::encode(raw, n, alloc)?)),
+            _ => Ok(self.code(raw)),
+        }
+    }
+
+    /// [`Entropy::decompress_into`] for a chunk of codes of `n` tokens packed with `alloc`.
+    pub fn decompress_chunk_into(self, stored: &[u8], n: usize, alloc: &crate::Allocation, out: &mut [u8]) -> Result<(), String> {
+        match self {
+            Entropy::Rans => crate::model::decode_into(stored, n, alloc, out),
+            _ => self.decompress_into(stored, out),
+        }
+    }
+
+    /// The byte coder of chunks without codes.
+    fn bytes(self) -> Self {
+        if self == Entropy::Rans {
+            Entropy::Zstd
+        } else {
+            self
+        }
+    }
+
+    pub fn compress(self, raw: &[u8]) -> Vec<u8> {
+        match self.bytes() {
             Entropy::None => raw.to_vec(),
             Entropy::Deflate => {
                 let mut e = flate2::write::DeflateEncoder::new(Vec::with_capacity(raw.len() / 2), flate2::Compression::new(6));
                 e.write_all(raw).expect("writing to a Vec");
                 e.finish().expect("writing to a Vec")
             }
-            Entropy::Zstd => zstd::bulk::compress(raw, 3).expect("zstd compress into a Vec"),
+            Entropy::Zstd | Entropy::Rans => zstd::bulk::compress(raw, 3).expect("zstd compress into a Vec"),
         }
     }
 
@@ -79,7 +116,7 @@ impl Entropy {
     /// into pinned staging with no intermediate buffer. Anything else (corrupt data, a stream
     /// that is shorter or would be longer) is an error message.
     pub fn decompress_into(self, stored: &[u8], out: &mut [u8]) -> Result<(), String> {
-        let n = match self {
+        let n = match self.bytes() {
             Entropy::None => {
                 if stored.len() != out.len() {
                     return Err(format!("stores {} bytes, the chunk header says {}", stored.len(), out.len()));
@@ -97,7 +134,7 @@ impl Entropy {
                 }
                 out.len()
             }
-            Entropy::Zstd => zstd::bulk::decompress_to_buffer(stored, out).map_err(|e| e.to_string())?,
+            Entropy::Zstd | Entropy::Rans => zstd::bulk::decompress_to_buffer(stored, out).map_err(|e| e.to_string())?,
         };
         if n != out.len() {
             return Err(format!("decodes to {n} bytes, the chunk header says {}", out.len()));

@@ -30,6 +30,7 @@ pub mod container;
 pub mod dump;
 pub mod entropy;
 pub mod error;
+pub mod model;
 pub mod pack;
 pub mod quant;
 pub mod restore;

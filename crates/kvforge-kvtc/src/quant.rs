@@ -162,6 +162,79 @@ pub fn fit_group(xs: &[f64], bits: u8) -> GroupScale {
     best_fit(xs, mn, mx, bits).0
 }
 
+/// How a group's per-token range is chosen.
+///
+/// With fixed-width codes the least-error range ([`Fit::Clip`]) is best: it spreads the codes
+/// over all levels, so their histogram is nearly flat and an entropy coder gains little. With
+/// model-coded groups (an allocation solved with [`crate::alloc::DpConfig::coded`]) a wider
+/// range at more levels can cost fewer coded bits for the same error (entropy-constrained
+/// scalar quantisation): [`Fit::MinMax`] keeps every value inside the range, the codes
+/// concentrate about the middle and their entropy falls well below the width. The DP chooses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Fit {
+    /// Per token, the range of least squared error among [`clip_fractions`] ([`best_fit`]).
+    #[default]
+    Clip,
+    /// Per token, the group's minimum and maximum.
+    MinMax,
+}
+
+impl Fit {
+    pub fn id(self) -> u8 {
+        match self {
+            Fit::Clip => 0,
+            Fit::MinMax => 1,
+        }
+    }
+
+    pub fn from_id(id: u8) -> Option<Self> {
+        match id {
+            0 => Some(Fit::Clip),
+            1 => Some(Fit::MinMax),
+            _ => None,
+        }
+    }
+}
+
+/// The shift and scale the encoder uses for `xs` with `bits`-bit codes and range choice `fit`.
+pub fn fit_group_with(xs: &[f64], bits: u8, fit: Fit) -> GroupScale {
+    match fit {
+        Fit::Clip => fit_group(xs, bits),
+        Fit::MinMax => GroupScale::fit(xs.iter().copied(), bits),
+    }
+}
+
+/// Squared error of quantising `xs` with `bits` bits and range choice `fit`.
+pub fn group_sq_error_with(xs: &[f64], bits: u8, fit: Fit) -> f64 {
+    sq_error_with(xs, fit_group_with(xs, bits, fit), bits)
+}
+
+/// `errs[q] += ` the squared error and `hists[q][code] += 1` for every code of quantising `xs`
+/// with candidate `q` of `cands` (`(bits, fit)`; `hists[q]` holds `2^bits` counts): the coded
+/// DP's inner loop. The errors equal [`group_sq_error_with`] term by term.
+pub fn add_group_stats(xs: &[f64], cands: &[(u8, Fit)], errs: &mut [f64], hists: &mut [Vec<u32>]) {
+    let (mn, mx) = min_max(xs);
+    for ((&(bits, fit), e), h) in cands.iter().zip(errs.iter_mut()).zip(hists.iter_mut()) {
+        let g = match fit {
+            Fit::Clip => best_fit(xs, mn, mx, bits).0,
+            Fit::MinMax => GroupScale::fit_range(mn, mx, bits),
+        };
+        let (lo, s) = (g.lo.to_f64(), g.scale.to_f64());
+        if s <= 0.0 {
+            *e += xs.iter().map(|&x| (lo - x) * (lo - x)).sum::<f64>();
+            h[0] += xs.len() as u32;
+            continue;
+        }
+        let (inv, levels) = (1.0 / s, ((1u32 << bits) - 1) as f64);
+        for &x in xs {
+            let c = code_of(x, lo, inv, levels);
+            let d = lo + c * s - x;
+            *e += d * d;
+            h[c as usize] += 1;
+        }
+    }
+}
+
 fn min_max(xs: &[f64]) -> (f64, f64) {
     xs.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)))
 }

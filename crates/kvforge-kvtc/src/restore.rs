@@ -196,16 +196,16 @@ pub fn synthetic_allocation(budget_bits: usize, first: usize, components: usize,
         if used + 40 > budget_bits || start >= components {
             break;
         }
-        groups.push(crate::alloc::Group { start: (first + start) as u32, len: 1, bits: 8 });
+        groups.push(crate::alloc::Group::new((first + start) as u32, 1, 8));
         used += 40;
         start += 1;
     }
     while used + 64 * 4 + 32 <= budget_bits && start + 64 <= components {
-        groups.push(crate::alloc::Group { start: (first + start) as u32, len: 64, bits: 4 });
+        groups.push(crate::alloc::Group::new((first + start) as u32, 64, 4));
         used += 64 * 4 + 32;
         start += 64;
     }
-    Allocation { budget_bits: budget_bits as u32, groups, expected_error: f64::NAN }
+    Allocation { budget_bits: budget_bits as u32, groups, expected_error: f64::NAN, models: Vec::new() }
 }
 
 /// A calibration of the right shape with random directions (not orthonormal) and means, and
@@ -237,7 +237,7 @@ pub fn synthetic_calibration(layers: usize, kv_heads: usize, head_dim: usize, ro
                 let share = budget * f.len() / p;
                 groups.extend(synthetic_allocation(share, c0, cap(f.len()), 16usize.div_ceil(nb)).groups);
             }
-            Allocation { budget_bits: budget as u32, groups, expected_error: f64::NAN }
+            Allocation { budget_bits: budget as u32, groups, expected_error: f64::NAN, models: Vec::new() }
         })
         .collect();
     // one block: kept as far as the largest allocation uses it; several: whole
@@ -308,7 +308,7 @@ pub fn synthetic_container(cal: &Calibration, ratio_index: usize, tokens: usize,
             chunks.push(crate::DecodedChunk { index: (2 + 2 * i + s) as u32, side, tokens: r.clone(), raw });
         }
     }
-    crate::DecodedContainer { header, k_alloc: ratio_index, v_alloc: ratio_index, positions: (0..tokens as i64).collect(), kept, kept_fp16, coded, chunks }
+    crate::DecodedContainer { header, k_alloc: ratio_index, v_alloc: ratio_index, positions: (0..tokens as i64).collect(), kept, kept_fp16, coded, chunks, allocs: None }
 }
 
 #[cfg(test)]
@@ -327,12 +327,12 @@ mod tests {
         use crate::calib::BasisBlock;
         let one = side(vec![BasisBlock { features: 0..64, components: 0..64 }]);
         let two = side(vec![BasisBlock { features: 0..64, components: 0..64 }, BasisBlock { features: 64..128, components: 64..128 }]);
-        let groups = vec![Group { start: 0, len: 1, bits: 8 }, Group { start: 1, len: 16, bits: 3 }, Group { start: 20, len: 16, bits: 1 }, Group { start: 36, len: 1, bits: 13 }];
+        let groups = vec![Group::new(0, 1, 8), Group::new(1, 16, 3), Group::new(20, 16, 1), Group::new(36, 1, 13)];
         let mut groups2 = groups.clone();
-        groups2.push(Group { start: 64, len: 16, bits: 2 });
-        groups2.push(Group { start: 100, len: 1, bits: 5 });
+        groups2.push(Group::new(64, 16, 2));
+        groups2.push(Group::new(100, 1, 5));
         for (s, groups, want_cols) in [(&one, groups, vec![(0, 64)]), (&two, groups2, vec![(0, 64), (64, 64)])] {
-            let alloc = Allocation { budget_bits: 100_000, expected_error: 0.0, groups };
+            let alloc = Allocation { budget_bits: 100_000, expected_error: 0.0, groups, models: Vec::new() };
             let layout = device_layout(s, &alloc);
             assert_eq!(layout.cols, want_cols);
             let ldc = layout.ldc;

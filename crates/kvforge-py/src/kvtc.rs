@@ -88,7 +88,7 @@ pub fn kvtc_save<'py>(
 ) -> PyResult<Bound<'py, PyDict>> {
     let cal = &calibration.cal;
     let ratio_index = cal.ratio_index(ratio).ok_or_else(|| bad(py, format!("ratio {ratio} is not calibrated (ratios {:?})", cal.ratios)))?;
-    let entropy = Entropy::parse(entropy).ok_or_else(|| bad(py, format!("entropy `{entropy}`: one of deflate, zstd, none")))?;
+    let entropy = Entropy::parse(entropy).ok_or_else(|| bad(py, format!("entropy `{entropy}`: one of deflate, zstd, rans, none")))?;
     if chunk_tokens == 0 {
         return Err(bad(py, "chunk_tokens must be at least 1"));
     }

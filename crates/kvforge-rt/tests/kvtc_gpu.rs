@@ -160,7 +160,7 @@ fn restore_of_a_packed_cache_matches_cpu_unpack() {
     use kvforge_kvtc::{decode_container, pack_into, unpack_from, Entropy, PackOptions};
     let dev = Device::open(0).unwrap();
     let rope = Rope { theta: 10000.0, dim: 16 };
-    let dp = DpConfig { group_sizes: vec![1, 4, 16], bit_widths: vec![1, 2, 3, 4, 6, 8] };
+    let dp = DpConfig { group_sizes: vec![1, 4, 16], bit_widths: vec![1, 2, 3, 4, 6, 8], coded: false };
     for (lpb, weighted) in [(0, false), (1, false), (0, true), (1, true)] {
         let train = low_rank_dump(2, 2, 16, 6, rope, 500, 1);
         let cal = if weighted { weighted_calibration(&train, rope, &[4.0, 16.0], dp.clone(), lpb) } else { small_calibration(&train, rope, 2, 8, &[4.0, 16.0], dp.clone(), lpb) };
@@ -212,7 +212,7 @@ fn save_load_decode_round_trip() {
     let dev = kvforge_rt::testing::device();
     let (layers, hkv, d, gqa) = (2usize, 2usize, 64usize, 3usize);
     let rope = Rope { theta: 10000.0, dim: d };
-    let dp = DpConfig { group_sizes: vec![1, 16, 64], bit_widths: vec![2, 3, 4, 6, 8] };
+    let dp = DpConfig { group_sizes: vec![1, 16, 64], bit_widths: vec![2, 3, 4, 6, 8], coded: false };
     let cal = small_calibration(&low_rank_dump(layers, hkv, d, 8, rope, 800, 1), rope, 4, 16, &[4.0, 8.0], dp, 0);
     let x = low_rank_dump(layers, hkv, d, 8, rope, 301, 2);
     let spec = kvforge_rt::testing::shipped_spec("baseline.toml");

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
-use kvforge_kvtc::{calibrate_grid, pack_into, unpack_from, CalibConfig, Calibration, Entropy, KvDump, KvtcError, PackOptions, Rope};
+use kvforge_kvtc::{calibrate_grid, pack_into, unpack_from, CalibConfig, Calibration, DpConfig, Entropy, KvDump, KvtcError, PackOptions, Rope};
 
 use crate::exit::{bad_input, ensure, output_path};
 
@@ -68,6 +68,11 @@ pub struct CalibrateArgs {
     /// (comma-separated) calibrate a grid (see --dp-rows).
     #[arg(long, value_delimiter = ',', default_value = "0.5")]
     pub key_share: Vec<f64>,
+    /// Allocate for the `rans` coder: the budget counts each group's estimated entropy-coded
+    /// size, widths may use the min/max range, and every group carries its code model, so the
+    /// ratios are ratios after entropy coding (pack with `--entropy rans`). The file is version 4.
+    #[arg(long)]
+    pub coded: bool,
 }
 
 #[derive(clap::Args)]
@@ -80,7 +85,8 @@ pub struct PackArgs {
     /// Compression ratio: one of the calibration's.
     #[arg(long)]
     pub ratio: f64,
-    /// Lossless stage: deflate (the paper's), zstd or none.
+    /// Lossless stage: deflate (the paper's), zstd, rans (per-group code models; needs a
+    /// `calibrate --coded` calibration) or none.
     #[arg(long, default_value = "deflate")]
     pub entropy: String,
     /// Compressed tokens per chunk.
@@ -172,6 +178,7 @@ pub fn calibrate_cmd(a: CalibrateArgs) -> anyhow::Result<ExitCode> {
         rope,
         seed: a.seed,
         layers_per_basis: a.layers_per_basis,
+        dp: DpConfig { coded: a.coded, ..DpConfig::default() },
         ..CalibConfig::default()
     };
     eprintln!(
@@ -217,9 +224,10 @@ pub fn calibrate_cmd(a: CalibrateArgs) -> anyhow::Result<ExitCode> {
             for (name, s) in [("keys", &cal.k), ("values", &cal.v)] {
                 let al = &s.allocations[i];
                 let var: f64 = s.variance.iter().map(|&v| v as f64).sum();
+                let coded = if al.coded() { format!(" ({:.0} packed)", al.cost_bits()) } else { String::new() };
                 println!(
-                    "  {r:>5}x {name:<6}: {:>6} bits/token of {:>6}, {:>4} groups over {:>5} components, expected error {:.4} of {:.4} (kept variance)",
-                    al.cost_bits(),
+                    "  {r:>5}x {name:<6}: {:>6} bits/token{coded} of {:>6}, {:>4} groups over {:>5} components, expected error {:.4} of {:.4} (kept variance)",
+                    if al.coded() { al.expected_coded_bits().round() as u64 } else { al.cost_bits() },
                     al.budget_bits,
                     al.groups.len(),
                     al.used_components(),
@@ -244,7 +252,7 @@ pub fn grid_path(out: &Path, key_share: f64, dp_rows: usize) -> PathBuf {
 
 pub fn pack_cmd(a: PackArgs) -> anyhow::Result<ExitCode> {
     output_path("--out", &a.out)?;
-    let entropy = Entropy::parse(&a.entropy).ok_or_else(|| bad_input(format!("--entropy {}: expected deflate, zstd or none", a.entropy)))?;
+    let entropy = Entropy::parse(&a.entropy).ok_or_else(|| bad_input(format!("--entropy {}: expected deflate, zstd, rans or none", a.entropy)))?;
     ensure(a.chunk_tokens > 0, || "--chunk-tokens must be > 0".into())?;
     let cal = Calibration::load(&a.calibration).map_err(classify)?;
     let ratio_index = cal.ratio_index(a.ratio).ok_or_else(|| bad_input(format!("--ratio {}: {} has ratios {:?}", a.ratio, a.calibration.display(), cal.ratios)))?;
