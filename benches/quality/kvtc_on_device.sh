@@ -30,6 +30,8 @@
 # DP_ROWS=64 WINDOWS=6 SAMPLES=40000 bash benches/quality/kvtc_on_device.sh: `calibrate --coded`,
 # sizes with rans/deflate/zstd, eval.py of sim:kvtc-<r>-rans per ratio; BASELINE=16,20 adds the
 # fixed-width calibration of the same capture at those ratios (sim:kvtc-<r>@fixed, DEFLATE).
+# STEP=1 instead of CODED=1: step allocations (`calibrate --step`, entropy-constrained
+# quantisation with a model per component; DP_ROWS=512 rows shape the models).
 # Knobs (env): TOKENS/WINDOWS (capture, 8192 x 4), SAMPLES (PCA positions, 32000), RATIOS,
 # DP_ROWS (128), CONTEXTS (2048), NEEDLE (2048), TEXTS (all five). Results under $OUT; eval.py
 # writes its JSON after every scheme, so a timeout keeps the ratios finished.
@@ -85,13 +87,13 @@ if [ "${1:-}" = grid ]; then
 fi
 python3 benches/quality/capture_keys.py --model $M --device cuda --tokens ${TOKENS:-8192} --windows ${WINDOWS:-4} --out-dir $W/keys 2>&1 | tail -3
 $KVFORGE_BIN calibrate --samples $W/keys/kv-emma-per-layer.safetensors --out $W/cal.safetensors \
-  --ratios $RATIOS --max-samples ${SAMPLES:-32000} --dp-rows ${DP_ROWS:-128} ${CODED:+--coded} \
+  --ratios $RATIOS --max-samples ${SAMPLES:-32000} --dp-rows ${DP_ROWS:-128} ${CODED:+--coded} ${STEP:+--step} \
   --weights $W/keys/kv-emma-weights.safetensors --key-share ${KEY_SHARE:-0.3} 2>&1 | tee $OUT/calibrate.log
 echo "capture + calibrate: $(( $(date +%s) - t0 ))s" | tee -a $OUT/calibrate.log
 export KVFORGE_KVTC_CAL=$W/cal.safetensors
-python3 benches/quality/kvtc_sizes.py --model $M --text persuasion --ctx ${CONTEXTS%%,*} --ratios $RATIOS --entropies ${CODED:+rans,}deflate,zstd \
+python3 benches/quality/kvtc_sizes.py --model $M --text persuasion --ctx ${CONTEXTS%%,*} --ratios $RATIOS --entropies ${CODED:+rans,}${STEP:+rans,}deflate,zstd \
   --out $OUT/kvtc-sizes-${CONTEXTS%%,*}.json 2>&1 | grep kvtc | tee $OUT/sizes.log
-if [ -n "${CODED:-}" ]; then
+if [ -n "${CODED:-}${STEP:-}" ]; then
   schemes=fp16
   for r in ${RATIOS//,/ }; do schemes+=",sim:kvtc-$r-rans"; done
   if [ -n "${BASELINE:-}" ]; then  # the fixed-width allocation of the same capture, e.g. BASELINE=16,20

@@ -23,7 +23,7 @@
 
 use rayon::prelude::*;
 
-use crate::model::{bits_per_code, model_bits_per_code, quantised_model, MAX_CODED_BITS};
+use crate::model::{bits_per_code, quantised_model, MAX_CODED_BITS};
 use crate::quant::{add_group_errors, add_group_stats, group_sq_error_with, Fit, GROUP_OVERHEAD_BITS, MAX_BITS};
 
 /// Cost units per bit of a coded DP (estimated coded sizes are fractional).
@@ -97,7 +97,7 @@ impl Group {
 }
 
 /// The groups chosen for one budget (coordinates not in any group are dropped).
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Allocation {
     /// The budget in bits per token this allocation was solved for.
     pub budget_bits: u32,
@@ -106,8 +106,11 @@ pub struct Allocation {
     /// Expected squared error per token on the calibration rows (decorrelated domain).
     pub expected_error: f64,
     /// A coded allocation's per-group code distributions ([`crate::model`], `2^bits`
-    /// fixed-point probabilities each, group order); empty for a fixed-width one.
-    pub models: Vec<Vec<u16>>,
+    /// fixed-point probabilities pooled over the group, or `len · 2^bits`, one model per
+    /// coordinate; group order); empty for a fixed-width one.
+    pub models: Vec<Vec<u32>>,
+    /// The step `Δ` of its [`Fit::Step`] groups ([`crate::step`]; 0 when it has none).
+    pub step: f32,
 }
 
 impl Allocation {
@@ -130,7 +133,7 @@ impl Allocation {
     /// Expected entropy-coded bits per token of a coded allocation (codes at their models'
     /// entropy, plus each group's fp16 shift and scale).
     pub fn expected_coded_bits(&self) -> f64 {
-        self.groups.iter().zip(&self.models).map(|(g, m)| GROUP_OVERHEAD_BITS as f64 + g.len as f64 * model_bits_per_code(m)).sum()
+        self.groups.iter().zip(&self.models).map(|(g, m)| if crate::model::stores_scales(g) { GROUP_OVERHEAD_BITS as f64 } else { 0.0 } + crate::model::group_bits(g, m)).sum()
     }
 
     /// Coordinates the restore needs (one past the last coded one).
@@ -158,7 +161,10 @@ impl Allocation {
                 return Err(format!("{} models for {} groups", self.models.len(), self.groups.len()));
             }
             for (g, m) in self.groups.iter().zip(&self.models) {
-                crate::model::check_model(m, g.bits).map_err(|e| format!("group at {}: {e}", g.start))?;
+                crate::model::check_model(m, g).map_err(|e| format!("group at {}: {e}", g.start))?;
+                if g.fit == Fit::Step && !(self.step > 0.0 && self.step.is_finite()) {
+                    return Err(format!("a step group at {} with step {}", g.start, self.step));
+                }
             }
             // the DP budgets the estimate on its rows; the models are measured on all rows
             let e = self.expected_coded_bits();
@@ -357,7 +363,7 @@ impl Dp {
             i -= size;
         }
         groups.reverse();
-        Allocation { budget_bits: budget as u32, groups, expected_error: self.best_error(budget), models: Vec::new() }
+        Allocation { budget_bits: budget as u32, groups, expected_error: self.best_error(budget), models: Vec::new(), step: 0.0 }
     }
 }
 
@@ -396,7 +402,7 @@ pub fn allocation_error_thinned(data: &[f64], rows: usize, comps: usize, alloc: 
         let s = g.start as usize..(g.start + g.len) as usize;
         s.clone().for_each(|j| coded[j] = true);
         let stride = thin.stride(rows, g.len as usize);
-        let q: f64 = (0..rows).step_by(stride).map(|r| group_sq_error_with(&data[r * comps..(r + 1) * comps][s.clone()], g.bits, g.fit)).sum();
+        let q: f64 = (0..rows).step_by(stride).map(|r| group_sq_error_with(&data[r * comps..(r + 1) * comps][s.clone()], g.bits, g.fit, alloc.step)).sum();
         e += q / rows.div_ceil(stride).max(1) as f64;
     }
     let dropped: f64 = (0..rows).map(|r| data[r * comps..(r + 1) * comps].iter().zip(&coded).filter(|(_, &c)| !c).map(|(x, _)| x * x).sum::<f64>()).sum();
@@ -426,7 +432,7 @@ mod tests {
         fn go(i: usize, left: usize, groups: &mut Vec<Group>, c: &Ctx, best: &mut f64) {
             let (d, rows, comps, cfg) = (c.d, c.rows, c.comps, c.cfg);
             if i == comps {
-                let a = Allocation { budget_bits: u32::MAX, groups: groups.clone(), expected_error: 0.0, models: Vec::new() };
+                let a = Allocation { budget_bits: u32::MAX, groups: groups.clone(), expected_error: 0.0, models: Vec::new(), step: 0.0 };
                 *best = best.min(allocation_error_thinned(d, rows, comps, &a, c.thin));
                 return;
             }

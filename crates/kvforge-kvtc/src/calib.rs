@@ -48,6 +48,9 @@ pub struct CalibConfig {
     /// Share of the two sides' joint budget (`2 · 16 · p / ratio` bits per token) that keys get;
     /// 0.5 splits it evenly. The ratio vs fp16 of keys and values together is unchanged.
     pub key_share: f64,
+    /// Step allocations ([`crate::step`]: one quantisation step per side and ratio, a code
+    /// model per coordinate, the budget in expected `rans`-coded bits) instead of the DP.
+    pub step: bool,
 }
 
 impl Default for CalibConfig {
@@ -65,6 +68,7 @@ impl Default for CalibConfig {
             layers_per_basis: 0,
             weights: [None, None],
             key_share: 0.5,
+            step: false,
         }
     }
 }
@@ -240,6 +244,7 @@ impl Calibration {
                 // coded allocations only, so the ids of fixed-width calibrations stay as they were
                 if a.coded() {
                     h.update(b"coded");
+                    h.update(&a.step.to_le_bytes());
                     for (g, m) in a.groups.iter().zip(&a.models) {
                         h.update(&[g.fit.id()]);
                         m.iter().for_each(|p| {
@@ -524,7 +529,8 @@ fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], d
     let mean_var = block_var.iter().sum::<f64>() / block_var.len() as f64;
     let mut out = Vec::with_capacity(dp_sets.len() * key_shares.len());
     for dp_idx in dp_sets {
-        progress(&format!("{}: DP bit allocation on {} rows, {} blocks, budgets up to {max_budget} bits", side.name(), dp_idx.len(), blocks.len()));
+        let what = if cfg.step { "step allocation" } else { "DP bit allocation" };
+        progress(&format!("{}: {what} on {} rows, {} blocks, budgets up to {max_budget} bits", side.name(), dp_idx.len(), blocks.len()));
         let mut xs = Mat::<f64>::zeros(dp_idx.len(), p);
         for (r, &i) in dp_idx.iter().enumerate() {
             for f in 0..p {
@@ -541,6 +547,23 @@ fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], d
                     data[r * rank + b.components.start + j] = w * proj[(r, j)];
                 }
             }
+        }
+        if cfg.step {
+            // the PCA's variances (over every sampled position), scaled as the rows are
+            let sigma: Vec<f64> = blocks
+                .iter()
+                .zip(&parts)
+                .zip(&block_var)
+                .flat_map(|((_, part), &bv)| {
+                    let w = if multi && bv > 0.0 { (mean_var / bv).sqrt() } else { 1.0 };
+                    part.1.iter().map(move |&v| w * v.max(0.0).sqrt())
+                })
+                .collect();
+            for &ks in key_shares {
+                let allocations: Vec<Allocation> = ratios.iter().map(|&r| crate::step::allocation(&data, dp_idx.len(), rank, &sigma, budget(r, ks), &breaks)).collect();
+                out.push(trimmed_side(&mean, scale.as_deref(), &blocks, &parts, allocations));
+            }
+            continue;
         }
         let dp = Dp::solve_thinned(&data, dp_idx.len(), rank, &cfg.dp, max_budget, &breaks, RowThinning::CALIBRATION);
         for &ks in key_shares {

@@ -10,7 +10,7 @@
 //! | `k.blocks`, `v.blocks` | I32 | `[blocks, 4]` | version ≥ 2 only: rows `(first feature, features, first component, components)` of a block-diagonal basis ([`crate::calib::BasisBlock`]); `k.basis` is then flat, `[Σ components · features]`, block after block |
 //! | `k.scale`, `v.scale` | F32 | `[p]` | version 3 only, optional per side: per-feature scale `s` of a weighted calibration ([`SideCalib::scale`]); `k.basis` then holds `u ⊘ s` (restore unchanged), projecting multiplies the centred features by `s²` |
 //!
-//! | `k.models`, `v.models` | U16 | `[Σ 2^bits]` | version 4 only: the code models of a coded calibration ([`crate::model`]), every group of every allocation in order, `2^bits` probabilities each; `k.alloc` then has a fifth column, the group's range choice ([`crate::quant::Fit`] id) |
+//! | `k.models`, `v.models` | U32 | `[entries]` | version 4 only: the code models of a coded calibration ([`crate::model`]), every group of every allocation in order, `2^bits` probabilities per model; `k.alloc` then has six columns: `(ratio index, start, len, bits, fit, models)`, the group's range choice ([`crate::quant::Fit`] id) and its number of models (1 pooled, or `len`), and the metadata `k.steps` / `v.steps` the step of each allocation ([`crate::step`]; 0 when unused) |
 //!
 //! Version 1 is a basis over all features (one block); a multi-block basis
 //! (`layers_per_basis`) is written as version 2, a weighted one (either side has a scale) as
@@ -70,8 +70,12 @@ impl Calibration {
         put("window", self.window.to_string());
         put("samples", self.samples.to_string());
         put("ratios", self.ratios.iter().map(|r| format!("{r:?}")).collect::<Vec<_>>().join(","));
+        let coded_file = [&self.k, &self.v].iter().any(|s| s.allocations.iter().any(Allocation::coded));
         for (n, s) in [("k", &self.k), ("v", &self.v)] {
             put(&format!("{n}.budgets"), s.allocations.iter().map(|a| a.budget_bits.to_string()).collect::<Vec<_>>().join(","));
+            if coded_file {
+                put(&format!("{n}.steps"), s.allocations.iter().map(|a| format!("{:?}", a.step)).collect::<Vec<_>>().join(","));
+            }
         }
         put("id", self.id_hex());
         let p = self.features();
@@ -91,17 +95,22 @@ impl Calibration {
             if !s.scale.is_empty() {
                 bufs.push((format!("{n}.scale"), Dtype::F32, vec![p], f32b(&s.scale)));
             }
-            let cols = if coded { 5 } else { 4 };
+            let cols = if coded { 6 } else { 4 };
             let rows: Vec<i32> = s
                 .allocations
                 .iter()
                 .enumerate()
-                .flat_map(|(i, a)| a.groups.iter().flat_map(move |g| [i as i32, g.start as i32, g.len as i32, g.bits as i32, g.fit.id() as i32].into_iter().take(cols)))
+                .flat_map(|(i, a)| {
+                    a.groups.iter().enumerate().flat_map(move |(gi, g)| {
+                        let models = a.models.get(gi).map_or(0, |m| crate::model::models_in(g, m.len()));
+                        [i as i32, g.start as i32, g.len as i32, g.bits as i32, g.fit.id() as i32, models as i32].into_iter().take(cols)
+                    })
+                })
                 .collect();
             bufs.push((format!("{n}.alloc"), Dtype::I32, vec![rows.len() / cols, cols], rows.iter().flat_map(|a| a.to_le_bytes()).collect()));
             if coded {
                 let m: Vec<u8> = s.allocations.iter().flat_map(|a| a.models.iter().flatten()).flat_map(|p| p.to_le_bytes()).collect();
-                bufs.push((format!("{n}.models"), Dtype::U16, vec![m.len() / 2], m));
+                bufs.push((format!("{n}.models"), Dtype::U32, vec![m.len() / 4], m));
             }
         }
         let views: Vec<(String, safetensors::tensor::TensorView)> =
@@ -188,7 +197,7 @@ impl Calibration {
             let comps = blocks.last().map_or(0, |b| b.components.end);
             let (variance, _) = f32s(&format!("{n}.variance"), Some(&[comps]))?;
             let at = st.tensor(&format!("{n}.alloc")).map_err(|_| format!("missing tensor `{n}.alloc`"))?;
-            let cols = if version >= 4 { 5 } else { 4 };
+            let cols = if version >= 4 { 6 } else { 4 };
             if at.dtype() != Dtype::I32 || at.shape().len() != 2 || at.shape()[1] != cols {
                 return Err(format!("`{n}.alloc` must be I32 [groups, {cols}] in a version {version} file"));
             }
@@ -198,30 +207,44 @@ impl Calibration {
             if budgets.len() != ratios.len() {
                 return Err(format!("{n}.budgets has {} entries for {} ratios", budgets.len(), ratios.len()));
             }
-            let mut allocations: Vec<Allocation> = budgets.iter().map(|&b| Allocation { budget_bits: b, groups: Vec::new(), expected_error: f64::NAN, models: Vec::new() }).collect();
+            let mut allocations: Vec<Allocation> = budgets.iter().map(|&b| Allocation { budget_bits: b, groups: Vec::new(), expected_error: f64::NAN, models: Vec::new(), step: 0.0 }).collect();
+            let mut counts: Vec<Vec<usize>> = vec![Vec::new(); allocations.len()];
             for r in rows.chunks_exact(cols) {
                 let (i, start, len, bits) = (r[0], r[1], r[2], r[3]);
-                let fit = if cols == 5 { u8::try_from(r[4]).ok().and_then(Fit::from_id) } else { Some(Fit::Clip) };
-                let Some(fit) = fit.filter(|_| !(i < 0 || i as usize >= allocations.len() || start < 0 || len <= 0 || !(1..=16).contains(&bits))) else {
+                let fit = if cols == 6 { u8::try_from(r[4]).ok().and_then(Fit::from_id) } else { Some(Fit::Clip) };
+                let models = if cols == 6 { r[5] } else { 0 };
+                let Some(fit) = fit.filter(|_| !(i < 0 || i as usize >= allocations.len() || start < 0 || len <= 0 || !(1..=16).contains(&bits) || !(models == 0 || models == 1 || models == len))) else {
                     return Err(format!("`{n}.alloc` row {r:?} is invalid"));
                 };
                 allocations[i as usize].groups.push(Group { start: start as u32, len: len as u32, bits: bits as u8, fit });
+                counts[i as usize].push(models as usize);
+            }
+            if version >= 4 {
+                let steps: Vec<f32> = get(&format!("{n}.steps"))?.split(',').filter(|s| !s.is_empty()).map(|s| s.parse::<f32>().map_err(|e| format!("{n}.steps: {e}"))).collect::<std::result::Result<_, _>>()?;
+                if steps.len() != allocations.len() {
+                    return Err(format!("{n}.steps has {} entries for {} ratios", steps.len(), allocations.len()));
+                }
+                allocations.iter_mut().zip(steps).for_each(|(a, s)| a.step = s);
             }
             if let Ok(t) = st.tensor(&format!("{n}.models")) {
-                if version < 4 || t.dtype() != Dtype::U16 || t.shape().len() != 1 {
-                    return Err(format!("`{n}.models` must be U16 [entries] in a version 4 file"));
+                if version < 4 || t.dtype() != Dtype::U32 || t.shape().len() != 1 {
+                    return Err(format!("`{n}.models` must be U32 [entries] in a version 4 file"));
                 }
-                let probs: Vec<u16> = t.data().chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
-                let need: usize = allocations.iter().flat_map(|a| &a.groups).map(|g| 1usize << g.bits.min(16)).sum();
+                let probs: Vec<u32> = t.data().chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                let need: usize = allocations.iter().zip(&counts).flat_map(|(a, c)| a.groups.iter().zip(c)).map(|(g, &m)| m << g.bits.min(16)).sum();
                 if probs.len() != need {
                     return Err(format!("`{n}.models` holds {} probabilities, the groups need {need}", probs.len()));
                 }
                 let mut at = 0;
-                for a in &mut allocations {
+                for (a, c) in allocations.iter_mut().zip(&counts) {
+                    if c.iter().all(|&m| m == 0) {
+                        continue;
+                    }
                     let mut models = Vec::with_capacity(a.groups.len());
-                    for g in &a.groups {
-                        models.push(probs[at..at + (1usize << g.bits)].to_vec());
-                        at += 1usize << g.bits;
+                    for (g, &m) in a.groups.iter().zip(c) {
+                        let k = m << g.bits;
+                        models.push(probs[at..at + k].to_vec());
+                        at += k;
                     }
                     a.models = models;
                 }

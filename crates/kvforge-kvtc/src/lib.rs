@@ -35,6 +35,7 @@ pub mod pack;
 pub mod quant;
 pub mod restore;
 pub mod rope;
+pub mod step;
 
 pub use alloc::{Allocation, DpConfig, Group};
 pub use calib::{calibrate, calibrate_grid, BasisBlock, CalibConfig, Calibration, Side, SideCalib};

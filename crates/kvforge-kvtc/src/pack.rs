@@ -51,7 +51,7 @@ pub fn encode(d: &[f64], n: usize, comps: usize, alloc: &Allocation) -> Vec<u8> 
         let (s, e) = (g.start as usize, (g.start + g.len) as usize);
         scales.clear();
         for t in 0..n {
-            let gs = fit_group_with(&d[t * comps + s..t * comps + e], g.bits, g.fit);
+            let gs = fit_group_with(&d[t * comps + s..t * comps + e], g.bits, g.fit, alloc.step);
             out.extend_from_slice(&gs.lo.to_le_bytes());
             out.extend_from_slice(&gs.scale.to_le_bytes());
             scales.push(gs);
@@ -112,7 +112,7 @@ mod tests {
         #[test]
         fn decode_inverts_encode(n in 1usize..9, seed in 0u64..1000) {
             let comps = 40;
-            let alloc = Allocation { budget_bits: 10_000, expected_error: 0.0, models: Vec::new(), groups: vec![
+            let alloc = Allocation { budget_bits: 10_000, expected_error: 0.0, models: Vec::new(), step: 0.0, groups: vec![
                 Group::new(0, 1, 8), Group::new(1, 16, 3),
                 Group::new(20, 16, 1), Group::new(36, 1, 13)] };
             let d: Vec<f64> = (0..n * comps).map(|k| (((k as u64 * 2654435761 + seed) % 1000) as f64 - 500.0) / 37.0).collect();
@@ -122,7 +122,7 @@ mod tests {
             for t in 0..n {
                 for g in &alloc.groups {
                     let s = g.start as usize..(g.start + g.len) as usize;
-                    let gs = fit_group_with(&d[t * comps..][s.clone()], g.bits, g.fit);
+                    let gs = fit_group_with(&d[t * comps..][s.clone()], g.bits, g.fit, alloc.step);
                     for j in s {
                         prop_assert_eq!(back[t * comps + j], gs.value(gs.code(d[t * comps + j], g.bits)));
                     }

@@ -177,6 +177,10 @@ pub enum Fit {
     Clip,
     /// Per token, the group's minimum and maximum.
     MinMax,
+    /// The allocation's one step `Δ` for every token, centred on zero: `lo = −2^(bits−1)·Δ`,
+    /// `scale = Δ` ([`step_scale`]; [`crate::step`]: entropy-constrained quantisation, the
+    /// scales are constants and cost nothing).
+    Step,
 }
 
 impl Fit {
@@ -184,6 +188,7 @@ impl Fit {
         match self {
             Fit::Clip => 0,
             Fit::MinMax => 1,
+            Fit::Step => 2,
         }
     }
 
@@ -191,22 +196,31 @@ impl Fit {
         match id {
             0 => Some(Fit::Clip),
             1 => Some(Fit::MinMax),
+            2 => Some(Fit::Step),
             _ => None,
         }
     }
 }
 
-/// The shift and scale the encoder uses for `xs` with `bits`-bit codes and range choice `fit`.
-pub fn fit_group_with(xs: &[f64], bits: u8, fit: Fit) -> GroupScale {
+/// The shift and scale of a [`Fit::Step`] group of `bits`-bit codes with step `step`.
+pub fn step_scale(step: f32, bits: u8) -> GroupScale {
+    let d = f16::from_f32(step);
+    GroupScale { lo: f16::from_f64(-(2f64.powi(bits as i32 - 1)) * d.to_f64()), scale: d }
+}
+
+/// The shift and scale the encoder uses for `xs` with `bits`-bit codes, range choice `fit` and
+/// (for [`Fit::Step`]) the allocation's step.
+pub fn fit_group_with(xs: &[f64], bits: u8, fit: Fit, step: f32) -> GroupScale {
     match fit {
         Fit::Clip => fit_group(xs, bits),
         Fit::MinMax => GroupScale::fit(xs.iter().copied(), bits),
+        Fit::Step => step_scale(step, bits),
     }
 }
 
 /// Squared error of quantising `xs` with `bits` bits and range choice `fit`.
-pub fn group_sq_error_with(xs: &[f64], bits: u8, fit: Fit) -> f64 {
-    sq_error_with(xs, fit_group_with(xs, bits, fit), bits)
+pub fn group_sq_error_with(xs: &[f64], bits: u8, fit: Fit, step: f32) -> f64 {
+    sq_error_with(xs, fit_group_with(xs, bits, fit, step), bits)
 }
 
 /// `errs[q] += ` the squared error and `hists[q][code] += 1` for every code of quantising `xs`
@@ -217,7 +231,7 @@ pub fn add_group_stats(xs: &[f64], cands: &[(u8, Fit)], errs: &mut [f64], hists:
     for ((&(bits, fit), e), h) in cands.iter().zip(errs.iter_mut()).zip(hists.iter_mut()) {
         let g = match fit {
             Fit::Clip => best_fit(xs, mn, mx, bits).0,
-            Fit::MinMax => GroupScale::fit_range(mn, mx, bits),
+            Fit::MinMax | Fit::Step => GroupScale::fit_range(mn, mx, bits),
         };
         let (lo, s) = (g.lo.to_f64(), g.scale.to_f64());
         if s <= 0.0 {

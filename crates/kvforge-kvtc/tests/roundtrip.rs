@@ -385,17 +385,21 @@ fn calibration_grid_equals_single_calibrations() {
 /// fixed-width calibration is a typed error.
 #[test]
 fn coded_calibration_packs_with_rans() {
-    let coded = CalibConfig { dp: DpConfig { coded: true, ..cfg().dp }, ..cfg() };
+    coded_round_trip(CalibConfig { dp: DpConfig { coded: true, ..cfg().dp }, ..cfg() }, "coded");
+    coded_round_trip(CalibConfig { step: true, ..cfg() }, "step");
+}
+
+fn coded_round_trip(coded: CalibConfig, tag: &str) {
     let cache = synthetic(2, 2, 16, 100, 1, 2);
     let cal = calibrate(&synthetic(2, 2, 16, 500, 1, 1), &coded, |_| {}).unwrap();
-    let dir = std::env::temp_dir().join(format!("kvtc-test-coded-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("kvtc-test-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("cal.safetensors");
     cal.save(&path, &Default::default()).unwrap();
     let cal2 = Calibration::load(&path).unwrap();
     assert_eq!(cal2.id(), cal.id());
     for (a, b) in cal.k.allocations.iter().chain(&cal.v.allocations).zip(cal2.k.allocations.iter().chain(&cal2.v.allocations)) {
-        assert_eq!((&a.groups, &a.models), (&b.groups, &b.models));
+        assert_eq!((&a.groups, &a.models, a.step), (&b.groups, &b.models, b.step));
     }
     assert!(cal2.k.allocations.iter().chain(&cal2.v.allocations).all(|a| a.codable()) && cal2.k.allocations[0].coded());
     for (i, &ratio) in cal.ratios.iter().enumerate() {
@@ -405,7 +409,7 @@ fn coded_calibration_packs_with_rans() {
         let stats = pack_into(&cache, &cal2, &PackOptions { ratio_index: i, entropy: Entropy::Rans, chunk_tokens: 32 }, &mut buf).unwrap();
         let after = stats.ratio_after_entropy();
         // the budget is the calibration rows' estimate: the cache is other tokens of the same source
-        assert!(after >= ratio * 0.85, "ratio {ratio}: {after:.2}x after rans");
+        assert!(after >= ratio * 0.85, "{tag} ratio {ratio}: {after:.2}x after rans");
         let a = unpack_from(&mut buf.as_slice(), &cal2).unwrap();
         let b = unpack_from(&mut zs.as_slice(), &cal2).unwrap();
         assert_eq!((a.k, a.v), (b.k, b.v), "rans must decode to the packed codes");

@@ -73,6 +73,12 @@ pub struct CalibrateArgs {
     /// ratios are ratios after entropy coding (pack with `--entropy rans`). The file is version 4.
     #[arg(long)]
     pub coded: bool,
+    /// Step allocations for the `rans` coder: one quantisation step per side and ratio with a
+    /// code model per principal component (entropy-constrained quantisation, no per-token
+    /// scales), the smallest step whose expected coded size fits each ratio; ratios are after
+    /// entropy coding (pack with `--entropy rans`). Takes the place of the DP; version 4.
+    #[arg(long, conflicts_with = "coded")]
+    pub step: bool,
 }
 
 #[derive(clap::Args)]
@@ -179,6 +185,7 @@ pub fn calibrate_cmd(a: CalibrateArgs) -> anyhow::Result<ExitCode> {
         seed: a.seed,
         layers_per_basis: a.layers_per_basis,
         dp: DpConfig { coded: a.coded, ..DpConfig::default() },
+        step: a.step,
         ..CalibConfig::default()
     };
     eprintln!(
