@@ -24,6 +24,8 @@
 # WINDOWS, GRID_RATIOS (16,20,32,64: the DP's table grows with the largest budget, 4x would
 # quadruple it), BEST_RATIOS, TEXTS; for a dry run on CPU: DEVICE=cpu MODEL_DIR DATA_DIR WORK
 # PYTHON KVFORGE_BIN (and small TOKENS, WINDOWS, SAMPLES, TEXTS, CONTEXTS).
+# STEP=1 grids step allocations (`calibrate --step`, schemes sim:kvtc-<r>-rans@<tag>), swept at
+# SWEEP_RATIO (16) which must be one of GRID_RATIOS.
 # Then the frontier (4x..64x) with the best point, the plain mode: e.g. KEY_SHARE=0.35 DP_ROWS=256
 # WINDOWS=6 SAMPLES=40000 bash benches/quality/kvtc_on_device.sh
 # Coded (the `rans` coder, ratios after entropy coding): CODED=1 RATIOS=16,18,20,22 KEY_SHARE=0.4
@@ -63,13 +65,14 @@ if [ "${1:-}" = grid ]; then
   $PY benches/quality/capture_keys.py --model $M --device $DEV $DATA_ARG --tokens ${TOKENS:-8192} --windows ${WINDOWS:-6} --out-dir $W/keys 2>&1 | grep -v 'it/s]' | tail -3
   echo "capture: $(( $(date +%s) - t0 ))s"
   $KVFORGE_BIN calibrate --samples $W/keys/kv-emma-per-layer.safetensors --out $W/cal.safetensors \
-    --ratios ${GRID_RATIOS:-16,20,32,64} --max-samples ${SAMPLES:-40000} --dp-rows $ROWS \
+    --ratios ${GRID_RATIOS:-16,20,32,64} --max-samples ${SAMPLES:-40000} --dp-rows $ROWS ${STEP:+--step} \
     --weights $W/keys/kv-emma-weights.safetensors --key-share $SHARES 2>&1 | tee $OUT/calibrate-grid.log
   echo "capture + calibrate: $(( $(date +%s) - t0 ))s" | tee -a $OUT/calibrate-grid.log
   rm -f $W/keys/keys-emma.safetensors $W/keys/values-emma.safetensors
   export KVFORGE_KVTC_CAL=$W/cal.safetensors
   schemes=fp16
-  for r in ${ROWS//,/ }; do for k in ${SHARES//,/ }; do schemes+=",sim:kvtc-16@ks$k-dp$r"; done; done
+  SWEEP=${SWEEP_RATIO:-16}${STEP:+-rans}
+  for r in ${ROWS//,/ }; do for k in ${SHARES//,/ }; do schemes+=",sim:kvtc-$SWEEP@ks$k-dp$r"; done; done
   $PY benches/quality/eval.py --model $M --device $DEV $DATA_ARG --schemes $schemes --contexts ${CONTEXTS%%,*} ${TEXTS:+--texts $TEXTS} \
     --layer-error-contexts '' --needle-contexts '' --out $OUT/kvtc-grid-16x.json 2>&1 | grep -v 'it/s]' | tee $OUT/kvtc-grid.log
   echo "sweep: $(( $(date +%s) - t0 ))s"
@@ -77,7 +80,7 @@ if [ "${1:-}" = grid ]; then
   echo "best at 16x: $best"
   schemes=
   BEST_RATIOS=${BEST_RATIOS:-16,20,32}
-  for r in ${BEST_RATIOS//,/ }; do schemes+="${schemes:+,}sim:kvtc-$r@$best"; done
+  for r in ${BEST_RATIOS//,/ }; do schemes+="${schemes:+,}sim:kvtc-$r${STEP:+-rans}@$best"; done
   $PY benches/quality/eval.py --model $M --device $DEV $DATA_ARG --schemes $schemes --contexts ${CONTEXTS%%,*} ${TEXTS:+--texts $TEXTS} \
     --layer-error-contexts ${CONTEXTS%%,*} --needle-contexts ${NEEDLE:-2048} --needle-depths 0.25,0.5,0.75 \
     --out $OUT/kvtc-grid-best.json 2>&1 | grep -v 'it/s]' | tee -a $OUT/kvtc-grid.log || echo "BEST RUN FAILED"
