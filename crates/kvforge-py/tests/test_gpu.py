@@ -698,7 +698,7 @@ class _FakeParisIndex:
     dense_below = 0
     device_bytes_per_key = 0
 
-    def __init__(self, d, hkv, gqa, capacity, dense_capacity=1024, max_k=256, max_candidates=65536, host_budget_gb=1.0, per_query_head=True):
+    def __init__(self, d, hkv, gqa, capacity, dense_capacity=1024, max_k=256, max_candidates=65536, host_budget_gb=1.0, per_query_head=True, rank="max"):
         self.d, self.hkv, self.hq, self.cap, self.dense_cap = d, hkv, hkv * gqa, capacity, dense_capacity
         self.region_k, self.region_v = [], []
         self.dense = None
