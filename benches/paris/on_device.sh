@@ -9,7 +9,7 @@
 #   cargo test --release -p kvforge-rt --test paris_gpu --no-run      # prints the test binary path
 #   mkdir -p .bin && cp target/release/examples/paris_{recall,bench} .bin/ \
 #     && cp "$(ls -t target/release/deps/paris_gpu-* | grep -v '\.d$' | head -1)" .bin/paris_gpu \
-#     && strip .bin/paris_* && grep -c host_stride .bin/paris_gpu .bin/paris_bench   # both >= 1 (the current paris.cuh)
+#     && strip .bin/paris_* && grep -c hmax_lut .bin/paris_gpu .bin/paris_bench   # both >= 1 (the current paris.cuh)
 #
 #   bash benches/paris/on_device.sh speed     # carry [".bin"], timeout 400: ONE call (~4 min): the GPU
 #                                             # tests, step timing at 128K and 1M x batch 1,

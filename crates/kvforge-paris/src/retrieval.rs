@@ -246,7 +246,7 @@ pub fn retrieve_group_max(s: &Summaries, group: &Query, heads: &[Query], rho: f6
 pub fn retrieve_group(s: &Summaries, heads: &[f64], rank: Rank, rho: f64, candidates: usize, k: usize) -> Result<Retrieval, ParisError> {
     let cfg = &s.config;
     let d = cfg.head_dim;
-    if heads.is_empty() || !heads.len().is_multiple_of(d) {
+    if heads.is_empty() || heads.len() % d != 0 {
         return Err(ParisError::Length { what: "group queries", got: heads.len(), want: d });
     }
     let group = Query::new(cfg, &group_query(heads, d))?;
