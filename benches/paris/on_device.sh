@@ -49,7 +49,8 @@
 # Only .bin/paris_recall is needed for call 2:
 #   cargo build --release -p kvforge-lab --example paris_recall && mkdir -p .bin && strip -o .bin/paris_recall target/release/examples/paris_recall
 # Knobs (env): LAYERS (capture, 3,8,15,22,28), HEADS (3), QUERIES (32), LENGTHS (131072,1048576),
-# GROUP (kv: one retrieval per kv head for the summed group query; head: per query head),
+# GROUP (kv: one retrieval per kv head for the summed group query; kvmax: per kv head, ranked by
+# the largest head estimate, the runtime's default Rank::GroupMax; head: per query head),
 # TEXTS (eval texts, all five), SCHEMES (fp16,paris).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -87,8 +88,8 @@ case "${1:-}" in
     for tile in rope noise; do
       .bin/paris_recall --qk "$QK" --tile $tile --group "${GROUP:-kv}" --lengths "${LENGTHS:-131072,1048576}" --heads "${HEADS:-3}" --queries "${QUERIES:-32}" \
         --label "SmolLM2-135M Emma 8K tokens tiled ($tile), $GPU host CPU ($(nproc) cores), $DATE" \
-        --out "$OUT/paris-recall-smollm2-$tile-$DATE.json" 2>&1 | tee "$OUT/paris-recall-$tile.log"
-      python3 -c "import json,sys; [print('$tile', r) for r in json.load(open(sys.argv[1]))['summary']]" "$OUT/paris-recall-smollm2-$tile-$DATE.json"
+        --out "$OUT/paris-recall-smollm2-$tile${GROUP:+-$GROUP}-$DATE.json" 2>&1 | tee "$OUT/paris-recall-$tile.log"
+      python3 -c "import json,sys; [print('$tile', r) for r in json.load(open(sys.argv[1]))['summary']]" "$OUT/paris-recall-smollm2-$tile${GROUP:+-$GROUP}-$DATE.json"
     done
     echo "total: $(( $(date +%s) - t0 ))s"
     ;;
