@@ -114,7 +114,13 @@ PY
     ;;
   needle)
     join_model
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-kvforge/*.whl
+    # The wheel from this call's carry, or one a previous call on this machine installed (if the
+    # carry would pass 64 MiB: install it alone first, carry [".whl-kvforge"],
+    # `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-kvforge/*.whl`).
+    if ls .whl-kvforge/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl-kvforge/*.whl
+    fi
+    [ -d /tmp/site/kvforge ] || { echo "no kvforge wheel: carry .whl-kvforge (crates/kvforge-py/build-wheel.sh)" >&2; exit 2; }
     case "$RANK" in
       qhead) MODE=() ;;
       *) MODE=(--per-kv-head --rank "$RANK") ;;
