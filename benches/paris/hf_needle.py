@@ -9,6 +9,11 @@ perplexity of the same pipeline is measured by its bit-exact torch port
 checks the kernels themselves on the model.
 
     python3 benches/paris/hf_needle.py --model /root/m --out $OUT/paris-hf-needle.json
+    python3 benches/paris/hf_needle.py --model /root/m --per-kv-head --rank max --out $OUT/paris-hf-needle-hmax.json
+
+``--per-kv-head`` runs one retrieval per kv head (the fast mode); ``--rank`` orders its candidates:
+``max`` (default, "hmax": the largest of the group's head estimates) or ``sum`` (the summed
+query's estimate).
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ def main() -> None:
     ap.add_argument("--sinks", type=int, default=64)
     ap.add_argument("--local", type=int, default=256)
     ap.add_argument("--update", type=int, default=64)
-    ap.add_argument("--per-kv-head", action="store_true", help="one retrieval per kv head (summed group query) instead of per query head")
+    ap.add_argument("--per-kv-head", action="store_true", help="one retrieval per kv head (the summed group query's vote) instead of per query head")
+    ap.add_argument("--rank", choices=["max", "sum"], default="max",
+                    help="with --per-kv-head: rank the candidates by the largest head estimate (max, 'hmax') or the summed query's (sum)")
     ap.add_argument("--agree-tokens", type=int, default=32, help="greedy tokens compared with eager on an 8K Austen prompt")
     ap.add_argument("--out", default="paris-hf-needle.json")
     a = ap.parse_args()
@@ -80,14 +87,15 @@ def main() -> None:
     base_hits, base_answers, base_tokens, _ = run("eager", lambda: None)
     doc["needle"]["eager"] = {"hits": sum(base_hits), "trials": len(base_hits), "answers": base_answers}
     attach = lambda: kvforge.retrieval.use_retrieval(model, k=a.k, sinks=a.sinks, local=a.local, update=a.update,
-                                                           per_query_head=not a.per_kv_head)  # noqa: E731
-    hits, answers, tokens, stats = run(f"paris-k{a.k}", attach)
+                                                           per_query_head=not a.per_kv_head, rank=a.rank)  # noqa: E731
+    label = f"paris-k{a.k}" + (f"-kv-{a.rank}" if a.per_kv_head else "")
+    hits, answers, tokens, stats = run(label, attach)
     same = next((i for i, (p, q) in enumerate(zip(base_tokens, tokens)) if p != q), len(tokens))
-    doc["needle"][f"paris-k{a.k}"] = {"hits": sum(hits), "trials": len(hits), "answers": answers, "stats": stats}
+    doc["needle"][label] = {"hits": sum(hits), "trials": len(hits), "answers": answers, "stats": stats}
     doc["agreement"] = {"prompt": "persuasion, first 8000 tokens", "tokens": len(tokens), "identical_prefix": same,
                         "matching": sum(p == q for p, q in zip(base_tokens, tokens))}
     doc["seconds"] = time.time() - t0
-    print(f"needle: eager {sum(base_hits)}/{len(base_hits)}, paris-k{a.k} {sum(hits)}/{len(hits)}; greedy agreement "
+    print(f"needle: eager {sum(base_hits)}/{len(base_hits)}, {label} {sum(hits)}/{len(hits)}; greedy agreement "
           f"{doc['agreement']['matching']}/{len(tokens)} (identical prefix {same}); stats {stats}", flush=True)
     Path(a.out).write_text(json.dumps(doc, indent=1))
     print(f"wrote {a.out}")

@@ -9,15 +9,18 @@
 #   cargo test --release -p kvforge-rt --test paris_gpu --no-run      # prints the test binary path
 #   mkdir -p .bin && cp target/release/examples/paris_{recall,bench} .bin/ \
 #     && cp "$(ls -t target/release/deps/paris_gpu-* | grep -v '\.d$' | head -1)" .bin/paris_gpu \
-#     && strip .bin/paris_* && grep -c host_stride .bin/paris_gpu .bin/paris_bench   # both >= 1 (the current paris.cuh)
+#     && strip .bin/paris_* && grep -c hmax_lut .bin/paris_gpu .bin/paris_bench   # both >= 1 (the current paris.cuh)
 #
-#   bash benches/paris/on_device.sh speed     # carry [".bin"], timeout 300: ONE call (~3-4 min): the GPU
+#   bash benches/paris/on_device.sh speed     # carry [".bin"], timeout 400: ONE call (~4 min): the GPU
 #                                             # tests, step timing at 128K and 1M x batch 1,
 #                                             # compute-sanitizer memcheck of the retrieval, ties and
 #                                             # attention tests (every changed kernel), timing at 128K
 #                                             # x batch 8 / 32 / 64 (BATCHES), then 1M x 1 per query
-#                                             # head for comparison (COMPARE=0 skips); JSON under $OUT,
-#                                             # each step's files written as it ends
+#                                             # head and 1M x 1 with the summed rerank (--rank sum) for
+#                                             # comparison (COMPARE=0 skips); JSON under $OUT, each
+#                                             # step's files written as it ends. The timings run the
+#                                             # library's default rank (RANK=max: the group's largest
+#                                             # head estimate, rerank_hmax; RANK=sum the summed query's)
 #   bash benches/paris/on_device.sh gpu       # carry [".bin"]: GPU tests + step timing (~2 min)
 #   bash benches/paris/on_device.sh memcheck  # carry [".bin"]: compute-sanitizer memcheck + racecheck (~3 min)
 #   bash benches/paris/on_device.sh uva       # carry [".bin"] (.bin/uva_read: cargo build --release -p
@@ -36,11 +39,18 @@
 #   call 3, carry [".whl-py", "data/austen"], timeout 600 (~3 min):
 #     bash benches/paris/on_device.sh quality  # eval.py fp16 + sim:paris-k256 + sim:paris-k256-oracle:
 #                                             # perplexity at 8K on five novels, per-layer error at
-#                                             # 8K, needle at 8K (depths 0.25/0.5/0.75)
+#                                             # 8K, needle at 8K (depths 0.25/0.5/0.75);
+#                                             # SCHEMES=fp16,paris-hmax for the group-max ranking
+#   the kernels on the model (after call 1 or 2; the wheel: crates/kvforge-py/build-wheel.sh),
+#   carry [".model-b", ".whl-py", ".whl-kvforge", "data/austen"], timeout 600:
+#     bash benches/paris/on_device.sh needle   # hf_needle.py: needle at 4K / 8K and greedy agreement
+#                                             # with eager, one retrieval per kv head ranked by
+#                                             # RANK (max, default; sum), or per query head (RANK=qhead)
 # Only .bin/paris_recall is needed for call 2:
 #   cargo build --release -p kvforge-lab --example paris_recall && mkdir -p .bin && strip -o .bin/paris_recall target/release/examples/paris_recall
 # Knobs (env): LAYERS (capture, 3,8,15,22,28), HEADS (3), QUERIES (32), LENGTHS (131072,1048576),
-# GROUP (kv: one retrieval per kv head for the summed group query; head: per query head),
+# GROUP (kv: one retrieval per kv head for the summed group query; kvmax: per kv head, ranked by
+# the largest head estimate, the runtime's default Rank::GroupMax; head: per query head),
 # TEXTS (eval texts, all five), SCHEMES (fp16,paris).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -52,6 +62,7 @@ export KVFORGE_CUDA_INCLUDE=${KVFORGE_CUDA_INCLUDE:-/usr/local/cuda/include}
 export KVFORGE_CACHE_DIR=${KVFORGE_CACHE_DIR:-/tmp/kvforge-cache}
 QK=/tmp/paris-qk-emma.safetensors
 DATE=$(date -u +%F)
+RANK=${RANK:-max}
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr ' ' '-' | tr 'A-Z' 'a-z' || echo gpu)
 
 M=/root/m
@@ -77,8 +88,8 @@ case "${1:-}" in
     for tile in rope noise; do
       .bin/paris_recall --qk "$QK" --tile $tile --group "${GROUP:-kv}" --lengths "${LENGTHS:-131072,1048576}" --heads "${HEADS:-3}" --queries "${QUERIES:-32}" \
         --label "SmolLM2-135M Emma 8K tokens tiled ($tile), $GPU host CPU ($(nproc) cores), $DATE" \
-        --out "$OUT/paris-recall-smollm2-$tile-$DATE.json" 2>&1 | tee "$OUT/paris-recall-$tile.log"
-      python3 -c "import json,sys; [print('$tile', r) for r in json.load(open(sys.argv[1]))['summary']]" "$OUT/paris-recall-smollm2-$tile-$DATE.json"
+        --out "$OUT/paris-recall-smollm2-$tile${GROUP:+-$GROUP}-$DATE.json" 2>&1 | tee "$OUT/paris-recall-$tile.log"
+      python3 -c "import json,sys; [print('$tile', r) for r in json.load(open(sys.argv[1]))['summary']]" "$OUT/paris-recall-smollm2-$tile${GROUP:+-$GROUP}-$DATE.json"
     done
     echo "total: $(( $(date +%s) - t0 ))s"
     ;;
@@ -101,10 +112,26 @@ for name, s in r.items():
 PY
     echo "total: $(( $(date +%s) - t0 ))s"
     ;;
+  needle)
+    join_model
+    # The wheel from this call's carry, or one a previous call on this machine installed (if the
+    # carry would pass 64 MiB: install it alone first, carry [".whl-kvforge"],
+    # `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl-kvforge/*.whl`).
+    if ls .whl-kvforge/*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl-kvforge/*.whl
+    fi
+    [ -d /tmp/site/kvforge ] || { echo "no kvforge wheel: carry .whl-kvforge (crates/kvforge-py/build-wheel.sh)" >&2; exit 2; }
+    case "$RANK" in
+      qhead) MODE=() ;;
+      *) MODE=(--per-kv-head --rank "$RANK") ;;
+    esac
+    PYTHONPATH=/tmp/site:$ROOT/.whl-py PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVFORGE_ROOT=$ROOT python3 benches/paris/hf_needle.py --model $M "${MODE[@]}" \
+      --out "$OUT/paris-hf-needle-$RANK-$GPU-$DATE.json" 2>&1 | grep -v 'it/s]' | tee "$OUT/paris-hf-needle-$RANK.log"
+    ;;
   gpu)
     nvidia-smi -L
     .bin/paris_gpu --include-ignored --test-threads 1 2>&1 | tee "$OUT/paris-gpu-tests-$GPU-$DATE.log"
-    .bin/paris_bench --lengths 131072,1048576 --batch 1 --kv-heads 8 --gqa 4 --head-dim 128 --iters 20 \
+    .bin/paris_bench --lengths 131072,1048576 --batch 1 --kv-heads 8 --gqa 4 --head-dim 128 --iters 20 --rank "$RANK" \
       --out "$OUT/paris-bench-$GPU-$DATE.json" 2>&1 | tee "$OUT/paris-bench.log"
     ;;
   speed)
@@ -113,17 +140,19 @@ PY
     # A failing test or sanitizer report must not skip the timings: reported, then on.
     .bin/paris_gpu --include-ignored --test-threads 1 --nocapture 2>&1 | tee "$OUT/paris-gpu-tests-$GPU-$DATE.log" || echo "GPU TESTS FAILED"
     echo "tests: $(( $(date +%s) - t0 ))s"
-    .bin/paris_bench --lengths 131072,1048576 --batch 1 --kv-heads 8 --gqa 4 --head-dim 128 --iters 20 \
+    .bin/paris_bench --lengths 131072,1048576 --batch 1 --kv-heads 8 --gqa 4 --head-dim 128 --iters 20 --rank "$RANK" \
       --out "$OUT/paris-bench-$GPU-$DATE.json" 2>&1 | tee "$OUT/paris-bench.log"
     echo "bench batch 1: $(( $(date +%s) - t0 ))s"
     compute-sanitizer --tool memcheck .bin/paris_gpu --ignored --test-threads 1 retrieval_matches ties_keep attention_matches 2>&1 | tail -20 | tee "$OUT/paris-memcheck-$GPU-$DATE.log" || echo "MEMCHECK FAILED"
     echo "memcheck: $(( $(date +%s) - t0 ))s"
-    .bin/paris_bench --lengths 131072 --batch "${BATCHES:-8,32,64}" --kv-heads 8 --gqa 4 --head-dim 128 --iters 10 --host-gib 48 \
+    .bin/paris_bench --lengths 131072 --batch "${BATCHES:-8,32,64}" --kv-heads 8 --gqa 4 --head-dim 128 --iters 10 --host-gib 48 --rank "$RANK" \
       --out "$OUT/paris-bench-batch-$GPU-$DATE.json" 2>&1 | tee -a "$OUT/paris-bench.log"
     echo "bench batches: $(( $(date +%s) - t0 ))s"
     if [ "${COMPARE:-1}" = 1 ]; then
       .bin/paris_bench --lengths 1048576 --batch 1 --kv-heads 8 --gqa 4 --head-dim 128 --iters 10 --per-query-head \
         --out "$OUT/paris-bench-per-query-head-$GPU-$DATE.json" 2>&1 | tee -a "$OUT/paris-bench.log"
+      .bin/paris_bench --lengths 1048576 --batch 1 --kv-heads 8 --gqa 4 --head-dim 128 --iters 20 --rank sum \
+        --out "$OUT/paris-bench-rank-sum-$GPU-$DATE.json" 2>&1 | tee -a "$OUT/paris-bench.log"
     fi
     echo "total: $(( $(date +%s) - t0 ))s"
     ;;
@@ -142,7 +171,7 @@ PY
     compute-sanitizer --tool racecheck .bin/paris_gpu --ignored --test-threads 1 retrieval_matches 2>&1 | tail -20 | tee "$OUT/paris-racecheck-$GPU-$DATE.log"
     ;;
   *)
-    echo "usage: $0 speed|gpu|memcheck|model-a|smollm2|quality" >&2
+    echo "usage: $0 speed|gpu|memcheck|uva|model-a|smollm2|quality|needle" >&2
     exit 2
     ;;
 esac

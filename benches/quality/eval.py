@@ -51,6 +51,9 @@ SCHEME_GROUPS = {
     "paris": ["sim:paris-k256", "sim:paris-k256-oracle"],
     # the same, one retrieval per query head (paris_sim.py -qhead; the default is per kv head)
     "paris-qhead": ["sim:paris-k256-qhead", "sim:paris-k256-qhead-oracle"],
+    # per kv head, candidates ranked by the group's largest head estimate (-hmax; the runtime's
+    # Rank::GroupMax, its default), and the exact top-256 by the largest head logit
+    "paris-hmax": ["sim:paris-k256-hmax", "sim:paris-k256-hmax-oracle"],
 }
 KVFORGE_SCHEMES = [
     "kvforge:specs/baseline.toml:fp16",

@@ -27,9 +27,10 @@ layers, then carry the retrieval error forward, as generated tokens' do).
 score is the sum of the heads' logits; the group shares one vote, top-C, rerank and top-k, and
 each query head still attends its own softmax over the shared rows. ``-qhead`` retrieves per
 query head instead (the runtime's ``per_query_head``, the first version of this backend).
-``-hmax`` (sim only, no runtime path yet) keeps the kv head's shared vote and top-C but ranks the
-candidates by the largest of the ``G`` heads' own estimates (the oracle: by the largest head
-logit), so a key that one head attends to is not averaged away by the others.
+``-hmax`` keeps the kv head's shared vote and top-C but ranks the candidates by the largest of
+the ``G`` heads' own estimates (the oracle: by the largest head logit), so a key that one head
+attends to is not averaged away by the others: the runtime's ``Rank::GroupMax`` (its default,
+kernel ``rerank_hmax``; ``kvforge_paris::retrieve_group_max`` is the reference).
 
 ``-oracle`` selects the exact top-k of the retrieval region by the true score instead (per kv
 head: ``Σ_g q_g · k``, the summed query's; with ``-qhead``: each head's ``q·k``), which

@@ -5,7 +5,13 @@
 //! ```text
 //! cargo build --release -p kvforge-lab --example paris_bench
 //! LD_LIBRARY_PATH=/usr/local/cuda/lib64 .bin/paris_bench --lengths 131072,1048576 --batch 1 --out $OUT/paris-bench.json
+//! .bin/paris_bench --lengths 1048576 --rank sum --out $OUT/paris-bench-sum.json   # the summed-query rerank
 //! ```
+//!
+//! `--rank` picks the per-kv-head rerank (`kvforge_paris::Rank`): `max` (default, as the
+//! library's: candidates ranked by the largest of the group's head estimates, `rerank_hmax`) or
+//! `sum` (the summed query's estimate); the JSON's `rank` and `retrieval` name it, and its
+//! `median_us.rerank` is the rerank kernel of that mode.
 //!
 //! Keys are Gaussian rows around a shared mean direction (fp16), values reuse the keys (the
 //! timing does not depend on them); the dense region (sinks + local) has `--dense` rows. The
@@ -19,7 +25,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use half::f16;
-use kvforge_paris::{ParisConfig, Schedule};
+use kvforge_paris::{ParisConfig, Rank, Schedule};
 use kvforge_rt::paris::{ParisGeometry, ParisIndex, StepTimes};
 use kvforge_rt::testing::Xorshift;
 use kvforge_rt::Device;
@@ -38,6 +44,10 @@ struct Args {
     /// One retrieval per query head (default: one per kv head for its group's summed query).
     #[arg(long)]
     per_query_head: bool,
+    /// Rerank of a kv head's shared retrieval: `max` (the group's largest head estimate) or
+    /// `sum` (the summed query's estimate). Ignored with --per-query-head.
+    #[arg(long, default_value = "max", value_parser = parse_rank)]
+    rank: Rank,
     #[arg(long, default_value_t = 128)]
     head_dim: usize,
     #[arg(long, default_value_t = 100)]
@@ -58,6 +68,10 @@ struct Args {
     chunks: Vec<usize>,
     #[arg(long)]
     out: Option<PathBuf>,
+}
+
+fn parse_rank(s: &str) -> Result<Rank, String> {
+    Rank::parse(s).ok_or_else(|| format!("--rank {s}: sum or max"))
 }
 
 fn fill(buf: &mut [f16], salt: u64, d: usize) {
@@ -103,6 +117,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 kv_heads: a.kv_heads,
                 gqa: a.gqa,
                 per_query_head: a.per_query_head,
+                rank: a.rank,
                 capacity: n,
                 dense_capacity: a.dense,
                 max_candidates: plan.candidates,
@@ -146,9 +161,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let med = |f: fn(&StepTimes) -> f64| median(times.iter().map(f).collect());
             let total = med(|t| t.vote_us + t.topk_us + t.rerank_us + t.fetch_us + t.attend_us);
             let total_fused = med(|t| t.vote_us + t.topk_us + t.rerank_us + t.attend_fused_us);
-            let mode = if a.per_query_head { "per query head" } else { "per kv head (summed group query)" };
+            let mode = match (a.per_query_head, geo.ranks_by_group_max()) {
+                (true, _) => "per query head",
+                (false, true) => "per kv head (summed group query's vote, ranked by the largest head estimate)",
+                (false, false) => "per kv head (summed group query)",
+            };
             let v = json!({
-                "n": n, "batch": batch, "kv_heads": a.kv_heads, "gqa": a.gqa, "retrieval": mode, "head_dim": d, "k": a.k, "dense_rows": a.dense,
+                "n": n, "batch": batch, "kv_heads": a.kv_heads, "gqa": a.gqa, "retrieval": mode, "rank": a.rank.name(), "head_dim": d, "k": a.k, "dense_rows": a.dense,
                 "plan": plan, "config": cfg,
                 "gpu_bytes_per_token_per_kv_head": cfg.summary_bytes(), "fp16_kv_bytes_per_token_per_kv_head": 4 * d,
                 "gpu_bytes_per_sequence": ix.device_bytes_per_sequence(), "fp16_kv_bytes_per_sequence": 4 * d * a.kv_heads * n,
@@ -159,7 +178,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 "pipelined_total_us_by_chunks": pipelined,
                 "sequences_per_s_pipelined": pipelined.values().filter_map(|v| v.as_f64()).fold(f64::INFINITY, f64::min).recip() * batch as f64 * 1e6,
             });
-            eprintln!("batch {batch} n {n}: {}", v["median_us"]);
+            eprintln!("batch {batch} n {n} ({mode}): {}", v["median_us"]);
             runs.push(v);
         }
     }

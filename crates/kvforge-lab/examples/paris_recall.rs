@@ -39,7 +39,10 @@
 //! (`kvforge_paris::group_query`), and Recall@k is measured against the exact top-k of that
 //! summed query (the exact top-k of the group's aggregated scores). `--group head`: the last
 //! positions' queries of the group's query heads one by one (round robin), each its own
-//! retrieval. The JSON's `summary` holds, per length, the mean over the (layer, kv head) runs.
+//! retrieval. `--group kvmax`: one retrieval per kv head and position whose vote and top-C are
+//! the summed query's, candidates ranked by the largest of the group's head estimates
+//! (`kvforge_paris::Rank::GroupMax`, the runtime's default), Recall@k against the exact top-k by
+//! the largest head logit (`exact_top_k_group_max`; the exact rerank column likewise). The JSON's `summary` holds, per length, the mean over the (layer, kv head) runs.
 //! Synthetic queries have no GQA group: each is its own retrieval.
 //!
 //! For every query: the exact top-k (f64), the adaptive schedule's retrieval
@@ -53,7 +56,7 @@ use clap::Parser;
 use half::f16;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvforge_paris::retrieval::top_k_by;
-use kvforge_paris::{exact_top_k, group_query, recall, top_candidates, ParisConfig, Query, Schedule, Summaries};
+use kvforge_paris::{exact_top_k, exact_top_k_group_max, group_query, recall, top_candidates, ParisConfig, Query, Schedule, Summaries};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -91,8 +94,9 @@ struct Args {
     /// KV heads per layer of the captured file (the first ones).
     #[arg(long, default_value_t = 2)]
     heads: usize,
-    /// Captured queries: `kv` (one retrieval per kv head for the sum of its query heads) or
-    /// `head` (one per query head) (module docs).
+    /// Captured queries: `kv` (one retrieval per kv head for the sum of its query heads),
+    /// `kvmax` (per kv head, ranked by the largest head estimate) or `head` (one per query head)
+    /// (module docs).
     #[arg(long, default_value = "kv")]
     group: String,
     /// How captured keys are tiled to length: `rope` or `noise` (module docs).
@@ -192,11 +196,18 @@ impl Acc {
 }
 
 /// One query's numbers: adaptive, then the sweep; each `(recall, coarse, exact rerank)`.
-fn one_query(cfg: &ParisConfig, s: &Summaries, keys: &[f32], q: &[f64], k: usize) -> Vec<(f64, f64, f64)> {
-    let want = exact_top_k(keys, q, k);
-    let qp = Query::new(cfg, q).expect("a finite query");
+/// One retrieval's recalls per plan (adaptive, then the sweep): `heads` is one query `[D]`, or
+/// with `max` a GQA group's queries `[G][D]` (vote by their sum, rerank and exact ranking by
+/// the largest head's).
+fn one_query(cfg: &ParisConfig, s: &Summaries, keys: &[f32], heads: &[f64], max: bool, k: usize) -> Vec<(f64, f64, f64)> {
     let d = cfg.head_dim;
-    let exact = |i: u32| keys[i as usize * d..(i as usize + 1) * d].iter().zip(q).map(|(&a, b)| f64::from(a) * b).sum::<f64>();
+    let q = group_query(heads, d);
+    let want = if max { exact_top_k_group_max(keys, heads, d, k) } else { exact_top_k(keys, &q, k) };
+    let qp = Query::new(cfg, &q).expect("a finite query");
+    let per: Vec<Query> = if max { heads.chunks_exact(d).map(|h| Query::new(cfg, h).expect("a finite query")).collect() } else { Vec::new() };
+    let dot = |i: u32, q: &[f64]| keys[i as usize * d..(i as usize + 1) * d].iter().zip(q).map(|(&a, b)| f64::from(a) * b).sum::<f64>();
+    let exact = |i: u32| if max { heads.chunks_exact(d).map(|h| dot(i, h)).fold(f64::NEG_INFINITY, f64::max) } else { dot(i, &q) };
+    let estimate = |i: u32| if max { per.iter().map(|h| h.estimate(s, i as usize)).fold(f64::NEG_INFINITY, f64::max) } else { qp.estimate(s, i as usize) };
     let plan = Schedule::default().plan(s.n, k);
     let runs = std::iter::once((plan.rho, plan.candidates)).chain(SWEEP.iter().map(|&(rho, beta)| (rho, ((beta * s.n as f64).ceil() as usize).max(k))));
     let mut out = Vec::new();
@@ -208,7 +219,7 @@ fn one_query(cfg: &ParisConfig, s: &Summaries, keys: &[f32], q: &[f64], k: usize
             last_rho = rho;
         }
         let cands = top_candidates(&scores, c);
-        let est = top_k_by(cands.iter().map(|&i| (qp.estimate(s, i as usize), i)).collect(), k);
+        let est = top_k_by(cands.iter().map(|&i| (estimate(i), i)).collect(), k);
         let ex = top_k_by(cands.iter().map(|&i| (exact(i), i)).collect(), k);
         let got: Vec<u32> = est.iter().map(|x| x.1).collect();
         let gotx: Vec<u32> = ex.iter().map(|x| x.1).collect();
@@ -217,8 +228,9 @@ fn one_query(cfg: &ParisConfig, s: &Summaries, keys: &[f32], q: &[f64], k: usize
     out
 }
 
-/// Runs the queries of one (keys, config) and returns its JSON.
-fn study(source: &str, cfg: ParisConfig, keys: &[f32], queries: &[Vec<f64>], k: usize, bar: &ProgressBar) -> Value {
+/// Runs the queries of one (keys, config) and returns its JSON (`max`: each query is a GQA
+/// group's heads, ranked by the largest head, as `one_query`).
+fn study(source: &str, cfg: ParisConfig, keys: &[f32], queries: &[Vec<f64>], max: bool, k: usize, bar: &ProgressBar) -> Value {
     let n = keys.len() / cfg.head_dim;
     let t0 = Instant::now();
     // Encode in parallel chunks, then concatenate (the histogram adds up).
@@ -237,7 +249,7 @@ fn study(source: &str, cfg: ParisConfig, keys: &[f32], queries: &[Vec<f64>], k: 
     let per: Vec<Vec<(f64, f64, f64)>> = queries
         .par_iter()
         .map(|q| {
-            let r = one_query(&cfg, &s, keys, q, k);
+            let r = one_query(&cfg, &s, keys, q, max, k);
             bar.inc(1);
             r
         })
@@ -331,7 +343,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 for &n in &args.lengths {
                     bar.set_message(format!("synthetic D {d} n {n}"));
                     let (keys, qs) = synthetic(d, n, args.queries, args.seed, args.mean);
-                    let mut v = study("synthetic-drift", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, args.k, &bar);
+                    let mut v = study("synthetic-drift", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, false, args.k, &bar);
                     v["mean_scale"] = json!(args.mean);
                     runs.push(v);
                 }
@@ -370,17 +382,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         })
                         .collect();
                     let g = hq / hkv;
-                    let per_head = match args.group.as_str() {
-                        "head" => true,
-                        "kv" => false,
-                        other => return Err(format!("--group {other}: kv or head").into()),
+                    let (per_head, max) = match args.group.as_str() {
+                        "head" => (true, false),
+                        "kv" => (false, false),
+                        "kvmax" => (false, true),
+                        other => return Err(format!("--group {other}: kv, kvmax or head").into()),
                     };
                     let head_row = |qh: usize, pos: usize| &qall[(qh * t + pos) * d..(qh * t + pos + 1) * d];
                     // Query j: query head h g + j % g at position t - 1 - j / g, or the sum of the
-                    // group's heads at position t - 1 - j.
+                    // group's heads at position t - 1 - j (kvmax: the group's heads, `[g][D]`).
                     let qrow = |j: usize| -> Vec<f32> {
                         if per_head {
                             head_row(h * g + j % g, t - 1 - j / g).to_vec()
+                        } else if max {
+                            (0..g).flat_map(|i| head_row(h * g + i, t - 1 - j).iter().copied()).collect()
                         } else {
                             let heads: Vec<f64> = (0..g).flat_map(|i| head_row(h * g + i, t - 1 - j).iter().map(|&v| f64::from(v))).collect();
                             group_query(&heads, d).into_iter().map(|v| v as f32).collect()
@@ -390,7 +405,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                         bar.set_message(format!("layer {l} head {h} n {n}"));
                         let qs: Vec<Vec<f64>> = (0..args.queries)
                             .map(|j| match theta {
-                                Some(th) => rope_shift(&qrow(j), n.saturating_sub(t) as f64, th),
+                                // Per head (a kvmax query holds the group's heads).
+                                Some(th) => qrow(j).chunks_exact(d).flat_map(|r| rope_shift(r, n.saturating_sub(t) as f64, th)).collect(),
                                 None => qrow(j).iter().map(|&v| f64::from(v)).collect(),
                             })
                             .collect();
@@ -416,12 +432,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                                 keys
                             }
                         };
-                        let mut v = study("captured-tiled", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, args.k, &bar);
+                        let mut v = study("captured-tiled", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, max, args.k, &bar);
                         v["layer"] = json!(l);
                         v["kv_head"] = json!(h);
                         v["captured_tokens"] = json!(t);
                         v["tile"] = json!(args.tile);
-                        v["group"] = json!(if per_head { "query head" } else { "kv head (summed group query)" });
+                        v["group"] = json!(match (per_head, max) {
+                            (true, _) => "query head",
+                            (false, true) => "kv head (summed group query's vote, ranked by the largest head estimate)",
+                            (false, false) => "kv head (summed group query)",
+                        });
                         v["rope_theta"] = json!(theta);
                         runs.push(v);
                     }

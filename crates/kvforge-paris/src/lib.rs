@@ -26,7 +26,8 @@
 //!
 //! - [`summary`]: the per-key summaries (byte layout in its docs);
 //! - [`retrieval`]: vote, top-`C`, rerank (eq. 10), top-`k`, exact top-`k` and recall; one
-//!   retrieval per GQA group ([`group_query`]);
+//!   retrieval per GQA group ([`group_query`]), ranked by the summed or the heads' largest
+//!   estimate ([`Rank`]);
 //! - [`config`]: the geometry and the adaptive `(ρ, β)` schedule;
 //! - [`window`]: the sinks / retrieval / local / update-buffer regions of a sequence (§4.2.1).
 
@@ -38,6 +39,6 @@ pub mod window;
 
 pub use config::{ParisConfig, RetrievalPlan, Schedule, SchedulePoint, CODE_BITS};
 pub use error::ParisError;
-pub use retrieval::{exact_top_k, group_query, recall, retrieve, top_candidates, Query, Retrieval};
+pub use retrieval::{exact_top_k, exact_top_k_group_max, group_query, recall, retrieve, retrieve_group, retrieve_group_max, top_candidates, Query, Rank, Retrieval};
 pub use summary::{summarize_key, KeySummary, Summaries};
 pub use window::{Regions, WindowConfig};

@@ -15,7 +15,7 @@
 //! retrieval runs on the GPU; the host round trip costs a synchronisation per call.
 
 use half::f16;
-use kvforge_paris::{ParisConfig, Schedule};
+use kvforge_paris::{ParisConfig, Rank, Schedule};
 use kvforge_rt::paris::{ParisGeometry, ParisIndex as Index};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -38,10 +38,12 @@ fn f32_bytes<'py>(py: Python<'py>, x: &[f32]) -> Bound<'py, PyBytes> {
 /// The retrieval index of one attention layer for `batch` sequences (module docs).
 ///
 /// ParisIndex(head_dim, kv_heads, gqa, capacity, batch=1, dense_capacity=1024, max_k=256,
-///            max_candidates=65536, host_budget_gb=64.0, device=0, per_query_head=False)
+///            max_candidates=65536, host_budget_gb=64.0, device=0, per_query_head=False, rank="max")
 ///
-/// The `gqa` query heads of a kv head share one retrieval (for the sum of their queries) and
-/// one fetch of the rows; `per_query_head=True` retrieves for each query head.
+/// The `gqa` query heads of a kv head share one retrieval (the vote of the sum of their
+/// queries) and one fetch of the rows; `rank` orders its candidates: `"max"` (default) by the
+/// largest of the heads' own estimates, `"sum"` by the summed query's (kvforge-paris `Rank`).
+/// `per_query_head=True` retrieves for each query head (`rank` then has no effect).
 #[pyclass(module = "kvforge", name = "ParisIndex", unsendable)]
 pub struct ParisIndex {
     inner: Index,
@@ -51,7 +53,7 @@ pub struct ParisIndex {
 #[pymethods]
 impl ParisIndex {
     #[new]
-    #[pyo3(signature = (head_dim, kv_heads, gqa, capacity, batch = 1, dense_capacity = 1024, max_k = 256, max_candidates = 65536, host_budget_gb = 64.0, device = 0, per_query_head = false))]
+    #[pyo3(signature = (head_dim, kv_heads, gqa, capacity, batch = 1, dense_capacity = 1024, max_k = 256, max_candidates = 65536, host_budget_gb = 64.0, device = 0, per_query_head = false, rank = "max"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -66,13 +68,17 @@ impl ParisIndex {
         #[pyo3(from_py_with = crate::real)] host_budget_gb: f64,
         #[pyo3(from_py_with = crate::nat)] device: usize,
         per_query_head: bool,
+        rank: &str,
     ) -> PyResult<Self> {
         if !(host_budget_gb > 0.0) {
             return Err(bad(py, format!("host_budget_gb must be positive, got {host_budget_gb}")));
         }
+        let Some(rank) = Rank::parse(rank) else {
+            return Err(bad(py, format!("rank must be \"max\" or \"sum\", got {rank:?}")));
+        };
         guarded(py, || {
             let dev = crate::device(py, device)?;
-            let geo = ParisGeometry { batch, kv_heads, gqa, per_query_head, capacity, dense_capacity, max_candidates, max_k, host_budget_bytes: (host_budget_gb * 1e9) as usize };
+            let geo = ParisGeometry { batch, kv_heads, gqa, per_query_head, rank, capacity, dense_capacity, max_candidates, max_k, host_budget_bytes: (host_budget_gb * 1e9) as usize };
             let inner = Index::new(&dev, ParisConfig::default_for(head_dim), geo).or_py(py)?;
             Ok(ParisIndex { inner, schedule: Schedule::default() })
         })

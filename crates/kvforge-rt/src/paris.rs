@@ -14,9 +14,15 @@
 //! softmax over those rows. [`ParisGeometry::per_query_head`] retrieves for every query head
 //! instead (`gqa`× the vote / rerank / top-`k` work and host reads).
 //!
+//! The shared retrieval's rerank ranks the candidates by [`ParisGeometry::rank`]: by default
+//! [`Rank::GroupMax`] ("hmax"), the largest of the `gqa` heads' own eq. 10 estimates (the
+//! `rerank_hmax` kernel reads and unpacks a candidate's codes once for all heads; up to 8 heads
+//! per kv head), or [`Rank::Summed`], the summed query's estimate. The vote, top-`C`, top-`k`,
+//! fetch and attention are the same in both (kvforge-paris `Rank` says why max is the default).
+//!
 //! ```ignore
 //! let dev = Device::open(0)?;
-//! let geo = ParisGeometry { batch: 1, kv_heads: 8, gqa: 4, per_query_head: false, capacity: 1 << 20, dense_capacity: 1024, max_candidates: 65536, max_k: 256, host_budget_bytes: 40 << 30 };
+//! let geo = ParisGeometry { batch: 1, kv_heads: 8, gqa: 4, per_query_head: false, rank: Rank::GroupMax, capacity: 1 << 20, dense_capacity: 1024, max_candidates: 65536, max_k: 256, host_budget_bytes: 40 << 30 };
 //! let mut ix = ParisIndex::new(&dev, ParisConfig::default_for(128), geo)?;
 //! ix.append(0, &keys, &values)?;          // [rows][Hkv][D] fp16 each
 //! ix.set_dense(0, &dense_k, &dense_v)?;   // sinks + local
@@ -34,7 +40,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::{CUevent_flags, CUfunction_attribute};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use half::f16;
-use kvforge_paris::{ParisConfig, Schedule};
+use kvforge_paris::{ParisConfig, Rank, Schedule};
 
 use crate::device::Device;
 use crate::error::{drv, Result, RtError};
@@ -50,6 +56,10 @@ pub struct ParisGeometry {
     /// One retrieval per query head instead of one per kv head for its group's summed query
     /// (module docs).
     pub per_query_head: bool,
+    /// How the rerank of a kv head's shared retrieval ranks its candidates: the summed query's
+    /// estimate, or the largest of the group's heads' estimates (module docs). No effect per
+    /// query head or at `gqa` 1, where both are the one head's estimate.
+    pub rank: Rank,
     /// Retrieval-region keys per sequence (pinned host K/V and GPU summaries are sized for it).
     pub capacity: usize,
     /// Dense rows per (sequence, kv head) on the GPU.
@@ -81,6 +91,31 @@ impl ParisGeometry {
     pub fn rows_per_sequence(&self) -> usize {
         self.kv_heads * self.rows_per_kv_head()
     }
+
+    /// Whether the rerank scores each candidate for every head of the group (`rerank_hmax`):
+    /// [`Rank::GroupMax`] with one retrieval per kv head of more than one query head.
+    pub fn ranks_by_group_max(&self) -> bool {
+        self.rank == Rank::GroupMax && !self.per_query_head && self.gqa > 1
+    }
+}
+
+/// Most query heads per kv head that `rerank_hmax` serves (its lookup entries hold at most four
+/// fp16 pairs, `hmax_pairs` in paris.cuh).
+pub const HMAX_MAX_GQA: usize = 8;
+
+/// fp16 pairs per (channel, code) entry of `rerank_hmax`'s lookup table for `gqa` heads: 1, 2
+/// or 4 (one 4-, 8- or 16-byte shared load), as `hmax_pairs` in paris.cuh.
+fn hmax_pairs(gqa: usize) -> usize {
+    match gqa {
+        0..=2 => 1,
+        3..=4 => 2,
+        _ => 4,
+    }
+}
+
+/// Dynamic shared memory of `rerank_hmax`: the `[D][16]` entries of [`hmax_pairs`] half2.
+fn hmax_lut_bytes(d: usize, gqa: usize) -> usize {
+    d * 16 * hmax_pairs(gqa) * 4
 }
 
 #[repr(C)]
@@ -215,9 +250,11 @@ struct RerankParams {
     count: u64,
     est: u64,
     est_hist: u64,
+    q: u64,
     cmax: i32,
     nr: i32,
     rg: i32,
+    seed: u32,
     levels: [f32; 16],
 }
 
@@ -274,7 +311,7 @@ const _: () = assert!(std::mem::size_of::<BonusParams>() == 88);
 const _: () = assert!(std::mem::size_of::<VoteParams>() == 56);
 const _: () = assert!(std::mem::size_of::<BucketParams>() == 80);
 const _: () = assert!(std::mem::size_of::<SelectParams>() == 88);
-const _: () = assert!(std::mem::size_of::<RerankParams>() == 176);
+const _: () = assert!(std::mem::size_of::<RerankParams>() == 184);
 const _: () = assert!(std::mem::size_of::<FetchParams>() == 96);
 const _: () = assert!(std::mem::size_of::<AttendParams>() == 128);
 
@@ -399,6 +436,9 @@ impl ParisIndex {
         }
         if geo.max_k == 0 || geo.max_k > 1024 || geo.max_k > geo.max_candidates || geo.batch == 0 || geo.kv_heads == 0 || geo.gqa == 0 || geo.capacity == 0 {
             return Err(RtError::BadInput(format!("ParisKV geometry {geo:?}: needs 0 < max_k ≤ min(1024, max_candidates) and non-zero sizes")));
+        }
+        if geo.ranks_by_group_max() && geo.gqa > HMAX_MAX_GQA {
+            return Err(RtError::BadInput(format!("ParisKV Rank::GroupMax serves up to {HMAX_MAX_GQA} query heads per kv head, got gqa {}: use Rank::Summed or per_query_head", geo.gqa)));
         }
         let need = geo.host_bytes(d);
         if need > geo.host_budget_bytes {
@@ -860,13 +900,24 @@ impl ParisIndex {
             count: self.at(&w.cand_count, span),
             est: self.at(&w.est, span),
             est_hist: self.at(&w.est_hist, span),
+            q: self.at(&w.q, span),
             cmax: g.max_candidates as i32,
             nr: g.rows_per_sequence() as i32,
             rg: g.rows_per_kv_head() as i32,
+            seed: self.cfg.seed,
             levels: self.levels,
         };
-        // SAFETY: RerankParams; CTAs and threads past a row's candidate count return.
-        unsafe { self.launch("rerank", &p, (g.max_candidates.div_ceil(RERANK_CHUNK) as u32, nr as u32, 1), 256, 0) }
+        let grid = (g.max_candidates.div_ceil(RERANK_CHUNK) as u32, nr as u32, 1);
+        if g.ranks_by_group_max() {
+            // SAFETY: RerankParams; one row per kv head (RG = 1), whose gqa ≤ HMAX_MAX_GQA
+            // query heads are row × gqa .. of the uploaded queries [batch][Hq][D]; the dynamic
+            // shared memory holds the [D][16] lookup entries of hmax_pairs(gqa) half2; CTAs and
+            // threads past a row's candidate count return.
+            unsafe { self.launch("rerank_hmax", &p, grid, 256, hmax_lut_bytes(self.cfg.head_dim, g.gqa)) }
+        } else {
+            // SAFETY: RerankParams; CTAs and threads past a row's candidate count return.
+            unsafe { self.launch("rerank", &p, grid, 256, 0) }
+        }
     }
 
     fn launch_fetch(&self, st: &CudaStream, span: Span) -> Result<()> {
@@ -938,7 +989,8 @@ impl ParisIndex {
 
     /// Retrieves the top-`k` keys for queries `q` (`[batch][Hq][D]` fp16) under `schedule`'s
     /// `(ρ, β)` for each sequence's length: one retrieval per (sequence, kv head) for the sum of
-    /// its query heads, or per query head ([`ParisGeometry::per_query_head`]). Returns the key
+    /// its query heads (candidates ranked by [`ParisGeometry::rank`]), or per query head
+    /// ([`ParisGeometry::per_query_head`]). Returns the key
     /// indices each (sequence, query head) attends, ascending (the query heads of a kv head get
     /// the same list unless per query head).
     pub fn retrieve(&mut self, q: &[f16], k: usize, schedule: &Schedule) -> Result<Vec<Vec<u32>>> {

@@ -1,11 +1,11 @@
 //! ParisKV retrieval on the device against the kvforge-paris f64 reference: summaries,
-//! retrieval (batch 2, GQA 4: one retrieval per kv head for the group's summed query, and the
-//! per-query-head option), attention over dense + retrieved rows (staged and fused UVA
+//! retrieval (batch 2, GQA 4: one retrieval per kv head for the group's summed query, ranked by
+//! the summed estimate or by the group's largest head estimate, and the per-query-head option), attention over dense + retrieved rows (staged and fused UVA
 //! reads), and the typed host-budget errors. Run on the GPU machine with `-- --ignored`; the
 //! NVRTC compile of the module runs on every CPU CI run (`paris_module_compiles`).
 
 use half::f16;
-use kvforge_paris::{exact_top_k, group_query, recall, retrieve, ParisConfig, Query, Schedule, Summaries};
+use kvforge_paris::{exact_top_k, exact_top_k_group_max, group_query, recall, retrieve_group, ParisConfig, Rank, Schedule, Summaries};
 use kvforge_rt::paris::{ParisGeometry, ParisIndex};
 use kvforge_rt::testing::Xorshift;
 use kvforge_rt::{Device, RtError};
@@ -22,7 +22,7 @@ fn head_rows(x: &[f16], hkv: usize, d: usize, h: usize) -> Vec<f32> {
 }
 
 fn geometry() -> ParisGeometry {
-    ParisGeometry { batch: 2, kv_heads: 2, gqa: 4, per_query_head: false, capacity: 24_000, dense_capacity: 96, max_candidates: 8192, max_k: 128, host_budget_bytes: 1 << 30 }
+    ParisGeometry { batch: 2, kv_heads: 2, gqa: 4, per_query_head: false, rank: Rank::default(), capacity: 24_000, dense_capacity: 96, max_candidates: 8192, max_k: 128, host_budget_bytes: 1 << 30 }
 }
 
 struct Setup {
@@ -86,12 +86,13 @@ fn summaries_match_the_reference() {
     }
 }
 
-/// The GPU's top-k of every retrieval row against the reference's for the row's query (the
-/// group's summed query per kv head, or one query head's), and both against the exact top-k of
-/// that query (Recall@100 of the aggregated scores).
-fn check_retrieval(per_query_head: bool) {
+/// The GPU's top-k of every retrieval row against the reference's for the row's queries (per
+/// kv head the group's, ranked by `rank`: the summed query's estimate or the largest head
+/// estimate; per query head the head's own), and both against the exact top-k the ranking
+/// approximates (Recall@100 of the summed logits, or of the largest head logit).
+fn check_retrieval(per_query_head: bool, rank: Rank) {
     let dev = Device::open(0).expect("device");
-    let mut s = setup_with(&dev, ParisGeometry { per_query_head, ..geometry() });
+    let mut s = setup_with(&dev, ParisGeometry { per_query_head, rank, ..geometry() });
     let (cfg, geo) = (*s.ix.config(), *s.ix.geometry());
     let (d, hq) = (cfg.head_dim, geo.kv_heads * geo.gqa);
     let q = rows(geo.batch * hq, d, 99, 1.0);
@@ -113,9 +114,11 @@ fn check_retrieval(per_query_head: bool) {
             let keys = head_rows(&s.keys[seq], geo.kv_heads, d, h);
             let sum = Summaries::encode(cfg, &keys).unwrap();
             let heads: Vec<f64> = q[(seq * hq + r * share) * d..(seq * hq + (r + 1) * share) * d].iter().map(|v| v.to_f64()).collect();
-            let qv = group_query(&heads, d);
-            let rf = retrieve(&sum, &Query::new(&cfg, &qv).unwrap(), plan.rho, plan.candidates.min(geo.max_candidates), plan.k).unwrap();
-            let want = exact_top_k(&keys, &qv, k);
+            let rf = retrieve_group(&sum, &heads, rank, plan.rho, plan.candidates.min(geo.max_candidates), plan.k).unwrap();
+            let want = match rank {
+                Rank::Summed => exact_top_k(&keys, &group_query(&heads, d), k),
+                Rank::GroupMax => exact_top_k_group_max(&keys, &heads, d, k),
+            };
             let got = &top[seq * hq + r * share];
             assert_eq!(got.len(), k);
             for j in 1..share {
@@ -128,7 +131,7 @@ fn check_retrieval(per_query_head: bool) {
     }
     let rows = (geo.batch * geo.rows_per_sequence()) as f64;
     let (agree, rec_gpu, rec_ref) = (agree / rows, rec_gpu / rows, rec_ref / rows);
-    println!("per_query_head {per_query_head}: GPU vs reference {agree:.3}, Recall@{k} GPU {rec_gpu:.3}, reference {rec_ref:.3}");
+    println!("per_query_head {per_query_head}, rank {rank:?}: GPU vs reference {agree:.3}, Recall@{k} GPU {rec_gpu:.3}, reference {rec_ref:.3}");
     assert!(agree > 0.95, "GPU vs reference top-k overlap {agree}");
     assert!(rec_gpu > rec_ref - 0.03, "GPU recall {rec_gpu} vs reference {rec_ref}");
 }
@@ -136,38 +139,50 @@ fn check_retrieval(per_query_head: bool) {
 #[test]
 #[ignore = "needs a CUDA device"]
 fn retrieval_matches_the_reference() {
-    check_retrieval(false);
+    check_retrieval(false, Rank::Summed);
+}
+
+/// `rerank_hmax`: the kv head's shared vote and top-C, candidates ranked by the largest of the
+/// group's 4 head estimates (fp16 lookup pairs, f32 sums over subspaces) against the f64
+/// reference's `retrieve_group_max`.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn retrieval_matches_the_reference_by_group_max() {
+    check_retrieval(false, Rank::GroupMax);
 }
 
 #[test]
 #[ignore = "needs a CUDA device"]
 fn retrieval_per_query_head_matches_the_reference() {
-    check_retrieval(true);
+    check_retrieval(true, Rank::default());
 }
 
-/// Identical keys: every vote score and estimate ties, so the threshold bin holds every
-/// candidate (past the one-pass top-k's shared-memory room: its radix fallback) and the top-k is
-/// the first k keys by index, as in the reference.
+/// Identical keys: every vote score and estimate ties (under either rank: the group-max
+/// estimates of identical codes are identical too), so the threshold bin holds every candidate
+/// (past the one-pass top-k's shared-memory room: its radix fallback) and the top-k is the
+/// first k keys by index, as in the reference.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn ties_keep_index_order() {
     let dev = Device::open(0).expect("device");
-    // 60K keys: 6000 candidates (β 0.10 below 64K keys), more than TIE_CAP (4096).
-    let geo = ParisGeometry { capacity: 60_000, ..geometry() };
-    let cfg = ParisConfig::default_for(128);
-    let mut ix = ParisIndex::new(&dev, cfg, geo).unwrap();
-    let one = rows(geo.kv_heads, 128, 5, 1.0);
-    let keys: Vec<f16> = (0..60_000).flat_map(|_| one.iter().copied()).collect();
-    for seq in 0..geo.batch {
-        ix.append(seq, &keys, &keys).unwrap();
-    }
-    let q = rows(geo.batch * geo.kv_heads * geo.gqa, 128, 6, 1.0);
-    let schedule = Schedule { dense_below: 0, ..Schedule::default() };
-    let want: Vec<u32> = (0..100).collect();
-    for radix in [false, true] {
-        ix.set_radix_topk(radix);
-        let top = ix.retrieve(&q, 100, &schedule).unwrap();
-        assert!(top.iter().all(|t| *t == want), "radix {radix}: {:?}", &top[0][..8]);
+    for rank in [Rank::Summed, Rank::GroupMax] {
+        // 60K keys: 6000 candidates (β 0.10 below 64K keys), more than TIE_CAP (4096).
+        let geo = ParisGeometry { capacity: 60_000, rank, ..geometry() };
+        let cfg = ParisConfig::default_for(128);
+        let mut ix = ParisIndex::new(&dev, cfg, geo).unwrap();
+        let one = rows(geo.kv_heads, 128, 5, 1.0);
+        let keys: Vec<f16> = (0..60_000).flat_map(|_| one.iter().copied()).collect();
+        for seq in 0..geo.batch {
+            ix.append(seq, &keys, &keys).unwrap();
+        }
+        let q = rows(geo.batch * geo.kv_heads * geo.gqa, 128, 6, 1.0);
+        let schedule = Schedule { dense_below: 0, ..Schedule::default() };
+        let want: Vec<u32> = (0..100).collect();
+        for radix in [false, true] {
+            ix.set_radix_topk(radix);
+            let top = ix.retrieve(&q, 100, &schedule).unwrap();
+            assert!(top.iter().all(|t| *t == want), "rank {rank:?}, radix {radix}: {:?}", &top[0][..8]);
+        }
     }
 }
 
@@ -224,6 +239,9 @@ fn host_budget_is_a_typed_error() {
     let cfg = ParisConfig::default_for(128);
     let small = ParisGeometry { host_budget_bytes: 1 << 20, ..geometry() };
     assert!(matches!(ParisIndex::new(&dev, cfg, small), Err(RtError::HostBudget { .. })));
+    // Group-max ranking past the lookup table's 8 heads is refused before anything compiles.
+    let wide = ParisGeometry { gqa: 16, rank: Rank::GroupMax, ..geometry() };
+    assert!(matches!(ParisIndex::new(&dev, cfg, wide), Err(RtError::BadInput(_))));
     let mut ix = ParisIndex::new(&dev, cfg, ParisGeometry { capacity: 1000, ..geometry() }).unwrap();
     let k = rows(900 * 2, 128, 1, 0.0);
     ix.append(0, &k, &k).unwrap();

@@ -105,7 +105,9 @@ struct RerankParams {
   const u32* count;  // [S][NR]
   float* est;        // [S][NR][cmax] out
   u32* est_hist;     // [S][NR][EST_BINS] out (zeroed by the bonus kernel)
+  const __half* q;   // [S][Hq][D]: rerank_hmax reads the G query heads of each row's kv head
   int cmax, nr, rg;
+  u32 seed;          // rerank_hmax: the shared rotation's seed
   float levels[16];
 };
 
@@ -759,6 +761,22 @@ __device__ void select_kernel(const SelectParams& p) {
 // warp's lanes share the channel, so its 16 entries sit in 16 banks: no conflicts.
 constexpr int RERANK_CHUNK = 2048, RERANK_UNROLL = 2;
 
+// The direction codes (D / 2 bytes as D / 32 uint4) and the B fp16 weights of index key `key`.
+template <int D, int M>
+__device__ __forceinline__ void rerank_load(const RerankParams& p, size_t key, uint4 (&r)[D / 32], __half (&w)[D / M]) {
+  constexpr int B = D / M;
+  const uint4* row = reinterpret_cast<const uint4*>(p.ix.codes + key * (D / 2));
+#pragma unroll
+  for (int v = 0; v < D / 32; ++v) r[v] = row[v];
+  if constexpr ((B * 2) % 16 == 0) {
+#pragma unroll
+    for (int v = 0; v < B * 2 / 16; ++v) reinterpret_cast<uint4*>(w)[v] = reinterpret_cast<const uint4*>(p.ix.weights + key * B)[v];
+  } else {
+#pragma unroll
+    for (int bb = 0; bb < B; ++bb) w[bb] = p.ix.weights[key * B + bb];
+  }
+}
+
 template <int D, int M, int NT>
 __device__ void rerank_kernel(const RerankParams& p) {
   constexpr int B = D / M;
@@ -784,17 +802,7 @@ __device__ void rerank_kernel(const RerankParams& p) {
     for (int u = 0; u < RERANK_UNROLL; ++u) {
       const u32 c = c0 + u * NT;
       if (c >= hi) break;
-      const size_t key = base + p.cand[size_t(sh) * p.cmax + c];
-      const uint4* row = reinterpret_cast<const uint4*>(p.ix.codes + key * (D / 2));
-#pragma unroll
-      for (int v = 0; v < D / 32; ++v) r[u][v] = row[v];
-      if constexpr ((B * 2) % 16 == 0) {
-#pragma unroll
-        for (int v = 0; v < B * 2 / 16; ++v) reinterpret_cast<uint4*>(w[u])[v] = reinterpret_cast<const uint4*>(p.ix.weights + key * B)[v];
-      } else {
-#pragma unroll
-        for (int bb = 0; bb < B; ++bb) w[u][bb] = p.ix.weights[key * B + bb];
-      }
+      rerank_load<D, M>(p, base + p.cand[size_t(sh) * p.cmax + c], r[u], w[u]);
     }
 #pragma unroll
     for (int u = 0; u < RERANK_UNROLL; ++u) {
@@ -817,6 +825,119 @@ __device__ void rerank_kernel(const RerankParams& p) {
       const float e = qn * acc;
       p.est[size_t(sh) * p.cmax + c] = e;
       atomicAdd(&p.est_hist[size_t(sh) * EST_BINS + (float_key(e) >> (32 - EST_BITS))], 1u);
+    }
+  }
+}
+
+// Rerank by the group's largest estimate (kvforge-paris `Rank::GroupMax`, "hmax"): one
+// retrieval row per kv head (RG = 1; its candidates come from the summed query's vote), each
+// candidate scored by the eq. 10 estimate of each of the kv head's G query heads,
+// est = max_g |q_g| sum_b w_b sum_j l[c_j] q~_gj (q~_g = R q_g / |q_g|, the reference's
+// `Query::new` per head). Grid, candidates per thread and the estimate histogram as
+// rerank_kernel; the CTA normalises and rotates the G queries itself (a warp per head).
+//
+// A candidate's codes and weights are read and unpacked once for all G heads: the lookup table
+// (dynamic shared memory, D * 16 * hmax_pairs(G) * 4 bytes) holds, per (channel, code), the G
+// heads' l_c q~_gj as fp16 pairs, so one 4-, 8- or 16-byte shared load (G <= 2, <= 4, <= 8)
+// serves every head of the group; a warp's lanes read one channel's 16 entries, a contiguous
+// 16 * 4 * hmax_pairs(G) bytes (conflict-free per phase). A subspace's M lookups add in half2 (the
+// entries are l_c times unit-vector coordinates, |x| < 1); the weighted sum over subspaces and
+// the norm are f32, as in rerank_kernel. Identical codes give identical estimates, so ties stay
+// ties. G > 8 is not rendered (the runtime refuses GroupMax there).
+__host__ __device__ constexpr int hmax_pairs(int g) { return g <= 2 ? 1 : g <= 4 ? 2 : 4; }
+
+template <int P>
+struct alignas(4 * P) HmaxEntry {
+  u32 w[P];
+};
+
+template <int D, int M, int G, int NT>
+__device__ void rerank_hmax_kernel(const RerankParams& p) {
+  if constexpr (G >= 1 && G <= 8) {
+    constexpr int B = D / M, P = hmax_pairs(G);
+    extern __shared__ __align__(16) u32 hmax_lut[];  // [D][16][P] half2
+    __shared__ float qs[G][D];
+    __shared__ float qn[G];
+    const int sh = blockIdx.y, s = sh / p.nr, h = sh % p.nr;
+    const u32 count = p.count[sh], lo = blockIdx.x * RERANK_CHUNK;
+    if (lo >= count) return;
+    // Row sh is kv head h of sequence s (RG = 1): its query heads are h G .. h G + G - 1.
+    const __half* qh = p.q + size_t(sh) * G * D;
+    for (int i = threadIdx.x; i < G * D; i += NT) qs[i / D][i % D] = __half2float(qh[i]);
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int g = warp; g < G; g += NT / 32) {
+      float v = 0.f;
+      for (int c = lane; c < D; c += 32) v += qs[g][c] * qs[g][c];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      const float norm = sqrtf(v), inv = norm > 0.f ? 1.f / norm : 0.f;
+      for (int c = lane; c < D; c += 32) qs[g][c] *= inv;
+      if (lane == 0) qn[g] = norm;
+    }
+    __syncthreads();
+    hadamard_rows<D, NT, false>(&qs[0][0], G, p.seed);
+    __half2* lut2 = reinterpret_cast<__half2*>(hmax_lut);
+    for (int i = threadIdx.x; i < D * 16 * P; i += NT) {
+      const int pp = i % P, code = (i / P) % 16, ch = i / (16 * P);
+      const float l = p.levels[code];
+      const float a = 2 * pp < G ? l * qs[2 * pp][ch] : 0.f, b = 2 * pp + 1 < G ? l * qs[2 * pp + 1][ch] : 0.f;
+      lut2[i] = __floats2half2_rn(a, b);
+    }
+    __syncthreads();
+    float norms[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) norms[g] = qn[g];
+    const HmaxEntry<P>* lut = reinterpret_cast<const HmaxEntry<P>*>(hmax_lut);
+    const u32 hi = min(count, lo + RERANK_CHUNK);
+    const size_t base = size_t(s * p.ix.hkv + h) * p.ix.cap;
+#pragma unroll 1
+    for (u32 c0 = lo + threadIdx.x; c0 < hi; c0 += RERANK_UNROLL * NT) {
+      uint4 r[RERANK_UNROLL][D / 32];
+      alignas(16) __half w[RERANK_UNROLL][B];
+#pragma unroll
+      for (int u = 0; u < RERANK_UNROLL; ++u) {
+        const u32 c = c0 + u * NT;
+        if (c >= hi) break;
+        rerank_load<D, M>(p, base + p.cand[size_t(sh) * p.cmax + c], r[u], w[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < RERANK_UNROLL; ++u) {
+        const u32 c = c0 + u * NT;
+        if (c >= hi) break;
+        float acc[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) acc[g] = 0.f;
+        __half2 dot[P];
+#pragma unroll
+        for (int v = 0; v < D / 32; ++v) {
+          const u32 words[4] = {r[u][v].x, r[u][v].y, r[u][v].z, r[u][v].w};
+#pragma unroll
+          for (int k = 0; k < 32; ++k) {
+            const int ch = v * 32 + k;
+            const HmaxEntry<P> e = lut[ch * 16 + ((words[k / 8] >> (4 * (k % 8))) & 15u)];
+#pragma unroll
+            for (int j = 0; j < P; ++j) {
+              const __half2 x = *reinterpret_cast<const __half2*>(&e.w[j]);
+              dot[j] = ch % M == 0 ? x : __hadd2(dot[j], x);
+            }
+            if ((ch + 1) % M == 0) {
+              const float wb = __half2float(w[u][ch / M]);
+#pragma unroll
+              for (int j = 0; j < P; ++j) {
+                const float2 f = __half22float2(dot[j]);
+                if (2 * j < G) acc[2 * j] = fmaf(wb, f.x, acc[2 * j]);
+                if (2 * j + 1 < G) acc[2 * j + 1] = fmaf(wb, f.y, acc[2 * j + 1]);
+              }
+            }
+          }
+        }
+        float e = norms[0] * acc[0];
+#pragma unroll
+        for (int g = 1; g < G; ++g) e = fmaxf(e, norms[g] * acc[g]);
+        p.est[size_t(sh) * p.cmax + c] = e;
+        atomicAdd(&p.est_hist[size_t(sh) * EST_BINS + (float_key(e) >> (32 - EST_BITS))], 1u);
+      }
     }
   }
 }

@@ -16,14 +16,16 @@ region and the last ``local`` positions (seed 001 §4.2.1). The region's K/V go 
 memory and their summaries are encoded on the GPU. Each decode token joins the local window;
 once ``update`` tokens wait past it, the oldest ``update`` local tokens move into the region
 (summaries encoded, K/V offloaded). A decode query retrieves the region's top-``k`` keys (collision vote, top-C, 4-bit rerank,
-top-k) per query head, or with ``per_query_head=False`` once per kv head for the summed query of
-its GQA group (the kernels' faster mode), and attends over sinks + local + retrieved rows with
-one softmax; while the region holds fewer than ``dense_below`` keys
+top-k) per query head, or with ``per_query_head=False`` once per kv head (the kernels' faster
+mode: one vote, top-k and fetch for the GQA group), and attends over sinks + local + retrieved
+rows with one softmax; while the region holds fewer than ``dense_below`` keys
 (``ParisIndex.dense_below``, 2048) the step attends every key exactly instead.
 
-Per query head is the default here because it is the mode whose quality was measured on
-SmolLM2 (needle 3/3 at 8K); one retrieval per kv head found 2/3 in the same simulation, as did the
-exact top-k of the summed query (docs/paris.md).
+Per kv head, ``rank`` orders the group's candidates (the vote is the summed query's either way):
+``"max"`` (default) by the largest of the heads' own rerank estimates, ``"sum"`` by the summed
+query's. Per query head is the default here because it is the mode whose quality was measured on
+the kernels (needle 6/6, H100); in the SmolLM2 simulation per kv head found the needle 2/3 with
+``"sum"`` and 3/3 with ``"max"`` (``sim:paris-k256-hmax``, docs/paris.md).
 
 Limits: batch 1 without padding; inference only; the index takes host byte strings, so every
 layer's step synchronises the GPU once (this path measures quality and retrieval, not speed:
@@ -70,13 +72,16 @@ class ParisAttention:
     ``[1, Tq, Hq, D]``."""
 
     def __init__(self, k: int = 256, sinks: int = 64, local: int = 256, update: int = 64,
-                 capacity: int = 8192 + 256, host_budget_gb: float = 8.0, module: Any = None, per_query_head: bool = True):
+                 capacity: int = 8192 + 256, host_budget_gb: float = 8.0, module: Any = None, per_query_head: bool = True,
+                 rank: str = "max"):
         if k < 1 or sinks < 0 or local < 1 or not 1 <= update <= local:
             raise ValueError(f"kvforge.retrieval: need k >= 1, sinks >= 0, local >= 1 and 1 <= update <= local; got k={k}, sinks={sinks}, local={local}, update={update}")
+        if rank not in ("max", "sum"):
+            raise ValueError(f"kvforge.retrieval: rank must be 'max' or 'sum', got {rank!r}")
         self.kvforge = module if module is not None else importlib.import_module("kvforge")
         self.k, self.sinks, self.local, self.update = int(k), int(sinks), int(local), int(update)
         self.capacity, self.host_budget_gb = int(capacity), float(host_budget_gb)
-        self.per_query_head = bool(per_query_head)
+        self.per_query_head, self.rank = bool(per_query_head), rank
         # layer -> {"ix", "n" (positions seen), "sinks", "r_end" (end of the retrieval region)}
         self.layers: Dict[int, Dict[str, Any]] = {}
         self.retrieved_steps = 0
@@ -90,7 +95,7 @@ class ParisAttention:
         """A fresh index for a new prompt (the previous prompt's regions are stale)."""
         ix = self.kvforge.ParisIndex(d, hkv, gqa, self.capacity, dense_capacity=self.sinks + self.local + self.update,
                                      max_k=max(self.k, 8), max_candidates=max(65536, 8 * self.k), host_budget_gb=self.host_budget_gb,
-                                     per_query_head=self.per_query_head)
+                                     per_query_head=self.per_query_head, rank=self.rank)
         st = self.layers[layer] = {"ix": ix}
         return st
 
@@ -152,19 +157,22 @@ class ParisAttention:
             "retrieved_layer_steps": self.retrieved_steps,
             "dense_layer_steps": self.dense_steps,
             "k": self.k, "sinks": self.sinks, "local": self.local, "update": self.update,
+            "retrieval": "per query head" if self.per_query_head else f"per kv head, rank {self.rank}",
         }
 
 
 def use_retrieval(model, k: int = 256, sinks: int = 64, local: int = 256, update: int = 64,
-                  capacity: Optional[int] = None, host_budget_gb: float = 8.0, per_query_head: bool = True) -> ParisAttention:
+                  capacity: Optional[int] = None, host_budget_gb: float = 8.0, per_query_head: bool = True,
+                  rank: str = "max") -> ParisAttention:
     """Runs every attention layer of ``model`` with ParisKV retrieval decode (module docs):
     registers the ``"kvforge"`` attention (as :func:`kvforge.hf.use_kvforge` does) with a
     :class:`ParisAttention` handle on every layer. ``capacity``: retrieval-region keys per
     layer (default the model's ``max_position_embeddings`` + 256). ``per_query_head``: one
-    retrieval per query head (default), or ``False`` for one per kv head. Undo with
-    ``handle.detach()``."""
+    retrieval per query head (default), or ``False`` for one per kv head, whose candidates
+    ``rank`` orders: ``"max"`` (default; the largest head estimate, "hmax") or ``"sum"``. Undo
+    with ``handle.detach()``."""
     if capacity is None:
         capacity = max(1024, int(getattr(model.config, "max_position_embeddings", 8192) or 8192) + 256)
     handle = ParisAttention(k=k, sinks=sinks, local=local, update=update, capacity=capacity, host_budget_gb=host_budget_gb,
-                            per_query_head=per_query_head)
+                            per_query_head=per_query_head, rank=rank)
     return attach(model, handle)
