@@ -271,6 +271,33 @@ mod tests {
         (Allocation { budget_bits: 1000, groups, expected_error: 0.0, models, step: 0.25 }, 44)
     }
 
+    proptest::proptest! {
+        /// Any bytes at all, of any length, decode to an error or to some codes: never a panic.
+        #[test]
+        fn arbitrary_payloads_never_panic(seed in 0u64..4, n in 0usize..9, bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..600)) {
+            let (a, _) = coded_alloc(seed);
+            let mut out = vec![0u8; crate::pack::raw_len(n, &a)];
+            let _ = decode_into(&bytes, n, &a, &mut out);
+        }
+
+        /// A valid payload with one word flipped or cut short: an error or other codes, never a panic.
+        #[test]
+        fn damaged_payloads_never_panic(seed in 0u64..4, at in proptest::prelude::any::<proptest::sample::Index>(), xor in 1u8..=255, cut in proptest::prelude::any::<proptest::sample::Index>()) {
+            let (a, comps) = coded_alloc(seed);
+            let n = 9;
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let d: Vec<f64> = (0..n * comps).map(|_| rng.gen_range(-3.0..3.0)).collect();
+            let raw = crate::pack::encode(&d, n, comps, &a);
+            let stored = encode(&raw, n, &a).unwrap();
+            let mut out = vec![0u8; raw.len()];
+            let mut bad = stored.clone();
+            let i = at.index(bad.len());
+            bad[i] ^= xor;
+            let _ = decode_into(&bad, n, &a, &mut out);
+            let _ = decode_into(&stored[..cut.index(stored.len())], n, &a, &mut out);
+        }
+    }
+
     #[test]
     fn round_trips_and_rejects_corruption() {
         for seed in 0..4 {

@@ -193,6 +193,28 @@ proptest! {
         spliced.extend_from_slice(&junk);
         let _ = unpack_from(&mut spliced.as_slice(), cal);
     }
+
+    /// The same for a `rans` container of a step calibration.
+    #[test]
+    fn corrupted_rans_streams_give_typed_errors(pos in any::<prop::sample::Index>(), xor in 1u8..=255, cut in any::<prop::sample::Index>(), junk in proptest::collection::vec(any::<u8>(), 0..64)) {
+        let (cache, cal) = step_fixture();
+        let mut buf = Vec::new();
+        pack_into(cache, cal, &PackOptions { ratio_index: 1, entropy: Entropy::Rans, chunk_tokens: 32 }, &mut buf).unwrap();
+        let mut bad = buf.clone();
+        let i = pos.index(bad.len());
+        bad[i] ^= xor;
+        prop_assert!(unpack_from(&mut bad.as_slice(), cal).is_err(), "flipping byte {} went unnoticed", i);
+        let mut spliced = buf[..cut.index(buf.len())].to_vec();
+        spliced.extend_from_slice(&junk);
+        let _ = unpack_from(&mut spliced.as_slice(), cal);
+    }
+}
+
+fn step_fixture() -> (&'static KvDump, &'static Calibration) {
+    use std::sync::OnceLock;
+    static F: OnceLock<(KvDump, Calibration)> = OnceLock::new();
+    let f = F.get_or_init(|| (synthetic(2, 2, 16, 100, 1, 2), calibrate(&synthetic(2, 2, 16, 500, 1, 1), &CalibConfig { step: true, ..cfg() }, |_| {}).unwrap()));
+    (&f.0, &f.1)
 }
 
 fn fixture() -> (&'static KvDump, &'static Calibration) {
