@@ -278,11 +278,8 @@ impl Dp {
                     let used = rows.div_ceil(stride).max(1) as f64;
                     let all_energy = (col_prefix[i] - col_prefix[i - size]) * norm;
                     for (ci, &(bits, _)) in cands.iter().enumerate() {
-                        let cost = if cfg.coded {
-                            (units as f64 * (GROUP_OVERHEAD_BITS as f64 + size as f64 * bits_per_code(&hists[ci]))).ceil() as u32
-                        } else {
-                            (size * bits as usize) as u32 + GROUP_OVERHEAD_BITS
-                        };
+                        let cost =
+                            if cfg.coded { (units as f64 * (GROUP_OVERHEAD_BITS as f64 + size as f64 * bits_per_code(&hists[ci]))).ceil() as u32 } else { (size * bits as usize) as u32 + GROUP_OVERHEAD_BITS };
                         out[si * nc + ci] = (acc[ci] / used - all_energy, cost);
                     }
                 }

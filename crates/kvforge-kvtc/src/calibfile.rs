@@ -29,9 +29,9 @@ use std::path::Path;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::alloc::{Allocation, Group};
-use crate::quant::Fit;
 use crate::calib::{BasisBlock, Calibration, SideCalib, BLOCK_ALIGN};
 use crate::error::{KvtcError, Result};
+use crate::quant::Fit;
 use crate::rope::Rope;
 
 pub const FORMAT: &str = "kvforge-kvtc-calibration";

@@ -143,7 +143,7 @@ pub fn pack_into(dump: &KvDump, cal: &Calibration, opts: &PackOptions, out: &mut
     }
     let (ka, va) = (alloc_for(cal, Side::Keys, opts.ratio_index), alloc_for(cal, Side::Values, opts.ratio_index));
     if opts.entropy == Entropy::Rans && !(ka.codable() && va.codable()) {
-        return Err(KvtcError::BadInput(format!("entropy `rans` needs a coded calibration (`kvforge calibrate --coded`); calibration {} has no code models", cal.id_hex())));
+        return Err(KvtcError::BadInput(format!("entropy `rans` needs a calibration with code models (`kvforge calibrate --step` or `--coded`); calibration {} has no code models", cal.id_hex())));
     }
     let header = Header {
         version: VERSION,

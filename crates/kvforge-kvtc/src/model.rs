@@ -123,19 +123,14 @@ type Model = DefaultContiguousCategoricalEntropyModel<Vec<u32>>;
 
 /// The coder's models of `alloc`: per group, one or one per coordinate.
 fn build_models(alloc: &Allocation) -> Result<Vec<Vec<Model>>, String> {
-    alloc
-        .groups
-        .iter()
-        .zip(&alloc.models)
-        .map(|(g, p)| p.chunks(1 << g.bits).map(|m| Model::from_nonzero_fixed_point_probabilities(m, false).map_err(|()| "invalid model".to_string())).collect())
-        .collect()
+    alloc.groups.iter().zip(&alloc.models).map(|(g, p)| p.chunks(1 << g.bits).map(|m| Model::from_nonzero_fixed_point_probabilities(m, false).map_err(|()| "invalid model".to_string())).collect()).collect()
 }
 
 /// Model-codes a chunk of `n` tokens packed with `alloc` ([`crate::pack`] layout). The
 /// allocation must be coded (one model per group).
 pub fn encode(raw: &[u8], n: usize, alloc: &Allocation) -> Result<Vec<u8>, String> {
     if !alloc.codable() {
-        return Err("the allocation has no entropy models (calibrate with `--coded`)".into());
+        return Err("the allocation has no entropy models (calibrate with `--step` or `--coded`)".into());
     }
     let models = build_models(alloc)?;
     let mut side = Vec::with_capacity(side_len(n, alloc));

@@ -145,3 +145,36 @@ fn calibrate_grid_writes_one_file_per_point() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("--key-share"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `calibrate --step` and `pack --entropy rans` round-trip; `rans` with a fixed-width
+/// calibration exits 2 naming `--coded`.
+#[test]
+fn step_calibration_packs_with_rans() {
+    let dir = workdir("step");
+    let samples = dir.join("samples.safetensors");
+    let mut meta = std::collections::HashMap::new();
+    meta.insert("rope_theta".to_string(), "10000.0".to_string());
+    dump(600, 5).save(&samples, meta).unwrap();
+    let cal = dir.join("cal.safetensors");
+    let o = kvforge(&["calibrate", "--samples", s(&samples), "--out", s(&cal), "--ratios", "4,8", "--sinks", "2", "--window", "16", "--dp-rows", "64", "--step"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let cache = dir.join("cache.safetensors");
+    let original = dump(200, 98);
+    original.save(&cache, Default::default()).unwrap();
+    let packed = dir.join("c.kvtc");
+    let o = kvforge(&["pack", s(&cache), "--calibration", s(&cal), "--ratio", "4", "--entropy", "rans", "--out", s(&packed)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = dir.join("r.safetensors");
+    let o = kvforge(&["unpack", s(&packed), "--calibration", s(&cal), "--out", s(&out)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let back = KvDump::load(&out).unwrap();
+    let num: f64 = original.k.iter().zip(&back.k).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+    let den: f64 = original.k.iter().map(|a| (*a as f64).powi(2)).sum();
+    assert!((num / den).sqrt() < 0.1, "keys rel err {}", (num / den).sqrt());
+    let fixed = calibration(&dir, 3);
+    let o = kvforge(&["pack", s(&cache), "--calibration", s(&fixed), "--ratio", "4", "--entropy", "rans", "--out", s(&dir.join("x.kvtc"))]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--coded"), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!dir.join("x.kvtc").exists());
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -186,7 +186,6 @@ pub fn calibrate_cmd(a: CalibrateArgs) -> anyhow::Result<ExitCode> {
         layers_per_basis: a.layers_per_basis,
         dp: DpConfig { coded: a.coded, ..DpConfig::default() },
         step: a.step,
-        ..CalibConfig::default()
     };
     eprintln!(
         "{}: {} layers × {} kv heads × head_dim {} = {} features, {} tokens; RoPE {}",
