@@ -1,0 +1,91 @@
+//! Where a coded allocation's size goes on a cache it was not calibrated on: per side, the
+//! models' expected bits per token (the budget the calibration planned), the measured
+//! cross-entropy of the cache's codes under the models (what `rans` pays, about), and the
+//! plug-in entropy of each component's (or pooled group's) own codes on this cache (a floor
+//! for any static model adapted to it; biased low for wide codes on few tokens).
+//!
+//! `cargo run --release -p kvforge-kvtc --example rate_check -- <calibration> <dump> <ratio>`
+
+use kvforge_kvtc::codec::{basis_matrix, project, split};
+use kvforge_kvtc::{pack, Calibration, KvDump, Side};
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.len() != 4 {
+        eprintln!("usage: rate_check <calibration.safetensors> <dump.safetensors> <ratio>");
+        std::process::exit(2);
+    }
+    let cal = Calibration::load(args[1].as_ref()).unwrap_or_else(|e| panic!("{}: {e}", args[1]));
+    let dump = KvDump::load(args[2].as_ref()).unwrap_or_else(|e| panic!("{}: {e}", args[2]));
+    let ratio: f64 = args[3].parse().expect("a ratio");
+    let ri = cal.ratio_index(ratio).unwrap_or_else(|| panic!("ratio {ratio} not in {:?}", cal.ratios));
+    let (_, coded) = split(dump.tokens, cal.sinks, cal.window);
+    let n = coded.len();
+    for side in [Side::Keys, Side::Values] {
+        let a = &cal.side(side).allocations[ri];
+        let comps = a.used_components();
+        let bt = basis_matrix(cal.side(side), cal.features(), comps);
+        let d = project(&dump, &cal, side, coded.clone(), &bt);
+        let raw = pack::encode(&d, n, comps, a);
+        // per token gain class (4 quartiles of the RMS of its kept components over their step)
+        let kept: Vec<usize> = a.groups.iter().flat_map(|g| g.start as usize..(g.start + g.len) as usize).collect();
+        let energy: Vec<f64> = (0..n).map(|t| kept.iter().map(|&j| d[t * comps + j].powi(2)).sum::<f64>()).collect();
+        let mut sorted = energy.clone();
+        sorted.sort_by(f64::total_cmp);
+        let q = [sorted[n / 4], sorted[n / 2], sorted[3 * n / 4]];
+        let class: Vec<usize> = energy.iter().map(|&e| q.iter().filter(|&&x| e > x).count()).collect();
+        let mut cond = 0.0;
+        let (mut planned, mut cross, mut floor) = (0.0, 0.0, 0.0);
+        let mut pos = 0;
+        for (g, m) in a.groups.iter().zip(&a.models) {
+            pos += 4 * n;
+            let (bits, len) = (g.bits as usize, g.len as usize);
+            let k = 1usize << bits;
+            let per_coord = m.len() != k;
+            planned += kvforge_kvtc::model::group_bits(g, m) + if kvforge_kvtc::model::stores_scales(g) { 32.0 } else { 0.0 };
+            let mut hist = vec![vec![0u32; k]; if per_coord { len } else { 1 }];
+            let mut chist = vec![vec![0u32; k]; 4 * if per_coord { len } else { 1 }];
+            let (mut acc, mut fill, mut at) = (0u64, 0usize, pos);
+            for i in 0..n * len {
+                while fill < bits {
+                    acc |= (raw[at] as u64) << fill;
+                    at += 1;
+                    fill += 8;
+                }
+                let c = (acc & ((1u64 << bits) - 1)) as usize;
+                acc >>= bits;
+                fill -= bits;
+                let mi = if per_coord { i % len } else { 0 };
+                hist[mi][c] += 1;
+                chist[class[i / len] * hist.len() + mi][c] += 1;
+                let p = m[mi * k + c] as f64 / (1u64 << kvforge_kvtc::model::PRECISION) as f64;
+                cross -= p.log2();
+            }
+            pos += (n * len * bits).div_ceil(8);
+            for h in &hist {
+                let t: f64 = h.iter().map(|&x| x as f64).sum();
+                floor -= h.iter().filter(|&&x| x > 0).map(|&x| x as f64 * (x as f64 / t).log2()).sum::<f64>();
+            }
+            for h in &chist {
+                let t: f64 = h.iter().map(|&x| x as f64).sum();
+                cond -= h.iter().filter(|&&x| x > 0).map(|&x| x as f64 * (x as f64 / t).log2()).sum::<f64>();
+            }
+            if kvforge_kvtc::model::stores_scales(g) {
+                cross += 32.0 * n as f64;
+                floor += 32.0 * n as f64;
+            }
+        }
+        println!("{:<6} {ratio}x: own-codes entropy given the token's gain quartile {:.0} bits/token (plus 2 for the class)", side.name(), cond / n as f64);
+        println!(
+            "{:<6} {ratio}x: planned {:.0} bits/token, measured cross-entropy {:.0} ({:+.1}%), own-codes entropy {:.0} ({:+.1}%), {} tokens, step {}",
+            side.name(),
+            planned,
+            cross / n as f64,
+            100.0 * (cross / n as f64 / planned - 1.0),
+            floor / n as f64,
+            100.0 * (floor / n as f64 / planned - 1.0),
+            n,
+            a.step
+        );
+    }
+}
