@@ -182,32 +182,30 @@ proptest! {
     #[test]
     fn corrupted_streams_give_typed_errors(pos in any::<prop::sample::Index>(), xor in 1u8..=255, cut in any::<prop::sample::Index>(), junk in proptest::collection::vec(any::<u8>(), 0..64)) {
         let (cache, cal) = fixture();
-        let mut buf = Vec::new();
-        pack_into(cache, cal, &PackOptions { ratio_index: 1, entropy: Entropy::Deflate, chunk_tokens: 32 }, &mut buf).unwrap();
-        let mut bad = buf.clone();
-        let i = pos.index(bad.len());
-        bad[i] ^= xor;
-        let r = unpack_from(&mut bad.as_slice(), cal);
-        prop_assert!(r.is_err(), "flipping byte {} went unnoticed", i);
-        let mut spliced = buf[..cut.index(buf.len())].to_vec();
-        spliced.extend_from_slice(&junk);
-        let _ = unpack_from(&mut spliced.as_slice(), cal);
+        corrupt(cache, cal, Entropy::Deflate, (pos, xor, cut, &junk))?;
     }
 
     /// The same for a `rans` container of a step calibration.
     #[test]
     fn corrupted_rans_streams_give_typed_errors(pos in any::<prop::sample::Index>(), xor in 1u8..=255, cut in any::<prop::sample::Index>(), junk in proptest::collection::vec(any::<u8>(), 0..64)) {
         let (cache, cal) = step_fixture();
-        let mut buf = Vec::new();
-        pack_into(cache, cal, &PackOptions { ratio_index: 1, entropy: Entropy::Rans, chunk_tokens: 32 }, &mut buf).unwrap();
-        let mut bad = buf.clone();
-        let i = pos.index(bad.len());
-        bad[i] ^= xor;
-        prop_assert!(unpack_from(&mut bad.as_slice(), cal).is_err(), "flipping byte {} went unnoticed", i);
-        let mut spliced = buf[..cut.index(buf.len())].to_vec();
-        spliced.extend_from_slice(&junk);
-        let _ = unpack_from(&mut spliced.as_slice(), cal);
+        corrupt(cache, cal, Entropy::Rans, (pos, xor, cut, &junk))?;
     }
+}
+
+/// Packs `cache`, flips byte `pos` by `xor` (must fail) and splices `junk` after a prefix of
+/// `cut` bytes (must not panic).
+fn corrupt(cache: &KvDump, cal: &Calibration, entropy: Entropy, (pos, xor, cut, junk): (prop::sample::Index, u8, prop::sample::Index, &[u8])) -> Result<(), TestCaseError> {
+    let mut buf = Vec::new();
+    pack_into(cache, cal, &PackOptions { ratio_index: 1, entropy, chunk_tokens: 32 }, &mut buf).unwrap();
+    let mut bad = buf.clone();
+    let i = pos.index(bad.len());
+    bad[i] ^= xor;
+    prop_assert!(unpack_from(&mut bad.as_slice(), cal).is_err(), "flipping byte {} went unnoticed", i);
+    let mut spliced = buf[..cut.index(buf.len())].to_vec();
+    spliced.extend_from_slice(junk);
+    let _ = unpack_from(&mut spliced.as_slice(), cal);
+    Ok(())
 }
 
 fn step_fixture() -> (&'static KvDump, &'static Calibration) {

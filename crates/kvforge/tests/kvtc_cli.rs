@@ -46,15 +46,41 @@ fn workdir(name: &str) -> PathBuf {
     d
 }
 
-fn calibration(dir: &Path, seed: u64) -> PathBuf {
+/// Calibration samples `dump(600, seed)` with RoPE theta in the metadata.
+fn samples(dir: &Path, seed: u64) -> PathBuf {
     let samples = dir.join(format!("samples{seed}.safetensors"));
     let mut meta = std::collections::HashMap::new();
     meta.insert("rope_theta".to_string(), "10000.0".to_string());
     dump(600, seed).save(&samples, meta).unwrap();
+    samples
+}
+
+fn calibration(dir: &Path, seed: u64) -> PathBuf {
+    calibration_with(dir, seed, &["--dp-rows", "32", "--seed", &seed.to_string()])
+}
+
+/// `kvforge calibrate` at ratios 4 and 8 with `extra` arguments.
+fn calibration_with(dir: &Path, seed: u64, extra: &[&str]) -> PathBuf {
+    let samples = samples(dir, seed);
     let cal = dir.join(format!("cal{seed}.safetensors"));
-    let o = kvforge(&["calibrate", "--samples", s(&samples), "--out", s(&cal), "--ratios", "4,8", "--sinks", "2", "--window", "16", "--dp-rows", "32", "--seed", &seed.to_string()]);
+    let o = kvforge(&[&["calibrate", "--samples", s(&samples), "--out", s(&cal), "--ratios", "4,8", "--sinks", "2", "--window", "16"], extra].concat());
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     cal
+}
+
+/// Packs `original` (saved at `cache`) at 4× with `extra` pack arguments, unpacks it, and
+/// returns the keys' relative error.
+fn keys_round_trip(dir: &Path, cal: &Path, cache: &Path, original: &KvDump, extra: &[&str]) -> f64 {
+    let packed = dir.join("c.kvtc");
+    let o = kvforge(&[&["pack", s(cache), "--calibration", s(cal), "--ratio", "4", "--out", s(&packed)], extra].concat());
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let out = dir.join("r.safetensors");
+    let o = kvforge(&["unpack", s(&packed), "--calibration", s(cal), "--out", s(&out)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let back = KvDump::load(&out).unwrap();
+    let num: f64 = original.k.iter().zip(&back.k).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+    let den: f64 = original.k.iter().map(|a| (*a as f64).powi(2)).sum();
+    (num / den).sqrt()
 }
 
 #[test]
@@ -64,18 +90,11 @@ fn calibrate_pack_unpack() {
     let cache = dir.join("cache.safetensors");
     let original = dump(200, 99);
     original.save(&cache, Default::default()).unwrap();
-    let packed = dir.join("c.kvtc");
     let json = dir.join("c.json");
-    let o = kvforge(&["pack", s(&cache), "--calibration", s(&cal), "--ratio", "4", "--out", s(&packed), "--json", s(&json)]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let e = keys_round_trip(&dir, &cal, &cache, &original, &["--json", s(&json)]);
+    assert!(e < 0.05, "keys rel err {e}");
     assert!(std::fs::read_to_string(&json).unwrap().contains("\"ratio_before_entropy\""));
-    let out = dir.join("r.safetensors");
-    let o = kvforge(&["unpack", s(&packed), "--calibration", s(&cal), "--out", s(&out)]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let back = KvDump::load(&out).unwrap();
-    let num: f64 = original.k.iter().zip(&back.k).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
-    let den: f64 = original.k.iter().map(|a| (*a as f64).powi(2)).sum();
-    assert!((num / den).sqrt() < 0.05, "keys rel err {}", (num / den).sqrt());
+    let packed = dir.join("c.kvtc");
 
     // a ratio the calibration lacks
     let o = kvforge(&["pack", s(&cache), "--calibration", s(&cal), "--ratio", "5", "--out", s(&packed)]);
@@ -124,10 +143,7 @@ fn calibrate_without_rope_says_how() {
 #[test]
 fn calibrate_grid_writes_one_file_per_point() {
     let dir = workdir("grid");
-    let samples = dir.join("s.safetensors");
-    let mut meta = std::collections::HashMap::new();
-    meta.insert("rope_theta".to_string(), "10000.0".to_string());
-    dump(600, 1).save(&samples, meta).unwrap();
+    let samples = samples(&dir, 1);
     let cal = dir.join("cal.safetensors");
     let o = kvforge(&["calibrate", "--samples", s(&samples), "--out", s(&cal), "--ratios", "4,8", "--sinks", "2", "--window", "16", "--dp-rows", "16,32", "--key-share", "0.3,0.5"]);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
@@ -151,26 +167,12 @@ fn calibrate_grid_writes_one_file_per_point() {
 #[test]
 fn step_calibration_packs_with_rans() {
     let dir = workdir("step");
-    let samples = dir.join("samples.safetensors");
-    let mut meta = std::collections::HashMap::new();
-    meta.insert("rope_theta".to_string(), "10000.0".to_string());
-    dump(600, 5).save(&samples, meta).unwrap();
-    let cal = dir.join("cal.safetensors");
-    let o = kvforge(&["calibrate", "--samples", s(&samples), "--out", s(&cal), "--ratios", "4,8", "--sinks", "2", "--window", "16", "--dp-rows", "64", "--step"]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let cal = calibration_with(&dir, 5, &["--dp-rows", "64", "--step"]);
     let cache = dir.join("cache.safetensors");
     let original = dump(200, 98);
     original.save(&cache, Default::default()).unwrap();
-    let packed = dir.join("c.kvtc");
-    let o = kvforge(&["pack", s(&cache), "--calibration", s(&cal), "--ratio", "4", "--entropy", "rans", "--out", s(&packed)]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let out = dir.join("r.safetensors");
-    let o = kvforge(&["unpack", s(&packed), "--calibration", s(&cal), "--out", s(&out)]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let back = KvDump::load(&out).unwrap();
-    let num: f64 = original.k.iter().zip(&back.k).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
-    let den: f64 = original.k.iter().map(|a| (*a as f64).powi(2)).sum();
-    assert!((num / den).sqrt() < 0.1, "keys rel err {}", (num / den).sqrt());
+    let e = keys_round_trip(&dir, &cal, &cache, &original, &["--entropy", "rans"]);
+    assert!(e < 0.1, "keys rel err {e}");
     let fixed = calibration(&dir, 3);
     let o = kvforge(&["pack", s(&cache), "--calibration", s(&fixed), "--ratio", "4", "--entropy", "rans", "--out", s(&dir.join("x.kvtc"))]);
     assert_eq!(o.status.code(), Some(2));
