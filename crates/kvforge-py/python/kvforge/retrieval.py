@@ -22,8 +22,8 @@ rows with one softmax; while the region holds fewer than ``dense_below`` keys
 (``ParisIndex.dense_below``, 2048) the step attends every key exactly instead.
 
 Per kv head, ``rank`` orders the group's candidates (the vote is the summed query's either way):
-``"max"`` (default) by the largest of the heads' own rerank estimates, ``"sum"`` by the summed
-query's. Per query head is the default here because it is the mode whose quality was measured on
+``"sum"`` (default) by the summed query's, ``"max"`` by the largest of the heads' own rerank
+estimates (its kernel has not yet run its GPU test, hence not the default). Per query head is the default here because it is the mode whose quality was measured on
 the kernels (needle 6/6, H100); in the SmolLM2 simulation per kv head found the needle 2/3 with
 ``"sum"`` and 3/3 with ``"max"`` (``sim:paris-k256-hmax``, docs/paris.md).
 
@@ -169,7 +169,7 @@ def use_retrieval(model, k: int = 256, sinks: int = 64, local: int = 256, update
     :class:`ParisAttention` handle on every layer. ``capacity``: retrieval-region keys per
     layer (default the model's ``max_position_embeddings`` + 256). ``per_query_head``: one
     retrieval per query head (default), or ``False`` for one per kv head, whose candidates
-    ``rank`` orders: ``"max"`` (default; the largest head estimate, "hmax") or ``"sum"``. Undo
+    ``rank`` orders: ``"sum"`` (default) or ``"max"`` (the largest head estimate, "hmax"). Undo
     with ``handle.detach()``."""
     if capacity is None:
         capacity = max(1024, int(getattr(model.config, "max_position_embeddings", 8192) or 8192) + 256)
