@@ -777,23 +777,16 @@ __device__ __forceinline__ void rerank_load(const RerankParams& p, size_t key, u
   }
 }
 
-template <int D, int M, int NT>
-__device__ void rerank_kernel(const RerankParams& p) {
+// The 4-bit code of channel `k` (0..31) of a row's uint4 `words` (eight per 32-bit word, LSB first).
+__device__ __forceinline__ u32 rerank_code(const u32 (&words)[4], int k) { return (words[k / 8] >> (4 * (k % 8))) & 15u; }
+
+// The candidate loop of both reranks, over candidates lo..hi of row `sh` (keys from `base`):
+// RERANK_UNROLL candidates per thread and iteration, their codes and weights loaded before any
+// is scored (several gathers in flight per thread); `score(codes, weights)` gives a candidate's
+// estimate, written to `est` and counted in the row's estimate histogram.
+template <int D, int M, int NT, class Score>
+__device__ __forceinline__ void rerank_candidates(const RerankParams& p, int sh, u32 lo, u32 hi, size_t base, Score score) {
   constexpr int B = D / M;
-  __shared__ float lut[D * 16];
-  __shared__ float qs[D];
-  const int sh = blockIdx.y, s = sh / p.nr, h = (sh % p.nr) / p.rg;
-  const u32 count = p.count[sh], lo = blockIdx.x * RERANK_CHUNK;
-  if (lo >= count) return;
-  for (int i = threadIdx.x; i < D; i += NT) qs[i] = p.qrot[size_t(sh) * D + i];
-  __syncthreads();
-  for (int i = threadIdx.x; i < D * 16; i += NT) lut[i] = p.levels[i % 16] * qs[i / 16];
-  __syncthreads();
-  const float qn = p.qnorm[sh];
-  const u32 hi = min(count, lo + RERANK_CHUNK);
-  const size_t base = size_t(s * p.ix.hkv + h) * p.ix.cap;
-  // RERANK_UNROLL candidates per thread and iteration, their codes and weights loaded before
-  // any is scored: several gathers in flight per thread.
 #pragma unroll 1
   for (u32 c0 = lo + threadIdx.x; c0 < hi; c0 += RERANK_UNROLL * NT) {
     uint4 r[RERANK_UNROLL][D / 32];
@@ -808,25 +801,44 @@ __device__ void rerank_kernel(const RerankParams& p) {
     for (int u = 0; u < RERANK_UNROLL; ++u) {
       const u32 c = c0 + u * NT;
       if (c >= hi) break;
-      float acc = 0.f, dot = 0.f;
-#pragma unroll
-      for (int v = 0; v < D / 32; ++v) {
-        const u32 words[4] = {r[u][v].x, r[u][v].y, r[u][v].z, r[u][v].w};
-#pragma unroll
-        for (int k = 0; k < 32; ++k) {
-          const int ch = v * 32 + k;
-          dot += lut[ch * 16 + ((words[k / 8] >> (4 * (k % 8))) & 15u)];
-          if ((ch + 1) % M == 0) {
-            acc += __half2float(w[u][ch / M]) * dot;
-            dot = 0.f;
-          }
-        }
-      }
-      const float e = qn * acc;
+      const float e = score(r[u], w[u]);
       p.est[size_t(sh) * p.cmax + c] = e;
       atomicAdd(&p.est_hist[size_t(sh) * EST_BINS + (float_key(e) >> (32 - EST_BITS))], 1u);
     }
   }
+}
+
+template <int D, int M, int NT>
+__device__ void rerank_kernel(const RerankParams& p) {
+  constexpr int B = D / M;
+  __shared__ float lut[D * 16];
+  __shared__ float qs[D];
+  const int sh = blockIdx.y, s = sh / p.nr, h = (sh % p.nr) / p.rg;
+  const u32 count = p.count[sh], lo = blockIdx.x * RERANK_CHUNK;
+  if (lo >= count) return;
+  for (int i = threadIdx.x; i < D; i += NT) qs[i] = p.qrot[size_t(sh) * D + i];
+  __syncthreads();
+  for (int i = threadIdx.x; i < D * 16; i += NT) lut[i] = p.levels[i % 16] * qs[i / 16];
+  __syncthreads();
+  const float qn = p.qnorm[sh];
+  const size_t base = size_t(s * p.ix.hkv + h) * p.ix.cap;
+  rerank_candidates<D, M, NT>(p, sh, lo, min(count, lo + RERANK_CHUNK), base, [&](const uint4 (&r)[D / 32], const __half (&w)[B]) {
+    float acc = 0.f, dot = 0.f;
+#pragma unroll
+    for (int v = 0; v < D / 32; ++v) {
+      const u32 words[4] = {r[v].x, r[v].y, r[v].z, r[v].w};
+#pragma unroll
+      for (int k = 0; k < 32; ++k) {
+        const int ch = v * 32 + k;
+        dot += lut[ch * 16 + rerank_code(words, k)];
+        if ((ch + 1) % M == 0) {
+          acc += __half2float(w[ch / M]) * dot;
+          dot = 0.f;
+        }
+      }
+    }
+    return qn * acc;
+  });
 }
 
 // Rerank by the group's largest estimate (kvforge-paris `Rank::GroupMax`, "hmax"): one
@@ -889,56 +901,40 @@ __device__ void rerank_hmax_kernel(const RerankParams& p) {
 #pragma unroll
     for (int g = 0; g < G; ++g) norms[g] = qn[g];
     const HmaxEntry<P>* lut = reinterpret_cast<const HmaxEntry<P>*>(hmax_lut);
-    const u32 hi = min(count, lo + RERANK_CHUNK);
     const size_t base = size_t(s * p.ix.hkv + h) * p.ix.cap;
-#pragma unroll 1
-    for (u32 c0 = lo + threadIdx.x; c0 < hi; c0 += RERANK_UNROLL * NT) {
-      uint4 r[RERANK_UNROLL][D / 32];
-      alignas(16) __half w[RERANK_UNROLL][B];
+    rerank_candidates<D, M, NT>(p, sh, lo, min(count, lo + RERANK_CHUNK), base, [&](const uint4 (&r)[D / 32], const __half (&w)[B]) {
+      float acc[G];
 #pragma unroll
-      for (int u = 0; u < RERANK_UNROLL; ++u) {
-        const u32 c = c0 + u * NT;
-        if (c >= hi) break;
-        rerank_load<D, M>(p, base + p.cand[size_t(sh) * p.cmax + c], r[u], w[u]);
-      }
+      for (int g = 0; g < G; ++g) acc[g] = 0.f;
+      __half2 dot[P];
 #pragma unroll
-      for (int u = 0; u < RERANK_UNROLL; ++u) {
-        const u32 c = c0 + u * NT;
-        if (c >= hi) break;
-        float acc[G];
+      for (int v = 0; v < D / 32; ++v) {
+        const u32 words[4] = {r[v].x, r[v].y, r[v].z, r[v].w};
 #pragma unroll
-        for (int g = 0; g < G; ++g) acc[g] = 0.f;
-        __half2 dot[P];
+        for (int k = 0; k < 32; ++k) {
+          const int ch = v * 32 + k;
+          const HmaxEntry<P> e = lut[ch * 16 + rerank_code(words, k)];
 #pragma unroll
-        for (int v = 0; v < D / 32; ++v) {
-          const u32 words[4] = {r[u][v].x, r[u][v].y, r[u][v].z, r[u][v].w};
-#pragma unroll
-          for (int k = 0; k < 32; ++k) {
-            const int ch = v * 32 + k;
-            const HmaxEntry<P> e = lut[ch * 16 + ((words[k / 8] >> (4 * (k % 8))) & 15u)];
+          for (int j = 0; j < P; ++j) {
+            const __half2 x = *reinterpret_cast<const __half2*>(&e.w[j]);
+            dot[j] = ch % M == 0 ? x : __hadd2(dot[j], x);
+          }
+          if ((ch + 1) % M == 0) {
+            const float wb = __half2float(w[ch / M]);
 #pragma unroll
             for (int j = 0; j < P; ++j) {
-              const __half2 x = *reinterpret_cast<const __half2*>(&e.w[j]);
-              dot[j] = ch % M == 0 ? x : __hadd2(dot[j], x);
-            }
-            if ((ch + 1) % M == 0) {
-              const float wb = __half2float(w[u][ch / M]);
-#pragma unroll
-              for (int j = 0; j < P; ++j) {
-                const float2 f = __half22float2(dot[j]);
-                if (2 * j < G) acc[2 * j] = fmaf(wb, f.x, acc[2 * j]);
-                if (2 * j + 1 < G) acc[2 * j + 1] = fmaf(wb, f.y, acc[2 * j + 1]);
-              }
+              const float2 f = __half22float2(dot[j]);
+              if (2 * j < G) acc[2 * j] = fmaf(wb, f.x, acc[2 * j]);
+              if (2 * j + 1 < G) acc[2 * j + 1] = fmaf(wb, f.y, acc[2 * j + 1]);
             }
           }
         }
-        float e = norms[0] * acc[0];
-#pragma unroll
-        for (int g = 1; g < G; ++g) e = fmaxf(e, norms[g] * acc[g]);
-        p.est[size_t(sh) * p.cmax + c] = e;
-        atomicAdd(&p.est_hist[size_t(sh) * EST_BINS + (float_key(e) >> (32 - EST_BITS))], 1u);
       }
-    }
+      float e = norms[0] * acc[0];
+#pragma unroll
+      for (int g = 1; g < G; ++g) e = fmaxf(e, norms[g] * acc[g]);
+      return e;
+    });
   }
 }
 
