@@ -18,6 +18,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvq  # noqa: E402
 
 
+def _kvq(seed: int, n: int):
+    """Keys and values of 3 kv heads and queries of 9 heads (GQA 3), `n` tokens, d 64, drawn in
+    that order from one generator seeded `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(h, n, 64, generator=g) for h in (3, 3, 9))
+
+
 def test_eager_causal_matches_sdpa():
     g = torch.Generator().manual_seed(0)
     q = torch.randn(9, 70, 64, generator=g)
@@ -141,10 +148,7 @@ def test_kvforge_backend_bookkeeping(monkeypatch, spec, tier):
     monkeypatch.setitem(sys.modules, "kvforge", fake)
     be = kvq.make_backend(f"kvforge:{spec}:{tier}")
     sim = kvq.make_backend(f"sim:{spec}:{tier}")
-    g = torch.Generator().manual_seed(2)
-    k = torch.randn(3, 140, 64, generator=g)
-    v = torch.randn(3, 140, 64, generator=g)
-    q = torch.randn(9, 140, 64, generator=g)
+    k, v, q = _kvq(2, 140)
     be.reset()
     sim.reset()
     # prefill of 130 tokens, then two one-token decode steps (as generate() calls it)
@@ -254,10 +258,7 @@ def test_fp8_e4m3():
 @pytest.mark.parametrize("tier", ["r4", "r3", "r2", "k3v2", "r2-sink64", "fp8"])
 def test_sim_rotated_backend(tier):
     be = kvq.make_backend(f"sim:{tier}")
-    g = torch.Generator().manual_seed(3)
-    k = torch.randn(3, 150, 64, generator=g)
-    v = torch.randn(3, 150, 64, generator=g)
-    q = torch.randn(9, 150, 64, generator=g)
+    k, v, q = _kvq(3, 150)
     be.reset()
     out = be.attend(0, q, k, v, 0.125)
     ref = kvq.eager_causal(q, k, v, 0.125)
@@ -353,10 +354,7 @@ def test_sim_window_prompt_matches_decode():
     # the prompt's query i sees what a one-token decode step at position i sees (per-token codes:
     # a token's code does not depend on the tokens after it, so the two caches agree on it)
     be = kvq.make_backend("sim:r3-sink64-win100")
-    g = torch.Generator().manual_seed(6)
-    k = torch.randn(3, 200, 64, generator=g)
-    v = torch.randn(3, 200, 64, generator=g)
-    q = torch.randn(9, 200, 64, generator=g)
+    k, v, q = _kvq(6, 200)
     be.reset()
     full = be.attend(0, q, k, v, 0.125)
     for i in (170, 199):  # sinks 0..63 fp16, keys 64..i-100 in the tier, i-99..i fp16
