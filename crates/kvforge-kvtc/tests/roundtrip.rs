@@ -92,12 +92,7 @@ fn calibrate_pack_unpack_round_trip() {
 
 fn round_trip(layers_per_basis: usize) {
     let (cache, cal) = setup_scoped(layers_per_basis);
-    let dir = std::env::temp_dir().join(format!("kvtc-test-{}-{layers_per_basis}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("cal.safetensors");
-    cal.save(&path, &Default::default()).unwrap();
-    let cal2 = Calibration::load(&path).unwrap();
-    assert_eq!(cal2.id(), cal.id());
+    let cal2 = reloaded(&cal, &layers_per_basis.to_string());
     let mut prev = 0.0;
     for (i, &ratio) in cal.ratios.iter().enumerate() {
         for entropy in [Entropy::None, Entropy::Deflate, Entropy::Zstd] {
@@ -134,7 +129,18 @@ fn round_trip(layers_per_basis: usize) {
     pack_into(&cache, &cal, &PackOptions { ratio_index: 0, entropy: Entropy::Deflate, chunk_tokens: 32 }, &mut buf).unwrap();
     let back = unpack_from(&mut buf.as_slice(), &cal).unwrap();
     assert!(rel_err(&cache.k, &back.k) < 0.02, "4x keys rel err {}", rel_err(&cache.k, &back.k));
+}
+
+/// `cal` written to a calibration file and read back (the directory removed), its id checked.
+fn reloaded(cal: &Calibration, tag: &str) -> Calibration {
+    let dir = std::env::temp_dir().join(format!("kvtc-test-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("cal.safetensors");
+    cal.save(&path, &Default::default()).unwrap();
+    let back = Calibration::load(&path).unwrap();
     std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(back.id(), cal.id());
+    back
 }
 
 #[test]
@@ -330,13 +336,7 @@ fn weighted_calibration() {
             assert!(a.cost_bits() <= u64::from(a.budget_bits), "ratio {r}: {} of {} bits", a.cost_bits(), a.budget_bits);
         }
     }
-    let dir = std::env::temp_dir().join(format!("kvtc-test-{}-weighted", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("cal.safetensors");
-    cal.save(&path, &Default::default()).unwrap();
-    let cal2 = Calibration::load(&path).unwrap();
-    std::fs::remove_dir_all(&dir).ok();
-    assert_eq!(cal2.id(), cal.id());
+    let cal2 = reloaded(&cal, "weighted");
     assert!(cal2.k.scale == cal.k.scale && cal2.v.scale == cal.v.scale && cal2.k.basis == cal.k.basis && cal2.v.basis == cal.v.basis);
     let restore = |c: &Calibration, ratio: f64| {
         let mut buf = Vec::new();
@@ -412,12 +412,7 @@ fn coded_calibration_packs_with_rans() {
 fn coded_round_trip(coded: CalibConfig, tag: &str) {
     let cache = synthetic(2, 2, 16, 100, 1, 2);
     let cal = calibrate(&synthetic(2, 2, 16, 500, 1, 1), &coded, |_| {}).unwrap();
-    let dir = std::env::temp_dir().join(format!("kvtc-test-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("cal.safetensors");
-    cal.save(&path, &Default::default()).unwrap();
-    let cal2 = Calibration::load(&path).unwrap();
-    assert_eq!(cal2.id(), cal.id());
+    let cal2 = reloaded(&cal, tag);
     for (a, b) in cal.k.allocations.iter().chain(&cal.v.allocations).zip(cal2.k.allocations.iter().chain(&cal2.v.allocations)) {
         assert_eq!((&a.groups, &a.models, a.step), (&b.groups, &b.models, b.step));
     }
@@ -437,5 +432,4 @@ fn coded_round_trip(coded: CalibConfig, tag: &str) {
     let plain = calibrate(&synthetic(2, 2, 16, 500, 1, 1), &cfg(), |_| {}).unwrap();
     let e = pack_into(&cache, &plain, &PackOptions { ratio_index: 0, entropy: Entropy::Rans, chunk_tokens: 32 }, &mut Vec::new()).unwrap_err();
     assert!(e.to_string().contains("--coded"), "{e}");
-    std::fs::remove_dir_all(&dir).ok();
 }
