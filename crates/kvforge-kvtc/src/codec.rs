@@ -195,23 +195,16 @@ pub fn pack_into(dump: &KvDump, cal: &Calibration, opts: &PackOptions, out: &mut
     let (kbasis, vbasis) = (basis_matrix(&cal.k, p, ka.used_components()), basis_matrix(&cal.v, p, va.used_components()));
     // Code chunks in parallel, a bounded batch at a time, and write them in order.
     for batch in ranges.chunks(rayon::current_num_threads().max(1) * 2) {
-        let coded: Vec<[(Vec<u8>, std::result::Result<(Vec<u8>, bool), String>); 2]> = batch
+        let coded = batch
             .par_iter()
             .map(|r| {
-                [(Side::Keys, ka, &kbasis), (Side::Values, va, &vbasis)].map(|(side, a, bt)| {
+                let [k, v] = [(Side::Keys, ka, &kbasis), (Side::Values, va, &vbasis)].map(|(side, a, bt)| {
                     let comps = a.used_components();
                     let d = project(dump, cal, side, r.clone(), bt);
                     let raw = pack::encode(&d, r.len(), comps, a);
-                    let stored = opts.entropy.code_chunk(&raw, r.len(), a);
-                    (raw, stored)
-                })
-            })
-            .collect();
-        let coded = coded
-            .into_iter()
-            .map(|sides| {
-                let [(kr, ks), (vr, vs)] = sides;
-                Ok([(kr, ks.map_err(KvtcError::BadInput)?), (vr, vs.map_err(KvtcError::BadInput)?)])
+                    opts.entropy.code_chunk(&raw, r.len(), Some(a)).map(|stored| (raw, stored)).map_err(KvtcError::BadInput)
+                });
+                Ok([k?, v?])
             })
             .collect::<Result<Vec<_>>>()?;
         for (r, [(kr, ks), (vr, vs)]) in batch.iter().zip(coded) {
@@ -293,6 +286,11 @@ impl<C> Container<C> {
     pub fn tokens(&self) -> usize {
         self.header.tokens as usize
     }
+
+    /// The allocation `side`'s chunks were packed with, where the container knows it.
+    pub fn alloc_of(&self, side: Side) -> Option<&Allocation> {
+        self.allocs.as_ref().map(|a| &a[usize::from(side == Side::Values)])
+    }
 }
 
 impl StoredContainer {
@@ -315,13 +313,7 @@ impl StoredContainer {
         if out.len() != c.raw_len as usize {
             return Err(KvtcError::BadChunk { chunk: c.index, message: format!("{} output bytes for a chunk of {}", out.len(), c.raw_len) });
         }
-        let e = coder(self.entropy()?, c);
-        let r = match (&self.allocs, e) {
-            (Some(a), Entropy::Rans) => e.decompress_chunk_into(&c.payload, c.count as usize, &a[usize::from(self.chunks[i].side == Side::Values)], out),
-            (None, Entropy::Rans) => Err("a `rans` container read without its calibration".into()),
-            _ => e.decompress_into(&c.payload, out),
-        };
-        r.map_err(|message| KvtcError::Entropy { chunk: c.index, message })
+        coder(self.entropy()?, c).decompress_chunk_into(&c.payload, c.count as usize, self.alloc_of(self.chunks[i].side), out).map_err(|message| KvtcError::Entropy { chunk: c.index, message })
     }
 
     /// Entropy-decodes every coded chunk on all rayon threads.
@@ -400,15 +392,7 @@ pub fn write_container(dc: &DecodedContainer, entropy: Entropy, out: &mut impl W
     let kb: Vec<u8> = dc.kept_fp16.iter().flat_map(|x| x.to_le_bytes()).collect();
     let (payload, stored_raw) = entropy.code(&kb);
     emit(out, Chunk { tag: Tag::Kept, index: 1, first: 0, count: dc.kept.len() as u32, raw_len: kb.len() as u32, stored_raw, payload })?;
-    let stored: Vec<(Vec<u8>, bool)> = dc
-        .chunks
-        .par_iter()
-        .map(|c| match (&dc.allocs, entropy) {
-            (Some(a), _) => entropy.code_chunk(&c.raw, c.tokens.len(), &a[usize::from(c.side == Side::Values)]).map_err(KvtcError::BadInput),
-            (None, Entropy::Rans) => Err(KvtcError::BadInput("entropy `rans` needs the container's allocations".into())),
-            (None, _) => Ok(entropy.code(&c.raw)),
-        })
-        .collect::<Result<_>>()?;
+    let stored: Vec<(Vec<u8>, bool)> = dc.chunks.par_iter().map(|c| entropy.code_chunk(&c.raw, c.tokens.len(), dc.alloc_of(c.side)).map_err(KvtcError::BadInput)).collect::<Result<_>>()?;
     for (c, (payload, stored_raw)) in dc.chunks.iter().zip(stored) {
         let tag = if c.side == Side::Keys { Tag::Keys } else { Tag::Values };
         emit(out, Chunk { tag, index: c.index, first: c.tokens.start as u32, count: c.tokens.len() as u32, raw_len: c.raw.len() as u32, stored_raw, payload })?;

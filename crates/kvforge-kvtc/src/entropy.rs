@@ -8,6 +8,9 @@ use std::io::{Read, Write};
 /// chunk is stored raw ([`Entropy::code`]).
 pub const MIN_GAIN: f64 = 0.05;
 
+/// What `rans` says without the allocation its models come from.
+const NO_ALLOCATION: &str = "entropy `rans` needs the allocation the chunk was packed with (its calibration)";
+
 /// The lossless coder of a container's chunks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Entropy {
@@ -75,18 +78,20 @@ impl Entropy {
     }
 
     /// [`Entropy::code`] for a chunk of codes: `raw` is `n` tokens packed with `alloc`, which
-    /// `rans` needs (and must carry models: a coded calibration).
-    pub fn code_chunk(self, raw: &[u8], n: usize, alloc: &crate::Allocation) -> Result<(Vec<u8>, bool), String> {
-        match self {
-            Entropy::Rans => Ok(Self::keep_if_gain(raw, crate::model::encode(raw, n, alloc)?)),
+    /// `rans` needs (with models: a coded calibration); the byte coders ignore it.
+    pub fn code_chunk(self, raw: &[u8], n: usize, alloc: Option<&crate::Allocation>) -> Result<(Vec<u8>, bool), String> {
+        match (self, alloc) {
+            (Entropy::Rans, Some(a)) => Ok(Self::keep_if_gain(raw, crate::model::encode(raw, n, a)?)),
+            (Entropy::Rans, None) => Err(NO_ALLOCATION.into()),
             _ => Ok(self.code(raw)),
         }
     }
 
     /// [`Entropy::decompress_into`] for a chunk of codes of `n` tokens packed with `alloc`.
-    pub fn decompress_chunk_into(self, stored: &[u8], n: usize, alloc: &crate::Allocation, out: &mut [u8]) -> Result<(), String> {
-        match self {
-            Entropy::Rans => crate::model::decode_into(stored, n, alloc, out),
+    pub fn decompress_chunk_into(self, stored: &[u8], n: usize, alloc: Option<&crate::Allocation>, out: &mut [u8]) -> Result<(), String> {
+        match (self, alloc) {
+            (Entropy::Rans, Some(a)) => crate::model::decode_into(stored, n, a, out),
+            (Entropy::Rans, None) => Err(NO_ALLOCATION.into()),
             _ => self.decompress_into(stored, out),
         }
     }
