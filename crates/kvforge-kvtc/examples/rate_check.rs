@@ -45,16 +45,8 @@ fn main() {
             planned += kvforge_kvtc::model::group_bits(g, m) + if kvforge_kvtc::model::stores_scales(g) { 32.0 } else { 0.0 };
             let mut hist = vec![vec![0u32; k]; if per_coord { len } else { 1 }];
             let mut chist = vec![vec![0u32; k]; 4 * if per_coord { len } else { 1 }];
-            let (mut acc, mut fill, mut at) = (0u64, 0usize, pos);
-            for i in 0..n * len {
-                while fill < bits {
-                    acc |= (raw[at] as u64) << fill;
-                    at += 1;
-                    fill += 8;
-                }
-                let c = (acc & ((1u64 << bits) - 1)) as usize;
-                acc >>= bits;
-                fill -= bits;
+            for (i, c) in pack::codes(&raw[pos..], bits as u32).take(n * len).enumerate() {
+                let c = c as usize;
                 let mi = if per_coord { i % len } else { 0 };
                 hist[mi][c] += 1;
                 chist[class[i / len] * hist.len() + mi][c] += 1;

@@ -143,18 +143,12 @@ pub fn encode(raw: &[u8], n: usize, alloc: &Allocation) -> Result<Vec<u8>, Strin
         }
         pos += 4 * n;
         let (bits, len) = (g.bits as u32, g.len as usize);
-        let (mut acc, mut fill, mut at) = (0u64, 0u32, pos);
-        let mask = (1u64 << bits) - 1;
-        for k in 0..n * len {
-            while fill < bits {
-                acc |= (raw[at] as u64) << fill;
-                at += 1;
-                fill += 8;
+        let mut cs = crate::pack::codes(&raw[pos..], bits);
+        for _ in 0..n {
+            for (j, c) in (0..len).zip(cs.by_ref()) {
+                let m = if ms.len() == 1 { 0 } else { j };
+                symbols.push((c as u16, first_model + m as u32));
             }
-            let m = if ms.len() == 1 { 0 } else { k % len };
-            symbols.push(((acc & mask) as u16, first_model + m as u32));
-            acc >>= bits;
-            fill -= bits;
         }
         pos += (n * len * bits as usize).div_ceil(8);
         first_model += ms.len() as u32;
@@ -202,23 +196,13 @@ pub fn decode_into(stored: &[u8], n: usize, alloc: &Allocation, out: &mut [u8]) 
         let (bits, len) = (g.bits as u32, g.len as usize);
         let count = n * len;
         let bytes = (count * bits as usize).div_ceil(8);
-        let dst = &mut out[pos..pos + bytes];
-        let (mut acc, mut fill, mut at) = (0u64, 0u32, 0usize);
+        let mut w = crate::pack::BitWriter::new(&mut out[pos..pos + bytes]);
         for k in 0..count {
             let model = &ms[if ms.len() == 1 { 0 } else { k % len }];
             let s = coder.decode_symbol(model).map_err(|e| format!("rANS decode: {e:?}"))?;
-            acc |= (s as u64) << fill;
-            fill += bits;
-            while fill >= 8 {
-                dst[at] = acc as u8;
-                at += 1;
-                acc >>= 8;
-                fill -= 8;
-            }
+            w.put(s as u32, bits);
         }
-        if fill > 0 {
-            dst[at] = acc as u8;
-        }
+        w.flush();
         pos += bytes;
     }
     if !coder.is_empty() {

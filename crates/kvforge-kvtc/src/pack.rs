@@ -20,26 +20,68 @@ pub fn raw_len(n: usize, alloc: &Allocation) -> usize {
     alloc.groups.iter().map(|g| 4 * n + (n * g.len as usize * g.bits as usize).div_ceil(8)).sum()
 }
 
-struct BitWriter<'a> {
-    out: &'a mut Vec<u8>,
+/// Writes codes into a group's LSB-first bit stream, `out`, which holds exactly
+/// `ceil(codes · bits / 8)` bytes ([`codes`] reads it back).
+pub struct BitWriter<'a> {
+    out: &'a mut [u8],
+    at: usize,
     acc: u64,
     fill: u32,
 }
 
-impl BitWriter<'_> {
-    fn put(&mut self, v: u32, bits: u32) {
+impl<'a> BitWriter<'a> {
+    pub fn new(out: &'a mut [u8]) -> Self {
+        Self { out, at: 0, acc: 0, fill: 0 }
+    }
+
+    pub fn put(&mut self, v: u32, bits: u32) {
         self.acc |= (v as u64) << self.fill;
         self.fill += bits;
         while self.fill >= 8 {
-            self.out.push(self.acc as u8);
+            self.out[self.at] = self.acc as u8;
+            self.at += 1;
             self.acc >>= 8;
             self.fill -= 8;
         }
     }
-    fn flush(self) {
+
+    /// Writes the last, partly filled byte (zero-padded).
+    pub fn flush(self) {
         if self.fill > 0 {
-            self.out.push(self.acc as u8);
+            self.out[self.at] = self.acc as u8;
         }
+    }
+}
+
+/// The `bits`-bit codes of a group's LSB-first bit stream, in order (ends with the bytes).
+pub fn codes(bytes: &[u8], bits: u32) -> Codes<'_> {
+    Codes { bytes, bits, mask: (1u64 << bits) - 1, acc: 0, fill: 0, at: 0 }
+}
+
+/// [`codes`].
+pub struct Codes<'a> {
+    bytes: &'a [u8],
+    bits: u32,
+    mask: u64,
+    acc: u64,
+    fill: u32,
+    at: usize,
+}
+
+impl Iterator for Codes<'_> {
+    type Item = u32;
+
+    #[inline]
+    fn next(&mut self) -> Option<u32> {
+        while self.fill < self.bits {
+            self.acc |= (*self.bytes.get(self.at)? as u64) << self.fill;
+            self.at += 1;
+            self.fill += 8;
+        }
+        let c = (self.acc & self.mask) as u32;
+        self.acc >>= self.bits;
+        self.fill -= self.bits;
+        Some(c)
     }
 }
 
@@ -56,7 +98,9 @@ pub fn encode(d: &[f64], n: usize, comps: usize, alloc: &Allocation) -> Vec<u8> 
             out.extend_from_slice(&gs.scale.to_le_bytes());
             scales.push(gs);
         }
-        let mut w = BitWriter { out: &mut out, acc: 0, fill: 0 };
+        let at = out.len();
+        out.resize(at + (n * g.len as usize * g.bits as usize).div_ceil(8), 0);
+        let mut w = BitWriter::new(&mut out[at..]);
         for t in 0..n {
             for j in s..e {
                 w.put(scales[t].code(d[t * comps + j], g.bits), g.bits as u32);
@@ -82,18 +126,9 @@ pub fn decode(bytes: &[u8], n: usize, comps: usize, alloc: &Allocation) -> Vec<f
             })
             .collect();
         pos += 4 * n;
-        let (mut acc, mut fill, mut at) = (0u64, 0u32, pos);
-        let mask = (1u64 << bits) - 1;
+        let mut cs = codes(&bytes[pos..], bits);
         for t in 0..n {
-            for j in 0..len {
-                while fill < bits {
-                    acc |= (bytes[at] as u64) << fill;
-                    at += 1;
-                    fill += 8;
-                }
-                let c = (acc & mask) as u32;
-                acc >>= bits;
-                fill -= bits;
+            for (j, c) in (0..len).zip(cs.by_ref()) {
                 d[t * comps + s + j] = scales[t].value(c);
             }
         }
