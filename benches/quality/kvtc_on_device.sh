@@ -55,6 +55,8 @@ fi
 export PYTHONPATH=$R/.whl-py PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 export KVFORGE_BIN=${KVFORGE_BIN:-$R/.bin/kvforge}
 [ -x "$KVFORGE_BIN" ] || { echo "no kvforge binary at $KVFORGE_BIN (carry .bin)"; exit 2; }
+# a coded or step calibration: packed with `rans`, its ratios are after entropy coding
+RANS=${CODED:-${STEP:-}}
 W=${WORK:-/tmp/kvtc}
 mkdir -p $W
 nvidia-smi -L || true
@@ -94,9 +96,9 @@ $KVFORGE_BIN calibrate --samples $W/keys/kv-emma-per-layer.safetensors --out $W/
   --weights $W/keys/kv-emma-weights.safetensors --key-share ${KEY_SHARE:-0.3} 2>&1 | tee $OUT/calibrate.log
 echo "capture + calibrate: $(( $(date +%s) - t0 ))s" | tee -a $OUT/calibrate.log
 export KVFORGE_KVTC_CAL=$W/cal.safetensors
-python3 benches/quality/kvtc_sizes.py --model $M --text persuasion --ctx ${CONTEXTS%%,*} --ratios $RATIOS --entropies ${CODED:+rans,}${STEP:+rans,}deflate,zstd \
+python3 benches/quality/kvtc_sizes.py --model $M --text persuasion --ctx ${CONTEXTS%%,*} --ratios $RATIOS --entropies ${RANS:+rans,}deflate,zstd \
   --out $OUT/kvtc-sizes-${CONTEXTS%%,*}.json 2>&1 | grep kvtc | tee $OUT/sizes.log
-if [ -n "${CODED:-}${STEP:-}" ]; then
+if [ -n "$RANS" ]; then
   schemes=fp16
   for r in ${RATIOS//,/ }; do schemes+=",sim:kvtc-$r-rans"; done
   if [ -n "${BASELINE:-}" ]; then  # the fixed-width allocation of the same capture, e.g. BASELINE=16,20
