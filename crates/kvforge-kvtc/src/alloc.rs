@@ -268,7 +268,8 @@ impl Dp {
                     for r in (0..rows).step_by(stride) {
                         let xs = &data[r * comps + i - size..r * comps + i];
                         if cfg.coded {
-                            add_group_stats(xs, &cands, &mut acc, &mut hists);
+                            add_group_stats(xs, &cands, 0.0, &mut acc, &mut hists);
+                        // no step among the DP's candidates
                         } else {
                             add_group_errors(xs, &widths, &mut acc);
                         }
@@ -376,7 +377,7 @@ impl Allocation {
                 let mut h = vec![vec![0u32; 1 << g.bits]];
                 let mut err = [0.0];
                 for r in 0..rows {
-                    add_group_stats(&data[r * comps + s..r * comps + e], &[(g.bits, g.fit)], &mut err, &mut h);
+                    add_group_stats(&data[r * comps + s..r * comps + e], &[(g.bits, g.fit)], self.step, &mut err, &mut h);
                 }
                 quantised_model(&h[0])
             })

@@ -224,14 +224,15 @@ pub fn group_sq_error_with(xs: &[f64], bits: u8, fit: Fit, step: f32) -> f64 {
 }
 
 /// `errs[q] += ` the squared error and `hists[q][code] += 1` for every code of quantising `xs`
-/// with candidate `q` of `cands` (`(bits, fit)`; `hists[q]` holds `2^bits` counts): the coded
-/// DP's inner loop. The errors equal [`group_sq_error_with`] term by term.
-pub fn add_group_stats(xs: &[f64], cands: &[(u8, Fit)], errs: &mut [f64], hists: &mut [Vec<u32>]) {
+/// with candidate `q` of `cands` (`(bits, fit)`; `hists[q]` holds `2^bits` counts; `step` for
+/// [`Fit::Step`]): the coded DP's inner loop. The errors equal [`group_sq_error_with`] term by term.
+pub fn add_group_stats(xs: &[f64], cands: &[(u8, Fit)], step: f32, errs: &mut [f64], hists: &mut [Vec<u32>]) {
     let (mn, mx) = min_max(xs);
     for ((&(bits, fit), e), h) in cands.iter().zip(errs.iter_mut()).zip(hists.iter_mut()) {
         let g = match fit {
             Fit::Clip => best_fit(xs, mn, mx, bits).0,
-            Fit::MinMax | Fit::Step => GroupScale::fit_range(mn, mx, bits),
+            Fit::MinMax => GroupScale::fit_range(mn, mx, bits),
+            Fit::Step => step_scale(step, bits),
         };
         let (lo, s) = (g.lo.to_f64(), g.scale.to_f64());
         if s <= 0.0 {
