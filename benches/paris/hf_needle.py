@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--local", type=int, default=256)
     ap.add_argument("--update", type=int, default=64)
     ap.add_argument("--per-kv-head", action="store_true", help="one retrieval per kv head (the summed group query's vote) instead of per query head")
-    ap.add_argument("--rank", choices=["max", "sum"], default="sum",
+    ap.add_argument("--rank", choices=["max", "sum"], default="max",
                     help="with --per-kv-head: rank the candidates by the largest head estimate (max, 'hmax') or the summed query's (sum)")
     ap.add_argument("--agree-tokens", type=int, default=32, help="greedy tokens compared with eager on an 8K Austen prompt")
     ap.add_argument("--out", default="paris-hf-needle.json")

@@ -62,7 +62,7 @@ export KVFORGE_CUDA_INCLUDE=${KVFORGE_CUDA_INCLUDE:-/usr/local/cuda/include}
 export KVFORGE_CACHE_DIR=${KVFORGE_CACHE_DIR:-/tmp/kvforge-cache}
 QK=/tmp/paris-qk-emma.safetensors
 DATE=$(date -u +%F)
-RANK=${RANK:-sum}
+RANK=${RANK:-max}
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr ' ' '-' | tr 'A-Z' 'a-z' || echo gpu)
 
 M=/root/m
@@ -151,9 +151,8 @@ PY
     if [ "${COMPARE:-1}" = 1 ]; then
       .bin/paris_bench --lengths 1048576 --batch 1 --kv-heads 8 --gqa 4 --head-dim 128 --iters 10 --per-query-head \
         --out "$OUT/paris-bench-per-query-head-$GPU-$DATE.json" 2>&1 | tee -a "$OUT/paris-bench.log"
-      other=$([ "$RANK" = sum ] && echo max || echo sum)
-      .bin/paris_bench --lengths 1048576 --batch 1 --kv-heads 8 --gqa 4 --head-dim 128 --iters 20 --rank $other \
-        --out "$OUT/paris-bench-rank-$other-$GPU-$DATE.json" 2>&1 | tee -a "$OUT/paris-bench.log"
+      .bin/paris_bench --lengths 1048576 --batch 1 --kv-heads 8 --gqa 4 --head-dim 128 --iters 20 --rank sum \
+        --out "$OUT/paris-bench-rank-sum-$GPU-$DATE.json" 2>&1 | tee -a "$OUT/paris-bench.log"
     fi
     echo "total: $(( $(date +%s) - t0 ))s"
     ;;

@@ -8,9 +8,9 @@
 //! .bin/paris_bench --lengths 1048576 --rank sum --out $OUT/paris-bench-sum.json   # the summed-query rerank
 //! ```
 //!
-//! `--rank` picks the per-kv-head rerank (`kvforge_paris::Rank`): `sum` (default, as the
-//! library's: the summed query's estimate) or `max` (candidates ranked by the largest of the
-//! group's head estimates, `rerank_hmax`); the JSON's `rank` and `retrieval` name it, and its
+//! `--rank` picks the per-kv-head rerank (`kvforge_paris::Rank`): `max` (default, as the
+//! library's: candidates ranked by the largest of the group's head estimates, `rerank_hmax`) or
+//! `sum` (the summed query's estimate); the JSON's `rank` and `retrieval` name it, and its
 //! `median_us.rerank` is the rerank kernel of that mode.
 //!
 //! Keys are Gaussian rows around a shared mean direction (fp16), values reuse the keys (the
@@ -46,7 +46,7 @@ struct Args {
     per_query_head: bool,
     /// Rerank of a kv head's shared retrieval: `max` (the group's largest head estimate) or
     /// `sum` (the summed query's estimate). Ignored with --per-query-head.
-    #[arg(long, default_value = "sum", value_parser = parse_rank)]
+    #[arg(long, default_value = "max", value_parser = parse_rank)]
     rank: Rank,
     #[arg(long, default_value_t = 128)]
     head_dim: usize,

@@ -41,7 +41,7 @@
 //! positions' queries of the group's query heads one by one (round robin), each its own
 //! retrieval. `--group kvmax`: one retrieval per kv head and position whose vote and top-C are
 //! the summed query's, candidates ranked by the largest of the group's head estimates
-//! (`kvforge_paris::Rank::GroupMax`, `--rank max` of the runtime), Recall@k against the exact top-k by
+//! (`kvforge_paris::Rank::GroupMax`, the runtime's default), Recall@k against the exact top-k by
 //! the largest head logit (`exact_top_k_group_max`; the exact rerank column likewise). The JSON's `summary` holds, per length, the mean over the (layer, kv head) runs.
 //! Synthetic queries have no GQA group: each is its own retrieval.
 //!

@@ -185,14 +185,13 @@ impl Retrieval {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Rank {
     /// By the eq. 10 estimate of the summed query ([`group_query`]): the sum of the heads'
-    /// estimates. One estimate per candidate. The default until the group-max kernel has run
-    /// its GPU tests (it is written and compiles, but no device has executed it yet).
-    #[default]
+    /// estimates. One estimate per candidate.
     Summed,
-    /// By the largest of the group's heads' own eq. 10 estimates: the one mode with one
-    /// retrieval per kv head whose quality met issue 27's target in the SmolLM2 simulation
-    /// (`sim:paris-k256-hmax`, needle 3/3 where `Summed` found 2/3; docs/paris.md); its cost
-    /// is `G` estimates per candidate in the rerank instead of one.
+    /// By the largest of the group's heads' own eq. 10 estimates. The default: the one mode
+    /// with one retrieval per kv head whose quality met issue 27's target in the SmolLM2
+    /// simulation (`sim:paris-k256-hmax`, needle 3/3 where `Summed` found 2/3; docs/paris.md);
+    /// its cost is `G` estimates per candidate in the rerank instead of one.
+    #[default]
     GroupMax,
 }
 
@@ -405,7 +404,7 @@ mod tests {
         assert_eq!(retrieve_group(&s, &heads[..d], Rank::GroupMax, 0.25, 600, k).unwrap(), one);
         assert_eq!(retrieve_group(&s, &heads[..d], Rank::Summed, 0.25, 600, k).unwrap(), one);
         assert!(retrieve_group_max(&s, &per[0], &[], 0.25, 600, k).is_err());
-        assert_eq!(Rank::default(), Rank::Summed);
+        assert_eq!(Rank::default(), Rank::GroupMax);
         assert_eq!(Rank::parse("max"), Some(Rank::GroupMax));
         assert_eq!(Rank::parse(Rank::Summed.name()), Some(Rank::Summed));
         assert_eq!(Rank::parse("mean"), None);

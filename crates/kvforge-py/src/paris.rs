@@ -38,7 +38,7 @@ fn f32_bytes<'py>(py: Python<'py>, x: &[f32]) -> Bound<'py, PyBytes> {
 /// The retrieval index of one attention layer for `batch` sequences (module docs).
 ///
 /// ParisIndex(head_dim, kv_heads, gqa, capacity, batch=1, dense_capacity=1024, max_k=256,
-///            max_candidates=65536, host_budget_gb=64.0, device=0, per_query_head=False, rank="sum")
+///            max_candidates=65536, host_budget_gb=64.0, device=0, per_query_head=False, rank="max")
 ///
 /// The `gqa` query heads of a kv head share one retrieval (the vote of the sum of their
 /// queries) and one fetch of the rows; `rank` orders its candidates: `"max"` (default) by the
@@ -53,7 +53,7 @@ pub struct ParisIndex {
 #[pymethods]
 impl ParisIndex {
     #[new]
-    #[pyo3(signature = (head_dim, kv_heads, gqa, capacity, batch = 1, dense_capacity = 1024, max_k = 256, max_candidates = 65536, host_budget_gb = 64.0, device = 0, per_query_head = false, rank = "sum"))]
+    #[pyo3(signature = (head_dim, kv_heads, gqa, capacity, batch = 1, dense_capacity = 1024, max_k = 256, max_candidates = 65536, host_budget_gb = 64.0, device = 0, per_query_head = false, rank = "max"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,

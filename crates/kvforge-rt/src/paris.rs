@@ -14,12 +14,11 @@
 //! softmax over those rows. [`ParisGeometry::per_query_head`] retrieves for every query head
 //! instead (`gqa`× the vote / rerank / top-`k` work and host reads).
 //!
-//! The shared retrieval's rerank ranks the candidates by [`ParisGeometry::rank`]:
+//! The shared retrieval's rerank ranks the candidates by [`ParisGeometry::rank`]: by default
 //! [`Rank::GroupMax`] ("hmax"), the largest of the `gqa` heads' own eq. 10 estimates (the
 //! `rerank_hmax` kernel reads and unpacks a candidate's codes once for all heads; up to 8 heads
-//! per kv head), or [`Rank::Summed`] (the default until `rerank_hmax` has run its GPU tests),
-//! the summed query's estimate. The vote, top-`C`, top-`k`, fetch and attention are the same in
-//! both.
+//! per kv head), or [`Rank::Summed`], the summed query's estimate. The vote, top-`C`, top-`k`,
+//! fetch and attention are the same in both (kvforge-paris `Rank` says why max is the default).
 //!
 //! ```ignore
 //! let dev = Device::open(0)?;

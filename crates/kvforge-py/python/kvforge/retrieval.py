@@ -73,7 +73,7 @@ class ParisAttention:
 
     def __init__(self, k: int = 256, sinks: int = 64, local: int = 256, update: int = 64,
                  capacity: int = 8192 + 256, host_budget_gb: float = 8.0, module: Any = None, per_query_head: bool = True,
-                 rank: str = "sum"):
+                 rank: str = "max"):
         if k < 1 or sinks < 0 or local < 1 or not 1 <= update <= local:
             raise ValueError(f"kvforge.retrieval: need k >= 1, sinks >= 0, local >= 1 and 1 <= update <= local; got k={k}, sinks={sinks}, local={local}, update={update}")
         if rank not in ("max", "sum"):
@@ -163,7 +163,7 @@ class ParisAttention:
 
 def use_retrieval(model, k: int = 256, sinks: int = 64, local: int = 256, update: int = 64,
                   capacity: Optional[int] = None, host_budget_gb: float = 8.0, per_query_head: bool = True,
-                  rank: str = "sum") -> ParisAttention:
+                  rank: str = "max") -> ParisAttention:
     """Runs every attention layer of ``model`` with ParisKV retrieval decode (module docs):
     registers the ``"kvforge"`` attention (as :func:`kvforge.hf.use_kvforge` does) with a
     :class:`ParisAttention` handle on every layer. ``capacity``: retrieval-region keys per
