@@ -57,6 +57,9 @@ struct Args {
     dense: usize,
     #[arg(long, default_value_t = 20)]
     iters: usize,
+    /// Candidate ratio β of every schedule point instead of the default schedule's (ρ kept).
+    #[arg(long)]
+    beta: Option<f64>,
     /// Pinned host budget, GiB.
     #[arg(long, default_value_t = 96)]
     host_gib: usize,
@@ -106,7 +109,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let a = Args::parse();
     let dev = Device::open(0)?;
     let cfg = ParisConfig::default_for(a.head_dim);
-    let schedule = Schedule::default();
+    let mut schedule = Schedule::default();
+    if let Some(beta) = a.beta {
+        schedule.points.iter_mut().for_each(|p| p.beta = beta);
+        schedule.validate()?;
+    }
     let d = a.head_dim;
     let mut runs = Vec::new();
     for &batch in &a.batch {

@@ -175,7 +175,7 @@ fn synthetic(d: usize, n: usize, queries: usize, seed: u64, mean_scale: f64) -> 
 }
 
 /// The `(ρ, β)` pairs of the sweep.
-const SWEEP: [(f64, f64); 6] = [(0.10, 0.05), (0.20, 0.05), (0.20, 0.10), (0.30, 0.10), (0.10, 0.02), (0.05, 0.02)];
+const SWEEP: [(f64, f64); 8] = [(0.10, 0.05), (0.20, 0.05), (0.20, 0.10), (0.30, 0.10), (0.10, 0.02), (0.05, 0.02), (0.20, 0.04), (0.20, 0.03)];
 
 #[derive(Default, Clone)]
 struct Acc {

@@ -553,11 +553,11 @@ __device__ void vote_row_kernel(const VoteParams& p) {
   __syncthreads();
   u8* mine = reinterpret_cast<u8*>(counts) + 4 * threadIdx.x;
   const u8* ids_base = p.ids + size_t(sh) * p.cap * B;
-#pragma unroll 1
-  for (int step = 0; step < STEPS; ++step) {
-    const u32 i0 = lo + (step * NT + threadIdx.x) * 4;
-    if (i0 >= n) break;
-    u32 word[4][B / 4];
+  // The 4 keys' ids at i0 (zero past n), loaded one step ahead of their lookups. The kernel is
+  // bound by the lookups' shared-memory wavefronts (a 256-byte table spans each bank twice), not
+  // by the loads: the prefetch and one PRMT per id byte (the byte plus the table offset in one
+  // add) took it from ~88 to ~86 µs at 1M keys × 8 rows (docs/paris.md).
+  auto load = [&](u32 i0, u32 (&word)[4][B / 4]) {
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const u32* ids = reinterpret_cast<const u32*>(ids_base + size_t(i0 + r) * B);
@@ -580,6 +580,14 @@ __device__ void vote_row_kernel(const VoteParams& p) {
         }
       }
     }
+  };
+  u32 word[4][B / 4], next[4][B / 4];
+  load(lo + threadIdx.x * 4, word);
+#pragma unroll
+  for (int step = 0; step < STEPS; ++step) {
+    const u32 i0 = lo + (step * NT + threadIdx.x) * 4;
+    if (i0 >= n) break;
+    if (step + 1 < STEPS) load(i0 + 4 * NT, next);
     u32 packed = 0;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -587,7 +595,7 @@ __device__ void vote_row_kernel(const VoteParams& p) {
 #pragma unroll
       for (int v = 0; v < B / 4; ++v)
 #pragma unroll
-        for (int j = 0; j < 4; ++j) sc += table[(4 * v + j) * C + ((word[r][v] >> (8 * j)) & 255u)];
+        for (int j = 0; j < 4; ++j) sc += table[(4 * v + j) * C + __byte_perm(word[r][v], 0u, 0x4440u + j)];
       if (i0 + r < n) {
         packed |= sc << (8 * r);
         if constexpr (PRIVATE)
@@ -598,6 +606,10 @@ __device__ void vote_row_kernel(const VoteParams& p) {
     }
     // Rows are padded to a multiple of 16 keys (sstride), so the 4-key word stays in the row.
     *reinterpret_cast<u32*>(p.scores + size_t(sh) * p.sstride + i0) = packed;
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int v = 0; v < B / 4; ++v) word[r][v] = next[r][v];
   }
   __syncthreads();
   // Column sums: bytes 0 and 2 (bins 4 w, 4 w + 2) and bytes 1 and 3 in 16-bit halves; a
