@@ -196,8 +196,25 @@ const BUCKET_CHUNK: usize = 16 * 256;
 const VOTE_CHUNK: usize = 4096;
 /// Bins of the rerank estimates' histogram per retrieval row (`EST_BINS` in paris.cuh).
 const EST_BINS: usize = 1 << 14;
-/// Candidates per CTA of the rerank (`RERANK_CHUNK` in paris.cuh).
+/// Most candidates per CTA of the rerank (`RERANK_CHUNK` in paris.cuh).
 const RERANK_CHUNK: usize = 2048;
+/// Candidates per thread-block iteration of the rerank (`RERANK_UNROLL` × 256 threads): the
+/// granule of its chunk.
+const RERANK_STEP: usize = 512;
+/// CTAs per SM the rerank's grid should reach before its chunk stops shrinking. Each CTA
+/// rotates its queries and builds its lookup table first, so more CTAs are not free: on the
+/// H200 at 1M keys × batch 1, 103 CTAs a row (chunk 512) took 66 µs against 51 for 26 (2048),
+/// while at 128K × 1 26 CTAs a row (512) took 20 µs against 32 for 7 (2048).
+const RERANK_CTAS_PER_SM: usize = 2;
+
+/// Candidates per CTA of the rerank for `rows` retrieval rows of up to `cmax` candidates on
+/// `sms` SMs: [`RERANK_CHUNK`] where the rows fill the GPU, smaller (down to one block
+/// iteration) where few short rows would leave SMs idle, as at 128K × batch 1, whose CTAs
+/// otherwise wait on their scattered code reads with a CTA on one SM in three.
+fn rerank_chunk(cmax: usize, rows: usize, sms: usize) -> usize {
+    let even = (cmax * rows).div_ceil(sms.max(1) * RERANK_CTAS_PER_SM);
+    even.next_multiple_of(RERANK_STEP).clamp(RERANK_STEP, RERANK_CHUNK)
+}
 /// 16-byte loads per thread of the fetch (`FETCH_UNROLL` in paris.cuh).
 const FETCH_UNROLL: usize = 8;
 /// Threads per CTA of the fetch (the entry's launch bounds).
@@ -254,6 +271,7 @@ struct RerankParams {
     cmax: i32,
     nr: i32,
     rg: i32,
+    chunk: i32,
     seed: u32,
     levels: [f32; 16],
 }
@@ -311,7 +329,7 @@ const _: () = assert!(std::mem::size_of::<BonusParams>() == 88);
 const _: () = assert!(std::mem::size_of::<VoteParams>() == 56);
 const _: () = assert!(std::mem::size_of::<BucketParams>() == 80);
 const _: () = assert!(std::mem::size_of::<SelectParams>() == 88);
-const _: () = assert!(std::mem::size_of::<RerankParams>() == 184);
+const _: () = assert!(std::mem::size_of::<RerankParams>() == 192);
 const _: () = assert!(std::mem::size_of::<FetchParams>() == 96);
 const _: () = assert!(std::mem::size_of::<AttendParams>() == 128);
 
@@ -892,6 +910,7 @@ impl ParisIndex {
     fn launch_rerank(&self, span: Span) -> Result<()> {
         let (g, w) = (&self.geo, &self.ws);
         let nr = span.n * g.rows_per_sequence();
+        let chunk = rerank_chunk(g.max_candidates, nr, self.sms);
         let p = RerankParams {
             ix: self.raw(span),
             qrot: self.at(&w.qrot, span),
@@ -904,10 +923,11 @@ impl ParisIndex {
             cmax: g.max_candidates as i32,
             nr: g.rows_per_sequence() as i32,
             rg: g.rows_per_kv_head() as i32,
+            chunk: chunk as i32,
             seed: self.cfg.seed,
             levels: self.levels,
         };
-        let grid = (g.max_candidates.div_ceil(RERANK_CHUNK) as u32, nr as u32, 1);
+        let grid = (g.max_candidates.div_ceil(chunk) as u32, nr as u32, 1);
         if g.ranks_by_group_max() {
             // SAFETY: RerankParams; one row per kv head (RG = 1), whose gqa ≤ HMAX_MAX_GQA
             // query heads are row × gqa .. of the uploaded queries [batch][Hq][D]; the dynamic
@@ -1166,5 +1186,20 @@ mod tests {
             assert!(c.is_multiple_of(FETCH_THREADS) && (FETCH_THREADS..=FETCH_THREADS * FETCH_UNROLL).contains(&c), "{rows}: {c}");
         }
         assert_eq!(fetch_per_cta(pieces, 8, 0), FETCH_THREADS * FETCH_UNROLL);
+    }
+
+    #[test]
+    fn rerank_chunks_shrink_only_where_rows_are_few() {
+        // 128K × batch 1 (β 0.10): 8 rows of 13108 candidates, 26 CTAs a row instead of 7.
+        assert_eq!(rerank_chunk(13108, 8, 132), RERANK_STEP);
+        // 1M × batch 1 (β 0.05): 8 rows of 52429 candidates already make 208 CTAs.
+        assert_eq!(rerank_chunk(52429, 8, 132), RERANK_CHUNK);
+        // 128K × batch 64 (β 0.10): 512 rows fill the GPU at the full chunk.
+        assert_eq!(rerank_chunk(13108, 512, 132), RERANK_CHUNK);
+        for (cmax, rows) in [(1, 1), (800, 8), (13108, 8), (13108, 64), (52429, 32), (1 << 20, 1)] {
+            let c = rerank_chunk(cmax, rows, 132);
+            assert!(c.is_multiple_of(RERANK_STEP) && (RERANK_STEP..=RERANK_CHUNK).contains(&c), "{cmax} × {rows}: {c}");
+        }
+        assert_eq!(rerank_chunk(52429, 8, 0), RERANK_CHUNK);
     }
 }

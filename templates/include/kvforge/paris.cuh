@@ -107,6 +107,7 @@ struct RerankParams {
   u32* est_hist;     // [S][NR][EST_BINS] out (zeroed by the bonus kernel)
   const __half* q;   // [S][Hq][D]: rerank_hmax reads the G query heads of each row's kv head
   int cmax, nr, rg;
+  int chunk;         // candidates per CTA: a multiple of RERANK_STEP, at most RERANK_CHUNK
   u32 seed;          // rerank_hmax: the shared rotation's seed
   float levels[16];
 };
@@ -768,9 +769,10 @@ __device__ void select_kernel(const SelectParams& p) {
 }
 
 // Rerank (eq. 10): est = |q| sum_b w_b sum_j l[c_j] q_bj for every candidate. Grid
-// (ceil(cmax / RERANK_CHUNK), S * NR), NT threads, a thread per candidate over RERANK_CHUNK
-// candidates per CTA (the [D][16] lookup of l_c q_j is built once per CTA). The lookups of a
-// warp's lanes share the channel, so its 16 entries sit in 16 banks: no conflicts.
+// (ceil(cmax / chunk), S * NR), NT threads, a thread per candidate over `p.chunk` candidates per
+// CTA (the [D][16] lookup of l_c q_j is built once per CTA). The runtime takes RERANK_CHUNK
+// where rows are many and smaller chunks where few rows would leave SMs idle (batch 1). The
+// lookups of a warp's lanes share the channel, so its 16 entries sit in 16 banks: no conflicts.
 constexpr int RERANK_CHUNK = 2048, RERANK_UNROLL = 2;
 
 // The direction codes (D / 2 bytes as D / 32 uint4) and the B fp16 weights of index key `key`.
@@ -826,7 +828,7 @@ __device__ void rerank_kernel(const RerankParams& p) {
   __shared__ float lut[D * 16];
   __shared__ float qs[D];
   const int sh = blockIdx.y, s = sh / p.nr, h = (sh % p.nr) / p.rg;
-  const u32 count = p.count[sh], lo = blockIdx.x * RERANK_CHUNK;
+  const u32 count = p.count[sh], lo = blockIdx.x * u32(p.chunk);
   if (lo >= count) return;
   for (int i = threadIdx.x; i < D; i += NT) qs[i] = p.qrot[size_t(sh) * D + i];
   __syncthreads();
@@ -834,7 +836,7 @@ __device__ void rerank_kernel(const RerankParams& p) {
   __syncthreads();
   const float qn = p.qnorm[sh];
   const size_t base = size_t(s * p.ix.hkv + h) * p.ix.cap;
-  rerank_candidates<D, M, NT>(p, sh, lo, min(count, lo + RERANK_CHUNK), base, [&](const uint4 (&r)[D / 32], const __half (&w)[B]) {
+  rerank_candidates<D, M, NT>(p, sh, lo, min(count, lo + u32(p.chunk)), base, [&](const uint4 (&r)[D / 32], const __half (&w)[B]) {
     float acc = 0.f, dot = 0.f;
 #pragma unroll
     for (int v = 0; v < D / 32; ++v) {
@@ -883,7 +885,7 @@ __device__ void rerank_hmax_kernel(const RerankParams& p) {
     __shared__ float qs[G][D];
     __shared__ float qn[G];
     const int sh = blockIdx.y, s = sh / p.nr, h = sh % p.nr;
-    const u32 count = p.count[sh], lo = blockIdx.x * RERANK_CHUNK;
+    const u32 count = p.count[sh], lo = blockIdx.x * u32(p.chunk);
     if (lo >= count) return;
     // Row sh is kv head h of sequence s (RG = 1): its query heads are h G .. h G + G - 1.
     const __half* qh = p.q + size_t(sh) * G * D;
@@ -914,7 +916,7 @@ __device__ void rerank_hmax_kernel(const RerankParams& p) {
     for (int g = 0; g < G; ++g) norms[g] = qn[g];
     const HmaxEntry<P>* lut = reinterpret_cast<const HmaxEntry<P>*>(hmax_lut);
     const size_t base = size_t(s * p.ix.hkv + h) * p.ix.cap;
-    rerank_candidates<D, M, NT>(p, sh, lo, min(count, lo + RERANK_CHUNK), base, [&](const uint4 (&r)[D / 32], const __half (&w)[B]) {
+    rerank_candidates<D, M, NT>(p, sh, lo, min(count, lo + u32(p.chunk)), base, [&](const uint4 (&r)[D / 32], const __half (&w)[B]) {
       float acc[G];
 #pragma unroll
       for (int g = 0; g < G; ++g) acc[g] = 0.f;
