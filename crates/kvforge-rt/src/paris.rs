@@ -115,7 +115,8 @@ fn hmax_pairs(gqa: usize) -> usize {
 
 /// Dynamic shared memory of `rerank_hmax`: the `[D][16]` entries of [`hmax_pairs`] half2.
 fn hmax_lut_bytes(d: usize, gqa: usize) -> usize {
-    d * 16 * hmax_pairs(gqa) * 4
+    // `HMAX_ALIGN` in paris.cuh: the kernel starts its table at an aligned address inside.
+    d * 16 * hmax_pairs(gqa) * 4 + 256
 }
 
 #[repr(C)]

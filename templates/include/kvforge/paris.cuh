@@ -877,6 +877,31 @@ struct alignas(4 * P) HmaxEntry {
   u32 w[P];
 };
 
+// Bytes of dynamic shared memory rerank_hmax asks for beyond its table: room to start the table
+// at a multiple of HMAX_ALIGN (see hmax_entry).
+constexpr int HMAX_ALIGN = 256;
+
+// The (channel `ch`, code) entry of the table at shared address `base` (a multiple of
+// HMAX_ALIGN >= 64 P), the code being bits [4 k, 4 k + 4) of `word`. The entry's byte offset is
+// ch * 64 P + code * 4 P: the code lands in place with one shift and one LOP3 that also ORs
+// the aligned base in, and ch * 64 P is the load's immediate, so an entry costs two integer
+// instructions and the load (the plain index took a shift, two LOP3 and an IMAD).
+template <int P>
+__device__ __forceinline__ HmaxEntry<P> hmax_entry(u32 base, u32 word, int k, int ch) {
+  constexpr int SH = P == 1 ? 2 : P == 2 ? 3 : 4;  // log2(4 P)
+  const int r = 4 * k - SH;
+  const u32 moved = r >= 0 ? word >> r : word << -r;
+  const u32 addr = ((moved & (15u << SH)) | base) + u32(ch * 64 * P);
+  HmaxEntry<P> e;
+  if constexpr (P == 1)
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(e.w[0]) : "r"(addr));
+  else if constexpr (P == 2)
+    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(e.w[0]), "=r"(e.w[1]) : "r"(addr));
+  else
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(e.w[0]), "=r"(e.w[1]), "=r"(e.w[2]), "=r"(e.w[3]) : "r"(addr));
+  return e;
+}
+
 template <int D, int M, int G, int NT>
 __device__ void rerank_hmax_kernel(const RerankParams& p) {
   if constexpr (G >= 1 && G <= 8) {
@@ -903,7 +928,10 @@ __device__ void rerank_hmax_kernel(const RerankParams& p) {
     }
     __syncthreads();
     hadamard_rows<D, NT, false>(&qs[0][0], G, p.seed);
-    __half2* lut2 = reinterpret_cast<__half2*>(hmax_lut);
+    // The table starts at the first multiple of HMAX_ALIGN in the dynamic shared memory.
+    const u32 raw = u32(__cvta_generic_to_shared(hmax_lut));
+    const u32 lut_base = (raw + HMAX_ALIGN - 1) & ~u32(HMAX_ALIGN - 1);
+    __half2* lut2 = reinterpret_cast<__half2*>(hmax_lut + (lut_base - raw) / 4);
     for (int i = threadIdx.x; i < D * 16 * P; i += NT) {
       const int pp = i % P, code = (i / P) % 16, ch = i / (16 * P);
       const float l = p.levels[code];
@@ -914,7 +942,6 @@ __device__ void rerank_hmax_kernel(const RerankParams& p) {
     float norms[G];
 #pragma unroll
     for (int g = 0; g < G; ++g) norms[g] = qn[g];
-    const HmaxEntry<P>* lut = reinterpret_cast<const HmaxEntry<P>*>(hmax_lut);
     const size_t base = size_t(s * p.ix.hkv + h) * p.ix.cap;
     rerank_candidates<D, M, NT>(p, sh, lo, min(count, lo + u32(p.chunk)), base, [&](const uint4 (&r)[D / 32], const __half (&w)[B]) {
       float acc[G];
@@ -927,7 +954,7 @@ __device__ void rerank_hmax_kernel(const RerankParams& p) {
 #pragma unroll
         for (int k = 0; k < 32; ++k) {
           const int ch = v * 32 + k;
-          const HmaxEntry<P> e = lut[ch * 16 + rerank_code(words, k)];
+          const HmaxEntry<P> e = hmax_entry<P>(lut_base, words[k / 8], k % 8, ch);
 #pragma unroll
           for (int j = 0; j < P; ++j) {
             const __half2 x = *reinterpret_cast<const __half2*>(&e.w[j]);
