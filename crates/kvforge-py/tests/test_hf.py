@@ -509,6 +509,8 @@ def test_window_policy_reaches_every_layer_cache(fake, hf):
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="recent_pages must be a non-negative integer"):
             hf.KvforgeAttention("specs/rotated.toml", "r3", recent_pages=bad)
+    with pytest.raises(ValueError, match="controller keeps its own sinks"):
+        hf.KvforgeAttention("specs/rotated.toml", "r3", control=hf.Control(), sink_pages=1)
 
 
 def test_mask_function_passes_padding_only(hf):

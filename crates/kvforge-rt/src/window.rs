@@ -88,18 +88,20 @@ impl KvCache {
     }
 
     /// Encodes dense full pages (from [`window_encodes`](Self::window_encodes)) into the target
-    /// tier in place: one transcode launch from their device pages, not waited for (its fault
-    /// flags are watched, as a decode step's encode of its filled tails); where the encode
-    /// reads pages on the host ([`KvCache::encode_needs_host`]) they are downloaded and go
-    /// through the host path's steps. The pages keep their positions; their sequences get a new
-    /// layout epoch (the tiers changed), not a new table epoch (a resident decode table
-    /// re-reads the few entries). The caller reserved the target pages.
+    /// tier in place: one transcode launch straight from their device pages, not waited for
+    /// (its fault flags are watched, as a decode step's encode of its filled tails). Where the
+    /// encode needs the pages on the host ([`KvCache::encode_needs_host`]) they are downloaded
+    /// first: an uncalibrated spherical tier takes its radius scales from them, certified
+    /// decode records them as originals; the launch is the same, so no staging page is needed.
+    /// The pages keep their positions; their sequences get a new layout epoch (the tiers
+    /// changed), not a new table epoch (a resident decode table re-reads the few entries). The
+    /// caller reserved the target pages.
     pub(crate) fn encode_dense_pages(&mut self, pages: &[DensePage]) -> Result<()> {
         if pages.is_empty() {
             return Ok(());
         }
         let target = self.cfg.target_tier;
-        let dst: Vec<PageRef> = if self.encode_needs_host(target) {
+        let host = if self.encode_needs_host(target) {
             let seg = self.spec.segment(TAIL_TIER, self.cfg.head_dim);
             let mut bytes: Vec<(usize, Vec<u8>)> = Vec::with_capacity(pages.len());
             for &(_, h, _, page) in pages {
@@ -108,21 +110,20 @@ impl KvCache {
                 bytes.push((h, b));
             }
             self.ensure_radius_scales(target, &bytes, HEADER_BYTES + seg.offset("k"))?;
-            let encoded = self.encode_pages(&bytes, target)?;
-            if self.cert.keeps_originals() {
-                self.record_originals(&bytes, &encoded)?;
-            }
-            encoded
+            Some(bytes)
         } else {
-            let src: Vec<PageRef> = pages.iter().map(|p| p.3).collect();
-            let heads: Vec<u32> = pages.iter().map(|p| p.1 as u32).collect();
-            let dst: Vec<PageRef> = (0..src.len()).map(|_| self.store.pool_mut().alloc(target)).collect::<Result<_>>()?;
-            if let Err(e) = self.transcode_watched(&src, &dst, &heads, TAIL_TIER, target) {
-                dst.into_iter().for_each(|p| self.store.pool_mut().free(p));
-                return Err(e);
-            }
-            dst
+            None
         };
+        let src: Vec<PageRef> = pages.iter().map(|p| p.3).collect();
+        let heads: Vec<u32> = pages.iter().map(|p| p.1 as u32).collect();
+        let dst: Vec<PageRef> = (0..src.len()).map(|_| self.store.pool_mut().alloc(target)).collect::<Result<_>>()?;
+        if let Err(e) = self.transcode_watched(&src, &dst, &heads, TAIL_TIER, target) {
+            dst.into_iter().for_each(|p| self.store.pool_mut().free(p));
+            return Err(e);
+        }
+        if let Some(bytes) = host.filter(|_| self.cert.keeps_originals()) {
+            self.record_originals(&bytes, &dst)?;
+        }
         let mut seqs: Vec<usize> = Vec::new();
         for (&(s, h, i, old), new) in pages.iter().zip(dst) {
             let was = self.store.replace_full(s, h, i, new)?;
@@ -194,7 +195,7 @@ mod tests {
         for (sink, recent) in [(0, 0), (1, 2), (0, 1), (2, 0), (1, 0), (3, 5)] {
             let w = WindowPolicy::new(sink, recent);
             for step in [1usize, 2, 3, 7, 40] {
-                let mut encoded = vec![false; 40];
+                let mut encoded = [false; 40];
                 let mut full = 0;
                 while full < 40 {
                     let after = (full + step).min(40);

@@ -51,7 +51,7 @@ fn assert_policy(c: &KvCache, seq: usize, what: &str) -> usize {
     let mut dense = 0;
     for h in 0..HKV {
         let pages = c.positioned_pages(seq, h).unwrap();
-        assert_eq!(pages.len(), full + usize::from(len % p > 0), "{what}: head {h} pages");
+        assert_eq!(pages.len(), full + usize::from(!len.is_multiple_of(p)), "{what}: head {h} pages");
         for (pg, n, first) in pages {
             if n < p {
                 assert_eq!((pg.tier, first), (TAIL_TIER, full * p), "{what}: head {h} tail");

@@ -232,6 +232,9 @@ class KvforgeAttention:
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ValueError(f"kvforge.hf: {name} must be a non-negative integer, got {n!r}")
         self.sink_pages, self.recent_pages = sink_pages, recent_pages
+        if control is not None and (sink_pages or recent_pages):
+            raise ValueError("kvforge.hf: a controller keeps its own sinks and recent pages; "
+                             "sink_pages / recent_pages need control=None")
         # layer -> {"cache", "seqs" (one per row), "seq" (row 0's), "n" (positions seen), "rows", "cap"}
         self.layers: Dict[int, Dict[str, Any]] = {}
         # A controller decides from an exact prefill's attention; so can a caller who asks.
