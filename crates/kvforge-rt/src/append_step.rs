@@ -10,9 +10,10 @@
 //! mirrors become stale and are downloaded again only where a host path reads them
 //! ([`crate::store`]). A tail that fills is encoded into the target tier by the transcode
 //! kernel straight from its device page (with a window policy, [`crate::WindowPolicy`], it
-//! stays a dense full page and the page it pushes out of the window is encoded instead); only where the encode needs the page's bytes on the
-//! host (a spherical tier's first radius calibration, certified decode's originals) is it
-//! downloaded, once per filled page, and encoded by the host path's steps.
+//! stays a dense full page and the page it pushes out of the window is encoded instead);
+//! only where the encode needs the page's bytes on the host (a spherical tier's first radius
+//! calibration, certified decode's originals) is it downloaded, once per filled page, and
+//! encoded by the host path's steps.
 //!
 //! A prompt goes in the same way ([`KvCache::append_external_device`]): many tokens of one
 //! sequence, one chunk per (page, kv head) in one launch of the same kernel, then one transcode
