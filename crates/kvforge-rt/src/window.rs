@@ -190,6 +190,50 @@ mod tests {
         assert_eq!(dense_after(sinks, 6), vec![0, 1]);
     }
 
+    /// Token-level appends as the cache makes them: an append of `n` tokens to a sequence of
+    /// `len` takes it from `len / P` to `(len + n) / P` full pages.
+    fn encoded_after_appends(w: WindowPolicy, p: usize, appends: &[usize]) -> (usize, Vec<bool>) {
+        let mut len = 0;
+        let mut encoded = Vec::new();
+        for &n in appends {
+            let (before, after) = (len / p, (len + n) / p);
+            encoded.resize(after, false);
+            for i in w.to_encode(before, after) {
+                assert!(!encoded[i], "page {i} encoded twice");
+                encoded[i] = true;
+            }
+            len += n;
+        }
+        (len, encoded)
+    }
+
+    #[test]
+    fn odd_lengths_empty_and_one_token_sequences() {
+        let (w, p) = (WindowPolicy::new(1, 2), 64);
+        // Empty appends and a one-token sequence: no full page, nothing encoded.
+        assert_eq!(encoded_after_appends(w, p, &[]), (0, vec![]));
+        assert_eq!(encoded_after_appends(w, p, &[0, 0]), (0, vec![]));
+        assert_eq!(encoded_after_appends(w, p, &[1]), (1, vec![]));
+        // Shorter than sinks + window (3 pages + a partial tail): never encoded.
+        for n in [63, 64, 65, 127, 128, 129, 191, 192, 193, 255] {
+            let (_, e) = encoded_after_appends(w, p, &[n]);
+            assert!(e.iter().all(|&x| !x), "{n} tokens: {e:?}");
+            let (_, e) = encoded_after_appends(w, p, &vec![1; n]);
+            assert!(e.iter().all(|&x| !x), "{n} single tokens: {e:?}");
+        }
+        // The fourth full page (token 256) pushes page 1 out; page 0 stays a sink.
+        assert_eq!(encoded_after_appends(w, p, &[256]).1, vec![false, true, false, false]);
+        assert_eq!(encoded_after_appends(w, p, &vec![1; 256]).1, vec![false, true, false, false]);
+        // Odd splits agree with one append of the same tokens.
+        for splits in [vec![1, 62, 3, 200, 77, 1], vec![65; 9], vec![600], vec![63, 1, 63, 1, 472]] {
+            let (len, e) = encoded_after_appends(w, p, &splits);
+            let full = len / p;
+            let want: Vec<bool> = (0..full).map(|i| !w.keeps_dense(i, full)).collect();
+            assert_eq!(e, want, "{splits:?}");
+            assert_eq!(e.iter().filter(|&&x| !x).count(), w.dense_pages().min(full));
+        }
+    }
+
     #[test]
     fn appends_in_any_split_encode_each_page_once_and_leave_the_policy_s_pages_dense() {
         for (sink, recent) in [(0, 0), (1, 2), (0, 1), (2, 0), (1, 0), (3, 5)] {
