@@ -215,6 +215,63 @@ fn spherical_scales_calibrate_from_the_first_dense_page_encoded() {
     assert_decode(&dev, &mut c, &[a], 0, "spherical/high after the first window encode");
 }
 
+/// CUDA-graph steps (prepared and launched on the cache's stream, as a replay runs them) between
+/// plain fill steps: `graph_prepare` answers None exactly at the fills, the plain step keeps the
+/// filled page dense and encodes the one leaving the window, and every step's output matches
+/// the reference.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn graph_steps_between_plain_fill_steps_keep_the_window() {
+    let dev = kvforge_rt::testing::device();
+    for &(file, target) in &[("rotated.toml", "r3"), ("rdkv.toml", "b4")] {
+        let mut c = cache(&dev, file, target, 1, 2048);
+        let p = c.spec().page.tokens;
+        let a = c.add_sequence();
+        c.append(a, &data((3 * p + 10) * HKV * D, 5), &data((3 * p + 10) * HKV * D, 6)).unwrap();
+        let out = dev.stream.alloc_zeros::<u16>(HQ * D).unwrap();
+        let lse = dev.stream.alloc_zeros::<f32>(HQ).unwrap();
+        let (ot, lt) = (ext(&dev, &out, ElemType::F16, &[1, HQ, D]), ext(&dev, &lse, ElemType::F32, &[1, HQ]));
+        let stream = dev.stream.cu_stream() as u64;
+        let (mut graph_steps, mut plain_steps) = (0, 0);
+        let ulps = if c.spec().basis().is_identity() { 2.0 } else { 4.0 };
+        for i in 0..(2 * p + 3) as u32 {
+            let (k, v, q) = (upload_f16(&dev, &data(HKV * D, 200 + i)), upload_f16(&dev, &data(HKV * D, 400 + i)), data(HQ * D, 600 + i));
+            let qd = upload_f16(&dev, &q);
+            let (kt, vt, qt) = (ext(&dev, &k, ElemType::F16, &[1, HKV, D]), ext(&dev, &v, ElemType::F16, &[1, HKV, D]), ext(&dev, &qd, ElemType::F16, &[1, HQ, D]));
+            let tail = c.page_counts(a, 0).unwrap().1.unwrap_or(0);
+            match c.graph_prepare(&[a]).unwrap() {
+                Some(_) => {
+                    assert_ne!(tail + 1, p, "{file}/{target}: a step that fills its tail is not a graph step");
+                    // SAFETY: the cache's own stream; the tensors live until the synchronize below.
+                    unsafe { c.graph_launch(stream, &[a], &kt, &vt, &qt, &ot, &lt) }.unwrap();
+                    c.graph_commit(&[a]).unwrap();
+                    graph_steps += 1;
+                }
+                None => {
+                    assert_eq!(tail + 1, p, "{file}/{target}: graph_prepare refused a step that fills nothing");
+                    c.step_external(&[a], &kt, &vt, &qt, &ot, &lt).unwrap();
+                    plain_steps += 1;
+                }
+            }
+            c.synchronize().unwrap();
+            if i % 8 == 0 || tail + 2 >= p || tail < 2 {
+                let got: Vec<f32> = dev.stream.clone_dtoh(&out).unwrap().into_iter().map(|b| f16::from_bits(b).to_f32()).collect();
+                for hq in 0..HQ {
+                    let (ro, _, vmax) = reference(&c, a, hq / GQA, &q[hq * D..(hq + 1) * D]);
+                    let tol = ulps * 2f64.powi(-11) * vmax + 1e-5;
+                    for d in 0..D {
+                        assert!((got[hq * D + d] as f64 - ro[d]).abs() <= tol, "{file}/{target} step {i}: q head {hq} ch {d}: {} want {} (tol {tol:.2e})", got[hq * D + d], ro[d]);
+                    }
+                }
+            }
+        }
+        assert_eq!((plain_steps, graph_steps), (2, 2 * p + 1), "{file}/{target}");
+        assert_eq!(assert_policy(&c, a, "graph steps"), SINK + RECENT);
+        c.verify_pages(&[a]).unwrap();
+        println!("{file}/{target}: {graph_steps} graph steps and {plain_steps} plain fill steps keep the window; outputs match the reference");
+    }
+}
+
 /// A pool whose tail tier cannot hold the window is an all-or-nothing out-of-pages error,
 /// not a half-applied append.
 #[test]
