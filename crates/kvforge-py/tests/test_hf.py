@@ -511,6 +511,8 @@ def test_window_policy_reaches_every_layer_cache(fake, hf):
             hf.KvforgeAttention("specs/rotated.toml", "r3", recent_pages=bad)
     with pytest.raises(ValueError, match="controller keeps its own sinks"):
         hf.KvforgeAttention("specs/rotated.toml", "r3", control=hf.Control(), sink_pages=1)
+    with pytest.raises(ValueError, match="certified decode does not cover"):
+        hf.KvforgeAttention("specs/rotated.toml", "r3", certify=object(), recent_pages=2)
 
 
 def test_mask_function_passes_padding_only(hf):

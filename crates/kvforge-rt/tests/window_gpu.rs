@@ -273,7 +273,7 @@ fn graph_steps_between_plain_fill_steps_keep_the_window() {
 }
 
 /// A pool whose tail tier cannot hold the window is an all-or-nothing out-of-pages error,
-/// not a half-applied append.
+/// not a half-applied append; certified decode and tiling refuse a window.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn a_tail_tier_too_small_for_the_window_refuses_the_append() {
@@ -290,4 +290,8 @@ fn a_tail_tier_too_small_for_the_window_refuses_the_append() {
     assert!(matches!(err, kvforge_rt::RtError::OutOfPages { .. }), "{err:?}");
     assert_eq!(c.seq_len(a).unwrap(), 0);
     assert_eq!(c.pool().used_pages(TAIL_TIER), 0);
+    // Certified decode (its value bound reads the tail page only) and benchmark tiling refuse
+    // a window with typed errors.
+    assert!(matches!(c.keep_originals(), Err(kvforge_rt::RtError::WrongState { .. })));
+    assert!(matches!(c.tile_sequence(a, 2, 64), Err(kvforge_rt::RtError::BadInput(m)) if m.contains("window policy")));
 }

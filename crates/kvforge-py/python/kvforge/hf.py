@@ -235,6 +235,9 @@ class KvforgeAttention:
         if control is not None and (sink_pages or recent_pages):
             raise ValueError("kvforge.hf: a controller keeps its own sinks and recent pages; "
                              "sink_pages / recent_pages need control=None")
+        if certify is not None and (sink_pages or recent_pages):
+            raise ValueError("kvforge.hf: certified decode does not cover a window policy's fp16 pages; "
+                             "sink_pages / recent_pages need certify=None")
         # layer -> {"cache", "seqs" (one per row), "seq" (row 0's), "n" (positions seen), "rows", "cap"}
         self.layers: Dict[int, Dict[str, Any]] = {}
         # A controller decides from an exact prefill's attention; so can a caller who asks.
