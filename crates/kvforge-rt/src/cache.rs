@@ -171,7 +171,8 @@ impl KvCache {
     }
 
     /// A number that changes whenever the pages of `seq` change other than by appends (re-codes,
-    /// drops, a new sequence under a reused id), never repeating within this cache. A controller
+    /// a window policy's encode of a page leaving the window included, drops, a new sequence
+    /// under a reused id), never repeating within this cache. A controller
     /// that planned from a snapshot with the same epoch knows the pages it named are still
     /// there, in the same tiers, without walking the page table (issue 7: that walk was ~26 µs
     /// of the decode thread per sequence and RDR boundary on the H100 host).

@@ -21,7 +21,10 @@
 //!   it. Pads are a few per range (`pad_slots`), so they cost a header read each.
 //! - When a range runs out of pads, the sequence list changes, or a sequence's layout epoch
 //!   does (a re-code, a drop, a removed and re-added id), the table is rebuilt whole, fresh
-//!   pads included: every few hundred steps in a steady batch.
+//!   pads included: every few hundred steps in a steady batch. A window policy's encode of a
+//!   dense page leaving the window ([`crate::WindowPolicy`]) keeps the range: the sync
+//!   re-reads the last `recent_pages` full-page entries of each range
+//!   ([`PageSource::window_recodes`]), and the store's table epoch it compares stays.
 //! - The split count needs no page assignment: the kernel divides each range among the
 //!   splits itself, so only the count (from the live page counts, as [`crate::plan`] does)
 //!   and the variant (from the tiers present) are recomputed, in O(tiers).
