@@ -9,9 +9,10 @@
 //! need nothing new. Page granularity makes the dense window between `recent_pages` and
 //! `recent_pages + 1` pages of tokens (the partly filled tail page on top of the full ones).
 //!
-//! This module is the decision alone, in logical page numbers (a page's first token over the
-//! page size, which dropped pages do not shift), so that it is tested without a device; the
-//! cache's append paths ask it which pages to encode.
+//! The decision ([`WindowPolicy::to_encode`]) is a pure function of logical page numbers (a
+//! page's first token over the page size, which dropped pages do not shift), tested without a
+//! device; the cache's append paths ask it which pages to encode, and the `KvCache` half of
+//! this module finds and encodes the dense pages that leave the window.
 
 use std::ops::Range;
 
@@ -89,10 +90,10 @@ impl KvCache {
 
     /// Encodes dense full pages (from [`window_encodes`](Self::window_encodes)) into the target
     /// tier in place: one transcode launch straight from their device pages, not waited for
-    /// (its fault flags are watched, as a decode step's encode of its filled tails). Where the
-    /// encode needs the pages on the host ([`KvCache::encode_needs_host`]) they are downloaded
-    /// first: an uncalibrated spherical tier takes its radius scales from them, certified
-    /// decode records them as originals; the launch is the same, so no staging page is needed.
+    /// (its fault flags are watched, as a decode step's encode of its filled tails). An
+    /// uncalibrated spherical target takes its radius scales from the pages first (downloaded
+    /// for it); the launch is the same, so no staging page is needed. (Certified decode, whose
+    /// originals would be recorded here, refuses a cache with a window.)
     /// The pages keep their positions; their sequences get a new layout epoch (the tiers
     /// changed), not a new table epoch (a resident decode table re-reads the few entries). The
     /// caller reserved the target pages.
@@ -101,7 +102,7 @@ impl KvCache {
             return Ok(());
         }
         let target = self.cfg.target_tier;
-        let host = if self.encode_needs_host(target) {
+        if self.encode_needs_host(target) {
             let seg = self.spec.segment(TAIL_TIER, self.cfg.head_dim);
             let mut bytes: Vec<(usize, Vec<u8>)> = Vec::with_capacity(pages.len());
             for &(_, h, _, page) in pages {
@@ -110,19 +111,13 @@ impl KvCache {
                 bytes.push((h, b));
             }
             self.ensure_radius_scales(target, &bytes, HEADER_BYTES + seg.offset("k"))?;
-            Some(bytes)
-        } else {
-            None
-        };
+        }
         let src: Vec<PageRef> = pages.iter().map(|p| p.3).collect();
         let heads: Vec<u32> = pages.iter().map(|p| p.1 as u32).collect();
         let dst: Vec<PageRef> = (0..src.len()).map(|_| self.store.pool_mut().alloc(target)).collect::<Result<_>>()?;
         if let Err(e) = self.transcode_watched(&src, &dst, &heads, TAIL_TIER, target) {
             dst.into_iter().for_each(|p| self.store.pool_mut().free(p));
             return Err(e);
-        }
-        if let Some(bytes) = host.filter(|_| self.cert.keeps_originals()) {
-            self.record_originals(&bytes, &dst)?;
         }
         let mut seqs: Vec<usize> = Vec::new();
         for (&(s, h, i, old), new) in pages.iter().zip(dst) {
