@@ -105,6 +105,18 @@ impl Controller {
         guarded(py, || {
             // Checked here, not at the first windowed apply: a bad β is a construction error.
             PagedImportance::new(beta, cache.inner.spec().page.tokens).map_err(|e| bad(py, format!("Controller: beta: {e}")))?;
+            // Controllers read tail-tier pages as the tail: a window policy's dense full pages
+            // would be mistaken for it (controllers keep their own sinks and recent pages).
+            let w = cache.inner.config().window;
+            if !w.is_off() {
+                return Err(bad(
+                    py,
+                    format!(
+                        "Controller: the cache has a window policy ({} sink pages, {} recent pages); controllers need a cache without one (use the controller's sinks= and recent=)",
+                        w.sink_pages, w.recent_pages
+                    ),
+                ));
+            }
             let spec = cache.inner.spec().clone();
             let d = cache.inner.config().head_dim;
             let budget = budget.ok_or_else(|| bad(py, "Controller: budget= is required (bytes per token per kv head, or per=\"total\" bytes)"))?;

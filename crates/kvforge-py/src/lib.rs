@@ -477,7 +477,7 @@ impl Cache {
 #[pymethods]
 impl Cache {
     #[new]
-    #[pyo3(signature = (spec, head_dim, num_kv_heads, gqa, max_tokens, sequences = 1, target = None, root = None, device = 0, verify_headers = false, target_only = false))]
+    #[pyo3(signature = (spec, head_dim, num_kv_heads, gqa, max_tokens, sequences = 1, target = None, root = None, device = 0, verify_headers = false, target_only = false, sink_pages = 0, recent_pages = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -492,6 +492,8 @@ impl Cache {
         #[pyo3(from_py_with = crate::nat)] device: usize,
         #[pyo3(from_py_with = crate::flag)] verify_headers: bool,
         #[pyo3(from_py_with = crate::flag)] target_only: bool,
+        #[pyo3(from_py_with = crate::nat)] sink_pages: usize,
+        #[pyo3(from_py_with = crate::nat)] recent_pages: usize,
     ) -> PyResult<Cache> {
         guarded(py, || {
             let path = resolve_spec(spec, root).map_err(|m| py_error(py, "Spec", m))?;
@@ -514,7 +516,9 @@ impl Cache {
             if tid == TAIL_TIER || tier.is_drop() {
                 return Err(bad(py, format!("tier `{}` cannot be the target: full pages are encoded into a ladder tier that keeps bytes", tier.name)));
             }
-            let mut cfg = CacheConfig::new(&s, head_dim, gqa, num_kv_heads, sequences, max_tokens).target(tid);
+            // The window policy (issue 26): the first `sink_pages` pages of a sequence and its
+            // `recent_pages` newest full pages stay dense (the tail tier sized for them).
+            let mut cfg = CacheConfig::new(&s, head_dim, gqa, num_kv_heads, sequences, max_tokens).target(tid).window(sink_pages, recent_pages, sequences);
             cfg.verify_headers = verify_headers;
             if target_only {
                 // A serving pool of one format: no pages for the other ladder tiers, so the
@@ -899,6 +903,14 @@ impl Cache {
     }
 
     /// The tiers that store spherical keys (they take codebooks): name → (group, codewords).
+    /// The window policy: `(sink_pages, recent_pages)` full pages kept dense (tail format)
+    /// instead of encoded into the target tier.
+    #[getter]
+    fn window(&self) -> (usize, usize) {
+        let w = self.inner.config().window;
+        (w.sink_pages, w.recent_pages)
+    }
+
     #[getter]
     fn spherical_tiers(&self) -> std::collections::BTreeMap<String, (usize, usize)> {
         self.inner

@@ -287,6 +287,10 @@ def test_serving_additions_are_accepted():
     # target_only is an argument like the others: checked, then the device is opened
     assert err(cache, target="b4", target_only=True).kind == "NoDriver"
     assert err(cache, target="b4", target_only="yes").kind == "BadInput"
+    # the window policy (issue 26): page counts, checked, then the device is opened
+    assert err(cache, target="b4", sink_pages=1, recent_pages=2).kind == "NoDriver"
+    assert err(cache, target="b4", recent_pages=-1).kind == "BadInput"
+    assert "window" in dir(kvforge.Cache)
     assert "tile_sequence" in dir(kvforge.Cache) and "Benchmarks build large batches" in kvforge.Cache.tile_sequence.__doc__
     # the device-resident decode plan (issue 29): additive API
     assert "synchronize" in dir(kvforge.Cache) and "resident_stats" in dir(kvforge.Cache)

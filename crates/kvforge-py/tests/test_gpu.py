@@ -591,6 +591,42 @@ def test_target_only_pool_and_tiled_sequences_decode_like_the_template():
         pass  # b8 has no pages in a target-only pool (or is up the ladder): refused, not a crash
 
 
+def test_window_policy_keeps_sinks_and_recent_pages_fp16():
+    """Cache(sink_pages=1, recent_pages=2) (issue 26): the first page and the two newest full
+    pages stay in the tail tier on every append path; a sequence shorter than sinks + window
+    decodes like fp16 (nothing coded) where the plain cache codes its full pages."""
+    win = mk("rotated", "r3", sequences=2, sink_pages=1, recent_pages=2)
+    plain = mk("rotated", "r3", sequences=2)
+    assert win.window == (1, 2) and plain.window == (0, 0)
+    a, b = win.add_sequence(), plain.add_sequence()
+    n = 2 * P + 37
+    k, v = rand(n, HKV, D, seed=70), rand(n, HKV, D, seed=71)
+    win.append_device(a, k, v)
+    plain.append_device(b, k, v)
+    assert [t for t, _, _ in win.pages(a, 0)] == ["tail"] * 3
+    assert [t for t, _, _ in plain.pages(b, 0)] == ["r3", "r3", "tail"]
+    q = rand(1, HQ, D, seed=72)
+    want, _ = ref_attention(q, k, v, [n])
+    got, _ = win.decode(q, seqs=[a])
+    close(got, want, 2e-3, 2e-3, "all dense: fp16 attention")
+    coded, _ = plain.decode(q, seqs=[b])
+    assert (coded.float() - want).abs().max() > (got.float() - want).abs().max()
+    # Appends and decode steps go on: page 1 leaves the window when page 3 fills; page 0 stays.
+    k2, v2 = rand(2 * P, HKV, D, seed=73), rand(2 * P, HKV, D, seed=74)
+    win.append(a, k2[:P], v2[:P])
+    for i in range(P, 2 * P):
+        win.append_step([a], k2[i:i + 1], v2[i:i + 1])
+    tiers = [t for t, _, _ in win.pages(a, 0)]
+    assert tiers == ["tail", "r3", "tail", "tail", "tail"], tiers
+    rep = {r["tier"]: r for r in win.memory_report()}
+    assert rep["tail"]["tokens"] == HKV * (3 * P + 37) and rep["r3"]["tokens"] == HKV * P
+    try:
+        kvforge.Controller(win, policy="rdr", budget=40.0)
+        raise AssertionError("a controller accepted a cache with a window policy")
+    except kvforge.KvforgeError as e:
+        assert "window policy" in str(e)
+
+
 def test_append_device_equals_append():
     """The prompt written on the GPU (append_device) leaves what append leaves: same pages, same
     decode (bit-equal where the spec does not rotate); then decode steps (append_step) go on."""

@@ -493,6 +493,28 @@ def test_prefill_modes_are_checked(fake, hf):
         hf.KvforgeAttention(control=hf.Control(), prefill="sdpa")
 
 
+def test_window_policy_reaches_every_layer_cache(fake, hf):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(6, 20, 16, generator=g), torch.randn(2, 20, 16, generator=g), torch.randn(2, 20, 16, generator=g)
+    att = hf.KvforgeAttention("specs/rotated.toml", "r3", max_tokens=128, sink_pages=1, recent_pages=2)
+    att.attend(0, q, k, v, 0.25)
+    assert att.layers[0]["cache"].kw == {"target_only": True, "sink_pages": 1, "recent_pages": 2}
+    assert att.describe()["sink_pages"] == 1 and att.describe()["recent_pages"] == 2
+    # the default leaves the caches' arguments as they were (every page coded as it fills)
+    plain = hf.KvforgeAttention("specs/rotated.toml", "r3", max_tokens=128)
+    plain.attend(0, q, k, v, 0.25)
+    assert plain.layers[0]["cache"].kw == {"target_only": True}
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="recent_pages must be a non-negative integer"):
+            hf.KvforgeAttention("specs/rotated.toml", "r3", recent_pages=bad)
+    with pytest.raises(ValueError, match="controller keeps its own sinks"):
+        hf.KvforgeAttention("specs/rotated.toml", "r3", control=hf.Control(), sink_pages=1)
+    with pytest.raises(ValueError, match="certified decode does not cover"):
+        hf.KvforgeAttention("specs/rotated.toml", "r3", certify=object(), recent_pages=2)
+
+
 def test_mask_function_passes_padding_only(hf):
     torch = pytest.importorskip("torch")
     assert hf.no_mask(attention_mask=None) is None

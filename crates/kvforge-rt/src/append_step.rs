@@ -9,9 +9,11 @@
 //! into the spec's basis where it rotates, writes them and rewrites the page header. The tail
 //! mirrors become stale and are downloaded again only where a host path reads them
 //! ([`crate::store`]). A tail that fills is encoded into the target tier by the transcode
-//! kernel straight from its device page; only where the encode needs the page's bytes on the
-//! host (a spherical tier's first radius calibration, certified decode's originals) is it
-//! downloaded, once per filled page, and encoded by the host path's steps.
+//! kernel straight from its device page (with a window policy, [`crate::WindowPolicy`], it
+//! stays a dense full page and the page it pushes out of the window is encoded instead);
+//! only where the encode needs the page's bytes on the host (a spherical tier's first radius
+//! calibration, certified decode's originals) is it downloaded, once per filled page, and
+//! encoded by the host path's steps.
 //!
 //! A prompt goes in the same way ([`KvCache::append_external_device`]): many tokens of one
 //! sequence, one chunk per (page, kv head) in one launch of the same kernel, then one transcode
@@ -33,7 +35,8 @@ use crate::pool::PageRef;
 pub(crate) struct StepPlan {
     /// Tokens in the tail pages before the step (0: the sequence gets new tail pages).
     pub tail_len: usize,
-    /// The step fills the tail pages: they are encoded into the target tier after the launch.
+    /// The step fills the tail pages: they are encoded into the target tier after the launch
+    /// (or kept dense, where the cache's window policy says so).
     pub fills: bool,
 }
 
@@ -66,7 +69,8 @@ pub(crate) struct Chunk {
 }
 
 impl Chunk {
-    /// The chunk ends its page: the page is encoded into the target tier.
+    /// The chunk ends its page: the page is encoded into the target tier (or kept dense, where
+    /// the cache's window policy says so).
     pub(crate) fn fills(&self, page: usize) -> bool {
         self.pos0 + self.count == page
     }
@@ -327,13 +331,21 @@ impl KvCache {
         let chunks = plan_bulk(tail, n, p);
         let filled = chunks.iter().filter(|c| c.fills(p)).count();
         let fresh = chunks.len() - usize::from(tail.is_some());
+        // The window policy: filling chunk i ends logical page `before + i` (only the last
+        // chunk may not fill); the pages outside `encode` stay dense. Older dense pages this
+        // append pushes out of the window are encoded first.
+        let before = self.store.seq_len(seq)? / p;
+        let encode = self.cfg.window.to_encode(before, before + filled);
+        let kept = filled - encode.end.saturating_sub(encode.start.max(before));
+        let old = self.window_encodes(seq, before, before + filled)?;
         // Fresh pages are staged a batch at a time in free tail pages; one page per kv head is
-        // enough to make progress (and to hold the new tail).
+        // enough to make progress (and to hold the new tail), besides the pages kept dense.
         let mut need = vec![0usize; self.spec.tiers.len()];
-        need[TAIL_TIER as usize] = if fresh > 0 { hkv } else { 0 };
-        need[target as usize] += filled * hkv;
+        need[TAIL_TIER as usize] = if fresh > 0 { hkv } else { 0 } + kept * hkv;
+        need[target as usize] += (filled - kept) * hkv + old.len();
         self.store.pool().reserve(&need)?;
         let kernel = self.engine.kernel(&self.spec, &VariantId::append(&self.spec, d))?;
+        self.encode_dense_pages(&old)?;
         let seg = self.spec.segment(TAIL_TIER, d);
         let mut at = 0;
         while at < chunks.len() {
@@ -358,7 +370,8 @@ impl KvCache {
             }
             let batch = &chunks[at..at + take];
             let mut rows: Vec<u64> = Vec::with_capacity(2 * take * hkv);
-            let mut staged: Vec<(usize, PageRef)> = Vec::new();
+            // (kv head, page, kept dense) of every page the batch fills, in order.
+            let mut staged: Vec<(usize, PageRef, bool)> = Vec::new();
             for (j, c) in batch.iter().enumerate() {
                 let on_tail = at + j == 0 && tail.is_some();
                 for h in 0..hkv {
@@ -379,7 +392,7 @@ impl KvCache {
                     rows.push(page.offset);
                     rows.push(chunk_word(c.pos0, c.count, c.tok0 * hkv + h));
                     if c.fills(p) {
-                        staged.push((h, page));
+                        staged.push((h, page, !encode.contains(&(before + at + j))));
                     }
                 }
             }
@@ -395,19 +408,24 @@ impl KvCache {
                 }
             }
             if !staged.is_empty() {
-                let src: Vec<PageRef> = staged.iter().map(|s| s.1).collect();
-                let heads: Vec<u32> = staged.iter().map(|s| s.0 as u32).collect();
+                let coded: Vec<&(usize, PageRef, bool)> = staged.iter().filter(|s| !s.2).collect();
+                let src: Vec<PageRef> = coded.iter().map(|s| s.1).collect();
+                let heads: Vec<u32> = coded.iter().map(|s| s.0 as u32).collect();
                 let dst: Vec<PageRef> = (0..src.len()).map(|_| self.store.pool_mut().alloc(target)).collect::<Result<_>>()?;
-                let r = self.transcode_watched(&src, &dst, &heads, TAIL_TIER, target);
-                for &page in &src {
-                    self.store.pool_mut().free(page);
+                if !src.is_empty() {
+                    let r = self.transcode_watched(&src, &dst, &heads, TAIL_TIER, target);
+                    for &page in &src {
+                        self.store.pool_mut().free(page);
+                    }
+                    if let Err(e) = r {
+                        dst.into_iter().for_each(|page| self.store.pool_mut().free(page));
+                        return Err(e);
+                    }
                 }
-                if let Err(e) = r {
-                    dst.into_iter().for_each(|page| self.store.pool_mut().free(page));
-                    return Err(e);
-                }
-                // Chunk-major, heads in order: each head's pages follow its last one.
-                self.store.push_full(seq, staged.iter().map(|s| s.0).zip(dst))?;
+                // Chunk-major, heads in order: each head's pages follow its last one. A kept
+                // page stays where the kernel wrote it (its header: tier 0, a full page).
+                let mut dst = dst.into_iter();
+                self.store.push_full(seq, staged.iter().map(|&(h, page, kept)| (h, if kept { page } else { dst.next().expect("one per coded page") })))?;
             }
             self.store.grow(seq, batch.iter().map(|c| c.count).sum())?;
             at += take;
@@ -422,9 +440,36 @@ impl KvCache {
         spherical_uncalibrated || self.cert.keeps_originals()
     }
 
-    /// Encodes the filled tail pages of `seqs` (every kv head) into the target tier and puts
-    /// them after each head's full pages; the sequences' lengths are not yet grown.
+    /// Puts the filled tail pages of `seqs` (every kv head) after each head's full pages,
+    /// encoded into the target tier, or as they are where the window policy keeps them dense
+    /// (then the dense page the fill pushes out of the window, if any, is encoded); the
+    /// sequences' lengths are not yet grown.
     pub(crate) fn encode_filled_tails(&mut self, seqs: &[usize]) -> Result<()> {
+        let (hkv, p) = (self.cfg.num_kv_heads, self.spec.page.tokens);
+        let mut coded: Vec<usize> = Vec::with_capacity(seqs.len());
+        let mut old = Vec::new();
+        for &s in seqs {
+            let page = self.store.seq_len(s)? / p;
+            if self.cfg.window.to_encode(page, page + 1).contains(&page) {
+                coded.push(s);
+            } else {
+                for h in 0..hkv {
+                    let tail = self.store.take_tail(s, h)?.ok_or(RtError::NoPage { seq: s, head: h, index: usize::MAX })?;
+                    self.store.push_full(s, [(h, tail)])?;
+                }
+            }
+            old.extend(self.window_encodes(s, page, page + 1)?);
+        }
+        self.encode_tails_now(&coded)?;
+        self.encode_dense_pages(&old)
+    }
+
+    /// Encodes the filled tail pages of `seqs` (every kv head) into the target tier and puts
+    /// them after each head's full pages.
+    fn encode_tails_now(&mut self, seqs: &[usize]) -> Result<()> {
+        if seqs.is_empty() {
+            return Ok(());
+        }
         let hkv = self.cfg.num_kv_heads;
         let target = self.cfg.target_tier;
         let mut src: Vec<(usize, usize, PageRef)> = Vec::with_capacity(seqs.len() * hkv);

@@ -3,7 +3,9 @@
 //! Tokens of a (sequence, kv head) live in pages of `spec.page.tokens` tokens. New tokens go
 //! to a dense tail page (tier 0); when it fills, the generated encode kernel writes the page
 //! into the cache's target tier in one step (a page is never partially re-encoded: seed 004
-//! P1). Prefill appends many tokens at once and encodes all filled pages in few launches.
+//! P1). Prefill appends many tokens at once and encodes all filled pages in few launches. A
+//! window policy ([`WindowPolicy`], [`CacheConfig::window`]) keeps a sequence's first pages
+//! and its newest full pages dense (tier 0) and encodes a page once it leaves the window.
 
 use std::sync::Arc;
 
@@ -17,6 +19,7 @@ use crate::moves::{MoveBatch, PageMove};
 use crate::pool::{PagePool, PageRef};
 use crate::side_tables::SideTables;
 use crate::store::{PageStore, TierUsage};
+use crate::window::WindowPolicy;
 
 /// The spherical codec's radius-scale side table (`kvforge_spec::codecs::spherical`).
 const RADIUS_SCALE: &str = "radius_scale";
@@ -36,6 +39,10 @@ pub struct CacheConfig {
     pub verify_headers: bool,
     /// Headroom of automatically chosen spherical radius scales over the largest radius seen.
     pub radius_headroom: f32,
+    /// Full pages kept dense (tail format) rather than encoded into `target_tier`: the first
+    /// pages of a sequence and its newest ones ([`WindowPolicy`]; default none). Set it with
+    /// [`window`](Self::window), which also sizes the tail tier for it.
+    pub window: WindowPolicy,
 }
 
 impl CacheConfig {
@@ -45,11 +52,26 @@ impl CacheConfig {
         let per_head_pages = tokens.div_ceil(spec.page.tokens) + sequences;
         let mut pages = vec![per_head_pages * num_kv_heads; spec.tiers.len()];
         pages[TAIL_TIER as usize] = (sequences + 64) * num_kv_heads;
-        CacheConfig { head_dim, gqa, num_kv_heads, pages, target_tier: 1, verify_headers: cfg!(debug_assertions), radius_headroom: 1.25 }
+        CacheConfig { head_dim, gqa, num_kv_heads, pages, target_tier: 1, verify_headers: cfg!(debug_assertions), radius_headroom: 1.25, window: WindowPolicy::default() }
     }
 
     pub fn target(mut self, tier: TierId) -> Self {
         self.target_tier = tier;
+        self
+    }
+
+    /// Keeps the first `sink_pages` pages of every sequence and its `recent_pages` newest full
+    /// pages dense instead of encoding them into the target tier ([`WindowPolicy`]), and adds
+    /// the tail-tier pages that takes for `sequences` sequences (up to `sink_pages +
+    /// recent_pages` per kv head besides the tail page). The target tier keeps its pages (an
+    /// upper bound). Issue 26's 3-bit configuration at 64-token pages is `window(1, 2, n)`:
+    /// 64 sink tokens and a dense window of 128 to 191 tokens.
+    pub fn window(mut self, sink_pages: usize, recent_pages: usize, sequences: usize) -> Self {
+        let per_seq = |w: WindowPolicy| w.dense_pages() * self.num_kv_heads;
+        let t = &mut self.pages[TAIL_TIER as usize];
+        let new = WindowPolicy::new(sink_pages, recent_pages);
+        *t = t.saturating_sub(per_seq(self.window) * sequences) + per_seq(new) * sequences;
+        self.window = new;
         self
     }
 }
@@ -116,7 +138,7 @@ impl KvCache {
         if target.is_drop() || target.id == TAIL_TIER {
             return Err(RtError::BadTier(cfg.target_tier, format!("`{}` cannot hold encoded pages", target.name)));
         }
-        let store = PageStore::new(dev.stream.clone(), &spec, d, cfg.num_kv_heads, &cfg.pages)?;
+        let store = PageStore::new(dev.stream.clone(), &spec, d, cfg.num_kv_heads, &cfg.pages, cfg.window)?;
         let side = SideTables::new(&spec, d, cfg.num_kv_heads, &dev.stream)?;
         let engine = Engine::new(dev)?;
         let basis = spec.basis();
@@ -149,7 +171,8 @@ impl KvCache {
     }
 
     /// A number that changes whenever the pages of `seq` change other than by appends (re-codes,
-    /// drops, a new sequence under a reused id), never repeating within this cache. A controller
+    /// a window policy's encode of a page leaving the window included, drops, a new sequence
+    /// under a reused id), never repeating within this cache. A controller
     /// that planned from a snapshot with the same epoch knows the pages it named are still
     /// there, in the same tiers, without walking the page table (issue 7: that walk was ~26 µs
     /// of the decode thread per sequence and RDR boundary on the H100 host).
@@ -221,11 +244,17 @@ impl KvCache {
         let tail_len = tails[0].as_ref().map_or(0, |t| t.1);
         let full_per_head = (tail_len + n) / p;
         let rest = (tail_len + n) % p;
+        // The window policy: which of the new full pages are encoded now (the others stay
+        // dense), and which older dense pages this append pushes out of the window.
+        let before = self.store.seq_len(seq)? / p;
+        let encode = self.cfg.window.to_encode(before, before + full_per_head);
+        let encoded_per_head = encode.end.saturating_sub(encode.start.max(before));
+        let old = self.window_encodes(seq, before, before + full_per_head)?;
         // All-or-nothing capacity check before touching anything.
         let existing_tails = tails.iter().filter(|t| t.is_some()).count();
         let mut need = vec![0usize; self.spec.tiers.len()];
-        need[target as usize] = full_per_head * hkv;
-        let tails_needed = if rest > 0 { hkv } else { 0 } + usize::from(full_per_head > 0);
+        need[target as usize] = encoded_per_head * hkv + old.len();
+        let tails_needed = if rest > 0 { hkv } else { 0 } + usize::from(encoded_per_head > 0) + (full_per_head - encoded_per_head) * hkv;
         need[TAIL_TIER as usize] = tails_needed.saturating_sub(existing_tails);
         self.store.pool().reserve(&need)?;
 
@@ -262,13 +291,39 @@ impl KvCache {
         // Old tail pages are superseded: free them, then allocate what is needed.
         self.store.free_tails(seq)?;
         if !full_pages.is_empty() {
-            self.ensure_radius_scales(target, &full_pages, koff)?;
-            let encoded = self.encode_pages(&full_pages, target)?;
-            if self.cert.keeps_originals() {
-                self.record_originals(&full_pages, &encoded)?;
+            // Head-major: page k of a head is logical page `before + k`.
+            let mut k_of = vec![0usize; hkv];
+            let now: Vec<bool> = full_pages
+                .iter()
+                .map(|(h, _)| {
+                    k_of[*h] += 1;
+                    encode.contains(&(before + k_of[*h] - 1))
+                })
+                .collect();
+            let heads: Vec<usize> = full_pages.iter().map(|(h, _)| *h).collect();
+            let (to_code, dense): (Vec<_>, Vec<_>) = full_pages.into_iter().zip(&now).partition(|(_, &now)| now);
+            let to_code: Vec<(usize, Vec<u8>)> = to_code.into_iter().map(|(pg, _)| pg).collect();
+            let mut coded = Vec::new().into_iter();
+            if !to_code.is_empty() {
+                self.ensure_radius_scales(target, &to_code, koff)?;
+                let encoded = self.encode_pages(&to_code, target)?;
+                if self.cert.keeps_originals() {
+                    self.record_originals(&to_code, &encoded)?;
+                }
+                coded = encoded.into_iter();
             }
-            self.store.push_full(seq, full_pages.iter().map(|(h, _)| *h).zip(encoded))?;
+            // Dense pages keep their tail-format bytes (header: tier 0, a full page).
+            let mut kept = Vec::with_capacity(dense.len());
+            for ((_, bytes), _) in &dense {
+                let page = self.store.pool_mut().alloc(TAIL_TIER)?;
+                self.store.upload(page, bytes)?;
+                kept.push(page);
+            }
+            let mut kept = kept.into_iter();
+            let pages: Vec<(usize, PageRef)> = heads.into_iter().zip(&now).map(|(h, &c)| (h, if c { coded.next() } else { kept.next() }.expect("one page per full page"))).collect();
+            self.store.push_full(seq, pages)?;
         }
+        self.encode_dense_pages(&old)?;
         for (h, t) in new_tails.into_iter().enumerate() {
             if let Some((bytes, len)) = t {
                 self.store.set_tail(seq, h, bytes, len)?;

@@ -20,7 +20,10 @@
 //! A step that fills a tail page is not a graph step: the plain path encodes the page into
 //! the target tier before the step's decode reads it, which a replayed graph cannot do, so
 //! `graph_prepare` answers None and the caller runs that step plainly ([`KvCache::step_external`]),
-//! once per page of tokens per sequence. The host bookkeeping of a replayed step (tail and
+//! once per page of tokens per sequence. With a window policy ([`crate::WindowPolicy`]) that
+//! plain step keeps the filled page dense and encodes the one it pushes out of the window; the
+//! resident table re-reads that entry at the next `graph_prepare` without changing its buffers
+//! (so the key stays), and graph steps between fills append into the tail as before. The host bookkeeping of a replayed step (tail and
 //! sequence lengths) is [`KvCache::graph_commit`], after the replay was queued. Faults the decode kernel flags are reported by the next
 //! [`KvCache::synchronize`] (a captured step queues no flag copy).
 

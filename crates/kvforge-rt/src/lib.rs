@@ -41,6 +41,7 @@ mod side_tables;
 mod store;
 pub mod testing;
 mod transcode;
+mod window;
 
 pub use cache::{CacheConfig, KvCache};
 pub use decode::{choose_combination, from_bits, plan, split_count, to_bits, DecodeOutput, DecodePlan, DecodeWorkspace, QueryElem};
@@ -53,6 +54,7 @@ pub use moves::{MoveBatch, MoveError, PageMove, SeqMove};
 pub use pool::{PagePool, PageRef};
 pub use side_tables::SideTables;
 pub use store::TierUsage;
+pub use window::WindowPolicy;
 
 /// The top-level README's Rust quick start, compiled (not run: it needs a GPU) as a doctest,
 /// so the user's page cannot drift from the API (`cargo test -p kvforge-rt --doc`).

@@ -21,7 +21,10 @@
 //!   it. Pads are a few per range (`pad_slots`), so they cost a header read each.
 //! - When a range runs out of pads, the sequence list changes, or a sequence's layout epoch
 //!   does (a re-code, a drop, a removed and re-added id), the table is rebuilt whole, fresh
-//!   pads included: every few hundred steps in a steady batch.
+//!   pads included: every few hundred steps in a steady batch. A window policy's encode of a
+//!   dense page leaving the window ([`crate::WindowPolicy`]) keeps the range: the sync
+//!   re-reads the last `recent_pages` full-page entries of each range
+//!   ([`PageSource::window_recodes`]), and the store's table epoch it compares stays.
 //! - The split count needs no page assignment: the kernel divides each range among the
 //!   splits itself, so only the count (from the live page counts, as [`crate::plan`] does)
 //!   and the variant (from the tiers present) are recomputed, in O(tiers).
@@ -56,11 +59,19 @@ pub trait PageSource {
     fn full_page(&self, seq: usize, head: usize, index: usize) -> Result<PageRef>;
     /// The tail page of (seq, head) and its tokens, if it has one.
     fn tail_page(&self, seq: usize, head: usize) -> Result<Option<(PageRef, usize)>>;
+    /// How many full pages before the ones a (sequence, kv head) held at the last sync an
+    /// append may have re-coded while `layout_epoch` stayed: a window policy encodes dense
+    /// pages once newer ones push them out of the recent window ([`crate::window`]), which
+    /// [`ResidentTable::sync`] finds by re-reading that many entries instead of rebuilding.
+    fn window_recodes(&self) -> usize {
+        0
+    }
 }
 
 impl PageSource for crate::store::PageStore {
+    /// The table epoch: a window policy's re-codes keep it ([`PageSource::window_recodes`]).
     fn layout_epoch(&self, seq: usize) -> Result<u64> {
-        crate::store::PageStore::layout_epoch(self, seq)
+        crate::store::PageStore::table_epoch(self, seq)
     }
     fn full_pages(&self, seq: usize, head: usize) -> Result<usize> {
         Ok(self.page_counts(seq, head)?.0)
@@ -70,6 +81,9 @@ impl PageSource for crate::store::PageStore {
     }
     fn tail_page(&self, seq: usize, head: usize) -> Result<Option<(PageRef, usize)>> {
         crate::store::PageStore::tail_page(self, seq, head)
+    }
+    fn window_recodes(&self) -> usize {
+        crate::store::PageStore::window_recodes(self)
     }
 }
 
@@ -211,6 +225,7 @@ impl ResidentTable {
             }
         }
         let hkv = self.hkv;
+        let recodes = src.window_recodes();
         let mut dirty: Vec<Range<usize>> = Vec::new();
         let mut max_pages = 0;
         for (e, &s) in seqs.iter().enumerate() {
@@ -228,6 +243,20 @@ impl ResidentTable {
                 }
                 max_pages = max_pages.max(full + usize::from(tail.is_some()));
                 let (mut lo, mut hi) = (usize::MAX, 0);
+                // Pages a window policy re-coded since the last sync (dense ones pushed out of
+                // the recent window): the entry changes, the range does not.
+                for j in was.full.saturating_sub(recodes)..was.full {
+                    let p = src.full_page(s, h, j)?;
+                    let info = self.full_info(p);
+                    if self.plan.page_offsets[start + j] != p.offset || self.plan.page_info[start + j] != info {
+                        self.tier_pages[(self.plan.page_info[start + j] & 0xff) as usize] -= 1;
+                        self.plan.page_offsets[start + j] = p.offset;
+                        self.plan.page_info[start + j] = info;
+                        self.tier_pages[p.tier as usize] += 1;
+                        lo = lo.min(start + j);
+                        hi = start + j + 1;
+                    }
+                }
                 for j in was.full..full {
                     let p = src.full_page(s, h, j)?;
                     self.plan.page_offsets[start + j] = p.offset;
@@ -545,6 +574,8 @@ mod tests {
         next_offset: u64,
         epochs: u64,
         free_tails: Vec<u64>,
+        /// The window policy's re-codes ([`Fake::append_windowed`]).
+        window: crate::window::WindowPolicy,
     }
 
     const P: usize = 64;
@@ -562,6 +593,9 @@ mod tests {
         }
         fn tail_page(&self, seq: usize, head: usize) -> Result<Option<(PageRef, usize)>> {
             Ok(self.seqs.get(&seq).ok_or(RtError::NoSequence(seq))?.1[head].1)
+        }
+        fn window_recodes(&self) -> usize {
+            self.window.recent_pages
         }
     }
 
@@ -612,6 +646,35 @@ mod tests {
             if let Some(p) = s.1[head].0.get_mut(index) {
                 *p = pg;
                 s.0 = self.epochs;
+            }
+        }
+        /// `n` tokens under the window policy, as the cache appends them: a filled tail stays a
+        /// dense full page, and the dense pages it pushes out of the window are re-coded into
+        /// `tier` in place, with no new epoch.
+        fn append_windowed(&mut self, id: usize, n: usize, tier: TierId) {
+            for _ in 0..n {
+                let before = self.seqs[&id].1[0].0.len();
+                for h in 0..HKV {
+                    let tail = match self.seqs[&id].1[h].1 {
+                        Some(t) => t,
+                        None => (self.page(TAIL_TIER), 0),
+                    };
+                    let head = &mut self.seqs.get_mut(&id).unwrap().1[h];
+                    if tail.1 + 1 == P {
+                        head.0.push(tail.0);
+                        head.1 = None;
+                    } else {
+                        head.1 = Some((tail.0, tail.1 + 1));
+                    }
+                }
+                let after = self.seqs[&id].1[0].0.len();
+                for i in self.window.to_encode(before, after) {
+                    for h in 0..HKV {
+                        let pg = self.page(tier);
+                        let old = std::mem::replace(&mut self.seqs.get_mut(&id).unwrap().1[h].0[i], pg);
+                        assert_eq!(old.tier, TAIL_TIER, "a page is re-coded once");
+                    }
+                }
             }
         }
         fn tail_len(&self, offset: u64) -> usize {
@@ -712,6 +775,37 @@ mod tests {
         let Sync::Dirty(d) = check(&s, &mut t, &src, &seqs, &mut dev) else { panic!("rebuilt") };
         assert_eq!(d.iter().map(|r| r.len()).collect::<Vec<_>>(), vec![1; HKV]);
         assert_eq!(t.rebuilds, 1);
+    }
+
+    #[test]
+    fn window_recodes_update_their_entries_without_a_rebuild() {
+        let s = spec();
+        let b4 = s.tier("b4").unwrap().id;
+        let mut src = Fake { window: crate::window::WindowPolicy::new(1, 2), ..Default::default() };
+        src.add(0, 0, b4);
+        src.add(1, 0, b4);
+        src.append_windowed(0, 3 * P + 5, b4);
+        src.append_windowed(1, 7 * P - 1, b4);
+        let seqs = [0, 1];
+        let mut t = ResidentTable::new(&s, 128, 4, HKV, 1 << 40);
+        let mut dev = Default::default();
+        assert_eq!(check(&s, &mut t, &src, &seqs, &mut dev), Sync::Rebuilt);
+        // Token by token over two pages (as many as a range has pads): every fill re-codes the
+        // page two before it (from the fourth on), which the table finds among its last
+        // entries without a rebuild.
+        let mut state = 7u64;
+        for _ in 0..2 * P {
+            src.append_windowed(0, 1, b4);
+            src.append_windowed(1, (rng(&mut state) % 2) as usize, b4);
+            check(&s, &mut t, &src, &seqs, &mut dev);
+        }
+        assert_eq!(t.rebuilds, 1, "window re-codes must not rebuild the table");
+        let tiers = |src: &Fake| -> Vec<TierId> { src.seqs[&0].1[0].0.iter().map(|p| p.tier).collect() };
+        assert_eq!(tiers(&src), vec![TAIL_TIER, b4, b4, TAIL_TIER, TAIL_TIER]);
+        // A bulk append that pushes several dense pages out at once (and outgrows the pads).
+        src.append_windowed(0, 3 * P, b4);
+        check(&s, &mut t, &src, &seqs, &mut dev);
+        assert_eq!(tiers(&src), vec![TAIL_TIER, b4, b4, b4, b4, b4, TAIL_TIER, TAIL_TIER]);
     }
 
     #[test]

@@ -11,6 +11,7 @@ use kvforge_spec::{PageHeader, SegmentLayout, Spec, TierId, HEADER_BYTES, TAIL_T
 
 use crate::error::{drv, Result, RtError};
 use crate::pool::{PagePool, PageRef};
+use crate::window::WindowPolicy;
 
 /// The tail page of one (sequence, kv head): its device page and a host mirror of its bytes.
 #[derive(Clone, Debug)]
@@ -39,6 +40,9 @@ struct Sequence {
     len: usize,
     /// [`PageStore::layout_epoch`]: new whenever the pages change other than by appends.
     epoch: u64,
+    /// [`PageStore::table_epoch`]: as `epoch`, except that the window policy's encodes of
+    /// pages an append pushed out of the recent window keep it.
+    table_epoch: u64,
 }
 
 /// Resident bytes of one tier.
@@ -66,18 +70,20 @@ pub(crate) struct PageStore {
     /// Tokens per page.
     page_tokens: usize,
     kv_heads: usize,
+    /// The cache's window policy: which full pages appends may re-code after the fact.
+    window: WindowPolicy,
 }
 
 impl PageStore {
     /// Lays out `pages[t]` pages of every tier `t` at head dim `d` and allocates the arena.
-    pub(crate) fn new(stream: Arc<CudaStream>, spec: &Spec, d: usize, kv_heads: usize, pages: &[usize]) -> Result<PageStore> {
+    pub(crate) fn new(stream: Arc<CudaStream>, spec: &Spec, d: usize, kv_heads: usize, pages: &[usize], window: WindowPolicy) -> Result<PageStore> {
         let pool = PagePool::new(spec, d, pages)?;
         let arena_bytes = pool.arena_bytes().max(16) as usize;
         let arena = stream.alloc_zeros::<u8>(arena_bytes).map_err(|e| match drv("page arena")(e) {
             RtError::OutOfMemory { what, .. } => RtError::OutOfMemory { what, bytes: arena_bytes },
             e => e,
         })?;
-        Ok(PageStore { stream, pool, arena, seqs: Vec::new(), epochs: 0, page_tokens: spec.page.tokens, kv_heads })
+        Ok(PageStore { stream, pool, arena, seqs: Vec::new(), epochs: 0, page_tokens: spec.page.tokens, kv_heads, window })
     }
 
     pub(crate) fn pool(&self) -> &PagePool {
@@ -95,7 +101,8 @@ impl PageStore {
 
     /// Adds an empty sequence and returns its id.
     pub(crate) fn add_sequence(&mut self) -> usize {
-        let s = Sequence { heads: vec![HeadPages::default(); self.kv_heads], len: 0, epoch: self.next_epoch() };
+        let epoch = self.next_epoch();
+        let s = Sequence { heads: vec![HeadPages::default(); self.kv_heads], len: 0, epoch, table_epoch: epoch };
         if let Some(i) = self.seqs.iter().position(|s| s.is_none()) {
             self.seqs[i] = Some(s);
             i
@@ -132,8 +139,54 @@ impl PageStore {
     /// Gives `seq` a new layout epoch: its pages are about to change other than by appends.
     pub(crate) fn bump_epoch(&mut self, seq: usize) -> Result<()> {
         let epoch = self.next_epoch();
+        let s = self.seq_mut(seq)?;
+        s.epoch = epoch;
+        s.table_epoch = epoch;
+        Ok(())
+    }
+
+    /// Gives `seq` a new layout epoch for a re-code by its window policy (an append pushed
+    /// dense pages out of the recent window): a controller's snapshot no longer names the
+    /// pages' tiers, while a [`ResidentTable`](crate::resident::ResidentTable) finds the
+    /// re-coded pages among the last few it lists ([`window_recodes`](Self::window_recodes))
+    /// and keeps its layout.
+    pub(crate) fn window_recoded(&mut self, seq: usize) -> Result<()> {
+        let epoch = self.next_epoch();
         self.seq_mut(seq)?.epoch = epoch;
         Ok(())
+    }
+
+    /// Like [`layout_epoch`](Self::layout_epoch), except that the window policy's re-codes
+    /// keep it (what a resident decode table rebuilds on).
+    pub(crate) fn table_epoch(&self, seq: usize) -> Result<u64> {
+        Ok(self.seq(seq)?.table_epoch)
+    }
+
+    /// How many full pages before a (sequence, kv head)'s last `n` an append may re-code
+    /// without a new [`table_epoch`](Self::table_epoch): the window policy's recent pages.
+    pub(crate) fn window_recodes(&self) -> usize {
+        self.window.recent_pages
+    }
+
+    /// `(index, page)` of the full pages of (seq, head) in the tail tier whose logical page
+    /// number (first token over the page size) lies in `pages`, in order: the dense pages a
+    /// window-policy append encodes. Walks back from the newest page, so it costs the pages
+    /// from the range on, not the sequence.
+    pub(crate) fn dense_full_pages(&self, seq: usize, head: usize, pages: std::ops::Range<usize>) -> Result<Vec<(usize, PageRef)>> {
+        let h = self.head(seq, head)?;
+        let p = self.page_tokens;
+        let mut out = Vec::new();
+        for (i, (&r, &f)) in h.full.iter().zip(&h.first).enumerate().rev() {
+            let page = f / p;
+            if page < pages.start {
+                break;
+            }
+            if pages.contains(&page) && r.tier == TAIL_TIER {
+                out.push((i, r));
+            }
+        }
+        out.reverse();
+        Ok(out)
     }
 
     fn seq(&self, seq: usize) -> Result<&Sequence> {
@@ -265,6 +318,11 @@ impl PageStore {
         if batch == 0 || len == 0 {
             return Err(RtError::BadInput("tiling needs batch > 0 and len > 0".into()));
         }
+        if !self.window.is_off() {
+            // Tiling copies pages of the target tier only; a template whose sinks and window
+            // are dense pages would need them copied (and counted) apart.
+            return Err(RtError::BadInput(format!("tiling a cache with a window policy ({} sink pages, {} recent pages) is not supported", self.window.sink_pages, self.window.recent_pages)));
+        }
         let full = len / p;
         let tmpl_full = (1..=full.min(16)).rev().find(|t| full.is_multiple_of(*t)).unwrap_or(0);
         let tmpl_len = tmpl_full * p + len % p;
@@ -324,6 +382,7 @@ impl PageStore {
             }
             s.len = len;
             s.epoch = epoch;
+            s.table_epoch = epoch;
         }
         for b in 1..batch {
             let sid = self.add_sequence();
@@ -341,7 +400,7 @@ impl PageStore {
                 heads.push(HeadPages { full: full_pages, first: (0..full).map(|i| i * p).collect(), tail: t });
             }
             let epoch = self.next_epoch();
-            self.seqs[sid] = Some(Sequence { heads, len, epoch });
+            self.seqs[sid] = Some(Sequence { heads, len, epoch, table_epoch: epoch });
             ids.push(sid);
         }
         Ok(ids)

@@ -242,6 +242,11 @@ impl KvCache {
     /// (tier 2 of certified decode). Call before appending; fails with a typed error if the
     /// pinned slab cannot be allocated.
     pub fn keep_originals(&mut self) -> Result<()> {
+        if !self.cfg.window.is_off() {
+            // The certificate bounds the values of dense pages by the tail page's alone: a
+            // window's dense full pages would be left out of it.
+            return Err(RtError::WrongState { what: "keep_originals on a cache with a window policy".into(), fix: "certify a cache without one (CacheConfig::window(0, 0, _))".into() });
+        }
         if self.store.pool().used_pages(self.cfg.target_tier) > 0 {
             return Err(RtError::WrongState { what: "keep_originals".into(), fix: "call it before any page is encoded".into() });
         }
