@@ -51,6 +51,10 @@ pub struct CalibConfig {
     /// Step allocations ([`crate::step`]: one quantisation step per side and ratio, a code
     /// model per coordinate, the budget in expected `rans`-coded bits) instead of the DP.
     pub step: bool,
+    /// The encoder's dead zone for step allocations ([`crate::quant::step_code`], in steps;
+    /// 0: round to nearest): thresholds moved away from zero trade a little error for fewer
+    /// coded bits, and the models and the step are fitted to that quantiser.
+    pub dead_zone: f32,
 }
 
 impl Default for CalibConfig {
@@ -69,6 +73,7 @@ impl Default for CalibConfig {
             weights: [None, None],
             key_share: 0.5,
             step: false,
+            dead_zone: 0.0,
         }
     }
 }
@@ -245,6 +250,11 @@ impl Calibration {
                 if a.coded() {
                     h.update(b"coded");
                     h.update(&a.step.to_le_bytes());
+                    // only when set, so the ids of step calibrations without one stay as they were
+                    if a.dead_zone != 0.0 {
+                        h.update(b"dead zone");
+                        h.update(&a.dead_zone.to_le_bytes());
+                    }
                     for (g, m) in a.groups.iter().zip(&a.models) {
                         h.update(&[g.fit.id()]);
                         m.iter().for_each(|p| {
@@ -560,7 +570,7 @@ fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], d
                 })
                 .collect();
             for &ks in key_shares {
-                let allocations: Vec<Allocation> = ratios.iter().map(|&r| crate::step::allocation(&data, dp_idx.len(), rank, &sigma, budget(r, ks), &breaks)).collect();
+                let allocations: Vec<Allocation> = ratios.iter().map(|&r| crate::step::allocation(&data, dp_idx.len(), rank, &sigma, budget(r, ks), &breaks, cfg.dead_zone)).collect();
                 out.push(trimmed_side(&mean, scale.as_deref(), &blocks, &parts, allocations));
             }
             continue;
