@@ -2,10 +2,13 @@
 //! models' expected bits per token (the budget the calibration planned), the measured
 //! cross-entropy of the cache's codes under the models (what `rans` pays, about), and the
 //! plug-in entropy of each component's (or pooled group's) own codes on this cache (a floor
-//! for any static model adapted to it; biased low for wide codes on few tokens).
+//! for any static model adapted to it; biased low for wide codes on few tokens), and the
+//! squared error per token in the decorrelated (weighted) domain, the quantised components'
+//! and the dropped ones' energy, as a share of the tokens' energy.
 //!
 //! `cargo run --release -p kvforge-kvtc --example rate_check -- <calibration> <dump> <ratio>`
 
+use kvforge_kvtc::calib::features;
 use kvforge_kvtc::codec::{basis_matrix, project, split};
 use kvforge_kvtc::{pack, Calibration, KvDump, Side};
 
@@ -27,6 +30,19 @@ fn main() {
         let bt = basis_matrix(cal.side(side), cal.features(), comps);
         let d = project(&dump, &cal, side, coded.clone(), &bt);
         let raw = pack::encode(&d, n, comps, a);
+        // error: the coded components' against their decoded values, plus everything else
+        let back = pack::decode(&raw, n, comps, a);
+        let s = cal.side(side);
+        let mut row = vec![0.0; cal.features()];
+        let total: f64 = coded
+            .clone()
+            .map(|t| {
+                features(&dump, side, t, cal.rope, &mut row);
+                row.iter().enumerate().map(|(f, &x)| ((x - s.mean[f] as f64) * s.scale.get(f).map_or(1.0, |&q| q as f64)).powi(2)).sum::<f64>()
+            })
+            .sum();
+        let in_comps: f64 = d.iter().map(|x| x * x).sum();
+        let err: f64 = d.iter().zip(&back).map(|(x, y)| (x - y) * (x - y)).sum::<f64>() + (total - in_comps);
         // per token gain class (4 quartiles of the RMS of its kept components over their step)
         let kept: Vec<usize> = a.groups.iter().flat_map(|g| g.start as usize..(g.start + g.len) as usize).collect();
         let energy: Vec<f64> = (0..n).map(|t| kept.iter().map(|&j| d[t * comps + j].powi(2)).sum::<f64>()).collect();
@@ -67,6 +83,7 @@ fn main() {
                 floor += 32.0 * n as f64;
             }
         }
+        println!("{:<6} {ratio}x: squared error {:.4} per token of {:.4} ({:.3}%)", side.name(), err / n as f64, total / n as f64, 100.0 * err / total);
         println!("{:<6} {ratio}x: own-codes entropy given the token's gain quartile {:.0} bits/token (plus 2 for the class)", side.name(), cond / n as f64);
         println!(
             "{:<6} {ratio}x: planned {:.0} bits/token, measured cross-entropy {:.0} ({:+.1}%), own-codes entropy {:.0} ({:+.1}%), {} tokens, step {}",

@@ -374,6 +374,32 @@ mod tests {
         assert_eq!(fit_group(&[-1.5, -1.5], 1), GroupScale::fit([-1.5, -1.5].into_iter(), 1));
     }
 
+    /// The dead zone moves codes only toward zero, by at most one, keeps every value within
+    /// `(½ + dead_zone)·Δ` of its code inside the range, and is the plain code at 0.
+    #[test]
+    fn step_codes_with_a_dead_zone() {
+        let step = 0.37f32;
+        for bits in [2u8, 3, 6] {
+            let g = step_scale(step, bits);
+            let h = 1i64 << (bits - 1);
+            for i in -4000..4000 {
+                let x = i as f64 * 0.0013 * (1 << bits) as f64;
+                let near = g.code(x, bits) as i64;
+                assert_eq!(step_code(g, x, bits, 0.0) as i64, near);
+                let c = step_code(g, x, bits, 0.25) as i64;
+                assert!((c - h).abs() <= (near - h).abs() && (near - c).abs() <= 1, "x {x}: {c} vs {near}");
+                if (x / step as f64).abs() < (h - 1) as f64 {
+                    assert!((g.value(c as u32) - x).abs() <= 0.75 * g.scale.to_f64() + 1e-9, "x {x}");
+                }
+                let mut e = [0.0];
+                let mut hist = vec![vec![0u32; 1 << bits]];
+                add_group_stats(&[x], &[(bits, Fit::Step)], step, 0.25, &mut e, &mut hist);
+                assert_eq!(hist[0][c as usize], 1);
+                assert_eq!(e[0], group_sq_error_with(&[x], bits, Fit::Step, step, 0.25));
+            }
+        }
+    }
+
     #[test]
     fn more_bits_less_error() {
         let xs: Vec<f64> = (0..64).map(|i| ((i * 7919) % 101) as f64 * 0.13 - 5.0).collect();
