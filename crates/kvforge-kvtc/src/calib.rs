@@ -61,9 +61,6 @@ pub struct CalibConfig {
     /// Held-out positions give the allocation its rows and, for step allocations, each
     /// component's variance: what a token the basis did not see costs.
     pub holdout: f64,
-    /// Ridge toward the diagonal of the PCA's covariance ([`principal_directions_shrunk`];
-    /// 0: none).
-    pub shrinkage: f64,
 }
 
 impl Default for CalibConfig {
@@ -84,7 +81,6 @@ impl Default for CalibConfig {
             step: false,
             dead_zone: 0.0,
             holdout: 0.0,
-            shrinkage: 0.0,
         }
     }
 }
@@ -461,29 +457,16 @@ pub fn calibrate_grid(dump: &KvDump, cfg: &CalibConfig, key_shares: &[f64], dp_r
 /// covariance; with fewer rows than features from the `n × n` Gram matrix (`v = Xᵀu / √(nλ)`),
 /// which has the same non-zero spectrum at a fraction of the cost. Directions of (numerically)
 /// zero variance are left out.
-pub fn principal_directions(x: &Mat<f64>, max_rank: usize, progress: impl FnMut(&str)) -> Result<(Mat<f64>, Vec<f64>)> {
-    principal_directions_shrunk(x, max_rank, 0.0, progress)
-}
-
-/// [`principal_directions`] of the covariance with a ridge toward its diagonal, `C + ρ·diag C`
-/// (`shrinkage` ρ; only with at least as many rows as features): with `n` rows of `p`
-/// features the sample covariance's trailing directions fit the sample's noise, and the ridge
-/// pulls them toward the features' own axes. The variances are the unshrunk covariance's along
-/// the directions found (`uᵀ C u`).
-pub fn principal_directions_shrunk(x: &Mat<f64>, max_rank: usize, shrinkage: f64, mut progress: impl FnMut(&str)) -> Result<(Mat<f64>, Vec<f64>)> {
+pub fn principal_directions(x: &Mat<f64>, max_rank: usize, mut progress: impl FnMut(&str)) -> Result<(Mat<f64>, Vec<f64>)> {
     let (n, p) = (x.nrows(), x.ncols());
     let gram = n < p;
-    let mut m = if gram {
+    let m = if gram {
         progress(&format!("Gram matrix {n} × {n} (fewer positions than features)"));
         x * x.transpose() * faer::Scale(1.0 / n as f64)
     } else {
         progress(&format!("covariance {p} × {p}"));
         x.transpose() * x * faer::Scale(1.0 / n as f64)
     };
-    let diag: Vec<f64> = if gram || shrinkage <= 0.0 { Vec::new() } else { (0..p).map(|f| m[(f, f)]).collect() };
-    for (f, &d) in diag.iter().enumerate() {
-        m[(f, f)] += shrinkage * d;
-    }
     progress("eigendecomposition");
     let evd = m.self_adjoint_eigen(faer::Side::Lower).map_err(|e| KvtcError::Linalg(format!("{e:?}")))?;
     let (u, s) = (evd.U(), evd.S().column_vector());
@@ -495,8 +478,7 @@ pub fn principal_directions_shrunk(x: &Mat<f64>, max_rank: usize, shrinkage: f64
     let mut variance = Vec::with_capacity(rank);
     for c in 0..rank {
         let col = k - 1 - c;
-        // the ridge's share of the eigenvalue is not the data's
-        variance.push(s[col] - shrinkage * diag.iter().enumerate().map(|(f, &d)| d * u[(f, col)] * u[(f, col)]).sum::<f64>());
+        variance.push(s[col]);
         if gram {
             let v = x.transpose() * u.col(col);
             let norm = (n as f64 * s[col]).sqrt();
@@ -562,7 +544,7 @@ fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], h
     for (bi, fr) in fblocks.iter().enumerate() {
         let sub = x.subcols(fr.start, fr.len()).to_owned();
         let tag = if multi { format!("{} block {bi} (features {}..{})", side.name(), fr.start, fr.end) } else { side.name().to_string() };
-        let (basis, mut variance) = principal_directions_shrunk(&sub, cfg.max_rank, cfg.shrinkage, |m| progress(&format!("{tag}: {m}")))?;
+        let (basis, mut variance) = principal_directions(&sub, cfg.max_rank, |m| progress(&format!("{tag}: {m}")))?;
         let comps = if multi { variance.len().div_ceil(BLOCK_ALIGN) * BLOCK_ALIGN } else { variance.len() };
         let mut b = Mat::<f64>::zeros(fr.len(), comps);
         for c in 0..variance.len() {
@@ -702,29 +684,6 @@ mod tests {
                     assert!((cb[(f, c)] - var[c] * b[(f, c)]).abs() < 1e-9 * var[0], "n {n} p {p} component {c}");
                 }
             }
-        }
-    }
-
-    /// With a ridge toward the diagonal the directions stay orthonormal, are eigenvectors of
-    /// `C + ρ·diag C`, and each variance is the unshrunk `uᵀ C u`.
-    #[test]
-    fn shrunk_directions_report_the_data_variance() {
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(6);
-        let (n, p, rho) = (60, 10, 0.2);
-        let x = Mat::<f64>::from_fn(n, p, |_, j| rng.gen_range(-1.0..1.0) * (1.0 + j as f64 * 0.5));
-        let (b, var) = principal_directions_shrunk(&x, usize::MAX, rho, |_| {}).unwrap();
-        let cov = x.transpose() * &x * faer::Scale(1.0 / n as f64);
-        let mut shrunk = cov.clone();
-        (0..p).for_each(|f| shrunk[(f, f)] *= 1.0 + rho);
-        let sb = &shrunk * &b;
-        let cb = &cov * &b;
-        for c in 0..var.len() {
-            let lambda = (0..p).map(|f| b[(f, c)] * sb[(f, c)]).sum::<f64>();
-            for f in 0..p {
-                assert!((sb[(f, c)] - lambda * b[(f, c)]).abs() < 1e-9, "component {c}");
-            }
-            let ucu = (0..p).map(|f| b[(f, c)] * cb[(f, c)]).sum::<f64>();
-            assert!((var[c] - ucu).abs() < 1e-9, "component {c}: {} vs {ucu}", var[c]);
         }
     }
 }

@@ -91,10 +91,6 @@ pub struct CalibrateArgs {
     /// biased low).
     #[arg(long, default_value_t = 0.0)]
     pub holdout: f64,
-    /// Ridge toward the diagonal of the PCA's covariance, `C + ρ·diag C` (0: none): pulls the
-    /// trailing directions, which fit the sample's noise, toward the features' own axes.
-    #[arg(long, default_value_t = 0.0)]
-    pub shrinkage: f64,
 }
 
 #[derive(clap::Args)]
@@ -187,7 +183,6 @@ pub fn calibrate_cmd(a: CalibrateArgs) -> anyhow::Result<ExitCode> {
         }
     };
     ensure(!a.key_share.is_empty() && a.key_share.iter().all(|&k| k > 0.0 && k < 1.0), || format!("--key-share {:?}: each must lie strictly between 0 and 1", a.key_share))?;
-    ensure(a.shrinkage >= 0.0 && a.shrinkage.is_finite(), || format!("--shrinkage {}: must be ≥ 0", a.shrinkage))?;
     ensure((0.0..1.0).contains(&a.holdout), || format!("--holdout {}: must lie in [0, 1)", a.holdout))?;
     ensure((0.0..0.5).contains(&a.dead_zone), || format!("--dead-zone {}: must lie in [0, 0.5)", a.dead_zone))?;
     ensure(!a.dp_rows.is_empty() && a.dp_rows.iter().all(|&r| r > 0), || format!("--dp-rows {:?}: each must be > 0", a.dp_rows))?;
@@ -207,7 +202,6 @@ pub fn calibrate_cmd(a: CalibrateArgs) -> anyhow::Result<ExitCode> {
         step: a.step,
         dead_zone: a.dead_zone,
         holdout: a.holdout,
-        shrinkage: a.shrinkage,
     };
     eprintln!(
         "{}: {} layers × {} kv heads × head_dim {} = {} features, {} tokens; RoPE {}",
