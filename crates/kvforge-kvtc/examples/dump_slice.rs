@@ -18,9 +18,7 @@ fn main() {
     let (from, to): (usize, usize) = (args[3].parse().expect("from"), args[4].parse().expect("to"));
     assert!(from < to && to <= d.tokens, "{from}..{to} is not inside {} tokens", d.tokens);
     let n = to - from;
-    let pick = |x: &[f32]| -> Vec<f32> {
-        (0..d.layers * d.kv_heads).flat_map(|lh| x[(lh * d.tokens + from) * d.head_dim..(lh * d.tokens + to) * d.head_dim].iter().copied()).collect()
-    };
+    let pick = |x: &[f32]| -> Vec<f32> { (0..d.layers * d.kv_heads).flat_map(|lh| x[(lh * d.tokens + from) * d.head_dim..(lh * d.tokens + to) * d.head_dim].iter().copied()).collect() };
     let out = KvDump { tokens: n, positions: d.positions[from..to].to_vec(), k: pick(&d.k), v: pick(&d.v), ..d.clone() };
     let meta: HashMap<String, String> = meta;
     out.save(args[2].as_ref(), meta).unwrap_or_else(|e| panic!("{}: {e}", args[2]));

@@ -517,7 +517,17 @@ fn gather(dump: &KvDump, side: Side, idx: &[usize], rope: Option<Rope>) -> Mat<f
 /// One side's calibrations of the grid: for each row set of `dp_sets` (indices into `held`,
 /// or into `idx` when nothing is held out), for each key share.
 #[allow(clippy::too_many_arguments)]
-fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], held: &[usize], dp_sets: &[Vec<usize>], key_shares: &[f64], ratios: &[f64], progress: &mut impl FnMut(&str)) -> Result<Vec<SideCalib>> {
+fn calibrate_side(
+    dump: &KvDump,
+    side: Side,
+    cfg: &CalibConfig,
+    idx: &[usize],
+    held: &[usize],
+    dp_sets: &[Vec<usize>],
+    key_shares: &[f64],
+    ratios: &[f64],
+    progress: &mut impl FnMut(&str),
+) -> Result<Vec<SideCalib>> {
     let p = dump.features();
     let n = idx.len();
     progress(&format!("{}: gathering {n} positions × {p} features ({} held out)", side.name(), held.len()));
