@@ -33,7 +33,9 @@
 # sizes with rans/deflate/zstd, eval.py of sim:kvtc-<r>-rans per ratio; BASELINE=16,20 adds the
 # fixed-width calibration of the same capture at those ratios (sim:kvtc-<r>@fixed, DEFLATE).
 # STEP=1 instead of CODED=1: step allocations (`calibrate --step`, entropy-constrained
-# quantisation with a model per component; DP_ROWS=512 rows shape the models).
+# quantisation with a model per component; DP_ROWS=512 rows shape the models). With STEP=1:
+# DEAD_ZONE (`calibrate --dead-zone`, the encoder's dead zone in steps, e.g. 0.15) and HOLDOUT
+# (`--holdout`, share of the sampled positions kept out of the PCA for the variances, e.g. 0.25).
 # Knobs (env): TOKENS/WINDOWS (capture, 8192 x 4), SAMPLES (PCA positions, 32000), RATIOS,
 # DP_ROWS (128), CONTEXTS (2048), NEEDLE (2048), TEXTS (all five). Results under $OUT; eval.py
 # writes its JSON after every scheme, so a timeout keeps the ratios finished.
@@ -57,6 +59,8 @@ export KVFORGE_BIN=${KVFORGE_BIN:-$R/.bin/kvforge}
 [ -x "$KVFORGE_BIN" ] || { echo "no kvforge binary at $KVFORGE_BIN (carry .bin)"; exit 2; }
 # a coded or step calibration: packed with `rans`, its ratios are after entropy coding
 RANS=${CODED:-${STEP:-}}
+# step allocations: the encoder's dead zone and the positions held out of the PCA
+STEP_FLAGS="${DEAD_ZONE:+--dead-zone $DEAD_ZONE} ${HOLDOUT:+--holdout $HOLDOUT}"
 W=${WORK:-/tmp/kvtc}
 mkdir -p $W
 nvidia-smi -L || true
@@ -67,7 +71,7 @@ if [ "${1:-}" = grid ]; then
   $PY benches/quality/capture_keys.py --model $M --device $DEV $DATA_ARG --tokens ${TOKENS:-8192} --windows ${WINDOWS:-6} --out-dir $W/keys 2>&1 | grep -v 'it/s]' | tail -3
   echo "capture: $(( $(date +%s) - t0 ))s"
   $KVFORGE_BIN calibrate --samples $W/keys/kv-emma-per-layer.safetensors --out $W/cal.safetensors \
-    --ratios ${GRID_RATIOS:-16,20,32,64} --max-samples ${SAMPLES:-40000} --dp-rows $ROWS ${STEP:+--step} \
+    --ratios ${GRID_RATIOS:-16,20,32,64} --max-samples ${SAMPLES:-40000} --dp-rows $ROWS ${STEP:+--step} $STEP_FLAGS \
     --weights $W/keys/kv-emma-weights.safetensors --key-share $SHARES 2>&1 | tee $OUT/calibrate-grid.log
   echo "capture + calibrate: $(( $(date +%s) - t0 ))s" | tee -a $OUT/calibrate-grid.log
   rm -f $W/keys/keys-emma.safetensors $W/keys/values-emma.safetensors
@@ -92,7 +96,7 @@ if [ "${1:-}" = grid ]; then
 fi
 python3 benches/quality/capture_keys.py --model $M --device cuda --tokens ${TOKENS:-8192} --windows ${WINDOWS:-4} --out-dir $W/keys 2>&1 | tail -3
 $KVFORGE_BIN calibrate --samples $W/keys/kv-emma-per-layer.safetensors --out $W/cal.safetensors \
-  --ratios $RATIOS --max-samples ${SAMPLES:-32000} --dp-rows ${DP_ROWS:-128} ${CODED:+--coded} ${STEP:+--step} \
+  --ratios $RATIOS --max-samples ${SAMPLES:-32000} --dp-rows ${DP_ROWS:-128} ${CODED:+--coded} ${STEP:+--step} $STEP_FLAGS \
   --weights $W/keys/kv-emma-weights.safetensors --key-share ${KEY_SHARE:-0.3} 2>&1 | tee $OUT/calibrate.log
 echo "capture + calibrate: $(( $(date +%s) - t0 ))s" | tee -a $OUT/calibrate.log
 export KVFORGE_KVTC_CAL=$W/cal.safetensors

@@ -12,7 +12,7 @@ fn bench(c: &mut Criterion) {
     let sd: Vec<f64> = (0..comps).map(|j| 10.0 / (1.0 + j as f64).powf(0.5)).collect();
     let gauss = |rng: &mut rand_chacha::ChaCha8Rng| (0..12).map(|_| rng.gen_range(-0.5..0.5)).sum::<f64>();
     let data: Vec<f64> = (0..rows * comps).map(|k| gauss(&mut rng) * sd[k % comps]).collect();
-    let alloc = step::allocation(&data, rows, comps, &sd, 2 * comps, &[]);
+    let alloc = step::allocation(&data, rows, comps, &sd, 2 * comps, &[], 0.0);
     let chunk: Vec<f64> = (0..n * comps).map(|k| gauss(&mut rng) * sd[k % comps]).collect();
     let raw = pack::encode(&chunk, n, comps, &alloc);
     let stored = model::encode(&raw, n, &alloc).unwrap();

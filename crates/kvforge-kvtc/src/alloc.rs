@@ -111,6 +111,9 @@ pub struct Allocation {
     pub models: Vec<Vec<u32>>,
     /// The step `Δ` of its [`Fit::Step`] groups ([`crate::step`]; 0 when it has none).
     pub step: f32,
+    /// The encoder's dead zone for its [`Fit::Step`] groups ([`crate::quant::step_code`]; 0:
+    /// round to nearest). Only the encoder reads it.
+    pub dead_zone: f32,
 }
 
 impl Allocation {
@@ -268,7 +271,7 @@ impl Dp {
                     for r in (0..rows).step_by(stride) {
                         let xs = &data[r * comps + i - size..r * comps + i];
                         if cfg.coded {
-                            add_group_stats(xs, &cands, 0.0, &mut acc, &mut hists);
+                            add_group_stats(xs, &cands, 0.0, 0.0, &mut acc, &mut hists);
                         // no step among the DP's candidates
                         } else {
                             add_group_errors(xs, &widths, &mut acc);
@@ -361,7 +364,7 @@ impl Dp {
             i -= size;
         }
         groups.reverse();
-        Allocation { budget_bits: budget as u32, groups, expected_error: self.best_error(budget), models: Vec::new(), step: 0.0 }
+        Allocation { budget_bits: budget as u32, groups, expected_error: self.best_error(budget), models: Vec::new(), step: 0.0, dead_zone: 0.0 }
     }
 }
 
@@ -377,7 +380,7 @@ impl Allocation {
                 let mut h = vec![vec![0u32; 1 << g.bits]];
                 let mut err = [0.0];
                 for r in 0..rows {
-                    add_group_stats(&data[r * comps + s..r * comps + e], &[(g.bits, g.fit)], self.step, &mut err, &mut h);
+                    add_group_stats(&data[r * comps + s..r * comps + e], &[(g.bits, g.fit)], self.step, self.dead_zone, &mut err, &mut h);
                 }
                 quantised_model(&h[0])
             })
@@ -400,7 +403,7 @@ pub fn allocation_error_thinned(data: &[f64], rows: usize, comps: usize, alloc: 
         let s = g.start as usize..(g.start + g.len) as usize;
         s.clone().for_each(|j| coded[j] = true);
         let stride = thin.stride(rows, g.len as usize);
-        let q: f64 = (0..rows).step_by(stride).map(|r| group_sq_error_with(&data[r * comps..(r + 1) * comps][s.clone()], g.bits, g.fit, alloc.step)).sum();
+        let q: f64 = (0..rows).step_by(stride).map(|r| group_sq_error_with(&data[r * comps..(r + 1) * comps][s.clone()], g.bits, g.fit, alloc.step, alloc.dead_zone)).sum();
         e += q / rows.div_ceil(stride).max(1) as f64;
     }
     let dropped: f64 = (0..rows).map(|r| data[r * comps..(r + 1) * comps].iter().zip(&coded).filter(|(_, &c)| !c).map(|(x, _)| x * x).sum::<f64>()).sum();
@@ -430,7 +433,7 @@ mod tests {
         fn go(i: usize, left: usize, groups: &mut Vec<Group>, c: &Ctx, best: &mut f64) {
             let (d, rows, comps, cfg) = (c.d, c.rows, c.comps, c.cfg);
             if i == comps {
-                let a = Allocation { budget_bits: u32::MAX, groups: groups.clone(), expected_error: 0.0, models: Vec::new(), step: 0.0 };
+                let a = Allocation { budget_bits: u32::MAX, groups: groups.clone(), expected_error: 0.0, models: Vec::new(), step: 0.0, dead_zone: 0.0 };
                 *best = best.min(allocation_error_thinned(d, rows, comps, &a, c.thin));
                 return;
             }

@@ -51,6 +51,16 @@ pub struct CalibConfig {
     /// Step allocations ([`crate::step`]: one quantisation step per side and ratio, a code
     /// model per coordinate, the budget in expected `rans`-coded bits) instead of the DP.
     pub step: bool,
+    /// The encoder's dead zone for step allocations ([`crate::quant::step_code`], in steps;
+    /// 0: round to nearest): thresholds moved away from zero trade a little error for fewer
+    /// coded bits, and the models and the step are fitted to that quantiser.
+    pub dead_zone: f32,
+    /// Share of the sampled positions kept out of the PCA (0: none). With `n` positions and
+    /// `p` features the PCA's trailing variances are biased low (more so the closer `n / p`
+    /// is to 1), so a held-out token puts more energy in them than the calibration planned.
+    /// Held-out positions give the allocation its rows and, for step allocations, each
+    /// component's variance: what a token the basis did not see costs.
+    pub holdout: f64,
 }
 
 impl Default for CalibConfig {
@@ -69,6 +79,8 @@ impl Default for CalibConfig {
             weights: [None, None],
             key_share: 0.5,
             step: false,
+            dead_zone: 0.0,
+            holdout: 0.0,
         }
     }
 }
@@ -245,6 +257,11 @@ impl Calibration {
                 if a.coded() {
                     h.update(b"coded");
                     h.update(&a.step.to_le_bytes());
+                    // only when set, so the ids of step calibrations without one stay as they were
+                    if a.dead_zone != 0.0 {
+                        h.update(b"dead zone");
+                        h.update(&a.dead_zone.to_le_bytes());
+                    }
                     for (g, m) in a.groups.iter().zip(&a.models) {
                         h.update(&[g.fit.id()]);
                         m.iter().for_each(|p| {
@@ -390,7 +407,20 @@ pub fn calibrate_grid(dump: &KvDump, cfg: &CalibConfig, key_shares: &[f64], dp_r
         idx.truncate(cfg.max_samples);
         idx.sort_unstable();
     }
-    let mut perm: Vec<usize> = (0..idx.len()).collect();
+    // positions the PCA does not see (`holdout`); the rows are drawn from them
+    let held: Vec<usize> = if cfg.holdout > 0.0 {
+        let mut sh = idx.clone();
+        sh.shuffle(&mut rng);
+        let h = ((cfg.holdout * idx.len() as f64).round() as usize).clamp(1, idx.len() - 1);
+        let (mut held, mut rest) = (sh[..h].to_vec(), sh[h..].to_vec());
+        held.sort_unstable();
+        rest.sort_unstable();
+        idx = rest;
+        held
+    } else {
+        Vec::new()
+    };
+    let mut perm: Vec<usize> = (0..if held.is_empty() { idx.len() } else { held.len() }).collect();
     perm.shuffle(&mut rng);
     let dp_sets: Vec<Vec<usize>> = dp_rows
         .iter()
@@ -403,8 +433,8 @@ pub fn calibrate_grid(dump: &KvDump, cfg: &CalibConfig, key_shares: &[f64], dp_r
     let mut ratios = cfg.ratios.clone();
     ratios.sort_by(|a, b| a.partial_cmp(b).unwrap());
     ratios.dedup();
-    let k = calibrate_side(dump, Side::Keys, cfg, &idx, &dp_sets, key_shares, &ratios, &mut progress)?;
-    let v = calibrate_side(dump, Side::Values, cfg, &idx, &dp_sets, key_shares, &ratios, &mut progress)?;
+    let k = calibrate_side(dump, Side::Keys, cfg, &idx, &held, &dp_sets, key_shares, &ratios, &mut progress)?;
+    let v = calibrate_side(dump, Side::Values, cfg, &idx, &held, &dp_sets, key_shares, &ratios, &mut progress)?;
     Ok(k.into_iter()
         .zip(v)
         .map(|(k, v)| Calibration {
@@ -470,28 +500,52 @@ pub fn block_features(layers: usize, layer_width: usize, layers_per_basis: usize
     (0..layers.max(1)).step_by(per).map(|l| l * layer_width..(l + per).min(layers.max(1)) * layer_width).collect()
 }
 
-/// One side's calibrations of the grid: for each row set of `dp_sets`, for each key share.
-#[allow(clippy::too_many_arguments)]
-fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], dp_sets: &[Vec<usize>], key_shares: &[f64], ratios: &[f64], progress: &mut impl FnMut(&str)) -> Result<Vec<SideCalib>> {
+/// The features of positions `idx` of one side, a row each.
+fn gather(dump: &KvDump, side: Side, idx: &[usize], rope: Option<Rope>) -> Mat<f64> {
     let p = dump.features();
-    let n = idx.len();
-    progress(&format!("{}: gathering {n} positions × {p} features", side.name()));
-    let mut x = Mat::<f64>::zeros(n, p);
+    let mut x = Mat::<f64>::zeros(idx.len(), p);
     let mut row = vec![0.0; p];
     for (i, &t) in idx.iter().enumerate() {
-        features(dump, side, t, cfg.rope, &mut row);
+        features(dump, side, t, rope, &mut row);
         for (j, &v) in row.iter().enumerate() {
             x[(i, j)] = v;
         }
     }
+    x
+}
+
+/// One side's calibrations of the grid: for each row set of `dp_sets` (indices into `held`,
+/// or into `idx` when nothing is held out), for each key share.
+#[allow(clippy::too_many_arguments)]
+fn calibrate_side(
+    dump: &KvDump,
+    side: Side,
+    cfg: &CalibConfig,
+    idx: &[usize],
+    held: &[usize],
+    dp_sets: &[Vec<usize>],
+    key_shares: &[f64],
+    ratios: &[f64],
+    progress: &mut impl FnMut(&str),
+) -> Result<Vec<SideCalib>> {
+    let p = dump.features();
+    let n = idx.len();
+    progress(&format!("{}: gathering {n} positions × {p} features ({} held out)", side.name(), held.len()));
+    let mut x = gather(dump, side, idx, cfg.rope);
     let mean: Vec<f64> = (0..p).map(|j| (0..n).map(|i| x[(i, j)]).sum::<f64>() / n as f64).collect();
     let scale = cfg.weights[usize::from(side == Side::Values)].as_deref().map(weight_scale);
+    // the held-out positions, centred and scaled as the PCA's
+    let mut xh = gather(dump, side, held, cfg.rope);
     for j in 0..p {
         let s = scale.as_ref().map_or(1.0, |s| s[j]);
         for i in 0..n {
             x[(i, j)] = (x[(i, j)] - mean[j]) * s;
         }
+        for i in 0..held.len() {
+            xh[(i, j)] = (xh[(i, j)] - mean[j]) * s;
+        }
     }
+    let rows_of = if held.is_empty() { &x } else { &xh };
     let fblocks = block_features(dump.layers, dump.kv_heads * dump.head_dim, cfg.layers_per_basis);
     let multi = fblocks.len() > 1;
     // per block: its basis (features × components, padded with zero columns in a multi-block
@@ -534,7 +588,7 @@ fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], d
         let mut xs = Mat::<f64>::zeros(dp_idx.len(), p);
         for (r, &i) in dp_idx.iter().enumerate() {
             for f in 0..p {
-                xs[(r, f)] = x[(i, f)];
+                xs[(r, f)] = rows_of[(i, f)];
             }
         }
         let mut data = vec![0.0; dp_idx.len() * rank];
@@ -549,18 +603,25 @@ fn calibrate_side(dump: &KvDump, side: Side, cfg: &CalibConfig, idx: &[usize], d
             }
         }
         if cfg.step {
-            // the PCA's variances (over every sampled position), scaled as the rows are
+            // the PCA's variances (over every sampled position), or the held-out positions'
+            // mean square along each direction; scaled as the rows are
             let sigma: Vec<f64> = blocks
                 .iter()
                 .zip(&parts)
                 .zip(&block_var)
-                .flat_map(|((_, part), &bv)| {
+                .flat_map(|((b, part), &bv)| {
                     let w = if multi && bv > 0.0 { (mean_var / bv).sqrt() } else { 1.0 };
-                    part.1.iter().map(move |&v| w * v.max(0.0).sqrt())
+                    let var = if held.is_empty() {
+                        part.1.clone()
+                    } else {
+                        let proj = xh.subcols(b.features.start, b.features.len()) * &part.0;
+                        (0..part.1.len()).map(|j| (0..held.len()).map(|r| proj[(r, j)] * proj[(r, j)]).sum::<f64>() / held.len() as f64).collect()
+                    };
+                    var.into_iter().map(move |v| w * v.max(0.0).sqrt())
                 })
                 .collect();
             for &ks in key_shares {
-                let allocations: Vec<Allocation> = ratios.iter().map(|&r| crate::step::allocation(&data, dp_idx.len(), rank, &sigma, budget(r, ks), &breaks)).collect();
+                let allocations: Vec<Allocation> = ratios.iter().map(|&r| crate::step::allocation(&data, dp_idx.len(), rank, &sigma, budget(r, ks), &breaks, cfg.dead_zone)).collect();
                 out.push(trimmed_side(&mean, scale.as_deref(), &blocks, &parts, allocations));
             }
             continue;

@@ -10,7 +10,7 @@
 //! | `k.blocks`, `v.blocks` | I32 | `[blocks, 4]` | version ≥ 2 only: rows `(first feature, features, first component, components)` of a block-diagonal basis ([`crate::calib::BasisBlock`]); `k.basis` is then flat, `[Σ components · features]`, block after block |
 //! | `k.scale`, `v.scale` | F32 | `[p]` | version 3 only, optional per side: per-feature scale `s` of a weighted calibration ([`SideCalib::scale`]); `k.basis` then holds `u ⊘ s` (restore unchanged), projecting multiplies the centred features by `s²` |
 //!
-//! | `k.models`, `v.models` | U32 | `[entries]` | version 4 only: the code models of a coded calibration ([`crate::model`]), every group of every allocation in order, `2^bits` probabilities per model; `k.alloc` then has six columns: `(ratio index, start, len, bits, fit, models)`, the group's range choice ([`crate::quant::Fit`] id) and its number of models (1 pooled, or `len`), and the metadata `k.steps` / `v.steps` the step of each allocation ([`crate::step`]; 0 when unused) |
+//! | `k.models`, `v.models` | U32 | `[entries]` | version 4 only: the code models of a coded calibration ([`crate::model`]), every group of every allocation in order, `2^bits` probabilities per model; `k.alloc` then has six columns: `(ratio index, start, len, bits, fit, models)`, the group's range choice ([`crate::quant::Fit`] id) and its number of models (1 pooled, or `len`), and the metadata `k.steps` / `v.steps` the step of each allocation ([`crate::step`]; 0 when unused), and optionally `k.dead_zones` / `v.dead_zones` the encoder's dead zone of each ([`crate::quant::step_code`]; absent: 0) |
 //!
 //! Version 1 is a basis over all features (one block); a multi-block basis
 //! (`layers_per_basis`) is written as version 2, a weighted one (either side has a scale) as
@@ -75,6 +75,9 @@ impl Calibration {
             put(&format!("{n}.budgets"), s.allocations.iter().map(|a| a.budget_bits.to_string()).collect::<Vec<_>>().join(","));
             if coded_file {
                 put(&format!("{n}.steps"), s.allocations.iter().map(|a| format!("{:?}", a.step)).collect::<Vec<_>>().join(","));
+                if s.allocations.iter().any(|a| a.dead_zone != 0.0) {
+                    put(&format!("{n}.dead_zones"), s.allocations.iter().map(|a| format!("{:?}", a.dead_zone)).collect::<Vec<_>>().join(","));
+                }
             }
         }
         put("id", self.id_hex());
@@ -207,7 +210,7 @@ impl Calibration {
             if budgets.len() != ratios.len() {
                 return Err(format!("{n}.budgets has {} entries for {} ratios", budgets.len(), ratios.len()));
             }
-            let mut allocations: Vec<Allocation> = budgets.iter().map(|&b| Allocation { budget_bits: b, groups: Vec::new(), expected_error: f64::NAN, models: Vec::new(), step: 0.0 }).collect();
+            let mut allocations: Vec<Allocation> = budgets.iter().map(|&b| Allocation { budget_bits: b, groups: Vec::new(), expected_error: f64::NAN, models: Vec::new(), step: 0.0, dead_zone: 0.0 }).collect();
             let mut counts: Vec<Vec<usize>> = vec![Vec::new(); allocations.len()];
             for r in rows.chunks_exact(cols) {
                 let (i, start, len, bits) = (r[0], r[1], r[2], r[3]);
@@ -225,6 +228,13 @@ impl Calibration {
                     return Err(format!("{n}.steps has {} entries for {} ratios", steps.len(), allocations.len()));
                 }
                 allocations.iter_mut().zip(steps).for_each(|(a, s)| a.step = s);
+                if let Ok(dz) = get(&format!("{n}.dead_zones")) {
+                    let dz: Vec<f32> = dz.split(',').filter(|s| !s.is_empty()).map(|s| s.parse::<f32>().map_err(|e| format!("{n}.dead_zones: {e}"))).collect::<std::result::Result<_, _>>()?;
+                    if dz.len() != allocations.len() || dz.iter().any(|d| !(0.0..0.5).contains(d)) {
+                        return Err(format!("{n}.dead_zones: {} entries in [0, 0.5) needed for {} ratios, got {dz:?}", allocations.len(), allocations.len()));
+                    }
+                    allocations.iter_mut().zip(dz).for_each(|(a, d)| a.dead_zone = d);
+                }
             }
             if let Ok(t) = st.tensor(&format!("{n}.models")) {
                 if version < 4 || t.dtype() != Dtype::U32 || t.shape().len() != 1 {

@@ -247,7 +247,7 @@ mod tests {
                 (0..per).flat_map(|_| quantised_model(&(0..1u32 << g.bits).map(|_| rng.gen_range(0..50)).collect::<Vec<_>>())).collect()
             })
             .collect();
-        (Allocation { budget_bits: 1000, groups, expected_error: 0.0, models, step: 0.25 }, 44)
+        (Allocation { budget_bits: 1000, groups, expected_error: 0.0, models, step: 0.25, dead_zone: 0.0 }, 44)
     }
 
     proptest::proptest! {

@@ -13,7 +13,7 @@
 use half::f16;
 
 use crate::alloc::Allocation;
-use crate::quant::{fit_group_with, GroupScale};
+use crate::quant::{code_with, fit_group_with, GroupScale};
 
 /// Bytes of a chunk of `n` tokens coded with `alloc`.
 pub fn raw_len(n: usize, alloc: &Allocation) -> usize {
@@ -103,7 +103,7 @@ pub fn encode(d: &[f64], n: usize, comps: usize, alloc: &Allocation) -> Vec<u8> 
         let mut w = BitWriter::new(&mut out[at..]);
         for t in 0..n {
             for j in s..e {
-                w.put(scales[t].code(d[t * comps + j], g.bits), g.bits as u32);
+                w.put(code_with(scales[t], d[t * comps + j], g.bits, g.fit, alloc.dead_zone), g.bits as u32);
             }
         }
         w.flush();
@@ -147,7 +147,7 @@ mod tests {
         #[test]
         fn decode_inverts_encode(n in 1usize..9, seed in 0u64..1000) {
             let comps = 40;
-            let alloc = Allocation { budget_bits: 10_000, expected_error: 0.0, models: Vec::new(), step: 0.0, groups: vec![
+            let alloc = Allocation { budget_bits: 10_000, expected_error: 0.0, models: Vec::new(), step: 0.0, dead_zone: 0.0, groups: vec![
                 Group::new(0, 1, 8), Group::new(1, 16, 3),
                 Group::new(20, 16, 1), Group::new(36, 1, 13)] };
             let d: Vec<f64> = (0..n * comps).map(|k| (((k as u64 * 2654435761 + seed) % 1000) as f64 - 500.0) / 37.0).collect();

@@ -208,6 +208,39 @@ pub fn step_scale(step: f32, bits: u8) -> GroupScale {
     GroupScale { lo: f16::from_f64(-(2f64.powi(bits as i32 - 1)) * d.to_f64()), scale: d }
 }
 
+/// The code of `x` in a [`Fit::Step`] group (`g` from [`step_scale`]) with a dead zone: the
+/// magnitude `|x| / Δ` is rounded with its thresholds `dead_zone` steps further from zero than
+/// the midpoints (`m = ⌊|x|/Δ + ½ − dead_zone⌋`, the sign kept), so values near a threshold fall
+/// to the code nearer zero. Near zero the codes are the likeliest, so that trades a little
+/// error for fewer coded bits (entropy-constrained scalar quantisation with a dead zone, as
+/// video coders round their transform coefficients). The decoder is unchanged: code `c` still
+/// stands for `lo + c·Δ`. A dead zone of 0 is [`GroupScale::code`] exactly.
+#[inline]
+pub fn step_code(g: GroupScale, x: f64, bits: u8, dead_zone: f32) -> u32 {
+    if dead_zone == 0.0 {
+        return g.code(x, bits);
+    }
+    let s = g.scale.to_f64();
+    if s <= 0.0 || x.is_nan() {
+        return 0;
+    }
+    let h = (1u32 << (bits - 1)) as f64;
+    let m = (x.abs() / s + 0.5 - dead_zone as f64).max(0.0).floor();
+    let c = if x < 0.0 { h - m } else { h + m };
+    c.clamp(0.0, ((1u32 << bits) - 1) as f64) as u32
+}
+
+/// The code of `x` in a group of range choice `fit` with shift and scale `g`: [`step_code`]
+/// for [`Fit::Step`], [`GroupScale::code`] otherwise.
+#[inline]
+pub fn code_with(g: GroupScale, x: f64, bits: u8, fit: Fit, dead_zone: f32) -> u32 {
+    if fit == Fit::Step {
+        step_code(g, x, bits, dead_zone)
+    } else {
+        g.code(x, bits)
+    }
+}
+
 /// The shift and scale the encoder uses for `xs` with `bits`-bit codes, range choice `fit` and
 /// (for [`Fit::Step`]) the allocation's step.
 pub fn fit_group_with(xs: &[f64], bits: u8, fit: Fit, step: f32) -> GroupScale {
@@ -218,15 +251,21 @@ pub fn fit_group_with(xs: &[f64], bits: u8, fit: Fit, step: f32) -> GroupScale {
     }
 }
 
-/// Squared error of quantising `xs` with `bits` bits and range choice `fit`.
-pub fn group_sq_error_with(xs: &[f64], bits: u8, fit: Fit, step: f32) -> f64 {
-    sq_error_with(xs, fit_group_with(xs, bits, fit, step), bits)
+/// Squared error of quantising `xs` with `bits` bits and range choice `fit` (a [`Fit::Step`]
+/// group with the allocation's step and dead zone, [`step_code`]).
+pub fn group_sq_error_with(xs: &[f64], bits: u8, fit: Fit, step: f32, dead_zone: f32) -> f64 {
+    let g = fit_group_with(xs, bits, fit, step);
+    if fit == Fit::Step && dead_zone != 0.0 {
+        return xs.iter().map(|&x| (g.value(step_code(g, x, bits, dead_zone)) - x).powi(2)).sum();
+    }
+    sq_error_with(xs, g, bits)
 }
 
 /// `errs[q] += ` the squared error and `hists[q][code] += 1` for every code of quantising `xs`
-/// with candidate `q` of `cands` (`(bits, fit)`; `hists[q]` holds `2^bits` counts; `step` for
-/// [`Fit::Step`]): the coded DP's inner loop. The errors equal [`group_sq_error_with`] term by term.
-pub fn add_group_stats(xs: &[f64], cands: &[(u8, Fit)], step: f32, errs: &mut [f64], hists: &mut [Vec<u32>]) {
+/// with candidate `q` of `cands` (`(bits, fit)`; `hists[q]` holds `2^bits` counts; `step` and
+/// `dead_zone` for [`Fit::Step`]): the coded DP's inner loop. The errors equal
+/// [`group_sq_error_with`] term by term.
+pub fn add_group_stats(xs: &[f64], cands: &[(u8, Fit)], step: f32, dead_zone: f32, errs: &mut [f64], hists: &mut [Vec<u32>]) {
     let (mn, mx) = min_max(xs);
     for ((&(bits, fit), e), h) in cands.iter().zip(errs.iter_mut()).zip(hists.iter_mut()) {
         let g = match fit {
@@ -238,6 +277,14 @@ pub fn add_group_stats(xs: &[f64], cands: &[(u8, Fit)], step: f32, errs: &mut [f
         if s <= 0.0 {
             *e += xs.iter().map(|&x| (lo - x) * (lo - x)).sum::<f64>();
             h[0] += xs.len() as u32;
+            continue;
+        }
+        if fit == Fit::Step && dead_zone != 0.0 {
+            for &x in xs {
+                let c = step_code(g, x, bits, dead_zone);
+                *e += (g.value(c) - x).powi(2);
+                h[c as usize] += 1;
+            }
             continue;
         }
         let (inv, levels) = (1.0 / s, ((1u32 << bits) - 1) as f64);
@@ -325,6 +372,32 @@ mod tests {
         // one value, or all equal: exact up to fp16, as before
         assert_eq!(fit_group(&[3.0], 2), GroupScale::fit([3.0].into_iter(), 2));
         assert_eq!(fit_group(&[-1.5, -1.5], 1), GroupScale::fit([-1.5, -1.5].into_iter(), 1));
+    }
+
+    /// The dead zone moves codes only toward zero, by at most one, keeps every value within
+    /// `(½ + dead_zone)·Δ` of its code inside the range, and is the plain code at 0.
+    #[test]
+    fn step_codes_with_a_dead_zone() {
+        let step = 0.37f32;
+        for bits in [2u8, 3, 6] {
+            let g = step_scale(step, bits);
+            let h = 1i64 << (bits - 1);
+            for i in -4000..4000 {
+                let x = i as f64 * 0.0013 * (1 << bits) as f64;
+                let near = g.code(x, bits) as i64;
+                assert_eq!(step_code(g, x, bits, 0.0) as i64, near);
+                let c = step_code(g, x, bits, 0.25) as i64;
+                assert!((c - h).abs() <= (near - h).abs() && (near - c).abs() <= 1, "x {x}: {c} vs {near}");
+                if (x / step as f64).abs() < (h - 1) as f64 {
+                    assert!((g.value(c as u32) - x).abs() <= 0.75 * g.scale.to_f64() + 1e-9, "x {x}");
+                }
+                let mut e = [0.0];
+                let mut hist = vec![vec![0u32; 1 << bits]];
+                add_group_stats(&[x], &[(bits, Fit::Step)], step, 0.25, &mut e, &mut hist);
+                assert_eq!(hist[0][c as usize], 1);
+                assert_eq!(e[0], group_sq_error_with(&[x], bits, Fit::Step, step, 0.25));
+            }
+        }
     }
 
     #[test]

@@ -205,7 +205,7 @@ pub fn synthetic_allocation(budget_bits: usize, first: usize, components: usize,
         used += 64 * 4 + 32;
         start += 64;
     }
-    Allocation { budget_bits: budget_bits as u32, groups, expected_error: f64::NAN, models: Vec::new(), step: 0.0 }
+    Allocation { budget_bits: budget_bits as u32, groups, expected_error: f64::NAN, models: Vec::new(), step: 0.0, dead_zone: 0.0 }
 }
 
 /// A calibration of the right shape with random directions (not orthonormal) and means, and
@@ -237,7 +237,7 @@ pub fn synthetic_calibration(layers: usize, kv_heads: usize, head_dim: usize, ro
                 let share = budget * f.len() / p;
                 groups.extend(synthetic_allocation(share, c0, cap(f.len()), 16usize.div_ceil(nb)).groups);
             }
-            Allocation { budget_bits: budget as u32, groups, expected_error: f64::NAN, models: Vec::new(), step: 0.0 }
+            Allocation { budget_bits: budget as u32, groups, expected_error: f64::NAN, models: Vec::new(), step: 0.0, dead_zone: 0.0 }
         })
         .collect();
     // one block: kept as far as the largest allocation uses it; several: whole
@@ -332,7 +332,7 @@ mod tests {
         groups2.push(Group::new(64, 16, 2));
         groups2.push(Group::new(100, 1, 5));
         for (s, groups, want_cols) in [(&one, groups, vec![(0, 64)]), (&two, groups2, vec![(0, 64), (64, 64)])] {
-            let alloc = Allocation { budget_bits: 100_000, expected_error: 0.0, groups, models: Vec::new(), step: 0.0 };
+            let alloc = Allocation { budget_bits: 100_000, expected_error: 0.0, groups, models: Vec::new(), step: 0.0, dead_zone: 0.0 };
             let layout = device_layout(s, &alloc);
             assert_eq!(layout.cols, want_cols);
             let ldc = layout.ldc;

@@ -407,6 +407,7 @@ fn calibration_grid_equals_single_calibrations() {
 fn coded_calibration_packs_with_rans() {
     coded_round_trip(CalibConfig { dp: DpConfig { coded: true, ..cfg().dp }, ..cfg() }, "coded");
     coded_round_trip(CalibConfig { step: true, ..cfg() }, "step");
+    coded_round_trip(CalibConfig { step: true, dead_zone: 0.2, holdout: 0.25, ..cfg() }, "step-dead-zone");
 }
 
 fn coded_round_trip(coded: CalibConfig, tag: &str) {
@@ -414,7 +415,8 @@ fn coded_round_trip(coded: CalibConfig, tag: &str) {
     let cal = calibrate(&synthetic(2, 2, 16, 500, 1, 1), &coded, |_| {}).unwrap();
     let cal2 = reloaded(&cal, tag);
     for (a, b) in cal.k.allocations.iter().chain(&cal.v.allocations).zip(cal2.k.allocations.iter().chain(&cal2.v.allocations)) {
-        assert_eq!((&a.groups, &a.models, a.step), (&b.groups, &b.models, b.step));
+        assert_eq!((&a.groups, &a.models, a.step, a.dead_zone), (&b.groups, &b.models, b.step, b.dead_zone));
+        assert_eq!(b.dead_zone, coded.dead_zone);
     }
     assert!(cal2.k.allocations.iter().chain(&cal2.v.allocations).all(|a| a.codable()) && cal2.k.allocations[0].coded());
     for (i, &ratio) in cal.ratios.iter().enumerate() {

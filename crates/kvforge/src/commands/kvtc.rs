@@ -79,6 +79,18 @@ pub struct CalibrateArgs {
     /// entropy coding (pack with `--entropy rans`). Takes the place of the DP; version 4.
     #[arg(long, conflicts_with = "coded")]
     pub step: bool,
+    /// With `--step`: the encoder's dead zone in steps (0 ≤ d < 0.5; 0: round to nearest).
+    /// Rounding thresholds sit `d` steps further from zero than the midpoints, so values near
+    /// one fall to the likelier code nearer zero: fewer coded bits for a little error; the
+    /// models and the step are fitted to it. Only the encoder reads it.
+    #[arg(long, default_value_t = 0.0, requires = "step")]
+    pub dead_zone: f32,
+    /// Share of the sampled positions kept out of the PCA (0 ≤ h < 1; 0: none): the
+    /// allocation's rows and, with `--step`, each component's variance come from them, so the
+    /// plan is what a token the basis did not see costs (the PCA's trailing variances are
+    /// biased low).
+    #[arg(long, default_value_t = 0.0)]
+    pub holdout: f64,
 }
 
 #[derive(clap::Args)]
@@ -171,6 +183,8 @@ pub fn calibrate_cmd(a: CalibrateArgs) -> anyhow::Result<ExitCode> {
         }
     };
     ensure(!a.key_share.is_empty() && a.key_share.iter().all(|&k| k > 0.0 && k < 1.0), || format!("--key-share {:?}: each must lie strictly between 0 and 1", a.key_share))?;
+    ensure((0.0..1.0).contains(&a.holdout), || format!("--holdout {}: must lie in [0, 1)", a.holdout))?;
+    ensure((0.0..0.5).contains(&a.dead_zone), || format!("--dead-zone {}: must lie in [0, 0.5)", a.dead_zone))?;
     ensure(!a.dp_rows.is_empty() && a.dp_rows.iter().all(|&r| r > 0), || format!("--dp-rows {:?}: each must be > 0", a.dp_rows))?;
     let cfg = CalibConfig {
         weights,
@@ -186,6 +200,8 @@ pub fn calibrate_cmd(a: CalibrateArgs) -> anyhow::Result<ExitCode> {
         layers_per_basis: a.layers_per_basis,
         dp: DpConfig { coded: a.coded, ..DpConfig::default() },
         step: a.step,
+        dead_zone: a.dead_zone,
+        holdout: a.holdout,
     };
     eprintln!(
         "{}: {} layers × {} kv heads × head_dim {} = {} features, {} tokens; RoPE {}",
