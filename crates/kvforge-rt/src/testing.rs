@@ -79,3 +79,34 @@ impl Xorshift {
         (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
     }
 }
+
+/// The f64 reference's keys and values (`[len][D]` each, row-major) of the first `len` tokens
+/// of `(seq, head)` (every token with `None`), decoded page by page from the cache's own bytes
+/// with `kvforge_ref::decode_segment` (spherical pages with their tier's radius scales): what
+/// a decode over that cache must attend. Panics on a cache error (tests only).
+pub fn reference_kv(c: &crate::cache::KvCache, seq: usize, head: usize, len: Option<usize>) -> (Vec<f64>, Vec<f64>) {
+    let s = c.spec();
+    let (d, hkv, p) = (c.config().head_dim, c.config().num_kv_heads, s.page.tokens);
+    let len = len.unwrap_or(usize::MAX);
+    let (mut kk, mut vv) = (Vec::new(), Vec::new());
+    for (pg, n, first) in c.positioned_pages(seq, head).unwrap() {
+        let n = n.min(len.saturating_sub(first));
+        if n == 0 {
+            continue;
+        }
+        let bytes = c.download_page(pg).unwrap();
+        let tier = &s.tiers[pg.tier as usize];
+        let rs = if matches!(tier.key, kvforge_spec::KeyScheme::Spherical { .. }) {
+            c.radius_scales(pg.tier).unwrap().map(|r| {
+                let ng = r.len() / hkv;
+                r[head * ng..(head + 1) * ng].to_vec()
+            })
+        } else {
+            None
+        };
+        let (k, v) = kvforge_ref::decode_segment(tier, d, p, &bytes[kvforge_spec::HEADER_BYTES..], rs.as_deref().unwrap_or(&[]));
+        kk.extend_from_slice(&k[..n * d]);
+        vv.extend_from_slice(&v[..n * d]);
+    }
+    (kk, vv)
+}

@@ -10,7 +10,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use half::f16;
 use kvforge_rt::testing::data_f16 as data;
 use kvforge_rt::{CacheConfig, Device, ElemType, ExternalTensor, KvCache, RtError};
-use kvforge_spec::{KeyScheme, Spec, HEADER_BYTES};
+use kvforge_spec::Spec;
 
 fn spec(name: &str) -> Spec {
     kvforge_rt::testing::shipped_spec(name)
@@ -96,28 +96,7 @@ fn device_append_equals_host_append_and_decode_into_caller_buffers_equals_host_d
 /// `len`, on the pages as stored (downloaded and dequantised by kvforge-ref; dropped pages are
 /// absent).
 fn reference(c: &KvCache, seq: usize, head: usize, len: usize, q: &[f32]) -> (Vec<f64>, f64, f64) {
-    let s = c.spec();
-    let p = s.page.tokens;
-    let (mut kk, mut vv) = (Vec::new(), Vec::new());
-    for (pg, n, first) in c.positioned_pages(seq, head).unwrap() {
-        let n = n.min(len.saturating_sub(first));
-        if n == 0 {
-            continue;
-        }
-        let bytes = c.download_page(pg).unwrap();
-        let tier = &s.tiers[pg.tier as usize];
-        let rs = if matches!(tier.key, KeyScheme::Spherical { .. }) {
-            c.radius_scales(pg.tier).unwrap().map(|r| {
-                let ng = r.len() / HKV;
-                r[head * ng..(head + 1) * ng].to_vec()
-            })
-        } else {
-            None
-        };
-        let (k, v) = kvforge_ref::decode_segment(tier, D, p, &bytes[HEADER_BYTES..], rs.as_deref().unwrap_or(&[]));
-        kk.extend_from_slice(&k[..n * D]);
-        vv.extend_from_slice(&v[..n * D]);
-    }
+    let (kk, vv) = kvforge_rt::testing::reference_kv(c, seq, head, Some(len));
     let vmax = vv.iter().fold(0f64, |m, x| m.max(x.abs()));
     let qf: Vec<f64> = q.iter().map(|&x| x as f64).collect();
     let (o, lse) = kvforge_ref::attention(&qf, &kk, &vv, 1.0 / (D as f64).sqrt());

@@ -10,7 +10,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use half::f16;
 use kvforge_rt::testing::data_f16 as data;
 use kvforge_rt::{CacheConfig, Device, ElemType, ExternalTensor, KvCache, WindowPolicy};
-use kvforge_spec::{KeyScheme, HEADER_BYTES, TAIL_TIER};
+use kvforge_spec::TAIL_TIER;
 
 const D: usize = 64;
 const HKV: usize = 3;
@@ -69,23 +69,7 @@ fn assert_policy(c: &KvCache, seq: usize, what: &str) -> usize {
 /// dequantised by kvforge-ref, attended in the stored basis, the output mapped back.
 fn reference(c: &KvCache, seq: usize, head: usize, q: &[f32]) -> (Vec<f64>, f64, f64) {
     let s = c.spec();
-    let p = s.page.tokens;
-    let (mut kk, mut vv) = (Vec::new(), Vec::new());
-    for (pg, n, _) in c.positioned_pages(seq, head).unwrap() {
-        let bytes = c.download_page(pg).unwrap();
-        let tier = &s.tiers[pg.tier as usize];
-        let rs = if matches!(tier.key, KeyScheme::Spherical { .. }) {
-            c.radius_scales(pg.tier).unwrap().map(|r| {
-                let ng = r.len() / HKV;
-                r[head * ng..(head + 1) * ng].to_vec()
-            })
-        } else {
-            None
-        };
-        let (k, v) = kvforge_ref::decode_segment(tier, D, p, &bytes[HEADER_BYTES..], rs.as_deref().unwrap_or(&[]));
-        kk.extend_from_slice(&k[..n * D]);
-        vv.extend_from_slice(&v[..n * D]);
-    }
+    let (kk, vv) = kvforge_rt::testing::reference_kv(c, seq, head, None);
     let vmax = vv.iter().fold(0f64, |m, x| m.max(x.abs()));
     let basis = s.basis();
     let mut qf: Vec<f64> = q.iter().map(|&x| x as f64).collect();
