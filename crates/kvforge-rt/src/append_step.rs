@@ -336,7 +336,7 @@ impl KvCache {
         // append pushes out of the window are encoded first.
         let before = self.store.seq_len(seq)? / p;
         let encode = self.cfg.window.to_encode(before, before + filled);
-        let kept = filled - encode.end.saturating_sub(encode.start.max(before));
+        let kept = filled - self.cfg.window.encodes_new(before, before + filled);
         let old = self.window_encodes(seq, before, before + filled)?;
         // Fresh pages are staged a batch at a time in free tail pages; one page per kv head is
         // enough to make progress (and to hold the new tail), besides the pages kept dense.

@@ -248,7 +248,7 @@ impl KvCache {
         // dense), and which older dense pages this append pushes out of the window.
         let before = self.store.seq_len(seq)? / p;
         let encode = self.cfg.window.to_encode(before, before + full_per_head);
-        let encoded_per_head = encode.end.saturating_sub(encode.start.max(before));
+        let encoded_per_head = self.cfg.window.encodes_new(before, before + full_per_head);
         let old = self.window_encodes(seq, before, before + full_per_head)?;
         // All-or-nothing capacity check before touching anything.
         let existing_tails = tails.iter().filter(|t| t.is_some()).count();

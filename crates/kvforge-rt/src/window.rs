@@ -64,6 +64,14 @@ impl WindowPolicy {
         let hi = after.saturating_sub(self.recent_pages);
         lo..hi.max(lo)
     }
+
+    /// How many of an append's own new full pages (logical `before..after`) it encodes as they
+    /// fill; the other new pages stay dense. The rest of [`to_encode`](Self::to_encode), below
+    /// `before`, are older dense pages the append pushes out of the window.
+    pub fn encodes_new(&self, before: usize, after: usize) -> usize {
+        let r = self.to_encode(before, after);
+        r.end.saturating_sub(r.start.max(before))
+    }
 }
 
 /// A dense full page a window-policy append encodes: (sequence, kv head, index among the
@@ -152,6 +160,18 @@ mod tests {
         assert_eq!(w.to_encode(0, 1), 0..1);
         assert_eq!(w.to_encode(3, 7), 3..7);
         assert_eq!(dense_after(w, 5), Vec::<usize>::new());
+    }
+
+    #[test]
+    fn encodes_new_counts_the_append_s_own_pages_only() {
+        let w = WindowPolicy::new(1, 2);
+        for before in 0..12 {
+            for after in before..before + 9 {
+                let own = (before..after).filter(|k| w.to_encode(before, after).contains(k)).count();
+                assert_eq!(w.encodes_new(before, after), own, "{before}..{after}");
+            }
+        }
+        assert_eq!(WindowPolicy::default().encodes_new(3, 7), 4);
     }
 
     #[test]
