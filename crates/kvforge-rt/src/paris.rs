@@ -115,9 +115,13 @@ fn hmax_pairs(gqa: usize) -> usize {
 
 /// Dynamic shared memory of `rerank_hmax`: the `[D][16]` entries of [`hmax_pairs`] half2.
 fn hmax_lut_bytes(d: usize, gqa: usize) -> usize {
-    // `HMAX_ALIGN` in paris.cuh: the kernel starts its table at an aligned address inside.
-    d * 16 * hmax_pairs(gqa) * 4 + 256
+    d * 16 * hmax_pairs(gqa) * 4 + HMAX_ALIGN
 }
+
+/// Alignment of `rerank_hmax`'s table in its dynamic shared memory (`HMAX_ALIGN` in
+/// paris.cuh): the kernel starts the table at the first multiple inside, so it asks for this
+/// much more.
+const HMAX_ALIGN: usize = 256;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
