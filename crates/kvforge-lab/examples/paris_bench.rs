@@ -69,6 +69,9 @@ struct Args {
     /// Chunk counts of the pipelined step to time (those ≤ the batch).
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
     chunks: Vec<usize>,
+    /// Fetch grid caps to time, one run each (0: the runtime's default).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    fetch_ctas: Vec<usize>,
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -156,37 +159,40 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 ix.set_dense(s, &dense, &dense)?;
             }
             let build_s = t0.elapsed().as_secs_f64();
-            let mut q = vec![f16::ZERO; batch * a.kv_heads * a.gqa * d];
-            let times = timed(a.iters, &mut q, d, |q| Ok(ix.step_timed(q, a.k, &schedule)?.1))?;
-            // The pipelined step (fetch + attend of one span beside the retrieval of the next)
-            // for each chunk count that splits this batch.
-            let mut pipelined = serde_json::Map::new();
-            for &chunks in a.chunks.iter().filter(|&&c| c <= batch) {
-                let us = timed(a.iters, &mut q, d, |q| Ok(ix.step_pipelined_timed(q, a.k, &schedule, chunks)?.1))?;
-                pipelined.insert(chunks.to_string(), json!(median(us)));
+            for &fetch_ctas in &a.fetch_ctas {
+                ix.set_fetch_ctas((fetch_ctas > 0).then_some(fetch_ctas));
+                let mut q = vec![f16::ZERO; batch * a.kv_heads * a.gqa * d];
+                let times = timed(a.iters, &mut q, d, |q| Ok(ix.step_timed(q, a.k, &schedule)?.1))?;
+                // The pipelined step (fetch + attend of one span beside the retrieval of the next)
+                // for each chunk count that splits this batch.
+                let mut pipelined = serde_json::Map::new();
+                for &chunks in a.chunks.iter().filter(|&&c| c <= batch) {
+                    let us = timed(a.iters, &mut q, d, |q| Ok(ix.step_pipelined_timed(q, a.k, &schedule, chunks)?.1))?;
+                    pipelined.insert(chunks.to_string(), json!(median(us)));
+                }
+                let med = |f: fn(&StepTimes) -> f64| median(times.iter().map(f).collect());
+                let total = med(|t| t.vote_us + t.topk_us + t.rerank_us + t.fetch_us + t.attend_us);
+                let total_fused = med(|t| t.vote_us + t.topk_us + t.rerank_us + t.attend_fused_us);
+                let mode = match (a.per_query_head, geo.ranks_by_group_max()) {
+                    (true, _) => "per query head",
+                    (false, true) => "per kv head (summed group query's vote, ranked by the largest head estimate)",
+                    (false, false) => "per kv head (summed group query)",
+                };
+                let v = json!({
+                    "n": n, "batch": batch, "kv_heads": a.kv_heads, "gqa": a.gqa, "retrieval": mode, "rank": a.rank.name(), "head_dim": d, "k": a.k, "dense_rows": a.dense,
+                    "plan": plan, "config": cfg,
+                    "gpu_bytes_per_token_per_kv_head": cfg.summary_bytes(), "fp16_kv_bytes_per_token_per_kv_head": 4 * d,
+                    "gpu_bytes_per_sequence": ix.device_bytes_per_sequence(), "fp16_kv_bytes_per_sequence": 4 * d * a.kv_heads * n,
+                    "build_s": build_s, "fetch_ctas": fetch_ctas,
+                    "median_us": {"vote": med(|t| t.vote_us), "topk": med(|t| t.topk_us), "rerank": med(|t| t.rerank_us), "fetch": med(|t| t.fetch_us), "attend": med(|t| t.attend_us), "total": total,
+                                  "attend_fused": med(|t| t.attend_fused_us), "total_fused": total_fused},
+                    "sequences_per_s": batch as f64 / total * 1e6,
+                    "pipelined_total_us_by_chunks": pipelined, "default_chunks": ix.default_chunks(),
+                    "sequences_per_s_pipelined": pipelined.values().filter_map(|v| v.as_f64()).fold(f64::INFINITY, f64::min).recip() * batch as f64 * 1e6,
+                });
+                eprintln!("batch {batch} n {n} fetch_ctas {fetch_ctas} ({mode}): {} pipelined {}", v["median_us"], v["pipelined_total_us_by_chunks"]);
+                runs.push(v);
             }
-            let med = |f: fn(&StepTimes) -> f64| median(times.iter().map(f).collect());
-            let total = med(|t| t.vote_us + t.topk_us + t.rerank_us + t.fetch_us + t.attend_us);
-            let total_fused = med(|t| t.vote_us + t.topk_us + t.rerank_us + t.attend_fused_us);
-            let mode = match (a.per_query_head, geo.ranks_by_group_max()) {
-                (true, _) => "per query head",
-                (false, true) => "per kv head (summed group query's vote, ranked by the largest head estimate)",
-                (false, false) => "per kv head (summed group query)",
-            };
-            let v = json!({
-                "n": n, "batch": batch, "kv_heads": a.kv_heads, "gqa": a.gqa, "retrieval": mode, "rank": a.rank.name(), "head_dim": d, "k": a.k, "dense_rows": a.dense,
-                "plan": plan, "config": cfg,
-                "gpu_bytes_per_token_per_kv_head": cfg.summary_bytes(), "fp16_kv_bytes_per_token_per_kv_head": 4 * d,
-                "gpu_bytes_per_sequence": ix.device_bytes_per_sequence(), "fp16_kv_bytes_per_sequence": 4 * d * a.kv_heads * n,
-                "build_s": build_s,
-                "median_us": {"vote": med(|t| t.vote_us), "topk": med(|t| t.topk_us), "rerank": med(|t| t.rerank_us), "fetch": med(|t| t.fetch_us), "attend": med(|t| t.attend_us), "total": total,
-                              "attend_fused": med(|t| t.attend_fused_us), "total_fused": total_fused},
-                "sequences_per_s": batch as f64 / total * 1e6,
-                "pipelined_total_us_by_chunks": pipelined,
-                "sequences_per_s_pipelined": pipelined.values().filter_map(|v| v.as_f64()).fold(f64::INFINITY, f64::min).recip() * batch as f64 * 1e6,
-            });
-            eprintln!("batch {batch} n {n} ({mode}): {}", v["median_us"]);
-            runs.push(v);
         }
     }
     let out = json!({

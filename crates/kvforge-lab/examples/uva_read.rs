@@ -42,6 +42,19 @@ struct Args {
     unroll: u32,
     #[arg(long, default_value_t = 20)]
     iters: usize,
+    /// CTAs of the grid (0: one per `128 × unroll` pieces, all resident at once); fewer CTAs
+    /// stride over the pieces, which bounds the reads in flight and so the address range they
+    /// span at any moment.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    ctas: Vec<u32>,
+    /// Runs per cluster of the `clustered` pattern: random runs inside consecutive
+    /// `cluster_mib` sub-regions, cluster by cluster (a fetch's rows of one sequence and kv head
+    /// lie in one such sub-region); 0 leaves the pattern out.
+    #[arg(long, default_value_t = 100)]
+    per_cluster: usize,
+    /// Sub-region of one cluster, MiB (64: 128K tokens × 512 bytes).
+    #[arg(long, default_value_t = 64.0)]
+    cluster_mib: f64,
     /// The slab on huge pages (kvforge_rt::host_slab) instead of cuMemHostAlloc's 4 KiB pages.
     #[arg(long)]
     huge: bool,
@@ -56,7 +69,8 @@ struct Args {
 const SOURCE: &str = r#"
 struct P { const uint4* host; const unsigned long long* start; uint4* out; unsigned pieces; unsigned run_v; unsigned per_cta; unsigned unroll; };
 extern "C" __global__ void __launch_bounds__(128) uva_read(const P p) {
-  const unsigned lo = blockIdx.x * p.per_cta + threadIdx.x;
+  for (unsigned base = blockIdx.x * p.per_cta; base < p.pieces; base += gridDim.x * p.per_cta) {
+  const unsigned lo = base + threadIdx.x;
   unsigned long long s[16];
 #pragma unroll
   for (int u = 0; u < 16; ++u) {
@@ -74,6 +88,7 @@ extern "C" __global__ void __launch_bounds__(128) uva_read(const P p) {
   for (int u = 0; u < 16; ++u) {
     const unsigned e = lo + u * 128;
     if (u < p.unroll && e < p.pieces) p.out[e] = x[u];
+  }
   }
 }
 "#;
@@ -136,30 +151,46 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mut sorted = random.clone();
             sorted.sort_unstable();
             let sequential: Vec<u64> = (0..n as u64).map(|i| (i % slots) * (rb / 16) as u64).collect();
-            for (pattern, starts) in [("random", &random), ("sorted", &sorted), ("sequential", &sequential)] {
-                let sd = st.clone_htod(starts)?;
-                let pieces = (n * rb / 16) as u32;
-                let per_cta = 128 * a.unroll;
-                let p = P { host, start: sd.device_ptr(&st).0, out: out.device_ptr(&st).0, pieces, run_v: (rb / 16) as u32, per_cta, unroll: a.unroll };
-                let cfg = LaunchConfig { grid_dim: (pieces.div_ceil(per_cta), 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-                let mut us = Vec::new();
-                for i in 0..a.iters + 2 {
-                    let e0 = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-                    let e1 = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-                    e0.record(&st)?;
-                    // SAFETY: P as above; pieces index `out` (total bytes) and runs within the slab.
-                    unsafe { st.launch_builder(&f).arg(&p).launch(cfg) }?;
-                    e1.record(&st)?;
-                    e1.synchronize()?;
-                    if i >= 2 {
-                        us.push(f64::from(e0.elapsed_ms(&e1)?) * 1e3);
+            let cluster_slots = (((a.cluster_mib * (1 << 20) as f64) as usize / rb) as u64).clamp(1, slots);
+            let clusters = slots / cluster_slots;
+            let clustered: Vec<u64> = (0..n)
+                .map(|i| {
+                    let c = (i / a.per_cluster.max(1)) as u64 % clusters.max(1);
+                    (c * cluster_slots + rng.next_u64() % cluster_slots) * (rb / 16) as u64
+                })
+                .collect();
+            let mut patterns = vec![("random", &random), ("sorted", &sorted), ("sequential", &sequential)];
+            if a.per_cluster > 0 {
+                patterns.push(("clustered", &clustered));
+            }
+            for &ctas in &a.ctas {
+                for &(pattern, starts) in &patterns {
+                    let sd = st.clone_htod(starts)?;
+                    let pieces = (n * rb / 16) as u32;
+                    let per_cta = 128 * a.unroll;
+                    let p = P { host, start: sd.device_ptr(&st).0, out: out.device_ptr(&st).0, pieces, run_v: (rb / 16) as u32, per_cta, unroll: a.unroll };
+                    let full = pieces.div_ceil(per_cta);
+                    let grid = if ctas == 0 { full } else { ctas.min(full) };
+                    let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+                    let mut us = Vec::new();
+                    for i in 0..a.iters + 2 {
+                        let e0 = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+                        let e1 = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+                        e0.record(&st)?;
+                        // SAFETY: P as above; pieces index `out` (total bytes) and runs within the slab.
+                        unsafe { st.launch_builder(&f).arg(&p).launch(cfg) }?;
+                        e1.record(&st)?;
+                        e1.synchronize()?;
+                        if i >= 2 {
+                            us.push(f64::from(e0.elapsed_ms(&e1)?) * 1e3);
+                        }
                     }
+                    us.sort_by(f64::total_cmp);
+                    let med = us[us.len() / 2];
+                    let gbs = (n * rb) as f64 / med / 1e3;
+                    println!("region {gib:>6} GiB  run {rb:>5} B  {pattern:<10}  ctas {grid:>5}  {med:>9.1} us  {gbs:>6.1} GB/s");
+                    runs.push(json!({"region_gib": gib, "run_bytes": rb, "pattern": pattern, "ctas": grid, "bytes": n * rb, "median_us": med, "gb_per_s": gbs}));
                 }
-                us.sort_by(f64::total_cmp);
-                let med = us[us.len() / 2];
-                let gbs = (n * rb) as f64 / med / 1e3;
-                println!("region {gib:>6} GiB  run {rb:>5} B  {pattern:<10}  {med:>9.1} us  {gbs:>6.1} GB/s");
-                runs.push(json!({"region_gib": gib, "run_bytes": rb, "pattern": pattern, "bytes": n * rb, "median_us": med, "gb_per_s": gbs}));
             }
         }
     }

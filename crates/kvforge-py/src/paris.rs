@@ -123,14 +123,16 @@ impl ParisIndex {
         guarded(py, || self.inner.retrieve(&q, k, &self.schedule).or_py(py))
     }
 
-    /// One decode step: retrieve the top-`k` keys, then attend over the dense rows and the
-    /// retrieved rows (read from pinned host memory by the kernel), one softmax, scale
-    /// 1/sqrt(head_dim). Returns `(out, lse)` as f32 bytes: `[batch][Hq][head_dim]`, `[batch][Hq]`.
+    /// One decode step: retrieve the top-`k` keys, fetch their rows from pinned host memory,
+    /// then attend over the dense rows and the retrieved rows, one softmax, scale
+    /// 1/sqrt(head_dim); large batches pipeline the fetch of one part beside the retrieval of
+    /// the next (`ParisIndex::default_chunks`). Returns `(out, lse)` as f32 bytes:
+    /// `[batch][Hq][head_dim]`, `[batch][Hq]`.
     fn decode<'py>(&mut self, py: Python<'py>, q: &[u8], #[pyo3(from_py_with = crate::nat)] k: usize) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
         let q = halves(py, q, "q")?;
         let (out, lse) = guarded(py, || {
-            self.inner.retrieve(&q, k, &self.schedule).or_py(py)?;
-            self.inner.attend(&q, true).or_py(py)
+            let chunks = self.inner.default_chunks();
+            self.inner.step(&q, k, &self.schedule, chunks).or_py(py)
         })?;
         Ok((f32_bytes(py, &out), f32_bytes(py, &lse)))
     }

@@ -224,9 +224,14 @@ fn rerank_chunk(cmax: usize, rows: usize, sms: usize) -> usize {
 const FETCH_UNROLL: usize = 8;
 /// Threads per CTA of the fetch (the entry's launch bounds).
 const FETCH_THREADS: usize = 128;
-/// Most fetch CTAs per SM: the host link bounds a large fetch, and fewer resident CTAs leave SM
-/// slots to the retrieval kernels of the pipelined step (the fetch kernel strides over its work).
-const FETCH_CTAS_PER_SM: usize = 2;
+/// 16-byte host reads the fetch keeps in flight (128 KiB), which sets its grid: CTAs stride over
+/// the retrieval rows in order, so the reads in flight cover a few rows' host regions at a time.
+/// The device caches the translations of a few hundred MiB of host memory; reads spread over
+/// the whole slab (tens of GiB) miss them and run at under half the link's rate, whatever the
+/// pages' size (`uva_read` with `--ctas`). About 128 KiB in flight still covers the link's
+/// latency, leaves the SMs to the retrieval kernels of the pipelined step, and a small fetch
+/// keeps its spread over the SMs (smaller pieces per CTA, so more CTAs).
+const FETCH_IN_FLIGHT: usize = 8 * FETCH_THREADS * FETCH_UNROLL;
 
 /// 16-byte pieces per CTA of the fetch for `pieces` per retrieval row and `rows` rows: the most a
 /// CTA takes (`FETCH_THREADS · FETCH_UNROLL`), or fewer, in whole CTAs of threads, so that the
@@ -395,6 +400,8 @@ pub struct ParisIndex {
     max_smem: usize,
     /// Top-k by the radix select over the estimates instead of the one-pass histogram top-k.
     radix_topk: bool,
+    /// CTAs of the fetch's grid-stride grid, where set (`set_fetch_ctas`).
+    fetch_ctas: Option<usize>,
     ids: CudaSlice<u8>,
     codes: CudaSlice<u8>,
     weights: CudaSlice<u16>,
@@ -547,6 +554,7 @@ impl ParisIndex {
             max_smem: dev.info.max_smem_per_block,
             sms: dev.info.sm_count,
             radix_topk: false,
+            fetch_ctas: None,
             host_kv,
             host_k_ptr,
             host_v_ptr,
@@ -559,6 +567,13 @@ impl ParisIndex {
     /// (ties in index order). For comparisons and as a fallback.
     pub fn set_radix_topk(&mut self, on: bool) {
         self.radix_topk = on;
+    }
+
+    /// Caps the fetch's grid at `ctas` CTAs (`None`: the default cap). The CTAs stride over the
+    /// retrieval rows in order, so the cap bounds the host reads in flight and the span of
+    /// host addresses they touch at once. For tuning and comparisons.
+    pub fn set_fetch_ctas(&mut self, ctas: Option<usize>) {
+        self.fetch_ctas = ctas.map(|c| c.max(1));
     }
 
     pub fn config(&self) -> &ParisConfig {
@@ -971,7 +986,7 @@ impl ParisIndex {
             rows: nr as i32,
         };
         let items = nr * pieces.div_ceil(per_cta);
-        let ctas = items.min(FETCH_CTAS_PER_SM * self.sms.max(1));
+        let ctas = items.min(self.fetch_ctas.unwrap_or(FETCH_IN_FLIGHT / per_cta));
         // SAFETY: FetchParams; host_k/host_v point into the DEVICEMAP pinned slab (UVA
         // addresses) at stride host_stride; rows past a sequence's length are flagged, not read;
         // pieces past the row's count skip; per_cta is a multiple of the CTA's threads and at
@@ -1042,6 +1057,17 @@ impl ParisIndex {
         self.prepare(q, k, schedule)?;
         self.launch_step(chunks)?;
         self.finish()
+    }
+
+    /// The spans [`ParisIndex::step`] pipelines a batch over by default: one below 16
+    /// sequences (the fetch is short, and more launches cost more than the overlap saves), two
+    /// from 16, four from 32, where the fetch of one span runs beside the retrieval of the next.
+    pub fn default_chunks(&self) -> usize {
+        match self.geo.batch {
+            0..16 => 1,
+            16..32 => 2,
+            _ => 4,
+        }
     }
 
     fn launch_step(&self, chunks: usize) -> Result<()> {
