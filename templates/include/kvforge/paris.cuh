@@ -1178,19 +1178,19 @@ __device__ void fetch_kernel(const FetchParams& p) {
 // ---------------------------------------------------------------------------------------------
 // Attention over the dense rows (sinks + local + update buffer) and the k retrieved rows of the
 // query head's retrieval row with one softmax. One CTA of NT threads per (sequence, query head);
-// dynamic shared memory holds
-// dense_cap + kmax logits (FUSED: and the row's kmax top indices). D / 8 lanes own a row
-// (16-byte loads, ATTEND_UNROLL rows in flight per lane group; FUSED twice as many, the rows
-// being host reads), NT * 8 / D rows per step. FUSED reads the retrieved rows from host memory
-// through `top`, staged in shared memory first so that no host read waits on an index load.
+// dynamic shared memory holds dense_cap + kmax logits (FUSED: and the row's kmax top indices).
+// D / 8 lanes own a row (16-byte loads, ATTEND_UNROLL rows in flight per lane group: at batch 1
+// the few CTAs wait on their loads, so more rows in flight pay; docs/paris.md has the sweep),
+// NT * 8 / D rows per step. FUSED reads the retrieved rows from host memory through `top`,
+// staged in shared memory first so that no host read waits on an index load.
 // Every lane group accumulates its rows in ascending order whatever the unroll: the staged and
 // fused results are the same bits.
-constexpr int ATTEND_UNROLL = 4;
+constexpr int ATTEND_UNROLL = 8;
 
 template <int D, int G, int NT, bool FUSED>
 __device__ void attend_kernel(const AttendParams& p) {
   constexpr int L = D / 8, RG = NT / L;  // lanes per row, rows per step
-  constexpr int UNROLL = FUSED ? 2 * ATTEND_UNROLL : ATTEND_UNROLL;
+  constexpr int UNROLL = ATTEND_UNROLL;
   static_assert(L <= 32 && 32 % L == 0 && NT % L == 0, "a row's lanes sit in one warp");
   extern __shared__ float logit[];
   u32* top_s = reinterpret_cast<u32*>(logit + p.dense_cap + p.kmax);  // FUSED: [kmax]
