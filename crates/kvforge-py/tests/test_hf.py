@@ -624,3 +624,23 @@ def test_generate_sends_each_layer_its_new_token_only(fake, hf):
     assert torch.equal(got, ref), (got, ref)
     assert torch.equal(got_batch, ref_batch), (got_batch, ref_batch)
     assert hf.prompt_positions(mask).tolist()[2] == [1] * (width - 1) + [0]
+
+
+def test_score_is_the_eager_teacher_forced_nll(fake, hf):
+    # kvforge.hf.score: a prompt forward, then one decode step per token; each step's logits
+    # score the next token. On exact attention it is the one-forward teacher-forced NLL.
+    model, torch = _tiny_llama()
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 96, (2, 30), generator=g)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        ref = -torch.log_softmax(logits[:, 9:-1].float(), -1).gather(-1, ids[:, 10:, None])[..., 0]
+        kv = hf.use_kvforge(model)
+        got = hf.score(model, ids, prefix=10)
+        c = kv.layers[0]["cache"]
+        assert c.calls[-4:] == [("append_step", 2), ("decode", 2)] * 2
+        with pytest.raises(ValueError, match="prefix 30"):
+            hf.score(model, ids, prefix=30)
+        kv.detach()
+    assert got.shape == (2, 20)
+    assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()

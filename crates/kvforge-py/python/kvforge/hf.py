@@ -74,6 +74,7 @@ __all__ = [
     "attention_function",
     "bytes_per_token",
     "generate",
+    "score",
     "handle_of",
     "no_mask",
     "PassKV",
@@ -833,6 +834,78 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, cu
     return out
 
 
+def score(model, input_ids, prefix: int = 64, cuda_graph: Optional[bool] = None, handle: Optional[KvforgeAttention] = None):
+    """Teacher-forced negative log-likelihoods of ``input_ids`` [B, S] (no padding) decoded on
+    kvforge attention, as a model would see the text token by token: tokens ``[0, prefix)`` are
+    one prompt forward (attended as ``use_kvforge``'s ``prefill`` says), then every later token
+    is one decode step (``Cache.step``: appended, encoded as the cache's policy says, and
+    attended over the cache), whose logits score the token after it. Returns the NLLs of tokens
+    ``prefix .. S - 1``, [B, S - prefix] float32 (``exp(mean)`` is their perplexity).
+
+    What it measures that a one-forward perplexity over a cache cannot: each token's query
+    attends the cache as it stood at that token, so a window policy (``sink_pages``,
+    ``recent_pages``) and the pages' encoding as they leave the window take effect as in
+    decoding. Steps replay a CUDA graph as in :func:`generate` (``cuda_graph``)."""
+    import torch
+
+    h = handle if handle is not None else handle_of(model)
+    if cuda_graph is None:
+        cuda_graph = h.cuda_graph
+    if cuda_graph and (h.control is not None or h.certify is not None):
+        cuda_graph = False
+    rows, width = input_ids.shape
+    if not 1 <= prefix < width:
+        raise ValueError(f"kvforge.hf.score: prefix {prefix} must lie in [1, {width}) for {width} tokens")
+    dev = input_ids.device
+    nll = torch.empty(rows, width - prefix, dtype=torch.float32, device=dev)
+
+    def nll_of(logits, target):
+        return -torch.log_softmax(logits[:, -1].float(), -1).gather(-1, target)
+
+    pkv = PassKV()
+    h._step_mode = False
+    with torch.inference_mode():
+        pos = torch.arange(prefix, device=dev).expand(rows, prefix)
+        logits = model(input_ids=input_ids[:, :prefix], position_ids=pos, past_key_values=pkv, use_cache=True, logits_to_keep=1).logits
+        nll[:, :1].copy_(nll_of(logits, input_ids[:, prefix:prefix + 1]))
+        layers = [h.layers[i] for i in sorted(h.layers)]
+        cur = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
+        h._step_mode = True
+        try:
+            h._stream = cur.cuda_stream if cur is not None else None
+            graph = _ScoreGraph(model, pkv, rows, dev, nll_of) if cuda_graph else None
+            for t in range(prefix, width - 1):
+                step_in = (input_ids[:, t:t + 1], input_ids[:, t + 1:t + 2], t)
+                if graph is not None:
+                    graph.load(*step_in)
+                    if not graph.warm:
+                        graph.warm_step(h, cur)
+                    else:
+                        try:
+                            keys = [st["cache"].graph_prepare(st["seqs"], stream=h._stream) for st in layers]
+                        except Exception as e:  # noqa: BLE001 - any reason the step cannot run in a graph
+                            warnings.warn(f"kvforge.hf.score: scoring without a CUDA graph from token {t}: {e}", UserWarning, stacklevel=2)
+                            graph = None
+                        else:
+                            if any(key is None for key in keys):
+                                graph.plain_step()
+                            else:
+                                graph.run(h, keys)
+                                for st in layers:
+                                    st["cache"].graph_commit(st["seqs"], stream=h._stream)
+                                    st["n"] += 1
+                    if graph is not None:
+                        nll[:, t + 1 - prefix:t + 2 - prefix].copy_(graph.out)
+                        continue
+                ids, target, _ = step_in
+                p = torch.full((rows, 1), t, dtype=torch.long, device=dev)
+                logits = model(input_ids=ids, position_ids=p, past_key_values=pkv, use_cache=True, logits_to_keep=1).logits
+                nll[:, t + 1 - prefix:t + 2 - prefix].copy_(nll_of(logits, target))
+        finally:
+            h._step_mode, h._stream, h._capture = False, None, None
+    return nll
+
+
 class _StepGraph:
     """One decode step of the whole model captured as a CUDA graph: static token and position
     inputs, which the graph itself advances (the argmax written into ``ids``, ``pos`` + 1)."""
@@ -894,6 +967,30 @@ class _StepGraph:
             self.graph, self.keys = g, keys
             self.captures += 1
         self.graph.replay()
+
+
+class _ScoreGraph(_StepGraph):
+    """A :class:`_StepGraph` whose step scores the next token instead of choosing it: static
+    inputs (token, position, target) that the host loads before each step, and the target's
+    negative log-likelihood in ``out``."""
+
+    def __init__(self, model, pkv, rows: int, dev, nll_of):
+        import torch
+
+        zeros = torch.zeros(rows, 1, dtype=torch.long, device=dev)
+        super().__init__(model, pkv, zeros, zeros, rows, dev)
+        self.target = zeros.clone()
+        self.out = torch.zeros(rows, 1, dtype=torch.float32, device=dev)
+        self.nll_of = nll_of
+
+    def load(self, ids, target, t: int) -> None:
+        self.ids.copy_(ids)
+        self.target.copy_(target)
+        self.pos.fill_(t)
+
+    def _step(self):
+        logits = self.model(input_ids=self.ids, position_ids=self.pos, past_key_values=self.pkv, use_cache=True, logits_to_keep=1).logits
+        self.out.copy_(self.nll_of(logits, self.target))
 
 
 def bytes_per_token(model) -> float:
