@@ -807,24 +807,12 @@ def generate(model, input_ids, attention_mask=None, max_new_tokens: int = 32, cu
                     out[:, i:i + 1].copy_(graph.ids)
                     continue
                 if graph is not None:
-                    try:
-                        keys = [st["cache"].graph_prepare(st["seqs"], stream=h._stream) for st in layers]
-                    except Exception as e:  # noqa: BLE001 - any reason the step cannot run in a graph
-                        warnings.warn(f"kvforge.hf.generate: decoding without a CUDA graph from token {i}: {e}", UserWarning, stacklevel=2)
-                        ids, nxt = graph.ids.clone(), graph.pos.clone()
-                        h._graphs.pop(rows, None)
-                        graph = None
-                    else:
-                        if any(key is None for key in keys):
-                            # The step fills a tail page: a plain step encodes it before its decode.
-                            graph.plain_step()
-                        else:
-                            graph.run(h, keys)
-                            for st in layers:
-                                st["cache"].graph_commit(st["seqs"], stream=h._stream)
-                                st["n"] += 1
+                    if _replay_step(h, graph, layers, "generate", i):
                         out[:, i:i + 1].copy_(graph.ids)
                         continue
+                    ids, nxt = graph.ids.clone(), graph.pos.clone()
+                    h._graphs.pop(rows, None)
+                    graph = None
                 logits = model(input_ids=ids, position_ids=nxt, past_key_values=pkv, use_cache=True, logits_to_keep=1).logits
                 ids = logits[:, -1].argmax(-1, keepdim=True)
                 out[:, i:i + 1].copy_(ids)
@@ -880,20 +868,8 @@ def score(model, input_ids, prefix: int = 64, cuda_graph: Optional[bool] = None,
                     graph.load(*step_in)
                     if not graph.warm:
                         graph.warm_step(h, cur)
-                    else:
-                        try:
-                            keys = [st["cache"].graph_prepare(st["seqs"], stream=h._stream) for st in layers]
-                        except Exception as e:  # noqa: BLE001 - any reason the step cannot run in a graph
-                            warnings.warn(f"kvforge.hf.score: scoring without a CUDA graph from token {t}: {e}", UserWarning, stacklevel=2)
-                            graph = None
-                        else:
-                            if any(key is None for key in keys):
-                                graph.plain_step()
-                            else:
-                                graph.run(h, keys)
-                                for st in layers:
-                                    st["cache"].graph_commit(st["seqs"], stream=h._stream)
-                                    st["n"] += 1
+                    elif not _replay_step(h, graph, layers, "score", t):
+                        graph = None
                     if graph is not None:
                         nll[:, t + 1 - prefix:t + 2 - prefix].copy_(graph.out)
                         continue
@@ -904,6 +880,27 @@ def score(model, input_ids, prefix: int = 64, cuda_graph: Optional[bool] = None,
         finally:
             h._step_mode, h._stream, h._capture = False, None, None
     return nll
+
+
+def _replay_step(h: KvforgeAttention, graph, layers, what: str, at: int) -> bool:
+    """One decode step through ``graph``: every layer's ``graph_prepare``, then a plain step
+    where a layer fills its tail page (the page is encoded before the step's decode reads it),
+    else the replay and every layer's ``graph_commit``. False where the step cannot run in a
+    graph (``graph_prepare`` raised: warned, ``what`` names the caller, ``at`` the token); the
+    caller goes on without the graph."""
+    try:
+        keys = [st["cache"].graph_prepare(st["seqs"], stream=h._stream) for st in layers]
+    except Exception as e:  # noqa: BLE001 - any reason the step cannot run in a graph
+        warnings.warn(f"kvforge.hf.{what}: decoding without a CUDA graph from token {at}: {e}", UserWarning, stacklevel=3)
+        return False
+    if any(key is None for key in keys):
+        graph.plain_step()
+    else:
+        graph.run(h, keys)
+        for st in layers:
+            st["cache"].graph_commit(st["seqs"], stream=h._stream)
+            st["n"] += 1
+    return True
 
 
 class _StepGraph:
