@@ -36,6 +36,12 @@
 # quantisation with a model per component; DP_ROWS=512 rows shape the models). With STEP=1:
 # DEAD_ZONE (`calibrate --dead-zone`, the encoder's dead zone in steps, e.g. 0.15) and HOLDOUT
 # (`--holdout`, share of the sampled positions kept out of the PCA for the variances, e.g. 0.25).
+# WEIGHTS (both modes): the feature weights calibrate minimises the error under. capture (default):
+# capture_keys.py's (query energy for keys, o_proj over residual energy for values); fisher: the
+# diagonal Fisher of the LM loss per pre-RoPE key and value channel (kvtc_fisher.py on the GPU,
+# FISHER_WINDOWS x 2048 Emma tokens from the start, default 16); geo: the geometric mean of the two;
+# vfisher / kfisher: Fisher on one side, capture's on the other. With fisher the best key share
+# on the CPU was 0.4 too (docs/kvtc.md, "Fisher-weighted distortion (CPU)").
 # Knobs (env): TOKENS/WINDOWS (capture, 8192 x 4), SAMPLES (PCA positions, 32000), RATIOS,
 # DP_ROWS (128), CONTEXTS (2048), NEEDLE (2048), TEXTS (all five). Results under $OUT; eval.py
 # writes its JSON after every scheme, so a timeout keeps the ratios finished.
@@ -63,6 +69,19 @@ RANS=${CODED:-${STEP:-}}
 STEP_FLAGS="${DEAD_ZONE:+--dead-zone $DEAD_ZONE} ${HOLDOUT:+--holdout $HOLDOUT}"
 W=${WORK:-/tmp/kvtc}
 mkdir -p $W
+# the weights file calibrate reads (written after the capture: fisher_weights)
+case ${WEIGHTS:=capture} in
+  capture) WFILE=$W/keys/kv-emma-weights.safetensors ;;
+  fisher) WFILE=$W/keys/kv-emma-fisher.safetensors ;;
+  geo|vfisher|kfisher) WFILE=$W/keys/kv-emma-fisher-$WEIGHTS.safetensors ;;
+  *) echo "WEIGHTS=$WEIGHTS: expected capture, fisher, geo, vfisher or kfisher"; exit 2 ;;
+esac
+fisher_weights() {  # the Fisher of the LM loss on Emma (calibration text only), and its mixes
+  [ "$WEIGHTS" = capture ] && return 0
+  $PY benches/quality/kvtc_fisher.py --model $M --device $DEV $DATA_ARG --windows ${FISHER_WINDOWS:-16} \
+    --out $W/keys/kv-emma-fisher.safetensors --mix $W/keys/kv-emma-weights.safetensors 2>&1 | grep -v 'it/s]' | tee $OUT/fisher.log
+  cp $WFILE $OUT/
+}
 nvidia-smi -L || true
 t0=$(date +%s)
 if [ "${1:-}" = grid ]; then
@@ -70,9 +89,10 @@ if [ "${1:-}" = grid ]; then
   ROWS=${ROWS:-64,256}
   $PY benches/quality/capture_keys.py --model $M --device $DEV $DATA_ARG --tokens ${TOKENS:-8192} --windows ${WINDOWS:-6} --out-dir $W/keys 2>&1 | grep -v 'it/s]' | tail -3
   echo "capture: $(( $(date +%s) - t0 ))s"
+  fisher_weights
   $KVFORGE_BIN calibrate --samples $W/keys/kv-emma-per-layer.safetensors --out $W/cal.safetensors \
     --ratios ${GRID_RATIOS:-16,20,32,64} --max-samples ${SAMPLES:-40000} --dp-rows $ROWS ${STEP:+--step} $STEP_FLAGS \
-    --weights $W/keys/kv-emma-weights.safetensors --key-share $SHARES 2>&1 | tee $OUT/calibrate-grid.log
+    --weights $WFILE --key-share $SHARES 2>&1 | tee $OUT/calibrate-grid.log
   echo "capture + calibrate: $(( $(date +%s) - t0 ))s" | tee -a $OUT/calibrate-grid.log
   rm -f $W/keys/keys-emma.safetensors $W/keys/values-emma.safetensors
   export KVFORGE_KVTC_CAL=$W/cal.safetensors
@@ -95,9 +115,10 @@ if [ "${1:-}" = grid ]; then
   exit 0
 fi
 python3 benches/quality/capture_keys.py --model $M --device cuda --tokens ${TOKENS:-8192} --windows ${WINDOWS:-4} --out-dir $W/keys 2>&1 | tail -3
+fisher_weights
 $KVFORGE_BIN calibrate --samples $W/keys/kv-emma-per-layer.safetensors --out $W/cal.safetensors \
   --ratios $RATIOS --max-samples ${SAMPLES:-32000} --dp-rows ${DP_ROWS:-128} ${CODED:+--coded} ${STEP:+--step} $STEP_FLAGS \
-  --weights $W/keys/kv-emma-weights.safetensors --key-share ${KEY_SHARE:-0.3} 2>&1 | tee $OUT/calibrate.log
+  --weights $WFILE --key-share ${KEY_SHARE:-0.3} 2>&1 | tee $OUT/calibrate.log
 echo "capture + calibrate: $(( $(date +%s) - t0 ))s" | tee -a $OUT/calibrate.log
 export KVFORGE_KVTC_CAL=$W/cal.safetensors
 python3 benches/quality/kvtc_sizes.py --model $M --text persuasion --ctx ${CONTEXTS%%,*} --ratios $RATIOS --entropies ${RANS:+rans,}deflate,zstd \
