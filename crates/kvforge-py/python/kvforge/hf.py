@@ -55,6 +55,12 @@ Decode steps through :func:`generate` (instead of ``model.generate``) hand each 
 token's key/value only (:class:`PassKV`: transformers keeps no KV copy) and make one
 ``Cache.step`` call per layer; ``cuda_graph=True`` captures the whole decode step as one CUDA
 graph and replays it (``Cache.graph_prepare`` / ``graph_launch`` / ``graph_commit``).
+:func:`score` runs the same steps teacher-forced and returns each next token's NLL: the
+perplexity of a text decoded token by token on the cache, window policy included::
+
+    kvforge.hf.use_kvforge(model, spec="specs/rotated.toml", tier="r3", sink_pages=1, recent_pages=2, cuda_graph=True)
+    nll = kvforge.hf.score(model, ids, prefix=64)   # ids [B, S]; nll [B, S - 64]
+    ppl = nll.mean().exp()
 
 ``import kvforge.hf`` needs neither torch nor transformers; they are imported when used.
 """
