@@ -234,13 +234,22 @@ const FETCH_THREADS: usize = 128;
 const FETCH_IN_FLIGHT: usize = 8 * FETCH_THREADS * FETCH_UNROLL;
 
 /// 16-byte pieces per CTA of the fetch for `pieces` per retrieval row and `rows` rows: the most a
-/// CTA takes (`FETCH_THREADS · FETCH_UNROLL`), or fewer, in whole CTAs of threads, so that the
-/// grid has at least two CTAs per SM (at batch 1 the few rows still spread over every SM, each
-/// with its own outstanding host reads).
+/// CTA takes (`FETCH_THREADS · FETCH_UNROLL`), or fewer, in whole CTAs of threads, where the
+/// work would not give two CTAs per SM: at batch 1 the few rows' reads then spread over more
+/// CTAs ([`fetch_grid`] keeps the same reads in flight either way).
 fn fetch_per_cta(pieces: usize, rows: usize, sms: usize) -> usize {
     let most = FETCH_THREADS * FETCH_UNROLL;
     let spread = (pieces * rows).div_ceil(2 * sms.max(1)).next_multiple_of(FETCH_THREADS);
     spread.clamp(FETCH_THREADS, most)
+}
+
+/// The fetch's launch for `pieces` per retrieval row and `rows` rows on `sms` SMs: pieces per
+/// CTA ([`fetch_per_cta`]) and CTAs, as many as keep [`FETCH_IN_FLIGHT`] reads in flight (or
+/// `cap`, where set), never more than the work items.
+fn fetch_grid(pieces: usize, rows: usize, sms: usize, cap: Option<usize>) -> (usize, usize) {
+    let per_cta = fetch_per_cta(pieces, rows, sms);
+    let items = rows * pieces.div_ceil(per_cta);
+    (per_cta, items.min(cap.unwrap_or(FETCH_IN_FLIGHT / per_cta)))
 }
 
 /// Score row stride: the capacity rounded up to 16 keys (the bucket kernels read 16 scores with
@@ -966,7 +975,7 @@ impl ParisIndex {
         let host_off = self.host_offset(span);
         // 16-byte pieces of the k rows' K and V per retrieval row.
         let pieces = 2 * g.max_k * self.cfg.head_dim * 2 / 16;
-        let per_cta = fetch_per_cta(pieces, nr, self.sms);
+        let (per_cta, ctas) = fetch_grid(pieces, nr, self.sms, self.fetch_ctas);
         let p = FetchParams {
             host_k: self.host_k_ptr + host_off,
             host_v: self.host_v_ptr + host_off,
@@ -985,8 +994,6 @@ impl ParisIndex {
             per_cta: per_cta as i32,
             rows: nr as i32,
         };
-        let items = nr * pieces.div_ceil(per_cta);
-        let ctas = items.min(self.fetch_ctas.unwrap_or(FETCH_IN_FLIGHT / per_cta));
         // SAFETY: FetchParams; host_k/host_v point into the DEVICEMAP pinned slab (UVA
         // addresses) at stride host_stride; rows past a sequence's length are flagged, not read;
         // pieces past the row's count skip; per_cta is a multiple of the CTA's threads and at
@@ -1186,6 +1193,26 @@ mod tests {
     use super::*;
 
     #[test]
+    fn fetch_grid_keeps_its_reads_in_flight_and_spreads_small_fetches() {
+        // k 100 of max_k 128 at D 128: 4096 pieces per retrieval row; 132 SMs (H100 / H200).
+        let pieces = 2 * 128 * 128 * 2 / 16;
+        // 128K x 64 (512 rows): whole CTAs of 1024 pieces, 8 of them (128 KiB in flight).
+        assert_eq!(fetch_grid(pieces, 512, 132, None), (1024, 8));
+        // batch 1 (8 rows): 128-piece CTAs over the SMs, 64 of them, the same reads in flight.
+        assert_eq!(fetch_grid(pieces, 8, 132, None), (128, 64));
+        // A cap overrides the budget; neither passes the work items.
+        assert_eq!(fetch_grid(pieces, 512, 132, Some(264)), (1024, 264));
+        assert_eq!(fetch_grid(128, 1, 132, None), (128, 1));
+        for rows in [1, 3, 8, 64, 512, 4096] {
+            let (per_cta, ctas) = fetch_grid(pieces, rows, 132, None);
+            assert!(per_cta % FETCH_THREADS == 0 && per_cta <= FETCH_THREADS * FETCH_UNROLL && ctas >= 1);
+            assert!(per_cta * ctas <= FETCH_IN_FLIGHT, "{rows} rows: {per_cta} x {ctas}");
+        }
+        // No SM count: whole CTAs.
+        assert_eq!(fetch_per_cta(pieces, 8, 0), FETCH_THREADS * FETCH_UNROLL);
+    }
+
+    #[test]
     fn spans_cover_the_batch_once_in_order() {
         for batch in [1, 2, 7, 8, 64] {
             for chunks in [0, 1, 2, 3, 8, 100] {
@@ -1202,21 +1229,6 @@ mod tests {
                 assert!(hi - lo <= 1, "{batch} {chunks}: {v:?}");
             }
         }
-    }
-
-    #[test]
-    fn fetch_grid_spreads_small_batches_and_caps_large_ones() {
-        // 1M × batch 1 at D 128, max_k 128: 8 rows of 4096 pieces on 132 SMs: one piece per
-        // thread, 256 CTAs (two per SM) instead of 32 full ones.
-        let pieces = 2 * 128 * 128 * 2 / 16;
-        assert_eq!(fetch_per_cta(pieces, 8, 132), FETCH_THREADS);
-        // Batch 64: full CTAs.
-        assert_eq!(fetch_per_cta(pieces, 512, 132), FETCH_THREADS * FETCH_UNROLL);
-        for rows in [1, 3, 8, 40, 100, 512] {
-            let c = fetch_per_cta(pieces, rows, 132);
-            assert!(c.is_multiple_of(FETCH_THREADS) && (FETCH_THREADS..=FETCH_THREADS * FETCH_UNROLL).contains(&c), "{rows}: {c}");
-        }
-        assert_eq!(fetch_per_cta(pieces, 8, 0), FETCH_THREADS * FETCH_UNROLL);
     }
 
     #[test]
