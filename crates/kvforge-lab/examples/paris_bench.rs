@@ -159,9 +159,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 ix.set_dense(s, &dense, &dense)?;
             }
             let build_s = t0.elapsed().as_secs_f64();
+            let mut q = vec![f16::ZERO; batch * a.kv_heads * a.gqa * d];
             for &fetch_ctas in &a.fetch_ctas {
                 ix.set_fetch_ctas((fetch_ctas > 0).then_some(fetch_ctas));
-                let mut q = vec![f16::ZERO; batch * a.kv_heads * a.gqa * d];
                 let times = timed(a.iters, &mut q, d, |q| Ok(ix.step_timed(q, a.k, &schedule)?.1))?;
                 // The pipelined step (fetch + attend of one span beside the retrieval of the next)
                 // for each chunk count that splits this batch.

@@ -70,25 +70,25 @@ const SOURCE: &str = r#"
 struct P { const uint4* host; const unsigned long long* start; uint4* out; unsigned pieces; unsigned run_v; unsigned per_cta; unsigned unroll; };
 extern "C" __global__ void __launch_bounds__(128) uva_read(const P p) {
   for (unsigned base = blockIdx.x * p.per_cta; base < p.pieces; base += gridDim.x * p.per_cta) {
-  const unsigned lo = base + threadIdx.x;
-  unsigned long long s[16];
+    const unsigned lo = base + threadIdx.x;
+    unsigned long long s[16];
 #pragma unroll
-  for (int u = 0; u < 16; ++u) {
-    const unsigned e = lo + u * 128;
-    s[u] = (u < p.unroll && e < p.pieces) ? __ldg(p.start + e / p.run_v) : 0ull;
-  }
-  uint4 x[16];
+    for (int u = 0; u < 16; ++u) {
+      const unsigned e = lo + u * 128;
+      s[u] = (u < p.unroll && e < p.pieces) ? __ldg(p.start + e / p.run_v) : 0ull;
+    }
+    uint4 x[16];
 #pragma unroll
-  for (int u = 0; u < 16; ++u) {
-    const unsigned e = lo + u * 128;
-    x[u] = make_uint4(0, 0, 0, 0);
-    if (u < p.unroll && e < p.pieces) x[u] = p.host[s[u] + e % p.run_v];
-  }
+    for (int u = 0; u < 16; ++u) {
+      const unsigned e = lo + u * 128;
+      x[u] = make_uint4(0, 0, 0, 0);
+      if (u < p.unroll && e < p.pieces) x[u] = p.host[s[u] + e % p.run_v];
+    }
 #pragma unroll
-  for (int u = 0; u < 16; ++u) {
-    const unsigned e = lo + u * 128;
-    if (u < p.unroll && e < p.pieces) p.out[e] = x[u];
-  }
+    for (int u = 0; u < 16; ++u) {
+      const unsigned e = lo + u * 128;
+      if (u < p.unroll && e < p.pieces) p.out[e] = x[u];
+    }
   }
 }
 "#;
@@ -151,20 +151,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let mut sorted = random.clone();
             sorted.sort_unstable();
             let sequential: Vec<u64> = (0..n as u64).map(|i| (i % slots) * (rb / 16) as u64).collect();
-            let cluster_slots = (((a.cluster_mib * (1 << 20) as f64) as usize / rb) as u64).clamp(1, slots);
-            let clusters = slots / cluster_slots;
-            let clustered: Vec<u64> = (0..n)
-                .map(|i| {
-                    let c = (i / a.per_cluster.max(1)) as u64 % clusters.max(1);
-                    (c * cluster_slots + rng.next_u64() % cluster_slots) * (rb / 16) as u64
-                })
-                .collect();
-            let mut patterns = vec![("random", &random), ("sorted", &sorted), ("sequential", &sequential)];
+            let mut patterns = vec![("random", random), ("sorted", sorted), ("sequential", sequential)];
             if a.per_cluster > 0 {
-                patterns.push(("clustered", &clustered));
+                let cluster_slots = (((a.cluster_mib * (1 << 20) as f64) as usize / rb) as u64).clamp(1, slots);
+                let clusters = slots / cluster_slots;
+                let clustered = (0..n)
+                    .map(|i| {
+                        let c = (i / a.per_cluster) as u64 % clusters;
+                        (c * cluster_slots + rng.next_u64() % cluster_slots) * (rb / 16) as u64
+                    })
+                    .collect();
+                patterns.push(("clustered", clustered));
             }
             for &ctas in &a.ctas {
-                for &(pattern, starts) in &patterns {
+                for (pattern, starts) in &patterns {
                     let sd = st.clone_htod(starts)?;
                     let pieces = (n * rb / 16) as u32;
                     let per_cta = 128 * a.unroll;
