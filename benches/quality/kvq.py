@@ -303,6 +303,18 @@ def unrotate(y: torch.Tensor, seed: int = ROT_DEFAULT_SEED) -> torch.Tensor:
 _LEVELS_CACHE: dict = {}
 
 
+def int8_grid(lv):
+    """The stored levels of 2- and 3-bit rotated codes (layout 4, kvforge-spec
+    `LevelTable::grid_log2`): the Lloyd-Max levels rounded to integers times 2^-k, k the largest
+    exponent whose outermost integer stays within 127 (the decode scores them as int8)."""
+    import numpy as np
+
+    k = 0
+    while round(abs(lv[-1]) * 2.0 ** (k + 1)) <= 127:
+        k += 1
+    return np.round(np.asarray(lv) * 2.0**k) / 2.0**k
+
+
 def lloyd_max_levels(d: int, bits: int, density: str = "beta", grid: int = 1 << 20, iters: int = 20000):
     """Lloyd-Max levels (float64 numpy, increasing, symmetric) for one coordinate of a uniform
     random unit vector in R^d: f(u) ∝ (1 - u²)^((d-3)/2) on [-1, 1] (seed 001 Prop. 4.1), or
@@ -440,7 +452,7 @@ class TierSim:
 
     def _rotated(self, x: torch.Tensor, s: dict) -> torch.Tensor:
         lv, _ = lloyd_max_levels(x.shape[-1], int(s["bits"]), s.get("levels", "beta"))
-        levels = torch.tensor(lv, dtype=torch.float64).to(torch.float32)
+        levels = torch.tensor(int8_grid(lv) if int(s["bits"]) <= 3 else lv, dtype=torch.float64).to(torch.float32)
         if s.get("prescale") == "channel":  # sim-only variant: per-channel mean and RMS (f32, no bytes)
             x = x.float()
             mu_c = x.mean(-2, keepdim=True)

@@ -215,6 +215,27 @@ def test_lloyd_max_levels(d, bits):
     assert abs(lv[-1]) < abs(g[-1])
 
 
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_int8_grid_levels(d, bits):
+    # kvforge-spec's grid at d 128: 3 bits 2^-9 · (±11, ±34, ±60, ±96), 2 bits 2^-9 · (±20, ±68)
+    import numpy as np
+
+    lv, _ = kvq.lloyd_max_levels(d, bits)
+    g = kvq.int8_grid(lv)
+    ints = None
+    for k in range(16):
+        n = g * 2.0**k
+        if np.all(n == np.round(n)) and 64 <= abs(n[-1]) <= 127:
+            ints = n
+            break
+    assert ints is not None, g
+    assert np.all(np.abs(g - lv) <= 0.5 * 2.0**-k)
+    if d == 128:
+        want = {3: [11, 34, 60, 96], 2: [20, 68]}[bits]
+        assert list(ints[len(ints) // 2 :]) == want
+
+
 def test_rotated_codes_thresholds():
     lv = torch.tensor([-0.3, -0.1, 0.1, 0.3])
     # u exactly on a threshold takes the lower level; γ is the least-squares scale

@@ -7,7 +7,7 @@
 namespace {
 using namespace kvforge;
 using Tier0 = TierDef<0, 32768, DenseKey<__half, 128, 64, 0>, DenseValue<__half, 128, 64, 16384>>;  // tail: K fp16, V fp16
-using Tier4 = TierDef<4, 4352, RotatedKey<2, 128, 64, 0, 128, 0xbe083c09u, 0xbd23ce3au, 0x3d23ce3au, 0x3e083c09u>, RotatedValue<2, 128, 64, 2176, 2304, 0xbe083c09u, 0xbd23ce3au, 0x3d23ce3au, 0x3e083c09u>>;  // r2: K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
+using Tier4 = TierDef<4, 4352, RotatedKey<2, 128, 64, 0, 128, 0xbe080000u, 0xbd200000u, 0x3d200000u, 0x3e080000u>, RotatedValue<2, 128, 64, 2176, 2304, 0xbe080000u, 0xbd200000u, 0x3d200000u, 0x3e080000u>>;  // r2: K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
 
 // Schedule and shared-memory plan: computed by kvforge-gen schedule.rs, read by decode.cuh.
 struct Cfg {

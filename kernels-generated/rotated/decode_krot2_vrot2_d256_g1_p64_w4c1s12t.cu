@@ -7,7 +7,7 @@
 namespace {
 using namespace kvforge;
 using Tier0 = TierDef<0, 65536, DenseKey<__half, 256, 64, 0>, DenseValue<__half, 256, 64, 32768>>;  // tail: K fp16, V fp16
-using Tier4 = TierDef<4, 8448, RotatedKey<2, 256, 64, 0, 128, 0xbdc0ffbdu, 0xbce7bd7eu, 0x3ce7bd7eu, 0x3dc0ffbdu>, RotatedValue<2, 256, 64, 4224, 4352, 0xbdc0ffbdu, 0xbce7bd7eu, 0x3ce7bd7eu, 0x3dc0ffbdu>>;  // r2: K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
+using Tier4 = TierDef<4, 8448, RotatedKey<2, 256, 64, 0, 128, 0xbdc00000u, 0xbce80000u, 0x3ce80000u, 0x3dc00000u>, RotatedValue<2, 256, 64, 4224, 4352, 0xbdc00000u, 0xbce80000u, 0x3ce80000u, 0x3dc00000u>>;  // r2: K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
 
 // Schedule and shared-memory plan: computed by kvforge-gen schedule.rs, read by decode.cuh.
 struct Cfg {

@@ -7,7 +7,7 @@
 namespace {
 using namespace kvforge;
 using Tier0 = TierDef<0, 16384, DenseKey<__half, 64, 64, 0>, DenseValue<__half, 64, 64, 8192>>;  // tail: K fp16, V fp16
-using Tier4 = TierDef<4, 2304, RotatedKey<2, 64, 64, 0, 128, 0xbe3fff2du, 0xbd677c23u, 0x3d677c23u, 0x3e3fff2du>, RotatedValue<2, 64, 64, 1152, 1280, 0xbe3fff2du, 0xbd677c23u, 0x3d677c23u, 0x3e3fff2du>>;  // r2: K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
+using Tier4 = TierDef<4, 2304, RotatedKey<2, 64, 64, 0, 128, 0xbe400000u, 0xbd680000u, 0x3d680000u, 0x3e400000u>, RotatedValue<2, 64, 64, 1152, 1280, 0xbe400000u, 0xbd680000u, 0x3d680000u, 0x3e400000u>>;  // r2: K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
 
 // Schedule and shared-memory plan: computed by kvforge-gen schedule.rs, read by decode.cuh.
 struct Cfg {

@@ -7,7 +7,7 @@
 namespace {
 using namespace kvforge;
 using Tier0 = TierDef<0, 65536, DenseKey<__half, 256, 64, 0>, DenseValue<__half, 256, 64, 32768>>;  // tail: K fp16, V fp16
-using Tier3 = TierDef<3, 10496, RotatedKey<3, 256, 64, 0, 128, 0xbe091119u, 0xbdab8d39u, 0xbd4131e1u, 0xbc7aa250u, 0x3c7aa250u, 0x3d4131e1u, 0x3dab8d39u, 0x3e091119u>, RotatedValue<2, 256, 64, 6272, 6400, 0xbdc0ffbdu, 0xbce7bd7eu, 0x3ce7bd7eu, 0x3dc0ffbdu>>;  // k3v2: K rotated 3-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
+using Tier3 = TierDef<3, 10496, RotatedKey<3, 256, 64, 0, 128, 0xbe0a0000u, 0xbdac0000u, 0xbd400000u, 0xbc800000u, 0x3c800000u, 0x3d400000u, 0x3dac0000u, 0x3e0a0000u>, RotatedValue<2, 256, 64, 6272, 6400, 0xbdc00000u, 0xbce80000u, 0x3ce80000u, 0x3dc00000u>>;  // k3v2: K rotated 3-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
 
 // Schedule and shared-memory plan: computed by kvforge-gen schedule.rs, read by decode.cuh.
 struct Cfg {

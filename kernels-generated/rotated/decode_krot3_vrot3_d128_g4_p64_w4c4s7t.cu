@@ -7,7 +7,7 @@
 namespace {
 using namespace kvforge;
 using Tier0 = TierDef<0, 32768, DenseKey<__half, 128, 64, 0>, DenseValue<__half, 128, 64, 16384>>;  // tail: K fp16, V fp16
-using Tier2 = TierDef<2, 6400, RotatedKey<3, 128, 64, 0, 128, 0xbe40eb31u, 0xbdf1f343u, 0xbd885e09u, 0xbcb0fb86u, 0x3cb0fb86u, 0x3d885e09u, 0x3df1f343u, 0x3e40eb31u>, RotatedValue<3, 128, 64, 3200, 3328, 0xbe40eb31u, 0xbdf1f343u, 0xbd885e09u, 0xbcb0fb86u, 0x3cb0fb86u, 0x3d885e09u, 0x3df1f343u, 0x3e40eb31u>>;  // r3: K rotated 3-bit (Hadamard seed 0x5eed), V rotated 3-bit (Hadamard seed 0x5eed)
+using Tier2 = TierDef<2, 6400, RotatedKey<3, 128, 64, 0, 128, 0xbe400000u, 0xbdf00000u, 0xbd880000u, 0xbcb00000u, 0x3cb00000u, 0x3d880000u, 0x3df00000u, 0x3e400000u>, RotatedValue<3, 128, 64, 3200, 3328, 0xbe400000u, 0xbdf00000u, 0xbd880000u, 0xbcb00000u, 0x3cb00000u, 0x3d880000u, 0x3df00000u, 0x3e400000u>>;  // r3: K rotated 3-bit (Hadamard seed 0x5eed), V rotated 3-bit (Hadamard seed 0x5eed)
 
 // Schedule and shared-memory plan: computed by kvforge-gen schedule.rs, read by decode.cuh.
 struct Cfg {

@@ -7,7 +7,7 @@
 namespace {
 using namespace kvforge;
 using Tier0 = TierDef<0, 65536, DenseKey<__half, 256, 64, 0>, DenseValue<__half, 256, 64, 32768>>;  // tail: K fp16, V fp16
-using Tier2 = TierDef<2, 12544, RotatedKey<3, 256, 64, 0, 128, 0xbe091119u, 0xbdab8d39u, 0xbd4131e1u, 0xbc7aa250u, 0x3c7aa250u, 0x3d4131e1u, 0x3dab8d39u, 0x3e091119u>, RotatedValue<3, 256, 64, 6272, 6400, 0xbe091119u, 0xbdab8d39u, 0xbd4131e1u, 0xbc7aa250u, 0x3c7aa250u, 0x3d4131e1u, 0x3dab8d39u, 0x3e091119u>>;  // r3: K rotated 3-bit (Hadamard seed 0x5eed), V rotated 3-bit (Hadamard seed 0x5eed)
+using Tier2 = TierDef<2, 12544, RotatedKey<3, 256, 64, 0, 128, 0xbe0a0000u, 0xbdac0000u, 0xbd400000u, 0xbc800000u, 0x3c800000u, 0x3d400000u, 0x3dac0000u, 0x3e0a0000u>, RotatedValue<3, 256, 64, 6272, 6400, 0xbe0a0000u, 0xbdac0000u, 0xbd400000u, 0xbc800000u, 0x3c800000u, 0x3d400000u, 0x3dac0000u, 0x3e0a0000u>>;  // r3: K rotated 3-bit (Hadamard seed 0x5eed), V rotated 3-bit (Hadamard seed 0x5eed)
 
 // Schedule and shared-memory plan: computed by kvforge-gen schedule.rs, read by decode.cuh.
 struct Cfg {

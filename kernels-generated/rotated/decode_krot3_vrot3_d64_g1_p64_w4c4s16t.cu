@@ -7,7 +7,7 @@
 namespace {
 using namespace kvforge;
 using Tier0 = TierDef<0, 16384, DenseKey<__half, 64, 64, 0>, DenseValue<__half, 64, 64, 8192>>;  // tail: K fp16, V fp16
-using Tier2 = TierDef<2, 3328, RotatedKey<3, 64, 64, 0, 128, 0xbe871fbau, 0xbe2a27e8u, 0xbdc02b21u, 0xbcf99a80u, 0x3cf99a80u, 0x3dc02b21u, 0x3e2a27e8u, 0x3e871fbau>, RotatedValue<3, 64, 64, 1664, 1792, 0xbe871fbau, 0xbe2a27e8u, 0xbdc02b21u, 0xbcf99a80u, 0x3cf99a80u, 0x3dc02b21u, 0x3e2a27e8u, 0x3e871fbau>>;  // r3: K rotated 3-bit (Hadamard seed 0x5eed), V rotated 3-bit (Hadamard seed 0x5eed)
+using Tier2 = TierDef<2, 3328, RotatedKey<3, 64, 64, 0, 128, 0xbe880000u, 0xbe2c0000u, 0xbdc00000u, 0xbd000000u, 0x3d000000u, 0x3dc00000u, 0x3e2c0000u, 0x3e880000u>, RotatedValue<3, 64, 64, 1664, 1792, 0xbe880000u, 0xbe2c0000u, 0xbdc00000u, 0xbd000000u, 0x3d000000u, 0x3dc00000u, 0x3e2c0000u, 0x3e880000u>>;  // r3: K rotated 3-bit (Hadamard seed 0x5eed), V rotated 3-bit (Hadamard seed 0x5eed)
 
 // Schedule and shared-memory plan: computed by kvforge-gen schedule.rs, read by decode.cuh.
 struct Cfg {

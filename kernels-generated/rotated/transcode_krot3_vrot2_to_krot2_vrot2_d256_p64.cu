@@ -8,8 +8,8 @@ using namespace kvforge;
 // Split and shared-memory plan: computed by kvforge-gen schedule.rs, read by transcode.cuh.
 struct Cfg {
   static constexpr int D = 256, P = 64, NTHREADS = 128, SPLIT = 16;
-  using Src = TierDef<3, 10496, RotatedKey<3, 256, 64, 0, 128, 0xbe091119u, 0xbdab8d39u, 0xbd4131e1u, 0xbc7aa250u, 0x3c7aa250u, 0x3d4131e1u, 0x3dab8d39u, 0x3e091119u>, RotatedValue<2, 256, 64, 6272, 6400, 0xbdc0ffbdu, 0xbce7bd7eu, 0x3ce7bd7eu, 0x3dc0ffbdu>>;  // K rotated 3-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
-  using Dst = TierDef<4, 8448, RotatedKey<2, 256, 64, 0, 128, 0xbdc0ffbdu, 0xbce7bd7eu, 0x3ce7bd7eu, 0x3dc0ffbdu>, RotatedValue<2, 256, 64, 4224, 4352, 0xbdc0ffbdu, 0xbce7bd7eu, 0x3ce7bd7eu, 0x3dc0ffbdu>>;  // K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
+  using Src = TierDef<3, 10496, RotatedKey<3, 256, 64, 0, 128, 0xbe0a0000u, 0xbdac0000u, 0xbd400000u, 0xbc800000u, 0x3c800000u, 0x3d400000u, 0x3dac0000u, 0x3e0a0000u>, RotatedValue<2, 256, 64, 6272, 6400, 0xbdc00000u, 0xbce80000u, 0x3ce80000u, 0x3dc00000u>>;  // K rotated 3-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
+  using Dst = TierDef<4, 8448, RotatedKey<2, 256, 64, 0, 128, 0xbdc00000u, 0xbce80000u, 0x3ce80000u, 0x3dc00000u>, RotatedValue<2, 256, 64, 4224, 4352, 0xbdc00000u, 0xbce80000u, 0x3ce80000u, 0x3dc00000u>>;  // K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
   static constexpr int SRC_NG = 1, SRC_E = 1, DST_NG = 1, DST_E = 1;
   static constexpr bool KEY_CHANNELS = false;  // key slices of whole channels
   static constexpr int SMEM_X_OFF = 0, SMEM_SCRATCH_OFF = 4096, SMEM_TOTAL = 4112;

@@ -8,8 +8,8 @@ using namespace kvforge;
 // Split and shared-memory plan: computed by kvforge-gen schedule.rs, read by transcode.cuh.
 struct Cfg {
   static constexpr int D = 64, P = 64, NTHREADS = 128, SPLIT = 4;
-  using Src = TierDef<3, 2816, RotatedKey<3, 64, 64, 0, 128, 0xbe871fbau, 0xbe2a27e8u, 0xbdc02b21u, 0xbcf99a80u, 0x3cf99a80u, 0x3dc02b21u, 0x3e2a27e8u, 0x3e871fbau>, RotatedValue<2, 64, 64, 1664, 1792, 0xbe3fff2du, 0xbd677c23u, 0x3d677c23u, 0x3e3fff2du>>;  // K rotated 3-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
-  using Dst = TierDef<4, 2304, RotatedKey<2, 64, 64, 0, 128, 0xbe3fff2du, 0xbd677c23u, 0x3d677c23u, 0x3e3fff2du>, RotatedValue<2, 64, 64, 1152, 1280, 0xbe3fff2du, 0xbd677c23u, 0x3d677c23u, 0x3e3fff2du>>;  // K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
+  using Src = TierDef<3, 2816, RotatedKey<3, 64, 64, 0, 128, 0xbe880000u, 0xbe2c0000u, 0xbdc00000u, 0xbd000000u, 0x3d000000u, 0x3dc00000u, 0x3e2c0000u, 0x3e880000u>, RotatedValue<2, 64, 64, 1664, 1792, 0xbe400000u, 0xbd680000u, 0x3d680000u, 0x3e400000u>>;  // K rotated 3-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
+  using Dst = TierDef<4, 2304, RotatedKey<2, 64, 64, 0, 128, 0xbe400000u, 0xbd680000u, 0x3d680000u, 0x3e400000u>, RotatedValue<2, 64, 64, 1152, 1280, 0xbe400000u, 0xbd680000u, 0x3d680000u, 0x3e400000u>>;  // K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
   static constexpr int SRC_NG = 1, SRC_E = 1, DST_NG = 1, DST_E = 1;
   static constexpr bool KEY_CHANNELS = false;  // key slices of whole channels
   static constexpr int SMEM_X_OFF = 0, SMEM_SCRATCH_OFF = 4096, SMEM_TOTAL = 4112;

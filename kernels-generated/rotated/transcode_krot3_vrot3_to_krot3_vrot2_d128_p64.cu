@@ -8,8 +8,8 @@ using namespace kvforge;
 // Split and shared-memory plan: computed by kvforge-gen schedule.rs, read by transcode.cuh.
 struct Cfg {
   static constexpr int D = 128, P = 64, NTHREADS = 128, SPLIT = 8;
-  using Src = TierDef<2, 6400, RotatedKey<3, 128, 64, 0, 128, 0xbe40eb31u, 0xbdf1f343u, 0xbd885e09u, 0xbcb0fb86u, 0x3cb0fb86u, 0x3d885e09u, 0x3df1f343u, 0x3e40eb31u>, RotatedValue<3, 128, 64, 3200, 3328, 0xbe40eb31u, 0xbdf1f343u, 0xbd885e09u, 0xbcb0fb86u, 0x3cb0fb86u, 0x3d885e09u, 0x3df1f343u, 0x3e40eb31u>>;  // K rotated 3-bit (Hadamard seed 0x5eed), V rotated 3-bit (Hadamard seed 0x5eed)
-  using Dst = TierDef<3, 5376, RotatedKey<3, 128, 64, 0, 128, 0xbe40eb31u, 0xbdf1f343u, 0xbd885e09u, 0xbcb0fb86u, 0x3cb0fb86u, 0x3d885e09u, 0x3df1f343u, 0x3e40eb31u>, RotatedValue<2, 128, 64, 3200, 3328, 0xbe083c09u, 0xbd23ce3au, 0x3d23ce3au, 0x3e083c09u>>;  // K rotated 3-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
+  using Src = TierDef<2, 6400, RotatedKey<3, 128, 64, 0, 128, 0xbe400000u, 0xbdf00000u, 0xbd880000u, 0xbcb00000u, 0x3cb00000u, 0x3d880000u, 0x3df00000u, 0x3e400000u>, RotatedValue<3, 128, 64, 3200, 3328, 0xbe400000u, 0xbdf00000u, 0xbd880000u, 0xbcb00000u, 0x3cb00000u, 0x3d880000u, 0x3df00000u, 0x3e400000u>>;  // K rotated 3-bit (Hadamard seed 0x5eed), V rotated 3-bit (Hadamard seed 0x5eed)
+  using Dst = TierDef<3, 5376, RotatedKey<3, 128, 64, 0, 128, 0xbe400000u, 0xbdf00000u, 0xbd880000u, 0xbcb00000u, 0x3cb00000u, 0x3d880000u, 0x3df00000u, 0x3e400000u>, RotatedValue<2, 128, 64, 3200, 3328, 0xbe080000u, 0xbd200000u, 0x3d200000u, 0x3e080000u>>;  // K rotated 3-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
   static constexpr int SRC_NG = 1, SRC_E = 1, DST_NG = 1, DST_E = 1;
   static constexpr bool KEY_CHANNELS = false;  // key slices of whole channels
   static constexpr int SMEM_X_OFF = 0, SMEM_SCRATCH_OFF = 4096, SMEM_TOTAL = 4112;

@@ -9,7 +9,7 @@ using namespace kvforge;
 struct Cfg {
   static constexpr int D = 128, P = 64, NTHREADS = 128, SPLIT = 8;
   using Src = TierDef<1, 8448, RotatedKey<4, 128, 64, 0, 128, 0xbe735e25u, 0xbe392d10u, 0xbe113562u, 0xbde1dedeu, 0xbda9a1f7u, 0xbd6ca2a5u, 0xbd0be284u, 0xbc392e1bu, 0x3c392e1bu, 0x3d0be284u, 0x3d6ca2a5u, 0x3da9a1f7u, 0x3de1dedeu, 0x3e113562u, 0x3e392d10u, 0x3e735e25u>, RotatedValue<4, 128, 64, 4224, 4352, 0xbe735e25u, 0xbe392d10u, 0xbe113562u, 0xbde1dedeu, 0xbda9a1f7u, 0xbd6ca2a5u, 0xbd0be284u, 0xbc392e1bu, 0x3c392e1bu, 0x3d0be284u, 0x3d6ca2a5u, 0x3da9a1f7u, 0x3de1dedeu, 0x3e113562u, 0x3e392d10u, 0x3e735e25u>>;  // K rotated 4-bit (Hadamard seed 0x5eed), V rotated 4-bit (Hadamard seed 0x5eed)
-  using Dst = TierDef<4, 4352, RotatedKey<2, 128, 64, 0, 128, 0xbe083c09u, 0xbd23ce3au, 0x3d23ce3au, 0x3e083c09u>, RotatedValue<2, 128, 64, 2176, 2304, 0xbe083c09u, 0xbd23ce3au, 0x3d23ce3au, 0x3e083c09u>>;  // K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
+  using Dst = TierDef<4, 4352, RotatedKey<2, 128, 64, 0, 128, 0xbe080000u, 0xbd200000u, 0x3d200000u, 0x3e080000u>, RotatedValue<2, 128, 64, 2176, 2304, 0xbe080000u, 0xbd200000u, 0x3d200000u, 0x3e080000u>>;  // K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
   static constexpr int SRC_NG = 1, SRC_E = 1, DST_NG = 1, DST_E = 1;
   static constexpr bool KEY_CHANNELS = false;  // key slices of whole channels
   static constexpr int SMEM_X_OFF = 0, SMEM_SCRATCH_OFF = 4096, SMEM_TOTAL = 4112;

@@ -9,7 +9,7 @@ using namespace kvforge;
 struct Cfg {
   static constexpr int D = 256, P = 64, NTHREADS = 128, SPLIT = 16;
   using Src = TierDef<1, 16640, RotatedKey<4, 256, 64, 0, 128, 0xbe2d79eeu, 0xbe03aca0u, 0xbdce3ac2u, 0xbda0412du, 0xbd709114u, 0xbd27ba58u, 0xbcc640ebu, 0xbc03358eu, 0x3c03358eu, 0x3cc640ebu, 0x3d27ba58u, 0x3d709114u, 0x3da0412du, 0x3dce3ac2u, 0x3e03aca0u, 0x3e2d79eeu>, RotatedValue<4, 256, 64, 8320, 8448, 0xbe2d79eeu, 0xbe03aca0u, 0xbdce3ac2u, 0xbda0412du, 0xbd709114u, 0xbd27ba58u, 0xbcc640ebu, 0xbc03358eu, 0x3c03358eu, 0x3cc640ebu, 0x3d27ba58u, 0x3d709114u, 0x3da0412du, 0x3dce3ac2u, 0x3e03aca0u, 0x3e2d79eeu>>;  // K rotated 4-bit (Hadamard seed 0x5eed), V rotated 4-bit (Hadamard seed 0x5eed)
-  using Dst = TierDef<4, 8448, RotatedKey<2, 256, 64, 0, 128, 0xbdc0ffbdu, 0xbce7bd7eu, 0x3ce7bd7eu, 0x3dc0ffbdu>, RotatedValue<2, 256, 64, 4224, 4352, 0xbdc0ffbdu, 0xbce7bd7eu, 0x3ce7bd7eu, 0x3dc0ffbdu>>;  // K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
+  using Dst = TierDef<4, 8448, RotatedKey<2, 256, 64, 0, 128, 0xbdc00000u, 0xbce80000u, 0x3ce80000u, 0x3dc00000u>, RotatedValue<2, 256, 64, 4224, 4352, 0xbdc00000u, 0xbce80000u, 0x3ce80000u, 0x3dc00000u>>;  // K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
   static constexpr int SRC_NG = 1, SRC_E = 1, DST_NG = 1, DST_E = 1;
   static constexpr bool KEY_CHANNELS = false;  // key slices of whole channels
   static constexpr int SMEM_X_OFF = 0, SMEM_SCRATCH_OFF = 4096, SMEM_TOTAL = 4112;

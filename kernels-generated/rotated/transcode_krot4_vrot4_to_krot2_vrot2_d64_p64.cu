@@ -9,7 +9,7 @@ using namespace kvforge;
 struct Cfg {
   static constexpr int D = 64, P = 64, NTHREADS = 128, SPLIT = 4;
   using Src = TierDef<1, 4352, RotatedKey<4, 64, 64, 0, 128, 0xbea95e22u, 0xbe817de8u, 0xbe4ba0f2u, 0xbe1ea4ccu, 0xbdee909bu, 0xbda686c9u, 0xbd44f9cbu, 0xbc82689cu, 0x3c82689cu, 0x3d44f9cbu, 0x3da686c9u, 0x3dee909bu, 0x3e1ea4ccu, 0x3e4ba0f2u, 0x3e817de8u, 0x3ea95e22u>, RotatedValue<4, 64, 64, 2176, 2304, 0xbea95e22u, 0xbe817de8u, 0xbe4ba0f2u, 0xbe1ea4ccu, 0xbdee909bu, 0xbda686c9u, 0xbd44f9cbu, 0xbc82689cu, 0x3c82689cu, 0x3d44f9cbu, 0x3da686c9u, 0x3dee909bu, 0x3e1ea4ccu, 0x3e4ba0f2u, 0x3e817de8u, 0x3ea95e22u>>;  // K rotated 4-bit (Hadamard seed 0x5eed), V rotated 4-bit (Hadamard seed 0x5eed)
-  using Dst = TierDef<4, 2304, RotatedKey<2, 64, 64, 0, 128, 0xbe3fff2du, 0xbd677c23u, 0x3d677c23u, 0x3e3fff2du>, RotatedValue<2, 64, 64, 1152, 1280, 0xbe3fff2du, 0xbd677c23u, 0x3d677c23u, 0x3e3fff2du>>;  // K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
+  using Dst = TierDef<4, 2304, RotatedKey<2, 64, 64, 0, 128, 0xbe400000u, 0xbd680000u, 0x3d680000u, 0x3e400000u>, RotatedValue<2, 64, 64, 1152, 1280, 0xbe400000u, 0xbd680000u, 0x3d680000u, 0x3e400000u>>;  // K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
   static constexpr int SRC_NG = 1, SRC_E = 1, DST_NG = 1, DST_E = 1;
   static constexpr bool KEY_CHANNELS = false;  // key slices of whole channels
   static constexpr int SMEM_X_OFF = 0, SMEM_SCRATCH_OFF = 4096, SMEM_TOTAL = 4112;

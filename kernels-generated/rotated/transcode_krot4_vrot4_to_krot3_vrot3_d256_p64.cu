@@ -9,7 +9,7 @@ using namespace kvforge;
 struct Cfg {
   static constexpr int D = 256, P = 64, NTHREADS = 128, SPLIT = 16;
   using Src = TierDef<1, 16640, RotatedKey<4, 256, 64, 0, 128, 0xbe2d79eeu, 0xbe03aca0u, 0xbdce3ac2u, 0xbda0412du, 0xbd709114u, 0xbd27ba58u, 0xbcc640ebu, 0xbc03358eu, 0x3c03358eu, 0x3cc640ebu, 0x3d27ba58u, 0x3d709114u, 0x3da0412du, 0x3dce3ac2u, 0x3e03aca0u, 0x3e2d79eeu>, RotatedValue<4, 256, 64, 8320, 8448, 0xbe2d79eeu, 0xbe03aca0u, 0xbdce3ac2u, 0xbda0412du, 0xbd709114u, 0xbd27ba58u, 0xbcc640ebu, 0xbc03358eu, 0x3c03358eu, 0x3cc640ebu, 0x3d27ba58u, 0x3d709114u, 0x3da0412du, 0x3dce3ac2u, 0x3e03aca0u, 0x3e2d79eeu>>;  // K rotated 4-bit (Hadamard seed 0x5eed), V rotated 4-bit (Hadamard seed 0x5eed)
-  using Dst = TierDef<2, 12544, RotatedKey<3, 256, 64, 0, 128, 0xbe091119u, 0xbdab8d39u, 0xbd4131e1u, 0xbc7aa250u, 0x3c7aa250u, 0x3d4131e1u, 0x3dab8d39u, 0x3e091119u>, RotatedValue<3, 256, 64, 6272, 6400, 0xbe091119u, 0xbdab8d39u, 0xbd4131e1u, 0xbc7aa250u, 0x3c7aa250u, 0x3d4131e1u, 0x3dab8d39u, 0x3e091119u>>;  // K rotated 3-bit (Hadamard seed 0x5eed), V rotated 3-bit (Hadamard seed 0x5eed)
+  using Dst = TierDef<2, 12544, RotatedKey<3, 256, 64, 0, 128, 0xbe0a0000u, 0xbdac0000u, 0xbd400000u, 0xbc800000u, 0x3c800000u, 0x3d400000u, 0x3dac0000u, 0x3e0a0000u>, RotatedValue<3, 256, 64, 6272, 6400, 0xbe0a0000u, 0xbdac0000u, 0xbd400000u, 0xbc800000u, 0x3c800000u, 0x3d400000u, 0x3dac0000u, 0x3e0a0000u>>;  // K rotated 3-bit (Hadamard seed 0x5eed), V rotated 3-bit (Hadamard seed 0x5eed)
   static constexpr int SRC_NG = 1, SRC_E = 1, DST_NG = 1, DST_E = 1;
   static constexpr bool KEY_CHANNELS = false;  // key slices of whole channels
   static constexpr int SMEM_X_OFF = 0, SMEM_SCRATCH_OFF = 4096, SMEM_TOTAL = 4112;

@@ -9,7 +9,7 @@ using namespace kvforge;
 struct Cfg {
   static constexpr int D = 256, P = 64, NTHREADS = 128, SPLIT = 16;
   using Src = TierDef<0, 65536, DenseKey<__half, 256, 64, 0>, DenseValue<__half, 256, 64, 32768>>;  // K fp16, V fp16
-  using Dst = TierDef<4, 8448, RotatedKey<2, 256, 64, 0, 128, 0xbdc0ffbdu, 0xbce7bd7eu, 0x3ce7bd7eu, 0x3dc0ffbdu>, RotatedValue<2, 256, 64, 4224, 4352, 0xbdc0ffbdu, 0xbce7bd7eu, 0x3ce7bd7eu, 0x3dc0ffbdu>>;  // K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
+  using Dst = TierDef<4, 8448, RotatedKey<2, 256, 64, 0, 128, 0xbdc00000u, 0xbce80000u, 0x3ce80000u, 0x3dc00000u>, RotatedValue<2, 256, 64, 4224, 4352, 0xbdc00000u, 0xbce80000u, 0x3ce80000u, 0x3dc00000u>>;  // K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
   static constexpr int SRC_NG = 1, SRC_E = 1, DST_NG = 1, DST_E = 1;
   static constexpr bool KEY_CHANNELS = false;  // key slices of whole channels
   static constexpr int SMEM_X_OFF = 0, SMEM_SCRATCH_OFF = 4096, SMEM_TOTAL = 4112;

@@ -9,7 +9,7 @@ using namespace kvforge;
 struct Cfg {
   static constexpr int D = 64, P = 64, NTHREADS = 128, SPLIT = 4;
   using Src = TierDef<0, 16384, DenseKey<__half, 64, 64, 0>, DenseValue<__half, 64, 64, 8192>>;  // K fp16, V fp16
-  using Dst = TierDef<4, 2304, RotatedKey<2, 64, 64, 0, 128, 0xbe3fff2du, 0xbd677c23u, 0x3d677c23u, 0x3e3fff2du>, RotatedValue<2, 64, 64, 1152, 1280, 0xbe3fff2du, 0xbd677c23u, 0x3d677c23u, 0x3e3fff2du>>;  // K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
+  using Dst = TierDef<4, 2304, RotatedKey<2, 64, 64, 0, 128, 0xbe400000u, 0xbd680000u, 0x3d680000u, 0x3e400000u>, RotatedValue<2, 64, 64, 1152, 1280, 0xbe400000u, 0xbd680000u, 0x3d680000u, 0x3e400000u>>;  // K rotated 2-bit (Hadamard seed 0x5eed), V rotated 2-bit (Hadamard seed 0x5eed)
   static constexpr int SRC_NG = 1, SRC_E = 1, DST_NG = 1, DST_E = 1;
   static constexpr bool KEY_CHANNELS = false;  // key slices of whole channels
   static constexpr int SMEM_X_OFF = 0, SMEM_SCRATCH_OFF = 4096, SMEM_TOTAL = 4112;

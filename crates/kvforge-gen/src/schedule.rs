@@ -159,9 +159,10 @@ pub fn warp_lse_per_page(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s:
 }
 
 /// The per-warp layout's query fragments: fp16 high and low parts of head_dim / 4 channels for
-/// each lane of the heads (4 per head).
-fn qfrag_bytes(d: usize, gqa: usize) -> usize {
-    4 * gqa * d
+/// each lane of the heads (4 per head), then, when a tier's keys score on integer tensor cores
+/// (`Codec::int8_keys`), their int8 high and low parts.
+fn qfrag_bytes(d: usize, gqa: usize, int8: bool) -> usize {
+    4 * gqa * d + if int8 { 2 * gqa * d } else { 0 }
 }
 
 /// Shared-memory plan of a decode CTA (byte offsets of its regions, rendered as the `SMEM_*`
@@ -193,7 +194,7 @@ pub fn decode_smem(spec: &Spec, tiers: &[TierId], d: usize, gqa: usize, s: &Sche
     let p = spec.page.tokens;
     let ts: Vec<&Tier> = tiers.iter().map(|&t| &spec.tiers[t as usize]).collect();
     let lut = lut_floats(spec, tiers, d, gqa);
-    let bfrag = if per_warp(spec, tiers, d, gqa, s) { qfrag_bytes(d, gqa) } else { ts.iter().map(|t| bfrag_bytes(spec, t, d, gqa, s.warps)).max().unwrap_or(0) };
+    let bfrag = if per_warp(spec, tiers, d, gqa, s) { qfrag_bytes(d, gqa, ts.iter().any(|t| t.key.codec().int8_keys())) } else { ts.iter().map(|t| bfrag_bytes(spec, t, d, gqa, s.warps)).max().unwrap_or(0) };
     let q = 0;
     let lut_off = q + align16(gqa * d * 4);
     let scores = lut_off + align16(lut * 4);

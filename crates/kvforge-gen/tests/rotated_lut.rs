@@ -11,6 +11,7 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::process::Command;
 
+use kvforge_spec::codecs::rotated::levels::INT8_GRID_BITS;
 use kvforge_spec::codecs::rotated::{group3_nibbles, group3_pack, levels, GROUP3_CHANNELS};
 
 const HEADER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../templates/include/kvforge/codecs/rotated_lut.cuh");
@@ -55,6 +56,16 @@ const GROUP_CHECK: &str = r#"for (int c = 0; c < {CASES}; ++c) {
       printf("G 3 {d} %08x %08x %08x %08x : %08x %08x %08x\n", n[0], n[1], n[2], n[3], g[0], g[1], g[2]);
     }"#;
 
+/// Integer keys (up to 3 bits): the int8 levels of the same key slice, with the grid exponent.
+const INT8_KEYS: &str = r#"kvforge::u32 oi[2 * {kch}];
+        Lut::adjacent_int8<{kch}>(Lut::opaque_i0(), s, oi);
+        printf("I {bits} {d}");
+        for (auto x : w) printf(" %08x", x);
+        printf(" @ %d :", pos);
+        printf(" %08x", (kvforge::u32)Lut::GRID);
+        for (auto x : oi) printf(" %08x", x);
+        printf("\n");"#;
+
 /// One configuration: `bits`, head dim `d`; key slices of d/32 chunks, value slices of d/64.
 /// 3-bit slices of fewer than 4 chunks are a part of one group (2-bit slices of one chunk of
 /// one word): the driver draws the whole group and the part's position, builds the words the
@@ -95,6 +106,7 @@ fn driver(bits: u32, d: usize, lv: &[u32]) -> String {
         printf(" @ %d :", pos);
         for (auto x : out) printf(" %08x", x);
         printf("\n");
+        {int8}
       }}
       {{
         kvforge::u32 a[{vw}], b[{vw}], o[{vp}];
@@ -114,6 +126,7 @@ fn driver(bits: u32, d: usize, lv: &[u32]) -> String {
     {group}
   }}
 "#,
+        int8 = if bits <= INT8_GRID_BITS { INT8_KEYS.replace("{kch}", &kch.to_string()).replace("{bits}", &bits.to_string()).replace("{d}", &d.to_string()) } else { String::new() },
         kw = words(kch),
         kp = 4 * kch,
         vw = words(vch),
@@ -171,6 +184,7 @@ fn lookup_matches_levels_rounded_to_fp16() {
     assert!(run.status.success());
     let out = String::from_utf8(run.stdout).unwrap();
     let mut checked = 0;
+    let mut int8_checked = 0;
     for line in out.lines() {
         let mut it = line.splitn(4, ' ');
         let side = it.next().unwrap();
@@ -188,6 +202,24 @@ fn lookup_matches_levels_rounded_to_fp16() {
         }
         let (input, pos) = input.split_once('@').unwrap();
         let pos: usize = pos.trim().parse().unwrap();
+        if side == "I" {
+            // Byte k of word 2j (2j + 1) is channel 8j + k (8j + 4 + k) of the slice, as the
+            // int8 n with n·2^−GRID the stored level; GRID is kvforge-spec's grid_log2.
+            let w = hex(input);
+            let table = levels(d, bits);
+            assert_eq!(Some(got[0]), table.grid_log2, "grid exponent, {bits} bits, d {d}");
+            let c0 = pos * d / 4;
+            for (i, &word) in got[1..].iter().enumerate() {
+                for k in 0..4 {
+                    let c = c0 + 8 * (i / 2) + 4 * (i % 2) + k;
+                    let n = f64::from((word >> (8 * k)) as u8 as i8);
+                    let want = f64::from(table.levels_f32[code(&w, bits, c)]);
+                    assert_eq!(n / f64::from(1u32 << got[0]), want, "int8 keys, {bits} bits, d {d}, channel {c}, stream {w:08x?} at {pos}");
+                }
+            }
+            int8_checked += 1;
+            continue;
+        }
         if side == "K" {
             let w = hex(input);
             let c0 = pos * d / 4;
@@ -207,4 +239,5 @@ fn lookup_matches_levels_rounded_to_fp16() {
         checked += 1;
     }
     assert_eq!(checked, 2 * CASES * configs.len());
+    assert_eq!(int8_checked, CASES * configs.iter().filter(|c| c.0 <= INT8_GRID_BITS).count());
 }

@@ -7,13 +7,15 @@ use crate::spec::Tier;
 
 /// Bytes of the fixed page header.
 pub const HEADER_BYTES: usize = 16;
-/// `"KVF3"` read as a little-endian u32. The digit is the layout version: 3 stores 3-bit rotated
+/// `"KVF4"` read as a little-endian u32. The digit is the layout version: 4 puts the levels of
+/// 2- and 3-bit rotated codes on an int8 grid (`codecs::rotated::levels::LevelTable::grid_log2`;
+/// 3 had the f32 Lloyd–Max levels); 3 stores 3-bit rotated
 /// codes in groups of 4 chunks (`codecs::rotated::group3_pack`) and 2-bit rotated codes two
 /// chunks per word (2 had chunks of 3 and 2 bytes); 2
 /// stores 4-bit integer key codes in the key order (`codecs::bits::key_code_slot`) and the zeros
 /// of 4-bit integer codes and fp16-scaled 8-bit value codes biased (`codecs::int::reference::key_bias`,
 /// `value_bias`); 1 had both plain.
-pub const PAGE_MAGIC: u32 = u32::from_le_bytes(*b"KVF3");
+pub const PAGE_MAGIC: u32 = u32::from_le_bytes(*b"KVF4");
 
 /// The fixed page header: `magic u32 | tier u8 | flags u8 | reserved u16 | length u32 |
 /// checksum u32`, little endian. `checksum` is FNV-1a over bytes 0..12, so a torn or stale
@@ -143,8 +145,8 @@ mod tests {
     #[test]
     fn header_bytes_are_as_documented() {
         let b = PageHeader { tier: 3, flags: 0x81, length: 0x0102_0304 }.to_bytes();
-        assert_eq!(&b[0..4], b"KVF3");
-        assert_eq!(PAGE_MAGIC, 0x3346_564b);
+        assert_eq!(&b[0..4], b"KVF4");
+        assert_eq!(PAGE_MAGIC, 0x3446_564b);
         assert_eq!((b[4], b[5]), (3, 0x81));
         assert_eq!(&b[6..8], &[0, 0], "reserved is zero");
         assert_eq!(&b[8..12], &[4, 3, 2, 1], "length is little endian");

@@ -88,7 +88,7 @@ fn header_block() -> String {
     let b = h.to_bytes();
     let hex: Vec<String> = b.iter().map(|x| format!("{x:02x}")).collect();
     let checksum = u32::from_le_bytes(b[12..16].try_into().unwrap());
-    format!("```text\nPageHeader {{ tier: 1, flags: 0, length: 64 }}\n{}\nmagic {PAGE_MAGIC:#010x} (\"KVF3\"), checksum {checksum:#010x}\n```\n", hex.join(" "))
+    format!("```text\nPageHeader {{ tier: 1, flags: 0, length: 64 }}\n{}\nmagic {PAGE_MAGIC:#010x} (\"KVF4\"), checksum {checksum:#010x}\n```\n", hex.join(" "))
 }
 
 fn blocks() -> Vec<(String, String)> {

@@ -17,7 +17,7 @@ constexpr int SIDE_SLOTS = 2;
 // -inf without <math.h> (NVRTC has no host headers).
 #define NEG_INF (__int_as_float(0xff800000u))
 constexpr int HEADER_BYTES = 16;
-constexpr u32 PAGE_MAGIC = 0x3346564Bu;  // "KVF3" little endian (kvforge-spec PAGE_MAGIC: the layout version)
+constexpr u32 PAGE_MAGIC = 0x3446564Bu;  // "KVF4" little endian (kvforge-spec PAGE_MAGIC: the layout version)
 
 // Error bits a kernel ORs into `error_flags`; the runtime turns them into typed errors.
 constexpr u32 ERR_UNKNOWN_TIER = 1u;   // a page's tier is not served by this variant
@@ -168,6 +168,15 @@ __device__ __forceinline__ void mma1688(float (&c)[4], const u32 (&a)[2], u32 b)
   asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(b));
+}
+
+// mma.sync m16n8k32 (int8 inputs, int32 accumulators, exact): a thread holds A[g][4q..4q+3],
+// A[g+8][4q..], A[g][4q+16..4q+19], A[g+8][4q+16..] (four int8 quads, byte k = column + k),
+// B[4q..4q+3][g], B[4q+16..4q+19][g], and C as in m16n8k16.
+__device__ __forceinline__ void mma16832_s8(int (&c)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 // Two floats as one fp16 (or bf16) pair, `lo` in the low half.

@@ -58,6 +58,12 @@ template <class... Ts> __host__ __device__ constexpr bool any_mma_values(TierLis
 // C::token_scale(seg, t)): their fragments are the bare levels, keys' scores are scaled after
 // the mma and values' scales fold into the probabilities (rotated codes). The others
 // dequantise in full.
+// Key codecs scored on integer tensor cores in the per-warp layout (K::IMMA: int8 levels on a
+// 2^−GRID grid, K::GRID_INV; rotated keys of up to 3 bits): DecodeCta::build_qfrag adds int8
+// query fragments (Cfg::SMEM_BFRAG_OFF, after the fp16 ones; kvforge-gen `qfrag_bytes`).
+template <class K, class = void> struct ImmaKeys { static constexpr bool value = false; };
+template <class K> struct ImmaKeys<K, decltype(void(K::IMMA))> { static constexpr bool value = K::IMMA; };
+template <class... Ts> __host__ __device__ constexpr bool any_imma_keys(TierList<Ts...>) { return (false || ... || ImmaKeys<typename Ts::Key>::value); }
 template <class C, class = void> struct TokenScaled { static constexpr bool value = false; };
 template <class C> struct TokenScaled<C, decltype(void(C::TOKEN_SCALE))> { static constexpr bool value = C::TOKEN_SCALE; };
 
@@ -219,6 +225,18 @@ struct DecodeCta {
   }
 
   __device__ u32* qfrag_s() { return reinterpret_cast<u32*>(smem + Cfg::SMEM_BFRAG_OFF); }
+  // Integer query fragments (tiers with ImmaKeys), after the fp16 ones: the uint4 of k-step j
+  // (32 channels) for lane (g, qd) at j·4·GQA + lane, {hi, lo, hi', lo'} = int8 quads of
+  // round(q·s_g) and round((q·s_g − hi)·128) at channels c0..c0 + 3 (hi, lo) and c0 + 4..c0 + 7
+  // (hi', lo'), c0 = qd·D/4 + 8j: the high parts in A rows g, the low parts in rows g + 8 (as
+  // the fp16 fragments). s_g = 127 / max_c |q[g][c]|; qinv_s()[g] = 1 / s_g.
+  static constexpr bool IMMA_Q = any_imma_keys(typename Cfg::Tiers{});
+  static constexpr int KSI = D / 32;
+  __device__ u32* qfrag_i8_s() { return qfrag_s() + GQA * D; }
+  __device__ static float* qinv_s() {
+    __shared__ float s[8];
+    return s;
+  }
   // Query fragments, once per CTA: the A operand of k-step j for lane (g, qd), g < GQA, is the
   // uint4 at j·4·GQA + lane, {hi(2j), lo(2j), hi(2j + 1), lo(2j + 1)} of q[g] at pairs 2j,
   // 2j + 1 (channels qd·D/4 + 2e, + 1) of quarter qd: the fp16 high part in A rows g (the
@@ -234,6 +252,37 @@ struct DecodeCta {
       const int at = ((e / 2) * L4 + lane) * 4 + 2 * (e % 2);
       f[at] = hi;
       f[at + 1] = lo;
+    }
+    if constexpr (IMMA_Q) {
+      static_assert(GQA <= 8 && D % 32 == 0, "int8 query fragments: heads in A rows 0-7, whole k-steps");
+      if (threadIdx.x < 32) {
+        for (int g = 0; g < GQA; ++g) {
+          float m = 0.f;
+          for (int c = threadIdx.x; c < D; c += 32) m = fmaxf(m, fabsf(q_s()[g * D + c]));
+          m = warp_max(m);
+          if (threadIdx.x == 0) qinv_s()[g] = m / 127.f;
+        }
+      }
+      __syncthreads();
+      u32* fi = qfrag_i8_s();
+      for (int i = threadIdx.x; i < L4 * KSI * 2; i += NT) {
+        // Item i: lane, k-step j, half h (channels c0 + 4h..c0 + 4h + 3).
+        const int h = i % 2, j = (i / 2) % KSI, lane = i / (2 * KSI), g = lane / 4, qd = lane % 4;
+        const int c0 = qd * CPT + 8 * j + 4 * h;
+        const float inv = qinv_s()[g], s = inv > 0.f ? 1.f / inv : 0.f;
+        u32 hi = 0, lo = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const float x = q_s()[g * D + c0 + k] * s;
+          const int a = min(127, max(-127, __float2int_rn(x)));
+          const int b = min(127, max(-127, __float2int_rn((x - float(a)) * 128.f)));
+          hi |= (u32(a) & 0xffu) << (8 * k);
+          lo |= (u32(b) & 0xffu) << (8 * k);
+        }
+        const int at = (j * L4 + lane) * 4 + 2 * h;
+        fi[at] = hi;
+        fi[at + 1] = lo;
+      }
     }
   }
 
@@ -254,7 +303,14 @@ struct DecodeCta {
     constexpr bool SHARED_Q = K::WARP_SHARED_Q;
     const uint4* qf = reinterpret_cast<const uint4*>(qfrag_s()) + (head ? lane : SHARED_Q ? (g % GQA) * 4 + qd : 0);
     float page_sum = 0.f;
-    typename K::template WarpKeys<NPAIR> keys(seg, qd);
+    using Keys = typename K::template WarpKeys<NPAIR>;
+    Keys keys(seg, qd);
+    // Integer keys (ImmaKeys): int32 scores times 1/s_g (the query's int8 scale) and 2^−GRID.
+    constexpr bool IMMA = ImmaKeys<K>::value;
+    constexpr int NB = IMMA ? NPAIR / 2 : NPAIR;
+    float qk = 1.f;
+    if constexpr (IMMA) qk = qinv_s()[g % GQA] * K::GRID_INV;
+    const uint4* qi = reinterpret_cast<const uint4*>(qfrag_i8_s()) + (g % GQA) * 4 + qd;
 #pragma unroll 1
     for (int o = warp; o * 8 < len; o += R * NW) {
       // Score column n of an octet is token t0 + (n even ? n / 2 : 4 + (n / 2 ^ 1)), so that a
@@ -263,7 +319,7 @@ struct DecodeCta {
       // (two ways now); key rows of lanes g, g + 1 stay an odd number of rows apart. Octet r
       // of the round is o + r·NW (R = 2: in the page, see R).
       int ta[R], tb[R];
-      u32 kb[R][NPAIR];
+      u32 kb[R][NB];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int t0 = (o + r * NW) * 8;
@@ -276,14 +332,32 @@ struct DecodeCta {
       // round's two octets (R = 2, which also share each query fragment load), else the even
       // and odd k-steps of the one.
       float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      int ci[R][4];
+      if constexpr (IMMA) {
+        // Integer keys: k-steps of 32 channels, A rows g / g + 8 the query's int8 high / low
+        // parts (lanes past the heads read head g mod GQA's, as SHARED_Q), exact int32 sums.
 #pragma unroll
-      for (int j = 0; j < KSW; ++j) {
-        const uint4 q4 = SHARED_Q || head ? qf[j * L4] : make_uint4(0u, 0u, 0u, 0u);
-        const u32 a[4] = {q4.x, q4.y, q4.z, q4.w};
+        for (int r = 0; r < R; ++r) ci[r][0] = ci[r][1] = ci[r][2] = ci[r][3] = 0;
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const u32 b2[2] = {kb[r][2 * j], kb[r][2 * j + 1]};
-          mma16816<false>(c[R == 2 ? r : j & 1], a, b2);
+        for (int j = 0; j < KSI; ++j) {
+          const uint4 q4 = qi[j * L4];
+          const u32 a[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const u32 b2[2] = {kb[r][2 * j], kb[r][2 * j + 1]};
+            mma16832_s8(ci[r], a, b2);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < KSW; ++j) {
+          const uint4 q4 = SHARED_Q || head ? qf[j * L4] : make_uint4(0u, 0u, 0u, 0u);
+          const u32 a[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const u32 b2[2] = {kb[r][2 * j], kb[r][2 * j + 1]};
+            mma16816<false>(c[R == 2 ? r : j & 1], a, b2);
+          }
         }
       }
       // Online softmax of head g over the round (token t0 < len of its first octet scores
@@ -292,7 +366,10 @@ struct DecodeCta {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         float x0, x1;
-        if constexpr (R == 2) {
+        if constexpr (IMMA) {
+          x0 = fmaf(float(ci[r][2]), 1.f / 128.f, float(ci[r][0])) * qk;
+          x1 = fmaf(float(ci[r][3]), 1.f / 128.f, float(ci[r][1])) * qk;
+        } else if constexpr (R == 2) {
           x0 = c[r][0] + c[r][2];
           x1 = c[r][1] + c[r][3];
         } else {

@@ -218,6 +218,12 @@ pub trait Codec: fmt::Display {
     fn prefers_per_warp(&self) -> bool {
         false
     }
+    /// Whether the per-warp layout scores this key codec on integer tensor cores (int8 keys
+    /// against int8 query fragments, `IMMA` of the C++ type): the variant's shared memory then
+    /// holds those fragments beside the fp16 ones.
+    fn int8_keys(&self) -> bool {
+        false
+    }
     /// Whether the codec stores elements as they are (fp16, bf16): variants whose tiers (the
     /// tail aside) are all dense on both sides take the spec's `kernels.dense` launch shape.
     fn is_dense(&self) -> bool {

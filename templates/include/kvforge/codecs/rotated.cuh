@@ -193,16 +193,28 @@ struct RotatedKey {
   static constexpr bool WARP_SHARED_Q = true;
   static constexpr bool TOKEN_SCALE = true;
   __device__ __forceinline__ static float token_scale(const u8* seg, int t) { return Rows::scale(seg + OFF_NORM, t); }
+  // Up to 3 bits the levels are int8 multiples of 2^−GRID (RotatedLut::INT8): the per-warp
+  // layout scores them on integer tensor cores (mma m16n8k32 s8) against the query quantised to
+  // int8 high and low parts (DecodeCta::build_qfrag), exactly, and multiplies by 2^−GRID with
+  // the token's scale. Four codes per PRMT instead of one fp16 pair per two lookups.
+  static constexpr bool IMMA = Lut::INT8;
+  static constexpr float GRID_INV = 1.f / float(1 << Lut::GRID);
   template <int NPAIR> struct WarpKeys {
     static constexpr int NCH = NPAIR / 4, BYTES = NCH * BITS;
+    // Registers of a lane's slice: fp16 pairs, or int8 quads (IMMA).
+    static constexpr int NB = IMMA ? NPAIR / 2 : NPAIR;
     static constexpr int A = rotated_lowbit(Rows::ROW) < rotated_lowbit(BYTES) ? rotated_lowbit(Rows::ROW) : rotated_lowbit(BYTES);
-    __device__ __forceinline__ WarpKeys(const u8*, int) {}
-    // Pair e = channels 2e, 2e + 1 of the slice [qd·2·NPAIR, (qd + 1)·2·NPAIR) of token t.
-    __device__ __forceinline__ void operator()(const u8* seg, int t, int qd, u32 (&b)[NPAIR]) const {
+    // The int8 table's register word (IMMA; RotatedLut::adjacent_int8).
+    u32 i0;
+    __device__ __forceinline__ WarpKeys(const u8*, int) : i0(IMMA ? Lut::opaque_i0() : 0u) {}
+    // The slice [qd·2·NPAIR, (qd + 1)·2·NPAIR) of token t: pair e = channels 2e, 2e + 1, or
+    // (IMMA) quad 2j = channels 8j..8j + 3, quad 2j + 1 = 8j + 4..8j + 7.
+    __device__ __forceinline__ void operator()(const u8* seg, int t, int qd, u32 (&b)[NB]) const {
       static_assert(NPAIR % 4 == 0 && 8 * NPAIR == D, "whole chunks per slice");
       u32 w[Rows::template SLICE_WORDS<NCH>];
       Rows::template slice<NCH, BYTES, (A < 16 ? A : 16)>(seg + OFF_CODES, t, qd * NCH, w);
-      Lut::template adjacent<NCH>(w, b);
+      if constexpr (IMMA) Lut::template adjacent_int8<NCH>(i0, w, b);
+      else Lut::template adjacent<NCH>(w, b);
     }
   };
   static constexpr int LUT_FLOATS_PER_HEAD = 0;

@@ -50,6 +50,20 @@ __host__ __device__ constexpr u32 rotated_half_bits(u32 f) {
   return sign | h;
 }
 
+// The integer n of a level with f32 bits `f` on the grid n·2^−k (exact: the stored levels of up
+// to 3 bits are such integers, kvforge-spec `LevelTable::grid_log2`; 0 if `f` is off the grid,
+// which the callers' static_asserts then reject).
+__host__ __device__ constexpr int rotated_grid_int(u32 f, int k) {
+  const u32 mag = f & 0x7fffffffu;
+  if (mag == 0) return 0;
+  const long long m = (mag & 0x7fffffu) | 0x800000u;
+  const int e = int(mag >> 23) - 127 - 23 + k;
+  long long n = 0;
+  if (e >= 0) n = e > 8 ? 0 : m << e;
+  else if (e > -40 && (m & ((1ll << -e) - 1)) == 0) n = m >> -e;
+  return (f >> 31) ? -int(n) : int(n);
+}
+
 // The PRMT selector bits of a 3-bit (2-bit) chunk's nibble word; bit 3 stays clear.
 constexpr u32 ROTATED_NIB3 = 0x77777777u, ROTATED_NIB2 = 0x33333333u;
 
@@ -75,6 +89,12 @@ __host__ __device__ __forceinline__ void rotated_group3_pack(const u32 (&n)[4], 
   w[1] = n[2] | (((n[3] ^ (w[2] >> 2)) << 1) & 0x88888888u);
 }
 
+#ifdef __CUDA_ARCH__
+// Table words of RotatedLut kept in global memory, so that a load gives them (RotatedLut::opaque).
+template <u32... W>
+__device__ const u32 rotated_words[sizeof...(W)] = {W...};
+#endif
+
 template <int BITS, u32... L>
 struct RotatedLut {
   static constexpr int E = 1 << BITS;
@@ -95,13 +115,72 @@ struct RotatedLut {
   }
   static constexpr u32 LO0 = pool(false, 0), LO1 = pool(false, 1), HI0 = pool(true, 0), HI1 = pool(true, 1);
 
+  // Integer keys (DecodeCta::compute_warp's IMMA scores): up to 3 bits the levels are integers
+  // n_i within ±127 times 2^−GRID (kvforge-spec `LevelTable::grid_log2`; GRID from the
+  // outermost level, whose n lies in [64, 127]), held as two PRMT pools of int8 bytes, so one
+  // PRMT gives the int8 levels of 4 codes.
+  static constexpr bool INT8 = BITS <= 3;
+  __host__ __device__ static constexpr int top_exponent() {
+    const u32 lv[E] = {L...};
+    return int((lv[E - 1] >> 23) & 0xffu) - 127;
+  }
+  static constexpr int GRID = 6 - top_exponent();
+  __host__ __device__ static constexpr int grid_int(int i) {
+    const u32 lv[E] = {L...};
+    return rotated_grid_int(lv[i], GRID);
+  }
+  __host__ __device__ static constexpr bool on_grid() {
+    const u32 lv[E] = {L...};
+    for (int i = 0; i < E; ++i) {
+      const int n = rotated_grid_int(lv[i], GRID);
+      if (n < -127 || n > 127 || (n == 0) != ((lv[i] & 0x7fffffffu) == 0)) return false;
+    }
+    return true;
+  }
+  static_assert(!INT8 || on_grid(), "levels of up to 3 bits are int8 multiples of 2^-GRID (kvforge-spec grid_log2)");
+  __host__ __device__ static constexpr u32 int8_pool(int w) {
+    u32 x = 0;
+    for (int b = 0; b < 4; ++b) x |= (4 * w + b < E ? u32(grid_int(4 * w + b)) & 0xffu : 0u) << (8 * b);
+    return x;
+  }
+  static constexpr u32 I0 = INT8 ? int8_pool(0) : 0u, I1 = INT8 ? int8_pool(1) : 0u;
+  // The int8 levels of NCH chunks of one token's code stream `w`: out[2j] = channels 8j..8j + 3
+  // of the slice, out[2j + 1] = 8j + 4..8j + 7 (byte k: channel + k), the B fragment of k-step
+  // j of mma m16n8k32 s8 (rows 4qd..4qd + 3 and 16 + 4qd..16 + 4qd + 3 of the lane).
+  // `i0` is I0: SASS PRMT takes one table word as an immediate and the other from a register,
+  // which the caller keeps in one (opaque_i0).
+  template <int NCH, int NW>
+  __host__ __device__ static void adjacent_int8(u32 i0, const u32 (&w)[NW], u32 (&out)[2 * NCH]) {
+    static_assert(INT8, "int8 levels up to 3 bits");
+#pragma unroll
+    for (int j = 0; j < NCH; ++j) {
+      const u32 x = chunk_at<NCH, NW>(w, j);
+      out[2 * j] = rotated_prmt(i0, I1, x);
+      out[2 * j + 1] = rotated_prmt(i0, I1, x >> 16);
+    }
+  }
+  // I0 as a value ptxas cannot see through (opaque), so that it stays in one register across a
+  // loop instead of being re-materialised from a uniform register before every PRMT (one IMAD
+  // per lookup).
+  __host__ __device__ static u32 opaque_i0() { return opaque(I0); }
+  // A table word read back from global memory (the read-only path; an empty asm would leave no
+  // trace in the PTX, and ptxas folds a constant into every use).
+  __host__ __device__ static u32 opaque(u32 x) {
+#ifdef __CUDA_ARCH__
+    return __ldg(&rotated_words<LO0, HI0, I0>[x == LO0 ? 0 : x == HI0 ? 1 : 2]);
+#else
+    return x;
+#endif
+  }
+
   // Four fp16 pairs from a nibble word `x` of 8 codes (its nibble k the code of item k):
   // out[0], out[1] from items 0-3 by interleave selector S01 (bytes of the low / high lookups:
   // 0-3 / 4-7), out[2], out[3] likewise from items 4-7 (S01 for out[2], S23 for out[3]).
   // Keys (items = channels 0-7): S0 = 0x5140 (items 0, 1), S1 = 0x7362 (items 2, 3). Values
   // (items a0 a1 b0 b1 of two tokens a, b): S0 = 0x6240 (a0, b0), S1 = 0x7351 (a1, b1).
+  // `lo`, `hi`: LO0, HI0 (the pools' register words; PRMT takes LO1, HI1 as immediates).
   template <u32 S0, u32 S1>
-  __host__ __device__ static void quad(u32 x, u32 (&out)[4]) {
+  __host__ __device__ static void quad(u32 x, u32 (&out)[4], u32 lo = LO0, u32 hi = HI0) {
     u32 m = x, z0 = 0, z1 = 0;
     if constexpr (SIGNED) {
       // Index: code ^ 7 below 8 (7 − code), code ^ 8 from 8 (code − 8): per nibble x ^ (7 + s),
@@ -113,8 +192,8 @@ struct RotatedLut {
       z1 = rotated_prmt(x4, x, 0x7362);
     }
     const u32 mh = m >> 16;
-    const u32 lo0 = rotated_prmt(LO0, LO1, m), hi0 = rotated_prmt(HI0, HI1, m);
-    const u32 lo1 = rotated_prmt(LO0, LO1, mh), hi1 = rotated_prmt(HI0, HI1, mh);
+    const u32 lo0 = rotated_prmt(lo, LO1, m), hi0 = rotated_prmt(hi, HI1, m);
+    const u32 lo1 = rotated_prmt(lo, LO1, mh), hi1 = rotated_prmt(hi, HI1, mh);
     u32 h0 = hi0, h1 = hi1;
     if constexpr (SIGNED) {
       h0 = hi0 | (~z0 & 0x80808080u);
@@ -188,13 +267,17 @@ struct RotatedLut {
   // of two tokens' code streams `wa`, `wb`.
   template <int NCH, int NW>
   __host__ __device__ static void transposed(const u32 (&wa)[NW], const u32 (&wb)[NW], u32 (&out)[8 * NCH]) {
+    // The pools' register words, loaded (ptxas cannot fold a load), so that they stay in
+    // registers instead of being re-materialised before every lookup. 4-bit codes keep the
+    // constants: their keys' lookup (fp16 pairs) shares them.
+    const u32 lo = INT8 ? opaque(LO0) : LO0, hi = INT8 ? opaque(HI0) : HI0;
 #pragma unroll
     for (int j = 0; j < NCH; ++j) {
       const u32 na = chunk_at<NCH, NW>(wa, j), nb = chunk_at<NCH, NW>(wb, j);
       u32 q0[4], q1[4];
       // Nibbles a0 a1 b0 b1 a2 a3 b2 b3, then a4 a5 b4 b5 a6 a7 b6 b7.
-      quad<0x6240u, 0x7351u>(rotated_prmt(na, nb, 0x5140), q0);
-      quad<0x6240u, 0x7351u>(rotated_prmt(na, nb, 0x7362), q1);
+      quad<0x6240u, 0x7351u>(rotated_prmt(na, nb, 0x5140), q0, lo, hi);
+      quad<0x6240u, 0x7351u>(rotated_prmt(na, nb, 0x7362), q1, lo, hi);
       out[8 * j + 0] = q0[0];
       out[8 * j + 1] = q0[1];
       out[8 * j + 2] = q0[2];

@@ -253,6 +253,10 @@ macro_rules! rotated_codec {
             fn prefers_per_warp(&self) -> bool {
                 matches!($side, Side::Key)
             }
+            /// Keys of up to 3 bits: their levels are an int8 grid ([`levels::INT8_GRID_BITS`]).
+            fn int8_keys(&self) -> bool {
+                matches!($side, Side::Key) && self.bits <= levels::INT8_GRID_BITS
+            }
             #[cfg(feature = "reference")]
             fn check(&self, d: usize, _tokens: usize, _aux: &[f32]) -> Result<(), RefError> {
                 check(d, self.bits)
