@@ -233,6 +233,9 @@ impl Codec for SharedCodec {
     fn prefers_per_warp(&self) -> bool {
         self.0.prefers_per_warp()
     }
+    fn int8_keys(&self) -> bool {
+        self.0.int8_keys()
+    }
     fn is_dense(&self) -> bool {
         self.0.is_dense()
     }

@@ -233,6 +233,7 @@ struct DecodeCta {
   static constexpr bool IMMA_Q = any_imma_keys(typename Cfg::Tiers{});
   static constexpr int KSI = D / 32;
   __device__ u32* qfrag_i8_s() { return qfrag_s() + GQA * D; }
+  static_assert(!PW || Cfg::SMEM_STAGE_OFF - Cfg::SMEM_BFRAG_OFF >= (IMMA_Q ? 6 : 4) * GQA * D, "query fragments: fp16 (and int8) parts fit their region (kvforge-gen qfrag_bytes)");
   __device__ static float* qinv_s() {
     __shared__ float s[8];
     return s;
