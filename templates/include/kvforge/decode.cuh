@@ -306,11 +306,12 @@ struct DecodeCta {
     float page_sum = 0.f;
     using Keys = typename K::template WarpKeys<NPAIR>;
     Keys keys(seg, qd);
-    // Integer keys (ImmaKeys): int32 scores times 1/s_g (the query's int8 scale) and 2^−GRID.
+    // Integer keys (ImmaKeys): int32 scores times 1/s_g (the query's int8 scale), 2^−GRID and
+    // 1/128 (the low part's weight, see below).
     constexpr bool IMMA = ImmaKeys<K>::value;
     constexpr int NB = IMMA ? NPAIR / 2 : NPAIR;
     float qk = 1.f;
-    if constexpr (IMMA) qk = qinv_s()[g % GQA] * K::GRID_INV;
+    if constexpr (IMMA) qk = qinv_s()[g % GQA] * (K::GRID_INV / 128.f);
     const uint4* qi = reinterpret_cast<const uint4*>(qfrag_i8_s()) + (g % GQA) * 4 + qd;
 #pragma unroll 1
     for (int o = warp; o * 8 < len; o += R * NW) {
@@ -368,8 +369,9 @@ struct DecodeCta {
       for (int r = 0; r < R; ++r) {
         float x0, x1;
         if constexpr (IMMA) {
-          x0 = fmaf(float(ci[r][2]), 1.f / 128.f, float(ci[r][0])) * qk;
-          x1 = fmaf(float(ci[r][3]), 1.f / 128.f, float(ci[r][1])) * qk;
+          // hi·128 + lo in int32 (|hi| ≤ 127·127·D, below 2^31 / 128 up to D 1024), one conversion.
+          x0 = float(ci[r][0] * 128 + ci[r][2]) * qk;
+          x1 = float(ci[r][1] * 128 + ci[r][3]) * qk;
         } else if constexpr (R == 2) {
           x0 = c[r][0] + c[r][2];
           x1 = c[r][1] + c[r][3];
