@@ -43,6 +43,8 @@ from kvq import log  # noqa: E402
 
 SPEC = "specs/rdkv.toml"
 TRIZONE = "specs/trizone.toml"
+# Issue 26: the rotated ladder (r4 / r3 / k3v2 / r2), RDKV with its own ε tables (bits 4, 3, 2).
+ROTATED = "specs/rotated.toml"
 EVAL_TEXTS = ["persuasion", "northangerabbey", "mansfieldpark", "sensesensibility", "prideprejudice"]
 FRACTIONS = [0.05, 0.1, 0.2, 0.35, 0.5]
 
@@ -64,19 +66,25 @@ def calibrate(model, ids, device) -> dict:
     cap = Capture()
     kvq.set_backend(cap)
     model(input_ids=torch.tensor([ids], device=device), use_cache=False)
-    eps_k, eps_v = {16: 0.0, 0: 1.0}, {16: 0.0, 0: 1.0}
-    for bits, tier in ((8, "b8"), (4, "b4"), (2, "b2")):
-        sim = kvq.TierSim(kvq.ROOT / SPEC, tier)
-        ek = ev = nk = nv = 0.0
-        for k, v in cap.kv.values():
-            t = (k.shape[1] // sim.page) * sim.page
-            k, v = k[:, :t], v[:, :t]
-            ek += (sim.keys(k) - k).pow(2).sum().item()
-            ev += (sim.values(v) - v).pow(2).sum().item()
-            nk += k.pow(2).sum().item()
-            nv += v.pow(2).sum().item()
-        eps_k[bits], eps_v[bits] = ek / nk, ev / nv
-    return {"eps_k": eps_k, "eps_v": eps_v, "tokens": len(ids), "text": kvq.CALIBRATION_BOOK}
+    def tables(spec: str, tiers) -> tuple:
+        eps_k, eps_v = {16: 0.0, 0: 1.0}, {16: 0.0, 0: 1.0}
+        for bits, tier in tiers:
+            sim = kvq.TierSim(kvq.ROOT / spec, tier)
+            ek = ev = nk = nv = 0.0
+            for k, v in cap.kv.values():
+                t = (k.shape[1] // sim.page) * sim.page
+                k, v = k[:, :t], v[:, :t]
+                ek += (sim.keys(k) - k).pow(2).sum().item()
+                ev += (sim.values(v) - v).pow(2).sum().item()
+                nk += k.pow(2).sum().item()
+                nv += v.pow(2).sum().item()
+            eps_k[bits], eps_v[bits] = ek / nk, ev / nv
+        return eps_k, eps_v
+
+    eps_k, eps_v = tables(SPEC, ((8, "b8"), (4, "b4"), (2, "b2")))
+    rot_k, rot_v = tables(ROTATED, ((4, "r4"), (3, "r3"), (2, "r2")))
+    return {"eps_k": eps_k, "eps_v": eps_v, "eps_k_rotated": rot_k, "eps_v_rotated": rot_v, "tokens": len(ids),
+            "text": kvq.CALIBRATION_BOOK}
 
 
 @torch.no_grad()
@@ -100,16 +108,21 @@ def continuation(model, ids, cont: int, device, one_by_one: bool = False) -> flo
 
 
 def make(scheme: str, d: int, calib: dict, max_tokens: int, args):
-    """fp16 | uniform:<tier> | rdr@<frac> | rdkv@<frac> | trizone@<frac> | certified
+    """fp16 | uniform:<tier> | rotated:<tier> | rdr@<frac> | rdkv@<frac> | trizone@<frac> |
+    rotated@<frac> | certified
 
     ``trizone@f``: RDKV on specs/trizone.toml (seed 002's TriZone: per-channel mixed-bit keys in
-    the prompt's channel order, per-page value widths), pages start in zone B (``zb``)."""
+    the prompt's channel order, per-page value widths), pages start in zone B (``zb``).
+    ``rotated@f``: RDKV on the rotated ladder of specs/rotated.toml (issue 26), pages start in r4,
+    floor r2, ε tables of the rotated codes; ``rotated:<tier>`` stores every page in that tier."""
     import kvforge.hf as hf
 
     if scheme == "fp16":
         return kvq.Fp16Backend()
     if scheme.startswith("uniform:"):
         return kvq.KvforgeBackend(SPEC, scheme.split(":")[1], scheme, max_tokens, exact_prefill=True)
+    if scheme.startswith("rotated:"):
+        return kvq.KvforgeBackend(ROTATED, scheme.split(":")[1], scheme, max_tokens, exact_prefill=True)
     if scheme == "certified":
         import kvforge
 
@@ -117,11 +130,14 @@ def make(scheme: str, d: int, calib: dict, max_tokens: int, args):
                                   certify=kvforge.Certifier())
     policy, _, frac = scheme.partition("@")
     budget = float(frac) * 4.0 * d  # bytes per token per kv head; fp16 K + V = 4d
-    spec, start, floor = (TRIZONE, "zb", "za2") if policy == "trizone" else (SPEC, "b8", "b2")
+    spec, start, floor = {"trizone": (TRIZONE, "zb", "za2"), "rotated": (ROTATED, "r4", "r2")}.get(policy, (SPEC, "b8", "b2"))
     kw = dict(sinks=args.sinks, recent=args.recent, floor=floor)
-    if policy in ("rdkv", "trizone"):
+    if policy == "rotated":
+        kw.update(eps_k=calib["eps_k_rotated"], eps_v=calib["eps_v_rotated"])
+    elif policy in ("rdkv", "trizone"):
         kw.update(eps_k=calib["eps_k"], eps_v=calib["eps_v"])
-    return kvq.KvforgeBackend(spec, start, scheme, max_tokens, control=hf.Control("rdkv" if policy == "trizone" else policy, budget, **kw))
+    control = "rdkv" if policy in ("trizone", "rotated") else policy
+    return kvq.KvforgeBackend(spec, start, scheme, max_tokens, control=hf.Control(control, budget, **kw))
 
 
 def summarise_reports(backend) -> dict:
@@ -160,6 +176,8 @@ def main():
     ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)), help="budgets, fraction of fp16 bytes")
     ap.add_argument("--uniform", default="b8,b4,b2")
     ap.add_argument("--trizone", default="0.2,0.35,0.5", help="budgets of RDKV on the TriZone spec ('' skips)")
+    ap.add_argument("--rotated", default="0.2,0.35", help="budgets of RDKV on the rotated ladder ('' skips)")
+    ap.add_argument("--uniform-rotated", default="r3", help="rotated tiers stored uniformly ('' skips)")
     ap.add_argument("--certified-contexts", default="2048", help="contexts for certified decode ('' skips)")
     ap.add_argument("--certified-texts", type=int, default=2, help="first N texts for certified decode")
     ap.add_argument("--needle-context", type=int, default=4096, help="0 skips the needle test")
@@ -180,6 +198,8 @@ def main():
     schemes = ["fp16"] + [f"uniform:{t}" for t in args.uniform.split(",") if t]
     schemes += [f"{p}@{f}" for p in ("rdr", "rdkv") for f in fracs]
     schemes += [f"trizone@{f}" for f in [float(x) for x in args.trizone.split(",") if x]]
+    schemes += [f"rotated:{t}" for t in args.uniform_rotated.split(",") if t]
+    schemes += [f"rotated@{f}" for f in [float(x) for x in args.rotated.split(",") if x]]
     cert_ctx = [int(x) for x in args.certified_contexts.split(",") if x]
 
     gguf = kvq.find_gguf(args.model)
