@@ -43,7 +43,7 @@ from kvq import log  # noqa: E402
 
 SPEC = "specs/rdkv.toml"
 TRIZONE = "specs/trizone.toml"
-# Issue 26: the rotated ladder (r4 / r3 / k3v2 / r2), RDKV with its own ε tables (bits 4, 3, 2).
+# Issue 26: the rotated ladder (r16 / r4 / r3 / k3v2 / r2), RDKV with its own ε tables (bits 4, 3, 2).
 ROTATED = "specs/rotated.toml"
 EVAL_TEXTS = ["persuasion", "northangerabbey", "mansfieldpark", "sensesensibility", "prideprejudice"]
 FRACTIONS = [0.05, 0.1, 0.2, 0.35, 0.5]
@@ -113,8 +113,10 @@ def make(scheme: str, d: int, calib: dict, max_tokens: int, args):
 
     ``trizone@f``: RDKV on specs/trizone.toml (seed 002's TriZone: per-channel mixed-bit keys in
     the prompt's channel order, per-page value widths), pages start in zone B (``zb``).
-    ``rotated@f``: RDKV on the rotated ladder of specs/rotated.toml (issue 26), pages start in r4,
-    floor r2, ε tables of the rotated codes; ``rotated:<tier>`` stores every page in that tier."""
+    ``rotated@f``: RDKV on the rotated ladder of specs/rotated.toml (issue 26), pages start in r16
+    (fp16 in the rotated basis) and the protected sinks and recent pages stay there (floor r16:
+    the fp16 window the rotated codes need), ε tables of the rotated codes; ``rotated:<tier>``
+    stores every page in that tier."""
     import kvforge.hf as hf
 
     if scheme == "fp16":
@@ -130,7 +132,7 @@ def make(scheme: str, d: int, calib: dict, max_tokens: int, args):
                                   certify=kvforge.Certifier())
     policy, _, frac = scheme.partition("@")
     budget = float(frac) * 4.0 * d  # bytes per token per kv head; fp16 K + V = 4d
-    spec, start, floor = {"trizone": (TRIZONE, "zb", "za2"), "rotated": (ROTATED, "r4", "r2")}.get(policy, (SPEC, "b8", "b2"))
+    spec, start, floor = {"trizone": (TRIZONE, "zb", "za2"), "rotated": (ROTATED, "r16", "r16")}.get(policy, (SPEC, "b8", "b2"))
     kw = dict(sinks=args.sinks, recent=args.recent, floor=floor)
     if policy == "rotated":
         kw.update(eps_k=calib["eps_k_rotated"], eps_v=calib["eps_v_rotated"])
