@@ -306,6 +306,15 @@ mod tests {
         // answer with the trait's default: the identity basis).
         let rotated = KeyScheme::Codec(SharedCodec::new(crate::codecs::rotated::RotatedKey::new(3, 7)));
         assert_eq!(rotated.codec().basis(), crate::Basis::Hadamard { seed: 7 });
+        // So do the integer-key fragments the shared-memory plan reserves (a missing forward
+        // once let the int8 query fragments overwrite the first stage).
+        for bits in [2, 3, 4] {
+            let direct = crate::codecs::rotated::RotatedKey::new(bits, 7);
+            let held = KeyScheme::Codec(SharedCodec::new(crate::codecs::rotated::RotatedKey::new(bits, 7)));
+            assert_eq!((held.codec().int8_keys(), held.codec().prefers_per_warp()), (direct.int8_keys(), direct.prefers_per_warp()), "{bits} bits");
+            assert_eq!(direct.int8_keys(), bits <= 3);
+        }
+        assert!(!KeyScheme::Codec(SharedCodec::new(IntKey { bits: 4, block: 64, scale: ScaleDType::Fp16 })).codec().int8_keys());
     }
 
     #[test]
