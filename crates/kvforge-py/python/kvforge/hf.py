@@ -240,7 +240,9 @@ class KvforgeAttention:
                 raise ValueError(f"kvforge.hf: {name} must be a non-negative integer, got {n!r}")
         self.sink_pages, self.recent_pages = sink_pages, recent_pages
         if control is not None and (sink_pages or recent_pages):
-            raise ValueError("kvforge.hf: a controller keeps its own sinks and recent pages; "
+            raise ValueError("kvforge.hf: a controller keeps its own sinks and recent pages "
+                             "(Control(..., sinks=, recent=), in the tier pages start in: for an fp16 window "
+                             "under a controller start them in an fp16 tier, e.g. specs/rotated.toml's r16); "
                              "sink_pages / recent_pages need control=None")
         if certify is not None and (sink_pages or recent_pages):
             raise ValueError("kvforge.hf: certified decode does not cover a window policy's fp16 pages; "
