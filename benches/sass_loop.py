@@ -5,7 +5,7 @@ without a GPU).
 Compiles generated decode kernels (kernels-generated/<spec>/decode_*.cu) with NVRTC to a cubin
 (the runtime's flags, headers from templates/include and kernels-generated/include), disassembles
 the plain entry with nvdisasm, and finds the innermost loops (a backward branch) that hold
-HMMA: compute_warp's token loop, once per tier of the variant. For each it prints the static
+HMMA: compute_warp's token loop, once per tier of the variant (integer keys score with IMMA, counted apart). For each it prints the static
 instruction count of the loop body, the count on the common path (the loop without the two
 rare regions a guarded forward branch skips: the rescale after a new maximum and the
 tail-page mask), the tokens per iteration (8 per D/16 HMMA.1688), those per token, and the
@@ -184,7 +184,9 @@ def analyse(path, arch, lib, inc):
         hot = [insns[i][1] for i in common_path(insns, s, e)]
         n1688 = sum(1 for t in body if opcode(t).startswith("HMMA.1688"))
         n16816 = sum(1 for t in body if opcode(t).startswith("HMMA.16816"))
-        out.append({"static": len(body), "common": len(hot), "hmma16816": n16816, "hmma1688": n1688, "ops": collections.Counter(opcode(t) for t in hot)})
+        nimma = sum(1 for t in body if opcode(t).startswith("IMMA"))
+        out.append({"static": len(body), "common": len(hot), "hmma16816": n16816, "hmma1688": n1688, "imma": nimma,
+                    "ops": collections.Counter(opcode(t) for t in hot)})
     return fn, regs, spill, out
 
 
@@ -214,12 +216,12 @@ def main():
             # Tokens per iteration: every octet takes D/16 value mmas (m16n8k8, one per 16 channels).
             d = int(re.search(r"_d(\d+)_", hits[0]).group(1))
             tokens = 8 * l["hmma1688"] // (d // 16)
-            row = {"variant": sub, "arch": a.arch, "regs": regs, "spill_bytes": spill, "loop": k, "tokens": tokens, **{x: l[x] for x in ("static", "common", "hmma16816", "hmma1688")}}
+            row = {"variant": sub, "arch": a.arch, "regs": regs, "spill_bytes": spill, "loop": k, "tokens": tokens, **{x: l[x] for x in ("static", "common", "hmma16816", "hmma1688", "imma")}}
             row["per_token_common"] = round(l["common"] / tokens, 2) if tokens else None
             row["per_token_static"] = round(l["static"] / tokens, 2) if tokens else None
             rows.append(row)
             print(f"{sub:50s} {a.arch} regs {regs} spill {spill} loop {k}: {l['static']} static / {l['common']} common per {tokens} tokens "
-                  f"= {row['per_token_static']} / {row['per_token_common']} per token (HMMA {l['hmma16816']}+{l['hmma1688']})")
+                  f"= {row['per_token_static']} / {row['per_token_common']} per token (HMMA {l['hmma16816']}+{l['hmma1688']}, IMMA {l['imma']})")
             if a.ops:
                 print("   ", " ".join(f"{o}:{c}" for o, c in l["ops"].most_common()))
     shutil.rmtree(tree)
