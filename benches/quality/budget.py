@@ -139,7 +139,7 @@ def make(scheme: str, d: int, calib: dict, max_tokens: int, args):
     elif policy in ("rdkv", "trizone"):
         kw.update(eps_k=calib["eps_k"], eps_v=calib["eps_v"])
     control = "rdkv" if policy in ("trizone", "rotated") else policy
-    return kvq.KvforgeBackend(spec, start, scheme, max_tokens, control=hf.Control(control, budget, **kw))
+    return kvq.KvforgeBackend(spec, start, scheme, max_tokens, control=hf.Control(control, budget, observe=args.observe, **kw))
 
 
 def summarise_reports(backend) -> dict:
@@ -186,6 +186,8 @@ def main():
     ap.add_argument("--needle-depths", default="0.2,0.5,0.8")
     ap.add_argument("--sinks", type=int, default=64)
     ap.add_argument("--recent", type=int, default=64)
+    ap.add_argument("--observe", type=int, default=None,
+                    help="weigh tokens by the attention of the prompt's last N queries only (SnapKV's observation window)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--png", action="store_true")
     args = ap.parse_args()

@@ -355,6 +355,24 @@ def test_exact_attention_matches_eager_and_sums_columns(hf):
         assert torch.allclose(mass.sum(1), torch.full((hkv,), 3.0 * tq, dtype=torch.float64))
         alone, none = hf.exact_attention(q, k, v, 0.25, chunk=4, column_sums=False)
         assert none is None and torch.equal(alone, out)
+        # observe=n: the column sums of the last n queries only (chunks cut anywhere)
+        for n in (1, 3, 7, 100):
+            part = torch.zeros(hkv, s, dtype=torch.float64)
+            for h in range(hq):
+                for i in range(max(0, tq - n), tq):
+                    m = s - tq + i + 1
+                    part[h // 3, :m] += torch.softmax((k[h // 3, :m] @ q[h, i]) * 0.25, 0)
+            same, obs = hf.exact_attention(q, k, v, 0.25, chunk=4, observe=n)
+            assert torch.equal(same, out) and torch.allclose(obs, part, atol=1e-9), n
+            assert torch.allclose(obs.sum(1), torch.full((hkv,), 3.0 * min(n, tq), dtype=torch.float64))
+
+
+def test_control_observe_is_checked_and_shown(hf):
+    assert "observe=64" in repr(hf.Control("rdkv", 32.0, observe=64))
+    assert hf.Control("rdkv", 32.0).observe is None
+    for bad in (0, -3, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="observe must be a positive integer"):
+            hf.Control("rdkv", 32.0, observe=bad)
 
 
 def test_control_attends_the_prompt_exactly_then_applies_per_layer(fake, hf):

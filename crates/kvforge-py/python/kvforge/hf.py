@@ -98,25 +98,32 @@ _HANDLE_ATTR = "_kvforge_attention"
 class Control:
     """A tier controller for every layer: ``kvforge.Controller(cache, policy, budget=..., **kw)``
     is made per layer cache and applied once after each prompt. ``budget`` is bytes per token
-    per kv head (``per="token"``) unless ``kw`` says otherwise; see :class:`kvforge.Controller`."""
+    per kv head (``per="token"``) unless ``kw`` says otherwise; see :class:`kvforge.Controller`.
 
-    def __init__(self, policy: str = "rdr", budget: float = 64.0, **kw: Any):
-        self.policy, self.budget, self.kw = policy, float(budget), dict(kw)
+    The controller weighs each token by the prompt's exact attention to it, summed over the
+    prompt's queries; ``observe=n`` sums over its last ``n`` queries only (SnapKV's observation
+    window: a question at the end of the prompt then decides which pages keep their bytes)."""
+
+    def __init__(self, policy: str = "rdr", budget: float = 64.0, observe: Optional[int] = None, **kw: Any):
+        if observe is not None and (isinstance(observe, bool) or not isinstance(observe, int) or observe < 1):
+            raise ValueError(f"kvforge.hf.Control: observe must be a positive integer or None, got {observe!r}")
+        self.policy, self.budget, self.observe, self.kw = policy, float(budget), observe, dict(kw)
 
     def make(self, kvforge, cache):
         return kvforge.Controller(cache, policy=self.policy, budget=self.budget, **self.kw)
 
     def __repr__(self) -> str:
         extra = "".join(f", {k}={v!r}" for k, v in self.kw.items())
-        return f"Control({self.policy!r}, budget={self.budget}{extra})"
+        obs = "" if self.observe is None else f", observe={self.observe}"
+        return f"Control({self.policy!r}, budget={self.budget}{obs}{extra})"
 
 
-def exact_attention(q, k, v, scaling: float, chunk: int = 1024, column_sums: bool = True):
+def exact_attention(q, k, v, scaling: float, chunk: int = 1024, column_sums: bool = True, observe: Optional[int] = None):
     """Exact causal attention in fp32 with the queries at the last ``Tq`` of ``S`` positions,
     and the attention column sums: q [Hq, Tq, D], k/v [Hkv, S, D] -> (out [Tq, Hq, D] in q's
     dtype, mass [Hkv, S] float64 = Σ over queries and the kv head's GQA group of a_τt, or None
-    with ``column_sums=False``). Queries are processed ``chunk`` at a time (memory
-    Hq × chunk × S × 4 bytes)."""
+    with ``column_sums=False``); ``observe=n`` sums over the last ``n`` queries only. Queries
+    are processed ``chunk`` at a time (memory Hq × chunk × S × 4 bytes)."""
     import torch
 
     hq, tq, d = q.shape
@@ -135,7 +142,9 @@ def exact_attention(q, k, v, scaling: float, chunk: int = 1024, column_sums: boo
         p = torch.softmax(sc, dim=-1)
         out[i0:i1] = torch.einsum("hgts,hsd->thgd", p, vf).reshape(i1 - i0, hq, d).to(q.dtype)
         if mass is not None:
-            mass += p.sum(dim=(1, 2)).double()
+            lo = 0 if observe is None else max(0, tq - observe - i0)
+            if lo < i1 - i0:
+                mass += p[:, :, lo:].sum(dim=(1, 2)).double()
     return out, mass
 
 
@@ -483,7 +492,8 @@ class KvforgeAttention:
                     raise ValueError("kvforge.hf: prefill='exact' takes left padding only (real tokens at the end of each row)")
                 if first == s:
                     continue
-                o, mass = exact_attention(q[b, :, first:], k[b, :, first:], v[b, :, first:], scaling, column_sums=self.control is not None)
+                o, mass = exact_attention(q[b, :, first:], k[b, :, first:], v[b, :, first:], scaling, column_sums=self.control is not None,
+                                          observe=None if self.control is None else self.control.observe)
                 out[b, first:] = o
                 if self.control is not None:
                     self.reports[layer] = self.control.make(self.kvforge, cache).apply(cache, seq, token_mass=mass)
