@@ -111,6 +111,22 @@ struct Args {
     /// A label for the JSON (machine, date).
     #[arg(long, default_value = "cpu")]
     label: String,
+    /// How the per-subspace weights are stored: `fp16` (the runtime's layout, 112 B per key at
+    /// D 128) or `log8` (8 bits, `2^(round(16 log2 w) / 16)`: with the ids read from the codes'
+    /// sign plane, the 80 B layout of docs/paris.md "GPU bytes per key"; a study of the f64
+    /// reference only, the kernels store fp16).
+    #[arg(long, default_value = "fp16", value_parser = ["fp16", "log8"])]
+    weights: String,
+}
+
+/// A weight on the 8-bit log grid `2^(i / 16)` (steps of 1/16 octave), as its fp16 bits (0 stays
+/// 0). 8 bits cover 16 octaves, more than the weights of unit-norm subspaces span.
+fn log8_weight(bits: u16) -> u16 {
+    let w = f16::from_bits(bits).to_f64();
+    if w <= 0.0 {
+        return bits;
+    }
+    f16::from_f64((2f64).powf((16.0 * w.log2()).round() / 16.0)).to_bits()
 }
 
 fn gauss(rng: &mut ChaCha8Rng) -> f64 {
@@ -230,7 +246,7 @@ fn one_query(cfg: &ParisConfig, s: &Summaries, keys: &[f32], heads: &[f64], max:
 
 /// Runs the queries of one (keys, config) and returns its JSON (`max`: each query is a GQA
 /// group's heads, ranked by the largest head, as `one_query`).
-fn study(source: &str, cfg: ParisConfig, keys: &[f32], queries: &[Vec<f64>], max: bool, k: usize, bar: &ProgressBar) -> Value {
+fn study(source: &str, cfg: ParisConfig, keys: &[f32], queries: &[Vec<f64>], max: bool, k: usize, log8: bool, bar: &ProgressBar) -> Value {
     let n = keys.len() / cfg.head_dim;
     let t0 = Instant::now();
     // Encode in parallel chunks, then concatenate (the histogram adds up).
@@ -243,6 +259,9 @@ fn study(source: &str, cfg: ParisConfig, keys: &[f32], queries: &[Vec<f64>], max
         s.weights.extend(p.weights);
         s.hist.iter_mut().zip(&p.hist).for_each(|(a, b)| *a += b);
         s.n += p.n;
+    }
+    if log8 {
+        s.weights.iter_mut().for_each(|w| *w = log8_weight(*w));
     }
     let encode_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
@@ -343,7 +362,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 for &n in &args.lengths {
                     bar.set_message(format!("synthetic D {d} n {n}"));
                     let (keys, qs) = synthetic(d, n, args.queries, args.seed, args.mean);
-                    let mut v = study("synthetic-drift", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, false, args.k, &bar);
+                    let mut v = study("synthetic-drift", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, false, args.k, args.weights == "log8", &bar);
                     v["mean_scale"] = json!(args.mean);
                     runs.push(v);
                 }
@@ -432,7 +451,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                                 keys
                             }
                         };
-                        let mut v = study("captured-tiled", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, max, args.k, &bar);
+                        let mut v = study("captured-tiled", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, max, args.k, args.weights == "log8", &bar);
                         v["layer"] = json!(l);
                         v["kv_head"] = json!(h);
                         v["captured_tokens"] = json!(t);
@@ -453,6 +472,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let out = json!({
         "what": "ParisKV Recall@k of the kvforge-paris f64 reference vs the exact top-k (crates/kvforge-lab/examples/paris_recall.rs states the data)",
         "label": args.label,
+        "weights": args.weights,
         "schedule": Schedule::default(),
         "quoted_seed_001": {
             "note": "quoted from seed 001 §5.4 (Fig. 9), not measured here: Recall@100 at candidate ratio 0.10 by KV length, Qwen/Llama keys",
