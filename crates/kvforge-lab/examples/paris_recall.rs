@@ -246,7 +246,17 @@ fn one_query(cfg: &ParisConfig, s: &Summaries, keys: &[f32], heads: &[f64], max:
 
 /// Runs the queries of one (keys, config) and returns its JSON (`max`: each query is a GQA
 /// group's heads, ranked by the largest head, as `one_query`).
-fn study(source: &str, cfg: ParisConfig, keys: &[f32], queries: &[Vec<f64>], max: bool, k: usize, log8: bool, bar: &ProgressBar) -> Value {
+/// How a study ranks and what it stores: `max` ranks by the largest head estimate (`kvmax`),
+/// Recall@`k`, `log8` weights on the 8-bit log grid.
+#[derive(Clone, Copy)]
+struct How {
+    max: bool,
+    k: usize,
+    log8: bool,
+}
+
+fn study(source: &str, cfg: ParisConfig, keys: &[f32], queries: &[Vec<f64>], how: How, bar: &ProgressBar) -> Value {
+    let How { max, k, log8 } = how;
     let n = keys.len() / cfg.head_dim;
     let t0 = Instant::now();
     // Encode in parallel chunks, then concatenate (the histogram adds up).
@@ -362,7 +372,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 for &n in &args.lengths {
                     bar.set_message(format!("synthetic D {d} n {n}"));
                     let (keys, qs) = synthetic(d, n, args.queries, args.seed, args.mean);
-                    let mut v = study("synthetic-drift", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, false, args.k, args.weights == "log8", &bar);
+                    let mut v = study("synthetic-drift", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, How { max: false, k: args.k, log8: args.weights == "log8" }, &bar);
                     v["mean_scale"] = json!(args.mean);
                     runs.push(v);
                 }
@@ -451,7 +461,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                                 keys
                             }
                         };
-                        let mut v = study("captured-tiled", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, max, args.k, args.weights == "log8", &bar);
+                        let mut v = study("captured-tiled", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, How { max, k: args.k, log8: args.weights == "log8" }, &bar);
                         v["layer"] = json!(l);
                         v["kv_head"] = json!(h);
                         v["captured_tokens"] = json!(t);
