@@ -58,7 +58,7 @@ const GROUP_CHECK: &str = r#"for (int c = 0; c < {CASES}; ++c) {
 
 /// Integer keys (up to 3 bits): the int8 levels of the same key slice, with the grid exponent.
 const INT8_KEYS: &str = r#"kvforge::u32 oi[2 * {kch}];
-        Lut::adjacent_int8<{kch}>(Lut::opaque_i0(), s, oi);
+        Lut::adjacent_int8<{kch}>(Lut::opaque<Lut::WORD_I0>(), s, oi);
         printf("I {bits} {d}");
         for (auto x : w) printf(" %08x", x);
         printf(" @ %d :", pos);

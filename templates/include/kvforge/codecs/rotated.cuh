@@ -206,7 +206,7 @@ struct RotatedKey {
     static constexpr int A = rotated_lowbit(Rows::ROW) < rotated_lowbit(BYTES) ? rotated_lowbit(Rows::ROW) : rotated_lowbit(BYTES);
     // The int8 table's register word (IMMA; RotatedLut::adjacent_int8).
     u32 i0;
-    __device__ __forceinline__ WarpKeys(const u8*, int) : i0(IMMA ? Lut::opaque_i0() : 0u) {}
+    __device__ __forceinline__ WarpKeys(const u8*, int) : i0(IMMA ? Lut::template opaque<Lut::WORD_I0>() : 0u) {}
     // The slice [qd·2·NPAIR, (qd + 1)·2·NPAIR) of token t: pair e = channels 2e, 2e + 1, or
     // (IMMA) quad 2j = channels 8j..8j + 3, quad 2j + 1 = 8j + 4..8j + 7.
     __device__ __forceinline__ void operator()(const u8* seg, int t, int qd, u32 (&b)[NB]) const {

@@ -132,7 +132,7 @@ struct RotatedLut {
   __host__ __device__ static constexpr bool on_grid() {
     const u32 lv[E] = {L...};
     for (int i = 0; i < E; ++i) {
-      const int n = rotated_grid_int(lv[i], GRID);
+      const int n = grid_int(i);
       if (n < -127 || n > 127 || (n == 0) != ((lv[i] & 0x7fffffffu) == 0)) return false;
     }
     return true;
@@ -148,7 +148,7 @@ struct RotatedLut {
   // of the slice, out[2j + 1] = 8j + 4..8j + 7 (byte k: channel + k), the B fragment of k-step
   // j of mma m16n8k32 s8 (rows 4qd..4qd + 3 and 16 + 4qd..16 + 4qd + 3 of the lane).
   // `i0` is I0: SASS PRMT takes one table word as an immediate and the other from a register,
-  // which the caller keeps in one (opaque_i0).
+  // which the caller keeps in one (opaque<WORD_I0>).
   template <int NCH, int NW>
   __host__ __device__ static void adjacent_int8(u32 i0, const u32 (&w)[NW], u32 (&out)[2 * NCH]) {
     static_assert(INT8, "int8 levels up to 3 bits");
@@ -159,17 +159,18 @@ struct RotatedLut {
       out[2 * j + 1] = rotated_prmt(i0, I1, x >> 16);
     }
   }
-  // I0 as a value ptxas cannot see through (opaque), so that it stays in one register across a
-  // loop instead of being re-materialised from a uniform register before every PRMT (one IMAD
-  // per lookup).
-  __host__ __device__ static u32 opaque_i0() { return opaque(I0); }
-  // A table word read back from global memory (the read-only path; an empty asm would leave no
-  // trace in the PTX, and ptxas folds a constant into every use).
-  __host__ __device__ static u32 opaque(u32 x) {
+  // The table words the loops keep in registers, by index into `opaque`'s array.
+  enum Word : int { WORD_LO0, WORD_HI0, WORD_I0 };
+  // Table word W as a value ptxas cannot see through, read back from global memory (the
+  // read-only path; an empty asm would leave no trace in the PTX): it then stays in one
+  // register across a loop instead of being re-materialised from a uniform register before
+  // every PRMT (one IMAD per lookup).
+  template <Word W>
+  __host__ __device__ static u32 opaque() {
 #ifdef __CUDA_ARCH__
-    return __ldg(&rotated_words<LO0, HI0, I0>[x == LO0 ? 0 : x == HI0 ? 1 : 2]);
+    return __ldg(&rotated_words<LO0, HI0, I0>[W]);
 #else
-    return x;
+    return W == WORD_LO0 ? LO0 : W == WORD_HI0 ? HI0 : I0;
 #endif
   }
 
@@ -270,7 +271,7 @@ struct RotatedLut {
     // The pools' register words, loaded (ptxas cannot fold a load), so that they stay in
     // registers instead of being re-materialised before every lookup. 4-bit codes keep the
     // constants: their keys' lookup (fp16 pairs) shares them.
-    const u32 lo = INT8 ? opaque(LO0) : LO0, hi = INT8 ? opaque(HI0) : HI0;
+    const u32 lo = INT8 ? opaque<WORD_LO0>() : LO0, hi = INT8 ? opaque<WORD_HI0>() : HI0;
 #pragma unroll
     for (int j = 0; j < NCH; ++j) {
       const u32 na = chunk_at<NCH, NW>(wa, j), nb = chunk_at<NCH, NW>(wb, j);
