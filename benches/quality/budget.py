@@ -135,11 +135,14 @@ def make(scheme: str, d: int, calib: dict, max_tokens: int, args):
     spec, start, floor = {"trizone": (TRIZONE, "zb", "za2"), "rotated": (ROTATED, "r16", "r16")}.get(policy, (SPEC, "b8", "b2"))
     kw = dict(sinks=args.sinks, recent=args.recent, floor=floor)
     if policy == "rotated":
-        kw.update(eps_k=calib["eps_k_rotated"], eps_v=calib["eps_v_rotated"])
+        # A dropped token's ε (NMSE 1 by default); larger keeps every page coded (floor r2).
+        drop = {0: args.rotated_drop_eps}
+        kw.update(eps_k={**calib["eps_k_rotated"], **drop}, eps_v={**calib["eps_v_rotated"], **drop})
     elif policy in ("rdkv", "trizone"):
         kw.update(eps_k=calib["eps_k"], eps_v=calib["eps_v"])
     control = "rdkv" if policy in ("trizone", "rotated") else policy
-    return kvq.KvforgeBackend(spec, start, scheme, max_tokens, control=hf.Control(control, budget, observe=args.observe, **kw))
+    return kvq.KvforgeBackend(spec, start, scheme, max_tokens, control=hf.Control(control, budget, observe=args.observe,
+                                                                                 observe_weight=args.observe_weight, keep=args.keep, **kw))
 
 
 def summarise_reports(backend) -> dict:
@@ -188,6 +191,12 @@ def main():
     ap.add_argument("--recent", type=int, default=64)
     ap.add_argument("--observe", type=int, default=None,
                     help="weigh tokens by the attention of the prompt's last N queries only (SnapKV's observation window)")
+    ap.add_argument("--observe-weight", type=float, default=1.0,
+                    help="with --observe: the window's share of the token weights, the rest the whole prompt's")
+    ap.add_argument("--keep", type=int, default=0,
+                    help="with --observe: positions per kv head the window attends most, weighted to keep their bytes")
+    ap.add_argument("--rotated-drop-eps", type=float, default=1.0,
+                    help="NMSE RDKV charges a dropped token on the rotated ladder (1: as calibrated; 1e6: never drop)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--png", action="store_true")
     args = ap.parse_args()
@@ -226,7 +235,7 @@ def main():
     meta = {"what": "continuation perplexity (last `cont` tokens) and needle retrieval under kvforge tier controllers; all measured by this run",
             "device": dev_name, "date": date, "torch": torch.__version__, "transformers": transformers.__version__,
             "kvforge": kvforge.__version__, "model": gguf.name, "spec": SPEC, "head_dim": d, "kv_heads": hkv,
-            "fp16_bytes_per_token": 4.0 * d, "protection": {"sinks": args.sinks, "recent": args.recent, "floor": "b2"},
+            "fp16_bytes_per_token": 4.0 * d, "protection": {"sinks": args.sinks, "recent": args.recent, "floor": {"rdr/rdkv": "b2", "trizone": "za2", "rotated": "r16"}},
             "protocol": __doc__.split("\n\n")[1], "argv": sys.argv[1:]}
     rows, needle = [], {}
     for scheme in (schemes if contexts else []) + (["certified"] if cert_ctx else []):

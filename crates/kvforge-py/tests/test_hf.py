@@ -365,11 +365,35 @@ def test_exact_attention_matches_eager_and_sums_columns(hf):
             same, obs = hf.exact_attention(q, k, v, 0.25, chunk=4, observe=n)
             assert torch.equal(same, out) and torch.allclose(obs, part, atol=1e-9), n
             assert torch.allclose(obs.sum(1), torch.full((hkv,), 3.0 * min(n, tq), dtype=torch.float64))
+            # observe_weight=w: w × the window's sums + (1 − w) × min(n, tq) / tq × every query's
+            for w in (0.0, 0.25, 1.0):
+                _, mixed = hf.exact_attention(q, k, v, 0.25, chunk=4, observe=n, observe_weight=w)
+                want = w * part + (1 - w) * (min(n, tq) / tq) * col
+                assert torch.allclose(mixed, want, atol=1e-9), (n, w)
+                assert torch.allclose(mixed.sum(1), torch.full((hkv,), 3.0 * min(n, tq), dtype=torch.float64))
+            # keep=k: the k positions with the largest window sums weigh the head's whole mass
+            _, kept = hf.exact_attention(q, k, v, 0.25, chunk=4, observe=n, observe_weight=0.5, keep=2)
+            _, mixed = hf.exact_attention(q, k, v, 0.25, chunk=4, observe=n, observe_weight=0.5)
+            top = part.topk(2, dim=1).indices
+            for h in range(hkv):
+                for t in range(s):
+                    want = mixed[h].sum() if t in top[h].tolist() else mixed[h, t]
+                    assert abs(kept[h, t].item() - float(want)) < 1e-9, (n, h, t)
 
 
 def test_control_observe_is_checked_and_shown(hf):
     assert "observe=64" in repr(hf.Control("rdkv", 32.0, observe=64))
     assert hf.Control("rdkv", 32.0).observe is None
+    assert "observe_weight=0.5" in repr(hf.Control("rdkv", 32.0, observe=64, observe_weight=0.5))
+    assert "keep=8" in repr(hf.Control("rdkv", 32.0, observe=64, keep=8))
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="keep must be a non-negative integer"):
+            hf.Control("rdkv", 32.0, observe=64, keep=bad)
+    with pytest.raises(ValueError, match="keep needs observe"):
+        hf.Control("rdkv", 32.0, keep=8)
+    for bad in (-0.1, 1.5, float("nan"), True, "0.5"):
+        with pytest.raises(ValueError, match="observe_weight must be a number in"):
+            hf.Control("rdkv", 32.0, observe=64, observe_weight=bad)
     for bad in (0, -3, 1.5, True, "8"):
         with pytest.raises(ValueError, match="observe must be a positive integer"):
             hf.Control("rdkv", 32.0, observe=bad)

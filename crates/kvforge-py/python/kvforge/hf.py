@@ -102,12 +102,26 @@ class Control:
 
     The controller weighs each token by the prompt's exact attention to it, summed over the
     prompt's queries; ``observe=n`` sums over its last ``n`` queries only (SnapKV's observation
-    window: a question at the end of the prompt then decides which pages keep their bytes)."""
+    window: a question at the end of the prompt then decides which pages keep their bytes).
+    ``observe_weight=w`` (with ``observe``) mixes the two: ``w`` × the window's sums + (1 − w) ×
+    the whole prompt's, scaled to the window's query count, so that the pages the question reads
+    and the pages the text leans on both keep their bytes (1, the default: the window alone).
+    ``keep=k`` (with ``observe``) gives the ``k`` positions per kv head that the window attends
+    most a weight equal to the head's whole mass, so their pages rank above every other page
+    and keep the highest tier the budget allows (SnapKV's selection, applied to precision)."""
 
-    def __init__(self, policy: str = "rdr", budget: float = 64.0, observe: Optional[int] = None, **kw: Any):
+    def __init__(self, policy: str = "rdr", budget: float = 64.0, observe: Optional[int] = None,
+                 observe_weight: float = 1.0, keep: int = 0, **kw: Any):
         if observe is not None and (isinstance(observe, bool) or not isinstance(observe, int) or observe < 1):
             raise ValueError(f"kvforge.hf.Control: observe must be a positive integer or None, got {observe!r}")
+        if isinstance(observe_weight, bool) or not isinstance(observe_weight, (int, float)) or not 0.0 <= observe_weight <= 1.0:
+            raise ValueError(f"kvforge.hf.Control: observe_weight must be a number in [0, 1], got {observe_weight!r}")
         self.policy, self.budget, self.observe, self.kw = policy, float(budget), observe, dict(kw)
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise ValueError(f"kvforge.hf.Control: keep must be a non-negative integer, got {keep!r}")
+        if keep and observe is None:
+            raise ValueError("kvforge.hf.Control: keep needs observe (the window that picks the positions)")
+        self.observe_weight, self.keep = float(observe_weight), keep
 
     def make(self, kvforge, cache):
         return kvforge.Controller(cache, policy=self.policy, budget=self.budget, **self.kw)
@@ -115,15 +129,23 @@ class Control:
     def __repr__(self) -> str:
         extra = "".join(f", {k}={v!r}" for k, v in self.kw.items())
         obs = "" if self.observe is None else f", observe={self.observe}"
+        if self.observe is not None and self.observe_weight != 1.0:
+            obs += f", observe_weight={self.observe_weight}"
+        if self.keep:
+            obs += f", keep={self.keep}"
         return f"Control({self.policy!r}, budget={self.budget}{obs}{extra})"
 
 
-def exact_attention(q, k, v, scaling: float, chunk: int = 1024, column_sums: bool = True, observe: Optional[int] = None):
+def exact_attention(q, k, v, scaling: float, chunk: int = 1024, column_sums: bool = True, observe: Optional[int] = None,
+                    observe_weight: float = 1.0, keep: int = 0):
     """Exact causal attention in fp32 with the queries at the last ``Tq`` of ``S`` positions,
     and the attention column sums: q [Hq, Tq, D], k/v [Hkv, S, D] -> (out [Tq, Hq, D] in q's
     dtype, mass [Hkv, S] float64 = Σ over queries and the kv head's GQA group of a_τt, or None
-    with ``column_sums=False``); ``observe=n`` sums over the last ``n`` queries only. Queries
-    are processed ``chunk`` at a time (memory Hq × chunk × S × 4 bytes)."""
+    with ``column_sums=False``); ``observe=n`` sums over the last ``n`` queries only, or with
+    ``observe_weight=w < 1`` returns ``w`` × those sums + (1 − w) × min(n, Tq) / Tq × the sums
+    over every query, and ``keep=k`` raises the ``k`` positions per kv head with the largest window
+    sums to that head's total (see :class:`Control`). Queries are processed ``chunk`` at a time
+    (memory Hq × chunk × S × 4 bytes)."""
     import torch
 
     hq, tq, d = q.shape
@@ -133,6 +155,8 @@ def exact_attention(q, k, v, scaling: float, chunk: int = 1024, column_sums: boo
     qg = q.float().reshape(hkv, g, tq, d)
     out = torch.empty(tq, hq, d, dtype=q.dtype, device=q.device)
     mass = torch.zeros(hkv, s, dtype=torch.float64, device=q.device) if column_sums else None
+    mix = column_sums and observe is not None and observe_weight < 1.0
+    whole = torch.zeros(hkv, s, dtype=torch.float64, device=q.device) if mix else None
     cols = torch.arange(s, device=q.device)
     for i0 in range(0, tq, chunk):
         i1 = min(tq, i0 + chunk)
@@ -145,6 +169,14 @@ def exact_attention(q, k, v, scaling: float, chunk: int = 1024, column_sums: boo
             lo = 0 if observe is None else max(0, tq - observe - i0)
             if lo < i1 - i0:
                 mass += p[:, :, lo:].sum(dim=(1, 2)).double()
+            if whole is not None:
+                whole += p.sum(dim=(1, 2)).double()
+    window = mass
+    if whole is not None:
+        mass = observe_weight * mass + (1.0 - observe_weight) * (min(observe, tq) / tq) * whole
+    if mass is not None and observe is not None and keep > 0:
+        top = window.topk(min(keep, s), dim=1).indices
+        mass = mass.scatter(1, top, mass.sum(dim=1, keepdim=True).expand(-1, top.shape[1]))
     return out, mass
 
 
@@ -493,7 +525,9 @@ class KvforgeAttention:
                 if first == s:
                     continue
                 o, mass = exact_attention(q[b, :, first:], k[b, :, first:], v[b, :, first:], scaling, column_sums=self.control is not None,
-                                          observe=None if self.control is None else self.control.observe)
+                                          observe=None if self.control is None else self.control.observe,
+                                          observe_weight=1.0 if self.control is None else self.control.observe_weight,
+                                          keep=0 if self.control is None else self.control.keep)
                 out[b, first:] = o
                 if self.control is not None:
                     self.reports[layer] = self.control.make(self.kvforge, cache).apply(cache, seq, token_mass=mass)
