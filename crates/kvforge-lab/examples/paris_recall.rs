@@ -48,6 +48,13 @@
 //! For every query: the exact top-k (f64), the adaptive schedule's retrieval
 //! ([`Schedule::default`]), and a sweep of fixed `(ρ, β)` with the 4-bit rerank and with an
 //! exact rerank of the same candidates (coarse quality alone, as the seed's Fig. 10 reports).
+//!
+//! **What the rerank reads** (docs/paris.md "GPU bytes per key"): the runtime's 4-bit codes with
+//! fp16 per-subspace weights (default; 112 B per key at D 128), the same with 8-bit log weights
+//! (`--weights log8`, 80 B with the ids as the codes' sign plane), or a `D/2`-byte layout of
+//! `kvforge_paris::compact` (`--weights log8` and `--code-bits 3`: 3-bit codes, 8-bit weights per
+//! subspace; `--weights log8 --codes whole`: one weight per key, 4-bit codes with 8 coordinates
+//! on 3 bits). The vote is the same in every case; each run's JSON gives `layout_bytes_per_key`.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -56,7 +63,7 @@ use clap::Parser;
 use half::f16;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvforge_paris::retrieval::top_k_by;
-use kvforge_paris::{exact_top_k, exact_top_k_group_max, group_query, recall, top_candidates, ParisConfig, Query, Schedule, Summaries};
+use kvforge_paris::{exact_top_k, exact_top_k_group_max, group_query, recall, top_candidates, CompactKeys, CompactQuery, CompactSummaries, Layout, ParisConfig, Query, Schedule, Summaries};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -117,6 +124,51 @@ struct Args {
     /// reference only, the kernels store fp16).
     #[arg(long, default_value = "fp16", value_parser = ["fp16", "log8"])]
     weights: String,
+    /// Normalisation of the rerank codes: `subspace` (the runtime's, per subspace) or `whole`
+    /// (one weight per key on the whole rotated unit key, `kvforge_paris::Layout::Whole`: 4-bit
+    /// codes but `--whole-low` coordinates on 3 bits, 8-bit log weight; the D/2-byte layout of
+    /// docs/paris.md "GPU bytes per key"; needs `--weights log8`).
+    #[arg(long, default_value = "subspace", value_parser = ["subspace", "whole"])]
+    codes: String,
+    /// Bits of the per-subspace direction codes: 4 (the runtime's) or 3 (`Layout::Subspace3`,
+    /// the other D/2-byte layout; needs `--weights log8`).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(3..=4))]
+    code_bits: u32,
+    /// `--codes whole`: coordinates on 3-bit codes (8 makes the layout D/2 bytes at every head
+    /// dim; 0 is the 4-bit whole-vector code, one byte more).
+    #[arg(long, default_value_t = 8)]
+    whole_low: usize,
+    /// More `(ρ, β)` pairs for the sweep, `rho:beta` (appended after the fixed ones).
+    #[arg(long, value_delimiter = ',')]
+    sweep_extra: Vec<String>,
+}
+
+impl Args {
+    /// The sweep: [`SWEEP`], then `--sweep-extra`.
+    fn sweep(&self) -> Result<&'static [(f64, f64)], String> {
+        let mut out = SWEEP.to_vec();
+        for p in &self.sweep_extra {
+            let parsed = p.split_once(':').and_then(|(r, b)| Some((r.parse::<f64>().ok()?, b.parse::<f64>().ok()?)));
+            let (rho, beta) = parsed.ok_or_else(|| format!("--sweep-extra {p}: rho:beta"))?;
+            kvforge_paris::config::check_ratios(rho, beta).map_err(|e| e.to_string())?;
+            out.push((rho, beta));
+        }
+        Ok(Vec::leak(out))
+    }
+
+    /// The compact rerank layout asked for, if any.
+    fn layout(&self) -> Result<Option<Layout>, String> {
+        let layout = match (self.codes.as_str(), self.code_bits) {
+            ("subspace", 4) => None,
+            ("subspace", _) => Some(Layout::Subspace3),
+            ("whole", 4) => Some(Layout::Whole { low: self.whole_low }),
+            (_, bits) => return Err(format!("--codes whole takes 4-bit codes (--whole-low sets the 3-bit ones), not --code-bits {bits}")),
+        };
+        if layout.is_some() && self.weights != "log8" {
+            return Err("--codes whole and --code-bits 3 store 8-bit log weights: add --weights log8".into());
+        }
+        Ok(layout)
+    }
 }
 
 /// A weight on the 8-bit log grid `2^(i / 16)` (steps of 1/16 octave), as its fp16 bits (0 stays
@@ -215,7 +267,8 @@ impl Acc {
 /// One retrieval's recalls per plan (adaptive, then the sweep): `heads` is one query `[D]`, or
 /// with `max` a GQA group's queries `[G][D]` (vote by their sum, rerank and exact ranking by
 /// the largest head's).
-fn one_query(cfg: &ParisConfig, s: &Summaries, keys: &[f32], heads: &[f64], max: bool, k: usize) -> Vec<(f64, f64, f64)> {
+fn one_query(cfg: &ParisConfig, s: &Summaries, compact: Option<&CompactSummaries>, keys: &[f32], heads: &[f64], how: How) -> Vec<(f64, f64, f64)> {
+    let How { max, k, sweep, .. } = how;
     let d = cfg.head_dim;
     let q = group_query(heads, d);
     let want = if max { exact_top_k_group_max(keys, heads, d, k) } else { exact_top_k(keys, &q, k) };
@@ -223,9 +276,11 @@ fn one_query(cfg: &ParisConfig, s: &Summaries, keys: &[f32], heads: &[f64], max:
     let per: Vec<Query> = if max { heads.chunks_exact(d).map(|h| Query::new(cfg, h).expect("a finite query")).collect() } else { Vec::new() };
     let dot = |i: u32, q: &[f64]| keys[i as usize * d..(i as usize + 1) * d].iter().zip(q).map(|(&a, b)| f64::from(a) * b).sum::<f64>();
     let exact = |i: u32| if max { heads.chunks_exact(d).map(|h| dot(i, h)).fold(f64::NEG_INFINITY, f64::max) } else { dot(i, &q) };
-    let estimate = |i: u32| if max { per.iter().map(|h| h.estimate(s, i as usize)).fold(f64::NEG_INFINITY, f64::max) } else { qp.estimate(s, i as usize) };
+    // The rerank: the runtime's summaries, or a compact layout's (the vote is the same).
+    let scorers: Vec<_> = if max { per.iter().map(|h| scorer(s, compact, h)).collect() } else { vec![scorer(s, compact, &qp)] };
+    let estimate = |i: u32| scorers.iter().map(|e| e(i as usize)).fold(f64::NEG_INFINITY, f64::max);
     let plan = Schedule::default().plan(s.n, k);
-    let runs = std::iter::once((plan.rho, plan.candidates)).chain(SWEEP.iter().map(|&(rho, beta)| (rho, ((beta * s.n as f64).ceil() as usize).max(k))));
+    let runs = std::iter::once((plan.rho, plan.candidates)).chain(sweep.iter().map(|&(rho, beta)| (rho, ((beta * s.n as f64).ceil() as usize).max(k))));
     let mut out = Vec::new();
     let mut last_rho = f64::NAN;
     let mut scores = Vec::new();
@@ -244,19 +299,45 @@ fn one_query(cfg: &ParisConfig, s: &Summaries, keys: &[f32], heads: &[f64], max:
     out
 }
 
+/// The rerank estimate of query `q` by key index: the runtime's summaries `s`, or `compact`'s.
+fn scorer<'a>(s: &'a Summaries, compact: Option<&'a CompactSummaries>, q: &'a Query) -> Box<dyn Fn(usize) -> f64 + 'a> {
+    match compact {
+        Some(c) => {
+            let cq = CompactQuery::new(q, c.layout).expect("a valid layout");
+            Box::new(move |i| cq.estimate(c, i))
+        }
+        None => Box::new(move |i| q.estimate(s, i)),
+    }
+}
+
 /// Runs the queries of one (keys, config) and returns its JSON (`max`: each query is a GQA
 /// group's heads, ranked by the largest head, as `one_query`).
 /// How a study ranks and what it stores: `max` ranks by the largest head estimate (`kvmax`),
-/// Recall@`k`, `log8` weights on the 8-bit log grid.
+/// Recall@`k`, `log8` weights on the 8-bit log grid, `layout` a compact rerank layout instead of
+/// the runtime's codes, `sweep` the `(ρ, β)` pairs swept.
 #[derive(Clone, Copy)]
 struct How {
     max: bool,
     k: usize,
     log8: bool,
+    layout: Option<Layout>,
+    sweep: &'static [(f64, f64)],
+}
+
+impl How {
+    /// GPU bytes per key of the layout studied, with the ids read from the codes' sign plane
+    /// where the weights are 8-bit (the runtime's fp16 layout stores them apart).
+    fn bytes(&self, cfg: &ParisConfig) -> usize {
+        match (self.layout, self.log8) {
+            (Some(l), _) => l.bytes_per_key(cfg),
+            (None, true) => cfg.head_dim / 2 + cfg.subspaces,
+            (None, false) => cfg.summary_bytes(),
+        }
+    }
 }
 
 fn study(source: &str, cfg: ParisConfig, keys: &[f32], queries: &[Vec<f64>], how: How, bar: &ProgressBar) -> Value {
-    let How { max, k, log8 } = how;
+    let How { k, log8, layout, sweep, .. } = how;
     let n = keys.len() / cfg.head_dim;
     let t0 = Instant::now();
     // Encode in parallel chunks, then concatenate (the histogram adds up).
@@ -270,20 +351,27 @@ fn study(source: &str, cfg: ParisConfig, keys: &[f32], queries: &[Vec<f64>], how
         s.hist.iter_mut().zip(&p.hist).for_each(|(a, b)| *a += b);
         s.n += p.n;
     }
-    if log8 {
+    if log8 && layout.is_none() {
         s.weights.iter_mut().for_each(|w| *w = log8_weight(*w));
     }
+    // A compact layout's codes, chunks encoded in parallel, weights on one grid per kv head.
+    let compact = layout.map(|l| {
+        let mut parts = keys.par_chunks(chunk * cfg.head_dim).map(|c| CompactKeys::encode(cfg, l, c).expect("finite keys")).collect::<Vec<_>>().into_iter();
+        let mut all = parts.next().expect("keys");
+        parts.for_each(|p| all.extend(p).expect("one layout"));
+        CompactSummaries::from_keys(all)
+    });
     let encode_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let per: Vec<Vec<(f64, f64, f64)>> = queries
         .par_iter()
         .map(|q| {
-            let r = one_query(&cfg, &s, keys, q, max, k);
+            let r = one_query(&cfg, &s, compact.as_ref(), keys, q, how);
             bar.inc(1);
             r
         })
         .collect();
-    let mut accs = vec![Acc::default(); 1 + SWEEP.len()];
+    let mut accs = vec![Acc::default(); 1 + sweep.len()];
     for r in &per {
         for (a, &(rc, co, ex)) in accs.iter_mut().zip(r) {
             a.recall.push(rc);
@@ -292,17 +380,20 @@ fn study(source: &str, cfg: ParisConfig, keys: &[f32], queries: &[Vec<f64>], how
         }
     }
     let plan = Schedule::default().plan(n, k);
-    let sweep: Vec<Value> = SWEEP.iter().zip(&accs[1..]).map(|(&(rho, beta), a)| json!({"rho": rho, "beta": beta, "candidates": ((beta * n as f64).ceil() as usize).max(k), "result": a.summary()})).collect();
+    let sweep: Vec<Value> = sweep.iter().zip(&accs[1..]).map(|(&(rho, beta), a)| json!({"rho": rho, "beta": beta, "candidates": ((beta * n as f64).ceil() as usize).max(k), "result": a.summary()})).collect();
     let v = json!({
         "source": source, "head_dim": cfg.head_dim, "n": n, "k": k, "config": cfg,
         "summary_bytes_per_key": cfg.summary_bytes(), "fp16_kv_bytes_per_key": 4 * cfg.head_dim,
+        "layout": layout.map(|l| l.name()), "layout_bytes_per_key": how.bytes(&cfg),
+        "weight_grid": compact.as_ref().map(|c| c.grid),
         "encode_s": encode_s, "query_s": t1.elapsed().as_secs_f64(),
         "adaptive": {"plan": plan, "result": accs[0].summary()},
         "sweep": sweep,
     });
     let line = format!(
-        "{source} D {} n {n}: adaptive (rho {}, beta {}) recall@{k} {:.3} (coarse {:.3}, exact rerank {:.3}); ratio 0.10: {:.3}",
+        "{source} D {} n {n} ({} B): adaptive (rho {}, beta {}) recall@{k} {:.3} (coarse {:.3}, exact rerank {:.3}); ratio 0.10: {:.3}",
         cfg.head_dim,
+        how.bytes(&cfg),
         plan.rho,
         plan.beta,
         mean(&accs[0].recall),
@@ -363,6 +454,8 @@ fn summarize_runs(runs: &[Value]) -> Value {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
+    let layout = args.layout()?;
+    let sweep = args.sweep()?;
     let style = ProgressStyle::with_template("{bar:40} {pos}/{len} queries {elapsed} {msg}")?;
     let mut runs = Vec::new();
     match &args.qk {
@@ -372,7 +465,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 for &n in &args.lengths {
                     bar.set_message(format!("synthetic D {d} n {n}"));
                     let (keys, qs) = synthetic(d, n, args.queries, args.seed, args.mean);
-                    let mut v = study("synthetic-drift", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, How { max: false, k: args.k, log8: args.weights == "log8" }, &bar);
+                    let mut v =
+                        study("synthetic-drift", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, How { max: false, k: args.k, log8: args.weights == "log8", layout, sweep }, &bar);
                     v["mean_scale"] = json!(args.mean);
                     runs.push(v);
                 }
@@ -461,7 +555,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                                 keys
                             }
                         };
-                        let mut v = study("captured-tiled", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, How { max, k: args.k, log8: args.weights == "log8" }, &bar);
+                        let mut v =
+                            study("captured-tiled", ParisConfig { tiers: args.tiers, ..ParisConfig::default_for(d) }, &keys, &qs, How { max, k: args.k, log8: args.weights == "log8", layout, sweep }, &bar);
                         v["layer"] = json!(l);
                         v["kv_head"] = json!(h);
                         v["captured_tokens"] = json!(t);
@@ -483,6 +578,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "what": "ParisKV Recall@k of the kvforge-paris f64 reference vs the exact top-k (crates/kvforge-lab/examples/paris_recall.rs states the data)",
         "label": args.label,
         "weights": args.weights,
+        "codes": args.codes,
+        "code_bits": args.code_bits,
+        "layout": layout.map(|l| l.name()),
         "schedule": Schedule::default(),
         "quoted_seed_001": {
             "note": "quoted from seed 001 §5.4 (Fig. 9), not measured here: Recall@100 at candidate ratio 0.10 by KV length, Qwen/Llama keys",

@@ -33,4 +33,8 @@ pub enum ParisError {
     /// The schedule has no point, or its lengths are not increasing.
     #[error("schedule: {0}")]
     Schedule(String),
+    /// A compact rerank layout that does not fit the geometry, or compact codes of two
+    /// layouts joined (`compact`).
+    #[error("compact layout: {0}")]
+    Layout(String),
 }

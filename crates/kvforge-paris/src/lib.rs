@@ -28,15 +28,19 @@
 //! - [`retrieval`]: vote, top-`C`, rerank (eq. 10), top-`k`, exact top-`k` and recall; one
 //!   retrieval per GQA group ([`group_query`]), ranked by the summed or the heads' largest
 //!   estimate ([`Rank`]);
+//! - [`compact`]: rerank layouts of 1/8 of fp16 (`D/2` bytes per key), a study of the f64
+//!   reference (3-bit codes, or whole-vector codes with one weight per key);
 //! - [`config`]: the geometry and the adaptive `(ρ, β)` schedule;
 //! - [`window`]: the sinks / retrieval / local / update-buffer regions of a sequence (§4.2.1).
 
+pub mod compact;
 pub mod config;
 pub mod error;
 pub mod retrieval;
 pub mod summary;
 pub mod window;
 
+pub use compact::{compact_key, CompactKey, CompactKeys, CompactQuery, CompactSummaries, Layout, LogGrid};
 pub use config::{ParisConfig, RetrievalPlan, Schedule, SchedulePoint, CODE_BITS};
 pub use error::ParisError;
 pub use retrieval::{exact_top_k, exact_top_k_group_max, group_query, recall, retrieve, retrieve_group, retrieve_group_max, top_candidates, Query, Rank, Retrieval};
