@@ -215,7 +215,9 @@ def main():
         for k, l in enumerate(ls):
             # Tokens per iteration: every octet takes D/16 value mmas (m16n8k8, one per 16 channels).
             d = int(re.search(r"_d(\d+)_", hits[0]).group(1))
-            tokens = 8 * l["hmma1688"] // (d // 16)
+            # 8 tokens per D/16 value HMMA.1688; biased value pairs (rotated codes on the int8
+            # grid) add one per octet for the bias, which the floor division leaves out.
+            tokens = 8 * (l["hmma1688"] // (d // 16))
             row = {"variant": sub, "arch": a.arch, "regs": regs, "spill_bytes": spill, "loop": k, "tokens": tokens, **{x: l[x] for x in ("static", "common", "hmma16816", "hmma1688", "imma")}}
             row["per_token_common"] = round(l["common"] / tokens, 2) if tokens else None
             row["per_token_static"] = round(l["static"] / tokens, 2) if tokens else None

@@ -66,6 +66,18 @@ const INT8_KEYS: &str = r#"kvforge::u32 oi[2 * {kch}];
         for (auto x : oi) printf(" %08x", x);
         printf("\n");"#;
 
+/// Integer values (up to 3 bits): the biased pairs of the same value slices, with −bias.
+const INT8_VALUES: &str = r#"kvforge::u32 ob[{vp}];
+        Lut::transposed_int8<{vch}>(sa, sb, ob);
+        printf("W {bits} {d}");
+        for (auto x : a) printf(" %08x", x);
+        printf(" |");
+        for (auto x : b) printf(" %08x", x);
+        printf(" @ %d :", pos);
+        printf(" %08x %08x", (kvforge::u32)Lut::GRID, Lut::VBIAS_H2);
+        for (auto x : ob) printf(" %08x", x);
+        printf("\n");"#;
+
 /// One configuration: `bits`, head dim `d`; key slices of d/32 chunks, value slices of d/64.
 /// 3-bit slices of fewer than 4 chunks are a part of one group (2-bit slices of one chunk of
 /// one word): the driver draws the whole group and the part's position, builds the words the
@@ -121,11 +133,17 @@ fn driver(bits: u32, d: usize, lv: &[u32]) -> String {
         printf(" @ %d :", pos);
         for (auto x : o) printf(" %08x", x);
         printf("\n");
+        {int8v}
       }}
     }}
     {group}
   }}
 "#,
+        int8v = if bits <= INT8_GRID_BITS {
+            INT8_VALUES.replace("{vch}", &vch.to_string()).replace("{vp}", &(8 * vch).to_string()).replace("{bits}", &bits.to_string()).replace("{d}", &d.to_string())
+        } else {
+            String::new()
+        },
         int8 = if bits <= INT8_GRID_BITS { INT8_KEYS.replace("{kch}", &kch.to_string()).replace("{bits}", &bits.to_string()).replace("{d}", &d.to_string()) } else { String::new() },
         kw = words(kch),
         kp = 4 * kch,
@@ -220,6 +238,24 @@ fn lookup_matches_levels_rounded_to_fp16() {
             int8_checked += 1;
             continue;
         }
+        if side == "W" {
+            // Pair k: channel c0 + k of tokens a, b as (ℓ + bias) in fp16, exactly, with
+            // bias = 1152·2^−GRID and the printed −bias pair its negation in both halves.
+            let (a, b) = input.split_once('|').unwrap();
+            let (a, b) = (hex(a), hex(b));
+            let table = levels(d, bits);
+            assert_eq!(Some(got[0]), table.grid_log2, "grid exponent, {bits} bits, d {d}");
+            let bias = 1152.0 / f64::from(1u32 << got[0]);
+            let h = |x: u32| f64::from(half::f16::from_bits(x as u16).to_f32());
+            assert_eq!((h(got[1]), h(got[1] >> 16)), (-bias, -bias), "value bias, {bits} bits, d {d}");
+            let c0 = pos * d / 8;
+            for (k, &g) in got[2..].iter().enumerate() {
+                let want = |w: &[u32]| f64::from(table.levels_f32[code(w, bits, c0 + k)]) + bias;
+                assert_eq!((h(g), h(g >> 16)), (want(&a), want(&b)), "biased values, {bits} bits, d {d}, channel {k}, streams {a:08x?} {b:08x?} at {pos}");
+            }
+            int8_checked += 1;
+            continue;
+        }
         if side == "K" {
             let w = hex(input);
             let c0 = pos * d / 4;
@@ -239,5 +275,5 @@ fn lookup_matches_levels_rounded_to_fp16() {
         checked += 1;
     }
     assert_eq!(checked, 2 * CASES * configs.len());
-    assert_eq!(int8_checked, CASES * configs.iter().filter(|c| c.0 <= INT8_GRID_BITS).count());
+    assert_eq!(int8_checked, 2 * CASES * configs.iter().filter(|c| c.0 <= INT8_GRID_BITS).count());
 }

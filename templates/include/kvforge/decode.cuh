@@ -66,6 +66,13 @@ template <class K> struct ImmaKeys<K, decltype(void(K::IMMA))> { static constexp
 template <class... Ts> __host__ __device__ constexpr bool any_imma_keys(TierList<Ts...>) { return (false || ... || ImmaKeys<typename Ts::Key>::value); }
 template <class C, class = void> struct TokenScaled { static constexpr bool value = false; };
 template <class C> struct TokenScaled<C, decltype(void(C::TOKEN_SCALE))> { static constexpr bool value = C::TOKEN_SCALE; };
+// Value codecs whose per-warp pairs carry a constant bias (V::BIASED_PAIRS, with
+// V::token_pairs_biased and V::VBIAS_H2, −bias in both fp16 halves): the rotated codes on the
+// int8 grid. compute_warp adds Σ p·(−bias) per head into one more accumulator tile (vcorr),
+// with the same probabilities, and merge_warps adds it to every channel.
+template <class V, class = void> struct BiasedValues { static constexpr bool value = false; };
+template <class V> struct BiasedValues<V, decltype(void(V::BIASED_PAIRS))> { static constexpr bool value = V::BIASED_PAIRS; };
+template <class... Ts> __host__ __device__ constexpr bool any_biased_values(TierList<Ts...>) { return (false || ... || BiasedValues<typename Ts::Value>::value); }
 
 // Shared-memory plan of one decode variant (bytes): Cfg::SMEM_*_OFF regions (queries, lookup
 // tables, scores, softmax statistics, output, B or query fragments, then Cfg::NSTAGE stages of
@@ -144,6 +151,10 @@ struct DecodeCta {
   const DecodeParams& p;
   int kvh;
   float acc[ACC_R][ACC_C];
+  // Per-warp layout with biased value pairs (BiasedValues): the bias's share of every channel,
+  // laid out as one accumulator tile (all rows equal).
+  static constexpr bool VCORR = PW && any_biased_values(typename Cfg::Tiers{});
+  float vcorr[4];
   // Per-warp layout: head g's running max and (this lane's share of the) sum, and, tracking,
   // this warp's log2 mass of head g in the current page (compute_warp sets it).
   float pw_m = NEG_INF, pw_l = 0.f, pw_plse;
@@ -409,6 +420,7 @@ struct DecodeCta {
         const float a0 = __shfl_sync(0xffffffffu, alpha, 8 * qd), a1 = __shfl_sync(0xffffffffu, alpha, 8 * qd + 4);
 #pragma unroll
         for (int i = 0; i < KSW; ++i) { acc[i][0] *= a0; acc[i][1] *= a1; acc[i][2] *= a0; acc[i][3] *= a1; }
+        if constexpr (VCORR) { vcorr[0] *= a0; vcorr[1] *= a1; vcorr[2] *= a0; vcorr[3] *= a1; }
       }
       // O^T += V^T P^T: the probabilities are this lane's B fragment as they stand (times the
       // tokens' value scales for token-scaled values; tokens past `len`, whose scales may be
@@ -424,8 +436,16 @@ struct DecodeCta {
         }
         const u32 b = head ? pack2<false>(p0, p1) : 0u;
         u32 vp[CV];
-        V::template token_pairs<CV>(seg, ta[r], tb[r], g * CV, vp);
-        if ((o + r * NW) * 8 + 8 > len) {
+        constexpr bool BIASED = BiasedValues<V>::value;
+        if constexpr (BIASED) {
+          // Pairs ℓ + bias, finite for any code (rows past `len` need no mask), and Σ p·(−bias).
+          V::template token_pairs_biased<CV>(seg, ta[r], tb[r], g * CV, vp);
+          const u32 nb[2] = {V::VBIAS_H2, V::VBIAS_H2};
+          mma1688(vcorr, nb, b);
+        } else {
+          V::template token_pairs<CV>(seg, ta[r], tb[r], g * CV, vp);
+        }
+        if (!BIASED && (o + r * NW) * 8 + 8 > len) {
           // Rows past `len` may hold anything (a tail page's unwritten rows): p = 0 must not
           // meet a NaN.
           const u32 m = (ta[r] < len ? 0xffffu : 0u) | (tb[r] < len ? 0xffff0000u : 0u);
@@ -507,6 +527,13 @@ struct DecodeCta {
   // summed in a fixed warp order into OUT; m_s / l_s get the heads' totals.
   __device__ void merge_warps() {
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, qd = lane & 3;
+    if constexpr (VCORR) {
+      // The biased value pairs' share: the same for every channel of a head (column).
+#pragma unroll
+      for (int i = 0; i < KSW; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] += vcorr[j];
+    }
     float* wm = scores_s();
     float* wl = wm + NW * GQA;
     float l = pw_l;
@@ -942,6 +969,8 @@ struct DecodeCta {
     for (int i = 0; i < ACC_R; ++i)
 #pragma unroll
       for (int j = 0; j < ACC_C; ++j) acc[i][j] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) vcorr[j] = 0.f;
     __syncthreads();
 
     // Stage of page i and of page i + NSTAGE - 1, kept incrementally (a modulo by a stage

@@ -287,6 +287,23 @@ struct RotatedValue {
       for (int k = 0; k < N; ++k) out[k] = pack2<false>(level(seg, ta, c0 + k), level(seg, tb, c0 + k));
     }
   }
+  // Up to 3 bits (Lut::INT8) the per-warp decode reads value pairs biased by Lut::VBIAS
+  // (token_pairs_biased: 1.5 PRMT per pair instead of 2) and takes the bias off with one more
+  // mma per octet against VBIAS_H2 (DecodeCta::compute_warp, BiasedValues).
+  static constexpr bool BIASED_PAIRS = Lut::INT8;
+  static constexpr u32 VBIAS_H2 = Lut::VBIAS_H2;
+  // out[k] = (ℓ_a + VBIAS, ℓ_b + VBIAS) at channel c0 + k of tokens ta, tb (RotatedLut::transposed_int8).
+  template <int N>
+  __device__ __forceinline__ static void token_pairs_biased(const u8* seg, int ta, int tb, int c0, u32 (&out)[N]) {
+    static_assert(BIASED_PAIRS && N % 8 == 0, "int8-grid levels, whole chunks");
+    constexpr int NCH = N / 8, BYTES = NCH * BITS;
+    constexpr int A0 = rotated_lowbit(Rows::ROW) < rotated_lowbit(BYTES) ? rotated_lowbit(Rows::ROW) : rotated_lowbit(BYTES);
+    constexpr int A = A0 < 16 ? A0 : 16;
+    u32 wa[Rows::template SLICE_WORDS<NCH>], wb[Rows::template SLICE_WORDS<NCH>];
+    Rows::template slice<NCH, BYTES, A>(seg + OFF_CODES, ta, c0 / 8, wa);
+    Rows::template slice<NCH, BYTES, A>(seg + OFF_CODES, tb, c0 / 8, wb);
+    Lut::template transposed_int8<NCH>(wa, wb, out);
+  }
   // The level of token t, channel c (no scale).
   __device__ __forceinline__ static float level(const u8* seg, int t, int c) {
     return Rows::level((Rows::chunk(seg + OFF_CODES, t, c / 8) >> (Rows::SLOT * (c % 8))) & (Rows::E - 1));

@@ -159,8 +159,20 @@ struct RotatedLut {
       out[2 * j + 1] = rotated_prmt(i0, I1, x >> 16);
     }
   }
+  // Integer values (the per-warp decode's fp16 PV operands; INT8): one channel of two tokens
+  // as the fp16 pair (1152 + n)·2^−GRID = ℓ + VBIAS, exact (|n| ≤ 127). A PRMT of the pool of
+  // biased bytes n + 128 (V0, V1) gives four of them, and one PRMT per pair sets each byte
+  // beside the exponent byte VEXP (fp16 exponent 25 − GRID: (1024 + byte)·2^−GRID), so a pair
+  // costs 1.5 PRMT instead of the fp16 pools' 2 (DecodeCta::compute_warp takes VBIAS off with
+  // one more mma per octet, VBIAS_H2).
+  static constexpr u32 V0 = I0 ^ 0x80808080u, V1 = I1 ^ 0x80808080u;
+  static_assert(!INT8 || (GRID >= 1 && GRID <= 24), "the value pairs' exponent 25 − GRID is a normal fp16 exponent");
+  static constexpr u32 VEXP = INT8 ? u32((25 - GRID) << 2) * 0x01010101u : 0u;
+  static constexpr float VBIAS = INT8 ? 1152.f / float(1 << GRID) : 0.f;
+  // −VBIAS in both halves (exact in fp16: 1152 = 9·2^7).
+  static constexpr u32 VBIAS_H2 = INT8 ? (0x8000u | ((u32(25 - GRID) << 10) + 0x80u)) * 0x10001u : 0u;
   // The table words the loops keep in registers, by index into `opaque`'s array.
-  enum Word : int { WORD_LO0, WORD_HI0, WORD_I0 };
+  enum Word : int { WORD_LO0, WORD_HI0, WORD_I0, WORD_V0, WORD_VEXP };
   // Table word W as a value ptxas cannot see through, read back from global memory (the
   // read-only path; an empty asm would leave no trace in the PTX): it then stays in one
   // register across a loop instead of being re-materialised from a uniform register before
@@ -168,9 +180,9 @@ struct RotatedLut {
   template <Word W>
   __host__ __device__ static u32 opaque() {
 #ifdef __CUDA_ARCH__
-    return __ldg(&rotated_words<LO0, HI0, I0>[W]);
+    return __ldg(&rotated_words<LO0, HI0, I0, V0, VEXP>[W]);
 #else
-    return W == WORD_LO0 ? LO0 : W == WORD_HI0 ? HI0 : I0;
+    return W == WORD_LO0 ? LO0 : W == WORD_HI0 ? HI0 : W == WORD_I0 ? I0 : W == WORD_V0 ? V0 : VEXP;
 #endif
   }
 
@@ -287,6 +299,29 @@ struct RotatedLut {
       out[8 * j + 5] = q1[1];
       out[8 * j + 6] = q1[2];
       out[8 * j + 7] = q1[3];
+    }
+  }
+  // Values on the int8 grid (INT8): out[k] = (ℓ_a + VBIAS, ℓ_b + VBIAS) of channel k, as
+  // `transposed`: per 8 codes of the two tokens two lookups, a shift and four pair PRMTs.
+  template <int NCH, int NW>
+  __host__ __device__ static void transposed_int8(const u32 (&wa)[NW], const u32 (&wb)[NW], u32 (&out)[8 * NCH]) {
+    static_assert(INT8, "int8 levels up to 3 bits");
+    // Register words, loaded once per call (see opaque).
+    const u32 v0 = opaque<WORD_V0>(), ve = opaque<WORD_VEXP>();
+#pragma unroll
+    for (int j = 0; j < NCH; ++j) {
+      const u32 na = chunk_at<NCH, NW>(wa, j), nb = chunk_at<NCH, NW>(wb, j);
+      // Nibbles a0 a1 b0 b1 a2 a3 b2 b3, then a4 a5 b4 b5 a6 a7 b6 b7.
+      const u32 x[2] = {rotated_prmt(na, nb, 0x5140), rotated_prmt(na, nb, 0x7362)};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // Bytes a(4h) a(4h + 1) b(4h) b(4h + 1), then a(4h + 2) a(4h + 3) b(4h + 2) b(4h + 3).
+        const u32 l0 = rotated_prmt(v0, V1, x[h]), l1 = rotated_prmt(v0, V1, x[h] >> 16);
+        out[8 * j + 4 * h + 0] = rotated_prmt(l0, ve, 0x4240);
+        out[8 * j + 4 * h + 1] = rotated_prmt(l0, ve, 0x4341);
+        out[8 * j + 4 * h + 2] = rotated_prmt(l1, ve, 0x4240);
+        out[8 * j + 4 * h + 3] = rotated_prmt(l1, ve, 0x4341);
+      }
     }
   }
   // chunk<J> for a loop index the unroller makes constant.
