@@ -143,6 +143,15 @@ __device__ __forceinline__ float group_max(float x) {
 }
 
 __device__ __forceinline__ float warp_max(float x) { return group_max<32>(x); }
+// 2^x for the online softmax: one MUFU.EX2 with results below 2^−126 flushed to zero (exp2f
+// wraps the same MUFU in a range test and two predicated multiplies to keep them subnormal).
+// A probability below 2^−126 of the running maximum weighs nothing in an fp32 sum, and the
+// fp16 operands the mma reads flush below 2^−24 anyway. 2^−inf = 0.
+__device__ __forceinline__ float softmax_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 __device__ __forceinline__ float warp_sum(float x) { return group_sum<32>(x); }
 

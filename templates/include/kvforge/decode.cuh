@@ -230,8 +230,14 @@ struct DecodeCta {
 
   template <class T>
   __device__ void compute(const u8* seg, int len, u32 gpage) {
-    if constexpr (PW) compute_warp<T>(seg, len);
-    else compute_cta<T>(seg, len, gpage);
+    if constexpr (PW) {
+      // Full pages of a coded tier (all but, at most, the last of a sequence) take the loop
+      // without the per-token length tests; the tail tier keeps one loop.
+      if (T::id != 0 && len == P) compute_warp<T, true>(seg, P);
+      else compute_warp<T, false>(seg, len);
+    } else {
+      compute_cta<T>(seg, len, gpage);
+    }
     if (p.block_delta) write_delta<typename T::Key>(seg, len, gpage);
   }
 
@@ -300,8 +306,11 @@ struct DecodeCta {
 
   // One page in the per-warp layout (see the top of this file): warp w takes octets w, w + NW, ... of the
   // page's `len` tokens. No block barrier.
-  template <class T>
-  __device__ void compute_warp(const u8* seg, int len) {
+  // FULL: `len` is P, so every token of every octet is live (no length tests, no tail mask).
+  template <class T, bool FULL>
+  __device__ void compute_warp(const u8* seg, int len_) {
+    const int len = FULL ? P : len_;
+    auto live = [&](int t) { return FULL || t < len; };
     using K = typename T::Key;
     using V = typename T::Value;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, qd = lane & 3;
@@ -394,20 +403,20 @@ struct DecodeCta {
           x0 *= K::token_scale(seg, ta[r]);
           x1 *= K::token_scale(seg, tb[r]);
         }
-        s[r][0] = ta[r] < len ? x0 : NEG_INF;
-        s[r][1] = tb[r] < len ? x1 : NEG_INF;
+        s[r][0] = live(ta[r]) ? x0 : NEG_INF;
+        s[r][1] = live(tb[r]) ? x1 : NEG_INF;
       }
       float mx = fmaxf(s[0][0], s[0][1]);
 #pragma unroll
       for (int r = 1; r < R; ++r) mx = fmaxf(mx, fmaxf(s[r][0], s[r][1]));
       mx = group_max<4>(mx);
       const float m_new = fmaxf(pw_m, mx);
-      const float alpha = exp2f(pw_m - m_new);
+      const float alpha = softmax_exp2(pw_m - m_new);
       float pr[R][2], psum = 0.f;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        pr[r][0] = exp2f(s[r][0] - m_new);
-        pr[r][1] = exp2f(s[r][1] - m_new);
+        pr[r][0] = softmax_exp2(s[r][0] - m_new);
+        pr[r][1] = softmax_exp2(s[r][1] - m_new);
         psum += pr[r][0] + pr[r][1];
       }
       pw_l = pw_l * alpha + psum;
@@ -431,8 +440,8 @@ struct DecodeCta {
         // conditional computation compiled to a divergent branch around the scale loads.
         float p0 = pr[r][0], p1 = pr[r][1];
         if constexpr (TokenScaled<V>::value) {
-          p0 = ta[r] < len ? p0 * V::token_scale(seg, ta[r]) : 0.f;
-          p1 = tb[r] < len ? p1 * V::token_scale(seg, tb[r]) : 0.f;
+          p0 = live(ta[r]) ? p0 * V::token_scale(seg, ta[r]) : 0.f;
+          p1 = live(tb[r]) ? p1 * V::token_scale(seg, tb[r]) : 0.f;
         }
         const u32 b = head ? pack2<false>(p0, p1) : 0u;
         u32 vp[CV];
@@ -445,7 +454,7 @@ struct DecodeCta {
         } else {
           V::template token_pairs<CV>(seg, ta[r], tb[r], g * CV, vp);
         }
-        if (!BIASED && (o + r * NW) * 8 + 8 > len) {
+        if (!FULL && !BIASED && (o + r * NW) * 8 + 8 > len) {
           // Rows past `len` may hold anything (a tail page's unwritten rows): p = 0 must not
           // meet a NaN.
           const u32 m = (ta[r] < len ? 0xffffu : 0u) | (tb[r] < len ? 0xffff0000u : 0u);
