@@ -38,6 +38,7 @@
 use kvforge_spec::codecs::rotated::hadamard;
 use serde::{Deserialize, Serialize};
 
+use crate::compact::{CompactQuery, CompactSummaries};
 use crate::config::{check_ratios, ParisConfig};
 use crate::error::ParisError;
 use crate::summary::Summaries;
@@ -255,6 +256,32 @@ pub fn retrieve_group(s: &Summaries, heads: &[f64], rank: Rank, rho: f64, candid
         Rank::GroupMax => {
             let per = heads.chunks_exact(d).map(|q| Query::new(cfg, q)).collect::<Result<Vec<_>, _>>()?;
             retrieve_group_max(s, &group, &per, rho, candidates, k)
+        }
+    }
+}
+
+/// [`retrieve_group`] with the rerank on compact summaries `c` of the same keys
+/// ([`crate::SummaryLayout::Whole64`] on the device): the vote and top-`C` read `s`'s ids and
+/// occupancy (the codes' sign plane, so they are `c`'s), the candidates are ranked by
+/// [`CompactQuery::estimate`] of the summed query or the largest of the heads'.
+pub fn retrieve_group_compact(s: &Summaries, c: &CompactSummaries, heads: &[f64], rank: Rank, rho: f64, candidates: usize, k: usize) -> Result<Retrieval, ParisError> {
+    let cfg = &s.config;
+    let d = cfg.head_dim;
+    if c.config != *cfg || c.n != s.n {
+        return Err(ParisError::Layout(format!("compact summaries of {} keys under {:?} for summaries of {} keys under {cfg:?}", c.n, c.config, s.n)));
+    }
+    if heads.is_empty() || heads.len() % d != 0 {
+        return Err(ParisError::Length { what: "group queries", got: heads.len(), want: d });
+    }
+    let group = Query::new(cfg, &group_query(heads, d))?;
+    match rank {
+        Rank::Summed => {
+            let cq = CompactQuery::new(&group, c.layout)?;
+            retrieve_scored(s, &group, rho, candidates, k, |i| cq.estimate(c, i))
+        }
+        Rank::GroupMax => {
+            let per = heads.chunks_exact(d).map(|q| Query::new(cfg, q).and_then(|q| CompactQuery::new(&q, c.layout))).collect::<Result<Vec<_>, _>>()?;
+            retrieve_scored(s, &group, rho, candidates, k, |i| per.iter().map(|h| h.estimate(c, i)).fold(f64::NEG_INFINITY, f64::max))
         }
     }
 }
