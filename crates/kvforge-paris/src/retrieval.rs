@@ -370,6 +370,34 @@ mod tests {
         assert!(scores.iter().all(|&x| x as usize <= cfg.max_score()));
     }
 
+    /// The Whole64 rerank keeps the seed layout's vote and candidates (its ids are the codes'
+    /// sign plane) and finds nearly the same keys; mismatched summaries are an error.
+    #[test]
+    fn compact_rerank_keeps_the_vote() {
+        let d = 128;
+        let cfg = ParisConfig::default_for(d);
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let keys: Vec<f32> = (0..d * 6000).map(|i| (gauss(&mut rng) + 0.8 * ((i % d) as f64 * 0.37).sin()) as f32).collect();
+        let s = Summaries::encode(cfg, &keys).unwrap();
+        let c = CompactSummaries::encode(cfg, crate::compact::Layout::whole_eighth(), &keys).unwrap();
+        let heads: Vec<f64> = (0..4 * d).map(|_| gauss(&mut rng)).collect();
+        for rank in [Rank::Summed, Rank::GroupMax] {
+            let seed = retrieve_group(&s, &heads, rank, 0.3, 600, 100).unwrap();
+            let whole = retrieve_group_compact(&s, &c, &heads, rank, 0.3, 600, 100).unwrap();
+            assert_eq!(whole.candidates, seed.candidates, "{rank:?}");
+            let want = match rank {
+                Rank::Summed => exact_top_k(&keys, &group_query(&heads, d), 100),
+                Rank::GroupMax => exact_top_k_group_max(&keys, &heads, d, 100),
+            };
+            let (rs, rw) = (recall(&seed.indices(), &want), recall(&whole.indices(), &want));
+            let same = recall(&whole.indices(), &seed.indices());
+            println!("{rank:?}: Recall@100 whole {rw} seed {rs}, top-k overlap {same}");
+            assert!(rw > rs - 0.05 && same > 0.6, "{rank:?}: whole {rw} vs seed {rs}, overlap {same}");
+        }
+        let short = CompactSummaries::encode(cfg, crate::compact::Layout::whole_eighth(), &keys[..d * 10]).unwrap();
+        assert!(matches!(retrieve_group_compact(&s, &short, &heads, Rank::Summed, 0.3, 600, 100), Err(ParisError::Layout(_))));
+    }
+
     /// The estimate for a group's summed query is the sum of its heads' estimates (eq. 10 is
     /// linear in q), so one rerank with `group_query` ranks by the summed rerank scores.
     #[test]
