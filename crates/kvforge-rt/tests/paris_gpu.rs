@@ -25,7 +25,19 @@ fn head_rows(x: &[f16], hkv: usize, d: usize, h: usize) -> Vec<f32> {
 }
 
 fn geometry() -> ParisGeometry {
-    ParisGeometry { batch: 2, kv_heads: 2, gqa: 4, per_query_head: false, rank: Rank::default(), layout: SummaryLayout::default(), capacity: 24_000, dense_capacity: 96, max_candidates: 8192, max_k: 128, host_budget_bytes: 1 << 30 }
+    ParisGeometry {
+        batch: 2,
+        kv_heads: 2,
+        gqa: 4,
+        per_query_head: false,
+        rank: Rank::default(),
+        layout: SummaryLayout::default(),
+        capacity: 24_000,
+        dense_capacity: 96,
+        max_candidates: 8192,
+        max_k: 128,
+        host_budget_bytes: 1 << 30,
+    }
 }
 
 struct Setup {
