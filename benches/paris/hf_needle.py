@@ -48,6 +48,8 @@ def main() -> None:
     ap.add_argument("--per-kv-head", action="store_true", help="one retrieval per kv head (the summed group query's vote) instead of per query head")
     ap.add_argument("--rank", choices=["max", "sum"], default="max",
                     help="with --per-kv-head: rank the candidates by the largest head estimate (max, 'hmax') or the summed query's (sum)")
+    ap.add_argument("--layout", choices=["subspace4", "whole64"], default="subspace4",
+                    help="GPU summaries: the seed's 112 B per key (subspace4) or the 64 B whole-vector code (whole64, its schedule)")
     ap.add_argument("--agree-tokens", type=int, default=32, help="greedy tokens compared with eager on an 8K Austen prompt")
     ap.add_argument("--out", default="paris-hf-needle.json")
     a = ap.parse_args()
@@ -87,8 +89,8 @@ def main() -> None:
     base_hits, base_answers, base_tokens, _ = run("eager", lambda: None)
     doc["needle"]["eager"] = {"hits": sum(base_hits), "trials": len(base_hits), "answers": base_answers}
     attach = lambda: kvforge.retrieval.use_retrieval(model, k=a.k, sinks=a.sinks, local=a.local, update=a.update,
-                                                           per_query_head=not a.per_kv_head, rank=a.rank)  # noqa: E731
-    label = f"paris-k{a.k}" + (f"-kv-{a.rank}" if a.per_kv_head else "")
+                                                           per_query_head=not a.per_kv_head, rank=a.rank, layout=a.layout)  # noqa: E731
+    label = f"paris-k{a.k}" + (f"-kv-{a.rank}" if a.per_kv_head else "") + ("-whole64" if a.layout == "whole64" else "")
     hits, answers, tokens, stats = run(label, attach)
     same = next((i for i, (p, q) in enumerate(zip(base_tokens, tokens)) if p != q), len(tokens))
     doc["needle"][label] = {"hits": sum(hits), "trials": len(hits), "answers": answers, "stats": stats}

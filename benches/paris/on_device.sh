@@ -9,7 +9,7 @@
 #   cargo test --release -p kvforge-rt --test paris_gpu --no-run      # prints the test binary path
 #   mkdir -p .bin && cp target/release/examples/paris_{recall,bench} .bin/ \
 #     && cp "$(ls -t target/release/deps/paris_gpu-* | grep -v '\.d$' | head -1)" .bin/paris_gpu \
-#     && strip .bin/paris_* && grep -c hmax_lut .bin/paris_gpu .bin/paris_bench   # both >= 1 (the current paris.cuh)
+#     && strip .bin/paris_* && grep -c rerank_whole_hmax_kernel .bin/paris_gpu .bin/paris_bench   # both >= 1 (the current paris.cuh)
 #
 #   bash benches/paris/on_device.sh speed     # carry [".bin"], timeout 400: ONE call (~4 min): the GPU
 #                                             # tests, step timing at 128K and 1M x batch 1,
@@ -23,6 +23,9 @@
 #                                             # head estimate, rerank_hmax; RANK=sum the summed query's)
 #   bash benches/paris/on_device.sh gpu       # carry [".bin"]: GPU tests + step timing (~2 min)
 #   bash benches/paris/on_device.sh memcheck  # carry [".bin"]: compute-sanitizer memcheck + racecheck (~3 min)
+#   bash benches/paris/on_device.sh whole64   # carry [".bin"], timeout 400: the 64 B summaries'
+#                                             # GPU tests + memcheck, then timing with --layout
+#                                             # whole64 and subspace4 (128K and 1M x 1, 128K x 64)
 #   bash benches/paris/on_device.sh uva       # carry [".bin"] (.bin/uva_read: cargo build --release -p
 #                                             # kvforge-lab --example uva_read, strip into .bin/): pinned
 #                                             # host read GB/s by run size, region and order (~1 min)
@@ -45,7 +48,8 @@
 #   carry [".model-b", ".whl-py", ".whl-kvforge", "data/austen"], timeout 600:
 #     bash benches/paris/on_device.sh needle   # hf_needle.py: needle at 4K / 8K and greedy agreement
 #                                             # with eager, one retrieval per kv head ranked by
-#                                             # RANK (max, default; sum), or per query head (RANK=qhead)
+#                                             # RANK (max, default; sum), or per query head (RANK=qhead);
+#                                             # LAYOUT=whole64 for the 64 B summaries (default subspace4)
 # Only .bin/paris_recall is needed for call 2:
 #   cargo build --release -p kvforge-lab --example paris_recall && mkdir -p .bin && strip -o .bin/paris_recall target/release/examples/paris_recall
 # Knobs (env): LAYERS (capture, 3,8,15,22,28), HEADS (3), QUERIES (32), LENGTHS (131072,1048576),
@@ -126,7 +130,7 @@ PY
       *) MODE=(--per-kv-head --rank "$RANK") ;;
     esac
     PYTHONPATH=/tmp/site:$ROOT/.whl-py PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVFORGE_ROOT=$ROOT python3 benches/paris/hf_needle.py --model $M "${MODE[@]}" \
-      --out "$OUT/paris-hf-needle-$RANK-$GPU-$DATE.json" 2>&1 | grep -v 'it/s]' | tee "$OUT/paris-hf-needle-$RANK.log"
+      --layout "${LAYOUT:-subspace4}" --out "$OUT/paris-hf-needle-$RANK-${LAYOUT:-subspace4}-$GPU-$DATE.json" 2>&1 | grep -v 'it/s]' | tee "$OUT/paris-hf-needle-$RANK-${LAYOUT:-subspace4}.log"
     ;;
   gpu)
     nvidia-smi -L
@@ -156,6 +160,24 @@ PY
     fi
     echo "total: $(( $(date +%s) - t0 ))s"
     ;;
+  whole64)
+    # The 64 B summaries (SummaryLayout::Whole64, docs/paris.md "GPU bytes per key", "To run on a
+    # device"): their GPU tests (summaries against the reference's encoder, retrieval against
+    # retrieve_group_compact, ties), memcheck of them, then the step timing with --layout whole64
+    # (its default schedule, rho 0.30 from 64K) beside the 112 B layout's. ~4 min.
+    nvidia-smi -L
+    t0=$(date +%s)
+    .bin/paris_gpu --ignored --test-threads 1 --nocapture whole64 ties_keep paris_module 2>&1 | tee "$OUT/paris-gpu-tests-whole64-$GPU-$DATE.log" || echo "GPU TESTS FAILED"
+    compute-sanitizer --tool memcheck .bin/paris_gpu --ignored --test-threads 1 whole64 2>&1 | tail -20 | tee "$OUT/paris-memcheck-whole64-$GPU-$DATE.log" || echo "MEMCHECK FAILED"
+    echo "tests + memcheck: $(( $(date +%s) - t0 ))s"
+    for L in whole64 subspace4; do
+      .bin/paris_bench --lengths 131072,1048576 --batch 1 --kv-heads 8 --gqa 4 --head-dim 128 --iters 20 --rank "$RANK" --layout $L \
+        --out "$OUT/paris-bench-$L-$GPU-$DATE.json" 2>&1 | tee -a "$OUT/paris-bench-whole64.log"
+      .bin/paris_bench --lengths 131072 --batch "${BATCHES:-64}" --kv-heads 8 --gqa 4 --head-dim 128 --iters 10 --host-gib 48 --rank "$RANK" --layout $L \
+        --out "$OUT/paris-bench-batch-$L-$GPU-$DATE.json" 2>&1 | tee -a "$OUT/paris-bench-whole64.log"
+    done
+    echo "total: $(( $(date +%s) - t0 ))s"
+    ;;
   uva)
     # Pinned-host read throughput over UVA by pattern (kvforge-lab example uva_read): random runs
     # of 256 B (a K row), 512 B (a token's K and V, the interleaved slab) and 4 KiB over 0.25 /
@@ -171,7 +193,7 @@ PY
     compute-sanitizer --tool racecheck .bin/paris_gpu --ignored --test-threads 1 retrieval_matches 2>&1 | tail -20 | tee "$OUT/paris-racecheck-$GPU-$DATE.log"
     ;;
   *)
-    echo "usage: $0 speed|gpu|memcheck|uva|model-a|smollm2|quality|needle" >&2
+    echo "usage: $0 speed|gpu|memcheck|whole64|uva|model-a|smollm2|quality|needle" >&2
     exit 2
     ;;
 esac

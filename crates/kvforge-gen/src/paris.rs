@@ -1,10 +1,12 @@
 //! The ParisKV retrieval module (`templates/paris.cu.tera`, device logic in
 //! `kvforge/paris.cuh`): one module per (head dim, subspace dim, collision tiers, GQA) holding
-//! the encode, bonus, vote (one retrieval per kv head, `vote_heads` one per query head),
-//! select, rerank (`rerank_hmax`: by the GQA group's largest head estimate), top-k, fetch and
-//! attend entry points. Not a spec
-//! family: the module depends on the retrieval geometry (kvforge-paris `ParisConfig`), not on
-//! a spec's tiers; the runtime renders and compiles it on first use.
+//! the encode (`encode_whole`, `scale_whole`: the Whole64 summaries and their weight grid),
+//! bonus, vote (one retrieval per kv head, `vote_heads` one per query head), select, rerank
+//! (`rerank_hmax`: by the GQA group's largest head estimate; `rerank_whole`,
+//! `rerank_whole_hmax`: of the Whole64 summaries), top-k, fetch and attend entry points. Not a
+//! spec family: the module depends on the retrieval geometry (kvforge-paris `ParisConfig`), not
+//! on a spec's tiers; the runtime renders and compiles it on first use. The Whole64 entries are
+//! empty where the layout does not apply (`m ≠ 8`, `D` not a multiple of 64).
 
 use crate::render::RenderError;
 
@@ -12,8 +14,27 @@ use crate::render::RenderError;
 pub const PARIS_TEMPLATE: &str = include_str!("../../../templates/paris.cu.tera");
 
 /// Entry points of a module, as suffixes of [`paris_symbol`].
-pub const PARIS_ENTRIES: &[&str] =
-    &["encode", "bonus", "vote", "vote_heads", "select", "bucket_count", "bucket_emit", "rerank", "rerank_hmax", "topk", "topk_hist", "topk_staged", "fetch", "attend", "attend_fused"];
+pub const PARIS_ENTRIES: &[&str] = &[
+    "encode",
+    "encode_whole",
+    "scale_whole",
+    "bonus",
+    "vote",
+    "vote_heads",
+    "select",
+    "bucket_count",
+    "bucket_emit",
+    "rerank",
+    "rerank_hmax",
+    "rerank_whole",
+    "rerank_whole_hmax",
+    "topk",
+    "topk_hist",
+    "topk_staged",
+    "fetch",
+    "attend",
+    "attend_fused",
+];
 
 /// Symbol prefix of a module: `kvf_paris_d{d}_m{m}_t{tiers}_g{gqa}`; entry `e` is
 /// `{prefix}_{e}`.
@@ -50,6 +71,8 @@ mod tests {
                 && s.contains("vote_row_kernel<128, 8, 6, 256>")
                 && s.contains("vote_kernel<128, 8, 4, 256>")
                 && s.contains("rerank_hmax_kernel<128, 8, 4, 256>")
+                && s.contains("encode_whole_kernel<128, 8, 128, true>")
+                && s.contains("rerank_whole_hmax_kernel<128, 8, 4, 256>")
         );
         assert!(s.contains("(16 subspaces)"));
     }

@@ -6,7 +6,12 @@
 //! cargo build --release -p kvforge-lab --example paris_bench
 //! LD_LIBRARY_PATH=/usr/local/cuda/lib64 .bin/paris_bench --lengths 131072,1048576 --batch 1 --out $OUT/paris-bench.json
 //! .bin/paris_bench --lengths 1048576 --rank sum --out $OUT/paris-bench-sum.json   # the summed-query rerank
+//! .bin/paris_bench --lengths 131072,1048576 --layout whole64 --out $OUT/paris-bench-whole64.json   # 64 B summaries
 //! ```
+//!
+//! `--layout` picks the GPU summaries (`kvforge_paris::SummaryLayout`): `subspace4` (default,
+//! 112 B per key and kv head at head dim 128) or `whole64` (`D/2` bytes); the schedule is the
+//! layout's default (`SummaryLayout::schedule`: ρ 0.30 from 64K keys for `whole64`).
 //!
 //! `--rank` picks the per-kv-head rerank (`kvforge_paris::Rank`): `max` (default, as the
 //! library's: candidates ranked by the largest of the group's head estimates, `rerank_hmax`) or
@@ -25,7 +30,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use half::f16;
-use kvforge_paris::{ParisConfig, Rank, Schedule};
+use kvforge_paris::{ParisConfig, Rank, SummaryLayout};
 use kvforge_rt::paris::{ParisGeometry, ParisIndex, StepTimes};
 use kvforge_rt::testing::Xorshift;
 use kvforge_rt::Device;
@@ -48,6 +53,10 @@ struct Args {
     /// `sum` (the summed query's estimate). Ignored with --per-query-head.
     #[arg(long, default_value = "max", value_parser = parse_rank)]
     rank: Rank,
+    /// GPU summaries: `subspace4` (the seed's, 112 B per key at head dim 128) or `whole64`
+    /// (`D/2` bytes: whole-vector codes, one 8-bit weight per key).
+    #[arg(long, default_value = "subspace4", value_parser = parse_layout)]
+    layout: SummaryLayout,
     #[arg(long, default_value_t = 128)]
     head_dim: usize,
     #[arg(long, default_value_t = 100)]
@@ -74,6 +83,10 @@ struct Args {
     fetch_ctas: Vec<usize>,
     #[arg(long)]
     out: Option<PathBuf>,
+}
+
+fn parse_layout(s: &str) -> Result<SummaryLayout, String> {
+    SummaryLayout::parse(s).ok_or_else(|| format!("--layout {s}: subspace4 or whole64"))
 }
 
 fn parse_rank(s: &str) -> Result<Rank, String> {
@@ -112,7 +125,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let a = Args::parse();
     let dev = Device::open(0)?;
     let cfg = ParisConfig::default_for(a.head_dim);
-    let mut schedule = Schedule::default();
+    a.layout.validate(&cfg)?;
+    let mut schedule = a.layout.schedule();
     if let Some(beta) = a.beta {
         schedule.points.iter_mut().for_each(|p| p.beta = beta);
         schedule.validate()?;
@@ -128,6 +142,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 gqa: a.gqa,
                 per_query_head: a.per_query_head,
                 rank: a.rank,
+                layout: a.layout,
                 capacity: n,
                 dense_capacity: a.dense,
                 max_candidates: plan.candidates,
@@ -179,9 +194,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     (false, false) => "per kv head (summed group query)",
                 };
                 let v = json!({
-                    "n": n, "batch": batch, "kv_heads": a.kv_heads, "gqa": a.gqa, "retrieval": mode, "rank": a.rank.name(), "head_dim": d, "k": a.k, "dense_rows": a.dense,
+                    "n": n, "batch": batch, "kv_heads": a.kv_heads, "gqa": a.gqa, "retrieval": mode, "rank": a.rank.name(), "layout": a.layout.name(), "head_dim": d, "k": a.k, "dense_rows": a.dense,
                     "plan": plan, "config": cfg,
-                    "gpu_bytes_per_token_per_kv_head": cfg.summary_bytes(), "fp16_kv_bytes_per_token_per_kv_head": 4 * d,
+                    "gpu_bytes_per_token_per_kv_head": ix.device_bytes_per_key(), "fp16_kv_bytes_per_token_per_kv_head": 4 * d,
                     "gpu_bytes_per_sequence": ix.device_bytes_per_sequence(), "fp16_kv_bytes_per_sequence": 4 * d * a.kv_heads * n,
                     "build_s": build_s, "fetch_ctas": fetch_ctas,
                     "median_us": {"vote": med(|t| t.vote_us), "topk": med(|t| t.topk_us), "rerank": med(|t| t.rerank_us), "fetch": med(|t| t.fetch_us), "attend": med(|t| t.attend_us), "total": total,

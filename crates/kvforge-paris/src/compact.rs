@@ -31,6 +31,17 @@
 //!
 //! Codes are kept unpacked here (`[n][D]` level indices), weights as grid codes; the bytes
 //! counted are those of the packed planes ([`Layout::bytes_per_key`]).
+//!
+//! **On the device** ([`crate::SummaryLayout::Whole64`], [`Layout::whole_eighth`] only): the
+//! ids `[n][B]` (`m = 8`) are the sign plane, and each key has a row of `3D/8` bytes
+//! ([`WholeRow`]): the magnitudes as one little-endian bit stream in coordinate order (3 bits,
+//! 2 for the 8 low coordinates; coordinate `j` at bit `3j − ⌊j/(D/8)⌋`), `3D − 8` bits, then
+//! the weight code in the last byte. A magnitude is the code's distance from the middle of its
+//! table: `c − E/2` for a positive code, `E/2 − 1 − c` otherwise. The weight grid is one per
+//! (sequence, kv head), fixed by the first append (the prefill; [`LogGrid::fit`] over its keys'
+//! weights) so that a streaming encoder codes later keys without revisiting earlier ones:
+//! later keys past the prefill's largest weight clamp to code 255
+//! ([`CompactSummaries::on_grid`] is the reference of that encoder).
 
 use kvforge_spec::codecs::rotated::hadamard;
 use kvforge_spec::codecs::rotated::levels::{levels, LevelTable};
@@ -259,6 +270,42 @@ impl CompactSummaries {
     /// Quantises `keys`' weights on the grid fitted to them.
     pub fn from_keys(keys: CompactKeys) -> CompactSummaries {
         let grid = LogGrid::fit(keys.layout.steps(), keys.weights.iter().copied());
+        CompactSummaries::on_grid(keys, grid)
+    }
+
+    /// The device rows of every key (`[n][3D/8]`, [`WholeRow`]); [`Layout::whole_eighth`] only.
+    pub fn whole_rows(&self) -> Result<Vec<u8>, ParisError> {
+        let row = WholeRow::new(&self.config, self.layout)?;
+        let d = self.config.head_dim;
+        let mut out = Vec::with_capacity(self.n * row.bytes());
+        for i in 0..self.n {
+            out.extend(row.pack(&self.codes[i * d..(i + 1) * d], self.weights[i]));
+        }
+        Ok(out)
+    }
+
+    /// The summaries a device holds as `ids [n][B]` and `rows [n][3D/8]` ([`WholeRow`]) on
+    /// `grid`, unpacked to level indices.
+    pub fn from_whole_rows(config: ParisConfig, ids: &[u8], rows: &[u8], grid: LogGrid) -> Result<CompactSummaries, ParisError> {
+        let layout = Layout::whole_eighth();
+        let row = WholeRow::new(&config, layout)?;
+        let (b, rb) = (config.subspaces, row.bytes());
+        let n = rows.len() / rb;
+        if rows.len() != n * rb || ids.len() != n * b {
+            return Err(ParisError::Length { what: "whole64 ids and rows", got: ids.len() + rows.len(), want: n * (b + rb) });
+        }
+        let mut out = CompactSummaries { config, layout, n, codes: Vec::with_capacity(n * config.head_dim), weights: Vec::with_capacity(n), grid };
+        for i in 0..n {
+            let (codes, w) = row.unpack(&ids[i * b..(i + 1) * b], &rows[i * rb..(i + 1) * rb]);
+            out.codes.extend(codes);
+            out.weights.push(w);
+        }
+        Ok(out)
+    }
+
+    /// Quantises `keys`' weights on a given `grid` (the device's streaming encoder: the grid of
+    /// the prefill, module docs).
+    pub fn on_grid(keys: CompactKeys, grid: LogGrid) -> CompactSummaries {
         let weights = keys.weights.iter().map(|&w| grid.code(w)).collect();
         CompactSummaries { config: keys.config, layout: keys.layout, n: keys.n, codes: keys.codes, weights, grid }
     }
@@ -282,6 +329,79 @@ impl CompactSummaries {
             let half = self.layout.table(&self.config, c).levels_f32.len() / 2;
             id | u8::from(usize::from(self.codes[i * self.config.head_dim + c]) >= half) << j
         })
+    }
+}
+
+/// The device row of the whole-vector code of `D/2` bytes (module docs, "On the device"): the
+/// magnitude bit stream and the weight code; the signs are the ids.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WholeRow {
+    config: ParisConfig,
+    layout: Layout,
+}
+
+impl WholeRow {
+    /// The row of `layout` under `config`: [`Layout::whole_eighth`] with `m = 8` and a head
+    /// dim that is a multiple of 64 ([`crate::SummaryLayout::Whole64`]'s checks).
+    pub fn new(config: &ParisConfig, layout: Layout) -> Result<WholeRow, ParisError> {
+        crate::SummaryLayout::Whole64.validate(config)?;
+        if layout != Layout::whole_eighth() {
+            return Err(ParisError::Layout(format!("the device row packs {:?} only, not {layout:?}", Layout::whole_eighth())));
+        }
+        Ok(WholeRow { config: *config, layout })
+    }
+
+    /// Bytes of a row, `3D/8`.
+    pub fn bytes(&self) -> usize {
+        3 * self.config.head_dim / 8
+    }
+
+    /// Bit offset of coordinate `j`'s magnitude: `3j − ⌊j/(D/8)⌋` (one bit less per low
+    /// coordinate before `j`).
+    pub fn offset(&self, j: usize) -> usize {
+        3 * j - j / (self.config.head_dim / 8)
+    }
+
+    /// Magnitude bits of coordinate `j`: 3, or 2 on a low coordinate.
+    pub fn width(&self, j: usize) -> usize {
+        if self.layout.is_low(&self.config, j) {
+            2
+        } else {
+            3
+        }
+    }
+
+    /// The row of one key's codes `[D]` (level indices) and weight code.
+    pub fn pack(&self, codes: &[u8], weight: u8) -> Vec<u8> {
+        let mut row = vec![0u8; self.bytes()];
+        for (j, &c) in codes.iter().enumerate() {
+            let half = 1u32 << self.width(j);
+            let c = u32::from(c);
+            let mag = (if c >= half { c - half } else { half - 1 - c }) & (half - 1);
+            let off = self.offset(j);
+            let bits = u32::from(row[off / 8]) | u32::from(*row.get(off / 8 + 1).unwrap_or(&0)) << 8 | (mag << (off % 8));
+            row[off / 8] = bits as u8;
+            if off / 8 + 1 < row.len() {
+                row[off / 8 + 1] = (bits >> 8) as u8;
+            }
+        }
+        *row.last_mut().expect("a row of at least 24 bytes") = weight;
+        row
+    }
+
+    /// One key's codes `[D]` and weight code from its ids `[B]` and row.
+    pub fn unpack(&self, ids: &[u8], row: &[u8]) -> (Vec<u8>, u8) {
+        let codes = (0..self.config.head_dim)
+            .map(|j| {
+                let (off, w) = (self.offset(j), self.width(j));
+                let bits = u32::from(row[off / 8]) | u32::from(*row.get(off / 8 + 1).unwrap_or(&0)) << 8;
+                let mag = (bits >> (off % 8)) & ((1 << w) - 1);
+                let half = 1u32 << w;
+                let positive = ids[j / 8] >> (j % 8) & 1 == 1;
+                (if positive { half + mag } else { half - 1 - mag }) as u8
+            })
+            .collect();
+        (codes, row[row.len() - 1])
     }
 }
 
@@ -435,6 +555,57 @@ mod tests {
                 assert!(worst < bound, "{layout:?} d {d}: worst relative error {worst}");
             }
         }
+    }
+
+    /// The device rows: the signs are the ids, the magnitudes a bit stream of `3D − 8` bits,
+    /// the weight code last; packing and unpacking are inverse.
+    #[test]
+    fn whole_rows_round_trip() {
+        for d in [64, 128, 256] {
+            let cfg = ParisConfig::default_for(d);
+            let row = WholeRow::new(&cfg, Layout::whole_eighth()).unwrap();
+            assert_eq!(row.bytes() + cfg.subspaces, d / 2);
+            assert_eq!(row.offset(d - 1) + row.width(d - 1), 3 * d - 8);
+            assert_eq!((0..d).map(|j| row.width(j)).sum::<usize>(), 3 * d - 8);
+            let mut keys: Vec<f32> = (0..60).flat_map(|i| key(d, i).into_iter().map(move |v| v * (1.0 + i as f32))).collect();
+            keys.extend(std::iter::repeat_n(0.0, d));
+            let c = CompactSummaries::encode(cfg, Layout::whole_eighth(), &keys).unwrap();
+            let s = Summaries::encode(cfg, &keys).unwrap();
+            let rows = c.whole_rows().unwrap();
+            assert_eq!(rows.len(), 61 * row.bytes());
+            let back = CompactSummaries::from_whole_rows(cfg, &s.ids, &rows, c.grid).unwrap();
+            assert_eq!(back, c, "d {d}");
+            // The weight is the last byte; the largest weight has the top code.
+            assert_eq!((0..60).map(|i| rows[(i + 1) * row.bytes() - 1]).max(), Some(255));
+            assert_eq!(rows[61 * row.bytes() - 1], 0, "a zero key's weight");
+        }
+        // Coordinate 15 (low at d 128) holds 2 bits at bit 45; coordinate 16 starts at 47.
+        let cfg = ParisConfig::default_for(128);
+        let row = WholeRow::new(&cfg, Layout::whole_eighth()).unwrap();
+        assert_eq!((row.offset(15), row.width(15), row.offset(16)), (45, 2, 47));
+        let mut codes: Vec<u8> = (0..128).map(|j| if Layout::whole_eighth().is_low(&cfg, j) { 4 } else { 8 }).collect();
+        codes[15] = 7; // 3-bit table: positive, magnitude 3
+        codes[16] = 0; // 4-bit table: negative, magnitude 7
+        let r = row.pack(&codes, 9);
+        assert_eq!(r[5] >> 5, 0b011 | 0b100, "bits 45..46 = 3, bit 47 = 1");
+        assert_eq!(r[6] & 3, 3);
+        assert_eq!(r[47], 9);
+        assert!(WholeRow::new(&cfg, Layout::Whole { low: 0 }).is_err());
+        assert!(WholeRow::new(&ParisConfig::default_for(32), Layout::whole_eighth()).is_err());
+        assert!(CompactSummaries::from_whole_rows(cfg, &[0; 16], &[0; 47], LogGrid { steps: 32, base: 0 }).is_err());
+    }
+
+    /// The streaming encoder's reference: the prefill fixes the grid, later keys clamp.
+    #[test]
+    fn on_grid_is_the_prefill_grid() {
+        let cfg = ParisConfig::default_for(128);
+        let keys: Vec<f32> = (0..30).flat_map(|i| key(128, i).into_iter().map(move |v| v * (1.0 + i as f32))).collect();
+        let pre = CompactKeys::encode(cfg, Layout::whole_eighth(), &keys[..128 * 10]).unwrap();
+        let grid = LogGrid::fit(32, pre.weights.iter().copied());
+        let all = CompactSummaries::on_grid(CompactKeys::encode(cfg, Layout::whole_eighth(), &keys).unwrap(), grid);
+        assert_eq!(all.grid, grid);
+        assert!(all.weights[15..].iter().all(|&c| c == 255), "larger keys than the prefill's clamp");
+        assert_eq!(&all.weights[..10], &CompactSummaries::from_keys(pre).weights[..]);
     }
 
     #[test]

@@ -40,9 +40,9 @@ pub mod retrieval;
 pub mod summary;
 pub mod window;
 
-pub use compact::{compact_key, CompactKey, CompactKeys, CompactQuery, CompactSummaries, Layout, LogGrid};
-pub use config::{ParisConfig, RetrievalPlan, Schedule, SchedulePoint, CODE_BITS};
+pub use compact::{compact_key, CompactKey, CompactKeys, CompactQuery, CompactSummaries, Layout, LogGrid, WholeRow};
+pub use config::{ParisConfig, RetrievalPlan, Schedule, SchedulePoint, SummaryLayout, CODE_BITS};
 pub use error::ParisError;
-pub use retrieval::{exact_top_k, exact_top_k_group_max, group_query, recall, retrieve, retrieve_group, retrieve_group_max, top_candidates, Query, Rank, Retrieval};
+pub use retrieval::{exact_top_k, exact_top_k_group_max, group_query, recall, retrieve, retrieve_group, retrieve_group_compact, retrieve_group_max, top_candidates, Query, Rank, Retrieval};
 pub use summary::{summarize_key, KeySummary, Summaries};
 pub use window::{Regions, WindowConfig};

@@ -38,6 +38,7 @@
 use kvforge_spec::codecs::rotated::hadamard;
 use serde::{Deserialize, Serialize};
 
+use crate::compact::{CompactQuery, CompactSummaries};
 use crate::config::{check_ratios, ParisConfig};
 use crate::error::ParisError;
 use crate::summary::Summaries;
@@ -259,6 +260,32 @@ pub fn retrieve_group(s: &Summaries, heads: &[f64], rank: Rank, rho: f64, candid
     }
 }
 
+/// [`retrieve_group`] with the rerank on compact summaries `c` of the same keys
+/// ([`crate::SummaryLayout::Whole64`] on the device): the vote and top-`C` read `s`'s ids and
+/// occupancy (the codes' sign plane, so they are `c`'s), the candidates are ranked by
+/// [`CompactQuery::estimate`] of the summed query or the largest of the heads'.
+pub fn retrieve_group_compact(s: &Summaries, c: &CompactSummaries, heads: &[f64], rank: Rank, rho: f64, candidates: usize, k: usize) -> Result<Retrieval, ParisError> {
+    let cfg = &s.config;
+    let d = cfg.head_dim;
+    if c.config != *cfg || c.n != s.n {
+        return Err(ParisError::Layout(format!("compact summaries of {} keys under {:?} for summaries of {} keys under {cfg:?}", c.n, c.config, s.n)));
+    }
+    if heads.is_empty() || heads.len() % d != 0 {
+        return Err(ParisError::Length { what: "group queries", got: heads.len(), want: d });
+    }
+    let group = Query::new(cfg, &group_query(heads, d))?;
+    match rank {
+        Rank::Summed => {
+            let cq = CompactQuery::new(&group, c.layout)?;
+            retrieve_scored(s, &group, rho, candidates, k, |i| cq.estimate(c, i))
+        }
+        Rank::GroupMax => {
+            let per = heads.chunks_exact(d).map(|q| Query::new(cfg, q).and_then(|q| CompactQuery::new(&q, c.layout))).collect::<Result<Vec<_>, _>>()?;
+            retrieve_scored(s, &group, rho, candidates, k, |i| per.iter().map(|h| h.estimate(c, i)).fold(f64::NEG_INFINITY, f64::max))
+        }
+    }
+}
+
 /// The query of a GQA group's shared retrieval (module docs, "GQA"): the sum of the group's
 /// query heads, `queries` being `[heads][D]` flattened. One head gives itself back.
 pub fn group_query(queries: &[f64], d: usize) -> Vec<f64> {
@@ -341,6 +368,34 @@ mod tests {
         }
         let scores = qp.vote(&s, 0.2);
         assert!(scores.iter().all(|&x| x as usize <= cfg.max_score()));
+    }
+
+    /// The Whole64 rerank keeps the seed layout's vote and candidates (its ids are the codes'
+    /// sign plane) and finds nearly the same keys; mismatched summaries are an error.
+    #[test]
+    fn compact_rerank_keeps_the_vote() {
+        let d = 128;
+        let cfg = ParisConfig::default_for(d);
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let keys: Vec<f32> = (0..d * 6000).map(|i| (gauss(&mut rng) + 0.8 * ((i % d) as f64 * 0.37).sin()) as f32).collect();
+        let s = Summaries::encode(cfg, &keys).unwrap();
+        let c = CompactSummaries::encode(cfg, crate::compact::Layout::whole_eighth(), &keys).unwrap();
+        let heads: Vec<f64> = (0..4 * d).map(|_| gauss(&mut rng)).collect();
+        for rank in [Rank::Summed, Rank::GroupMax] {
+            let seed = retrieve_group(&s, &heads, rank, 0.3, 600, 100).unwrap();
+            let whole = retrieve_group_compact(&s, &c, &heads, rank, 0.3, 600, 100).unwrap();
+            assert_eq!(whole.candidates, seed.candidates, "{rank:?}");
+            let want = match rank {
+                Rank::Summed => exact_top_k(&keys, &group_query(&heads, d), 100),
+                Rank::GroupMax => exact_top_k_group_max(&keys, &heads, d, 100),
+            };
+            let (rs, rw) = (recall(&seed.indices(), &want), recall(&whole.indices(), &want));
+            let same = recall(&whole.indices(), &seed.indices());
+            println!("{rank:?}: Recall@100 whole {rw} seed {rs}, top-k overlap {same}");
+            assert!(rw > rs - 0.05 && same > 0.6, "{rank:?}: whole {rw} vs seed {rs}, overlap {same}");
+        }
+        let short = CompactSummaries::encode(cfg, crate::compact::Layout::whole_eighth(), &keys[..d * 10]).unwrap();
+        assert!(matches!(retrieve_group_compact(&s, &short, &heads, Rank::Summed, 0.3, 600, 100), Err(ParisError::Layout(_))));
     }
 
     /// The estimate for a group's summed query is the sum of its heads' estimates (eq. 10 is

@@ -15,7 +15,7 @@
 //! retrieval runs on the GPU; the host round trip costs a synchronisation per call.
 
 use half::f16;
-use kvforge_paris::{ParisConfig, Rank, Schedule};
+use kvforge_paris::{ParisConfig, Rank, Schedule, SummaryLayout};
 use kvforge_rt::paris::{ParisGeometry, ParisIndex as Index};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -38,12 +38,16 @@ fn f32_bytes<'py>(py: Python<'py>, x: &[f32]) -> Bound<'py, PyBytes> {
 /// The retrieval index of one attention layer for `batch` sequences (module docs).
 ///
 /// ParisIndex(head_dim, kv_heads, gqa, capacity, batch=1, dense_capacity=1024, max_k=256,
-///            max_candidates=65536, host_budget_gb=64.0, device=0, per_query_head=False, rank="max")
+///            max_candidates=65536, host_budget_gb=64.0, device=0, per_query_head=False, rank="max",
+///            layout="subspace4")
 ///
 /// The `gqa` query heads of a kv head share one retrieval (the vote of the sum of their
 /// queries) and one fetch of the rows; `rank` orders its candidates: `"max"` (default) by the
 /// largest of the heads' own estimates, `"sum"` by the summed query's (kvforge-paris `Rank`).
-/// `per_query_head=True` retrieves for each query head (`rank` then has no effect).
+/// `per_query_head=True` retrieves for each query head (`rank` then has no effect). `layout`
+/// picks the GPU summaries (kvforge-paris `SummaryLayout`): `"subspace4"` (default, 112 B per
+/// key and kv head at head dim 128) or `"whole64"` (`head_dim / 2` bytes; its default schedule,
+/// ρ 0.30 from 64K keys, replaces the seed's).
 #[pyclass(module = "kvforge", name = "ParisIndex", unsendable)]
 pub struct ParisIndex {
     inner: Index,
@@ -53,7 +57,7 @@ pub struct ParisIndex {
 #[pymethods]
 impl ParisIndex {
     #[new]
-    #[pyo3(signature = (head_dim, kv_heads, gqa, capacity, batch = 1, dense_capacity = 1024, max_k = 256, max_candidates = 65536, host_budget_gb = 64.0, device = 0, per_query_head = false, rank = "max"))]
+    #[pyo3(signature = (head_dim, kv_heads, gqa, capacity, batch = 1, dense_capacity = 1024, max_k = 256, max_candidates = 65536, host_budget_gb = 64.0, device = 0, per_query_head = false, rank = "max", layout = "subspace4"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -69,6 +73,7 @@ impl ParisIndex {
         #[pyo3(from_py_with = crate::nat)] device: usize,
         per_query_head: bool,
         rank: &str,
+        layout: &str,
     ) -> PyResult<Self> {
         if !(host_budget_gb > 0.0) {
             return Err(bad(py, format!("host_budget_gb must be positive, got {host_budget_gb}")));
@@ -76,11 +81,15 @@ impl ParisIndex {
         let Some(rank) = Rank::parse(rank) else {
             return Err(bad(py, format!("rank must be \"max\" or \"sum\", got {rank:?}")));
         };
+        let Some(layout) = SummaryLayout::parse(layout) else {
+            return Err(bad(py, format!("layout must be \"subspace4\" or \"whole64\", got {layout:?}")));
+        };
         guarded(py, || {
             let dev = crate::device(py, device)?;
-            let geo = ParisGeometry { batch, kv_heads, gqa, per_query_head, rank, capacity, dense_capacity, max_candidates, max_k, host_budget_bytes: (host_budget_gb * 1e9) as usize };
+            let geo = ParisGeometry { batch, kv_heads, gqa, per_query_head, rank, layout, capacity, dense_capacity, max_candidates, max_k, host_budget_bytes: (host_budget_gb * 1e9) as usize };
             let inner = Index::new(&dev, ParisConfig::default_for(head_dim), geo).or_py(py)?;
-            Ok(ParisIndex { inner, schedule: Schedule::default() })
+            let schedule = inner.default_schedule();
+            Ok(ParisIndex { inner, schedule })
         })
     }
 

@@ -311,6 +311,7 @@ def test_paris_index_arguments_are_typed_errors():
     assert err(kvforge.ParisIndex, 64, 3, 3, -1).kind == "BadInput"
     assert err(kvforge.ParisIndex, 64, 3, 3, 1024, host_budget_gb=0.0).kind == "BadInput"
     assert err(kvforge.ParisIndex, 64, 3, 3, 1024, rank="mean").kind == "BadInput"
+    assert err(kvforge.ParisIndex, 64, 3, 3, 1024, layout="whole3").kind == "BadInput"
     if not kvforge.driver_present():
         assert err(kvforge.ParisIndex, 64, 3, 3, 1024).kind == "NoDriver"
     assert "retrieve" in dir(kvforge.ParisIndex) and "one softmax" in kvforge.ParisIndex.decode.__doc__
@@ -319,7 +320,7 @@ def test_paris_index_arguments_are_typed_errors():
 def test_retrieval_window_arguments_are_checked():
     import kvforge.retrieval
 
-    for kw in (dict(k=0), dict(local=0), dict(update=0), dict(local=16, update=32), dict(sinks=-1), dict(rank="mean")):
+    for kw in (dict(k=0), dict(local=0), dict(update=0), dict(local=16, update=32), dict(sinks=-1), dict(rank="mean"), dict(layout="whole3")):
         with pytest.raises(ValueError, match="kvforge.retrieval"):
             kvforge.retrieval.ParisAttention(module=object(), **kw)
     assert callable(kvforge.retrieval.use_retrieval)

@@ -701,25 +701,27 @@ def test_paris_index_decode_is_attention_over_dense_and_retrieved_rows():
     # The index's decode attends the dense rows plus exactly the keys retrieve() returns (read
     # from pinned host memory), one softmax: compared with fp32 attention over those rows. Per
     # kv head under both rankings of the group's candidates (rank "max", the default, runs the
-    # rerank_hmax kernel at GQA 3).
+    # rerank_hmax kernel at GQA 3), and with the 32 B summaries of layout "whole64" (head dim 64).
     for rank in ("max", "sum"):
         _paris_decode_check(rank)
+    for rank in ("max", "sum"):
+        _paris_decode_check(rank, "whole64")
 
 
-def _paris_decode_check(rank):
+def _paris_decode_check(rank, layout="subspace4"):
     d, hkv, gqa, n, dense, k = 64, 2, 3, 4096, 40, 64
-    ix = kvforge.ParisIndex(d, hkv, gqa, n + 16, dense_capacity=64, max_k=k, max_candidates=4096, host_budget_gb=1.0, rank=rank)
+    ix = kvforge.ParisIndex(d, hkv, gqa, n + 16, dense_capacity=64, max_k=k, max_candidates=4096, host_budget_gb=1.0, rank=rank, layout=layout)
     keys, vals = rand(n, hkv, d, seed=11), rand(n, hkv, d, seed=12)
     ix.append(0, _f16_bytes(keys[: n // 2]), _f16_bytes(vals[: n // 2]))
     ix.append(0, _f16_bytes(keys[n // 2:]), _f16_bytes(vals[n // 2:]))
-    assert ix.len(0) == n and ix.device_bytes_per_key > 0
+    assert ix.len(0) == n and ix.device_bytes_per_key == (32 if layout == "whole64" else 56)
     dk, dv = rand(dense, hkv, d, seed=13), rand(dense, hkv, d, seed=14)
     ix.set_dense(0, _f16_bytes(dk), _f16_bytes(dv))
     q = rand(hkv * gqa, d, seed=15)
     q[0] = keys[77, 0] * 4  # a head whose best key is plain: it must be retrieved
     top = ix.retrieve(_f16_bytes(q), k)
     assert len(top) == hkv * gqa and all(len(t) == k for t in top), [len(t) for t in top]
-    assert 77 in top[0], (rank, top[0][:16])
+    assert 77 in top[0], (rank, layout, top[0][:16])
     out, lse = ix.decode(_f16_bytes(q), k)
     out, lse = _from_bytes(out, hkv * gqa, d), _from_bytes(lse, hkv * gqa)
     for h in range(hkv * gqa):
@@ -728,7 +730,7 @@ def _paris_decode_check(rank):
         kk = torch.cat([dk[:, kv:kv + 1].cpu(), keys[rows, kv:kv + 1].cpu()])
         vv = torch.cat([dv[:, kv:kv + 1].cpu(), vals[rows, kv:kv + 1].cpu()])
         want, want_lse = _attend_rows(q[h:h + 1].cpu(), kk, vv)
-        close(out[h:h + 1], want, 2e-3, 2e-3, f"ParisIndex decode head {h}, rank {rank}")
+        close(out[h:h + 1], want, 2e-3, 2e-3, f"ParisIndex decode head {h}, rank {rank}, layout {layout}")
     e = raises(ix.append, 0, _f16_bytes(keys[:32]), _f16_bytes(vals[:16]))
     assert "append" in str(e), e
 
@@ -741,7 +743,7 @@ class _FakeParisIndex:
     dense_below = 0
     device_bytes_per_key = 0
 
-    def __init__(self, d, hkv, gqa, capacity, dense_capacity=1024, max_k=256, max_candidates=65536, host_budget_gb=1.0, per_query_head=True, rank="max"):
+    def __init__(self, d, hkv, gqa, capacity, dense_capacity=1024, max_k=256, max_candidates=65536, host_budget_gb=1.0, per_query_head=True, rank="max", layout="subspace4"):
         self.d, self.hkv, self.hq, self.cap, self.dense_cap = d, hkv, hkv * gqa, capacity, dense_capacity
         self.region_k, self.region_v = [], []
         self.dense = None

@@ -22,13 +22,20 @@
 //!
 //! ```ignore
 //! let dev = Device::open(0)?;
-//! let geo = ParisGeometry { batch: 1, kv_heads: 8, gqa: 4, per_query_head: false, rank: Rank::GroupMax, capacity: 1 << 20, dense_capacity: 1024, max_candidates: 65536, max_k: 256, host_budget_bytes: 40 << 30 };
+//! let geo = ParisGeometry { batch: 1, kv_heads: 8, gqa: 4, per_query_head: false, rank: Rank::GroupMax, layout: SummaryLayout::Subspace4, capacity: 1 << 20, dense_capacity: 1024, max_candidates: 65536, max_k: 256, host_budget_bytes: 40 << 30 };
 //! let mut ix = ParisIndex::new(&dev, ParisConfig::default_for(128), geo)?;
 //! ix.append(0, &keys, &values)?;          // [rows][Hkv][D] fp16 each
 //! ix.set_dense(0, &dense_k, &dense_v)?;   // sinks + local
 //! let top = ix.retrieve(&q, 100, &Schedule::default())?;
 //! let (out, lse) = ix.attend(&q, true)?;
 //! ```
+//!
+//! Summaries: [`ParisGeometry::layout`] picks the seed's per-subspace summaries
+//! ([`SummaryLayout::Subspace4`], 112 B per key and kv head at head dim 128, the default) or the
+//! whole-vector code of `D/2` bytes ([`SummaryLayout::Whole64`], 64 B: ids = the codes' sign
+//! plane, the vote unchanged; `encode_whole` / `rerank_whole*` in paris.cuh; its weight grid is
+//! fixed per (sequence, kv head) by the sequence's first append). Its default schedule is
+//! [`ParisIndex::default_schedule`] (ρ 0.30 from 64K keys).
 //!
 //! Not yet wired into [`crate::KvCache`]: the index is its own store (the sliding-window
 //! update that moves rows from the local window into it is the caller's, through
@@ -40,7 +47,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::{CUevent_flags, CUfunction_attribute};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use half::f16;
-use kvforge_paris::{ParisConfig, Rank, Schedule};
+use kvforge_paris::{CompactSummaries, LogGrid, ParisConfig, Rank, Schedule, SummaryLayout};
 
 use crate::device::Device;
 use crate::error::{drv, Result, RtError};
@@ -60,6 +67,9 @@ pub struct ParisGeometry {
     /// estimate, or the largest of the group's heads' estimates (module docs). No effect per
     /// query head or at `gqa` 1, where both are the one head's estimate.
     pub rank: Rank,
+    /// The summaries the GPU keeps per key (module docs): the seed's 112 B (default) or the
+    /// whole-vector code of `D/2` bytes.
+    pub layout: SummaryLayout,
     /// Retrieval-region keys per sequence (pinned host K/V and GPU summaries are sized for it).
     pub capacity: usize,
     /// Dense rows per (sequence, kv head) on the GPU.
@@ -133,6 +143,7 @@ struct IndexRaw {
     len: u64,
     cap: i32,
     hkv: i32,
+    wtop: u64,
 }
 
 #[repr(C)]
@@ -145,6 +156,7 @@ struct EncodeParams {
     rows: i32,
     seed: u32,
     levels: [f32; 16],
+    low: [f32; 8],
 }
 
 #[repr(C)]
@@ -293,6 +305,7 @@ struct RerankParams {
     chunk: i32,
     seed: u32,
     levels: [f32; 16],
+    low: [f32; 8],
 }
 
 #[repr(C)]
@@ -342,13 +355,13 @@ struct AttendParams {
 }
 
 // The C++ structs of kvforge/paris.cuh, field for field.
-const _: () = assert!(std::mem::size_of::<IndexRaw>() == 48);
-const _: () = assert!(std::mem::size_of::<EncodeParams>() == 144);
+const _: () = assert!(std::mem::size_of::<IndexRaw>() == 56);
+const _: () = assert!(std::mem::size_of::<EncodeParams>() == 184);
 const _: () = assert!(std::mem::size_of::<BonusParams>() == 88);
 const _: () = assert!(std::mem::size_of::<VoteParams>() == 56);
 const _: () = assert!(std::mem::size_of::<BucketParams>() == 80);
 const _: () = assert!(std::mem::size_of::<SelectParams>() == 88);
-const _: () = assert!(std::mem::size_of::<RerankParams>() == 192);
+const _: () = assert!(std::mem::size_of::<RerankParams>() == 232);
 const _: () = assert!(std::mem::size_of::<FetchParams>() == 96);
 const _: () = assert!(std::mem::size_of::<AttendParams>() == 128);
 
@@ -404,7 +417,10 @@ pub struct ParisIndex {
     cfg: ParisConfig,
     geo: ParisGeometry,
     funcs: HashMap<&'static str, CudaFunction>,
+    /// The direction levels: `levels(m, 4)`, or `levels(D, 4)` for Whole64.
     levels: [f32; 16],
+    /// Whole64: `levels(D, 3)` of the low coordinates (zero otherwise).
+    low: [f32; 8],
     /// Opt-in shared memory per CTA: top-k stages the estimates there when they fit.
     max_smem: usize,
     /// Top-k by the radix select over the estimates instead of the one-pass histogram top-k.
@@ -412,9 +428,13 @@ pub struct ParisIndex {
     /// CTAs of the fetch's grid-stride grid, where set (`set_fetch_ctas`).
     fetch_ctas: Option<usize>,
     ids: CudaSlice<u8>,
+    /// `[S][Hkv][cap][D/2]` 4-bit codes, or Whole64's `[S][Hkv][cap][3D/8]` rows.
     codes: CudaSlice<u8>,
+    /// `[S][Hkv][cap][B]` fp16 (unused with Whole64).
     weights: CudaSlice<u16>,
     hist: CudaSlice<u32>,
+    /// Whole64: `[S][Hkv]` the weight grid's top code (`i32::MIN`: none yet).
+    wtop: CudaSlice<i32>,
     len_d: CudaSlice<u32>,
     len: Vec<usize>,
     /// Retrieval-region K/V, `[S][Hkv][capacity][K | V]` fp16: a token's rows side by side
@@ -469,6 +489,7 @@ impl ParisIndex {
     /// nothing left allocated.
     pub fn new(dev: &Device, cfg: ParisConfig, geo: ParisGeometry) -> Result<ParisIndex> {
         cfg.validate()?;
+        geo.layout.validate(&cfg)?;
         let d = cfg.head_dim;
         if cfg.max_score() > 255 {
             return Err(RtError::BadInput(format!("ParisKV on the device keeps collision scores in a byte: subspaces × tiers = {} > 255", cfg.max_score())));
@@ -498,8 +519,15 @@ impl ParisIndex {
         for e in kvforge_gen::PARIS_ENTRIES {
             funcs.insert(*e, module.load_function(&format!("{symbol}_{e}")).map_err(drv(format!("symbol {symbol}_{e}")))?);
         }
-        let mut levels = [0f32; 16];
-        levels.copy_from_slice(&cfg.levels().levels_f32);
+        let (mut levels, mut low) = ([0f32; 16], [0f32; 8]);
+        match geo.layout {
+            SummaryLayout::Subspace4 => levels.copy_from_slice(&cfg.levels().levels_f32),
+            SummaryLayout::Whole64 => {
+                use kvforge_spec::codecs::rotated::levels::levels as table;
+                levels.copy_from_slice(&table(d, 4).levels_f32);
+                low.copy_from_slice(&table(d, 3).levels_f32);
+            }
+        }
         // Huge pages where the host grants them: the fetch's scattered row reads are bound by
         // host page translations on 4 KiB pages (docs/paris.md). Zeroed; a row is written by
         // `append` before `len` admits it, and kernels read only rows below `len`.
@@ -545,9 +573,10 @@ impl ParisIndex {
         Ok(ParisIndex {
             fetch_st,
             ids: z8(heads * geo.capacity * b, "centroid ids")?,
-            codes: z8(heads * geo.capacity * d / 2, "direction codes")?,
-            weights: z16(heads * geo.capacity * b, "weights")?,
+            codes: z8(heads * geo.capacity * Self::code_bytes(&cfg, geo.layout), "direction codes")?,
+            weights: z16(if geo.layout == SummaryLayout::Whole64 { 0 } else { heads * geo.capacity * b }, "weights")?,
             hist: z32(heads * b * c, "occupancy")?,
+            wtop: st.clone_htod(&vec![i32::MIN; heads]).map_err(drv("weight grids"))?,
             len_d: z32(geo.batch, "lengths")?,
             len: vec![0; geo.batch],
             dense_k: z16(heads * geo.dense_capacity * d, "dense keys")?,
@@ -560,6 +589,7 @@ impl ParisIndex {
             geo,
             funcs,
             levels,
+            low,
             max_smem: dev.info.max_smem_per_block,
             sms: dev.info.sm_count,
             radix_topk: false,
@@ -604,7 +634,21 @@ impl ParisIndex {
 
     /// GPU-resident bytes per retrieval-region key and kv head (the summaries).
     pub fn device_bytes_per_key(&self) -> usize {
-        self.cfg.summary_bytes()
+        self.geo.layout.bytes_per_key(&self.cfg)
+    }
+
+    /// Bytes of the `codes` array per key: the 4-bit codes (`D/2`), or Whole64's row (`3D/8`).
+    fn code_bytes(cfg: &ParisConfig, layout: SummaryLayout) -> usize {
+        match layout {
+            SummaryLayout::Subspace4 => cfg.head_dim / 2,
+            SummaryLayout::Whole64 => 3 * cfg.head_dim / 8,
+        }
+    }
+
+    /// The default schedule of the index's summary layout ([`SummaryLayout::schedule`]: for
+    /// Whole64, ρ 0.30 from 64K keys).
+    pub fn default_schedule(&self) -> Schedule {
+        self.geo.layout.schedule()
     }
 
     /// GPU bytes the index holds for one sequence: summaries, occupancy, dense rows and the
@@ -613,7 +657,7 @@ impl ParisIndex {
         let (g, d) = (&self.geo, self.cfg.head_dim);
         let (b, c) = (self.cfg.subspaces, self.cfg.centroids());
         let (hq, nr) = (g.kv_heads * g.gqa, g.rows_per_sequence());
-        let summaries = g.kv_heads * (g.capacity * self.cfg.summary_bytes() + b * c * 4);
+        let summaries = g.kv_heads * (g.capacity * self.device_bytes_per_key() + b * c * 4 + 4);
         let dense = 2 * g.kv_heads * g.dense_capacity * d * 2;
         let bonus = g.kv_heads * g.rows_per_kv_head().div_ceil(4) * 4 * b * c;
         let rows = nr * (score_stride(g.capacity) + 8 * g.max_candidates + g.max_k * (4 + 4 * d) + (256 + EST_BINS) * 4 + 2 * g.capacity.div_ceil(BUCKET_CHUNK) * 4 + d * 4 + 12);
@@ -650,6 +694,7 @@ impl ParisIndex {
             len: self.at(&self.len_d, span),
             cap: self.geo.capacity as i32,
             hkv: self.geo.kv_heads as i32,
+            wtop: self.at(&self.wtop, span),
         }
     }
 
@@ -735,10 +780,27 @@ impl ParisIndex {
             rows: rows as i32,
             seed: self.cfg.seed,
             levels: self.levels,
+            low: self.low,
         };
-        // SAFETY: EncodeParams; rows index `keys` ([rows][Hkv][D] uploaded above) and write
-        // summaries at positions start..end < capacity of `seq`.
-        unsafe { self.launch("encode", &p, (rows.div_ceil(4) as u32, hkv as u32, 1), 128, 0) }?;
+        let grid = (rows.div_ceil(4) as u32, hkv as u32, 1);
+        if self.geo.layout == SummaryLayout::Whole64 {
+            if start == 0 {
+                // The sequence's first append fixes its weight grids (paris.cuh, "Whole64").
+                let mut tops = self.wtop.slice_mut(seq * hkv..(seq + 1) * hkv);
+                st.memcpy_htod(&vec![i32::MIN; hkv], &mut tops).map_err(drv("weight grids"))?;
+                // SAFETY: EncodeParams; reads the rows of `keys` as the encode below and
+                // writes only `wtop` of `seq`'s kv heads ([batch][kv_heads] i32).
+                unsafe { self.launch("scale_whole", &p, grid, 128, 0) }?;
+            }
+            // SAFETY: EncodeParams; rows index `keys` ([rows][Hkv][D] uploaded above) and write
+            // ids, rows ([cap][3D/8] per kv head) and occupancy at positions start..end <
+            // capacity of `seq`.
+            unsafe { self.launch("encode_whole", &p, grid, 128, 0) }?;
+        } else {
+            // SAFETY: EncodeParams; rows index `keys` ([rows][Hkv][D] uploaded above) and write
+            // summaries at positions start..end < capacity of `seq`.
+            unsafe { self.launch("encode", &p, grid, 128, 0) }?;
+        }
         self.len[seq] = end;
         let lens: Vec<u32> = self.len.iter().map(|&n| n as u32).collect();
         st.memcpy_htod(&lens, &mut self.len_d).map_err(drv("lengths"))?;
@@ -747,11 +809,12 @@ impl ParisIndex {
     }
 
     /// The summaries of (`seq`, kv head `head`) as the reference type (tests compare them
-    /// with `kvforge_paris::Summaries::encode`). Downloads the whole index.
+    /// with `kvforge_paris::Summaries::encode`). Downloads the whole index. The seed's layout
+    /// only (Whole64: [`ParisIndex::download_whole`]).
     pub fn download_summaries(&self, seq: usize, head: usize) -> Result<kvforge_paris::Summaries> {
-        self.check_seq(seq)?;
-        if head >= self.geo.kv_heads {
-            return Err(RtError::NoKvHead { head, heads: self.geo.kv_heads });
+        self.check_head(seq, head)?;
+        if self.geo.layout != SummaryLayout::Subspace4 {
+            return Err(RtError::BadInput(format!("ParisKV download_summaries: the index keeps {} summaries; use download_whole", self.geo.layout.name())));
         }
         let (d, b, c, n) = (self.cfg.head_dim, self.cfg.subspaces, self.cfg.centroids(), self.len[seq]);
         let sh = seq * self.geo.kv_heads + head;
@@ -768,6 +831,37 @@ impl ParisIndex {
             weights: weights[base * b..(base + n) * b].to_vec(),
             hist: hist[sh * b * c..(sh + 1) * b * c].to_vec(),
         })
+    }
+
+    /// The Whole64 summaries of (`seq`, kv head `head`): the ids `[n][B]`, the occupancy
+    /// `[B][2^m]` and the codes unpacked on the (sequence, kv head)'s weight grid (tests compare
+    /// them with `kvforge_paris::CompactSummaries::on_grid` and `WholeRow::pack`). Downloads the
+    /// whole index.
+    pub fn download_whole(&self, seq: usize, head: usize) -> Result<(Vec<u8>, Vec<u32>, CompactSummaries)> {
+        self.check_head(seq, head)?;
+        if self.geo.layout != SummaryLayout::Whole64 {
+            return Err(RtError::BadInput(format!("ParisKV download_whole: the index keeps {} summaries; use download_summaries", self.geo.layout.name())));
+        }
+        let (d, b, c, n) = (self.cfg.head_dim, self.cfg.subspaces, self.cfg.centroids(), self.len[seq]);
+        let row = 3 * d / 8;
+        let sh = seq * self.geo.kv_heads + head;
+        let base = sh * self.geo.capacity;
+        let ids = self.st.clone_dtoh(&self.ids).map_err(drv("centroid ids"))?;
+        let rows = self.st.clone_dtoh(&self.codes).map_err(drv("rows"))?;
+        let hist = self.st.clone_dtoh(&self.hist).map_err(drv("occupancy"))?;
+        let tops = self.st.clone_dtoh(&self.wtop).map_err(drv("weight grids"))?;
+        let grid = LogGrid { steps: 32, base: if tops[sh] == i32::MIN { -128 } else { tops[sh] - 255 } };
+        let ids = ids[base * b..(base + n) * b].to_vec();
+        let compact = CompactSummaries::from_whole_rows(self.cfg, &ids, &rows[base * row..(base + n) * row], grid)?;
+        Ok((ids, hist[sh * b * c..(sh + 1) * b * c].to_vec(), compact))
+    }
+
+    fn check_head(&self, seq: usize, head: usize) -> Result<()> {
+        self.check_seq(seq)?;
+        if head >= self.geo.kv_heads {
+            return Err(RtError::NoKvHead { head, heads: self.geo.kv_heads });
+        }
+        Ok(())
     }
 
     /// Sets the dense rows of `seq` (sinks, local window, update buffer): `[rows][kv_heads][D]`.
@@ -955,17 +1049,22 @@ impl ParisIndex {
             chunk: chunk as i32,
             seed: self.cfg.seed,
             levels: self.levels,
+            low: self.low,
         };
         let grid = (g.max_candidates.div_ceil(chunk) as u32, nr as u32, 1);
+        let whole = g.layout == SummaryLayout::Whole64;
         if g.ranks_by_group_max() {
             // SAFETY: RerankParams; one row per kv head (RG = 1), whose gqa ≤ HMAX_MAX_GQA
             // query heads are row × gqa .. of the uploaded queries [batch][Hq][D]; the dynamic
             // shared memory holds the [D][16] lookup entries of hmax_pairs(gqa) half2; CTAs and
             // threads past a row's candidate count return.
-            unsafe { self.launch("rerank_hmax", &p, grid, 256, hmax_lut_bytes(self.cfg.head_dim, g.gqa)) }
+            // Whole64 (rerank_whole_hmax): the same table of [D][16] entries, and the rows of
+            // ids and codes allocated for its layout.
+            unsafe { self.launch(if whole { "rerank_whole_hmax" } else { "rerank_hmax" }, &p, grid, 256, hmax_lut_bytes(self.cfg.head_dim, g.gqa)) }
         } else {
-            // SAFETY: RerankParams; CTAs and threads past a row's candidate count return.
-            unsafe { self.launch("rerank", &p, grid, 256, 0) }
+            // SAFETY: RerankParams; CTAs and threads past a row's candidate count return; the
+            // codes array holds the launched layout's rows.
+            unsafe { self.launch(if whole { "rerank_whole" } else { "rerank" }, &p, grid, 256, 0) }
         }
     }
 

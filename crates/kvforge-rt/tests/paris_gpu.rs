@@ -1,11 +1,14 @@
 //! ParisKV retrieval on the device against the kvforge-paris f64 reference: summaries,
 //! retrieval (batch 2, GQA 4: one retrieval per kv head for the group's summed query, ranked by
 //! the summed estimate or by the group's largest head estimate, and the per-query-head option), attention over dense + retrieved rows (staged and fused UVA
-//! reads), and the typed host-budget errors. Run on the GPU machine with `-- --ignored`; the
+//! reads), and the typed host-budget errors; the Whole64 summaries (`SummaryLayout::Whole64`,
+//! 64 B per key: `whole64_*` tests) against `kvforge_paris::compact`'s encoder and retrieval. Run on the GPU machine with `-- --ignored`; the
 //! NVRTC compile of the module runs on every CPU CI run (`paris_module_compiles`).
 
 use half::f16;
-use kvforge_paris::{exact_top_k, exact_top_k_group_max, group_query, recall, retrieve_group, ParisConfig, Rank, Schedule, Summaries};
+use kvforge_paris::{
+    exact_top_k, exact_top_k_group_max, group_query, recall, retrieve_group, retrieve_group_compact, CompactKeys, CompactSummaries, Layout, LogGrid, ParisConfig, Rank, Schedule, Summaries, SummaryLayout,
+};
 use kvforge_rt::paris::{ParisGeometry, ParisIndex};
 use kvforge_rt::testing::Xorshift;
 use kvforge_rt::{Device, RtError};
@@ -22,7 +25,19 @@ fn head_rows(x: &[f16], hkv: usize, d: usize, h: usize) -> Vec<f32> {
 }
 
 fn geometry() -> ParisGeometry {
-    ParisGeometry { batch: 2, kv_heads: 2, gqa: 4, per_query_head: false, rank: Rank::default(), capacity: 24_000, dense_capacity: 96, max_candidates: 8192, max_k: 128, host_budget_bytes: 1 << 30 }
+    ParisGeometry {
+        batch: 2,
+        kv_heads: 2,
+        gqa: 4,
+        per_query_head: false,
+        rank: Rank::default(),
+        layout: SummaryLayout::default(),
+        capacity: 24_000,
+        dense_capacity: 96,
+        max_candidates: 8192,
+        max_k: 128,
+        host_budget_bytes: 1 << 30,
+    }
 }
 
 struct Setup {
@@ -45,8 +60,9 @@ fn setup_with(dev: &Device, geo: ParisGeometry) -> Setup {
     for (s, &n) in lens.iter().enumerate() {
         let k = rows(n * geo.kv_heads, d, 11 + s as u64, 1.5);
         let v = rows(n * geo.kv_heads, d, 23 + s as u64, 0.0);
-        // Two appends: the second continues the first's positions and occupancy.
-        let cut = n / 3 * geo.kv_heads * d;
+        // Two appends: the second continues the first's positions and occupancy (Whole64: the
+        // first fixes the weight grid, `prefill_rows`).
+        let cut = prefill_rows(n) * geo.kv_heads * d;
         ix.append(s, &k[..cut], &v[..cut]).expect("append");
         ix.append(s, &k[cut..], &v[cut..]).expect("append");
         let (dk, dv) = (rows(64 * geo.kv_heads, d, 31 + s as u64, 1.5), rows(64 * geo.kv_heads, d, 37 + s as u64, 0.0));
@@ -56,6 +72,24 @@ fn setup_with(dev: &Device, geo: ParisGeometry) -> Setup {
         dense.push((dk, dv));
     }
     Setup { ix, keys, values, dense }
+}
+
+/// Rows of a sequence's first append in `setup_with` (of `n`).
+fn prefill_rows(n: usize) -> usize {
+    n / 3
+}
+
+/// The f64 reference of the device's Whole64 summaries of one kv head's `keys` (`[n][D]`): the
+/// whole-vector codes on the weight grid fitted to the first `prefill` keys (paris.cuh, "Whole64").
+fn whole_reference(cfg: ParisConfig, keys: &[f32], prefill: usize) -> CompactSummaries {
+    let layout = Layout::whole_eighth();
+    let pre = CompactKeys::encode(cfg, layout, &keys[..prefill * cfg.head_dim]).unwrap();
+    let grid = LogGrid::fit(layout.steps(), pre.weights.iter().copied());
+    CompactSummaries::on_grid(CompactKeys::encode(cfg, layout, keys).unwrap(), grid)
+}
+
+fn whole_geometry() -> ParisGeometry {
+    ParisGeometry { layout: SummaryLayout::Whole64, ..geometry() }
 }
 
 #[test]
@@ -86,17 +120,58 @@ fn summaries_match_the_reference() {
     }
 }
 
+/// Whole64: the ids (the codes' sign plane) and occupancy as the seed layout's reference, the
+/// grid that of the prefill, the codes and weight codes those of the reference's encoder
+/// (`CompactSummaries::on_grid`) and the packed rows `WholeRow::pack`'s. The device computes
+/// the norm, α and the weight's log in f64 as the reference does; its f32 rotation may put a
+/// coordinate on the other side of a threshold in rare keys, as for the seed layout.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn whole64_summaries_match_the_reference() {
+    let dev = Device::open(0).expect("device");
+    let s = setup_with(&dev, whole_geometry());
+    let (cfg, geo) = (*s.ix.config(), *s.ix.geometry());
+    assert_eq!(s.ix.device_bytes_per_key(), 64);
+    assert!(s.ix.download_summaries(0, 0).is_err(), "download_summaries is the seed layout's");
+    for seq in 0..geo.batch {
+        for h in 0..geo.kv_heads {
+            let keys = head_rows(&s.keys[seq], geo.kv_heads, cfg.head_dim, h);
+            let (ids, hist, got) = s.ix.download_whole(seq, h).unwrap();
+            let seed = Summaries::encode(cfg, &keys).unwrap();
+            let want = whole_reference(cfg, &keys, prefill_rows(s.ix.len(seq)));
+            assert_eq!(got.n, want.n);
+            assert_eq!(got.grid, want.grid, "seq {seq} head {h}: the prefill's weight grid");
+            assert_eq!(hist.iter().sum::<u32>(), seed.hist.iter().sum::<u32>());
+            let frac = |a: &[u8], b: &[u8]| a.iter().zip(b).filter(|(x, y)| x == y).count() as f64 / b.len() as f64;
+            let (ids, codes, weights) = (frac(&ids, &seed.ids), frac(&got.codes, &want.codes), frac(&got.weights, &want.weights));
+            let near = got.weights.iter().zip(&want.weights).all(|(a, b)| a.abs_diff(*b) <= 1);
+            let (gr, wr) = (got.whole_rows().unwrap(), want.whole_rows().unwrap());
+            let rb = 3 * cfg.head_dim / 8;
+            let rows = gr.chunks_exact(rb).zip(wr.chunks_exact(rb)).filter(|(a, b)| a == b).count() as f64 / want.n as f64;
+            println!("seq {seq} head {h}: ids {ids}, codes {codes}, weight codes {weights}, rows {rows}");
+            assert!(ids > 0.999 && codes > 0.999 && weights > 0.999 && rows > 0.99 && near, "seq {seq} head {h}: ids {ids}, codes {codes}, weight codes {weights} (within 1: {near}), rows {rows}");
+        }
+    }
+}
+
 /// The GPU's top-k of every retrieval row against the reference's for the row's queries (per
 /// kv head the group's, ranked by `rank`: the summed query's estimate or the largest head
 /// estimate; per query head the head's own), and both against the exact top-k the ranking
 /// approximates (Recall@100 of the summed logits, or of the largest head logit).
 fn check_retrieval(per_query_head: bool, rank: Rank) {
+    check_retrieval_with(ParisGeometry { per_query_head, rank, ..geometry() });
+}
+
+/// [`check_retrieval`] of `geo` (its summary layout: Whole64's reference reranks with
+/// `retrieve_group_compact`, under the layout's default schedule).
+fn check_retrieval_with(geo: ParisGeometry) {
+    let (per_query_head, rank) = (geo.per_query_head, geo.rank);
     let dev = Device::open(0).expect("device");
-    let mut s = setup_with(&dev, ParisGeometry { per_query_head, rank, ..geometry() });
+    let mut s = setup_with(&dev, geo);
     let (cfg, geo) = (*s.ix.config(), *s.ix.geometry());
     let (d, hq) = (cfg.head_dim, geo.kv_heads * geo.gqa);
     let q = rows(geo.batch * hq, d, 99, 1.0);
-    let schedule = Schedule { dense_below: 0, ..Schedule::default() };
+    let schedule = Schedule { dense_below: 0, ..s.ix.default_schedule() };
     let k = 100;
     let top = s.ix.retrieve(&q, k, &schedule).unwrap();
     assert_eq!(top.len(), geo.batch * hq);
@@ -114,7 +189,11 @@ fn check_retrieval(per_query_head: bool, rank: Rank) {
             let keys = head_rows(&s.keys[seq], geo.kv_heads, d, h);
             let sum = Summaries::encode(cfg, &keys).unwrap();
             let heads: Vec<f64> = q[(seq * hq + r * share) * d..(seq * hq + (r + 1) * share) * d].iter().map(|v| v.to_f64()).collect();
-            let rf = retrieve_group(&sum, &heads, rank, plan.rho, plan.candidates.min(geo.max_candidates), plan.k).unwrap();
+            let cmax = plan.candidates.min(geo.max_candidates);
+            let rf = match geo.layout {
+                SummaryLayout::Subspace4 => retrieve_group(&sum, &heads, rank, plan.rho, cmax, plan.k).unwrap(),
+                SummaryLayout::Whole64 => retrieve_group_compact(&sum, &whole_reference(cfg, &keys, prefill_rows(n)), &heads, rank, plan.rho, cmax, plan.k).unwrap(),
+            };
             let want = match rank {
                 Rank::Summed => exact_top_k(&keys, &group_query(&heads, d), k),
                 Rank::GroupMax => exact_top_k_group_max(&keys, &heads, d, k),
@@ -131,7 +210,7 @@ fn check_retrieval(per_query_head: bool, rank: Rank) {
     }
     let rows = (geo.batch * geo.rows_per_sequence()) as f64;
     let (agree, rec_gpu, rec_ref) = (agree / rows, rec_gpu / rows, rec_ref / rows);
-    println!("per_query_head {per_query_head}, rank {rank:?}: GPU vs reference {agree:.3}, Recall@{k} GPU {rec_gpu:.3}, reference {rec_ref:.3}");
+    println!("{}, per_query_head {per_query_head}, rank {rank:?}: GPU vs reference {agree:.3}, Recall@{k} GPU {rec_gpu:.3}, reference {rec_ref:.3}", geo.layout.name());
     assert!(agree > 0.95, "GPU vs reference top-k overlap {agree}");
     assert!(rec_gpu > rec_ref - 0.03, "GPU recall {rec_gpu} vs reference {rec_ref}");
 }
@@ -157,6 +236,16 @@ fn retrieval_per_query_head_matches_the_reference() {
     check_retrieval(true, Rank::default());
 }
 
+/// Whole64 (`rerank_whole`, `rerank_whole_hmax`; `rerank_whole` also per query head) against
+/// `retrieve_group_compact` on the reference's codes.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn whole64_retrieval_matches_the_reference() {
+    for (per_query_head, rank) in [(false, Rank::Summed), (false, Rank::GroupMax), (true, Rank::default())] {
+        check_retrieval_with(ParisGeometry { per_query_head, rank, ..whole_geometry() });
+    }
+}
+
 /// Identical keys: every vote score and estimate ties (under either rank: the group-max
 /// estimates of identical codes are identical too), so the threshold bin holds every candidate
 /// (past the one-pass top-k's shared-memory room: its radix fallback) and the top-k is the
@@ -165,9 +254,9 @@ fn retrieval_per_query_head_matches_the_reference() {
 #[ignore = "needs a CUDA device"]
 fn ties_keep_index_order() {
     let dev = Device::open(0).expect("device");
-    for rank in [Rank::Summed, Rank::GroupMax] {
+    for (rank, layout) in [(Rank::Summed, SummaryLayout::Subspace4), (Rank::GroupMax, SummaryLayout::Subspace4), (Rank::Summed, SummaryLayout::Whole64), (Rank::GroupMax, SummaryLayout::Whole64)] {
         // 60K keys: 6000 candidates (β 0.10 below 64K keys), more than TIE_CAP (4096).
-        let geo = ParisGeometry { capacity: 60_000, rank, ..geometry() };
+        let geo = ParisGeometry { capacity: 60_000, rank, layout, ..geometry() };
         let cfg = ParisConfig::default_for(128);
         let mut ix = ParisIndex::new(&dev, cfg, geo).unwrap();
         let one = rows(geo.kv_heads, 128, 5, 1.0);
@@ -181,7 +270,7 @@ fn ties_keep_index_order() {
         for radix in [false, true] {
             ix.set_radix_topk(radix);
             let top = ix.retrieve(&q, 100, &schedule).unwrap();
-            assert!(top.iter().all(|t| *t == want), "rank {rank:?}, radix {radix}: {:?}", &top[0][..8]);
+            assert!(top.iter().all(|t| *t == want), "rank {rank:?}, layout {layout:?}, radix {radix}: {:?}", &top[0][..8]);
         }
     }
 }
@@ -242,6 +331,10 @@ fn host_budget_is_a_typed_error() {
     // Group-max ranking past the lookup table's 8 heads is refused before anything compiles.
     let wide = ParisGeometry { gqa: 16, rank: Rank::GroupMax, ..geometry() };
     assert!(matches!(ParisIndex::new(&dev, cfg, wide), Err(RtError::BadInput(_))));
+    // Whole64 needs m = 8 (its ids are the sign plane's bytes): a typed error, nothing compiled.
+    let m4 = ParisConfig { subspaces: 32, ..cfg };
+    let err = ParisIndex::new(&dev, m4, whole_geometry()).err().expect("whole64 at m 4 is refused");
+    assert!(matches!(err, RtError::Paris(kvforge_paris::ParisError::Layout(_))) && err.is_input_error(), "{err}");
     let mut ix = ParisIndex::new(&dev, cfg, ParisGeometry { capacity: 1000, ..geometry() }).unwrap();
     let k = rows(900 * 2, 128, 1, 0.0);
     ix.append(0, &k, &k).unwrap();
@@ -259,7 +352,8 @@ fn paris_module_compiles() {
         println!("skipped: no NVRTC or CUDA headers");
         return;
     }
-    for (d, m, t, g) in [(128, 8, 6, 4), (64, 8, 6, 3), (128, 4, 3, 1), (128, 8, 6, 8)] {
+    // (256, 8, 6, 2): the largest head dim Whole64 serves.
+    for (d, m, t, g) in [(128, 8, 6, 4), (64, 8, 6, 3), (128, 4, 3, 1), (128, 8, 6, 8), (256, 8, 6, 2)] {
         let src = kvforge_gen::render_paris(d, m, t, g).unwrap();
         let name = kvforge_gen::paris_symbol(d, m, t, g);
         for arch in ["sm_90", "sm_80"] {

@@ -14,6 +14,10 @@
 // belongs to kv head r / RG and sums query heads r * SH .. r * SH + SH - 1, SH = G / RG.
 // Summaries per (sequence, kv head), `cap` keys each: ids [cap][B] u8, codes [cap][D/2] u8
 // (channel c in byte c/2, low nibble for even c), weights [cap][B] fp16, hist [B][2^M] u32.
+// The Whole64 layout (kvforge-paris `SummaryLayout::Whole64`, D/2 bytes per key; section
+// "Whole64" below) keeps the same ids and hist and replaces codes and weights by one row of
+// 3 D / 8 bytes per key in `codes` (magnitude bit stream, then the 8-bit log weight code) and
+// one weight-grid top code per (sequence, kv head) in `wtop`; `weights` is unused.
 // Full-precision K/V of the retrieval region: fp16 rows in pinned host memory, read over UVA:
 // row t of (sequence s, kv head h) at host_k + ((s Hkv + h) host_cap + t) host_stride (halves),
 // likewise host_v. The runtime interleaves them (host_stride = 2 D, host_v = host_k + D: [S][Hkv]
@@ -34,6 +38,7 @@ struct Index {
   const u32* len;  // [S] keys indexed per sequence
   int cap;         // key capacity per (sequence, kv head)
   int hkv;
+  int* wtop;       // Whole64: [S][Hkv] the weight grid's top code (WTOP_NONE: none yet); else unused
 };
 
 struct EncodeParams {
@@ -43,7 +48,8 @@ struct EncodeParams {
   const u32* pos_of;   // [rows] position of each new row in its sequence's retrieval region
   int rows;
   u32 seed;
-  float levels[16];
+  float levels[16];  // levels(M, 4); Whole64: levels(D, 4)
+  float low[8];      // Whole64: levels(D, 3) of the low coordinates; else unused
 };
 
 struct BonusParams {
@@ -109,7 +115,8 @@ struct RerankParams {
   int cmax, nr, rg;
   int chunk;         // candidates per CTA: a multiple of RERANK_STEP, at most RERANK_CHUNK
   u32 seed;          // rerank_hmax: the shared rotation's seed
-  float levels[16];
+  float levels[16];  // as EncodeParams
+  float low[8];
 };
 
 struct FetchParams {
@@ -974,6 +981,322 @@ __device__ void rerank_hmax_kernel(const RerankParams& p) {
       float e = norms[0] * acc[0];
 #pragma unroll
       for (int g = 1; g < G; ++g) e = fmaxf(e, norms[g] * acc[g]);
+      return e;
+    });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Whole64 (kvforge-paris `SummaryLayout::Whole64`; f64 reference `compact::Layout::whole_eighth`,
+// device row `compact::WholeRow`). One normalisation per key: every coordinate of the rotated
+// unit key k~ = R k / |k| is coded on levels(D, 4) (code c in 0..15, sign c >= 8), except the 8
+// low coordinates j % (D/8) == D/8 - 1 on levels(D, 3) (c in 0..7, sign c >= 4); one weight per
+// key w = |k| / alpha, alpha = sum_j l[c_j] k~_j, stored as an 8-bit code on a log grid of 1/32
+// octave: code 0 is w = 0, code c >= 1 is 2^((base + c) / 32), base = top - 255 with `top` the
+// (sequence, kv head)'s grid top code (Index::wtop; base -128 when no key had a positive weight).
+// Stored per key: ids [B] u8 = the sign plane (bit j of byte b is the sign of coordinate 8 b + j:
+// the vote's ids, unchanged; M = 8), and a row of 3 D / 8 bytes: the magnitudes (|code - middle|:
+// c - E/2 for a positive code, E/2 - 1 - c otherwise, 3 bits, 2 for a low coordinate) as one
+// little-endian bit stream, coordinate j at bit 3 j - j / (D/8), 3 D - 8 bits, then the weight code
+// in the last byte. D/8 + 3 D/8 = D/2 bytes.
+//
+// The grid is fixed per (sequence, kv head) by the first append (the prefill): the runtime resets
+// wtop to WTOP_NONE and runs encode_whole_kernel<SCALE = true> over the prefill's keys (atomic max of
+// round(32 log2 w)), so that its largest weight takes code 255 (kvforge-paris `LogGrid::fit`); the
+// encoder then codes those and every later key on that grid, clamping to 1..255
+// (`CompactSummaries::on_grid`). A streaming encoder never revisits a key. The norm, alpha, the
+// weight and its log are computed in f64 as the reference does, so the weight codes match it
+// bit for bit but where round(32 log2 w) sits on a half (the codes, as the seed layout's encoder,
+// where the f32 rotation puts a coordinate on the other side of a threshold).
+
+template <int D>
+struct Whole {
+  static constexpr int P = D / 8;         // a low coordinate every P
+  static constexpr int ROW = 3 * D / 8;   // row bytes
+  static constexpr int WORDS = ROW / 4;   // row 32-bit words; the weight is the top byte of the last
+  static constexpr int IDW = D / 32;      // id words (4 ids per word)
+  __host__ __device__ static constexpr bool low(int j) { return j % P == P - 1; }
+  __host__ __device__ static constexpr int offset(int j) { return 3 * j - j / P; }
+  __host__ __device__ static constexpr int width(int j) { return low(j) ? 2 : 3; }
+};
+
+// Index::wtop before any key with a positive weight (i32::MIN on the host).
+constexpr int WTOP_NONE = -2147483647 - 1;
+
+// The weight grid's base of a (sequence, kv head) from its top code.
+__device__ __forceinline__ int whole_base(int top) { return top == WTOP_NONE ? -128 : top - 255; }
+
+// The log-grid position round(32 log2 w) of a positive finite weight (f64, as the reference).
+__device__ __forceinline__ int whole_log(double w) { return int(llround(32.0 * log2(w))); }
+
+// Encode (SCALE false) or fit the grid (SCALE true). Grid (ceil(rows / ROWS), Hkv), NT threads,
+// ROWS = NT / 32 keys per CTA, a warp per key.
+template <int D, int M, int NT, bool SCALE>
+__device__ void encode_whole_kernel(const EncodeParams& p) {
+  if constexpr (M == 8 && D % 64 == 0) {
+    using W = Whole<D>;
+    constexpr int B = D / M, ROWS = NT / 32;
+    __shared__ float x[ROWS][D];
+    __shared__ u8 mags[ROWS][D];
+    __shared__ float norms[ROWS];
+    const int h = blockIdx.y, r0 = blockIdx.x * ROWS;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int rows = cmin(ROWS, p.rows - r0);
+    for (int i = threadIdx.x; i < ROWS * D; i += NT) {
+      const int r = i / D, c = i % D;
+      x[r][c] = r < rows ? __half2float(p.keys[(size_t(r0 + r) * p.ix.hkv + h) * D + c]) : 0.f;
+    }
+    __syncthreads();
+    {
+      // |k|: f64 sum, rounded once (the reference's).
+      double s = 0.0;
+      for (int c = lane; c < D; c += 32) s += double(x[warp][c]) * double(x[warp][c]);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (lane == 0) norms[warp] = float(sqrt(s));
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < ROWS * D; i += NT) {
+      const float n = norms[i / D], v = 1.f / n;
+      x[i / D][i % D] = (n == 0.f || isinf(v)) ? 0.f : x[i / D][i % D] * v;
+    }
+    __syncthreads();
+    hadamard_rows<D, NT, false>(&x[0][0], ROWS, p.seed);
+    const int r = warp;
+    if (r >= rows) return;
+    const u32 s = p.seq_of[r0 + r], pos = p.pos_of[r0 + r];
+    const size_t key = (size_t(s) * p.ix.hkv + h) * p.ix.cap + pos;
+    const bool zero = norms[r] == 0.f || isinf(1.f / norms[r]);
+    double alpha = 0.0;
+    u32 signs[W::IDW];
+#pragma unroll
+    for (int t = 0; t < W::IDW; ++t) {
+      const int j = t * 32 + lane;
+      const float u = x[r][j];
+      const bool lo = W::low(j);
+      const int half = lo ? 4 : 8;
+      int c = 0;
+      if (lo) {
+#pragma unroll
+        for (int i = 0; i < 7; ++i) c += u > (p.low[i] + p.low[i + 1]) * 0.5f ? 1 : 0;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 15; ++i) c += u > (p.levels[i] + p.levels[i + 1]) * 0.5f ? 1 : 0;
+      }
+      if (zero) c = half;
+      alpha += double(lo ? p.low[c] : p.levels[c]) * double(u);
+      const bool pos_sign = c >= half;
+      mags[r][j] = u8(pos_sign ? c - half : half - 1 - c);
+      signs[t] = __ballot_sync(0xffffffffu, pos_sign);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) alpha += __shfl_xor_sync(0xffffffffu, alpha, o);
+    const double w = !zero && alpha > 0.0 ? double(norms[r]) / alpha : 0.0;
+    const bool positive = w > 0.0 && isfinite(w);
+    const int hk = int(s) * p.ix.hkv + h;
+    if constexpr (SCALE) {
+      if (lane == 0 && positive) atomicMax(&p.ix.wtop[hk], whole_log(w));
+      return;
+    }
+    __syncwarp();
+    const int code = positive ? max(1, min(255, whole_log(w) - whole_base(p.ix.wtop[hk]))) : 0;
+    // The magnitude stream: lane `lane` builds row word `lane`.
+    if (lane < W::WORDS) {
+      u32 word = 0;
+#pragma unroll
+      for (int j = 0; j < D; ++j) {
+        const int o = W::offset(j) - 32 * lane;
+        const u32 m = mags[r][j];
+        if (o >= 0 && o < 32) word |= m << o;
+        else if (o < 0 && o > -W::width(j)) word |= m >> -o;
+      }
+      if (lane == W::WORDS - 1) word = (word & 0x00ffffffu) | (u32(code) << 24);
+      reinterpret_cast<u32*>(p.ix.codes + key * W::ROW)[lane] = word;
+    }
+    if (lane < W::IDW) reinterpret_cast<u32*>(p.ix.ids + key * B)[lane] = signs[lane];
+    if (lane < B) {
+      u32 id = 0;
+#pragma unroll
+      for (int t = 0; t < W::IDW; ++t) id = lane / 4 == t ? (signs[t] >> (8 * (lane % 4))) & 255u : id;
+      atomicAdd(&p.ix.hist[(size_t(hk) * B + lane) * (1 << M) + id], 1u);
+    }
+  }
+}
+
+// One candidate's ids (the sign plane) and row.
+template <int D>
+struct WholeKey {
+  u32 ids[Whole<D>::IDW];
+  u32 row[Whole<D>::WORDS];
+};
+
+template <int D>
+__device__ __forceinline__ void whole_load(const Index& ix, size_t key, WholeKey<D>& k) {
+  using W = Whole<D>;
+  const u8* ids = ix.ids + key * (D / 8);
+  const u8* row = ix.codes + key * W::ROW;
+  if constexpr (W::IDW % 4 == 0) {
+#pragma unroll
+    for (int v = 0; v < W::IDW / 4; ++v) reinterpret_cast<uint4*>(k.ids)[v] = reinterpret_cast<const uint4*>(ids)[v];
+  } else {
+#pragma unroll
+    for (int v = 0; v < W::IDW / 2; ++v) reinterpret_cast<uint2*>(k.ids)[v] = reinterpret_cast<const uint2*>(ids)[v];
+  }
+  if constexpr (W::ROW % 16 == 0) {
+#pragma unroll
+    for (int v = 0; v < W::WORDS / 4; ++v) reinterpret_cast<uint4*>(k.row)[v] = reinterpret_cast<const uint4*>(row)[v];
+  } else {
+#pragma unroll
+    for (int v = 0; v < W::WORDS / 2; ++v) reinterpret_cast<uint2*>(k.row)[v] = reinterpret_cast<const uint2*>(row)[v];
+  }
+}
+
+// The lookup index of coordinate j: sign << 3 | magnitude. Called in fully unrolled loops, so
+// that j, the bit offset and the words are constants.
+template <int D>
+__device__ __forceinline__ u32 whole_index(const WholeKey<D>& k, int j) {
+  using W = Whole<D>;
+  const int o = W::offset(j), wd = o / 32, sh = o % 32, width = W::width(j);
+  u32 m = k.row[wd] >> sh;
+  if (sh + width > 32) m |= k.row[wd + 1] << (32 - sh);
+  return ((k.ids[j / 32] >> (j % 32)) & 1u) << 3 | (m & ((1u << width) - 1));
+}
+
+// The weight of a candidate: 2^((base + code) / 32), 0 for code 0.
+__device__ __forceinline__ float whole_weight(u32 code, int base) { return code == 0 ? 0.f : exp2f(float(base + int(code)) * (1.f / 32.f)); }
+
+// The level of lookup index `idx` (sign << 3 | magnitude) of coordinate j (`low`: levels(D, 3)).
+__device__ __forceinline__ float whole_level(const RerankParams& p, bool low, int idx) {
+  const int sign = idx >> 3, mag = idx & 7, half = low ? 4 : 8;
+  if (mag >= half) return 0.f;
+  const int c = sign ? half + mag : half - 1 - mag;
+  return low ? p.low[c] : p.levels[c];
+}
+
+// The candidate loop of the Whole64 reranks (as rerank_candidates): `score(key)` gives a
+// candidate's estimate.
+template <int D, int NT, class Score>
+__device__ __forceinline__ void whole_candidates(const RerankParams& p, int sh, u32 lo, u32 hi, size_t base, Score score) {
+#pragma unroll 1
+  for (u32 c0 = lo + threadIdx.x; c0 < hi; c0 += RERANK_UNROLL * NT) {
+    WholeKey<D> k[RERANK_UNROLL];
+#pragma unroll
+    for (int u = 0; u < RERANK_UNROLL; ++u) {
+      const u32 c = c0 + u * NT;
+      if (c >= hi) break;
+      whole_load<D>(p.ix, base + p.cand[size_t(sh) * p.cmax + c], k[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < RERANK_UNROLL; ++u) {
+      const u32 c = c0 + u * NT;
+      if (c >= hi) break;
+      const float e = score(k[u]);
+      p.est[size_t(sh) * p.cmax + c] = e;
+      atomicAdd(&p.est_hist[size_t(sh) * EST_BINS + (float_key(e) >> (32 - EST_BITS))], 1u);
+    }
+  }
+}
+
+
+// Rerank of the summed query (rerank_kernel's grid and chunks): est = |q| w sum_j l[c_j] q~_j.
+template <int D, int M, int NT>
+__device__ void rerank_whole_kernel(const RerankParams& p) {
+  if constexpr (M == 8 && D % 64 == 0) {
+    __shared__ float lut[D * 16];
+    __shared__ float qs[D];
+    const int sh = blockIdx.y, s = sh / p.nr, h = (sh % p.nr) / p.rg;
+    const u32 count = p.count[sh], lo = blockIdx.x * u32(p.chunk);
+    if (lo >= count) return;
+    for (int i = threadIdx.x; i < D; i += NT) qs[i] = p.qrot[size_t(sh) * D + i];
+    __syncthreads();
+    for (int i = threadIdx.x; i < D * 16; i += NT) lut[i] = whole_level(p, Whole<D>::low(i / 16), i % 16) * qs[i / 16];
+    __syncthreads();
+    const float qn = p.qnorm[sh];
+    const int wbase = whole_base(p.ix.wtop[s * p.ix.hkv + h]);
+    const size_t base = size_t(s * p.ix.hkv + h) * p.ix.cap;
+    whole_candidates<D, NT>(p, sh, lo, min(count, lo + u32(p.chunk)), base, [&](const WholeKey<D>& k) {
+      float dot = 0.f;
+#pragma unroll
+      for (int j = 0; j < D; ++j) dot += lut[j * 16 + whole_index<D>(k, j)];
+      return qn * (whole_weight(k.row[Whole<D>::WORDS - 1] >> 24, wbase) * dot);
+    });
+  }
+}
+
+// Rerank by the group's largest head estimate (rerank_hmax_kernel's table, grid and dynamic
+// shared memory; the entry of coordinate j and lookup index sign << 3 | magnitude): 8
+// coordinates add in half2, the sum over the key in f32, est = max_g |q_g| w dot_g.
+template <int D, int G, int P>
+__device__ __forceinline__ void whole_hmax_dot(u32 lut_base, const WholeKey<D>& k, float (&acc)[G]) {
+  __half2 dot[P];
+#pragma unroll
+  for (int j = 0; j < D; ++j) {
+    const HmaxEntry<P> e = hmax_entry<P>(lut_base, whole_index<D>(k, j), 0, j);
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      const __half2 x = *reinterpret_cast<const __half2*>(&e.w[i]);
+      dot[i] = j % 8 == 0 ? x : __hadd2(dot[i], x);
+    }
+    if (j % 8 == 7) {
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        const float2 f = __half22float2(dot[i]);
+        if (2 * i < G) acc[2 * i] += f.x;
+        if (2 * i + 1 < G) acc[2 * i + 1] += f.y;
+      }
+    }
+  }
+}
+
+template <int D, int M, int G, int NT>
+__device__ void rerank_whole_hmax_kernel(const RerankParams& p) {
+  if constexpr (M == 8 && D % 64 == 0 && G >= 1 && G <= 8) {
+    constexpr int P = hmax_pairs(G);
+    extern __shared__ __align__(16) u32 hmax_lut[];  // [D][16][P] half2
+    __shared__ float qs[G][D];
+    __shared__ float qn[G];
+    const int sh = blockIdx.y, s = sh / p.nr, h = sh % p.nr;
+    const u32 count = p.count[sh], lo = blockIdx.x * u32(p.chunk);
+    if (lo >= count) return;
+    const __half* qh = p.q + size_t(sh) * G * D;
+    for (int i = threadIdx.x; i < G * D; i += NT) qs[i / D][i % D] = __half2float(qh[i]);
+    __syncthreads();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (int g = warp; g < G; g += NT / 32) {
+      float v = 0.f;
+      for (int c = lane; c < D; c += 32) v += qs[g][c] * qs[g][c];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      const float norm = sqrtf(v), inv = norm > 0.f ? 1.f / norm : 0.f;
+      for (int c = lane; c < D; c += 32) qs[g][c] *= inv;
+      if (lane == 0) qn[g] = norm;
+    }
+    __syncthreads();
+    hadamard_rows<D, NT, false>(&qs[0][0], G, p.seed);
+    const u32 raw = u32(__cvta_generic_to_shared(hmax_lut));
+    const u32 lut_base = (raw + HMAX_ALIGN - 1) & ~u32(HMAX_ALIGN - 1);
+    __half2* lut2 = reinterpret_cast<__half2*>(hmax_lut + (lut_base - raw) / 4);
+    for (int i = threadIdx.x; i < D * 16 * P; i += NT) {
+      const int pp = i % P, idx = (i / P) % 16, ch = i / (16 * P);
+      const float l = whole_level(p, Whole<D>::low(ch), idx);
+      const float a = 2 * pp < G ? l * qs[2 * pp][ch] : 0.f, b = 2 * pp + 1 < G ? l * qs[2 * pp + 1][ch] : 0.f;
+      lut2[i] = __floats2half2_rn(a, b);
+    }
+    __syncthreads();
+    float norms[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) norms[g] = qn[g];
+    const int wbase = whole_base(p.ix.wtop[s * p.ix.hkv + h]);
+    const size_t base = size_t(s * p.ix.hkv + h) * p.ix.cap;
+    whole_candidates<D, NT>(p, sh, lo, min(count, lo + u32(p.chunk)), base, [&](const WholeKey<D>& k) {
+      float acc[G];
+#pragma unroll
+      for (int g = 0; g < G; ++g) acc[g] = 0.f;
+      whole_hmax_dot<D, G, P>(lut_base, k, acc);
+      const float w = whole_weight(k.row[Whole<D>::WORDS - 1] >> 24, wbase);
+      float e = norms[0] * (w * acc[0]);
+#pragma unroll
+      for (int g = 1; g < G; ++g) e = fmaxf(e, norms[g] * (w * acc[g]));
       return e;
     });
   }

@@ -73,15 +73,17 @@ class ParisAttention:
 
     def __init__(self, k: int = 256, sinks: int = 64, local: int = 256, update: int = 64,
                  capacity: int = 8192 + 256, host_budget_gb: float = 8.0, module: Any = None, per_query_head: bool = True,
-                 rank: str = "max"):
+                 rank: str = "max", layout: str = "subspace4"):
         if k < 1 or sinks < 0 or local < 1 or not 1 <= update <= local:
             raise ValueError(f"kvforge.retrieval: need k >= 1, sinks >= 0, local >= 1 and 1 <= update <= local; got k={k}, sinks={sinks}, local={local}, update={update}")
         if rank not in ("max", "sum"):
             raise ValueError(f"kvforge.retrieval: rank must be 'max' or 'sum', got {rank!r}")
+        if layout not in ("subspace4", "whole64"):
+            raise ValueError(f"kvforge.retrieval: layout must be 'subspace4' or 'whole64', got {layout!r}")
         self.kvforge = module if module is not None else importlib.import_module("kvforge")
         self.k, self.sinks, self.local, self.update = int(k), int(sinks), int(local), int(update)
         self.capacity, self.host_budget_gb = int(capacity), float(host_budget_gb)
-        self.per_query_head, self.rank = bool(per_query_head), rank
+        self.per_query_head, self.rank, self.layout = bool(per_query_head), rank, layout
         # layer -> {"ix", "n" (positions seen), "sinks", "r_end" (end of the retrieval region)}
         self.layers: Dict[int, Dict[str, Any]] = {}
         self.retrieved_steps = 0
@@ -95,7 +97,7 @@ class ParisAttention:
         """A fresh index for a new prompt (the previous prompt's regions are stale)."""
         ix = self.kvforge.ParisIndex(d, hkv, gqa, self.capacity, dense_capacity=self.sinks + self.local + self.update,
                                      max_k=max(self.k, 8), max_candidates=max(65536, 8 * self.k), host_budget_gb=self.host_budget_gb,
-                                     per_query_head=self.per_query_head, rank=self.rank)
+                                     per_query_head=self.per_query_head, rank=self.rank, layout=self.layout)
         st = self.layers[layer] = {"ix": ix}
         return st
 
@@ -163,16 +165,17 @@ class ParisAttention:
 
 def use_retrieval(model, k: int = 256, sinks: int = 64, local: int = 256, update: int = 64,
                   capacity: Optional[int] = None, host_budget_gb: float = 8.0, per_query_head: bool = True,
-                  rank: str = "max") -> ParisAttention:
+                  rank: str = "max", layout: str = "subspace4") -> ParisAttention:
     """Runs every attention layer of ``model`` with ParisKV retrieval decode (module docs):
     registers the ``"kvforge"`` attention (as :func:`kvforge.hf.use_kvforge` does) with a
     :class:`ParisAttention` handle on every layer. ``capacity``: retrieval-region keys per
     layer (default the model's ``max_position_embeddings`` + 256). ``per_query_head``: one
     retrieval per query head (default), or ``False`` for one per kv head, whose candidates
-    ``rank`` orders: ``"sum"`` (default) or ``"max"`` (the largest head estimate, "hmax"). Undo
-    with ``handle.detach()``."""
+    ``rank`` orders: ``"sum"`` (default) or ``"max"`` (the largest head estimate, "hmax").
+    ``layout``: the GPU summaries, ``"subspace4"`` (default, 112 B per key and kv head at head dim
+    128) or ``"whole64"`` (``head_dim / 2`` bytes). Undo with ``handle.detach()``."""
     if capacity is None:
         capacity = max(1024, int(getattr(model.config, "max_position_embeddings", 8192) or 8192) + 256)
     handle = ParisAttention(k=k, sinks=sinks, local=local, update=update, capacity=capacity, host_budget_gb=host_budget_gb,
-                            per_query_head=per_query_head, rank=rank)
+                            per_query_head=per_query_head, rank=rank, layout=layout)
     return attach(model, handle)
