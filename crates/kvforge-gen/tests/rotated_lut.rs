@@ -39,6 +39,15 @@ static inline kvforge::u32 __byte_perm(kvforge::u32 a, kvforge::u32 b, kvforge::
   }
   return r;
 }
+// One output line's head: tag, bits, head dim, the value streams `a | b` and the slice position.
+template <int N>
+static void streams(const char* tag, int bits, int d, const kvforge::u32 (&a)[N], const kvforge::u32 (&b)[N], int pos) {
+  printf("%s %d %d", tag, bits, d);
+  for (auto x : a) printf(" %08x", x);
+  printf(" |");
+  for (auto x : b) printf(" %08x", x);
+  printf(" @ %d :", pos);
+}
 "#;
 
 fn compiler() -> Option<String> {
@@ -69,11 +78,7 @@ const INT8_KEYS: &str = r#"kvforge::u32 oi[2 * {kch}];
 /// Integer values (up to 3 bits): the biased pairs of the same value slices, with −bias.
 const INT8_VALUES: &str = r#"kvforge::u32 ob[{vp}];
         Lut::transposed_int8<{vch}>(sa, sb, ob);
-        printf("W {bits} {d}");
-        for (auto x : a) printf(" %08x", x);
-        printf(" |");
-        for (auto x : b) printf(" %08x", x);
-        printf(" @ %d :", pos);
+        streams("W", {bits}, {d}, a, b, pos);
         printf(" %08x %08x", (kvforge::u32)Lut::GRID, Lut::VBIAS_H2);
         for (auto x : ob) printf(" %08x", x);
         printf("\n");"#;
@@ -126,11 +131,7 @@ fn driver(bits: u32, d: usize, lv: &[u32]) -> String {
         for (auto& x : b) x = next();
         {vload}
         Lut::transposed<{vch}>(sa, sb, o);
-        printf("V {bits} {d}");
-        for (auto x : a) printf(" %08x", x);
-        printf(" |");
-        for (auto x : b) printf(" %08x", x);
-        printf(" @ %d :", pos);
+        streams("V", {bits}, {d}, a, b, pos);
         for (auto x : o) printf(" %08x", x);
         printf("\n");
         {int8v}
