@@ -38,8 +38,9 @@
 //! 2 for the 8 low coordinates; coordinate `j` at bit `3j − ⌊j/(D/8)⌋`), `3D − 8` bits, then
 //! the weight code in the last byte. A magnitude is the code's distance from the middle of its
 //! table: `c − E/2` for a positive code, `E/2 − 1 − c` otherwise. The weight grid is one per
-//! (sequence, kv head), fixed by the first append (the prefill; [`LogGrid::fit`] over its keys'
-//! weights) so that a streaming encoder codes later keys without revisiting earlier ones:
+//! (sequence, kv head), fixed by the first append holding a key of positive weight for that kv
+//! head (the prefill; [`LogGrid::fit`] over its keys' weights; earlier keys all code weight 0)
+//! so that a streaming encoder codes later keys without revisiting earlier ones:
 //! later keys past the prefill's largest weight clamp to code 255
 //! ([`CompactSummaries::on_grid`] is the reference of that encoder).
 

@@ -34,7 +34,8 @@
 //! ([`SummaryLayout::Subspace4`], 112 B per key and kv head at head dim 128, the default) or the
 //! whole-vector code of `D/2` bytes ([`SummaryLayout::Whole64`], 64 B: ids = the codes' sign
 //! plane, the vote unchanged; `encode_whole` / `rerank_whole*` in paris.cuh; its weight grid is
-//! fixed per (sequence, kv head) by the sequence's first append). Its default schedule is
+//! fixed per (sequence, kv head) by the first append holding a key of positive weight for the
+//! kv head, normally the prefill). Its default schedule is
 //! [`ParisIndex::default_schedule`] (ρ 0.30 from 64K keys).
 //!
 //! Not yet wired into [`crate::KvCache`]: the index is its own store (the sliding-window
@@ -435,6 +436,8 @@ pub struct ParisIndex {
     hist: CudaSlice<u32>,
     /// Whole64: `[S][Hkv]` the weight grid's top code (`i32::MIN`: none yet).
     wtop: CudaSlice<i32>,
+    /// `wtop` as the host last wrote it (only `append` writes it).
+    wtop_host: Vec<i32>,
     len_d: CudaSlice<u32>,
     len: Vec<usize>,
     /// Retrieval-region K/V, `[S][Hkv][capacity][K | V]` fp16: a token's rows side by side
@@ -577,6 +580,7 @@ impl ParisIndex {
             weights: z16(if geo.layout == SummaryLayout::Whole64 { 0 } else { heads * geo.capacity * b }, "weights")?,
             hist: z32(heads * b * c, "occupancy")?,
             wtop: st.clone_htod(&vec![i32::MIN; heads]).map_err(drv("weight grids"))?,
+            wtop_host: vec![i32::MIN; heads],
             len_d: z32(geo.batch, "lengths")?,
             len: vec![0; geo.batch],
             dense_k: z16(heads * geo.dense_capacity * d, "dense keys")?,
@@ -784,13 +788,24 @@ impl ParisIndex {
         };
         let grid = (rows.div_ceil(4) as u32, hkv as u32, 1);
         if self.geo.layout == SummaryLayout::Whole64 {
-            if start == 0 {
-                // The sequence's first append fixes its weight grids (paris.cuh, "Whole64").
-                let mut tops = self.wtop.slice_mut(seq * hkv..(seq + 1) * hkv);
-                st.memcpy_htod(&vec![i32::MIN; hkv], &mut tops).map_err(drv("weight grids"))?;
+            let tops = seq * hkv..(seq + 1) * hkv;
+            if self.wtop_host[tops.clone()].contains(&i32::MIN) {
+                // A kv head's weight grid is fixed by the first append that holds one of its
+                // keys with a positive weight (the prefill; paris.cuh, "Whole64"): fit every kv
+                // head of `seq` to this append's keys, keep the fit only where none was fixed
+                // (an empty or all-zero earlier append leaves a head open), so no key already
+                // coded changes grid.
+                st.memcpy_htod(&vec![i32::MIN; hkv], &mut self.wtop.slice_mut(tops.clone())).map_err(drv("weight grids"))?;
                 // SAFETY: EncodeParams; reads the rows of `keys` as the encode below and
                 // writes only `wtop` of `seq`'s kv heads ([batch][kv_heads] i32).
                 unsafe { self.launch("scale_whole", &p, grid, 128, 0) }?;
+                let fitted = st.clone_dtoh(&self.wtop).map_err(drv("weight grids"))?;
+                for i in tops.clone() {
+                    if self.wtop_host[i] == i32::MIN {
+                        self.wtop_host[i] = fitted[i];
+                    }
+                }
+                st.memcpy_htod(&self.wtop_host[tops.clone()], &mut self.wtop.slice_mut(tops)).map_err(drv("weight grids"))?;
             }
             // SAFETY: EncodeParams; rows index `keys` ([rows][Hkv][D] uploaded above) and write
             // ids, rows ([cap][3D/8] per kv head) and occupancy at positions start..end <

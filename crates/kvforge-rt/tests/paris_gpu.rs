@@ -154,6 +154,38 @@ fn whole64_summaries_match_the_reference() {
     }
 }
 
+/// Whole64: a kv head's weight grid is fixed by the first append holding one of its keys with a
+/// positive weight. An empty append and one whose head-0 keys are all zero leave head 0's grid
+/// open (its zero keys code weight 0 on any grid); the next append fixes it, while head 1 keeps
+/// the grid of the first append.
+#[test]
+#[ignore = "needs a CUDA device"]
+fn whole64_grid_waits_for_a_positive_key() {
+    let dev = Device::open(0).expect("device");
+    let cfg = ParisConfig::default_for(128);
+    let geo = whole_geometry();
+    let (d, hkv) = (cfg.head_dim, geo.kv_heads);
+    let mut ix = ParisIndex::new(&dev, cfg, geo).unwrap();
+    let mut k = rows(600 * hkv, d, 41, 1.5);
+    for r in 0..100 {
+        k[r * hkv * d..(r * hkv + 1) * d].fill(f16::ZERO);
+    }
+    let cut = 100 * hkv * d;
+    ix.append(0, &[], &[]).unwrap();
+    ix.append(0, &k[..cut], &k[..cut]).unwrap();
+    ix.append(0, &k[cut..], &k[cut..]).unwrap();
+    for (h, fixed_by) in [(0, 600), (1, 100)] {
+        let keys = head_rows(&k, hkv, d, h);
+        let (_, _, got) = ix.download_whole(0, h).unwrap();
+        let want = whole_reference(cfg, &keys, fixed_by);
+        assert_eq!(got.grid, want.grid, "head {h}: the grid of the first append with a positive weight");
+        assert_ne!(got.grid.base, -128, "head {h}");
+        let same = got.weights.iter().zip(&want.weights).filter(|(a, b)| a == b).count() as f64 / want.n as f64;
+        assert!(same > 0.99, "head {h}: weight codes {same}");
+        assert_eq!(got.weights[..100].iter().all(|&c| c == 0), h == 0, "head {h}: zero keys, weight code 0");
+    }
+}
+
 /// The GPU's top-k of every retrieval row against the reference's for the row's queries (per
 /// kv head the group's, ranked by `rank`: the summed query's estimate or the largest head
 /// estimate; per query head the head's own), and both against the exact top-k the ranking

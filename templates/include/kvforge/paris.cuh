@@ -1000,9 +1000,11 @@ __device__ void rerank_hmax_kernel(const RerankParams& p) {
 // little-endian bit stream, coordinate j at bit 3 j - j / (D/8), 3 D - 8 bits, then the weight code
 // in the last byte. D/8 + 3 D/8 = D/2 bytes.
 //
-// The grid is fixed per (sequence, kv head) by the first append (the prefill): the runtime resets
-// wtop to WTOP_NONE and runs encode_whole_kernel<SCALE = true> over the prefill's keys (atomic max of
-// round(32 log2 w)), so that its largest weight takes code 255 (kvforge-paris `LogGrid::fit`); the
+// The grid is fixed per (sequence, kv head) by the first append (the prefill) that holds a key of
+// positive weight for that kv head: while some kv head of the sequence has none (wtop WTOP_NONE:
+// no append yet, or only zero keys, which code weight 0 on any grid), the runtime resets the
+// sequence's wtop, runs encode_whole_kernel<SCALE = true> over the append's keys (atomic max of
+// round(32 log2 w)) and restores the kv heads already fixed, so that its largest weight takes code 255 (kvforge-paris `LogGrid::fit`); the
 // encoder then codes those and every later key on that grid, clamping to 1..255
 // (`CompactSummaries::on_grid`). A streaming encoder never revisits a key. The norm, alpha, the
 // weight and its log are computed in f64 as the reference does, so the weight codes match it
