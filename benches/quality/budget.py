@@ -142,7 +142,8 @@ def make(scheme: str, d: int, calib: dict, max_tokens: int, args):
         kw.update(eps_k=calib["eps_k"], eps_v=calib["eps_v"])
     control = "rdkv" if policy in ("trizone", "rotated") else policy
     return kvq.KvforgeBackend(spec, start, scheme, max_tokens, control=hf.Control(control, budget, observe=args.observe,
-                                                                                 observe_weight=args.observe_weight, keep=args.keep, **kw))
+                                                                                 observe_weight=args.observe_weight, keep=args.keep,
+                                                                                 share=args.share, share_radius=args.share_radius, **kw))
 
 
 def summarise_reports(backend) -> dict:
@@ -195,6 +196,9 @@ def main():
                     help="with --observe: the window's share of the token weights, the rest the whole prompt's")
     ap.add_argument("--keep", type=int, default=0,
                     help="with --observe: positions per kv head the window attends most, weighted to keep their bytes")
+    ap.add_argument("--share", type=int, default=0,
+                    help="with --observe: the window's top positions per layer and kv head whose pages weigh the head's mass in every layer")
+    ap.add_argument("--share-radius", type=int, default=0, help="with --share: also the pages within this many positions")
     ap.add_argument("--rotated-drop-eps", type=float, default=1.0,
                     help="NMSE RDKV charges a dropped token on the rotated ladder (1: as calibrated; 1e6: never drop)")
     ap.add_argument("--out", type=Path)

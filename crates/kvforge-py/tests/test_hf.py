@@ -426,6 +426,50 @@ def test_control_attends_the_prompt_exactly_then_applies_per_layer(fake, hf):
     assert att.bytes_per_token() == 4.0 * 8 + 1.0
 
 
+def test_shared_pages_and_mass(hf):
+    torch = pytest.importorskip("torch")
+    w0 = torch.tensor([[0.0, 5.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 9.0, 0.0, 0.0]])
+    w1 = torch.tensor([[0.0, 0.0, 0.0, 0.0, 7.0, 0.0, 0.0, 0.0, 0.0, 0.0], [3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    # top 1 per head: positions 1, 7 (layer 0) and 4, 0 (layer 1); pages of 4 tokens
+    assert hf.shared_pages([w0, w1], 1, 0, 4) == [0, 1]
+    assert hf.shared_pages([w0, w1], 1, 1, 4) == [0, 1, 2]  # 7 + 1 = 8 reaches page 2
+    assert hf.shared_pages([w0], 2, 0, 4) == [0, 1, 2]      # 9 is head 0's second
+    m = torch.arange(20, dtype=torch.float64).reshape(2, 10)
+    out = hf.share_mass(m, [2], 4)
+    assert torch.equal(out[:, :8], m[:, :8])
+    assert torch.allclose(out[:, 8:], (m.sum(1) / 4)[:, None].expand(-1, 2))
+
+
+def test_control_share_waits_for_every_layer(fake, hf):
+    torch = pytest.importorskip("torch")
+    _FakeCache.page_tokens = 4
+    try:
+        ctl = hf.Control("rdkv", budget=40.0, observe=3, share=1, share_radius=0)
+        assert "share=1, share_radius=0" in repr(ctl)
+        att = hf.KvforgeAttention("specs/rdkv.toml", "b8", control=ctl)
+        g = torch.Generator().manual_seed(5)
+        qs = [torch.randn(4, 10, 8, generator=g) for _ in range(2)]
+        ks = [torch.randn(2, 10, 8, generator=g) for _ in range(2)]
+        vs = [torch.randn(2, 10, 8, generator=g) for _ in range(2)]
+        for layer in range(2):
+            att.attend(layer, qs[layer], ks[layer], vs[layer], 1 / math.sqrt(8))
+        assert all(not c.applied for c in _FakeController.made)  # waiting for the prompt's last layer
+        wins = [hf.exact_attention(qs[i], ks[i], vs[i], 1 / math.sqrt(8), observe=3)[1] for i in range(2)]
+        pages = hf.shared_pages(wins, 1, 0, 4)
+        att.flush_control()
+        applied = [a for c in _FakeController.made for a in c.applied]
+        assert len(applied) == 2 and sorted(att.reports) == [0, 1]
+        for i, (_, mass) in enumerate(applied):
+            assert torch.allclose(mass, hf.share_mass(wins[i], pages, 4))
+        att.flush_control()  # nothing waits any more
+        assert len([a for c in _FakeController.made for a in c.applied]) == 2
+    finally:
+        del _FakeCache.page_tokens
+    for bad in (dict(share=1), dict(observe=8, share=-1), dict(observe=8, share_radius=4)):
+        with pytest.raises(ValueError, match="share"):
+            hf.Control("rdkv", 32.0, **bad)
+
+
 def test_channel_order_is_seed_002_weights_heaviest_first(hf):
     torch = pytest.importorskip("torch")
 

@@ -108,10 +108,16 @@ class Control:
     and the pages the text leans on both keep their bytes (1, the default: the window alone).
     ``keep=k`` (with ``observe``) gives the ``k`` positions per kv head that the window attends
     most a weight equal to the head's whole mass, so their pages rank above every other page
-    and keep the highest tier the budget allows (SnapKV's selection, applied to precision)."""
+    and keep the highest tier the budget allows (SnapKV's selection, applied to precision).
+    ``share=k`` (with ``observe``) shares that selection across layers: the pages holding a
+    token within ``share_radius`` positions of any layer's and kv head's ``k`` top window
+    positions weigh the head's whole mass in every layer and head (each of their tokens
+    total ÷ page tokens). The controllers then run once the prompt has passed every layer, when
+    the next forward pass starts (or on :meth:`KvforgeAttention.flush_control`); see
+    docs/quality.md ("The depth-0.2 needle traced on the CPU") for why."""
 
     def __init__(self, policy: str = "rdr", budget: float = 64.0, observe: Optional[int] = None,
-                 observe_weight: float = 1.0, keep: int = 0, **kw: Any):
+                 observe_weight: float = 1.0, keep: int = 0, share: int = 0, share_radius: int = 0, **kw: Any):
         if observe is not None and (isinstance(observe, bool) or not isinstance(observe, int) or observe < 1):
             raise ValueError(f"kvforge.hf.Control: observe must be a positive integer or None, got {observe!r}")
         if isinstance(observe_weight, bool) or not isinstance(observe_weight, (int, float)) or not 0.0 <= observe_weight <= 1.0:
@@ -121,7 +127,14 @@ class Control:
             raise ValueError(f"kvforge.hf.Control: keep must be a non-negative integer, got {keep!r}")
         if keep and observe is None:
             raise ValueError("kvforge.hf.Control: keep needs observe (the window that picks the positions)")
-        self.observe_weight, self.keep = float(observe_weight), keep
+        for name, n in (("share", share), ("share_radius", share_radius)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ValueError(f"kvforge.hf.Control: {name} must be a non-negative integer, got {n!r}")
+        if share and observe is None:
+            raise ValueError("kvforge.hf.Control: share needs observe (the window that picks the positions)")
+        if share_radius and not share:
+            raise ValueError("kvforge.hf.Control: share_radius needs share")
+        self.observe_weight, self.keep, self.share, self.share_radius = float(observe_weight), keep, share, share_radius
 
     def make(self, kvforge, cache):
         return kvforge.Controller(cache, policy=self.policy, budget=self.budget, **self.kw)
@@ -133,19 +146,22 @@ class Control:
             obs += f", observe_weight={self.observe_weight}"
         if self.keep:
             obs += f", keep={self.keep}"
+        if self.share:
+            obs += f", share={self.share}, share_radius={self.share_radius}"
         return f"Control({self.policy!r}, budget={self.budget}{obs}{extra})"
 
 
 def exact_attention(q, k, v, scaling: float, chunk: int = 1024, column_sums: bool = True, observe: Optional[int] = None,
-                    observe_weight: float = 1.0, keep: int = 0):
+                    observe_weight: float = 1.0, keep: int = 0, return_window: bool = False):
     """Exact causal attention in fp32 with the queries at the last ``Tq`` of ``S`` positions,
     and the attention column sums: q [Hq, Tq, D], k/v [Hkv, S, D] -> (out [Tq, Hq, D] in q's
     dtype, mass [Hkv, S] float64 = Σ over queries and the kv head's GQA group of a_τt, or None
     with ``column_sums=False``); ``observe=n`` sums over the last ``n`` queries only, or with
     ``observe_weight=w < 1`` returns ``w`` × those sums + (1 − w) × min(n, Tq) / Tq × the sums
     over every query, and ``keep=k`` raises the ``k`` positions per kv head with the largest window
-    sums to that head's total (see :class:`Control`). Queries are processed ``chunk`` at a time
-    (memory Hq × chunk × S × 4 bytes)."""
+    sums to that head's total (see :class:`Control`); ``return_window=True`` adds the window's
+    own sums as a third result. Queries are processed ``chunk`` at a time (memory Hq × chunk × S
+    × 4 bytes)."""
     import torch
 
     hq, tq, d = q.shape
@@ -177,7 +193,31 @@ def exact_attention(q, k, v, scaling: float, chunk: int = 1024, column_sums: boo
     if mass is not None and observe is not None and keep > 0:
         top = window.topk(min(keep, s), dim=1).indices
         mass = mass.scatter(1, top, mass.sum(dim=1, keepdim=True).expand(-1, top.shape[1]))
+    if return_window:
+        return out, mass, window
     return out, mass
+
+
+def shared_pages(windows, k: int, radius: int, page_tokens: int) -> List[int]:
+    """Pages (index = position // ``page_tokens``) holding a position within ``radius`` of any of
+    the ``k`` largest sums of any window in ``windows`` (each ``[Hkv, S]``, one per layer, the
+    same ``S``), ascending: :class:`Control`'s ``share``."""
+    pages = set()
+    for w in windows:
+        s = w.shape[1]
+        for t in w.topk(min(k, s), dim=1).indices.flatten().tolist():
+            pages.update(range(max(0, t - radius) // page_tokens, min(s - 1, t + radius) // page_tokens + 1))
+    return sorted(pages)
+
+
+def share_mass(mass, pages: List[int], page_tokens: int):
+    """``mass`` ``[Hkv, S]`` with every token of ``pages`` at its head's total ÷ ``page_tokens``
+    (a whole page then weighs the head's total)."""
+    out = mass.clone()
+    total = mass.sum(dim=1)
+    for pg in pages:
+        out[:, pg * page_tokens:(pg + 1) * page_tokens] = (total / page_tokens)[:, None]
+    return out
 
 
 def channel_order(q, k) -> List[int]:
@@ -290,6 +330,9 @@ class KvforgeAttention:
                              "sink_pages / recent_pages need certify=None")
         # layer -> {"cache", "seqs" (one per row), "seq" (row 0's), "n" (positions seen), "rows", "cap"}
         self.layers: Dict[int, Dict[str, Any]] = {}
+        # Control(share=): layer -> (cache, seq, mass, window) of a prompt whose controllers wait
+        # for the prompt's last layer (flush_control).
+        self._pending: Dict[int, Tuple[Any, Any, Any, Any]] = {}
         # A controller decides from an exact prefill's attention; so can a caller who asks.
         self.control, self.certify = control, certify
         if prefill is None:
@@ -326,6 +369,7 @@ class KvforgeAttention:
         self._step_mode, self._stream, self._capture = False, None, None
         self._graphs, self._bufs = {}, {}
         self.layers = {}
+        self._pending = {}
         self.reports, self.certificates = {}, {}
         self._spans = (None, None)
 
@@ -420,6 +464,8 @@ class KvforgeAttention:
         if mask is not None and mask.dim() == 2 and mask.shape[-1] > k.shape[-2]:
             mask = mask[:, -k.shape[-2]:]  # a mask over more positions than the keys: the last ones
         check_batch_shapes(q, k, v, mask)
+        if layer in self._pending:
+            self.flush_control()  # the prompt has passed every layer: its controllers run now
         rows, hq, tq, d = q.shape
         s = k.shape[2]
         if rows > 1 and (self.control is not None or self.certify is not None):
@@ -524,13 +570,16 @@ class KvforgeAttention:
                     raise ValueError("kvforge.hf: prefill='exact' takes left padding only (real tokens at the end of each row)")
                 if first == s:
                     continue
-                o, mass = exact_attention(q[b, :, first:], k[b, :, first:], v[b, :, first:], scaling, column_sums=self.control is not None,
-                                          observe=None if self.control is None else self.control.observe,
-                                          observe_weight=1.0 if self.control is None else self.control.observe_weight,
-                                          keep=0 if self.control is None else self.control.keep)
+                ctl = self.control
+                o, mass, window = exact_attention(q[b, :, first:], k[b, :, first:], v[b, :, first:], scaling, column_sums=ctl is not None,
+                                                  observe=None if ctl is None else ctl.observe,
+                                                  observe_weight=1.0 if ctl is None else ctl.observe_weight,
+                                                  keep=0 if ctl is None else ctl.keep, return_window=True)
                 out[b, first:] = o
-                if self.control is not None:
-                    self.reports[layer] = self.control.make(self.kvforge, cache).apply(cache, seq, token_mass=mass)
+                if ctl is not None and ctl.share:
+                    self._pending[layer] = (cache, seq, mass, window)
+                elif ctl is not None:
+                    self.reports[layer] = ctl.make(self.kvforge, cache).apply(cache, seq, token_mass=mass)
             return out
         if all(sp == (0, None) for sp in spans):
             return sdpa_causal(q, k, v, scaling)
@@ -572,20 +621,37 @@ class KvforgeAttention:
                 out[b].index_copy_(0, idx, o)
         return out
 
+    def flush_control(self) -> None:
+        """Runs the controllers a prompt's layers left waiting (``Control(share=)``): the pages
+        of the window's top positions of every layer and kv head (:func:`shared_pages`) weigh
+        their head's whole mass in every layer, then each layer's controller applies. Called by
+        the next forward pass and by the reports; a no-op when nothing waits."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        ctl = self.control
+        page = next(iter(pending.values()))[0].page_tokens
+        pages = shared_pages([w for _, _, _, w in pending.values()], ctl.share, ctl.share_radius, page)
+        for layer, (cache, seq, mass, _) in sorted(pending.items()):
+            self.reports[layer] = ctl.make(self.kvforge, cache).apply(cache, seq, token_mass=share_mass(mass, pages, page))
+
     def bytes_per_token(self) -> float:
         """Resident bytes per token of the context per kv head (page headers and the fp16 tail
         page included, dropped positions counted: :func:`context_bytes`), mean over layers, of
         what the caches hold now; NaN before the first forward."""
+        self.flush_control()
         vals = [context_bytes(st["cache"], st["seqs"]) for _, st in sorted(self.layers.items())]
         return sum(vals) / len(vals) if vals else float("nan")
 
     @property
     def last_bytes(self) -> Dict[int, float]:
         """:func:`context_bytes` of every layer's cache, computed when asked (not per step)."""
+        self.flush_control()
         return {layer: context_bytes(st["cache"], st["seqs"]) for layer, st in sorted(self.layers.items())}
 
     def memory_report(self) -> Dict[int, Any]:
         """``Cache.memory_report()`` of every layer's cache."""
+        self.flush_control()
         return {layer: st["cache"].memory_report() for layer, st in sorted(self.layers.items())}
 
     def describe(self) -> Dict[str, Any]:
