@@ -451,17 +451,8 @@ mod tests {
     use crate::summary::Summaries;
 
     fn key(d: usize, salt: u64) -> Vec<f32> {
-        let mut s = salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..d)
-            .map(|c| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                // An outlier channel and a mean, as real keys have.
-                let v = (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0;
-                (if c == 3 { 6.0 * v + 2.0 } else { v + 0.3 }) as f32
-            })
-            .collect()
+        // An outlier channel and a mean, as real keys have.
+        crate::test_uniform(d, salt).enumerate().map(|(c, v)| (if c == 3 { 6.0 * v + 2.0 } else { v + 0.3 }) as f32).collect()
     }
 
     const LAYOUTS: [Layout; 3] = [Layout::Subspace3, Layout::Whole { low: 8 }, Layout::Whole { low: 0 }];

@@ -40,6 +40,18 @@ pub mod retrieval;
 pub mod summary;
 pub mod window;
 
+/// Test keys: `d` uniform values in [−1, 1) from a xorshift stream seeded by `salt`.
+#[cfg(test)]
+pub(crate) fn test_uniform(d: usize, salt: u64) -> impl Iterator<Item = f64> {
+    let mut s = salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..d).map(move |_| {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+    })
+}
+
 pub use compact::{compact_key, CompactKey, CompactKeys, CompactQuery, CompactSummaries, Layout, LogGrid, WholeRow};
 pub use config::{ParisConfig, RetrievalPlan, Schedule, SchedulePoint, SummaryLayout, CODE_BITS};
 pub use error::ParisError;

@@ -153,15 +153,7 @@ mod tests {
     use super::*;
 
     fn key(d: usize, salt: u64) -> Vec<f32> {
-        let mut s = salt.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..d)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
-            })
-            .collect()
+        crate::test_uniform(d, salt).map(|v| v as f32).collect()
     }
 
     #[test]
