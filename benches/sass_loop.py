@@ -9,7 +9,9 @@ HMMA: compute_warp's token loop, once per tier of the variant (integer keys scor
 instruction count of the loop body, the count on the common path (the loop without the two
 rare regions a guarded forward branch skips: the rescale after a new maximum and the
 tail-page mask), the tokens per iteration (8 per D/16 HMMA.1688), those per token, and the
-opcodes. Also ptxas' registers and spills (`--ptxas-options=-v`).
+opcodes. Also ptxas' registers and spills (`--ptxas-options=-v`). Full pages of a coded tier
+(`compute_warp<T, true>`, NOTES v18) run one unrolled round per warp inside the page loop: those
+rows ("full page") count the straight-line path from the round's setup to its last value mma.
 
 Usage (NVRTC 13 from /work/venv; see docs/perf/NOTES.md v13):
   CU13=$(/work/venv/bin/python -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13"))')
@@ -187,6 +189,32 @@ def analyse(path, arch, lib, inc):
         nimma = sum(1 for t in body if opcode(t).startswith("IMMA"))
         out.append({"static": len(body), "common": len(hot), "hmma16816": n16816, "hmma1688": n1688, "imma": nimma,
                     "ops": collections.Counter(opcode(t) for t in hot)})
+    # Full pages (decode.cuh compute_warp<T, true>): with one octet round per warp and page the
+    # loop unrolls into the page loop, so the hot path of a full page is straight-line code
+    # outside every inner loop: from the label before its first score mma (IMMA or
+    # HMMA.16816) to the last value HMMA.1688 before the next unconditional branch, the rare
+    # regions skipped as in a loop. "kind": "full page" (setup of the page's round included).
+    inner = set(i for s, e in loops(insns) for i in range(s, e + 1))
+    score = [i for i, (_, t, _) in enumerate(insns) if i not in inner and (opcode(t).startswith("IMMA") or opcode(t).startswith("HMMA.16816"))]
+    while score:
+        s = score[0]
+        while s > 0 and not insns[s][2]:
+            s -= 1
+        e, k = None, score[0]
+        while k < len(insns) and not re.match(r"^BRA\b", insns[k][1]):
+            if opcode(insns[k][1]).startswith("HMMA.1688"):
+                e = k
+            k += 1
+        score = [i for i in score if i > k]
+        if e is None:
+            continue
+        body = [insns[i][1] for i in range(s, e + 1)]
+        hot = [insns[i][1] for i in common_path(insns, s, e)]
+        out.append({"static": len(body), "common": len(hot), "kind": "full page",
+                    "hmma16816": sum(1 for t in body if opcode(t).startswith("HMMA.16816")),
+                    "hmma1688": sum(1 for t in body if opcode(t).startswith("HMMA.1688")),
+                    "imma": sum(1 for t in body if opcode(t).startswith("IMMA")),
+                    "ops": collections.Counter(opcode(t) for t in hot)})
     return fn, regs, spill, out
 
 
@@ -218,11 +246,12 @@ def main():
             # 8 tokens per D/16 value HMMA.1688; biased value pairs (rotated codes on the int8
             # grid) add one per octet for the bias, which the floor division leaves out.
             tokens = 8 * (l["hmma1688"] // (d // 16))
-            row = {"variant": sub, "arch": a.arch, "regs": regs, "spill_bytes": spill, "loop": k, "tokens": tokens, **{x: l[x] for x in ("static", "common", "hmma16816", "hmma1688", "imma")}}
+            row = {"variant": sub, "arch": a.arch, "regs": regs, "spill_bytes": spill, "loop": k, "kind": l.get("kind", "loop"), "tokens": tokens,
+                   **{x: l[x] for x in ("static", "common", "hmma16816", "hmma1688", "imma")}}
             row["per_token_common"] = round(l["common"] / tokens, 2) if tokens else None
             row["per_token_static"] = round(l["static"] / tokens, 2) if tokens else None
             rows.append(row)
-            print(f"{sub:50s} {a.arch} regs {regs} spill {spill} loop {k}: {l['static']} static / {l['common']} common per {tokens} tokens "
+            print(f"{sub:50s} {a.arch} regs {regs} spill {spill} {row['kind']} {k}: {l['static']} static / {l['common']} common per {tokens} tokens "
                   f"= {row['per_token_static']} / {row['per_token_common']} per token (HMMA {l['hmma16816']}+{l['hmma1688']}, IMMA {l['imma']})")
             if a.ops:
                 print("   ", " ".join(f"{o}:{c}" for o, c in l["ops"].most_common()))
