@@ -150,6 +150,7 @@ fn source(configs: &[(usize, usize)]) -> String {
     s.push_str(between(&hdr, "struct Index {", "constexpr u32 ERR_TOP_RANGE"));
     s.push_str(between(&hdr, "constexpr int EST_BITS", "// Block helpers"));
     s.push_str(between(&hdr, "__device__ __forceinline__ u32 float_key", "// Radix-select step"));
+    s.push_str(between(&hdr, "template <int D, int NT, int ROWS, class Acc>", "template <int D, int M, int NT>\n__device__ void encode_kernel"));
     s.push_str(between(&hdr, "constexpr int RERANK_CHUNK", "// The direction codes (D / 2 bytes"));
     let mut hmax = between(&hdr, "__host__ __device__ constexpr int hmax_pairs", "template <int D, int M, int G, int NT>\n__device__ void rerank_hmax_kernel").to_string();
     let (a, b) = (hmax.find("  if constexpr (P == 1)\n    asm").expect("hmax_entry's loads"), hmax.find("  return e;").unwrap());

@@ -304,26 +304,23 @@ __device__ u32 block_select(const Key& key, u32 n, u32 want, u32* out) {
 // Encode: summaries of new retrieval-region keys. Grid (ceil(rows / ROWS), Hkv), NT threads,
 // ROWS = NT / 32 keys per CTA (one warp per key for the norm).
 
-template <int D, int M, int NT>
-__device__ void encode_kernel(const EncodeParams& p) {
-  constexpr int B = D / M, ROWS = NT / 32;
-  __shared__ float x[ROWS][D];
-  const int h = blockIdx.y, r0 = blockIdx.x * ROWS;
+// The CTA's `rows` keys of kv head h from append row r0 as rotated unit vectors in x (rows past
+// `rows` zero), their norms |k| in `norms` (a warp per key, summed in Acc and rounded once; a zero
+// or subnormal-inverse key leaves x zero). Both encoders' prologue.
+template <int D, int NT, int ROWS, class Acc>
+__device__ void unit_rotated_keys(const EncodeParams& p, float (&x)[ROWS][D], float (&norms)[ROWS], int r0, int h, int rows) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int rows = cmin(ROWS, p.rows - r0);
   for (int i = threadIdx.x; i < ROWS * D; i += NT) {
     const int r = i / D, c = i % D;
     x[r][c] = r < rows ? __half2float(p.keys[(size_t(r0 + r) * p.ix.hkv + h) * D + c]) : 0.f;
   }
   __syncthreads();
-  // |k| (f32 sum; the reference sums in f64 and rounds once), then k / |k|.
-  __shared__ float norms[ROWS];
   {
-    float s = 0.f;
-    for (int c = lane; c < D; c += 32) s += x[warp][c] * x[warp][c];
+    Acc s = 0;
+    for (int c = lane; c < D; c += 32) s += Acc(x[warp][c]) * Acc(x[warp][c]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (lane == 0) norms[warp] = sqrtf(s);
+    if (lane == 0) norms[warp] = float(sqrt(s));
   }
   __syncthreads();
   for (int i = threadIdx.x; i < ROWS * D; i += NT) {
@@ -332,6 +329,17 @@ __device__ void encode_kernel(const EncodeParams& p) {
   }
   __syncthreads();
   hadamard_rows<D, NT, false>(&x[0][0], ROWS, p.seed);
+}
+
+template <int D, int M, int NT>
+__device__ void encode_kernel(const EncodeParams& p) {
+  constexpr int B = D / M, ROWS = NT / 32;
+  __shared__ float x[ROWS][D];
+  __shared__ float norms[ROWS];
+  const int h = blockIdx.y, r0 = blockIdx.x * ROWS;
+  const int rows = cmin(ROWS, p.rows - r0);
+  // |k| (f32 sum; the reference sums in f64 and rounds once), then R k / |k|.
+  unit_rotated_keys<D, NT, ROWS, float>(p, x, norms, r0, h, rows);
   for (int w = threadIdx.x; w < rows * B; w += NT) {
     const int r = w / B, b = w % B;
     const u32 s = p.seq_of[r0 + r], pos = p.pos_of[r0 + r];
@@ -909,6 +917,32 @@ __device__ __forceinline__ HmaxEntry<P> hmax_entry(u32 base, u32 word, int k, in
   return e;
 }
 
+// Query heads G of retrieval row sh (p.q [rows][G][D] fp16) as rotated unit vectors in qs and
+// their norms in qn (a warp per head), then the table's base in the dynamic shared memory
+// `lut` (the first multiple of HMAX_ALIGN): returns the table as half2 and its shared address.
+// Both group-max reranks' prologue.
+template <int D, int G, int NT>
+__device__ __half2* hmax_queries(const RerankParams& p, int sh, float (&qs)[G][D], float (&qn)[G], u32* lut, u32& lut_base) {
+  const __half* qh = p.q + size_t(sh) * G * D;
+  for (int i = threadIdx.x; i < G * D; i += NT) qs[i / D][i % D] = __half2float(qh[i]);
+  __syncthreads();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int g = warp; g < G; g += NT / 32) {
+    float v = 0.f;
+    for (int c = lane; c < D; c += 32) v += qs[g][c] * qs[g][c];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const float norm = sqrtf(v), inv = norm > 0.f ? 1.f / norm : 0.f;
+    for (int c = lane; c < D; c += 32) qs[g][c] *= inv;
+    if (lane == 0) qn[g] = norm;
+  }
+  __syncthreads();
+  hadamard_rows<D, NT, false>(&qs[0][0], G, p.seed);
+  const u32 raw = u32(__cvta_generic_to_shared(lut));
+  lut_base = (raw + HMAX_ALIGN - 1) & ~u32(HMAX_ALIGN - 1);
+  return reinterpret_cast<__half2*>(lut + (lut_base - raw) / 4);
+}
+
 template <int D, int M, int G, int NT>
 __device__ void rerank_hmax_kernel(const RerankParams& p) {
   if constexpr (G >= 1 && G <= 8) {
@@ -920,25 +954,8 @@ __device__ void rerank_hmax_kernel(const RerankParams& p) {
     const u32 count = p.count[sh], lo = blockIdx.x * u32(p.chunk);
     if (lo >= count) return;
     // Row sh is kv head h of sequence s (RG = 1): its query heads are h G .. h G + G - 1.
-    const __half* qh = p.q + size_t(sh) * G * D;
-    for (int i = threadIdx.x; i < G * D; i += NT) qs[i / D][i % D] = __half2float(qh[i]);
-    __syncthreads();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int g = warp; g < G; g += NT / 32) {
-      float v = 0.f;
-      for (int c = lane; c < D; c += 32) v += qs[g][c] * qs[g][c];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      const float norm = sqrtf(v), inv = norm > 0.f ? 1.f / norm : 0.f;
-      for (int c = lane; c < D; c += 32) qs[g][c] *= inv;
-      if (lane == 0) qn[g] = norm;
-    }
-    __syncthreads();
-    hadamard_rows<D, NT, false>(&qs[0][0], G, p.seed);
-    // The table starts at the first multiple of HMAX_ALIGN in the dynamic shared memory.
-    const u32 raw = u32(__cvta_generic_to_shared(hmax_lut));
-    const u32 lut_base = (raw + HMAX_ALIGN - 1) & ~u32(HMAX_ALIGN - 1);
-    __half2* lut2 = reinterpret_cast<__half2*>(hmax_lut + (lut_base - raw) / 4);
+    u32 lut_base;
+    __half2* lut2 = hmax_queries<D, G, NT>(p, sh, qs, qn, hmax_lut, lut_base);
     for (int i = threadIdx.x; i < D * 16 * P; i += NT) {
       const int pp = i % P, code = (i / P) % 16, ch = i / (16 * P);
       const float l = p.levels[code];
@@ -1044,26 +1061,8 @@ __device__ void encode_whole_kernel(const EncodeParams& p) {
     const int h = blockIdx.y, r0 = blockIdx.x * ROWS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int rows = cmin(ROWS, p.rows - r0);
-    for (int i = threadIdx.x; i < ROWS * D; i += NT) {
-      const int r = i / D, c = i % D;
-      x[r][c] = r < rows ? __half2float(p.keys[(size_t(r0 + r) * p.ix.hkv + h) * D + c]) : 0.f;
-    }
-    __syncthreads();
-    {
-      // |k|: f64 sum, rounded once (the reference's).
-      double s = 0.0;
-      for (int c = lane; c < D; c += 32) s += double(x[warp][c]) * double(x[warp][c]);
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      if (lane == 0) norms[warp] = float(sqrt(s));
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < ROWS * D; i += NT) {
-      const float n = norms[i / D], v = 1.f / n;
-      x[i / D][i % D] = (n == 0.f || isinf(v)) ? 0.f : x[i / D][i % D] * v;
-    }
-    __syncthreads();
-    hadamard_rows<D, NT, false>(&x[0][0], ROWS, p.seed);
+    // |k|: f64 sum, rounded once (the reference's).
+    unit_rotated_keys<D, NT, ROWS, double>(p, x, norms, r0, h, rows);
     const int r = warp;
     if (r >= rows) return;
     const u32 s = p.seq_of[r0 + r], pos = p.pos_of[r0 + r];
@@ -1260,24 +1259,8 @@ __device__ void rerank_whole_hmax_kernel(const RerankParams& p) {
     const int sh = blockIdx.y, s = sh / p.nr, h = sh % p.nr;
     const u32 count = p.count[sh], lo = blockIdx.x * u32(p.chunk);
     if (lo >= count) return;
-    const __half* qh = p.q + size_t(sh) * G * D;
-    for (int i = threadIdx.x; i < G * D; i += NT) qs[i / D][i % D] = __half2float(qh[i]);
-    __syncthreads();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    for (int g = warp; g < G; g += NT / 32) {
-      float v = 0.f;
-      for (int c = lane; c < D; c += 32) v += qs[g][c] * qs[g][c];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      const float norm = sqrtf(v), inv = norm > 0.f ? 1.f / norm : 0.f;
-      for (int c = lane; c < D; c += 32) qs[g][c] *= inv;
-      if (lane == 0) qn[g] = norm;
-    }
-    __syncthreads();
-    hadamard_rows<D, NT, false>(&qs[0][0], G, p.seed);
-    const u32 raw = u32(__cvta_generic_to_shared(hmax_lut));
-    const u32 lut_base = (raw + HMAX_ALIGN - 1) & ~u32(HMAX_ALIGN - 1);
-    __half2* lut2 = reinterpret_cast<__half2*>(hmax_lut + (lut_base - raw) / 4);
+    u32 lut_base;
+    __half2* lut2 = hmax_queries<D, G, NT>(p, sh, qs, qn, hmax_lut, lut_base);
     for (int i = threadIdx.x; i < D * 16 * P; i += NT) {
       const int pp = i % P, idx = (i / P) % 16, ch = i / (16 * P);
       const float l = whole_level(p, Whole<D>::low(ch), idx);
