@@ -85,12 +85,15 @@ struct RotatedRows {
     }
   }
   // A slice of NCH chunks from chunk c8 of token t (c8 a multiple of NCH) as the code stream
-  // RotatedLut::adjacent / transposed read: BYTES bytes, whose offset in the row is a multiple
-  // of A; 3-bit slices of one or two chunks and 2-bit slices of one as RotatedLut::form of
-  // their group's words.
+  // RotatedLut::adjacent / transposed read: NCH·BITS bytes, whose offset in the row is a
+  // multiple of the row's and the slice's common alignment (up to 16); 3-bit slices of one or
+  // two chunks and 2-bit slices of one as RotatedLut::form of their group's words.
   template <int NCH> static constexpr int SLICE_WORDS = BITS == 3 && NCH < 4 ? 2 : (NCH * BITS + 3) / 4;
-  template <int NCH, int BYTES, int A>
+  template <int NCH>
   __device__ __forceinline__ static void slice(const u8* codes, int t, int c8, u32 (&w)[SLICE_WORDS<NCH>]) {
+    constexpr int BYTES = NCH * BITS;
+    constexpr int A0 = rotated_lowbit(ROW) < rotated_lowbit(BYTES) ? rotated_lowbit(ROW) : rotated_lowbit(BYTES);
+    constexpr int A = A0 < 16 ? A0 : 16;
     if constexpr (BITS == 2 && NCH == 1) {
       u32 f[1];
       RotatedLut<BITS, L...>::template form<1>(reinterpret_cast<const u32*>(codes + t * ROW)[c8 / 2], 0u, c8 & 1, f);
@@ -200,10 +203,9 @@ struct RotatedKey {
   static constexpr bool IMMA = Lut::INT8;
   static constexpr float GRID_INV = 1.f / float(1 << Lut::GRID);
   template <int NPAIR> struct WarpKeys {
-    static constexpr int NCH = NPAIR / 4, BYTES = NCH * BITS;
+    static constexpr int NCH = NPAIR / 4;
     // Registers of a lane's slice: fp16 pairs, or int8 quads (IMMA).
     static constexpr int NB = IMMA ? NPAIR / 2 : NPAIR;
-    static constexpr int A = rotated_lowbit(Rows::ROW) < rotated_lowbit(BYTES) ? rotated_lowbit(Rows::ROW) : rotated_lowbit(BYTES);
     // The int8 table's register word (IMMA; RotatedLut::adjacent_int8).
     u32 i0;
     __device__ __forceinline__ WarpKeys(const u8*, int) : i0(IMMA ? Lut::template opaque<Lut::WORD_I0>() : 0u) {}
@@ -212,7 +214,7 @@ struct RotatedKey {
     __device__ __forceinline__ void operator()(const u8* seg, int t, int qd, u32 (&b)[NB]) const {
       static_assert(NPAIR % 4 == 0 && 8 * NPAIR == D, "whole chunks per slice");
       u32 w[Rows::template SLICE_WORDS<NCH>];
-      Rows::template slice<NCH, BYTES, (A < 16 ? A : 16)>(seg + OFF_CODES, t, qd * NCH, w);
+      Rows::template slice<NCH>(seg + OFF_CODES, t, qd * NCH, w);
       if constexpr (IMMA) Lut::template adjacent_int8<NCH>(i0, w, b);
       else Lut::template adjacent<NCH>(w, b);
     }
@@ -275,12 +277,10 @@ struct RotatedValue {
   template <int N>
   __device__ __forceinline__ static void token_pairs(const u8* seg, int ta, int tb, int c0, u32 (&out)[N]) {
     if constexpr (N % 8 == 0) {
-      constexpr int NCH = N / 8, BYTES = NCH * BITS;
-      constexpr int A0 = rotated_lowbit(Rows::ROW) < rotated_lowbit(BYTES) ? rotated_lowbit(Rows::ROW) : rotated_lowbit(BYTES);
-      constexpr int A = A0 < 16 ? A0 : 16;
+      constexpr int NCH = N / 8;
       u32 wa[Rows::template SLICE_WORDS<NCH>], wb[Rows::template SLICE_WORDS<NCH>];
-      Rows::template slice<NCH, BYTES, A>(seg + OFF_CODES, ta, c0 / 8, wa);
-      Rows::template slice<NCH, BYTES, A>(seg + OFF_CODES, tb, c0 / 8, wb);
+      Rows::template slice<NCH>(seg + OFF_CODES, ta, c0 / 8, wa);
+      Rows::template slice<NCH>(seg + OFF_CODES, tb, c0 / 8, wb);
       Lut::template transposed<NCH>(wa, wb, out);
     } else {
 #pragma unroll
@@ -296,12 +296,10 @@ struct RotatedValue {
   template <int N>
   __device__ __forceinline__ static void token_pairs_biased(const u8* seg, int ta, int tb, int c0, u32 (&out)[N]) {
     static_assert(BIASED_PAIRS && N % 8 == 0, "int8-grid levels, whole chunks");
-    constexpr int NCH = N / 8, BYTES = NCH * BITS;
-    constexpr int A0 = rotated_lowbit(Rows::ROW) < rotated_lowbit(BYTES) ? rotated_lowbit(Rows::ROW) : rotated_lowbit(BYTES);
-    constexpr int A = A0 < 16 ? A0 : 16;
+    constexpr int NCH = N / 8;
     u32 wa[Rows::template SLICE_WORDS<NCH>], wb[Rows::template SLICE_WORDS<NCH>];
-    Rows::template slice<NCH, BYTES, A>(seg + OFF_CODES, ta, c0 / 8, wa);
-    Rows::template slice<NCH, BYTES, A>(seg + OFF_CODES, tb, c0 / 8, wb);
+    Rows::template slice<NCH>(seg + OFF_CODES, ta, c0 / 8, wa);
+    Rows::template slice<NCH>(seg + OFF_CODES, tb, c0 / 8, wb);
     Lut::template transposed_int8<NCH>(wa, wb, out);
   }
   // The level of token t, channel c (no scale).
