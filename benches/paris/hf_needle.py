@@ -48,8 +48,8 @@ def main() -> None:
     ap.add_argument("--per-kv-head", action="store_true", help="one retrieval per kv head (the summed group query's vote) instead of per query head")
     ap.add_argument("--rank", choices=["max", "sum"], default="max",
                     help="with --per-kv-head: rank the candidates by the largest head estimate (max, 'hmax') or the summed query's (sum)")
-    ap.add_argument("--layout", choices=["subspace4", "whole64"], default="subspace4",
-                    help="GPU summaries: the seed's 112 B per key (subspace4) or the 64 B whole-vector code (whole64, its schedule)")
+    ap.add_argument("--layout", choices=["whole64", "subspace4"], default="whole64",
+                    help="GPU summaries: the 64 B whole-vector code (whole64, the default, its schedule) or the seed's 112 B per key (subspace4)")
     ap.add_argument("--agree-tokens", type=int, default=32, help="greedy tokens compared with eager on an 8K Austen prompt")
     ap.add_argument("--out", default="paris-hf-needle.json")
     a = ap.parse_args()

@@ -49,7 +49,7 @@
 #     bash benches/paris/on_device.sh needle   # hf_needle.py: needle at 4K / 8K and greedy agreement
 #                                             # with eager, one retrieval per kv head ranked by
 #                                             # RANK (max, default; sum), or per query head (RANK=qhead);
-#                                             # LAYOUT=whole64 for the 64 B summaries (default subspace4)
+#                                             # LAYOUT=subspace4 for the seed's 112 B summaries (default whole64)
 # Only .bin/paris_recall is needed for call 2:
 #   cargo build --release -p kvforge-lab --example paris_recall && mkdir -p .bin && strip -o .bin/paris_recall target/release/examples/paris_recall
 # Knobs (env): LAYERS (capture, 3,8,15,22,28), HEADS (3), QUERIES (32), LENGTHS (131072,1048576),
@@ -130,7 +130,7 @@ PY
       *) MODE=(--per-kv-head --rank "$RANK") ;;
     esac
     PYTHONPATH=/tmp/site:$ROOT/.whl-py PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVFORGE_ROOT=$ROOT python3 benches/paris/hf_needle.py --model $M "${MODE[@]}" \
-      --layout "${LAYOUT:-subspace4}" --out "$OUT/paris-hf-needle-$RANK-${LAYOUT:-subspace4}-$GPU-$DATE.json" 2>&1 | grep -v 'it/s]' | tee "$OUT/paris-hf-needle-$RANK-${LAYOUT:-subspace4}.log"
+      --layout "${LAYOUT:-whole64}" --out "$OUT/paris-hf-needle-$RANK-${LAYOUT:-whole64}-$GPU-$DATE.json" 2>&1 | grep -v 'it/s]' | tee "$OUT/paris-hf-needle-$RANK-${LAYOUT:-whole64}.log"
     ;;
   gpu)
     nvidia-smi -L

@@ -6,11 +6,11 @@
 //! cargo build --release -p kvforge-lab --example paris_bench
 //! LD_LIBRARY_PATH=/usr/local/cuda/lib64 .bin/paris_bench --lengths 131072,1048576 --batch 1 --out $OUT/paris-bench.json
 //! .bin/paris_bench --lengths 1048576 --rank sum --out $OUT/paris-bench-sum.json   # the summed-query rerank
-//! .bin/paris_bench --lengths 131072,1048576 --layout whole64 --out $OUT/paris-bench-whole64.json   # 64 B summaries
+//! .bin/paris_bench --lengths 131072,1048576 --layout subspace4 --out $OUT/paris-bench-subspace4.json   # the seed's 112 B summaries
 //! ```
 //!
-//! `--layout` picks the GPU summaries (`kvforge_paris::SummaryLayout`): `subspace4` (default,
-//! 112 B per key and kv head at head dim 128) or `whole64` (`D/2` bytes); the schedule is the
+//! `--layout` picks the GPU summaries (`kvforge_paris::SummaryLayout`): `whole64` (default,
+//! `D/2` bytes: 64 B per key and kv head at head dim 128) or `subspace4` (the seed's 112 B); the schedule is the
 //! layout's default (`SummaryLayout::schedule`: ρ 0.30 from 64K keys for `whole64`).
 //!
 //! `--rank` picks the per-kv-head rerank (`kvforge_paris::Rank`): `max` (default, as the
@@ -53,9 +53,9 @@ struct Args {
     /// `sum` (the summed query's estimate). Ignored with --per-query-head.
     #[arg(long, default_value = "max", value_parser = parse_rank)]
     rank: Rank,
-    /// GPU summaries: `subspace4` (the seed's, 112 B per key at head dim 128) or `whole64`
-    /// (`D/2` bytes: whole-vector codes, one 8-bit weight per key).
-    #[arg(long, default_value = "subspace4", value_parser = parse_layout)]
+    /// GPU summaries: `whole64` (`D/2` bytes: whole-vector codes, one 8-bit weight per key) or
+    /// `subspace4` (the seed's, 112 B per key at head dim 128).
+    #[arg(long, default_value = "whole64", value_parser = parse_layout)]
     layout: SummaryLayout,
     #[arg(long, default_value_t = 128)]
     head_dim: usize,

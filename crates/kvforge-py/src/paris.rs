@@ -39,15 +39,16 @@ fn f32_bytes<'py>(py: Python<'py>, x: &[f32]) -> Bound<'py, PyBytes> {
 ///
 /// ParisIndex(head_dim, kv_heads, gqa, capacity, batch=1, dense_capacity=1024, max_k=256,
 ///            max_candidates=65536, host_budget_gb=64.0, device=0, per_query_head=False, rank="max",
-///            layout="subspace4")
+///            layout=None)
 ///
 /// The `gqa` query heads of a kv head share one retrieval (the vote of the sum of their
 /// queries) and one fetch of the rows; `rank` orders its candidates: `"max"` (default) by the
 /// largest of the heads' own estimates, `"sum"` by the summed query's (kvforge-paris `Rank`).
 /// `per_query_head=True` retrieves for each query head (`rank` then has no effect). `layout`
-/// picks the GPU summaries (kvforge-paris `SummaryLayout`): `"subspace4"` (default, 112 B per
-/// key and kv head at head dim 128) or `"whole64"` (`head_dim / 2` bytes; its default schedule,
-/// ρ 0.30 from 64K keys, replaces the seed's).
+/// picks the GPU summaries (kvforge-paris `SummaryLayout`): `"whole64"` (`head_dim / 2` bytes,
+/// 64 B per key and kv head at head dim 128, 1/8 of fp16 K+V; its schedule, ρ 0.30 from 64K
+/// keys, replaces the seed's) or `"subspace4"` (the seed's 112 B at head dim 128). `None`
+/// (default) takes whole64 where the head dim is a multiple of 64, else subspace4.
 #[pyclass(module = "kvforge", name = "ParisIndex", unsendable)]
 pub struct ParisIndex {
     inner: Index,
@@ -57,7 +58,7 @@ pub struct ParisIndex {
 #[pymethods]
 impl ParisIndex {
     #[new]
-    #[pyo3(signature = (head_dim, kv_heads, gqa, capacity, batch = 1, dense_capacity = 1024, max_k = 256, max_candidates = 65536, host_budget_gb = 64.0, device = 0, per_query_head = false, rank = "max", layout = "subspace4"))]
+    #[pyo3(signature = (head_dim, kv_heads, gqa, capacity, batch = 1, dense_capacity = 1024, max_k = 256, max_candidates = 65536, host_budget_gb = 64.0, device = 0, per_query_head = false, rank = "max", layout = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -73,7 +74,7 @@ impl ParisIndex {
         #[pyo3(from_py_with = crate::nat)] device: usize,
         per_query_head: bool,
         rank: &str,
-        layout: &str,
+        layout: Option<&str>,
     ) -> PyResult<Self> {
         if !(host_budget_gb > 0.0) {
             return Err(bad(py, format!("host_budget_gb must be positive, got {host_budget_gb}")));
@@ -81,13 +82,18 @@ impl ParisIndex {
         let Some(rank) = Rank::parse(rank) else {
             return Err(bad(py, format!("rank must be \"max\" or \"sum\", got {rank:?}")));
         };
-        let Some(layout) = SummaryLayout::parse(layout) else {
-            return Err(bad(py, format!("layout must be \"subspace4\" or \"whole64\", got {layout:?}")));
+        let cfg = ParisConfig::default_for(head_dim);
+        let layout = match layout {
+            None => SummaryLayout::for_config(&cfg),
+            Some(name) => match SummaryLayout::parse(name) {
+                Some(l) => l,
+                None => return Err(bad(py, format!("layout must be \"whole64\", \"subspace4\" or None, got {name:?}"))),
+            },
         };
         guarded(py, || {
             let dev = crate::device(py, device)?;
             let geo = ParisGeometry { batch, kv_heads, gqa, per_query_head, rank, layout, capacity, dense_capacity, max_candidates, max_k, host_budget_bytes: (host_budget_gb * 1e9) as usize };
-            let inner = Index::new(&dev, ParisConfig::default_for(head_dim), geo).or_py(py)?;
+            let inner = Index::new(&dev, cfg, geo).or_py(py)?;
             let schedule = inner.default_schedule();
             Ok(ParisIndex { inner, schedule })
         })

@@ -22,18 +22,18 @@
 //!
 //! ```ignore
 //! let dev = Device::open(0)?;
-//! let geo = ParisGeometry { batch: 1, kv_heads: 8, gqa: 4, per_query_head: false, rank: Rank::GroupMax, layout: SummaryLayout::Subspace4, capacity: 1 << 20, dense_capacity: 1024, max_candidates: 65536, max_k: 256, host_budget_bytes: 40 << 30 };
+//! let geo = ParisGeometry { batch: 1, kv_heads: 8, gqa: 4, per_query_head: false, rank: Rank::GroupMax, layout: SummaryLayout::Whole64, capacity: 1 << 20, dense_capacity: 1024, max_candidates: 65536, max_k: 256, host_budget_bytes: 40 << 30 };
 //! let mut ix = ParisIndex::new(&dev, ParisConfig::default_for(128), geo)?;
 //! ix.append(0, &keys, &values)?;          // [rows][Hkv][D] fp16 each
 //! ix.set_dense(0, &dense_k, &dense_v)?;   // sinks + local
-//! let top = ix.retrieve(&q, 100, &Schedule::default())?;
+//! let top = ix.retrieve(&q, 100, &ix.default_schedule())?;
 //! let (out, lse) = ix.attend(&q, true)?;
 //! ```
 //!
 //! Summaries: [`ParisGeometry::layout`] picks the seed's per-subspace summaries
-//! ([`SummaryLayout::Subspace4`], 112 B per key and kv head at head dim 128, the default) or the
-//! whole-vector code of `D/2` bytes ([`SummaryLayout::Whole64`], 64 B: ids = the codes' sign
-//! plane, the vote unchanged; `encode_whole` / `rerank_whole*` in paris.cuh; its weight grid is
+//! ([`SummaryLayout::Subspace4`], 112 B per key and kv head at head dim 128) or the
+//! whole-vector code of `D/2` bytes ([`SummaryLayout::Whole64`], the default where the head dim
+//! allows, [`SummaryLayout::for_config`]; 64 B: ids = the codes' sign plane, the vote unchanged; `encode_whole` / `rerank_whole*` in paris.cuh; its weight grid is
 //! fixed per (sequence, kv head) by the first append holding a key of positive weight for the
 //! kv head, normally the prefill). Its default schedule is
 //! [`ParisIndex::default_schedule`] (ρ 0.30 from 64K keys).
@@ -68,8 +68,8 @@ pub struct ParisGeometry {
     /// estimate, or the largest of the group's heads' estimates (module docs). No effect per
     /// query head or at `gqa` 1, where both are the one head's estimate.
     pub rank: Rank,
-    /// The summaries the GPU keeps per key (module docs): the seed's 112 B (default) or the
-    /// whole-vector code of `D/2` bytes.
+    /// The summaries the GPU keeps per key (module docs): the whole-vector code of `D/2` bytes
+    /// (the default) or the seed's 112 B.
     pub layout: SummaryLayout,
     /// Retrieval-region keys per sequence (pinned host K/V and GPU summaries are sized for it).
     pub capacity: usize,

@@ -31,7 +31,7 @@ fn geometry() -> ParisGeometry {
         gqa: 4,
         per_query_head: false,
         rank: Rank::default(),
-        layout: SummaryLayout::default(),
+        layout: SummaryLayout::Subspace4,
         capacity: 24_000,
         dense_capacity: 96,
         max_candidates: 8192,

@@ -73,13 +73,13 @@ class ParisAttention:
 
     def __init__(self, k: int = 256, sinks: int = 64, local: int = 256, update: int = 64,
                  capacity: int = 8192 + 256, host_budget_gb: float = 8.0, module: Any = None, per_query_head: bool = True,
-                 rank: str = "max", layout: str = "subspace4"):
+                 rank: str = "max", layout: Optional[str] = None):
         if k < 1 or sinks < 0 or local < 1 or not 1 <= update <= local:
             raise ValueError(f"kvforge.retrieval: need k >= 1, sinks >= 0, local >= 1 and 1 <= update <= local; got k={k}, sinks={sinks}, local={local}, update={update}")
         if rank not in ("max", "sum"):
             raise ValueError(f"kvforge.retrieval: rank must be 'max' or 'sum', got {rank!r}")
-        if layout not in ("subspace4", "whole64"):
-            raise ValueError(f"kvforge.retrieval: layout must be 'subspace4' or 'whole64', got {layout!r}")
+        if layout not in (None, "whole64", "subspace4"):
+            raise ValueError(f"kvforge.retrieval: layout must be 'whole64', 'subspace4' or None, got {layout!r}")
         self.kvforge = module if module is not None else importlib.import_module("kvforge")
         self.k, self.sinks, self.local, self.update = int(k), int(sinks), int(local), int(update)
         self.capacity, self.host_budget_gb = int(capacity), float(host_budget_gb)
@@ -165,15 +165,17 @@ class ParisAttention:
 
 def use_retrieval(model, k: int = 256, sinks: int = 64, local: int = 256, update: int = 64,
                   capacity: Optional[int] = None, host_budget_gb: float = 8.0, per_query_head: bool = True,
-                  rank: str = "max", layout: str = "subspace4") -> ParisAttention:
+                  rank: str = "max", layout: Optional[str] = None) -> ParisAttention:
     """Runs every attention layer of ``model`` with ParisKV retrieval decode (module docs):
     registers the ``"kvforge"`` attention (as :func:`kvforge.hf.use_kvforge` does) with a
     :class:`ParisAttention` handle on every layer. ``capacity``: retrieval-region keys per
     layer (default the model's ``max_position_embeddings`` + 256). ``per_query_head``: one
     retrieval per query head (default), or ``False`` for one per kv head, whose candidates
     ``rank`` orders: ``"sum"`` (default) or ``"max"`` (the largest head estimate, "hmax").
-    ``layout``: the GPU summaries, ``"subspace4"`` (default, 112 B per key and kv head at head dim
-    128) or ``"whole64"`` (``head_dim / 2`` bytes). Undo with ``handle.detach()``."""
+    ``layout``: the GPU summaries, ``"whole64"`` (``head_dim / 2`` bytes: 64 B per key and kv head
+    at head dim 128, 1/8 of fp16 K+V) or ``"subspace4"`` (the seed's 112 B at head dim 128);
+    ``None`` (default) takes whole64 where the head dim is a multiple of 64, else subspace4.
+    Undo with ``handle.detach()``."""
     if capacity is None:
         capacity = max(1024, int(getattr(model.config, "max_position_embeddings", 8192) or 8192) + 256)
     handle = ParisAttention(k=k, sinks=sinks, local=local, update=update, capacity=capacity, host_budget_gb=host_budget_gb,
