@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kvq  # noqa: E402
+from frontier import relative  # noqa: E402
 from kvq import log  # noqa: E402
 
 SPEC = "specs/rdkv.toml"
@@ -320,18 +321,6 @@ def main():
     log(f"wrote {out}")
     if args.png:
         plot(result, out.with_suffix(".png"))
-
-
-def relative(rows: list) -> dict:
-    """scheme -> context -> (mean bytes fraction, mean over texts of ppl / fp16 ppl of the same
-    text and context): schemes run on different text subsets stay comparable."""
-    ref = {(r["context"], r["text"]): r["ppl"] for r in rows if r["scheme"] == "fp16"}
-    out = {}
-    for r in rows:
-        key = (r["context"], r["text"])
-        if r["scheme"] != "fp16" and key in ref:
-            out.setdefault(r["scheme"], {}).setdefault(r["context"], []).append((r["bytes_fraction"], r["ppl"] / ref[key]))
-    return {s: {c: (statistics.mean(x[0] for x in v), statistics.mean(x[1] for x in v)) for c, v in by.items()} for s, by in out.items()}
 
 
 def plot(result: dict, path: Path) -> None:

@@ -13,3 +13,5 @@ rm -rf "$PKG" && mkdir -p "$PKG/kvforge"
 cp "$HERE"/python/kvforge/*.py "$HERE"/python/kvforge/py.typed "$PKG/kvforge/"
 cp "$TARGET/release/libkvforge_native.so" "$PKG/kvforge/_native.abi3.so"
 PYTHONPATH="$PKG" "$PY" -m pytest -q "$HERE/tests/test_cpu.py" "$HERE/tests/test_hf.py"
+# The quality harness's torch-free part (the frontier plot's aggregation of result files).
+"$PY" -m pytest -q "$ROOT/benches/quality/test_frontier.py"
