@@ -165,6 +165,7 @@ fn gpu_commands_without_a_gpu_exit_3() {
 fn filters_that_match_nothing_are_bad_input() {
     expect(&kvforge(&["precompile", "--only", "zzz"]), 2, &["--only zzz", "no variant"]);
     expect(&kvforge(&["selftest", "--filter", "zzz"]), 2, &["--filter zzz"]);
+    expect(&kvforge(&["selftest", "--jobs", "0"]), 2, &["--jobs 0"]);
     expect(&kvforge(&["bench", "--tiers", "rdkv:zzz"]), 2, &["--tiers rdkv:zzz"]);
     expect(&kvforge(&["precompile", "--arch", "90"]), 2, &["--arch 90"]);
 }

@@ -36,11 +36,40 @@ pub struct Args {
 }
 
 #[derive(serde::Serialize)]
-struct Row {
+pub struct Row {
     variant: String,
     arch: String,
     seconds: f64,
     ptxas: Option<PtxasReport>,
+}
+
+/// Renders and compiles `work` (spec, variant, arch) on `jobs` threads into the disk cache (as
+/// `mode` says), advancing `bar` once per kernel: the rows of the kernels that compiled and one
+/// line per kernel that did not.
+pub fn compile_parallel(work: Vec<(&kvforge_spec::Spec, kvforge_spec::VariantId, String)>, mode: CompileMode, jobs: usize, bar: &indicatif::ProgressBar) -> (Vec<Row>, Vec<String>) {
+    let queue = Mutex::new(work.into_iter());
+    let rows = Mutex::new(Vec::new());
+    let errors = Mutex::new(Vec::new());
+    std::thread::scope(|sc| {
+        for _ in 0..jobs.max(1) {
+            sc.spawn(|| loop {
+                let Some((spec, v, arch)) = queue.lock().unwrap().next() else { break };
+                bar.set_message(v.name());
+                let res = kvforge_gen::render(spec, &v).map_err(anyhow::Error::from).and_then(|src| jit::compile(&v, &src, &arch, mode).map_err(anyhow::Error::from));
+                match res {
+                    Ok(c) => rows.lock().unwrap().push(Row { variant: v.to_string(), arch, seconds: c.seconds, ptxas: PtxasReport::parse(&c.log) }),
+                    Err(e) => errors.lock().unwrap().push(format!("{v} ({arch}): {e}")),
+                }
+                bar.inc(1);
+            });
+        }
+    });
+    (rows.into_inner().unwrap(), errors.into_inner().unwrap())
+}
+
+/// Worker threads for NVRTC: `jobs`, or every available core.
+pub fn jobs(jobs: Option<usize>) -> usize {
+    jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
 }
 
 pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
@@ -76,28 +105,9 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
     let mode = CompileMode { strict: a.strict, ptxas_report: a.report.is_some(), use_cache: !a.no_cache };
     let bar = indicatif::ProgressBar::new(work.len() as u64);
     bar.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {elapsed} {msg}").unwrap());
-    let queue = Mutex::new(work.into_iter());
-    let rows = Mutex::new(Vec::new());
-    let errors = Mutex::new(Vec::new());
     let start = Instant::now();
-    let jobs = a.jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()));
-    std::thread::scope(|sc| {
-        for _ in 0..jobs {
-            sc.spawn(|| loop {
-                let Some((spec, v, arch)) = queue.lock().unwrap().next() else { break };
-                bar.set_message(v.name());
-                let res = kvforge_gen::render(spec, &v).map_err(anyhow::Error::from).and_then(|src| jit::compile(&v, &src, &arch, mode).map_err(anyhow::Error::from));
-                match res {
-                    Ok(c) => rows.lock().unwrap().push(Row { variant: v.to_string(), arch, seconds: c.seconds, ptxas: PtxasReport::parse(&c.log) }),
-                    Err(e) => errors.lock().unwrap().push(format!("{v} ({arch}): {e}")),
-                }
-                bar.inc(1);
-            });
-        }
-    });
+    let (rows, errors) = compile_parallel(work, mode, jobs(a.jobs), &bar);
     bar.finish_and_clear();
-    let rows = rows.into_inner().unwrap();
-    let errors = errors.into_inner().unwrap();
     let compiled: f64 = rows.iter().map(|r| r.seconds).sum();
     println!("{} kernels ok, {} failed, {:.1} s wall, {:.1} s of NVRTC time", rows.len(), errors.len(), start.elapsed().as_secs_f64(), compiled);
     if let Some(path) = &a.report {

@@ -28,6 +28,10 @@ pub struct Args {
     /// `kvforge selftest && deploy` does not deploy untested kernels).
     #[arg(long)]
     allow_no_gpu: bool,
+    /// NVRTC worker threads for the kernels missing from the cache, compiled before the first
+    /// variant runs (default: every core).
+    #[arg(long)]
+    jobs: Option<usize>,
 }
 
 /// The device, or without one exit 3 (a [`CliError::NoGpu`]), or with `allow` `None` after
@@ -40,6 +44,27 @@ pub fn device_or_exit(allow: bool) -> anyhow::Result<Option<Arc<kvforge_rt::Devi
             Ok(None)
         }
         Err(e) => Err(CliError::NoGpu(format!("{e} (pass --allow-no-gpu to exit 0 instead)")).into()),
+    }
+}
+
+/// Compiles, on every core, the kernels the selftest of `work` loads and the disk cache lacks:
+/// its decode variants and the specs' other kernels (append, transcode) at their head dims,
+/// which every decode variant's cache uses. Without it each kernel would compile on first use, one at a time (a
+/// cold run of two specs takes minutes). A kernel that fails here is reported by its variant
+/// below, where it is loaded again.
+fn warm_cache(specs: &[kvforge_spec::Spec], work: &[(&kvforge_spec::Spec, kvforge_spec::VariantId)], arch: &str, jobs: Option<usize>) {
+    let mut todo: Vec<_> = work.iter().map(|(s, v)| (*s, v.clone(), arch.to_string())).collect();
+    for s in specs {
+        // Only the head dims under test: a filter such as `d128` should not compile the rest.
+        let dims: std::collections::HashSet<usize> = work.iter().filter(|(w, _)| w.name == s.name).map(|(_, v)| v.head_dim).collect();
+        todo.extend(kvforge_gen::variants(s).into_iter().filter(|v| v.kind() != "decode" && dims.contains(&v.head_dim)).map(|v| (s, v, arch.to_string())));
+    }
+    let bar = indicatif::ProgressBar::new(todo.len() as u64);
+    bar.set_style(indicatif::ProgressStyle::with_template("compiling {bar:40} {pos}/{len} {elapsed} {msg}").unwrap());
+    let (_, errors) = super::precompile::compile_parallel(todo, kvforge_rt::jit::CompileMode::default(), super::precompile::jobs(jobs), &bar);
+    bar.finish_and_clear();
+    if !errors.is_empty() {
+        eprintln!("{} kernels did not compile; their variants fail below", errors.len());
     }
 }
 
@@ -80,7 +105,9 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
         }
     }
     ensure(!work.is_empty(), || format!("--filter {}: no decode variant of the specs matches", a.filter.as_deref().unwrap_or("")))?;
+    ensure(a.jobs != Some(0), || "--jobs 0: at least 1 worker".into())?;
     let Some(dev) = device_or_exit(a.allow_no_gpu)? else { return Ok(ExitCode::SUCCESS) };
+    warm_cache(&specs, &work, &dev.info.arch(), a.jobs);
     let bar = indicatif::ProgressBar::new(work.len() as u64);
     bar.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {elapsed} {msg}").unwrap());
     let mut results = Vec::new();
