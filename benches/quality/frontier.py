@@ -145,9 +145,9 @@ def table(lines: list) -> str:
     """A markdown table: one row per point."""
     rows = ["| series | context | bytes / fp16 | ppl / fp16 | protocol | file |", "|---|---:|---:|---:|---|---|"]
     for s in lines:
+        files = ", ".join(f"`{Path(f).name}`" for f in s["file"].split(", "))
         for ctx in sorted(s["points"]):
             for b, r in s["points"][ctx]:
-                files = ", ".join(f"`{Path(f).name}`" for f in s["file"].split(", "))
                 rows.append(f"| {s['label']} | {ctx} | {b:.3f} | {r:.4f} | {s['protocol']} | {files} |")
     return "\n".join(rows) + "\n"
 

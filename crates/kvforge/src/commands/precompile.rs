@@ -67,9 +67,11 @@ pub fn compile_parallel(work: Vec<(&kvforge_spec::Spec, kvforge_spec::VariantId,
     (rows.into_inner().unwrap(), errors.into_inner().unwrap())
 }
 
-/// Worker threads for NVRTC: `jobs`, or every available core.
-pub fn jobs(jobs: Option<usize>) -> usize {
-    jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
+/// Worker threads for NVRTC from a `--jobs` option: `jobs`, or every available core; 0 is an
+/// input error.
+pub fn jobs(jobs: Option<usize>) -> anyhow::Result<usize> {
+    crate::exit::ensure(jobs != Some(0), || "--jobs 0: at least 1 worker".into())?;
+    Ok(jobs.unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get())))
 }
 
 pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
@@ -78,7 +80,7 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
     for arch in &a.arch {
         crate::exit::ensure(arch.strip_prefix("sm_").is_some_and(|n| n.len() >= 2 && n.chars().all(|c| c.is_ascii_digit())), || format!("--arch {arch}: expected sm_<number>, e.g. sm_90"))?;
     }
-    crate::exit::ensure(a.jobs != Some(0), || "--jobs 0: at least 1 worker".into())?;
+    let jobs = jobs(a.jobs)?;
     if let Some(path) = &a.report {
         crate::exit::output_path("--report", path)?;
     }
@@ -106,7 +108,7 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
     let bar = indicatif::ProgressBar::new(work.len() as u64);
     bar.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {elapsed} {msg}").unwrap());
     let start = Instant::now();
-    let (rows, errors) = compile_parallel(work, mode, jobs(a.jobs), &bar);
+    let (rows, errors) = compile_parallel(work, mode, jobs, &bar);
     bar.finish_and_clear();
     let compiled: f64 = rows.iter().map(|r| r.seconds).sum();
     println!("{} kernels ok, {} failed, {:.1} s wall, {:.1} s of NVRTC time", rows.len(), errors.len(), start.elapsed().as_secs_f64(), compiled);

@@ -47,12 +47,12 @@ pub fn device_or_exit(allow: bool) -> anyhow::Result<Option<Arc<kvforge_rt::Devi
     }
 }
 
-/// Compiles, on every core, the kernels the selftest of `work` loads and the disk cache lacks:
-/// its decode variants and the specs' other kernels (append, transcode) at their head dims,
-/// which every decode variant's cache uses. Without it each kernel would compile on first use, one at a time (a
-/// cold run of two specs takes minutes). A kernel that fails here is reported by its variant
-/// below, where it is loaded again.
-fn warm_cache(specs: &[kvforge_spec::Spec], work: &[(&kvforge_spec::Spec, kvforge_spec::VariantId)], arch: &str, jobs: Option<usize>) {
+/// Compiles, on `jobs` threads, the kernels the selftest of `work` loads and the disk cache
+/// lacks: its decode variants and the specs' other kernels (append, transcode) at their head
+/// dims, which every decode variant's cache uses. Without it each kernel would compile on first
+/// use, one at a time (a cold run of two specs takes minutes). A kernel that fails here is
+/// reported by its variant below, where it is loaded again.
+fn warm_cache(specs: &[kvforge_spec::Spec], work: &[(&kvforge_spec::Spec, kvforge_spec::VariantId)], arch: &str, jobs: usize) {
     let mut todo: Vec<_> = work.iter().map(|(s, v)| (*s, v.clone(), arch.to_string())).collect();
     for s in specs {
         // Only the head dims under test: a filter such as `d128` should not compile the rest.
@@ -61,7 +61,7 @@ fn warm_cache(specs: &[kvforge_spec::Spec], work: &[(&kvforge_spec::Spec, kvforg
     }
     let bar = indicatif::ProgressBar::new(todo.len() as u64);
     bar.set_style(indicatif::ProgressStyle::with_template("compiling {bar:40} {pos}/{len} {elapsed} {msg}").unwrap());
-    let (_, errors) = super::precompile::compile_parallel(todo, kvforge_rt::jit::CompileMode::default(), super::precompile::jobs(jobs), &bar);
+    let (_, errors) = super::precompile::compile_parallel(todo, kvforge_rt::jit::CompileMode::default(), jobs, &bar);
     bar.finish_and_clear();
     if !errors.is_empty() {
         eprintln!("{} kernels did not compile; their variants fail below", errors.len());
@@ -105,9 +105,9 @@ pub fn run(root: &Path, a: Args) -> anyhow::Result<ExitCode> {
         }
     }
     ensure(!work.is_empty(), || format!("--filter {}: no decode variant of the specs matches", a.filter.as_deref().unwrap_or("")))?;
-    ensure(a.jobs != Some(0), || "--jobs 0: at least 1 worker".into())?;
+    let jobs = super::precompile::jobs(a.jobs)?;
     let Some(dev) = device_or_exit(a.allow_no_gpu)? else { return Ok(ExitCode::SUCCESS) };
-    warm_cache(&specs, &work, &dev.info.arch(), a.jobs);
+    warm_cache(&specs, &work, &dev.info.arch(), jobs);
     let bar = indicatif::ProgressBar::new(work.len() as u64);
     bar.set_style(indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} {elapsed} {msg}").unwrap());
     let mut results = Vec::new();
