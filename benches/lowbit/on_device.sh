@@ -20,7 +20,7 @@
 #             $OUT/bench-{old,new}-{1,2}-{128k,32k}.json, then a summary table $OUT/ab.md
 #   ncu       one launch each of b4 and r3 at 8 x 128K under ncu, old and new: executed warp
 #             instructions, issue-slot and DRAM use ($OUT/ncu-{old,new}.json)
-# Env: LOWBIT_RUNS (bench --runs, 20), LOWBIT_SELFTEST_FILTER (selftest --filter, e.g. d128),
+# Env: LOWBIT_OLD_ROOT (the old binary's --root, see kv below), LOWBIT_RUNS (bench --runs, 20), LOWBIT_SELFTEST_FILTER (selftest --filter, e.g. d128),
 # LOWBIT_SELFTEST_SPECS (the selftest's and precompile's spec files), LOWBIT_PRECOMPILE_TIMEOUT (120 s),
 # LOWBIT_SELFTEST_TIMEOUT (170 s). Where the three specs do not fit one call, run the selftest phase
 # twice on the same warm machine: LOWBIT_SELFTEST_SPECS=specs/rdkv.toml, then
@@ -46,7 +46,9 @@ for b in old new; do
 done
 # One NVRTC cache per binary: their headers differ, so their keys do anyway; separate dirs keep
 # the first compile's time out of the other binary's runs.
-kv() { local b=$1; shift; KVFORGE_CACHE_DIR=/tmp/kvc-lowbit-$b .bin-lowbit/kvforge-$b "$@"; }
+# LOWBIT_OLD_ROOT: a tree holding the baseline's specs/ and kernels-generated/ (an A/B of a spec
+# or schedule change: the binaries read both from --root), passed to the old binary's runs.
+kv() { local b=$1 cmd=$2; shift 2; local root=(); [ "$b" = old ] && [ -n "${LOWBIT_OLD_ROOT:-}" ] && root=(--root "$LOWBIT_OLD_ROOT"); KVFORGE_CACHE_DIR=/tmp/kvc-lowbit-$b .bin-lowbit/kvforge-$b "$cmd" "${root[@]}" "$@"; }
 
 for ph in "${PHASES[@]}"; do
   case $ph in
