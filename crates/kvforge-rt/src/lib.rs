@@ -37,6 +37,7 @@ pub mod params;
 pub mod paris;
 mod pool;
 pub mod resident;
+pub mod retrieval;
 mod side_tables;
 mod store;
 pub mod testing;
