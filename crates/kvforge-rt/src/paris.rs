@@ -38,9 +38,11 @@
 //! kv head, normally the prefill). Its default schedule is
 //! [`ParisIndex::default_schedule`] (ρ 0.30 from 64K keys).
 //!
-//! Not yet wired into [`crate::KvCache`]: the index is its own store (the sliding-window
-//! update that moves rows from the local window into it is the caller's, through
-//! [`ParisIndex::append`]).
+//! On its own the index is a store: the sliding-window update that moves rows from the local
+//! window into it is the caller's, through [`ParisIndex::append`], and its dense rows are fp16.
+//! [`crate::retrieval::RetrievalCache`] puts it beside a [`crate::KvCache`] instead: the cache
+//! holds sinks and window in any tier, moves pages into the index as the window fills, and
+//! [`ParisIndex::step_merged`] folds the cache's decode into the step.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -355,6 +357,30 @@ struct AttendParams {
     host_stride: i32,
 }
 
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MergeParams {
+    out: u64,
+    lse: u64,
+    dense_out: u64,
+    dense_lse: u64,
+    len: u64,
+    hq: i32,
+    bf16: i32,
+}
+
+/// A softmax block over other keys of the same queries, on the device: what
+/// [`ParisIndex::step_merged`] folds into the step's output (`kvforge_rt::retrieval`: the main
+/// cache's decode of the GPU region).
+#[derive(Clone, Copy, Debug)]
+pub struct DenseBlock {
+    /// `[batch][Hq][D]` in the spec dtype: fp16, or bf16 where `bf16`.
+    pub out: u64,
+    /// `[batch][Hq]` f32, natural log.
+    pub lse: u64,
+    pub bf16: bool,
+}
+
 // The C++ structs of kvforge/paris.cuh, field for field.
 const _: () = assert!(std::mem::size_of::<IndexRaw>() == 56);
 const _: () = assert!(std::mem::size_of::<EncodeParams>() == 184);
@@ -365,6 +391,7 @@ const _: () = assert!(std::mem::size_of::<SelectParams>() == 88);
 const _: () = assert!(std::mem::size_of::<RerankParams>() == 232);
 const _: () = assert!(std::mem::size_of::<FetchParams>() == 96);
 const _: () = assert!(std::mem::size_of::<AttendParams>() == 128);
+const _: () = assert!(std::mem::size_of::<MergeParams>() == 48);
 
 // SAFETY: plain-old-data mirrors of the kernel parameter structs (asserted sizes above).
 unsafe impl DeviceRepr for EncodeParams {}
@@ -375,6 +402,7 @@ unsafe impl DeviceRepr for BucketParams {}
 unsafe impl DeviceRepr for RerankParams {}
 unsafe impl DeviceRepr for FetchParams {}
 unsafe impl DeviceRepr for AttendParams {}
+unsafe impl DeviceRepr for MergeParams {}
 
 /// Device time of one decode step's phases, microseconds (CUDA events).
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
@@ -1178,6 +1206,48 @@ impl ParisIndex {
         self.prepare(q, k, schedule)?;
         self.launch_step(chunks)?;
         self.finish()
+    }
+
+    /// [`ParisIndex::step`] whose output is merged on the device with a softmax block of the same
+    /// queries over other keys (the main cache's GPU region, `kvforge_rt::retrieval`) before the
+    /// one download: `(out, lse)` of one softmax over both, and the device time of the whole
+    /// step in µs (CUDA events from before the query upload to after the merge). Sequences with
+    /// an empty retrieval region return the other block alone.
+    ///
+    /// `dense` launches that block's work on this index's stream and says where it lands; it is
+    /// called once the retrieval kernels are queued, so its host work overlaps them on the GPU
+    /// and its kernels run beside the fetch and attention (on the fetch stream).
+    pub fn step_merged(&mut self, q: &[f16], k: usize, schedule: &Schedule, chunks: usize, dense: impl FnOnce() -> Result<DenseBlock>) -> Result<(Vec<f32>, Vec<f32>, f64)> {
+        let t0 = self.st.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"))?;
+        self.prepare(q, k, schedule)?;
+        for span in spans(self.geo.batch, chunks) {
+            self.launch_retrieval(span)?;
+            let ready = self.st.record_event(None).map_err(drv("event"))?;
+            self.fetch_st.wait(&ready).map_err(drv("event"))?;
+            self.launch_fetch(&self.fetch_st, span)?;
+            self.launch_attend(&self.fetch_st, false, span)?;
+        }
+        let dense = dense()?;
+        let done = self.fetch_st.record_event(None).map_err(drv("event"))?;
+        self.st.wait(&done).map_err(drv("event"))?;
+        let g = &self.geo;
+        let hq = g.kv_heads * g.gqa;
+        let p = MergeParams {
+            out: self.ws.out.device_ptr(&self.st).0,
+            lse: self.ws.lse.device_ptr(&self.st).0,
+            dense_out: dense.out,
+            dense_lse: dense.lse,
+            len: self.len_d.device_ptr(&self.st).0,
+            hq: hq as i32,
+            bf16: i32::from(dense.bf16),
+        };
+        // SAFETY: MergeParams mirrors paris.cuh's; out / lse are the workspace's [batch][Hq][D]
+        // / [batch][Hq], len the index's [batch]; the caller's `dense` holds the same shapes.
+        unsafe { self.launch("merge", &p, ((g.batch * hq) as u32, 1, 1), 128, 0)? };
+        let t1 = self.st.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"))?;
+        let (out, lse) = self.finish()?;
+        let us = f64::from(t0.elapsed_ms(&t1).map_err(drv("event"))?) * 1e3;
+        Ok((out, lse, us))
     }
 
     /// The spans [`ParisIndex::step`] pipelines a batch over by default: one below 16

@@ -33,16 +33,22 @@
 //! ```
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use half::f16;
 use kvforge_paris::{ParisConfig, Schedule};
 use kvforge_spec::{Spec, TierId};
 
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use kvforge_spec::DType;
+
 use crate::cache::{CacheConfig, KvCache};
-use crate::decode::DecodeOutput;
+use crate::decode::{from_bits, to_bits, DecodeOutput};
 use crate::device::Device;
-use crate::error::{Result, RtError};
-use crate::paris::{ParisGeometry, ParisIndex};
+use crate::error::{drv, Result, RtError};
+use crate::external::{ElemType, ExternalTensor};
+use crate::paris::{DenseBlock, ParisGeometry, ParisIndex};
 
 /// Which pages of a sequence stay on the GPU and when the others move to the retrieval region.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -97,6 +103,7 @@ pub struct RetrievalCache {
     drop_tier: TierId,
     schedule: Schedule,
     seqs: Vec<SeqRegions>,
+    io: Option<DenseIo>,
 }
 
 impl RetrievalCache {
@@ -124,7 +131,7 @@ impl RetrievalCache {
         let mut cache = KvCache::new(dev, spec, cache_cfg)?;
         let seqs = (0..geo.batch).map(|_| SeqRegions { cache_seq: cache.add_sequence(), appended: 0, moved_pages: 0, keys: Vec::new(), values: Vec::new() }).collect();
         let schedule = index.default_schedule();
-        Ok(RetrievalCache { cache, index, policy, drop_tier, schedule, seqs })
+        Ok(RetrievalCache { cache, index, policy, drop_tier, schedule, seqs, io: None })
     }
 
     /// The GPU region's cache (its pages, tiers and memory report).
@@ -214,38 +221,84 @@ impl RetrievalCache {
     /// attends each retrieval's top-`k` keys (module docs). Sequences with an empty retrieval
     /// region attend their GPU region only; the index is not launched when every region is.
     pub fn decode(&mut self, q: &[f32], k: usize) -> Result<DecodeOutput> {
-        let ids: Vec<usize> = self.seqs.iter().map(|s| s.cache_seq).collect();
-        let dense = self.cache.decode(&ids, q)?;
-        if (0..self.seqs.len()).all(|s| self.index.len(s) == 0) {
-            return Ok(dense);
+        Ok(self.decode_timed(q, k)?.0)
+    }
+
+    /// [`RetrievalCache::decode`] with its host wall time and device time. The index's step
+    /// queues its retrieval first; then the cache's decode of the GPU region is launched on the
+    /// device-resident plan ([`KvCache::decode_step_external`]: no host copy of the plan, no
+    /// wait) into buffers of this cache, on the same stream, where it runs beside the index's
+    /// fetch and attention; the index's `merge` kernel folds the two blocks before its one
+    /// download ([`ParisIndex::step_merged`]).
+    pub fn decode_timed(&mut self, q: &[f32], k: usize) -> Result<(DecodeOutput, StepWall)> {
+        let t0 = Instant::now();
+        let (hq, d) = (self.cache.config().num_kv_heads * self.cache.config().gqa, self.cache.config().head_dim);
+        let batch = self.seqs.len();
+        if q.len() != batch * hq * d {
+            return Err(RtError::ShapeMismatch { what: "retrieval cache: query".into(), expected: format!("{batch} sequences × {hq} q heads × {d} values"), got: format!("{} values", q.len()) });
         }
-        let qh: Vec<f16> = q.iter().map(|&x| f16::from_f32(x)).collect();
-        let chunks = self.index.default_chunks();
-        let (out_r, lse_r) = self.index.step(&qh, k, &self.schedule, chunks)?;
-        let heads = self.cache.config().num_kv_heads * self.cache.config().gqa;
-        let empty: Vec<bool> = (0..self.seqs.len()).map(|s| self.index.len(s) == 0).collect();
-        Ok(merge(&dense, &out_r, &lse_r, self.cache.config().head_dim, |row| empty[row / heads]))
+        let dtype = self.cache.spec().geometry.dtype;
+        let dev = self.cache.device().clone();
+        let st = dev.stream.clone();
+        let bits: Vec<u16> = q.iter().map(|&x| to_bits(dtype, x)).collect();
+        if self.io.is_none() {
+            self.io = Some(DenseIo::new(&st, batch * hq, d)?);
+        }
+        let io = self.io.as_mut().expect("set above");
+        st.memcpy_htod(&bits, &mut io.q).map_err(drv("retrieval cache: query upload"))?;
+        let (elem, ord) = (ElemType::of(dtype), dev.ctx.ordinal());
+        let ext = |ptr: u64, e: ElemType, shape: &[usize]| ExternalTensor::contiguous(ptr, e, shape, ord);
+        let (qp, op, lp) = (io.q.device_ptr(&st).0, io.out.device_ptr(&st).0, io.lse.device_ptr(&st).0);
+        let ids: Vec<usize> = self.seqs.iter().map(|s| s.cache_seq).collect();
+        let cache = &mut self.cache;
+        let mut launch_dense = || cache.decode_step_external(&ids, &ext(qp, elem.clone(), &[batch, hq, d]), &ext(op, elem.clone(), &[batch, hq, d]), &ext(lp, ElemType::F32, &[batch, hq]));
+        let (out, device_us) = if (0..batch).all(|s| self.index.len(s) == 0) {
+            let e0 = st.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"))?;
+            launch_dense()?;
+            let e1 = st.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"))?;
+            let io = self.io.as_ref().expect("set above");
+            let out = st.clone_dtoh(&io.out).map_err(drv("retrieval cache: output"))?;
+            let lse = st.clone_dtoh(&io.lse).map_err(drv("retrieval cache: lse"))?;
+            let us = f64::from(e0.elapsed_ms(&e1).map_err(drv("event"))?) * 1e3;
+            (DecodeOutput { out: out.into_iter().map(|b| from_bits(dtype, b)).collect(), lse }, us)
+        } else {
+            let qh: Vec<f16> = q.iter().map(|&x| f16::from_f32(x)).collect();
+            let chunks = self.index.default_chunks();
+            let bf16 = dtype == DType::Bf16;
+            let (out, lse, us) = self.index.step_merged(&qh, k, &self.schedule, chunks, || {
+                launch_dense()?;
+                Ok(DenseBlock { out: op, lse: lp, bf16 })
+            })?;
+            (DecodeOutput { out, lse }, us)
+        };
+        // Faults the cache's kernel flagged (reported asynchronously by the resident path).
+        self.cache.synchronize()?;
+        Ok((out, StepWall { wall_us: t0.elapsed().as_secs_f64() * 1e6, device_us }))
     }
 }
 
-/// One softmax from two blocks over disjoint keys: `a` (out, lse) and `b` (`out_b`, `lse_b`),
-/// rows of `d` values, natural-log lse; rows where `skip_b` holds take `a` alone.
-fn merge(a: &DecodeOutput, out_b: &[f32], lse_b: &[f32], d: usize, skip_b: impl Fn(usize) -> bool) -> DecodeOutput {
-    let mut out = a.out.clone();
-    let mut lse = a.lse.clone();
-    for (row, l) in lse.iter_mut().enumerate() {
-        if skip_b(row) || lse_b[row] == f32::NEG_INFINITY {
-            continue;
-        }
-        let m = l.max(lse_b[row]);
-        let (wa, wb) = ((*l - m).exp(), (lse_b[row] - m).exp());
-        let sum = wa + wb;
-        for (o, &ob) in out[row * d..(row + 1) * d].iter_mut().zip(&out_b[row * d..(row + 1) * d]) {
-            *o = (wa * *o + wb * ob) / sum;
-        }
-        *l = m + sum.ln();
+/// The query, output and log-sum-exp buffers of the GPU region's decode, `[rows][D]` in the
+/// spec dtype and `[rows]` f32, allocated by the first decode.
+struct DenseIo {
+    q: CudaSlice<u16>,
+    out: CudaSlice<u16>,
+    lse: CudaSlice<f32>,
+}
+
+impl DenseIo {
+    fn new(st: &Arc<CudaStream>, rows: usize, d: usize) -> Result<DenseIo> {
+        let z16 = |n: usize| st.alloc_zeros::<u16>(n).map_err(drv("retrieval cache: decode buffers"));
+        Ok(DenseIo { q: z16(rows * d)?, out: z16(rows * d)?, lse: st.alloc_zeros::<f32>(rows).map_err(drv("retrieval cache: decode buffers"))? })
     }
-    DecodeOutput { out, lse }
+}
+
+/// A [`RetrievalCache::decode_timed`] step, µs: host wall time of the call, and device time
+/// (CUDA events on the cache's stream around all of the step's GPU work, the GPU's idle gaps
+/// waiting for the host included).
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct StepWall {
+    pub wall_us: f64,
+    pub device_us: f64,
 }
 
 #[cfg(test)]
@@ -276,19 +329,5 @@ mod tests {
         let q = RegionPolicy { update_pages: 0, ..p };
         assert_eq!(q.to_move(6, 0), 1);
         assert_eq!(q.to_move(5, 0), 0);
-    }
-
-    #[test]
-    fn merge_is_one_softmax_over_both_blocks() {
-        // Two blocks of one key each: scores 1 and 2 (lse = the score), values 10 and 20.
-        let a = DecodeOutput { out: vec![10.0, 1.0], lse: vec![1.0] };
-        let m = merge(&a, &[20.0, 2.0], &[2.0], 2, |_| false);
-        let (wa, wb) = (1f32.exp(), 2f32.exp());
-        assert!((m.out[0] - (10.0 * wa + 20.0 * wb) / (wa + wb)).abs() < 1e-5);
-        assert!((m.out[1] - (1.0 * wa + 2.0 * wb) / (wa + wb)).abs() < 1e-6);
-        assert!((m.lse[0] - (wa + wb).ln()).abs() < 1e-6);
-        // A skipped or empty block leaves `a` as it is.
-        assert_eq!(merge(&a, &[20.0, 2.0], &[2.0], 2, |_| true).out, a.out);
-        assert_eq!(merge(&a, &[f32::NAN, f32::NAN], &[f32::NEG_INFINITY], 2, |_| false).out, a.out);
     }
 }

@@ -148,3 +148,19 @@ fn a_move_past_the_host_budget_keeps_the_pages_on_the_gpu() {
     let err = max_error(&mut rc, 1, &[(k, v)]);
     assert!(err < 2e-3, "max |error| {err:.3e}");
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_batch_mixes_empty_and_filled_retrieval_regions() {
+    // Sequence 0 stays within sink + window (nothing moves), sequence 1 moves 12 pages: the
+    // merge takes sequence 0's GPU region alone, whatever the retrieval wrote for it.
+    let mut rc = retrieval_cache("rotated.toml", "r3", true, 2, 4096);
+    let kv = vec![fill(&mut rc, 0, 200, 50), fill(&mut rc, 1, 1000, 1000)];
+    assert_eq!((rc.retrieval_len(0).unwrap(), rc.retrieval_len(1).unwrap()), (0, 768));
+    // Twice: the second step reuses the resident plan and the buffers.
+    for _ in 0..2 {
+        let err = max_error(&mut rc, 2, &kv);
+        eprintln!("mixed batch: max |error| {err:.3e}");
+        assert!(err < 2e-3, "max |error| {err:.3e}");
+    }
+}

@@ -1611,5 +1611,35 @@ __device__ void attend_kernel(const AttendParams& p) {
   if (threadIdx.x == 0) p.lse[sh] = n > 0 ? mx + __logf(sum) : NEG_INF;
 }
 
+// ParisKV inside the main cache (kvforge_rt::retrieval): the cache's decode of the GPU region
+// (`dense_out` in the spec dtype, `dense_lse`) and this module's attention over the retrieved
+// rows (`out`, `lse`) are softmax blocks over disjoint keys, so one softmax over both is their
+// mean weighted by e^lse. Rows of a sequence whose retrieval region is empty (`len` 0) take the
+// dense block alone, whatever the retrieval wrote there. One CTA per query row.
+struct MergeParams {
+  float* out;              // [S][Hq][D] in: the retrieved rows' block; out: the merged softmax
+  float* lse;              // [S][Hq], natural log, likewise
+  const u16* dense_out;    // [S][Hq][D], fp16 or (bf16 != 0) bf16 bits
+  const float* dense_lse;  // [S][Hq]
+  const u32* len;          // [S] retrieval-region keys
+  int hq, bf16;
+};
+
+template <int D>
+__device__ void merge_kernel(const MergeParams& p) {
+  const int row = blockIdx.x;
+  const float la = p.dense_lse[row], lb = p.len[row / p.hq] > 0 ? p.lse[row] : NEG_INF;
+  const float m = fmaxf(la, lb);
+  const float wa = la == NEG_INF ? 0.f : expf(la - m), wb = lb == NEG_INF ? 0.f : expf(lb - m);
+  const float inv = wa + wb > 0.f ? 1.f / (wa + wb) : 0.f;
+  for (int c = threadIdx.x; c < D; c += blockDim.x) {
+    const u32 bits = p.dense_out[size_t(row) * D + c];
+    const float a = p.bf16 ? __uint_as_float(bits << 16) : __half2float(__ushort_as_half(u16(bits)));
+    float* o = p.out + size_t(row) * D + c;
+    *o = wb == 0.f ? a : (wa * a + wb * *o) * inv;
+  }
+  if (threadIdx.x == 0) p.lse[row] = m == NEG_INF ? NEG_INF : m + logf(wa + wb);
+}
+
 }  // namespace paris
 }  // namespace kvforge
