@@ -11,6 +11,11 @@ checks the kernels themselves on the model.
     python3 benches/paris/hf_needle.py --model /root/m --out $OUT/paris-hf-needle.json
     python3 benches/paris/hf_needle.py --model /root/m --per-kv-head --rank max --out $OUT/paris-hf-needle-hmax.json
 
+``--spec`` / ``--tier`` keep the sinks and the local window in a kvforge cache coded in that tier
+(``kvforge.RetrievalCache``) instead of fp16 rows in the index:
+
+    python3 benches/paris/hf_needle.py --model /root/m --per-kv-head --spec specs/rotated.toml --tier r3 --out $OUT/paris-hf-needle-r3.json
+
 ``--per-kv-head`` runs one retrieval per kv head (the fast mode); ``--rank`` orders its candidates:
 ``max`` (default, "hmax": the largest of the group's head estimates) or ``sum`` (the summed
 query's estimate).
@@ -50,6 +55,8 @@ def main() -> None:
                     help="with --per-kv-head: rank the candidates by the largest head estimate (max, 'hmax') or the summed query's (sum)")
     ap.add_argument("--layout", choices=["whole64", "subspace4"], default="whole64",
                     help="GPU summaries: the 64 B whole-vector code (whole64, the default, its schedule) or the seed's 112 B per key (subspace4)")
+    ap.add_argument("--spec", default=None, help="keep sinks and window in a kvforge cache of this spec (kvforge.RetrievalCache), with --tier")
+    ap.add_argument("--tier", default=None, help="the tier of the window's coded pages (e.g. r3 of specs/rotated.toml)")
     ap.add_argument("--agree-tokens", type=int, default=32, help="greedy tokens compared with eager on an 8K Austen prompt")
     ap.add_argument("--out", default="paris-hf-needle.json")
     a = ap.parse_args()
@@ -89,8 +96,9 @@ def main() -> None:
     base_hits, base_answers, base_tokens, _ = run("eager", lambda: None)
     doc["needle"]["eager"] = {"hits": sum(base_hits), "trials": len(base_hits), "answers": base_answers}
     attach = lambda: kvforge.retrieval.use_retrieval(model, k=a.k, sinks=a.sinks, local=a.local, update=a.update,
-                                                           per_query_head=not a.per_kv_head, rank=a.rank, layout=a.layout)  # noqa: E731
-    label = f"paris-k{a.k}" + (f"-kv-{a.rank}" if a.per_kv_head else "") + ("-whole64" if a.layout == "whole64" else "")
+                                                           per_query_head=not a.per_kv_head, rank=a.rank, layout=a.layout,
+                                                           spec=a.spec, tier=a.tier, root=str(ROOT))  # noqa: E731
+    label = f"paris-k{a.k}" + (f"-kv-{a.rank}" if a.per_kv_head else "") + ("-whole64" if a.layout == "whole64" else "") + (f"-cache-{a.tier}" if a.tier else "")
     hits, answers, tokens, stats = run(label, attach)
     same = next((i for i, (p, q) in enumerate(zip(base_tokens, tokens)) if p != q), len(tokens))
     doc["needle"][label] = {"hits": sum(hits), "trials": len(hits), "answers": answers, "stats": stats}

@@ -1116,6 +1116,7 @@ fn kvforge_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<certified::HeadCert>()?;
     m.add_class::<kvtc::KvtcCalibration>()?;
     m.add_class::<paris::ParisIndex>()?;
+    m.add_class::<paris::RetrievalCache>()?;
     m.add_function(wrap_pyfunction!(kvtc::kvtc_save, m)?)?;
     m.add_function(wrap_pyfunction!(kvtc::kvtc_load, m)?)?;
     m.add_function(wrap_pyfunction!(device_info, m)?)?;

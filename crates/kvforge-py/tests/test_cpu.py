@@ -317,10 +317,25 @@ def test_paris_index_arguments_are_typed_errors():
     assert "retrieve" in dir(kvforge.ParisIndex) and "one softmax" in kvforge.ParisIndex.decode.__doc__
 
 
+def test_retrieval_cache_arguments_are_typed_errors():
+    # the main cache + index: bad sizes, rank, layout, spec and target are KvforgeErrors before
+    # the device is opened; a valid one gets as far as the device
+    assert err(kvforge.RetrievalCache, "specs/rotated.toml", 64, 3, 3, 0).kind == "BadInput"
+    assert err(kvforge.RetrievalCache, "specs/rotated.toml", 64, 3, 3, 1024, rank="mean").kind == "BadInput"
+    assert err(kvforge.RetrievalCache, "specs/rotated.toml", 64, 3, 3, 1024, layout="whole3").kind == "BadInput"
+    assert err(kvforge.RetrievalCache, "specs/none.toml", 64, 3, 3, 1024).kind == "Spec"
+    assert err(kvforge.RetrievalCache, "specs/rotated.toml", 64, 3, 3, 1024, target="drop").kind == "BadInput"
+    assert err(kvforge.RetrievalCache, "specs/rotated.toml", 64, 3, 3, 1024, target="r9").kind == "BadInput"
+    if not kvforge.driver_present():
+        assert err(kvforge.RetrievalCache, "specs/rotated.toml", 64, 3, 3, 1024, target="r3").kind == "NoDriver"
+    assert "one softmax" in kvforge.RetrievalCache.decode.__doc__
+
+
 def test_retrieval_window_arguments_are_checked():
     import kvforge.retrieval
 
-    for kw in (dict(k=0), dict(local=0), dict(update=0), dict(local=16, update=32), dict(sinks=-1), dict(rank="mean"), dict(layout="whole3")):
+    for kw in (dict(k=0), dict(local=0), dict(update=0), dict(local=16, update=32), dict(sinks=-1), dict(rank="mean"), dict(layout="whole3"),
+               dict(tier="r3"), dict(spec="specs/rotated.toml"), dict(spec="specs/rotated.toml", tier="r3", sinks=32), dict(dense_below=-1)):
         with pytest.raises(ValueError, match="kvforge.retrieval"):
             kvforge.retrieval.ParisAttention(module=object(), **kw)
     assert callable(kvforge.retrieval.use_retrieval)

@@ -797,6 +797,30 @@ def test_retrieval_regions_cover_every_position_once():
     assert st["retrieved_layer_steps"] == steps and st["region_keys"] >= s0 - 16 - 64, st
 
 
+def test_retrieval_cache_tier_path_attends_every_position():
+    # kvforge.retrieval with a tier: sinks and window in a RetrievalCache's kvforge cache (rdkv
+    # b8), the rest in its index; a top-k that covers the region makes every decode step
+    # attention over every position (int8 pages in the window: close, not exact).
+    import kvforge.retrieval
+
+    att = kvforge.retrieval.ParisAttention(k=1024, sinks=64, local=128, update=64, capacity=2048, per_query_head=False,
+                                           spec="specs/rdkv.toml", tier="b8", root=str(ROOT), dense_below=0)
+    d, hkv, gqa, s0, steps = 64, 2, 3, 500, 80
+    hq = hkv * gqa
+    k, v = rand(1, hkv, s0 + steps, d, seed=31), rand(1, hkv, s0 + steps, d, seed=32)
+    att.attend_batch(0, rand(1, hq, s0, d, seed=33), k[:, :, :s0], v[:, :, :s0], 1 / math.sqrt(d))
+    for t in range(steps):
+        s = s0 + t + 1
+        q = rand(1, hq, 1, d, seed=200 + t)
+        got = att.attend_batch(0, q, k[:, :, :s], v[:, :, :s], 1 / math.sqrt(d))
+        want, _ = _attend_rows(q[0, :, 0].cpu(), k[0, :, :s].transpose(0, 1).cpu(), v[0, :, :s].transpose(0, 1).cpu())
+        close(got[0, 0].cpu(), want, 1e-2, 2e-2, f"retrieval cache step {t}")
+    st = att.stats()
+    # 580 tokens: 9 full pages; sink + 2 local pages stay, up to one update page more.
+    assert st["retrieved_layer_steps"] == steps and st["region_keys"] in (320, 384), st
+    assert st["gpu_region"]["tiers"][0] == "b8" and st["gpu_region"]["tiers"][-1] == "b16", st
+
+
 def test_step_equals_append_step_then_decode():
     # Cache.step (one call per layer) stores and answers what append_step + decode do.
     a, b = mk("rdkv", "b4", max_tokens=64 * 32, sequences=3), mk("rdkv", "b4", max_tokens=64 * 32, sequences=3)

@@ -148,6 +148,11 @@ impl RetrievalCache {
         self.policy
     }
 
+    /// The retrieval's `(ρ, β)` schedule.
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
+
     /// The `(ρ, β)` schedule of the retrieval (by length, as [`ParisIndex::retrieve`] takes it).
     pub fn set_schedule(&mut self, schedule: Schedule) -> Result<()> {
         schedule.validate()?;

@@ -18,14 +18,20 @@ once ``update`` tokens wait past it, the oldest ``update`` local tokens move int
 (summaries encoded, K/V offloaded). A decode query retrieves the region's top-``k`` keys (collision vote, top-C, 4-bit rerank,
 top-k) per query head, or with ``per_query_head=False`` once per kv head (the kernels' faster
 mode: one vote, top-k and fetch for the GQA group), and attends over sinks + local + retrieved
-rows with one softmax; while the region holds fewer than ``dense_below`` keys
-(``ParisIndex.dense_below``, 2048) the step attends every key exactly instead.
+rows with one softmax; while the region holds fewer than ``dense_below`` keys (default
+``ParisIndex.dense_below``, 2048) the step attends every key exactly instead.
 
 Per kv head, ``rank`` orders the group's candidates (the vote is the summed query's either way):
 ``"sum"`` (default) by the summed query's, ``"max"`` by the largest of the heads' own rerank
 estimates (its kernel has not yet run its GPU test, hence not the default). Per query head is the default here because it is the mode whose quality was measured on
 the kernels (needle 6/6, H100); in the SmolLM2 simulation per kv head found the needle 2/3 with
 ``"sum"`` and 3/3 with ``"max"`` (``sim:paris-k256-hmax``, docs/paris.md).
+
+``tier`` (with ``spec``) keeps the sinks and the local window in a kvforge cache instead, coded
+in that tier (``use_retrieval(model, spec="specs/rotated.toml", tier="r3")``): every layer then
+holds one :class:`kvforge.RetrievalCache`, whose pages past the window move into its index as the
+window fills, and whose decode attends both with one softmax on the GPU. Sinks, local window and
+update buffer are then whole pages (multiples of the spec's page size, 64 tokens).
 
 Limits: batch 1 without padding; inference only; the index takes host byte strings, so every
 layer's step synchronises the GPU once (this path measures quality and retrieval, not speed:
@@ -42,6 +48,9 @@ from typing import Any, Dict, Optional
 from .hf import attach, sdpa_causal
 
 __all__ = ["ParisAttention", "use_retrieval"]
+
+# Tokens per page of the shipped specs: the ``tier`` path's regions are whole pages.
+_PAGE = 64
 
 
 def _bytes(x) -> bytes:
@@ -73,13 +82,21 @@ class ParisAttention:
 
     def __init__(self, k: int = 256, sinks: int = 64, local: int = 256, update: int = 64,
                  capacity: int = 8192 + 256, host_budget_gb: float = 8.0, module: Any = None, per_query_head: bool = True,
-                 rank: str = "max", layout: Optional[str] = None):
+                 rank: str = "max", layout: Optional[str] = None, spec: Optional[str] = None, tier: Optional[str] = None,
+                 root: Optional[str] = None, dense_below: Optional[int] = None):
         if k < 1 or sinks < 0 or local < 1 or not 1 <= update <= local:
             raise ValueError(f"kvforge.retrieval: need k >= 1, sinks >= 0, local >= 1 and 1 <= update <= local; got k={k}, sinks={sinks}, local={local}, update={update}")
         if rank not in ("max", "sum"):
             raise ValueError(f"kvforge.retrieval: rank must be 'max' or 'sum', got {rank!r}")
         if layout not in (None, "whole64", "subspace4"):
             raise ValueError(f"kvforge.retrieval: layout must be 'whole64', 'subspace4' or None, got {layout!r}")
+        if (spec is None) != (tier is None):
+            raise ValueError(f"kvforge.retrieval: pass spec and tier together (the GPU region's format), got spec={spec!r}, tier={tier!r}")
+        if tier is not None and (sinks % _PAGE or local % _PAGE or update % _PAGE):
+            raise ValueError(f"kvforge.retrieval: with a tier, sinks, local and update are whole pages of {_PAGE} tokens; got {sinks}, {local}, {update}")
+        if dense_below is not None and dense_below < 0:
+            raise ValueError(f"kvforge.retrieval: dense_below must be >= 0, got {dense_below}")
+        self.spec, self.tier, self.root, self.dense_below = spec, tier, root, dense_below
         self.kvforge = module if module is not None else importlib.import_module("kvforge")
         self.k, self.sinks, self.local, self.update = int(k), int(sinks), int(local), int(update)
         self.capacity, self.host_budget_gb = int(capacity), float(host_budget_gb)
@@ -110,6 +127,38 @@ class ParisAttention:
         dv = torch.cat([_rows(v, 0, s0), _rows(v, r, n)])
         st["ix"].set_dense(0, _bytes(dk), _bytes(dv))
 
+    def _attend_cache(self, layer: int, q, k, v, scaling: float):
+        """The ``tier`` path: the layer's :class:`kvforge.RetrievalCache` (module docs)."""
+        import torch
+
+        _, hq, tq, d = q.shape
+        hkv, s = k.shape[1], k.shape[2]
+        q0, k0, v0 = q[0], k[0], v[0]
+        st = self.layers.get(layer)
+        if st is None or st["n"] >= s or tq == s:
+            # A prompt: exact attention; the cache takes every position and moves its pages
+            # past sinks + window to the index.
+            rc = self.kvforge.RetrievalCache(self.spec, d, hkv, hq // hkv, self.capacity, target=self.tier,
+                                             sink_pages=self.sinks // _PAGE, local_pages=self.local // _PAGE, update_pages=self.update // _PAGE,
+                                             max_k=max(self.k, 8), max_candidates=max(65536, 8 * self.k), host_budget_gb=self.host_budget_gb,
+                                             per_query_head=self.per_query_head, rank=self.rank, layout=self.layout, root=self.root)
+            rc.append(0, _bytes(_rows(k0, 0, s)), _bytes(_rows(v0, 0, s)))
+            self.layers[layer] = {"rc": rc, "n": s}
+            return sdpa_causal(q, k, v, scaling)
+        if tq != 1 or s != st["n"] + 1:
+            raise ValueError(f"kvforge.retrieval: a decode step adds one token (had {st['n']} positions, got {s} with {tq} queries)")
+        st["n"] = s
+        rc = st["rc"]
+        rc.append(0, _bytes(_rows(k0, s - 1, s)), _bytes(_rows(v0, s - 1, s)))
+        if rc.retrieval_len(0) < (rc.dense_below if self.dense_below is None else self.dense_below):
+            self.dense_steps += 1
+            return _attend_all(q, k, v, scaling)
+        self.retrieved_steps += 1
+        qs = q0[:, 0] * (scaling * math.sqrt(d))  # the cache and the index scale scores by 1/sqrt(d)
+        out, _ = rc.decode(_bytes(qs), self.k)
+        o = torch.frombuffer(bytearray(out), dtype=torch.float32).view(1, 1, hq, d)
+        return o.to(device=q.device, dtype=q.dtype)
+
     def attend_batch(self, layer: int, q, k, v, scaling: float, mask=None):
         import torch
 
@@ -117,6 +166,8 @@ class ParisAttention:
             raise ValueError(f"kvforge.retrieval runs batch 1, got batch {q.shape[0]}")
         if mask is not None and not bool(mask.all()):
             raise ValueError("kvforge.retrieval does not support padding")
+        if self.tier is not None:
+            return self._attend_cache(layer, q, k, v, scaling)
         _, hq, tq, d = q.shape
         hkv, s = k.shape[1], k.shape[2]
         q0, k0, v0 = q[0], k[0], v[0]
@@ -140,7 +191,7 @@ class ParisAttention:
             st["r_end"] = hi
         self._set_dense(st, k0, v0)
         ix = st["ix"]
-        if ix.len(0) < ix.dense_below:
+        if ix.len(0) < (ix.dense_below if self.dense_below is None else self.dense_below):
             self.dense_steps += 1
             return _attend_all(q, k, v, scaling)
         self.retrieved_steps += 1
@@ -153,9 +204,12 @@ class ParisAttention:
         """Retrieval-region keys (layer 0), GPU summary bytes per key and kv head, and how many
         layer steps retrieved vs attended densely."""
         st = self.layers.get(min(self.layers)) if self.layers else None
+        ix = (st.get("rc") or st.get("ix")) if st else None
+        region = (ix.retrieval_len(0) if "rc" in st else ix.len(0)) if st else 0
         return {
-            "region_keys": st["ix"].len(0) if st else 0,
-            "summary_bytes_per_key": st["ix"].device_bytes_per_key if st else None,
+            "region_keys": region,
+            "summary_bytes_per_key": ix.device_bytes_per_key if ix is not None else None,
+            "gpu_region": {"spec": self.spec, "tier": self.tier, "tiers": ix.gpu_tiers(0, 0) if st and "rc" in st else None} if self.tier else "fp16 rows in the index",
             "retrieved_layer_steps": self.retrieved_steps,
             "dense_layer_steps": self.dense_steps,
             "k": self.k, "sinks": self.sinks, "local": self.local, "update": self.update,
@@ -165,7 +219,8 @@ class ParisAttention:
 
 def use_retrieval(model, k: int = 256, sinks: int = 64, local: int = 256, update: int = 64,
                   capacity: Optional[int] = None, host_budget_gb: float = 8.0, per_query_head: bool = True,
-                  rank: str = "max", layout: Optional[str] = None) -> ParisAttention:
+                  rank: str = "max", layout: Optional[str] = None, spec: Optional[str] = None,
+                  tier: Optional[str] = None, root: Optional[str] = None) -> ParisAttention:
     """Runs every attention layer of ``model`` with ParisKV retrieval decode (module docs):
     registers the ``"kvforge"`` attention (as :func:`kvforge.hf.use_kvforge` does) with a
     :class:`ParisAttention` handle on every layer. ``capacity``: retrieval-region keys per
@@ -175,9 +230,11 @@ def use_retrieval(model, k: int = 256, sinks: int = 64, local: int = 256, update
     ``layout``: the GPU summaries, ``"whole64"`` (``head_dim / 2`` bytes: 64 B per key and kv head
     at head dim 128, 1/8 of fp16 K+V) or ``"subspace4"`` (the seed's 112 B at head dim 128);
     ``None`` (default) takes whole64 where the head dim is a multiple of 64, else subspace4.
-    Undo with ``handle.detach()``."""
+    ``spec`` and ``tier``: keep sinks and window in a kvforge cache of that spec, coded in that
+    tier (:class:`kvforge.RetrievalCache`; ``root`` finds the spec file as ``kvforge.Cache``
+    does); default ``None``: fp16 rows in the index. Undo with ``handle.detach()``."""
     if capacity is None:
         capacity = max(1024, int(getattr(model.config, "max_position_embeddings", 8192) or 8192) + 256)
     handle = ParisAttention(k=k, sinks=sinks, local=local, update=update, capacity=capacity, host_budget_gb=host_budget_gb,
-                            per_query_head=per_query_head, rank=rank, layout=layout)
+                            per_query_head=per_query_head, rank=rank, layout=layout, spec=spec, tier=tier, root=root)
     return attach(model, handle)
