@@ -215,10 +215,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "device": dev.info.name,
         "runs": runs,
     });
-    let text = serde_json::to_string_pretty(&out)?;
-    match &a.out {
-        Some(p) => std::fs::write(p, text + "\n")?,
-        None => println!("{text}"),
-    }
+    kvforge_lab::emit_json(a.out.as_deref(), &out)?;
     Ok(())
 }

@@ -589,10 +589,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "summary": if args.qk.is_some() { summarize_runs(&runs) } else { Value::Null },
         "runs": runs,
     });
-    let text = serde_json::to_string_pretty(&out)?;
-    match &args.out {
-        Some(p) => std::fs::write(p, text + "\n")?,
-        None => println!("{text}"),
-    }
+    kvforge_lab::emit_json(args.out.as_deref(), &out)?;
     Ok(())
 }

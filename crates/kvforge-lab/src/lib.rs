@@ -10,7 +10,8 @@
 //! * [`synth`]: synthetic attention with planted sinks, heavy hitters and needles;
 //! * [`frontier`]: attention output error vs bytes of every policy on it (pages coded by
 //!   kvforge-ref as the GPU codes them), and the controllers' cost per decode step
-//!   (`kvforge frontier`).
+//!   (`kvforge frontier`);
+//! * [`emit_json`]: how the examples under `examples/` write their result documents.
 
 pub mod bench;
 pub mod frontier;
@@ -18,3 +19,16 @@ pub mod selftest;
 pub mod synth;
 
 pub use bench::fill_for_bench;
+
+/// Writes an example's result document as pretty JSON to `out` (with a final newline), or to
+/// stdout without one.
+pub fn emit_json(out: Option<&std::path::Path>, doc: &impl serde::Serialize) -> std::io::Result<()> {
+    let text = serde_json::to_string_pretty(doc)?;
+    match out {
+        Some(p) => std::fs::write(p, text + "\n"),
+        None => {
+            println!("{text}");
+            Ok(())
+        }
+    }
+}

@@ -1220,16 +1220,9 @@ impl ParisIndex {
     pub fn step_merged(&mut self, q: &[f16], k: usize, schedule: &Schedule, chunks: usize, dense: impl FnOnce() -> Result<DenseBlock>) -> Result<(Vec<f32>, Vec<f32>, f64)> {
         let t0 = self.st.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"))?;
         self.prepare(q, k, schedule)?;
-        for span in spans(self.geo.batch, chunks) {
-            self.launch_retrieval(span)?;
-            let ready = self.st.record_event(None).map_err(drv("event"))?;
-            self.fetch_st.wait(&ready).map_err(drv("event"))?;
-            self.launch_fetch(&self.fetch_st, span)?;
-            self.launch_attend(&self.fetch_st, false, span)?;
-        }
+        self.launch_spans(chunks)?;
         let dense = dense()?;
-        let done = self.fetch_st.record_event(None).map_err(drv("event"))?;
-        self.st.wait(&done).map_err(drv("event"))?;
+        self.join_fetch()?;
         let g = &self.geo;
         let hq = g.kv_heads * g.gqa;
         let p = MergeParams {
@@ -1262,6 +1255,13 @@ impl ParisIndex {
     }
 
     fn launch_step(&self, chunks: usize) -> Result<()> {
+        self.launch_spans(chunks)?;
+        self.join_fetch()
+    }
+
+    /// Each span's retrieval on the main stream, then its fetch and attention on the fetch
+    /// stream once that retrieval is done (the next span's retrieval runs beside them).
+    fn launch_spans(&self, chunks: usize) -> Result<()> {
         for span in spans(self.geo.batch, chunks) {
             self.launch_retrieval(span)?;
             let ready = self.st.record_event(None).map_err(drv("event"))?;
@@ -1269,6 +1269,11 @@ impl ParisIndex {
             self.launch_fetch(&self.fetch_st, span)?;
             self.launch_attend(&self.fetch_st, false, span)?;
         }
+        Ok(())
+    }
+
+    /// The main stream waits for the fetch stream's work queued so far.
+    fn join_fetch(&self) -> Result<()> {
         let done = self.fetch_st.record_event(None).map_err(drv("event"))?;
         self.st.wait(&done).map_err(drv("event"))
     }
