@@ -115,6 +115,7 @@ fn pages_past_the_window_move_to_the_index_and_decode_is_one_softmax() {
             }
         }
         let err = max_error(&mut rc, 2, &kv);
+        eprintln!("{file} {target} window {window}: max |error| {err:.3e}");
         assert!(err < 2e-3, "{file} {target}: max |error| {err:.3e}");
     }
 }
