@@ -91,7 +91,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let spec = shipped_spec(&a.spec);
         let tier = spec.tier(&a.tier).ok_or_else(|| format!("--tier {}: not a tier of {}", a.tier, a.spec))?.id;
         let p = spec.page.tokens;
-        let mut cfg = CacheConfig::new(&spec, d, a.gqa, hkv, 1, a.chunk + (sink + local + update + 2) * p).target(tier);
+        let mut cfg = CacheConfig::new(&spec, d, a.gqa, hkv, 1, RetrievalCache::gpu_tokens(policy, p).max(a.chunk + (sink + local + update + 2) * p)).target(tier);
         if let [s, r] = a.window[..] {
             cfg = cfg.window(s, r, 1);
         }

@@ -174,8 +174,8 @@ impl ParisIndex {
 /// window policy). `sink_pages`, `local_pages` and `update_pages` place the regions (pages of
 /// the spec's page size): once the window past the sinks holds `local_pages + update_pages`
 /// full pages, its pages beyond `local_pages` move to the index. `capacity` is the retrieval
-/// region's keys per sequence (and the most tokens one append may bring). The other arguments
-/// are `ParisIndex`'s.
+/// region's keys per sequence; appends of any length go through the cache in pieces of 16384
+/// tokens. The other arguments are `ParisIndex`'s.
 ///
 /// ```python
 /// rc = kvforge.RetrievalCache("specs/rotated.toml", 64, 3, 3, 16384, target="r3")
@@ -238,12 +238,11 @@ impl RetrievalCache {
             if tid == TAIL_TIER || tier.is_drop() {
                 return Err(bad(py, format!("tier `{}` cannot be the target: the window's full pages are coded into a ladder tier that keeps bytes", tier.name)));
             }
-            // The cache holds the window, and one append's tokens until their pages move.
-            let p = s.page.tokens;
-            let tokens = capacity + (sink_pages + local_pages + update_pages + 2) * p;
+            // The cache holds the window and one append piece per sequence.
+            let policy = RegionPolicy { sink_pages, local_pages, update_pages };
+            let tokens = Regions::gpu_tokens(policy, s.page.tokens);
             let cfg = CacheConfig::new(&s, head_dim, gqa, kv_heads, batch, tokens * batch).target(tid).window(dense_sink_pages, dense_recent_pages, batch);
             let geo = ParisGeometry { batch, kv_heads, gqa, per_query_head, rank, layout, capacity, dense_capacity: 1, max_candidates, max_k, host_budget_bytes: (host_budget_gb * 1e9) as usize };
-            let policy = RegionPolicy { sink_pages, local_pages, update_pages };
             let dev = crate::device(py, device)?;
             let inner = Regions::new(dev, s, cfg, pcfg, geo, policy).or_py(py)?;
             Ok(RetrievalCache { inner })

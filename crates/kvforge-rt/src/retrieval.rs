@@ -180,12 +180,40 @@ impl RetrievalCache {
     }
 
     /// Appends `n` tokens to `seq` (`k`, `v`: `[n][Hkv][D]` f32, as [`KvCache::append`]), then
-    /// moves the pages the policy says to the retrieval region. On an error nothing of this
-    /// append is left half-done: a failed cache append changes nothing; a move the index
-    /// refuses leaves the pages on the GPU (the tokens are appended, and the next append
-    /// tries the move again).
+    /// moves the pages the policy says to the retrieval region. More than
+    /// [`RetrievalCache::APPEND_PIECE`] tokens go in pieces of that many, each followed by its
+    /// moves, so that the cache holds at most the sinks, the window, the update buffer and one
+    /// piece per sequence however long a prefill is ([`RetrievalCache::gpu_tokens`] sizes it).
+    ///
+    /// On an error nothing of the failing piece is left half-done (pieces before it stay
+    /// appended): a failed cache append changes nothing; a move the index refuses leaves the
+    /// pages on the GPU (the tokens are appended, and the next append tries the move again).
     pub fn append(&mut self, seq: usize, k: &[f32], v: &[f32]) -> Result<()> {
         self.seq(seq)?;
+        let row = self.cache.config().num_kv_heads * self.cache.config().head_dim;
+        if k.len() != v.len() || !k.len().is_multiple_of(row) {
+            // The cache's own check names the shapes.
+            return self.cache.append(self.seqs[seq].cache_seq, k, v);
+        }
+        let piece = Self::APPEND_PIECE * row;
+        for (k, v) in k.chunks(piece).zip(v.chunks(piece)) {
+            self.append_piece(seq, k, v)?;
+        }
+        Ok(())
+    }
+
+    /// Tokens per piece of a long append ([`RetrievalCache::append`]): large enough that a
+    /// prefill's first move fits the index's summaries to many keys (the Whole64 weight grid is
+    /// fixed by a kv head's first move).
+    pub const APPEND_PIECE: usize = 16384;
+
+    /// Tokens per sequence the cache of the GPU region must hold for `policy` at page size
+    /// `page_tokens`: sinks, window, update buffer, the tail page and one append piece.
+    pub fn gpu_tokens(policy: RegionPolicy, page_tokens: usize) -> usize {
+        (policy.sink_pages + policy.local_pages + policy.update_pages.max(1) + 1) * page_tokens + Self::APPEND_PIECE
+    }
+
+    fn append_piece(&mut self, seq: usize, k: &[f32], v: &[f32]) -> Result<()> {
         let row = self.cache.config().num_kv_heads * self.cache.config().head_dim;
         let p = self.cache.spec().page.tokens;
         self.cache.append(self.seqs[seq].cache_seq, k, v)?;

@@ -165,3 +165,25 @@ fn a_batch_mixes_empty_and_filled_retrieval_regions() {
         assert!(err < 2e-3, "max |error| {err:.3e}");
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA device"]
+fn a_long_prefill_goes_through_a_small_cache_in_pieces() {
+    // A cache sized for the window and one append piece (`RetrievalCache::gpu_tokens`) takes a
+    // 40000-token prefill in one call: pieces of `APPEND_PIECE` tokens, each moved on.
+    let spec = shipped_spec("rotated.toml");
+    let t = spec.tier("r3").unwrap().id;
+    let cfg = CacheConfig::new(&spec, D, GQA, HKV, 1, RetrievalCache::gpu_tokens(POLICY, P)).target(t);
+    let mut rc = RetrievalCache::new(device(), spec, cfg, ParisConfig::default_for(D), geometry(1, 40_000), POLICY).unwrap();
+    let n = 40_000;
+    let (k, v) = (data_f16(n * HKV * D, 7), data_f16(n * HKV * D, 19));
+    rc.append(0, &k, &v).unwrap();
+    // 625 full pages: all but the sink page and the two local pages moved.
+    assert_eq!(rc.retrieval_len(0).unwrap(), (625 - 3) * P);
+    for h in 0..HKV {
+        assert_eq!(rc.cache().page_count(0, h).unwrap(), 3, "head {h}: sink and two local pages (40000 = 625 × 64)");
+    }
+    let q = data_f16(HQ * D, 31);
+    let out = rc.decode(&q, 256).unwrap();
+    assert!(out.out.iter().chain(&out.lse).all(|x| x.is_finite()));
+}
