@@ -56,6 +56,20 @@ LEVELS = {8: [-0.7648350596427917, -0.6193476319313049, -0.5030220746994019, -0.
               0.7648350596427917]}
 # Schedule::default: (min_len, rho, beta), dense below, candidates >= 8 k.
 SCHEDULE = [(0, 0.25, 0.10), (64 << 10, 0.20, 0.10), (512 << 10, 0.20, 0.05)]
+# The 64 B summaries (`SummaryLayout::Whole64`, the runtime's default; kvforge-paris compact.rs,
+# `Layout::whole_eighth`): every coordinate of the rotated unit key on `levels(D, 4)`, the 8
+# coordinates j ≡ D/8 − 1 (mod D/8) on `levels(D, 3)`, one weight per key on an 8-bit log grid
+# of 1/32 octave whose top code is the largest weight of the kv head's prefill. Tables:
+# kvforge-spec's `levels(D, bits).levels_f32` (written into the fixture, checked by the test).
+WHOLE_LEVELS = {
+    64: ([-0.3307963013648987, -0.2529137134552002, -0.1988561451435089, -0.15492552518844604, -0.11648675054311752, -0.08131176978349686, -0.048089783638715744, -0.015919022262096405, 0.015919022262096405, 0.048089783638715744, 0.08131176978349686, 0.11648675054311752, 0.15492552518844604, 0.1988561451435089, 0.2529137134552002, 0.3307963013648987],
+         [-0.265625, -0.16796875, -0.09375, -0.03125, 0.03125, 0.09375, 0.16796875, 0.265625]),
+    128: ([-0.23766382038593292, -0.18083596229553223, -0.14180520176887512, -0.11028836667537689, -0.08282845467329025, -0.05777229741215706, -0.03415156900882721, -0.011302496306598186, 0.011302496306598186, 0.03415156900882721, 0.05777229741215706, 0.08282845467329025, 0.11028836667537689, 0.14180520176887512, 0.18083596229553223, 0.23766382038593292],
+         [-0.1875, -0.1171875, -0.06640625, -0.021484375, 0.021484375, 0.06640625, 0.1171875, 0.1875]),
+}
+WHOLE_STEPS = 32
+# Schedule::whole64: Schedule::default with ρ 0.30 from 64K keys on.
+SCHEDULE_WHOLE64 = [(0, 0.25, 0.10), (64 << 10, 0.30, 0.10), (512 << 10, 0.30, 0.05)]
 DENSE_BELOW = 2048
 MIN_CANDIDATES_PER_K = 8
 
@@ -78,9 +92,10 @@ class Config:
         return self.b + self.d // 2 + 2 * self.b
 
 
-def plan(n: int, k: int, dense_below: int = DENSE_BELOW):
-    """``Schedule::plan``: (rho, beta, candidates, k, dense) for ``n`` retrieval-region keys."""
-    rho, beta = next((r, b) for m, r, b in reversed(SCHEDULE) if m <= n)
+def plan(n: int, k: int, dense_below: int = DENSE_BELOW, schedule=None):
+    """``Schedule::plan``: (rho, beta, candidates, k, dense) for ``n`` retrieval-region keys
+    (``schedule``: ``SCHEDULE``, or ``SCHEDULE_WHOLE64`` for the 64 B summaries)."""
+    rho, beta = next((r, b) for m, r, b in reversed(schedule or SCHEDULE) if m <= n)
     cands = min(max(math.ceil(beta * n), MIN_CANDIDATES_PER_K * k), n)
     return rho, beta, cands, min(k, n), n < dense_below
 
@@ -142,6 +157,73 @@ def summarize(keys: torch.Tensor, cfg: Config):
     w = (nrm.double()[..., None] * r.double() / torch.where(alpha > 0, alpha, torch.ones_like(alpha))).to(torch.float32)
     w = torch.where((alpha > 0) & ~zsub, w, torch.zeros_like(w)).to(torch.float16).to(torch.float32)
     return ids.to(torch.uint8), code.reshape(*code.shape[:-2], cfg.d).to(torch.uint8), w
+
+
+def whole_low(d: int, device=None) -> torch.Tensor:
+    """``[D]`` bool: the coordinates on 3-bit codes (``Layout::is_low``, low = 8)."""
+    return (torch.arange(d, device=device) % (d // 8)) == d // 8 - 1
+
+
+def whole_tables(d: int, device=None):
+    """``(levels(D, 4), levels(D, 3))`` f32 and their thresholds (midpoints, f32)."""
+    l4, l3 = (torch.tensor(t, dtype=torch.float64).to(torch.float32).to(device) for t in WHOLE_LEVELS[d])
+    return l4, l3, (l4[1:] + l4[:-1]) * 0.5, (l3[1:] + l3[:-1]) * 0.5
+
+
+def _round_away(x: torch.Tensor) -> torch.Tensor:
+    """Rust's ``f64::round``: halves away from zero (torch.round rounds them to even)."""
+    return torch.sign(x) * torch.floor(x.abs() + 0.5)
+
+
+def summarize_whole(keys: torch.Tensor, cfg: Config):
+    """The 64 B summaries' codes of keys ``[..., n, D]`` (``compact_key`` under
+    ``Layout::whole_eighth``): ``(codes uint8 [..., n, D] level indices, logw int64 [..., n] =
+    round(32 log2 w) (the weight before its grid), valid bool [..., n]: w > 0)``. A zero key
+    codes the middle level everywhere with weight 0. The ids are those of :func:`summarize`
+    (the codes' sign plane)."""
+    d = keys.shape[-1]
+    x = keys.to(torch.float32)
+    nrm = _seq_sum_sq(x.double()).sqrt().to(torch.float32)
+    inv = torch.ones_like(nrm) / nrm
+    zero = (nrm == 0) | ~torch.isfinite(inv)
+    kt = _rotate(x * torch.where(zero, torch.zeros_like(inv), inv)[..., None], cfg.seed)
+    l4, l3, t4, t3 = whole_tables(d, x.device)
+    low = whole_low(d, x.device)
+    code = torch.where(low, (kt[..., None] > t3).sum(-1), (kt[..., None] > t4).sum(-1))
+    code = torch.where(zero[..., None], torch.where(low, 4, 8).to(code.dtype), code)
+    lv = torch.where(low, l3[code.clamp(max=7)], l4[code]).double()
+    kt64 = kt.double()
+    alpha = torch.zeros(kt.shape[:-1], dtype=torch.float64, device=x.device)
+    for j in range(d):  # the reference's summation order
+        alpha = alpha + lv[..., j] * kt64[..., j]
+    valid = (alpha > 0) & ~zero
+    w = nrm.double() / torch.where(valid, alpha, torch.ones_like(alpha))
+    logw = torch.where(valid, _round_away(WHOLE_STEPS * torch.log2(w)), torch.zeros_like(w)).long()
+    return code.to(torch.uint8), logw, valid
+
+
+def whole_levels(codes: torch.Tensor) -> torch.Tensor:
+    """``[..., n, D]`` f64 levels ``ℓ_{c_j}`` of whole codes (the estimate's rows before the
+    weight: ``ŝ = ‖q‖ w (q̃ · row)``)."""
+    d = codes.shape[-1]
+    l4, l3, _, _ = whole_tables(d, codes.device)
+    c = codes.long()
+    return torch.where(whole_low(d, codes.device), l3[c.clamp(max=7)], l4[c]).double()
+
+
+def whole_grid_base(logw: torch.Tensor, valid: torch.Tensor) -> int:
+    """``LogGrid::fit``: the base whose code 255 is the largest weight (−128 if none)."""
+    return int(logw[valid].max()) - 255 if bool(valid.any()) else -128
+
+
+def whole_weights(logw: torch.Tensor, valid: torch.Tensor, base) -> tuple:
+    """``(codes, values f64)`` of the weights on the grid of ``base`` (an int, or a tensor
+    broadcasting against ``logw``): code ``clamp(logw − base, 1, 255)``, 0 for no weight;
+    value ``2^((base + code) / 32)``."""
+    base = torch.as_tensor(base, device=logw.device)
+    code = torch.where(valid, (logw - base).clamp(1, 255), torch.zeros_like(logw))
+    val = torch.where(code > 0, torch.pow(2.0, (base + code).double() / WHOLE_STEPS), torch.zeros_like(code, dtype=torch.float64))
+    return code, val
 
 
 def pack_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -242,8 +324,11 @@ class ParisSimBackend:
     measured_bytes = False
 
     def __init__(self, name: str, k: int = 256, sinks: int = 64, local: int = 256, dense_below: int = DENSE_BELOW,
-                 oracle: bool = False, tiers: int = 6, per_query_head: bool = False, head_max: bool = False):
+                 oracle: bool = False, tiers: int = 6, per_query_head: bool = False, head_max: bool = False, whole64: bool = False):
         self.name, self.k, self.sinks, self.local, self.dense_below = name, k, sinks, local, dense_below
+        # the 64 B summaries (the runtime's default) and their schedule, else the seed's
+        self.whole64 = whole64
+        self.schedule = SCHEDULE_WHOLE64 if whole64 else SCHEDULE
         self.oracle, self.tiers, self.per_query_head = oracle, tiers, per_query_head
         # per kv head, ranked by the largest of the group's heads' estimates (sim only)
         self.head_max = head_max and not per_query_head
@@ -265,10 +350,12 @@ class ParisSimBackend:
                 kw["per_query_head"] = True
             elif p == "hmax":
                 kw["head_max"] = True
+            elif p == "w64":
+                kw["whole64"] = True
             elif p[:1] in keys and p[1:].isdigit():
                 kw[keys[p[:1]]] = int(p[1:])
             else:
-                raise SystemExit(f"unknown ParisKV backend `{name}`: sim:paris-k<k>[-oracle][-qhead|-hmax][-s<sinks>][-l<local>][-d<dense_below>][-t<tiers>]")
+                raise SystemExit(f"unknown ParisKV backend `{name}`: sim:paris-k<k>[-oracle][-qhead|-hmax][-w64][-s<sinks>][-l<local>][-d<dense_below>][-t<tiers>]")
         return ParisSimBackend(name, **kw)
 
     def reset(self):
@@ -280,10 +367,18 @@ class ParisSimBackend:
         c = self.cache.get(layer)
         s = k.shape[1]
         if c is None or c["n"] > s:
-            c = {"n": 0, "ids": None, "rows": None}
+            c = {"n": 0, "ids": None, "rows": None, "logw": None, "valid": None}
         if c["n"] < s:
             ids, codes, w = summarize(k[:, c["n"]:], cfg)
-            rows = key_estimate_rows(codes, w, cfg)
+            if self.whole64:
+                # Rows of levels only: a key's weight code depends on the grid of the prefill
+                # its query sees (`_select`).
+                wc, logw, valid = summarize_whole(k[:, c["n"]:], cfg)
+                rows = whole_levels(wc)
+                c["logw"] = logw if c["logw"] is None else torch.cat([c["logw"], logw], 1)
+                c["valid"] = valid if c["valid"] is None else torch.cat([c["valid"], valid], 1)
+            else:
+                rows = key_estimate_rows(codes, w, cfg)
             c["ids"] = ids if c["ids"] is None else torch.cat([c["ids"], ids], 1)
             c["rows"] = rows if c["rows"] is None else torch.cat([c["rows"], rows], 1)
             c["n"] = s
@@ -340,7 +435,7 @@ class ParisSimBackend:
                 sel = oracle_sel
             else:
                 qrow = qc if qg is None else qg[:, z]
-                sel = self._select(cfg, qrow, onehot, rows, prefix, kv_of, region, s0c, rc, nc, tc, qc if self.head_max else None)
+                sel = self._select(cfg, qrow, onehot, rows, prefix, kv_of, region, s0c, rc, nc, tc, qc if self.head_max else None, self.cache[layer])
                 inter = (sel & oracle_sel).sum(-1).double()
                 rows_r = tc.expand(nr, -1)
                 rec_sum += float((inter / kq.clamp(min=1).double())[rows_r].sum())
@@ -359,14 +454,14 @@ class ParisSimBackend:
             self.stats["recall_vs_exact_topk_by_layer"][str(layer)] = acc[0] / acc[1]
         return out.contiguous()
 
-    def _select(self, cfg, qc, onehot, rows, prefix, kv_of, region, s0c, rc, nc, tc, qheads=None):
+    def _select(self, cfg, qc, onehot, rows, prefix, kv_of, region, s0c, rc, nc, tc, qheads=None, summaries=None):
         """The ParisKV top-k of each (retrieval row, position): ``[NR, Qc, S]`` bool, for the
         retrieval queries ``qc [NR, Qc, D]`` (a query head's, or a kv head's summed query).
         ``onehot [NR, S, B·2^m]``, ``rows [NR, D, S]``, ``kv_of [NR]`` the kv head of each row,
         ``prefix [Hkv, S+1, B·2^m]`` (the occupancy histogram of every key prefix)."""
         nr = qc.shape[0]
         tcl = tc.tolist()
-        plans = [plan(n, self.k, self.dense_below) for n in nc.tolist()]
+        plans = [plan(n, self.k, self.dense_below, self.schedule) for n in nc.tolist()]
         rho = torch.tensor([p[0] for p in plans], dtype=torch.float64, device=qc.device)
         cands = torch.tensor([p[2] if t else 0 for p, t in zip(plans, tcl)], device=qc.device)
         kk = torch.tensor([p[3] if t else 0 for p, t in zip(plans, tcl)], device=qc.device)
@@ -383,19 +478,35 @@ class ParisSimBackend:
             nh, qh, _ = prepare_queries(qheads, cfg)
             est = torch.bmm(qh * nh[..., None], rows.repeat_interleave(g, 0))
             est = est.reshape(nr, g, *est.shape[1:]).amax(1)
+        if self.whole64:
+            est = est * self._whole_weights(summaries["logw"], summaries["valid"], kv_of, rc)
         return top_k_mask(est, cmask, kk.expand(nr, -1))
 
+    def _whole_weights(self, logw, valid, kv_of, rc):
+        """``[NR, Qc, S]`` f64 weights of the 64 B summaries (``logw``, ``valid`` ``[Hkv, S]``:
+        :func:`summarize_whole`) for positions whose retrieval region ends at ``rc [Qc]``: each
+        on the grid of that region (the prefill the position's cache holds, whose largest weight
+        is the top code; the region starts at the sinks)."""
+        j = torch.arange(logw.shape[1], device=logw.device)
+        none = -(1 << 40)
+        pm = torch.cummax(torch.where(valid & (j >= self.sinks), logw, torch.full_like(logw, none)), 1).values
+        top = pm[:, (rc - 1).clamp(min=0)]  # [Hkv, Qc]
+        base = torch.where(top > none, top - 255, torch.full_like(top, -128))
+        _, val = whole_weights(logw[kv_of][:, None, :], valid[kv_of][:, None, :], base[kv_of][..., None])
+        return val
+
     def bytes_per_token(self, d: int) -> float:
-        return float(Config(d, self.tiers).summary_bytes())
+        return float(d // 2) if self.whole64 else float(Config(d, self.tiers).summary_bytes())
 
     def describe(self):
         return {"kind": "sim", "codec": "paris", "k": self.k, "sinks": self.sinks, "local": self.local,
                 "dense_below": self.dense_below, "tiers": self.tiers, "oracle": self.oracle,
                 "retrieval": "per query head" if self.per_query_head else ("per kv head, vote by the summed query, ranked by the largest head estimate"
                                                                            if self.head_max else "per kv head (summed query of the GQA group)"),
-                "schedule": {"points_min_len_rho_beta": SCHEDULE, "min_candidates_per_k": MIN_CANDIDATES_PER_K},
+                "layout": "whole64 (64 B at d 128: whole-vector 4-bit codes, 8 coordinates on 3 bits, one 8-bit log weight per key)" if self.whole64 else "subspace4 (ids + 4-bit codes + fp16 weights per subspace)",
+                "schedule": {"points_min_len_rho_beta": self.schedule, "min_candidates_per_k": MIN_CANDIDATES_PER_K},
                 "semantics": "every query position decoded with retrieval (causal, teacher forced): sinks + local + top-k of "
                              "the retrieval region, exact fp16 K/V, one softmax (benches/quality/paris_sim.py)",
-                "bytes_source": "computed: GPU-resident summaries per retrieval-region key (ids + 4-bit codes + fp16 weights); "
-                                "the fp16 K/V stay in pinned host memory, sinks + local on the GPU",
+                "bytes_source": "computed: GPU-resident summaries per retrieval-region key (" + ("D/2 bytes" if self.whole64 else "ids + 4-bit codes + fp16 weights")
+                                + "); the fp16 K/V stay in pinned host memory, sinks + local on the GPU",
                 "stats": self.stats}

@@ -126,6 +126,60 @@ def test_port_matches_reference(fixture, case_ix):
             assert float(est[i]) == pytest.approx(e, rel=1e-9, abs=1e-9)
 
 
+@pytest.mark.parametrize("case_ix", [0, 1])
+def test_whole64_port_matches_reference(fixture, case_ix):
+    """The 64 B summaries (the runtime's default layout): tables, codes and weight codes on the
+    grid fitted to all keys, and the top-k the whole-vector estimate reranks from the vote's
+    candidates (per query and the group's summed query, and for the group by the largest of
+    the three heads' estimates, `Rank::GroupMax`)."""
+    case = fixture["cases"][case_ix]
+    w64 = case["whole64"]
+    d, n = case["head_dim"], case["n"]
+    cfg = ps.Config(d)
+    l4, l3, t4, t3 = ps.whole_tables(d)
+    assert l4.tolist() == w64["levels4_f32"] and l3.tolist() == w64["levels3_f32"]
+    assert t4.tolist() == w64["thresholds4_f32"] and t3.tolist() == w64["thresholds3_f32"]
+    assert torch.nonzero(ps.whole_low(d)).flatten().tolist() == w64["low"] and w64["steps"] == ps.WHOLE_STEPS
+    keys, queries = inputs(d, n, case["salt"])
+    group = ps.group_queries(queries, 3)[0]
+    codes, logw, valid = ps.summarize_whole(keys, cfg)
+    base = ps.whole_grid_base(logw, valid)
+    assert base == w64["grid_base"]
+    wcode, wval = ps.whole_weights(logw, valid, base)
+    for i, fk in enumerate(w64["first_keys"]):
+        assert codes[i].tolist() == fk["codes"], f"key {i}"
+        assert int(wcode[i]) == fk["weight_code"], f"key {i}"
+    assert fnv(le(codes, np.uint8)) == w64["codes_fnv"]
+    assert fnv(le(wcode, np.uint8)) == w64["weights_fnv"]
+    rows = ps.whole_levels(codes) * wval[:, None]
+    ids, _, _ = ps.summarize(keys, cfg)
+    hist = ps.histogram(ids, cfg)
+    everything = torch.ones(n, dtype=torch.bool)
+
+    def estimate(q):
+        nrm, qr, _ = ps.prepare_queries(q, cfg)
+        return torch.matmul(qr * nrm, rows.T)
+
+    def top(est, cmask, k):
+        sel = ps.top_k_mask(est, cmask, torch.tensor(k))
+        return sorted(torch.nonzero(sel).flatten().tolist(), key=lambda i: (-float(est[i]), i))
+
+    for run in w64["runs"]:
+        q = group if run["query"] == "group" else queries[run["query"]]
+        _, _, order = ps.prepare_queries(q, cfg)
+        bonus = ps.bonuses(order, hist, torch.tensor(n), torch.tensor(run["rho"], dtype=torch.float64), cfg.tiers)
+        cmask = ps.top_c_mask(ps.vote(bonus, ids), everything, torch.tensor(run["candidates"]))
+        est = estimate(q)
+        assert top(est, cmask, run["k"]) == [i for i, _ in run["top"]], run
+        for i, e in run["top"]:
+            assert float(est[i]) == pytest.approx(e, rel=1e-9, abs=1e-9)
+        if run["query"] == "group":
+            hmax = torch.stack([estimate(queries[h]) for h in range(3)]).amax(0)
+            assert top(hmax, cmask, run["k"]) == [i for i, _ in run["top_hmax"]], run
+            for i, e in run["top_hmax"]:
+                assert float(hmax[i]) == pytest.approx(e, rel=1e-9, abs=1e-9)
+
+
 def brute_force(be: ps.ParisSimBackend, q, k, v, scaling):
     """Per query position: the regions, a fresh summary of the region's keys and the
     single-query pipeline for each retrieval (a query head's query, or per kv head the sum of
@@ -152,12 +206,18 @@ def brute_force(be: ps.ParisSimBackend, q, k, v, scaling):
                     ex = torch.matmul(reg.double(), qr_in)
                     top = torch.sort(ex, descending=True, stable=True).indices[: be.k]
                 else:
-                    rho, _, c, kk, _ = ps.plan(n, be.k, be.dense_below)
+                    rho, _, c, kk, _ = ps.plan(n, be.k, be.dense_below, be.schedule)
                     ids, codes, w = ps.summarize(reg, cfg)
                     nrm, qr, order = ps.prepare_queries(qr_in, cfg)
                     bonus = ps.bonuses(order, ps.histogram(ids, cfg), torch.tensor(n), torch.tensor(rho, dtype=torch.float64), cfg.tiers)
                     cm = ps.top_c_mask(ps.vote(bonus, ids), torch.ones(n, dtype=torch.bool), torch.tensor(c))
-                    est = torch.matmul(qr * nrm, ps.key_estimate_rows(codes, w, cfg).T)
+                    if be.whole64:  # a fresh prefill of the region: its own weight grid
+                        wc, logw, valid = ps.summarize_whole(reg, cfg)
+                        _, wval = ps.whole_weights(logw, valid, ps.whole_grid_base(logw, valid))
+                        rows = ps.whole_levels(wc) * wval[:, None]
+                    else:
+                        rows = ps.key_estimate_rows(codes, w, cfg)
+                    est = torch.matmul(qr * nrm, rows.T)
                     top = torch.nonzero(ps.top_k_mask(est, cm, torch.tensor(kk))).flatten()
                 allowed[s0 + top] = True
             lg = torch.matmul(k[kh].double(), q[h, t].double()) * scaling
@@ -166,15 +226,19 @@ def brute_force(be: ps.ParisSimBackend, q, k, v, scaling):
     return out
 
 
+@pytest.mark.parametrize("whole64", [False, True])
 @pytest.mark.parametrize("per_query_head", [False, True])
 @pytest.mark.parametrize("oracle", [False, True])
-def test_backend_equals_per_position_brute_force(oracle, per_query_head):
+def test_backend_equals_per_position_brute_force(oracle, per_query_head, whole64):
+    if oracle and whole64:
+        pytest.skip("the oracle reads no summaries")
     torch.manual_seed(0)
     hq, hkv, s, d = 4, 2, 160, 64
     k = torch.randn(hkv, s, d) + torch.linspace(-1, 1, d)
+    k[:, 40] *= 3.0  # a key past the prefix's top weight: later grids move
     v = torch.randn(hkv, s, d)
     q = torch.randn(hq, s, d) * 2
-    be = ps.ParisSimBackend("t", k=6, sinks=4, local=12, dense_below=40, oracle=oracle, per_query_head=per_query_head)
+    be = ps.ParisSimBackend("t", k=6, sinks=4, local=12, dense_below=40, oracle=oracle, per_query_head=per_query_head, whole64=whole64)
     be.reset()
     got = be.attend(0, q, k, v, 0.125)
     want = brute_force(be, q, k, v, 0.125)
@@ -196,6 +260,11 @@ def test_backend_dense_when_short_and_names_parse():
     assert (be.k, be.sinks, be.local, be.dense_below, be.oracle, be.per_query_head) == (8, 4, 8, 2048, False, False)
     assert torch.equal(be.attend(0, q, k, v, 0.125), kvq.eager_causal(q, k, v, 0.125))
     assert ps.ParisSimBackend.parse("sim:paris-k256-oracle").oracle
+    w = ps.ParisSimBackend.parse("sim:paris-k256-hmax-w64")
+    assert w.whole64 and w.head_max and w.schedule == ps.SCHEDULE_WHOLE64 and w.bytes_per_token(128) == 64.0
+    assert w.describe()["layout"].startswith("whole64")
+    # Schedule::whole64: ρ 0.30 from 64K keys.
+    assert ps.plan(128 << 10, 100, schedule=ps.SCHEDULE_WHOLE64)[:2] == (0.30, 0.10)
     qh = ps.ParisSimBackend.parse("sim:paris-k256-qhead-oracle")
     assert qh.per_query_head and qh.oracle and qh.describe()["retrieval"] == "per query head"
     assert ps.ParisSimBackend.parse("sim:paris-k256").describe()["retrieval"].startswith("per kv head")

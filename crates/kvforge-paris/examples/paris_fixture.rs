@@ -17,10 +17,17 @@
 //!
 //! Integer arrays are compared by their FNV-1a 64 hash of the little-endian bytes (the file
 //! stays small); the first keys' summaries, the candidates and the top-k are listed.
+//!
+//! `whole64` (each case): the same keys under the 64 B summaries of the runtime's default
+//! (`SummaryLayout::Whole64` = `Layout::whole_eighth`): the level tables, the codes and weight
+//! codes on the grid fitted to all keys, and for each run the top-k reranked by the whole-vector
+//! estimate (`CompactQuery`), and for the group also by the largest of the three heads'
+//! estimates (`Rank::GroupMax`, as `retrieve_group_compact`). The vote and the candidates are
+//! those of `runs` (the ids are the codes' sign plane).
 
 use half::f16;
 use kvforge_paris::retrieval::top_k_by;
-use kvforge_paris::{group_query, summarize_key, top_candidates, ParisConfig, Query, Summaries};
+use kvforge_paris::{group_query, summarize_key, top_candidates, CompactQuery, CompactSummaries, Layout, ParisConfig, Query, Summaries};
 use serde_json::{json, Value};
 
 struct Xorshift(u64);
@@ -79,6 +86,12 @@ fn case(d: usize, n: usize, salt: u64) -> Value {
             json!({"ids": k.ids, "codes": k.codes, "weights_f16_bits": k.weights.iter().map(|&w| f16::from_f32(w).to_bits()).collect::<Vec<_>>()})
         })
         .collect();
+    let layout = Layout::whole_eighth();
+    let cs = CompactSummaries::encode(cfg, layout, &keys).expect("finite keys");
+    let low: Vec<usize> = (0..d).filter(|&j| layout.is_low(&cfg, j)).collect();
+    let (t4, t3) = (layout.table(&cfg, 0), layout.table(&cfg, low[0]));
+    let heads: Vec<CompactQuery> = queries.iter().map(|q| CompactQuery::new(&Query::new(&cfg, q).expect("a finite query"), layout).expect("layout")).collect();
+    let mut whole_runs = Vec::new();
     let mut runs = Vec::new();
     // Per query head (`query` 0, 1, 2), then the GQA group's shared retrieval (module docs of
     // kvforge-paris, "GQA"): the summed query of heads 0..3 (`query` "group", `group_query`).
@@ -91,6 +104,14 @@ fn case(d: usize, n: usize, salt: u64) -> Value {
             let scores = qp.vote(&s, rho);
             let cands = top_candidates(&scores, c);
             let top = top_k_by(cands.iter().map(|&i| (qp.estimate(&s, i as usize), i)).collect(), k);
+            let cq = CompactQuery::new(&qp, layout).expect("layout");
+            let whole = top_k_by(cands.iter().map(|&i| (cq.estimate(&cs, i as usize), i)).collect(), k);
+            let mut w = json!({"query": qi.clone(), "rho": rho, "candidates": c, "k": k, "top": whole.iter().map(|&(e, i)| json!([i, e])).collect::<Vec<_>>()});
+            if qi == json!("group") {
+                let hmax = top_k_by(cands.iter().map(|&i| (heads.iter().map(|h| h.estimate(&cs, i as usize)).fold(f64::NEG_INFINITY, f64::max), i)).collect(), k);
+                w["top_hmax"] = json!(hmax.iter().map(|&(e, i)| json!([i, e])).collect::<Vec<_>>());
+            }
+            whole_runs.push(w);
             runs.push(json!({
                 "query": qi, "rho": rho, "candidates": c, "k": k, "norm": qp.norm,
                 "bonus_fnv": fnv(bonus.iter().copied()),
@@ -114,13 +135,22 @@ fn case(d: usize, n: usize, salt: u64) -> Value {
         "hist_fnv": fnv(s.hist.iter().flat_map(|h| h.to_le_bytes())),
         "first_keys": first,
         "runs": runs,
+        "whole64": {
+            "levels4_f32": t4.levels_f32, "thresholds4_f32": t4.thresholds_f32,
+            "levels3_f32": t3.levels_f32, "thresholds3_f32": t3.thresholds_f32,
+            "low": low, "steps": layout.steps(), "grid_base": cs.grid.base,
+            "codes_fnv": fnv(cs.codes.iter().copied()),
+            "weights_fnv": fnv(cs.weights.iter().copied()),
+            "first_keys": (0..8).map(|i| json!({"codes": &cs.codes[i * d..(i + 1) * d], "weight_code": cs.weights[i]})).collect::<Vec<_>>(),
+            "runs": whole_runs,
+        },
     })
 }
 
 fn main() {
     let out = json!({
         "what": "kvforge-paris f64 reference on deterministic inputs (crates/kvforge-paris/examples/paris_fixture.rs states them); checked by benches/quality/test_paris_sim.py",
-        "hash": "FNV-1a 64 of the little-endian bytes: ids u8 [n][B], codes u8 [n][D/2] packed, weights fp16 bits u16 [n][B], hist u32 [B][2^m], bonus u8 [B][2^m], scores u16 [n]",
+        "hash": "FNV-1a 64 of the little-endian bytes: ids u8 [n][B], codes u8 [n][D/2] packed, weights fp16 bits u16 [n][B], hist u32 [B][2^m], bonus u8 [B][2^m], scores u16 [n]; whole64: codes u8 [n][D] level indices, weights u8 [n] grid codes",
         "cases": [case(64, 3000, 1), case(128, 2000, 2)],
     });
     println!("{}", serde_json::to_string(&out).expect("json"));
