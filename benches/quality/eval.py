@@ -54,6 +54,8 @@ SCHEME_GROUPS = {
     # per kv head, candidates ranked by the group's largest head estimate (-hmax; the runtime's
     # Rank::GroupMax, its default), and the exact top-256 by the largest head logit
     "paris-hmax": ["sim:paris-k256-hmax", "sim:paris-k256-hmax-oracle"],
+    # the runtime's default: -hmax on the 64 B summaries (-w64, SummaryLayout::Whole64)
+    "paris-w64": ["sim:paris-k256-hmax-w64"],
 }
 KVFORGE_SCHEMES = [
     "kvforge:specs/baseline.toml:fp16",
