@@ -65,6 +65,12 @@ def _rows(x, lo: int, hi: int):
     return x[:, lo:hi].transpose(0, 1)
 
 
+def _check_step(st, s: int, tq: int) -> None:
+    """A decode step adds one position to a layer that held ``st["n"]``."""
+    if tq != 1 or s != st["n"] + 1:
+        raise ValueError(f"kvforge.retrieval: a decode step adds one token (had {st['n']} positions, got {s} with {tq} queries)")
+
+
 def _attend_all(q, k, v, scaling: float):
     """One decode query per row on every key (no mask): ``q [B, Hq, 1, D]``, ``k, v
     [B, Hkv, S, D]`` -> ``[B, 1, Hq, D]``."""
@@ -129,11 +135,9 @@ class ParisAttention:
 
     def _attend_cache(self, layer: int, q, k, v, scaling: float):
         """The ``tier`` path: the layer's :class:`kvforge.RetrievalCache` (module docs)."""
-        import torch
-
         _, hq, tq, d = q.shape
         hkv, s = k.shape[1], k.shape[2]
-        q0, k0, v0 = q[0], k[0], v[0]
+        k0, v0 = k[0], v[0]
         st = self.layers.get(layer)
         if st is None or st["n"] >= s or tq == s:
             # A prompt: exact attention; the cache takes every position and moves its pages
@@ -145,23 +149,29 @@ class ParisAttention:
             rc.append(0, _bytes(_rows(k0, 0, s)), _bytes(_rows(v0, 0, s)))
             self.layers[layer] = {"rc": rc, "n": s}
             return sdpa_causal(q, k, v, scaling)
-        if tq != 1 or s != st["n"] + 1:
-            raise ValueError(f"kvforge.retrieval: a decode step adds one token (had {st['n']} positions, got {s} with {tq} queries)")
+        _check_step(st, s, tq)
         st["n"] = s
         rc = st["rc"]
         rc.append(0, _bytes(_rows(k0, s - 1, s)), _bytes(_rows(v0, s - 1, s)))
-        if rc.retrieval_len(0) < (rc.dense_below if self.dense_below is None else self.dense_below):
+        return self._step(rc, rc.retrieval_len(0), q, k, v, scaling)
+
+    def _step(self, handle, region: int, q, k, v, scaling: float):
+        """A decode step once the regions are up to date: every key exactly while the retrieval
+        region holds fewer than ``dense_below`` keys, else ``handle.decode`` (a ParisIndex or a
+        RetrievalCache; both scale scores by 1/sqrt(d))."""
+        import torch
+
+        _, hq, _, d = q.shape
+        if region < (handle.dense_below if self.dense_below is None else self.dense_below):
             self.dense_steps += 1
             return _attend_all(q, k, v, scaling)
         self.retrieved_steps += 1
-        qs = q0[:, 0] * (scaling * math.sqrt(d))  # the cache and the index scale scores by 1/sqrt(d)
-        out, _ = rc.decode(_bytes(qs), self.k)
+        qs = q[0, :, 0] * (scaling * math.sqrt(d))
+        out, _ = handle.decode(_bytes(qs), self.k)
         o = torch.frombuffer(bytearray(out), dtype=torch.float32).view(1, 1, hq, d)
         return o.to(device=q.device, dtype=q.dtype)
 
     def attend_batch(self, layer: int, q, k, v, scaling: float, mask=None):
-        import torch
-
         if q.shape[0] != 1:
             raise ValueError(f"kvforge.retrieval runs batch 1, got batch {q.shape[0]}")
         if mask is not None and not bool(mask.all()):
@@ -170,7 +180,7 @@ class ParisAttention:
             return self._attend_cache(layer, q, k, v, scaling)
         _, hq, tq, d = q.shape
         hkv, s = k.shape[1], k.shape[2]
-        q0, k0, v0 = q[0], k[0], v[0]
+        k0, v0 = k[0], v[0]
         st = self.layers.get(layer)
         if st is None or st["n"] >= s or tq == s:
             # A prompt: exact attention; split its positions and index the retrieval region.
@@ -181,8 +191,7 @@ class ParisAttention:
                 st["ix"].append(0, _bytes(_rows(k0, st["sinks"], st["r_end"])), _bytes(_rows(v0, st["sinks"], st["r_end"])))
             self._set_dense(st, k0, v0)
             return sdpa_causal(q, k, v, scaling)
-        if tq != 1 or s != st["n"] + 1:
-            raise ValueError(f"kvforge.retrieval: a decode step adds one token (had {st['n']} positions, got {s} with {tq} queries)")
+        _check_step(st, s, tq)
         st["n"] = s
         if s - st["r_end"] >= self.local + self.update:
             # The update buffer is full: the oldest `update` local tokens join the region.
@@ -190,15 +199,7 @@ class ParisAttention:
             st["ix"].append(0, _bytes(_rows(k0, lo, hi)), _bytes(_rows(v0, lo, hi)))
             st["r_end"] = hi
         self._set_dense(st, k0, v0)
-        ix = st["ix"]
-        if ix.len(0) < (ix.dense_below if self.dense_below is None else self.dense_below):
-            self.dense_steps += 1
-            return _attend_all(q, k, v, scaling)
-        self.retrieved_steps += 1
-        qs = q0[:, 0] * (scaling * math.sqrt(d))  # the index scales scores by 1/sqrt(d)
-        out, _ = ix.decode(_bytes(qs), self.k)
-        o = torch.frombuffer(bytearray(out), dtype=torch.float32).view(1, 1, hq, d)
-        return o.to(device=q.device, dtype=q.dtype)
+        return self._step(st["ix"], st["ix"].len(0), q, k, v, scaling)
 
     def stats(self) -> Dict[str, Any]:
         """Retrieval-region keys (layer 0), GPU summary bytes per key and kv head, and how many
