@@ -202,6 +202,15 @@ def summarize_whole(keys: torch.Tensor, cfg: Config):
     return code.to(torch.uint8), logw, valid
 
 
+def whole_ids(codes: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """``[..., n, B]`` centroid ids of whole codes: their sign plane (``CompactSummaries::id``,
+    a code in the upper half of its table is a positive coordinate), which equals
+    :func:`summarize`'s ids of the same keys."""
+    half = torch.where(whole_low(cfg.d, codes.device), 4, 8)
+    bits = (codes.long() >= half).long().reshape(*codes.shape[:-1], cfg.b, cfg.m)
+    return (bits << torch.arange(cfg.m, device=codes.device)).sum(-1).to(torch.uint8)
+
+
 def whole_levels(codes: torch.Tensor) -> torch.Tensor:
     """``[..., n, D]`` f64 levels ``ℓ_{c_j}`` of whole codes (the estimate's rows before the
     weight: ``ŝ = ‖q‖ w (q̃ · row)``)."""
@@ -369,15 +378,15 @@ class ParisSimBackend:
         if c is None or c["n"] > s:
             c = {"n": 0, "ids": None, "rows": None, "logw": None, "valid": None}
         if c["n"] < s:
-            ids, codes, w = summarize(k[:, c["n"]:], cfg)
             if self.whole64:
                 # Rows of levels only: a key's weight code depends on the grid of the prefill
-                # its query sees (`_select`).
+                # its query sees (`_select`); the ids are the codes' sign plane.
                 wc, logw, valid = summarize_whole(k[:, c["n"]:], cfg)
-                rows = whole_levels(wc)
+                ids, rows = whole_ids(wc, cfg), whole_levels(wc)
                 c["logw"] = logw if c["logw"] is None else torch.cat([c["logw"], logw], 1)
                 c["valid"] = valid if c["valid"] is None else torch.cat([c["valid"], valid], 1)
             else:
+                ids, codes, w = summarize(k[:, c["n"]:], cfg)
                 rows = key_estimate_rows(codes, w, cfg)
             c["ids"] = ids if c["ids"] is None else torch.cat([c["ids"], ids], 1)
             c["rows"] = rows if c["rows"] is None else torch.cat([c["rows"], rows], 1)

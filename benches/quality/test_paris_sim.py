@@ -153,6 +153,7 @@ def test_whole64_port_matches_reference(fixture, case_ix):
     assert fnv(le(wcode, np.uint8)) == w64["weights_fnv"]
     rows = ps.whole_levels(codes) * wval[:, None]
     ids, _, _ = ps.summarize(keys, cfg)
+    assert torch.equal(ps.whole_ids(codes, cfg), ids)  # the sign plane is the ids
     hist = ps.histogram(ids, cfg)
     everything = torch.ones(n, dtype=torch.bool)
 
