@@ -1214,9 +1214,9 @@ impl ParisIndex {
     /// step in µs (CUDA events from before the query upload to after the merge). Sequences with
     /// an empty retrieval region return the other block alone.
     ///
-    /// `dense` launches that block's work on this index's stream and says where it lands; it is
-    /// called once the retrieval kernels are queued, so its host work overlaps them on the GPU
-    /// and its kernels run beside the fetch and attention (on the fetch stream).
+    /// `dense` launches that block's work on this index's main stream and says where it lands;
+    /// it is called once the retrieval kernels are queued, so its host work overlaps them on the
+    /// GPU and its kernels run beside the fetch and attention, which are on the fetch stream.
     pub fn step_merged(&mut self, q: &[f16], k: usize, schedule: &Schedule, chunks: usize, dense: impl FnOnce() -> Result<DenseBlock>) -> Result<(Vec<f32>, Vec<f32>, f64)> {
         let t0 = self.st.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"))?;
         self.prepare(q, k, schedule)?;

@@ -35,13 +35,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use half::f16;
-use kvforge_paris::{ParisConfig, Schedule};
-use kvforge_spec::{Spec, TierId};
-
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
-use kvforge_spec::DType;
+use half::f16;
+use kvforge_paris::{ParisConfig, Schedule};
+use kvforge_spec::{DType, Spec, TierId};
 
 use crate::cache::{CacheConfig, KvCache};
 use crate::decode::{from_bits, to_bits, DecodeOutput};
