@@ -34,7 +34,6 @@ pub const PARIS_ENTRIES: &[&str] = &[
     "fetch",
     "attend",
     "attend_fused",
-    "merge",
 ];
 
 /// Symbol prefix of a module: `kvf_paris_d{d}_m{m}_t{tiers}_g{gqa}`; entry `e` is

@@ -48,7 +48,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::sys::{CUevent_flags, CUfunction_attribute};
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg};
 use half::f16;
 use kvforge_paris::{CompactSummaries, LogGrid, ParisConfig, Rank, Schedule, SummaryLayout};
 
@@ -355,30 +355,24 @@ struct AttendParams {
     hkv: i32,
     share: i32,
     host_stride: i32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct MergeParams {
-    out: u64,
-    lse: u64,
-    dense_out: u64,
-    dense_lse: u64,
-    len: u64,
-    hq: i32,
-    bf16: i32,
+    merge_out: u64,
+    merge_lse: u64,
+    merge_bf16: i32,
 }
 
 /// A softmax block over other keys of the same queries, on the device: what
 /// [`ParisIndex::step_merged`] folds into the step's output (`kvforge_rt::retrieval`: the main
 /// cache's decode of the GPU region).
-#[derive(Clone, Copy, Debug)]
+#[derive(Debug)]
 pub struct DenseBlock {
     /// `[batch][Hq][D]` in the spec dtype: fp16, or bf16 where `bf16`.
     pub out: u64,
     /// `[batch][Hq]` f32, natural log.
     pub lse: u64,
     pub bf16: bool,
+    /// Recorded on the stream that computes the block, after its last kernel: the attention
+    /// that folds the block in waits for it.
+    pub ready: CudaEvent,
 }
 
 // The C++ structs of kvforge/paris.cuh, field for field.
@@ -390,8 +384,7 @@ const _: () = assert!(std::mem::size_of::<BucketParams>() == 80);
 const _: () = assert!(std::mem::size_of::<SelectParams>() == 88);
 const _: () = assert!(std::mem::size_of::<RerankParams>() == 232);
 const _: () = assert!(std::mem::size_of::<FetchParams>() == 96);
-const _: () = assert!(std::mem::size_of::<AttendParams>() == 128);
-const _: () = assert!(std::mem::size_of::<MergeParams>() == 48);
+const _: () = assert!(std::mem::size_of::<AttendParams>() == 152);
 
 // SAFETY: plain-old-data mirrors of the kernel parameter structs (asserted sizes above).
 unsafe impl DeviceRepr for EncodeParams {}
@@ -402,7 +395,6 @@ unsafe impl DeviceRepr for BucketParams {}
 unsafe impl DeviceRepr for RerankParams {}
 unsafe impl DeviceRepr for FetchParams {}
 unsafe impl DeviceRepr for AttendParams {}
-unsafe impl DeviceRepr for MergeParams {}
 
 /// Device time of one decode step's phases, microseconds (CUDA events).
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
@@ -484,7 +476,11 @@ pub struct ParisIndex {
 
 /// Per-step buffers.
 struct Workspace {
-    q: CudaSlice<u16>,
+    /// A step's inputs, one upload: queries `[batch][Hq][D]` fp16 (two to a word), then the
+    /// plan's vote targets, candidate counts and top-k counts, `[batch]` each ([`Inputs`]).
+    inputs: CudaSlice<u32>,
+    /// Their pinned staging copy (written by the host once the last upload from it has run).
+    staging: PinnedHostSlice<u32>,
     qrot: CudaSlice<f32>,
     qnorm: CudaSlice<f32>,
     bonus: CudaSlice<u8>,
@@ -493,9 +489,6 @@ struct Workspace {
     est_hist: CudaSlice<u32>,
     chunk_gt: CudaSlice<u32>,
     chunk_eq: CudaSlice<u32>,
-    target: CudaSlice<u32>,
-    want_c: CudaSlice<u32>,
-    want_k: CudaSlice<u32>,
     cand: CudaSlice<u32>,
     cand_count: CudaSlice<u32>,
     est: CudaSlice<f32>,
@@ -506,6 +499,32 @@ struct Workspace {
     out: CudaSlice<f32>,
     lse: CudaSlice<f32>,
     err: CudaSlice<u32>,
+}
+
+/// [`Workspace::inputs`]: the queries' words, then three `[batch]` arrays of the plan.
+#[derive(Clone, Copy)]
+enum Inputs {
+    /// Vote targets ⌈ρ n⌉.
+    Target = 0,
+    /// Candidates of the top-C.
+    Candidates = 1,
+    /// Keys of the top-k.
+    TopK = 2,
+}
+
+impl Inputs {
+    /// Words of the inputs of `q_halves` query values over `batch` sequences.
+    fn words(q_halves: usize, batch: usize) -> usize {
+        q_halves.div_ceil(2) + 3 * batch
+    }
+}
+
+/// Writes queries `q` into the first words of the staging buffer `host`, two fp16 to a word
+/// (the first in the low half, as the device reads `[batch][Hq][D]` fp16).
+fn stage_queries(host: &mut [u32], q: &[f16]) {
+    for (w, pair) in host.iter_mut().zip(q.chunks(2)) {
+        *w = u32::from(pair[0].to_bits()) | pair.get(1).map_or(0, |h| u32::from(h.to_bits()) << 16);
+    }
 }
 
 fn bits(x: &[f16]) -> &[u16] {
@@ -575,7 +594,9 @@ impl ParisIndex {
         let z32 = |n: usize, what: &str| st.alloc_zeros::<u32>(n.max(1)).map_err(drv(what.to_string()));
         let zf = |n: usize, what: &str| st.alloc_zeros::<f32>(n.max(1)).map_err(drv(what.to_string()));
         let ws = Workspace {
-            q: z16(qh * d, "queries")?,
+            inputs: z32(Inputs::words(qh * d, geo.batch), "queries and plan")?,
+            // SAFETY: every word is written by `prepare` before the one upload from it.
+            staging: unsafe { ctx.alloc_pinned::<u32>(Inputs::words(qh * d, geo.batch)) }.map_err(drv("pinned staging of the queries and plan"))?,
             qrot: zf(nr * d, "rotated queries")?,
             qnorm: zf(nr, "query norms")?,
             // Packed 4 retrieval rows to a 32-bit word per (kv head, subspace, centroid).
@@ -585,9 +606,6 @@ impl ParisIndex {
             est_hist: z32(nr * EST_BINS, "estimate histograms")?,
             chunk_gt: z32(nr * geo.capacity.div_ceil(BUCKET_CHUNK), "bucket counts")?,
             chunk_eq: z32(nr * geo.capacity.div_ceil(BUCKET_CHUNK), "bucket counts")?,
-            target: z32(geo.batch, "vote targets")?,
-            want_c: z32(geo.batch, "candidate counts")?,
-            want_k: z32(geo.batch, "top-k counts")?,
             cand: z32(nr * geo.max_candidates, "candidates")?,
             cand_count: z32(nr, "candidate counts")?,
             est: zf(nr * geo.max_candidates, "rerank estimates")?,
@@ -699,6 +717,19 @@ impl ParisIndex {
     /// Every sequence of the batch.
     fn all(&self) -> Span {
         Span { s0: 0, n: self.geo.batch }
+    }
+
+    /// Device address of sequence `span.s0`'s queries (`[batch][Hq][D]` fp16 in the inputs).
+    fn q_at(&self, span: Span) -> u64 {
+        let per_seq = self.geo.kv_heads * self.geo.gqa * self.cfg.head_dim * 2;
+        self.ws.inputs.device_ptr(&self.st).0 + (span.s0 * per_seq) as u64
+    }
+
+    /// Device address of sequence `span.s0`'s entry of the plan array `which`.
+    fn plan_at(&self, which: Inputs, span: Span) -> u64 {
+        let batch = self.geo.batch;
+        let qw = (batch * self.geo.kv_heads * self.geo.gqa * self.cfg.head_dim).div_ceil(2);
+        self.ws.inputs.device_ptr(&self.st).0 + ((qw + which as usize * batch + span.s0) * 4) as u64
     }
 
     /// Device address of sequence `span.s0`'s part of the sequence-major buffer `buf`.
@@ -936,7 +967,8 @@ impl ParisIndex {
         Ok(())
     }
 
-    /// Uploads the queries `[batch][kv_heads · gqa][D]` and the per-sequence plan.
+    /// Uploads the queries `[batch][kv_heads · gqa][D]` and the per-sequence plan, in one copy
+    /// from pinned memory.
     fn prepare(&mut self, q: &[f16], k: usize, schedule: &Schedule) -> Result<()> {
         let d = self.cfg.head_dim;
         let qh = self.geo.batch * self.geo.kv_heads * self.geo.gqa;
@@ -947,19 +979,16 @@ impl ParisIndex {
             return Err(RtError::BadInput(format!("ParisKV top-k {k}: must be 1 to {}", self.geo.max_k)));
         }
         schedule.validate()?;
-        let (mut target, mut want_c, mut want_k) = (Vec::new(), Vec::new(), Vec::new());
-        for &n in &self.len {
+        let (batch, qw, cmax) = (self.geo.batch, q.len().div_ceil(2), self.geo.max_candidates);
+        let host = self.ws.staging.as_mut_slice().map_err(drv("query staging"))?;
+        stage_queries(host, q);
+        for (i, &n) in self.len.iter().enumerate() {
             let plan = schedule.plan(n, k);
-            target.push(((plan.rho * n as f64).ceil() as u32).max(1));
-            want_c.push(plan.candidates.clamp(plan.k, self.geo.max_candidates) as u32);
-            want_k.push(plan.k as u32);
+            host[qw + Inputs::Target as usize * batch + i] = ((plan.rho * n as f64).ceil() as u32).max(1);
+            host[qw + Inputs::Candidates as usize * batch + i] = plan.candidates.clamp(plan.k, cmax) as u32;
+            host[qw + Inputs::TopK as usize * batch + i] = plan.k as u32;
         }
-        let st = self.st.clone();
-        st.memcpy_htod(bits(q), &mut self.ws.q).map_err(drv("queries"))?;
-        st.memcpy_htod(&target, &mut self.ws.target).map_err(drv("plan"))?;
-        st.memcpy_htod(&want_c, &mut self.ws.want_c).map_err(drv("plan"))?;
-        st.memcpy_htod(&want_k, &mut self.ws.want_k).map_err(drv("plan"))?;
-        Ok(())
+        self.st.memcpy_htod(&self.ws.staging, &mut self.ws.inputs).map_err(drv("queries and plan"))
     }
 
     fn launch_vote(&self, span: Span) -> Result<()> {
@@ -967,9 +996,9 @@ impl ParisIndex {
         let nr = span.n * g.rows_per_sequence();
         let w = &self.ws;
         let bp = BonusParams {
-            q: self.at(&w.q, span),
+            q: self.q_at(span),
             hist: self.at(&self.hist, span),
-            target: self.at(&w.target, span),
+            target: self.plan_at(Inputs::Target, span),
             qrot: self.at(&w.qrot, span),
             qnorm: self.at(&w.qnorm, span),
             bonus: self.at(&w.bonus, span),
@@ -1011,7 +1040,7 @@ impl ParisIndex {
             cand: self.at(&w.cand, span),
             n: self.at(&self.len_d, span),
             count: self.at(&w.cand_count, span),
-            want: if topk { self.at(&w.want_k, span) } else { self.at(&w.want_c, span) },
+            want: self.plan_at(if topk { Inputs::TopK } else { Inputs::Candidates }, span),
             out: if topk { self.at(&w.top, span) } else { self.at(&w.cand, span) },
             out_count: if topk { self.at(&w.top_count, span) } else { self.at(&w.cand_count, span) },
             est_hist: self.at(&w.est_hist, span),
@@ -1054,7 +1083,7 @@ impl ParisIndex {
             scores: self.at(&w.scores, span),
             hist: self.at(&w.score_hist, span),
             n: self.at(&self.len_d, span),
-            want: self.at(&w.want_c, span),
+            want: self.plan_at(Inputs::Candidates, span),
             chunk_gt: self.at(&w.chunk_gt, span),
             chunk_eq: self.at(&w.chunk_eq, span),
             out: self.at(&w.cand, span),
@@ -1085,7 +1114,7 @@ impl ParisIndex {
             count: self.at(&w.cand_count, span),
             est: self.at(&w.est, span),
             est_hist: self.at(&w.est_hist, span),
-            q: self.at(&w.q, span),
+            q: self.q_at(span),
             cmax: g.max_candidates as i32,
             nr: g.rows_per_sequence() as i32,
             rg: g.rows_per_kv_head() as i32,
@@ -1143,12 +1172,17 @@ impl ParisIndex {
         unsafe { self.launch_on(st, "fetch", &p, (ctas as u32, 1, 1), FETCH_THREADS as u32, 0) }
     }
 
-    fn launch_attend(&self, st: &CudaStream, fused: bool, span: Span) -> Result<()> {
+    /// Attention of `span`'s query heads; `merge`, a block of the same queries over other keys,
+    /// is folded into its output (its `ready` event must be waited for on `st` before).
+    fn launch_attend(&self, st: &CudaStream, fused: bool, span: Span, merge: Option<&DenseBlock>) -> Result<()> {
         let (g, w) = (&self.geo, &self.ws);
         let qh = span.n * g.kv_heads * g.gqa;
         let host_off = self.host_offset(span);
+        // The merged block's rows of the span: [batch][Hq][D] 16-bit values, [batch][Hq] f32.
+        let rows0 = (span.s0 * g.kv_heads * g.gqa) as u64;
+        let (merge_out, merge_lse, merge_bf16) = merge.map_or((0, 0, 0), |m| (m.out + rows0 * self.cfg.head_dim as u64 * 2, m.lse + rows0 * 4, i32::from(m.bf16)));
         let p = AttendParams {
-            q: self.at(&w.q, span),
+            q: self.q_at(span),
             dense_k: self.at(&self.dense_k, span),
             dense_v: self.at(&self.dense_v, span),
             dense_len: self.at(&self.dense_len_d, span),
@@ -1168,6 +1202,9 @@ impl ParisIndex {
             hkv: g.kv_heads as i32,
             share: (g.gqa / g.rows_per_kv_head()) as i32,
             host_stride: (2 * self.cfg.head_dim) as i32,
+            merge_out,
+            merge_lse,
+            merge_bf16,
         };
         let smem = (g.dense_capacity + g.max_k) * 4 + if fused { g.max_k * 4 } else { 0 };
         // SAFETY: AttendParams; dynamic shared memory holds dense_cap + max_k logits (fused: and
@@ -1211,32 +1248,19 @@ impl ParisIndex {
     /// [`ParisIndex::step`] whose output is merged on the device with a softmax block of the same
     /// queries over other keys (the main cache's GPU region, `kvforge_rt::retrieval`) before the
     /// one download: `(out, lse)` of one softmax over both, and the device time of the whole
-    /// step in µs (CUDA events from before the query upload to after the merge). Sequences with
-    /// an empty retrieval region return the other block alone.
+    /// step in µs (CUDA events on this index's stream from before the inputs' upload to after
+    /// the last attention, which waits for the block). Query heads with no retrieved rows (an
+    /// empty retrieval region) return the other block alone.
     ///
-    /// `dense` launches that block's work on this index's main stream and says where it lands;
-    /// it is called once the retrieval kernels are queued, so its host work overlaps them on the
-    /// GPU and its kernels run beside the fetch and attention, which are on the fetch stream.
+    /// `dense` launches that block's work on another stream and returns where it lands with an
+    /// event recorded behind it. It is called once the first span's retrieval is queued, so its
+    /// kernels run beside the retrieval; the attention waits for its event and folds the block
+    /// into its epilogue (no merge launch).
     pub fn step_merged(&mut self, q: &[f16], k: usize, schedule: &Schedule, chunks: usize, dense: impl FnOnce() -> Result<DenseBlock>) -> Result<(Vec<f32>, Vec<f32>, f64)> {
         let t0 = self.st.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"))?;
         self.prepare(q, k, schedule)?;
-        self.launch_spans(chunks)?;
-        let dense = dense()?;
+        self.launch_spans_with(chunks, Some(dense))?;
         self.join_fetch()?;
-        let g = &self.geo;
-        let hq = g.kv_heads * g.gqa;
-        let p = MergeParams {
-            out: self.ws.out.device_ptr(&self.st).0,
-            lse: self.ws.lse.device_ptr(&self.st).0,
-            dense_out: dense.out,
-            dense_lse: dense.lse,
-            len: self.len_d.device_ptr(&self.st).0,
-            hq: hq as i32,
-            bf16: i32::from(dense.bf16),
-        };
-        // SAFETY: MergeParams mirrors paris.cuh's; out / lse are the workspace's [batch][Hq][D]
-        // / [batch][Hq], len the index's [batch]; the caller's `dense` holds the same shapes.
-        unsafe { self.launch("merge", &p, ((g.batch * hq) as u32, 1, 1), 128, 0)? };
         let t1 = self.st.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"))?;
         let (out, lse) = self.finish()?;
         let us = f64::from(t0.elapsed_ms(&t1).map_err(drv("event"))?) * 1e3;
@@ -1262,12 +1286,25 @@ impl ParisIndex {
     /// Each span's retrieval on the main stream, then its fetch and attention on the fetch
     /// stream once that retrieval is done (the next span's retrieval runs beside them).
     fn launch_spans(&self, chunks: usize) -> Result<()> {
+        self.launch_spans_with(chunks, None::<fn() -> Result<DenseBlock>>)
+    }
+
+    /// [`ParisIndex::launch_spans`], folding the block `dense` launches (after the first span's
+    /// retrieval is queued) into every attention, which waits for it.
+    fn launch_spans_with(&self, chunks: usize, dense: Option<impl FnOnce() -> Result<DenseBlock>>) -> Result<()> {
+        let mut dense = dense;
+        let mut block = None;
         for span in spans(self.geo.batch, chunks) {
             self.launch_retrieval(span)?;
             let ready = self.st.record_event(None).map_err(drv("event"))?;
             self.fetch_st.wait(&ready).map_err(drv("event"))?;
             self.launch_fetch(&self.fetch_st, span)?;
-            self.launch_attend(&self.fetch_st, false, span)?;
+            if let Some(launch) = dense.take() {
+                let b = launch()?;
+                self.fetch_st.wait(&b.ready).map_err(drv("event"))?;
+                block = Some(b);
+            }
+            self.launch_attend(&self.fetch_st, false, span, block.as_ref())?;
         }
         Ok(())
     }
@@ -1321,12 +1358,17 @@ impl ParisIndex {
     /// the retrieved rows from pinned host memory inside the attention kernel; otherwise a
     /// fetch kernel stages them on the GPU first.
     pub fn attend(&mut self, q: &[f16], fused: bool) -> Result<(Vec<f32>, Vec<f32>)> {
-        let st = self.st.clone();
-        st.memcpy_htod(bits(q), &mut self.ws.q).map_err(drv("queries"))?;
+        let expected = self.geo.batch * self.geo.kv_heads * self.geo.gqa * self.cfg.head_dim;
+        if q.len() != expected {
+            return Err(RtError::ShapeMismatch { what: "ParisKV queries".into(), expected: format!("{expected} values"), got: format!("{} values", q.len()) });
+        }
+        // The plan words stay those of the last `prepare`.
+        stage_queries(self.ws.staging.as_mut_slice().map_err(drv("query staging"))?, q);
+        self.st.memcpy_htod(&self.ws.staging, &mut self.ws.inputs).map_err(drv("queries"))?;
         if !fused {
             self.launch_fetch(&self.st, self.all())?;
         }
-        self.launch_attend(&self.st, fused, self.all())?;
+        self.launch_attend(&self.st, fused, self.all(), None)?;
         self.finish()
     }
 
@@ -1364,11 +1406,11 @@ impl ParisIndex {
         mark(4)?;
         self.launch_fetch(&self.st, all)?;
         mark(5)?;
-        self.launch_attend(&self.st, false, all)?;
+        self.launch_attend(&self.st, false, all, None)?;
         mark(6)?;
         let (out, _) = self.finish()?;
         mark(7)?;
-        self.launch_attend(&self.st, true, all)?;
+        self.launch_attend(&self.st, true, all, None)?;
         mark(8)?;
         e[8].synchronize().map_err(drv("event"))?;
         let us = |a: usize, z: usize| -> Result<f64> { Ok(f64::from(e[a].elapsed_ms(&e[z]).map_err(drv("event"))?) * 1e3) };

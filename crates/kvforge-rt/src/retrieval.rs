@@ -125,7 +125,10 @@ impl RetrievalCache {
         }
         // The index's own dense rows stay unused (the cache holds the GPU region).
         let geo = ParisGeometry { dense_capacity: geo.dense_capacity.max(1), ..geo };
-        let index = ParisIndex::new(&dev, paris, geo)?;
+        // The index works on a stream of its own, so that the cache's decode of the GPU region
+        // (on the device's stream) runs beside its retrieval.
+        let side = Device { ctx: dev.ctx.clone(), stream: dev.stream.fork().map_err(drv("retrieval cache: index stream"))?, info: dev.info.clone() };
+        let index = ParisIndex::new(&side, paris, geo)?;
         let mut cache = KvCache::new(dev, spec, cache_cfg)?;
         let seqs = (0..geo.batch).map(|_| SeqRegions { cache_seq: cache.add_sequence(), appended: 0, moved_pages: 0, keys: Vec::new(), values: Vec::new() }).collect();
         let schedule = index.default_schedule();
@@ -256,11 +259,12 @@ impl RetrievalCache {
     }
 
     /// [`RetrievalCache::decode`] with its host wall time and device time. The index's step
-    /// queues its retrieval first; then the cache's decode of the GPU region is launched on the
+    /// queues the inputs' upload and the first span's retrieval on the index's stream; then the
+    /// query's upload and the cache's decode of the GPU region go on the device's stream, on the
     /// device-resident plan ([`KvCache::decode_step_external`]: no host copy of the plan, no
-    /// wait) into buffers of this cache, on the same stream, where it runs beside the index's
-    /// fetch and attention; the index's `merge` kernel folds the two blocks before its one
-    /// download ([`ParisIndex::step_merged`]).
+    /// wait) into buffers of this cache, so they run beside the retrieval; the index's attention
+    /// waits for them and folds the block into its epilogue before the one download
+    /// ([`ParisIndex::step_merged`]).
     pub fn decode_timed(&mut self, q: &[f32], k: usize) -> Result<(DecodeOutput, StepWall)> {
         let t0 = Instant::now();
         let (hq, d) = (self.cache.config().num_kv_heads * self.cache.config().gqa, self.cache.config().head_dim);
@@ -276,13 +280,16 @@ impl RetrievalCache {
             self.io = Some(DenseIo::new(&st, batch * hq, d)?);
         }
         let io = self.io.as_mut().expect("set above");
-        st.memcpy_htod(&bits, &mut io.q).map_err(drv("retrieval cache: query upload"))?;
         let (elem, ord) = (ElemType::of(dtype), dev.ctx.ordinal());
         let ext = |ptr: u64, e: ElemType, shape: &[usize]| ExternalTensor::contiguous(ptr, e, shape, ord);
         let (qp, op, lp) = (io.q.device_ptr(&st).0, io.out.device_ptr(&st).0, io.lse.device_ptr(&st).0);
         let ids: Vec<usize> = self.seqs.iter().map(|s| s.cache_seq).collect();
         let cache = &mut self.cache;
-        let mut launch_dense = || cache.decode_step_external(&ids, &ext(qp, elem.clone(), &[batch, hq, d]), &ext(op, elem.clone(), &[batch, hq, d]), &ext(lp, ElemType::F32, &[batch, hq]));
+        // The query's upload and the decode, on the device's stream.
+        let mut launch_dense = || {
+            st.memcpy_htod(&bits, &mut io.q).map_err(drv("retrieval cache: query upload"))?;
+            cache.decode_step_external(&ids, &ext(qp, elem.clone(), &[batch, hq, d]), &ext(op, elem.clone(), &[batch, hq, d]), &ext(lp, ElemType::F32, &[batch, hq]))
+        };
         let (out, device_us) = if (0..batch).all(|s| self.index.len(s) == 0) {
             let e0 = st.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("event"))?;
             launch_dense()?;
@@ -298,7 +305,8 @@ impl RetrievalCache {
             let bf16 = dtype == DType::Bf16;
             let (out, lse, us) = self.index.step_merged(&qh, k, &self.schedule, chunks, || {
                 launch_dense()?;
-                Ok(DenseBlock { out: op, lse: lp, bf16 })
+                let ready = st.record_event(None).map_err(drv("event"))?;
+                Ok(DenseBlock { out: op, lse: lp, bf16, ready })
             })?;
             (DecodeOutput { out, lse }, us)
         };

@@ -154,6 +154,11 @@ struct AttendParams {
   float scale;
   int dense_cap, host_cap, kmax, hq, hkv, share;
   int host_stride;        // as FetchParams::host_stride
+  // ParisKV inside the main cache (kvforge_rt::retrieval): a softmax block of the same queries
+  // over the cache's GPU region, folded into `out` / `lse` in the epilogue; null: none.
+  const u16* merge_out;   // [S][Hq][D], fp16 or (merge_bf16 != 0) bf16 bits
+  const float* merge_lse; // [S][Hq], natural log
+  int merge_bf16;
 };
 
 constexpr u32 ERR_TOP_RANGE = 1u;  // a retrieved index is past the retrieval region
@@ -1483,6 +1488,30 @@ __device__ void fetch_kernel(const FetchParams& p) {
   }
 }
 
+// ParisKV inside the main cache (kvforge_rt::retrieval): the cache's decode of the GPU region
+// (AttendParams::merge_out in the spec dtype, merge_lse) and the attention over the retrieved
+// rows are softmax blocks over disjoint keys, so one softmax over both is their mean weighted by
+// e^lse. A query head with no rows of its own (lb = -inf: its sequence's retrieval region is
+// empty) takes the cache's block alone.
+struct Merge {
+  float wa, wb, lse;  // weights of the cache's block and of the own rows; the merged lse
+  bool on;
+};
+
+__device__ inline Merge merge_weights(float la, float lb, bool on) {
+  if (!on) return Merge{0.f, 1.f, lb, false};
+  const float m = fmaxf(la, lb);
+  const float wa = la == NEG_INF ? 0.f : expf(la - m), wb = lb == NEG_INF ? 0.f : expf(lb - m);
+  const float tot = wa + wb, inv = tot > 0.f ? 1.f / tot : 0.f;
+  return Merge{wa * inv, wb * inv, m == NEG_INF ? NEG_INF : m + logf(tot), true};
+}
+
+// Element i of the cache's block, fp16 or bf16 bits.
+__device__ inline float merged_value(const u16* out, int bf16, size_t i) {
+  const u32 bits = out[i];
+  return bf16 ? __uint_as_float(bits << 16) : __half2float(__ushort_as_half(u16(bits)));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Attention over the dense rows (sinks + local + update buffer) and the k retrieved rows of the
 // query head's retrieval row with one softmax. One CTA of NT threads per (sequence, query head);
@@ -1602,44 +1631,16 @@ __device__ void attend_kernel(const AttendParams& p) {
 #pragma unroll
   for (int j = 0; j < 8; ++j) acc[grp][8 * sub + j] = o[j];
   __syncthreads();
+  const float lb = n > 0 ? mx + __logf(sum) : NEG_INF;
+  const Merge mg = merge_weights(p.merge_out != nullptr ? p.merge_lse[sh] : NEG_INF, lb, p.merge_out != nullptr);
   for (int c = threadIdx.x; c < D; c += NT) {
     float t = 0.f;
 #pragma unroll
     for (int g = 0; g < RG; ++g) t += acc[g][c];
-    p.out[size_t(sh) * D + c] = n > 0 ? t / sum : 0.f;
+    const float own = n > 0 ? t / sum : 0.f;
+    p.out[size_t(sh) * D + c] = mg.on ? mg.wa * merged_value(p.merge_out, p.merge_bf16, size_t(sh) * D + c) + mg.wb * own : own;
   }
-  if (threadIdx.x == 0) p.lse[sh] = n > 0 ? mx + __logf(sum) : NEG_INF;
+  if (threadIdx.x == 0) p.lse[sh] = mg.lse;
 }
-
-// ParisKV inside the main cache (kvforge_rt::retrieval): the cache's decode of the GPU region
-// (`dense_out` in the spec dtype, `dense_lse`) and this module's attention over the retrieved
-// rows (`out`, `lse`) are softmax blocks over disjoint keys, so one softmax over both is their
-// mean weighted by e^lse. Rows of a sequence whose retrieval region is empty (`len` 0) take the
-// dense block alone, whatever the retrieval wrote there. One CTA per query row.
-struct MergeParams {
-  float* out;              // [S][Hq][D] in: the retrieved rows' block; out: the merged softmax
-  float* lse;              // [S][Hq], natural log, likewise
-  const u16* dense_out;    // [S][Hq][D], fp16 or (bf16 != 0) bf16 bits
-  const float* dense_lse;  // [S][Hq]
-  const u32* len;          // [S] retrieval-region keys
-  int hq, bf16;
-};
-
-template <int D>
-__device__ void merge_kernel(const MergeParams& p) {
-  const int row = blockIdx.x;
-  const float la = p.dense_lse[row], lb = p.len[row / p.hq] > 0 ? p.lse[row] : NEG_INF;
-  const float m = fmaxf(la, lb);
-  const float wa = la == NEG_INF ? 0.f : expf(la - m), wb = lb == NEG_INF ? 0.f : expf(lb - m);
-  const float inv = wa + wb > 0.f ? 1.f / (wa + wb) : 0.f;
-  for (int c = threadIdx.x; c < D; c += blockDim.x) {
-    const u32 bits = p.dense_out[size_t(row) * D + c];
-    const float a = p.bf16 ? __uint_as_float(bits << 16) : __half2float(__ushort_as_half(u16(bits)));
-    float* o = p.out + size_t(row) * D + c;
-    *o = wb == 0.f ? a : (wa * a + wb * *o) * inv;
-  }
-  if (threadIdx.x == 0) p.lse[row] = m == NEG_INF ? NEG_INF : m + logf(wa + wb);
-}
-
 }  // namespace paris
 }  // namespace kvforge
