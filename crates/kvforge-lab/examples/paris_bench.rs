@@ -81,6 +81,14 @@ struct Args {
     /// Fetch grid caps to time, one run each (0: the runtime's default).
     #[arg(long, value_delimiter = ',', default_value = "0")]
     fetch_ctas: Vec<usize>,
+    /// Top-k paths to time, one run each: auto (the runtime's choice), on (split over CTAs per
+    /// row), off (one CTA per row).
+    #[arg(long, value_delimiter = ',', default_value = "auto", value_parser = ["auto", "on", "off"])]
+    split_topk: Vec<String>,
+    /// The bucket top-C's forms to time, one run each: auto (the runtime's choice), wide (64 keys
+    /// a thread), narrow (16).
+    #[arg(long, value_delimiter = ',', default_value = "auto", value_parser = ["auto", "wide", "narrow"])]
+    bucket: Vec<String>,
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -175,8 +183,24 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
             let build_s = t0.elapsed().as_secs_f64();
             let mut q = vec![f16::ZERO; batch * a.kv_heads * a.gqa * d];
-            for &fetch_ctas in &a.fetch_ctas {
+            let mut modes = Vec::new();
+            for f in &a.fetch_ctas {
+                for s in &a.split_topk {
+                    modes.extend(a.bucket.iter().map(|b| (f, s, b)));
+                }
+            }
+            for (&fetch_ctas, split, bucket) in modes {
                 ix.set_fetch_ctas((fetch_ctas > 0).then_some(fetch_ctas));
+                ix.set_wide_bucket(match bucket.as_str() {
+                    "wide" => Some(true),
+                    "narrow" => Some(false),
+                    _ => None,
+                });
+                ix.set_split_topk(match split.as_str() {
+                    "on" => Some(true),
+                    "off" => Some(false),
+                    _ => None,
+                });
                 let times = timed(a.iters, &mut q, d, |q| Ok(ix.step_timed(q, a.k, &schedule)?.1))?;
                 // The pipelined step (fetch + attend of one span beside the retrieval of the next)
                 // for each chunk count that splits this batch.
@@ -198,14 +222,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     "plan": plan, "config": cfg,
                     "gpu_bytes_per_token_per_kv_head": ix.device_bytes_per_key(), "fp16_kv_bytes_per_token_per_kv_head": 4 * d,
                     "gpu_bytes_per_sequence": ix.device_bytes_per_sequence(), "fp16_kv_bytes_per_sequence": 4 * d * a.kv_heads * n,
-                    "build_s": build_s, "fetch_ctas": fetch_ctas,
+                    "build_s": build_s, "fetch_ctas": fetch_ctas, "split_topk": split, "bucket": bucket,
                     "median_us": {"vote": med(|t| t.vote_us), "topk": med(|t| t.topk_us), "rerank": med(|t| t.rerank_us), "fetch": med(|t| t.fetch_us), "attend": med(|t| t.attend_us), "total": total,
                                   "attend_fused": med(|t| t.attend_fused_us), "total_fused": total_fused},
                     "sequences_per_s": batch as f64 / total * 1e6,
                     "pipelined_total_us_by_chunks": pipelined, "default_chunks": ix.default_chunks(),
                     "sequences_per_s_pipelined": pipelined.values().filter_map(|v| v.as_f64()).fold(f64::INFINITY, f64::min).recip() * batch as f64 * 1e6,
                 });
-                eprintln!("batch {batch} n {n} fetch_ctas {fetch_ctas} ({mode}): {} pipelined {}", v["median_us"], v["pipelined_total_us_by_chunks"]);
+                eprintln!("batch {batch} n {n} fetch_ctas {fetch_ctas} split_topk {split} bucket {bucket} ({mode}): {} pipelined {}", v["median_us"], v["pipelined_total_us_by_chunks"]);
                 runs.push(v);
             }
         }

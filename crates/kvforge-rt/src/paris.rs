@@ -212,10 +212,27 @@ struct BucketParams {
 
 /// Keys per CTA of the bucket top-C (`BUCKET_PER_THREAD` × 256 threads in paris.cuh).
 const BUCKET_CHUNK: usize = 16 * 256;
+/// Keys per CTA of its wide form (`BUCKET_PER_THREAD_WIDE` × 256).
+const BUCKET_CHUNK_WIDE: usize = 64 * 256;
+/// CTAs per SM from which the bucket top-C takes its wide form: on the H200 at batch 1 the wide
+/// form took the top-C + top-k phases from 62.5 to 55.0 µs at 1M keys (512 CTAs instead of
+/// 2048) but from 29.0 to 32.0 µs at 128K (64 CTAs instead of 256)
+/// (`paris-bench-bucket-wide-h200-2026-11-29.json`).
+const BUCKET_WIDE_CTAS_PER_SM: usize = 2;
 /// Keys per CTA of the vote (`VOTE_CHUNK` in paris.cuh).
 const VOTE_CHUNK: usize = 4096;
 /// Bins of the rerank estimates' histogram per retrieval row (`EST_BINS` in paris.cuh).
 const EST_BINS: usize = 1 << 14;
+/// Keys of the top-k's threshold bin it resolves in one pass (`TIE_CAP` in paris.cuh).
+const TIE_CAP: usize = 4096;
+/// Estimates per CTA of the split top-k (`TOPK_CHUNK` in paris.cuh).
+const TOPK_CHUNK: usize = 8 * 256;
+/// Top-C sizes from which the split top-k is the default for launches with fewer rows than
+/// SMs. Its two launches cost a few µs whatever the size: on the H200 at batch 1 it took the
+/// top-k phases from 68.6 to 63.5 µs at 1M keys (52429 candidates) but from 29.2 to 32.8 µs at
+/// 128K (13108), where one CTA per row does its few tiles sooner
+/// (`paris-bench-split-topk-h200-2026-11-29.json`).
+const SPLIT_MIN_CANDIDATES: usize = 8 * TOPK_CHUNK;
 /// Most candidates per CTA of the rerank (`RERANK_CHUNK` in paris.cuh).
 const RERANK_CHUNK: usize = 2048;
 /// Candidates per thread-block iteration of the rerank (`RERANK_UNROLL` × 256 threads): the
@@ -271,6 +288,28 @@ fn fetch_grid(pieces: usize, rows: usize, sms: usize, cap: Option<usize>) -> (us
 /// one load, the vote writes 4 with one store).
 fn score_stride(capacity: usize) -> usize {
     capacity.div_ceil(16) * 16
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct TopkSplitParams {
+    est: u64,
+    cand: u64,
+    count: u64,
+    want: u64,
+    est_hist: u64,
+    chunk_gt: u64,
+    chunk_eq: u64,
+    thresh: u64,
+    done: u64,
+    tie_key: u64,
+    tie_pos: u64,
+    out: u64,
+    out_count: u64,
+    cmax: i32,
+    stride: i32,
+    nr: i32,
+    chunks: i32,
 }
 
 #[repr(C)]
@@ -382,6 +421,7 @@ const _: () = assert!(std::mem::size_of::<BonusParams>() == 88);
 const _: () = assert!(std::mem::size_of::<VoteParams>() == 56);
 const _: () = assert!(std::mem::size_of::<BucketParams>() == 80);
 const _: () = assert!(std::mem::size_of::<SelectParams>() == 88);
+const _: () = assert!(std::mem::size_of::<TopkSplitParams>() == 120);
 const _: () = assert!(std::mem::size_of::<RerankParams>() == 232);
 const _: () = assert!(std::mem::size_of::<FetchParams>() == 96);
 const _: () = assert!(std::mem::size_of::<AttendParams>() == 152);
@@ -391,6 +431,7 @@ unsafe impl DeviceRepr for EncodeParams {}
 unsafe impl DeviceRepr for BonusParams {}
 unsafe impl DeviceRepr for VoteParams {}
 unsafe impl DeviceRepr for SelectParams {}
+unsafe impl DeviceRepr for TopkSplitParams {}
 unsafe impl DeviceRepr for BucketParams {}
 unsafe impl DeviceRepr for RerankParams {}
 unsafe impl DeviceRepr for FetchParams {}
@@ -446,6 +487,14 @@ pub struct ParisIndex {
     max_smem: usize,
     /// Top-k by the radix select over the estimates instead of the one-pass histogram top-k.
     radix_topk: bool,
+    /// The one-pass top-k over many CTAs per row: `None` where a launch has fewer retrieval
+    /// rows than SMs (and the scratch holds them), or as set (`set_split_topk`).
+    split_topk: Option<bool>,
+    /// The bucket top-C's wide form (64 keys a thread): `None` where its grid still gives
+    /// every SM `BUCKET_WIDE_CTAS_PER_SM` CTAs, or as set (`set_wide_bucket`).
+    wide_bucket: Option<bool>,
+    /// Each sequence's top-C size of the last `prepare` (the split top-k's grid).
+    plan_candidates: Vec<usize>,
     /// CTAs of the fetch's grid-stride grid, where set (`set_fetch_ctas`).
     fetch_ctas: Option<usize>,
     ids: CudaSlice<u8>,
@@ -489,6 +538,8 @@ struct Workspace {
     est_hist: CudaSlice<u32>,
     chunk_gt: CudaSlice<u32>,
     chunk_eq: CudaSlice<u32>,
+    /// Scratch of the split top-k for [`Workspace::split_rows`] retrieval rows.
+    split: SplitScratch,
     cand: CudaSlice<u32>,
     cand_count: CudaSlice<u32>,
     est: CudaSlice<f32>,
@@ -525,6 +576,19 @@ fn stage_queries(host: &mut [u32], q: &[f16]) {
     for (w, pair) in host.iter_mut().zip(q.chunks(2)) {
         *w = u32::from(pair[0].to_bits()) | pair.get(1).map_or(0, |h| u32::from(h.to_bits()) << 16);
     }
+}
+
+/// The split top-k's scratch (paris.cuh `TopkSplitParams`), for `rows` retrieval rows of one
+/// launch: the spans of a step launch on one stream, one after the other, so they share it.
+struct SplitScratch {
+    rows: usize,
+    chunks: usize,
+    chunk_gt: CudaSlice<u32>,
+    chunk_eq: CudaSlice<u32>,
+    thresh: CudaSlice<u32>,
+    done: CudaSlice<u32>,
+    tie_key: CudaSlice<u32>,
+    tie_pos: CudaSlice<u32>,
 }
 
 fn bits(x: &[f16]) -> &[u16] {
@@ -606,6 +670,19 @@ impl ParisIndex {
             est_hist: z32(nr * EST_BINS, "estimate histograms")?,
             chunk_gt: z32(nr * geo.capacity.div_ceil(BUCKET_CHUNK), "bucket counts")?,
             chunk_eq: z32(nr * geo.capacity.div_ceil(BUCKET_CHUNK), "bucket counts")?,
+            split: {
+                let (rows, chunks) = (nr.min(dev.info.sm_count.max(1)), geo.max_candidates.div_ceil(TOPK_CHUNK));
+                SplitScratch {
+                    rows,
+                    chunks,
+                    chunk_gt: z32(rows * chunks, "top-k chunk counts")?,
+                    chunk_eq: z32(rows * chunks, "top-k chunk counts")?,
+                    thresh: z32(rows * 2, "top-k thresholds")?,
+                    done: z32(rows, "top-k counters")?,
+                    tie_key: z32(rows * TIE_CAP, "top-k ties")?,
+                    tie_pos: z32(rows * TIE_CAP, "top-k ties")?,
+                }
+            },
             cand: z32(nr * geo.max_candidates, "candidates")?,
             cand_count: z32(nr, "candidate counts")?,
             est: zf(nr * geo.max_candidates, "rerank estimates")?,
@@ -643,6 +720,9 @@ impl ParisIndex {
             max_smem: dev.info.max_smem_per_block,
             sms: dev.info.sm_count,
             radix_topk: false,
+            split_topk: None,
+            wide_bucket: None,
+            plan_candidates: vec![0; geo.batch],
             fetch_ctas: None,
             host_kv,
             host_k_ptr,
@@ -656,6 +736,22 @@ impl ParisIndex {
     /// (ties in index order). For comparisons and as a fallback.
     pub fn set_radix_topk(&mut self, on: bool) {
         self.radix_topk = on;
+    }
+
+    /// Splits the one-pass top-k over many CTAs per retrieval row (`Some(true)`), keeps one CTA
+    /// per row (`Some(false)`), or splits launches with fewer rows than SMs and a large top-C
+    /// (`None`, the default: at batch 1 × 1M keys one CTA per row leaves most SMs idle for
+    /// tens of µs). Every path keeps the same set in the same order; launches with more rows
+    /// than the scratch holds (the device's SM count) keep one CTA per row.
+    pub fn set_split_topk(&mut self, split: Option<bool>) {
+        self.split_topk = split;
+    }
+
+    /// Runs the bucket top-C with 64 keys a thread (`Some(true)`), 16 (`Some(false)`), or the
+    /// wide form where its grid still fills the SMs (`None`, the default). Both keep the same
+    /// candidates in the same order.
+    pub fn set_wide_bucket(&mut self, wide: Option<bool>) {
+        self.wide_bucket = wide;
     }
 
     /// Caps the fetch's grid at `ctas` CTAs (`None`: the default cap). The CTAs stride over the
@@ -986,6 +1082,7 @@ impl ParisIndex {
             let plan = schedule.plan(n, k);
             host[qw + Inputs::Target as usize * batch + i] = ((plan.rho * n as f64).ceil() as u32).max(1);
             host[qw + Inputs::Candidates as usize * batch + i] = plan.candidates.clamp(plan.k, cmax) as u32;
+            self.plan_candidates[i] = plan.candidates.clamp(plan.k, cmax);
             host[qw + Inputs::TopK as usize * batch + i] = plan.k as u32;
         }
         self.st.memcpy_htod(&self.ws.staging, &mut self.ws.inputs).map_err(drv("queries and plan"))
@@ -1053,6 +1150,10 @@ impl ParisIndex {
 
     fn launch_select(&self, topk: bool, span: Span) -> Result<()> {
         let nr = span.n * self.geo.rows_per_sequence();
+        let most = self.plan_candidates[span.s0..span.s0 + span.n].iter().copied().max().unwrap_or(0);
+        if topk && !self.radix_topk && nr <= self.ws.split.rows && self.split_topk.unwrap_or(nr < self.sms && most >= SPLIT_MIN_CANDIDATES) {
+            return self.launch_topk_split(span);
+        }
         let p = self.select_params(topk, span);
         // The one-pass top-k reads the rerank's histogram; the radix top-k stages the estimates
         // in shared memory when a row of them fits (with the kernel's static 4 KiB and the
@@ -1072,13 +1173,54 @@ impl ParisIndex {
         unsafe { self.launch(entry, &p, (nr as u32, 1, 1), 1024, smem) }
     }
 
+    /// The one-pass top-k over `TOPK_CHUNK` estimates per CTA: per-chunk counts and the threshold
+    /// bin, then each chunk's keys at their positions, the threshold bin's resolved by the
+    /// row's last CTA.
+    fn launch_topk_split(&self, span: Span) -> Result<()> {
+        let (g, w, sc) = (&self.geo, &self.ws, &self.ws.split);
+        let nr = span.n * g.rows_per_sequence();
+        let most = self.plan_candidates[span.s0..span.s0 + span.n].iter().copied().max().unwrap_or(0);
+        let chunks = most.div_ceil(TOPK_CHUNK).clamp(1, sc.chunks);
+        let ptr = |b: &CudaSlice<u32>| b.device_ptr(&self.st).0;
+        let p = TopkSplitParams {
+            est: self.at(&w.est, span),
+            cand: self.at(&w.cand, span),
+            count: self.at(&w.cand_count, span),
+            want: self.plan_at(Inputs::TopK, span),
+            est_hist: self.at(&w.est_hist, span),
+            chunk_gt: ptr(&sc.chunk_gt),
+            chunk_eq: ptr(&sc.chunk_eq),
+            thresh: ptr(&sc.thresh),
+            done: ptr(&sc.done),
+            tie_key: ptr(&sc.tie_key),
+            tie_pos: ptr(&sc.tie_pos),
+            out: self.at(&w.top, span),
+            out_count: self.at(&w.top_count, span),
+            cmax: g.max_candidates as i32,
+            stride: g.max_k as i32,
+            nr: g.rows_per_sequence() as i32,
+            chunks: chunks as i32,
+        };
+        let grid = (chunks as u32, nr as u32, 1);
+        // SAFETY: TopkSplitParams; nr ≤ the scratch's rows and chunks ≤ its chunks; the count
+        // kernel writes each row's threshold and zeroes its counter before the emit kernel (same
+        // stream) reads them; a row's candidates (≤ its top-C size ≤ chunks × TOPK_CHUNK) are
+        // covered by the grid.
+        unsafe {
+            self.launch("topk_split_count", &p, grid, 256, 0)?;
+            self.launch("topk_split_emit", &p, grid, 256, 0)
+        }
+    }
+
     /// The top-C of the collision scores over many CTAs: per-chunk counts, then each chunk's
     /// candidates at their index-order positions.
     fn launch_bucket(&self, span: Span) -> Result<()> {
         let (g, w) = (&self.geo, &self.ws);
         let nr = span.n * g.rows_per_sequence();
         let chunks = g.capacity.div_ceil(BUCKET_CHUNK);
-        let live = self.most(span).div_ceil(BUCKET_CHUNK);
+        let wide_live = self.most(span).div_ceil(BUCKET_CHUNK_WIDE);
+        let wide = self.wide_bucket.unwrap_or(wide_live * nr >= BUCKET_WIDE_CTAS_PER_SM * self.sms);
+        let live = self.most(span).div_ceil(if wide { BUCKET_CHUNK_WIDE } else { BUCKET_CHUNK });
         let p = BucketParams {
             scores: self.at(&w.scores, span),
             hist: self.at(&w.score_hist, span),
@@ -1094,11 +1236,17 @@ impl ParisIndex {
             chunks: chunks as i32,
         };
         let grid = (live as u32, nr as u32, 1);
-        // SAFETY: BucketParams; chunk arrays hold `chunks` ≥ `live` entries per row; emit
-        // writes at most min(want, stride) candidates per row.
+        // SAFETY: BucketParams; chunk arrays hold `chunks` ≥ `live` entries per row (the wide
+        // form's chunks are 4 of the narrow's); emit writes at most min(want, stride)
+        // candidates per row.
         unsafe {
-            self.launch("bucket_count", &p, grid, 256, 0)?;
-            self.launch("bucket_emit", &p, grid, 256, 0)
+            if wide {
+                self.launch("bucket_count_wide", &p, grid, 256, 0)?;
+                self.launch("bucket_emit_wide", &p, grid, 256, 0)
+            } else {
+                self.launch("bucket_count", &p, grid, 256, 0)?;
+                self.launch("bucket_emit", &p, grid, 256, 0)
+            }
         }
     }
 

@@ -207,7 +207,19 @@ fn check_retrieval_with(geo: ParisGeometry) {
     let k = 100;
     let top = s.ix.retrieve(&q, k, &schedule).unwrap();
     assert_eq!(top.len(), geo.batch * hq);
-    // The one-pass top-k (default) and the radix select keep the same set.
+    // The one-pass top-k (default: split over CTAs at these few rows), the one-pass top-k of
+    // one CTA per row and the radix select keep the same set.
+    s.ix.set_split_topk(Some(false));
+    assert_eq!(s.ix.retrieve(&q, k, &schedule).unwrap(), top, "split vs one-CTA one-pass top-k");
+    s.ix.set_split_topk(None);
+    // The bucket top-C's two forms keep the same candidates.
+    let cand = s.ix.candidates().unwrap();
+    for wide in [true, false] {
+        s.ix.set_wide_bucket(Some(wide));
+        assert_eq!(s.ix.retrieve(&q, k, &schedule).unwrap(), top, "bucket wide {wide}");
+        assert_eq!(s.ix.candidates().unwrap(), cand, "bucket wide {wide}: candidates");
+    }
+    s.ix.set_wide_bucket(None);
     s.ix.set_radix_topk(true);
     assert_eq!(s.ix.retrieve(&q, k, &schedule).unwrap(), top, "one-pass vs radix top-k");
     s.ix.set_radix_topk(false);
@@ -280,8 +292,8 @@ fn whole64_retrieval_matches_the_reference() {
 
 /// Identical keys: every vote score and estimate ties (under either rank: the group-max
 /// estimates of identical codes are identical too), so the threshold bin holds every candidate
-/// (past the one-pass top-k's shared-memory room: its radix fallback) and the top-k is the
-/// first k keys by index, as in the reference.
+/// (past the one-pass top-k's shared-memory room: its radix fallback, in the split top-k's last
+/// CTA too) and the top-k is the first k keys by index, as in the reference.
 #[test]
 #[ignore = "needs a CUDA device"]
 fn ties_keep_index_order() {
@@ -299,10 +311,12 @@ fn ties_keep_index_order() {
         let q = rows(geo.batch * geo.kv_heads * geo.gqa, 128, 6, 1.0);
         let schedule = Schedule { dense_below: 0, ..Schedule::default() };
         let want: Vec<u32> = (0..100).collect();
-        for radix in [false, true] {
+        for (radix, split, wide) in [(false, Some(true), Some(true)), (false, Some(false), Some(false)), (true, None, None)] {
             ix.set_radix_topk(radix);
+            ix.set_split_topk(split);
+            ix.set_wide_bucket(wide);
             let top = ix.retrieve(&q, 100, &schedule).unwrap();
-            assert!(top.iter().all(|t| *t == want), "rank {rank:?}, layout {layout:?}, radix {radix}: {:?}", &top[0][..8]);
+            assert!(top.iter().all(|t| *t == want), "rank {rank:?}, layout {layout:?}, radix {radix}, split {split:?}: {:?}", &top[0][..8]);
         }
     }
 }

@@ -681,23 +681,38 @@ __device__ __forceinline__ u32 block_sum(u32 x, u32* smem) {
   return r;
 }
 
-// Keys per thread of the bucket top-C: one 16-byte load of scores (rows padded to 16 keys).
-constexpr int BUCKET_PER_THREAD = 16;
+// Keys per thread of the bucket top-C (PER, a multiple of 16: 16-byte loads of scores; rows are
+// padded to 16 keys): 16 (`bucket_count` / `bucket_emit`) or 64 (`..._wide`). Each CTA computes
+// the threshold and its chunk's offset before its loads, so many short rows (1M keys × 8 rows:
+// 2048 CTAs of 4096 keys) do better with a quarter of the CTAs, while few (128K keys × 8 rows:
+// 64 CTAs of 16384 keys) leave SMs idle; the runtime picks by the grid it would get.
+constexpr int BUCKET_PER_THREAD = 16, BUCKET_PER_THREAD_WIDE = 64;
 
-// The 16 scores of keys [i0, i0 + 16) of a row (keys at or past n read as `none`: they are
-// neither above nor at any threshold the caller compares with).
-__device__ __forceinline__ void load_scores16(const u8* row, u32 i0, u32 n, u32 none, u32 (&v)[16]) {
-  uint4 x = make_uint4(0, 0, 0, 0);
-  if (i0 < n) x = *reinterpret_cast<const uint4*>(row + i0);
-  const u32 w[4] = {x.x, x.y, x.z, x.w};
+// The scores of keys [i0, i0 + PER) of a row, four to a word (16-byte loads of the 16-key
+// groups that start below n).
+template <int PER>
+__device__ __forceinline__ void load_scores(const u8* row, u32 i0, u32 n, u32 (&w)[PER / 4]) {
 #pragma unroll
-  for (int j = 0; j < 16; ++j) v[j] = i0 + j < n ? (w[j / 4] >> (8 * (j % 4))) & 255u : none;
+  for (int v = 0; v < PER / 16; ++v) {
+    const uint4 x = i0 + 16 * v < n ? *reinterpret_cast<const uint4*>(row + i0 + 16 * v) : make_uint4(0, 0, 0, 0);
+    w[4 * v] = x.x;
+    w[4 * v + 1] = x.y;
+    w[4 * v + 2] = x.z;
+    w[4 * v + 3] = x.w;
+  }
+}
+
+// Score j of scores `w` loaded from key i0; keys at or past n read as 256, neither above nor at
+// any threshold the callers compare with (they test `!= 256u` for "above").
+template <int PER>
+__device__ __forceinline__ u32 score_at(const u32 (&w)[PER / 4], u32 i0, u32 n, int j) {
+  return i0 + j < n ? (w[j / 4] >> (8 * (j % 4))) & 255u : 256u;
 }
 
 // Counts, per chunk, the keys above and at the threshold. Grid (chunks, S * Hq).
-template <int NT>
+template <int NT, int PER>
 __device__ void bucket_count_kernel(const BucketParams& p) {
-  constexpr int CHUNK = NT * BUCKET_PER_THREAD;
+  constexpr int CHUNK = NT * PER;
   static_assert(NT == 256, "a thread per score in bucket_threshold");
   __shared__ u32 red[NT / 32];
   const int sh = blockIdx.y, s = sh / p.nr;
@@ -705,16 +720,17 @@ __device__ void bucket_count_kernel(const BucketParams& p) {
   u32 t, room;
   bucket_threshold<NT>(p.hist + size_t(sh) * 256, n, want, red, t, room);
   const u8* sc = p.scores + size_t(sh) * p.cap;
-  const u32 i0 = blockIdx.x * CHUNK + threadIdx.x * BUCKET_PER_THREAD;
-  u32 v[16];
-  // A score of 256 is never >= t.
-  load_scores16(sc, i0, n, 256u, v);
+  const u32 i0 = blockIdx.x * CHUNK + threadIdx.x * PER;
+  u32 w[PER / 4];
+  load_scores<PER>(sc, i0, n, w);
   u32 gt = 0, eq = 0;
   if (want < n) {
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      gt += v[j] != 256u && v[j] > t;
-      eq += v[j] == t;
+    for (int j = 0; j < PER; ++j) {
+      // A score of 256 is never >= t.
+      const u32 v = score_at<PER>(w, i0, n, j);
+      gt += v != 256u && v > t;
+      eq += v == t;
     }
   }
   gt = block_sum<NT>(gt, red);
@@ -726,10 +742,11 @@ __device__ void bucket_count_kernel(const BucketParams& p) {
 }
 
 // Writes the candidates of each chunk at their index-order positions. Grid (chunks, S * Hq);
-// thread j owns keys [16 j, 16 j + 16) of the chunk: count, two block scans, emit.
-template <int NT>
+// thread j owns keys [PER j, PER (j + 1)) of the chunk: count, two
+// block scans, emit.
+template <int NT, int PER>
 __device__ void bucket_emit_kernel(const BucketParams& p) {
-  constexpr int CHUNK = NT * BUCKET_PER_THREAD;
+  constexpr int CHUNK = NT * PER;
   static_assert(NT == 256, "a thread per score in bucket_threshold");
   __shared__ u32 red[NT / 32];
   const int sh = blockIdx.y, s = sh / p.nr;
@@ -752,14 +769,15 @@ __device__ void bucket_emit_kernel(const BucketParams& p) {
   }
   gt_before = block_sum<NT>(gt_before, red);
   eq_before = block_sum<NT>(eq_before, red);
-  const u32 i0 = lo + threadIdx.x * BUCKET_PER_THREAD;
-  u32 v[16];
-  load_scores16(p.scores + size_t(sh) * p.cap, i0, n, 256u, v);
+  const u32 i0 = lo + threadIdx.x * PER;
+  u32 w[PER / 4];
+  load_scores<PER>(p.scores + size_t(sh) * p.cap, i0, n, w);
   u32 gt = 0, eq = 0;
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    gt += v[j] != 256u && v[j] > t;
-    eq += v[j] == t;
+  for (int j = 0; j < PER; ++j) {
+    const u32 v = score_at<PER>(w, i0, n, j);
+    gt += v != 256u && v > t;
+    eq += v == t;
   }
   u32 eq_total, emit_total;
   const u32 eq_rank = eq_before + block_exclusive_scan<NT>(eq, red, eq_total);
@@ -767,8 +785,9 @@ __device__ void bucket_emit_kernel(const BucketParams& p) {
   u32 pos = gt_before + min(eq_before, room) + block_exclusive_scan<NT>(gt + eq_keep, red, emit_total);
   u32 eq_left = eq_keep;
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const bool g = v[j] != 256u && v[j] > t, e = v[j] == t && eq_left > 0;
+  for (int j = 0; j < PER; ++j) {
+    const u32 v = score_at<PER>(w, i0, n, j);
+    const bool g = v != 256u && v > t, e = v == t && eq_left > 0;
     if (g || e) {
       eq_left -= e && !g;
       out[pos++] = i0 + j;
@@ -1315,6 +1334,44 @@ __device__ void topk_kernel(const SelectParams& p) {
   if (threadIdx.x == 0) p.out_count[sh] = got;
 }
 
+// The top-k's threshold bin of a row's estimate histogram `hist` (EST_BINS bins): the bin
+// holding the k-th largest estimate, and how many of its keys to keep (k minus the keys in
+// higher bins). Thread j owns bins EST_BINS - 1 - BPT j down to EST_BINS - BPT (j + 1), read from
+// the top; one block scan. Returns through shared `s_bin` / `s_room` (valid after the call).
+template <int NT>
+__device__ __forceinline__ void est_threshold(const u32* hist, u32 k, u32* warp_sums, u32* s_bin, u32* s_room) {
+  constexpr int BPT = EST_BINS / NT;
+  static_assert(EST_BINS % NT == 0 && BPT % 4 == 0, "whole 16-byte loads of bins");
+  const u32 top_bin = EST_BINS - 1 - threadIdx.x * BPT;
+  u32 mine = 0;
+  {
+    const uint4* h4 = reinterpret_cast<const uint4*>(hist + top_bin + 1 - BPT);
+#pragma unroll 4
+    for (int v = 0; v < BPT / 4; ++v) {
+      const uint4 x = h4[v];
+      mine += x.x + x.y + x.z + x.w;
+    }
+  }
+  if (threadIdx.x == 0) {
+    *s_bin = 0;
+    *s_room = k;
+  }
+  u32 total;
+  u32 above = block_exclusive_scan<NT>(mine, warp_sums, total);
+  if (above < k && above + mine >= k) {
+    for (int j = 0; j < BPT; ++j) {
+      const u32 c = hist[top_bin - j];
+      if (above + c >= k) {
+        *s_bin = top_bin - j;
+        *s_room = k - above;
+        break;
+      }
+      above += c;
+    }
+  }
+  __syncthreads();
+}
+
 // One-pass top-k of the rerank estimates: one CTA of NT = 1024 threads per (sequence, retrieval
 // row). The threshold bin t and its room come from the rerank's histogram (a block scan over
 // EST_BINS / NT bins per thread), then ONE pass over the estimates in tiles of 8 per thread, with one block
@@ -1325,8 +1382,8 @@ __device__ void topk_kernel(const SelectParams& p) {
 // the radix select over the whole row.
 template <int NT>
 __device__ void topk_hist_kernel(const SelectParams& p) {
-  constexpr int PER = 8, TILE = NT * PER, BPT = EST_BINS / NT;
-  static_assert(EST_BINS % NT == 0 && BPT % 4 == 0 && TILE < 65536, "packed tile counts");
+  constexpr int PER = 8, TILE = NT * PER;
+  static_assert(TILE < 65536, "packed tile counts");
   __shared__ u32 tie_key[TIE_CAP];
   __shared__ u32 tie_pos[TIE_CAP];
   __shared__ u32 pos[1024];
@@ -1343,36 +1400,8 @@ __device__ void topk_hist_kernel(const SelectParams& p) {
     if (threadIdx.x == 0) p.out_count[sh] = got;
     return;
   }
-  // Thread j owns bins EST_BINS - 1 - BPT j down to EST_BINS - BPT (j + 1), read from the top.
   const u32* hist = p.est_hist + size_t(sh) * EST_BINS;
-  const u32 top_bin = EST_BINS - 1 - threadIdx.x * BPT;
-  u32 mine = 0;
-  {
-    const uint4* h4 = reinterpret_cast<const uint4*>(hist + top_bin + 1 - BPT);
-#pragma unroll 4
-    for (int v = 0; v < BPT / 4; ++v) {
-      const uint4 x = h4[v];
-      mine += x.x + x.y + x.z + x.w;
-    }
-  }
-  if (threadIdx.x == 0) {
-    s_bin = 0;
-    s_room = k;
-  }
-  u32 total;
-  u32 above = block_exclusive_scan<NT>(mine, warp_sums, total);
-  if (above < k && above + mine >= k) {
-    for (int j = 0; j < BPT; ++j) {
-      const u32 c = hist[top_bin - j];
-      if (above + c >= k) {
-        s_bin = top_bin - j;
-        s_room = k - above;
-        break;
-      }
-      above += c;
-    }
-  }
-  __syncthreads();
+  est_threshold<NT>(hist, k, warp_sums, &s_bin, &s_room);
   const u32 t = s_bin, room = s_room, ties = hist[t];
   if (ties > TIE_CAP) {
     const u32 got = block_select<NT, 32>([&](u32 i) { return float_key(est[i]); }, n, k, pos);
@@ -1419,6 +1448,146 @@ __device__ void topk_hist_kernel(const SelectParams& p) {
   __syncthreads();
   for (u32 i = threadIdx.x; i < got; i += NT) out[gt_off + i] = cand[tie_pos[pos[i]]];
   if (threadIdx.x == 0) p.out_count[sh] = gt_off + got;
+}
+
+// The one-pass top-k split over many CTAs per row, for launches with fewer retrieval rows than
+// SMs (batch 1: 8 rows would leave 124 of 132 SMs idle under topk_hist). Two kernels over a grid
+// (chunks, rows) of TOPK_CHUNK estimates per CTA; the set and its order are topk_hist's (the keys
+// of bins above the threshold in index order, then the threshold bin's `room` winners by
+// position, or the radix select's positions when the bin holds more than TIE_CAP keys).
+//   topk_split_count: each CTA finds the threshold bin (est_threshold) and counts its chunk's
+//     keys above and in it; CTA 0 of a row stores the bin and its room and zeroes the row's
+//     finish counter.
+//   topk_split_emit: each CTA writes its chunk's keys above the bin at their index-order
+//     positions and those in the bin (low bits and position) to the row's tie buffer; the last
+//     CTA of the row to finish (a counter behind a fence) selects the bin's winners.
+constexpr int TOPK_PER_THREAD = 8, TOPK_SPLIT_NT = 256, TOPK_CHUNK = TOPK_PER_THREAD * TOPK_SPLIT_NT;
+
+struct TopkSplitParams {
+  const float* est;     // [rows][cmax]
+  const u32* cand;      // [rows][cmax]
+  const u32* count;     // [rows] candidates found
+  const u32* want;      // [S] keys to keep
+  const u32* est_hist;  // [rows][EST_BINS]
+  u32* chunk_gt;        // [rows][chunks] scratch: keys above the threshold bin per chunk
+  u32* chunk_eq;        // [rows][chunks] scratch: keys in it per chunk
+  u32* thresh;          // [rows][2] scratch: the threshold bin and its room
+  u32* done;            // [rows] scratch: emit CTAs finished
+  u32* tie_key;         // [rows][TIE_CAP] scratch: low bits of the bin's keys, by position
+  u32* tie_pos;         // [rows][TIE_CAP] scratch: their positions
+  u32* out;             // [rows][stride]
+  u32* out_count;       // [rows]
+  int cmax, stride, nr, chunks;
+};
+
+// The keys (float_key of the estimates) of a CTA's TOPK_PER_THREAD positions from i0, and how
+// many lie above / in bin t (positions past n: 0, in neither).
+__device__ __forceinline__ void topk_chunk_keys(const float* est, u32 i0, u32 n, u32 t, u32 (&key)[TOPK_PER_THREAD], u32& g, u32& e) {
+  g = 0;
+  e = 0;
+#pragma unroll
+  for (int u = 0; u < TOPK_PER_THREAD; ++u) {
+    key[u] = i0 + u < n ? float_key(est[i0 + u]) : 0u;
+    const u32 bin = key[u] >> (32 - EST_BITS);
+    g += i0 + u < n && bin > t;
+    e += i0 + u < n && bin == t;
+  }
+}
+
+template <int NT>
+__device__ void topk_split_count_kernel(const TopkSplitParams& p) {
+  static_assert(NT == TOPK_SPLIT_NT, "TOPK_CHUNK estimates per CTA");
+  __shared__ u32 warp_sums[NT / 32];
+  __shared__ u32 s_bin, s_room;
+  const int sh = blockIdx.y, s = sh / p.nr;
+  const u32 n = p.count[sh], k = cmin(cmin(p.want[s], p.stride), 1024);
+  // CTA 0 of a row stores its threshold; CTAs past the row's candidates have nothing to count.
+  if (k >= n || k == 0 || (blockIdx.x != 0 && blockIdx.x * TOPK_CHUNK >= n)) return;
+  est_threshold<NT>(p.est_hist + size_t(sh) * EST_BINS, k, warp_sums, &s_bin, &s_room);
+  const u32 t = s_bin;
+  u32 key[TOPK_PER_THREAD], g, e;
+  topk_chunk_keys(p.est + size_t(sh) * p.cmax, blockIdx.x * TOPK_CHUNK + threadIdx.x * TOPK_PER_THREAD, n, t, key, g, e);
+  g = block_sum<NT>(g, warp_sums);
+  e = block_sum<NT>(e, warp_sums);
+  if (threadIdx.x == 0) {
+    p.chunk_gt[size_t(sh) * p.chunks + blockIdx.x] = g;
+    p.chunk_eq[size_t(sh) * p.chunks + blockIdx.x] = e;
+    if (blockIdx.x == 0) {
+      p.thresh[2 * sh] = t;
+      p.thresh[2 * sh + 1] = s_room;
+      p.done[sh] = 0;
+    }
+  }
+}
+
+template <int NT>
+__device__ void topk_split_emit_kernel(const TopkSplitParams& p) {
+  static_assert(NT == TOPK_SPLIT_NT, "TOPK_CHUNK estimates per CTA");
+  __shared__ u32 warp_sums[NT / 32];
+  __shared__ u32 pos[1024];
+  __shared__ bool s_last;
+  const int sh = blockIdx.y, s = sh / p.nr;
+  const float* est = p.est + size_t(sh) * p.cmax;
+  const u32* cand = p.cand + size_t(sh) * p.cmax;
+  u32* out = p.out + size_t(sh) * p.stride;
+  const u32 n = p.count[sh], k = cmin(cmin(p.want[s], p.stride), 1024);
+  const u32 lo = blockIdx.x * TOPK_CHUNK;
+  if (k >= n || k == 0) {
+    const u32 got = k == 0 ? 0u : n;
+    for (u32 i = lo + threadIdx.x; i < min(lo + TOPK_CHUNK, got); i += NT) out[i] = cand[i];
+    if (blockIdx.x == 0 && threadIdx.x == 0) p.out_count[sh] = got;
+    return;
+  }
+  const u32 t = p.thresh[2 * sh], room = p.thresh[2 * sh + 1], ties = p.est_hist[size_t(sh) * EST_BINS + t];
+  u32* tie_key = p.tie_key + size_t(sh) * TIE_CAP;
+  u32* tie_pos = p.tie_pos + size_t(sh) * TIE_CAP;
+  if (ties <= TIE_CAP && lo < n) {
+    u32 gt_before = 0, eq_before = 0;
+    for (u32 c = threadIdx.x; c < blockIdx.x; c += NT) {
+      gt_before += p.chunk_gt[size_t(sh) * p.chunks + c];
+      eq_before += p.chunk_eq[size_t(sh) * p.chunks + c];
+    }
+    gt_before = block_sum<NT>(gt_before, warp_sums);
+    eq_before = block_sum<NT>(eq_before, warp_sums);
+    const u32 i0 = lo + threadIdx.x * TOPK_PER_THREAD;
+    u32 key[TOPK_PER_THREAD], g, e, total;
+    topk_chunk_keys(est, i0, n, t, key, g, e);
+    const u32 before = block_exclusive_scan<NT>((g << 16) | e, warp_sums, total);
+    u32 gp = gt_before + (before >> 16), ep = eq_before + (before & 0xffffu);
+#pragma unroll
+    for (int u = 0; u < TOPK_PER_THREAD; ++u) {
+      if (i0 + u >= n) break;
+      const u32 bin = key[u] >> (32 - EST_BITS);
+      if (bin > t) {
+        out[gp++] = cand[i0 + u];
+      } else if (bin == t) {
+        tie_key[ep] = key[u] & ((1u << (32 - EST_BITS)) - 1u);
+        tie_pos[ep++] = i0 + u;
+      }
+    }
+  }
+  // The last CTA of the row to get here sees every other CTA's writes (each fenced them before
+  // counting itself).
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(p.done + sh, 1u) == u32(gridDim.x) - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  if (ties > TIE_CAP) {
+    const u32 got = block_select<NT, 32>([&](u32 i) { return float_key(est[i]); }, n, k, pos);
+    __syncthreads();
+    for (u32 i = threadIdx.x; i < got; i += NT) out[i] = cand[pos[i]];
+    if (threadIdx.x == 0) p.out_count[sh] = got;
+    return;
+  }
+  // k - room keys above the bin are written; keep `room` of the bin's `ties` keys (their low
+  // 32 - EST_BITS bits as 24-bit keys), read from L2: other CTAs wrote them.
+  const u32 gt_total = k - room;
+  const u32 got = block_select<NT, 24>([&](u32 i) { return __ldcg(tie_key + i); }, ties, room, pos);
+  __syncthreads();
+  for (u32 i = threadIdx.x; i < got; i += NT) out[gt_total + i] = cand[__ldcg(tie_pos + pos[i])];
+  if (threadIdx.x == 0) p.out_count[sh] = gt_total + got;
 }
 
 // ---------------------------------------------------------------------------------------------
