@@ -267,6 +267,17 @@ fn device_info(py: Python<'_>, #[pyo3(from_py_with = crate::nat)] device: usize)
 }
 
 #[pyfunction]
+#[pyo3(signature = (spec, root = None))]
+/// Tokens per page of spec `spec` (a TOML path, resolved as `Cache`'s: against `root`, then
+/// `$KVFORGE_ROOT`), without a device: what page counts such as `RetrievalCache`'s
+/// `sink_pages` are in.
+fn spec_page_tokens(py: Python<'_>, spec: &str, root: Option<&str>) -> PyResult<usize> {
+    let path = crate::resolve_spec(spec, root).map_err(|m| crate::py_error(py, "Spec", m))?;
+    let s = Spec::load(&path).map_err(|e| crate::py_error(py, "Spec", e.to_string()))?;
+    Ok(s.page.tokens)
+}
+
+#[pyfunction]
 /// True when libcuda can be loaded.
 fn driver_present() -> bool {
     kvforge_rt::driver_present()
@@ -1122,6 +1133,7 @@ fn kvforge_native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(device_info, m)?)?;
     m.add_function(wrap_pyfunction!(empty_cache, m)?)?;
     m.add_function(wrap_pyfunction!(driver_present, m)?)?;
+    m.add_function(wrap_pyfunction!(spec_page_tokens, m)?)?;
     m.add_function(wrap_pyfunction!(nvrtc_present, m)?)?;
     m.add_function(wrap_pyfunction!(check_tensor, m)?)?;
     m.add_function(wrap_pyfunction!(enable_logs, m)?)?;

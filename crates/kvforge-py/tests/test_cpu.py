@@ -334,8 +334,23 @@ def test_retrieval_cache_arguments_are_typed_errors():
 def test_retrieval_window_arguments_are_checked():
     import kvforge.retrieval
 
+    import types
+
+    # The spec's page size, as the native module reads it from the TOML.
+    pages = types.SimpleNamespace(spec_page_tokens=lambda spec, root=None: 64)
     for kw in (dict(k=0), dict(local=0), dict(update=0), dict(local=16, update=32), dict(sinks=-1), dict(rank="mean"), dict(layout="whole3"),
                dict(tier="r3"), dict(spec="specs/rotated.toml"), dict(spec="specs/rotated.toml", tier="r3", sinks=32), dict(dense_below=-1)):
         with pytest.raises(ValueError, match="kvforge.retrieval"):
-            kvforge.retrieval.ParisAttention(module=object(), **kw)
+            kvforge.retrieval.ParisAttention(module=pages, **kw)
+    # Whole pages of another size pass only where they divide.
+    other = types.SimpleNamespace(spec_page_tokens=lambda spec, root=None: 32)
+    assert kvforge.retrieval.ParisAttention(module=other, spec="x.toml", tier="r3", sinks=32, local=64, update=32).page == 32
+    with pytest.raises(ValueError, match="whole pages of 128"):
+        kvforge.retrieval.ParisAttention(module=types.SimpleNamespace(spec_page_tokens=lambda spec, root=None: 128), spec="x.toml", tier="r3")
     assert callable(kvforge.retrieval.use_retrieval)
+
+
+def test_spec_page_tokens_reads_the_spec():
+    # no device needed; a missing spec is a Spec error naming the file
+    assert kvforge.spec_page_tokens("specs/rotated.toml", root=str(REPO)) == 64
+    assert err(kvforge.spec_page_tokens, "specs/none.toml", root=str(REPO)).kind == "Spec"

@@ -61,6 +61,7 @@ from ._native import (
     enable_logs,
     driver_present,
     nvrtc_present,
+    spec_page_tokens,
 )
 from . import hf, retrieval
 
@@ -87,6 +88,7 @@ __all__ = [
     "driver_present",
     "nvrtc_present",
     "retrieval",
+    "spec_page_tokens",
 ]
 
 

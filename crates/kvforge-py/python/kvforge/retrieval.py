@@ -49,10 +49,6 @@ from .hf import attach, sdpa_causal
 
 __all__ = ["ParisAttention", "use_retrieval"]
 
-# Tokens per page of the shipped specs: the ``tier`` path's regions are whole pages.
-_PAGE = 64
-
-
 def _bytes(x) -> bytes:
     """fp16 bytes of a tensor, row-major."""
     import torch
@@ -98,12 +94,14 @@ class ParisAttention:
             raise ValueError(f"kvforge.retrieval: layout must be 'whole64', 'subspace4' or None, got {layout!r}")
         if (spec is None) != (tier is None):
             raise ValueError(f"kvforge.retrieval: pass spec and tier together (the GPU region's format), got spec={spec!r}, tier={tier!r}")
-        if tier is not None and (sinks % _PAGE or local % _PAGE or update % _PAGE):
-            raise ValueError(f"kvforge.retrieval: with a tier, sinks, local and update are whole pages of {_PAGE} tokens; got {sinks}, {local}, {update}")
         if dense_below is not None and dense_below < 0:
             raise ValueError(f"kvforge.retrieval: dense_below must be >= 0, got {dense_below}")
         self.spec, self.tier, self.root, self.dense_below = spec, tier, root, dense_below
         self.kvforge = module if module is not None else importlib.import_module("kvforge")
+        # The ``tier`` path's regions are whole pages of the spec's page size.
+        self.page = int(self.kvforge.spec_page_tokens(spec, root=root)) if tier is not None else 0
+        if tier is not None and (sinks % self.page or local % self.page or update % self.page):
+            raise ValueError(f"kvforge.retrieval: with a tier, sinks, local and update are whole pages of {self.page} tokens (spec {spec}); got {sinks}, {local}, {update}")
         self.k, self.sinks, self.local, self.update = int(k), int(sinks), int(local), int(update)
         self.capacity, self.host_budget_gb = int(capacity), float(host_budget_gb)
         self.per_query_head, self.rank, self.layout = bool(per_query_head), rank, layout
@@ -143,7 +141,7 @@ class ParisAttention:
             # A prompt: exact attention; the cache takes every position and moves its pages
             # past sinks + window to the index.
             rc = self.kvforge.RetrievalCache(self.spec, d, hkv, hq // hkv, self.capacity, target=self.tier,
-                                             sink_pages=self.sinks // _PAGE, local_pages=self.local // _PAGE, update_pages=self.update // _PAGE,
+                                             sink_pages=self.sinks // self.page, local_pages=self.local // self.page, update_pages=self.update // self.page,
                                              max_k=max(self.k, 8), max_candidates=max(65536, 8 * self.k), host_budget_gb=self.host_budget_gb,
                                              per_query_head=self.per_query_head, rank=self.rank, layout=self.layout, root=self.root)
             rc.append(0, _bytes(_rows(k0, 0, s)), _bytes(_rows(v0, 0, s)))
