@@ -30,7 +30,6 @@ import argparse
 import base64
 import hashlib
 import io
-import os
 import shutil
 import subprocess
 import sys

@@ -1,7 +1,6 @@
 """CPU-only tests of the kvforge Python package: argument validation, error mapping and
 configuration checks that need no GPU (CI has none). GPU tests: test_gpu.py, on the device."""
 
-import os
 import pickle
 from pathlib import Path
 

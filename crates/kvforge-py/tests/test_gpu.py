@@ -355,7 +355,6 @@ def test_controller_meets_the_budget_and_keeps_the_heavy_page():
         c = mk("rdkv", "b8", sequences=1)
         s = c.add_sequence()
         c.append(s, k, v)
-        before = {r["tier"]: r["resident_bytes"] for r in c.memory_report()}
         ctl = kvforge.Controller(c, policy=policy, budget=40.0, sinks=P, recent=P, floor="b2", every=4)
         if policy == "rdr":
             assert [ctl.due() for _ in range(8)].count(True) == 2  # every 4 decode steps
