@@ -313,7 +313,11 @@ impl KvtcRestorer {
             let slot = si % 2;
             let ord = order(seg);
             let bytes = bytes_of(seg);
-            // entropy decode into the pinned slot (waits for the copy that last read it)
+            // entropy decode into the pinned slot, once the copy that last read it has run: the
+            // device's context does not track events (`Device::open`), so `as_mut_slice` does
+            // not wait for it; `copied[slot]` was recorded behind that copy (not yet recorded for
+            // the first two segments: no wait)
+            copied[slot].synchronize().map_err(drv("kvtc pinned staging"))?;
             let td = std::time::Instant::now();
             {
                 let buf = pinned[slot].as_mut_slice().map_err(drv("kvtc pinned staging"))?;

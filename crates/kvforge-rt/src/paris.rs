@@ -530,6 +530,10 @@ struct Workspace {
     inputs: CudaSlice<u32>,
     /// Their pinned staging copy (written by the host once the last upload from it has run).
     staging: PinnedHostSlice<u32>,
+    /// Recorded behind each upload from `staging`. The device's context does not track events
+    /// (`Device::open`), so the pinned slice's own event is never recorded: the host waits on
+    /// this one before writing the staging copy again.
+    staged: CudaEvent,
     qrot: CudaSlice<f32>,
     qnorm: CudaSlice<f32>,
     bonus: CudaSlice<u8>,
@@ -661,6 +665,7 @@ impl ParisIndex {
             inputs: z32(Inputs::words(qh * d, geo.batch), "queries and plan")?,
             // SAFETY: every word is written by `prepare` before the one upload from it.
             staging: unsafe { ctx.alloc_pinned::<u32>(Inputs::words(qh * d, geo.batch)) }.map_err(drv("pinned staging of the queries and plan"))?,
+            staged: ctx.new_event(None).map_err(drv("staging event"))?,
             qrot: zf(nr * d, "rotated queries")?,
             qnorm: zf(nr, "query norms")?,
             // Packed 4 retrieval rows to a 32-bit word per (kv head, subspace, centroid).
@@ -1076,6 +1081,7 @@ impl ParisIndex {
         }
         schedule.validate()?;
         let (batch, qw, cmax) = (self.geo.batch, q.len().div_ceil(2), self.geo.max_candidates);
+        self.ws.staged.synchronize().map_err(drv("query staging"))?;
         let host = self.ws.staging.as_mut_slice().map_err(drv("query staging"))?;
         stage_queries(host, q);
         for (i, &n) in self.len.iter().enumerate() {
@@ -1085,7 +1091,8 @@ impl ParisIndex {
             self.plan_candidates[i] = plan.candidates.clamp(plan.k, cmax);
             host[qw + Inputs::TopK as usize * batch + i] = plan.k as u32;
         }
-        self.st.memcpy_htod(&self.ws.staging, &mut self.ws.inputs).map_err(drv("queries and plan"))
+        self.st.memcpy_htod(&self.ws.staging, &mut self.ws.inputs).map_err(drv("queries and plan"))?;
+        self.ws.staged.record(&self.st).map_err(drv("staging event"))
     }
 
     fn launch_vote(&self, span: Span) -> Result<()> {
@@ -1511,8 +1518,10 @@ impl ParisIndex {
             return Err(RtError::ShapeMismatch { what: "ParisKV queries".into(), expected: format!("{expected} values"), got: format!("{} values", q.len()) });
         }
         // The plan words stay those of the last `prepare`.
+        self.ws.staged.synchronize().map_err(drv("query staging"))?;
         stage_queries(self.ws.staging.as_mut_slice().map_err(drv("query staging"))?, q);
         self.st.memcpy_htod(&self.ws.staging, &mut self.ws.inputs).map_err(drv("queries"))?;
+        self.ws.staged.record(&self.st).map_err(drv("staging event"))?;
         if !fused {
             self.launch_fetch(&self.st, self.all())?;
         }
