@@ -844,6 +844,11 @@ impl ParisIndex {
         (span.s0 * self.geo.kv_heads * self.geo.capacity * 2 * self.cfg.head_dim * 2) as u64
     }
 
+    /// The largest top-C of the sequences of `span` under the last `prepare`'s plan.
+    fn most_candidates(&self, span: Span) -> usize {
+        self.plan_candidates[span.s0..span.s0 + span.n].iter().copied().max().unwrap_or(0)
+    }
+
     /// The most keys any sequence of `span` holds (at least 1).
     fn most(&self, span: Span) -> usize {
         self.len[span.s0..span.s0 + span.n].iter().copied().max().unwrap_or(0).max(1)
@@ -1157,7 +1162,7 @@ impl ParisIndex {
 
     fn launch_select(&self, topk: bool, span: Span) -> Result<()> {
         let nr = span.n * self.geo.rows_per_sequence();
-        let most = self.plan_candidates[span.s0..span.s0 + span.n].iter().copied().max().unwrap_or(0);
+        let most = self.most_candidates(span);
         if topk && !self.radix_topk && nr <= self.ws.split.rows && self.split_topk.unwrap_or(nr < self.sms && most >= SPLIT_MIN_CANDIDATES) {
             return self.launch_topk_split(span);
         }
@@ -1186,7 +1191,7 @@ impl ParisIndex {
     fn launch_topk_split(&self, span: Span) -> Result<()> {
         let (g, w, sc) = (&self.geo, &self.ws, &self.ws.split);
         let nr = span.n * g.rows_per_sequence();
-        let most = self.plan_candidates[span.s0..span.s0 + span.n].iter().copied().max().unwrap_or(0);
+        let most = self.most_candidates(span);
         let chunks = most.div_ceil(TOPK_CHUNK).clamp(1, sc.chunks);
         let ptr = |b: &CudaSlice<u32>| b.device_ptr(&self.st).0;
         let p = TopkSplitParams {
