@@ -244,6 +244,20 @@ const RERANK_STEP: usize = 512;
 /// while at 128K × 1 26 CTAs a row (512) took 20 µs against 32 for 7 (2048).
 const RERANK_CTAS_PER_SM: usize = 2;
 
+/// Whether a top-k launch of `rows` retrieval rows, the largest top-C `most`, on `sms` SMs takes
+/// the split form by default: rows that leave SMs idle, and a top-C long enough to pay for the
+/// second launch ([`SPLIT_MIN_CANDIDATES`]).
+fn split_topk_by_default(rows: usize, most: usize, sms: usize) -> bool {
+    rows < sms && most >= SPLIT_MIN_CANDIDATES
+}
+
+/// Whether a bucket top-C launch of `rows` retrieval rows of up to `most` keys on `sms` SMs takes
+/// the wide form by default: where its grid still gives every SM [`BUCKET_WIDE_CTAS_PER_SM`]
+/// CTAs.
+fn wide_bucket_by_default(rows: usize, most: usize, sms: usize) -> bool {
+    most.div_ceil(BUCKET_CHUNK_WIDE) * rows >= BUCKET_WIDE_CTAS_PER_SM * sms
+}
+
 /// Candidates per CTA of the rerank for `rows` retrieval rows of up to `cmax` candidates on
 /// `sms` SMs: [`RERANK_CHUNK`] where the rows fill the GPU, smaller (down to one block
 /// iteration) where few short rows would leave SMs idle, as at 128K × batch 1, whose CTAs
@@ -1163,7 +1177,7 @@ impl ParisIndex {
     fn launch_select(&self, topk: bool, span: Span) -> Result<()> {
         let nr = span.n * self.geo.rows_per_sequence();
         let most = self.most_candidates(span);
-        if topk && !self.radix_topk && nr <= self.ws.split.rows && self.split_topk.unwrap_or(nr < self.sms && most >= SPLIT_MIN_CANDIDATES) {
+        if topk && !self.radix_topk && nr <= self.ws.split.rows && self.split_topk.unwrap_or(split_topk_by_default(nr, most, self.sms)) {
             return self.launch_topk_split(span);
         }
         let p = self.select_params(topk, span);
@@ -1230,8 +1244,7 @@ impl ParisIndex {
         let (g, w) = (&self.geo, &self.ws);
         let nr = span.n * g.rows_per_sequence();
         let chunks = g.capacity.div_ceil(BUCKET_CHUNK);
-        let wide_live = self.most(span).div_ceil(BUCKET_CHUNK_WIDE);
-        let wide = self.wide_bucket.unwrap_or(wide_live * nr >= BUCKET_WIDE_CTAS_PER_SM * self.sms);
+        let wide = self.wide_bucket.unwrap_or(wide_bucket_by_default(nr, self.most(span), self.sms));
         let live = self.most(span).div_ceil(if wide { BUCKET_CHUNK_WIDE } else { BUCKET_CHUNK });
         let p = BucketParams {
             scores: self.at(&w.scores, span),
@@ -1622,6 +1635,16 @@ mod tests {
                 assert!(hi - lo <= 1, "{batch} {chunks}: {v:?}");
             }
         }
+    }
+
+    #[test]
+    fn top_c_and_top_k_forms_follow_the_measured_shapes() {
+        // H200 (132 SMs), one retrieval row per kv head, 8 kv heads (paris-bench-split-topk,
+        // paris-bench-bucket-wide): 1M × 1 (top-C 52429) takes both, 128K × 1 (13108) neither,
+        // 128K × 64 (512 rows) the wide bucket only.
+        assert!(split_topk_by_default(8, 52_429, 132) && wide_bucket_by_default(8, 1 << 20, 132));
+        assert!(!split_topk_by_default(8, 13_108, 132) && !wide_bucket_by_default(8, 1 << 17, 132));
+        assert!(!split_topk_by_default(512, 13_108, 132) && wide_bucket_by_default(512, 1 << 17, 132));
     }
 
     #[test]
