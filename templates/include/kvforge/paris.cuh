@@ -681,6 +681,19 @@ __device__ __forceinline__ u32 block_sum(u32 x, u32* smem) {
   return r;
 }
 
+// The keys above and at the threshold in a row's chunks before `chunk` (the per-chunk counts
+// `gt` / `eq` of a count kernel), summed by the whole CTA: where the chunk's keys start.
+template <int NT>
+__device__ __forceinline__ void chunks_before(const u32* gt, const u32* eq, u32 chunk, u32* smem, u32& gt_before, u32& eq_before) {
+  u32 g = 0, e = 0;
+  for (u32 c = threadIdx.x; c < chunk; c += NT) {
+    g += gt[c];
+    e += eq[c];
+  }
+  gt_before = block_sum<NT>(g, smem);
+  eq_before = block_sum<NT>(e, smem);
+}
+
 // Keys per thread of the bucket top-C (PER, a multiple of 16: 16-byte loads of scores; rows are
 // padded to 16 keys): 16 (`bucket_count` / `bucket_emit`) or 64 (`..._wide`). Each CTA computes
 // the threshold and its chunk's offset before its loads, so many short rows (1M keys × 8 rows:
@@ -762,13 +775,8 @@ __device__ void bucket_emit_kernel(const BucketParams& p) {
   }
   u32 t, room;
   bucket_threshold<NT>(p.hist + size_t(sh) * 256, n, want, red, t, room);
-  u32 gt_before = 0, eq_before = 0;
-  for (u32 c = threadIdx.x; c < blockIdx.x; c += NT) {
-    gt_before += p.chunk_gt[size_t(sh) * p.chunks + c];
-    eq_before += p.chunk_eq[size_t(sh) * p.chunks + c];
-  }
-  gt_before = block_sum<NT>(gt_before, red);
-  eq_before = block_sum<NT>(eq_before, red);
+  u32 gt_before, eq_before;
+  chunks_before<NT>(p.chunk_gt + size_t(sh) * p.chunks, p.chunk_eq + size_t(sh) * p.chunks, blockIdx.x, red, gt_before, eq_before);
   const u32 i0 = lo + threadIdx.x * PER;
   u32 w[PER / 4];
   load_scores<PER>(p.scores + size_t(sh) * p.cap, i0, n, w);
@@ -1372,6 +1380,63 @@ __device__ __forceinline__ void est_threshold(const u32* hist, u32 k, u32* warp_
   __syncthreads();
 }
 
+// Estimates per thread and pass of the one-pass top-k (topk_hist's tiles, the split top-k's
+// chunks).
+constexpr int TOPK_PER_THREAD = 8;
+
+// The keys (float_key of the estimates) of a CTA's TOPK_PER_THREAD positions from i0, and how
+// many lie above / in bin t (positions past n: 0, in neither).
+__device__ __forceinline__ void topk_chunk_keys(const float* est, u32 i0, u32 n, u32 t, u32 (&key)[TOPK_PER_THREAD], u32& g, u32& e) {
+  g = 0;
+  e = 0;
+#pragma unroll
+  for (int u = 0; u < TOPK_PER_THREAD; ++u) {
+    key[u] = i0 + u < n ? float_key(est[i0 + u]) : 0u;
+    const u32 bin = key[u] >> (32 - EST_BITS);
+    g += i0 + u < n && bin > t;
+    e += i0 + u < n && bin == t;
+  }
+}
+
+// Writes the keys `key` of a thread's TOPK_PER_THREAD positions from i0 (those below n): the
+// candidates of bins above t at out[gp..], the low bits and positions of bin t's at
+// tie_key / tie_pos[ep..], both in index order.
+__device__ __forceinline__ void topk_emit_keys(const u32 (&key)[TOPK_PER_THREAD], u32 i0, u32 n, u32 t, const u32* cand, u32* out, u32 gp, u32* tie_key, u32* tie_pos, u32 ep) {
+#pragma unroll
+  for (int u = 0; u < TOPK_PER_THREAD; ++u) {
+    if (i0 + u >= n) break;
+    const u32 bin = key[u] >> (32 - EST_BITS);
+    if (bin > t) {
+      out[gp++] = cand[i0 + u];
+    } else if (bin == t) {
+      tie_key[ep] = key[u] & ((1u << (32 - EST_BITS)) - 1u);
+      tie_pos[ep++] = i0 + u;
+    }
+  }
+}
+
+// The radix select over a whole row of `n` estimates, keeping k: the top-k where the threshold
+// bin holds more than TIE_CAP keys. Writes the row's out and out_count.
+template <int NT>
+__device__ __forceinline__ void topk_radix_row(const float* est, const u32* cand, u32 n, u32 k, u32* pos, u32* out, u32* out_count) {
+  const u32 got = block_select<NT, 32>([&](u32 i) { return float_key(est[i]); }, n, k, pos);
+  __syncthreads();
+  for (u32 i = threadIdx.x; i < got; i += NT) out[i] = cand[pos[i]];
+  if (threadIdx.x == 0) *out_count = got;
+}
+
+// The threshold bin's winners: `above` keys of higher bins are written; keep `room` of the
+// bin's `ties` keys by their low 32 - EST_BITS bits (tie_key(i), selected as 24-bit keys: whole
+// 8-bit radix passes), ties in index order (tie_pos(i) their positions), after them.
+template <int NT, class TieKey, class TiePos>
+__device__ __forceinline__ void topk_take_ties(const TieKey& tie_key, const TiePos& tie_pos, u32 ties, u32 room, u32 above, const u32* cand, u32* pos, u32* out, u32* out_count) {
+  static_assert(32 - EST_BITS <= 24, "tie keys fit the 24-bit select");
+  const u32 got = block_select<NT, 24>(tie_key, ties, room, pos);
+  __syncthreads();
+  for (u32 i = threadIdx.x; i < got; i += NT) out[above + i] = cand[tie_pos(pos[i])];
+  if (threadIdx.x == 0) *out_count = above + got;
+}
+
 // One-pass top-k of the rerank estimates: one CTA of NT = 1024 threads per (sequence, retrieval
 // row). The threshold bin t and its room come from the rerank's histogram (a block scan over
 // EST_BINS / NT bins per thread), then ONE pass over the estimates in tiles of 8 per thread, with one block
@@ -1382,7 +1447,7 @@ __device__ __forceinline__ void est_threshold(const u32* hist, u32 k, u32* warp_
 // the radix select over the whole row.
 template <int NT>
 __device__ void topk_hist_kernel(const SelectParams& p) {
-  constexpr int PER = 8, TILE = NT * PER;
+  constexpr int TILE = NT * TOPK_PER_THREAD;
   static_assert(TILE < 65536, "packed tile counts");
   __shared__ u32 tie_key[TIE_CAP];
   __shared__ u32 tie_pos[TIE_CAP];
@@ -1404,50 +1469,23 @@ __device__ void topk_hist_kernel(const SelectParams& p) {
   est_threshold<NT>(hist, k, warp_sums, &s_bin, &s_room);
   const u32 t = s_bin, room = s_room, ties = hist[t];
   if (ties > TIE_CAP) {
-    const u32 got = block_select<NT, 32>([&](u32 i) { return float_key(est[i]); }, n, k, pos);
-    __syncthreads();
-    for (u32 i = threadIdx.x; i < got; i += NT) out[i] = cand[pos[i]];
-    if (threadIdx.x == 0) p.out_count[sh] = got;
+    topk_radix_row<NT>(est, cand, n, k, pos, out, p.out_count + sh);
     return;
   }
   u32 gt_off = 0, eq_off = 0;
 #pragma unroll 1
   for (u32 base = 0; base < n; base += TILE) {
-    u32 key[PER];
-    u32 g = 0, e = 0;
-    const u32 i0 = base + threadIdx.x * PER;
-#pragma unroll
-    for (int u = 0; u < PER; ++u) {
-      key[u] = i0 + u < n ? float_key(est[i0 + u]) : 0u;
-      const u32 bin = key[u] >> (32 - EST_BITS);
-      g += i0 + u < n && bin > t;
-      e += i0 + u < n && bin == t;
-    }
-    u32 tile_total;
+    u32 key[TOPK_PER_THREAD], g, e, tile_total;
+    const u32 i0 = base + threadIdx.x * TOPK_PER_THREAD;
+    topk_chunk_keys(est, i0, n, t, key, g, e);
     const u32 before = block_exclusive_scan<NT>((g << 16) | e, warp_sums, tile_total);
-    u32 gp = gt_off + (before >> 16), ep = eq_off + (before & 0xffffu);
-#pragma unroll
-    for (int u = 0; u < PER; ++u) {
-      if (i0 + u >= n) break;
-      const u32 bin = key[u] >> (32 - EST_BITS);
-      if (bin > t) {
-        out[gp++] = cand[i0 + u];
-      } else if (bin == t) {
-        tie_key[ep] = key[u] & ((1u << (32 - EST_BITS)) - 1u);
-        tie_pos[ep++] = i0 + u;
-      }
-    }
+    topk_emit_keys(key, i0, n, t, cand, out, gt_off + (before >> 16), tie_key, tie_pos, eq_off + (before & 0xffffu));
     gt_off += tile_total >> 16;
     eq_off += tile_total & 0xffffu;
   }
   __syncthreads();
-  // gt_off == k - room keys above the bin are written; keep `room` of the bin's `ties` keys
-  // (their low 32 - EST_BITS bits, selected as 24-bit keys: whole 8-bit radix passes).
-  static_assert(32 - EST_BITS <= 24, "tie keys fit the 24-bit select");
-  const u32 got = block_select<NT, 24>([&](u32 i) { return tie_key[i]; }, ties, room, pos);
-  __syncthreads();
-  for (u32 i = threadIdx.x; i < got; i += NT) out[gt_off + i] = cand[tie_pos[pos[i]]];
-  if (threadIdx.x == 0) p.out_count[sh] = gt_off + got;
+  // gt_off == k - room keys above the bin are written.
+  topk_take_ties<NT>([&](u32 i) { return tie_key[i]; }, [&](u32 i) { return tie_pos[i]; }, ties, room, gt_off, cand, pos, out, p.out_count + sh);
 }
 
 // The one-pass top-k split over many CTAs per row, for launches with fewer retrieval rows than
@@ -1461,7 +1499,7 @@ __device__ void topk_hist_kernel(const SelectParams& p) {
 //   topk_split_emit: each CTA writes its chunk's keys above the bin at their index-order
 //     positions and those in the bin (low bits and position) to the row's tie buffer; the last
 //     CTA of the row to finish (a counter behind a fence) selects the bin's winners.
-constexpr int TOPK_PER_THREAD = 8, TOPK_SPLIT_NT = 256, TOPK_CHUNK = TOPK_PER_THREAD * TOPK_SPLIT_NT;
+constexpr int TOPK_SPLIT_NT = 256, TOPK_CHUNK = TOPK_PER_THREAD * TOPK_SPLIT_NT;
 
 struct TopkSplitParams {
   const float* est;     // [rows][cmax]
@@ -1479,20 +1517,6 @@ struct TopkSplitParams {
   u32* out_count;       // [rows]
   int cmax, stride, nr, chunks;
 };
-
-// The keys (float_key of the estimates) of a CTA's TOPK_PER_THREAD positions from i0, and how
-// many lie above / in bin t (positions past n: 0, in neither).
-__device__ __forceinline__ void topk_chunk_keys(const float* est, u32 i0, u32 n, u32 t, u32 (&key)[TOPK_PER_THREAD], u32& g, u32& e) {
-  g = 0;
-  e = 0;
-#pragma unroll
-  for (int u = 0; u < TOPK_PER_THREAD; ++u) {
-    key[u] = i0 + u < n ? float_key(est[i0 + u]) : 0u;
-    const u32 bin = key[u] >> (32 - EST_BITS);
-    g += i0 + u < n && bin > t;
-    e += i0 + u < n && bin == t;
-  }
-}
 
 template <int NT>
 __device__ void topk_split_count_kernel(const TopkSplitParams& p) {
@@ -1542,29 +1566,13 @@ __device__ void topk_split_emit_kernel(const TopkSplitParams& p) {
   u32* tie_key = p.tie_key + size_t(sh) * TIE_CAP;
   u32* tie_pos = p.tie_pos + size_t(sh) * TIE_CAP;
   if (ties <= TIE_CAP && lo < n) {
-    u32 gt_before = 0, eq_before = 0;
-    for (u32 c = threadIdx.x; c < blockIdx.x; c += NT) {
-      gt_before += p.chunk_gt[size_t(sh) * p.chunks + c];
-      eq_before += p.chunk_eq[size_t(sh) * p.chunks + c];
-    }
-    gt_before = block_sum<NT>(gt_before, warp_sums);
-    eq_before = block_sum<NT>(eq_before, warp_sums);
+    u32 gt_before, eq_before;
+    chunks_before<NT>(p.chunk_gt + size_t(sh) * p.chunks, p.chunk_eq + size_t(sh) * p.chunks, blockIdx.x, warp_sums, gt_before, eq_before);
     const u32 i0 = lo + threadIdx.x * TOPK_PER_THREAD;
     u32 key[TOPK_PER_THREAD], g, e, total;
     topk_chunk_keys(est, i0, n, t, key, g, e);
     const u32 before = block_exclusive_scan<NT>((g << 16) | e, warp_sums, total);
-    u32 gp = gt_before + (before >> 16), ep = eq_before + (before & 0xffffu);
-#pragma unroll
-    for (int u = 0; u < TOPK_PER_THREAD; ++u) {
-      if (i0 + u >= n) break;
-      const u32 bin = key[u] >> (32 - EST_BITS);
-      if (bin > t) {
-        out[gp++] = cand[i0 + u];
-      } else if (bin == t) {
-        tie_key[ep] = key[u] & ((1u << (32 - EST_BITS)) - 1u);
-        tie_pos[ep++] = i0 + u;
-      }
-    }
+    topk_emit_keys(key, i0, n, t, cand, out, gt_before + (before >> 16), tie_key, tie_pos, eq_before + (before & 0xffffu));
   }
   // The last CTA of the row to get here sees every other CTA's writes (each fenced them before
   // counting itself).
@@ -1575,19 +1583,12 @@ __device__ void topk_split_emit_kernel(const TopkSplitParams& p) {
   if (!s_last) return;
   __threadfence();
   if (ties > TIE_CAP) {
-    const u32 got = block_select<NT, 32>([&](u32 i) { return float_key(est[i]); }, n, k, pos);
-    __syncthreads();
-    for (u32 i = threadIdx.x; i < got; i += NT) out[i] = cand[pos[i]];
-    if (threadIdx.x == 0) p.out_count[sh] = got;
+    topk_radix_row<NT>(est, cand, n, k, pos, out, p.out_count + sh);
     return;
   }
-  // k - room keys above the bin are written; keep `room` of the bin's `ties` keys (their low
-  // 32 - EST_BITS bits as 24-bit keys), read from L2: other CTAs wrote them.
-  const u32 gt_total = k - room;
-  const u32 got = block_select<NT, 24>([&](u32 i) { return __ldcg(tie_key + i); }, ties, room, pos);
-  __syncthreads();
-  for (u32 i = threadIdx.x; i < got; i += NT) out[gt_total + i] = cand[__ldcg(tie_pos + pos[i])];
-  if (threadIdx.x == 0) p.out_count[sh] = gt_total + got;
+  // k - room keys above the bin are written; the bin's keys are read from L2: other CTAs wrote
+  // them.
+  topk_take_ties<NT>([&](u32 i) { return __ldcg(tie_key + i); }, [&](u32 i) { return __ldcg(tie_pos + i); }, ties, room, k - room, cand, pos, out, p.out_count + sh);
 }
 
 // ---------------------------------------------------------------------------------------------
