@@ -565,9 +565,13 @@ struct Workspace {
     top_count: CudaSlice<u32>,
     k_rows: CudaSlice<u16>,
     v_rows: CudaSlice<u16>,
-    out: CudaSlice<f32>,
-    lse: CudaSlice<f32>,
-    err: CudaSlice<u32>,
+    /// A step's results, one download: the attention's output `[batch][Hq][D]` and log-sum-exp
+    /// `[batch][Hq]` (f32 bits), then the fetch's error flags (one word).
+    result: CudaSlice<u32>,
+    /// Their pinned landing copy, read once `landed` (recorded behind the download) has passed:
+    /// the slice's own event is never recorded (event tracking is off, `Device::open`).
+    result_host: PinnedHostSlice<u32>,
+    landed: CudaEvent,
 }
 
 /// [`Workspace::inputs`]: the queries' words, then three `[batch]` arrays of the plan.
@@ -709,9 +713,10 @@ impl ParisIndex {
             top_count: z32(nr, "top-k counts")?,
             k_rows: z16(nr * geo.max_k * d, "fetched keys")?,
             v_rows: z16(nr * geo.max_k * d, "fetched values")?,
-            out: zf(qh * d, "output")?,
-            lse: zf(qh, "lse")?,
-            err: z32(1, "error flags")?,
+            result: z32(qh * d + qh + 1, "output, lse and error flags")?,
+            // SAFETY: read only after a download into it has landed (`finish`).
+            result_host: unsafe { ctx.alloc_pinned_with_flags::<u32>(qh * d + qh + 1, 0) }.map_err(drv("pinned landing of the output"))?,
+            landed: ctx.new_event(None).map_err(drv("output event"))?,
         };
         let (_, greatest) = cudarc::driver::result::stream::get_priority_range().map_err(drv("stream priorities"))?;
         let fetch_st = ctx.new_stream_with_priority(greatest).map_err(drv("ParisKV fetch stream"))?;
@@ -838,6 +843,25 @@ impl ParisIndex {
     fn q_at(&self, span: Span) -> u64 {
         let per_seq = self.geo.kv_heads * self.geo.gqa * self.cfg.head_dim * 2;
         self.ws.inputs.device_ptr(&self.st).0 + (span.s0 * per_seq) as u64
+    }
+
+    /// Device address of sequence `span.s0`'s attention output (`[batch][Hq][D]` f32 in the
+    /// results).
+    fn out_at(&self, span: Span) -> u64 {
+        let per_seq = self.geo.kv_heads * self.geo.gqa * self.cfg.head_dim * 4;
+        self.ws.result.device_ptr(&self.st).0 + (span.s0 * per_seq) as u64
+    }
+
+    /// Device address of sequence `span.s0`'s log-sum-exps (`[batch][Hq]` f32, after the output).
+    fn lse_at(&self, span: Span) -> u64 {
+        let hq = self.geo.kv_heads * self.geo.gqa;
+        self.ws.result.device_ptr(&self.st).0 + ((self.geo.batch * hq * self.cfg.head_dim + span.s0 * hq) * 4) as u64
+    }
+
+    /// Device address of the fetch's error flags (the results' last word).
+    fn err_ptr(&self) -> u64 {
+        let hq = self.geo.kv_heads * self.geo.gqa;
+        self.ws.result.device_ptr(&self.st).0 + ((self.geo.batch * hq * (self.cfg.head_dim + 1)) * 4) as u64
     }
 
     /// Device address of sequence `span.s0`'s entry of the plan array `which`.
@@ -1327,7 +1351,7 @@ impl ParisIndex {
             top_count: self.at(&w.top_count, span),
             k_out: self.at(&w.k_rows, span),
             v_out: self.at(&w.v_rows, span),
-            error_flags: w.err.device_ptr(&self.st).0,
+            error_flags: self.err_ptr(),
             len: self.at(&self.len_d, span),
             host_cap: g.capacity as i32,
             kmax: g.max_k as i32,
@@ -1365,8 +1389,8 @@ impl ParisIndex {
             host_v: self.host_v_ptr + host_off,
             top: self.at(&w.top, span),
             top_count: self.at(&w.top_count, span),
-            out: self.at(&w.out, span),
-            lse: self.at(&w.lse, span),
+            out: self.out_at(span),
+            lse: self.lse_at(span),
             scale: 1.0 / (self.cfg.head_dim as f32).sqrt(),
             dense_cap: g.dense_capacity as i32,
             host_cap: g.capacity as i32,
@@ -1547,14 +1571,22 @@ impl ParisIndex {
         self.finish()
     }
 
+    /// Downloads the step's output, log-sum-exp and error flags in one copy and waits for it.
     fn finish(&mut self) -> Result<(Vec<f32>, Vec<f32>)> {
-        let out = self.st.clone_dtoh(&self.ws.out).map_err(drv("output"))?;
-        let lse = self.st.clone_dtoh(&self.ws.lse).map_err(drv("lse"))?;
-        let err = self.st.clone_dtoh(&self.ws.err).map_err(drv("error flags"))?;
-        if err[0] != 0 {
-            self.st.memcpy_htod(&[0u32], &mut self.ws.err).map_err(drv("error flags"))?;
-            return Err(RtError::BadInput(format!("ParisKV fetch: a retrieved index lies past its sequence's retrieval region (flags {:#x})", err[0])));
+        let qh = self.geo.batch * self.geo.kv_heads * self.geo.gqa;
+        let d = self.cfg.head_dim;
+        self.st.memcpy_dtoh(&self.ws.result, &mut self.ws.result_host).map_err(drv("output"))?;
+        self.ws.landed.record(&self.st).map_err(drv("output event"))?;
+        self.ws.landed.synchronize().map_err(drv("output"))?;
+        let host = self.ws.result_host.as_slice().map_err(drv("output"))?;
+        let err = host[qh * d + qh];
+        if err != 0 {
+            let mut flags = self.ws.result.slice_mut(qh * d + qh..);
+            self.st.memcpy_htod(&[0u32], &mut flags).map_err(drv("error flags"))?;
+            return Err(RtError::BadInput(format!("ParisKV fetch: a retrieved index lies past its sequence's retrieval region (flags {err:#x})")));
         }
+        let out = host[..qh * d].iter().map(|&b| f32::from_bits(b)).collect();
+        let lse = host[qh * d..qh * d + qh].iter().map(|&b| f32::from_bits(b)).collect();
         Ok((out, lse))
     }
 
