@@ -33,11 +33,13 @@ fn is_dense(t: &Tier) -> bool {
 }
 
 /// Launch shape a decode format takes by default: the spec's `kernels.dense` for formats whose
-/// tiers (the tail aside) are all dense, else `kernels.warps` / `ctas_per_sm`.
+/// tiers (the tail aside) are all dense, `kernels.ladder` for formats of several tiers, else
+/// `kernels.warps` / `ctas_per_sm`.
 pub fn decode_shape(spec: &Spec, tiers: &[TierId]) -> KernelShape {
-    let mut own = tiers.iter().map(|&t| &spec.tiers[t as usize]).filter(|t| t.id != kvforge_spec::TAIL_TIER).peekable();
-    match spec.kernels.dense {
-        Some(shape) if own.peek().is_some() && own.all(is_dense) => shape,
+    let own: Vec<&Tier> = tiers.iter().map(|&t| &spec.tiers[t as usize]).filter(|t| t.id != kvforge_spec::TAIL_TIER).collect();
+    match (spec.kernels.dense, spec.kernels.ladder) {
+        (Some(shape), _) if !own.is_empty() && own.iter().all(|t| is_dense(t)) => shape,
+        (_, Some(shape)) if own.len() > 1 => shape,
         _ => KernelShape { warps: spec.kernels.warps, ctas_per_sm: spec.kernels.ctas_per_sm },
     }
 }

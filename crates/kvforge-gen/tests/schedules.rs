@@ -77,8 +77,13 @@ fn every_default_schedule_is_valid_and_in_its_formats_table() {
 }
 
 fn parse(kernels: &str) -> Spec {
-    // A ladder of fp16 and int4 pages (int4 keys in page-wide blocks: per-warp eligible).
-    let src = format!(
+    Spec::parse(&source(kernels), "t.toml", &specs_dir()).unwrap()
+}
+
+/// A ladder of fp16 and int4 pages (int4 keys in page-wide blocks: per-warp eligible) with
+/// these `[kernels]` keys.
+fn source(kernels: &str) -> String {
+    format!(
         r#"
 [spec]
 name = "t"
@@ -100,8 +105,7 @@ value = {{ scheme = "int", bits = 4, group = 32, scale_dtype = "fp16" }}
 combinations = [["b16"], ["b4"]]
 {kernels}
 "#
-    );
-    Spec::parse(&src, "t.toml", &specs_dir()).unwrap()
+    )
 }
 
 /// (fp16 format, int4 format) default schedules of a spec with these `[kernels]` keys.
@@ -131,6 +135,15 @@ fn the_spec_knobs_override_the_table() {
     // The dense launches' own shape.
     let (d, i) = chosen("warps = 4\nctas_per_sm = 4\ndense = { warps = 8, ctas_per_sm = 2 }");
     assert_eq!((d.warps, d.ctas_per_sm, i.warps, i.ctas_per_sm), (8, 2, 4, 4));
+    // A ladder's own shape: one-tier launches at five CTAs per SM, the two-tier one at four
+    // (the dense one keeps `dense`).
+    let s = parse("ctas_per_sm = 5\nladder = { warps = 4, ctas_per_sm = 4 }\ndense = { warps = 8, ctas_per_sm = 2 }");
+    let (b16, b4) = (s.tier("b16").unwrap().id, s.tier("b4").unwrap().id);
+    let ctas = |tiers: &[u8]| schedule::decode_shape(&s, tiers).ctas_per_sm;
+    assert_eq!((ctas(&[0, b4]), ctas(&[0, b16, b4]), ctas(&[0, b16])), (5, 4, 2));
+    // A ladder shape the spec cannot give is an error that names it.
+    let err = Spec::parse(&source("ladder = { warps = 6 }"), "t.toml", &specs_dir()).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err.contains("kernels.ladder.warps"), "{err}");
 }
 
 #[test]

@@ -209,9 +209,11 @@ pub struct RawKernels {
     pub ctas_per_sm: Option<Spanned<i64>>,
     pub stage_kib: Option<Spanned<i64>>,
     pub dense: Option<Spanned<RawShape>>,
+    pub ladder: Option<Spanned<RawShape>>,
 }
 
-/// `kernels.dense`: the launch shape of decode variants whose tiers are all dense.
+/// `kernels.dense` / `kernels.ladder`: the launch shape of decode variants whose tiers are all
+/// dense / of launches of several tiers.
 #[derive(Deserialize, Debug, Default)]
 #[serde(deny_unknown_fields)]
 pub struct RawShape {

@@ -97,6 +97,11 @@ pub struct KernelOptions {
     /// shape back: they read whole pages and want deep stages (rdkv's fp16 launch at 4 warps ×
     /// 4 CTAs read at 0.66 of a copy, its 32 KiB pages two stages deep; 0.94 at 8 × 2).
     pub dense: Option<KernelShape>,
+    /// Shape of the decode launches of several tiers (a ladder, not counting the tail; dense
+    /// launches take `dense`): `None` keeps `warps` / `ctas_per_sm`. A ladder's launch holds
+    /// every tier's fragments and spills where a one-tier launch of the same spec fits more
+    /// CTAs per SM (rotated: five CTAs per SM for one tier, four for the ladder).
+    pub ladder: Option<KernelShape>,
 }
 
 /// Warps per CTA and CTAs per SM of a decode launch.
@@ -229,7 +234,7 @@ impl Validator<'_> {
     }
 
     /// Warps (4 or 8; default 4) and CTAs per SM (1 to what 2048 threads allow; default 512
-    /// threads per SM) of `[kernels]` or `[kernels.dense]` (`at`).
+    /// threads per SM) of `[kernels]`, `[kernels.dense]` or `[kernels.ladder]` (`at`).
     fn shape(&self, at: &str, warps: Option<&Spanned<i64>>, ctas: Option<&Spanned<i64>>) -> R<KernelShape> {
         let warps = match warps {
             Some(w) => {
@@ -423,6 +428,10 @@ impl Validator<'_> {
             Some(d) => Some(self.shape("kernels.dense", d.get_ref().warps.as_ref(), d.get_ref().ctas_per_sm.as_ref())?),
             None => None,
         };
+        let ladder = match &raw.kernels.ladder {
+            Some(d) => Some(self.shape("kernels.ladder", d.get_ref().warps.as_ref(), d.get_ref().ctas_per_sm.as_ref())?),
+            None => None,
+        };
         let stage_kib = match &raw.kernels.stage_kib {
             Some(k) => {
                 let v = *k.get_ref();
@@ -445,6 +454,7 @@ impl Validator<'_> {
             ctas_per_sm,
             stage_kib,
             dense,
+            ladder,
         };
 
         let mut h = blake3::Hasher::new();
