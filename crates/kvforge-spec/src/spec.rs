@@ -8,7 +8,7 @@ use crate::basis::Basis;
 use crate::codecs::{self, ParseCtx};
 use crate::error::{Locator, SpecError, SpecErrorKind};
 use crate::layout::SegmentLayout;
-use crate::raw::{RawScheme, RawSpec};
+use crate::raw::{RawScheme, RawShape, RawSpec};
 use crate::scheme::{DType, KeyScheme, ValueScheme};
 use crate::variant::{ScheduleChooser, TierCode, VariantId};
 
@@ -424,14 +424,9 @@ impl Validator<'_> {
             }
         }
         let KernelShape { warps, ctas_per_sm } = self.shape("kernels", raw.kernels.warps.as_ref(), raw.kernels.ctas_per_sm.as_ref())?;
-        let dense = match &raw.kernels.dense {
-            Some(d) => Some(self.shape("kernels.dense", d.get_ref().warps.as_ref(), d.get_ref().ctas_per_sm.as_ref())?),
-            None => None,
-        };
-        let ladder = match &raw.kernels.ladder {
-            Some(d) => Some(self.shape("kernels.ladder", d.get_ref().warps.as_ref(), d.get_ref().ctas_per_sm.as_ref())?),
-            None => None,
-        };
+        let own_shape = |at: &str, raw: &Option<Spanned<RawShape>>| raw.as_ref().map(|d| self.shape(at, d.get_ref().warps.as_ref(), d.get_ref().ctas_per_sm.as_ref())).transpose();
+        let dense = own_shape("kernels.dense", &raw.kernels.dense)?;
+        let ladder = own_shape("kernels.ladder", &raw.kernels.ladder)?;
         let stage_kib = match &raw.kernels.stage_kib {
             Some(k) => {
                 let v = *k.get_ref();
