@@ -50,9 +50,10 @@ impl DecodePlan {
 /// most run on `slots` resident CTA slots (SMs × CTAs per SM); splitting each into `s` parts
 /// (each of at least two pages, so that the staging pipeline has something to overlap; at
 /// most 64) costs whole waves of CTAs `1/s` as long: `ceil(ctas·s / slots) / s` unsplit CTA
-/// times. Under one wave the split that just fills it is kept (more parts only add waves);
-/// otherwise, when a partial wave would idle slots (360 CTAs on 528 slots run one wave at 68%),
-/// the fewest splits within 5% of the best cost (7 there: five waves at 95%).
+/// times. The split that just fills one wave (none when the CTAs already do) is kept when its
+/// cost is within 5% of the best; otherwise the fewest splits that are: 360 CTAs on 528 slots
+/// run one wave at 68% and take 7 splits (five waves at 95%), 88 CTAs on 660 slots fill one wave
+/// to 93% in 7 splits and take 15 (two full waves).
 pub fn split_count(ctas: usize, max_pages: usize, slots: usize) -> usize {
     if ctas == 0 || slots == 0 || max_pages < 4 {
         return 1;
@@ -593,10 +594,12 @@ mod tests {
         assert_eq!(split_count(8, 2, 264), 1);
         assert_eq!(split_count(1, 10, 264), 5);
         // A partial second wave: 360 CTAs on 528 slots, one wave at 68% → 7 splits, five waves
-        // at 95%; 512 on 528 stays one wave; 88 CTAs fill it in 6 splits.
+        // at 95%; 512 on 528 stays one wave; 88 CTAs fill 528 slots in 6 splits, and 660 slots
+        // in 15 (two waves) rather than 93% of one in 7.
         assert_eq!(split_count(360, 512, 528), 7);
         assert_eq!(split_count(512, 2048, 528), 1);
         assert_eq!(split_count(88, 2048, 528), 6);
+        assert_eq!(split_count(88, 2048, 660), 15);
         assert_eq!(split_count(400, 512, 528), 9);
     }
 
