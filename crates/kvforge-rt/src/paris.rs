@@ -592,11 +592,23 @@ impl Inputs {
     }
 }
 
-/// Writes queries `q` into the first words of the staging buffer `host`, two fp16 to a word
-/// (the first in the low half, as the device reads `[batch][Hq][D]` fp16).
-fn stage_queries(host: &mut [u32], q: &[f16]) {
-    for (w, pair) in host.iter_mut().zip(q.chunks(2)) {
-        *w = u32::from(pair[0].to_bits()) | pair.get(1).map_or(0, |h| u32::from(h.to_bits()) << 16);
+impl Workspace {
+    /// The staging copy, once the last upload from it has run (`staged`), with queries `q` in
+    /// its first words, two fp16 to a word (the first in the low half, as the device reads
+    /// `[batch][Hq][D]` fp16); the plan's words follow.
+    fn stage_queries(&mut self, q: &[f16]) -> Result<&mut [u32]> {
+        self.staged.synchronize().map_err(drv("query staging"))?;
+        let host = self.staging.as_mut_slice().map_err(drv("query staging"))?;
+        for (w, pair) in host.iter_mut().zip(q.chunks(2)) {
+            *w = u32::from(pair[0].to_bits()) | pair.get(1).map_or(0, |h| u32::from(h.to_bits()) << 16);
+        }
+        Ok(host)
+    }
+
+    /// Uploads the staging copy into `inputs` on `st`, with `staged` recorded behind it.
+    fn upload_inputs(&mut self, st: &Arc<CudaStream>) -> Result<()> {
+        st.memcpy_htod(&self.staging, &mut self.inputs).map_err(drv("queries and plan"))?;
+        self.staged.record(st).map_err(drv("staging event"))
     }
 }
 
@@ -1124,18 +1136,16 @@ impl ParisIndex {
         }
         schedule.validate()?;
         let (batch, qw, cmax) = (self.geo.batch, q.len().div_ceil(2), self.geo.max_candidates);
-        self.ws.staged.synchronize().map_err(drv("query staging"))?;
-        let host = self.ws.staging.as_mut_slice().map_err(drv("query staging"))?;
-        stage_queries(host, q);
+        let host = self.ws.stage_queries(q)?;
         for (i, &n) in self.len.iter().enumerate() {
             let plan = schedule.plan(n, k);
+            let candidates = plan.candidates.clamp(plan.k, cmax);
             host[qw + Inputs::Target as usize * batch + i] = ((plan.rho * n as f64).ceil() as u32).max(1);
-            host[qw + Inputs::Candidates as usize * batch + i] = plan.candidates.clamp(plan.k, cmax) as u32;
-            self.plan_candidates[i] = plan.candidates.clamp(plan.k, cmax);
+            host[qw + Inputs::Candidates as usize * batch + i] = candidates as u32;
             host[qw + Inputs::TopK as usize * batch + i] = plan.k as u32;
+            self.plan_candidates[i] = candidates;
         }
-        self.st.memcpy_htod(&self.ws.staging, &mut self.ws.inputs).map_err(drv("queries and plan"))?;
-        self.ws.staged.record(&self.st).map_err(drv("staging event"))
+        self.ws.upload_inputs(&self.st)
     }
 
     fn launch_vote(&self, span: Span) -> Result<()> {
@@ -1288,14 +1298,10 @@ impl ParisIndex {
         // SAFETY: BucketParams; chunk arrays hold `chunks` ≥ `live` entries per row (the wide
         // form's chunks are 4 of the narrow's); emit writes at most min(want, stride)
         // candidates per row.
+        let (count, emit) = if wide { ("bucket_count_wide", "bucket_emit_wide") } else { ("bucket_count", "bucket_emit") };
         unsafe {
-            if wide {
-                self.launch("bucket_count_wide", &p, grid, 256, 0)?;
-                self.launch("bucket_emit_wide", &p, grid, 256, 0)
-            } else {
-                self.launch("bucket_count", &p, grid, 256, 0)?;
-                self.launch("bucket_emit", &p, grid, 256, 0)
-            }
+            self.launch(count, &p, grid, 256, 0)?;
+            self.launch(emit, &p, grid, 256, 0)
         }
     }
 
@@ -1560,10 +1566,8 @@ impl ParisIndex {
             return Err(RtError::ShapeMismatch { what: "ParisKV queries".into(), expected: format!("{expected} values"), got: format!("{} values", q.len()) });
         }
         // The plan words stay those of the last `prepare`.
-        self.ws.staged.synchronize().map_err(drv("query staging"))?;
-        stage_queries(self.ws.staging.as_mut_slice().map_err(drv("query staging"))?, q);
-        self.st.memcpy_htod(&self.ws.staging, &mut self.ws.inputs).map_err(drv("queries"))?;
-        self.ws.staged.record(&self.st).map_err(drv("staging event"))?;
+        self.ws.stage_queries(q)?;
+        self.ws.upload_inputs(&self.st)?;
         if !fused {
             self.launch_fetch(&self.st, self.all())?;
         }
